@@ -1,0 +1,26 @@
+#!/bin/sh
+# check_symbols.sh LIBDIR - every exported symbol of each module library starts with one of
+# that module's prefixes (../shared/STYLE.md §2.1). Prints offenders and exits 1.
+set -eu
+libdir=$1
+fail=0 checked=0
+check() {  # check LIBNAME REGEX
+    lib="$libdir/lib$1.a"
+    [ -f "$lib" ] || return 0
+    checked=$((checked + 1))
+    bad=$(nm -g --defined-only "$lib" 2>/dev/null | awk 'NF==3 && $2 ~ /[TDBRVW]/ {print $3}' \
+          | grep -Ev "$2" || true)
+    if [ -n "$bad" ]; then
+        echo "lib$1.a exports names without a module prefix:"
+        echo "$bad" | sed 's/^/  /'
+        fail=1
+    fi
+}
+check common '^(err_|log_|arena_|tok_|chat_|utf8_|json_util_|str_)'
+check engine_core '^(ckpt_|config_|model_|weights_|backend_|cpu_|kv_|sampler_|sched_|pp_|jobq_|engine_|mkmodel_|mtp_|bench_|recipe_|plan_|cli_|tensor_|nvfp4_|thread_pool_)'
+check kernels '^(nvfp4_|mla_|moe_|dsa_|norm_|rope_|sample_|kern_|cuda_backend_|gemm_|attn_|embed_|act_)'
+check kernels_ref '^(nvfp4_|mla_|moe_|dsa_|norm_|rope_|sample_|kern_|gemm_|attn_|embed_|act_)'
+check fcgi_core '^(api_)'
+[ "$checked" -gt 0 ] || { echo "no module libraries found in $libdir"; exit 1; }
+[ "$fail" -eq 0 ] && echo "1 passed, 0 failed" || echo "0 passed, 1 failed"
+exit $fail
