@@ -4,8 +4,8 @@
  * engine/main.c dispatches `glmspark <command> [args]` to cli_<command>(argc, argv) with
  * argv[0] = the command name. Each returns the process exit status: 0 on success, 1 on a
  * failure that has been reported on stderr, 2 on a usage error. Commands are grouped in
- * files by subject: cli_model.c (logits, generate, inspect, mkmodel), cli_text.c
- * (tokenize, detokenize, chat-template), cli_serve.c (db, keys).
+ * files by subject: cli_model.c (logits, generate), cli_ckpt.c (inspect, mkmodel),
+ * cli_text.c (tokenize, detokenize), cli_chat.c (chat-template), cli_serve.c (db, keys).
  *
  * Ownership: nothing outlives a call.
  * Threads:   called once, from main.

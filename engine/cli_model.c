@@ -18,17 +18,3 @@ int cli_generate(int argc, char **argv)
     fprintf(stderr, "glmspark %s: not built yet\n", argv[0]);
     return 1;
 }
-
-int cli_inspect(int argc, char **argv)
-{
-    (void) argc;
-    fprintf(stderr, "glmspark %s: not built yet\n", argv[0]);
-    return 1;
-}
-
-int cli_mkmodel(int argc, char **argv)
-{
-    (void) argc;
-    fprintf(stderr, "glmspark %s: not built yet\n", argv[0]);
-    return 1;
-}

@@ -18,10 +18,3 @@ int cli_detokenize(int argc, char **argv)
     fprintf(stderr, "glmspark %s: not built yet\n", argv[0]);
     return 1;
 }
-
-int cli_chat_template(int argc, char **argv)
-{
-    (void) argc;
-    fprintf(stderr, "glmspark %s: not built yet\n", argv[0]);
-    return 1;
-}
