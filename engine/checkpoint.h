@@ -134,6 +134,40 @@ const char *ckpt_dtype_name(CkptDtype dtype);
 // Dequantize row r of w into out (float [w->cols]).
 void ckpt_linear_row(const CkptLinear *w, int r, float *out);
 
+// ---------------------------------------------------------------------------
+// Additions for pipeline-parallel loading, progress and inspection.
+
+// Bit of dtype in ckpt_get()'s allowed_dtypes mask.
+#define CKPT_DTYPE_BIT(dtype) (1u << (unsigned) (dtype))
+#define CKPT_DTYPE_ANY        0xffffffffu
+
+// Keep-predicate for ckpt_open_filtered(): true for tensor names this process needs.
+typedef bool (*CkptFilter)(const char *name, void *user);
+
+// As ckpt_open(), but only tensors for which keep(name, user) is true are entered, and only
+// shards that hold at least one of them are read and mapped (decided from the index, so a
+// pipeline rank never touches the other ranks' shards). keep == NULL keeps everything.
+Err ckpt_open_filtered(Ckpt *ck, const char *model_dir, CkptFilter keep, void *user);
+
+// Drop t's bytes from this process and from the page cache (madvise + posix_fadvise
+// DONTNEED) once they have been consumed (copied to the GPU, repacked). t->data stays valid:
+// a later read faults the pages back in from the file. Best effort; never fails.
+void ckpt_release(const Ckpt *ck, const CkptTensor *t);
+
+typedef struct CkptTouchStats {
+    uint64_t n_bytes;   // tensor bytes read
+    double seconds;     // wall time
+    double gb_per_s;    // n_bytes / seconds / 1e9
+    uint64_t checksum;  // sum of the 64-bit little-endian words read (defeats dead-code removal)
+} CkptTouchStats;
+
+// Read every byte of every tensor once (faulting the mappings in), logging progress (bytes,
+// GB/s, ETA) at info level. stats may be NULL. Always succeeds on an opened Ckpt.
+void ckpt_touch(const Ckpt *ck, CkptTouchStats *stats);
+
+// "BF16", "NVFP4", ... for messages and `inspect`. Static storage.
+const char *ckpt_linear_format_name(CkptLinearFormat format);
+
 #ifdef __cplusplus
 }
 #endif

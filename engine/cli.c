@@ -15,7 +15,10 @@ static const CliCommand commands[] = {
     {"mkmodel", cli_mkmodel, "write a small random checkpoint in the real on-disk format"},
     {"tokenize", cli_tokenize, "turn UTF-8 text on stdin into token ids"},
     {"detokenize", cli_detokenize, "turn token ids on stdin into text"},
+    {"bench-tokenize", cli_bench_tokenize, "time single-threaded tokenization of a text file"},
     {"chat-template", cli_chat_template, "render OpenAI-style messages as a GLM prompt"},
+    {"db", cli_db, "apply the job-queue SQL migrations: db migrate --db CONNINFO"},
+    {"keys", cli_keys, "API keys: keys create|list|revoke"},
     {NULL, NULL, NULL},
 };
 

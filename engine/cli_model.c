@@ -1,20 +1,331 @@
 /*
- * cli_model.c - placeholder until its owner lands the real commands (see cli.h).
+ * cli_model.c - `glmspark logits` and `glmspark generate`: run a model on the CPU backend
+ * from token ids.
+ *
+ *   glmspark logits --model DIR --tokens 5,17,42 --out FILE [--threads N] [--decode-check]
+ *     One forward pass over the tokens; FILE gets float32 little-endian logits
+ *     [n_tokens, vocab_size]. --decode-check also runs the tokens one at a time through a
+ *     second sequence and reports the largest relative L2 difference per row (stderr).
+ *   glmspark generate --model DIR --tokens 5,17,42 --max-tokens N [--temperature T]
+ *     [--top-p P] [--top-k K] [--min-p P] [--seed S] [--ignore-eos] [--threads N]
+ *     Prefill, then decode token by token; prints the generated ids space-separated on one
+ *     line and stops at an eos id unless --ignore-eos. Load time, prefill and decode tok/s
+ *     go to stderr at info level.
+ * Threads default to GLMSPARK_THREADS or the number of online CPUs.
  */
 #include "cli.h"
 
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "kv_cache.h"
+#include "model.h"
+#include "sampler.h"
+
+typedef struct ModelArgs {
+    const char *model_dir;
+    const char *tokens_arg;
+    const char *out_path;
+    int max_tokens;
+    int n_threads;
+    bool ignore_eos;
+    bool decode_check;
+    SamplerParams sampling;
+} ModelArgs;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double) ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int default_threads(void)
+{
+    const char *env = getenv("GLMSPARK_THREADS");
+    if (env && atoi(env) > 0) return atoi(env) > 64 ? 64 : atoi(env);
+    const long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > 64 ? 64 : (int) n;
+}
+
+static bool parse_long(const char *s, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    const long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+static bool parse_float(const char *s, float *out)
+{
+    char *end;
+    errno = 0;
+    const float v = strtof(s, &end);
+    if (errno || end == s || *end || !isfinite(v)) return false;
+    *out = v;
+    return true;
+}
+
+// "5,17,42" -> ids (malloc'd, caller frees). Returns false (after a message) when malformed.
+static bool parse_tokens(const char *cmd, const char *s, int **ids_out, int *n_out)
+{
+    int n = 1;
+    for (const char *p = s; *p; p++)
+        n += *p == ',';
+    int *ids = malloc((size_t) n * sizeof *ids);
+    if (!ids) return false;
+    const char *p = s;
+    for (int i = 0; i < n; i++) {
+        char *end;
+        errno = 0;
+        const long v = strtol(p, &end, 10);
+        if (errno || end == p || (*end != ',' && *end != '\0') || v < 0 || v > 0x7fffffff) {
+            fprintf(stderr, "glmspark %s: --tokens: \"%s\" is not a comma-separated list of "
+                            "token ids\n", cmd, s);
+            free(ids);
+            return false;
+        }
+        ids[i] = (int) v;
+        p = end + 1;
+    }
+    *ids_out = ids;
+    *n_out = n;
+    return true;
+}
+
+static int usage(const char *cmd)
+{
+    if (strcmp(cmd, "logits") == 0)
+        fprintf(stderr, "usage: glmspark logits --model DIR --tokens 5,17,42 --out FILE "
+                        "[--threads N] [--decode-check]\n");
+    else
+        fprintf(stderr, "usage: glmspark generate --model DIR --tokens 5,17,42 --max-tokens N "
+                        "[--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S] "
+                        "[--ignore-eos] [--threads N]\n");
+    return 2;
+}
+
+// Returns 0 on success, else the exit status (2, usage printed).
+static int parse_args(int argc, char **argv, ModelArgs *a)
+{
+    const char *cmd = argv[0];
+    *a = (ModelArgs){.max_tokens = -1, .n_threads = default_threads()};
+    a->sampling = sampler_default_params();
+    for (int i = 1; i < argc; i++) {
+        const char *opt = argv[i];
+        if (strcmp(opt, "--ignore-eos") == 0) {
+            a->ignore_eos = true;
+            continue;
+        }
+        if (strcmp(opt, "--decode-check") == 0) {
+            a->decode_check = true;
+            continue;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "glmspark %s: %s needs a value\n", cmd, opt);
+            return usage(cmd);
+        }
+        const char *val = argv[++i];
+        long v;
+        bool ok = true;
+        if (strcmp(opt, "--model") == 0)
+            a->model_dir = val;
+        else if (strcmp(opt, "--tokens") == 0)
+            a->tokens_arg = val;
+        else if (strcmp(opt, "--out") == 0)
+            a->out_path = val;
+        else if (strcmp(opt, "--max-tokens") == 0)
+            ok = parse_long(val, 0, 1 << 24, &v) && ((a->max_tokens = (int) v), true);
+        else if (strcmp(opt, "--threads") == 0)
+            ok = parse_long(val, 1, 64, &v) && ((a->n_threads = (int) v), true);
+        else if (strcmp(opt, "--top-k") == 0)
+            ok = parse_long(val, 0, 1 << 30, &v) && ((a->sampling.top_k = (int) v), true);
+        else if (strcmp(opt, "--seed") == 0)
+            ok = parse_long(val, 0, 0x7fffffffffffffffL, &v) &&
+                 ((a->sampling.seed = (uint64_t) v), true);
+        else if (strcmp(opt, "--temperature") == 0)
+            ok = parse_float(val, &a->sampling.temperature) && a->sampling.temperature >= 0.0f;
+        else if (strcmp(opt, "--top-p") == 0)
+            ok = parse_float(val, &a->sampling.top_p) && a->sampling.top_p > 0.0f &&
+                 a->sampling.top_p <= 1.0f;
+        else if (strcmp(opt, "--min-p") == 0)
+            ok = parse_float(val, &a->sampling.min_p) && a->sampling.min_p >= 0.0f &&
+                 a->sampling.min_p <= 1.0f;
+        else {
+            fprintf(stderr, "glmspark %s: unknown option %s\n", cmd, opt);
+            return usage(cmd);
+        }
+        if (!ok) {
+            fprintf(stderr, "glmspark %s: bad value for %s: \"%s\"\n", cmd, opt, val);
+            return usage(cmd);
+        }
+    }
+    if (!a->model_dir || !a->tokens_arg) {
+        fprintf(stderr, "glmspark %s: --model and --tokens are required\n", cmd);
+        return usage(cmd);
+    }
+    if (strcmp(cmd, "logits") == 0 && !a->out_path) {
+        fprintf(stderr, "glmspark logits: --out is required\n");
+        return usage(cmd);
+    }
+    if (strcmp(cmd, "generate") == 0 && a->max_tokens < 0) {
+        fprintf(stderr, "glmspark generate: --max-tokens is required\n");
+        return usage(cmd);
+    }
+    return 0;
+}
+
+// Backend, model and a KV cache with room for n_positions, or an error message.
+static Err open_model(const ModelArgs *a, int n_positions, Backend **be, Model *m, KvCache *kv)
+{
+    const double t0 = now_s();
+    Err err = backend_cpu_create(a->n_threads, be);
+    if (err) return err;
+    if ((err = model_load(m, a->model_dir, NULL, *be))) return err;
+    const int block = KV_DEFAULT_BLOCK_SIZE;
+    // Two sequences' worth, for --decode-check.
+    const KvCacheParams p = model_kv_params(m, 2 * ((n_positions + block - 1) / block), block);
+    if ((err = kv_init(kv, &p))) return err;
+    LOG_INFO("loaded \"%s\" in %.3f s (%d threads)", a->model_dir, now_s() - t0, a->n_threads);
+    return ERR_OK;
+}
+
+static void close_model(Backend *be, Model *m, KvCache *kv)
+{
+    kv_free(kv);
+    model_free(m);
+    if (be) be->destroy(be);
+}
 
 int cli_logits(int argc, char **argv)
 {
-    (void) argc;
-    fprintf(stderr, "glmspark %s: not built yet\n", argv[0]);
-    return 1;
+    ModelArgs a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc) return rc;
+    int *ids = NULL, n = 0;
+    if (!parse_tokens(argv[0], a.tokens_arg, &ids, &n)) return 2;
+
+    Backend *be = NULL;
+    Model m = {0};
+    KvCache kv = {0};
+    KvSeq seq = {0}, seq2 = {0};
+    float *logits = NULL, *row = NULL;
+    FILE *f = NULL;
+    rc = 1;
+    if (open_model(&a, n, &be, &m, &kv)) goto done;
+    const size_t V = (size_t) m.cfg.vocab_size;
+    logits = malloc((size_t) n * V * sizeof *logits);
+    row = malloc(V * sizeof *row);
+    if (!logits || !row) goto done;
+    const double t0 = now_s();
+    if (model_forward(&m, &kv, &seq, ids, n, logits, true)) goto done;
+    LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s)", n, now_s() - t0,
+             n / (now_s() - t0));
+
+    f = fopen(a.out_path, "wb");
+    if (!f) {
+        fprintf(stderr, "glmspark logits: could not open \"%s\": %s\n", a.out_path,
+                strerror(errno));
+        goto done;
+    }
+    // The host is little-endian (x86-64, aarch64), the format's byte order.
+    if (fwrite(logits, sizeof *logits, (size_t) n * V, f) != (size_t) n * V || fclose(f) != 0) {
+        f = NULL;
+        fprintf(stderr, "glmspark logits: could not write \"%s\": %s\n", a.out_path,
+                strerror(errno));
+        goto done;
+    }
+    f = NULL;
+
+    if (a.decode_check) {
+        double worst = 0.0;
+        for (int t = 0; t < n; t++) {
+            if (model_forward(&m, &kv, &seq2, ids + t, 1, row, false)) goto done;
+            double num = 0.0, den = 0.0;
+            for (size_t i = 0; i < V; i++) {
+                const double d = (double) row[i] - logits[(size_t) t * V + i];
+                num += d * d;
+                den += (double) logits[(size_t) t * V + i] * logits[(size_t) t * V + i];
+            }
+            const double rel = sqrt(num / (den > 0 ? den : 1));
+            if (rel > worst) worst = rel;
+        }
+        fprintf(stderr, "decode-check: max relative L2 difference decode vs prefill %.3g\n",
+                worst);
+    }
+    rc = 0;
+
+done:
+    if (f) fclose(f);
+    free(logits);
+    free(row);
+    free(ids);
+    kv_seq_free(&kv, &seq);
+    kv_seq_free(&kv, &seq2);
+    close_model(be, &m, &kv);
+    return rc;
 }
 
 int cli_generate(int argc, char **argv)
 {
-    (void) argc;
-    fprintf(stderr, "glmspark %s: not built yet\n", argv[0]);
-    return 1;
+    ModelArgs a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc) return rc;
+    int *ids = NULL, n = 0;
+    if (!parse_tokens(argv[0], a.tokens_arg, &ids, &n)) return 2;
+
+    Backend *be = NULL;
+    Model m = {0};
+    KvCache kv = {0};
+    KvSeq seq = {0};
+    Sampler s = {0};
+    float *logits = NULL;
+    rc = 1;
+    if (open_model(&a, n + a.max_tokens, &be, &m, &kv)) goto done;
+    if (sampler_init(&s, m.cfg.vocab_size, a.sampling)) goto done;
+    logits = malloc((size_t) m.cfg.vocab_size * sizeof *logits);
+    if (!logits) goto done;
+
+    double t0 = now_s();
+    if (model_forward(&m, &kv, &seq, ids, n, logits, false)) goto done;
+    const double prefill_s = now_s() - t0;
+    t0 = now_s();
+    int n_out = 0;
+    for (; n_out < a.max_tokens; n_out++) {
+        const int next = sampler_sample(&s, logits);
+        printf(n_out ? " %d" : "%d", next);
+        bool is_eos = false;
+        for (int e = 0; e < m.cfg.n_eos_ids; e++)
+            is_eos |= next == m.cfg.eos_ids[e];
+        if (is_eos && !a.ignore_eos) {
+            n_out++;
+            break;
+        }
+        if (n_out + 1 < a.max_tokens && model_forward(&m, &kv, &seq, &next, 1, logits, false))
+            goto done;
+    }
+    printf("\n");
+    const double decode_s = now_s() - t0;
+    LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s); decode: %d tokens in %.3f s "
+             "(%.2f tok/s)", n, prefill_s, n / prefill_s, n_out > 0 ? n_out - 1 : 0, decode_s,
+             n_out > 1 ? (n_out - 1) / decode_s : 0.0);
+    rc = 0;
+
+done:
+    fflush(stdout);
+    free(logits);
+    free(ids);
+    sampler_free(&s);
+    kv_seq_free(&kv, &seq);
+    close_model(be, &m, &kv);
+    return rc;
 }

@@ -1,0 +1,570 @@
+/*
+ * model.c - load a GlmMoeDsa checkpoint into per-layer weight views and run the forward
+ * pass through the backend's ops (backend.h).
+ *
+ * Reference: transformers 5.17 modeling_glm_moe_dsa.py. Per layer, with h = RMSNorm(x):
+ *   q      = q_b(RMSNorm_1e-6(q_a(h)))            [n, H, nope | rope]
+ *   kv     = kv_a(h) -> latent = RMSNorm_1e-6(kv[:kv_lora]), k_pe = kv[kv_lora:]
+ *   RoPE (interleaved pairs) on q's rope part and on k_pe; latent and k_pe go to the cache
+ *   full DSA layer: iq = wq_b(q_a normed) [n, Hi, Di], ik = LayerNorm_1e-6(wk(h)) [n, Di],
+ *          RoPE on the first `rope` dims of both, ik to the cache, w = weights_proj(h);
+ *          selection = top-k over visible keys of sum_h w_h Hi^-0.5 ReLU(iq_h . ik Di^-0.5)
+ *   shared DSA layer: the selection of the most recent full layer (same call, same tokens)
+ *   attn   = softmax(q . k * scale) v over the selection (all visible keys without DSA)
+ *   x     += o_proj(attn)
+ *   x     += MLP(RMSNorm(x)): dense silu(gate) * up -> down, or MoE (sigmoid router with
+ *            correction bias and group limit, renormalised, x routed_scaling_factor) plus
+ *            the shared experts
+ * then logits = lm_head(RMSNorm(x)). The MTP layer is ignored by transformers and here.
+ */
+#include "model.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct ModelWork {
+    int n_cap;    // tokens the buffers hold
+    int *pos;     // [n]
+    float *x;     // [n, hidden] residual stream
+    float *h;     // [n, hidden] normed input of the current block
+    float *qa;    // [n, q_lora]
+    float *q;     // [n, H, nope + rope]
+    float *kva;   // [n, kv_lora + rope]
+    float *attn;  // [n, H, v]
+    float *tmp;   // [n, hidden]
+    float *tmp2;  // [n, hidden]
+    float *iq;    // [n, Hi, Di]
+    float *ik;    // [n, Di]
+    float *iw;    // [n, Hi]
+    int *sel;     // [n, index_topk] positions selected by the last full layer
+    int *n_sel;   // [n]
+    float *g;     // [n, max intermediate]
+    float *u;     // [n, max intermediate]
+    float *rl;    // [n, E] router logits
+    int *ridx;    // [n, K]
+    float *rw;    // [n, K]
+};
+
+// ---------------------------------------------------------------------------
+// Loading
+
+enum { NAME_MAX_LEN = 192 };
+
+static float to_f32(const CkptTensor *t, size_t i)
+{
+    const uint8_t *p = (const uint8_t *) t->data;
+    switch (t->dtype) {
+    case CKPT_DTYPE_F32: {
+        float v;
+        memcpy(&v, p + 4 * i, sizeof v);
+        return v;
+    }
+    case CKPT_DTYPE_BF16: {
+        const uint32_t bits = ((uint32_t) p[2 * i] | (uint32_t) p[2 * i + 1] << 8) << 16;
+        float v;
+        memcpy(&v, &bits, sizeof v);
+        return v;
+    }
+    case CKPT_DTYPE_F16: {
+        const unsigned h = (unsigned) p[2 * i] | (unsigned) p[2 * i + 1] << 8;
+        const int e = (h >> 10) & 31, mant = h & 1023;
+        const float v = e == 0 ? ldexpf((float) mant, -24)
+                      : e == 31 ? (mant ? NAN : INFINITY)
+                                : ldexpf((float) (mant | 1024), e - 25);
+        return (h >> 15) ? -v : v;
+    }
+    default:
+        ASSERT(!"vector dtype checked by ckpt_get");
+        return 0.0f;
+    }
+}
+
+// A 1-D float vector of n elements (f32/bf16/f16 in the checkpoint), widened into *out.
+static Err load_vec(const Ckpt *ck, const char *name, int n, float **out)
+{
+    const int64_t shape[1] = {n};
+    const unsigned dtypes = 1u << CKPT_DTYPE_F32 | 1u << CKPT_DTYPE_BF16 | 1u << CKPT_DTYPE_F16;
+    const CkptTensor *t = NULL;
+    Err err = ckpt_get(ck, name, 1, shape, dtypes, &t);
+    if (err) return err;
+    float *v = malloc((size_t) n * sizeof *v);
+    if (!v) return ERR_NOMEM;
+    for (int i = 0; i < n; i++)
+        v[i] = to_f32(t, (size_t) i);
+    *out = v;
+    return ERR_OK;
+}
+
+static Err load_linear(const Ckpt *ck, const char *base, int rows, int cols, CkptLinear *out)
+{
+    return ckpt_linear(ck, base, rows, cols, out);
+}
+
+#define NAME(...) (snprintf(name, sizeof name, __VA_ARGS__), name)
+
+static Err load_layer(Model *m, int l, ModelLayer *L)
+{
+    const ModelConfig *c = &m->cfg;
+    const Ckpt *ck = &m->ckpt;
+    char name[NAME_MAX_LEN];
+    Err err = ERR_OK;
+    const int hidden = c->hidden_size, H = c->n_heads, qk = config_qk_head_dim(c);
+    const char *p = "model.layers";
+
+    if ((err = load_vec(ck, NAME("%s.%d.input_layernorm.weight", p, l), hidden, &L->input_norm)))
+        return err;
+    if ((err = load_vec(ck, NAME("%s.%d.post_attention_layernorm.weight", p, l), hidden,
+                        &L->post_norm)))
+        return err;
+
+    if (c->q_lora_rank > 0) {
+        if ((err = load_linear(ck, NAME("%s.%d.self_attn.q_a_proj", p, l), c->q_lora_rank, hidden,
+                               &L->q_a)) ||
+            (err = load_vec(ck, NAME("%s.%d.self_attn.q_a_layernorm.weight", p, l),
+                            c->q_lora_rank, &L->q_a_norm)) ||
+            (err = load_linear(ck, NAME("%s.%d.self_attn.q_b_proj", p, l), H * qk,
+                               c->q_lora_rank, &L->q_b)))
+            return err;
+    } else if ((err = load_linear(ck, NAME("%s.%d.self_attn.q_proj", p, l), H * qk, hidden,
+                                  &L->q_proj))) {
+        return err;
+    }
+    if ((err = load_linear(ck, NAME("%s.%d.self_attn.kv_a_proj_with_mqa", p, l),
+                           c->kv_lora_rank + c->qk_rope_head_dim, hidden, &L->kv_a)) ||
+        (err = load_vec(ck, NAME("%s.%d.self_attn.kv_a_layernorm.weight", p, l), c->kv_lora_rank,
+                        &L->kv_a_norm)) ||
+        (err = load_linear(ck, NAME("%s.%d.self_attn.kv_b_proj", p, l),
+                           H * (c->qk_nope_head_dim + c->v_head_dim), c->kv_lora_rank, &L->kv_b)) ||
+        (err = load_linear(ck, NAME("%s.%d.self_attn.o_proj", p, l), hidden, H * c->v_head_dim,
+                           &L->o_proj)))
+        return err;
+
+    L->has_indexer = c->indexer[l] == CONFIG_INDEXER_FULL;
+    if (L->has_indexer) {
+        const int Hi = c->index_n_heads, Di = c->index_head_dim;
+        if ((err = load_linear(ck, NAME("%s.%d.self_attn.indexer.wq_b", p, l), Hi * Di,
+                               c->q_lora_rank, &L->idx_wq_b)) ||
+            (err = load_linear(ck, NAME("%s.%d.self_attn.indexer.wk", p, l), Di, hidden,
+                               &L->idx_wk)) ||
+            (err = load_vec(ck, NAME("%s.%d.self_attn.indexer.k_norm.weight", p, l), Di,
+                            &L->idx_k_norm)) ||
+            (err = load_vec(ck, NAME("%s.%d.self_attn.indexer.k_norm.bias", p, l), Di,
+                            &L->idx_k_bias)) ||
+            (err = load_linear(ck, NAME("%s.%d.self_attn.indexer.weights_proj", p, l), Hi, hidden,
+                               &L->idx_weights)))
+            return err;
+    }
+
+    L->is_moe = c->mlp[l] == CONFIG_MLP_MOE;
+    if (!L->is_moe) {
+        const int I = c->intermediate_size;
+        if ((err = load_linear(ck, NAME("%s.%d.mlp.gate_proj", p, l), I, hidden, &L->gate)) ||
+            (err = load_linear(ck, NAME("%s.%d.mlp.up_proj", p, l), I, hidden, &L->up)) ||
+            (err = load_linear(ck, NAME("%s.%d.mlp.down_proj", p, l), hidden, I, &L->down)))
+            return err;
+        return ERR_OK;
+    }
+    const int E = c->n_routed_experts, I = c->moe_intermediate_size;
+    if ((err = load_linear(ck, NAME("%s.%d.mlp.gate", p, l), E, hidden, &L->router)) ||
+        (err = load_vec(ck, NAME("%s.%d.mlp.gate.e_score_correction_bias", p, l), E,
+                        &L->router_bias)))
+        return err;
+    L->experts = calloc((size_t) E * 3, sizeof *L->experts);
+    if (!L->experts) return ERR_NOMEM;
+    static const char *const parts[3] = {"gate_proj", "up_proj", "down_proj"};
+    for (int e = 0; e < E; e++)
+        for (int k = 0; k < 3; k++) {
+            const int rows = k == 2 ? hidden : I, cols = k == 2 ? I : hidden;
+            if ((err = load_linear(ck, NAME("%s.%d.mlp.experts.%d.%s", p, l, e, parts[k]), rows,
+                                   cols, &L->experts[3 * e + k])))
+                return err;
+        }
+    if (c->n_shared_experts > 0) {
+        const int S = I * c->n_shared_experts;
+        if ((err = load_linear(ck, NAME("%s.%d.mlp.shared_experts.gate_proj", p, l), S, hidden,
+                               &L->sh_gate)) ||
+            (err = load_linear(ck, NAME("%s.%d.mlp.shared_experts.up_proj", p, l), S, hidden,
+                               &L->sh_up)) ||
+            (err = load_linear(ck, NAME("%s.%d.mlp.shared_experts.down_proj", p, l), hidden, S,
+                               &L->sh_down)))
+            return err;
+    }
+    return ERR_OK;
+}
+
+static void free_layer(ModelLayer *L)
+{
+    free(L->input_norm);
+    free(L->post_norm);
+    free(L->q_a_norm);
+    free(L->kv_a_norm);
+    free(L->idx_k_norm);
+    free(L->idx_k_bias);
+    free(L->router_bias);
+    free(L->experts);
+    memset(L, 0, sizeof *L);
+}
+
+// Structural checks transformers would fail on (or that we cannot run), with the field named.
+static Err check_config(const ModelConfig *c, const char *dir)
+{
+    const char *why = NULL;
+    if (c->vocab_size < 1 || c->hidden_size < 1 || c->n_layers < 1 || c->n_heads < 1)
+        why = "vocab_size, hidden_size, num_hidden_layers and num_attention_heads must be > 0";
+    else if (c->kv_lora_rank < 1 || c->qk_rope_head_dim < 2 || c->qk_rope_head_dim % 2 ||
+             c->qk_nope_head_dim < 0 || c->v_head_dim < 1)
+        why = "kv_lora_rank, v_head_dim must be > 0 and qk_rope_head_dim even";
+    else if (c->n_layers + c->n_mtp_layers > CONFIG_MAX_LAYERS ||
+             c->n_layers + c->n_mtp_layers > KV_MAX_LAYERS)
+        why = "too many layers";
+    if (why) {
+        LOG_ERROR("cannot run the model in \"%s\": %s", dir, why);
+        return ERR_INVAL;
+    }
+    bool seen_full = false, any_indexer = false;
+    for (int l = 0; l < c->n_layers; l++) {
+        if (c->indexer[l] == CONFIG_INDEXER_FULL) seen_full = any_indexer = true;
+        if (c->indexer[l] == CONFIG_INDEXER_SHARED && !seen_full) {
+            LOG_ERROR("cannot run the model in \"%s\": layer %d is a shared DSA layer with no "
+                      "full layer before it (indexer_types)", dir, l);
+            return ERR_INVAL;
+        }
+        if (c->mlp[l] == CONFIG_MLP_MOE &&
+            (c->n_routed_experts < 1 || c->n_experts_per_tok < 1 ||
+             c->n_experts_per_tok > c->n_routed_experts || c->n_group < 1 ||
+             c->n_routed_experts % c->n_group || c->topk_group < 1 ||
+             c->topk_group > c->n_group || c->moe_intermediate_size < 1)) {
+            LOG_ERROR("cannot run the model in \"%s\": layer %d is MoE but n_routed_experts %d, "
+                      "num_experts_per_tok %d, n_group %d, topk_group %d do not fit", dir, l,
+                      c->n_routed_experts, c->n_experts_per_tok, c->n_group, c->topk_group);
+            return ERR_INVAL;
+        }
+        if (c->mlp[l] == CONFIG_MLP_DENSE && c->intermediate_size < 1) {
+            LOG_ERROR("cannot run the model in \"%s\": intermediate_size must be > 0", dir);
+            return ERR_INVAL;
+        }
+    }
+    if (any_indexer && (c->q_lora_rank < 1 || c->index_n_heads < 1 || c->index_topk < 1 ||
+                        c->index_head_dim < c->qk_rope_head_dim)) {
+        LOG_ERROR("cannot run the model in \"%s\": the DSA indexer needs q_lora_rank > 0, "
+                  "index_n_heads > 0, index_topk > 0 and index_head_dim >= qk_rope_head_dim", dir);
+        return ERR_INVAL;
+    }
+    return ERR_OK;
+}
+
+static bool has_tensor_base(const Ckpt *ck, const char *base)
+{
+    char name[NAME_MAX_LEN];
+    return ckpt_find(ck, NAME("%s.weight", base)) || ckpt_find(ck, NAME("%s.weight_packed", base));
+}
+
+Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
+{
+    memset(m, 0, sizeof *m);
+    const ModelOptions defaults = {0};
+    if (!opts) opts = &defaults;
+    char name[NAME_MAX_LEN];
+    Err err = config_load(&m->cfg, dir);
+    if (err) goto done;
+    if ((err = check_config(&m->cfg, dir))) goto done;
+    if ((err = ckpt_open(&m->ckpt, dir))) goto done;
+    m->be = be;
+
+    const ModelConfig *c = &m->cfg;
+    if ((err = load_linear(&m->ckpt, "model.embed_tokens", c->vocab_size, c->hidden_size,
+                           &m->embed)) ||
+        (err = load_vec(&m->ckpt, "model.norm.weight", c->hidden_size, &m->final_norm)))
+        goto done;
+    if (c->tie_word_embeddings && !has_tensor_base(&m->ckpt, "lm_head")) {
+        m->lm_head = m->embed;
+    } else if ((err = load_linear(&m->ckpt, "lm_head", c->vocab_size, c->hidden_size,
+                                  &m->lm_head))) {
+        goto done;
+    }
+
+    const int n_load = c->n_layers + (opts->load_mtp ? c->n_mtp_layers : 0);
+    m->layers = calloc((size_t) n_load, sizeof *m->layers);
+    if (!m->layers) {
+        err = ERR_NOMEM;
+        goto done;
+    }
+    for (int l = 0; l < n_load; l++) {
+        if ((err = load_layer(m, l, &m->layers[l]))) goto done;
+        m->n_layers_loaded = l + 1;
+    }
+    for (int l = c->n_layers; l < n_load; l++) {
+        // The MTP block's own tensors; we only check that they are present and well-shaped.
+        const CkptTensor *t = NULL;
+        const int64_t vec[1] = {c->hidden_size};
+        const unsigned dt = 1u << CKPT_DTYPE_F32 | 1u << CKPT_DTYPE_BF16 | 1u << CKPT_DTYPE_F16;
+        CkptLinear eh;
+        if ((err = ckpt_get(&m->ckpt, NAME("model.layers.%d.enorm.weight", l), 1, vec, dt, &t)) ||
+            (err = ckpt_get(&m->ckpt, NAME("model.layers.%d.hnorm.weight", l), 1, vec, dt, &t)) ||
+            (err = ckpt_get(&m->ckpt, NAME("model.layers.%d.shared_head.norm.weight", l), 1, vec,
+                            dt, &t)) ||
+            (err = load_linear(&m->ckpt, NAME("model.layers.%d.eh_proj", l), c->hidden_size,
+                               2 * c->hidden_size, &eh)))
+            goto done;
+    }
+    LOG_INFO("model \"%s\": %d layers, hidden %d, vocab %d, %d experts, %.1f MB mapped", dir,
+             c->n_layers, c->hidden_size, c->vocab_size, c->n_routed_experts,
+             m->ckpt.n_bytes_mapped / 1e6);
+    err = ERR_OK;
+
+done:
+    if (err) model_free(m);
+    return err;
+}
+
+static void work_free(ModelWork *w)
+{
+    if (!w) return;
+    free(w->pos);
+    free(w->x);
+    free(w->h);
+    free(w->qa);
+    free(w->q);
+    free(w->kva);
+    free(w->attn);
+    free(w->tmp);
+    free(w->tmp2);
+    free(w->iq);
+    free(w->ik);
+    free(w->iw);
+    free(w->sel);
+    free(w->n_sel);
+    free(w->g);
+    free(w->u);
+    free(w->rl);
+    free(w->ridx);
+    free(w->rw);
+    free(w);
+}
+
+void model_free(Model *m)
+{
+    if (!m) return;
+    if (m->layers)
+        for (int l = 0; l < m->n_layers_loaded; l++)
+            free_layer(&m->layers[l]);
+    free(m->layers);
+    free(m->final_norm);
+    work_free(m->work);
+    ckpt_close(&m->ckpt);
+    memset(m, 0, sizeof *m);
+}
+
+KvCacheParams model_kv_params(const Model *m, int n_blocks, int block_size)
+{
+    const ModelConfig *c = &m->cfg;
+    KvCacheParams p = {
+        .n_layers = c->n_layers,
+        .block_size = block_size,
+        .n_blocks = n_blocks,
+        .kv_lora = c->kv_lora_rank,
+        .rope_dim = c->qk_rope_head_dim,
+        .index_dim = c->index_head_dim,
+    };
+    for (int l = 0; l < c->n_layers && l < KV_MAX_LAYERS; l++)
+        p.has_index[l] = c->indexer[l] == CONFIG_INDEXER_FULL;
+    return p;
+}
+
+// ---------------------------------------------------------------------------
+// Workspace
+
+static Err work_ensure(Model *m, int n)
+{
+    if (m->work && m->work->n_cap >= n) return ERR_OK;
+    work_free(m->work);
+    m->work = NULL;
+    const ModelConfig *c = &m->cfg;
+    ModelWork *w = calloc(1, sizeof *w);
+    if (!w) return ERR_NOMEM;
+    const size_t N = (size_t) n, hidden = (size_t) c->hidden_size, H = (size_t) c->n_heads;
+    const size_t qk = (size_t) config_qk_head_dim(c);
+    const size_t inter_max = (size_t) (c->intermediate_size > c->moe_intermediate_size *
+                                                                   c->n_shared_experts
+                                           ? c->intermediate_size
+                                           : c->moe_intermediate_size * c->n_shared_experts);
+    const size_t topk = c->index_topk > 0 ? (size_t) c->index_topk : 1;
+    const size_t E = c->n_routed_experts > 0 ? (size_t) c->n_routed_experts : 1;
+    const size_t K = c->n_experts_per_tok > 0 ? (size_t) c->n_experts_per_tok : 1;
+    const size_t Hi = c->index_n_heads > 0 ? (size_t) c->index_n_heads : 1;
+    const size_t Di = c->index_head_dim > 0 ? (size_t) c->index_head_dim : 1;
+    w->n_cap = n;
+    w->pos = malloc(N * sizeof *w->pos);
+    w->x = malloc(N * hidden * sizeof(float));
+    w->h = malloc(N * hidden * sizeof(float));
+    w->qa = malloc(N * (c->q_lora_rank > 0 ? (size_t) c->q_lora_rank : 1) * sizeof(float));
+    w->q = malloc(N * H * qk * sizeof(float));
+    w->kva = malloc(N * (size_t) (c->kv_lora_rank + c->qk_rope_head_dim) * sizeof(float));
+    w->attn = malloc(N * H * (size_t) c->v_head_dim * sizeof(float));
+    w->tmp = malloc(N * hidden * sizeof(float));
+    w->tmp2 = malloc(N * hidden * sizeof(float));
+    w->iq = malloc(N * Hi * Di * sizeof(float));
+    w->ik = malloc(N * Di * sizeof(float));
+    w->iw = malloc(N * Hi * sizeof(float));
+    w->sel = malloc(N * topk * sizeof(int));
+    w->n_sel = malloc(N * sizeof(int));
+    w->g = malloc(N * (inter_max ? inter_max : 1) * sizeof(float));
+    w->u = malloc(N * (inter_max ? inter_max : 1) * sizeof(float));
+    w->rl = malloc(N * E * sizeof(float));
+    w->ridx = malloc(N * K * sizeof(int));
+    w->rw = malloc(N * K * sizeof(float));
+    if (!w->pos || !w->x || !w->h || !w->qa || !w->q || !w->kva || !w->attn || !w->tmp ||
+        !w->tmp2 || !w->iq || !w->ik || !w->iw || !w->sel || !w->n_sel || !w->g || !w->u ||
+        !w->rl || !w->ridx || !w->rw) {
+        LOG_ERROR("could not allocate the forward workspace for %d tokens", n);
+        work_free(w);
+        return ERR_NOMEM;
+    }
+    m->work = w;
+    return ERR_OK;
+}
+
+// ---------------------------------------------------------------------------
+// Forward
+
+static void attention_block(Model *m, KvCache *kv, KvSeq *seq, int l, int n, bool *has_sel)
+{
+    const ModelConfig *c = &m->cfg;
+    const ModelLayer *L = &m->layers[l];
+    ModelWork *w = m->work;
+    Backend *be = m->be;
+    const int hidden = c->hidden_size, H = c->n_heads, qk = config_qk_head_dim(c);
+    const int kv_width = c->kv_lora_rank + c->qk_rope_head_dim;
+
+    be->rmsnorm(be, w->h, w->x, L->input_norm, n, hidden, hidden, c->rms_norm_eps);
+    if (c->q_lora_rank > 0) {
+        be->matmul(be, w->qa, &L->q_a, w->h, n);
+        be->rmsnorm(be, w->qa, w->qa, L->q_a_norm, n, c->q_lora_rank, c->q_lora_rank,
+                    c->attn_norm_eps);
+        be->matmul(be, w->q, &L->q_b, w->qa, n);
+    } else {
+        be->matmul(be, w->q, &L->q_proj, w->h, n);
+    }
+    be->matmul(be, w->kva, &L->kv_a, w->h, n);
+    be->rmsnorm(be, w->kva, w->kva, L->kv_a_norm, n, c->kv_lora_rank, kv_width,
+                c->attn_norm_eps);
+    be->rope(be, w->kva, n, 1, kv_width, 0, c->kv_lora_rank, c->qk_rope_head_dim, w->pos,
+             c->rope_theta);
+    be->rope(be, w->q, n, H, H * qk, qk, c->qk_nope_head_dim, c->qk_rope_head_dim, w->pos,
+             c->rope_theta);
+    be->kv_write(be, kv, seq, l, w->pos, n, 0, w->kva, kv_width);
+
+    if (L->has_indexer) {
+        const int Hi = c->index_n_heads, Di = c->index_head_dim;
+        const BackendDsa dsa = {Hi, Di, c->index_topk};
+        be->matmul(be, w->iq, &L->idx_wq_b, w->qa, n);
+        be->rope(be, w->iq, n, Hi, Hi * Di, Di, 0, c->qk_rope_head_dim, w->pos, c->rope_theta);
+        be->matmul(be, w->ik, &L->idx_wk, w->h, n);
+        be->layernorm(be, w->ik, w->ik, L->idx_k_norm, L->idx_k_bias, n, Di, 1e-6f);
+        be->rope(be, w->ik, n, 1, Di, 0, 0, c->qk_rope_head_dim, w->pos, c->rope_theta);
+        be->kv_write(be, kv, seq, l, w->pos, n, kv_width, w->ik, Di);
+        be->matmul(be, w->iw, &L->idx_weights, w->h, n);
+        be->dsa_topk(be, w->sel, w->n_sel, w->iq, w->iw, kv, seq, l, w->pos, n, &dsa);
+        *has_sel = true;
+    }
+    const bool use_sel = c->indexer[l] != CONFIG_INDEXER_NONE;
+    ASSERT(!use_sel || *has_sel);  // check_config: no shared layer before a full one
+
+    const BackendMla mla = {
+        .n_heads = H,
+        .qk_nope = c->qk_nope_head_dim,
+        .qk_rope = c->qk_rope_head_dim,
+        .v_dim = c->v_head_dim,
+        .kv_lora = c->kv_lora_rank,
+        // yarn's mscale^2 would multiply this; ModelConfig carries no rope_type yet, so only
+        // the default RoPE (GLM-5's) is supported.
+        .scale = (float) (1.0 / sqrt((double) qk)),
+    };
+    be->mla_attention(be, w->attn, w->q, &L->kv_b, kv, seq, l, w->pos, n,
+                      use_sel ? w->sel : NULL, use_sel ? w->n_sel : NULL,
+                      c->index_topk > 0 ? c->index_topk : 1, &mla);
+    be->matmul(be, w->tmp, &L->o_proj, w->attn, n);
+    be->add(be, w->x, w->tmp, n * hidden);
+}
+
+static void mlp_block(Model *m, int l, int n)
+{
+    const ModelConfig *c = &m->cfg;
+    const ModelLayer *L = &m->layers[l];
+    ModelWork *w = m->work;
+    Backend *be = m->be;
+    const int hidden = c->hidden_size;
+
+    be->rmsnorm(be, w->h, w->x, L->post_norm, n, hidden, hidden, c->rms_norm_eps);
+    if (!L->is_moe) {
+        be->matmul(be, w->g, &L->gate, w->h, n);
+        be->matmul(be, w->u, &L->up, w->h, n);
+        be->silu_mul(be, w->g, w->g, w->u, n * c->intermediate_size);
+        be->matmul(be, w->tmp, &L->down, w->g, n);
+        be->add(be, w->x, w->tmp, n * hidden);
+        return;
+    }
+    const BackendRoute route = {
+        .n_experts = c->n_routed_experts,
+        .top_k = c->n_experts_per_tok,
+        .n_group = c->n_group,
+        .topk_group = c->topk_group,
+        .norm_topk_prob = c->norm_topk_prob,
+        .routed_scaling_factor = c->routed_scaling_factor,
+    };
+    be->matmul(be, w->rl, &L->router, w->h, n);
+    be->route(be, w->ridx, w->rw, w->rl, L->router_bias, n, &route);
+    be->moe(be, w->tmp2, w->h, n, w->ridx, w->rw, c->n_experts_per_tok, L->experts,
+            c->n_routed_experts);
+    if (c->n_shared_experts > 0) {
+        const int S = c->moe_intermediate_size * c->n_shared_experts;
+        be->matmul(be, w->g, &L->sh_gate, w->h, n);
+        be->matmul(be, w->u, &L->sh_up, w->h, n);
+        be->silu_mul(be, w->g, w->g, w->u, n * S);
+        be->matmul(be, w->tmp, &L->sh_down, w->g, n);
+        be->add(be, w->tmp2, w->tmp, n * hidden);
+    }
+    be->add(be, w->x, w->tmp2, n * hidden);
+}
+
+Err model_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, int n, float *logits,
+                  bool all_logits)
+{
+    const ModelConfig *c = &m->cfg;
+    ASSERT(n > 0 && kv->params.n_layers >= c->n_layers);
+    for (int t = 0; t < n; t++)
+        if (tokens[t] < 0 || tokens[t] >= c->vocab_size) {
+            LOG_ERROR("token id %d at index %d is outside the vocabulary (%d)", tokens[t], t,
+                      c->vocab_size);
+            return ERR_INVAL;
+        }
+    const int pos0 = seq->n_tokens;
+    Err err = kv_seq_reserve(kv, seq, pos0 + n);
+    if (err) return err;
+    if ((err = work_ensure(m, n))) return err;
+    ModelWork *w = m->work;
+    Backend *be = m->be;
+    const int hidden = c->hidden_size;
+    for (int t = 0; t < n; t++)
+        w->pos[t] = pos0 + t;
+
+    be->embed(be, w->x, &m->embed, tokens, n);
+    bool has_sel = false;
+    for (int l = 0; l < c->n_layers; l++) {
+        attention_block(m, kv, seq, l, n, &has_sel);
+        mlp_block(m, l, n);
+    }
+    seq->n_tokens = pos0 + n;
+
+    if (logits) {
+        const int first = all_logits ? 0 : n - 1;
+        const int rows = n - first;
+        be->rmsnorm(be, w->h, w->x + (size_t) first * hidden, m->final_norm, rows, hidden, hidden,
+                    c->rms_norm_eps);
+        be->matmul(be, logits, &m->lm_head, w->h, rows);
+    }
+    return ERR_OK;
+}

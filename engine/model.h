@@ -1,0 +1,106 @@
+/*
+ * model.h - a loaded GlmMoeDsa model (config + mapped checkpoint + per-layer weight views)
+ * and its forward pass over one sequence.
+ *
+ * The forward pass is transformers' GlmMoeDsaForCausalLM (5.17), op for op: embeddings (no
+ * scaling); per layer RMSNorm -> MLA attention with DSA top-k selection -> residual ->
+ * RMSNorm -> dense MLP or MoE -> residual; final RMSNorm; lm_head. Prefill and decode are the
+ * same call: n new tokens at positions seq->n_tokens .. +n-1, whose latents (and indexer
+ * keys) are appended to the KV cache before attention reads them. Weights are views into
+ * the checkpoint mapping (CkptLinear); only norm vectors, biases and the router correction
+ * bias are widened to small fp32 copies at load.
+ *
+ * Ownership: model_load() maps the checkpoint and allocates the layer tables; model_free()
+ *            releases them. The backend is borrowed and must outlive the model. The
+ *            forward pass's workspace is owned by the Model and grows to the largest n seen,
+ *            so a decode loop allocates nothing.
+ * Threads:   one thread at a time per Model (the workspace is shared); the backend fans out.
+ * Errors:    model_load: ERR_IO / ERR_FORMAT / ERR_NOTFOUND from config and checkpoint,
+ *            ERR_INVAL for a structure we cannot run; messages name the tensor and file.
+ *            model_forward: ERR_AGAIN when the KV cache has no room, ERR_INVAL for a token id
+ *            outside the vocabulary, ERR_NOMEM.
+ */
+#ifndef ENGINE_MODEL_H
+#define ENGINE_MODEL_H
+
+#include <stdbool.h>
+
+#include "backend.h"
+#include "checkpoint.h"
+#include "common/err.h"
+#include "config.h"
+#include "kv_cache.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ModelOptions {
+    bool load_mtp;  // also resolve the MTP layer(s) (not used by the forward pass yet)
+} ModelOptions;
+
+// One decoder layer's weights. Linear weights borrow from the Ckpt; float arrays are owned.
+typedef struct ModelLayer {
+    float *input_norm;  // [hidden]
+    float *post_norm;   // [hidden]
+
+    // MLA
+    CkptLinear q_a, q_b;   // q_lora_rank > 0
+    CkptLinear q_proj;     // q_lora_rank == 0
+    float *q_a_norm;       // [q_lora]
+    CkptLinear kv_a;       // [kv_lora + rope, hidden]
+    float *kv_a_norm;      // [kv_lora]
+    CkptLinear kv_b;       // [H * (nope + v), kv_lora]
+    CkptLinear o_proj;     // [hidden, H * v]
+
+    // DSA indexer (full layers only)
+    bool has_indexer;
+    CkptLinear idx_wq_b;          // [Hi * Di, q_lora]
+    CkptLinear idx_wk;            // [Di, hidden]
+    float *idx_k_norm, *idx_k_bias;  // [Di]
+    CkptLinear idx_weights;       // [Hi, hidden]
+
+    // MLP
+    bool is_moe;
+    CkptLinear gate, up, down;     // dense MLP
+    CkptLinear router;             // [E, hidden]
+    float *router_bias;            // [E] e_score_correction_bias
+    CkptLinear *experts;           // [E * 3]: gate, up, down of each expert, owned array
+    CkptLinear sh_gate, sh_up, sh_down;  // shared experts (intermediate = moe_inter * n_shared)
+} ModelLayer;
+
+typedef struct ModelWork ModelWork;
+
+typedef struct Model {
+    ModelConfig cfg;
+    Ckpt ckpt;
+    Backend *be;  // borrowed
+    CkptLinear embed;    // [vocab, hidden]
+    CkptLinear lm_head;  // [vocab, hidden] (the embedding when tied and absent)
+    float *final_norm;   // [hidden]
+    ModelLayer *layers;  // [n_layers + n_mtp loaded]
+    int n_layers_loaded;
+    ModelWork *work;     // owned forward workspace
+} Model;
+
+// Load the model in dir: config, checkpoint, every tensor the forward pass needs (and the
+// MTP layer's when opts->load_mtp). opts may be NULL (defaults). On failure *m is zeroed.
+Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be);
+
+// Release everything model_load() allocated; safe on a zeroed Model; zeroes *m.
+void model_free(Model *m);
+
+// KV cache parameters that fit this model, for n_blocks blocks of block_size positions
+// (0: default).
+KvCacheParams model_kv_params(const Model *m, int n_blocks, int block_size);
+
+// Run tokens[0..n) at positions seq->n_tokens.. and advance seq->n_tokens by n. Logits for
+// every position go to logits [n, vocab] when all_logits, else the last position's to
+// logits [vocab]. logits may be NULL (no lm_head).
+Err model_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, int n, float *logits,
+                  bool all_logits);
+
+#ifdef __cplusplus
+}
+#endif
+#endif  // ENGINE_MODEL_H

@@ -1,0 +1,205 @@
+/*
+ * api_db.c - per-thread PostgreSQL connections and key authentication (see api_db.h).
+ *
+ * The auth cache is a small direct-mapped table indexed by the first bytes of the key's
+ * SHA-256; an entry holds the full digest, so a hit is confirmed with CRYPTO_memcmp
+ * before use. It only ever holds keys that verified.
+ */
+#include "fcgi/api_db.h"
+
+#include <openssl/crypto.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine/common/apikey.h"
+
+// ---------------------------------------------------------------------------
+// Connections
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long) (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+// Connect and LISTEN; true on success.
+static bool connect_once(ApiDb *db)
+{
+    PQfinish(db->conn);
+    db->conn = PQconnectdb(db->conninfo);
+    if (PQstatus(db->conn) != CONNECTION_OK) return false;
+    PGresult *res = PQexec(db->conn, "LISTEN job_chunks");
+    const bool ok = PQresultStatus(res) == PGRES_COMMAND_OK;
+    PQclear(res);
+    return ok;
+}
+
+Err api_db_init(ApiDb *db, const char *conninfo)
+{
+    memset(db, 0, sizeof *db);
+    if (!(db->conninfo = strdup(conninfo))) return ERR_NOMEM;
+    if (!connect_once(db))
+        LOG_WARN("api: database not reachable yet: %s", PQerrorMessage(db->conn));
+    return ERR_OK;
+}
+
+void api_db_free(ApiDb *db)
+{
+    if (!db) return;
+    PQfinish(db->conn);
+    free(db->conninfo);
+    memset(db, 0, sizeof *db);
+}
+
+Err api_db_ensure(ApiDb *db)
+{
+    if (db->conn && PQstatus(db->conn) == CONNECTION_OK) return ERR_OK;
+    int delay = 50, waited = 0;
+    for (;;) {
+        if (connect_once(db)) {
+            LOG_INFO("api: connected to the database");
+            return ERR_OK;
+        }
+        if (waited >= 3000) {
+            LOG_ERROR("api: could not connect to the database: %s",
+                      db->conn ? PQerrorMessage(db->conn) : "out of memory");
+            return ERR_DB;
+        }
+        sleep_ms(delay);
+        waited += delay;
+        delay = delay * 2 > 1000 ? 1000 : delay * 2;
+    }
+}
+
+PGresult *api_db_exec(ApiDb *db, const char *sql, int n_params, const char *const *params,
+                      ExecStatusType want)
+{
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (api_db_ensure(db)) return NULL;
+        PGresult *res = PQexecParams(db->conn, sql, n_params, NULL, params, NULL, NULL, 0);
+        if (PQresultStatus(res) == want) return res;
+        PQclear(res);
+        // A statement that failed because the connection dropped is retried once on a new
+        // one; anything else is the server's answer.
+        if (PQstatus(db->conn) == CONNECTION_OK) {
+            LOG_ERROR("api: statement failed: %s", PQerrorMessage(db->conn));
+            return NULL;
+        }
+        LOG_WARN("api: lost the database connection: %s", PQerrorMessage(db->conn));
+    }
+    return NULL;
+}
+
+bool api_db_wait(ApiDb *db, int timeout_ms)
+{
+    if (api_db_ensure(db)) {
+        sleep_ms(timeout_ms);
+        return false;
+    }
+    bool woken = false;
+    PGnotify *note;
+    PQconsumeInput(db->conn);
+    while ((note = PQnotifies(db->conn))) {
+        woken = true;
+        PQfreemem(note);
+    }
+    if (woken) return true;
+    struct pollfd pfd = {.fd = PQsocket(db->conn), .events = POLLIN};
+    if (pfd.fd >= 0 && poll(&pfd, 1, timeout_ms) > 0) {
+        PQconsumeInput(db->conn);
+        while ((note = PQnotifies(db->conn))) {
+            woken = true;
+            PQfreemem(note);
+        }
+    }
+    return woken;
+}
+
+// ---------------------------------------------------------------------------
+// Authentication
+
+enum { CACHE_SLOTS = 256 };
+
+typedef struct CacheEntry {
+    uint8_t digest[APIKEY_HASH_LEN];
+    time_t expires;
+    ApiKey key;
+} CacheEntry;
+
+static CacheEntry cache[CACHE_SLOTS];
+static pthread_mutex_t cache_mutex = PTHREAD_MUTEX_INITIALIZER;
+
+static bool cache_get(const uint8_t digest[APIKEY_HASH_LEN], ApiKey *out)
+{
+    bool hit = false;
+    const time_t now = time(NULL);
+    pthread_mutex_lock(&cache_mutex);
+    const CacheEntry *e = &cache[digest[0]];
+    if (e->expires > now && CRYPTO_memcmp(e->digest, digest, APIKEY_HASH_LEN) == 0) {
+        *out = e->key;
+        hit = true;
+    }
+    pthread_mutex_unlock(&cache_mutex);
+    return hit;
+}
+
+static void cache_put(const uint8_t digest[APIKEY_HASH_LEN], const ApiKey *key)
+{
+    pthread_mutex_lock(&cache_mutex);
+    CacheEntry *e = &cache[digest[0]];
+    memcpy(e->digest, digest, APIKEY_HASH_LEN);
+    e->key = *key;
+    e->expires = time(NULL) + API_AUTH_TTL_S;
+    pthread_mutex_unlock(&cache_mutex);
+}
+
+Err api_db_auth(ApiDb *db, const char *key, size_t n, ApiKey *out)
+{
+    char prefix[APIKEY_PREFIX_LEN + 1];
+    uint8_t digest[APIKEY_HASH_LEN], stored[APIKEY_HASH_LEN];
+    if (apikey_parse(key, n, prefix)) return ERR_NOTFOUND;
+    apikey_hash(key, n, digest);
+    if (cache_get(digest, out)) return ERR_OK;
+
+    PGresult *res = api_db_exec(db,
+                                "SELECT id, encode(key_hash, 'hex'), scope, coalesce(rpm, 0),"
+                                " coalesce(max_concurrent, 0) FROM api_keys"
+                                " WHERE prefix = $1 AND revoked_at IS NULL",
+                                1, (const char *const[]){prefix}, PGRES_TUPLES_OK);
+    if (!res) return ERR_DB;
+    Err err = ERR_NOTFOUND;
+    if (PQntuples(res) == 1) {
+        const char *hex = PQgetvalue(res, 0, 1);
+        for (int i = 0; i < APIKEY_HASH_LEN; i++) {
+            unsigned v = 0;
+            for (int j = 0; j < 2; j++) {
+                const char c = hex[2 * i + j];
+                v = v * 16 + (unsigned) (c <= '9' ? c - '0' : c - 'a' + 10);
+            }
+            stored[i] = (uint8_t) v;
+        }
+        if (CRYPTO_memcmp(stored, digest, APIKEY_HASH_LEN) == 0) {
+            ApiKey k = {0};
+            k.id = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+            memcpy(k.prefix, prefix, sizeof prefix);
+            k.is_admin = strcmp(PQgetvalue(res, 0, 2), "admin") == 0;
+            k.rpm = atoi(PQgetvalue(res, 0, 3));
+            k.max_concurrent = atoi(PQgetvalue(res, 0, 4));
+            cache_put(digest, &k);
+            *out = k;
+            err = ERR_OK;
+        }
+    }
+    PQclear(res);
+    if (err == ERR_OK) {
+        char id_text[24];
+        snprintf(id_text, sizeof id_text, "%lld", (long long) out->id);
+        PQclear(api_db_exec(db, "UPDATE api_keys SET last_used_at = now() WHERE id = $1::bigint",
+                            1, (const char *const[]){id_text}, PGRES_COMMAND_OK));
+    }
+    return err;
+}

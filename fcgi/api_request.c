@@ -1,0 +1,346 @@
+/*
+ * api_request.c - JSON request body to ApiRequest, with the checks listed in the header.
+ *
+ * json-c does the tokenizing in strict mode with UTF-8 validation and a depth limit; we
+ * then walk the tree once to refuse strings holding U+0000 (json-c keeps them, with an
+ * explicit length) and read each field with its type and range. Errors name the field in
+ * the OpenAI style ("messages", "stop[1]", "stream_options.include_usage").
+ */
+#include "fcgi/api_request.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+void api_error_set(ApiError *err, int status, const char *type, const char *code,
+                   const char *param, const char *fmt, ...)
+{
+    err->status = status;
+    err->type = type ? type : "invalid_request_error";
+    err->code = code;
+    snprintf(err->param, sizeof err->param, "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->message, sizeof err->message, fmt, ap);
+    va_end(ap);
+}
+
+// ---------------------------------------------------------------------------
+// Tree checks
+
+// True when some string in v (keys included) holds a NUL byte.
+static bool has_nul(json_object *v)
+{
+    switch (json_object_get_type(v)) {
+    case json_type_string:
+        return strlen(json_object_get_string(v)) != (size_t) json_object_get_string_len(v);
+    case json_type_array: {
+        const size_t n = json_object_array_length(v);
+        for (size_t i = 0; i < n; i++)
+            if (has_nul(json_object_array_get_idx(v, i))) return true;
+        return false;
+    }
+    case json_type_object: {
+        json_object_object_foreach(v, key, val) {
+            (void) key;  // json-c keys are C strings: a NUL would have cut them short
+            if (has_nul(val)) return true;
+        }
+        return false;
+    }
+    default:
+        return false;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Field readers: each returns false after filling *err.
+
+static bool get_number(json_object *root, const char *key, double lo, double hi, double *out,
+                       ApiError *err)
+{
+    json_object *v;
+    if (!json_object_object_get_ex(root, key, &v) || json_object_is_type(v, json_type_null))
+        return true;
+    if (!json_object_is_type(v, json_type_double) && !json_object_is_type(v, json_type_int)) {
+        api_error_set(err, 400, NULL, NULL, key, "'%s' must be a number", key);
+        return false;
+    }
+    const double x = json_object_get_double(v);
+    if (!isfinite(x) || x < lo || x > hi) {
+        api_error_set(err, 400, NULL, NULL, key, "'%s' must be between %g and %g", key, lo, hi);
+        return false;
+    }
+    *out = x;
+    return true;
+}
+
+static bool get_int(json_object *root, const char *key, int64_t lo, int64_t hi, int64_t *out,
+                    bool *present, ApiError *err)
+{
+    json_object *v;
+    if (!json_object_object_get_ex(root, key, &v) || json_object_is_type(v, json_type_null))
+        return true;
+    if (!json_object_is_type(v, json_type_int)) {
+        api_error_set(err, 400, NULL, NULL, key, "'%s' must be an integer", key);
+        return false;
+    }
+    const int64_t x = json_object_get_int64(v);
+    if (x < lo || x > hi) {
+        api_error_set(err, 400, NULL, NULL, key, "'%s' must be between %lld and %lld", key,
+                      (long long) lo, (long long) hi);
+        return false;
+    }
+    *out = x;
+    if (present) *present = true;
+    return true;
+}
+
+static bool get_bool(json_object *root, const char *key, bool *out, ApiError *err)
+{
+    json_object *v;
+    if (!json_object_object_get_ex(root, key, &v) || json_object_is_type(v, json_type_null))
+        return true;
+    if (!json_object_is_type(v, json_type_boolean)) {
+        api_error_set(err, 400, NULL, NULL, key, "'%s' must be a boolean", key);
+        return false;
+    }
+    *out = json_object_get_boolean(v);
+    return true;
+}
+
+static bool get_stop(ApiRequest *r, ApiError *err)
+{
+    json_object *v;
+    if (!json_object_object_get_ex(r->root, "stop", &v) || json_object_is_type(v, json_type_null))
+        return true;
+    if (json_object_is_type(v, json_type_string)) {
+        if (json_object_get_string_len(v) == 0) {
+            api_error_set(err, 400, NULL, NULL, "stop", "'stop' strings must not be empty");
+            return false;
+        }
+        r->stop[r->n_stop++] = json_object_get_string(v);
+        return true;
+    }
+    if (!json_object_is_type(v, json_type_array) ||
+        json_object_array_length(v) > API_MAX_STOP) {
+        api_error_set(err, 400, NULL, NULL, "stop",
+                      "'stop' must be a string or an array of at most %d strings", API_MAX_STOP);
+        return false;
+    }
+    for (size_t i = 0; i < json_object_array_length(v); i++) {
+        json_object *s = json_object_array_get_idx(v, i);
+        if (!json_object_is_type(s, json_type_string) || json_object_get_string_len(s) == 0) {
+            char param[32];
+            snprintf(param, sizeof param, "stop[%zu]", i);
+            api_error_set(err, 400, NULL, NULL, param, "'%s' must be a non-empty string", param);
+            return false;
+        }
+        r->stop[r->n_stop++] = json_object_get_string(s);
+    }
+    return true;
+}
+
+// ---------------------------------------------------------------------------
+
+static bool parse_fields(ApiRequest *r, ApiError *err)
+{
+    json_object *root = r->root, *v;
+
+    if (!json_object_object_get_ex(root, "model", &v) || !json_object_is_type(v, json_type_string) ||
+        json_object_get_string_len(v) == 0) {
+        api_error_set(err, 400, NULL, NULL, "model", "'model' is required and must be a string");
+        return false;
+    }
+    r->model = json_object_get_string(v);
+
+    if (r->kind == API_KIND_CHAT) {
+        if (!json_object_object_get_ex(root, "messages", &v) ||
+            !json_object_is_type(v, json_type_array) || json_object_array_length(v) == 0) {
+            api_error_set(err, 400, NULL, NULL, "messages",
+                          "'messages' is required and must be a non-empty array");
+            return false;
+        }
+        r->messages = v;
+        for (size_t i = 0; i < json_object_array_length(v); i++) {
+            json_object *m = json_object_array_get_idx(v, i), *role;
+            if (!json_object_is_type(m, json_type_object) ||
+                !json_object_object_get_ex(m, "role", &role) ||
+                !json_object_is_type(role, json_type_string)) {
+                char param[32];
+                snprintf(param, sizeof param, "messages[%zu]", i);
+                api_error_set(err, 400, NULL, NULL, param,
+                              "'%s' must be an object with a string 'role'", param);
+                return false;
+            }
+        }
+        if (json_object_object_get_ex(root, "tools", &v) && !json_object_is_type(v, json_type_null)) {
+            if (!json_object_is_type(v, json_type_array)) {
+                api_error_set(err, 400, NULL, NULL, "tools", "'tools' must be an array");
+                return false;
+            }
+            r->tools = json_object_array_length(v) ? v : NULL;
+        }
+    } else {
+        if (!json_object_object_get_ex(root, "prompt", &v)) v = NULL;
+        if (v && json_object_is_type(v, json_type_array) && json_object_array_length(v) == 1)
+            v = json_object_array_get_idx(v, 0);
+        if (!v || !json_object_is_type(v, json_type_string)) {
+            api_error_set(err, 400, NULL, NULL, "prompt",
+                          "'prompt' is required and must be a string (or an array of one string)");
+            return false;
+        }
+        r->prompt = json_object_get_string(v);
+        r->n_prompt = (size_t) json_object_get_string_len(v);
+    }
+
+    if (!get_bool(root, "stream", &r->stream, err)) return false;
+    if (json_object_object_get_ex(root, "stream_options", &v) &&
+        !json_object_is_type(v, json_type_null)) {
+        json_object *u;
+        if (!json_object_is_type(v, json_type_object)) {
+            api_error_set(err, 400, NULL, NULL, "stream_options", "'stream_options' must be an object");
+            return false;
+        }
+        if (json_object_object_get_ex(v, "include_usage", &u) &&
+            !json_object_is_type(u, json_type_null)) {
+            if (!json_object_is_type(u, json_type_boolean)) {
+                api_error_set(err, 400, NULL, NULL, "stream_options.include_usage",
+                              "'stream_options.include_usage' must be a boolean");
+                return false;
+            }
+            r->include_usage = json_object_get_boolean(u);
+        }
+    }
+
+    int64_t x = 0;
+    bool present = false;
+    if (!get_int(root, "max_tokens", 1, INT32_MAX, &x, &present, err)) return false;
+    if (!get_int(root, "max_completion_tokens", 1, INT32_MAX, &x, &present, err)) return false;
+    r->max_tokens = present ? (int) x : 0;
+    x = 1;
+    if (!get_int(root, "n", 1, 1, &x, NULL, err)) return false;
+    x = 0;
+    if (!get_int(root, "top_k", -1, 1 << 20, &x, NULL, err)) return false;
+    r->top_k = (int) x;
+    if (!get_int(root, "seed", INT64_MIN, INT64_MAX, &r->seed, &r->has_seed, err)) return false;
+    if (!get_bool(root, "logprobs", &r->logprobs, err)) return false;
+    x = 0;
+    if (!get_int(root, "top_logprobs", 0, 20, &x, NULL, err)) return false;
+    r->top_logprobs = (int) x;
+    if (!get_number(root, "temperature", 0, 2, &r->temperature, err)) return false;
+    if (!get_number(root, "top_p", 0, 1, &r->top_p, err)) return false;
+    if (!get_number(root, "min_p", 0, 1, &r->min_p, err)) return false;
+    if (!get_number(root, "presence_penalty", -2, 2, &r->presence_penalty, err)) return false;
+    if (!get_number(root, "frequency_penalty", -2, 2, &r->frequency_penalty, err)) return false;
+    if (!get_number(root, "repetition_penalty", 0.01, 10, &r->repetition_penalty, err))
+        return false;
+    if (r->top_p <= 0) {
+        api_error_set(err, 400, NULL, NULL, "top_p", "'top_p' must be greater than 0");
+        return false;
+    }
+    return get_stop(r, err);
+}
+
+Err api_request_parse(ApiRequest *r, ApiKind kind, const char *body, size_t n, ApiError *err)
+{
+    memset(r, 0, sizeof *r);
+    memset(err, 0, sizeof *err);
+    json_tokener *tok = json_tokener_new_ex(API_MAX_DEPTH);
+    if (!tok) return ERR_NOMEM;
+    json_tokener_set_flags(tok, JSON_TOKENER_STRICT | JSON_TOKENER_VALIDATE_UTF8);
+    json_object *root = NULL;
+    Err e = ERR_FORMAT;
+    if (n > INT32_MAX) {
+        api_error_set(err, 413, NULL, NULL, NULL, "request body too large");
+        goto done;
+    }
+    root = json_tokener_parse_ex(tok, body, (int) n);
+    enum json_tokener_error jerr = json_tokener_get_error(tok);
+    if (jerr == json_tokener_continue) jerr = json_tokener_error_parse_eof;
+    if (jerr != json_tokener_success || json_tokener_get_parse_end(tok) != n) {
+        // Trailing bytes after the value are only acceptable as whitespace.
+        size_t end = json_tokener_get_parse_end(tok);
+        while (jerr == json_tokener_success && end < n && strchr(" \t\r\n", body[end]) && body[end])
+            end++;
+        if (jerr != json_tokener_success || end != n) {
+            api_error_set(err, 400, NULL, NULL, NULL, "the body is not valid JSON: %s",
+                          jerr != json_tokener_success ? json_tokener_error_desc(jerr)
+                                                       : "unexpected bytes after the value");
+            goto done;
+        }
+    }
+    if (!json_object_is_type(root, json_type_object)) {
+        api_error_set(err, 400, NULL, NULL, NULL, "the body must be a JSON object");
+        goto done;
+    }
+    if (has_nul(root)) {
+        api_error_set(err, 400, NULL, NULL, NULL, "strings must not contain U+0000");
+        goto done;
+    }
+    r->kind = kind;
+    r->root = root;
+    r->temperature = 1;
+    r->top_p = 1;
+    r->repetition_penalty = 1;
+    e = ERR_INVAL;
+    if (!parse_fields(r, err)) {
+        r->root = NULL;
+        goto done;
+    }
+    root = NULL;  // ownership moved to *r
+    e = ERR_OK;
+done:
+    if (e) memset(r, 0, sizeof *r);
+    json_object_put(root);
+    json_tokener_free(tok);
+    return e;
+}
+
+void api_request_free(ApiRequest *r)
+{
+    if (!r) return;
+    json_object_put(r->root);
+    memset(r, 0, sizeof *r);
+}
+
+json_object *api_request_params(const ApiRequest *r)
+{
+    json_object *o = json_object_new_object(), *stop = json_object_new_array();
+    if (!o || !stop) {
+        json_object_put(o);
+        json_object_put(stop);
+        return NULL;
+    }
+    json_object_object_add(o, "temperature", json_object_new_double(r->temperature));
+    json_object_object_add(o, "top_p", json_object_new_double(r->top_p));
+    json_object_object_add(o, "top_k", json_object_new_int(r->top_k < 0 ? 0 : r->top_k));
+    json_object_object_add(o, "min_p", json_object_new_double(r->min_p));
+    json_object_object_add(o, "presence_penalty", json_object_new_double(r->presence_penalty));
+    json_object_object_add(o, "frequency_penalty", json_object_new_double(r->frequency_penalty));
+    json_object_object_add(o, "repetition_penalty", json_object_new_double(r->repetition_penalty));
+    if (r->has_seed) json_object_object_add(o, "seed", json_object_new_int64(r->seed));
+    for (int i = 0; i < r->n_stop; i++)
+        json_object_array_add(stop, json_object_new_string(r->stop[i]));
+    json_object_object_add(o, "stop", stop);
+    json_object_object_add(o, "logprobs", json_object_new_boolean(r->logprobs));
+    json_object_object_add(o, "top_logprobs", json_object_new_int(r->top_logprobs));
+    if (r->tools) json_object_object_add(o, "tools", json_object_get(r->tools));
+    return o;
+}
+
+bool api_request_check(const ApiRequest *r)
+{
+    if (!r->root || !r->model || !*r->model) return false;
+    if (r->kind == API_KIND_CHAT && (!r->messages || json_object_array_length(r->messages) == 0))
+        return false;
+    if (r->kind == API_KIND_COMPLETION && !r->prompt) return false;
+    if (r->prompt && strlen(r->prompt) != r->n_prompt) return false;
+    if (r->max_tokens < 0 || r->n_stop < 0 || r->n_stop > API_MAX_STOP) return false;
+    for (int i = 0; i < r->n_stop; i++)
+        if (!r->stop[i] || !*r->stop[i]) return false;
+    if (!(r->temperature >= 0 && r->temperature <= 2 && r->top_p > 0 && r->top_p <= 1 &&
+          r->min_p >= 0 && r->min_p <= 1 && r->repetition_penalty > 0))
+        return false;
+    return !has_nul(r->root);
+}

@@ -1,0 +1,1271 @@
+/*
+ * api_server.c - routing and handlers of the HTTP API (route list in api_server.h).
+ *
+ * Every generating request becomes a job row first; the answer, streamed or not, is then
+ * read back from job_chunks. So a chat completion and GET /v1/jobs/{id}/events share one
+ * reader loop (stream_job): read chunks with seq > last, and when there are none, check
+ * the job's state and wait for the engine's NOTIFY or the poll timer. A client sees only
+ * committed output, which is why a reconnect with Last-Event-ID resumes exactly.
+ *
+ * Limits are checked in the enqueue transaction, after locking the key's row so that
+ * concurrent requests of one key are serialized: max_concurrent (unfinished jobs) and rpm
+ * (job-creating requests in the last minute) give 429 with Retry-After; a full queue 503.
+ */
+#include "fcgi/api_server.h"
+
+#include <ctype.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#include "engine/common/apikey.h"
+#include "fcgi/api_request.h"
+
+typedef struct Ctx {
+    FCGX_Request *req;
+    ApiDb *db;
+    const ApiConfig *cfg;
+    const char *method;
+    char path[256];
+    const char *query;
+    ApiKey key;
+    bool is_broken;  // a write failed: the client is gone
+} Ctx;
+
+typedef struct Buf {
+    char *p;
+    size_t n, cap;
+} Buf;
+
+static bool buf_add(Buf *b, const char *s, size_t n)
+{
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1) cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (!p) return false;
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = '\0';
+    return true;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double) ts.tv_sec + (double) ts.tv_nsec * 1e-9;
+}
+
+// ---------------------------------------------------------------------------
+// Output
+
+static const char *reason_phrase(int status)
+{
+    switch (status) {
+    case 200: return "OK";
+    case 202: return "Accepted";
+    case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 403: return "Forbidden";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 409: return "Conflict";
+    case 413: return "Payload Too Large";
+    case 429: return "Too Many Requests";
+    case 500: return "Internal Server Error";
+    case 503: return "Service Unavailable";
+    default: return "Status";
+    }
+}
+
+static void put(Ctx *c, const char *s, size_t n)
+{
+    if (c->is_broken) return;
+    if (FCGX_PutStr(s, (int) n, c->req->out) != (int) n) c->is_broken = true;
+}
+
+static void putf(Ctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void putf(Ctx *c, const char *fmt, ...)
+{
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    const int n = vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (n > 0) put(c, buf, (size_t) n < sizeof buf ? (size_t) n : sizeof buf - 1);
+}
+
+static void flush(Ctx *c)
+{
+    if (!c->is_broken && FCGX_FFlush(c->req->out) != 0) c->is_broken = true;
+}
+
+static const char *json_text(json_object *o)
+{
+    return json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN | JSON_C_TO_STRING_NOSLASHESCAPE);
+}
+
+// Send status + JSON body; takes ownership of body. extra: more header lines, or NULL.
+static void send_json(Ctx *c, int status, json_object *body, const char *extra)
+{
+    const char *text = json_text(body);
+    putf(c, "Status: %d %s\r\nContent-Type: application/json\r\nCache-Control: no-store\r\n%s\r\n",
+         status, reason_phrase(status), extra ? extra : "");
+    put(c, text, strlen(text));
+    put(c, "\n", 1);
+    json_object_put(body);
+}
+
+static json_object *error_object(const ApiError *e)
+{
+    json_object *o = json_object_new_object(), *inner = json_object_new_object();
+    json_object_object_add(inner, "message", json_object_new_string(e->message));
+    json_object_object_add(inner, "type", json_object_new_string(e->type ? e->type : "invalid_request_error"));
+    json_object_object_add(inner, "param", e->param[0] ? json_object_new_string(e->param) : NULL);
+    json_object_object_add(inner, "code", e->code ? json_object_new_string(e->code) : NULL);
+    json_object_object_add(o, "error", inner);
+    return o;
+}
+
+static void send_error(Ctx *c, const ApiError *e, int retry_after_s)
+{
+    char extra[64] = "";
+    if (retry_after_s > 0) snprintf(extra, sizeof extra, "Retry-After: %d\r\n", retry_after_s);
+    if (e->status == 401) snprintf(extra, sizeof extra, "WWW-Authenticate: Bearer\r\n");
+    send_json(c, e->status, error_object(e), extra);
+}
+
+static void fail(Ctx *c, int status, const char *type, const char *code, const char *param,
+                 const char *msg)
+{
+    ApiError e;
+    api_error_set(&e, status, type, code, param, "%s", msg);
+    send_error(c, &e, 0);
+}
+
+static void fail_db(Ctx *c)
+{
+    fail(c, 503, "server_error", "database_unavailable", NULL,
+         "the job database is unavailable; retry shortly");
+}
+
+// ---------------------------------------------------------------------------
+// Request helpers
+
+static const char *param(const Ctx *c, const char *name)
+{
+    return FCGX_GetParam(name, c->req->envp);
+}
+
+// Value of name in the query string, copied into out; false when absent.
+static bool query_value(const Ctx *c, const char *name, char *out, size_t cap)
+{
+    const char *q = c->query;
+    const size_t n = strlen(name);
+    while (q && *q) {
+        if (!strncmp(q, name, n) && q[n] == '=') {
+            const char *v = q + n + 1;
+            size_t len = strcspn(v, "&");
+            if (len >= cap) len = cap - 1;
+            memcpy(out, v, len);
+            out[len] = '\0';
+            return true;
+        }
+        q = strchr(q, '&');
+        if (q) q++;
+    }
+    return false;
+}
+
+// Read the body into a new NUL-terminated string; NULL after answering 413/400.
+static char *read_body(Ctx *c, size_t *n_out)
+{
+    const char *cl = param(c, "CONTENT_LENGTH");
+    const long long len = cl && *cl ? atoll(cl) : 0;
+    if (len <= 0) {
+        fail(c, 400, NULL, NULL, NULL, "the request needs a JSON body");
+        return NULL;
+    }
+    if ((unsigned long long) len > c->cfg->max_body_bytes) {
+        fail(c, 413, NULL, "request_too_large", NULL, "the request body is too large");
+        return NULL;
+    }
+    char *body = malloc((size_t) len + 1);
+    if (!body) {
+        fail(c, 500, "server_error", NULL, NULL, "out of memory");
+        return NULL;
+    }
+    size_t got = 0;
+    while (got < (size_t) len) {
+        const int r = FCGX_GetStr(body + got, (int) ((size_t) len - got), c->req->in);
+        if (r <= 0) break;
+        got += (size_t) r;
+    }
+    if (got != (size_t) len) {
+        free(body);
+        fail(c, 400, NULL, NULL, NULL, "the request body ended early");
+        return NULL;
+    }
+    body[got] = '\0';
+    *n_out = got;
+    return body;
+}
+
+// Identify the caller: nginx's auth_request params, else the Authorization header.
+// false after answering 401/503.
+static bool authenticate(Ctx *c)
+{
+    const char *id = param(c, "GLMSPARK_KEY_ID");
+    if (id && *id) {
+        const char *scope = param(c, "GLMSPARK_KEY_SCOPE"), *rpm = param(c, "GLMSPARK_KEY_RPM"),
+                   *conc = param(c, "GLMSPARK_KEY_MAX_CONCURRENT"),
+                   *prefix = param(c, "GLMSPARK_KEY_PREFIX");
+        c->key.id = atoll(id);
+        c->key.is_admin = scope && !strcmp(scope, "admin");
+        c->key.rpm = rpm ? atoi(rpm) : 0;
+        c->key.max_concurrent = conc ? atoi(conc) : 0;
+        snprintf(c->key.prefix, sizeof c->key.prefix, "%s", prefix ? prefix : "");
+        return c->key.id > 0;
+    }
+    const char *auth = param(c, "HTTP_AUTHORIZATION");
+    const char *key = NULL;
+    if (auth && !strncasecmp(auth, "Bearer ", 7)) {
+        key = auth + 7;
+        while (*key == ' ') key++;
+    } else if ((auth = param(c, "HTTP_X_API_KEY"))) {
+        key = auth;
+    }
+    if (!key || !*key) {
+        fail(c, 401, "invalid_request_error", "missing_api_key", NULL,
+             "no API key: send it as \"Authorization: Bearer <key>\"");
+        return false;
+    }
+    const Err err = api_db_auth(c->db, key, strlen(key), &c->key);
+    if (err == ERR_DB) {
+        fail_db(c);
+        return false;
+    }
+    if (err) {
+        fail(c, 401, "invalid_request_error", "invalid_api_key", NULL, "invalid or revoked API key");
+        return false;
+    }
+    return true;
+}
+
+// ---------------------------------------------------------------------------
+// Jobs: enqueue
+
+typedef struct NewJob {
+    int64_t id;
+    char public_id[64];
+    long long created;
+    int n_prompt;
+    int max_tokens;
+} NewJob;
+
+static PGresult *tx(ApiDb *db, const char *sql, int n, const char *const *params, ExecStatusType want)
+{
+    PGresult *res = PQexecParams(db->conn, sql, n, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(res) == want) return res;
+    LOG_ERROR("api: enqueue statement failed: %s", PQerrorMessage(db->conn));
+    PQclear(res);
+    return NULL;
+}
+
+// Render, tokenize, check the context, insert. false after answering the client.
+static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
+{
+    const ApiConfig *cfg = c->cfg;
+    char *prompt = NULL, *ids_text = NULL;
+    size_t n_prompt_bytes = 0;
+    TokIds ids = {0};
+    json_object *params = NULL;
+    bool ok = false, in_tx = false;
+    ApiError e;
+    int retry_after = 0;
+    memset(&e, 0, sizeof e);
+
+    bool in_reasoning = false;
+    if (r->kind == API_KIND_CHAT) {
+        ChatError cerr;
+        ChatOptions opts;
+        const Err err = chat_render_request(r->root, cfg->chat_template, &prompt, &n_prompt_bytes,
+                                            &opts, &cerr);
+        if (err == ERR_INVAL) {
+            api_error_set(&e, 400, NULL, NULL, NULL, "%s", cerr.msg);
+            goto done;
+        }
+        if (err) {
+            api_error_set(&e, 500, "server_error", NULL, NULL, "could not render the prompt");
+            goto done;
+        }
+        in_reasoning = chat_prompt_opens_reasoning(prompt, n_prompt_bytes);
+        if (tok_encode(cfg->tok, prompt, n_prompt_bytes, false, &ids)) {
+            api_error_set(&e, 500, "server_error", NULL, NULL, "could not tokenize the prompt");
+            goto done;
+        }
+    } else if (tok_encode(cfg->tok, r->prompt, r->n_prompt, true, &ids)) {
+        api_error_set(&e, 500, "server_error", NULL, NULL, "could not tokenize the prompt");
+        goto done;
+    }
+    if (ids.n == 0) {
+        api_error_set(&e, 400, NULL, NULL, "prompt", "the prompt is empty");
+        goto done;
+    }
+    job->n_prompt = (int) ids.n;
+    if ((long long) ids.n + (r->max_tokens ? r->max_tokens : 1) > cfg->context_len) {
+        api_error_set(&e, 400, NULL, "context_length_exceeded",
+                      r->kind == API_KIND_CHAT ? "messages" : "prompt",
+                      "This model's maximum context length is %d tokens. However, you requested "
+                      "%lld tokens (%zu in the prompt, %d for the completion).",
+                      cfg->context_len, (long long) ids.n + (r->max_tokens ? r->max_tokens : 0),
+                      ids.n, r->max_tokens);
+        goto done;
+    }
+    job->max_tokens = r->max_tokens ? r->max_tokens : cfg->context_len - (int) ids.n;
+
+    // Prompt ids as a PostgreSQL array literal.
+    if (!(ids_text = malloc(ids.n * 12 + 3))) goto oom;
+    char *p = ids_text;
+    *p++ = '{';
+    for (size_t i = 0; i < ids.n; i++) p += sprintf(p, i ? ",%d" : "%d", (int) ids.ids[i]);
+    *p++ = '}';
+    *p = '\0';
+    if (!(params = api_request_params(r))) goto oom;
+    json_object_object_add(params, "stream", json_object_new_boolean(r->stream));
+    json_object_object_add(params, "in_reasoning", json_object_new_boolean(in_reasoning));
+
+    char key_id[24], n_prompt_text[16], max_tokens_text[16], limit_text[16];
+    snprintf(key_id, sizeof key_id, "%lld", (long long) c->key.id);
+    snprintf(n_prompt_text, sizeof n_prompt_text, "%d", job->n_prompt);
+    snprintf(max_tokens_text, sizeof max_tokens_text, "%d", job->max_tokens);
+    const char *idem = param(c, "HTTP_IDEMPOTENCY_KEY");
+    if (idem && (!*idem || strlen(idem) > 255)) idem = NULL;
+
+    if (api_db_ensure(c->db)) goto db_down;
+    PGresult *res = tx(c->db, "BEGIN", 0, NULL, PGRES_COMMAND_OK);
+    if (!res) goto db_down;
+    PQclear(res);
+    in_tx = true;
+    // Lock the key's row: serializes this key's enqueues so the counts below are exact.
+    if (!(res = tx(c->db, "SELECT 1 FROM api_keys WHERE id = $1::bigint AND revoked_at IS NULL"
+                          " FOR UPDATE", 1, (const char *const[]){key_id}, PGRES_TUPLES_OK)))
+        goto db_down;
+    const bool active = PQntuples(res) == 1;
+    PQclear(res);
+    if (!active) {
+        api_error_set(&e, 401, NULL, "invalid_api_key", NULL, "invalid or revoked API key");
+        goto done;
+    }
+    if (idem) {
+        if (!(res = tx(c->db, "SELECT id, public_id, extract(epoch FROM created_at)::bigint,"
+                              " n_prompt_tokens, max_tokens FROM jobs"
+                              " WHERE api_key_id = $1::bigint AND idem_key = $2",
+                       2, (const char *const[]){key_id, idem}, PGRES_TUPLES_OK)))
+            goto db_down;
+        if (PQntuples(res) == 1) {  // a retry of a request we already accepted
+            job->id = atoll(PQgetvalue(res, 0, 0));
+            snprintf(job->public_id, sizeof job->public_id, "%s", PQgetvalue(res, 0, 1));
+            job->created = atoll(PQgetvalue(res, 0, 2));
+            job->n_prompt = atoi(PQgetvalue(res, 0, 3));
+            job->max_tokens = atoi(PQgetvalue(res, 0, 4));
+            PQclear(res);
+            goto commit;
+        }
+        PQclear(res);
+    }
+    if (c->key.max_concurrent > 0) {
+        if (!(res = tx(c->db, "SELECT count(*) FROM jobs WHERE api_key_id = $1::bigint"
+                              " AND finished_at IS NULL",
+                       1, (const char *const[]){key_id}, PGRES_TUPLES_OK)))
+            goto db_down;
+        const int n = atoi(PQgetvalue(res, 0, 0));
+        PQclear(res);
+        if (n >= c->key.max_concurrent) {
+            api_error_set(&e, 429, "rate_limit_error", "concurrency_limit_exceeded", NULL,
+                          "this key already has %d unfinished jobs (limit %d)", n,
+                          c->key.max_concurrent);
+            retry_after = 1;
+            goto done;
+        }
+    }
+    if (c->key.rpm > 0) {
+        if (!(res = tx(c->db, "SELECT count(*), coalesce(ceil(extract(epoch FROM"
+                              " min(at) + interval '1 minute' - now())), 1)::int FROM key_requests"
+                              " WHERE api_key_id = $1::bigint AND at > now() - interval '1 minute'",
+                       1, (const char *const[]){key_id}, PGRES_TUPLES_OK)))
+            goto db_down;
+        const int n = atoi(PQgetvalue(res, 0, 0)), wait_s = atoi(PQgetvalue(res, 0, 1));
+        PQclear(res);
+        if (n >= c->key.rpm) {
+            api_error_set(&e, 429, "rate_limit_error", "rate_limit_exceeded", NULL,
+                          "this key is limited to %d requests per minute", c->key.rpm);
+            retry_after = wait_s > 0 ? wait_s : 1;
+            goto done;
+        }
+        if (!(res = tx(c->db, "WITH d AS (DELETE FROM key_requests WHERE api_key_id = $1::bigint"
+                              " AND at < now() - interval '2 minutes')"
+                              " INSERT INTO key_requests (api_key_id) VALUES ($1::bigint)",
+                       1, (const char *const[]){key_id}, PGRES_COMMAND_OK)))
+            goto db_down;
+        PQclear(res);
+    }
+    if (c->cfg->max_queue > 0) {
+        snprintf(limit_text, sizeof limit_text, "%d", c->cfg->max_queue);
+        if (!(res = tx(c->db, "SELECT count(*) >= $1::int FROM (SELECT 1 FROM jobs"
+                              " WHERE state = 'queued' LIMIT $1::int) q",
+                       1, (const char *const[]){limit_text}, PGRES_TUPLES_OK)))
+            goto db_down;
+        const bool full = PQgetvalue(res, 0, 0)[0] == 't';
+        PQclear(res);
+        if (full) {
+            api_error_set(&e, 503, "server_error", "queue_full", NULL,
+                          "the queue is full; retry later");
+            retry_after = 5;
+            goto done;
+        }
+    }
+    if (!(res = tx(c->db,
+                   "INSERT INTO jobs (api_key_id, kind, model, request, prompt_ids, n_prompt_tokens,"
+                   " max_tokens, idem_key) VALUES ($1::bigint, $2, $3, $4::jsonb, $5::int[],"
+                   " $6::int, $7::int, $8)"
+                   " RETURNING id, public_id, extract(epoch FROM created_at)::bigint",
+                   8,
+                   (const char *const[]){key_id, r->kind == API_KIND_CHAT ? "chat" : "completion",
+                                         cfg->model_name, json_text(params), ids_text,
+                                         n_prompt_text, max_tokens_text, idem},
+                   PGRES_TUPLES_OK)))
+        goto db_down;
+    job->id = atoll(PQgetvalue(res, 0, 0));
+    snprintf(job->public_id, sizeof job->public_id, "%s", PQgetvalue(res, 0, 1));
+    job->created = atoll(PQgetvalue(res, 0, 2));
+    PQclear(res);
+    if (!(res = tx(c->db, "NOTIFY jobs_new", 0, NULL, PGRES_COMMAND_OK))) goto db_down;
+    PQclear(res);
+commit:
+    if (!(res = tx(c->db, "COMMIT", 0, NULL, PGRES_COMMAND_OK))) goto db_down;
+    PQclear(res);
+    in_tx = false;
+    LOG_INFO("api: key %s queued job %s (%d prompt tokens, max %d)", c->key.prefix,
+             job->public_id, job->n_prompt, job->max_tokens);
+    ok = true;
+    goto done;
+oom:
+    api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
+    goto done;
+db_down:
+    api_error_set(&e, 503, "server_error", "database_unavailable", NULL,
+                  "the job database is unavailable; retry shortly");
+    retry_after = 1;
+done:
+    if (in_tx) PQclear(PQexec(c->db->conn, "ROLLBACK"));
+    if (!ok) send_error(c, &e, retry_after);
+    json_object_put(params);
+    free(ids_text);
+    free(prompt);
+    tok_ids_free(&ids);
+    return ok;
+}
+
+// ---------------------------------------------------------------------------
+// Jobs: reading
+
+typedef struct JobState {
+    char state[16];
+    char finish_reason[32];
+    char error[512];
+    int n_prompt, n_completion, n_chunks;
+    bool is_terminal;
+} JobState;
+
+static bool read_state(Ctx *c, int64_t id, JobState *st)
+{
+    char id_text[24];
+    snprintf(id_text, sizeof id_text, "%lld", (long long) id);
+    PGresult *res = api_db_exec(c->db,
+                                "SELECT state, coalesce(finish_reason, ''), coalesce(error, ''),"
+                                " n_prompt_tokens, n_completion_tokens, n_chunks"
+                                " FROM jobs WHERE id = $1::bigint",
+                                1, (const char *const[]){id_text}, PGRES_TUPLES_OK);
+    if (!res || PQntuples(res) != 1) {
+        PQclear(res);
+        return false;
+    }
+    snprintf(st->state, sizeof st->state, "%s", PQgetvalue(res, 0, 0));
+    snprintf(st->finish_reason, sizeof st->finish_reason, "%s", PQgetvalue(res, 0, 1));
+    snprintf(st->error, sizeof st->error, "%s", PQgetvalue(res, 0, 2));
+    st->n_prompt = atoi(PQgetvalue(res, 0, 3));
+    st->n_completion = atoi(PQgetvalue(res, 0, 4));
+    st->n_chunks = atoi(PQgetvalue(res, 0, 5));
+    st->is_terminal = !strcmp(st->state, "succeeded") || !strcmp(st->state, "failed") ||
+                      !strcmp(st->state, "cancelled");
+    PQclear(res);
+    return true;
+}
+
+// Ask the engine to stop a job (a queued one is cancelled at once). true if found.
+static bool cancel_job(ApiDb *db, int64_t id)
+{
+    char id_text[24];
+    snprintf(id_text, sizeof id_text, "%lld", (long long) id);
+    PGresult *res = api_db_exec(
+        db,
+        "WITH j AS (UPDATE jobs SET cancel_requested = true,"
+        "  state = CASE WHEN state = 'queued' THEN 'cancelled' ELSE state END,"
+        "  finish_reason = CASE WHEN state = 'queued' THEN 'cancelled' ELSE finish_reason END,"
+        "  finished_at = CASE WHEN state = 'queued' THEN now() ELSE finished_at END"
+        "  WHERE id = $1::bigint RETURNING public_id)"
+        " SELECT pg_notify('job_chunks', public_id) FROM j",
+        1, (const char *const[]){id_text}, PGRES_TUPLES_OK);
+    const bool found = res && PQntuples(res) == 1;
+    PQclear(res);
+    return found;
+}
+
+typedef enum StreamMode {
+    MODE_COLLECT,         // gather the output for a non-streamed answer
+    MODE_CHAT_SSE,        // chat.completion.chunk events
+    MODE_COMPLETION_SSE,  // text_completion events
+    MODE_EVENTS_SSE,      // /v1/jobs/{id}/events
+} StreamMode;
+
+typedef struct Collected {
+    Buf content, reasoning;
+    json_object *tool_calls;  // array or NULL
+} Collected;
+
+static json_object *usage_object(const JobState *st)
+{
+    json_object *u = json_object_new_object();
+    json_object_object_add(u, "prompt_tokens", json_object_new_int(st->n_prompt));
+    json_object_object_add(u, "completion_tokens", json_object_new_int(st->n_completion));
+    json_object_object_add(u, "total_tokens", json_object_new_int(st->n_prompt + st->n_completion));
+    return u;
+}
+
+// A tool chunk's text is {"name": ..., "arguments": ...}; build the OpenAI tool call.
+static json_object *tool_call_object(const char *job_id, int index, const char *text, bool with_index)
+{
+    json_object *src = json_tokener_parse(text), *name = NULL, *args = NULL;
+    if (src) {
+        json_object_object_get_ex(src, "name", &name);
+        json_object_object_get_ex(src, "arguments", &args);
+    }
+    json_object *call = json_object_new_object(), *fn = json_object_new_object();
+    char id[96];
+    snprintf(id, sizeof id, "call_%s_%d", job_id, index);
+    if (with_index) json_object_object_add(call, "index", json_object_new_int(index));
+    json_object_object_add(call, "id", json_object_new_string(id));
+    json_object_object_add(call, "type", json_object_new_string("function"));
+    json_object_object_add(fn, "name", json_object_new_string(name ? json_object_get_string(name) : ""));
+    json_object_object_add(fn, "arguments",
+                           json_object_new_string(!args ? "{}"
+                                                  : json_object_is_type(args, json_type_string)
+                                                      ? json_object_get_string(args)
+                                                      : json_text(args)));
+    json_object_object_add(call, "function", fn);
+    json_object_put(src);
+    return call;
+}
+
+static json_object *chunk_envelope(const Ctx *c, const char *job_id, long long created, bool is_chat)
+{
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "id", json_object_new_string(job_id));
+    json_object_object_add(o, "object", json_object_new_string(is_chat ? "chat.completion.chunk"
+                                                                        : "text_completion"));
+    json_object_object_add(o, "created", json_object_new_int64(created));
+    json_object_object_add(o, "model", json_object_new_string(c->cfg->model_name));
+    return o;
+}
+
+static void sse_data(Ctx *c, json_object *o)
+{
+    const char *t = json_text(o);
+    put(c, "data: ", 6);
+    put(c, t, strlen(t));
+    put(c, "\n\n", 2);
+    json_object_put(o);
+}
+
+// One choice delta event (chat) or text event (completion).
+static void sse_delta(Ctx *c, const char *job_id, long long created, bool is_chat,
+                      json_object *delta_or_text, const char *finish_reason)
+{
+    json_object *o = chunk_envelope(c, job_id, created, is_chat), *choices = json_object_new_array(),
+                *ch = json_object_new_object();
+    json_object_object_add(ch, "index", json_object_new_int(0));
+    json_object_object_add(ch, is_chat ? "delta" : "text", delta_or_text);
+    json_object_object_add(ch, "logprobs", NULL);
+    json_object_object_add(ch, "finish_reason",
+                           finish_reason ? json_object_new_string(finish_reason) : NULL);
+    json_object_array_add(choices, ch);
+    json_object_object_add(o, "choices", choices);
+    sse_data(c, o);
+}
+
+static const char *client_finish_reason(const JobState *st, int n_tools)
+{
+    if (n_tools > 0 && !strcmp(st->finish_reason, "stop")) return "tool_calls";
+    return st->finish_reason[0] ? st->finish_reason : "stop";
+}
+
+// Read the job's output from seq > after until it is terminal. In SSE modes events are
+// written as they arrive; in MODE_COLLECT the output goes to *col. *st gets the final
+// state. false when the job vanished or the client went away (c->is_broken).
+static bool stream_job(Ctx *c, int64_t id, const char *job_id, long long created, int after,
+                       StreamMode mode, const ApiRequest *r, Collected *col, JobState *st)
+{
+    char id_text[24], seq_text[16];
+    int last = after, n_tools = 0;
+    double last_write = now_s();
+    const bool is_chat = mode != MODE_COMPLETION_SSE;
+    snprintf(id_text, sizeof id_text, "%lld", (long long) id);
+    if (mode == MODE_CHAT_SSE) {
+        json_object *d = json_object_new_object();
+        json_object_object_add(d, "role", json_object_new_string("assistant"));
+        json_object_object_add(d, "content", json_object_new_string(""));
+        sse_delta(c, job_id, created, true, d, NULL);
+        flush(c);
+    }
+    for (;;) {
+        snprintf(seq_text, sizeof seq_text, "%d", last);
+        PGresult *res = api_db_exec(c->db,
+                                    "SELECT seq, kind, text FROM job_chunks WHERE job_id = $1::bigint"
+                                    " AND seq > $2::int ORDER BY seq LIMIT 256",
+                                    2, (const char *const[]){id_text, seq_text}, PGRES_TUPLES_OK);
+        if (!res) {
+            api_db_wait(c->db, c->cfg->poll_ms);  // the database is restarting: keep trying
+            continue;
+        }
+        const int n = PQntuples(res);
+        for (int i = 0; i < n; i++) {
+            const int seq = atoi(PQgetvalue(res, i, 0));
+            const char *kind = PQgetvalue(res, i, 1), *text = PQgetvalue(res, i, 2);
+            const size_t n_text = (size_t) PQgetlength(res, i, 2);
+            last = seq;
+            if (mode == MODE_EVENTS_SSE) {
+                json_object *o = json_object_new_object();
+                json_object_object_add(o, "seq", json_object_new_int(seq));
+                json_object_object_add(o, "kind", json_object_new_string(kind));
+                json_object_object_add(o, "text", json_object_new_string_len(text, (int) n_text));
+                putf(c, "id: %d\n", seq);
+                sse_data(c, o);
+                continue;
+            }
+            if (n_text == 0) continue;
+            const bool is_tool = !strcmp(kind, "tool"), is_reasoning = !strcmp(kind, "reasoning");
+            if (mode == MODE_COLLECT) {
+                if (is_tool) {
+                    if (!col->tool_calls) col->tool_calls = json_object_new_array();
+                    json_object_array_add(col->tool_calls, tool_call_object(job_id, n_tools, text, false));
+                } else {
+                    buf_add(is_reasoning ? &col->reasoning : &col->content, text, n_text);
+                }
+            } else if (mode == MODE_CHAT_SSE) {
+                json_object *d = json_object_new_object();
+                if (is_tool) {
+                    json_object *calls = json_object_new_array();
+                    json_object_array_add(calls, tool_call_object(job_id, n_tools, text, true));
+                    json_object_object_add(d, "tool_calls", calls);
+                } else if (is_reasoning) {
+                    json_object_object_add(d, "reasoning_content", json_object_new_string_len(text, (int) n_text));
+                    json_object_object_add(d, "reasoning", json_object_new_string_len(text, (int) n_text));
+                } else {
+                    json_object_object_add(d, "content", json_object_new_string_len(text, (int) n_text));
+                }
+                sse_delta(c, job_id, created, true, d, NULL);
+            } else if (!is_reasoning && !is_tool) {
+                sse_delta(c, job_id, created, false, json_object_new_string_len(text, (int) n_text), NULL);
+            }
+            n_tools += is_tool;
+        }
+        PQclear(res);
+        if (mode != MODE_COLLECT && n > 0) {
+            flush(c);
+            last_write = now_s();
+        }
+        if (c->is_broken) return false;
+        if (n == 256) continue;
+        if (!read_state(c, id, st)) return false;
+        if (st->is_terminal && last + 1 >= st->n_chunks) break;
+        if (n > 0) continue;
+        api_db_wait(c->db, c->cfg->poll_ms);
+        if (mode != MODE_COLLECT && now_s() - last_write >= c->cfg->keepalive_s) {
+            put(c, ": keep-alive\n\n", 14);
+            flush(c);
+            last_write = now_s();
+            if (c->is_broken) return false;
+        }
+    }
+
+    // The end: finish reason, usage, [DONE].
+    const char *fr = client_finish_reason(st, n_tools);
+    if (mode == MODE_EVENTS_SSE) {
+        json_object *o = json_object_new_object();
+        json_object_object_add(o, "state", json_object_new_string(st->state));
+        json_object_object_add(o, "finish_reason", st->finish_reason[0] ? json_object_new_string(fr) : NULL);
+        json_object_object_add(o, "usage", usage_object(st));
+        json_object_object_add(o, "error", st->error[0] ? json_object_new_string(st->error) : NULL);
+        sse_data(c, o);
+    } else if (mode == MODE_CHAT_SSE || mode == MODE_COMPLETION_SSE) {
+        if (!strcmp(st->state, "failed")) {
+            ApiError e;
+            api_error_set(&e, 500, "server_error", "generation_failed", NULL, "%s", st->error);
+            sse_data(c, error_object(&e));
+        } else {
+            sse_delta(c, job_id, created, is_chat,
+                      is_chat ? json_object_new_object() : json_object_new_string(""), fr);
+        }
+        if (r && r->include_usage) {
+            json_object *o = chunk_envelope(c, job_id, created, is_chat);
+            json_object_object_add(o, "choices", json_object_new_array());
+            json_object_object_add(o, "usage", usage_object(st));
+            sse_data(c, o);
+        }
+    }
+    if (mode != MODE_COLLECT) {
+        put(c, "data: [DONE]\n\n", 14);
+        flush(c);
+    }
+    return !c->is_broken;
+}
+
+static void sse_headers(Ctx *c)
+{
+    putf(c, "Status: 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+            "X-Accel-Buffering: no\r\n\r\n");
+    flush(c);
+}
+
+// ---------------------------------------------------------------------------
+// Handlers
+
+static json_object *model_object(const Ctx *c)
+{
+    json_object *m = json_object_new_object();
+    json_object_object_add(m, "id", json_object_new_string(c->cfg->model_name));
+    json_object_object_add(m, "object", json_object_new_string("model"));
+    json_object_object_add(m, "created", json_object_new_int64(0));
+    json_object_object_add(m, "owned_by", json_object_new_string("glmspark"));
+    json_object_object_add(m, "max_model_len", json_object_new_int(c->cfg->context_len));
+    return m;
+}
+
+static void handle_models(Ctx *c, const char *name)
+{
+    if (name) {
+        if (strcmp(name, c->cfg->model_name) != 0) {
+            fail(c, 404, NULL, "model_not_found", "model", "no such model");
+            return;
+        }
+        send_json(c, 200, model_object(c), NULL);
+        return;
+    }
+    json_object *o = json_object_new_object(), *data = json_object_new_array();
+    json_object_array_add(data, model_object(c));
+    json_object_object_add(o, "object", json_object_new_string("list"));
+    json_object_object_add(o, "data", data);
+    send_json(c, 200, o, NULL);
+}
+
+static json_object *message_object(const Collected *col, const char *job_id)
+{
+    (void) job_id;
+    json_object *m = json_object_new_object();
+    json_object_object_add(m, "role", json_object_new_string("assistant"));
+    json_object_object_add(m, "content", json_object_new_string(col->content.p ? col->content.p : ""));
+    if (col->reasoning.n) {
+        json_object_object_add(m, "reasoning_content", json_object_new_string(col->reasoning.p));
+        json_object_object_add(m, "reasoning", json_object_new_string(col->reasoning.p));
+    }
+    if (col->tool_calls) json_object_object_add(m, "tool_calls", json_object_get(col->tool_calls));
+    return m;
+}
+
+// POST /v1/chat/completions, /v1/completions, /v1/jobs.
+static void handle_generate(Ctx *c, ApiKind kind, bool is_job)
+{
+    size_t n_body = 0;
+    char *body = read_body(c, &n_body);
+    ApiRequest r;
+    ApiError e;
+    Collected col = {0};
+    if (!body) return;
+    if (api_request_parse(&r, kind, body, n_body, &e)) {
+        free(body);
+        send_error(c, &e, 0);
+        return;
+    }
+    free(body);
+    if (strcmp(r.model, c->cfg->model_name) != 0) {
+        api_error_set(&e, 404, NULL, "model_not_found", "model",
+                      "the model '%.100s' does not exist; this server serves '%.100s'", r.model,
+                      c->cfg->model_name);
+        send_error(c, &e, 0);
+        goto done;
+    }
+    NewJob job = {0};
+    if (!enqueue(c, &r, &job)) goto done;
+
+    if (is_job) {
+        json_object *o = json_object_new_object();
+        json_object_object_add(o, "id", json_object_new_string(job.public_id));
+        json_object_object_add(o, "object", json_object_new_string("job"));
+        json_object_object_add(o, "state", json_object_new_string("queued"));
+        json_object_object_add(o, "created_at", json_object_new_int64(job.created));
+        json_object_object_add(o, "model", json_object_new_string(c->cfg->model_name));
+        json_object_object_add(o, "prompt_tokens", json_object_new_int(job.n_prompt));
+        json_object_object_add(o, "max_tokens", json_object_new_int(job.max_tokens));
+        char loc[128];
+        snprintf(loc, sizeof loc, "Location: /v1/jobs/%s\r\n", job.public_id);
+        send_json(c, 202, o, loc);
+        goto done;
+    }
+    JobState st = {0};
+    if (r.stream) {
+        sse_headers(c);
+        const bool ok = stream_job(c, job.id, job.public_id, job.created, -1,
+                                   kind == API_KIND_CHAT ? MODE_CHAT_SSE : MODE_COMPLETION_SSE,
+                                   &r, NULL, &st);
+        if (!ok && c->is_broken) {
+            // The client left a chat/completions stream: nobody can read the rest.
+            LOG_INFO("api: client left the stream of job %s; cancelling it", job.public_id);
+            cancel_job(c->db, job.id);
+        }
+        goto done;
+    }
+    if (!stream_job(c, job.id, job.public_id, job.created, -1, MODE_COLLECT, &r, &col, &st)) {
+        fail(c, 500, "server_error", NULL, NULL, "the job disappeared");
+        goto done;
+    }
+    if (!strcmp(st.state, "failed")) {
+        api_error_set(&e, 500, "server_error", "generation_failed", NULL, "%s", st.error);
+        send_error(c, &e, 0);
+        goto done;
+    }
+    const int n_tools = col.tool_calls ? (int) json_object_array_length(col.tool_calls) : 0;
+    json_object *o = json_object_new_object(), *choices = json_object_new_array(),
+                *ch = json_object_new_object();
+    json_object_object_add(o, "id", json_object_new_string(job.public_id));
+    json_object_object_add(o, "object", json_object_new_string(kind == API_KIND_CHAT ? "chat.completion"
+                                                                                    : "text_completion"));
+    json_object_object_add(o, "created", json_object_new_int64(job.created));
+    json_object_object_add(o, "model", json_object_new_string(c->cfg->model_name));
+    json_object_object_add(ch, "index", json_object_new_int(0));
+    if (kind == API_KIND_CHAT)
+        json_object_object_add(ch, "message", message_object(&col, job.public_id));
+    else
+        json_object_object_add(ch, "text", json_object_new_string(col.content.p ? col.content.p : ""));
+    json_object_object_add(ch, "logprobs", NULL);
+    json_object_object_add(ch, "finish_reason", json_object_new_string(client_finish_reason(&st, n_tools)));
+    json_object_array_add(choices, ch);
+    json_object_object_add(o, "choices", choices);
+    json_object_object_add(o, "usage", usage_object(&st));
+    send_json(c, 200, o, NULL);
+done:
+    free(col.content.p);
+    free(col.reasoning.p);
+    json_object_put(col.tool_calls);
+    api_request_free(&r);
+}
+
+static const char job_columns[] =
+    "j.id, j.public_id, j.state, j.kind, j.model, j.attempt,"
+    " extract(epoch FROM j.created_at)::float8, extract(epoch FROM j.claimed_at)::float8,"
+    " extract(epoch FROM j.first_token_at)::float8, extract(epoch FROM j.finished_at)::float8,"
+    " j.n_prompt_tokens, j.n_completion_tokens, j.finish_reason, j.error, j.max_tokens,"
+    " CASE WHEN j.state = 'queued' THEN (SELECT count(*) FROM jobs q WHERE q.state = 'queued'"
+    "   AND (q.priority > j.priority OR (q.priority = j.priority AND q.id <= j.id))) END";
+
+// The job object for row i of res (columns as job_columns, then optionally outputs).
+static json_object *job_object(PGresult *res, int i, bool with_output)
+{
+    json_object *o = json_object_new_object(), *t = json_object_new_object(),
+                *u = json_object_new_object();
+#define COL_STR(k, col)                                                                     \
+    json_object_object_add(o, k, PQgetisnull(res, i, col) ? NULL                            \
+                                                          : json_object_new_string(PQgetvalue(res, i, col)))
+#define COL_NUM(obj, k, col)                                                                \
+    json_object_object_add(obj, k, PQgetisnull(res, i, col) ? NULL                          \
+                                                            : json_object_new_double(atof(PQgetvalue(res, i, col))))
+    COL_STR("id", 1);
+    json_object_object_add(o, "object", json_object_new_string("job"));
+    COL_STR("state", 2);
+    COL_STR("kind", 3);
+    COL_STR("model", 4);
+    json_object_object_add(o, "attempts", json_object_new_int(atoi(PQgetvalue(res, i, 5))));
+    json_object_object_add(o, "queue_position",
+                           PQgetisnull(res, i, 15) ? NULL : json_object_new_int(atoi(PQgetvalue(res, i, 15))));
+    json_object_object_add(o, "created_at", json_object_new_int64((int64_t) atof(PQgetvalue(res, i, 6))));
+    COL_NUM(t, "created_at", 6);
+    COL_NUM(t, "claimed_at", 7);
+    COL_NUM(t, "first_token_at", 8);
+    COL_NUM(t, "finished_at", 9);
+    if (!PQgetisnull(res, i, 7))
+        json_object_object_add(t, "queue_wait_s", json_object_new_double(atof(PQgetvalue(res, i, 7)) -
+                                                                        atof(PQgetvalue(res, i, 6))));
+    if (!PQgetisnull(res, i, 8))
+        json_object_object_add(t, "ttft_s", json_object_new_double(atof(PQgetvalue(res, i, 8)) -
+                                                                  atof(PQgetvalue(res, i, 7))));
+    json_object_object_add(o, "timings", t);
+    const int np = atoi(PQgetvalue(res, i, 10)), nc = atoi(PQgetvalue(res, i, 11));
+    json_object_object_add(u, "prompt_tokens", json_object_new_int(np));
+    json_object_object_add(u, "completion_tokens", json_object_new_int(nc));
+    json_object_object_add(u, "total_tokens", json_object_new_int(np + nc));
+    json_object_object_add(o, "usage", u);
+    json_object_object_add(o, "max_tokens", json_object_new_int(atoi(PQgetvalue(res, i, 14))));
+    COL_STR("finish_reason", 12);
+    COL_STR("error", 13);
+    if (with_output) {
+        json_object *out = json_object_new_object();
+        json_object_object_add(out, "content", json_object_new_string(PQgetvalue(res, i, 16)));
+        json_object_object_add(out, "reasoning_content", json_object_new_string(PQgetvalue(res, i, 17)));
+        json_object *tools = json_tokener_parse(PQgetvalue(res, i, 18)), *calls = json_object_new_array();
+        for (size_t k = 0; tools && k < json_object_array_length(tools); k++)
+            json_object_array_add(calls, tool_call_object(PQgetvalue(res, i, 1), (int) k,
+                                                          json_object_get_string(json_object_array_get_idx(tools, k)),
+                                                          false));
+        json_object_put(tools);
+        json_object_object_add(out, "tool_calls", calls);
+        json_object_object_add(o, "output", out);
+    }
+#undef COL_STR
+#undef COL_NUM
+    return o;
+}
+
+// Look a job up by public id for this key (admins: any). Returns its row id, 0 after 404.
+static int64_t find_job(Ctx *c, const char *public_id, long long *created)
+{
+    char key_id[24];
+    snprintf(key_id, sizeof key_id, "%lld", (long long) c->key.id);
+    PGresult *res = api_db_exec(c->db,
+                                "SELECT id, extract(epoch FROM created_at)::bigint FROM jobs"
+                                " WHERE public_id = $1 AND (api_key_id = $2::bigint OR $3::bool)",
+                                3, (const char *const[]){public_id, key_id, c->key.is_admin ? "t" : "f"},
+                                PGRES_TUPLES_OK);
+    if (!res) {
+        fail_db(c);
+        return 0;
+    }
+    int64_t id = 0;
+    if (PQntuples(res) == 1) {
+        id = atoll(PQgetvalue(res, 0, 0));
+        if (created) *created = atoll(PQgetvalue(res, 0, 1));
+    } else {
+        fail(c, 404, NULL, "job_not_found", NULL, "no such job");
+    }
+    PQclear(res);
+    return id;
+}
+
+static void handle_job_get(Ctx *c, const char *public_id)
+{
+    if (!find_job(c, public_id, NULL)) return;
+    char sql[2048];
+    snprintf(sql, sizeof sql,
+             "SELECT %s,"
+             " coalesce((SELECT string_agg(text, '' ORDER BY seq) FROM job_chunks WHERE job_id = j.id"
+             "  AND kind = 'content'), ''),"
+             " coalesce((SELECT string_agg(text, '' ORDER BY seq) FROM job_chunks WHERE job_id = j.id"
+             "  AND kind = 'reasoning'), ''),"
+             " coalesce((SELECT json_agg(text ORDER BY seq) FROM job_chunks WHERE job_id = j.id"
+             "  AND kind = 'tool'), '[]')::text"
+             " FROM jobs j WHERE j.public_id = $1",
+             job_columns);
+    PGresult *res = api_db_exec(c->db, sql, 1, (const char *const[]){public_id}, PGRES_TUPLES_OK);
+    if (!res || PQntuples(res) != 1) {
+        PQclear(res);
+        fail_db(c);
+        return;
+    }
+    send_json(c, 200, job_object(res, 0, true), NULL);
+    PQclear(res);
+}
+
+static void handle_job_list(Ctx *c)
+{
+    char limit_text[16] = "20", after[64] = "", key_id[24], sql[2048];
+    query_value(c, "limit", limit_text, sizeof limit_text);
+    query_value(c, "after", after, sizeof after);
+    int limit = atoi(limit_text);
+    if (limit < 1 || limit > 100) {
+        fail(c, 400, NULL, NULL, "limit", "'limit' must be between 1 and 100");
+        return;
+    }
+    snprintf(limit_text, sizeof limit_text, "%d", limit + 1);
+    snprintf(key_id, sizeof key_id, "%lld", (long long) c->key.id);
+    snprintf(sql, sizeof sql,
+             "SELECT %s FROM jobs j WHERE (j.api_key_id = $1::bigint OR $2::bool)"
+             " AND ($3 = '' OR j.id < (SELECT id FROM jobs WHERE public_id = $3))"
+             " ORDER BY j.id DESC LIMIT $4::int",
+             job_columns);
+    PGresult *res = api_db_exec(c->db, sql, 4,
+                                (const char *const[]){key_id, c->key.is_admin ? "t" : "f", after, limit_text},
+                                PGRES_TUPLES_OK);
+    if (!res) {
+        fail_db(c);
+        return;
+    }
+    const int n = PQntuples(res);
+    json_object *o = json_object_new_object(), *data = json_object_new_array();
+    for (int i = 0; i < n && i < limit; i++) json_object_array_add(data, job_object(res, i, false));
+    json_object_object_add(o, "object", json_object_new_string("list"));
+    json_object_object_add(o, "data", data);
+    json_object_object_add(o, "has_more", json_object_new_boolean(n > limit));
+    PQclear(res);
+    send_json(c, 200, o, NULL);
+}
+
+static void handle_job_events(Ctx *c, const char *public_id)
+{
+    long long created = 0;
+    const int64_t id = find_job(c, public_id, &created);
+    if (!id) return;
+    int after = -1;
+    const char *last = param(c, "HTTP_LAST_EVENT_ID");
+    char qafter[16];
+    if (last && *last) {
+        char *end = NULL;
+        const long v = strtol(last, &end, 10);
+        if (*end || v < -1 || v > INT32_MAX) {
+            fail(c, 400, NULL, NULL, "Last-Event-ID", "Last-Event-ID must be a chunk sequence number");
+            return;
+        }
+        after = (int) v;
+    } else if (query_value(c, "after", qafter, sizeof qafter)) {
+        after = atoi(qafter);
+    }
+    sse_headers(c);
+    JobState st;
+    stream_job(c, id, public_id, created, after, MODE_EVENTS_SSE, NULL, NULL, &st);
+}
+
+static void handle_job_cancel(Ctx *c, const char *public_id)
+{
+    const int64_t id = find_job(c, public_id, NULL);
+    if (!id) return;
+    if (!cancel_job(c->db, id)) {
+        fail_db(c);
+        return;
+    }
+    handle_job_get(c, public_id);
+}
+
+static void handle_health(Ctx *c)
+{
+    PGresult *res = api_db_exec(c->db,
+                                "SELECT count(*) FROM engines WHERE stopped_at IS NULL"
+                                " AND heartbeat_at > now() - interval '30 seconds'",
+                                0, NULL, PGRES_TUPLES_OK);
+    json_object *o = json_object_new_object();
+    const int n = res ? atoi(PQgetvalue(res, 0, 0)) : 0;
+    json_object_object_add(o, "status", json_object_new_string(n > 0 ? "ok" : "unavailable"));
+    json_object_object_add(o, "database", json_object_new_boolean(res != NULL));
+    json_object_object_add(o, "engines", json_object_new_int(n));
+    PQclear(res);
+    send_json(c, n > 0 ? 200 : 503, o, NULL);
+}
+
+static void handle_metrics(Ctx *c)
+{
+    static const char *const buckets[] = {"0.05", "0.1", "0.25", "0.5", "1", "2.5", "5", "10", "30", "60"};
+    PGresult *res = api_db_exec(
+        c->db,
+        "SELECT (SELECT count(*) FROM jobs WHERE state = 'queued'),"
+        " (SELECT count(*) FROM jobs WHERE state = 'running'),"
+        " (SELECT coalesce(sum(n_completion_tokens), 0) FROM jobs),"
+        " (SELECT coalesce(sum(n_prompt_tokens), 0) FROM jobs),"
+        " (SELECT count(*) FROM engines WHERE stopped_at IS NULL"
+        "   AND heartbeat_at > now() - interval '30 seconds'),"
+        " (SELECT count(*) FROM jobs WHERE state = 'succeeded'),"
+        " (SELECT count(*) FROM jobs WHERE state = 'failed'),"
+        " (SELECT count(*) FROM jobs WHERE state = 'cancelled')",
+        0, NULL, PGRES_TUPLES_OK);
+    PGresult *ttft = api_db_exec(
+        c->db,
+        "SELECT b, count(*) FILTER (WHERE extract(epoch FROM first_token_at - claimed_at) <= b),"
+        " count(*) FILTER (WHERE n_completion_tokens > 1 AND extract(epoch FROM finished_at -"
+        "   first_token_at) / (n_completion_tokens - 1) <= b),"
+        " count(*) FILTER (WHERE first_token_at IS NOT NULL),"
+        " coalesce(sum(extract(epoch FROM first_token_at - claimed_at)), 0),"
+        " count(*) FILTER (WHERE n_completion_tokens > 1 AND finished_at IS NOT NULL),"
+        " coalesce(sum(extract(epoch FROM finished_at - first_token_at) / (n_completion_tokens - 1))"
+        "   FILTER (WHERE n_completion_tokens > 1 AND finished_at IS NOT NULL), 0)"
+        " FROM unnest('{0.05,0.1,0.25,0.5,1,2.5,5,10,30,60}'::float8[]) b"
+        " LEFT JOIN jobs ON first_token_at IS NOT NULL GROUP BY b ORDER BY b",
+        0, NULL, PGRES_TUPLES_OK);
+    PGresult *eng = api_db_exec(
+        c->db,
+        "SELECT id, name, (stopped_at IS NULL AND heartbeat_at > now() - interval '30 seconds')::int"
+        " FROM engines ORDER BY id DESC LIMIT 8",
+        0, NULL, PGRES_TUPLES_OK);
+    if (!res || !ttft || !eng) {
+        PQclear(res);
+        PQclear(ttft);
+        PQclear(eng);
+        fail_db(c);
+        return;
+    }
+    putf(c, "Status: 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n");
+    putf(c, "# TYPE glmspark_queue_depth gauge\nglmspark_queue_depth %s\n", PQgetvalue(res, 0, 0));
+    putf(c, "# TYPE glmspark_jobs_running gauge\nglmspark_jobs_running %s\n", PQgetvalue(res, 0, 1));
+    putf(c, "# TYPE glmspark_completion_tokens_total counter\nglmspark_completion_tokens_total %s\n",
+         PQgetvalue(res, 0, 2));
+    putf(c, "# TYPE glmspark_prompt_tokens_total counter\nglmspark_prompt_tokens_total %s\n",
+         PQgetvalue(res, 0, 3));
+    putf(c, "# TYPE glmspark_engine_up gauge\nglmspark_engine_up %d\n", atoi(PQgetvalue(res, 0, 4)) > 0);
+    putf(c, "# TYPE glmspark_jobs_total counter\n");
+    putf(c, "glmspark_jobs_total{state=\"succeeded\"} %s\n", PQgetvalue(res, 0, 5));
+    putf(c, "glmspark_jobs_total{state=\"failed\"} %s\n", PQgetvalue(res, 0, 6));
+    putf(c, "glmspark_jobs_total{state=\"cancelled\"} %s\n", PQgetvalue(res, 0, 7));
+    for (int h = 0; h < 2; h++) {
+        const char *name = h ? "glmspark_inter_token_latency_seconds" : "glmspark_ttft_seconds";
+        putf(c, "# TYPE %s histogram\n", name);
+        for (int i = 0; i < PQntuples(ttft) && i < 10; i++)
+            putf(c, "%s_bucket{le=\"%s\"} %s\n", name, buckets[i], PQgetvalue(ttft, i, 1 + h));
+        const int n_rows = PQntuples(ttft);
+        if (n_rows > 0) {
+            putf(c, "%s_bucket{le=\"+Inf\"} %s\n", name, PQgetvalue(ttft, 0, h ? 5 : 3));
+            putf(c, "%s_sum %s\n", name, PQgetvalue(ttft, 0, h ? 6 : 4));
+            putf(c, "%s_count %s\n", name, PQgetvalue(ttft, 0, h ? 5 : 3));
+        }
+    }
+    putf(c, "# TYPE glmspark_rank_up gauge\n");
+    for (int i = 0; i < PQntuples(eng); i++)
+        putf(c, "glmspark_rank_up{engine=\"%s\",epoch=\"%s\",rank=\"0\"} %s\n", PQgetvalue(eng, i, 1),
+             PQgetvalue(eng, i, 0), PQgetvalue(eng, i, 2));
+    PQclear(res);
+    PQclear(ttft);
+    PQclear(eng);
+}
+
+// nginx auth_request: 200 with the identity in headers, or 401.
+static void handle_auth(Ctx *c)
+{
+    const char *auth = param(c, "HTTP_AUTHORIZATION");
+    const char *key = auth && !strncasecmp(auth, "Bearer ", 7) ? auth + 7 : param(c, "HTTP_X_API_KEY");
+    while (key && *key == ' ') key++;
+    ApiKey k;
+    const Err err = key && *key ? api_db_auth(c->db, key, strlen(key), &k) : ERR_NOTFOUND;
+    if (err) {
+        putf(c, "Status: %d\r\nContent-Type: text/plain\r\n\r\n", err == ERR_DB ? 503 : 401);
+        return;
+    }
+    putf(c, "Status: 200 OK\r\nX-Key-Id: %lld\r\nX-Key-Scope: %s\r\nX-Key-Prefix: %s\r\n"
+            "X-Key-Rpm: %d\r\nX-Key-Max-Concurrent: %d\r\nContent-Type: text/plain\r\n\r\n",
+         (long long) k.id, k.is_admin ? "admin" : "user", k.prefix, k.rpm, k.max_concurrent);
+}
+
+// ---------------------------------------------------------------------------
+// Routing
+
+// True when the query string carries something that looks like a key.
+static bool query_has_key(const char *q)
+{
+    if (!q) return false;
+    for (const char *p = q; *p; p++) {
+        if (!strncmp(p, "gsk_", 4) || !strncasecmp(p, "gsk%5f", 6)) return true;
+        if ((p == q || p[-1] == '&') &&
+            (!strncasecmp(p, "api_key=", 8) || !strncasecmp(p, "key=", 4) ||
+             !strncasecmp(p, "access_token=", 13)))
+            return true;
+    }
+    return false;
+}
+
+static bool is_job_id(const char *s, size_t n)
+{
+    if (n < 5 || n > 60 || strncmp(s, "job-", 4) != 0) return false;
+    for (size_t i = 4; i < n; i++)
+        if (!isxdigit((unsigned char) s[i])) return false;
+    return true;
+}
+
+void api_server_handle(FCGX_Request *req, ApiDb *db, const ApiConfig *cfg)
+{
+    Ctx ctx = {.req = req, .db = db, .cfg = cfg};
+    Ctx *c = &ctx;
+    c->method = param(c, "REQUEST_METHOD");
+    c->query = param(c, "QUERY_STRING");
+    if (!c->method) c->method = "GET";
+    const char *uri = param(c, "DOCUMENT_URI");
+    if (!uri) uri = param(c, "REQUEST_URI");
+    if (!uri) uri = "/";
+    snprintf(c->path, sizeof c->path, "%.*s", (int) strcspn(uri, "?"), uri);
+    const char *path = c->path;
+    const bool is_get = !strcmp(c->method, "GET"), is_post = !strcmp(c->method, "POST");
+
+    if (!strcmp(path, "/health")) {
+        handle_health(c);
+        return;
+    }
+    if (query_has_key(c->query)) {
+        fail(c, 401, NULL, "api_key_in_query", NULL,
+             "API keys are accepted only in the Authorization header, never in the URL");
+        return;
+    }
+    if (!strcmp(path, "/internal/auth")) {
+        handle_auth(c);
+        return;
+    }
+    if (!authenticate(c)) return;
+
+    if (!strcmp(path, "/metrics")) {
+        if (!c->key.is_admin) {
+            fail(c, 403, "permission_error", "insufficient_scope", NULL, "this endpoint needs an admin key");
+            return;
+        }
+        handle_metrics(c);
+        return;
+    }
+    if (!strcmp(path, "/v1/models") || !strncmp(path, "/v1/models/", 11)) {
+        if (!is_get) goto method;
+        handle_models(c, path[10] == '/' ? path + 11 : NULL);
+        return;
+    }
+    if (!strcmp(path, "/v1/chat/completions")) {
+        if (!is_post) goto method;
+        handle_generate(c, API_KIND_CHAT, false);
+        return;
+    }
+    if (!strcmp(path, "/v1/completions")) {
+        if (!is_post) goto method;
+        handle_generate(c, API_KIND_COMPLETION, false);
+        return;
+    }
+    if (!strcmp(path, "/v1/jobs")) {
+        if (is_post) handle_generate(c, API_KIND_CHAT, true);
+        else if (is_get) handle_job_list(c);
+        else goto method;
+        return;
+    }
+    if (!strncmp(path, "/v1/jobs/", 9)) {
+        const char *id = path + 9, *rest = strchr(id, '/');
+        const size_t n_id = rest ? (size_t) (rest - id) : strlen(id);
+        char public_id[64];
+        if (!is_job_id(id, n_id)) {
+            fail(c, 404, NULL, "job_not_found", NULL, "no such job");
+            return;
+        }
+        snprintf(public_id, sizeof public_id, "%.*s", (int) n_id, id);
+        if (!rest && is_get) handle_job_get(c, public_id);
+        else if (rest && !strcmp(rest, "/events") && is_get) handle_job_events(c, public_id);
+        else if (rest && !strcmp(rest, "/cancel") && is_post) handle_job_cancel(c, public_id);
+        else if (!rest || !strcmp(rest, "/events") || !strcmp(rest, "/cancel")) goto method;
+        else fail(c, 404, NULL, "not_found", NULL, "no such endpoint");
+        return;
+    }
+    fail(c, 404, NULL, "not_found", NULL, "no such endpoint");
+    return;
+method:
+    fail(c, 405, NULL, "method_not_allowed", NULL, "method not allowed on this endpoint");
+}

@@ -1,0 +1,55 @@
+/*
+ * api_server.h - the HTTP API of glmspark-fcgi: routes one FastCGI request to its handler.
+ *
+ * Routes (all JSON; errors are OpenAI error objects):
+ *   GET  /v1/models, /v1/models/{name}     the one served model
+ *   POST /v1/chat/completions, /v1/completions   a job, answered when done or streamed (SSE)
+ *   POST /v1/jobs                          a job, answered at once with 202 and its id
+ *   GET  /v1/jobs, /v1/jobs/{id}           own jobs (admin keys: all), paged with ?limit&after
+ *   GET  /v1/jobs/{id}/events              SSE of the output; id: = chunk seq; resumable with
+ *                                          Last-Event-ID; ": keep-alive" every 15 s; ends with
+ *                                          data: [DONE]
+ *   POST /v1/jobs/{id}/cancel
+ *   GET  /health, /metrics                 engine heartbeat (200/503), Prometheus text
+ *   GET  /internal/auth                    nginx auth_request: 200 + X-Key-* headers, or 401
+ * Identity: nginx passes the verified key as FastCGI params GLMSPARK_KEY_ID, _SCOPE, _RPM,
+ * _MAX_CONCURRENT (from auth_request); without them the handler authenticates the
+ * Authorization header itself, so the app is safe behind any front end.
+ *
+ * Ownership: ApiConfig and its tokenizer are borrowed and must outlive every call.
+ * Threads:   api_server_handle may run on many threads at once, each with its own ApiDb.
+ * Errors:    reported to the client; nothing is returned.
+ */
+#ifndef FCGI_API_SERVER_H
+#define FCGI_API_SERVER_H
+
+#include <fcgiapp.h>
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "engine/common/chat.h"
+#include "engine/common/tokenizer.h"
+#include "fcgi/api_db.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ApiConfig {
+    const char *model_name;    // served model id, e.g. "GLM-5.2-NVFP4-REAP-469B"
+    const Tokenizer *tok;      // borrowed
+    ChatTemplate chat_template;
+    int context_len;           // prompt + completion tokens per sequence
+    int max_queue;             // queued jobs before 503; 0 = unlimited
+    size_t max_body_bytes;     // larger bodies get 413
+    int keepalive_s;           // SSE keep-alive comment interval (15)
+    int poll_ms;               // fallback poll when no notification arrives (1000)
+} ApiConfig;
+
+// Answer one request. Does not call FCGX_Finish_r.
+void api_server_handle(FCGX_Request *req, ApiDb *db, const ApiConfig *cfg);
+
+#ifdef __cplusplus
+}
+#endif
+#endif  // FCGI_API_SERVER_H

@@ -1,0 +1,76 @@
+/*
+ * common.cuh - small device helpers shared by every kernel family: warp reductions, bf16 and
+ * fp8 conversions, streaming loads.
+ *
+ * Activations cross kernel boundaries as bf16 (GEMV inputs) or fp32 (GEMV outputs, the
+ * residual stream); in plain-C headers bf16 is spelled uint16_t and fp8-e4m3 uint8_t. The
+ * conversions here are exact (bf16 -> fp32) or round to nearest even (fp32 -> bf16, fp32 ->
+ * e4m3 with saturation), the same rounding the C references use (kernels/ref/kern_ref.h).
+ */
+#ifndef KERNELS_COMMON_CUH
+#define KERNELS_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+#define WARP_SIZE 32
+#define CEIL_DIV(a, b) (((a) + (b) - 1) / (b))
+
+static __device__ __forceinline__ float warp_sum(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+static __device__ __forceinline__ float warp_max(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// bf16 bits -> fp32, exact.
+static __device__ __forceinline__ float bf16_bits_to_f32(uint16_t b)
+{
+    return __uint_as_float((uint32_t) b << 16);
+}
+
+// Two bf16 packed in one word (element 0 in the low half) -> two fp32, exact.
+static __device__ __forceinline__ float2 bf16x2_bits_to_f32(uint32_t w)
+{
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
+// fp32 -> bf16 bits, round to nearest even (NaN stays NaN).
+static __device__ __forceinline__ uint16_t f32_to_bf16_bits(float f)
+{
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+}
+
+// fp8 e4m3 bits -> fp32 (exact).
+static __device__ __forceinline__ float e4m3_bits_to_f32(uint8_t b)
+{
+    const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t) b, __NV_E4M3);
+    return __half2float(__half(h));
+}
+
+// fp32 -> fp8 e4m3 bits, round to nearest even, saturating at +-448.
+static __device__ __forceinline__ uint8_t f32_to_e4m3_bits(float f)
+{
+    return (uint8_t) __nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
+}
+
+// 16-byte load that does not allocate in L1: weights are streamed once per step.
+static __device__ __forceinline__ uint4 ld_stream_u4(const void *p)
+{
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+#endif  // KERNELS_COMMON_CUH

@@ -1,0 +1,60 @@
+/*
+ * dsa.h - DeepSeek sparse attention's indexer for decode: key cache append, scores over every
+ * cached position, and top-k selection (notes/model.md §2.2, "DSA indexer").
+ *
+ * Key cache, one page per DSA_BLOCK positions (DSA_BLOCK_BYTES per page):
+ *   bytes [0, 128*128)              128 keys of 128 fp8-e4m3 values, row = position % 128
+ *   bytes [128*128, 128*128 + 512)  128 fp32 scales, one per key (amax / 448)
+ * Pages are found through block_table int32 [n_seq, max_blocks] as in mla.h.
+ *
+ *   dsa_cache_append: k fp32 [n_tok, 128] (the wk projection output) -> LayerNorm with
+ *     ln_w, ln_b fp32 [128] and eps, interleaved RoPE on dims [0, 64) at pos[t], fp8 with a
+ *     per-key scale, stored at position pos[t] of sequence seq[t].
+ *   dsa_scores: scores[t, p] = sum_h w[t, h] * w_scale * ReLU(sm_scale * q[t, h] . k(p)) for
+ *     p < kv_len[t]; q fp32 [n_tok, n_heads, 128] already rotated, w fp32 [n_tok, n_heads]
+ *     (weights_proj output; w_scale = n_heads^-0.5, sm_scale = 128^-0.5 for GLM-5).
+ *     scores fp32 [n_tok, score_stride]; entries at p >= kv_len[t] are not written.
+ *   dsa_topk: idx int32 [n_tok, k] = the min(k, kv_len[t]) positions with the largest scores,
+ *     ties to the lower position, in ascending position order; n_sel int32 [n_tok] their count.
+ *     The output feeds mla_decode(indices = idx, kv_len = n_sel).
+ *
+ * Numerics: fp32 dot products of exact dequantized keys; selection is exact on the fp32
+ * scores (a radix select over their bits), so it is reproducible.
+ *
+ * Ownership: borrowed pointers. Threads: thread-safe launchers. Errors: ASSERT on bad shapes;
+ * CUDA failures fatal. Launchers never allocate and never synchronize; lengths are read on the
+ * device (graph-safe).
+ */
+#ifndef KERNELS_DSA_H
+#define KERNELS_DSA_H
+
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DSA_DIM 128
+#define DSA_ROPE 64
+#define DSA_BLOCK 128
+#define DSA_BLOCK_BYTES (DSA_BLOCK * DSA_DIM + DSA_BLOCK * 4)
+#define DSA_MAX_HEADS 32
+
+void dsa_cache_append(uint8_t *cache, const float *k, const float *ln_w, const float *ln_b,
+                      float eps, float theta, const int32_t *pos, const int32_t *seq,
+                      const int32_t *block_table, int max_blocks, int n_tok, cudaStream_t stream);
+
+// max_len bounds kv_len[t] (host-known capacity, sizes the grid).
+void dsa_scores(float *scores, int score_stride, const float *q, const float *w, float w_scale,
+                float sm_scale, const uint8_t *cache, const int32_t *block_table, int max_blocks,
+                const int32_t *seq, const int32_t *kv_len, int max_len, int n_tok, int n_heads,
+                cudaStream_t stream);
+
+void dsa_topk(int32_t *idx, int32_t *n_sel, const float *scores, int score_stride,
+              const int32_t *kv_len, int n_tok, int k, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif  // KERNELS_DSA_H

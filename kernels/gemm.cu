@@ -1,0 +1,240 @@
+/*
+ * gemm.cu - bf16-weight GEMV (decode) and the cuBLASLt GEMM wrapper (prefill).
+ *
+ * GEMV decomposition. A block is 8 warps; each warp owns R consecutive rows of one matrix
+ * (R = 4 when there are enough rows to fill the chip, else 1). Lane l reads 16-byte chunks
+ * l, l+32, ... of each of its rows (8 bf16 weights per chunk), two chunks per row in flight,
+ * so a warp streams 512 contiguous bytes per row per step. The 8 matching inputs of every
+ * token are loaded once per chunk (through L1: every warp of the block reads the same x) and
+ * reused for the R rows. Each lane accumulates R x NT fp32 partial sums; a warp butterfly
+ * adds them and lane j stores output j, so stores are spread over the warp.
+ *
+ * Memory: weights are read once with L1::no_allocate loads (they are used once per step);
+ * inputs and the residual are tiny and stay in L1/L2.
+ */
+#include "kernels/gemm.h"
+
+#include <cublasLt.h>
+
+#include "common/cuda_check.h"
+#include "kernels/common.cuh"
+
+enum { GEMV_WARPS = 8 };
+
+// ---------------------------------------------------------------------------
+// GEMV kernel
+
+template <typename OutT> static __device__ __forceinline__ void store_out(OutT *p, float v);
+template <> __device__ __forceinline__ void store_out<float>(float *p, float v)
+{
+    *p = v;
+}
+template <> __device__ __forceinline__ void store_out<uint16_t>(uint16_t *p, float v)
+{
+    *p = f32_to_bf16_bits(v);
+}
+
+template <int R, int NT, typename OutT>
+static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
+    gemm_bf16_gemv_kernel(OutT *__restrict__ y, const uint16_t *__restrict__ w,
+                          const uint16_t *__restrict__ x, const float *residual, int rows,
+                          int cols, int n_mat, int n_tok)
+{
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP_SIZE;
+    const int warps_per_mat = CEIL_DIV(rows, R);
+    const int m = warp / warps_per_mat;
+    const int r0 = (warp % warps_per_mat) * R;
+    if (m >= n_mat) return;  // whole warp leaves together
+
+    const int n_chunks = cols / 8;
+    const uint16_t *w_rows[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        const int r = min(r0 + i, rows - 1);  // clamped rows compute garbage that is not stored
+        w_rows[i] = w + ((size_t) m * rows + r) * cols;
+    }
+
+    float acc[R][NT];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
+
+    for (int c = lane; c < n_chunks; c += 2 * WARP_SIZE) {
+        const int c2 = c + WARP_SIZE;
+        const bool has2 = c2 < n_chunks;
+        uint4 wv[2][R];
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            wv[0][i] = ld_stream_u4(w_rows[i] + (size_t) c * 8);
+            wv[1][i] = has2 ? ld_stream_u4(w_rows[i] + (size_t) c2 * 8) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int cc = u ? c2 : c;
+            if (u && !has2) break;
+            float wf[R][8];
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                const uint32_t ws[4] = {wv[u][i].x, wv[u][i].y, wv[u][i].z, wv[u][i].w};
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const float2 f = bf16x2_bits_to_f32(ws[j]);
+                    wf[i][2 * j] = f.x;
+                    wf[i][2 * j + 1] = f.y;
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (t < n_tok) {
+                    const uint4 xv = __ldg((const uint4 *) (x + ((size_t) t * n_mat + m) * cols) + cc);
+                    const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
+                    float xf[8];
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const float2 f = bf16x2_bits_to_f32(xs[j]);
+                        xf[2 * j] = f.x;
+                        xf[2 * j + 1] = f.y;
+                    }
+#pragma unroll
+                    for (int i = 0; i < R; i++)
+#pragma unroll
+                        for (int j = 0; j < 8; j++) acc[i][t] = fmaf(wf[i][j], xf[j], acc[i][t]);
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const float v = warp_sum(acc[i][t]);
+            const int r = r0 + i;
+            if (lane == (i * NT + t) % WARP_SIZE && t < n_tok && r < rows) {
+                const size_t o = ((size_t) t * n_mat + m) * rows + r;
+                store_out<OutT>(y + o, residual ? v + residual[o] : v);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Launchers
+
+template <int R, int NT>
+static void launch_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
+                        const float *residual, int rows, int cols, int n_mat, int n_tok,
+                        cudaStream_t stream)
+{
+    const long n_warps = (long) n_mat * CEIL_DIV(rows, R);
+    const dim3 grid((unsigned) CEIL_DIV(n_warps, GEMV_WARPS));
+    const dim3 block(GEMV_WARPS * WARP_SIZE);
+    if (y_type == GEMM_OUT_F32)
+        gemm_bf16_gemv_kernel<R, NT, float>
+            <<<grid, block, 0, stream>>>((float *) y, w, x, residual, rows, cols, n_mat, n_tok);
+    else
+        gemm_bf16_gemv_kernel<R, NT, uint16_t>
+            <<<grid, block, 0, stream>>>((uint16_t *) y, w, x, residual, rows, cols, n_mat, n_tok);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+template <int R>
+static void launch_gemv_r(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
+                          const float *residual, int rows, int cols, int n_mat, int n_tok,
+                          cudaStream_t stream)
+{
+    if (n_tok <= 1)
+        launch_gemv<R, 1>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+    else if (n_tok <= 2)
+        launch_gemv<R, 2>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+    else if (n_tok <= 4)
+        launch_gemv<R, 4>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+    else if (n_tok <= 8)
+        launch_gemv<R, 8>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+    else
+        launch_gemv<R, 16>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+}
+
+void gemm_bf16_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
+                    const float *residual, int rows, int cols, int n_mat, int n_tok,
+                    cudaStream_t stream)
+{
+    ASSERT(rows > 0 && cols > 0 && n_mat > 0 && cols % 8 == 0);
+    ASSERT(n_tok >= 1 && n_tok <= GEMM_MAX_TOK);
+    ASSERT((uintptr_t) w % 16 == 0 && (uintptr_t) x % 16 == 0);
+    ASSERT(residual == NULL || y_type == GEMM_OUT_F32);
+    // Four rows per warp reuse each input load four times, but only when that still leaves
+    // a few warps per multiprocessor to keep loads in flight (132 SMs on H200, 48 on GB10).
+    if ((long) rows * n_mat >= 4L * 32 * 132 && rows % 4 == 0)
+        launch_gemv_r<4>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+    else
+        launch_gemv_r<1>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+}
+
+// ---------------------------------------------------------------------------
+// cuBLASLt GEMM
+
+#define CUBLAS_CHECK(call)                                                              \
+    do {                                                                                \
+        const cublasStatus_t cublas_rc_ = (call);                                       \
+        if (cublas_rc_ != CUBLAS_STATUS_SUCCESS)                                        \
+            log_fatal(__FILE__, __LINE__, "%s: cublas status %d", #call, (int) cublas_rc_); \
+    } while (0)
+
+void gemm_lt_init(GemmLt *lt)
+{
+    cublasLtHandle_t h = NULL;
+    CUBLAS_CHECK(cublasLtCreate(&h));
+    lt->handle = h;
+    lt->workspace_bytes = (size_t) 32 << 20;
+    CUDA_CHECK(cudaMalloc(&lt->workspace, lt->workspace_bytes));
+}
+
+void gemm_lt_free(GemmLt *lt)
+{
+    if (!lt) return;
+    if (lt->handle) cublasLtDestroy((cublasLtHandle_t) lt->handle);
+    if (lt->workspace) CUDA_CHECK(cudaFree(lt->workspace));
+    lt->handle = NULL;
+    lt->workspace = NULL;
+    lt->workspace_bytes = 0;
+}
+
+void gemm_bf16_lt(void *y, GemmOut y_type, const uint16_t *x, const uint16_t *w, int m, int n,
+                  int k, GemmLt *lt, cudaStream_t stream)
+{
+    ASSERT(m > 0 && n > 0 && k > 0 && k % 8 == 0 && n % 8 == 0);
+    ASSERT(lt && lt->handle);
+    // Column-major view: Y^T [n, m] = W [n, k] (stored as k x n, transposed) * X^T [k, m].
+    cublasLtMatmulDesc_t op = NULL;
+    cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    const cudaDataType_t yt = y_type == GEMM_OUT_F32 ? CUDA_R_32F : CUDA_R_16BF;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, k, n, k));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, k, m, k));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, yt, n, m, n));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &lt->workspace_bytes,
+        sizeof lt->workspace_bytes));
+    cublasLtMatmulHeuristicResult_t heur;
+    int n_found = 0;
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic((cublasLtHandle_t) lt->handle, op, la, lb, lc,
+                                                lc, pref, 1, &heur, &n_found));
+    ASSERT(n_found > 0);
+    const float alpha = 1.0f, beta = 0.0f;
+    CUBLAS_CHECK(cublasLtMatmul((cublasLtHandle_t) lt->handle, op, &alpha, w, la, x, lb, &beta,
+                                y, lc, y, lc, &heur.algo, lt->workspace, lt->workspace_bytes,
+                                stream));
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(lc);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatmulDescDestroy(op);
+}

@@ -1,0 +1,68 @@
+/*
+ * gemm.h - products with bf16 weights: batched GEMV for decode, cuBLASLt GEMM for prefill.
+ *
+ * Layouts (row-major, outermost first; bf16 is spelled uint16_t):
+ *
+ *   w         bf16 [n_mat, rows, cols]     one row per output feature, as in the checkpoint
+ *   x         bf16 [n_tok, n_mat, cols]    token t's input to matrix m at x + (t*n_mat+m)*cols
+ *   y         fp32 or bf16 [n_tok, n_mat, rows]
+ *   residual  fp32 [n_tok, n_mat, rows] or NULL; may alias y (each element is read, then written,
+ *             by the same thread)
+ *
+ *   y[t, m, r] = residual[t, m, r] + sum_c w[m, r, c] * x[t, m, c]
+ *
+ * n_mat > 1 is the per-head form that MLA's absorbed decode needs (64 small matrices, each
+ * applied to its own head's slice of the input). Numerics: products and sums in fp32, one
+ * rounding to bf16 at the end when y is bf16. Summation order is fixed (per lane, then a warp
+ * butterfly), so results are bitwise reproducible run to run.
+ *
+ * gemm_bf16_lt: Y[M, N] = X[M, K] W[N, K]^T through cuBLASLt (fp32 accumulation), for prefill.
+ *
+ * Ownership: launchers borrow every pointer for the duration of the enqueue; GemmLt owns a
+ * cuBLASLt handle and a device workspace from gemm_lt_init until gemm_lt_free.
+ * Threads:   launchers are thread-safe; one GemmLt per stream at a time.
+ * Errors:    shapes or alignment the kernels cannot handle trip an ASSERT (caller bug); CUDA
+ *            and cuBLAS failures are fatal (common/cuda_check.h). Launchers never allocate and
+ *            never synchronize.
+ */
+#ifndef KERNELS_GEMM_H
+#define KERNELS_GEMM_H
+
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GEMM_MAX_TOK 16  // decode GEMVs take at most this many tokens per launch
+
+typedef enum GemmOut { GEMM_OUT_F32 = 0, GEMM_OUT_BF16 = 1 } GemmOut;
+
+// y = w x (+ residual) as above. Preconditions: cols % 8 == 0; w, x 16-byte aligned;
+// 1 <= n_tok <= GEMM_MAX_TOK; residual only with GEMM_OUT_F32.
+void gemm_bf16_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
+                    const float *residual, int rows, int cols, int n_mat, int n_tok,
+                    cudaStream_t stream);
+
+typedef struct GemmLt {
+    void *handle;     // cublasLtHandle_t
+    void *workspace;  // device memory, workspace_bytes
+    size_t workspace_bytes;
+} GemmLt;
+
+// Create the cuBLASLt handle and a 32 MiB workspace. Fatal on failure (startup only).
+void gemm_lt_init(GemmLt *lt);
+// Release what gemm_lt_init made and zero *lt. Safe on a zeroed GemmLt.
+void gemm_lt_free(GemmLt *lt);
+
+// Y[M, N] = X[M, K] W[N, K]^T, all row-major. X, W bf16; Y fp32 or bf16 per y_type.
+// Preconditions: K % 8 == 0, N % 8 == 0, 16-byte aligned pointers.
+void gemm_bf16_lt(void *y, GemmOut y_type, const uint16_t *x, const uint16_t *w, int m, int n,
+                  int k, GemmLt *lt, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif  // KERNELS_GEMM_H

@@ -1,0 +1,89 @@
+/*
+ * mla.h - multi-head latent attention for decode, in absorbed form, over a paged latent cache.
+ *
+ * Per token the cache holds the 576-wide MLA latent of notes/model.md §2.2: c_kv (512, after
+ * kv_a_layernorm) and k_pe (64, after RoPE). Cache layout, one page per MLA_BLOCK tokens:
+ *
+ *   MLA_CACHE_FP8  (vLLM's fp8_ds_mla, MLA_FP8_TOKEN_BYTES = 656 per token):
+ *                  bytes [0, 512)    c_kv in fp8-e4m3, divided by its chunk scale
+ *                  bytes [512, 528)  4 fp32 scales, one per 128 latent values (amax / 448)
+ *                  bytes [528, 656)  k_pe, 64 bf16
+ *   MLA_CACHE_BF16 (1152 bytes per token): c_kv then k_pe, 576 bf16
+ *
+ *   data  uint8 [n_blocks, MLA_BLOCK, token_bytes]
+ *   block_table int32 [n_seq, max_blocks]: page of position p of sequence s is
+ *               block_table[s * max_blocks + p / MLA_BLOCK], row p % MLA_BLOCK.
+ *
+ * Decode attention, per token t (sequence seq[t]) and head h:
+ *
+ *   positions P = 0 .. kv_len[t]-1, or, when indices != NULL (DSA), indices[t, 0 .. kv_len[t])
+ *   score(p) = (q_lat[t,h] . c_kv(p) + q_pe[t,h] . k_pe(p)) * sm_scale      (sm_scale = 1/16)
+ *   out[t,h] = sum_p softmax(score)(p) * c_kv(p)                              bf16 [.., 512]
+ *
+ * q_lat fp32 [n_tok, H, 512] is q_nope absorbed through W_UK (gemm_bf16_gemv per head); q_pe
+ * fp32 [n_tok, H, 64] is already rotated (mla_q_split). Split-KV: the positions of a token
+ * are cut into n_split equal ranges that run in parallel; each writes an unnormalized partial
+ * output and its (max, sum) to the caller's workspace, and mla_decode's second kernel merges
+ * them. Numerics: dequantized cache values are exact in fp32; dot products, softmax and the
+ * weighted sum are fp32; one rounding to bf16 at the end.
+ *
+ * Ownership: borrowed pointers; MlaCache does not own its data. Threads: thread-safe
+ * launchers. Errors: ASSERT on bad shapes; CUDA failures fatal. Launchers never allocate and
+ * never synchronize; lengths, positions and indices are read on the device, so decode steps
+ * can be captured once in a CUDA graph and replayed as the context grows.
+ */
+#ifndef KERNELS_MLA_H
+#define KERNELS_MLA_H
+
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MLA_KV_LORA 512
+#define MLA_ROPE 64
+#define MLA_LK (MLA_KV_LORA + MLA_ROPE)
+#define MLA_BLOCK 128
+#define MLA_FP8_TOKEN_BYTES 656
+#define MLA_MAX_SPLIT 64
+#define MLA_HEADS_PER_CTA 16  // n_heads must be a multiple
+
+typedef enum MlaCacheType { MLA_CACHE_FP8 = 0, MLA_CACHE_BF16 = 1 } MlaCacheType;
+
+typedef struct MlaCache {
+    uint8_t *data;  // [n_blocks, MLA_BLOCK, mla_cache_token_bytes(type)]
+    MlaCacheType type;
+    int n_blocks;
+} MlaCache;
+
+// Bytes one token occupies in a cache of this type.
+size_t mla_cache_token_bytes(MlaCacheType type);
+
+// Write tokens into the cache. ckv fp32 [n_tok, ckv_stride] holds [c_kv(512) | k_pe(64)] (the
+// kv_a projection output); c_kv is RMS-normalized with norm_w fp32 [512] and eps, k_pe rotated
+// (interleaved, theta) at pos[t], and the token stored at position pos[t] of sequence seq[t].
+void mla_cache_append(const MlaCache *cache, const float *ckv, int ckv_stride,
+                      const float *norm_w, float eps, float theta, const int32_t *pos,
+                      const int32_t *seq, const int32_t *block_table, int max_blocks, int n_tok,
+                      cudaStream_t stream);
+
+// q fp32 [n_tok, H, 256] = [q_nope(192) | q_pe(64)] per head (the q_b projection output) ->
+// q_nope bf16 [n_tok, H, 192] and q_pe fp32 [n_tok, H, 64] rotated at pos[t].
+void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, const int32_t *pos, int n_tok,
+                 int n_heads, float theta, cudaStream_t stream);
+
+// Decode attention as above. ws_o fp32 [n_tok, n_split, H, 512] and ws_ml fp32
+// [n_tok, n_split, H, 2] are the caller's workspace. indices int32 [n_tok, idx_stride] or NULL.
+void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaCache *cache,
+                const int32_t *block_table, int max_blocks, const int32_t *seq,
+                const int32_t *kv_len, const int32_t *indices, int idx_stride, int n_tok,
+                int n_heads, float sm_scale, int n_split, float *ws_o, float *ws_ml,
+                cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif  // KERNELS_MLA_H

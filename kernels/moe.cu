@@ -1,0 +1,308 @@
+/*
+ * moe.cu - fused router and NVFP4 routed experts for decode.
+ *
+ * Router: one warp per token. Lane l holds experts l, l+32, ... (at most 16 per lane); group
+ * scores and the k selections are warp argmax reductions (value, then lower index), so the
+ * result does not depend on timing. Any expert count up to MOE_MAX_EXPERTS works, incl. 156.
+ *
+ * w13 (gate+up, SwiGLU fused): grid (inter/16, n_tok*k); a block is 8 warps, each warp owns
+ * two output features i, i+1 and reads four rows (gate i, gate i+1, up i, up i+1) of its
+ * slot's expert: every x chunk loaded from L1 is reused four times. Lane l reads 16-byte
+ * chunks l, l+32, ... (32 codes), two chunks per row in flight. The warp finishes with a
+ * butterfly and writes SiLU(g)*u in bf16.
+ *
+ * w2 (down + weighted sum + residual): grid (hidden/32, n_tok); each warp owns 4 output rows of
+ * one token and walks the token's k experts in order, reading 4 rows x inter/32 chunks per
+ * expert; the act chunk is reused for the 4 rows. The slot weight is applied per expert, the
+ * residual once, and the result written once: no atomics, no second pass.
+ *
+ * Expert ids are read on the device. Two tokens that pick the same expert read its rows
+ * twice; at batch <= 16 most of the second reads hit L2.
+ */
+#include "kernels/moe.h"
+
+#include "common/cuda_check.h"
+#include "kernels/common.cuh"
+#include "kernels/nvfp4_dev.cuh"
+
+enum { MOE_WARPS = 8 };
+
+// ---------------------------------------------------------------------------
+// Router kernel
+
+// Warp-wide argmax over (v, i): larger v wins, then smaller i.
+static __device__ void warp_argmax(float *v, int *i)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, *v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, *i, o);
+        if (ov > *v || (ov == *v && oi < *i)) {
+            *v = ov;
+            *i = oi;
+        }
+    }
+}
+
+static __global__ void moe_route_kernel(int32_t *__restrict__ idx, float *__restrict__ w,
+                                        const float *__restrict__ logits,
+                                        const float *__restrict__ bias, int n_tok, int n_experts,
+                                        int k, int n_group, int topk_group, float scale)
+{
+    enum { PER_LANE = MOE_MAX_EXPERTS / WARP_SIZE };
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int t = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    if (t >= n_tok) return;
+    const float *lg = logits + (size_t) t * n_experts;
+
+    float s[PER_LANE], choice[PER_LANE];
+#pragma unroll
+    for (int j = 0; j < PER_LANE; j++) {
+        const int e = lane + WARP_SIZE * j;
+        s[j] = 0.0f;
+        choice[j] = -INFINITY;
+        if (e < n_experts) {
+            s[j] = 1.0f / (1.0f + expf(-lg[e]));
+            choice[j] = s[j] + bias[e];
+        }
+    }
+
+    if (n_group > 1) {
+        const int per_group = n_experts / n_group;
+        float gscore[MOE_MAX_GROUPS];
+        for (int g = 0; g < n_group; g++) {
+            float top2 = 0.0f;
+            int taken = -1;
+            for (int r = 0; r < 2; r++) {
+                float bv = -INFINITY;
+                int bi = 0x7fffffff;
+#pragma unroll
+                for (int j = 0; j < PER_LANE; j++) {
+                    const int e = lane + WARP_SIZE * j;
+                    if (e < n_experts && e / per_group == g && e != taken && choice[j] > bv) {
+                        bv = choice[j];
+                        bi = e;
+                    }
+                }
+                warp_argmax(&bv, &bi);
+                top2 += bv;
+                taken = bi;
+            }
+            gscore[g] = top2;
+        }
+        // Keep the topk_group best groups (ties to the lower group), mask the rest.
+        unsigned keep = 0;
+        for (int r = 0; r < topk_group; r++) {
+            int best = -1;
+            for (int g = 0; g < n_group; g++)
+                if (!(keep >> g & 1) && (best < 0 || gscore[g] > gscore[best])) best = g;
+            keep |= 1u << best;
+        }
+#pragma unroll
+        for (int j = 0; j < PER_LANE; j++) {
+            const int e = lane + WARP_SIZE * j;
+            if (e < n_experts && !(keep >> (e / per_group) & 1)) choice[j] = -INFINITY;
+        }
+    }
+
+    float picked_s = 0.0f, sum = 0.0f;
+    int picked_e = 0;
+    for (int r = 0; r < k; r++) {
+        float bv = -INFINITY;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < PER_LANE; j++) {
+            const int e = lane + WARP_SIZE * j;
+            if (e < n_experts && (choice[j] > bv || (choice[j] == bv && e < bi))) {
+                bv = choice[j];
+                bi = e;
+            }
+        }
+        warp_argmax(&bv, &bi);
+        // The owner lane removes the winner and broadcasts its sigmoid score.
+        float sv = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PER_LANE; j++) {
+            if (lane + WARP_SIZE * j == bi) {
+                sv = s[j];
+                choice[j] = -INFINITY;
+            }
+        }
+        sv = __shfl_sync(0xffffffffu, sv, bi % WARP_SIZE);
+        sum += sv;
+        if (lane == r) {
+            picked_s = sv;
+            picked_e = bi;
+        }
+    }
+    if (lane < k) {
+        idx[(size_t) t * k + lane] = picked_e;
+        w[(size_t) t * k + lane] = picked_s / (sum + 1e-20f) * scale;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Expert kernels
+
+static __global__ void __launch_bounds__(MOE_WARPS *WARP_SIZE)
+    moe_w13_kernel(uint16_t *__restrict__ act, const uint8_t *__restrict__ q13,
+                   const uint8_t *__restrict__ s13, const float *__restrict__ g13,
+                   const uint16_t *__restrict__ x, const int32_t *__restrict__ idx, int k,
+                   int hidden, int inter)
+{
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int i0 = (blockIdx.x * MOE_WARPS + threadIdx.x / WARP_SIZE) * 2;
+    const int p = blockIdx.y;  // slot t*k + j
+    const int t = p / k;
+    if (i0 >= inter) return;
+    const int e = idx[p];
+
+    const size_t row_q = hidden / 2, row_s = hidden / NVFP4_GROUP;
+    const size_t base = (size_t) e * 2 * inter;
+    const int rows[4] = {i0, i0 + 1, inter + i0, inter + i0 + 1};
+    const uint8_t *qr[4];
+    const uint16_t *sr[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        qr[r] = q13 + (base + rows[r]) * row_q;
+        sr[r] = (const uint16_t *) (s13 + (base + rows[r]) * row_s);
+    }
+    const uint16_t *xt = x + (size_t) t * hidden;
+
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int n_chunks = hidden / 32;
+    for (int c = lane; c < n_chunks; c += 2 * WARP_SIZE) {
+        const int c2 = c + WARP_SIZE;
+        const bool has2 = c2 < n_chunks;
+        uint4 qv[2][4];
+        uint16_t sv[2][4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            qv[0][r] = ld_stream_u4(qr[r] + (size_t) c * 16);
+            sv[0][r] = __ldg(sr[r] + c);
+            qv[1][r] = has2 ? ld_stream_u4(qr[r] + (size_t) c2 * 16) : make_uint4(0, 0, 0, 0);
+            sv[1][r] = has2 ? __ldg(sr[r] + c2) : (uint16_t) 0;
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            if (u && !has2) break;
+            float xf[32];
+            load_x32(xt + (size_t) (u ? c2 : c) * 32, xf);
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[r] += nvfp4_chunk_dot(qv[u][r], sv[u][r], xf);
+        }
+    }
+    float v[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) v[r] = warp_sum(acc[r]);
+    if (lane < 2) {
+        const float g = (lane ? v[1] : v[0]) * g13[2 * e];
+        const float u = (lane ? v[3] : v[2]) * g13[2 * e + 1];
+        act[(size_t) p * inter + i0 + lane] = f32_to_bf16_bits(g / (1.0f + expf(-g)) * u);
+    }
+}
+
+static __global__ void __launch_bounds__(MOE_WARPS *WARP_SIZE)
+    moe_w2_kernel(float *out, const uint8_t *__restrict__ q2, const uint8_t *__restrict__ s2,
+                  const float *__restrict__ g2, const uint16_t *__restrict__ act,
+                  const int32_t *__restrict__ idx, const float *__restrict__ w,
+                  const float *residual, int k, int hidden, int inter)
+{
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int r0 = (blockIdx.x * MOE_WARPS + threadIdx.x / WARP_SIZE) * 4;
+    const int t = blockIdx.y;
+    if (r0 >= hidden) return;
+    const size_t row_q = inter / 2, row_s = inter / NVFP4_GROUP;
+    const int n_chunks = inter / 32;
+
+    float total[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int j = 0; j < k; j++) {
+        const int p = t * k + j;
+        const int e = idx[p];
+        const float wj = w[p] * g2[e];
+        const uint16_t *a = act + (size_t) p * inter;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int c = lane; c < n_chunks; c += 2 * WARP_SIZE) {
+            const int c2 = c + WARP_SIZE;
+            const bool has2 = c2 < n_chunks;
+            uint4 qv[2][4];
+            uint16_t sv[2][4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const size_t row = (size_t) e * hidden + r0 + r;
+                const uint8_t *qr = q2 + row * row_q;
+                const uint16_t *sr = (const uint16_t *) (s2 + row * row_s);
+                qv[0][r] = ld_stream_u4(qr + (size_t) c * 16);
+                sv[0][r] = __ldg(sr + c);
+                qv[1][r] = has2 ? ld_stream_u4(qr + (size_t) c2 * 16) : make_uint4(0, 0, 0, 0);
+                sv[1][r] = has2 ? __ldg(sr + c2) : (uint16_t) 0;
+            }
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                if (u && !has2) break;
+                float xf[32];
+                load_x32(a + (size_t) (u ? c2 : c) * 32, xf);
+#pragma unroll
+                for (int r = 0; r < 4; r++) acc[r] += nvfp4_chunk_dot(qv[u][r], sv[u][r], xf);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; r++) total[r] += warp_sum(acc[r]) * wj;
+    }
+    if (lane < 4) {
+        const float v = lane == 0 ? total[0] : lane == 1 ? total[1] : lane == 2 ? total[2] : total[3];
+        const size_t o = (size_t) t * hidden + r0 + lane;
+        out[o] = residual ? residual[o] + v : v;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Launchers
+
+void moe_route(int32_t *idx, float *w, const float *logits, const float *bias, int n_tok,
+               int n_experts, int k, int n_group, int topk_group, float scale,
+               cudaStream_t stream)
+{
+    ASSERT(n_tok > 0 && n_experts > 0 && n_experts <= MOE_MAX_EXPERTS);
+    ASSERT(k >= 1 && k <= MOE_MAX_K && k <= WARP_SIZE);
+    ASSERT(n_group >= 1 && n_group <= MOE_MAX_GROUPS && n_experts % n_group == 0);
+    ASSERT(topk_group >= 1 && topk_group <= n_group);
+    ASSERT(k <= topk_group * (n_experts / n_group));
+    const int warps = 4;
+    moe_route_kernel<<<CEIL_DIV(n_tok, warps), warps * WARP_SIZE, 0, stream>>>(
+        idx, w, logits, bias, n_tok, n_experts, k, n_group, topk_group, scale);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+static void check_experts(const MoeExperts *ex)
+{
+    ASSERT(ex->n_experts > 0 && ex->hidden > 0 && ex->inter > 0);
+    ASSERT(ex->hidden % 32 == 0 && ex->inter % 32 == 0 && ex->hidden % 4 == 0);
+    ASSERT((uintptr_t) ex->q13 % 16 == 0 && (uintptr_t) ex->q2 % 16 == 0);
+    ASSERT((uintptr_t) ex->s13 % 2 == 0 && (uintptr_t) ex->s2 % 2 == 0);
+}
+
+void moe_experts_w13(uint16_t *act, const MoeExperts *ex, const uint16_t *x, const int32_t *idx,
+                     int n_tok, int k, cudaStream_t stream)
+{
+    check_experts(ex);
+    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (uintptr_t) x % 16 == 0);
+    ASSERT(ex->inter % 2 == 0);
+    const dim3 grid((unsigned) CEIL_DIV(ex->inter, 2 * MOE_WARPS), (unsigned) (n_tok * k));
+    moe_w13_kernel<<<grid, MOE_WARPS * WARP_SIZE, 0, stream>>>(act, ex->q13, ex->s13, ex->g13, x,
+                                                               idx, k, ex->hidden, ex->inter);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+void moe_experts_w2(float *out, const MoeExperts *ex, const uint16_t *act, const int32_t *idx,
+                    const float *w, const float *residual, int n_tok, int k,
+                    cudaStream_t stream)
+{
+    check_experts(ex);
+    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (uintptr_t) act % 16 == 0);
+    const dim3 grid((unsigned) CEIL_DIV(ex->hidden, 4 * MOE_WARPS), (unsigned) n_tok);
+    moe_w2_kernel<<<grid, MOE_WARPS * WARP_SIZE, 0, stream>>>(out, ex->q2, ex->s2, ex->g2, act,
+                                                              idx, w, residual, k, ex->hidden,
+                                                              ex->inter);
+    CUDA_CHECK(cudaGetLastError());
+}

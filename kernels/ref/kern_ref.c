@@ -1,0 +1,74 @@
+/*
+ * kern_ref.c - bf16 / e4m3 rounding and a seeded generator for the kernel references.
+ *
+ * The e4m3 encoder walks the representable magnitudes (at most 127 of them) rather than
+ * twiddling bits, so that it can be checked by eye against the decoder in nvfp4_format.h.
+ */
+#include "kernels/ref/kern_ref.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "kernels/nvfp4_format.h"
+
+float kern_bf16_to_f32(uint16_t b)
+{
+    const uint32_t u = (uint32_t) b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+uint16_t kern_f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (isnan(f)) return (uint16_t) ((u >> 16) | 0x40);
+    const uint32_t lsb = (u >> 16) & 1;
+    u += 0x7fff + lsb;
+    return (uint16_t) (u >> 16);
+}
+
+float kern_round_bf16(float f)
+{
+    return kern_bf16_to_f32(kern_f32_to_bf16(f));
+}
+
+float kern_e4m3_to_f32(uint8_t b)
+{
+    return nvfp4_e4m3_to_float(b);
+}
+
+uint8_t kern_f32_to_e4m3(float f)
+{
+    const uint8_t sign = signbit(f) ? 0x80 : 0;
+    const double a = fabs((double) f);
+    if (a >= 448.0) return sign | 0x7e;
+    // Candidates 0x00..0x7e are increasing in magnitude; pick the nearest, ties to even code.
+    uint8_t best = 0;
+    double best_err = a;
+    for (int c = 1; c <= 0x7e; c++) {
+        const double err = fabs((double) nvfp4_e4m3_to_float((uint8_t) c) - a);
+        if (err < best_err || (err == best_err && (c & 1) == 0)) {
+            best = (uint8_t) c;
+            best_err = err;
+        }
+    }
+    return sign | best;
+}
+
+uint64_t kern_rand_u64(uint64_t *state)
+{
+    uint64_t x = *state ? *state : 0x9e3779b97f4a7c15ull;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *state = x;
+    return x * 0x2545f4914f6cdd1dull;
+}
+
+float kern_rand_uniform(uint64_t *state, float lo, float hi)
+{
+    const double u = (double) (kern_rand_u64(state) >> 11) / 9007199254740992.0;  // [0, 1)
+    return (float) (lo + (hi - lo) * u);
+}

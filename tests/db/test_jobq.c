@@ -1,0 +1,387 @@
+/*
+ * test_jobq.c - queue semantics against a real PostgreSQL (run by with_pg.sh).
+ *
+ * Covers: migrations apply once and are idempotent; the app role can run the queue and
+ * the admin role can only read admin views; many concurrent claimers take every job
+ * exactly once; an expired lease re-delivers a job that resumes from its committed tokens
+ * while the old owner is fenced off; one exclusive engine per queue and recovery of a dead
+ * engine's jobs; cancel of queued and running jobs; max_attempts.
+ * Lease expiry is simulated by moving lease_until into the past, never by sleeping.
+ */
+#include <libpq-fe.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../check.h"
+#include "cli.h"
+#include "common/apikey.h"
+#include "jobq.h"
+
+static char conn_super[512], conn_app[512], conn_admin[512];
+
+static PGconn *connect_or_die(const char *conninfo)
+{
+    PGconn *c = PQconnectdb(conninfo);
+    if (PQstatus(c) != CONNECTION_OK) {
+        fprintf(stderr, "connect %s: %s", conninfo, PQerrorMessage(c));
+        exit(1);
+    }
+    PQsetNoticeProcessor(c, NULL, NULL);
+    return c;
+}
+
+// Run sql; return the first value of the first row (static buffer) or NULL on error, with
+// the error text in last_error.
+static char last_error[512];
+static const char *q1(PGconn *c, const char *sql)
+{
+    static char value[4096];
+    PGresult *r = PQexec(c, sql);
+    const ExecStatusType st = PQresultStatus(r);
+    const char *out = NULL;
+    if (st == PGRES_TUPLES_OK || st == PGRES_COMMAND_OK) {
+        snprintf(value, sizeof value, "%s",
+                 st == PGRES_TUPLES_OK && PQntuples(r) > 0 ? PQgetvalue(r, 0, 0) : "");
+        out = value;
+    } else {
+        snprintf(last_error, sizeof last_error, "%s", PQerrorMessage(c));
+    }
+    PQclear(r);
+    return out;
+}
+
+static int qint(PGconn *c, const char *sql)
+{
+    const char *v = q1(c, sql);
+    if (!v) fprintf(stderr, "query failed: %s: %s", sql, last_error);
+    return v ? atoi(v) : -1;
+}
+
+static long long key_id;
+
+// Insert n queued jobs with prompt [i, i+1] and max_tokens 8; returns the first job id.
+static long long insert_jobs(PGconn *c, int n, int max_attempts)
+{
+    char sql[512];
+    snprintf(sql, sizeof sql,
+             "INSERT INTO jobs (api_key_id, kind, model, request, prompt_ids, n_prompt_tokens,"
+             " max_tokens, max_attempts) SELECT %lld, 'chat', 'm', '{}', ARRAY[g, g + 1], 2, 8, %d"
+             " FROM generate_series(1, %d) g RETURNING id",
+             key_id, max_attempts, n);
+    const char *v = q1(c, sql);
+    return v ? atoll(v) : -1;
+}
+
+static JobQueue *open_queue(bool is_exclusive, Err *err_out)
+{
+    JobqOptions o = {.conninfo = conn_app, .engine_name = "test", .model = "m",
+                     .is_exclusive = is_exclusive, .lease_s = 30};
+    JobQueue *q = NULL;
+    const Err err = jobq_create(&o, &q);
+    if (err_out) *err_out = err;
+    return q;
+}
+
+// ---------------------------------------------------------------------------
+
+static void test_migrate(void)
+{
+    char *argv[] = {"db", "migrate", "--db", conn_super, NULL};
+    CHECK(cli_db(4, argv) == 0);
+    CHECK(cli_db(4, argv) == 0);  // idempotent: applies nothing the second time
+    PGconn *c = connect_or_die(conn_super);
+    CHECK(qint(c, "SELECT count(*) FROM schema_migrations") == 3);
+    CHECK(qint(c, "SELECT count(*) FROM information_schema.views WHERE table_schema = 'admin'")
+          == 5);
+    char *bad[] = {"db", "migrate", "--db", conn_super, "--sql", "/nonexistent", NULL};
+    CHECK(cli_db(6, bad) == 1);
+    PQfinish(c);
+}
+
+static void test_roles(void)
+{
+    PGconn *admin = connect_or_die(conn_admin);
+    CHECK(q1(admin, "SELECT count(*) FROM admin.queue") != NULL);
+    CHECK(q1(admin, "SELECT count(*) FROM admin.running") != NULL);
+    CHECK(q1(admin, "SELECT count(*) FROM admin.recent_jobs") != NULL);
+    CHECK(q1(admin, "SELECT count(*) FROM admin.usage_by_key") != NULL);
+    CHECK(qint(admin, "SELECT count(*) FROM admin.throughput") == 3);
+    CHECK(q1(admin, "SELECT key_hash FROM api_keys") == NULL);
+    CHECK(strstr(last_error, "permission denied") != NULL);
+    CHECK(q1(admin, "SELECT * FROM jobs") == NULL);
+    CHECK(q1(admin, "UPDATE jobs SET priority = 1") == NULL);
+    CHECK(q1(admin, "INSERT INTO job_chunks VALUES (1, 0, 1, 'content', 'x', '{}')") == NULL);
+    CHECK(q1(admin, "DELETE FROM jobs") == NULL);
+    PQfinish(admin);
+
+    PGconn *app = connect_or_die(conn_app);
+    CHECK(q1(app, "SELECT count(*) FROM api_keys") != NULL);
+    CHECK(q1(app, "CREATE TABLE app_may_not_create (x int)") == NULL);
+    CHECK(q1(app, "DROP TABLE jobs") == NULL);
+    PQfinish(app);
+}
+
+static void test_keys(void)
+{
+    char key[APIKEY_LEN + 1], prefix[APIKEY_PREFIX_LEN + 1], sql[512];
+    uint8_t digest[APIKEY_HASH_LEN];
+    CHECK(apikey_generate(key) == ERR_OK);
+    CHECK(apikey_parse(key, strlen(key), prefix) == ERR_OK);
+    apikey_hash(key, strlen(key), digest);
+    char hex[2 * APIKEY_HASH_LEN + 1];
+    for (int i = 0; i < APIKEY_HASH_LEN; i++) snprintf(hex + 2 * i, 3, "%02x", digest[i]);
+    PGconn *c = connect_or_die(conn_super);
+    snprintf(sql, sizeof sql,
+             "INSERT INTO api_keys (prefix, key_hash, name) VALUES ('%s', '\\x%s', 'test')"
+             " RETURNING id", prefix, hex);
+    const char *id = q1(c, sql);
+    CHECK(id != NULL);
+    key_id = id ? atoll(id) : 0;
+    // The stored hash verifies the key and nothing else.
+    snprintf(sql, sizeof sql, "SELECT encode(key_hash, 'hex') FROM api_keys WHERE prefix = '%s'",
+             prefix);
+    const char *stored_hex = q1(c, sql);
+    CHECK(stored_hex && strcmp(stored_hex, hex) == 0);
+    CHECK(apikey_verify(key, strlen(key), digest));
+    key[APIKEY_LEN - 1] ^= 1;
+    CHECK(!apikey_verify(key, strlen(key), digest));
+
+    char *revoke[] = {"keys", "revoke", prefix, "--db", conn_super, NULL};
+    char *revoke_again[] = {"keys", "revoke", prefix, "--db", conn_super, NULL};
+    char *create_bad[] = {"keys", "create", "--name", "x", "--scope", "root", "--db", conn_super,
+                          NULL};
+    snprintf(sql, sizeof sql, "INSERT INTO api_keys (prefix, key_hash, name) VALUES"
+             " ('gsk_revokeme0000', '\\x%s', 'r')", "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff");
+    CHECK(q1(c, sql) != NULL);
+    revoke[2] = revoke_again[2] = "gsk_revokeme0000";
+    CHECK(cli_keys(5, revoke) == 0);
+    CHECK(qint(c, "SELECT count(*) FROM api_keys WHERE revoked_at IS NOT NULL") == 1);
+    CHECK(cli_keys(5, revoke_again) == 1);  // already revoked: reported, non-zero
+    CHECK(cli_keys(8, create_bad) == 2);
+    PQfinish(c);
+}
+
+// ---------------------------------------------------------------------------
+// Concurrent claimers
+
+enum { N_CLAIM_JOBS = 1500, N_CLAIMERS = 8 };
+static int claim_count[N_CLAIM_JOBS];
+static long long claim_base;
+static pthread_mutex_t claim_mutex = PTHREAD_MUTEX_INITIALIZER;
+static int claim_errors;
+
+static void *claimer(void *arg)
+{
+    (void) arg;
+    Err err;
+    JobQueue *q = open_queue(false, &err);
+    if (!q) {
+        pthread_mutex_lock(&claim_mutex);
+        claim_errors++;
+        pthread_mutex_unlock(&claim_mutex);
+        return NULL;
+    }
+    for (;;) {
+        JobqJob job;
+        err = jobq_claim(q, &job);
+        if (err == ERR_NOTFOUND) break;
+        pthread_mutex_lock(&claim_mutex);
+        if (err || job.id < claim_base || job.id >= claim_base + N_CLAIM_JOBS)
+            claim_errors++;
+        else
+            claim_count[job.id - claim_base]++;
+        pthread_mutex_unlock(&claim_mutex);
+        if (err) break;
+        const int32_t tok = (int32_t) job.id;
+        JobqChunk ch = {JOBQ_CHUNK_CONTENT, "x", &tok, 1};
+        if (jobq_append(q, &job, &ch, 1, NULL) || jobq_finish(q, &job, "stop")) {
+            pthread_mutex_lock(&claim_mutex);
+            claim_errors++;
+            pthread_mutex_unlock(&claim_mutex);
+        }
+        jobq_job_free(&job);
+    }
+    jobq_destroy(q);
+    return NULL;
+}
+
+static void test_concurrent_claims(void)
+{
+    PGconn *c = connect_or_die(conn_super);
+    claim_base = insert_jobs(c, N_CLAIM_JOBS, 3);
+    CHECK(claim_base > 0);
+    pthread_t th[N_CLAIMERS];
+    for (int i = 0; i < N_CLAIMERS; i++) pthread_create(&th[i], NULL, claimer, NULL);
+    for (int i = 0; i < N_CLAIMERS; i++) pthread_join(th[i], NULL);
+    int n_once = 0;
+    for (int i = 0; i < N_CLAIM_JOBS; i++) n_once += claim_count[i] == 1;
+    printf("concurrent claims: %d jobs, %d claimers, %d claimed exactly once, %d errors\n",
+           N_CLAIM_JOBS, N_CLAIMERS, n_once, claim_errors);
+    CHECK(n_once == N_CLAIM_JOBS);
+    CHECK(claim_errors == 0);
+    CHECK(qint(c, "SELECT count(*) FROM jobs WHERE state = 'succeeded' AND attempt = 1"
+                  " AND n_chunks = 1") == N_CLAIM_JOBS);
+    PQfinish(c);
+}
+
+// ---------------------------------------------------------------------------
+
+static void test_lease_expiry_and_fencing(void)
+{
+    PGconn *c = connect_or_die(conn_super);
+    const long long id = insert_jobs(c, 1, 3);
+    JobQueue *qa = open_queue(false, NULL), *qb = open_queue(false, NULL);
+    CHECK(qa && qb);
+    if (!qa || !qb) return;
+    JobqJob ja, jb;
+    CHECK(jobq_claim(qa, &ja) == ERR_OK);
+    CHECK(ja.id == id && ja.attempt == 1 && ja.n_prompt == 2 && ja.next_seq == 0);
+    CHECK(jobq_claim(qb, &jb) == ERR_NOTFOUND);  // leased: nobody else gets it
+    const int32_t t1[] = {11, 12};
+    JobqChunk ch1 = {JOBQ_CHUNK_REASONING, "ab", t1, 2};
+    bool cancelled = true;
+    CHECK(jobq_append(qa, &ja, &ch1, 1, &cancelled) == ERR_OK && !cancelled);
+    CHECK(ja.next_seq == 1);
+
+    char sql[256];
+    snprintf(sql, sizeof sql, "UPDATE jobs SET lease_until = now() - interval '1 second'"
+             " WHERE id = %lld", id);
+    CHECK(q1(c, sql) != NULL);  // qa stalled past its lease
+    CHECK(jobq_claim(qb, &jb) == ERR_OK);
+    CHECK(jb.id == id && jb.attempt == 2 && jb.next_seq == 1);
+    CHECK(jb.n_committed == 2 && jb.committed_ids && jb.committed_ids[0] == 11 &&
+          jb.committed_ids[1] == 12);
+
+    // The stalled owner wakes up: every write is refused.
+    const int32_t t2[] = {13};
+    JobqChunk ch2 = {JOBQ_CHUNK_CONTENT, "zombie", t2, 1};
+    CHECK(jobq_append(qa, &ja, &ch2, 1, NULL) == ERR_NOTFOUND);
+    CHECK(jobq_heartbeat(qa, &ja, NULL) == ERR_NOTFOUND);
+    CHECK(jobq_finish(qa, &ja, "stop") == ERR_NOTFOUND);
+
+    const int32_t t3[] = {21}, t4[] = {22, 23};
+    JobqChunk ch3[2] = {{JOBQ_CHUNK_CONTENT, "c", t3, 1}, {JOBQ_CHUNK_CONTENT, "", t4, 2}};
+    CHECK(jobq_append(qb, &jb, ch3, 2, NULL) == ERR_OK && jb.next_seq == 3);
+    CHECK(jobq_finish(qb, &jb, "length") == ERR_OK);
+    snprintf(sql, sizeof sql,
+             "SELECT string_agg(seq || ':' || attempt || ':' || kind || ':' || text || ':' ||"
+             " token_ids::text, ' ' ORDER BY seq) FROM job_chunks WHERE job_id = %lld", id);
+    const char *v = q1(c, sql);
+    CHECK(v && strcmp(v, "0:1:reasoning:ab:{11,12} 1:2:content:c:{21} 2:2:content::{22,23}") == 0);
+    snprintf(sql, sizeof sql, "SELECT state || ' ' || n_completion_tokens || ' ' || finish_reason"
+             " FROM jobs WHERE id = %lld", id);
+    v = q1(c, sql);
+    CHECK(v && strcmp(v, "succeeded 5 length") == 0);
+    jobq_job_free(&ja);
+    jobq_job_free(&jb);
+    jobq_destroy(qa);
+    jobq_destroy(qb);
+    PQfinish(c);
+}
+
+static void test_exclusive_and_recovery(void)
+{
+    PGconn *c = connect_or_die(conn_super);
+    Err err;
+    JobQueue *e1 = open_queue(true, &err);
+    CHECK(e1 && err == ERR_OK);
+    JobQueue *e2 = open_queue(true, &err);
+    CHECK(!e2 && err == ERR_AGAIN);  // a second engine refuses to start
+    const long long id = insert_jobs(c, 1, 3);
+    JobqJob j1, j2;
+    CHECK(jobq_claim(e1, &j1) == ERR_OK && j1.id == id);
+    const int32_t t[] = {7};
+    JobqChunk ch = {JOBQ_CHUNK_CONTENT, "seven", t, 1};
+    CHECK(jobq_append(e1, &j1, &ch, 1, NULL) == ERR_OK);
+
+    // e1's session dies (network, server restart): its lock goes with it.
+    CHECK(qint(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_locks"
+                  " WHERE locktype = 'advisory' AND granted") == 1);
+    e2 = open_queue(true, &err);
+    CHECK(e2 && err == ERR_OK);
+    int n_requeued = -1;
+    CHECK(e2 && jobq_recover(e2, &n_requeued) == ERR_OK && n_requeued == 1);
+    CHECK(e2 && jobq_claim(e2, &j2) == ERR_OK && j2.id == id && j2.attempt == 2 &&
+          j2.next_seq == 1 && j2.n_committed == 1);
+    CHECK(jobq_append(e1, &j1, &ch, 1, NULL) == ERR_DB);   // its connection is gone
+    CHECK(jobq_reconnect(e1, 500) == ERR_AGAIN);           // and e2 holds the queue now
+    CHECK(jobq_append(e1, &j1, &ch, 1, NULL) == ERR_NOTFOUND);  // fenced even if it tries
+    CHECK(e2 && jobq_finish(e2, &j2, "stop") == ERR_OK);
+    char sql[256];
+    snprintf(sql, sizeof sql, "SELECT count(*) FROM job_chunks WHERE job_id = %lld", id);
+    CHECK(qint(c, sql) == 1);
+    jobq_job_free(&j1);
+    jobq_job_free(&j2);
+    jobq_destroy(e1);
+    jobq_destroy(e2);
+    PQfinish(c);
+}
+
+static void test_cancel_and_attempts(void)
+{
+    PGconn *c = connect_or_die(conn_super);
+    JobQueue *q = open_queue(false, NULL);
+    CHECK(q != NULL);
+    if (!q) return;
+    char sql[256];
+    // Cancelled while queued (what POST /v1/jobs/{id}/cancel does): never claimed.
+    long long id = insert_jobs(c, 1, 3);
+    snprintf(sql, sizeof sql, "UPDATE jobs SET state = 'cancelled', finished_at = now(),"
+             " finish_reason = 'cancelled' WHERE id = %lld AND state = 'queued'", id);
+    CHECK(q1(c, sql) != NULL);
+    JobqJob j;
+    CHECK(jobq_claim(q, &j) == ERR_NOTFOUND);
+
+    // Cancelled while running: the next append reports it.
+    id = insert_jobs(c, 1, 3);
+    CHECK(jobq_claim(q, &j) == ERR_OK && j.id == id);
+    snprintf(sql, sizeof sql, "UPDATE jobs SET cancel_requested = true WHERE id = %lld", id);
+    CHECK(q1(c, sql) != NULL);
+    const int32_t t[] = {1};
+    JobqChunk ch = {JOBQ_CHUNK_CONTENT, "x", t, 1};
+    bool cancelled = false;
+    CHECK(jobq_append(q, &j, &ch, 1, &cancelled) == ERR_OK && cancelled);
+    cancelled = false;
+    CHECK(jobq_heartbeat(q, &j, &cancelled) == ERR_OK && cancelled);
+    CHECK(jobq_finish(q, &j, "cancelled") == ERR_OK);
+    snprintf(sql, sizeof sql, "SELECT state FROM jobs WHERE id = %lld", id);
+    const char *v = q1(c, sql);
+    CHECK(v && strcmp(v, "cancelled") == 0);
+    jobq_job_free(&j);
+
+    // A job that keeps losing its lease fails after max_attempts.
+    id = insert_jobs(c, 1, 1);
+    CHECK(jobq_claim(q, &j) == ERR_OK && j.id == id);
+    jobq_job_free(&j);
+    snprintf(sql, sizeof sql, "UPDATE jobs SET lease_until = now() - interval '1 second'"
+             " WHERE id = %lld", id);
+    CHECK(q1(c, sql) != NULL);
+    CHECK(jobq_claim(q, &j) == ERR_NOTFOUND);
+    snprintf(sql, sizeof sql, "SELECT state FROM jobs WHERE id = %lld", id);
+    v = q1(c, sql);
+    CHECK(v && strcmp(v, "failed") == 0);
+    jobq_destroy(q);
+    PQfinish(c);
+}
+
+int main(void)
+{
+    const char *host = getenv("GLMSPARK_PGHOST"), *db = getenv("GLMSPARK_DB");
+    if (!host || !db) {
+        fprintf(stderr, "test_jobq: run me through tests/db/with_pg.sh\n");
+        return 1;
+    }
+    snprintf(conn_super, sizeof conn_super, "%s", db);
+    snprintf(conn_app, sizeof conn_app, "host=%s user=glmspark_app dbname=glmspark", host);
+    snprintf(conn_admin, sizeof conn_admin, "host=%s user=glmspark_admin dbname=glmspark", host);
+    test_migrate();
+    test_roles();
+    test_keys();
+    test_concurrent_claims();
+    test_lease_expiry_and_fencing();
+    test_exclusive_and_recovery();
+    test_cancel_and_attempts();
+    return check_exit();
+}

@@ -1,0 +1,394 @@
+// ui_test.mjs - browser tests of the web UI: Debian's chromium driven by playwright-core.
+//
+// Two targets:
+//   * the real stack: GLMSPARK_WEB_URL=https://127.0.0.1:8443 GLMSPARK_WEB_KEY=<user key>
+//     [GLMSPARK_WEB_ADMIN_KEY=<admin key>] [GLMSPARK_WEB_RPM_KEY=<key with --rpm 1>]
+//     (tests/web/run.sh --stack sets these from `ops/devstack up`);
+//   * otherwise tests/web/mock_api.mjs, started in-process, which also lets the tests force a
+//     full queue, a failed job and a dropped connection.
+// What is compared is real: the text the page shows after streaming, reloading and
+// reconnecting must equal the job's stored output from GET /v1/jobs/{id} (and, on the mock,
+// the exact script the mock generated), and after a reload the events request must carry
+// Last-Event-ID. Screenshots go to tests/web/screenshots/ (git-ignored).
+//
+//   node --test --test-concurrency=1 tests/web/ui_test.mjs
+
+import { after, before, test } from 'node:test';
+import assert from 'node:assert/strict';
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { chromium } from 'playwright-core';
+import * as mockMod from './mock_api.mjs';
+
+const HERE = path.dirname(fileURLToPath(import.meta.url));
+const SHOTS = path.join(HERE, 'screenshots');
+const CHROMIUM = process.env.GLMSPARK_CHROMIUM || '/usr/bin/chromium';
+const REAL = Boolean(process.env.GLMSPARK_WEB_URL);
+const T = REAL ? 120000 : 30000; // per wait
+
+let mock = null;
+let base = '';
+const mockKey = (name) => Object.entries(mockMod.KEYS).find(([, v]) => v.name === name)[0];
+const userKey = REAL ? process.env.GLMSPARK_WEB_KEY || '' : mockKey('alice');
+const adminKey = REAL ? process.env.GLMSPARK_WEB_ADMIN_KEY || '' : mockKey('ops');
+const rpmKey = REAL ? process.env.GLMSPARK_WEB_RPM_KEY || '' : mockKey('limited');
+let ctx = null;
+let userDir = '';
+let page = null;
+const requests = [];   // {url, headers} of every request the page made
+const problems = [];   // console errors, page errors, failed static assets
+
+async function shot(name, p = page) {
+  await p.screenshot({ path: path.join(SHOTS, `${name}.png`), fullPage: true });
+}
+
+function watch(p) {
+  p.on('console', (m) => {
+    // A 4xx/5xx answer to an API call is logged by Chromium as "Failed to load resource";
+    // the tests cause those on purpose (bad key, 403 on /metrics...). Anything else is a bug.
+    if (m.type() === 'error' && !/Failed to load resource/.test(m.text())) problems.push(`console: ${m.text()}`);
+  });
+  p.on('pageerror', (e) => problems.push(`pageerror: ${e.message}`));
+  p.on('request', (r) => requests.push({ url: r.url(), headers: r.headers() }));
+  p.on('response', (r) => {
+    const u = new URL(r.url());
+    if (!u.pathname.startsWith('/v1/') && u.pathname !== '/metrics' && r.status() >= 400) {
+      problems.push(`static ${u.pathname} -> ${r.status()}`);
+    }
+  });
+}
+
+// Calls the API from inside the page (same origin, the page's TLS exceptions).
+async function apiCall(method, p, key, body) {
+  return page.evaluate(async ({ method, p, key, body }) => {
+    const r = await fetch(p, { method, headers: { Authorization: `Bearer ${key}`,
+      ...(body ? { 'Content-Type': 'application/json' } : {}) },
+    body: body ? JSON.stringify(body) : undefined });
+    return { status: r.status, body: await r.json().catch(() => null) };
+  }, { method, p, key, body });
+}
+
+async function signIn(key) {
+  await page.goto(`${base}/`);
+  await page.waitForSelector('#signin:not([hidden])', { timeout: T });
+  await page.fill('#api-key', key);
+  await page.click('#signin-button');
+}
+
+async function signedIn(key) {
+  await signIn(key);
+  await page.waitForSelector('#home:not([hidden])', { timeout: T });
+}
+
+async function submit(message, maxTokens, { thinking = true } = {}) {
+  if (await page.isVisible('#job')) await page.click('#back-link');
+  await page.waitForSelector('#compose-form', { state: 'visible', timeout: T });
+  await page.fill('#user-message', message);
+  await page.fill('#max-tokens', String(maxTokens));
+  await page.setChecked('#thinking', thinking);
+  await page.click('#submit-job');
+  await page.waitForSelector('#job:not([hidden])', { timeout: T });
+  const id = (await page.textContent('#job-id')).trim();
+  assert.match(id, /\S+/);
+  assert.equal(new URL(page.url()).hash, `#/jobs/${encodeURIComponent(id)}`);
+  return id;
+}
+
+async function outputLength() {
+  return (await page.textContent('#job-output')).length;
+}
+
+async function waitState(state) {
+  await page.waitForSelector(`#job-state.state-${state}`, { timeout: T });
+}
+
+async function waitOutputAtLeast(n) {
+  await page.waitForFunction((k) => document.getElementById('job-output').textContent.length >= k,
+                             n, { timeout: T });
+}
+
+// The page's final output equals the job's stored output (and, on the mock, its script).
+async function checkFinalOutput(id, maxTokens) {
+  const r = await apiCall('GET', `/v1/jobs/${encodeURIComponent(id)}`, userKey);
+  assert.equal(r.status, 200);
+  const shown = await page.textContent('#job-output');
+  assert.equal(shown, r.body.output.content);
+  if (mock) {
+    assert.equal(shown, mockMod.expectedText(maxTokens, 'content'));
+    assert.equal(await page.textContent('#job-reasoning'), mockMod.expectedText(maxTokens, 'reasoning'));
+  }
+  return shown;
+}
+
+before(async () => {
+  fs.mkdirSync(SHOTS, { recursive: true });
+  if (REAL) {
+    base = process.env.GLMSPARK_WEB_URL.replace(/\/$/, '');
+    assert.ok(userKey, 'GLMSPARK_WEB_KEY must be set with GLMSPARK_WEB_URL');
+  } else {
+    mock = await mockMod.startMock({ tickMs: 25 });
+    base = mock.url;
+  }
+  userDir = fs.mkdtempSync(path.join(os.tmpdir(), 'glmspark-web-'));
+  // playwright passes --headless and --user-data-dir itself (launchPersistentContext).
+  ctx = await chromium.launchPersistentContext(userDir, {
+    executablePath: CHROMIUM,
+    headless: true,
+    ignoreHTTPSErrors: true,
+    viewport: { width: 1280, height: 800 },
+    args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+           '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+  });
+  page = ctx.pages()[0] || await ctx.newPage();
+  watch(page);
+});
+
+after(async () => {
+  if (ctx) await ctx.close();
+  if (mock) await mock.close();
+  if (userDir) fs.rmSync(userDir, { recursive: true, force: true });
+});
+
+test('the page loads with no errors, and every control has a label', async () => {
+  await page.goto(`${base}/`);
+  await page.waitForSelector('#signin:not([hidden])', { timeout: T });
+  assert.equal(await page.title(), 'glmspark');
+  const unlabelled = await page.evaluate(() => {
+    const bad = [];
+    for (const el of document.querySelectorAll('input, textarea, select, button')) {
+      const named = (el.labels && el.labels.length > 0) || el.getAttribute('aria-label') ||
+        el.getAttribute('aria-labelledby') || (el.tagName === 'BUTTON' && el.textContent.trim());
+      if (!named) bad.push(el.id || el.outerHTML.slice(0, 60));
+    }
+    return bad;
+  });
+  assert.deepEqual(unlabelled, []);
+  // No external assets: every URL the page loaded is on its own origin.
+  const foreign = requests.filter((r) => !r.url.startsWith(base) && !r.url.startsWith('data:'));
+  assert.deepEqual(foreign.map((r) => r.url), []);
+  await shot('desktop-signin');
+  assert.deepEqual(problems, []);
+});
+
+test('a bad key gets a clear message and is not kept', async () => {
+  await signIn('gsk_not_a_real_key_000000000000');
+  await page.waitForSelector('#signin-error:not([hidden])', { timeout: T });
+  assert.match(await page.textContent('#signin-error'), /API key was not accepted/);
+  assert.equal(await page.evaluate(() => sessionStorage.getItem('glmspark.apiKey')), null);
+  assert.ok(await page.isVisible('#signin'));
+  await shot('desktop-bad-key');
+  // Empty key: said so, nothing sent.
+  const before = requests.length;
+  await page.fill('#api-key', '');
+  await page.click('#signin-button');
+  assert.match(await page.textContent('#signin-error'), /Enter your API key/);
+  assert.equal(requests.filter((r, i) => i >= before && r.url.includes('/v1/')).length, 0);
+});
+
+test('sign in keeps the key in sessionStorage and sends it only as a header', async () => {
+  await signedIn(userKey);
+  assert.equal(await page.evaluate(() => sessionStorage.getItem('glmspark.apiKey')), userKey);
+  assert.notEqual((await page.textContent('#model-name')).trim(), '');
+  const api = requests.filter((r) => r.url.includes('/v1/'));
+  assert.ok(api.length > 0);
+  assert.ok(api.some((r) => r.headers.authorization === `Bearer ${userKey}`));
+  assert.deepEqual(requests.filter((r) => r.url.includes(userKey)).map((r) => r.url), []);
+  assert.equal(await page.evaluate((k) => document.body.innerHTML.includes(k), userKey), false);
+});
+
+test('a submitted job streams its reasoning and answer into the page', async () => {
+  const maxTokens = 120;
+  const id = await submit('Say something long, please.', maxTokens);
+  // Tokens arrive while the job runs: several different lengths are seen before it ends.
+  const seen = new Set();
+  const t0 = Date.now();
+  while (Date.now() - t0 < T) {
+    const state = (await page.textContent('#job-state')).trim();
+    const n = await outputLength();
+    if (n > 0) seen.add(n);
+    if (state === 'running' && n > 0 && seen.size >= 2) break;
+    if (state === 'succeeded') break;
+    await page.waitForTimeout(50);
+  }
+  await shot('desktop-job-streaming');
+  assert.ok(seen.size >= 2, `output grew in steps while streaming (lengths seen: ${[...seen]})`);
+  await waitState('succeeded');
+  const shown = await checkFinalOutput(id, maxTokens);
+  assert.ok(shown.length > 0);
+  // Reasoning is shown apart from the answer, in a collapsible <details>.
+  if (mock) {
+    assert.ok(await page.isVisible('#reasoning-box'));
+    await page.click('#reasoning-box summary');
+    assert.equal(await page.getAttribute('#reasoning-box', 'open'), null);
+    await page.click('#reasoning-box summary');
+  }
+  assert.match(await page.textContent('#job-conn'), /finished/);
+  assert.equal(await page.isVisible('#cancel-job'), false);
+  await page.waitForFunction(() => document.getElementById('job-tokens').textContent !== '–');
+  await shot('desktop-job-done');
+});
+
+test('reloading mid-stream resumes with Last-Event-ID and loses or repeats nothing', async () => {
+  const maxTokens = 400;
+  const id = await submit('A long answer to reload in the middle of.', maxTokens);
+  await waitState('running');
+  await waitOutputAtLeast(60);
+  const mark = requests.length;
+  await page.reload();
+  await page.waitForSelector('#job:not([hidden])', { timeout: T });
+  assert.equal((await page.textContent('#job-id')).trim(), id);
+  await waitState('succeeded');
+  const resumed = requests.slice(mark).filter((r) => r.url.endsWith(`/v1/jobs/${id}/events`));
+  assert.ok(resumed.length >= 1, 'the page asked for the events again');
+  const lei = resumed[0].headers['last-event-id'];
+  assert.match(lei || '', /^[0-9]+$/, 'the first events request after the reload sent Last-Event-ID');
+  assert.ok(Number(lei) > 0);
+  if (mock) assert.ok(mock.log.some((l) => l.job === id && l.lastEventId === lei));
+  await checkFinalOutput(id, maxTokens);
+});
+
+test('a dropped connection reconnects and resumes', async () => {
+  const maxTokens = 400;
+  const id = await submit('A long answer whose connection drops.', maxTokens);
+  await waitState('running');
+  await waitOutputAtLeast(60);
+  const mark = requests.length;
+  if (mock) {
+    const r = await fetch(`${base}/__mock/drop`, { method: 'POST' }).then((x) => x.json());
+    assert.ok(r.dropped >= 1);
+  } else {
+    await ctx.setOffline(true);
+    await page.waitForTimeout(1500);
+    await ctx.setOffline(false);
+  }
+  await page.waitForFunction(() => /reconnect|resum/i.test(document.getElementById('job-conn').textContent),
+                             null, { timeout: T }).catch(() => {});
+  await waitState('succeeded');
+  const again = requests.slice(mark).filter((r) => r.url.endsWith(`/v1/jobs/${id}/events`));
+  assert.ok(again.length >= 1, 'the page reconnected');
+  assert.match(again[0].headers['last-event-id'] || '', /^[0-9]+$/);
+  await checkFinalOutput(id, maxTokens);
+});
+
+test('cancel stops a running job', async () => {
+  const id = await submit('Something to cancel.', 400);
+  await waitState('running');
+  await waitOutputAtLeast(20);
+  await page.click('#cancel-job');
+  await waitState('cancelled');
+  assert.match(await page.textContent('#job-conn'), /cancelled/);
+  assert.equal(await page.isVisible('#cancel-job'), false);
+  const r = await apiCall('GET', `/v1/jobs/${encodeURIComponent(id)}`, userKey);
+  assert.equal(r.body.state, 'cancelled');
+  assert.equal(await page.textContent('#job-output'), r.body.output.content);
+  await shot('desktop-job-cancelled');
+});
+
+test('the job list updates without reloading', async () => {
+  await page.click('#back-link');
+  await page.waitForSelector('#jobs-table:not([hidden])', { timeout: T });
+  const n0 = await page.locator('#jobs-body tr').count();
+  assert.ok(n0 >= 4);
+  // A job created elsewhere (through the API) appears and finishes in the list by itself.
+  const r = await apiCall('POST', '/v1/jobs', userKey, {
+    messages: [{ role: 'user', content: 'from the API' }], max_tokens: 16 });
+  assert.equal(r.status, 202);
+  const id = r.body.id;
+  const row = page.locator(`#jobs-body tr[data-job-id="${id}"]`);
+  await row.waitFor({ timeout: T });
+  await row.locator('.state-succeeded').waitFor({ timeout: T });
+  const cells = await row.locator('td').allTextContents();
+  assert.ok(cells.some((c) => /^\d+$/.test(c.trim())), 'tokens and attempts are shown');
+  await shot('desktop-home');
+  assert.deepEqual(problems, []);
+});
+
+test('failed jobs, a full queue and rate limits get clear messages', { skip: REAL && !rpmKey }, async () => {
+  if (mock) {
+    await submit('Please FAIL now.', 64);
+    await waitState('failed');
+    assert.match(await page.textContent('#job-error'), /The job failed: the engine ran out of KV cache/);
+    await shot('desktop-job-failed');
+
+    await page.click('#back-link');
+    await fetch(`${base}/__mock/queue_full`, { method: 'POST', body: JSON.stringify({ on: true }) });
+    await page.fill('#user-message', 'Anyone there?');
+    await page.click('#submit-job');
+    await page.waitForSelector('#compose-error:not([hidden])', { timeout: T });
+    assert.equal(await page.textContent('#compose-error'), 'The queue is full. Try again in 5 s.');
+    assert.ok(await page.isVisible('#home'), 'stays on the form, message kept');
+    assert.equal(await page.inputValue('#user-message'), 'Anyone there?');
+    await shot('desktop-queue-full');
+    await fetch(`${base}/__mock/queue_full`, { method: 'POST', body: JSON.stringify({ on: false }) });
+  }
+  await page.click('#sign-out');
+  await page.waitForSelector('#signin:not([hidden])', { timeout: T });
+  assert.equal(await page.evaluate(() => sessionStorage.length), 0);
+  // A key over its jobs-per-minute limit: the form says so and when to try again.
+  await signedIn(rpmKey);
+  if (REAL) { // a key created with --rpm 1: use it up first
+    for (let i = 0; i < 2; i++) {
+      await apiCall('POST', '/v1/jobs', rpmKey, { messages: [{ role: 'user', content: 'x' }], max_tokens: 1 });
+    }
+  }
+  await page.fill('#user-message', 'over the limit');
+  await page.click('#submit-job');
+  await page.waitForSelector('#compose-error:not([hidden])', { timeout: T });
+  assert.match(await page.textContent('#compose-error'),
+               /Rate limit reached for this key \(this key is limited to \d+ requests per minute\)\. Try again in \d+ s\./);
+  await shot('desktop-rate-limit');
+  await page.click('#sign-out');
+});
+
+test('an admin key sees every key\'s jobs and the queue figures', { skip: !adminKey }, async () => {
+  await page.goto(`${base}/`);
+  if (await page.isVisible('#sign-out')) await page.click('#sign-out');
+  await signedIn(adminKey);
+  await page.waitForSelector('#jobs-table:not([hidden])', { timeout: T });
+  await page.waitForSelector('#queue-stats:not([hidden])', { timeout: T });
+  if (mock) { // the admin sees a job of bob's, which alice never saw
+    const r = await apiCall('POST', '/v1/jobs', mockKey('bob'), {
+      messages: [{ role: 'user', content: 'bob was here' }], max_tokens: 8 });
+    assert.equal(r.status, 202);
+    await page.locator(`#jobs-body tr[data-job-id="${r.body.id}"]`).waitFor({ timeout: T });
+    const a = await apiCall('GET', `/v1/jobs/${r.body.id}`, userKey);
+    assert.equal(a.status, 404);
+    await page.waitForFunction(() => /^\d+$/.test(document.getElementById('stat-running').textContent));
+  }
+  assert.ok(await page.isVisible('#jobs-scope'));
+  await shot('desktop-admin');
+  await page.click('#sign-out');
+});
+
+test('a phone-width screen shows everything without sideways scrolling', async () => {
+  await page.setViewportSize({ width: 360, height: 780 });
+  const noOverflow = () => page.evaluate(() =>
+    document.documentElement.scrollWidth <= document.documentElement.clientWidth);
+  await page.goto(`${base}/`);
+  if (await page.isVisible('#sign-out')) await page.click('#sign-out');
+  await page.waitForSelector('#signin:not([hidden])', { timeout: T });
+  assert.ok(await noOverflow(), 'sign-in fits');
+  await shot('phone-signin');
+  await signedIn(userKey);
+  await page.waitForSelector('#jobs-table:not([hidden])', { timeout: T });
+  assert.ok(await noOverflow(), 'home fits');
+  // Job rows become cards: the label of each figure is shown next to it.
+  const before = await page.evaluate(() => getComputedStyle(
+    document.querySelector('#jobs-body td:nth-child(3)'), '::before').content);
+  assert.match(before, /State/);
+  await shot('phone-home');
+  const id = await submit('A phone-sized answer.', 120);
+  await waitOutputAtLeast(40);
+  assert.ok(await noOverflow(), 'job view fits');
+  await shot('phone-job-streaming');
+  await waitState('succeeded');
+  await checkFinalOutput(id, 120);
+  assert.ok(await noOverflow(), 'finished job view fits');
+  // Controls stay big enough to touch.
+  const h = await page.evaluate(() => document.getElementById('sign-out').getBoundingClientRect().height);
+  assert.ok(h >= 40);
+  await shot('phone-job-done');
+  assert.deepEqual(problems, []);
+});
