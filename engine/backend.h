@@ -5,9 +5,13 @@
  *
  * Every op works on plain fp32 buffers with explicit shapes (outermost first) and on
  * CkptLinear weights in their stored format (f32, f16, bf16, fp8, NVFP4: each backend
- * dequantizes as it reads; nothing is expanded in memory). Buffers belong to the backend's
- * memory space: host memory for the CPU backend, device memory for a CUDA one. Shapes use
- * the letters n (tokens in this call), H (heads), D (head dim), E (experts), K (top-k).
+ * dequantizes as it reads; nothing is expanded in memory). Buffers and int arrays passed
+ * to ops belong to the backend's memory space (alloc/upload/download below): host memory
+ * for the CPU backend, device memory for a CUDA one. model.c never touches them directly.
+ * Weights are handed to bind_linear() once at load, which may move or repack them. The KV
+ * cache's pool is host memory for now (kv_cache.c); a device backend will need it to come
+ * from alloc. Shapes use the letters n (tokens in this call), H (heads), D (head dim),
+ * E (experts), K (top-k).
  *
  * Numerics every backend honours (transformers' glm_moe_dsa in float64 is the reference):
  *   matmul      fp32 products, accumulation at least fp32
@@ -27,6 +31,7 @@
 #define ENGINE_BACKEND_H
 
 #include <stdbool.h>
+#include <stddef.h>
 
 #include "checkpoint.h"
 #include "common/err.h"
@@ -38,22 +43,22 @@ extern "C" {
 
 // MoE routing parameters (GlmMoeDsaTopkRouter).
 typedef struct BackendRoute {
-    int n_experts;     // E
-    int top_k;         // K experts per token
-    int n_group;       // E % n_group == 0
-    int topk_group;    // groups kept, 1..n_group
+    int n_experts;   // E
+    int top_k;       // K experts per token
+    int n_group;     // E % n_group == 0
+    int topk_group;  // groups kept, 1..n_group
     bool norm_topk_prob;
     float routed_scaling_factor;
 } BackendRoute;
 
 // MLA shapes and the softmax scale.
 typedef struct BackendMla {
-    int n_heads;   // H
-    int qk_nope;   // per-head non-rotary query/key width
-    int qk_rope;   // rotary width (shared k_pe)
-    int v_dim;     // per-head value width
-    int kv_lora;   // latent width
-    float scale;   // softmax scale, 1/sqrt(qk_nope + qk_rope) (x mscale^2 for yarn)
+    int n_heads;  // H
+    int qk_nope;  // per-head non-rotary query/key width
+    int qk_rope;  // rotary width (shared k_pe)
+    int v_dim;    // per-head value width
+    int kv_lora;  // latent width
+    float scale;  // softmax scale, 1/sqrt(qk_nope + qk_rope) (x mscale^2 for yarn)
 } BackendMla;
 
 // DSA indexer shapes.
@@ -71,6 +76,19 @@ struct Backend {
 
     void (*destroy)(Backend *be);
 
+    // Zero-filled backend memory of `bytes` bytes, or NULL when out of memory. Released
+    // with free_mem (NULL allowed).
+    void *(*alloc)(Backend *be, size_t bytes);
+    void (*free_mem)(Backend *be, void *p);
+
+    // Copy bytes from host memory into backend memory, and back.
+    void (*upload)(Backend *be, void *dst, const void *src_host, size_t bytes);
+    void (*download)(Backend *be, void *dst_host, const void *src, size_t bytes);
+
+    // Make weight w usable by the ops (upload or repack it, rewriting w's pointers). Called
+    // once per weight at load; the CPU backend uses the mapping as it is. ERR_NOMEM.
+    Err (*bind_linear)(Backend *be, CkptLinear *w);
+
     // y[t, r] = sum_c W[r, c] x[t, c] for t < n. y: [n, w->rows], x: [n, w->cols].
     void (*matmul)(Backend *be, float *y, const CkptLinear *w, const float *x, int n);
 
@@ -83,16 +101,16 @@ struct Backend {
                     int stride, float eps);
 
     // y = (x - mean) / sqrt(var + eps) * w + b (biased variance). y may equal x.
-    void (*layernorm)(Backend *be, float *y, const float *x, const float *w, const float *b,
-                      int n, int dim, float eps);
+    void (*layernorm)(Backend *be, float *y, const float *x, const float *w, const float *b, int n,
+                      int dim, float eps);
 
     // Interleaved RoPE, in place, on x[t, h, offset .. offset+rope_dim) for t < n, h < H;
     // rows of a token are `stride` floats apart, heads `head_stride`. Pairs (2i, 2i+1) are
     // rotated by angle pos[t] * theta^(-2i/rope_dim) and written de-interleaved, as
     // transformers' apply_rotary_pos_emb_interleave does: out[i] = x[2i] cos - x[2i+1] sin,
     // out[rope_dim/2 + i] = x[2i+1] cos + x[2i] sin.
-    void (*rope)(Backend *be, float *x, int n, int n_heads, int stride, int head_stride,
-                 int offset, int rope_dim, const int *pos, float theta);
+    void (*rope)(Backend *be, float *x, int n, int n_heads, int stride, int head_stride, int offset,
+                 int rope_dim, const int *pos, float theta);
 
     // y[i] = silu(gate[i]) * up[i] for i < n_elems. y may equal gate.
     void (*silu_mul)(Backend *be, float *y, const float *gate, const float *up, int n_elems);
@@ -102,8 +120,8 @@ struct Backend {
 
     // Write src [n, width] into the cache entries of `layer` at positions pos[t] of seq,
     // floats offset .. offset+width of each entry (see kv_cache.h for the entry layout).
-    void (*kv_write)(Backend *be, KvCache *kv, const KvSeq *seq, int layer, const int *pos,
-                     int n, int offset, const float *src, int width);
+    void (*kv_write)(Backend *be, KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
+                     int offset, const float *src, int width);
 
     // Routed experts: out[t] = sum_k wts[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) with
     // e = idx[t, k]; experts[3 e + 0/1/2] are expert e's gate [I, hidden], up [I, hidden]
@@ -114,8 +132,8 @@ struct Backend {
 
     // Expert choice from router logits [n, E] and correction bias [E]: idx [n, K] (experts,
     // ascending) and their weights wts [n, K].
-    void (*route)(Backend *be, int *idx, float *wts, const float *logits, const float *bias,
-                  int n, const BackendRoute *p);
+    void (*route)(Backend *be, int *idx, float *wts, const float *logits, const float *bias, int n,
+                  const BackendRoute *p);
 
     // DSA top-k for n queries at positions pos[t] of seq, over keys in layer `layer` of the
     // cache (positions 0 .. pos[t]). q: [n, Hi, Di] (rope applied), w: [n, Hi] (weights_proj
@@ -131,8 +149,7 @@ struct Backend {
     // attended; otherwise only sel[t, 0 .. n_sel[t]) (rows sel_stride apart).
     void (*mla_attention)(Backend *be, float *out, const float *q, const CkptLinear *kv_b,
                           const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
-                          const int *sel, const int *n_sel, int sel_stride,
-                          const BackendMla *p);
+                          const int *sel, const int *n_sel, int sel_stride, const BackendMla *p);
 };
 
 // The plain-C11 reference backend: fp32 math (double where a reduction needs it), split

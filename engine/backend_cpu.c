@@ -2,17 +2,20 @@
  * backend_cpu.c - the reference backend: plain C11, fp32 data, threads from a pool.
  *
  * Weights stay in their stored format; a matmul task owns a range of output rows and
- * decodes one row at a time into per-thread scratch (bf16/f16 widen, NVFP4 through two
- * lookup tables: 16 E2M1 codes and 256 E4M3 scales), then takes the dot product with every
- * token of the batch, so prefill decodes each weight once per call. Dots accumulate in fp32
- * with 8 independent partial sums; reductions that decide something (norm variance,
- * softmax, router sigmoid and selection, DSA scores) run in double.
+ * decodes one row at a time into per-thread scratch (bf16/f16 widen; NVFP4 builds each
+ * 16-weight group's 16 possible values from lookup tables of the E2M1 codes and E4M3
+ * scales, then indexes it by nibble), then takes the dot product with every token of the
+ * batch, so prefill decodes each weight once per call. Dots accumulate in fp32 with 8
+ * independent partial sums; reductions that decide something (norm variance, softmax,
+ * router sigmoid and selection, DSA scores) run in double. Ops too small to repay waking
+ * the thread pool run on the calling thread (PARALLEL_MIN_WORK).
  *
  * Attention uses MLA's absorbed form: for head h, q_lat = W_uk[h]^T q_nope (W_uk[h] is the
  * first qk_nope rows of head h's block of kv_b_proj), score(s) = (q_lat . latent[s] + q_rope
  * . k_pe[s]) * scale, o_lat = sum_s p(s) latent[s], out = W_uv[h] o_lat. That equals
  * transformers' expanded form (k_nope = W_uk latent, v = W_uv latent) up to rounding, and
- * reads only the cached latents. One task per (token, head).
+ * reads only the cached latents (widened first when the cache stores bf16). One task per
+ * (token, head).
  *
  * Every op computes each output element with the same arithmetic whatever the batch size or
  * thread count, so a token decoded alone gets bit-identical results to the same token inside
@@ -22,6 +25,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -170,11 +174,31 @@ static void ensure_scratch(CpuImpl *impl, size_t bytes)
 {
     for (int t = 0; t < impl->n_threads; t++) {
         if (impl->scratch_bytes[t] >= bytes) continue;
+        // Grow geometrically: attention scratch follows the context length, and a decode
+        // loop should not reallocate at every token.
+        const size_t grown =
+            bytes < 2 * impl->scratch_bytes[t] ? 2 * impl->scratch_bytes[t] : bytes;
         free(impl->scratch[t]);
-        impl->scratch[t] = malloc(bytes);
-        if (!impl->scratch[t]) log_fatal(__FILE__, __LINE__, "out of memory (%zu bytes)", bytes);
-        impl->scratch_bytes[t] = bytes;
+        impl->scratch[t] = malloc(grown);
+        if (!impl->scratch[t]) log_fatal(__FILE__, __LINE__, "out of memory (%zu bytes)", grown);
+        impl->scratch_bytes[t] = grown;
     }
+}
+
+// Below this many multiply-adds per op, waking the pool costs more than it saves: a decode
+// step on the "default" preset is ~100 ops, most of them this small, and 2 threads were no
+// faster than 1 until small ops stayed on the calling thread.
+enum { PARALLEL_MIN_WORK = 1 << 18 };
+
+// thread_pool_run(), or a plain loop on the calling thread when `work` is small.
+static void run_tasks(CpuImpl *impl, int n_tasks, ThreadPoolFn fn, void *ctx, double work)
+{
+    if (work < PARALLEL_MIN_WORK) {
+        for (int t = 0; t < n_tasks; t++)
+            fn(ctx, t, 0);
+        return;
+    }
+    thread_pool_run(impl->pool, n_tasks, fn, ctx);
 }
 
 // ---------------------------------------------------------------------------
@@ -212,11 +236,9 @@ static void cpu_matmul(Backend *be, float *y, const CkptLinear *w, const float *
     // About 8 tasks per thread, at least 4 rows each, to even out the tail.
     int rows_per_task = w->rows / (8 * impl->n_threads);
     if (rows_per_task < 4) rows_per_task = 4;
-    // Below ~64K multiply-adds, waking the pool costs more than the work (measured on the
-    // "default" preset: most expert and indexer products are this small at decode).
-    if ((size_t) w->rows * w->cols * n < (1u << 16)) rows_per_task = w->rows;
     MatmulJob job = {impl, y, w, x, n, rows_per_task};
-    thread_pool_run(impl->pool, (w->rows + rows_per_task - 1) / rows_per_task, matmul_task, &job);
+    run_tasks(impl, (w->rows + rows_per_task - 1) / rows_per_task, matmul_task, &job,
+              (double) w->rows * w->cols * n);
 }
 
 static void cpu_embed(Backend *be, float *y, const CkptLinear *table, const int *ids, int n)
@@ -317,7 +339,7 @@ static void cpu_add(Backend *be, float *y, const float *x, int n_elems)
 // ---------------------------------------------------------------------------
 // MoE routing (GlmMoeDsaTopkRouter)
 
-// Index of the largest v[i] among i < n with allowed(i), ties to the lowest index; -1 if none.
+// Index of the largest v[i] among i < n not yet taken, ties to the lowest index; -1 if none.
 static int argmax_masked(const double *v, const unsigned char *taken, int n)
 {
     int best = -1;
@@ -331,8 +353,8 @@ static void cpu_route(Backend *be, int *idx, float *wts, const float *logits, co
 {
     CpuImpl *impl = be->impl;
     const int E = p->n_experts, K = p->top_k, G = p->n_group;
-    ASSERT(E > 0 && K > 0 && K <= E && G > 0 && E % G == 0 && p->topk_group > 0 &&
-           p->topk_group <= G);
+    ASSERT(E > 0 && K > 0 && K <= E && G > 0 && E % G == 0 && p->topk_group > 0
+           && p->topk_group <= G);
     const int per_group = E / G;
     const size_t need = (size_t) 3 * E + G;
     if (impl->route_cap < need) {
@@ -341,10 +363,10 @@ static void cpu_route(Backend *be, int *idx, float *wts, const float *logits, co
         if (!impl->route_buf) log_fatal(__FILE__, __LINE__, "out of memory");
         impl->route_cap = need;
     }
-    double *score = impl->route_buf;     // sigmoid(logit) [E]
-    double *choice = score + E;          // score + bias, -inf outside kept groups [E]
-    double *group = choice + E;          // [G]
-    double *tmp = group + G;             // [E]
+    double *score = impl->route_buf;  // sigmoid(logit) [E]
+    double *choice = score + E;       // score + bias, -inf outside kept groups [E]
+    double *group = choice + E;       // [G]
+    double *tmp = group + G;          // [E]
     unsigned char *taken = (unsigned char *) (tmp + E);  // [max(E, G)]
 
     for (int t = 0; t < n; t++) {
@@ -399,17 +421,55 @@ typedef struct ScoredPos {
     int pos;
 } ScoredPos;
 
-static int by_score_desc(const void *a, const void *b)
+// True when a ranks below b: a lower score, or the same score at a later position (ties go
+// to the earlier position, a fixed rule where torch.topk leaves them unspecified).
+static bool ranks_below(ScoredPos a, ScoredPos b)
 {
-    const ScoredPos *x = a, *y = b;
-    if (x->score != y->score) return x->score > y->score ? -1 : 1;
-    return (x->pos > y->pos) - (x->pos < y->pos);  // ties: the earlier position first
+    return a.score < b.score || (a.score == b.score && a.pos > b.pos);
 }
 
-static int int_asc(const void *a, const void *b)
+// Restore the min-heap (by ranks_below) below node i of h[0..n).
+static void heap_sift_down(ScoredPos *h, int n, int i)
 {
-    const int x = *(const int *) a, y = *(const int *) b;
-    return (x > y) - (x < y);
+    for (;;) {
+        const int l = 2 * i + 1, r = l + 1;
+        int m = i;
+        if (l < n && ranks_below(h[l], h[m])) m = l;
+        if (r < n && ranks_below(h[r], h[m])) m = r;
+        if (m == i) return;
+        const ScoredPos t = h[i];
+        h[i] = h[m];
+        h[m] = t;
+        i = m;
+    }
+}
+
+// Sort v[0..n) ascending in place (heapsort: no allocation, unlike qsort).
+static void sort_ints(int *v, int n)
+{
+    for (int start = n / 2 - 1, end = n;;) {
+        int i;
+        if (start >= 0) {
+            i = start--;
+        } else {
+            if (--end <= 0) return;
+            const int t = v[0];
+            v[0] = v[end];
+            v[end] = t;
+            i = 0;
+        }
+        for (;;) {  // sift down in a max-heap of v[0..end)
+            const int l = 2 * i + 1, r = l + 1;
+            int m = i;
+            if (l < end && v[l] > v[m]) m = l;
+            if (r < end && v[r] > v[m]) m = r;
+            if (m == i) break;
+            const int t = v[i];
+            v[i] = v[m];
+            v[m] = t;
+            i = m;
+        }
+    }
 }
 
 typedef struct DsaJob {
@@ -437,14 +497,16 @@ static void dsa_task(void *ctx, int t, int thread)
         job->n_sel[t] = visible;
         return;
     }
-    ScoredPos *sp = thread_scratch(job->impl, thread);
+    ScoredPos *heap = thread_scratch(job->impl, thread);  // the best top_k so far, worst on top
+    float *entry_buf = (float *) (heap + p->top_k);       // a widened cache entry
+    int n_heap = 0;
     const float *qt = job->q + (size_t) t * p->n_heads * p->head_dim;
     const float *wt = job->w + (size_t) t * p->n_heads;
     const size_t key_offset = (size_t) job->kv->params.kv_lora + job->kv->params.rope_dim;
     const double head_scale = 1.0 / sqrt((double) p->n_heads);
     const double dot_scale = 1.0 / sqrt((double) p->head_dim);
     for (int s = 0; s < visible; s++) {
-        const float *k = kv_entry(job->kv, job->seq, job->layer, s) + key_offset;
+        const float *k = kv_read(job->kv, job->seq, job->layer, s, entry_buf) + key_offset;
         double total = 0.0;
         for (int h = 0; h < p->n_heads; h++) {
             const float *qh = qt + (size_t) h * p->head_dim;
@@ -454,12 +516,20 @@ static void dsa_task(void *ctx, int t, int thread)
             d *= dot_scale;
             if (d > 0.0) total += (double) wt[h] * head_scale * d;
         }
-        sp[s] = (ScoredPos){total, s};
+        const ScoredPos cand = {total, s};
+        if (n_heap < p->top_k) {
+            heap[n_heap++] = cand;
+            if (n_heap == p->top_k)
+                for (int i = n_heap / 2 - 1; i >= 0; i--)
+                    heap_sift_down(heap, n_heap, i);
+        } else if (ranks_below(heap[0], cand)) {
+            heap[0] = cand;
+            heap_sift_down(heap, n_heap, 0);
+        }
     }
-    qsort(sp, (size_t) visible, sizeof *sp, by_score_desc);
     for (int k = 0; k < p->top_k; k++)
-        sel[k] = sp[k].pos;
-    qsort(sel, (size_t) p->top_k, sizeof *sel, int_asc);
+        sel[k] = heap[k].pos;
+    sort_ints(sel, p->top_k);
     job->n_sel[t] = p->top_k;
 }
 
@@ -469,12 +539,13 @@ static void cpu_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, cons
 {
     CpuImpl *impl = be->impl;
     ASSERT(kv->params.has_index[layer] && kv->params.index_dim == p->head_dim && p->top_k > 0);
-    int max_visible = 1;
-    for (int t = 0; t < n; t++)
-        if (pos[t] + 1 > max_visible) max_visible = pos[t] + 1;
-    ensure_scratch(impl, (size_t) max_visible * sizeof(ScoredPos));
+    ensure_scratch(impl,
+                   (size_t) p->top_k * sizeof(ScoredPos) + kv->entry_floats[layer] * sizeof(float));
     DsaJob job = {impl, sel, n_sel, q, w, kv, seq, layer, pos, p};
-    thread_pool_run(impl->pool, n, dsa_task, &job);
+    double work = 0.0;
+    for (int t = 0; t < n; t++)
+        work += (double) (pos[t] + 1) * p->n_heads * p->head_dim;
+    run_tasks(impl, n, dsa_task, &job, work);
 }
 
 // ---------------------------------------------------------------------------
@@ -506,11 +577,13 @@ static void mla_task(void *ctx, int task, int thread)
     const int n_keys = job->sel ? job->n_sel[t] : visible;
     const int *keys = job->sel ? job->sel + (size_t) t * job->sel_stride : NULL;
 
-    // Scratch: q_lat, o_lat (double [L]); row (float [L]); probabilities (double [visible]).
+    // Scratch: q_lat, o_lat (double [L]); probabilities (double [visible]); row (float [L]);
+    // a widened cache entry (float [entry_floats]).
     double *q_lat = thread_scratch(job->impl, thread);
     double *o_lat = q_lat + L;
     double *prob = o_lat + L;
     float *row_buf = (float *) (prob + visible);
+    float *entry_buf = row_buf + L;
 
     const float *qt = job->q + ((size_t) t * H + h) * qk;
     const int row0 = h * (p->qk_nope + p->v_dim);
@@ -529,7 +602,7 @@ static void mla_task(void *ctx, int task, int thread)
     for (int j = 0; j < n_keys; j++) {
         const int s = keys ? keys[j] : j;
         DASSERT(s >= 0 && s < visible);
-        const float *e = kv_entry(job->kv, job->seq, job->layer, s);
+        const float *e = kv_read(job->kv, job->seq, job->layer, s, entry_buf);
         double d = 0.0;
         for (int c = 0; c < L; c++)
             d += q_lat[c] * e[c];
@@ -547,7 +620,7 @@ static void mla_task(void *ctx, int task, int thread)
         o_lat[c] = 0.0;
     for (int j = 0; j < n_keys; j++) {
         const int s = keys ? keys[j] : j;
-        const float *e = kv_entry(job->kv, job->seq, job->layer, s);
+        const float *e = kv_read(job->kv, job->seq, job->layer, s, entry_buf);
         const double pj = prob[j] / sum;
         for (int c = 0; c < L; c++)
             o_lat[c] += pj * e[c];
@@ -565,9 +638,8 @@ static void mla_task(void *ctx, int task, int thread)
 }
 
 static void cpu_mla_attention(Backend *be, float *out, const float *q, const CkptLinear *kv_b,
-                              const KvCache *kv, const KvSeq *seq, int layer, const int *pos,
-                              int n, const int *sel, const int *n_sel, int sel_stride,
-                              const BackendMla *p)
+                              const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
+                              const int *sel, const int *n_sel, int sel_stride, const BackendMla *p)
 {
     CpuImpl *impl = be->impl;
     ASSERT(kv_b->cols == p->kv_lora && kv_b->rows == p->n_heads * (p->qk_nope + p->v_dim));
@@ -575,10 +647,14 @@ static void cpu_mla_attention(Backend *be, float *out, const float *q, const Ckp
     int max_visible = 1;
     for (int t = 0; t < n; t++)
         if (pos[t] + 1 > max_visible) max_visible = pos[t] + 1;
-    ensure_scratch(impl, ((size_t) 2 * p->kv_lora + max_visible) * sizeof(double) +
-                             (size_t) p->kv_lora * sizeof(float));
+    ensure_scratch(impl, ((size_t) 2 * p->kv_lora + max_visible) * sizeof(double)
+                             + ((size_t) p->kv_lora + kv->entry_floats[layer]) * sizeof(float));
     MlaJob job = {impl, out, q, kv_b, kv, seq, layer, pos, sel, n_sel, sel_stride, p};
-    thread_pool_run(impl->pool, n * p->n_heads, mla_task, &job);
+    double work = 0.0;
+    for (int t = 0; t < n; t++)
+        work += (double) p->n_heads * p->kv_lora
+                * (2.0 * (sel ? n_sel[t] : pos[t] + 1) + p->qk_nope + p->v_dim);
+    run_tasks(impl, n * p->n_heads, mla_task, &job, work);
 }
 
 // ---------------------------------------------------------------------------
@@ -588,10 +664,8 @@ static void cpu_kv_write(Backend *be, KvCache *kv, const KvSeq *seq, int layer, 
                          int n, int offset, const float *src, int width)
 {
     (void) be;
-    ASSERT(offset >= 0 && (size_t) offset + (size_t) width <= kv->entry_floats[layer]);
     for (int t = 0; t < n; t++)
-        memcpy(kv_entry(kv, seq, layer, pos[t]) + offset, src + (size_t) t * width,
-               (size_t) width * sizeof(float));
+        kv_store(kv, seq, layer, pos[t], offset, src + (size_t) t * width, width);
 }
 
 // Tokens are grouped by expert (as transformers' eager experts loop does), so each expert's
@@ -608,12 +682,12 @@ static void cpu_moe(Backend *be, float *out, const float *x, int n, const int *i
         if (!impl->moe_buf) log_fatal(__FILE__, __LINE__, "out of memory (%zu floats)", need);
         impl->moe_cap = need;
     }
-    float *xe = impl->moe_buf;                  // [n, hidden] this expert's tokens
-    float *ye = xe + (size_t) n * hidden;       // [n, hidden] its output
-    float *g = ye + (size_t) n * hidden;        // [n, inter]
-    float *u = g + (size_t) n * inter;          // [n, inter]
-    float *we = u + (size_t) n * inter;         // [n] routing weights
-    int *tok = (int *) (we + n);                // [n] token of each row
+    float *xe = impl->moe_buf;             // [n, hidden] this expert's tokens
+    float *ye = xe + (size_t) n * hidden;  // [n, hidden] its output
+    float *g = ye + (size_t) n * hidden;   // [n, inter]
+    float *u = g + (size_t) n * inter;     // [n, inter]
+    float *we = u + (size_t) n * inter;    // [n] routing weights
+    int *tok = (int *) (we + n);           // [n] token of each row
 
     memset(out, 0, (size_t) n * hidden * sizeof(float));
     for (int e = 0; e < n_experts; e++) {
@@ -628,8 +702,8 @@ static void cpu_moe(Backend *be, float *out, const float *x, int n, const int *i
                 }
         if (cnt == 0) continue;
         const CkptLinear *w = experts + 3 * (size_t) e;
-        ASSERT(w[0].cols == hidden && w[1].rows == inter && w[2].rows == hidden &&
-               w[2].cols == inter);
+        ASSERT(w[0].cols == hidden && w[1].rows == inter && w[2].rows == hidden
+               && w[2].cols == inter);
         cpu_matmul(be, g, &w[0], xe, cnt);
         cpu_matmul(be, u, &w[1], xe, cnt);
         cpu_silu_mul(be, g, g, u, cnt * inter);
@@ -645,6 +719,31 @@ static void cpu_moe(Backend *be, float *out, const float *x, int n, const int *i
 
 // ---------------------------------------------------------------------------
 // Construction
+
+static void *cpu_alloc(Backend *be, size_t bytes)
+{
+    (void) be;
+    return calloc(1, bytes ? bytes : 1);
+}
+
+static void cpu_free_mem(Backend *be, void *p)
+{
+    (void) be;
+    free(p);
+}
+
+static void cpu_copy(Backend *be, void *dst, const void *src, size_t bytes)
+{
+    (void) be;
+    if (bytes) memcpy(dst, src, bytes);
+}
+
+static Err cpu_bind_linear(Backend *be, CkptLinear *w)
+{
+    (void) be;
+    (void) w;  // read in place from the checkpoint mapping
+    return ERR_OK;
+}
 
 static void cpu_destroy(Backend *be)
 {
@@ -681,6 +780,11 @@ Err backend_cpu_create(int n_threads, Backend **out)
     }
     be->name = "cpu";
     be->destroy = cpu_destroy;
+    be->alloc = cpu_alloc;
+    be->free_mem = cpu_free_mem;
+    be->upload = cpu_copy;
+    be->download = cpu_copy;
+    be->bind_linear = cpu_bind_linear;
     be->matmul = cpu_matmul;
     be->embed = cpu_embed;
     be->rmsnorm = cpu_rmsnorm;

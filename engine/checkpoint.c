@@ -42,11 +42,11 @@
 #define CKPT_MAX_HEADER_BYTES ((uint64_t) 100000000)
 
 struct CkptShard {
-    char *path;        // owned
-    int fd;            // -1 when closed
-    uint8_t *map;      // [size] read-only mapping, or NULL for an empty file
+    char *path;    // owned
+    int fd;        // -1 when closed
+    uint8_t *map;  // [size] read-only mapping, or NULL for an empty file
     size_t size;
-    char *names;       // owned storage for this shard's tensor names
+    char *names;  // owned storage for this shard's tensor names
 };
 
 // ---------------------------------------------------------------------------
@@ -56,11 +56,11 @@ static const struct {
     const char *name;
     size_t size;
 } dtype_info[] = {
-    [CKPT_DTYPE_F32] = {"F32", 4},     [CKPT_DTYPE_F16] = {"F16", 2},
-    [CKPT_DTYPE_BF16] = {"BF16", 2},   [CKPT_DTYPE_F8_E4M3] = {"F8_E4M3", 1},
-    [CKPT_DTYPE_U8] = {"U8", 1},       [CKPT_DTYPE_I8] = {"I8", 1},
-    [CKPT_DTYPE_I32] = {"I32", 4},     [CKPT_DTYPE_I64] = {"I64", 8},
-    [CKPT_DTYPE_F64] = {"F64", 8},     [CKPT_DTYPE_BOOL] = {"BOOL", 1},
+    [CKPT_DTYPE_F32] = {"F32", 4},   [CKPT_DTYPE_F16] = {"F16", 2},
+    [CKPT_DTYPE_BF16] = {"BF16", 2}, [CKPT_DTYPE_F8_E4M3] = {"F8_E4M3", 1},
+    [CKPT_DTYPE_U8] = {"U8", 1},     [CKPT_DTYPE_I8] = {"I8", 1},
+    [CKPT_DTYPE_I32] = {"I32", 4},   [CKPT_DTYPE_I64] = {"I64", 8},
+    [CKPT_DTYPE_F64] = {"F64", 8},   [CKPT_DTYPE_BOOL] = {"BOOL", 1},
 };
 enum { CKPT_N_DTYPES = (int) (sizeof dtype_info / sizeof dtype_info[0]) };
 
@@ -79,11 +79,16 @@ const char *ckpt_dtype_name(CkptDtype dtype)
 const char *ckpt_linear_format_name(CkptLinearFormat format)
 {
     switch (format) {
-    case CKPT_LINEAR_F32: return "F32";
-    case CKPT_LINEAR_F16: return "F16";
-    case CKPT_LINEAR_BF16: return "BF16";
-    case CKPT_LINEAR_FP8: return "FP8";
-    case CKPT_LINEAR_NVFP4: return "NVFP4";
+    case CKPT_LINEAR_F32:
+        return "F32";
+    case CKPT_LINEAR_F16:
+        return "F16";
+    case CKPT_LINEAR_BF16:
+        return "BF16";
+    case CKPT_LINEAR_FP8:
+        return "FP8";
+    case CKPT_LINEAR_NVFP4:
+        return "NVFP4";
     }
     return "?";
 }
@@ -111,8 +116,8 @@ static int64_t json_uint(json_object *v)
 }
 
 // Validate one tensor entry; fills t (name excepted). data_size = bytes after the header.
-static Err parse_entry(const char *origin, const char *name, json_object *entry,
-                       uint64_t data_size, CkptTensor *t, uint64_t *begin_out)
+static Err parse_entry(const char *origin, const char *name, json_object *entry, uint64_t data_size,
+                       CkptTensor *t, uint64_t *begin_out)
 {
     json_object *dtype = NULL, *shape = NULL, *offsets = NULL;
     if (!json_object_is_type(entry, json_type_object)) {
@@ -122,9 +127,9 @@ static Err parse_entry(const char *origin, const char *name, json_object *entry,
     json_object_object_get_ex(entry, "dtype", &dtype);
     json_object_object_get_ex(entry, "shape", &shape);
     json_object_object_get_ex(entry, "data_offsets", &offsets);
-    if (!json_object_is_type(dtype, json_type_string) ||
-        !json_object_is_type(shape, json_type_array) ||
-        !json_object_is_type(offsets, json_type_array)) {
+    if (!json_object_is_type(dtype, json_type_string)
+        || !json_object_is_type(shape, json_type_array)
+        || !json_object_is_type(offsets, json_type_array)) {
         LOG_ERROR("%s: tensor \"%s\": needs string \"dtype\", list \"shape\" and list "
                   "\"data_offsets\"",
                   origin, name);
@@ -149,8 +154,8 @@ static Err parse_entry(const char *origin, const char *name, json_object *entry,
     for (size_t i = 0; i < n_dims; i++) {
         const int64_t d = json_uint(json_object_array_get_idx(shape, i));
         if (d < 0) {
-            LOG_ERROR("%s: tensor \"%s\": shape[%zu] is not a non-negative integer", origin,
-                      name, i);
+            LOG_ERROR("%s: tensor \"%s\": shape[%zu] is not a non-negative integer", origin, name,
+                      i);
             return ERR_FORMAT;
         }
         t->shape[i] = d;
@@ -161,7 +166,9 @@ static Err parse_entry(const char *origin, const char *name, json_object *entry,
         }
         n_elems = has_zero ? 0 : n_elems * (uint64_t) d;
     }
-    for (size_t i = n_dims; i < CKPT_MAX_DIMS; i++) t->shape[i] = 0;
+    for (size_t i = n_dims; i < CKPT_MAX_DIMS; i++) {
+        t->shape[i] = 0;
+    }
     const uint64_t elem = dtype_info[t->dtype].size;
     if (n_elems > UINT64_MAX / elem) {
         LOG_ERROR("%s: tensor \"%s\": shape overflows", origin, name);
@@ -211,7 +218,9 @@ Err ckpt_parse_header(const uint8_t *buf, size_t len, uint64_t file_size, const 
         return ERR_FORMAT;
     }
     uint64_t n_header = 0;
-    for (int i = 7; i >= 0; i--) n_header = n_header << 8 | buf[i];
+    for (int i = 7; i >= 0; i--) {
+        n_header = n_header << 8 | buf[i];
+    }
     if (n_header < 2 || n_header > CKPT_MAX_HEADER_BYTES || n_header > file_size - 8) {
         LOG_ERROR("%s: header length %llu does not fit the file (%llu bytes)", origin,
                   (unsigned long long) n_header, (unsigned long long) file_size);
@@ -373,9 +382,11 @@ static Err open_shard(Ckpt *ck, const char *path, CkptFilter keep, void *user)
     sh->names = names;
     names = NULL;  // ownership moved to the shard
     int n_keep = 0;
-    for (int i = 0; i < n; i++) n_keep += !keep || keep(tensors[i].name, user);
-    CkptTensor *grown = realloc(ck->tensors, ((size_t) ck->n_tensors + (size_t) n_keep + 1) *
-                                                 sizeof *grown);
+    for (int i = 0; i < n; i++) {
+        n_keep += !keep || keep(tensors[i].name, user);
+    }
+    CkptTensor *grown =
+        realloc(ck->tensors, ((size_t) ck->n_tensors + (size_t) n_keep + 1) * sizeof *grown);
     if (!grown) {
         err = ERR_NOMEM;
         goto done;
@@ -392,8 +403,8 @@ static Err open_shard(Ckpt *ck, const char *path, CkptFilter keep, void *user)
             // The format does not require alignment; consumers read through memcpy-safe
             // paths, but the fast paths want aligned data (safetensors' writer sorts by
             // dtype to keep it).
-            LOG_WARN("%s: tensor \"%s\" (%s) is not aligned to its element size", path,
-                     t->name, ckpt_dtype_name(t->dtype));
+            LOG_WARN("%s: tensor \"%s\" (%s) is not aligned to its element size", path, t->name,
+                     ckpt_dtype_name(t->dtype));
             warned = true;
         }
     }
@@ -431,8 +442,8 @@ static Err read_index(const char *path, CkptFilter keep, void *user, json_object
         err = root ? ERR_FORMAT : ERR_IO;
         goto done;
     }
-    if (!json_object_object_get_ex(root, "weight_map", &map) ||
-        !json_object_is_type(map, json_type_object)) {
+    if (!json_object_object_get_ex(root, "weight_map", &map)
+        || !json_object_is_type(map, json_type_object)) {
         LOG_ERROR("%s: field \"weight_map\" must be an object", path);
         err = ERR_FORMAT;
         goto done;
@@ -446,8 +457,8 @@ static Err read_index(const char *path, CkptFilter keep, void *user, json_object
     }
     json_object_object_foreach(map, name, val)
     {
-        if (!json_object_is_type(val, json_type_string) ||
-            !safe_shard_name(json_object_get_string(val))) {
+        if (!json_object_is_type(val, json_type_string)
+            || !safe_shard_name(json_object_get_string(val))) {
             LOG_ERROR("%s: weight_map[\"%s\"] must be a file name in the model directory", path,
                       name);
             err = ERR_FORMAT;
@@ -457,7 +468,9 @@ static Err read_index(const char *path, CkptFilter keep, void *user, json_object
         const char *file = json_object_get_string(val);
         entries[n_entries++] = (IndexEntry){name, file};
         int j = 0;
-        while (j < n_files && strcmp(files[j], file)) j++;
+        while (j < n_files && strcmp(files[j], file)) {
+            j++;
+        }
         if (j == n_files) files[n_files++] = file;
     }
     *root_out = root;
@@ -535,7 +548,9 @@ Err ckpt_open_filtered(Ckpt *ck, const char *model_dir, CkptFilter keep, void *u
         snprintf(path, sizeof path, "%s/%s", model_dir, files[i]);
         if ((err = open_shard(ck, path, keep, user))) goto done;
     }
-    if (ck->n_tensors > 1) qsort(ck->tensors, (size_t) ck->n_tensors, sizeof *ck->tensors, tensor_cmp);
+    if (ck->n_tensors > 1) {
+        qsort(ck->tensors, (size_t) ck->n_tensors, sizeof *ck->tensors, tensor_cmp);
+    }
     for (int i = 1; i < ck->n_tensors; i++) {
         if (!strcmp(ck->tensors[i - 1].name, ck->tensors[i].name)) {
             LOG_ERROR("checkpoint \"%s\": tensor \"%s\" appears in both \"%s\" and \"%s\"",
@@ -561,9 +576,8 @@ Err ckpt_open_filtered(Ckpt *ck, const char *model_dir, CkptFilter keep, void *u
             goto done;
         }
     }
-    LOG_INFO("opened checkpoint \"%s\": %d shards, %d tensors, %.3f GB mapped in %.3f s",
-             model_dir, ck->n_shards, ck->n_tensors, (double) ck->n_bytes_mapped / 1e9,
-             now_seconds() - t0);
+    LOG_INFO("opened checkpoint \"%s\": %d shards, %d tensors, %.3f GB mapped in %.3f s", model_dir,
+             ck->n_shards, ck->n_tensors, (double) ck->n_bytes_mapped / 1e9, now_seconds() - t0);
 done:
     json_object_put(index);
     free(entries);
@@ -609,9 +623,33 @@ void ckpt_release(const Ckpt *ck, const CkptTensor *t)
 void ckpt_touch(const Ckpt *ck, CkptTouchStats *stats)
 {
     uint64_t sum = 0, done_bytes = 0, total = 0;
-    for (int i = 0; i < ck->n_tensors; i++) total += ck->tensors[i].n_bytes;
+    for (int i = 0; i < ck->n_tensors; i++) {
+        total += ck->tensors[i].n_bytes;
+    }
     const double t0 = now_seconds();
     double last_log = t0;
+    // Fault each shard's span of wanted tensors in with one call where the kernel can
+    // (Linux >= 5.14): page-by-page faults of a cached file cost more than reading it.
+    // MADV_WILLNEED starts readahead for a cold cache. Both are hints; the loop below reads
+    // everything either way. A filtered Ckpt only populates the span its tensors cover.
+    const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    for (int s = 0; s < ck->n_shards; s++) {
+        const CkptShard *sh = &ck->shards[s];
+        size_t lo = SIZE_MAX, hi = 0;
+        for (int i = 0; i < ck->n_tensors; i++) {
+            const CkptTensor *t = &ck->tensors[i];
+            if (t->shard != s || !t->n_bytes) continue;
+            const size_t off = (size_t) ((const uint8_t *) t->data - sh->map);
+            lo = off < lo ? off : lo;
+            hi = off + t->n_bytes > hi ? off + t->n_bytes : hi;
+        }
+        if (!sh->map || hi <= lo) continue;
+        lo = lo / page * page;
+        madvise(sh->map + lo, hi - lo, MADV_WILLNEED);
+#ifdef MADV_POPULATE_READ
+        madvise(sh->map + lo, hi - lo, MADV_POPULATE_READ);
+#endif
+    }
     for (int i = 0; i < ck->n_tensors; i++) {
         const CkptTensor *t = &ck->tensors[i];
         const uint8_t *p = t->data;
@@ -621,7 +659,9 @@ void ckpt_touch(const Ckpt *ck, CkptTouchStats *stats)
             memcpy(&w, p + j, 8);
             sum += w;
         }
-        for (; j < t->n_bytes; j++) sum += p[j];
+        for (; j < t->n_bytes; j++) {
+            sum += p[j];
+        }
         done_bytes += t->n_bytes;
         const double now = now_seconds();
         if (now - last_log >= 2.0) {
@@ -651,15 +691,18 @@ static void describe_shape(const int64_t *shape, int n_dims, char *buf, size_t c
 {
     size_t pos = (size_t) snprintf(buf, cap, "[");
     for (int i = 0; i < n_dims && pos < cap; i++) {
-        pos += (size_t) snprintf(buf + pos, cap - pos, "%s%lld", i ? ", " : "",
-                                 (long long) shape[i]);
+        pos +=
+            (size_t) snprintf(buf + pos, cap - pos, "%s%lld", i ? ", " : "", (long long) shape[i]);
     }
     if (pos < cap) snprintf(buf + pos, cap - pos, "]");
 }
 
-static const char *where(const Ckpt *ck)
+// The file a missing tensor should have been in: the single shard, or the index.
+static const char *where(const Ckpt *ck, char *buf, size_t cap)
 {
-    return ck->dir ? ck->dir : "(checkpoint)";
+    if (ck->n_shards == 1) return ck->shards[0].path;
+    snprintf(buf, cap, "%s/model.safetensors.index.json", ck->dir ? ck->dir : ".");
+    return buf;
 }
 
 Err ckpt_get(const Ckpt *ck, const char *name, int n_dims, const int64_t *shape,
@@ -667,17 +710,20 @@ Err ckpt_get(const Ckpt *ck, const char *name, int n_dims, const int64_t *shape,
 {
     const CkptTensor *t = ckpt_find(ck, name);
     if (!t) {
-        LOG_ERROR("tensor \"%s\" not found in checkpoint \"%s\"", name, where(ck));
+        char file[4200];
+        LOG_ERROR("tensor \"%s\" not found in \"%s\"", name, where(ck, file, sizeof file));
         return ERR_NOTFOUND;
     }
     bool same = t->n_dims == n_dims;
-    for (int i = 0; same && i < n_dims; i++) same = t->shape[i] == shape[i];
+    for (int i = 0; same && i < n_dims; i++) {
+        same = t->shape[i] == shape[i];
+    }
     if (!same) {
         char got[96], want[96];
         describe_shape(t->shape, t->n_dims, got, sizeof got);
         describe_shape(shape, n_dims, want, sizeof want);
-        LOG_ERROR("tensor \"%s\" in \"%s\" has shape %s, expected %s", name,
-                  ckpt_shard_path(ck, t), got, want);
+        LOG_ERROR("tensor \"%s\" in \"%s\" has shape %s, expected %s", name, ckpt_shard_path(ck, t),
+                  got, want);
         return ERR_FORMAT;
     }
     if (!(allowed_dtypes & CKPT_DTYPE_BIT(t->dtype))) {
@@ -694,7 +740,8 @@ static Err get_scalar_f32(const Ckpt *ck, const char *name, float *out)
 {
     const CkptTensor *t = ckpt_find(ck, name);
     if (!t) {
-        LOG_ERROR("tensor \"%s\" not found in checkpoint \"%s\"", name, where(ck));
+        char file[4200];
+        LOG_ERROR("tensor \"%s\" not found in \"%s\"", name, where(ck, file, sizeof file));
         return ERR_NOTFOUND;
     }
     if (t->dtype != CKPT_DTYPE_F32 || t->n_bytes != 4 || t->n_dims > 1) {
@@ -765,7 +812,8 @@ Err ckpt_linear(const Ckpt *ck, const char *base, int rows, int cols, CkptLinear
     snprintf(name, sizeof name, "%s.weight", base);
     const CkptTensor *t = packed ? packed : ckpt_find(ck, name);
     if (!t) {
-        LOG_ERROR("tensor \"%s\" not found in checkpoint \"%s\"", name, where(ck));
+        char file[4200];
+        LOG_ERROR("tensor \"%s\" not found in \"%s\"", name, where(ck, file, sizeof file));
         return ERR_NOTFOUND;
     }
     w.name = t->name;
@@ -807,8 +855,8 @@ Err ckpt_linear(const Ckpt *ck, const char *base, int rows, int cols, CkptLinear
         }
     } else {
         const int64_t shape[2] = {rows, cols};
-        const unsigned plain = CKPT_DTYPE_BIT(CKPT_DTYPE_BF16) | CKPT_DTYPE_BIT(CKPT_DTYPE_F16) |
-                               CKPT_DTYPE_BIT(CKPT_DTYPE_F32);
+        const unsigned plain = CKPT_DTYPE_BIT(CKPT_DTYPE_BF16) | CKPT_DTYPE_BIT(CKPT_DTYPE_F16)
+                               | CKPT_DTYPE_BIT(CKPT_DTYPE_F32);
         if ((err = ckpt_get(ck, name, 2, shape, plain, &t))) return err;
         w.format = t->dtype == CKPT_DTYPE_BF16  ? CKPT_LINEAR_BF16
                    : t->dtype == CKPT_DTYPE_F16 ? CKPT_LINEAR_F16
@@ -868,8 +916,9 @@ void ckpt_linear_row(const CkptLinear *w, int r, float *out)
         for (size_t c = 0; c < cols; c++) {
             float s = w->global_scale;
             if (w->scale_f32) {
-                memcpy(&s, (const uint8_t *) w->scale_f32 +
-                               ((row / 128) * n_col_blocks + c / 128) * sizeof(float),
+                memcpy(&s,
+                       (const uint8_t *) w->scale_f32
+                           + ((row / 128) * n_col_blocks + c / 128) * sizeof(float),
                        sizeof(float));
             }
             out[c] = nvfp4_e4m3_to_float(p[c]) * s;
@@ -877,13 +926,13 @@ void ckpt_linear_row(const CkptLinear *w, int r, float *out)
         break;
     }
     case CKPT_LINEAR_NVFP4: {
-        const uint8_t *q = (const uint8_t *) w->data + row * cols / 2;      // [cols / 2]
-        const uint8_t *s = w->scale + row * (cols / NVFP4_GROUP);          // e4m3 [cols / 16]
+        const uint8_t *q = (const uint8_t *) w->data + row * cols / 2;  // [cols / 2]
+        const uint8_t *s = w->scale + row * (cols / NVFP4_GROUP);       // e4m3 [cols / 16]
         for (size_t c = 0; c < cols; c++) {
             const uint8_t byte = q[c / 2];
             const uint8_t code = (c & 1) ? byte >> 4 : byte & 15;
-            out[c] = nvfp4_e2m1_to_float(code) * nvfp4_e4m3_to_float(s[c / NVFP4_GROUP]) *
-                     w->global_scale;
+            out[c] = nvfp4_e2m1_to_float(code) * nvfp4_e4m3_to_float(s[c / NVFP4_GROUP])
+                     * w->global_scale;
         }
         break;
     }

@@ -72,7 +72,8 @@ static int print_ids(const char *dir, const char *prompt, size_t n_prompt)
         fprintf(stderr, "glmspark chat-template: could not tokenize the prompt\n");
         goto done;
     }
-    for (size_t i = 0; i < ids.n; i++) printf(i ? " %d" : "%d", (int) ids.ids[i]);
+    for (size_t i = 0; i < ids.n; i++)
+        printf(i ? " %d" : "%d", (int) ids.ids[i]);
     printf("\n");
     rc = fflush(stdout) == 0 ? 0 : 1;
 done:

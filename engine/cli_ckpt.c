@@ -39,8 +39,8 @@ typedef enum TensorClass {
 } TensorClass;
 
 static const char *const class_names[N_CLASSES] = {
-    "embeddings", "attention", "indexer",  "dense MLP", "router", "routed experts",
-    "shared experts", "norms", "lm_head", "MTP (extra)", "other",
+    "embeddings",     "attention", "indexer", "dense MLP",   "router", "routed experts",
+    "shared experts", "norms",     "lm_head", "MTP (extra)", "other",
 };
 
 typedef struct ClassStats {
@@ -104,10 +104,18 @@ static Err tensor_format(const Ckpt *ck, const CkptTensor *t, unsigned *bits)
     }
     if (strstr(t->name, "scale")) return ERR_OK;  // counted with its weight's class
     switch (t->dtype) {  // floating vectors print like the linear formats of the same name
-    case CKPT_DTYPE_F32: *bits = 1u << CKPT_LINEAR_F32; break;
-    case CKPT_DTYPE_F16: *bits = 1u << CKPT_LINEAR_F16; break;
-    case CKPT_DTYPE_BF16: *bits = 1u << CKPT_LINEAR_BF16; break;
-    default: *bits = 1u << (8 + t->dtype); break;
+    case CKPT_DTYPE_F32:
+        *bits = 1u << CKPT_LINEAR_F32;
+        break;
+    case CKPT_DTYPE_F16:
+        *bits = 1u << CKPT_LINEAR_F16;
+        break;
+    case CKPT_DTYPE_BF16:
+        *bits = 1u << CKPT_LINEAR_BF16;
+        break;
+    default:
+        *bits = 1u << (8 + t->dtype);
+        break;
     }
     return ERR_OK;
 }
@@ -152,8 +160,8 @@ static Err check_layer(const Ckpt *ck, const ModelConfig *c, int i)
     char b[64], n[256];
     const int H = c->hidden_size, qk = config_qk_head_dim(c);
 #define N(...) (snprintf(n, sizeof n, __VA_ARGS__), n)
-#define TRY(x)                  \
-    do {                        \
+#define TRY(x)                       \
+    do {                             \
         if ((err = (x))) return err; \
     } while (0)
     snprintf(b, sizeof b, "model.layers.%d", i);
@@ -218,10 +226,14 @@ static Err check_layer(const Ckpt *ck, const ModelConfig *c, int i)
 static const char *quant_name(ConfigQuant q)
 {
     switch (q) {
-    case CONFIG_QUANT_NONE: return "none";
-    case CONFIG_QUANT_NVFP4_MODELOPT: return "NVFP4 (ModelOpt)";
-    case CONFIG_QUANT_NVFP4_CT: return "NVFP4 (compressed-tensors)";
-    case CONFIG_QUANT_FP8: return "FP8";
+    case CONFIG_QUANT_NONE:
+        return "none";
+    case CONFIG_QUANT_NVFP4_MODELOPT:
+        return "NVFP4 (ModelOpt)";
+    case CONFIG_QUANT_NVFP4_CT:
+        return "NVFP4 (compressed-tensors)";
+    case CONFIG_QUANT_FP8:
+        return "FP8";
     }
     return "?";
 }
@@ -237,31 +249,29 @@ static void print_config(const ModelConfig *c)
 {
     printf("architecture   %s (%s)\n", c->architecture[0] ? c->architecture : "?", c->model_type);
     printf("dims           vocab %d, hidden %d, %d layers + %d MTP, max positions %d\n",
-           c->vocab_size, c->hidden_size, c->n_layers, c->n_mtp_layers,
-           c->max_position_embeddings);
+           c->vocab_size, c->hidden_size, c->n_layers, c->n_mtp_layers, c->max_position_embeddings);
     printf("attention      MLA, %d heads, q_lora %d, kv_lora %d, qk_nope %d, qk_rope %d, v %d, "
            "rope theta %g%s\n",
-           c->n_heads, c->q_lora_rank, c->kv_lora_rank, c->qk_nope_head_dim,
-           c->qk_rope_head_dim, c->v_head_dim, (double) c->rope_theta,
-           c->rope_interleave ? " (interleaved)" : "");
+           c->n_heads, c->q_lora_rank, c->kv_lora_rank, c->qk_nope_head_dim, c->qk_rope_head_dim,
+           c->v_head_dim, (double) c->rope_theta, c->rope_interleave ? " (interleaved)" : "");
     if (c->index_topk > 0) {
-        printf("indexer        DSA, %d heads x %d, top-k %d\n", c->index_n_heads,
-               c->index_head_dim, c->index_topk);
+        printf("indexer        DSA, %d heads x %d, top-k %d\n", c->index_n_heads, c->index_head_dim,
+               c->index_topk);
     } else {
         printf("indexer        none (dense attention)\n");
     }
     printf("mlp            dense intermediate %d; MoE %d routed experts, top %d, %d shared, "
            "intermediate %d, groups %d/%d, scaling %g\n",
            c->intermediate_size, c->n_routed_experts, c->n_experts_per_tok, c->n_shared_experts,
-           c->moe_intermediate_size, c->n_group, c->topk_group,
-           (double) c->routed_scaling_factor);
+           c->moe_intermediate_size, c->n_group, c->topk_group, (double) c->routed_scaling_factor);
     printf("eos            ");
-    for (int i = 0; i < c->n_eos_ids; i++) printf("%s%d", i ? ", " : "", c->eos_ids[i]);
+    for (int i = 0; i < c->n_eos_ids; i++) {
+        printf("%s%d", i ? ", " : "", c->eos_ids[i]);
+    }
     printf("%s; pad %d\n", c->n_eos_ids ? "" : "none", c->pad_id);
     printf("quantization   %s", quant_name(c->quant));
     if (c->quant != CONFIG_QUANT_NONE) printf(", group %d", c->quant_group_size);
-    printf(", kv cache %s, %d exclude patterns\n", c->kv_cache_fp8 ? "fp8" : "bf16",
-           c->n_excludes);
+    printf(", kv cache %s, %d exclude patterns\n", c->kv_cache_fp8 ? "fp8" : "bf16", c->n_excludes);
 }
 
 static int usage_inspect(void)
@@ -324,16 +334,18 @@ int cli_inspect(int argc, char **argv)
     }
     for (int i = 0; i < n_layers; i++) {
         if (check_layer(&ck, cfg, i)) {
-            fprintf(stderr, "glmspark inspect: layer %d does not match config.json (see the "
-                            "message above)\n", i);
+            fprintf(stderr,
+                    "glmspark inspect: layer %d does not match config.json (see the "
+                    "message above)\n",
+                    i);
             goto done;
         }
     }
     const char *globals[] = {"model.embed_tokens.weight", "model.norm.weight"};
     for (int i = 0; i < 2; i++) {
         if (!ckpt_find(&ck, globals[i])) {
-            fprintf(stderr, "glmspark inspect: tensor \"%s\" is missing from \"%s\"\n",
-                    globals[i], dir);
+            fprintf(stderr, "glmspark inspect: tensor \"%s\" is missing from \"%s\"\n", globals[i],
+                    dir);
             goto done;
         }
     }
@@ -361,13 +373,19 @@ int cli_inspect(int argc, char **argv)
     printf("\ntotal          %zu bytes (%.3f GB) in %d tensors, %d shards\n", total,
            (double) total / 1e9, ck.n_tensors, ck.n_shards);
     if (touch) {
+        // CPU time next to wall time: on a shared machine the wall figure mostly measures
+        // the other tenants.
         CkptTouchStats st;
+        const clock_t c0 = clock();
         ckpt_touch(&ck, &st);
+        const double cpu = (double) (clock() - c0) / CLOCKS_PER_SEC;
         printf("load           open %.3f s + touch %.3f s for %.3f GB: %.2f GB/s (touch alone "
                "%.2f GB/s, checksum %016llx)\n",
                t_open, st.seconds, (double) st.n_bytes / 1e9,
                (double) st.n_bytes / 1e9 / (t_open + st.seconds), st.gb_per_s,
                (unsigned long long) st.checksum);
+        printf("load cpu       touch %.3f s cpu: %.2f GB per cpu-second\n", cpu,
+               cpu > 0 ? (double) st.n_bytes / 1e9 / cpu : 0.0);
     }
     status = 0;
 done:
@@ -384,7 +402,9 @@ static int usage_mkmodel(void)
 {
     fprintf(stderr, "usage: glmspark mkmodel --out DIR [--preset NAME] [--seed S] "
                     "[--tokenizer FILE]\n  presets:");
-    for (const char *const *p = mkmodel_presets(); *p; p++) fprintf(stderr, " %s", *p);
+    for (const char *const *p = mkmodel_presets(); *p; p++) {
+        fprintf(stderr, " %s", *p);
+    }
     fprintf(stderr, " (default: default)\n");
     return 2;
 }

@@ -3,11 +3,15 @@
  * from token ids.
  *
  *   glmspark logits --model DIR --tokens 5,17,42 --out FILE [--threads N] [--decode-check]
+ *     [--kv-dtype f32|bf16]
  *     One forward pass over the tokens; FILE gets float32 little-endian logits
  *     [n_tokens, vocab_size]. --decode-check also runs the tokens one at a time through a
  *     second sequence and reports the largest relative L2 difference per row (stderr).
  *   glmspark generate --model DIR --tokens 5,17,42 --max-tokens N [--temperature T]
  *     [--top-p P] [--top-k K] [--min-p P] [--seed S] [--ignore-eos] [--threads N]
+ *     [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]
+ *     [--kv-dtype f32|bf16]
+ * --kv-dtype chooses the KV cache storage (default f32, exact; bf16 halves it).
  *     Prefill, then decode token by token; prints the generated ids space-separated on one
  *     line and stops at an eos id unless --ignore-eos. Load time, prefill and decode tok/s
  *     go to stderr at info level.
@@ -37,6 +41,7 @@ typedef struct ModelArgs {
     int n_threads;
     bool ignore_eos;
     bool decode_check;
+    KvDtype kv_dtype;
     SamplerParams sampling;
 } ModelArgs;
 
@@ -44,6 +49,14 @@ static double now_s(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double) ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// CPU time of the whole process (all threads), to tell work from waiting on a busy machine.
+static double cpu_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
     return (double) ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
@@ -89,8 +102,10 @@ static bool parse_tokens(const char *cmd, const char *s, int **ids_out, int *n_o
         errno = 0;
         const long v = strtol(p, &end, 10);
         if (errno || end == p || (*end != ',' && *end != '\0') || v < 0 || v > 0x7fffffff) {
-            fprintf(stderr, "glmspark %s: --tokens: \"%s\" is not a comma-separated list of "
-                            "token ids\n", cmd, s);
+            fprintf(stderr,
+                    "glmspark %s: --tokens: \"%s\" is not a comma-separated list of "
+                    "token ids\n",
+                    cmd, s);
             free(ids);
             return false;
         }
@@ -106,11 +121,12 @@ static int usage(const char *cmd)
 {
     if (strcmp(cmd, "logits") == 0)
         fprintf(stderr, "usage: glmspark logits --model DIR --tokens 5,17,42 --out FILE "
-                        "[--threads N] [--decode-check]\n");
+                        "[--threads N] [--decode-check] [--kv-dtype f32|bf16]\n");
     else
         fprintf(stderr, "usage: glmspark generate --model DIR --tokens 5,17,42 --max-tokens N "
                         "[--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S] "
-                        "[--ignore-eos] [--threads N]\n");
+                        "[--ignore-eos] [--threads N] [--repetition-penalty R] "
+                        "[--presence-penalty P] [--frequency-penalty F] [--kv-dtype f32|bf16]\n");
     return 2;
 }
 
@@ -139,6 +155,9 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
         bool ok = true;
         if (strcmp(opt, "--model") == 0)
             a->model_dir = val;
+        else if (strcmp(opt, "--kv-dtype") == 0)
+            ok = (strcmp(val, "f32") == 0 && ((a->kv_dtype = KV_DTYPE_F32), true))
+                 || (strcmp(val, "bf16") == 0 && ((a->kv_dtype = KV_DTYPE_BF16), true));
         else if (strcmp(opt, "--tokens") == 0)
             a->tokens_arg = val;
         else if (strcmp(opt, "--out") == 0)
@@ -150,16 +169,23 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
         else if (strcmp(opt, "--top-k") == 0)
             ok = parse_long(val, 0, 1 << 30, &v) && ((a->sampling.top_k = (int) v), true);
         else if (strcmp(opt, "--seed") == 0)
-            ok = parse_long(val, 0, 0x7fffffffffffffffL, &v) &&
-                 ((a->sampling.seed = (uint64_t) v), true);
+            ok = parse_long(val, 0, 0x7fffffffffffffffL, &v)
+                 && ((a->sampling.seed = (uint64_t) v), true);
         else if (strcmp(opt, "--temperature") == 0)
             ok = parse_float(val, &a->sampling.temperature) && a->sampling.temperature >= 0.0f;
         else if (strcmp(opt, "--top-p") == 0)
-            ok = parse_float(val, &a->sampling.top_p) && a->sampling.top_p > 0.0f &&
-                 a->sampling.top_p <= 1.0f;
+            ok = parse_float(val, &a->sampling.top_p) && a->sampling.top_p > 0.0f
+                 && a->sampling.top_p <= 1.0f;
         else if (strcmp(opt, "--min-p") == 0)
-            ok = parse_float(val, &a->sampling.min_p) && a->sampling.min_p >= 0.0f &&
-                 a->sampling.min_p <= 1.0f;
+            ok = parse_float(val, &a->sampling.min_p) && a->sampling.min_p >= 0.0f
+                 && a->sampling.min_p <= 1.0f;
+        else if (strcmp(opt, "--repetition-penalty") == 0)
+            ok = parse_float(val, &a->sampling.repetition_penalty)
+                 && a->sampling.repetition_penalty > 0.0f;
+        else if (strcmp(opt, "--presence-penalty") == 0)
+            ok = parse_float(val, &a->sampling.presence_penalty);
+        else if (strcmp(opt, "--frequency-penalty") == 0)
+            ok = parse_float(val, &a->sampling.frequency_penalty);
         else {
             fprintf(stderr, "glmspark %s: unknown option %s\n", cmd, opt);
             return usage(cmd);
@@ -193,7 +219,8 @@ static Err open_model(const ModelArgs *a, int n_positions, Backend **be, Model *
     if ((err = model_load(m, a->model_dir, NULL, *be))) return err;
     const int block = KV_DEFAULT_BLOCK_SIZE;
     // Two sequences' worth, for --decode-check.
-    const KvCacheParams p = model_kv_params(m, 2 * ((n_positions + block - 1) / block), block);
+    KvCacheParams p = model_kv_params(m, 2 * ((n_positions + block - 1) / block), block);
+    p.dtype = a->kv_dtype;
     if ((err = kv_init(kv, &p))) return err;
     LOG_INFO("loaded \"%s\" in %.3f s (%d threads)", a->model_dir, now_s() - t0, a->n_threads);
     return ERR_OK;
@@ -228,8 +255,7 @@ int cli_logits(int argc, char **argv)
     if (!logits || !row) goto done;
     const double t0 = now_s();
     if (model_forward(&m, &kv, &seq, ids, n, logits, true)) goto done;
-    LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s)", n, now_s() - t0,
-             n / (now_s() - t0));
+    LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s)", n, now_s() - t0, n / (now_s() - t0));
 
     f = fopen(a.out_path, "wb");
     if (!f) {
@@ -259,8 +285,7 @@ int cli_logits(int argc, char **argv)
             const double rel = sqrt(num / (den > 0 ? den : 1));
             if (rel > worst) worst = rel;
         }
-        fprintf(stderr, "decode-check: max relative L2 difference decode vs prefill %.3g\n",
-                worst);
+        fprintf(stderr, "decode-check: max relative L2 difference decode vs prefill %.3g\n", worst);
     }
     rc = 0;
 
@@ -289,19 +314,26 @@ int cli_generate(int argc, char **argv)
     KvSeq seq = {0};
     Sampler s = {0};
     float *logits = NULL;
+    int32_t *history = NULL;  // prompt then generated ids, for the penalties
     rc = 1;
     if (open_model(&a, n + a.max_tokens, &be, &m, &kv)) goto done;
     if (sampler_init(&s, m.cfg.vocab_size, a.sampling)) goto done;
     logits = malloc((size_t) m.cfg.vocab_size * sizeof *logits);
-    if (!logits) goto done;
+    history = malloc(((size_t) n + a.max_tokens) * sizeof *history);
+    if (!logits || !history) goto done;
+    for (int i = 0; i < n; i++)
+        history[i] = ids[i];
 
-    double t0 = now_s();
+    double t0 = now_s(), c0 = cpu_s();
     if (model_forward(&m, &kv, &seq, ids, n, logits, false)) goto done;
-    const double prefill_s = now_s() - t0;
+    const double prefill_s = now_s() - t0, prefill_cpu_s = cpu_s() - c0;
     t0 = now_s();
+    c0 = cpu_s();
     int n_out = 0;
     for (; n_out < a.max_tokens; n_out++) {
+        sampler_apply_penalties(&s, logits, history, n + n_out);  // prompt and output
         const int next = sampler_sample(&s, logits);
+        history[n + n_out] = next;
         printf(n_out ? " %d" : "%d", next);
         bool is_eos = false;
         for (int e = 0; e < m.cfg.n_eos_ids; e++)
@@ -314,15 +346,18 @@ int cli_generate(int argc, char **argv)
             goto done;
     }
     printf("\n");
-    const double decode_s = now_s() - t0;
-    LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s); decode: %d tokens in %.3f s "
-             "(%.2f tok/s)", n, prefill_s, n / prefill_s, n_out > 0 ? n_out - 1 : 0, decode_s,
-             n_out > 1 ? (n_out - 1) / decode_s : 0.0);
+    const double decode_s = now_s() - t0, decode_cpu_s = cpu_s() - c0;
+    // The first generated token comes from the prefill's logits: decode ran n_out - 1 steps.
+    LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s, %.3f s cpu); decode: %d tokens in "
+             "%.3f s (%.2f tok/s, %.3f s cpu)",
+             n, prefill_s, n / prefill_s, prefill_cpu_s, n_out > 0 ? n_out - 1 : 0, decode_s,
+             n_out > 1 ? (n_out - 1) / decode_s : 0.0, decode_cpu_s);
     rc = 0;
 
 done:
     fflush(stdout);
     free(logits);
+    free(history);
     free(ids);
     sampler_free(&s);
     kv_seq_free(&kv, &seq);

@@ -29,7 +29,8 @@ static int usage(const char *cmd)
     if (strcmp(cmd, "tokenize") == 0) {
         fprintf(stderr, "usage: glmspark tokenize --tokenizer FILE [--add-special] [--jsonl]\n");
     } else if (strcmp(cmd, "detokenize") == 0) {
-        fprintf(stderr, "usage: glmspark detokenize --tokenizer FILE [--skip-special] [--stream]\n");
+        fprintf(stderr,
+                "usage: glmspark detokenize --tokenizer FILE [--skip-special] [--stream]\n");
     } else {
         fprintf(stderr, "usage: glmspark bench-tokenize --tokenizer FILE --file TEXT "
                         "[--prompt-tokens N]\n");
@@ -120,8 +121,8 @@ int cli_tokenize(int argc, char **argv)
             fprintf(stderr, "glmspark tokenize: line %zu: expected one JSON string\n", line_no);
         } else {
             ids.n = 0;
-            if (tok_encode(tok, json_object_get_string(js),
-                           (size_t) json_object_get_string_len(js), add_special, &ids)) {
+            if (tok_encode(tok, json_object_get_string(js), (size_t) json_object_get_string_len(js),
+                           add_special, &ids)) {
                 json_object_put(js);
                 json_tokener_free(jt);
                 goto done;

@@ -29,8 +29,8 @@
 // Bounds on single dimensions: a generous ceiling above every GLM/DeepSeek model, low enough
 // that products of two of them fit comfortably in int64 and derived sizes in int.
 enum {
-    CONFIG_MAX_DIM = 1 << 17,         // hidden, intermediate, lora ranks
-    CONFIG_MAX_HEAD_DIM = 4096,       // per-head dims
+    CONFIG_MAX_DIM = 1 << 17,    // hidden, intermediate, lora ranks
+    CONFIG_MAX_HEAD_DIM = 4096,  // per-head dims
     CONFIG_MAX_HEADS = 1024,
     CONFIG_MAX_VOCAB = 1 << 22,
     CONFIG_MAX_EXPERTS = 1 << 14,
@@ -74,8 +74,8 @@ static Err get_int(const Ctx *c, json_object *obj, const char *key, int lo, int 
         return ERR_FORMAT;
     }
     if (x < lo || x > hi) {
-        LOG_ERROR("%s: field \"%s\" = %lld is outside [%d, %d]", c->origin, key, (long long) x,
-                  lo, hi);
+        LOG_ERROR("%s: field \"%s\" = %lld is outside [%d, %d]", c->origin, key, (long long) x, lo,
+                  hi);
         return ERR_INVAL;
     }
     *out = (int) x;
@@ -149,9 +149,9 @@ static json_object *parse_object(const char *text, size_t len, const char *origi
     size_t used = json_tokener_get_parse_end(tok);
     json_tokener_free(tok);
     if (!obj || jerr != json_tokener_success) {
-        LOG_ERROR("%s: invalid JSON: %s",
-                  origin, jerr == json_tokener_continue ? "unexpected end of input"
-                                                         : json_tokener_error_desc(jerr));
+        LOG_ERROR("%s: invalid JSON: %s", origin,
+                  jerr == json_tokener_continue ? "unexpected end of input"
+                                                : json_tokener_error_desc(jerr));
         json_object_put(obj);
         return NULL;
     }
@@ -182,8 +182,8 @@ static Err parse_indexer_entry(const Ctx *c, const char *field, int i, const cha
     } else if (!strcmp(s, "shared") || !strcmp(s, "S")) {
         *out = CONFIG_INDEXER_SHARED;
     } else {
-        LOG_ERROR("%s: field \"%s\"[%d] = \"%.32s\" is neither \"full\" nor \"shared\"",
-                  c->origin, field, i, s);
+        LOG_ERROR("%s: field \"%s\"[%d] = \"%.32s\" is neither \"full\" nor \"shared\"", c->origin,
+                  field, i, s);
         return ERR_FORMAT;
     }
     return ERR_OK;
@@ -234,8 +234,8 @@ static Err resolve_indexer(const Ctx *c, json_object *root, ModelConfig *cfg)
     } else {
         int freq = 1, offset = 2;
         if ((err = get_int(c, root, "index_topk_freq", INT_MIN, INT_MAX, &freq))) return err;
-        if ((err = get_int(c, root, "index_skip_topk_offset", -CONFIG_MAX_LAYERS,
-                           CONFIG_MAX_LAYERS, &offset))) {
+        if ((err = get_int(c, root, "index_skip_topk_offset", -CONFIG_MAX_LAYERS, CONFIG_MAX_LAYERS,
+                           &offset))) {
             return err;
         }
         if (freq < 1) freq = 1;  // transformers: max(index_topk_freq, 1)
@@ -244,9 +244,13 @@ static Err resolve_indexer(const Ctx *c, json_object *root, ModelConfig *cfg)
             cfg->indexer[i] = k % freq == 0 ? CONFIG_INDEXER_FULL : CONFIG_INDEXER_SHARED;
         }
     }
-    for (int i = n; i < n + cfg->n_mtp_layers; i++) cfg->indexer[i] = CONFIG_INDEXER_FULL;
+    for (int i = n; i < n + cfg->n_mtp_layers; i++) {
+        cfg->indexer[i] = CONFIG_INDEXER_FULL;
+    }
     if (cfg->index_topk <= 0) {
-        for (int i = 0; i < n + cfg->n_mtp_layers; i++) cfg->indexer[i] = CONFIG_INDEXER_NONE;
+        for (int i = 0; i < n + cfg->n_mtp_layers; i++) {
+            cfg->indexer[i] = CONFIG_INDEXER_NONE;
+        }
     } else if (cfg->indexer[0] == CONFIG_INDEXER_SHARED) {
         LOG_ERROR("%s: field \"%s\": layer 0 is \"shared\" but no earlier layer runs an indexer",
                   c->origin, field);
@@ -267,14 +271,14 @@ static Err resolve_mlp(const Ctx *c, json_object *root, ModelConfig *cfg)
         }
         const size_t len = json_object_array_length(types);
         if (len != (size_t) n && len != (size_t) (n + cfg->n_mtp_layers)) {
-            LOG_ERROR("%s: field \"mlp_layer_types\" has %zu entries for %d layers", c->origin,
-                      len, n);
+            LOG_ERROR("%s: field \"mlp_layer_types\" has %zu entries for %d layers", c->origin, len,
+                      n);
             return ERR_INVAL;
         }
         for (int i = 0; i < n; i++) {
             json_object *e = json_object_array_get_idx(types, (size_t) i);
-            const char *s = json_object_is_type(e, json_type_string) ? json_object_get_string(e)
-                                                                      : NULL;
+            const char *s =
+                json_object_is_type(e, json_type_string) ? json_object_get_string(e) : NULL;
             if (s && !strcmp(s, "dense")) {
                 cfg->mlp[i] = CONFIG_MLP_DENSE;
             } else if (s && (!strcmp(s, "sparse") || !strcmp(s, "moe"))) {
@@ -290,9 +294,13 @@ static Err resolve_mlp(const Ctx *c, json_object *root, ModelConfig *cfg)
         if ((err = get_int(c, root, "first_k_dense_replace", 0, INT_MAX, &first_dense))) {
             return err;
         }
-        for (int i = 0; i < n; i++) cfg->mlp[i] = i < first_dense ? CONFIG_MLP_DENSE : CONFIG_MLP_MOE;
+        for (int i = 0; i < n; i++) {
+            cfg->mlp[i] = i < first_dense ? CONFIG_MLP_DENSE : CONFIG_MLP_MOE;
+        }
     }
-    for (int i = n; i < n + cfg->n_mtp_layers; i++) cfg->mlp[i] = CONFIG_MLP_MOE;
+    for (int i = n; i < n + cfg->n_mtp_layers; i++) {
+        cfg->mlp[i] = CONFIG_MLP_MOE;
+    }
     return ERR_OK;
 }
 
@@ -308,8 +316,8 @@ static Err resolve_eos(const Ctx *c, json_object *root, ModelConfig *cfg)
     if (json_object_is_type(v, json_type_int)) {
         const int64_t id = json_object_get_int64(v);
         if (id < 0 || id >= cfg->vocab_size) {
-            LOG_ERROR("%s: field \"eos_token_id\" = %lld is outside the vocabulary (%d)",
-                      c->origin, (long long) id, cfg->vocab_size);
+            LOG_ERROR("%s: field \"eos_token_id\" = %lld is outside the vocabulary (%d)", c->origin,
+                      (long long) id, cfg->vocab_size);
             return ERR_INVAL;
         }
         cfg->eos_ids[0] = (int) id;
@@ -317,8 +325,7 @@ static Err resolve_eos(const Ctx *c, json_object *root, ModelConfig *cfg)
         return ERR_OK;
     }
     if (!json_object_is_type(v, json_type_array)) {
-        LOG_ERROR("%s: field \"eos_token_id\" must be an integer or a list of integers",
-                  c->origin);
+        LOG_ERROR("%s: field \"eos_token_id\" must be an integer or a list of integers", c->origin);
         return ERR_FORMAT;
     }
     const size_t len = json_object_array_length(v);
@@ -413,8 +420,8 @@ static Err quant_from_algo(const Ctx *c, const char *field, const char *algo, Mo
     if (!strcmp(algo, "NVFP4") || !strcmp(algo, "W4A16_NVFP4")) {
         cfg->quant = CONFIG_QUANT_NVFP4_MODELOPT;
         cfg->quant_group_size = 16;
-    } else if (!strcmp(algo, "FP8") || !strcmp(algo, "FP8_BLOCKWISE") ||
-               !strcmp(algo, "FP8_PER_CHANNEL_PER_TOKEN")) {
+    } else if (!strcmp(algo, "FP8") || !strcmp(algo, "FP8_BLOCKWISE")
+               || !strcmp(algo, "FP8_PER_CHANNEL_PER_TOKEN")) {
         cfg->quant = CONFIG_QUANT_FP8;
         cfg->quant_group_size = 0;
     } else {
@@ -452,8 +459,7 @@ static Err ct_format(const Ctx *c, json_object *q, const char **format, int *gro
     json_object *groups = member(q, "config_groups");
     if (!groups) return ERR_OK;
     if (!json_object_is_type(groups, json_type_object)) {
-        LOG_ERROR("%s: field \"quantization_config.config_groups\" must be an object",
-                  c->origin);
+        LOG_ERROR("%s: field \"quantization_config.config_groups\" must be an object", c->origin);
         return ERR_FORMAT;
     }
     json_object_object_foreach(groups, name, group)
@@ -567,8 +573,7 @@ static void set_defaults(ModelConfig *cfg)
 // Products that become an int dimension (heads x head dim) must fit in int; products that
 // count a tensor's elements must stay below 2^34 (GLM-5's largest, the embedding, has
 // 0.95 G elements; 17 G is no real model).
-static Err check_product_limit(const Ctx *c, const char *what, int64_t a, int64_t b,
-                               int64_t limit)
+static Err check_product_limit(const Ctx *c, const char *what, int64_t a, int64_t b, int64_t limit)
 {
     if (a * b > limit) {
         LOG_ERROR("%s: %s = %lld x %lld is too large", c->origin, what, (long long) a,
@@ -614,19 +619,19 @@ static Err validate(const Ctx *c, const ModelConfig *cfg)
         return err;
     }
     if ((err = check_elements(c, "intermediate_size * hidden_size", cfg->intermediate_size,
-                             cfg->hidden_size))) {
+                              cfg->hidden_size))) {
         return err;
     }
-    if ((err = check_elements(c, "moe_intermediate_size * hidden_size",
-                             cfg->moe_intermediate_size, cfg->hidden_size))) {
+    if ((err = check_elements(c, "moe_intermediate_size * hidden_size", cfg->moe_intermediate_size,
+                              cfg->hidden_size))) {
         return err;
     }
-    if ((err = check_elements(c, "q_lora_rank * hidden_size", cfg->q_lora_rank,
-                             cfg->hidden_size))) {
+    if ((err =
+             check_elements(c, "q_lora_rank * hidden_size", cfg->q_lora_rank, cfg->hidden_size))) {
         return err;
     }
     if ((err = check_elements(c, "n_routed_experts * hidden_size", cfg->n_routed_experts,
-                             cfg->hidden_size))) {
+                              cfg->hidden_size))) {
         return err;
     }
     bool any_moe = false, any_index = false;
@@ -661,8 +666,8 @@ static Err validate(const Ctx *c, const ModelConfig *cfg)
     }
     for (int i = 0; i < cfg->n_eos_ids; i++) {
         if (cfg->eos_ids[i] >= cfg->vocab_size) {  // the default eos (1) included
-            LOG_ERROR("%s: field \"eos_token_id\" = %d is outside the vocabulary (%d)",
-                      c->origin, cfg->eos_ids[i], cfg->vocab_size);
+            LOG_ERROR("%s: field \"eos_token_id\" = %d is outside the vocabulary (%d)", c->origin,
+                      cfg->eos_ids[i], cfg->vocab_size);
             return ERR_INVAL;
         }
     }
@@ -688,7 +693,9 @@ static Err parse_root(const Ctx *c, json_object *root, ModelConfig *cfg)
             LOG_ERROR("%s: field \"architectures\"[0] must be a string", c->origin);
             return ERR_FORMAT;
         }
-        if (a0) copy_string(cfg->architecture, sizeof cfg->architecture, json_object_get_string(a0));
+        if (a0) {
+            copy_string(cfg->architecture, sizeof cfg->architecture, json_object_get_string(a0));
+        }
     }
     const char *model_type = NULL;
     if ((err = get_string(c, root, "model_type", &model_type))) return err;
@@ -735,8 +742,8 @@ static Err parse_root(const Ctx *c, json_object *root, ModelConfig *cfg)
         return ERR_INVAL;
     }
     if ((err = get_float(c, root, "rms_norm_eps", 0.0, 1.0, &cfg->rms_norm_eps))) return err;
-    if ((err = get_float(c, root, "routed_scaling_factor", 0.0, 1e6,
-                         &cfg->routed_scaling_factor))) {
+    if ((err =
+             get_float(c, root, "routed_scaling_factor", 0.0, 1e6, &cfg->routed_scaling_factor))) {
         return err;
     }
     if ((err = get_bool(c, root, "rope_interleave", &cfg->rope_interleave))) return err;
@@ -746,6 +753,29 @@ static Err parse_root(const Ctx *c, json_object *root, ModelConfig *cfg)
     if ((err = get_bool(c, root, "norm_topk_prob", &cfg->norm_topk_prob))) return err;
     if ((err = get_bool(c, root, "tie_word_embeddings", &cfg->tie_word_embeddings))) return err;
     if ((err = get_int(c, root, "pad_token_id", -1, CONFIG_MAX_VOCAB, &cfg->pad_id))) return err;
+    // Options the forward pass does not implement: refuse them here, by name, rather than
+    // computing something else later.
+    const struct {
+        const char *key, *want;
+    } fixed[] = {{"hidden_act", "silu"}, {"scoring_func", "sigmoid"}};
+    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++) {
+        const char *v = NULL;
+        if ((err = get_string(c, root, fixed[i].key, &v))) return err;
+        if (v && strcmp(v, fixed[i].want) != 0) {
+            LOG_ERROR("%s: field \"%s\" = \"%.32s\" is not supported (only \"%s\")", c->origin,
+                      fixed[i].key, v, fixed[i].want);
+            return ERR_INVAL;
+        }
+    }
+    const char *no_bias[] = {"attention_bias", "mlp_bias"};
+    for (size_t i = 0; i < 2; i++) {
+        bool b = false;
+        if ((err = get_bool(c, root, no_bias[i], &b))) return err;
+        if (b) {
+            LOG_ERROR("%s: field \"%s\" = true is not supported", c->origin, no_bias[i]);
+            return ERR_INVAL;
+        }
+    }
     if ((err = resolve_rope(c, root, cfg))) return err;
     if ((err = resolve_eos(c, root, cfg))) return err;
     if ((err = resolve_mlp(c, root, cfg))) return err;

@@ -227,12 +227,12 @@ Err jobq_recover(JobQueue *q, int *n_requeued)
     PGresult *res = exec_params(
         q, "recovering running jobs",
         "UPDATE jobs SET state = 'queued', lease_epoch = NULL, lease_until = NULL"
-        " WHERE state = 'running' AND lease_epoch IS DISTINCT FROM $1::bigint RETURNING public_id",
-        1, (const char *const[]){q->epoch_text}, PGRES_TUPLES_OK);
+        " WHERE state = 'running' RETURNING public_id",
+        0, NULL, PGRES_TUPLES_OK);
     if (!res) return ERR_DB;
     const int n = PQntuples(res);
     for (int i = 0; i < n; i++)
-        LOG_INFO("jobq: requeued job %s left running by an earlier engine", PQgetvalue(res, i, 0));
+        LOG_INFO("jobq: requeued interrupted job %s", PQgetvalue(res, i, 0));
     PQclear(res);
     if (n) {
         res = PQexec(q->conn, "NOTIFY jobs_new");

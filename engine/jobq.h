@@ -9,8 +9,8 @@
  *     epoch. Every write is conditioned on jobs.lease_epoch = epoch, so an engine that
  *     stalled while another took its jobs over writes nothing (its calls get ERR_NOTFOUND);
  *   - an exclusive queue (the real engine) also holds a session advisory lock: one active
- *     engine cluster per queue. Holding it, jobq_recover() hands every job still running
- *     under an older epoch back to the queue at once, with no lease timeout to wait for;
+ *     engine cluster per queue. Holding it, jobq_recover() hands every job still marked
+ *     running back to the queue at once, with no lease timeout to wait for;
  *   - output goes to job_chunks in order (seq 0, 1, 2, ... with no gap, whatever the
  *     attempt), one statement per append, which also extends the lease and NOTIFYs readers
  *     (a doorbell only: readers always re-read by seq). A re-claimed job resumes: the claim
@@ -85,8 +85,9 @@ void jobq_destroy(JobQueue *q);
 // This boot's fencing epoch (its engines.id).
 int64_t jobq_epoch(const JobQueue *q);
 
-// Exclusive queues only: requeue every job running under another epoch. *n_requeued gets
-// the count (may be NULL).
+// Exclusive queues only, while this engine works on no job (at start, after a reconnect):
+// requeue every running job, whoever ran it; claims resume them from their committed
+// output. *n_requeued gets the count (may be NULL).
 Err jobq_recover(JobQueue *q, int *n_requeued);
 
 // Claim the next runnable job into *job (zeroed on failure). Jobs past max_attempts are

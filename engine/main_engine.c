@@ -317,6 +317,7 @@ static Err run_job(Engine *e, JobqJob *job)
     }
     if (job->n_committed) memcpy(hist, job->committed_ids, (size_t) job->n_committed * sizeof *hist);
 
+    time_t last_beat = time(NULL);
     while (!is_cancelled && !is_stopping) {
         if (n_gen >= job->max_tokens) {
             finish = "length";
@@ -355,6 +356,16 @@ static Err run_job(Engine *e, JobqJob *job)
             break;
         }
         if (is_cancelled) break;
+        // Appends extend the job's lease; the engine's own heartbeat (what /health reads)
+        // needs a beat of its own during long generations.
+        const time_t now = time(NULL);
+        if (now - last_beat >= 5) {
+            last_beat = now;
+            if (jobq_heartbeat(e->q, job, &is_cancelled) == ERR_DB) {
+                db_err = ERR_DB;
+                break;
+            }
+        }
         if (e->step_delay_ms > 0) sleep_ms(e->step_delay_ms);
         if (n_gen < job->max_tokens &&
             model_forward(&e->model, &e->kv, &seq, &next, 1, e->logits, false)) {
@@ -522,6 +533,9 @@ int main(int argc, char **argv)
                 rc = 3;
                 goto done;
             }
+            // The job we were running (if any) was dropped: resume it now rather than
+            // after its lease runs out.
+            if (!err) jobq_recover(e.q, NULL);
         }
     }
     LOG_INFO("engine: stopping");

@@ -43,14 +43,80 @@ typedef struct Preset {
 
 static const Preset presets[] = {
     // Tests: < 2 MB, every structural feature (dense + MoE, full + shared indexer, MTP).
-    {"tiny", 512, 64, 4, 1, 4, 32, 32, 16, 16, 16, 2, 32, 8, 2, 1, 128, 32, 8, 2, 1, 1, 1e6f,
-     4096},
+    {.name = "tiny",
+     .vocab = 512,
+     .hidden = 64,
+     .layers = 4,
+     .first_dense = 1,
+     .heads = 4,
+     .q_lora = 32,
+     .kv_lora = 32,
+     .nope = 16,
+     .rope = 16,
+     .v = 16,
+     .index_heads = 2,
+     .index_dim = 32,
+     .index_topk = 8,
+     .index_freq = 2,
+     .index_offset = 1,
+     .inter = 128,
+     .moe_inter = 32,
+     .experts = 8,
+     .top_k = 2,
+     .shared = 1,
+     .mtp = 1,
+     .rope_theta = 1e6f,
+     .max_pos = 4096},
     // The CPU demo: GLM-5.2's layer rules (3 dense layers, indexer on 0,1,2,6,...).
-    {"default", 4096, 256, 8, 3, 4, 128, 64, 32, 32, 32, 4, 64, 64, 4, 3, 512, 64, 32, 4, 1, 1,
-     8e6f, 16384},
-    // Load and throughput measurements: a few hundred MB.
-    {"small", 8192, 1024, 12, 3, 8, 256, 128, 64, 32, 64, 8, 64, 256, 4, 3, 2048, 256, 32, 8, 1,
-     1, 8e6f, 65536},
+    {.name = "default",
+     .vocab = 4096,
+     .hidden = 256,
+     .layers = 8,
+     .first_dense = 3,
+     .heads = 4,
+     .q_lora = 128,
+     .kv_lora = 64,
+     .nope = 32,
+     .rope = 32,
+     .v = 32,
+     .index_heads = 4,
+     .index_dim = 64,
+     .index_topk = 64,
+     .index_freq = 4,
+     .index_offset = 3,
+     .inter = 512,
+     .moe_inter = 64,
+     .experts = 32,
+     .top_k = 4,
+     .shared = 1,
+     .mtp = 1,
+     .rope_theta = 8e6f,
+     .max_pos = 16384},
+    // Load and throughput measurements: about 300 MB.
+    {.name = "small",
+     .vocab = 8192,
+     .hidden = 1024,
+     .layers = 12,
+     .first_dense = 3,
+     .heads = 8,
+     .q_lora = 256,
+     .kv_lora = 128,
+     .nope = 64,
+     .rope = 32,
+     .v = 64,
+     .index_heads = 8,
+     .index_dim = 64,
+     .index_topk = 256,
+     .index_freq = 4,
+     .index_offset = 3,
+     .inter = 2048,
+     .moe_inter = 256,
+     .experts = 32,
+     .top_k = 8,
+     .shared = 1,
+     .mtp = 1,
+     .rope_theta = 8e6f,
+     .max_pos = 65536},
 };
 
 static const char *const preset_names[] = {"tiny", "default", "small", NULL};
@@ -62,9 +128,9 @@ const char *const *mkmodel_presets(void)
 
 // GLM's special tokens, in the order they are appended to a tokenizer that lacks them.
 static const char *const specials[] = {
-    "[gMASK]",       "<sop>",       "<|system|>",  "<|user|>",      "<|assistant|>",
-    "<|observation|>", "<think>",   "</think>",    "<tool_call>",   "</tool_call>",
-    "<arg_key>",     "</arg_key>",  "<arg_value>", "</arg_value>",  "<tool_response>",
+    "[gMASK]",          "<sop>",         "<|system|>",  "<|user|>",     "<|assistant|>",
+    "<|observation|>",  "<think>",       "</think>",    "<tool_call>",  "</tool_call>",
+    "<arg_key>",        "</arg_key>",    "<arg_value>", "</arg_value>", "<tool_response>",
     "</tool_response>", "<|endoftext|>",
 };
 enum { N_SPECIALS = (int) (sizeof specials / sizeof specials[0]) };
@@ -83,7 +149,9 @@ static uint64_t splitmix64(uint64_t *state)
 static uint64_t fnv1a(const char *s)
 {
     uint64_t h = 0xcbf29ce484222325ull;
-    for (; *s; s++) h = (h ^ (uint8_t) *s) * 0x100000001b3ull;
+    for (; *s; s++) {
+        h = (h ^ (uint8_t) *s) * 0x100000001b3ull;
+    }
     return h;
 }
 
@@ -104,8 +172,7 @@ static float bf16_round(float x)
 }
 
 // out[i] = bf16(mean + std * N(0, 1)), drawn from (seed, name).
-static void gen_normal(uint64_t seed, const char *name, size_t n, float mean, float std,
-                       float *out)
+static void gen_normal(uint64_t seed, const char *name, size_t n, float mean, float std, float *out)
 {
     uint64_t state = seed ^ fnv1a(name);
     for (size_t i = 0; i < n; i += 2) {
@@ -133,18 +200,18 @@ uint8_t mkmodel_float_to_e4m3(float x)
 {
     const uint8_t sign = x < 0 ? 0x80 : 0;
     const float a = fabsf(x);
-    if (!(a < 448.0f)) return sign | 0x7e;  // saturate (NaN never reaches here in practice)
-    // Nearest of the 127 finite magnitudes; on a tie the even code (mantissa LSB 0) wins.
-    uint8_t best = 0;
-    float best_err = INFINITY;
-    for (uint8_t code = 0; code <= 0x7e; code++) {
-        const float err = fabsf(nvfp4_e4m3_to_float(code) - a);
-        if (err < best_err || (err == best_err && !(code & 1))) {
-            best = code;
-            best_err = err;
-        }
+    if (!(a < 448.0f)) return sign | 0x7e;  // saturate (and NaN, which never reaches here)
+    if (a < 0.015625f) {
+        // Subnormals are multiples of 2^-9; m == 8 is code 0x08 = 2^-6, the first normal.
+        return sign | (uint8_t) nearbyintf(a * 512.0f);  // round half to even
     }
-    return sign | best;
+    int k;
+    frexpf(a, &k);  // a = f * 2^k, f in [0.5, 1): the binade is 2^(k-1)
+    int e = k - 1;
+    int m = (int) nearbyintf(ldexpf(a, -e) * 8.0f) - 8;  // 3 mantissa bits, half to even
+    if (m == 8) e++, m = 0;
+    const int code = (e + 7) << 3 | m;
+    return sign | (uint8_t) (code > 0x7e ? 0x7e : code);
 }
 
 // ModelOpt's _cast_fp4: searchsorted over the bounds, ties at odd-indexed bounds round up.
@@ -153,7 +220,9 @@ static uint8_t float_to_e2m1(float x)
     static const float bounds[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
     const float a = fabsf(x);
     uint8_t ord = 0;
-    while (ord < 7 && bounds[ord] < a) ord++;
+    while (ord < 7 && bounds[ord] < a) {
+        ord++;
+    }
     if (ord < 7 && a == bounds[ord] && (ord & 1)) ord++;
     return (uint8_t) ((x < 0 ? 8 : 0) | ord);
 }
@@ -163,14 +232,18 @@ void mkmodel_quantize_nvfp4(const float *w, int rows, int cols, uint8_t *codes, 
 {
     const size_t n = (size_t) rows * (size_t) cols;
     float amax = 0.0f;
-    for (size_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(w[i]));
+    for (size_t i = 0; i < n; i++) {
+        amax = fmaxf(amax, fabsf(w[i]));
+    }
     const float s2 = amax > 0.0f ? amax / (6.0f * 448.0f) : 1.0f;
     const int groups = cols / NVFP4_GROUP;
     for (int r = 0; r < rows; r++) {
         for (int g = 0; g < groups; g++) {
             const float *blk = w + (size_t) r * (size_t) cols + (size_t) g * NVFP4_GROUP;
             float bmax = 0.0f;
-            for (int j = 0; j < NVFP4_GROUP; j++) bmax = fmaxf(bmax, fabsf(blk[j]));
+            for (int j = 0; j < NVFP4_GROUP; j++) {
+                bmax = fmaxf(bmax, fabsf(blk[j]));
+            }
             // ModelOpt: (bmax / 6) / s2, zero blocks get 1.0. We also keep the scale at or
             // above the smallest subnormal (2^-9) so that no block divides by zero.
             float q = bmax > 0.0f ? bmax / 6.0f / s2 : 1.0f;
@@ -193,10 +266,10 @@ void mkmodel_quantize_nvfp4(const float *w, int rows, int cols, uint8_t *codes, 
 // Tensor list
 
 typedef enum Gen {
-    GEN_LINEAR,   // N(0, 1/cols)
-    GEN_EMBED,    // N(0, 1)
-    GEN_NORM,     // 1 + 0.1 N
-    GEN_BIAS,     // 0.1 N
+    GEN_LINEAR,       // N(0, 1/cols)
+    GEN_EMBED,        // N(0, 1)
+    GEN_NORM,         // 1 + 0.1 N
+    GEN_BIAS,         // 0.1 N
     GEN_ROUTER_BIAS,  // 0.05 N, f32
     GEN_FP4_CODES,
     GEN_FP4_SCALE,
@@ -215,7 +288,7 @@ typedef struct Spec {
     int group;       // 0 = globals, 1 + layer
     int shard;
     size_t n_bytes;
-    size_t offset;   // within the shard's data region
+    size_t offset;  // within the shard's data region
 } Spec;
 
 typedef struct Specs {
@@ -245,7 +318,9 @@ static Spec *spec_add(Specs *s, Gen gen, CkptDtype dtype, int n_dims, int64_t d0
     t->shape[1] = d1;
     t->group = s->group;
     size_t n = ckpt_dtype_size(dtype);
-    for (int i = 0; i < n_dims; i++) n *= (size_t) t->shape[i];
+    for (int i = 0; i < n_dims; i++) {
+        n *= (size_t) t->shape[i];
+    }
     t->n_bytes = n;
     return t;
 }
@@ -255,18 +330,21 @@ static bool add_linear(Specs *s, const char *base, int rows, int cols, int forma
 {
     Spec *t;
     if (format == CKPT_LINEAR_NVFP4) {
-        if (!(t = spec_add(s, GEN_FP4_CODES, CKPT_DTYPE_U8, 2, rows, cols / 2, base, ".weight")))
+        if (!(t = spec_add(s, GEN_FP4_CODES, CKPT_DTYPE_U8, 2, rows, cols / 2, base, ".weight"))) {
             return false;
+        }
         t->rows = rows, t->cols = cols;
         if (!(t = spec_add(s, GEN_FP4_SCALE, CKPT_DTYPE_F8_E4M3, 2, rows, cols / NVFP4_GROUP, base,
                            ".weight_scale")))
             return false;
         t->rows = rows, t->cols = cols;
-        if (!(t = spec_add(s, GEN_FP4_SCALE2, CKPT_DTYPE_F32, 0, 0, 0, base, ".weight_scale_2")))
+        if (!(t = spec_add(s, GEN_FP4_SCALE2, CKPT_DTYPE_F32, 0, 0, 0, base, ".weight_scale_2"))) {
             return false;
+        }
         t->rows = rows, t->cols = cols;
-        if (!(t = spec_add(s, GEN_FP4_INPUT, CKPT_DTYPE_F32, 0, 0, 0, base, ".input_scale")))
+        if (!(t = spec_add(s, GEN_FP4_INPUT, CKPT_DTYPE_F32, 0, 0, 0, base, ".input_scale"))) {
             return false;
+        }
         return true;
     }
     const CkptDtype dt = format == CKPT_LINEAR_F32 ? CKPT_DTYPE_F32 : CKPT_DTYPE_BF16;
@@ -299,34 +377,46 @@ static bool add_layer(Specs *s, const Preset *p, int i)
         ok = ok && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, H, NAME("%s.enorm.weight", b));
         ok = ok && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, H, NAME("%s.hnorm.weight", b));
         ok = ok && add_linear(s, NAME("%s.eh_proj", b), H, 2 * H, CKPT_LINEAR_BF16);
-        ok = ok && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, H, NAME("%s.shared_head.norm.weight", b));
+        ok = ok
+             && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, H, NAME("%s.shared_head.norm.weight", b));
     }
     ok = ok && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, H, NAME("%s.input_layernorm.weight", b));
-    ok = ok && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, H,
-                          NAME("%s.post_attention_layernorm.weight", b));
+    ok = ok
+         && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, H,
+                       NAME("%s.post_attention_layernorm.weight", b));
     ok = ok && add_linear(s, NAME("%s.self_attn.q_a_proj", b), p->q_lora, H, CKPT_LINEAR_BF16);
-    ok = ok && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, p->q_lora,
-                          NAME("%s.self_attn.q_a_layernorm.weight", b));
-    ok = ok && add_linear(s, NAME("%s.self_attn.q_b_proj", b), p->heads * qk, p->q_lora,
-                          CKPT_LINEAR_BF16);
-    ok = ok && add_linear(s, NAME("%s.self_attn.kv_a_proj_with_mqa", b), p->kv_lora + p->rope, H,
-                          CKPT_LINEAR_BF16);
-    ok = ok && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, p->kv_lora,
-                          NAME("%s.self_attn.kv_a_layernorm.weight", b));
-    ok = ok && add_linear(s, NAME("%s.self_attn.kv_b_proj", b), p->heads * (p->nope + p->v),
-                          p->kv_lora, CKPT_LINEAR_BF16);
+    ok = ok
+         && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, p->q_lora,
+                       NAME("%s.self_attn.q_a_layernorm.weight", b));
+    ok = ok
+         && add_linear(s, NAME("%s.self_attn.q_b_proj", b), p->heads * qk, p->q_lora,
+                       CKPT_LINEAR_BF16);
+    ok = ok
+         && add_linear(s, NAME("%s.self_attn.kv_a_proj_with_mqa", b), p->kv_lora + p->rope, H,
+                       CKPT_LINEAR_BF16);
+    ok = ok
+         && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, p->kv_lora,
+                       NAME("%s.self_attn.kv_a_layernorm.weight", b));
+    ok = ok
+         && add_linear(s, NAME("%s.self_attn.kv_b_proj", b), p->heads * (p->nope + p->v),
+                       p->kv_lora, CKPT_LINEAR_BF16);
     ok = ok && add_linear(s, NAME("%s.self_attn.o_proj", b), H, p->heads * p->v, CKPT_LINEAR_BF16);
     if (p->index_topk > 0 && indexer_full(p, i)) {
-        ok = ok && add_linear(s, NAME("%s.self_attn.indexer.wq_b", b), p->index_heads * p->index_dim,
-                              p->q_lora, CKPT_LINEAR_BF16);
-        ok = ok && add_linear(s, NAME("%s.self_attn.indexer.wk", b), p->index_dim, H,
-                              CKPT_LINEAR_BF16);
-        ok = ok && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, p->index_dim,
-                              NAME("%s.self_attn.indexer.k_norm.weight", b));
-        ok = ok && add_vector(s, GEN_BIAS, CKPT_DTYPE_BF16, p->index_dim,
-                              NAME("%s.self_attn.indexer.k_norm.bias", b));
-        ok = ok && add_linear(s, NAME("%s.self_attn.indexer.weights_proj", b), p->index_heads, H,
-                              CKPT_LINEAR_F32);
+        ok = ok
+             && add_linear(s, NAME("%s.self_attn.indexer.wq_b", b), p->index_heads * p->index_dim,
+                           p->q_lora, CKPT_LINEAR_BF16);
+        ok =
+            ok
+            && add_linear(s, NAME("%s.self_attn.indexer.wk", b), p->index_dim, H, CKPT_LINEAR_BF16);
+        ok = ok
+             && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, p->index_dim,
+                           NAME("%s.self_attn.indexer.k_norm.weight", b));
+        ok = ok
+             && add_vector(s, GEN_BIAS, CKPT_DTYPE_BF16, p->index_dim,
+                           NAME("%s.self_attn.indexer.k_norm.bias", b));
+        ok = ok
+             && add_linear(s, NAME("%s.self_attn.indexer.weights_proj", b), p->index_heads, H,
+                           CKPT_LINEAR_F32);
     }
     if (i < p->first_dense) {
         ok = ok && add_linear(s, NAME("%s.mlp.gate_proj", b), p->inter, H, CKPT_LINEAR_BF16);
@@ -336,22 +426,27 @@ static bool add_layer(Specs *s, const Preset *p, int i)
         // NVIDIA's export keeps the MTP layer's experts in BF16.
         const int fmt = i >= p->layers ? CKPT_LINEAR_BF16 : CKPT_LINEAR_NVFP4;
         ok = ok && add_linear(s, NAME("%s.mlp.gate", b), p->experts, H, CKPT_LINEAR_BF16);
-        ok = ok && add_vector(s, GEN_ROUTER_BIAS, CKPT_DTYPE_F32, p->experts,
-                              NAME("%s.mlp.gate.e_score_correction_bias", b));
+        ok = ok
+             && add_vector(s, GEN_ROUTER_BIAS, CKPT_DTYPE_F32, p->experts,
+                           NAME("%s.mlp.gate.e_score_correction_bias", b));
         const int si = p->shared * p->moe_inter;
         if (si > 0) {
-            ok = ok && add_linear(s, NAME("%s.mlp.shared_experts.gate_proj", b), si, H,
-                                  CKPT_LINEAR_BF16);
-            ok = ok && add_linear(s, NAME("%s.mlp.shared_experts.up_proj", b), si, H,
-                                  CKPT_LINEAR_BF16);
-            ok = ok && add_linear(s, NAME("%s.mlp.shared_experts.down_proj", b), H, si,
-                                  CKPT_LINEAR_BF16);
+            ok = ok
+                 && add_linear(s, NAME("%s.mlp.shared_experts.gate_proj", b), si, H,
+                               CKPT_LINEAR_BF16);
+            ok =
+                ok
+                && add_linear(s, NAME("%s.mlp.shared_experts.up_proj", b), si, H, CKPT_LINEAR_BF16);
+            ok = ok
+                 && add_linear(s, NAME("%s.mlp.shared_experts.down_proj", b), H, si,
+                               CKPT_LINEAR_BF16);
         }
         for (int e = 0; e < p->experts && ok; e++) {
-            ok = ok && add_linear(s, NAME("%s.mlp.experts.%d.gate_proj", b, e), p->moe_inter, H, fmt);
+            ok = ok
+                 && add_linear(s, NAME("%s.mlp.experts.%d.gate_proj", b, e), p->moe_inter, H, fmt);
             ok = ok && add_linear(s, NAME("%s.mlp.experts.%d.up_proj", b, e), p->moe_inter, H, fmt);
-            ok = ok && add_linear(s, NAME("%s.mlp.experts.%d.down_proj", b, e), H, p->moe_inter,
-                                  fmt);
+            ok = ok
+                 && add_linear(s, NAME("%s.mlp.experts.%d.down_proj", b, e), H, p->moe_inter, fmt);
         }
     }
 #undef NAME
@@ -370,7 +465,9 @@ static bool build_specs(Specs *s, const Preset *p, int vocab)
         t->rows = vocab, t->cols = p->hidden;
         t->n_bytes = (size_t) vocab * (size_t) p->hidden * 2;
     }
-    for (int i = 0; ok && i < p->layers + p->mtp; i++) ok = add_layer(s, p, i);
+    for (int i = 0; ok && i < p->layers + p->mtp; i++) {
+        ok = add_layer(s, p, i);
+    }
     s->group = 1 + p->layers + p->mtp;
     ok = ok && add_vector(s, GEN_NORM, CKPT_DTYPE_BF16, p->hidden, "model.norm.weight");
     ok = ok && add_linear(s, "lm_head", vocab, p->hidden, CKPT_LINEAR_BF16);
@@ -430,12 +527,23 @@ static Err gen_tensor(const Spec *t, uint64_t seed, Fp4Cache *cache, uint8_t *ou
     }
     if (!(f = malloc((n_elems ? n_elems : 1) * sizeof *f))) return ERR_NOMEM;
     switch (t->gen) {
-    case GEN_LINEAR: mkmodel_reference(seed, t->base, t->rows, t->cols, f); break;
-    case GEN_EMBED: gen_normal(seed, t->name, n_elems, 0.0f, 1.0f, f); break;
-    case GEN_NORM: gen_normal(seed, t->name, n_elems, 1.0f, 0.1f, f); break;
-    case GEN_BIAS: gen_normal(seed, t->name, n_elems, 0.0f, 0.1f, f); break;
-    case GEN_ROUTER_BIAS: gen_normal(seed, t->name, n_elems, 0.0f, 0.05f, f); break;
-    default: ASSERT(0);
+    case GEN_LINEAR:
+        mkmodel_reference(seed, t->base, t->rows, t->cols, f);
+        break;
+    case GEN_EMBED:
+        gen_normal(seed, t->name, n_elems, 0.0f, 1.0f, f);
+        break;
+    case GEN_NORM:
+        gen_normal(seed, t->name, n_elems, 1.0f, 0.1f, f);
+        break;
+    case GEN_BIAS:
+        gen_normal(seed, t->name, n_elems, 0.0f, 0.1f, f);
+        break;
+    case GEN_ROUTER_BIAS:
+        gen_normal(seed, t->name, n_elems, 0.0f, 0.05f, f);
+        break;
+    default:
+        ASSERT(0);
     }
     if (t->dtype == CKPT_DTYPE_F32) {
         memcpy(out, f, n_elems * 4);
@@ -458,8 +566,9 @@ static Err write_json(const char *dir, const char *file, json_object *obj)
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", dir, file);
     if (json_object_to_file_ext(path, obj,
-                                JSON_C_TO_STRING_PRETTY | JSON_C_TO_STRING_SPACED |
-                                    JSON_C_TO_STRING_NOSLASHESCAPE) != 0) {
+                                JSON_C_TO_STRING_PRETTY | JSON_C_TO_STRING_SPACED
+                                    | JSON_C_TO_STRING_NOSLASHESCAPE)
+        != 0) {
         LOG_ERROR("could not write \"%s\": %s", path, json_util_get_last_err());
         return ERR_IO;
     }
@@ -522,7 +631,9 @@ static Err write_shard(const char *dir, const char *file, Spec **list, int n, ui
         goto done;
     }
     uint8_t len8[8];
-    for (int i = 0; i < 8; i++) len8[i] = (uint8_t) ((uint64_t) padded >> (8 * i));
+    for (int i = 0; i < 8; i++) {
+        len8[i] = (uint8_t) ((uint64_t) padded >> (8 * i));
+    }
     memcpy(buf, text, hlen);
     memset(buf + hlen, ' ', padded - hlen);
     bool ok = fwrite(len8, 1, 8, f) == 8 && fwrite(buf, 1, padded, f) == padded;
@@ -551,7 +662,7 @@ done:
 // Tokenizer
 
 typedef struct Vocab {
-    int size;                   // model vocab_size (multiple of 64)
+    int size;                     // model vocab_size (multiple of 64)
     int special_ids[N_SPECIALS];  // id of specials[i]
 } Vocab;
 
@@ -568,9 +679,9 @@ static Err write_tokenizer(const char *src, const char *dir, Vocab *voc)
         err = ERR_INVAL;
         goto done;
     }
-    if (json_object_object_get_ex(root, "model", &model) &&
-        json_object_object_get_ex(model, "vocab", &vocab) &&
-        json_object_is_type(vocab, json_type_object)) {
+    if (json_object_object_get_ex(root, "model", &model)
+        && json_object_object_get_ex(model, "vocab", &vocab)
+        && json_object_is_type(vocab, json_type_object)) {
         json_object_object_foreach(vocab, tok, id)
         {
             (void) tok;
@@ -583,19 +694,21 @@ static Err write_tokenizer(const char *src, const char *dir, Vocab *voc)
         err = ERR_INVAL;
         goto done;
     }
-    if (!json_object_object_get_ex(root, "added_tokens", &added) ||
-        !json_object_is_type(added, json_type_array)) {
+    if (!json_object_object_get_ex(root, "added_tokens", &added)
+        || !json_object_is_type(added, json_type_array)) {
         added = json_object_new_array();
         json_object_object_add(root, "added_tokens", added);
     }
-    for (int i = 0; i < N_SPECIALS; i++) voc->special_ids[i] = -1;
+    for (int i = 0; i < N_SPECIALS; i++) {
+        voc->special_ids[i] = -1;
+    }
     const size_t n_added = json_object_array_length(added);
     for (size_t i = 0; i < n_added; i++) {
         json_object *a = json_object_array_get_idx(added, i), *id = NULL, *content = NULL;
-        if (!json_object_object_get_ex(a, "id", &id) ||
-            !json_object_object_get_ex(a, "content", &content) ||
-            !json_object_is_type(id, json_type_int) ||
-            !json_object_is_type(content, json_type_string)) {
+        if (!json_object_object_get_ex(a, "id", &id)
+            || !json_object_object_get_ex(a, "content", &content)
+            || !json_object_is_type(id, json_type_int)
+            || !json_object_is_type(content, json_type_string)) {
             LOG_ERROR("tokenizer \"%s\": added_tokens[%zu] needs an integer id and a string "
                       "content",
                       src, i);
@@ -639,7 +752,9 @@ done:
 static json_object *int_array(const int *v, int n)
 {
     json_object *a = json_object_new_array();
-    for (int i = 0; i < n; i++) json_object_array_add(a, json_object_new_int(v[i]));
+    for (int i = 0; i < n; i++) {
+        json_object_array_add(a, json_object_new_int(v[i]));
+    }
     return a;
 }
 
@@ -701,10 +816,10 @@ static json_object *make_config(const Preset *p, const Vocab *voc)
     SET("qk_head_dim", INT(p->nope + p->rope));
     SET("qk_nope_head_dim", INT(p->nope));
     SET("qk_rope_head_dim", INT(p->rope));
-    SET("rms_norm_eps", DBL(1e-5));
+    SET("rms_norm_eps", json_object_new_double_s(1e-5, "1e-05"));
     SET("rope_interleave", BOOL(1));
     json_object *rope = json_object_new_object();
-    json_object_object_add(rope, "rope_theta", DBL(p->rope_theta));
+    json_object_object_add(rope, "rope_theta", json_object_new_int64((int64_t) p->rope_theta));
     json_object_object_add(rope, "rope_type", STR("default"));
     SET("rope_parameters", rope);
     SET("routed_scaling_factor", DBL(2.5));
@@ -758,7 +873,7 @@ static json_object *make_generation_config(const Vocab *voc)
     json_object_object_add(g, "eos_token_id", int_array(eos, 3));
     json_object_object_add(g, "pad_token_id", INT(eos[0]));
     json_object_object_add(g, "temperature", DBL(1.0));
-    json_object_object_add(g, "top_p", DBL(0.95));
+    json_object_object_add(g, "top_p", json_object_new_double_s(0.95, "0.95"));
     json_object_object_add(g, "transformers_version", STR("5.17.0"));
     return g;
 }
@@ -769,6 +884,29 @@ static json_object *make_generation_config(const Vocab *voc)
 
 // ---------------------------------------------------------------------------
 // The writer
+
+// mkdir -p: create path and any missing parents.
+static Err make_dirs(const char *path)
+{
+    char buf[4096];
+    const size_t n = strlen(path);
+    if (n == 0 || n >= sizeof buf) {
+        LOG_ERROR("could not create \"%s\": bad path", path);
+        return ERR_INVAL;
+    }
+    memcpy(buf, path, n + 1);
+    for (size_t i = 1; i <= n; i++) {
+        if (buf[i] != '/' && buf[i] != 0) continue;
+        const char saved = buf[i];
+        buf[i] = 0;
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST) {
+            LOG_ERROR("could not create \"%s\": %s", buf, strerror(errno));
+            return ERR_IO;
+        }
+        buf[i] = saved;
+    }
+    return ERR_OK;
+}
 
 Err mkmodel_write(const MkmodelOptions *opt)
 {
@@ -786,16 +924,15 @@ Err mkmodel_write(const MkmodelOptions *opt)
         LOG_ERROR("unknown mkmodel preset \"%s\" (tiny, default, small)", pname);
         return ERR_INVAL;
     }
-    if (mkdir(opt->out_dir, 0755) != 0 && errno != EEXIST) {
-        LOG_ERROR("could not create \"%s\": %s", opt->out_dir, strerror(errno));
-        return ERR_IO;
-    }
+    if ((err = make_dirs(opt->out_dir))) return err;
     if (opt->tokenizer) {
         if ((err = write_tokenizer(opt->tokenizer, opt->out_dir, &voc))) goto done;
     } else {
         // No tokenizer: the specials take the last ids of the preset's vocabulary.
         voc.size = p->vocab;
-        for (int i = 0; i < N_SPECIALS; i++) voc.special_ids[i] = p->vocab - N_SPECIALS + i;
+        for (int i = 0; i < N_SPECIALS; i++) {
+            voc.special_ids[i] = p->vocab - N_SPECIALS + i;
+        }
     }
     if (!build_specs(&specs, p, voc.size)) {
         err = ERR_NOMEM;
@@ -803,7 +940,9 @@ Err mkmodel_write(const MkmodelOptions *opt)
     }
     // Shards: whole groups, split where the running total crosses k * total / n_shards.
     size_t total = 0;
-    for (int i = 0; i < specs.n; i++) total += specs.v[i].n_bytes;
+    for (int i = 0; i < specs.n; i++) {
+        total += specs.v[i].n_bytes;
+    }
     const size_t shard_target = (size_t) 64 << 20;
     int n_shards = (int) ((total + shard_target - 1) / shard_target);
     if (n_shards < 2) n_shards = 2;
@@ -813,8 +952,8 @@ Err mkmodel_write(const MkmodelOptions *opt)
         for (int i = 0; i < specs.n; i++) {
             if (specs.v[i].group != group) {
                 group = specs.v[i].group;
-                while (shard + 1 < n_shards &&
-                       running >= (size_t) ((double) total * (shard + 1) / n_shards)) {
+                while (shard + 1 < n_shards
+                       && running >= (size_t) ((double) total * (shard + 1) / n_shards)) {
                     shard++;
                 }
             }
@@ -851,8 +990,7 @@ Err mkmodel_write(const MkmodelOptions *opt)
     if ((err = write_json(opt->out_dir, "hf_quant_config.json", quant))) goto done;
     if ((err = write_json(opt->out_dir, "generation_config.json", gen))) goto done;
     LOG_INFO("wrote preset \"%s\" (seed %llu) to \"%s\": %d tensors, %.1f MB in %d shards", pname,
-             (unsigned long long) opt->seed, opt->out_dir, specs.n, (double) total / 1e6,
-             n_shards);
+             (unsigned long long) opt->seed, opt->out_dir, specs.n, (double) total / 1e6, n_shards);
 done:
     json_object_put(cfg);
     json_object_put(quant);

@@ -10,7 +10,7 @@
  * tokenizer): every tensor is drawn from a generator seeded by the seed and the tensor's
  * name, so mkmodel_reference() can reproduce any weight without reading the files.
  *
- * Ownership: nothing outlives a call; out_dir is created if missing (its parent must exist).
+ * Ownership: nothing outlives a call; out_dir and its missing parents are created.
  * Threads:   reentrant.
  * Errors:    ERR_INVAL (unknown preset, bad tokenizer.json), ERR_IO (cannot write), logged
  *            with the path.
@@ -28,7 +28,7 @@ extern "C" {
 
 typedef struct MkmodelOptions {
     const char *out_dir;
-    const char *preset;     // "tiny", "default" or "small"; NULL means "default"
+    const char *preset;  // "tiny", "default" or "small"; NULL means "default"
     uint64_t seed;
     const char *tokenizer;  // tokenizer.json to copy and extend, or NULL
 } MkmodelOptions;

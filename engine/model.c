@@ -25,27 +25,32 @@
 #include <stdlib.h>
 #include <string.h>
 
+// The forward pass's buffers. The struct is host memory; every pointer but pos_host is
+// backend memory (Backend.alloc).
 struct ModelWork {
-    int n_cap;    // tokens the buffers hold
-    int *pos;     // [n]
-    float *x;     // [n, hidden] residual stream
-    float *h;     // [n, hidden] normed input of the current block
-    float *qa;    // [n, q_lora]
-    float *q;     // [n, H, nope + rope]
-    float *kva;   // [n, kv_lora + rope]
-    float *attn;  // [n, H, v]
-    float *tmp;   // [n, hidden]
-    float *tmp2;  // [n, hidden]
-    float *iq;    // [n, Hi, Di]
-    float *ik;    // [n, Di]
-    float *iw;    // [n, Hi]
-    int *sel;     // [n, index_topk] positions selected by the last full layer
-    int *n_sel;   // [n]
-    float *g;     // [n, max intermediate]
-    float *u;     // [n, max intermediate]
-    float *rl;    // [n, E] router logits
-    int *ridx;    // [n, K]
-    float *rw;    // [n, K]
+    int n_cap;      // tokens the buffers hold
+    int *pos_host;  // [n] positions, host copy
+    int *pos;       // [n]
+    int *tok;       // [n] token ids
+    float *logits;  // [n, vocab]
+    float *x;       // [n, hidden] residual stream
+    float *h;       // [n, hidden] normed input of the current block
+    float *qa;      // [n, q_lora]
+    float *q;       // [n, H, nope + rope]
+    float *kva;     // [n, kv_lora + rope]
+    float *attn;    // [n, H, v]
+    float *tmp;     // [n, hidden]
+    float *tmp2;    // [n, hidden]
+    float *iq;      // [n, Hi, Di]
+    float *ik;      // [n, Di]
+    float *iw;      // [n, Hi]
+    int *sel;       // [n, index_topk] positions selected by the last full layer
+    int *n_sel;     // [n]
+    float *g;       // [n, max intermediate]
+    float *u;       // [n, max intermediate]
+    float *rl;      // [n, E] router logits
+    int *ridx;      // [n, K]
+    float *rw;      // [n, K]
 };
 
 // ---------------------------------------------------------------------------
@@ -71,9 +76,9 @@ static float to_f32(const CkptTensor *t, size_t i)
     case CKPT_DTYPE_F16: {
         const unsigned h = (unsigned) p[2 * i] | (unsigned) p[2 * i + 1] << 8;
         const int e = (h >> 10) & 31, mant = h & 1023;
-        const float v = e == 0 ? ldexpf((float) mant, -24)
-                      : e == 31 ? (mant ? NAN : INFINITY)
-                                : ldexpf((float) (mant | 1024), e - 25);
+        const float v = e == 0    ? ldexpf((float) mant, -24)
+                        : e == 31 ? (mant ? NAN : INFINITY)
+                                  : ldexpf((float) (mant | 1024), e - 25);
         return (h >> 15) ? -v : v;
     }
     default:
@@ -82,25 +87,36 @@ static float to_f32(const CkptTensor *t, size_t i)
     }
 }
 
-// A 1-D float vector of n elements (f32/bf16/f16 in the checkpoint), widened into *out.
-static Err load_vec(const Ckpt *ck, const char *name, int n, float **out)
+// A 1-D float vector of n elements (f32/bf16/f16 in the checkpoint), widened to fp32 into
+// backend memory at *out.
+static Err load_vec(Model *m, const char *name, int n, float **out)
 {
     const int64_t shape[1] = {n};
     const unsigned dtypes = 1u << CKPT_DTYPE_F32 | 1u << CKPT_DTYPE_BF16 | 1u << CKPT_DTYPE_F16;
     const CkptTensor *t = NULL;
-    Err err = ckpt_get(ck, name, 1, shape, dtypes, &t);
+    Err err = ckpt_get(&m->ckpt, name, 1, shape, dtypes, &t);
     if (err) return err;
-    float *v = malloc((size_t) n * sizeof *v);
-    if (!v) return ERR_NOMEM;
+    float *host = malloc((size_t) n * sizeof *host);
+    float *v = m->be->alloc(m->be, (size_t) n * sizeof *v);
+    if (!host || !v) {
+        free(host);
+        m->be->free_mem(m->be, v);
+        LOG_ERROR("out of memory loading \"%s\" (%d floats)", name, n);
+        return ERR_NOMEM;
+    }
     for (int i = 0; i < n; i++)
-        v[i] = to_f32(t, (size_t) i);
+        host[i] = to_f32(t, (size_t) i);
+    m->be->upload(m->be, v, host, (size_t) n * sizeof *v);
+    free(host);
     *out = v;
     return ERR_OK;
 }
 
-static Err load_linear(const Ckpt *ck, const char *base, int rows, int cols, CkptLinear *out)
+// Resolve linear weight `base` and hand it to the backend.
+static Err load_linear(Model *m, const char *base, int rows, int cols, CkptLinear *out)
 {
-    return ckpt_linear(ck, base, rows, cols, out);
+    const Err err = ckpt_linear(&m->ckpt, base, rows, cols, out);
+    return err ? err : m->be->bind_linear(m->be, out);
 }
 
 #define NAME(...) (snprintf(name, sizeof name, __VA_ARGS__), name)
@@ -108,69 +124,68 @@ static Err load_linear(const Ckpt *ck, const char *base, int rows, int cols, Ckp
 static Err load_layer(Model *m, int l, ModelLayer *L)
 {
     const ModelConfig *c = &m->cfg;
-    const Ckpt *ck = &m->ckpt;
     char name[NAME_MAX_LEN];
     Err err = ERR_OK;
     const int hidden = c->hidden_size, H = c->n_heads, qk = config_qk_head_dim(c);
     const char *p = "model.layers";
 
-    if ((err = load_vec(ck, NAME("%s.%d.input_layernorm.weight", p, l), hidden, &L->input_norm)))
+    if ((err = load_vec(m, NAME("%s.%d.input_layernorm.weight", p, l), hidden, &L->input_norm)))
         return err;
-    if ((err = load_vec(ck, NAME("%s.%d.post_attention_layernorm.weight", p, l), hidden,
+    if ((err = load_vec(m, NAME("%s.%d.post_attention_layernorm.weight", p, l), hidden,
                         &L->post_norm)))
         return err;
 
     if (c->q_lora_rank > 0) {
-        if ((err = load_linear(ck, NAME("%s.%d.self_attn.q_a_proj", p, l), c->q_lora_rank, hidden,
-                               &L->q_a)) ||
-            (err = load_vec(ck, NAME("%s.%d.self_attn.q_a_layernorm.weight", p, l),
-                            c->q_lora_rank, &L->q_a_norm)) ||
-            (err = load_linear(ck, NAME("%s.%d.self_attn.q_b_proj", p, l), H * qk,
-                               c->q_lora_rank, &L->q_b)))
+        if ((err = load_linear(m, NAME("%s.%d.self_attn.q_a_proj", p, l), c->q_lora_rank, hidden,
+                               &L->q_a))
+            || (err = load_vec(m, NAME("%s.%d.self_attn.q_a_layernorm.weight", p, l),
+                               c->q_lora_rank, &L->q_a_norm))
+            || (err = load_linear(m, NAME("%s.%d.self_attn.q_b_proj", p, l), H * qk, c->q_lora_rank,
+                                  &L->q_b)))
             return err;
-    } else if ((err = load_linear(ck, NAME("%s.%d.self_attn.q_proj", p, l), H * qk, hidden,
+    } else if ((err = load_linear(m, NAME("%s.%d.self_attn.q_proj", p, l), H * qk, hidden,
                                   &L->q_proj))) {
         return err;
     }
-    if ((err = load_linear(ck, NAME("%s.%d.self_attn.kv_a_proj_with_mqa", p, l),
-                           c->kv_lora_rank + c->qk_rope_head_dim, hidden, &L->kv_a)) ||
-        (err = load_vec(ck, NAME("%s.%d.self_attn.kv_a_layernorm.weight", p, l), c->kv_lora_rank,
-                        &L->kv_a_norm)) ||
-        (err = load_linear(ck, NAME("%s.%d.self_attn.kv_b_proj", p, l),
-                           H * (c->qk_nope_head_dim + c->v_head_dim), c->kv_lora_rank, &L->kv_b)) ||
-        (err = load_linear(ck, NAME("%s.%d.self_attn.o_proj", p, l), hidden, H * c->v_head_dim,
-                           &L->o_proj)))
+    if ((err = load_linear(m, NAME("%s.%d.self_attn.kv_a_proj_with_mqa", p, l),
+                           c->kv_lora_rank + c->qk_rope_head_dim, hidden, &L->kv_a))
+        || (err = load_vec(m, NAME("%s.%d.self_attn.kv_a_layernorm.weight", p, l), c->kv_lora_rank,
+                           &L->kv_a_norm))
+        || (err = load_linear(m, NAME("%s.%d.self_attn.kv_b_proj", p, l),
+                              H * (c->qk_nope_head_dim + c->v_head_dim), c->kv_lora_rank, &L->kv_b))
+        || (err = load_linear(m, NAME("%s.%d.self_attn.o_proj", p, l), hidden, H * c->v_head_dim,
+                              &L->o_proj)))
         return err;
 
     L->has_indexer = c->indexer[l] == CONFIG_INDEXER_FULL;
     if (L->has_indexer) {
         const int Hi = c->index_n_heads, Di = c->index_head_dim;
-        if ((err = load_linear(ck, NAME("%s.%d.self_attn.indexer.wq_b", p, l), Hi * Di,
-                               c->q_lora_rank, &L->idx_wq_b)) ||
-            (err = load_linear(ck, NAME("%s.%d.self_attn.indexer.wk", p, l), Di, hidden,
-                               &L->idx_wk)) ||
-            (err = load_vec(ck, NAME("%s.%d.self_attn.indexer.k_norm.weight", p, l), Di,
-                            &L->idx_k_norm)) ||
-            (err = load_vec(ck, NAME("%s.%d.self_attn.indexer.k_norm.bias", p, l), Di,
-                            &L->idx_k_bias)) ||
-            (err = load_linear(ck, NAME("%s.%d.self_attn.indexer.weights_proj", p, l), Hi, hidden,
-                               &L->idx_weights)))
+        if ((err = load_linear(m, NAME("%s.%d.self_attn.indexer.wq_b", p, l), Hi * Di,
+                               c->q_lora_rank, &L->idx_wq_b))
+            || (err = load_linear(m, NAME("%s.%d.self_attn.indexer.wk", p, l), Di, hidden,
+                                  &L->idx_wk))
+            || (err = load_vec(m, NAME("%s.%d.self_attn.indexer.k_norm.weight", p, l), Di,
+                               &L->idx_k_norm))
+            || (err = load_vec(m, NAME("%s.%d.self_attn.indexer.k_norm.bias", p, l), Di,
+                               &L->idx_k_bias))
+            || (err = load_linear(m, NAME("%s.%d.self_attn.indexer.weights_proj", p, l), Hi, hidden,
+                                  &L->idx_weights)))
             return err;
     }
 
     L->is_moe = c->mlp[l] == CONFIG_MLP_MOE;
     if (!L->is_moe) {
         const int I = c->intermediate_size;
-        if ((err = load_linear(ck, NAME("%s.%d.mlp.gate_proj", p, l), I, hidden, &L->gate)) ||
-            (err = load_linear(ck, NAME("%s.%d.mlp.up_proj", p, l), I, hidden, &L->up)) ||
-            (err = load_linear(ck, NAME("%s.%d.mlp.down_proj", p, l), hidden, I, &L->down)))
+        if ((err = load_linear(m, NAME("%s.%d.mlp.gate_proj", p, l), I, hidden, &L->gate))
+            || (err = load_linear(m, NAME("%s.%d.mlp.up_proj", p, l), I, hidden, &L->up))
+            || (err = load_linear(m, NAME("%s.%d.mlp.down_proj", p, l), hidden, I, &L->down)))
             return err;
         return ERR_OK;
     }
     const int E = c->n_routed_experts, I = c->moe_intermediate_size;
-    if ((err = load_linear(ck, NAME("%s.%d.mlp.gate", p, l), E, hidden, &L->router)) ||
-        (err = load_vec(ck, NAME("%s.%d.mlp.gate.e_score_correction_bias", p, l), E,
-                        &L->router_bias)))
+    if ((err = load_linear(m, NAME("%s.%d.mlp.gate", p, l), E, hidden, &L->router))
+        || (err = load_vec(m, NAME("%s.%d.mlp.gate.e_score_correction_bias", p, l), E,
+                           &L->router_bias)))
         return err;
     L->experts = calloc((size_t) E * 3, sizeof *L->experts);
     if (!L->experts) return ERR_NOMEM;
@@ -178,32 +193,32 @@ static Err load_layer(Model *m, int l, ModelLayer *L)
     for (int e = 0; e < E; e++)
         for (int k = 0; k < 3; k++) {
             const int rows = k == 2 ? hidden : I, cols = k == 2 ? I : hidden;
-            if ((err = load_linear(ck, NAME("%s.%d.mlp.experts.%d.%s", p, l, e, parts[k]), rows,
+            if ((err = load_linear(m, NAME("%s.%d.mlp.experts.%d.%s", p, l, e, parts[k]), rows,
                                    cols, &L->experts[3 * e + k])))
                 return err;
         }
     if (c->n_shared_experts > 0) {
         const int S = I * c->n_shared_experts;
-        if ((err = load_linear(ck, NAME("%s.%d.mlp.shared_experts.gate_proj", p, l), S, hidden,
-                               &L->sh_gate)) ||
-            (err = load_linear(ck, NAME("%s.%d.mlp.shared_experts.up_proj", p, l), S, hidden,
-                               &L->sh_up)) ||
-            (err = load_linear(ck, NAME("%s.%d.mlp.shared_experts.down_proj", p, l), hidden, S,
-                               &L->sh_down)))
+        if ((err = load_linear(m, NAME("%s.%d.mlp.shared_experts.gate_proj", p, l), S, hidden,
+                               &L->sh_gate))
+            || (err = load_linear(m, NAME("%s.%d.mlp.shared_experts.up_proj", p, l), S, hidden,
+                                  &L->sh_up))
+            || (err = load_linear(m, NAME("%s.%d.mlp.shared_experts.down_proj", p, l), hidden, S,
+                                  &L->sh_down)))
             return err;
     }
     return ERR_OK;
 }
 
-static void free_layer(ModelLayer *L)
+static void free_layer(Backend *be, ModelLayer *L)
 {
-    free(L->input_norm);
-    free(L->post_norm);
-    free(L->q_a_norm);
-    free(L->kv_a_norm);
-    free(L->idx_k_norm);
-    free(L->idx_k_bias);
-    free(L->router_bias);
+    be->free_mem(be, L->input_norm);
+    be->free_mem(be, L->post_norm);
+    be->free_mem(be, L->q_a_norm);
+    be->free_mem(be, L->kv_a_norm);
+    be->free_mem(be, L->idx_k_norm);
+    be->free_mem(be, L->idx_k_bias);
+    be->free_mem(be, L->router_bias);
     free(L->experts);
     memset(L, 0, sizeof *L);
 }
@@ -214,11 +229,11 @@ static Err check_config(const ModelConfig *c, const char *dir)
     const char *why = NULL;
     if (c->vocab_size < 1 || c->hidden_size < 1 || c->n_layers < 1 || c->n_heads < 1)
         why = "vocab_size, hidden_size, num_hidden_layers and num_attention_heads must be > 0";
-    else if (c->kv_lora_rank < 1 || c->qk_rope_head_dim < 2 || c->qk_rope_head_dim % 2 ||
-             c->qk_nope_head_dim < 0 || c->v_head_dim < 1)
+    else if (c->kv_lora_rank < 1 || c->qk_rope_head_dim < 2 || c->qk_rope_head_dim % 2
+             || c->qk_nope_head_dim < 0 || c->v_head_dim < 1)
         why = "kv_lora_rank, v_head_dim must be > 0 and qk_rope_head_dim even";
-    else if (c->n_layers + c->n_mtp_layers > CONFIG_MAX_LAYERS ||
-             c->n_layers + c->n_mtp_layers > KV_MAX_LAYERS)
+    else if (c->n_layers + c->n_mtp_layers > CONFIG_MAX_LAYERS
+             || c->n_layers + c->n_mtp_layers > KV_MAX_LAYERS)
         why = "too many layers";
     if (why) {
         LOG_ERROR("cannot run the model in \"%s\": %s", dir, why);
@@ -229,17 +244,18 @@ static Err check_config(const ModelConfig *c, const char *dir)
         if (c->indexer[l] == CONFIG_INDEXER_FULL) seen_full = any_indexer = true;
         if (c->indexer[l] == CONFIG_INDEXER_SHARED && !seen_full) {
             LOG_ERROR("cannot run the model in \"%s\": layer %d is a shared DSA layer with no "
-                      "full layer before it (indexer_types)", dir, l);
+                      "full layer before it (indexer_types)",
+                      dir, l);
             return ERR_INVAL;
         }
-        if (c->mlp[l] == CONFIG_MLP_MOE &&
-            (c->n_routed_experts < 1 || c->n_experts_per_tok < 1 ||
-             c->n_experts_per_tok > c->n_routed_experts || c->n_group < 1 ||
-             c->n_routed_experts % c->n_group || c->topk_group < 1 ||
-             c->topk_group > c->n_group || c->moe_intermediate_size < 1)) {
+        if (c->mlp[l] == CONFIG_MLP_MOE
+            && (c->n_routed_experts < 1 || c->n_experts_per_tok < 1
+                || c->n_experts_per_tok > c->n_routed_experts || c->n_group < 1
+                || c->n_routed_experts % c->n_group || c->topk_group < 1
+                || c->topk_group > c->n_group || c->moe_intermediate_size < 1)) {
             LOG_ERROR("cannot run the model in \"%s\": layer %d is MoE but n_routed_experts %d, "
-                      "num_experts_per_tok %d, n_group %d, topk_group %d do not fit", dir, l,
-                      c->n_routed_experts, c->n_experts_per_tok, c->n_group, c->topk_group);
+                      "num_experts_per_tok %d, n_group %d, topk_group %d do not fit",
+                      dir, l, c->n_routed_experts, c->n_experts_per_tok, c->n_group, c->topk_group);
             return ERR_INVAL;
         }
         if (c->mlp[l] == CONFIG_MLP_DENSE && c->intermediate_size < 1) {
@@ -247,10 +263,12 @@ static Err check_config(const ModelConfig *c, const char *dir)
             return ERR_INVAL;
         }
     }
-    if (any_indexer && (c->q_lora_rank < 1 || c->index_n_heads < 1 || c->index_topk < 1 ||
-                        c->index_head_dim < c->qk_rope_head_dim)) {
+    if (any_indexer
+        && (c->q_lora_rank < 1 || c->index_n_heads < 1 || c->index_topk < 1
+            || c->index_head_dim < c->qk_rope_head_dim)) {
         LOG_ERROR("cannot run the model in \"%s\": the DSA indexer needs q_lora_rank > 0, "
-                  "index_n_heads > 0, index_topk > 0 and index_head_dim >= qk_rope_head_dim", dir);
+                  "index_n_heads > 0, index_topk > 0 and index_head_dim >= qk_rope_head_dim",
+                  dir);
         return ERR_INVAL;
     }
     return ERR_OK;
@@ -271,18 +289,16 @@ Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
     Err err = config_load(&m->cfg, dir);
     if (err) goto done;
     if ((err = check_config(&m->cfg, dir))) goto done;
-    if ((err = ckpt_open(&m->ckpt, dir))) goto done;
     m->be = be;
+    if ((err = ckpt_open(&m->ckpt, dir))) goto done;
 
     const ModelConfig *c = &m->cfg;
-    if ((err = load_linear(&m->ckpt, "model.embed_tokens", c->vocab_size, c->hidden_size,
-                           &m->embed)) ||
-        (err = load_vec(&m->ckpt, "model.norm.weight", c->hidden_size, &m->final_norm)))
+    if ((err = load_linear(m, "model.embed_tokens", c->vocab_size, c->hidden_size, &m->embed))
+        || (err = load_vec(m, "model.norm.weight", c->hidden_size, &m->final_norm)))
         goto done;
     if (c->tie_word_embeddings && !has_tensor_base(&m->ckpt, "lm_head")) {
         m->lm_head = m->embed;
-    } else if ((err = load_linear(&m->ckpt, "lm_head", c->vocab_size, c->hidden_size,
-                                  &m->lm_head))) {
+    } else if ((err = load_linear(m, "lm_head", c->vocab_size, c->hidden_size, &m->lm_head))) {
         goto done;
     }
 
@@ -302,12 +318,12 @@ Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
         const int64_t vec[1] = {c->hidden_size};
         const unsigned dt = 1u << CKPT_DTYPE_F32 | 1u << CKPT_DTYPE_BF16 | 1u << CKPT_DTYPE_F16;
         CkptLinear eh;
-        if ((err = ckpt_get(&m->ckpt, NAME("model.layers.%d.enorm.weight", l), 1, vec, dt, &t)) ||
-            (err = ckpt_get(&m->ckpt, NAME("model.layers.%d.hnorm.weight", l), 1, vec, dt, &t)) ||
-            (err = ckpt_get(&m->ckpt, NAME("model.layers.%d.shared_head.norm.weight", l), 1, vec,
-                            dt, &t)) ||
-            (err = load_linear(&m->ckpt, NAME("model.layers.%d.eh_proj", l), c->hidden_size,
-                               2 * c->hidden_size, &eh)))
+        if ((err = ckpt_get(&m->ckpt, NAME("model.layers.%d.enorm.weight", l), 1, vec, dt, &t))
+            || (err = ckpt_get(&m->ckpt, NAME("model.layers.%d.hnorm.weight", l), 1, vec, dt, &t))
+            || (err = ckpt_get(&m->ckpt, NAME("model.layers.%d.shared_head.norm.weight", l), 1, vec,
+                               dt, &t))
+            || (err = ckpt_linear(&m->ckpt, NAME("model.layers.%d.eh_proj", l), c->hidden_size,
+                                  2 * c->hidden_size, &eh)))
             goto done;
     }
     LOG_INFO("model \"%s\": %d layers, hidden %d, vocab %d, %d experts, %.1f MB mapped", dir,
@@ -320,28 +336,31 @@ done:
     return err;
 }
 
-static void work_free(ModelWork *w)
+static void work_free(Backend *be, ModelWork *w)
 {
     if (!w) return;
-    free(w->pos);
-    free(w->x);
-    free(w->h);
-    free(w->qa);
-    free(w->q);
-    free(w->kva);
-    free(w->attn);
-    free(w->tmp);
-    free(w->tmp2);
-    free(w->iq);
-    free(w->ik);
-    free(w->iw);
-    free(w->sel);
-    free(w->n_sel);
-    free(w->g);
-    free(w->u);
-    free(w->rl);
-    free(w->ridx);
-    free(w->rw);
+    free(w->pos_host);
+    be->free_mem(be, w->pos);
+    be->free_mem(be, w->tok);
+    be->free_mem(be, w->logits);
+    be->free_mem(be, w->x);
+    be->free_mem(be, w->h);
+    be->free_mem(be, w->qa);
+    be->free_mem(be, w->q);
+    be->free_mem(be, w->kva);
+    be->free_mem(be, w->attn);
+    be->free_mem(be, w->tmp);
+    be->free_mem(be, w->tmp2);
+    be->free_mem(be, w->iq);
+    be->free_mem(be, w->ik);
+    be->free_mem(be, w->iw);
+    be->free_mem(be, w->sel);
+    be->free_mem(be, w->n_sel);
+    be->free_mem(be, w->g);
+    be->free_mem(be, w->u);
+    be->free_mem(be, w->rl);
+    be->free_mem(be, w->ridx);
+    be->free_mem(be, w->rw);
     free(w);
 }
 
@@ -350,10 +369,12 @@ void model_free(Model *m)
     if (!m) return;
     if (m->layers)
         for (int l = 0; l < m->n_layers_loaded; l++)
-            free_layer(&m->layers[l]);
+            free_layer(m->be, &m->layers[l]);
     free(m->layers);
-    free(m->final_norm);
-    work_free(m->work);
+    if (m->be) {
+        m->be->free_mem(m->be, m->final_norm);
+        work_free(m->be, m->work);
+    }
     ckpt_close(&m->ckpt);
     memset(m, 0, sizeof *m);
 }
@@ -380,47 +401,53 @@ KvCacheParams model_kv_params(const Model *m, int n_blocks, int block_size)
 static Err work_ensure(Model *m, int n)
 {
     if (m->work && m->work->n_cap >= n) return ERR_OK;
-    work_free(m->work);
+    Backend *be = m->be;
+    work_free(be, m->work);
     m->work = NULL;
     const ModelConfig *c = &m->cfg;
     ModelWork *w = calloc(1, sizeof *w);
     if (!w) return ERR_NOMEM;
     const size_t N = (size_t) n, hidden = (size_t) c->hidden_size, H = (size_t) c->n_heads;
     const size_t qk = (size_t) config_qk_head_dim(c);
-    const size_t inter_max = (size_t) (c->intermediate_size > c->moe_intermediate_size *
-                                                                   c->n_shared_experts
-                                           ? c->intermediate_size
-                                           : c->moe_intermediate_size * c->n_shared_experts);
+    const size_t inter_max =
+        (size_t) (c->intermediate_size > c->moe_intermediate_size * c->n_shared_experts
+                      ? c->intermediate_size
+                      : c->moe_intermediate_size * c->n_shared_experts);
     const size_t topk = c->index_topk > 0 ? (size_t) c->index_topk : 1;
     const size_t E = c->n_routed_experts > 0 ? (size_t) c->n_routed_experts : 1;
     const size_t K = c->n_experts_per_tok > 0 ? (size_t) c->n_experts_per_tok : 1;
     const size_t Hi = c->index_n_heads > 0 ? (size_t) c->index_n_heads : 1;
     const size_t Di = c->index_head_dim > 0 ? (size_t) c->index_head_dim : 1;
     w->n_cap = n;
-    w->pos = malloc(N * sizeof *w->pos);
-    w->x = malloc(N * hidden * sizeof(float));
-    w->h = malloc(N * hidden * sizeof(float));
-    w->qa = malloc(N * (c->q_lora_rank > 0 ? (size_t) c->q_lora_rank : 1) * sizeof(float));
-    w->q = malloc(N * H * qk * sizeof(float));
-    w->kva = malloc(N * (size_t) (c->kv_lora_rank + c->qk_rope_head_dim) * sizeof(float));
-    w->attn = malloc(N * H * (size_t) c->v_head_dim * sizeof(float));
-    w->tmp = malloc(N * hidden * sizeof(float));
-    w->tmp2 = malloc(N * hidden * sizeof(float));
-    w->iq = malloc(N * Hi * Di * sizeof(float));
-    w->ik = malloc(N * Di * sizeof(float));
-    w->iw = malloc(N * Hi * sizeof(float));
-    w->sel = malloc(N * topk * sizeof(int));
-    w->n_sel = malloc(N * sizeof(int));
-    w->g = malloc(N * (inter_max ? inter_max : 1) * sizeof(float));
-    w->u = malloc(N * (inter_max ? inter_max : 1) * sizeof(float));
-    w->rl = malloc(N * E * sizeof(float));
-    w->ridx = malloc(N * K * sizeof(int));
-    w->rw = malloc(N * K * sizeof(float));
-    if (!w->pos || !w->x || !w->h || !w->qa || !w->q || !w->kva || !w->attn || !w->tmp ||
-        !w->tmp2 || !w->iq || !w->ik || !w->iw || !w->sel || !w->n_sel || !w->g || !w->u ||
-        !w->rl || !w->ridx || !w->rw) {
+    w->pos_host = malloc(N * sizeof *w->pos_host);
+    w->pos = be->alloc(be, N * sizeof(int));
+    w->tok = be->alloc(be, N * sizeof(int));
+    w->logits = be->alloc(be, N * (size_t) c->vocab_size * sizeof(float));
+    w->x = be->alloc(be, N * hidden * sizeof(float));
+    w->h = be->alloc(be, N * hidden * sizeof(float));
+    const size_t q_lora = c->q_lora_rank > 0 ? (size_t) c->q_lora_rank : 1;
+    w->qa = be->alloc(be, N * q_lora * sizeof(float));
+    w->q = be->alloc(be, N * H * qk * sizeof(float));
+    const size_t kv_width = (size_t) (c->kv_lora_rank + c->qk_rope_head_dim);
+    w->kva = be->alloc(be, N * kv_width * sizeof(float));
+    w->attn = be->alloc(be, N * H * (size_t) c->v_head_dim * sizeof(float));
+    w->tmp = be->alloc(be, N * hidden * sizeof(float));
+    w->tmp2 = be->alloc(be, N * hidden * sizeof(float));
+    w->iq = be->alloc(be, N * Hi * Di * sizeof(float));
+    w->ik = be->alloc(be, N * Di * sizeof(float));
+    w->iw = be->alloc(be, N * Hi * sizeof(float));
+    w->sel = be->alloc(be, N * topk * sizeof(int));
+    w->n_sel = be->alloc(be, N * sizeof(int));
+    w->g = be->alloc(be, N * (inter_max ? inter_max : 1) * sizeof(float));
+    w->u = be->alloc(be, N * (inter_max ? inter_max : 1) * sizeof(float));
+    w->rl = be->alloc(be, N * E * sizeof(float));
+    w->ridx = be->alloc(be, N * K * sizeof(int));
+    w->rw = be->alloc(be, N * K * sizeof(float));
+    if (!w->pos_host || !w->pos || !w->tok || !w->logits || !w->x || !w->h || !w->qa || !w->q
+        || !w->kva || !w->attn || !w->tmp || !w->tmp2 || !w->iq || !w->ik || !w->iw || !w->sel
+        || !w->n_sel || !w->g || !w->u || !w->rl || !w->ridx || !w->rw) {
         LOG_ERROR("could not allocate the forward workspace for %d tokens", n);
-        work_free(w);
+        work_free(be, w);
         return ERR_NOMEM;
     }
     m->work = w;
@@ -449,8 +476,7 @@ static void attention_block(Model *m, KvCache *kv, KvSeq *seq, int l, int n, boo
         be->matmul(be, w->q, &L->q_proj, w->h, n);
     }
     be->matmul(be, w->kva, &L->kv_a, w->h, n);
-    be->rmsnorm(be, w->kva, w->kva, L->kv_a_norm, n, c->kv_lora_rank, kv_width,
-                c->attn_norm_eps);
+    be->rmsnorm(be, w->kva, w->kva, L->kv_a_norm, n, c->kv_lora_rank, kv_width, c->attn_norm_eps);
     be->rope(be, w->kva, n, 1, kv_width, 0, c->kv_lora_rank, c->qk_rope_head_dim, w->pos,
              c->rope_theta);
     be->rope(be, w->q, n, H, H * qk, qk, c->qk_nope_head_dim, c->qk_rope_head_dim, w->pos,
@@ -479,13 +505,12 @@ static void attention_block(Model *m, KvCache *kv, KvSeq *seq, int l, int n, boo
         .qk_rope = c->qk_rope_head_dim,
         .v_dim = c->v_head_dim,
         .kv_lora = c->kv_lora_rank,
-        // yarn's mscale^2 would multiply this; ModelConfig carries no rope_type yet, so only
-        // the default RoPE (GLM-5's) is supported.
+        // YaRN's mscale^2 would multiply this; config_load() refuses every rope_type but
+        // "default" (GLM-5's), so the plain 1/sqrt(qk_head_dim) is the whole story.
         .scale = (float) (1.0 / sqrt((double) qk)),
     };
-    be->mla_attention(be, w->attn, w->q, &L->kv_b, kv, seq, l, w->pos, n,
-                      use_sel ? w->sel : NULL, use_sel ? w->n_sel : NULL,
-                      c->index_topk > 0 ? c->index_topk : 1, &mla);
+    be->mla_attention(be, w->attn, w->q, &L->kv_b, kv, seq, l, w->pos, n, use_sel ? w->sel : NULL,
+                      use_sel ? w->n_sel : NULL, c->index_topk > 0 ? c->index_topk : 1, &mla);
     be->matmul(be, w->tmp, &L->o_proj, w->attn, n);
     be->add(be, w->x, w->tmp, n * hidden);
 }
@@ -549,9 +574,11 @@ Err model_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, int n, f
     Backend *be = m->be;
     const int hidden = c->hidden_size;
     for (int t = 0; t < n; t++)
-        w->pos[t] = pos0 + t;
+        w->pos_host[t] = pos0 + t;
+    be->upload(be, w->pos, w->pos_host, (size_t) n * sizeof(int));
+    be->upload(be, w->tok, tokens, (size_t) n * sizeof(int));
 
-    be->embed(be, w->x, &m->embed, tokens, n);
+    be->embed(be, w->x, &m->embed, w->tok, n);
     bool has_sel = false;
     for (int l = 0; l < c->n_layers; l++) {
         attention_block(m, kv, seq, l, n, &has_sel);
@@ -564,7 +591,8 @@ Err model_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, int n, f
         const int rows = n - first;
         be->rmsnorm(be, w->h, w->x + (size_t) first * hidden, m->final_norm, rows, hidden, hidden,
                     c->rms_norm_eps);
-        be->matmul(be, logits, &m->lm_head, w->h, rows);
+        be->matmul(be, w->logits, &m->lm_head, w->h, rows);
+        be->download(be, logits, w->logits, (size_t) rows * c->vocab_size * sizeof(float));
     }
     return ERR_OK;
 }

@@ -7,8 +7,10 @@
  * RMSNorm -> dense MLP or MoE -> residual; final RMSNorm; lm_head. Prefill and decode are the
  * same call: n new tokens at positions seq->n_tokens .. +n-1, whose latents (and indexer
  * keys) are appended to the KV cache before attention reads them. Weights are views into
- * the checkpoint mapping (CkptLinear); only norm vectors, biases and the router correction
- * bias are widened to small fp32 copies at load.
+ * the checkpoint mapping (CkptLinear, passed once through the backend's bind_linear); only
+ * norm vectors, biases and the router correction bias are widened to small fp32 copies at
+ * load. Every buffer the ops see comes from the backend's allocator; tokens go up and
+ * logits come down through upload/download, so model.c runs unchanged on a device backend.
  *
  * Ownership: model_load() maps the checkpoint and allocates the layer tables; model_free()
  *            releases them. The backend is borrowed and must outlive the model. The
@@ -39,33 +41,34 @@ typedef struct ModelOptions {
     bool load_mtp;  // also resolve the MTP layer(s) (not used by the forward pass yet)
 } ModelOptions;
 
-// One decoder layer's weights. Linear weights borrow from the Ckpt; float arrays are owned.
+// One decoder layer's weights. Linear weights borrow from the Ckpt (after bind_linear);
+// float arrays are backend memory owned by the Model.
 typedef struct ModelLayer {
     float *input_norm;  // [hidden]
     float *post_norm;   // [hidden]
 
     // MLA
-    CkptLinear q_a, q_b;   // q_lora_rank > 0
-    CkptLinear q_proj;     // q_lora_rank == 0
-    float *q_a_norm;       // [q_lora]
-    CkptLinear kv_a;       // [kv_lora + rope, hidden]
-    float *kv_a_norm;      // [kv_lora]
-    CkptLinear kv_b;       // [H * (nope + v), kv_lora]
-    CkptLinear o_proj;     // [hidden, H * v]
+    CkptLinear q_a, q_b;  // q_lora_rank > 0
+    CkptLinear q_proj;    // q_lora_rank == 0
+    float *q_a_norm;      // [q_lora]
+    CkptLinear kv_a;      // [kv_lora + rope, hidden]
+    float *kv_a_norm;     // [kv_lora]
+    CkptLinear kv_b;      // [H * (nope + v), kv_lora]
+    CkptLinear o_proj;    // [hidden, H * v]
 
     // DSA indexer (full layers only)
     bool has_indexer;
-    CkptLinear idx_wq_b;          // [Hi * Di, q_lora]
-    CkptLinear idx_wk;            // [Di, hidden]
+    CkptLinear idx_wq_b;             // [Hi * Di, q_lora]
+    CkptLinear idx_wk;               // [Di, hidden]
     float *idx_k_norm, *idx_k_bias;  // [Di]
-    CkptLinear idx_weights;       // [Hi, hidden]
+    CkptLinear idx_weights;          // [Hi, hidden]
 
     // MLP
     bool is_moe;
-    CkptLinear gate, up, down;     // dense MLP
-    CkptLinear router;             // [E, hidden]
-    float *router_bias;            // [E] e_score_correction_bias
-    CkptLinear *experts;           // [E * 3]: gate, up, down of each expert, owned array
+    CkptLinear gate, up, down;           // dense MLP
+    CkptLinear router;                   // [E, hidden]
+    float *router_bias;                  // [E] e_score_correction_bias
+    CkptLinear *experts;                 // [E * 3]: gate, up, down of each expert, owned array
     CkptLinear sh_gate, sh_up, sh_down;  // shared experts (intermediate = moe_inter * n_shared)
 } ModelLayer;
 
@@ -74,13 +77,13 @@ typedef struct ModelWork ModelWork;
 typedef struct Model {
     ModelConfig cfg;
     Ckpt ckpt;
-    Backend *be;  // borrowed
+    Backend *be;         // borrowed
     CkptLinear embed;    // [vocab, hidden]
     CkptLinear lm_head;  // [vocab, hidden] (the embedding when tied and absent)
-    float *final_norm;   // [hidden]
+    float *final_norm;   // [hidden], backend memory
     ModelLayer *layers;  // [n_layers + n_mtp loaded]
     int n_layers_loaded;
-    ModelWork *work;     // owned forward workspace
+    ModelWork *work;  // owned forward workspace
 } Model;
 
 // Load the model in dir: config, checkpoint, every tensor the forward pass needs (and the

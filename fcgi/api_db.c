@@ -94,29 +94,42 @@ PGresult *api_db_exec(ApiDb *db, const char *sql, int n_params, const char *cons
     return NULL;
 }
 
-bool api_db_wait(ApiDb *db, int timeout_ms)
+static double mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double) ts.tv_sec * 1e3 + (double) ts.tv_nsec * 1e-6;
+}
+
+// Consume pending notifications; true when one matches job_id (or any, for NULL).
+static bool drain(ApiDb *db, const char *job_id)
+{
+    bool hit = false;
+    PGnotify *note;
+    while ((note = PQnotifies(db->conn))) {
+        if (!job_id || !strcmp(note->extra, job_id)) hit = true;
+        PQfreemem(note);
+    }
+    return hit;
+}
+
+bool api_db_wait(ApiDb *db, const char *job_id, int timeout_ms)
 {
     if (api_db_ensure(db)) {
         sleep_ms(timeout_ms);
         return false;
     }
-    bool woken = false;
-    PGnotify *note;
     PQconsumeInput(db->conn);
-    while ((note = PQnotifies(db->conn))) {
-        woken = true;
-        PQfreemem(note);
+    if (drain(db, job_id)) return true;
+    const double deadline = mono_ms() + timeout_ms;
+    for (;;) {
+        const double left = deadline - mono_ms();
+        if (left <= 0) return false;
+        struct pollfd pfd = {.fd = PQsocket(db->conn), .events = POLLIN};
+        if (pfd.fd < 0 || poll(&pfd, 1, (int) left + 1) <= 0) return false;
+        if (!PQconsumeInput(db->conn)) return false;  // connection lost: the caller's next query reconnects
+        if (drain(db, job_id)) return true;
     }
-    if (woken) return true;
-    struct pollfd pfd = {.fd = PQsocket(db->conn), .events = POLLIN};
-    if (pfd.fd >= 0 && poll(&pfd, 1, timeout_ms) > 0) {
-        PQconsumeInput(db->conn);
-        while ((note = PQnotifies(db->conn))) {
-            woken = true;
-            PQfreemem(note);
-        }
-    }
-    return woken;
 }
 
 // ---------------------------------------------------------------------------

@@ -64,8 +64,10 @@ PGresult *api_db_exec(ApiDb *db, const char *sql, int n_params, const char *cons
 // Authenticate key[0..n). *out is written on success.
 Err api_db_auth(ApiDb *db, const char *key, size_t n, ApiKey *out);
 
-// Wait up to timeout_ms for a notification (any job: callers re-read). true when one came.
-bool api_db_wait(ApiDb *db, int timeout_ms);
+// Wait up to timeout_ms for a notification whose payload is job_id (NULL: any). Other
+// jobs' notifications are consumed and ignored, so that a thread streaming one job does
+// not re-read on every other job's output. true when a matching one came.
+bool api_db_wait(ApiDb *db, const char *job_id, int timeout_ms);
 
 #ifdef __cplusplus
 }

@@ -2,8 +2,10 @@
  * api_request.c - JSON request body to ApiRequest, with the checks listed in the header.
  *
  * json-c does the tokenizing in strict mode with UTF-8 validation and a depth limit; we
- * then walk the tree once to refuse strings holding U+0000 (json-c keeps them, with an
- * explicit length) and read each field with its type and range. Errors name the field in
+ * then walk the tree once more, because json-c still lets through NaN and Infinity,
+ * overlong UTF-8 forms, unpaired surrogate escapes and U+0000 (kept with an explicit
+ * length), none of which PostgreSQL's jsonb or a client should ever see. Then each field
+ * is read with its type and range. Errors name the field in
  * the OpenAI style ("messages", "stop[1]", "stream_options.include_usage").
  */
 #include "fcgi/api_request.h"
@@ -29,27 +31,66 @@ void api_error_set(ApiError *err, int status, const char *type, const char *code
 // ---------------------------------------------------------------------------
 // Tree checks
 
-// True when some string in v (keys included) holds a NUL byte.
-static bool has_nul(json_object *v)
+// True when s[0..n) is strict UTF-8: shortest forms only, no surrogates (json-c turns a
+// lone "\ud800" escape into one), nothing above U+10FFFF, and no NUL byte.
+static bool is_clean_utf8(const char *str, size_t n)
+{
+    const unsigned char *s = (const unsigned char *) str;
+    size_t i = 0;
+    while (i < n) {
+        const unsigned c = s[i];
+        if (c == 0) return false;
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        size_t len;
+        unsigned cp, min;
+        if ((c & 0xE0) == 0xC0) len = 2, cp = c & 0x1F, min = 0x80;
+        else if ((c & 0xF0) == 0xE0) len = 3, cp = c & 0x0F, min = 0x800;
+        else if ((c & 0xF8) == 0xF0) len = 4, cp = c & 0x07, min = 0x10000;
+        else return false;
+        if (i + len > n) return false;
+        for (size_t k = 1; k < len; k++) {
+            if ((s[i + k] & 0xC0) != 0x80) return false;
+            cp = (cp << 6) | (s[i + k] & 0x3F);
+        }
+        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+        i += len;
+    }
+    return true;
+}
+
+// Check every value of the tree: strings (and keys) are clean UTF-8 without NUL, numbers
+// are finite (json-c accepts NaN and Infinity even in strict mode). NULL when all is
+// well, else a message.
+static const char *bad_value(json_object *v)
 {
     switch (json_object_get_type(v)) {
     case json_type_string:
-        return strlen(json_object_get_string(v)) != (size_t) json_object_get_string_len(v);
+        return is_clean_utf8(json_object_get_string(v), (size_t) json_object_get_string_len(v))
+                   ? NULL
+                   : "strings must be valid UTF-8 without U+0000 or unpaired surrogates";
+    case json_type_double:
+        return isfinite(json_object_get_double(v)) ? NULL : "numbers must be finite (no NaN or Infinity)";
     case json_type_array: {
         const size_t n = json_object_array_length(v);
-        for (size_t i = 0; i < n; i++)
-            if (has_nul(json_object_array_get_idx(v, i))) return true;
-        return false;
+        for (size_t i = 0; i < n; i++) {
+            const char *bad = bad_value(json_object_array_get_idx(v, i));
+            if (bad) return bad;
+        }
+        return NULL;
     }
     case json_type_object: {
         json_object_object_foreach(v, key, val) {
-            (void) key;  // json-c keys are C strings: a NUL would have cut them short
-            if (has_nul(val)) return true;
+            if (!is_clean_utf8(key, strlen(key))) return "keys must be valid UTF-8";
+            const char *bad = bad_value(val);
+            if (bad) return bad;
         }
-        return false;
+        return NULL;
     }
     default:
-        return false;
+        return NULL;
     }
 }
 
@@ -274,8 +315,9 @@ Err api_request_parse(ApiRequest *r, ApiKind kind, const char *body, size_t n, A
         api_error_set(err, 400, NULL, NULL, NULL, "the body must be a JSON object");
         goto done;
     }
-    if (has_nul(root)) {
-        api_error_set(err, 400, NULL, NULL, NULL, "strings must not contain U+0000");
+    const char *bad = bad_value(root);
+    if (bad) {
+        api_error_set(err, 400, NULL, NULL, NULL, "%s", bad);
         goto done;
     }
     r->kind = kind;
@@ -342,5 +384,5 @@ bool api_request_check(const ApiRequest *r)
     if (!(r->temperature >= 0 && r->temperature <= 2 && r->top_p > 0 && r->top_p <= 1 &&
           r->min_p >= 0 && r->min_p <= 1 && r->repetition_penalty > 0))
         return false;
-    return !has_nul(r->root);
+    return bad_value(r->root) == NULL;
 }

@@ -349,14 +349,24 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
     const char *idem = param(c, "HTTP_IDEMPOTENCY_KEY");
     if (idem && (!*idem || strlen(idem) > 255)) idem = NULL;
 
-    if (api_db_ensure(c->db)) goto db_down;
-    PGresult *res = tx(c->db, "BEGIN", 0, NULL, PGRES_COMMAND_OK);
+    // BEGIN is where a connection that died while idle (a database restart) shows up:
+    // nothing has happened yet, so reconnect and try once more.
+    PGresult *res = NULL;
+    for (int attempt = 0; attempt < 2 && !res; attempt++) {
+        if (api_db_ensure(c->db)) goto db_down;
+        res = tx(c->db, "BEGIN", 0, NULL, PGRES_COMMAND_OK);
+    }
     if (!res) goto db_down;
     PQclear(res);
     in_tx = true;
-    // Lock the key's row: serializes this key's enqueues so the counts below are exact.
-    if (!(res = tx(c->db, "SELECT 1 FROM api_keys WHERE id = $1::bigint AND revoked_at IS NULL"
-                          " FOR UPDATE", 1, (const char *const[]){key_id}, PGRES_TUPLES_OK)))
+    // With limits, lock the key's row: it serializes this key's enqueues so that the counts
+    // below are exact. Without, a share lock only keeps the key from being revoked under us.
+    const bool has_limits = c->key.max_concurrent > 0 || c->key.rpm > 0;
+    if (!(res = tx(c->db, has_limits ? "SELECT 1 FROM api_keys WHERE id = $1::bigint"
+                                       " AND revoked_at IS NULL FOR UPDATE"
+                                     : "SELECT 1 FROM api_keys WHERE id = $1::bigint"
+                                       " AND revoked_at IS NULL FOR SHARE",
+                   1, (const char *const[]){key_id}, PGRES_TUPLES_OK)))
         goto db_down;
     const bool active = PQntuples(res) == 1;
     PQclear(res);
@@ -447,12 +457,14 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
     snprintf(job->public_id, sizeof job->public_id, "%s", PQgetvalue(res, 0, 1));
     job->created = atoll(PQgetvalue(res, 0, 2));
     PQclear(res);
-    if (!(res = tx(c->db, "NOTIFY jobs_new", 0, NULL, PGRES_COMMAND_OK))) goto db_down;
-    PQclear(res);
 commit:
     if (!(res = tx(c->db, "COMMIT", 0, NULL, PGRES_COMMAND_OK))) goto db_down;
     PQclear(res);
     in_tx = false;
+    // The doorbell goes after the commit, in its own statement: a NOTIFY inside the
+    // transaction would hold PostgreSQL's database-wide notify lock across the commit's WAL
+    // flush and serialize every enqueue (and every engine append) behind it.
+    PQclear(PQexec(c->db->conn, "NOTIFY jobs_new"));
     LOG_INFO("api: key %s queued job %s (%d prompt tokens, max %d)", c->key.prefix,
              job->public_id, job->n_prompt, job->max_tokens);
     ok = true;
@@ -642,7 +654,7 @@ static bool stream_job(Ctx *c, int64_t id, const char *job_id, long long created
                                     " AND seq > $2::int ORDER BY seq LIMIT 256",
                                     2, (const char *const[]){id_text, seq_text}, PGRES_TUPLES_OK);
         if (!res) {
-            api_db_wait(c->db, c->cfg->poll_ms);  // the database is restarting: keep trying
+            api_db_wait(c->db, NULL, c->cfg->poll_ms);  // the database is restarting: keep trying
             continue;
         }
         const int n = PQntuples(res);
@@ -697,7 +709,7 @@ static bool stream_job(Ctx *c, int64_t id, const char *job_id, long long created
         if (!read_state(c, id, st)) return false;
         if (st->is_terminal && last + 1 >= st->n_chunks) break;
         if (n > 0) continue;
-        api_db_wait(c->db, c->cfg->poll_ms);
+        api_db_wait(c->db, job_id, c->cfg->poll_ms);
         if (mode != MODE_COLLECT && now_s() - last_write >= c->cfg->keepalive_s) {
             put(c, ": keep-alive\n\n", 14);
             flush(c);

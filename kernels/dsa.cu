@@ -126,9 +126,10 @@ static __global__ void __launch_bounds__(128)
 // ---------------------------------------------------------------------------
 // Top-k kernel
 
+// Order-preserving key of a score; -0 is folded into +0 so that they tie, as in C's <.
 static __device__ __forceinline__ uint32_t order_key(float f)
 {
-    const uint32_t u = __float_as_uint(f);
+    const uint32_t u = f == 0.0f ? 0u : __float_as_uint(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 

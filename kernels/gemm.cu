@@ -15,6 +15,7 @@
 #include "kernels/gemm.h"
 
 #include <cublasLt.h>
+#include <stdlib.h>
 
 #include "common/cuda_check.h"
 #include "kernels/common.cuh"
@@ -32,6 +33,60 @@ template <> __device__ __forceinline__ void store_out<float>(float *p, float v)
 template <> __device__ __forceinline__ void store_out<uint16_t>(uint16_t *p, float v)
 {
     *p = f32_to_bf16_bits(v);
+}
+
+// Chunks c and c + 32 of each of R rows (the second only if it exists).
+template <int R>
+static __device__ __forceinline__ void bf16_load2(uint4 (*wv)[R], const uint16_t *const *w_rows,
+                                                  int c, int n_chunks)
+{
+    const int c2 = c + WARP_SIZE;
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        wv[0][i] = ld_stream_u4(w_rows[i] + (size_t) c * 8);
+        wv[1][i] = c2 < n_chunks ? ld_stream_u4(w_rows[i] + (size_t) c2 * 8) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+template <int R, int NT>
+static __device__ __forceinline__ void bf16_compute2(float (*acc)[NT], const uint4 (*wv)[R],
+                                                     const uint16_t *x, int n_mat, int m, int cols,
+                                                     int c, int n_chunks, int n_tok)
+{
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        const int cc = c + u * WARP_SIZE;
+        if (cc >= n_chunks) break;
+        float wf[R][8];
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            const uint32_t ws[4] = {wv[u][i].x, wv[u][i].y, wv[u][i].z, wv[u][i].w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float2 f = bf16x2_bits_to_f32(ws[j]);
+                wf[i][2 * j] = f.x;
+                wf[i][2 * j + 1] = f.y;
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < n_tok) {
+                const uint4 xv = __ldg((const uint4 *) (x + ((size_t) t * n_mat + m) * cols) + cc);
+                const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
+                float xf[8];
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const float2 f = bf16x2_bits_to_f32(xs[j]);
+                    xf[2 * j] = f.x;
+                    xf[2 * j + 1] = f.y;
+                }
+#pragma unroll
+                for (int i = 0; i < R; i++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[i][t] = fmaf(wf[i][j], xf[j], acc[i][t]);
+            }
+        }
+    }
 }
 
 template <int R, int NT, typename OutT>
@@ -61,48 +116,17 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
 
-    for (int c = lane; c < n_chunks; c += 2 * WARP_SIZE) {
-        const int c2 = c + WARP_SIZE;
-        const bool has2 = c2 < n_chunks;
-        uint4 wv[2][R];
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            wv[0][i] = ld_stream_u4(w_rows[i] + (size_t) c * 8);
-            wv[1][i] = has2 ? ld_stream_u4(w_rows[i] + (size_t) c2 * 8) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            const int cc = u ? c2 : c;
-            if (u && !has2) break;
-            float wf[R][8];
-#pragma unroll
-            for (int i = 0; i < R; i++) {
-                const uint32_t ws[4] = {wv[u][i].x, wv[u][i].y, wv[u][i].z, wv[u][i].w};
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const float2 f = bf16x2_bits_to_f32(ws[j]);
-                    wf[i][2 * j] = f.x;
-                    wf[i][2 * j + 1] = f.y;
-                }
-            }
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                if (t < n_tok) {
-                    const uint4 xv = __ldg((const uint4 *) (x + ((size_t) t * n_mat + m) * cols) + cc);
-                    const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
-                    float xf[8];
-#pragma unroll
-                    for (int j = 0; j < 4; j++) {
-                        const float2 f = bf16x2_bits_to_f32(xs[j]);
-                        xf[2 * j] = f.x;
-                        xf[2 * j + 1] = f.y;
-                    }
-#pragma unroll
-                    for (int i = 0; i < R; i++)
-#pragma unroll
-                        for (int j = 0; j < 8; j++) acc[i][t] = fmaf(wf[i][j], xf[j], acc[i][t]);
-                }
-            }
+    // Software pipeline, two chunks per stage: the next stage's loads are in flight while
+    // this stage is computed.
+    uint4 wa[2][R], wb[2][R];
+    if (lane < n_chunks) bf16_load2<R>(wa, w_rows, lane, n_chunks);
+    for (int c = lane; c < n_chunks; c += 4 * WARP_SIZE) {
+        const int cb = c + 2 * WARP_SIZE, cn = c + 4 * WARP_SIZE;
+        if (cb < n_chunks) bf16_load2<R>(wb, w_rows, cb, n_chunks);
+        bf16_compute2<R, NT>(acc, wa, x, n_mat, m, cols, c, n_chunks, n_tok);
+        if (cb < n_chunks) {
+            if (cn < n_chunks) bf16_load2<R>(wa, w_rows, cn, n_chunks);
+            bf16_compute2<R, NT>(acc, wb, x, n_mat, m, cols, cb, n_chunks, n_tok);
         }
     }
 
@@ -183,6 +207,15 @@ void gemm_bf16_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *
             log_fatal(__FILE__, __LINE__, "%s: cublas status %d", #call, (int) cublas_rc_); \
     } while (0)
 
+typedef struct LtPlan {
+    int m, n, k, y_type;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatmulAlgo_t algo;
+} LtPlan;
+
+enum { LT_MAX_PLANS = 128 };
+
 void gemm_lt_init(GemmLt *lt)
 {
     cublasLtHandle_t h = NULL;
@@ -190,51 +223,75 @@ void gemm_lt_init(GemmLt *lt)
     lt->handle = h;
     lt->workspace_bytes = (size_t) 32 << 20;
     CUDA_CHECK(cudaMalloc(&lt->workspace, lt->workspace_bytes));
+    lt->plans = calloc(LT_MAX_PLANS, sizeof(LtPlan));
+    ASSERT(lt->plans);
+    lt->n_plans = 0;
+}
+
+static void plan_destroy(LtPlan *p)
+{
+    cublasLtMatrixLayoutDestroy(p->lc);
+    cublasLtMatrixLayoutDestroy(p->lb);
+    cublasLtMatrixLayoutDestroy(p->la);
+    cublasLtMatmulDescDestroy(p->op);
 }
 
 void gemm_lt_free(GemmLt *lt)
 {
     if (!lt) return;
+    for (int i = 0; i < lt->n_plans; i++) plan_destroy((LtPlan *) lt->plans + i);
+    free(lt->plans);
     if (lt->handle) cublasLtDestroy((cublasLtHandle_t) lt->handle);
     if (lt->workspace) CUDA_CHECK(cudaFree(lt->workspace));
     lt->handle = NULL;
     lt->workspace = NULL;
     lt->workspace_bytes = 0;
+    lt->plans = NULL;
+    lt->n_plans = 0;
 }
 
-void gemm_bf16_lt(void *y, GemmOut y_type, const uint16_t *x, const uint16_t *w, int m, int n,
-                  int k, GemmLt *lt, cudaStream_t stream)
+// Column-major view: Y^T [n, m] = W [n, k] (stored as k x n, transposed) * X^T [k, m].
+static void plan_init(LtPlan *p, GemmLt *lt, int m, int n, int k, GemmOut y_type)
 {
-    ASSERT(m > 0 && n > 0 && k > 0 && k % 8 == 0 && n % 8 == 0);
-    ASSERT(lt && lt->handle);
-    // Column-major view: Y^T [n, m] = W [n, k] (stored as k x n, transposed) * X^T [k, m].
-    cublasLtMatmulDesc_t op = NULL;
-    cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
-    cublasLtMatmulPreference_t pref = NULL;
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     const cudaDataType_t yt = y_type == GEMM_OUT_F32 ? CUDA_R_32F : CUDA_R_16BF;
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, k, n, k));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, k, m, k));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, yt, n, m, n));
+    p->m = m, p->n = n, p->k = k, p->y_type = (int) y_type;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, CUDA_R_16BF, k, n, k));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, CUDA_R_16BF, k, m, k));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lc, yt, n, m, n));
+    cublasLtMatmulPreference_t pref = NULL;
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &lt->workspace_bytes,
         sizeof lt->workspace_bytes));
     cublasLtMatmulHeuristicResult_t heur;
     int n_found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic((cublasLtHandle_t) lt->handle, op, la, lb, lc,
-                                                lc, pref, 1, &heur, &n_found));
-    ASSERT(n_found > 0);
-    const float alpha = 1.0f, beta = 0.0f;
-    CUBLAS_CHECK(cublasLtMatmul((cublasLtHandle_t) lt->handle, op, &alpha, w, la, x, lb, &beta,
-                                y, lc, y, lc, &heur.algo, lt->workspace, lt->workspace_bytes,
-                                stream));
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic((cublasLtHandle_t) lt->handle, p->op, p->la, p->lb,
+                                                p->lc, p->lc, pref, 1, &heur, &n_found));
     cublasLtMatmulPreferenceDestroy(pref);
-    cublasLtMatrixLayoutDestroy(lc);
-    cublasLtMatrixLayoutDestroy(lb);
-    cublasLtMatrixLayoutDestroy(la);
-    cublasLtMatmulDescDestroy(op);
+    ASSERT(n_found > 0);
+    p->algo = heur.algo;
+}
+
+void gemm_bf16_lt(void *y, GemmOut y_type, const uint16_t *x, const uint16_t *w, int m, int n,
+                  int k, GemmLt *lt, cudaStream_t stream)
+{
+    ASSERT(m > 0 && n > 0 && k > 0 && k % 8 == 0 && n % 8 == 0);
+    ASSERT(lt && lt->handle && lt->plans);
+    LtPlan *plans = (LtPlan *) lt->plans, tmp, *p = NULL;
+    for (int i = 0; i < lt->n_plans && !p; i++)
+        if (plans[i].m == m && plans[i].n == n && plans[i].k == k && plans[i].y_type == (int) y_type)
+            p = &plans[i];
+    if (!p) {
+        p = lt->n_plans < LT_MAX_PLANS ? &plans[lt->n_plans++] : &tmp;
+        plan_init(p, lt, m, n, k, y_type);
+    }
+    const float alpha = 1.0f, beta = 0.0f;
+    CUBLAS_CHECK(cublasLtMatmul((cublasLtHandle_t) lt->handle, p->op, &alpha, w, p->la, x, p->lb,
+                                &beta, y, p->lc, y, p->lc, &p->algo, lt->workspace,
+                                lt->workspace_bytes, stream));
+    if (p == &tmp) plan_destroy(p);
 }

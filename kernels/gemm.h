@@ -50,15 +50,20 @@ typedef struct GemmLt {
     void *handle;     // cublasLtHandle_t
     void *workspace;  // device memory, workspace_bytes
     size_t workspace_bytes;
+    void *plans;  // host cache of descriptors and the chosen algorithm per (m, n, k, y_type)
+    int n_plans;
 } GemmLt;
 
-// Create the cuBLASLt handle and a 32 MiB workspace. Fatal on failure (startup only).
+// Create the cuBLASLt handle, a 32 MiB workspace and an empty plan cache. Fatal on failure
+// (startup only).
 void gemm_lt_init(GemmLt *lt);
 // Release what gemm_lt_init made and zero *lt. Safe on a zeroed GemmLt.
 void gemm_lt_free(GemmLt *lt);
 
 // Y[M, N] = X[M, K] W[N, K]^T, all row-major. X, W bf16; Y fp32 or bf16 per y_type.
-// Preconditions: K % 8 == 0, N % 8 == 0, 16-byte aligned pointers.
+// Preconditions: K % 8 == 0, N % 8 == 0, 16-byte aligned pointers. The first call for a shape
+// creates its descriptors and asks cuBLASLt's heuristic (host work); later calls reuse them.
+// Not thread-safe per GemmLt.
 void gemm_bf16_lt(void *y, GemmOut y_type, const uint16_t *x, const uint16_t *w, int m, int n,
                   int k, GemmLt *lt, cudaStream_t stream);
 

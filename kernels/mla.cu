@@ -7,7 +7,8 @@
  * memory once per 16 heads (4 times per token for H = 64, the extra reads hitting L2). Per
  * tile of 16 positions the CTA
  *   1. gathers the 16 cache rows through the page table, dequantizes them to fp32 in shared
- *      memory (rows padded to 580 floats so that 16 lanes' 16-byte reads cover all banks);
+ *      memory (rows padded to 580 floats so that 16 lanes' 16-byte reads cover all banks;
+ *      consecutive threads write consecutive 16-byte pieces, so the fill is conflict-free);
  *   2. thread (head hl = tid/16, position tk = tid%16) computes one 576-long score; a
  *      half-warp shuffle gives the tile max and sum of each head (online softmax, fp32);
  *   3. thread (hl, tk) owns 32 of its head's 512 output values (columns tk*4 + 64j) and adds
@@ -163,60 +164,38 @@ static __global__ void __launch_bounds__(DEC_THREADS)
             offs[tid] = off;
         }
         __syncthreads();
+        // Consecutive threads fill consecutive 16-byte pieces of a row: coalesced 128-byte
+        // loads per warp and conflict-free shared-memory stores.
         if (CT == MLA_CACHE_FP8) {
-            for (int it = tid; it < TILE * 40; it += DEC_THREADS) {
-                if (it < TILE * 32) {
-                    const int tok = it / 32, ch = it % 32;
-                    float *d = ks + tok * KS_STRIDE + ch * 16;
-                    const long long off = offs[tok];
-                    if (off < 0) {
-#pragma unroll
-                        for (int j = 0; j < 16; j++) d[j] = 0.0f;
-                        continue;
+            for (int it = tid; it < TILE * 160; it += DEC_THREADS) {
+                const int tok = it / 160, r = it % 160;
+                const long long off = offs[tok];
+                if (r < 128) {
+                    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (off >= 0) {
+                        const uint32_t wd = __ldg((const uint32_t *) (cache + off) + r);
+                        const float sc = __ldg((const float *) (cache + off + MLA_KV_LORA) + r / 32);
+                        v = make_float4(e4m3_bits_to_f32((uint8_t) wd) * sc,
+                                        e4m3_bits_to_f32((uint8_t) (wd >> 8)) * sc,
+                                        e4m3_bits_to_f32((uint8_t) (wd >> 16)) * sc,
+                                        e4m3_bits_to_f32((uint8_t) (wd >> 24)) * sc);
                     }
-                    const uint4 v = ld_stream_u4(cache + off + ch * 16);
-                    const float sc = *(const float *) (cache + off + MLA_KV_LORA + (ch / 8) * 4);
-                    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                    for (int j = 0; j < 16; j++)
-                        d[j] = e4m3_bits_to_f32((uint8_t) (w[j / 4] >> (8 * (j % 4)))) * sc;
+                    *(float4 *) (ks + tok * KS_STRIDE + r * 4) = v;
                 } else {
-                    const int r = it - TILE * 32, tok = r / 8, ch = r % 8;
-                    float *d = ks + tok * KS_STRIDE + MLA_KV_LORA + ch * 8;
-                    const long long off = offs[tok];
-                    if (off < 0) {
-#pragma unroll
-                        for (int j = 0; j < 8; j++) d[j] = 0.0f;
-                        continue;
-                    }
-                    const uint4 v = ld_stream_u4(cache + off + MLA_KV_LORA + 16 + ch * 16);
-                    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                    for (int j = 0; j < 4; j++) {
-                        const float2 f = bf16x2_bits_to_f32(w[j]);
-                        d[2 * j] = f.x;
-                        d[2 * j + 1] = f.y;
-                    }
+                    const int i = r - 128;  // pair of rope values
+                    float2 v = make_float2(0.0f, 0.0f);
+                    if (off >= 0)
+                        v = bf16x2_bits_to_f32(__ldg((const uint32_t *) (cache + off + MLA_KV_LORA + 16) + i));
+                    *(float2 *) (ks + tok * KS_STRIDE + MLA_KV_LORA + 2 * i) = v;
                 }
             }
         } else {
-            for (int it = tid; it < TILE * (MLA_LK / 8); it += DEC_THREADS) {
-                const int tok = it / (MLA_LK / 8), ch = it % (MLA_LK / 8);
-                float *d = ks + tok * KS_STRIDE + ch * 8;
+            for (int it = tid; it < TILE * (MLA_LK / 2); it += DEC_THREADS) {
+                const int tok = it / (MLA_LK / 2), i = it % (MLA_LK / 2);
                 const long long off = offs[tok];
-                if (off < 0) {
-#pragma unroll
-                    for (int j = 0; j < 8; j++) d[j] = 0.0f;
-                    continue;
-                }
-                const uint4 v = ld_stream_u4(cache + off + ch * 16);
-                const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const float2 f = bf16x2_bits_to_f32(w[j]);
-                    d[2 * j] = f.x;
-                    d[2 * j + 1] = f.y;
-                }
+                float2 v = make_float2(0.0f, 0.0f);
+                if (off >= 0) v = bf16x2_bits_to_f32(__ldg((const uint32_t *) (cache + off) + i));
+                *(float2 *) (ks + tok * KS_STRIDE + 2 * i) = v;
             }
         }
         __syncthreads();

@@ -5,7 +5,9 @@
  * GEMV decomposition. A block is 8 warps; each warp owns R rows (R = 4 when the matrix has
  * enough rows to give every SM a few warps, else 1). A 16-byte chunk holds 32 codes, i.e. two
  * scale groups; lane l reads chunks l, l+32, ... of each of its rows plus the two matching
- * scale bytes, two chunks per row in flight. The 32 inputs of a chunk are loaded once per
+ * scale bytes, software-pipelined: the next chunk's loads are issued before the current one
+ * is computed (NVFP4 has 8x the arithmetic per byte of bf16, so a warp that waited for each
+ * load in turn left the memory system idle half the time). The 32 inputs of a chunk are loaded once per
  * token and reused for the R rows. Dequantization is in registers (nvfp4_dev.cuh); each group
  * is summed in fp32, scaled, and added to the lane's row sum; a warp butterfly finishes.
  *
@@ -31,6 +33,33 @@ template <> __device__ __forceinline__ void nv_store<float>(float *p, float v)
 template <> __device__ __forceinline__ void nv_store<uint16_t>(uint16_t *p, float v)
 {
     *p = f32_to_bf16_bits(v);
+}
+
+template <int R>
+static __device__ __forceinline__ void nv_load(uint4 *q, uint16_t *sc, const uint8_t *const *q_rows,
+                                               const uint16_t *const *s_rows, int c)
+{
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        q[i] = ld_stream_u4(q_rows[i] + (size_t) c * 16);
+        sc[i] = __ldg(s_rows[i] + c);
+    }
+}
+
+template <int R, int NT>
+static __device__ __forceinline__ void nv_compute(float (*acc)[NT], const uint4 *q,
+                                                  const uint16_t *sc, const uint16_t *x, int cols,
+                                                  int c, int n_tok)
+{
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        if (t < n_tok) {
+            float xf[32];
+            load_x32(x + (size_t) t * cols + (size_t) c * 32, xf);
+#pragma unroll
+            for (int i = 0; i < R; i++) acc[i][t] += nvfp4_chunk_dot(q[i], sc[i], xf);
+        }
+    }
 }
 
 template <int R, int NT, typename OutT>
@@ -60,31 +89,17 @@ static __global__ void __launch_bounds__(NVFP4_WARPS *WARP_SIZE)
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
 
+    // Software pipeline: the next chunk's loads are in flight while this one is computed.
+    uint4 qa[R], qb[R];
+    uint16_t sa[R], sb[R];
+    if (lane < n_chunks) nv_load<R>(qa, sa, q_rows, s_rows, lane);
     for (int c = lane; c < n_chunks; c += 2 * WARP_SIZE) {
-        const int c2 = c + WARP_SIZE;
-        const bool has2 = c2 < n_chunks;
-        uint4 qv[2][R];
-        uint16_t sv[2][R];
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            qv[0][i] = ld_stream_u4(q_rows[i] + (size_t) c * 16);
-            sv[0][i] = __ldg(s_rows[i] + c);
-            qv[1][i] = has2 ? ld_stream_u4(q_rows[i] + (size_t) c2 * 16) : make_uint4(0, 0, 0, 0);
-            sv[1][i] = has2 ? __ldg(s_rows[i] + c2) : (uint16_t) 0;
-        }
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            if (u && !has2) break;
-            const int cc = u ? c2 : c;
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                if (t < n_tok) {
-                    float xf[32];
-                    load_x32(x + (size_t) t * cols + (size_t) cc * 32, xf);
-#pragma unroll
-                    for (int i = 0; i < R; i++) acc[i][t] += nvfp4_chunk_dot(qv[u][i], sv[u][i], xf);
-                }
-            }
+        const int c1 = c + WARP_SIZE, c2 = c + 2 * WARP_SIZE;
+        if (c1 < n_chunks) nv_load<R>(qb, sb, q_rows, s_rows, c1);
+        nv_compute<R, NT>(acc, qa, sa, x, cols, c, n_tok);
+        if (c1 < n_chunks) {
+            if (c2 < n_chunks) nv_load<R>(qa, sa, q_rows, s_rows, c2);
+            nv_compute<R, NT>(acc, qb, sb, x, cols, c1, n_tok);
         }
     }
 

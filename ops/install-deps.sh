@@ -10,7 +10,7 @@ PKGS="build-essential cmake ninja-build pkg-config git ca-certificates
       clang libclang-rt-dev
       libjson-c-dev libpcre2-dev libutf8proc-dev libssl-dev
       libpq-dev libfcgi-dev postgresql postgresql-client nginx-light openssl
-      nodejs npm curl procps
+      nodejs npm curl procps wrk
       chromium fonts-dejavu-core"
 
 missing=""

@@ -133,8 +133,13 @@ function signOut(message) {
   jobsPoll.stop();
   metricsPoll.stop();
   modelId = '';
+  metricsOk = false;
+  lastTokens = null;
+  jobsShown = PAGE;
   $('model-name').textContent = '';
   $('jobs-body').textContent = '';
+  show($('queue-stats'), false);
+  show($('jobs-scope'), false);
   show($('sign-out'), false);
   show($('home'), false);
   show($('job'), false);
@@ -273,6 +278,7 @@ function renderJobs(jobs, showOwner) {
     const a = document.createElement('a');
     a.href = `#/jobs/${encodeURIComponent(s.id)}`;
     a.textContent = s.id;
+    a.title = s.id;
     a.className = 'job-link';
     td.appendChild(a);
     tr.appendChild(td);
@@ -311,7 +317,8 @@ async function refreshJobs() {
     jobsHasMore = Boolean(resp && resp.has_more);
     const admin = Boolean(resp && (resp.scope === 'admin' || resp.all === true)) || metricsOk;
     const owners = new Set(jobs.map((j) => summarize(j).owner).filter(Boolean));
-    const showOwner = admin || owners.size > 1;
+    // The owner column only when the API names owners and there is more than one to tell apart.
+    const showOwner = owners.size > 0 && (admin || owners.size > 1);
     const scope = $('jobs-scope');
     scope.textContent = admin ? 'all keys (admin)' : '';
     show(scope, admin);
@@ -349,7 +356,7 @@ async function refreshMetrics() {
     }
     return;
   }
-  if (!metricsOk) { metricsOk = true; jobsPoll.now(); } // the list now shows owners
+  if (!metricsOk) { metricsOk = true; jobsPoll.now(); } // re-render as the admin's list
   const m = parseMetrics(text);
   const queued = metricSum(m, 'glmspark_queue_depth', 'glmspark_jobs_queued');
   const running = metricSum(m, 'glmspark_jobs_running', 'glmspark_running');
@@ -407,10 +414,12 @@ function renderJobMeta(v, job) {
   $('job-attempts').textContent = fmtNum(s.attempts);
   $('job-finish').textContent = s.finishReason || '–';
   show($('cancel-job'), !isFinal(s.state));
+  // A transient error of an earlier poll goes away once a poll succeeds; a failed cancel
+  // (v.actionError) stays until the next click.
   if (s.state === 'failed') {
     setError($('job-error'), `The job failed: ${s.errorMessage || 'no reason given'}.`);
-  } else if (v.st.error && !isFinal(s.state)) {
-    setError($('job-error'), v.st.error);
+  } else {
+    setError($('job-error'), v.actionError || (v.st.error ? `The job reported an error: ${v.st.error}` : ''));
   }
   const msgs = (job.request && job.request.messages) || storeGet(PROMPT_PREFIX + v.id);
   if (Array.isArray(msgs) && msgs.length) {
@@ -427,6 +436,11 @@ function adoptOutput(v, job) {
   if (typeof out.content === 'string') v.st.content = out.content;
   const r = out.reasoning_content !== undefined ? out.reasoning_content : out.reasoning;
   if (typeof r === 'string') v.st.reasoning = r;
+  if (Array.isArray(out.tool_calls) && out.tool_calls.length) {
+    v.st.tool = out.tool_calls
+      .map((tc) => `${(tc.function && tc.function.name) || '?'}(${(tc.function && tc.function.arguments) || ''})`)
+      .join('\n');
+  }
   renderStream(v);
 }
 
@@ -557,7 +571,7 @@ async function openJob(id) {
   leaveJob();
   const saved = storeGet(STREAM_PREFIX + id);
   const st = Object.assign(newStreamState(), saved || {});
-  const v = { id, st, final: false, state: '', abort: new AbortController(),
+  const v = { id, st, final: false, state: '', actionError: '', abort: new AbortController(),
               streamAbort: new AbortController(), saveTimer: null, connected: false };
   v.poll = poller(() => refreshJob(v), JOB_POLL_MS);
   view = v;
@@ -584,6 +598,7 @@ async function cancelJob() {
   if (!v) return;
   const btn = $('cancel-job');
   btn.disabled = true;
+  v.actionError = '';
   try {
     await api.cancelJob(v.id);
     $('job-conn').textContent = 'Cancel requested…';
@@ -591,7 +606,10 @@ async function cancelJob() {
     v.poll.now();
   } catch (err) {
     btn.disabled = false;
-    if (!handleAuthError(err)) setError($('job-error'), describeError(err, 'Cancelling the job'));
+    if (!handleAuthError(err)) {
+      v.actionError = describeError(err, 'Cancelling the job');
+      setError($('job-error'), v.actionError);
+    }
   }
 }
 

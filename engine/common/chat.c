@@ -34,7 +34,8 @@ static void buf_put(Buf *b, const char *s, size_t n)
     if (b->oom) return;
     if (b->n + n + 1 > b->cap) {
         size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n + 1) cap *= 2;
+        while (cap < b->n + n + 1)
+            cap *= 2;
         char *p = realloc(b->p, cap);
         if (!p) {
             b->oom = true;
@@ -124,10 +125,12 @@ static Str py_strip(Str s)
 {
     const unsigned char *u = (const unsigned char *) s.p;
     size_t i = 0, j = s.n, len;
-    while (i < j && py_space(u8_next(u + i, j - i, &len))) i += len;
+    while (i < j && py_space(u8_next(u + i, j - i, &len)))
+        i += len;
     while (j > i) {
         size_t k = j - 1;
-        while (k > i && j - k < 4 && (u[k] & 0xC0) == 0x80) k--;
+        while (k > i && j - k < 4 && (u[k] & 0xC0) == 0x80)
+            k--;
         const uint32_t c = u8_next(u + k, j - k, &len);
         if (k + len != j || !py_space(c)) break;
         j = k;
@@ -137,13 +140,15 @@ static Str py_strip(Str s)
 
 static Str strip_char_left(Str s, char c)
 {
-    while (s.n && s.p[0] == c) s.p++, s.n--;
+    while (s.n && s.p[0] == c)
+        s.p++, s.n--;
     return s;
 }
 
 static Str strip_char_right(Str s, char c)
 {
-    while (s.n && s.p[s.n - 1] == c) s.n--;
+    while (s.n && s.p[s.n - 1] == c)
+        s.n--;
     return s;
 }
 
@@ -198,16 +203,19 @@ static void py_float_repr(double d, Buf *out)
         if (*p != '.' && n_digits < 20) digits[n_digits++] = *p;
     }
     const int exp10 = atoi(p + 1);
-    while (n_digits > 1 && digits[n_digits - 1] == '0') n_digits--;
+    while (n_digits > 1 && digits[n_digits - 1] == '0')
+        n_digits--;
     const int decpt = exp10 + 1;  // digits[0..decpt) precede the decimal point
     if (exp10 >= -4 && exp10 < 16) {
         if (decpt <= 0) {
             buf_puts(out, "0.");
-            for (int i = 0; i < -decpt; i++) buf_put(out, "0", 1);
+            for (int i = 0; i < -decpt; i++)
+                buf_put(out, "0", 1);
             buf_put(out, digits, (size_t) n_digits);
         } else if (decpt >= n_digits) {
             buf_put(out, digits, (size_t) n_digits);
-            for (int i = n_digits; i < decpt; i++) buf_put(out, "0", 1);
+            for (int i = n_digits; i < decpt; i++)
+                buf_put(out, "0", 1);
             buf_puts(out, ".0");
         } else {
             buf_put(out, digits, (size_t) decpt);
@@ -235,13 +243,27 @@ static void py_string(const char *s, size_t n, Buf *out)
         const char *esc = NULL;
         char u[8];
         switch (c) {
-        case '"': esc = "\\\""; break;
-        case '\\': esc = "\\\\"; break;
-        case '\n': esc = "\\n"; break;
-        case '\r': esc = "\\r"; break;
-        case '\t': esc = "\\t"; break;
-        case '\b': esc = "\\b"; break;
-        case '\f': esc = "\\f"; break;
+        case '"':
+            esc = "\\\"";
+            break;
+        case '\\':
+            esc = "\\\\";
+            break;
+        case '\n':
+            esc = "\\n";
+            break;
+        case '\r':
+            esc = "\\r";
+            break;
+        case '\t':
+            esc = "\\t";
+            break;
+        case '\b':
+            esc = "\\b";
+            break;
+        case '\f':
+            esc = "\\f";
+            break;
         default:
             if (c < 0x20) {
                 snprintf(u, sizeof u, "\\u%04x", c);
@@ -263,8 +285,12 @@ static void py_dumps(const json_object *o, Buf *out)
 {
     char num[32];
     switch (o ? json_object_get_type(o) : json_type_null) {
-    case json_type_null: buf_puts(out, "null"); break;
-    case json_type_boolean: buf_puts(out, json_object_get_boolean(o) ? "true" : "false"); break;
+    case json_type_null:
+        buf_puts(out, "null");
+        break;
+    case json_type_boolean:
+        buf_puts(out, json_object_get_boolean(o) ? "true" : "false");
+        break;
     case json_type_int: {
         const int64_t v = json_object_get_int64(o);
         const uint64_t u = json_object_get_uint64(o);
@@ -276,7 +302,9 @@ static void py_dumps(const json_object *o, Buf *out)
         buf_puts(out, num);
         break;
     }
-    case json_type_double: py_float_repr(json_object_get_double(o), out); break;
+    case json_type_double:
+        py_float_repr(json_object_get_double(o), out);
+        break;
     case json_type_string:
         py_string(json_object_get_string(jmut(o)), (size_t) json_object_get_string_len(o), out);
         break;
@@ -340,8 +368,8 @@ static Err parse_json(const char *s, size_t n, json_object **out)
     o = json_tokener_parse_ex(tok, copy, (int) (n + 1));
     if (json_tokener_get_error(tok) != json_tokener_success) goto done;
     size_t end = json_tokener_get_parse_end(tok);
-    while (end < n && (copy[end] == ' ' || copy[end] == '\t' || copy[end] == '\n'
-                       || copy[end] == '\r'))
+    while (end < n
+           && (copy[end] == ' ' || copy[end] == '\t' || copy[end] == '\n' || copy[end] == '\r'))
         end++;
     if (end < n) goto done;
     *out = o;
@@ -371,12 +399,14 @@ static const char TOOLS_TAIL[] =
 static Err visible_text(const json_object *content, const char *path, Buf *dst, ChatError *err)
 {
     switch (content ? json_object_get_type(content) : json_type_null) {
-    case json_type_null: return ERR_OK;
+    case json_type_null:
+        return ERR_OK;
     case json_type_string:
         buf_put(dst, json_object_get_string(jmut(content)),
                 (size_t) json_object_get_string_len(content));
         return ERR_OK;
-    case json_type_array: break;
+    case json_type_array:
+        break;
     default:
         return fail(err, "%s: expected a string or an array of text parts, not %s", path,
                     type_name(content));
@@ -408,8 +438,8 @@ static Err visible_text(const json_object *content, const char *path, Buf *dst, 
 }
 
 // Optional string field: absent or null gives *has = false.
-static Err opt_string(const json_object *msg, const char *key, const char *path, Str *s,
-                      bool *has, ChatError *err)
+static Err opt_string(const json_object *msg, const char *key, const char *path, Str *s, bool *has,
+                      ChatError *err)
 {
     json_object *v = NULL;
     *has = false;
@@ -452,8 +482,7 @@ static Err call_arguments(const json_object *fn, const char *path, const json_ob
     return ERR_OK;
 }
 
-static Err render_tool_calls(const json_object *calls, const char *mpath, Buf *out,
-                             ChatError *err)
+static Err render_tool_calls(const json_object *calls, const char *mpath, Buf *out, ChatError *err)
 {
     const size_t n = json_object_array_length(calls);
     for (size_t j = 0; j < n; j++) {
@@ -468,8 +497,7 @@ static Err render_tool_calls(const json_object *calls, const char *mpath, Buf *o
         snprintf(path, sizeof path, "%s.tool_calls[%zu]", mpath, j);
         if (json_object_object_get_ex(tc, "function", &fn) && fn) {
             if (!json_object_is_type(fn, json_type_object)) {
-                return fail(err, "%s.function: expected an object, not %s", path,
-                            type_name(fn));
+                return fail(err, "%s.function: expected an object, not %s", path, type_name(fn));
             }
             snprintf(path, sizeof path, "%s.tool_calls[%zu].function", mpath, j);
         } else {
@@ -507,8 +535,8 @@ static Err render_tool_calls(const json_object *calls, const char *mpath, Buf *o
     return ERR_OK;
 }
 
-static Err render_assistant(const json_object *msg, const char *path, bool keep_reasoning,
-                            Buf *out, bool *has_calls, ChatError *err)
+static Err render_assistant(const json_object *msg, const char *path, bool keep_reasoning, Buf *out,
+                            bool *has_calls, ChatError *err)
 {
     Err e = ERR_OK;
     Buf text = {0};
@@ -679,8 +707,10 @@ static Err render_into(const json_object *messages, const json_object *tools,
             Str id;
             bool has_id;
             if (!calls_open) {
-                return fail(err, "messages[%zu]: a tool message must follow an assistant "
-                                 "message with tool_calls", i);
+                return fail(err,
+                            "messages[%zu]: a tool message must follow an assistant "
+                            "message with tool_calls",
+                            i);
             }
             if ((e = opt_string(msg, "tool_call_id", path, &id, &has_id, err))) return e;
             if (i == 0 || prev != ROLE_TOOL) buf_puts(out, "<|observation|>");
@@ -848,7 +878,8 @@ static Err parser_append(ChatParser *p, const char *s, size_t n)
 {
     if (p->n_buf + n + 1 > p->cap_buf) {
         size_t cap = p->cap_buf ? p->cap_buf : 64;
-        while (cap < p->n_buf + n + 1) cap *= 2;
+        while (cap < p->n_buf + n + 1)
+            cap *= 2;
         char *b = realloc(p->buf, cap);
         if (!b) {
             LOG_ERROR("could not grow the chat parser buffer to %zu bytes", cap);
@@ -901,16 +932,18 @@ static bool is_ascii_space(char c)
 
 static Str trim_ascii(Str s)
 {
-    while (s.n && is_ascii_space(s.p[0])) s.p++, s.n--;
-    while (s.n && is_ascii_space(s.p[s.n - 1])) s.n--;
+    while (s.n && is_ascii_space(s.p[0]))
+        s.p++, s.n--;
+    while (s.n && is_ascii_space(s.p[s.n - 1]))
+        s.n--;
     return s;
 }
 
 // Does the tools schema declare parameter key of function name as a string?
 static bool param_is_string(const json_object *tools, const char *name, const char *key)
 {
-    const size_t n = json_object_is_type(tools, json_type_array) ? json_object_array_length(tools)
-                                                                  : 0;
+    const size_t n =
+        json_object_is_type(tools, json_type_array) ? json_object_array_length(tools) : 0;
     for (size_t i = 0; i < n; i++) {
         json_object *fn = NULL, *fname = NULL, *params = NULL, *props = NULL, *prop = NULL,
                     *type = NULL;
@@ -950,7 +983,8 @@ static bool take_tagged(const char *s, size_t n, size_t *pos, const char *open, 
                         Str *inner)
 {
     size_t i = *pos;
-    while (i < n && is_ascii_space(s[i])) i++;
+    while (i < n && is_ascii_space(s[i]))
+        i++;
     const size_t lo = strlen(open), lc = strlen(close);
     if (n - i < lo || memcmp(s + i, open, lo) != 0) return false;
     i += lo;
@@ -988,7 +1022,8 @@ static Err parse_call(const ChatParser *p, const char *s, size_t n, char **name_
     size_t pos = first;
     for (;;) {
         size_t rest = pos;
-        while (rest < n && is_ascii_space(s[rest])) rest++;
+        while (rest < n && is_ascii_space(s[rest]))
+            rest++;
         if (rest == n) break;
         Str key, value;
         if (!take_tagged(s, n, &pos, "<arg_key>", "</arg_key>", &key)
@@ -1100,7 +1135,8 @@ static Err parser_run(ChatParser *p, ChatEventFn fn, void *user)
         if (p->state == PARSE_CONTENT) {
             if (p->after_tool_call) {
                 size_t w = 0;
-                while (w < n && is_ascii_space(s[w])) w++;
+                while (w < n && is_ascii_space(s[w]))
+                    w++;
                 const size_t rest = n - w, lc = strlen(TAG_CALL);
                 if (rest == 0) return ERR_OK;  // only whitespace so far: undecided
                 if (rest < lc && memcmp(s + w, TAG_CALL, rest) == 0) return ERR_OK;
@@ -1126,8 +1162,17 @@ static Err parser_run(ChatParser *p, ChatEventFn fn, void *user)
             return ERR_OK;
         }
         if (p->state == PARSE_TOOL_CALL) {
-            const size_t at = find(s, n, TAG_CALL_END, false);
-            if (at == SIZE_MAX) return ERR_OK;
+            // Search only what is new (plus a possible tag start): a long call fed token by
+            // token stays linear.
+            const size_t from = p->n_scanned;
+            size_t at = find(s + from, n - from, TAG_CALL_END, false);
+            if (at == SIZE_MAX) {
+                const size_t lt = strlen(TAG_CALL_END) - 1;
+                p->n_scanned = n > lt ? n - lt : 0;
+                return ERR_OK;
+            }
+            at += from;
+            p->n_scanned = 0;
             if ((e = finish_call(p, at, fn, user))) return e;
             parser_consume(p, at + strlen(TAG_CALL_END));
             p->state = PARSE_CONTENT;
@@ -1150,10 +1195,13 @@ Err chat_parser_finish(ChatParser *p, ChatEventFn fn, void *user)
     ASSERT(p->state != PARSE_DONE);
     Err e = ERR_OK;
     switch (p->state) {
-    case PARSE_REASONING: e = emit_text(CHAT_EVENT_REASONING, p->buf, p->n_buf, fn, user); break;
+    case PARSE_REASONING:
+        e = emit_text(CHAT_EVENT_REASONING, p->buf, p->n_buf, fn, user);
+        break;
     case PARSE_CONTENT: {
         size_t w = 0;
-        while (w < p->n_buf && is_ascii_space(p->buf[w])) w++;
+        while (w < p->n_buf && is_ascii_space(p->buf[w]))
+            w++;
         if (!(p->after_tool_call && w == p->n_buf)) {
             e = emit_text(CHAT_EVENT_CONTENT, p->buf, p->n_buf, fn, user);
         }

@@ -39,6 +39,9 @@
  * and after the last one is dropped. A tool call that does not parse (or is cut off by the
  * end of generation) is passed on verbatim as content, so no generated text is lost. The
  * same output split at any points yields the same text per kind, in the same order.
+ * Feed text detokenized with skip_special = false: the tags are added tokens of GLM's
+ * tokenizer and would vanish otherwise. Stop tokens (<|user|>, <|observation|>,
+ * <|endoftext|>) end generation before they reach the parser.
  *
  * Ownership: chat_render* returns a malloc'd prompt the caller frees with free(). Messages,
  *            tools and requests are borrowed for the call. ChatParser is caller storage
@@ -128,7 +131,7 @@ typedef enum ChatEventKind {
 
 typedef struct ChatEvent {
     ChatEventKind kind;
-    const char *text;       // delta bytes (not NUL-terminated); never empty
+    const char *text;  // delta bytes (not NUL-terminated); never empty
     size_t n_text;
     const char *name;       // NUL-terminated function name
     const char *arguments;  // NUL-terminated JSON object, Python json.dumps style
@@ -139,12 +142,13 @@ typedef struct ChatEvent {
 typedef Err (*ChatEventFn)(void *user, const ChatEvent *event);
 
 typedef struct ChatParser {
-    int state;               // internal: where in the output we are
-    bool after_tool_call;    // internal: whitespace after </tool_call> is pending
+    int state;             // internal: where in the output we are
+    bool after_tool_call;  // internal: whitespace after </tool_call> is pending
     int n_tool_calls;
-    char *buf;               // [n_buf] held-back text, or the body of an open tool call
+    char *buf;  // [n_buf] held-back text, or the body of an open tool call
     size_t n_buf, cap_buf;
-    json_object *tools;      // own reference, or NULL: argument types come from the schema
+    size_t n_scanned;    // internal: bytes of an open call already searched for its end
+    json_object *tools;  // own reference, or NULL: argument types come from the schema
 } ChatParser;
 
 // Start a parser. in_reasoning: the prompt ended inside <think> (see

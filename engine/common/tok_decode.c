@@ -36,7 +36,8 @@ static Err list_push(StrList *l, const char *s, size_t n)
 {
     if (l->n_buf + n + 1 > l->cap_buf) {
         size_t cap = l->cap_buf ? l->cap_buf : 256;
-        while (cap < l->n_buf + n + 1) cap *= 2;
+        while (cap < l->n_buf + n + 1)
+            cap *= 2;
         char *b = realloc(l->buf, cap);
         if (!b) return ERR_NOMEM;
         l->buf = b;
@@ -82,10 +83,12 @@ static void list_swap(StrList *a, StrList *b)
 static int bytelevel_inverse(uint32_t cp)
 {
     static int16_t table[0x144];
-    static int ready;  // benign race: every thread writes the same values
-    if (!ready) {
-        for (size_t i = 0; i < 0x144; i++) table[i] = -1;
-        for (int b = 0; b < 256; b++) table[tok_bytelevel_char((uint8_t) b)] = (int16_t) b;
+    static int ready;  // racing first calls all write the same values before publishing
+    if (!__atomic_load_n(&ready, __ATOMIC_ACQUIRE)) {
+        for (size_t i = 0; i < 0x144; i++)
+            table[i] = -1;
+        for (int b = 0; b < 256; b++)
+            table[tok_bytelevel_char((uint8_t) b)] = (int16_t) b;
         __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
     }
     return cp < 0x144 ? table[cp] : -1;
@@ -130,8 +133,7 @@ static int byte_token(const char *s, size_t n)
     return v;
 }
 
-static Err replace_all(const TokDec *d, pcre2_match_data *md, const char *s, size_t n,
-                       StrList *out)
+static Err replace_all(const TokDec *d, pcre2_match_data *md, const char *s, size_t n, StrList *out)
 {
     // Build the result in out's buffer directly: reserve, then push the assembled string.
     char *tmp = NULL;
@@ -214,7 +216,8 @@ static Err decode_impl(const Tokenizer *tok, const int32_t *ids, size_t n_ids, b
                 break;
             }
             size_t w = 0;
-            for (size_t i = 0; i < a.n; i++) w += bytelevel_unmap(a.buf + a.off[i], a.len[i], tmp + w);
+            for (size_t i = 0; i < a.n; i++)
+                w += bytelevel_unmap(a.buf + a.off[i], a.len[i], tmp + w);
             char *fixed;
             size_t nf;
             err = utf8_lossy((const uint8_t *) tmp, w, &fixed, &nf);
@@ -232,7 +235,8 @@ static Err decode_impl(const Tokenizer *tok, const int32_t *ids, size_t n_ids, b
                 err = ERR_NOMEM;
                 break;
             }
-            for (size_t i = 0; i < a.n && !err; i++) err = replace_all(d, md, a.buf + a.off[i], a.len[i], &b);
+            for (size_t i = 0; i < a.n && !err; i++)
+                err = replace_all(d, md, a.buf + a.off[i], a.len[i], &b);
             break;
         case TOK_DEC_BYTEFALLBACK: {
             // Runs of byte tokens become their UTF-8 text, or one U+FFFD per byte token when
@@ -244,19 +248,23 @@ static Err decode_impl(const Tokenizer *tok, const int32_t *ids, size_t n_ids, b
                     continue;
                 }
                 size_t j = i;
-                uint8_t run[256];
-                size_t nr = 0;
-                while (j < a.n && nr < sizeof run) {
-                    const int v = byte_token(a.buf + a.off[j], a.len[j]);
-                    if (v < 0) break;
-                    run[nr++] = (uint8_t) v;
+                while (j < a.n && byte_token(a.buf + a.off[j], a.len[j]) >= 0)
                     j++;
+                uint8_t *run = malloc(j - i);
+                if (!run) {
+                    err = ERR_NOMEM;
+                    break;
                 }
+                for (size_t r = i; r < j; r++)
+                    run[r - i] = (uint8_t) byte_token(a.buf + a.off[r], a.len[r]);
+                const size_t nr = j - i;
                 if (utf8_valid_prefix(run, nr) == nr) {
                     err = list_push(&b, (const char *) run, nr);
                 } else {
-                    for (size_t r = 0; r < nr && !err; r++) err = list_push(&b, "\xEF\xBF\xBD", 3);
+                    for (size_t r = 0; r < nr && !err; r++)
+                        err = list_push(&b, "\xEF\xBF\xBD", 3);
                 }
+                free(run);
                 i = j;
             }
             break;
@@ -273,7 +281,8 @@ static Err decode_impl(const Tokenizer *tok, const int32_t *ids, size_t n_ids, b
                 const char *s = a.buf + a.off[i];
                 size_t lo = 0, hi = a.len[i];
                 for (size_t c = 0; c < start && lo < hi; c++) {
-                    if (hi - lo < d->content_n || memcmp(s + lo, d->content, d->content_n) != 0) break;
+                    if (hi - lo < d->content_n || memcmp(s + lo, d->content, d->content_n) != 0)
+                        break;
                     lo += d->content_n;
                 }
                 for (size_t c = 0; c < d->stop && hi > lo; c++) {
@@ -352,7 +361,7 @@ Err tok_decode(const Tokenizer *tok, const int32_t *ids, size_t n_ids, bool skip
 struct TokStream {
     const Tokenizer *tok;  // borrowed
     bool skip_special;
-    bool first;  // no token has been decoded yet
+    bool first;    // no token has been decoded yet
     int32_t *win;  // [n_win] ids not yet emitted
     size_t n_win, cap_win;
     char *piece;  // last returned piece, owned
@@ -406,14 +415,16 @@ static bool window_open(const TokStream *s)
             if (has_fallback && byte_token(t, n) >= 0) return true;
             if (!has_bytelevel) return false;
         }
-        char bytes[256];
-        if (n > sizeof bytes) return false;  // a long token ends the incomplete tail anyway
+        char small[256];
+        char *bytes = n <= sizeof small ? small : malloc(n);
+        if (!bytes) return true;  // out of memory: hold the text; flush still emits it
         const size_t nb = bytelevel_unmap(t, n, bytes);
         for (size_t k = nb; k-- > 0 && n_tail < 4;) {
             memmove(tail + 1, tail, n_tail);
             tail[0] = (uint8_t) bytes[k];
             n_tail++;
         }
+        if (bytes != small) free(bytes);
         if (n_tail >= 4) break;
     }
     return has_bytelevel && utf8_incomplete_tail(tail, n_tail) > 0;
@@ -423,7 +434,8 @@ static Err stream_emit(TokStream *s, const char **piece, size_t *n_piece)
 {
     char *text;
     size_t n, kept;
-    const Err err = decode_impl(s->tok, s->win, s->n_win, s->skip_special, s->first, &kept, &text, &n);
+    const Err err =
+        decode_impl(s->tok, s->win, s->n_win, s->skip_special, s->first, &kept, &text, &n);
     if (err) return err;
     if (kept) s->first = false;
     s->n_win = 0;

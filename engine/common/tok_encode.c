@@ -31,9 +31,9 @@
 #include "common/utf8.h"
 
 enum {
-    CACHE_MAX_WORD = 128,          // bytes; longer words are not cached
-    CACHE_MAX_WORDS = 1 << 16,     // entries before the cache is cleared
-    CACHE_MAX_IDS = 1 << 20,       // ids before the cache is cleared
+    CACHE_MAX_WORD = 128,       // bytes; longer words are not cached
+    CACHE_MAX_WORDS = 1 << 16,  // entries before the cache is cleared
+    CACHE_MAX_IDS = 1 << 20,    // ids before the cache is cleared
 };
 
 typedef struct Span {
@@ -84,7 +84,8 @@ static Err grow(void **p, size_t *cap, size_t need, size_t size)
 {
     if (need <= *cap) return ERR_OK;
     size_t c = *cap ? *cap : 64;
-    while (c < need) c *= 2;
+    while (c < need)
+        c *= 2;
     void *q = realloc(*p, c * size);
     if (!q) return ERR_NOMEM;
     *p = q;
@@ -166,7 +167,8 @@ static uint32_t char_at(const char *s, size_t n, size_t i, size_t *len)
 static uint32_t char_before(const char *s, size_t i, size_t *len)
 {
     size_t k = i - 1;
-    while (k > 0 && ((uint8_t) s[k] & 0xC0) == 0x80) k--;
+    while (k > 0 && ((uint8_t) s[k] & 0xC0) == 0x80)
+        k--;
     *len = i - k;
     return utf8_decode((const uint8_t *) s + k, *len);
 }
@@ -274,7 +276,8 @@ static Err apply_behavior(Enc *e, size_t base, bool first, TokSplitBehavior beha
     Mark *m = e->marks;
     const size_t n = e->n_marks;
     if (invert) {
-        for (size_t i = 0; i < n; i++) m[i].is_match = !m[i].is_match;
+        for (size_t i = 0; i < n; i++)
+            m[i].is_match = !m[i].is_match;
     }
     // Collapse marks in place into [start, end) pieces, then emit the non-empty ones.
     size_t k = 0;
@@ -331,8 +334,8 @@ static Err apply_behavior(Enc *e, size_t base, bool first, TokSplitBehavior beha
     }
     }
     for (size_t i = 0; i < k; i++) {
-        const Err err = add_span2(e, base + m[i].start, m[i].end - m[i].start,
-                                  first && m[i].start == 0);
+        const Err err =
+            add_span2(e, base + m[i].start, m[i].end - m[i].start, first && m[i].start == 0);
         if (err) return err;
     }
     return ERR_OK;
@@ -369,7 +372,7 @@ static Err pre_bytelevel(Enc *e, const TokPre *p)
         Span sp = e->spans[i];
         Err err = ERR_OK;
         if (p->add_prefix_space && e->buf[sp.off] != ' ') {
-            size_t off;
+            size_t off = 0;
             err = grow((void **) &e->buf, &e->buf_cap, e->buf_n + sp.n + 1, 1);
             if (!err) err = buf_add(e, " ", 1, &off);
             if (!err) err = buf_add(e, e->buf + sp.off, sp.n, &sp.off);
@@ -427,8 +430,8 @@ static Err pre_metaspace(Enc *e, const TokPre *p)
         if (err) return err;
         const size_t start = e->buf_n;
         const char *src = e->buf + sp.off;
-        const bool starts_rep = sp.n >= p->replacement_n
-                                && memcmp(src, p->replacement, p->replacement_n) == 0;
+        const bool starts_rep =
+            sp.n >= p->replacement_n && memcmp(src, p->replacement, p->replacement_n) == 0;
         const bool starts_space = sp.n > 0 && src[0] == ' ';
         const bool prepend = !starts_rep && !starts_space
                              && (p->prepend_scheme == TOK_PREPEND_ALWAYS
@@ -496,8 +499,8 @@ static Err pre_tokenize(Enc *e)
             err = pre_metaspace(e, p);
             break;
         case TOK_PRE_WHITESPACE: {
-            const TokPre ws = {.kind = TOK_PRE_SPLIT, .re = p->re, .behavior = TOK_SPLIT_REMOVED,
-                               .invert = true};
+            const TokPre ws = {
+                .kind = TOK_PRE_SPLIT, .re = p->re, .behavior = TOK_SPLIT_REMOVED, .invert = true};
             err = pre_split(e, &ws);
             break;
         }
@@ -582,10 +585,12 @@ static void word_add_char(const Tokenizer *tok, Word *w, const char *s, size_t n
     }
     if (tok->byte_fallback) {
         bool all = true;
-        for (size_t i = 0; i < n && all; i++) all = tok->byte_fallback_id[(uint8_t) s[i]] >= 0;
+        for (size_t i = 0; i < n && all; i++)
+            all = tok->byte_fallback_id[(uint8_t) s[i]] >= 0;
         if (all) {
             // HF adds byte tokens without flushing a pending unk first; so do we.
-            for (size_t i = 0; i < n; i++) word_add(w, tok->byte_fallback_id[(uint8_t) s[i]], 1);
+            for (size_t i = 0; i < n; i++)
+                word_add(w, tok->byte_fallback_id[(uint8_t) s[i]], 1);
             return;
         }
     }
@@ -610,6 +615,7 @@ static Err bpe_word(Enc *e, const char *s, size_t n)
         if (idx >= 0) {
             const uint64_t span = cache->spans[idx];
             const size_t k = (size_t) (span & 0xFFFF);
+            if (k == 0) return ERR_OK;  // a word of dropped chars (no unk token)
             const int32_t *ids = cache->ids + (span >> 16);
             Err err = grow((void **) &e->out->ids, &e->out->cap, e->out->n + k, sizeof(int32_t));
             if (err) return err;
@@ -678,7 +684,9 @@ static Err bpe_word(Enc *e, const char *s, size_t n)
         size_t nh = 0;
         for (size_t i = 0; i + 1 < w.n; i++) {
             const uint64_t m = tok_merge_get(&tok->merges, sy[i].id, sy[i + 1].id);
-            if (m != UINT64_MAX) heap_push(h, &nh, (HeapItem){(uint32_t) (m >> 32), (uint32_t) i, (int32_t) (uint32_t) m});
+            if (m != UINT64_MAX)
+                heap_push(h, &nh,
+                          (HeapItem){(uint32_t) (m >> 32), (uint32_t) i, (int32_t) (uint32_t) m});
         }
         while (nh > 0) {
             const HeapItem top = heap_pop(h, &nh);
@@ -686,7 +694,8 @@ static Err bpe_word(Enc *e, const char *s, size_t n)
             if (a->len == 0 || a->next < 0) continue;
             Sym *b = &sy[a->next];
             const uint64_t m = tok_merge_get(&tok->merges, a->id, b->id);
-            if (m == UINT64_MAX || (int32_t) (uint32_t) m != top.id || (uint32_t) (m >> 32) != top.rank) {
+            if (m == UINT64_MAX || (int32_t) (uint32_t) m != top.id
+                || (uint32_t) (m >> 32) != top.rank) {
                 continue;  // stale: one side was merged since this pair was queued
             }
             a->id = top.id;
@@ -703,11 +712,16 @@ static Err bpe_word(Enc *e, const char *s, size_t n)
             }
             if (a->prev >= 0) {
                 const uint64_t mp = tok_merge_get(&tok->merges, sy[a->prev].id, a->id);
-                if (mp != UINT64_MAX) heap_push(h, &nh, (HeapItem){(uint32_t) (mp >> 32), (uint32_t) a->prev, (int32_t) (uint32_t) mp});
+                if (mp != UINT64_MAX)
+                    heap_push(h, &nh,
+                              (HeapItem){(uint32_t) (mp >> 32), (uint32_t) a->prev,
+                                         (int32_t) (uint32_t) mp});
             }
             if (a->next >= 0) {
                 const uint64_t mn = tok_merge_get(&tok->merges, a->id, sy[a->next].id);
-                if (mn != UINT64_MAX) heap_push(h, &nh, (HeapItem){(uint32_t) (mn >> 32), top.pos, (int32_t) (uint32_t) mn});
+                if (mn != UINT64_MAX)
+                    heap_push(h, &nh,
+                              (HeapItem){(uint32_t) (mn >> 32), top.pos, (int32_t) (uint32_t) mn});
             }
         }
     }
@@ -717,7 +731,8 @@ static Err bpe_word(Enc *e, const char *s, size_t n)
         if (err) return err;
     }
     if (e->use_cache && n <= CACHE_MAX_WORD) {
-        err = cache_put(cache, s, n, e->out->ids + start, e->out->n - start);
+        const size_t k = e->out->n - start;
+        err = cache_put(cache, s, n, k ? e->out->ids + start : NULL, k);
         if (err) return err;
     }
     return ERR_OK;
@@ -751,7 +766,7 @@ static Err cache_put(TokCache *c, const char *s, size_t n, const int32_t *ids, s
     const size_t e = c->map.n;
     err = tok_strmap_put(&c->map, &c->words, s, n, (int32_t) e);
     if (err) return err;
-    memcpy(c->ids + c->n_ids, ids, k * sizeof *ids);
+    if (k) memcpy(c->ids + c->n_ids, ids, k * sizeof *ids);
     c->spans[e] = (uint64_t) c->n_ids << 16 | k;
     c->n_ids += k;
     return ERR_OK;
@@ -776,7 +791,8 @@ static Err norm_replace(Enc *e, const TokNorm *nm, const char *s, size_t n, char
         const size_t copy_to = rc ? ms : n;
         const size_t need = w + (copy_to - prev) + (rc ? nm->content_n : 0) + 1;
         if (need > cap) {
-            while (cap < need) cap *= 2;
+            while (cap < need)
+                cap *= 2;
             char *b = realloc(d, cap);
             if (!b) {
                 free(d);
@@ -817,16 +833,16 @@ static Err norm_one(Enc *e, const TokNorm *nm, const char *s, size_t n, char **o
     case TOK_NORM_NFKC:
     case TOK_NORM_NFKD: {
         bool ascii = true;
-        for (size_t i = 0; i < n && ascii; i++) ascii = (uint8_t) s[i] < 0x80;
+        for (size_t i = 0; i < n && ascii; i++)
+            ascii = (uint8_t) s[i] < 0x80;
         if (ascii) return ERR_OK;  // every normal form of ASCII is itself
         int opts = UTF8PROC_STABLE;
         opts |= (nm->kind == TOK_NORM_NFC || nm->kind == TOK_NORM_NFKC) ? UTF8PROC_COMPOSE
-                                                                         : UTF8PROC_DECOMPOSE;
+                                                                        : UTF8PROC_DECOMPOSE;
         if (nm->kind == TOK_NORM_NFKC || nm->kind == TOK_NORM_NFKD) opts |= UTF8PROC_COMPAT;
         utf8proc_uint8_t *dst = NULL;
-        const utf8proc_ssize_t r =
-            utf8proc_map((const utf8proc_uint8_t *) s, (utf8proc_ssize_t) n, &dst,
-                         (utf8proc_option_t) opts);
+        const utf8proc_ssize_t r = utf8proc_map((const utf8proc_uint8_t *) s, (utf8proc_ssize_t) n,
+                                                &dst, (utf8proc_option_t) opts);
         if (r < 0) {
             LOG_ERROR("could not normalize %zu bytes: %s", n, utf8proc_errmsg(r));
             return r == UTF8PROC_ERROR_NOMEM ? ERR_NOMEM : ERR_INVAL;
@@ -870,8 +886,10 @@ static Err norm_one(Enc *e, const TokNorm *nm, const char *s, size_t n, char **o
     }
     case TOK_NORM_STRIP: {
         size_t a = 0, b = n, len;
-        while (nm->left && a < b && is_white_space(char_at(s, n, a, &len))) a += len;
-        while (nm->right && b > a && is_white_space(char_before(s, b, &len))) b -= len;
+        while (nm->left && a < b && is_white_space(char_at(s, n, a, &len)))
+            a += len;
+        while (nm->right && b > a && is_white_space(char_before(s, b, &len)))
+            b -= len;
         char *d = malloc(b - a + 1);
         if (!d) return ERR_NOMEM;
         memcpy(d, s + a, b - a);
@@ -938,7 +956,8 @@ static Err find_added(const Tokenizer *tok, const TokTrie *trie, const char *s, 
         size_t best_end = 0;
         for (size_t j = i; j < n; j++) {
             int32_t k = trie->nodes[node].child;
-            while (k >= 0 && trie->nodes[k].byte != (uint8_t) s[j]) k = trie->nodes[k].sibling;
+            while (k >= 0 && trie->nodes[k].byte != (uint8_t) s[j])
+                k = trie->nodes[k].sibling;
             if (k < 0) break;
             node = k;
             if (trie->nodes[k].added >= 0) {
@@ -960,15 +979,18 @@ static Err find_added(const Tokenizer *tok, const TokTrie *trie, const char *s, 
         }
         if (t->lstrip) {
             size_t ns = start;
-            while (ns > 0 && is_white_space(char_before(s, ns, &len))) ns -= len;
+            while (ns > 0 && is_white_space(char_before(s, ns, &len)))
+                ns -= len;
             start = ns > start_offset ? ns : start_offset;
         }
         if (t->rstrip) {
-            while (stop < n && is_white_space(char_at(s, n, stop, &len))) stop += len;
+            while (stop < n && is_white_space(char_at(s, n, stop, &len)))
+                stop += len;
             i = stop;
         }
         Err err = ERR_OK;
-        if (start_offset < start) err = add_seg(segs, n_segs, cap_segs, (Seg){start_offset, start, -1});
+        if (start_offset < start)
+            err = add_seg(segs, n_segs, cap_segs, (Seg){start_offset, start, -1});
         if (!err) err = add_seg(segs, n_segs, cap_segs, (Seg){start, stop, best});
         if (err) return err;
         start_offset = stop;
@@ -1067,7 +1089,8 @@ Err tok_encode(const Tokenizer *tok, const char *text, size_t n_bytes, bool add_
     }
     e.use_cache = pthread_mutex_trylock((pthread_mutex_t *) &tok->cache_mu) == 0;
     if (add_special) {
-        for (size_t i = 0; i < tok->n_prefix_ids && !err; i++) err = push_id(out, tok->prefix_ids[i]);
+        for (size_t i = 0; i < tok->n_prefix_ids && !err; i++)
+            err = push_id(out, tok->prefix_ids[i]);
     }
     if (!err) err = find_added(tok, &tok->trie_raw, text, n_bytes, &segs, &n_segs, &cap_segs);
     for (size_t i = 0; !err && i < n_segs; i++) {
@@ -1079,7 +1102,8 @@ Err tok_encode(const Tokenizer *tok, const char *text, size_t n_bytes, bool add_
         }
     }
     if (add_special) {
-        for (size_t i = 0; i < tok->n_suffix_ids && !err; i++) err = push_id(out, tok->suffix_ids[i]);
+        for (size_t i = 0; i < tok->n_suffix_ids && !err; i++)
+            err = push_id(out, tok->suffix_ids[i]);
     }
     if (e.use_cache) pthread_mutex_unlock((pthread_mutex_t *) &tok->cache_mu);
 done:

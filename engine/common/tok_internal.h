@@ -36,17 +36,17 @@ typedef struct TokPool {
 
 // Open-addressing map from byte strings in a TokPool to int32 values.
 typedef struct TokStrMap {
-    uint32_t *slots;  // [cap] entry index + 1; 0 = empty
-    size_t cap;       // power of two, at least twice n
+    uint32_t *slots;    // [cap] entry index + 1; 0 = empty
+    size_t cap;         // power of two, at least twice n
     uint64_t *off_len;  // [n] pool offset << 24 | length (strings are < 16 MiB)
     int32_t *vals;      // [n]
     size_t n, n_alloc;
 } TokStrMap;
 
-// Merge table: pair of ids -> (rank, merged id).
+// Merge table: pair of ids -> (rank, merged id). Key and value sit side by side so that a
+// lookup touches one cache line; BPE on long words is bound by these random reads.
 typedef struct TokMergeMap {
-    uint64_t *keys;  // [cap] (a + 1) << 32 | b, 0 = empty
-    uint64_t *vals;  // [cap] rank << 32 | merged id
+    uint64_t *kv;  // [cap][2]: key (a + 1) << 32 | b (0 = empty), value rank << 32 | merged id
     size_t cap, n;
 } TokMergeMap;
 
@@ -63,12 +63,13 @@ Err tok_pool_add(TokPool *pool, const char *s, size_t n, size_t *off);
 // rank << 32 | merged id, or UINT64_MAX when (a, b) is no merge.
 static inline uint64_t tok_merge_get(const TokMergeMap *m, int32_t a, int32_t b)
 {
+    if (m->cap == 0) return UINT64_MAX;
     const uint64_t key = ((uint64_t) (uint32_t) (a + 1) << 32) | (uint32_t) b;
     uint64_t h = key * 0x9E3779B97F4A7C15ull;
     size_t i = (size_t) (h >> 20) & (m->cap - 1);
     for (;;) {
-        const uint64_t k = m->keys[i];
-        if (k == key) return m->vals[i];
+        const uint64_t k = m->kv[2 * i];
+        if (k == key) return m->kv[2 * i + 1];
         if (k == 0) return UINT64_MAX;
         i = (i + 1) & (m->cap - 1);
     }
@@ -90,10 +91,10 @@ typedef enum TokNormKind {
 
 typedef struct TokNorm {
     TokNormKind kind;
-    pcre2_code *re;       // REPLACE: the pattern (a literal for String patterns)
-    char *content;        // REPLACE: replacement; PREPEND: the prefix
+    pcre2_code *re;  // REPLACE: the pattern (a literal for String patterns)
+    char *content;   // REPLACE: replacement; PREPEND: the prefix
     size_t content_n;
-    bool left, right;     // STRIP
+    bool left, right;  // STRIP
 } TokNorm;
 
 typedef enum TokSplitBehavior {
@@ -129,7 +130,7 @@ typedef struct TokPre {
     char replacement[5];     // METASPACE, UTF-8 of the replacement char
     size_t replacement_n;
     TokPrependScheme prepend_scheme;
-    bool split;              // METASPACE
+    bool split;  // METASPACE
 } TokPre;
 
 typedef enum TokDecKind {
@@ -172,7 +173,7 @@ typedef struct TokTrie {
 
 // Word cache entry: raw pre-token bytes -> ids.
 typedef struct TokCache {
-    TokStrMap map;   // word -> index into spans
+    TokStrMap map;  // word -> index into spans
     TokPool words;
     uint64_t *spans;  // [map.n] ids offset << 16 | count
     int32_t *ids;     // [n_ids]

@@ -36,7 +36,8 @@ uint64_t tok_hash(const void *s, size_t n)
         n -= 8;
     }
     uint64_t w = 0;
-    for (size_t i = 0; i < n; i++) w |= (uint64_t) p[i] << (8 * i);
+    for (size_t i = 0; i < n; i++)
+        w |= (uint64_t) p[i] << (8 * i);
     h = (h ^ w) * 0x94D049BB133111EBull;
     h ^= h >> 29;
     h *= 0xBF58476D1CE4E5B9ull;
@@ -48,7 +49,8 @@ Err tok_pool_add(TokPool *pool, const char *s, size_t n, size_t *off)
 {
     if (pool->n + n + 1 > pool->cap) {
         size_t cap = pool->cap ? pool->cap : 4096;
-        while (cap < pool->n + n + 1) cap *= 2;
+        while (cap < pool->n + n + 1)
+            cap *= 2;
         char *data = realloc(pool->data, cap);
         if (!data) return ERR_NOMEM;
         pool->data = data;
@@ -95,7 +97,8 @@ static Err strmap_grow(TokStrMap *m, const TokPool *pool)
         size_t n;
         const char *s = tok_strmap_key(m, pool, e, &n);
         size_t i = (size_t) tok_hash(s, n) & (cap - 1);
-        while (slots[i]) i = (i + 1) & (cap - 1);
+        while (slots[i])
+            i = (i + 1) & (cap - 1);
         slots[i] = (uint32_t) e + 1;
     }
     free(m->slots);
@@ -157,31 +160,26 @@ static Err merge_put(TokMergeMap *m, int32_t a, int32_t b, uint32_t rank, int32_
 {
     if (2 * (m->n + 1) > m->cap) {
         const size_t cap = m->cap ? m->cap * 2 : 4096;
-        uint64_t *keys = calloc(cap, sizeof *keys), *vals = calloc(cap, sizeof *vals);
-        if (!keys || !vals) {
-            free(keys);
-            free(vals);
-            return ERR_NOMEM;
-        }
+        uint64_t *kv = calloc(2 * cap, sizeof *kv);
+        if (!kv) return ERR_NOMEM;
         for (size_t j = 0; j < m->cap; j++) {
-            if (!m->keys[j]) continue;
-            size_t i = (size_t) ((m->keys[j] * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1);
-            while (keys[i]) i = (i + 1) & (cap - 1);
-            keys[i] = m->keys[j];
-            vals[i] = m->vals[j];
+            const uint64_t k = m->kv[2 * j];
+            if (!k) continue;
+            size_t i = (size_t) ((k * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1);
+            while (kv[2 * i]) i = (i + 1) & (cap - 1);
+            kv[2 * i] = k;
+            kv[2 * i + 1] = m->kv[2 * j + 1];
         }
-        free(m->keys);
-        free(m->vals);
-        m->keys = keys;
-        m->vals = vals;
+        free(m->kv);
+        m->kv = kv;
         m->cap = cap;
     }
     const uint64_t key = ((uint64_t) (uint32_t) (a + 1) << 32) | (uint32_t) b;
     size_t i = (size_t) ((key * 0x9E3779B97F4A7C15ull) >> 20) & (m->cap - 1);
-    while (m->keys[i] && m->keys[i] != key) i = (i + 1) & (m->cap - 1);
-    if (m->keys[i]) return ERR_OK;  // HF keeps the first (lowest) rank of a repeated merge
-    m->keys[i] = key;
-    m->vals[i] = (uint64_t) rank << 32 | (uint32_t) id;
+    while (m->kv[2 * i] && m->kv[2 * i] != key) i = (i + 1) & (m->cap - 1);
+    if (m->kv[2 * i]) return ERR_OK;  // HF keeps the first (lowest) rank of a repeated merge
+    m->kv[2 * i] = key;
+    m->kv[2 * i + 1] = (uint64_t) rank << 32 | (uint32_t) id;
     m->n++;
     return ERR_OK;
 }
@@ -199,7 +197,8 @@ uint32_t tok_bytelevel_char(uint8_t b)
 {
     if (bytelevel_printable(b)) return b;
     uint32_t k = 0;
-    for (unsigned i = 0; i < b; i++) k += !bytelevel_printable(i);
+    for (unsigned i = 0; i < b; i++)
+        k += !bytelevel_printable(i);
     return 0x100 + k;
 }
 
@@ -311,8 +310,7 @@ static Err get_str(json_object *obj, const Path *path, const char *key, bool req
     return ERR_OK;
 }
 
-static Err get_size(json_object *obj, const Path *path, const char *key, size_t dflt,
-                    size_t *out)
+static Err get_size(json_object *obj, const Path *path, const char *key, size_t dflt, size_t *out)
 {
     json_object *v;
     const Err err = get_field(obj, path, key, json_type_int, false, &v);
@@ -608,8 +606,9 @@ static Err load_decoder(Tokenizer *tok, json_object *obj, const Path *path)
         dec.kind = TOK_DEC_STRIP;
         const char *s;
         err = get_str(obj, path, "content", true, &s, &dec.content_n);
-        if (!err && (dec.content_n == 0
-                     || utf8_char_len((const uint8_t *) s, dec.content_n) != dec.content_n)) {
+        if (!err
+            && (dec.content_n == 0
+                || utf8_char_len((const uint8_t *) s, dec.content_n) != dec.content_n)) {
             LOG_ERROR("tokenizer.json: %s: expected one character", path_join(path, "content").s);
             err = ERR_FORMAT;
         }
@@ -623,7 +622,7 @@ static Err load_decoder(Tokenizer *tok, json_object *obj, const Path *path)
     } else if (strcmp(type, "Metaspace") == 0) {
         dec.kind = TOK_DEC_METASPACE;
         char rep[5];
-        TokPrependScheme scheme;
+        TokPrependScheme scheme = TOK_PREPEND_ALWAYS;
         err = load_replacement(obj, path, rep, &dec.content_n);
         if (!err) err = dup_str(rep, dec.content_n, &dec.content);
         if (!err) err = load_prepend_scheme(obj, path, &scheme);
@@ -649,14 +648,16 @@ static Err set_id_str(Tokenizer *tok, int32_t id, size_t off)
     if (id < 0) return ERR_FORMAT;
     if (id >= tok->n_vocab) {
         int32_t n = tok->n_vocab ? tok->n_vocab : 1024;
-        while (n <= id) n *= 2;
+        while (n <= id)
+            n *= 2;
         int32_t *s = realloc(tok->id_str, (size_t) n * sizeof *s);
         if (!s) return ERR_NOMEM;
         tok->id_str = s;
         int32_t *a = realloc(tok->id_added, (size_t) n * sizeof *a);
         if (!a) return ERR_NOMEM;
         tok->id_added = a;
-        for (int32_t i = tok->n_vocab; i < n; i++) tok->id_str[i] = tok->id_added[i] = -1;
+        for (int32_t i = tok->n_vocab; i < n; i++)
+            tok->id_str[i] = tok->id_added[i] = -1;
         tok->n_vocab = n;
     }
     if (off > INT32_MAX) return ERR_NOMEM;
@@ -759,7 +760,8 @@ static Err load_merges(Tokenizer *tok, json_object *merges, const Path *path)
         } else if (json_object_get_type(m) == json_type_array && json_object_array_length(m) == 2
                    && json_object_get_type(json_object_array_get_idx(m, 0)) == json_type_string
                    && json_object_get_type(json_object_array_get_idx(m, 1)) == json_type_string) {
-            json_object *ja = json_object_array_get_idx(m, 0), *jb = json_object_array_get_idx(m, 1);
+            json_object *ja = json_object_array_get_idx(m, 0),
+                        *jb = json_object_array_get_idx(m, 1);
             a = json_object_get_string(ja);
             an = (size_t) json_object_get_string_len(ja);
             b = json_object_get_string(jb);
@@ -873,7 +875,8 @@ Err tok_trie_add(TokTrie *t, const char *s, size_t n, int32_t added)
     for (size_t i = 0; i < n; i++) {
         const uint8_t c = (uint8_t) s[i];
         int32_t k = t->nodes[node].child;
-        while (k >= 0 && t->nodes[k].byte != c) k = t->nodes[k].sibling;
+        while (k >= 0 && t->nodes[k].byte != c)
+            k = t->nodes[k].sibling;
         if (k < 0) {
             if (t->n == t->cap) {
                 TokTrieNode *nodes = realloc(t->nodes, 2 * t->cap * sizeof *nodes);
@@ -975,15 +978,15 @@ static Err push_ids(int32_t **arr, size_t *n, const int32_t *ids, size_t k)
 {
     int32_t *a = realloc(*arr, (*n + k + 1) * sizeof *a);
     if (!a) return ERR_NOMEM;
-    memcpy(a + *n, ids, k * sizeof *ids);
+    if (k) memcpy(a + *n, ids, k * sizeof *ids);
     *arr = a;
     *n += k;
     return ERR_OK;
 }
 
 // Ids of a special token named by string in a TemplateProcessing "special_tokens" map.
-static Err template_ids(json_object *specials, const Path *path, const char *name,
-                        int32_t **arr, size_t *n)
+static Err template_ids(json_object *specials, const Path *path, const char *name, int32_t **arr,
+                        size_t *n)
 {
     json_object *sp = NULL, *ids = NULL;
     if (!specials || !json_object_object_get_ex(specials, name, &sp)
@@ -1041,8 +1044,8 @@ static Err load_post_processor(Tokenizer *tok, json_object *obj, const Path *pat
             } else if (json_object_object_get_ex(item, "SpecialToken", &sp)
                        && json_object_object_get_ex(sp, "id", &id)
                        && json_object_get_type(id) == json_type_string) {
-                err = template_ids(specials, &ip, json_object_get_string(id),
-                                   seen_a ? &suf : &pre, seen_a ? &n_suf : &n_pre);
+                err = template_ids(specials, &ip, json_object_get_string(id), seen_a ? &suf : &pre,
+                                   seen_a ? &n_suf : &n_pre);
             } else {
                 LOG_ERROR("tokenizer.json: %s: expected Sequence or SpecialToken", ip.s);
                 err = ERR_FORMAT;
@@ -1150,7 +1153,8 @@ static Err load_root(Tokenizer *tok, json_object *root)
         }
     }
     // Shrink n_vocab to one past the largest id in use.
-    while (tok->n_vocab > 0 && tok->id_str[tok->n_vocab - 1] < 0) tok->n_vocab--;
+    while (tok->n_vocab > 0 && tok->id_str[tok->n_vocab - 1] < 0)
+        tok->n_vocab--;
     return ERR_OK;
 }
 
@@ -1246,7 +1250,8 @@ void tok_destroy(Tokenizer *tok)
         pcre2_code_free(tok->norms[i].re);
         free(tok->norms[i].content);
     }
-    for (size_t i = 0; i < tok->n_pres; i++) pcre2_code_free(tok->pres[i].re);
+    for (size_t i = 0; i < tok->n_pres; i++)
+        pcre2_code_free(tok->pres[i].re);
     for (size_t i = 0; i < tok->n_decs; i++) {
         pcre2_code_free(tok->decs[i].re);
         free(tok->decs[i].content);
@@ -1260,8 +1265,7 @@ void tok_destroy(Tokenizer *tok)
     tok_strmap_free(&tok->added_map);
     free(tok->id_str);
     free(tok->id_added);
-    free(tok->merges.keys);
-    free(tok->merges.vals);
+    free(tok->merges.kv);
     free(tok->prefix);
     free(tok->suffix);
     free(tok->added);
@@ -1303,12 +1307,14 @@ bool tok_is_special(const Tokenizer *tok, int32_t id)
 
 size_t tok_special_prefix(const Tokenizer *tok, int32_t *ids, size_t cap)
 {
-    for (size_t i = 0; i < tok->n_prefix_ids && i < cap; i++) ids[i] = tok->prefix_ids[i];
+    for (size_t i = 0; i < tok->n_prefix_ids && i < cap; i++)
+        ids[i] = tok->prefix_ids[i];
     return tok->n_prefix_ids;
 }
 
 size_t tok_special_suffix(const Tokenizer *tok, int32_t *ids, size_t cap)
 {
-    for (size_t i = 0; i < tok->n_suffix_ids && i < cap; i++) ids[i] = tok->suffix_ids[i];
+    for (size_t i = 0; i < tok->n_suffix_ids && i < cap; i++)
+        ids[i] = tok->suffix_ids[i];
     return tok->n_suffix_ids;
 }

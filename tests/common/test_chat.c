@@ -61,8 +61,7 @@ static void check_error(const char *request, const char *field)
     CHECK(e == ERR_INVAL);
     CHECK(strncmp(err.msg, field, strlen(field)) == 0);
     if (e != ERR_INVAL || strncmp(err.msg, field, strlen(field)) != 0) {
-        fprintf(stderr, "  request: %s\n  error: \"%s\", want field %s\n", request, err.msg,
-                field);
+        fprintf(stderr, "  request: %s\n  error: \"%s\", want field %s\n", request, err.msg, field);
     }
     free(got);
 }
@@ -103,8 +102,7 @@ static void test_goldens(void)
         size_t n_got = 0;
         ChatOptions used;
         ChatError err = {{0}};
-        const Err e =
-            chat_render_request(request, CHAT_TEMPLATE_GLM47, &got, &n_got, &used, &err);
+        const Err e = chat_render_request(request, CHAT_TEMPLATE_GLM47, &got, &n_got, &used, &err);
         CHECK(e == ERR_OK);
         const char *want = json_object_get_string(expected);
         const size_t n_want = (size_t) json_object_get_string_len(expected);
@@ -115,8 +113,9 @@ static void test_goldens(void)
                     json_object_get_string(name), err.msg, got ? got : "(error)", want);
         }
         // The parser starts inside reasoning exactly when the prompt ends with <think>.
-        if (!e) CHECK(chat_prompt_opens_reasoning(got, n_got) == (used.add_generation_prompt
-                                                                    && used.thinking));
+        if (!e)
+            CHECK(chat_prompt_opens_reasoning(got, n_got)
+                  == (used.add_generation_prompt && used.thinking));
         free(got);
         json_object_put(rec);
         n_cases++;
@@ -175,8 +174,9 @@ static void test_glm52(void)
 static void test_openai_shapes(void)
 {
     // developer is a system message; a bare array is a messages list.
-    check_render("[{\"role\":\"developer\",\"content\":\"D\"},{\"role\":\"user\",\"content\":\"U\"}]",
-                 CHAT_TEMPLATE_GLM47, "[gMASK]<sop><|system|>D<|user|>U<|assistant|><think>");
+    check_render(
+        "[{\"role\":\"developer\",\"content\":\"D\"},{\"role\":\"user\",\"content\":\"U\"}]",
+        CHAT_TEMPLATE_GLM47, "[gMASK]<sop><|system|>D<|user|>U<|assistant|><think>");
     // content null (an assistant turn with tool calls) renders as nothing, not "None";
     // arguments given as an object and as a JSON string render the same.
     const char *want = "[gMASK]<sop><|user|>U<|assistant|></think><tool_call>f<arg_key>a"

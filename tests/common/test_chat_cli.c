@@ -33,7 +33,8 @@ static int run_cli(const char *input, int argc, char **argv, char **out)
 
     fflush(stdout);
     const int saved_in = dup(0), saved_out = dup(1);
-    const int fd_in = open(in_path, O_RDONLY), fd_out = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    const int fd_in = open(in_path, O_RDONLY),
+              fd_out = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
     dup2(fd_in, 0);
     dup2(fd_out, 1);
     close(fd_in);
@@ -65,7 +66,8 @@ static void test_render(void)
     char *argv_default[] = {"chat-template"};
     CHECK(run_cli(HELLO, 1, argv_default, &out) == 0);
     CHECK(strcmp(out, "[gMASK]<sop><|system|>Reasoning Effort: High<|user|>Hello<|assistant|>"
-                      "<think>") == 0);
+                      "<think>")
+          == 0);
     free(out);
 
     char *argv_47[] = {"chat-template", "--template", "glm47", "--no-thinking"};
@@ -113,8 +115,8 @@ static void test_bad_input(void)
     CHECK(run_cli("{\"messages\": [", 1, argv_default, &out) == 1);
     CHECK(out[0] == '\0');
     free(out);
-    CHECK(run_cli("{\"messages\":[{\"role\":\"robot\",\"content\":\"x\"}]}", 1, argv_default,
-                  &out) == 1);
+    CHECK(run_cli("{\"messages\":[{\"role\":\"robot\",\"content\":\"x\"}]}", 1, argv_default, &out)
+          == 1);
     CHECK(out[0] == '\0');
     free(out);
     CHECK(run_cli("{}", 1, argv_default, &out) == 1);
@@ -132,9 +134,10 @@ static void test_bad_input(void)
 
 // GLM's special tokens, added to a real tokenizer.json at ids past its vocabulary.
 static const char *const SPECIALS[] = {
-    "[gMASK]",   "<sop>",      "<|system|>", "<|user|>",      "<|assistant|>", "<|observation|>",
-    "<think>",   "</think>",   "<tool_call>", "</tool_call>", "<arg_key>",     "</arg_key>",
-    "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>",
+    "[gMASK]",       "<sop>",           "<|system|>",      "<|user|>",
+    "<|assistant|>", "<|observation|>", "<think>",         "</think>",
+    "<tool_call>",   "</tool_call>",    "<arg_key>",       "</arg_key>",
+    "<arg_value>",   "</arg_value>",    "<tool_response>", "</tool_response>",
 };
 enum { N_SPECIALS = sizeof SPECIALS / sizeof SPECIALS[0], SPECIAL_BASE = 200000 };
 
@@ -215,7 +218,8 @@ static void test_ids(void)
         if (end == p) break;
         same = same && n_got < want.n && want.ids[n_got] == v;
         n_got++;
-        while (*end == ' ') end++;
+        while (*end == ' ')
+            end++;
     }
     CHECK(n_got == want.n && same);
     CHECK(n_got > 20);

@@ -58,8 +58,8 @@ static Err on_event(void *user, const ChatEvent *ev)
 }
 
 // Feed text cut at the given offsets (ascending, within [0, n]) and return the transcript.
-static char *run(const char *text, bool in_reasoning, const json_object *tools,
-                 const size_t *cuts, int n_cuts)
+static char *run(const char *text, bool in_reasoning, const json_object *tools, const size_t *cuts,
+                 int n_cuts)
 {
     ChatParser p;
     Transcript t = {.last_kind = -1};
@@ -110,13 +110,13 @@ static void check_case(const char *text, bool in_reasoning, const json_object *t
     for (size_t c = 0; c <= n; c++) {
         char *got = run(text, in_reasoning, tools, &c, 1);
         if (strcmp(got, whole) != 0 && n_bad++ < 3) {
-            fprintf(stderr, "  split at %zu of %s:\n  got:  %s\n  want: %s\n", c, text, got,
-                    whole);
+            fprintf(stderr, "  split at %zu of %s:\n  got:  %s\n  want: %s\n", c, text, got, whole);
         }
         free(got);
     }
     size_t *cuts = malloc((n + 9) * sizeof *cuts);
-    for (size_t c = 0; c <= n; c++) cuts[c] = c;
+    for (size_t c = 0; c <= n; c++)
+        cuts[c] = c;
     char *bytewise = run(text, in_reasoning, tools, cuts, (int) n + 1);
     if (strcmp(bytewise, whole) != 0 && n_bad++ < 3) {
         fprintf(stderr, "  byte by byte %s:\n  got:  %s\n  want: %s\n", text, bytewise, whole);
@@ -124,7 +124,8 @@ static void check_case(const char *text, bool in_reasoning, const json_object *t
     free(bytewise);
     for (int trial = 0; trial < 200; trial++) {
         const int k = (int) (rng_next() % 8) + 1;
-        for (int i = 0; i < k; i++) cuts[i] = (size_t) (rng_next() % (n + 1));
+        for (int i = 0; i < k; i++)
+            cuts[i] = (size_t) (rng_next() % (n + 1));
         qsort(cuts, (size_t) k, sizeof *cuts, cmp_size);
         char *got = run(text, in_reasoning, tools, cuts, k);
         if (strcmp(got, whole) != 0 && n_bad++ < 3) {
@@ -190,8 +191,8 @@ static void test_cases(void)
     check_case("x<tool_call>bad<arg_key>k</arg_value></tool_call>rest", false, NULL,
                "|C:x<tool_call>bad<arg_key>k</arg_value></tool_call>rest");
     check_case("<tool_call></tool_call>", false, NULL, "|C:<tool_call></tool_call>");
-    check_case("<tool_call>f<arg_key></arg_key><arg_value>1</arg_value></tool_call>", false,
-               NULL, "|C:<tool_call>f<arg_key></arg_key><arg_value>1</arg_value></tool_call>");
+    check_case("<tool_call>f<arg_key></arg_key><arg_value>1</arg_value></tool_call>", false, NULL,
+               "|C:<tool_call>f<arg_key></arg_key><arg_value>1</arg_value></tool_call>");
     check_case("text<tool_call>f<arg_key>a", false, NULL, "|C:text<tool_call>f<arg_key>a");
     // Reasoning, then content, then a call: the whole GLM turn.
     check_case("Need weather.</think>Checking.<tool_call>search<arg_key>query</arg_key>"
@@ -290,7 +291,8 @@ static void test_round_trip(void)
     json_object *all = json_object_new_array();
     char *line = NULL;
     size_t cap = 0;
-    while (getline(&line, &cap, f) > 0) json_object_array_add(all, json_tokener_parse(line));
+    while (getline(&line, &cap, f) > 0)
+        json_object_array_add(all, json_tokener_parse(line));
     free(line);
     fclose(f);
 

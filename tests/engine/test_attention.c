@@ -9,6 +9,8 @@
  * |v| that the output averages over. Incremental vs full: each query's arithmetic does not
  * depend on the batch, so one-at-a-time results must equal batched ones bit for bit.
  *
+ * Both run on an fp32 and on a bf16 cache (values read back through kv_read()).
+ *
  * DSA: the reference ranks every visible key by sum_h w_h Hi^-0.5 relu(q_h . k Di^-0.5)
  * in double and keeps the top k (random data: no ties).
  *
@@ -37,12 +39,14 @@ static float frand(void)
 
 typedef struct Mla {
     BackendMla p;
-    int T;           // positions cached
-    float *kv_b;     // [H * (nope + v), L]
-    float *q;        // [T, H, nope + rope]
+    int T;        // positions cached
+    float *kv_b;  // [H * (nope + v), L]
+    float *q;     // [T, H, nope + rope]
     KvCache kv;
     KvSeq seq;
 } Mla;
+
+static KvDtype kv_dtype;  // the cache storage under test
 
 static void mla_setup(Mla *m, int H, int nope, int rope, int v, int L, int T, int index_dim)
 {
@@ -57,16 +61,23 @@ static void mla_setup(Mla *m, int H, int nope, int rope, int v, int L, int T, in
         m->kv_b[i] = frand() * 0.3f;
     for (size_t i = 0; i < (size_t) T * H * (nope + rope); i++)
         m->q[i] = frand();
-    KvCacheParams kp = {.n_layers = 2, .block_size = 4, .n_blocks = (T + 3) / 4, .kv_lora = L,
-                        .rope_dim = rope, .index_dim = index_dim};
+    KvCacheParams kp = {.n_layers = 2,
+                        .block_size = 4,
+                        .n_blocks = (T + 3) / 4,
+                        .kv_lora = L,
+                        .rope_dim = rope,
+                        .index_dim = index_dim};
     kp.has_index[1] = index_dim > 0;
+    kp.dtype = kv_dtype;
     ASSERT(kv_init(&m->kv, &kp) == ERR_OK);
     ASSERT(kv_seq_reserve(&m->kv, &m->seq, T) == ERR_OK);
+    float e[1024];
     for (int l = 0; l < 2; l++)
         for (int t = 0; t < T; t++) {
-            float *e = kv_entry(&m->kv, &m->seq, l, t);
+            ASSERT(m->kv.entry_floats[l] <= 1024);
             for (size_t i = 0; i < m->kv.entry_floats[l]; i++)
                 e[i] = frand();
+            kv_store(&m->kv, &m->seq, l, t, 0, e, (int) m->kv.entry_floats[l]);
         }
 }
 
@@ -84,13 +95,14 @@ static void mla_ref(const Mla *m, int t, const int *keys, int n_keys, double *ou
     const BackendMla *p = &m->p;
     const int qk = p->qk_nope + p->qk_rope, L = p->kv_lora;
     double *score = malloc((size_t) n_keys * sizeof *score);
-    ASSERT(score);
+    float *tmp = malloc(m->kv.entry_floats[0] * sizeof *tmp);
+    ASSERT(score && tmp);
     for (int h = 0; h < p->n_heads; h++) {
         const float *qh = m->q + ((size_t) t * p->n_heads + h) * qk;
         const float *W = m->kv_b + (size_t) h * (p->qk_nope + p->v_dim) * L;
         double mx = -INFINITY;
         for (int j = 0; j < n_keys; j++) {
-            const float *e = kv_entry(&m->kv, &m->seq, 0, keys[j]);
+            const float *e = kv_read(&m->kv, &m->seq, 0, keys[j], tmp);
             double s = 0.0;
             for (int i = 0; i < p->qk_nope; i++) {
                 double k = 0.0;
@@ -110,7 +122,7 @@ static void mla_ref(const Mla *m, int t, const int *keys, int n_keys, double *ou
         for (int d = 0; d < p->v_dim; d++) {
             double o = 0.0;
             for (int j = 0; j < n_keys; j++) {
-                const float *e = kv_entry(&m->kv, &m->seq, 0, keys[j]);
+                const float *e = kv_read(&m->kv, &m->seq, 0, keys[j], tmp);
                 double v = 0.0;
                 for (int c = 0; c < L; c++)
                     v += (double) W[(size_t) (p->qk_nope + d) * L + c] * e[c];
@@ -121,6 +133,7 @@ static void mla_ref(const Mla *m, int t, const int *keys, int n_keys, double *ou
         }
     }
     free(score);
+    free(tmp);
 }
 
 static void test_mla(Backend *be, int H, int nope, int rope, int v, int L, int T, int top_k)
@@ -173,9 +186,9 @@ static void test_mla(Backend *be, int H, int nope, int rope, int v, int L, int T
                     CHECK_NEAR(full[((size_t) t * H + h) * v + d], ref[(size_t) h * v + d],
                                4.0 * FLT_EPSILON * vmax[h]);
             // the same query alone (decode) equals its row of the batch (prefill)
-            be->mla_attention(be, one, m.q + (size_t) t * H * (nope + rope), &kv_b, &m.kv,
-                              &m.seq, 0, pos + t, 1, use_sel ? sel + (size_t) t * top_k : NULL,
-                              n_sel + t, top_k, &m.p);
+            be->mla_attention(be, one, m.q + (size_t) t * H * (nope + rope), &kv_b, &m.kv, &m.seq,
+                              0, pos + t, 1, use_sel ? sel + (size_t) t * top_k : NULL, n_sel + t,
+                              top_k, &m.p);
             same &= memcmp(one, full + (size_t) t * H * v, (size_t) H * v * sizeof *one) == 0;
         }
         CHECK(same);
@@ -213,13 +226,25 @@ static void test_dsa(Backend *be, int Hi, int Di, int top_k, int T)
     for (int t = 0; t < T; t++)
         pos[t] = t;
     const BackendDsa p = {Hi, Di, top_k};
+
+    // All weights zero: every score ties at 0 and the earliest positions win.
+    memset(w, 0, (size_t) T * Hi * sizeof *w);
+    be->dsa_topk(be, sel, n_sel, q, w, &m.kv, &m.seq, 1, pos, T, &p);
+    int earliest = 1;
+    for (int t = 0; t < T; t++)
+        for (int k = 0; k < n_sel[t]; k++)
+            earliest &= sel[(size_t) t * top_k + k] == k;
+    CHECK(earliest);
+    for (int i = 0; i < T * Hi; i++)
+        w[i] = frand();
     be->dsa_topk(be, sel, n_sel, q, w, &m.kv, &m.seq, 1, pos, T, &p);
 
     for (int t = 0; t < T; t++) {
         const int visible = t + 1;
         CHECK(n_sel[t] == (visible < top_k ? visible : top_k));
         for (int s = 0; s < visible; s++) {
-            const float *k = kv_entry(&m.kv, &m.seq, 1, s) + key_off;
+            float tmp[256];
+            const float *k = kv_read(&m.kv, &m.seq, 1, s, tmp) + key_off;
             double total = 0.0;
             for (int h = 0; h < Hi; h++) {
                 double d = 0.0;
@@ -292,9 +317,9 @@ static double weight_at(const CkptLinear *w, int r, int c)
     case CKPT_LINEAR_NVFP4: {
         const uint8_t byte = b[(size_t) r * (w->cols / 2) + c / 2];
         const uint8_t code = c % 2 == 0 ? byte & 15 : byte >> 4;
-        return (double) nvfp4_e2m1_to_float(code) *
-               nvfp4_e4m3_to_float(w->scale[(size_t) r * (w->cols / 16) + c / 16]) *
-               w->global_scale;
+        return (double) nvfp4_e2m1_to_float(code)
+               * nvfp4_e4m3_to_float(w->scale[(size_t) r * (w->cols / 16) + c / 16])
+               * w->global_scale;
     }
     default:
         ASSERT(!"format not tested");
@@ -305,8 +330,9 @@ static double weight_at(const CkptLinear *w, int r, int c)
 static void test_matmul(Backend *be, CkptLinearFormat format, int rows, int cols, int n)
 {
     const size_t n_w = (size_t) rows * cols;
-    const size_t bytes = format == CKPT_LINEAR_F32 ? n_w * 4
-                       : format == CKPT_LINEAR_NVFP4 ? n_w / 2 : n_w * 2;
+    const size_t bytes = format == CKPT_LINEAR_F32     ? n_w * 4
+                         : format == CKPT_LINEAR_NVFP4 ? n_w / 2
+                                                       : n_w * 2;
     uint8_t *data = malloc(bytes + 1);
     uint8_t *scale = malloc(n_w / 16 + 1);
     float *x = malloc((size_t) n * cols * sizeof *x);
@@ -316,8 +342,8 @@ static void test_matmul(Backend *be, CkptLinearFormat format, int rows, int cols
         data[i] = (uint8_t) rand();
     if (format == CKPT_LINEAR_BF16 || format == CKPT_LINEAR_F16)
         for (size_t i = 1; i < bytes; i += 2)  // keep exponents moderate (no inf/nan)
-            data[i] = (uint8_t) ((data[i] & 0x80) | (format == CKPT_LINEAR_BF16 ? 0x3c : 0x34) |
-                                 (data[i] & 3));
+            data[i] = (uint8_t) ((data[i] & 0x80) | (format == CKPT_LINEAR_BF16 ? 0x3c : 0x34)
+                                 | (data[i] & 3));
     if (format == CKPT_LINEAR_F32)
         for (size_t i = 0; i < n_w; i++) {
             const float f = frand();
@@ -327,8 +353,8 @@ static void test_matmul(Backend *be, CkptLinearFormat format, int rows, int cols
         scale[i] = (uint8_t) ((3 + rand() % 8) << 3 | rand() % 8);  // 2^-4 .. 2^4, no NaN
     for (int i = 0; i < n * cols; i++)
         x[i] = frand();
-    const CkptLinear w = {format, rows, cols, data,
-                          format == CKPT_LINEAR_NVFP4 ? scale : NULL, NULL, 0.01f, "w"};
+    const CkptLinear w = {format, rows,  cols, data, format == CKPT_LINEAR_NVFP4 ? scale : NULL,
+                          NULL,   0.01f, "w"};
     be->matmul(be, y, &w, x, n);
     for (int t = 0; t < n; t++)
         for (int r = 0; r < rows; r++) {
@@ -352,16 +378,26 @@ int main(void)
     for (int threads = 1; threads <= 2; threads++) {
         Backend *be = NULL;
         ASSERT(backend_cpu_create(threads, &be) == ERR_OK);
+        // A bf16 cache: the reference reads the same rounded values (kv_read), so the
+        // tolerances stay those of the fp32 cache.
+        kv_dtype = KV_DTYPE_BF16;
+        test_mla(be, 3, 16, 8, 16, 32, 20, 6);
+        test_dsa(be, 4, 16, 6, 30);
+        kv_dtype = KV_DTYPE_F32;
         test_mla(be, 2, 4, 2, 3, 8, 9, 3);
         test_mla(be, 3, 16, 8, 16, 32, 20, 6);
         test_dsa(be, 2, 8, 4, 15);
         test_dsa(be, 4, 16, 6, 30);
+        // big enough to be split over the pool (backend_cpu.c: PARALLEL_MIN_WORK)
+        test_mla(be, 4, 16, 8, 16, 64, 40, 12);
+        test_dsa(be, 8, 64, 8, 40);
         const CkptLinearFormat formats[4] = {CKPT_LINEAR_F32, CKPT_LINEAR_BF16, CKPT_LINEAR_F16,
                                              CKPT_LINEAR_NVFP4};
         for (int f = 0; f < 4; f++) {
             test_matmul(be, formats[f], 1, 16, 1);
             test_matmul(be, formats[f], 37, 48, 3);
             test_matmul(be, formats[f], 130, 256, 2);
+            test_matmul(be, formats[f], 301, 512, 2);  // split over the pool
         }
         be->destroy(be);
     }

@@ -46,7 +46,8 @@ static void make_dir(char *out, size_t cap, const char *name)
 // Header JSON for the tensors, offsets sequential. Returns its length.
 static size_t header_json(char *buf, size_t cap, const TT *t, int n, bool metadata)
 {
-    size_t pos = (size_t) snprintf(buf, cap, "{%s", metadata ? "\"__metadata__\":{\"format\":\"pt\"}" : "");
+    size_t pos =
+        (size_t) snprintf(buf, cap, "{%s", metadata ? "\"__metadata__\":{\"format\":\"pt\"}" : "");
     size_t off = 0;
     for (int i = 0; i < n; i++) {
         pos += (size_t) snprintf(buf + pos, cap - pos, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[",
@@ -68,11 +69,17 @@ static void write_st(const char *path, const TT *t, int n, size_t cut)
 {
     char hdr[8192];
     size_t hlen = header_json(hdr, sizeof hdr, t, n, true);
-    while (hlen % 8) hdr[hlen++] = ' ';
+    while (hlen % 8) {
+        hdr[hlen++] = ' ';
+    }
     size_t total = 8 + hlen;
-    for (int i = 0; i < n; i++) total += t[i].n_bytes;
+    for (int i = 0; i < n; i++) {
+        total += t[i].n_bytes;
+    }
     uint8_t *buf = malloc(total);
-    for (int i = 0; i < 8; i++) buf[i] = (uint8_t) ((uint64_t) hlen >> (8 * i));
+    for (int i = 0; i < 8; i++) {
+        buf[i] = (uint8_t) ((uint64_t) hlen >> (8 * i));
+    }
     memcpy(buf + 8, hdr, hlen);
     size_t pos = 8 + hlen;
     for (int i = 0; i < n; i++) {
@@ -127,7 +134,9 @@ static Err parse_text(const char *json, size_t data_size)
     const size_t hlen = strlen(json);
     const size_t len = 8 + hlen + data_size;
     uint8_t *buf = calloc(1, len);
-    for (int i = 0; i < 8; i++) buf[i] = (uint8_t) ((uint64_t) hlen >> (8 * i));
+    for (int i = 0; i < 8; i++) {
+        buf[i] = (uint8_t) ((uint64_t) hlen >> (8 * i));
+    }
     memcpy(buf + 8, json, hlen);
     CkptTensor *t = NULL;
     char *names = NULL;
@@ -183,37 +192,52 @@ static void test_parse_header(void)
     log_set_level((LogLevel) (LOG_LEVEL_ERROR + 1));
     CHECK(ckpt_parse_header(buf, 7, 7, "short", &ts, &n, &names) == ERR_FORMAT);
     uint8_t big[16] = {0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0, '{', '}'};
-    CHECK(ckpt_parse_header(big, sizeof big, sizeof big, "huge len", &ts, &n, &names) == ERR_FORMAT);
+    CHECK(ckpt_parse_header(big, sizeof big, sizeof big, "huge len", &ts, &n, &names)
+          == ERR_FORMAT);
     CHECK(parse_text("{}", 0) == ERR_OK);
     CHECK(parse_text("[]", 0) == ERR_FORMAT);
     CHECK(parse_text("{\"a\":", 0) == ERR_FORMAT);
     CHECK(parse_text("{} x", 0) == ERR_FORMAT);
     CHECK(parse_text("{}  ", 0) == ERR_OK);  // space padding is legal
-    CHECK(parse_text("{\"a\":{\"dtype\":\"Q4\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1) == ERR_FORMAT);
-    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[-1],\"data_offsets\":[0,1]}}", 1) == ERR_FORMAT);
-    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,1]}}", 1) == ERR_FORMAT);
-    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,2]}}", 1) == ERR_FORMAT);
-    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,0]}}", 1) == ERR_FORMAT);
-    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0]}}", 1) == ERR_FORMAT);
+    CHECK(parse_text("{\"a\":{\"dtype\":\"Q4\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1)
+          == ERR_FORMAT);
+    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[-1],\"data_offsets\":[0,1]}}", 1)
+          == ERR_FORMAT);
+    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,1]}}", 1)
+          == ERR_FORMAT);
+    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,2]}}", 1)
+          == ERR_FORMAT);
+    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,0]}}", 1)
+          == ERR_FORMAT);
+    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0]}}", 1)
+          == ERR_FORMAT);
     CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[1]}}", 1) == ERR_FORMAT);
-    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":1,\"data_offsets\":[0,1]}}", 1) == ERR_FORMAT);
-    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[1,1,1,1,1],\"data_offsets\":[0,1]}}", 1) == ERR_FORMAT);
+    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":1,\"data_offsets\":[0,1]}}", 1)
+          == ERR_FORMAT);
+    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[1,1,1,1,1],\"data_offsets\":[0,1]}}", 1)
+          == ERR_FORMAT);
     CHECK(parse_text("{\"a\":{\"dtype\":\"F64\",\"shape\":[4294967296,4294967296,4294967296],"
-                     "\"data_offsets\":[0,8]}}", 8) == ERR_FORMAT);
-    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[0, 99999999999],\"data_offsets\":[0,0]}}", 0) == ERR_OK);
+                     "\"data_offsets\":[0,8]}}",
+                     8)
+          == ERR_FORMAT);
+    CHECK(parse_text("{\"a\":{\"dtype\":\"U8\",\"shape\":[0, 99999999999],\"data_offsets\":[0,0]}}",
+                     0)
+          == ERR_OK);
     CHECK(parse_text("{\"__metadata__\":3}", 0) == ERR_FORMAT);
     CHECK(parse_text("{\"a\":[]}", 0) == ERR_FORMAT);
     log_set_level(LOG_LEVEL_WARN);
 
     // All ten dtypes and their sizes.
-    const char *names10[] = {"F32", "F16", "BF16", "F8_E4M3", "U8", "I8", "I32", "I64", "F64", "BOOL"};
+    const char *names10[] = {"F32", "F16", "BF16", "F8_E4M3", "U8",
+                             "I8",  "I32", "I64",  "F64",     "BOOL"};
     const size_t sizes10[] = {4, 2, 2, 1, 1, 1, 4, 8, 8, 1};
     for (int d = 0; d < 10; d++) {
         CHECK(!strcmp(ckpt_dtype_name((CkptDtype) d), names10[d]));
         CHECK(ckpt_dtype_size((CkptDtype) d) == sizes10[d]);
         char json[200];
-        snprintf(json, sizeof json, "{\"t\":{\"dtype\":\"%s\",\"shape\":[3],\"data_offsets\":[0,%zu]}}",
-                 names10[d], 3 * sizes10[d]);
+        snprintf(json, sizeof json,
+                 "{\"t\":{\"dtype\":\"%s\",\"shape\":[3],\"data_offsets\":[0,%zu]}}", names10[d],
+                 3 * sizes10[d]);
         CHECK(parse_text(json, 3 * sizes10[d]) == ERR_OK);
     }
 }
@@ -227,7 +251,9 @@ static void test_open_single(void)
     make_dir(dir, sizeof dir, "single");
     path_in(path, sizeof path, dir, "model.safetensors");
     uint16_t bf[8];
-    for (int i = 0; i < 8; i++) bf[i] = (uint16_t) (0x3f80 + i);
+    for (int i = 0; i < 8; i++) {
+        bf[i] = (uint16_t) (0x3f80 + i);
+    }
     const int32_t ids[3] = {7, 8, 9};
     const TT t[2] = {
         {"w.weight", "BF16", 2, {2, 4}, bf, sizeof bf},
@@ -273,7 +299,9 @@ static void test_open_single(void)
             memcpy(&x, p + j, 8);
             want += x;
         }
-        for (; j < ck.tensors[i].n_bytes; j++) want += p[j];
+        for (; j < ck.tensors[i].n_bytes; j++) {
+            want += p[j];
+        }
     }
     CHECK(st.n_bytes == 28 && st.checksum == want);
     ckpt_close(&ck);

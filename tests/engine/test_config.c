@@ -123,7 +123,8 @@ static void test_spellings(void)
     // Explicit lists override the rules.
     CHECK(parse("{\"num_hidden_layers\": 4, \"indexer_types\": [\"full\", \"shared\", \"full\","
                 " \"shared\"], \"mlp_layer_types\": [\"dense\", \"sparse\", \"dense\", \"sparse\"],"
-                " \"index_topk_freq\": 1}") == ERR_OK);
+                " \"index_topk_freq\": 1}")
+          == ERR_OK);
     CHECK(cfg.indexer[0] == CONFIG_INDEXER_FULL && cfg.indexer[1] == CONFIG_INDEXER_SHARED);
     CHECK(cfg.indexer[2] == CONFIG_INDEXER_FULL && cfg.indexer[3] == CONFIG_INDEXER_SHARED);
     CHECK(cfg.mlp[0] == CONFIG_MLP_DENSE && cfg.mlp[1] == CONFIG_MLP_MOE);
@@ -133,7 +134,8 @@ static void test_spellings(void)
     CHECK(cfg.indexer[1] == CONFIG_INDEXER_SHARED && cfg.indexer[3] == CONFIG_INDEXER_FULL);
     // Rule with offset 1, freq 2: max(i, 0) % 2 == 0.
     CHECK(parse("{\"num_hidden_layers\": 5, \"index_topk_freq\": 2,"
-                " \"index_skip_topk_offset\": 1}") == ERR_OK);
+                " \"index_skip_topk_offset\": 1}")
+          == ERR_OK);
     CHECK(cfg.indexer[0] == CONFIG_INDEXER_FULL && cfg.indexer[1] == CONFIG_INDEXER_SHARED);
     CHECK(cfg.indexer[4] == CONFIG_INDEXER_FULL);
     // index_topk <= 0: no DSA anywhere.
@@ -145,7 +147,8 @@ static void test_spellings(void)
     CHECK(cfg.mlp[0] == CONFIG_MLP_DENSE && cfg.mlp[1] == CONFIG_MLP_DENSE);
     // eos as a single int; q_lora_rank null; the num_experts alias; pad null.
     CHECK(parse("{\"eos_token_id\": 7, \"q_lora_rank\": null, \"num_experts\": 12,"
-                " \"pad_token_id\": null}") == ERR_OK);
+                " \"pad_token_id\": null}")
+          == ERR_OK);
     CHECK(cfg.n_eos_ids == 1 && cfg.eos_ids[0] == 7);
     CHECK(cfg.q_lora_rank == 0 && cfg.n_routed_experts == 12 && cfg.pad_id == -1);
     // Integral doubles are accepted for integer fields.
@@ -178,7 +181,8 @@ static void test_errors(void)
     expect_fail("{\"num_hidden_layers\": 250, \"num_nextn_predict_layers\": 10}", ERR_INVAL);
     expect_fail("{\"vocab_size\": 4000000, \"hidden_size\": 131072}", ERR_INVAL);  // overflow
     expect_fail("{\"num_attention_heads\": 1024, \"qk_nope_head_dim\": 4096,"
-                " \"v_head_dim\": 4096, \"qk_rope_head_dim\": 4096}", ERR_INVAL);
+                " \"v_head_dim\": 4096, \"qk_rope_head_dim\": 4096}",
+                ERR_INVAL);
     expect_fail("{\"qk_rope_head_dim\": 63}", ERR_INVAL);
     expect_fail("{\"rms_norm_eps\": \"1e-5\"}", ERR_FORMAT);
     expect_fail("{\"rms_norm_eps\": -1}", ERR_INVAL);
@@ -204,8 +208,13 @@ static void test_errors(void)
     expect_fail("{\"index_head_dim\": 32}", ERR_INVAL);  // smaller than the rope dims
     expect_fail("{\"quantization_config\": {\"quant_method\": \"awq\"}}", ERR_INVAL);
     expect_fail("{\"quantization_config\": {\"quant_method\": \"modelopt\","
-                " \"quant_algo\": \"W4A8_AWQ\"}}", ERR_INVAL);
+                " \"quant_algo\": \"W4A8_AWQ\"}}",
+                ERR_INVAL);
     expect_fail("{\"quantization_config\": []}", ERR_FORMAT);
+    expect_fail("{\"hidden_act\": \"gelu\"}", ERR_INVAL);
+    expect_fail("{\"scoring_func\": \"softmax\"}", ERR_INVAL);
+    expect_fail("{\"attention_bias\": true}", ERR_INVAL);
+    expect_fail("{\"mlp_bias\": \"no\"}", ERR_FORMAT);
     log_set_level(LOG_LEVEL_WARN);
     // A NUL inside the given length is not JSON either; but text after `len` is ignored.
     const char text[] = "{\"hidden_size\": 32}garbage";
@@ -226,22 +235,26 @@ static void test_quant(void)
     // config.json quantization_config, ModelOpt.
     CHECK(parse("{\"quantization_config\": {\"quant_method\": \"modelopt\", \"quant_algo\":"
                 " \"NVFP4\", \"group_size\": 16, \"ignore\": [\"lm_head\"],"
-                " \"kv_cache_scheme\": {\"num_bits\": 8}}}") == ERR_OK);
+                " \"kv_cache_scheme\": {\"num_bits\": 8}}}")
+          == ERR_OK);
     CHECK(cfg.quant == CONFIG_QUANT_NVFP4_MODELOPT && cfg.kv_cache_fp8 && cfg.n_excludes == 1);
     // compressed-tensors NVFP4, format inside config_groups.
     CHECK(parse("{\"quantization_config\": {\"quant_method\": \"compressed-tensors\","
                 " \"config_groups\": {\"group_0\": {\"format\": \"nvfp4-pack-quantized\","
                 " \"weights\": {\"num_bits\": 4, \"group_size\": 16}, \"targets\": [\"Linear\"]}},"
-                " \"ignore\": [\"lm_head\", \"re:.*mlp.gate$\"]}}") == ERR_OK);
+                " \"ignore\": [\"lm_head\", \"re:.*mlp.gate$\"]}}")
+          == ERR_OK);
     CHECK(cfg.quant == CONFIG_QUANT_NVFP4_CT && cfg.quant_group_size == 16);
     CHECK(!cfg.kv_cache_fp8 && cfg.n_excludes == 2);
     // compressed-tensors, top-level format.
     CHECK(parse("{\"quantization_config\": {\"quant_method\": \"compressed-tensors\","
-                " \"format\": \"nvfp4-pack-quantized\"}}") == ERR_OK);
+                " \"format\": \"nvfp4-pack-quantized\"}}")
+          == ERR_OK);
     CHECK(cfg.quant == CONFIG_QUANT_NVFP4_CT);
     // FP8 (DeepSeek style block quantization).
     CHECK(parse("{\"quantization_config\": {\"quant_method\": \"fp8\", \"fmt\": \"e4m3\","
-                " \"weight_block_size\": [128, 128]}}") == ERR_OK);
+                " \"weight_block_size\": [128, 128]}}")
+          == ERR_OK);
     CHECK(cfg.quant == CONFIG_QUANT_FP8);
     // hf_quant_config.json wins over quantization_config.
     CHECK(parse_q("{\"quantization_config\": {\"quant_method\": \"fp8\"}}", hf) == ERR_OK);

@@ -1,7 +1,7 @@
 /*
  * test_kv_cache.c - kv_cache.c: block accounting (reserve, exhaustion, free, reuse) and the
  * entry layout (every (layer, position) entry is its own memory, index keys only on layers
- * that have them).
+ * that have them), and bf16 storage (rounding on store, exact widening on read).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -12,8 +12,8 @@
 
 static KvCacheParams small_params(void)
 {
-    KvCacheParams p = {.n_layers = 3, .block_size = 4, .n_blocks = 5, .kv_lora = 6,
-                       .rope_dim = 2, .index_dim = 3};
+    KvCacheParams p = {
+        .n_layers = 3, .block_size = 4, .n_blocks = 5, .kv_lora = 6, .rope_dim = 2, .index_dim = 3};
     p.has_index[0] = true;
     p.has_index[2] = true;
     return p;
@@ -77,7 +77,8 @@ static void test_layout(void)
         for (int l = 0; l < p.n_layers; l++)
             for (int t = 0; t < n_pos[q]; t++) {
                 float *e = kv_entry(&kv, &s[q], l, t);
-                CHECK(e >= kv.pool && e + kv.entry_floats[l] <= kv.pool + kv.block_floats * 5);
+                const float *pool = kv.pool;
+                CHECK(e >= pool && e + kv.entry_floats[l] <= pool + kv.block_floats * 5);
                 for (size_t i = 0; i < kv.entry_floats[l]; i++)
                     e[i] = v++;
             }
@@ -110,10 +111,59 @@ static void test_bad_params(void)
     kv_free(&kv);
 }
 
+// bf16 storage: kv_store rounds to nearest even (ties included), kv_read widens exactly,
+// and partial stores at an offset leave the rest of the entry alone.
+static void test_bf16(void)
+{
+    KvCacheParams p = small_params();
+    p.dtype = KV_DTYPE_BF16;
+    KvCache kv;
+    CHECK(kv_init(&kv, &p) == ERR_OK);
+    CHECK(kv.value_bytes == 2);
+    KvSeq s = {0};
+    CHECK(kv_seq_reserve(&kv, &s, 6) == ERR_OK);
+    // 1 + 2^-8 is a tie between 1 and 1 + 2^-7: even mantissa wins (1). 1 + 3 * 2^-8 ties
+    // between 1 + 2^-7 and 1 + 2^-6: even wins (1 + 2^-6). 1 + 2^-8 + 2^-20 rounds up.
+    const float in[11] = {1.0f + 0x1p-8f,
+                          1.0f + 3 * 0x1p-8f,
+                          1.0f + 0x1p-8f + 0x1p-20f,
+                          -2.5f,
+                          0.0f,
+                          3.0e38f,
+                          1e-40f,
+                          -0.0f,
+                          65504.0f,
+                          0.1f,
+                          7.0f};
+    const float want[11] = {1.0f,  1.0f + 0x1p-6f, 1.0f + 0x1p-7f, -2.5f, 0.0f, 2.9979e38f, 1e-40f,
+                            -0.0f, 65536.0f,       0.10009765625f, 7.0f};
+    kv_store(&kv, &s, 2, 5, 0, in, 11);
+    float tmp[11];
+    const float *got = kv_read(&kv, &s, 2, 5, tmp);
+    for (int i = 0; i < 11; i++) {
+        // No exact literal for these two: within half a bf16 ulp (2^-8 relative; 2^-134
+        // absolute for the subnormal, whose spacing is 2^-133).
+        if (i == 5 || i == 6)
+            CHECK_NEAR(got[i], in[i], fabs(in[i]) * 0x1p-8 + 0x1p-134);
+        else
+            CHECK(got[i] == want[i]);
+    }
+    const float two[2] = {5.0f, 6.0f};
+    kv_store(&kv, &s, 2, 5, 8, two, 2);
+    got = kv_read(&kv, &s, 2, 5, tmp);
+    CHECK(got[7] == -0.0f && got[8] == 5.0f && got[9] == 6.0f && got[10] == 7.0f);
+    // another position of the same layer is untouched
+    got = kv_read(&kv, &s, 2, 4, tmp);
+    CHECK(got[0] == 0.0f && got[10] == 0.0f);
+    kv_seq_free(&kv, &s);
+    kv_free(&kv);
+}
+
 int main(void)
 {
     test_accounting();
     test_layout();
     test_bad_params();
+    test_bf16();
     return check_exit();
 }

@@ -11,6 +11,7 @@
  * error of |x| - 6 (< 1 s). The test bounds each element by that formula (plus 1e-6
  * relative for float arithmetic) and the aggregate NMSE by sum(bound^2) / sum(w^2).
  */
+#include <dirent.h>
 #include <json-c/json.h>
 #include <math.h>
 #include <stdio.h>
@@ -59,9 +60,9 @@ static void compare_linear(const Ckpt *ck, uint64_t seed, const char *base, int 
             const double diff = fabs(row[c] - want);
             double bound = 0.0;
             if (w.format == CKPT_LINEAR_NVFP4) {
-                const double s = nvfp4_e4m3_to_float(w.scale[(size_t) r * (size_t) (cols / 16) +
-                                                             (size_t) (c / 16)]) *
-                                 w.global_scale;
+                const double s = nvfp4_e4m3_to_float(
+                                     w.scale[(size_t) r * (size_t) (cols / 16) + (size_t) (c / 16)])
+                                 * w.global_scale;
                 bound = s * e2m1_bound(fabs(want) / s) + 1e-6 * fabs(want);
             }
             if (diff > bound) e->n_over++;
@@ -73,6 +74,12 @@ static void compare_linear(const Ckpt *ck, uint64_t seed, const char *base, int 
     }
     free(ref);
     free(row);
+}
+
+static bool keep_layer3(const char *name, void *user)
+{
+    (void) user;
+    return strncmp(name, "model.layers.3.", 15) == 0;
 }
 
 static void test_round_trip(void)
@@ -126,8 +133,8 @@ static void test_round_trip(void)
     snprintf(base, sizeof base, "model.layers.0.self_attn.q_b_proj");
     compare_linear(&ck, seed, base, cfg->n_heads * config_qk_head_dim(cfg), cfg->q_lora_rank,
                    CKPT_LINEAR_BF16, &bf);
-    compare_linear(&ck, seed, "model.layers.0.self_attn.indexer.weights_proj",
-                   cfg->index_n_heads, H, CKPT_LINEAR_F32, &bf);
+    compare_linear(&ck, seed, "model.layers.0.self_attn.indexer.weights_proj", cfg->index_n_heads,
+                   H, CKPT_LINEAR_F32, &bf);
     compare_linear(&ck, seed, "lm_head", cfg->vocab_size, H, CKPT_LINEAR_BF16, &bf);
     compare_linear(&ck, seed, "model.layers.4.eh_proj", H, 2 * H, CKPT_LINEAR_BF16, &bf);
     CHECK(fp4.n_over == 0);
@@ -146,6 +153,15 @@ static void test_round_trip(void)
     t = ckpt_find(&ck, "model.layers.2.mlp.experts.0.up_proj.weight_scale_2");
     CHECK(t && t->n_dims == 0 && t->dtype == CKPT_DTYPE_F32);
     CHECK(ckpt_find(&ck, "model.layers.2.mlp.experts.0.up_proj.input_scale") != NULL);
+    int n_layer3 = 0;
+    for (int i = 0; i < ck.n_tensors; i++) {
+        n_layer3 += keep_layer3(ck.tensors[i].name, NULL);
+    }
+    ckpt_close(&ck);
+
+    // A pipeline rank that owns layer 3 maps one shard: mkmodel never splits a layer.
+    CHECK(ckpt_open_filtered(&ck, dir, keep_layer3, NULL) == ERR_OK);
+    CHECK(ck.n_shards == 1 && ck.n_tensors == n_layer3 && n_layer3 > 0);
     ckpt_close(&ck);
 
     // inspect accepts it; a damaged copy makes it exit 1.
@@ -175,7 +191,7 @@ static void test_determinism(void)
     char a[300], b[300], c[300], pa[400], pb[400], pc[400];
     snprintf(a, sizeof a, "%s/det_a", tmp_root);
     snprintf(b, sizeof b, "%s/det_b", tmp_root);
-    snprintf(c, sizeof c, "%s/det_c", tmp_root);
+    snprintf(c, sizeof c, "%s/det/nested/c", tmp_root);  // parents are created
     MkmodelOptions opt = {.out_dir = a, .preset = "tiny", .seed = 5};
     CHECK(mkmodel_write(&opt) == ERR_OK);
     opt.out_dir = b;
@@ -203,16 +219,41 @@ static void test_quantizer(void)
     CHECK(mkmodel_float_to_e4m3(1.0f) == 0x38);
     CHECK(mkmodel_float_to_e4m3(-2.0f) == 0xc0);
     CHECK(mkmodel_float_to_e4m3(448.0f) == 0x7e);
-    CHECK(mkmodel_float_to_e4m3(1000.0f) == 0x7e);             // saturates, never NaN
-    CHECK(mkmodel_float_to_e4m3(0.001953125f) == 0x01);        // 2^-9, smallest subnormal
-    CHECK(mkmodel_float_to_e4m3(1.0625f) == 0x38);             // tie 1.0 / 1.125 -> even
-    CHECK(mkmodel_float_to_e4m3(1.1875f) == 0x3a);             // tie 1.125 / 1.25 -> even
+    CHECK(mkmodel_float_to_e4m3(1000.0f) == 0x7e);       // saturates, never NaN
+    CHECK(mkmodel_float_to_e4m3(0.001953125f) == 0x01);  // 2^-9, smallest subnormal
+    CHECK(mkmodel_float_to_e4m3(1.0625f) == 0x38);       // tie 1.0 / 1.125 -> even
+    CHECK(mkmodel_float_to_e4m3(1.1875f) == 0x3a);       // tie 1.125 / 1.25 -> even
+    // Against the definition: the nearest of the 127 finite magnitudes, ties to the even
+    // code, on values spread over the whole range including the midpoints.
+    uint64_t state = 99;
+    for (int i = 0; i < 200000; i++) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        float x = ldexpf((float) (state >> 40) / 16777216.0f, (int) (state >> 20 & 31) - 16);
+        if (i < 127 * 2) {  // every midpoint between neighbouring codes
+            const int c = i / 2;
+            x = 0.5f * (nvfp4_e4m3_to_float((uint8_t) c) + nvfp4_e4m3_to_float((uint8_t) (c + 1)));
+        }
+        uint8_t best = 0;
+        float best_err = INFINITY;
+        for (int code = 0; code <= 0x7e; code++) {
+            const float err = fabsf(nvfp4_e4m3_to_float((uint8_t) code) - x);
+            if (err < best_err || (err == best_err && !(code & 1))) {
+                best = (uint8_t) code;
+                best_err = err;
+            }
+        }
+        if (x >= 448.0f) best = 0x7e;
+        const uint8_t got = mkmodel_float_to_e4m3(x);
+        CHECK(got == best);
+        if (got != best) fprintf(stderr, "  x = %.9g: got 0x%02x, want 0x%02x\n", x, got, best);
+        CHECK(mkmodel_float_to_e4m3(-x) == (best | 0x80));
+    }
+
     // By hand, with exact arithmetic: row 1 holds the tensor amax 10.5, so scale_2 =
     // 10.5 / 2688 = 2^-8; row 0's block amax 6 gives q = 1 / 2^-8 = 256 (e4m3 0x78) and
     // x = w / (256 * 2^-8) = w. ModelOpt rounds ties at 0.75 / 1.75 / 3.5 up, others down.
-    float w[2][16] = {{6, -6, 0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5, -0.1f, 0, 1, 2, 3, 4,
-                       0.3f},
-                      {10.5f}};
+    float w[2][16] = {
+        {6, -6, 0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5, -0.1f, 0, 1, 2, 3, 4, 0.3f}, {10.5f}};
     uint8_t codes[2][8], scale[2];
     float s2 = 0;
     mkmodel_quantize_nvfp4(&w[0][0], 2, 16, &codes[0][0], scale, &s2);
@@ -235,7 +276,7 @@ static void test_tokenizer(void)
     json_object *root = json_object_new_object(), *model = json_object_new_object(),
                 *vocab = json_object_new_object(), *added = json_object_new_array();
     for (int i = 0; i < 100; i++) {
-        char tok[8];
+        char tok[16];
         snprintf(tok, sizeof tok, "t%d", i);
         json_object_object_add(vocab, tok, json_object_new_int(i));
     }
@@ -270,7 +311,8 @@ static void test_tokenizer(void)
         json_object *a = json_object_array_get_idx(list, i), *id, *content, *special;
         json_object_object_get_ex(a, "id", &id);
         json_object_object_get_ex(a, "content", &content);
-        CHECK(json_object_object_get_ex(a, "special", &special) && json_object_get_boolean(special));
+        CHECK(json_object_object_get_ex(a, "special", &special)
+              && json_object_get_boolean(special));
         if (!strcmp(json_object_get_string(content), "<|observation|>")) {
             id_observation = json_object_get_int(id);
         }
@@ -290,8 +332,8 @@ static void test_tokenizer(void)
     root = json_object_from_file(path);
     json_object *eos = NULL;
     CHECK(root && json_object_object_get_ex(root, "eos_token_id", &eos));
-    CHECK(json_object_array_length(eos) == 3 &&
-          json_object_get_int(json_object_array_get_idx(eos, 2)) == id_observation);
+    CHECK(json_object_array_length(eos) == 3
+          && json_object_get_int(json_object_array_get_idx(eos, 2)) == id_observation);
     json_object_put(root);
 
     // A tokenizer that is not JSON is refused.
@@ -303,6 +345,36 @@ static void test_tokenizer(void)
     log_set_level((LogLevel) (LOG_LEVEL_ERROR + 1));
     CHECK(mkmodel_write(&opt) == ERR_INVAL);
     log_set_level(LOG_LEVEL_WARN);
+}
+
+// The reference checkpoints the golden tests use (written by Python: transformers + the
+// ModelOpt / compressed-tensors recipes) must pass inspect's full validation.
+static void test_golden_models(void)
+{
+    const char *src = getenv("GLMSPARK_SOURCE_DIR");
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/tests/golden/models", src ? src : ".");
+    DIR *d = opendir(dir);
+    if (!d) {
+        printf("no golden models under %s; skipped\n", dir);
+        return;
+    }
+    struct dirent *e;
+    int n = 0;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.') continue;
+        char model[1024], cfg_path[1100];
+        snprintf(model, sizeof model, "%s/%s", dir, e->d_name);
+        snprintf(cfg_path, sizeof cfg_path, "%s/config.json", model);
+        if (access(cfg_path, F_OK) != 0) continue;
+        char *argv[] = {"inspect", "--model", model, NULL};
+        const int status = cli_inspect(3, argv);
+        CHECK(status == 0);
+        if (status) fprintf(stderr, "  golden model %s\n", model);
+        n++;
+    }
+    closedir(d);
+    printf("inspected %d golden models\n", n);
 }
 
 int main(void)
@@ -318,6 +390,7 @@ int main(void)
     test_round_trip();
     test_determinism();
     test_tokenizer();
+    test_golden_models();
     char cmd[400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp_root);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmp_root);

@@ -70,10 +70,10 @@ int main(void)
     srand(1);
     Backend *be = NULL;
     ASSERT(backend_cpu_create(2, &be) == ERR_OK);
-    test_shape(be, 1, 1, 2, 0, 2, 10000.0f, 0);       // one pair, position 0: identity
-    test_shape(be, 5, 4, 24, 16, 8, 10000.0f, 3);     // rope after the nope part (MLA q)
-    test_shape(be, 7, 1, 72, 64, 8, 1000000.0f, 11);  // the shared k_pe after the latent
-    test_shape(be, 3, 2, 16, 0, 8, 10000.0f, 4000);   // indexer layout, far positions
+    test_shape(be, 1, 1, 2, 0, 2, 10000.0f, 0);           // one pair, position 0: identity
+    test_shape(be, 5, 4, 24, 16, 8, 10000.0f, 3);         // rope after the nope part (MLA q)
+    test_shape(be, 7, 1, 72, 64, 8, 1000000.0f, 11);      // the shared k_pe after the latent
+    test_shape(be, 3, 2, 16, 0, 8, 10000.0f, 4000);       // indexer layout, far positions
     test_shape(be, 2, 3, 64, 0, 64, 1000000.0f, 100000);  // GLM-5's theta and rope width
     be->destroy(be);
     return check_exit();

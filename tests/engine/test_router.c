@@ -27,8 +27,8 @@ static double frand(void)
 }
 
 // Experts chosen for one token (chosen[e] = 1) and their weights, by ranks.
-static void route_ref(const float *logit, const float *bias, const BackendRoute *p,
-                      int *chosen, double *weight)
+static void route_ref(const float *logit, const float *bias, const BackendRoute *p, int *chosen,
+                      double *weight)
 {
     const int E = p->n_experts, G = p->n_group, per = E / G;
     double s[MAX_E], c[MAX_E], gs[MAX_E];
@@ -66,9 +66,9 @@ static void route_ref(const float *logit, const float *bias, const BackendRoute 
         if (chosen[e]) sum += s[e];
     }
     for (int e = 0; e < E; e++)
-        weight[e] = chosen[e] ? (p->norm_topk_prob ? s[e] / (sum + 1e-20) : s[e]) *
-                                    p->routed_scaling_factor
-                              : 0.0;
+        weight[e] =
+            chosen[e] ? (p->norm_topk_prob ? s[e] / (sum + 1e-20) : s[e]) * p->routed_scaling_factor
+                      : 0.0;
 }
 
 static void test_config(Backend *be, BackendRoute p, int n, double bias_scale)
@@ -110,8 +110,12 @@ static void test_config(Backend *be, BackendRoute p, int n, double bias_scale)
 // A hand-made case: the bias flips the choice, and the weight still comes from the sigmoid.
 static void test_bias_only_chooses(Backend *be)
 {
-    const BackendRoute p = {.n_experts = 4, .top_k = 1, .n_group = 1, .topk_group = 1,
-                            .norm_topk_prob = false, .routed_scaling_factor = 2.5f};
+    const BackendRoute p = {.n_experts = 4,
+                            .top_k = 1,
+                            .n_group = 1,
+                            .topk_group = 1,
+                            .norm_topk_prob = false,
+                            .routed_scaling_factor = 2.5f};
     const float logits[4] = {2.0f, 0.0f, -1.0f, 1.0f};
     const float bias[4] = {0.0f, 0.0f, 0.9f, 0.0f};  // sigmoid(-1) + 0.9 = 1.169 > 0.881
     int idx;
@@ -124,8 +128,12 @@ static void test_bias_only_chooses(Backend *be)
 // Group limit: the best single expert lives in a group whose top-2 sum loses.
 static void test_group_limit(Backend *be)
 {
-    const BackendRoute p = {.n_experts = 4, .top_k = 1, .n_group = 2, .topk_group = 1,
-                            .norm_topk_prob = true, .routed_scaling_factor = 1.0f};
+    const BackendRoute p = {.n_experts = 4,
+                            .top_k = 1,
+                            .n_group = 2,
+                            .topk_group = 1,
+                            .norm_topk_prob = true,
+                            .routed_scaling_factor = 1.0f};
     const float logits[4] = {5.0f, -5.0f, 3.0f, 3.0f};  // group 0: 0.993+0.007; group 1: 2 * 0.953
     const float bias[4] = {0};
     int idx;
@@ -143,11 +151,11 @@ int main(void)
     test_bias_only_chooses(be);
     test_group_limit(be);
     test_config(be, (BackendRoute){8, 2, 1, 1, true, 2.5f}, 50, 0.1);
-    test_config(be, (BackendRoute){8, 3, 4, 2, true, 2.5f}, 50, 0.3);   // groups
-    test_config(be, (BackendRoute){7, 3, 1, 1, true, 1.0f}, 50, 0.2);   // odd count (REAP)
-    test_config(be, (BackendRoute){13, 3, 1, 1, false, 2.5f}, 50, 0.2); // no renorm
+    test_config(be, (BackendRoute){8, 3, 4, 2, true, 2.5f}, 50, 0.3);    // groups
+    test_config(be, (BackendRoute){7, 3, 1, 1, true, 1.0f}, 50, 0.2);    // odd count (REAP)
+    test_config(be, (BackendRoute){13, 3, 1, 1, false, 2.5f}, 50, 0.2);  // no renorm
     test_config(be, (BackendRoute){32, 4, 8, 3, true, 2.5f}, 50, 0.5);
-    test_config(be, (BackendRoute){6, 2, 6, 2, true, 1.5f}, 50, 0.5);   // one expert a group
+    test_config(be, (BackendRoute){6, 2, 6, 2, true, 1.5f}, 50, 0.5);  // one expert a group
     be->destroy(be);
     return check_exit();
 }

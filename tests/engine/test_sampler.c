@@ -156,6 +156,35 @@ static void test_masks(void)
         CHECK(prob[i] >= 0.3 * prob[order[0]] ? count[i] > 0 : count[i] == 0);
     sampler_free(&s);
 
+    // min-p 1 keeps only the most likely token, alone or after top-p.
+    for (int with_top_p = 0; with_top_p < 2; with_top_p++) {
+        p = sampler_default_params();
+        p.temperature = 1.3f;
+        p.min_p = 1.0f;
+        p.top_p = with_top_p ? 0.9f : 1.0f;
+        CHECK(sampler_init(&s, V, p) == ERR_OK);
+        int only_best = 1;
+        for (int i = 0; i < 100; i++)
+            only_best &= draw(&s) == order[0];
+        CHECK(only_best);
+        sampler_free(&s);
+    }
+
+    // top-k over tied logits keeps the lowest ids.
+    p = sampler_default_params();
+    p.temperature = 1.0f;
+    p.top_k = 3;
+    CHECK(sampler_init(&s, V, p) == ERR_OK);
+    int low_ids = 1;
+    for (int i = 0; i < 200; i++) {
+        float flat[V];
+        for (int j = 0; j < V; j++)
+            flat[j] = 0.5f;
+        low_ids &= sampler_sample(&s, flat) < 3;
+    }
+    CHECK(low_ids);
+    sampler_free(&s);
+
     // top-k 1 is greedy whatever the temperature.
     p = sampler_default_params();
     p.temperature = 5.0f;

@@ -70,8 +70,7 @@ static void normalize(const Sink *in, Sink *out)
     }
 }
 
-static void parse_text(const uint8_t *data, size_t size, const size_t *cuts, int n_cuts,
-                       Sink *out)
+static void parse_text(const uint8_t *data, size_t size, const size_t *cuts, int n_cuts, Sink *out)
 {
     ChatParser p;
     Sink raw = {0};
@@ -100,8 +99,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             size_t n = 0;
             ChatOptions opts;
             ChatError err = {{0}};
-            const Err e = chat_render_request(
-                req, t ? CHAT_TEMPLATE_GLM52 : CHAT_TEMPLATE_GLM47, &out, &n, &opts, &err);
+            const Err e = chat_render_request(req, t ? CHAT_TEMPLATE_GLM52 : CHAT_TEMPLATE_GLM47,
+                                              &out, &n, &opts, &err);
             if (e == ERR_OK) {
                 if (n < 12 || memcmp(out, "[gMASK]<sop>", 12) != 0 || out[n] != '\0') abort();
                 free(out);

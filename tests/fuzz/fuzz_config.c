@@ -33,8 +33,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         bool any_moe = false;
         for (int i = 0; i < n; i++) {
             ASSERT(cfg->mlp[i] == CONFIG_MLP_DENSE || cfg->mlp[i] == CONFIG_MLP_MOE);
-            ASSERT(cfg->indexer[i] >= CONFIG_INDEXER_NONE &&
-                   cfg->indexer[i] <= CONFIG_INDEXER_SHARED);
+            ASSERT(cfg->indexer[i] >= CONFIG_INDEXER_NONE
+                   && cfg->indexer[i] <= CONFIG_INDEXER_SHARED);
             ASSERT((cfg->indexer[i] == CONFIG_INDEXER_NONE) == (cfg->index_topk <= 0));
             any_moe |= cfg->mlp[i] == CONFIG_MLP_MOE;
         }

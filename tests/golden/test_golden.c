@@ -67,14 +67,14 @@ static bool golden_read(const char *dir, Golden *g)
     g->vocab = json_object_object_get_ex(root, "vocab_size", &v) ? json_object_get_int(v) : 0;
     snprintf(g->logits_file, sizeof g->logits_file, "%s",
              json_object_object_get_ex(root, "logits_file", &v) ? json_object_get_string(v)
-                                                                 : "logits.f32");
+                                                                : "logits.f32");
     if (json_object_object_get_ex(root, "greedy", &greedy)) {
-        g->prompt = int_array(json_object_object_get_ex(greedy, "prompt", &v) ? v : NULL,
-                              &g->n_prompt);
-        g->output = int_array(json_object_object_get_ex(greedy, "output", &v) ? v : NULL,
-                              &g->n_output);
-        g->max_tokens = json_object_object_get_ex(greedy, "max_tokens", &v)
-                            ? json_object_get_int(v) : g->n_output;
+        g->prompt =
+            int_array(json_object_object_get_ex(greedy, "prompt", &v) ? v : NULL, &g->n_prompt);
+        g->output =
+            int_array(json_object_object_get_ex(greedy, "output", &v) ? v : NULL, &g->n_output);
+        g->max_tokens = json_object_object_get_ex(greedy, "max_tokens", &v) ? json_object_get_int(v)
+                                                                            : g->n_output;
     }
     json_object_put(root);
     if (!g->tokens || g->n_tokens < 1 || g->vocab < 1 || !g->prompt || !g->output) {
@@ -141,8 +141,8 @@ int main(int argc, char **argv)
     }
     CHECK(m.cfg.vocab_size == g.vocab);
     const int V = g.vocab;
-    const int longest = g.n_tokens > g.n_prompt + g.max_tokens ? g.n_tokens
-                                                               : g.n_prompt + g.max_tokens;
+    const int longest =
+        g.n_tokens > g.n_prompt + g.max_tokens ? g.n_tokens : g.n_prompt + g.max_tokens;
     const int block = 16;  // small blocks: sequences cross block boundaries
     const KvCacheParams kp = model_kv_params(&m, 3 * ((longest + block - 1) / block), block);
     KvCache kv;

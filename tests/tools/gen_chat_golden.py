@@ -23,10 +23,17 @@ Usage (on the machine where transformers is installed):
     gen_chat_golden.py --template GLM-4.7-Flash.jinja --out cases.jsonl
 --local-jinja renders with a jinja2 environment configured like transformers' (for
 development on a machine without transformers); its output is never a golden.
+
+    gen_chat_golden.py --template T --diff-binary build/bin/glmspark [--n 400] [--local-jinja]
+renders --n random requests (seeded: unicode whitespace, think tags in content, tool calls
+with random JSON values including floats of every magnitude) with the reference and with
+`glmspark chat-template --template glm47`, and reports every difference (exit status 1).
 """
 import argparse
 import copy
 import json
+import random
+import subprocess
 import sys
 
 CALL_WEATHER = {
@@ -242,15 +249,99 @@ def render_local_jinja(template, request):
     return out, "local jinja2 %s (development only, not a golden)" % jinja2.__version__
 
 
+ALPHABET = ["a", "b", " ", "\n", "\t", "\u3000", "\u00a0", "\x1c", "\x85", "\u00e9", "\u4e2d",
+            "\U0001f600", "<think>", "</think>", "\"", "\\", "\x01", "{", "}", "\u2028", "x y",
+            "\r\n"]
+
+
+def random_request(rnd):
+    def text(maxlen=6):
+        return "".join(rnd.choice(ALPHABET) for _ in range(rnd.randint(0, maxlen)))
+
+    def value(depth=0):
+        r = rnd.random()
+        if r < 0.25:
+            return text()
+        if r < 0.4:
+            return rnd.randint(-10**12, 10**12)
+        if r < 0.6:
+            return rnd.choice([1, -1]) * rnd.random() * 10 ** rnd.randint(-30, 30)
+        if r < 0.65:
+            return rnd.choice([True, False, None])
+        if r < 0.7:
+            return float(rnd.randint(-10**6, 10**6))
+        if depth < 2 and r < 0.85:
+            return [value(depth + 1) for _ in range(rnd.randint(0, 3))]
+        if depth < 2:
+            return {text(3) or "k": value(depth + 1) for _ in range(rnd.randint(0, 3))}
+        return text()
+
+    messages, calls_open = [], False
+    for _ in range(rnd.randint(1, 7)):
+        role = rnd.choice(["user", "system", "assistant"] + (["tool"] if calls_open else []))
+        if role == "assistant":
+            m = asst(rnd.choice([text(), text(), [{"type": "text", "text": text()}]]))
+            if rnd.random() < 0.5:
+                m["reasoning_content"] = text()
+            calls_open = rnd.random() < 0.5
+            if calls_open:
+                m["tool_calls"] = [
+                    {"type": "function", "function": {"name": "f%d" % i, "arguments": json.dumps(
+                        {"k%d" % j + text(2): value() for j in range(rnd.randint(0, 3))},
+                        ensure_ascii=rnd.random() < 0.5)}}
+                    for i in range(rnd.randint(1, 3))]
+        elif role == "tool":
+            m = tool("x", text())
+        else:
+            content = text() if rnd.random() < 0.8 else [{"type": "text", "text": text()}, text()]
+            m = {"role": role, "content": content}
+            calls_open = False
+        messages.append(m)
+    r = {"messages": messages}
+    if rnd.random() < 0.3:
+        r["tools"] = [{"type": "function", "function": {"name": "f", "description": text(),
+                                                         "parameters": {"x": value()}}}]
+    if rnd.random() < 0.5:
+        r["chat_template_kwargs"] = {"enable_thinking": rnd.random() < 0.5}
+    if rnd.random() < 0.2:
+        r["chat_template_kwargs"] = {"clear_thinking": False}
+    r["add_generation_prompt"] = rnd.random() < 0.8
+    return r
+
+
+def diff_binary(template, render, binary, n):
+    rnd = random.Random(1234)
+    bad = 0
+    for i in range(n):
+        request = random_request(rnd)
+        want, source = render(template, request)
+        p = subprocess.run([binary, "chat-template", "--template", "glm47"],
+                           input=json.dumps(request).encode(), capture_output=True)
+        got = p.stdout.decode("utf-8", "surrogateescape")
+        if p.returncode != 0 or got != want:
+            bad += 1
+            if bad <= 5:
+                print("case %d differs (exit %d) %s\nrequest %s\ngot  %r\nwant %r" % (
+                    i, p.returncode, p.stderr.decode()[:300], json.dumps(request), got, want))
+    print("%d random requests, %d differ (reference: %s)" % (n, bad, source))
+    return 1 if bad else 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--template", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--local-jinja", action="store_true")
+    ap.add_argument("--diff-binary")
+    ap.add_argument("--n", type=int, default=400)
     args = ap.parse_args()
     with open(args.template, encoding="utf-8") as f:
         template = f.read()
     render = render_local_jinja if args.local_jinja else render_transformers
+    if args.diff_binary:
+        sys.exit(diff_binary(template, render, args.diff_binary, args.n))
+    if not args.out:
+        ap.error("--out is required")
     lines = []
     source = None
     for name, request in CASES:

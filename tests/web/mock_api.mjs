@@ -31,17 +31,17 @@ export const KEYS = {
 };
 
 const N_REASONING = 12;
-// The chunks one job produces: N_REASONING reasoning chunks, then content chunks.
-export function script(maxTokens) {
+// The chunks one job produces: N_REASONING reasoning chunks (thinking on), then content.
+export function script(maxTokens, thinking = true) {
   const out = [];
-  for (let i = 0; i < N_REASONING; i++) out.push({ kind: 'reasoning', text: `think${i} ` });
+  for (let i = 0; i < (thinking ? N_REASONING : 0); i++) out.push({ kind: 'reasoning', text: `think${i} ` });
   const n = Math.max(1, Math.min(maxTokens, 400));
   for (let i = 0; i < n; i++) out.push({ kind: 'content', text: `w${i}${i % 10 === 9 ? '\n' : ' '}` });
   return out;
 }
 
-export function expectedText(maxTokens, kind) {
-  return script(maxTokens).filter((c) => c.kind === kind).map((c) => c.text).join('');
+export function expectedText(maxTokens, kind, thinking = true) {
+  return script(maxTokens, thinking).filter((c) => c.kind === kind).map((c) => c.text).join('');
 }
 
 const MIME = { '.html': 'text/html; charset=utf-8', '.js': 'text/javascript; charset=utf-8',
@@ -235,7 +235,8 @@ export function startMock({ port = 0, tickMs = 40 } = {}) {
     }
     if (!p.startsWith('/v1/') && p !== '/metrics') {
       if (url.searchParams.has('api_key') || url.searchParams.has('key')) {
-        return sendError(res, 400, 'invalid_request_error', 'key_in_query', 'API keys are not accepted in URLs.');
+        return sendError(res, 401, 'invalid_request_error', 'api_key_in_query',
+                         'API keys are accepted only in the Authorization header, never in the URL');
       }
       return serveStatic(req, res, p);
     }
@@ -269,7 +270,10 @@ export function startMock({ port = 0, tickMs = 40 } = {}) {
       if (!Array.isArray(body.messages) || body.messages.length === 0) {
         return sendError(res, 400, 'invalid_request_error', 'invalid_value', "'messages' must be a non-empty array.");
       }
-      if (body.model && body.model !== MODEL) {
+      if (typeof body.model !== 'string') {
+        return sendError(res, 400, 'invalid_request_error', null, "'model' is required and must be a string");
+      }
+      if (body.model !== MODEL) {
         return sendError(res, 404, 'invalid_request_error', 'model_not_found', `The model '${body.model}' does not exist.`);
       }
       if (key.rpm === 0) {
@@ -283,9 +287,10 @@ export function startMock({ port = 0, tickMs = 40 } = {}) {
       const maxTokens = body.max_tokens || 64;
       const id = `job-${String(nextId++).padStart(32, '0')}`;
       const j = { id, owner: key.name, state: 'queued', created: Date.now(), started: 0, firstTok: 0,
-                  finished: 0, attempts: 0, produced: [], script: script(maxTokens),
+                  finished: 0, attempts: 0, produced: [],
+                  script: script(maxTokens, !(body.thinking && body.thinking.type === 'disabled')),
                   promptTokens: text.split(/\s+/).length, finishReason: null, error: null, maxTokens,
-                  cancel: false, request: body, failAt: /\bFAIL\b/.test(text) ? N_REASONING + 3 : null };
+                  cancel: false, request: body, failAt: /\bFAIL\b/.test(text) ? 3 : null };
       jobs.set(id, j);
       order.push(id);
       return sendJson(res, 202, { id, object: 'job', state: 'queued', created_at: Math.floor(j.created / 1000),

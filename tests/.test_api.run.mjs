@@ -1,0 +1,360 @@
+// test_api.mjs - the serving stack end to end with the official `openai` npm client.
+//
+// run.sh starts a fresh stack (ops/devstack with its own var/ and ports) and passes its
+// URL, keys and paths in the environment. Everything goes through nginx over HTTPS, with
+// the stack's self-signed certificate trusted through NODE_EXTRA_CA_CERTS.
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { execFileSync } from 'node:child_process';
+import { readFileSync } from 'node:fs';
+import OpenAI from 'openai';
+
+const URL_ = process.env.GLMSPARK_URL;
+const ADMIN = process.env.GLMSPARK_ADMIN_KEY;
+const USER = process.env.GLMSPARK_USER_KEY;
+const OTHER = process.env.GLMSPARK_OTHER_KEY;
+const REVOKED = process.env.GLMSPARK_REVOKED_KEY;
+const CONC1 = process.env.GLMSPARK_CONC1_KEY;
+const RPM2 = process.env.GLMSPARK_RPM2_KEY;
+const MODEL = process.env.GLMSPARK_MODEL;
+const DEVSTACK = process.env.GLMSPARK_DEVSTACK;
+const VAR = process.env.GLMSPARK_VAR;
+
+const client = (key = USER) => new OpenAI({ baseURL: `${URL_}/v1`, apiKey: key, maxRetries: 0 });
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+async function api(path, { key = USER, method = 'GET', body, headers = {} } = {}) {
+    const res = await fetch(`${URL_}${path}`, {
+        method,
+        headers: { Authorization: `Bearer ${key}`, 'Content-Type': 'application/json', ...headers },
+        body: body === undefined ? undefined : typeof body === 'string' ? body : JSON.stringify(body),
+    });
+    const text = await res.text();
+    let json = null;
+    try { json = JSON.parse(text); } catch { /* not JSON */ }
+    return { status: res.status, headers: res.headers, json, text };
+}
+
+// Read an SSE stream of /v1/jobs/{id}/events; stop after `limit` chunk events (or at the end).
+async function readEvents(id, { key = USER, lastEventId, limit = Infinity } = {}) {
+    const ac = new AbortController();
+    const headers = { Authorization: `Bearer ${key}` };
+    if (lastEventId !== undefined) headers['Last-Event-ID'] = String(lastEventId);
+    const res = await fetch(`${URL_}/v1/jobs/${id}/events`, { headers, signal: ac.signal });
+    assert.equal(res.status, 200);
+    assert.match(res.headers.get('content-type'), /text\/event-stream/);
+    const events = [];
+    let end = null, done = false, buf = '';
+    const reader = res.body.getReader();
+    const dec = new TextDecoder();
+    outer: for (;;) {
+        const { value, done: eof } = await reader.read();
+        if (eof) break;
+        buf += dec.decode(value, { stream: true });
+        let i;
+        while ((i = buf.indexOf('\n\n')) >= 0) {
+            const block = buf.slice(0, i);
+            buf = buf.slice(i + 2);
+            let id = null, data = null;
+            for (const line of block.split('\n')) {
+                if (line.startsWith('id: ')) id = Number(line.slice(4));
+                else if (line.startsWith('data: ')) data = line.slice(6);
+            }
+            if (data === null) continue;  // keep-alive comment
+            if (data === '[DONE]') { done = true; break outer; }
+            const obj = JSON.parse(data);
+            if (id !== null) {
+                assert.equal(obj.seq, id);
+                events.push(obj);
+                if (events.length >= limit) { ac.abort(); break outer; }
+            } else {
+                end = obj;
+            }
+        }
+    }
+    return { events, end, done };
+}
+
+async function waitJob(id, pred, key = USER, timeoutMs = 60000) {
+    const t0 = Date.now();
+    for (;;) {
+        const r = await api(`/v1/jobs/${id}`, { key });
+        assert.equal(r.status, 200);
+        if (pred(r.json)) return r.json;
+        if (Date.now() - t0 > timeoutMs) assert.fail(`job ${id} stuck: ${r.text}`);
+        await sleep(100);
+    }
+}
+
+const chatBody = (extra = {}) => ({
+    model: MODEL, messages: [{ role: 'user', content: 'Hello there' }], max_tokens: 8, ...extra,
+});
+
+test('models: list and retrieve', async () => {
+    const list = await client().models.list();
+    assert.deepEqual(list.data.map((m) => m.id), [MODEL]);
+    const m = await client().models.retrieve(MODEL);
+    assert.equal(m.id, MODEL);
+});
+
+test('chat: non-streamed answer with usage', async () => {
+    const r = await client().chat.completions.create(chatBody({ temperature: 0 }));
+    assert.match(r.id, /^job-[0-9a-f]{32}$/);
+    assert.equal(r.object, 'chat.completion');
+    assert.equal(r.model, MODEL);
+    assert.equal(r.choices.length, 1);
+    assert.equal(r.choices[0].message.role, 'assistant');
+    assert.ok(['stop', 'length'].includes(r.choices[0].finish_reason));
+    assert.ok(r.usage.prompt_tokens > 0);
+    assert.ok(r.usage.completion_tokens >= 1 && r.usage.completion_tokens <= 8);
+    assert.equal(r.usage.total_tokens, r.usage.prompt_tokens + r.usage.completion_tokens);
+    // The answer is the job's stored output.
+    const job = await api(`/v1/jobs/${r.id}`);
+    assert.equal(job.json.state, 'succeeded');
+    assert.equal(job.json.output.content, r.choices[0].message.content);
+    assert.equal(job.json.output.reasoning_content, r.choices[0].message.reasoning_content ?? '');
+});
+
+test('chat: stream with include_usage equals the stored output', async () => {
+    const stream = await client().chat.completions.create(
+        chatBody({ stream: true, stream_options: { include_usage: true }, max_tokens: 12, seed: 7 }));
+    let content = '', reasoning = '', id = null, finish = null, usage = null, n = 0;
+    for await (const chunk of stream) {
+        id ??= chunk.id;
+        assert.equal(chunk.id, id);
+        if (chunk.usage) usage = chunk.usage;
+        for (const ch of chunk.choices) {
+            n++;
+            content += ch.delta.content ?? '';
+            reasoning += ch.delta.reasoning_content ?? '';
+            if (ch.finish_reason) finish = ch.finish_reason;
+        }
+    }
+    assert.ok(n >= 2);
+    assert.ok(finish === 'length' || finish === 'stop');
+    assert.ok(usage && usage.completion_tokens >= 1 && usage.completion_tokens <= 12);
+    const job = await api(`/v1/jobs/${id}`);
+    assert.equal(job.json.output.content, content);
+    assert.equal(job.json.output.reasoning_content, reasoning);
+    assert.equal(job.json.usage.completion_tokens, usage.completion_tokens);
+});
+
+test('completions: non-streamed and streamed', async () => {
+    const r = await client().completions.create({ model: MODEL, prompt: 'Once upon a time', max_tokens: 6 });
+    assert.equal(r.object, 'text_completion');
+    assert.equal(typeof r.choices[0].text, 'string');
+    assert.ok(r.usage.completion_tokens >= 1 && r.usage.completion_tokens <= 6);
+    const stream = await client().completions.create(
+        { model: MODEL, prompt: 'Once upon a time', max_tokens: 6, stream: true });
+    let text = '', id = null;
+    for await (const chunk of stream) { id ??= chunk.id; text += chunk.choices[0]?.text ?? ''; }
+    const job = await api(`/v1/jobs/${id}`);
+    assert.equal(job.json.output.content, text);
+});
+
+test('errors: statuses and OpenAI error classes', async () => {
+    await assert.rejects(client('gsk_AAAAAAAAAAAA_AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA').models.list(),
+        (e) => e instanceof OpenAI.AuthenticationError && e.status === 401);
+    await assert.rejects(client('not-a-key').models.list(), (e) => e.status === 401);
+    await assert.rejects(client().chat.completions.create({ ...chatBody(), model: 'gpt-4o' }),
+        (e) => e instanceof OpenAI.NotFoundError && e.code === 'model_not_found');
+    await assert.rejects(client().chat.completions.create(chatBody({ temperature: 5 })),
+        (e) => e instanceof OpenAI.BadRequestError && e.param === 'temperature');
+    await assert.rejects(client().chat.completions.create({ model: MODEL, messages: [] }),
+        (e) => e instanceof OpenAI.BadRequestError && e.param === 'messages');
+    // Too long for the context: 400 context_length_exceeded and no job row.
+    const before = (await api('/v1/jobs?limit=1', { key: ADMIN })).json.data[0]?.id;
+    await assert.rejects(client().chat.completions.create(
+        chatBody({ messages: [{ role: 'user', content: 'hello world '.repeat(5000) }] })),
+        (e) => e instanceof OpenAI.BadRequestError && e.code === 'context_length_exceeded');
+    const after = (await api('/v1/jobs?limit=1', { key: ADMIN })).json.data[0]?.id;
+    assert.equal(after, before);
+    // Raw bodies the client would never send.
+    for (const body of ['{"model":', '[1,2]', '{"model":"x","messages":"\\u0000"}',
+        '{"model":"' + MODEL + '","messages":[{"role":"user","content":"a"}],"max_tokens":NaN}',
+        '['.repeat(100) + ']'.repeat(100)]) {
+        const r = await api('/v1/chat/completions', { method: 'POST', body });
+        assert.equal(r.status, 400, body.slice(0, 40));
+        assert.equal(r.json.error.type, 'invalid_request_error');
+    }
+    const unknown = await api('/v1/nothing-here');
+    assert.equal(unknown.status, 404);
+    const wrongMethod = await api('/v1/chat/completions');
+    assert.equal(wrongMethod.status, 405);
+});
+
+test('auth: revoked key, key in the query string, scope, other key\'s job', async () => {
+    await assert.rejects(client(REVOKED).models.list(), (e) => e.status === 401);
+    const q = await fetch(`${URL_}/v1/models?api_key=${USER}`, { headers: { Authorization: `Bearer ${USER}` } });
+    assert.equal(q.status, 401);
+    assert.equal((await q.json()).error.code, 'api_key_in_query');
+    assert.equal((await api('/metrics')).status, 403);
+    const m = await api('/metrics', { key: ADMIN });
+    assert.equal(m.status, 200);
+    assert.match(m.text, /^glmspark_queue_depth \d+$/m);
+    assert.match(m.text, /^glmspark_engine_up 1$/m);
+    const job = await api('/v1/jobs', { method: 'POST', body: chatBody({ max_tokens: 2 }) });
+    assert.equal(job.status, 202);
+    assert.equal((await api(`/v1/jobs/${job.json.id}`, { key: OTHER })).status, 404);
+    assert.equal((await api(`/v1/jobs/${job.json.id}/events`, { key: OTHER })).status, 404);
+    assert.equal((await api(`/v1/jobs/${job.json.id}/cancel`, { key: OTHER, method: 'POST' })).status, 404);
+    assert.equal((await api(`/v1/jobs/${job.json.id}`, { key: ADMIN })).status, 200);  // admins see all
+    const mine = await api('/v1/jobs?limit=100', { key: OTHER });
+    assert.ok(!mine.json.data.some((j) => j.id === job.json.id));
+    await waitJob(job.json.id, (j) => j.state === 'succeeded');
+    const health = await fetch(`${URL_}/health`);
+    assert.equal(health.status, 200);
+});
+
+test('jobs: resume the event stream with Last-Event-ID', async () => {
+    const job = await api('/v1/jobs', { method: 'POST', body: chatBody({ max_tokens: 40 }) });
+    assert.equal(job.status, 202);
+    assert.equal(job.json.state, 'queued');
+    const id = job.json.id;
+    const first = await readEvents(id, { limit: 5 });
+    assert.equal(first.events.length, 5);
+    assert.deepEqual(first.events.map((e) => e.seq), [0, 1, 2, 3, 4]);
+    const rest = await readEvents(id, { lastEventId: 4 });
+    assert.ok(rest.done);
+    assert.equal(rest.end.state, 'succeeded');
+    const all = [...first.events, ...rest.events];
+    all.forEach((e, i) => assert.equal(e.seq, i));  // contiguous, no duplicate
+    const final = await api(`/v1/jobs/${id}`);
+    const text = (kind) => all.filter((e) => e.kind === kind).map((e) => e.text).join('');
+    assert.equal(text('content'), final.json.output.content);
+    assert.equal(text('reasoning'), final.json.output.reasoning_content);
+    assert.equal(final.json.usage.completion_tokens, rest.end.usage.completion_tokens);
+    const list = await api('/v1/jobs?limit=2');
+    assert.equal(list.status, 200);
+    assert.equal(list.json.data.length, 2);
+    const next = await api(`/v1/jobs?limit=2&after=${list.json.data[1].id}`);
+    assert.ok(next.json.data.every((j) => !list.json.data.some((k) => k.id === j.id)));
+});
+
+test('jobs: cancel a running and a queued job', async () => {
+    const running = await api('/v1/jobs', { method: 'POST', body: chatBody({ max_tokens: 400 }) });
+    const queued = await api('/v1/jobs', { method: 'POST', body: chatBody({ max_tokens: 400 }) });
+    await waitJob(running.json.id, (j) => j.state === 'running' && j.usage.completion_tokens > 0);
+    const q = await api(`/v1/jobs/${queued.json.id}/cancel`, { method: 'POST' });
+    assert.equal(q.status, 200);
+    assert.equal(q.json.state, 'cancelled');
+    assert.equal(q.json.attempts, 0);  // never claimed
+    const r = await api(`/v1/jobs/${running.json.id}/cancel`, { method: 'POST' });
+    assert.equal(r.status, 200);
+    const done = await waitJob(running.json.id, (j) => j.state !== 'running');
+    assert.equal(done.state, 'cancelled');
+    assert.ok(done.usage.completion_tokens < 400);
+    const ev = await readEvents(running.json.id);
+    assert.ok(ev.done);
+    assert.equal(ev.end.state, 'cancelled');
+    assert.equal((await api(`/v1/jobs/${queued.json.id}`)).json.attempts, 0);
+});
+
+test('limits: max-concurrent and rpm give 429 with Retry-After', async () => {
+    const a = await api('/v1/jobs', { key: CONC1, method: 'POST', body: chatBody({ max_tokens: 30 }) });
+    assert.equal(a.status, 202);
+    const b = await api('/v1/jobs', { key: CONC1, method: 'POST', body: chatBody({ max_tokens: 30 }) });
+    assert.equal(b.status, 429);
+    assert.equal(b.json.error.code, 'concurrency_limit_exceeded');
+    assert.ok(Number(b.headers.get('retry-after')) >= 1);
+    await waitJob(a.json.id, (j) => j.state === 'succeeded', CONC1);
+    const statuses = [];
+    for (let i = 0; i < 3; i++)
+        statuses.push((await api('/v1/jobs', { key: RPM2, method: 'POST', body: chatBody({ max_tokens: 1 }) })).status);
+    assert.deepEqual(statuses, [202, 202, 429]);
+    await assert.rejects(client(RPM2).chat.completions.create(chatBody()),
+        (e) => e instanceof OpenAI.RateLimitError);
+});
+
+test('idempotency: a retried POST returns the same job', async () => {
+    const h = { 'Idempotency-Key': `it-${process.pid}` };
+    const a = await api('/v1/jobs', { method: 'POST', body: chatBody({ max_tokens: 2 }), headers: h });
+    const b = await api('/v1/jobs', { method: 'POST', body: chatBody({ max_tokens: 2 }), headers: h });
+    assert.equal(a.status, 202);
+    assert.equal(b.json.id, a.json.id);
+});
+
+test('engine kill -9 mid-generation: the job completes with a contiguous stream', async () => {
+    const job = await api('/v1/jobs', { method: 'POST', body: chatBody({ max_tokens: 60, seed: 3 }) });
+    const id = job.json.id;
+    await waitJob(id, (j) => j.state === 'running' && j.usage.completion_tokens >= 5);
+    const pid = Number(readFileSync(`${VAR}/run/engine.pid`, 'utf8'));
+    process.kill(pid, 'SIGKILL');
+    await sleep(200);
+    const mid = await api(`/v1/jobs/${id}`);
+    assert.equal(mid.json.state, 'running');  // nobody has it now; the next engine resumes it
+    execFileSync(DEVSTACK, ['restart', 'engine'], { stdio: 'inherit' });
+    const ev = await readEvents(id);
+    assert.ok(ev.done);
+    assert.equal(ev.end.state, 'succeeded');
+    ev.events.forEach((e, i) => assert.equal(e.seq, i));
+    const final = await api(`/v1/jobs/${id}`);
+    assert.equal(final.json.attempts, 2);
+    const text = (kind) => ev.events.filter((e) => e.kind === kind).map((e) => e.text).join('');
+    assert.equal(text('content'), final.json.output.content);
+    assert.equal(text('reasoning'), final.json.output.reasoning_content);
+    assert.ok(final.json.usage.completion_tokens <= 60);
+    if (final.json.finish_reason === 'length') assert.equal(final.json.usage.completion_tokens, 60);
+});
+
+test('a client leaving a chat stream cancels its job', async () => {
+    const stream = await client().chat.completions.create(chatBody({ max_tokens: 400, stream: true }));
+    let id = null, n = 0;
+    for await (const chunk of stream) {
+        id ??= chunk.id;
+        if (++n === 4) break;  // leaving the loop aborts the HTTP request
+    }
+    const job = await waitJob(id, (j) => j.state !== 'running' && j.state !== 'queued');
+    assert.equal(job.state, 'cancelled');
+    assert.ok(job.usage.completion_tokens < 400);
+});
+
+test('a second engine refuses to serve the same queue', async () => {
+    let status = 0;
+    try {
+        execFileSync(`${process.env.GLMSPARK_BIN}/glmspark-engine`,
+            ['--model', `${VAR}/model/${MODEL}`, '--db', process.env.GLMSPARK_DB_APP],
+            { stdio: 'pipe', timeout: 60000 });
+    } catch (e) {
+        status = e.status;
+    }
+    assert.equal(status, 3);
+    const h = await fetch(`${URL_}/health`);
+    assert.equal(h.status, 200);
+});
+
+test('stop strings end the output right before the match (greedy, so deterministic)', async () => {
+    const base = { model: MODEL, prompt: 'The quick brown fox', max_tokens: 24, temperature: 0 };
+    const full = (await client().completions.create(base)).choices[0].text;
+    const cps = Array.from(full);
+    assert.ok(cps.length >= 8, `output too short: ${JSON.stringify(full)}`);
+    const stop = cps.slice(Math.floor(cps.length / 2), Math.floor(cps.length / 2) + 3).join('');
+    const expected = full.slice(0, full.indexOf(stop));
+    const r = await client().completions.create({ ...base, stop: [stop] });
+    assert.equal(r.choices[0].text, expected);
+    assert.equal(r.choices[0].finish_reason, 'stop');
+    // Streamed, the stop string never shows either.
+    const stream = await client().completions.create({ ...base, stop: stop, stream: true });
+    let text = '';
+    for await (const chunk of stream) text += chunk.choices[0]?.text ?? '';
+    assert.equal(text, expected);
+});
+
+test('PostgreSQL restart mid-stream: engine and fcgi reconnect, the stream stays whole', async () => {
+    const job = await api('/v1/jobs', { method: 'POST', body: chatBody({ max_tokens: 60, seed: 5 }) });
+    const id = job.json.id;
+    await waitJob(id, (j) => j.state === 'running' && j.usage.completion_tokens >= 5);
+    const reading = readEvents(id);
+    await sleep(200);
+    execFileSync(DEVSTACK, ['restart', 'postgres'], { stdio: 'inherit' });
+    const ev = await reading;
+    assert.ok(ev.done);
+    assert.equal(ev.end.state, 'succeeded');
+    ev.events.forEach((e, i) => assert.equal(e.seq, i));
+    const final = await api(`/v1/jobs/${id}`);
+    const text = (kind) => ev.events.filter((e) => e.kind === kind).map((e) => e.text).join('');
+    assert.equal(text('content'), final.json.output.content);
+    assert.equal(text('reasoning'), final.json.output.reasoning_content);
+    const after = await client().chat.completions.create(chatBody({ max_tokens: 2 }));
+    assert.equal(after.object, 'chat.completion');
+});

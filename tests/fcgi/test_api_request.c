@@ -1,0 +1,159 @@
+/*
+ * test_api_request.c - request body decoding: accepted requests and their defaults, and
+ * each class of bad input answered with 400 (or 413) naming the field.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../check.h"
+#include "fcgi/api_request.h"
+
+static Err parse(ApiRequest *r, ApiKind kind, const char *body, ApiError *e)
+{
+    return api_request_parse(r, kind, body, strlen(body), e);
+}
+
+// Expect a rejection with status 400 naming param ("" for the body as a whole).
+static void expect_bad(ApiKind kind, const char *body, const char *param)
+{
+    ApiRequest r;
+    ApiError e;
+    const Err err = parse(&r, kind, body, &e);
+    CHECK(err == ERR_FORMAT || err == ERR_INVAL);
+    CHECK(e.status == 400);
+    CHECK(strcmp(e.type, "invalid_request_error") == 0);
+    CHECK(e.message[0] != '\0');
+    if (strcmp(e.param, param) != 0)
+        fprintf(stderr, "body %.60s: param \"%s\", want \"%s\" (%s)\n", body, e.param, param, e.message);
+    CHECK(strcmp(e.param, param) == 0);
+    CHECK(r.root == NULL);  // failure leaves zero
+}
+
+static void test_valid_chat(void)
+{
+    ApiRequest r;
+    ApiError e;
+    const char *body =
+        "{\"model\":\"m\",\"messages\":[{\"role\":\"system\",\"content\":\"be brief\"},"
+        "{\"role\":\"user\",\"content\":\"h\\u00e9llo\"}],\"stream\":true,"
+        "\"stream_options\":{\"include_usage\":true},\"max_completion_tokens\":64,"
+        "\"temperature\":0.5,\"top_p\":0.9,\"top_k\":40,\"min_p\":0.05,\"seed\":-3,"
+        "\"presence_penalty\":-2,\"frequency_penalty\":1.5,\"repetition_penalty\":1.1,"
+        "\"stop\":[\"\\n\\n\",\"END\"],\"logprobs\":true,\"top_logprobs\":5,"
+        "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"unknown_field\":{}}  \n";
+    CHECK(parse(&r, API_KIND_CHAT, body, &e) == ERR_OK);
+    CHECK(strcmp(r.model, "m") == 0);
+    CHECK(json_object_array_length(r.messages) == 2);
+    CHECK(r.tools != NULL);
+    CHECK(r.stream && r.include_usage);
+    CHECK(r.max_tokens == 64);
+    CHECK_NEAR(r.temperature, 0.5, 0);
+    CHECK_NEAR(r.top_p, 0.9, 0);
+    CHECK(r.top_k == 40);
+    CHECK_NEAR(r.min_p, 0.05, 0);
+    CHECK(r.has_seed && r.seed == -3);
+    CHECK_NEAR(r.presence_penalty, -2, 0);
+    CHECK_NEAR(r.repetition_penalty, 1.1, 1e-12);
+    CHECK(r.n_stop == 2 && strcmp(r.stop[0], "\n\n") == 0 && strcmp(r.stop[1], "END") == 0);
+    CHECK(r.logprobs && r.top_logprobs == 5);
+    CHECK(api_request_check(&r));
+
+    json_object *p = api_request_params(&r), *v;
+    CHECK(p != NULL);
+    CHECK(json_object_object_get_ex(p, "stop", &v) && json_object_array_length(v) == 2);
+    CHECK(json_object_object_get_ex(p, "seed", &v) && json_object_get_int64(v) == -3);
+    CHECK(json_object_object_get_ex(p, "top_k", &v) && json_object_get_int(v) == 40);
+    CHECK(json_object_object_get_ex(p, "tools", &v) && json_object_array_length(v) == 1);
+    json_object_put(p);
+    api_request_free(&r);
+    CHECK(r.root == NULL);
+}
+
+static void test_defaults_and_completion(void)
+{
+    ApiRequest r;
+    ApiError e;
+    CHECK(parse(&r, API_KIND_CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}", &e) == ERR_OK);
+    CHECK(!r.stream && !r.include_usage && r.max_tokens == 0 && !r.has_seed && r.n_stop == 0);
+    CHECK_NEAR(r.temperature, 1, 0);
+    CHECK_NEAR(r.top_p, 1, 0);
+    CHECK_NEAR(r.repetition_penalty, 1, 0);
+    CHECK(r.tools == NULL);
+    api_request_free(&r);
+
+    CHECK(parse(&r, API_KIND_COMPLETION, "{\"model\":\"m\",\"prompt\":\"abc\",\"stop\":\"x\",\"max_tokens\":3}", &e) == ERR_OK);
+    CHECK(r.prompt && strcmp(r.prompt, "abc") == 0 && r.n_prompt == 3);
+    CHECK(r.n_stop == 1 && r.max_tokens == 3);
+    CHECK(api_request_check(&r));
+    api_request_free(&r);
+    CHECK(parse(&r, API_KIND_COMPLETION, "{\"model\":\"m\",\"prompt\":[\"one\"]}", &e) == ERR_OK);
+    CHECK(r.n_prompt == 3);
+    api_request_free(&r);
+    api_request_free(NULL);
+}
+
+static void test_bad_inputs(void)
+{
+    const char *msg = ",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]";
+    char buf[512];
+    // Not JSON, not an object, bad encodings, too deep.
+    expect_bad(API_KIND_CHAT, "", "");
+    expect_bad(API_KIND_CHAT, "{\"model\":", "");
+    expect_bad(API_KIND_CHAT, "[1]", "");
+    expect_bad(API_KIND_CHAT, "{\"model\":\"m\"} x", "");
+    expect_bad(API_KIND_CHAT, "{\"model\":\"m\",}", "");
+    expect_bad(API_KIND_CHAT, "{\"model\":\"\xc3\x28\"}", "");            // invalid UTF-8
+    expect_bad(API_KIND_CHAT, "{\"model\":\"\xe0\x80\xaf\"}", "");         // overlong
+    expect_bad(API_KIND_CHAT, "{\"model\":\"a\\u0000b\"}", "");             // U+0000
+    expect_bad(API_KIND_CHAT, "{\"model\":\"m\",\"temperature\":NaN}", "");
+    expect_bad(API_KIND_CHAT, "{\"model\":\"m\",\"temperature\":Infinity}", "");
+    char deep[300] = "";
+    for (int i = 0; i < 100; i++) strcat(deep, "[");
+    for (int i = 0; i < 100; i++) strcat(deep, "]");
+    snprintf(buf, sizeof buf, "{\"model\":\"m\",\"x\":%s}", deep);
+    expect_bad(API_KIND_CHAT, buf, "");
+    // Fields.
+    expect_bad(API_KIND_CHAT, "{\"messages\":[{\"role\":\"user\"}]}", "model");
+    expect_bad(API_KIND_CHAT, "{\"model\":7}", "model");
+    expect_bad(API_KIND_CHAT, "{\"model\":\"m\"}", "messages");
+    expect_bad(API_KIND_CHAT, "{\"model\":\"m\",\"messages\":[]}", "messages");
+    expect_bad(API_KIND_CHAT, "{\"model\":\"m\",\"messages\":[{\"content\":\"x\"}]}", "messages[0]");
+    expect_bad(API_KIND_CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\"},3]}", "messages[1]");
+    expect_bad(API_KIND_COMPLETION, "{\"model\":\"m\"}", "prompt");
+    expect_bad(API_KIND_COMPLETION, "{\"model\":\"m\",\"prompt\":[1,2]}", "prompt");
+    struct { const char *field, *param; } cases[] = {
+        {"\"temperature\":2.5", "temperature"}, {"\"temperature\":\"hot\"", "temperature"},
+        {"\"top_p\":0", "top_p"}, {"\"top_p\":1.5", "top_p"}, {"\"top_k\":-2", "top_k"},
+        {"\"top_k\":1.5", "top_k"}, {"\"min_p\":2", "min_p"},
+        {"\"presence_penalty\":3", "presence_penalty"},
+        {"\"frequency_penalty\":-3", "frequency_penalty"},
+        {"\"repetition_penalty\":0", "repetition_penalty"},
+        {"\"max_tokens\":0", "max_tokens"}, {"\"max_tokens\":1e10", "max_tokens"},
+        {"\"max_completion_tokens\":-1", "max_completion_tokens"}, {"\"n\":2", "n"},
+        {"\"stream\":\"yes\"", "stream"}, {"\"stream_options\":1", "stream_options"},
+        {"\"stream_options\":{\"include_usage\":1}", "stream_options.include_usage"},
+        {"\"stop\":\"\"", "stop"}, {"\"stop\":[\"a\",\"b\",\"c\",\"d\",\"e\"]", "stop"},
+        {"\"stop\":[\"a\",1]", "stop[1]"}, {"\"stop\":{}", "stop"}, {"\"seed\":\"s\"", "seed"},
+        {"\"logprobs\":1", "logprobs"}, {"\"top_logprobs\":21", "top_logprobs"},
+        {"\"tools\":{}", "tools"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        snprintf(buf, sizeof buf, "{\"model\":\"m\"%s,%s}", msg, cases[i].field);
+        expect_bad(API_KIND_CHAT, buf, cases[i].param);
+    }
+    // null means absent.
+    ApiRequest r;
+    ApiError e;
+    snprintf(buf, sizeof buf, "{\"model\":\"m\"%s,\"temperature\":null,\"stop\":null,\"tools\":null}", msg);
+    CHECK(parse(&r, API_KIND_CHAT, buf, &e) == ERR_OK);
+    CHECK_NEAR(r.temperature, 1, 0);
+    api_request_free(&r);
+}
+
+int main(void)
+{
+    test_valid_chat();
+    test_defaults_and_completion();
+    test_bad_inputs();
+    return check_exit();
+}

@@ -1,0 +1,108 @@
+/*
+ * test_gemm.c - kernels/gemm.cu (bf16 GEMV and the cuBLASLt GEMM) against kernels/ref/gemm_ref.c.
+ *
+ * Shapes: one chunk; rows not a multiple of the warp's rows; columns not a multiple of the
+ * warp's stride; every token count bucket; and GLM-5.2's decode shapes (fused q_a+kv_a, q_b,
+ * o_proj, the per-head W_UK^T / W_UV products, the router). Outputs are poisoned (NaN) first.
+ *
+ * Tolerance: an n-term fp32 dot product, in any order, is within about n * FLT_EPSILON *
+ * sum|terms| of the exact value; bf16 outputs add half an ulp (2^-9 relative, we allow 2^-8).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels/gemm.h"
+#include "kernels/ref/gemm_ref.h"
+#include "tests/gpu/gpu_util.h"
+
+static uint64_t rng = 42;
+
+static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int with_residual)
+{
+    const size_t nw = (size_t) n_mat * rows * cols, nx = (size_t) n_tok * n_mat * cols;
+    const size_t ny = (size_t) n_tok * n_mat * rows;
+    uint16_t *w = xmalloc(nw * 2), *x = xmalloc(nx * 2);
+    float *res = xmalloc(ny * 4), *want = xmalloc(ny * 4), *abs_ = xmalloc(ny * 4);
+    float *got = xmalloc(ny * 4), *tol = xmalloc(ny * 4);
+    fill_bf16(w, nw, &rng, -1.0f, 1.0f);
+    fill_bf16(x, nx, &rng, -2.0f, 2.0f);
+    fill_f32(res, ny, &rng, -4.0f, 4.0f);
+    gemm_bf16_gemv_ref(want, abs_, w, x, rows, cols, n_mat, n_tok);
+
+    uint16_t *d_w = gpu_upload(w, nw * 2), *d_x = gpu_upload(x, nx * 2);
+    float *d_res = with_residual ? gpu_upload(res, ny * 4) : NULL;
+    void *d_y = gpu_alloc_poisoned(ny * 4);
+    gemm_bf16_gemv(d_y, out, d_w, d_x, d_res, rows, cols, n_mat, n_tok, 0);
+    if (out == GEMM_OUT_F32) {
+        gpu_download(got, d_y, ny * 4);
+    } else {
+        uint16_t *gb = xmalloc(ny * 2);
+        gpu_download(gb, d_y, ny * 2);
+        for (size_t i = 0; i < ny; i++) got[i] = kern_bf16_to_f32(gb[i]);
+        free(gb);
+    }
+    for (size_t i = 0; i < ny; i++) {
+        if (with_residual) want[i] += res[i];
+        tol[i] = (float) ((cols + 8) * FLT_EPSILON * (abs_[i] + (with_residual ? fabsf(res[i]) : 0)));
+        if (out == GEMM_OUT_BF16) tol[i] += ldexpf(fabsf(want[i]), -8);
+    }
+    char name[96];
+    snprintf(name, sizeof name, "gemv %dx%d mats=%d tok=%d %s%s", rows, cols, n_mat, n_tok,
+             out == GEMM_OUT_F32 ? "f32" : "bf16", with_residual ? " +res" : "");
+    compare(name, got, want, tol, 0, ny, out == GEMM_OUT_F32 ? 1e-10 : 1e-4);
+    cudaFree(d_w);
+    cudaFree(d_x);
+    cudaFree(d_res);
+    cudaFree(d_y);
+    free(w), free(x), free(res), free(want), free(abs_), free(got), free(tol);
+}
+
+static void test_lt(int m, int n, int k, GemmLt *lt)
+{
+    uint16_t *x = xmalloc((size_t) m * k * 2), *w = xmalloc((size_t) n * k * 2);
+    float *want = xmalloc((size_t) m * n * 4), *abs_ = xmalloc((size_t) m * n * 4);
+    float *got = xmalloc((size_t) m * n * 4), *tol = xmalloc((size_t) m * n * 4);
+    fill_bf16(x, (size_t) m * k, &rng, -1.0f, 1.0f);
+    fill_bf16(w, (size_t) n * k, &rng, -1.0f, 1.0f);
+    // Y = X W^T is the GEMV with tokens = rows of X.
+    for (int i = 0; i < m; i++)
+        gemm_bf16_gemv_ref(want + (size_t) i * n, abs_ + (size_t) i * n, w, x + (size_t) i * k, n,
+                           k, 1, 1);
+    uint16_t *d_x = gpu_upload(x, (size_t) m * k * 2), *d_w = gpu_upload(w, (size_t) n * k * 2);
+    float *d_y = gpu_alloc_poisoned((size_t) m * n * 4);
+    gemm_bf16_lt(d_y, GEMM_OUT_F32, d_x, d_w, m, n, k, lt, 0);
+    gpu_download(got, d_y, (size_t) m * n * 4);
+    for (size_t i = 0; i < (size_t) m * n; i++) tol[i] = (float) ((k + 8) * FLT_EPSILON * abs_[i]);
+    char name[64];
+    snprintf(name, sizeof name, "cublasLt %dx%dx%d", m, n, k);
+    compare(name, got, want, tol, 0, (size_t) m * n, 1e-10);
+    cudaFree(d_x), cudaFree(d_w), cudaFree(d_y);
+    free(x), free(w), free(want), free(abs_), free(got), free(tol);
+}
+
+int main(void)
+{
+    test_gemv(1, 8, 1, 1, GEMM_OUT_F32, 0);
+    test_gemv(37, 72, 1, 3, GEMM_OUT_F32, 1);
+    test_gemv(129, 520, 1, 16, GEMM_OUT_BF16, 0);
+    test_gemv(300, 2056, 1, 5, GEMM_OUT_F32, 1);
+    test_gemv(16900, 64, 1, 2, GEMM_OUT_F32, 1);  // four rows per warp
+    test_gemv(16900, 64, 1, 9, GEMM_OUT_BF16, 0);
+    // GLM-5.2 decode shapes.
+    test_gemv(2048 + 576, 6144, 1, 1, GEMM_OUT_F32, 0);  // q_a + kv_a
+    test_gemv(64 * 256, 2048, 1, 4, GEMM_OUT_F32, 0);    // q_b
+    test_gemv(6144, 64 * 256, 1, 1, GEMM_OUT_F32, 1);    // o_proj + residual
+    test_gemv(512, 192, 64, 2, GEMM_OUT_F32, 0);         // q_nope -> latent (W_UK^T per head)
+    test_gemv(256, 512, 64, 8, GEMM_OUT_BF16, 0);        // latent -> v (W_UV per head)
+    test_gemv(156, 6144, 1, 16, GEMM_OUT_F32, 0);        // router logits
+
+    GemmLt lt = {0};
+    gemm_lt_init(&lt);
+    test_lt(64, 96, 128, &lt);
+    test_lt(300, 1024, 512, &lt);
+    test_lt(2048, 576, 6144, &lt);
+    gemm_lt_free(&lt);
+    return check_exit();
+}

@@ -1,0 +1,203 @@
+/*
+ * test_mla.c - kernels/mla.cu (cache append, query split, split-KV absorbed decode attention)
+ * against kernels/ref/mla_ref.c, for the fp8 and the bf16 cache.
+ *
+ * Pages are handed out in a shuffled order so that a wrong page-table walk cannot pass. The
+ * attention reference reads the same cache bytes the kernel read (downloaded after the append),
+ * so the quantization is not part of the attention bound; the append test bounds it separately:
+ * e4m3 keeps 3 mantissa bits (2^-4 relative error after rounding) down to its subnormal step
+ * (2^-9 * scale, half of it after rounding), bf16 keeps 8 (2^-9, we allow 2^-8).
+ *
+ * Attention bound: score errors are fp32 dot-product errors, delta = (576 + 16) * FLT_EPSILON *
+ * max_p sum|q k| * sm_scale; they change each softmax weight by at most a factor exp(2 delta),
+ * so the output moves by <= 2.2 delta * sum_p p |v|; the weighted sum adds (len + 16) *
+ * FLT_EPSILON * sum_p p |v|, and the final bf16 rounding 2^-8 |out|.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels/mla.h"
+#include "kernels/ref/mla_ref.h"
+#include "kernels/ref/norm_ref.h"
+#include "tests/gpu/gpu_util.h"
+
+#define CEIL_DIV_HOST(a, b) (((a) + (b) - 1) / (b))
+
+static uint64_t rng = 5;
+
+enum { H_MAX = 64 };
+
+static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
+                     const int *splits, int n_splits, int use_indices)
+{
+    const float theta = 8e6f, eps = 1e-5f, sm_scale = 1.0f / 16.0f;
+    int max_len = 0, total = 0;
+    for (int s = 0; s < n_seq; s++) {
+        max_len = lens[s] > max_len ? lens[s] : max_len;
+        total += lens[s];
+    }
+    const int max_blocks = CEIL_DIV_HOST(max_len, MLA_BLOCK);
+    const int n_blocks = n_seq * max_blocks;
+    int32_t *table = xmalloc((size_t) n_blocks * 4);
+    for (int i = 0; i < n_blocks; i++) table[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) {  // shuffle the pages
+        const int j = (int) (kern_rand_u64(&rng) % (uint64_t) (i + 1));
+        const int32_t tmp = table[i];
+        table[i] = table[j];
+        table[j] = tmp;
+    }
+    const size_t tb = mla_cache_token_bytes(type);
+    const size_t cache_bytes = (size_t) n_blocks * MLA_BLOCK * tb;
+
+    // Append every position of every sequence in one launch.
+    const int ckv_stride = MLA_LK + 3;
+    float *ckv = xmalloc((size_t) total * ckv_stride * 4), *norm_w = xmalloc(MLA_KV_LORA * 4);
+    int32_t *pos = xmalloc(total * 4), *seq = xmalloc(total * 4);
+    fill_f32(ckv, (size_t) total * ckv_stride, &rng, -2.0f, 2.0f);
+    fill_f32(norm_w, MLA_KV_LORA, &rng, 0.5f, 1.5f);
+    for (int s = 0, i = 0; s < n_seq; s++)
+        for (int p = 0; p < lens[s]; p++, i++) pos[i] = p, seq[i] = s;
+    MlaCache cache = {gpu_alloc_poisoned(cache_bytes), type, n_blocks};
+    float *d_ckv = gpu_upload(ckv, (size_t) total * ckv_stride * 4), *d_nw = gpu_upload(norm_w, MLA_KV_LORA * 4);
+    int32_t *d_pos = gpu_upload(pos, total * 4), *d_seq = gpu_upload(seq, total * 4);
+    int32_t *d_table = gpu_upload(table, (size_t) n_blocks * 4);
+    mla_cache_append(&cache, d_ckv, ckv_stride, d_nw, eps, theta, d_pos, d_seq, d_table,
+                     max_blocks, total, 0);
+    uint8_t *h_cache = xmalloc(cache_bytes);
+    gpu_download(h_cache, cache.data, cache_bytes);
+
+    float *want = xmalloc((size_t) total * MLA_LK * 4), *got = xmalloc((size_t) total * MLA_LK * 4);
+    float *tol = xmalloc((size_t) total * MLA_LK * 4);
+    mla_cache_append_ref(want, ckv, ckv_stride, norm_w, eps, theta, pos, total);
+    for (int i = 0; i < total; i++) {
+        const int blk = table[seq[i] * max_blocks + pos[i] / MLA_BLOCK];
+        mla_cache_read_ref(got + (size_t) i * MLA_LK, h_cache, type, blk, pos[i] % MLA_BLOCK);
+        for (int c = 0; c < MLA_LK; c++) {
+            const size_t o = (size_t) i * MLA_LK + c;
+            const float a = fabsf(want[o]);
+            if (type == MLA_CACHE_FP8 && c < MLA_KV_LORA) {
+                float amax = 0.0f;
+                for (int j = c / 128 * 128; j < c / 128 * 128 + 128; j++)
+                    amax = fmaxf(amax, fabsf(want[(size_t) i * MLA_LK + j]));
+                tol[o] = ldexpf(a, -4) + ldexpf(amax / 448.0f, -10) * 1.01f + 600 * FLT_EPSILON * a;
+            } else {
+                tol[o] = ldexpf(a, -8) + 600 * FLT_EPSILON * a + 16 * FLT_EPSILON * 4.0f;
+            }
+        }
+    }
+    char name[96];
+    snprintf(name, sizeof name, "mla append %s tokens=%d", type == MLA_CACHE_FP8 ? "fp8" : "bf16", total);
+    compare(name, got, want, tol, 0, (size_t) total * MLA_LK, type == MLA_CACHE_FP8 ? 1e-2 : 1e-4);
+
+    // One decode query per sequence.
+    const int n_tok = n_seq;
+    const size_t nq = (size_t) n_tok * n_heads;
+    float *q_lat = xmalloc(nq * MLA_KV_LORA * 4), *q_pe = xmalloc(nq * MLA_ROPE * 4);
+    fill_f32(q_lat, nq * MLA_KV_LORA, &rng, -0.5f, 0.5f);
+    fill_f32(q_pe, nq * MLA_ROPE, &rng, -1.0f, 1.0f);
+    int32_t *dec_seq = xmalloc(n_tok * 4), *kv_len = xmalloc(n_tok * 4);
+    const int idx_stride = max_len;
+    int32_t *indices = xmalloc((size_t) n_tok * idx_stride * 4);
+    for (int t = 0; t < n_tok; t++) {
+        dec_seq[t] = t;
+        kv_len[t] = lens[t];
+        if (use_indices) {  // every other position, in scrambled order
+            int n = 0;
+            for (int p = lens[t] - 1; p >= 0; p -= 2) indices[(size_t) t * idx_stride + n++] = p;
+            kv_len[t] = n;
+        }
+    }
+    float *out_want = xmalloc(nq * MLA_KV_LORA * 4), *out_abs = xmalloc(nq * MLA_KV_LORA * 4);
+    float *score_abs = xmalloc(nq * 4), *out_got = xmalloc(nq * MLA_KV_LORA * 4);
+    float *tol2 = xmalloc(nq * MLA_KV_LORA * 4);
+    uint16_t *ob = xmalloc(nq * MLA_KV_LORA * 2);
+    mla_decode_ref(out_want, out_abs, score_abs, q_lat, q_pe, h_cache, type, table, max_blocks,
+                   dec_seq, kv_len, use_indices ? indices : NULL, idx_stride, n_tok, n_heads,
+                   sm_scale);
+    float *d_ql = gpu_upload(q_lat, nq * MLA_KV_LORA * 4), *d_qp = gpu_upload(q_pe, nq * MLA_ROPE * 4);
+    int32_t *d_dseq = gpu_upload(dec_seq, n_tok * 4), *d_len = gpu_upload(kv_len, n_tok * 4);
+    int32_t *d_idx = gpu_upload(indices, (size_t) n_tok * idx_stride * 4);
+    for (int si = 0; si < n_splits; si++) {
+        const int n_split = splits[si];
+        float *ws_o = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * MLA_KV_LORA * 4);
+        float *ws_ml = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * 2 * 4);
+        uint16_t *d_out = gpu_alloc_poisoned(nq * MLA_KV_LORA * 2);
+        mla_decode(d_out, d_ql, d_qp, &cache, d_table, max_blocks, d_dseq, d_len,
+                   use_indices ? d_idx : NULL, idx_stride, n_tok, n_heads, sm_scale, n_split,
+                   ws_o, ws_ml, 0);
+        gpu_download(ob, d_out, nq * MLA_KV_LORA * 2);
+        for (size_t i = 0; i < nq * MLA_KV_LORA; i++) {
+            const size_t th = i / MLA_KV_LORA;
+            const int len = kv_len[th / n_heads];
+            const double delta = (MLA_LK + 16) * FLT_EPSILON * score_abs[th];
+            out_got[i] = kern_bf16_to_f32(ob[i]);
+            tol2[i] = (float) (out_abs[i] * (2.2 * delta + (len + 16) * FLT_EPSILON)
+                               + ldexp(fabs(out_want[i]), -8));
+        }
+        snprintf(name, sizeof name, "mla decode %s H=%d len0=%d split=%d%s",
+                 type == MLA_CACHE_FP8 ? "fp8" : "bf16", n_heads, lens[0], n_split,
+                 use_indices ? " indexed" : "");
+        compare(name, out_got, out_want, tol2, 0, nq * MLA_KV_LORA, 1e-4);
+        cudaFree(ws_o), cudaFree(ws_ml), cudaFree(d_out);
+    }
+    cudaFree(cache.data), cudaFree(d_ckv), cudaFree(d_nw), cudaFree(d_pos), cudaFree(d_seq);
+    cudaFree(d_table), cudaFree(d_ql), cudaFree(d_qp), cudaFree(d_dseq), cudaFree(d_len), cudaFree(d_idx);
+    free(table), free(ckv), free(norm_w), free(pos), free(seq), free(h_cache), free(want), free(got);
+    free(tol), free(q_lat), free(q_pe), free(dec_seq), free(kv_len), free(indices), free(out_want);
+    free(out_abs), free(score_abs), free(out_got), free(tol2), free(ob);
+}
+
+static void test_q_split(int n_tok, int n_heads)
+{
+    const float theta = 8e6f;
+    const size_t n = (size_t) n_tok * n_heads * 256;
+    float *q = xmalloc(n * 4), *want = xmalloc(n * 4);
+    int32_t *pos = xmalloc(n_tok * 4);
+    fill_f32(q, n, &rng, -2.0f, 2.0f);
+    for (int t = 0; t < n_tok; t++) pos[t] = (int32_t) (kern_rand_u64(&rng) % 300000);
+    memcpy(want, q, n * 4);
+    rope_interleaved_ref(want, pos, n_tok, n_heads, 256, 192, 64, theta);
+    float *d_q = gpu_upload(q, n * 4);
+    int32_t *d_pos = gpu_upload(pos, n_tok * 4);
+    uint16_t *d_nope = gpu_alloc_poisoned((size_t) n_tok * n_heads * 192 * 2);
+    float *d_pe = gpu_alloc_poisoned((size_t) n_tok * n_heads * 64 * 4);
+    mla_q_split(d_nope, d_pe, d_q, d_pos, n_tok, n_heads, theta, 0);
+    uint16_t *nope = xmalloc((size_t) n_tok * n_heads * 192 * 2);
+    float *pe = xmalloc((size_t) n_tok * n_heads * 64 * 4);
+    gpu_download(nope, d_nope, (size_t) n_tok * n_heads * 192 * 2);
+    gpu_download(pe, d_pe, (size_t) n_tok * n_heads * 64 * 4);
+    float *got = xmalloc(n * 4), *tol = xmalloc(n * 4);
+    for (size_t th = 0; th < (size_t) n_tok * n_heads; th++) {
+        for (int c = 0; c < 256; c++) {
+            const size_t o = th * 256 + c;
+            if (c < 192) {
+                got[o] = kern_bf16_to_f32(nope[th * 192 + c]);
+                want[o] = kern_round_bf16(q[o]);
+                tol[o] = 0.0f;  // exactly the bf16 rounding
+            } else {
+                got[o] = pe[th * 64 + c - 192];
+                tol[o] = 8 * FLT_EPSILON * 4.0f;
+            }
+        }
+    }
+    compare("mla q_split", got, want, tol, 0, n, 1e-12);
+    cudaFree(d_q), cudaFree(d_pos), cudaFree(d_nope), cudaFree(d_pe);
+    free(q), free(want), free(pos), free(nope), free(pe), free(got), free(tol);
+}
+
+int main(void)
+{
+    const int one[] = {1}, few[] = {1, 3, 16}, glm[] = {1, 4, 13, 64};
+    const int lens_a[] = {1, 17, 129};
+    const int lens_b[] = {1000, 4100};
+    const int lens_c[] = {300};
+    test_q_split(3, 64);
+    test_mla(MLA_CACHE_FP8, 3, lens_a, 16, few, 3, 0);
+    test_mla(MLA_CACHE_BF16, 3, lens_a, 32, few, 3, 0);
+    test_mla(MLA_CACHE_FP8, 2, lens_b, 64, glm, 4, 0);   // GLM: 64 heads, 1K and 4K context
+    test_mla(MLA_CACHE_FP8, 2, lens_b, 64, few, 2, 1);   // DSA-selected positions
+    test_mla(MLA_CACHE_BF16, 1, lens_c, 64, one, 1, 1);
+    return check_exit();
+}

@@ -1,0 +1,177 @@
+/*
+ * test_moe.c - kernels/moe.cu (fused router, NVFP4 expert gate/up + SwiGLU, expert down +
+ * weighted sum + residual) against kernels/ref/moe_ref.c.
+ *
+ * Router: the GPU computes sigmoid in fp32, the reference in double, so selections may differ
+ * only between experts whose choice scores are within 1e-6; the test accepts the GPU's choice
+ * iff it is a valid top-k of the reference scores up to that slack, in descending order, and
+ * its weights match the reference formula on the GPU's own selection (1e-5 relative).
+ * Shapes: GLM's 156 experts top-8 (one group), 256 experts with 8 groups keeping 4 (DeepSeek),
+ * and a 1-expert edge case.
+ *
+ * Experts: w13 is checked per output against a bound derived from the fp32 error of the gate
+ * and up sums ((hidden + 64) * FLT_EPSILON * sum|terms| each) pushed through SiLU(g) * u, plus
+ * the bf16 rounding. w2 is checked with the GPU's own bf16 activations as the reference input,
+ * so its bound is the fp32 one: (k * inter + 64) * FLT_EPSILON * sum|terms| (+ residual).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels/moe.h"
+#include "kernels/ref/moe_ref.h"
+#include "tests/gpu/gpu_util.h"
+
+static uint64_t rng = 11;
+
+static void test_route(int n_tok, int n_experts, int k, int n_group, int topk_group)
+{
+    const float scale = 2.5f;
+    float *logits = xmalloc((size_t) n_tok * n_experts * 4), *bias = xmalloc(n_experts * 4);
+    fill_f32(logits, (size_t) n_tok * n_experts, &rng, -4.0f, 4.0f);
+    fill_f32(bias, n_experts, &rng, -0.1f, 0.1f);
+    int32_t *idx_ref = xmalloc((size_t) n_tok * k * 4), *idx = xmalloc((size_t) n_tok * k * 4);
+    float *w_ref = xmalloc((size_t) n_tok * k * 4), *w = xmalloc((size_t) n_tok * k * 4);
+    double *choice = xmalloc((size_t) n_tok * n_experts * 8);
+    moe_route_ref(idx_ref, w_ref, choice, logits, bias, n_tok, n_experts, k, n_group, topk_group,
+                  scale);
+    float *d_logits = gpu_upload(logits, (size_t) n_tok * n_experts * 4);
+    float *d_bias = gpu_upload(bias, n_experts * 4);
+    int32_t *d_idx = gpu_alloc_poisoned((size_t) n_tok * k * 4);
+    float *d_w = gpu_alloc_poisoned((size_t) n_tok * k * 4);
+    moe_route(d_idx, d_w, d_logits, d_bias, n_tok, n_experts, k, n_group, topk_group, scale, 0);
+    gpu_download(idx, d_idx, (size_t) n_tok * k * 4);
+    gpu_download(w, d_w, (size_t) n_tok * k * 4);
+
+    int bad = 0, same = 0;
+    for (int t = 0; t < n_tok && bad < 5; t++) {
+        const double *c = choice + (size_t) t * n_experts;
+        const int32_t *sel = idx + (size_t) t * k;
+        char *picked = calloc((size_t) n_experts, 1);
+        double sum = 0.0, min_sel = INFINITY, max_rest = -INFINITY;
+        int ok = 1;
+        for (int j = 0; j < k; j++) {
+            if (sel[j] < 0 || sel[j] >= n_experts || picked[sel[j]] || c[sel[j]] == -INFINITY) {
+                ok = 0;
+                break;
+            }
+            picked[sel[j]] = 1;
+            if (j > 0 && c[sel[j]] > c[sel[j - 1]] + 1e-6) ok = 0;
+            sum += 1.0 / (1.0 + exp(-(double) logits[(size_t) t * n_experts + sel[j]]));
+            if (c[sel[j]] < min_sel) min_sel = c[sel[j]];
+        }
+        for (int e = 0; ok && e < n_experts; e++)
+            if (!picked[e] && c[e] > max_rest) max_rest = c[e];
+        if (ok && min_sel < max_rest - 1e-6) ok = 0;
+        for (int j = 0; ok && j < k; j++) {
+            const double s = 1.0 / (1.0 + exp(-(double) logits[(size_t) t * n_experts + sel[j]]));
+            const double want = s / (sum + 1e-20) * scale;
+            if (!(fabs(w[(size_t) t * k + j] - want) <= 1e-5 * want + 1e-7)) ok = 0;
+        }
+        same += !memcmp(sel, idx_ref + (size_t) t * k, (size_t) k * 4);
+        if (!ok) {
+            fprintf(stderr, "route token %d: invalid selection or weights\n", t);
+            bad++;
+        }
+        free(picked);
+    }
+    printf("route n_tok=%d E=%d k=%d groups=%d/%d: %d invalid, %d/%d identical to reference\n",
+           n_tok, n_experts, k, topk_group, n_group, bad, same, n_tok);
+    CHECK(bad == 0);
+    cudaFree(d_logits), cudaFree(d_bias), cudaFree(d_idx), cudaFree(d_w);
+    free(logits), free(bias), free(idx_ref), free(idx), free(w_ref), free(w), free(choice);
+}
+
+static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
+{
+    const size_t n13 = (size_t) n_experts * 2 * inter * hidden, n2 = (size_t) n_experts * hidden * inter;
+    uint8_t *q13 = xmalloc(n13 / 2), *s13 = xmalloc(n13 / 16), *q2 = xmalloc(n2 / 2), *s2 = xmalloc(n2 / 16);
+    float *g13 = xmalloc(n_experts * 2 * 4), *g2 = xmalloc(n_experts * 4);
+    fill_bytes(q13, n13 / 2, &rng);
+    fill_bytes(q2, n2 / 2, &rng);
+    for (size_t i = 0; i < n13 / 16; i++) s13[i] = random_e4m3_scale(&rng);
+    for (size_t i = 0; i < n2 / 16; i++) s2[i] = random_e4m3_scale(&rng);
+    fill_f32(g13, n_experts * 2, &rng, 0.001f, 0.004f);
+    fill_f32(g2, n_experts, &rng, 0.001f, 0.004f);
+    const int n_pairs = n_tok * k;
+    uint16_t *x = xmalloc((size_t) n_tok * hidden * 2);
+    fill_bf16(x, (size_t) n_tok * hidden, &rng, -1.0f, 1.0f);
+    int32_t *idx = xmalloc(n_pairs * 4);
+    float *w = xmalloc(n_pairs * 4), *res = xmalloc((size_t) n_tok * hidden * 4);
+    for (int t = 0; t < n_tok; t++) {
+        for (int j = 0; j < k; j++) {
+            int e, dup;
+            do {  // distinct experts per token, as the router guarantees
+                e = (int) (kern_rand_u64(&rng) % (uint64_t) n_experts);
+                dup = 0;
+                for (int i = 0; i < j; i++) dup |= idx[t * k + i] == e;
+            } while (dup);
+            idx[t * k + j] = e;
+            w[t * k + j] = kern_rand_uniform(&rng, 0.05f, 0.5f);
+        }
+    }
+    fill_f32(res, (size_t) n_tok * hidden, &rng, -1.0f, 1.0f);
+
+    MoeExperts ex = {gpu_upload(q13, n13 / 2), gpu_upload(s13, n13 / 16), gpu_upload(g13, n_experts * 8),
+                     gpu_upload(q2, n2 / 2), gpu_upload(s2, n2 / 16), gpu_upload(g2, n_experts * 4),
+                     n_experts, hidden, inter};
+    uint16_t *d_x = gpu_upload(x, (size_t) n_tok * hidden * 2);
+    int32_t *d_idx = gpu_upload(idx, n_pairs * 4);
+    float *d_w = gpu_upload(w, n_pairs * 4);
+    float *d_res = gpu_upload(res, (size_t) n_tok * hidden * 4);
+    uint16_t *d_act = gpu_alloc_poisoned((size_t) n_pairs * inter * 2);
+    float *d_out = gpu_alloc_poisoned((size_t) n_tok * hidden * 4);
+    moe_experts_w13(d_act, &ex, d_x, d_idx, n_tok, k, 0);
+    moe_experts_w2(d_out, &ex, d_act, d_idx, d_w, d_res, n_tok, k, 0);
+
+    // w13 + SwiGLU.
+    const size_t na = (size_t) n_pairs * inter;
+    float *act_want = xmalloc(na * 4), *g = xmalloc(na * 4), *u = xmalloc(na * 4);
+    float *ga = xmalloc(na * 4), *ua = xmalloc(na * 4), *act_got = xmalloc(na * 4), *tol = xmalloc(na * 4);
+    uint16_t *act_b = xmalloc(na * 2);
+    moe_w13_ref(act_want, g, u, ga, ua, q13, s13, g13, x, idx, n_tok, k, hidden, inter);
+    gpu_download(act_b, d_act, na * 2);
+    for (size_t i = 0; i < na; i++) {
+        act_got[i] = kern_bf16_to_f32(act_b[i]);
+        const double eg = (hidden + 64) * FLT_EPSILON * ga[i], eu = (hidden + 64) * FLT_EPSILON * ua[i];
+        const double sg = g[i] / (1.0 + exp(-(double) g[i]));
+        tol[i] = (float) (1.1 * eg * (fabs(u[i]) + eu) + fabs(sg) * eu + ldexp(fabs(act_want[i]), -8)
+                          + 16 * FLT_EPSILON * fabs(act_want[i]));
+    }
+    char name[96];
+    snprintf(name, sizeof name, "moe w13 E=%d %dx%d tok=%d k=%d", n_experts, hidden, inter, n_tok, k);
+    compare(name, act_got, act_want, tol, 0, na, 1e-4);
+
+    // w2 + weighted sum + residual, from the GPU's activations.
+    const size_t no = (size_t) n_tok * hidden;
+    float *out_want = xmalloc(no * 4), *out_abs = xmalloc(no * 4), *out_got = xmalloc(no * 4);
+    float *tol2 = xmalloc(no * 4);
+    moe_w2_ref(out_want, out_abs, q2, s2, g2, act_b, idx, w, n_tok, k, hidden, inter);
+    gpu_download(out_got, d_out, no * 4);
+    for (size_t i = 0; i < no; i++) {
+        out_want[i] += res[i];
+        tol2[i] = (float) (((size_t) k * inter + 64) * FLT_EPSILON * (out_abs[i] + fabsf(res[i])));
+    }
+    snprintf(name, sizeof name, "moe w2 E=%d %dx%d tok=%d k=%d", n_experts, hidden, inter, n_tok, k);
+    compare(name, out_got, out_want, tol2, 0, no, 1e-10);
+
+    cudaFree((void *) ex.q13), cudaFree((void *) ex.s13), cudaFree((void *) ex.g13);
+    cudaFree((void *) ex.q2), cudaFree((void *) ex.s2), cudaFree((void *) ex.g2);
+    cudaFree(d_x), cudaFree(d_idx), cudaFree(d_w), cudaFree(d_res), cudaFree(d_act), cudaFree(d_out);
+    free(q13), free(s13), free(q2), free(s2), free(g13), free(g2), free(x), free(idx), free(w);
+    free(res), free(act_want), free(g), free(u), free(ga), free(ua), free(act_got), free(tol);
+    free(act_b), free(out_want), free(out_abs), free(out_got), free(tol2);
+}
+
+int main(void)
+{
+    test_route(1, 1, 1, 1, 1);
+    test_route(37, 156, 8, 1, 1);   // GLM-5.2-REAP
+    test_route(16, 256, 8, 8, 4);   // DeepSeek-V3 style group limit
+    test_route(5, 33, 3, 1, 1);
+    test_experts(5, 64, 64, 3, 2);
+    test_experts(9, 96, 160, 4, 3);
+    test_experts(12, 6144, 2048, 2, 8);  // GLM shapes, 12 experts in memory
+    return check_exit();
+}

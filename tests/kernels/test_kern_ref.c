@@ -1,0 +1,129 @@
+/*
+ * test_kern_ref.c - the number-format helpers and the small references that CPU tests can pin
+ * to hand-computed values: bf16 and e4m3 rounding, the router's selection and weights, the
+ * top-k tie rule, and RoPE's pair rotation.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels/nvfp4_format.h"
+#include "kernels/ref/dsa_ref.h"
+#include "kernels/ref/kern_ref.h"
+#include "kernels/ref/moe_ref.h"
+#include "kernels/ref/norm_ref.h"
+#include "tests/check.h"
+
+static void test_bf16(void)
+{
+    CHECK(kern_f32_to_bf16(1.0f) == 0x3f80);
+    CHECK(kern_f32_to_bf16(-2.0f) == 0xc000);
+    CHECK(kern_bf16_to_f32(0x3fc0) == 1.5f);
+    // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0).
+    CHECK(kern_f32_to_bf16(1.0f + 0x1p-8f) == 0x3f80);
+    CHECK(kern_f32_to_bf16(1.0f + 0x1p-8f + 0x1p-20f) == 0x3f81);
+    CHECK(kern_f32_to_bf16(1.0f + 3 * 0x1p-8f) == 0x3f82);  // tie, odd below: round up
+    CHECK(isnan(kern_bf16_to_f32(kern_f32_to_bf16(NAN))));
+}
+
+static void test_e4m3(void)
+{
+    // Every finite code decodes and encodes back to itself.
+    int round_trip = 1;
+    for (int c = 0; c < 256; c++) {
+        if ((c & 0x7f) == 0x7f) continue;  // NaN encodings
+        const float f = kern_e4m3_to_f32((uint8_t) c);
+        const uint8_t back = kern_f32_to_e4m3(f);
+        if (back != c && !(f == 0.0f && (back & 0x7f) == 0)) round_trip = 0;
+    }
+    CHECK(round_trip);
+    CHECK(kern_f32_to_e4m3(448.0f) == 0x7e);
+    CHECK(kern_f32_to_e4m3(1e6f) == 0x7e);  // saturates
+    CHECK(kern_f32_to_e4m3(-1e6f) == 0xfe);
+    CHECK(kern_f32_to_e4m3(1.0f) == 0x38);
+    CHECK(kern_f32_to_e4m3(1.0625f) == 0x38);  // halfway 1 .. 1.125: ties to even code 0x38
+    CHECK(kern_f32_to_e4m3(1.1875f) == 0x3a);  // halfway 1.125 .. 1.25: even code 0x3a
+    CHECK(kern_f32_to_e4m3(0x1p-10f) == 0x00);  // half the smallest subnormal: ties to even 0
+    CHECK(kern_f32_to_e4m3(0x1p-9f) == 0x01);
+}
+
+static void test_route(void)
+{
+    // 4 experts, top-2, one group. logits 0 -> s = 0.5; bias lifts expert 3 above expert 1.
+    const float logits[4] = {0.0f, 2.0f, -1.0f, 1.0f};
+    const float bias[4] = {0.0f, 0.0f, 0.0f, 0.5f};
+    int32_t idx[2];
+    float w[2];
+    moe_route_ref(idx, w, NULL, logits, bias, 1, 4, 2, 1, 1, 2.5f);
+    const double s1 = 1.0 / (1.0 + exp(-2.0)), s3 = 1.0 / (1.0 + exp(-1.0));
+    // choice: e0 0.5, e1 0.881, e2 0.269, e3 1.231 -> picks 3, then 1; weights use s, not choice.
+    CHECK(idx[0] == 3 && idx[1] == 1);
+    CHECK_NEAR(w[0], s3 / (s1 + s3) * 2.5, 1e-6);
+    CHECK_NEAR(w[1], s1 / (s1 + s3) * 2.5, 1e-6);
+
+    // Group limit: 4 experts in 2 groups, keep 1 group. Group 0 = {0,1}, group 1 = {2,3}.
+    // Group scores (sum of top-2 choices): g0 = s(3)+s(-3) = 1.0, g1 = s(2)+s(1.5) = 1.70.
+    const float lg2[4] = {3.0f, -3.0f, 2.0f, 1.5f};
+    const float zero[4] = {0, 0, 0, 0};
+    moe_route_ref(idx, w, NULL, lg2, zero, 1, 4, 2, 2, 1, 1.0f);
+    CHECK(idx[0] == 2 && idx[1] == 3);  // expert 0 has the best score but its group is out
+}
+
+static void test_topk_ties(void)
+{
+    const float sc[6] = {1.0f, 3.0f, 1.0f, 3.0f, 1.0f, 2.0f};
+    const int32_t len[1] = {6};
+    int32_t idx[4], n[1];
+    dsa_topk_ref(idx, n, sc, 6, len, 1, 4);
+    // 3 (pos 1), 3 (pos 3), 2 (pos 5), then the first 1 (pos 0); ascending positions.
+    CHECK(n[0] == 4);
+    CHECK(idx[0] == 0 && idx[1] == 1 && idx[2] == 3 && idx[3] == 5);
+    const int32_t short_len[1] = {3};
+    dsa_topk_ref(idx, n, sc, 6, short_len, 1, 4);
+    CHECK(n[0] == 3 && idx[0] == 0 && idx[1] == 1 && idx[2] == 2);
+}
+
+static void test_rope(void)
+{
+    // Position 1, theta 1: pair 0 rotates by 1 radian, pair 1 by theta^(-1/2) = 1 radian too.
+    float x[4] = {1.0f, 0.0f, 0.0f, 2.0f};
+    const int32_t pos[1] = {1};
+    rope_interleaved_ref(x, pos, 1, 1, 4, 0, 4, 1.0f);
+    CHECK_NEAR(x[0], cos(1.0), 1e-7);
+    CHECK_NEAR(x[1], sin(1.0), 1e-7);
+    CHECK_NEAR(x[2], -2.0 * sin(1.0), 1e-6);
+    CHECK_NEAR(x[3], 2.0 * cos(1.0), 1e-6);
+    // Position 0 is the identity.
+    float y[4] = {0.25f, -1.0f, 3.0f, 0.5f};
+    const int32_t p0[1] = {0};
+    rope_interleaved_ref(y, p0, 1, 1, 4, 0, 4, 8e6f);
+    CHECK(y[0] == 0.25f && y[1] == -1.0f && y[2] == 3.0f && y[3] == 0.5f);
+}
+
+static void test_norms(void)
+{
+    const float x[4] = {2.0f, -2.0f, 2.0f, -2.0f}, w[4] = {1.0f, 2.0f, 1.0f, 1.0f};
+    const float b[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+    float out[4];
+    norm_rms_ref(out, x, w, 0.0f, 1, 4, 4);
+    CHECK_NEAR(out[0], 1.0, 1e-7);
+    CHECK_NEAR(out[1], -2.0, 1e-7);
+    norm_layer_ref(out, x, w, b, 0.0f, 1, 4, 4);
+    CHECK_NEAR(out[0], 1.5, 1e-7);
+    CHECK_NEAR(out[1], -1.5, 1e-7);
+    float act[1];
+    const float gu[2] = {1.0f, 3.0f};
+    act_silu_mul_ref(act, gu, 1, 1);
+    CHECK_NEAR(act[0], 3.0 / (1.0 + exp(-1.0)), 1e-6);
+}
+
+int main(void)
+{
+    test_bf16();
+    test_e4m3();
+    test_route();
+    test_topk_ties();
+    test_rope();
+    test_norms();
+    return check_exit();
+}

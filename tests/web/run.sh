@@ -1,0 +1,58 @@
+#!/bin/bash
+# run.sh - run the browser tests of the web UI (tests/web/ui_test.mjs) in headless chromium.
+#
+#   tests/web/run.sh            against a throwaway real stack: ops/devstack with its own var/
+#                               in /tmp, free loopback ports and the binaries of the build under
+#                               test ($GLMSPARK_BIN_DIR); stopped and deleted afterwards
+#   tests/web/run.sh --mock     against tests/web/mock_api.mjs (no build needed; also covers a
+#                               full queue and a failed job, which the real stack cannot force)
+#
+# Screenshots land in tests/web/screenshots/{stack,mock}/ (git-ignored). Needs node, npm
+# (playwright-core from tests/package.json) and Debian's chromium (ops/install-deps.sh).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+src=${GLMSPARK_SOURCE_DIR:-$(cd "$here/../.." && pwd)}
+mode=${1:-stack}
+command -v node >/dev/null || { echo "run.sh: node is required" >&2; exit 1; }
+chromium=${GLMSPARK_CHROMIUM:-/usr/bin/chromium}
+[ -x "$chromium" ] || { echo "run.sh: $chromium not found (apt-get install chromium)" >&2; exit 1; }
+[ -d "$src/tests/node_modules/playwright-core" ] \
+    || (cd "$src/tests" && npm install --no-audit --no-fund >&2)
+mkdir -p "$here/screenshots"
+
+if [ "$mode" = --mock ]; then
+    unset GLMSPARK_WEB_URL
+    exec node --test --test-concurrency=1 --test-reporter=spec "$here/ui_test.mjs"
+fi
+
+bin=${GLMSPARK_BIN_DIR:?set GLMSPARK_BIN_DIR to the bin/ folder of a build (ctest does)}
+free_port() { node -e "const s=require('net').createServer().listen(0,'127.0.0.1',()=>{console.log(s.address().port);s.close()})"; }
+var=$(mktemp -d /tmp/glmspark-web.XXXXXX)
+chmod 755 "$var"
+export GLMSPARK_VAR=$var GLMSPARK_BUILD=$(dirname "$bin") GLMSPARK_SKIP_DEPS=1 GLMSPARK_SKIP_BUILD=1
+export GLMSPARK_HTTPS_PORT=$(free_port) GLMSPARK_HTTP_PORT=$(free_port)
+# A steady pace, so that a test can reload or cut the connection while a job streams.
+export GLMSPARK_ENGINE_ARGS="--step-delay-ms ${GLMSPARK_STEP_DELAY_MS:-25}"
+devstack=$src/ops/devstack
+cleanup() {
+    local rc=$?
+    if [ $rc -ne 0 ]; then
+        for c in engine fcgi nginx; do echo "== $c log" >&2; "$devstack" logs $c 2>/dev/null | tail -30 >&2 || true; done
+    fi
+    "$devstack" down >/dev/null 2>&1 || true
+    rm -rf "$var"
+    exit $rc
+}
+trap cleanup EXIT
+
+out=$("$devstack" up)
+db="host=$var/pg/run dbname=glmspark user=postgres"
+key() { "$bin/glmspark" keys create --db "$db" "$@" 2>/dev/null; }
+export GLMSPARK_WEB_URL=$(echo "$out" | sed -n 's/^URL=//p')
+export GLMSPARK_WEB_ADMIN_KEY=$(echo "$out" | sed -n 's/^API_KEY=//p')
+export GLMSPARK_WEB_KEY=$(key --name web-user)
+export GLMSPARK_WEB_RPM_KEY=$(key --name web-rpm1 --rpm 1)
+# Restarting fcgi cuts every open event stream: the "dropped connection" test.
+export GLMSPARK_WEB_DROP_CMD="$devstack restart fcgi"
+[ -n "$GLMSPARK_WEB_URL" ] && [ -n "$GLMSPARK_WEB_KEY" ] || { echo "run.sh: devstack gave no URL or key" >&2; exit 1; }
+node --test --test-concurrency=1 --test-reporter=spec "$here/ui_test.mjs"
