@@ -6,8 +6,11 @@
  * (which also validates its scales) and checks that each layer has the tensors its config
  * promises with the right shapes, then prints the architecture, the per-layer structure,
  * the storage format and bytes per tensor class and per layer. With --touch it also reads
- * every byte once and reports the load rate (ckpt_open + touch). Exit status 1 with the
- * reason on stderr when anything is wrong.
+ * every byte once and reports the load rate (ckpt_open + touch). With --pp N it prints the
+ * pipeline split (pp.h): layers, weight bytes, KV room and the longest context per rank,
+ * for --mem bytes per rank (default 121G) at --mem-util (default 0.9), the KV cache at
+ * --context positions (default max_position_embeddings) in --kv-bytes bytes per value
+ * (default 1: fp8). Exit status 1 with the reason on stderr when anything is wrong.
  */
 #include "cli.h"
 
@@ -19,6 +22,7 @@
 #include "checkpoint.h"
 #include "config.h"
 #include "mkmodel.h"
+#include "pp.h"
 
 // ---------------------------------------------------------------------------
 // Tensor classes
@@ -276,7 +280,8 @@ static void print_config(const ModelConfig *c)
 
 static int usage_inspect(void)
 {
-    fprintf(stderr, "usage: glmspark inspect --model DIR [--touch]\n"
+    fprintf(stderr, "usage: glmspark inspect --model DIR [--touch] [--pp N [--mem 121G] "
+                    "[--mem-util 0.9] [--context N] [--kv-bytes 1]]\n"
                     "  --touch  read every tensor byte once and report the load rate\n");
     return 2;
 }
@@ -285,11 +290,29 @@ int cli_inspect(int argc, char **argv)
 {
     const char *dir = NULL;
     bool touch = false;
+    int pp = 0, context = 0, kv_bytes = 1;
+    uint64_t mem = 121ull << 30;
+    double mem_util = 0.9;
     for (int i = 1; i < argc; i++) {
+        char *end = NULL;
         if (!strcmp(argv[i], "--model") && i + 1 < argc) {
             dir = argv[++i];
         } else if (!strcmp(argv[i], "--touch")) {
             touch = true;
+        } else if (!strcmp(argv[i], "--pp") && i + 1 < argc) {
+            pp = (int) strtol(argv[++i], &end, 10);
+            if (*end || pp < 1 || pp > PP_MAX_WORLD) return usage_inspect();
+        } else if (!strcmp(argv[i], "--context") && i + 1 < argc) {
+            context = (int) strtol(argv[++i], &end, 10);
+            if (*end || context < 1) return usage_inspect();
+        } else if (!strcmp(argv[i], "--kv-bytes") && i + 1 < argc) {
+            kv_bytes = (int) strtol(argv[++i], &end, 10);
+            if (*end || (kv_bytes != 1 && kv_bytes != 2 && kv_bytes != 4)) return usage_inspect();
+        } else if (!strcmp(argv[i], "--mem") && i + 1 < argc) {
+            if (!pp_parse_bytes(argv[++i], &mem)) return usage_inspect();
+        } else if (!strcmp(argv[i], "--mem-util") && i + 1 < argc) {
+            mem_util = strtod(argv[++i], &end);
+            if (*end || !(mem_util > 0 && mem_util <= 1)) return usage_inspect();
         } else {
             return usage_inspect();
         }
@@ -372,6 +395,40 @@ int cli_inspect(int argc, char **argv)
     }
     printf("\ntotal          %zu bytes (%.3f GB) in %d tensors, %d shards\n", total,
            (double) total / 1e9, ck.n_tensors, ck.n_shards);
+    if (pp > 0) {
+        if (!context)
+            context = cfg->max_position_embeddings > 0 ? cfg->max_position_embeddings : 4096;
+        PpPlan plan;
+        if (pp_plan_model(dir, cfg, pp, mem, mem_util, context, kv_bytes, &plan)) {
+            fprintf(stderr,
+                    "glmspark inspect: cannot split \"%s\" over %d ranks (see the message "
+                    "above)\n",
+                    dir, pp);
+            goto done;
+        }
+        printf("\npipeline       %d ranks, %.1f GiB each at %.2f, KV cache for %d positions "
+               "(%d byte values)\n",
+               pp, mem / 1073741824.0, mem_util, context, kv_bytes);
+        printf("rank  layers        n   weights (GiB)  kv room (GiB)  longest context\n");
+        for (int r = 0; r < pp; r++) {
+            const PpRankPlan *p = &plan.ranks[r];
+            char range[32];
+            snprintf(range, sizeof range, "[%d, %d)", p->first_layer, p->last_layer);
+            printf("%-5d %-13s %-3d %-14.2f %-14.2f %lld%s\n", r, range,
+                   p->last_layer - p->first_layer, p->weight_bytes / 1073741824.0,
+                   p->kv_room_bytes / 1073741824.0, (long long) p->max_context,
+                   r == 0 && pp > 1 ? "  + embeddings"
+                   : r == pp - 1    ? (pp > 1 ? "  + norm, lm_head, MTP" : "  (whole model)")
+                                    : "");
+        }
+        if (!plan.fits) {
+            fprintf(stderr,
+                    "glmspark inspect: the model does not fit %d ranks of %.1f GiB with a "
+                    "%d-position KV cache\n",
+                    pp, mem / 1073741824.0, context);
+            goto done;
+        }
+    }
     if (touch) {
         // CPU time next to wall time: on a shared machine the wall figure mostly measures
         // the other tenants.

@@ -12,10 +12,18 @@
  *     [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]
  *     [--kv-dtype f32|bf16]
  * --kv-dtype chooses the KV cache storage (default f32, exact; bf16 halves it).
+ * --backend cuda runs the ops on GPU 0 (backend_cuda.h; builds with CUDA only), cpu is the
+ * default.
  *     Prefill, then decode token by token; prints the generated ids space-separated on one
  *     line and stops at an eos id unless --ignore-eos. Load time, prefill and decode tok/s
  *     go to stderr at info level.
  * Threads default to GLMSPARK_THREADS or the number of online CPUs.
+ *
+ * Pipeline parallelism (pp.h): --pp N starts N local ranks of this command (fork/exec) and
+ * gives the same output as the single-rank form. Each rank (--rank R --world N --master
+ * ADDR:PORT, or the launcher's environment: OMPI_COMM_WORLD_*, PMI_*, SLURM_*) loads only
+ * its layers of the split pp_plan_model() computes (identical on every rank, checked by
+ * the handshake); rank 0 prints or writes the output, the last rank samples.
  */
 #include "cli.h"
 
@@ -29,20 +37,31 @@
 #include <unistd.h>
 
 #include "backend.h"
+#ifdef GLMSPARK_HAVE_CUDA
+#include "backend_cuda.h"
+#endif
 #include "kv_cache.h"
 #include "model.h"
+#include "pp.h"
 #include "sampler.h"
+#include "scheduler.h"
 
 typedef struct ModelArgs {
     const char *model_dir;
     const char *tokens_arg;
     const char *out_path;
     int max_tokens;
+    int n_seqs;  // generate --n-seqs K: K copies of the prompt through the scheduler
     int n_threads;
     bool ignore_eos;
     bool decode_check;
+    bool cuda;  // --backend cuda
     KvDtype kv_dtype;
     SamplerParams sampling;
+    int pp;    // --pp N: launch N local ranks
+    int rank;  // -1: not a pipeline rank (unless the environment says so)
+    int world;
+    const char *master;
 } ModelArgs;
 
 static double now_s(void)
@@ -121,12 +140,14 @@ static int usage(const char *cmd)
 {
     if (strcmp(cmd, "logits") == 0)
         fprintf(stderr, "usage: glmspark logits --model DIR --tokens 5,17,42 --out FILE "
-                        "[--threads N] [--decode-check] [--kv-dtype f32|bf16]\n");
+                        "[--threads N] [--backend cpu|cuda] [--decode-check] [--kv-dtype f32|bf16] [--pp N | --rank R "
+                        "--world N --master ADDR:PORT]\n");
     else
         fprintf(stderr, "usage: glmspark generate --model DIR --tokens 5,17,42 --max-tokens N "
                         "[--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S] "
-                        "[--ignore-eos] [--threads N] [--repetition-penalty R] "
-                        "[--presence-penalty P] [--frequency-penalty F] [--kv-dtype f32|bf16]\n");
+                        "[--ignore-eos] [--threads N] [--backend cpu|cuda] [--repetition-penalty R] "
+                        "[--presence-penalty P] [--frequency-penalty F] [--kv-dtype f32|bf16] "
+                        "[--pp N | --rank R --world N --master ADDR:PORT]\n");
     return 2;
 }
 
@@ -134,7 +155,12 @@ static int usage(const char *cmd)
 static int parse_args(int argc, char **argv, ModelArgs *a)
 {
     const char *cmd = argv[0];
-    *a = (ModelArgs){.max_tokens = -1, .n_threads = default_threads()};
+    *a = (ModelArgs){.max_tokens = -1,
+                     .n_threads = default_threads(),
+                     .pp = 1,
+                     .rank = -1,
+                     .world = 1,
+                     .n_seqs = 1};
     a->sampling = sampler_default_params();
     for (int i = 1; i < argc; i++) {
         const char *opt = argv[i];
@@ -158,12 +184,25 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
         else if (strcmp(opt, "--kv-dtype") == 0)
             ok = (strcmp(val, "f32") == 0 && ((a->kv_dtype = KV_DTYPE_F32), true))
                  || (strcmp(val, "bf16") == 0 && ((a->kv_dtype = KV_DTYPE_BF16), true));
+        else if (strcmp(opt, "--backend") == 0)
+            ok = (strcmp(val, "cpu") == 0 && ((a->cuda = false), true))
+                 || (strcmp(val, "cuda") == 0 && ((a->cuda = true), true));
         else if (strcmp(opt, "--tokens") == 0)
             a->tokens_arg = val;
         else if (strcmp(opt, "--out") == 0)
             a->out_path = val;
         else if (strcmp(opt, "--max-tokens") == 0)
             ok = parse_long(val, 0, 1 << 24, &v) && ((a->max_tokens = (int) v), true);
+        else if (strcmp(opt, "--pp") == 0)
+            ok = parse_long(val, 1, PP_MAX_WORLD, &v) && ((a->pp = (int) v), true);
+        else if (strcmp(opt, "--rank") == 0)
+            ok = parse_long(val, 0, PP_MAX_WORLD - 1, &v) && ((a->rank = (int) v), true);
+        else if (strcmp(opt, "--world") == 0)
+            ok = parse_long(val, 1, PP_MAX_WORLD, &v) && ((a->world = (int) v), true);
+        else if (strcmp(opt, "--master") == 0)
+            a->master = val;
+        else if (strcmp(opt, "--n-seqs") == 0)
+            ok = parse_long(val, 1, PP_MAX_SLOTS, &v) && ((a->n_seqs = (int) v), true);
         else if (strcmp(opt, "--threads") == 0)
             ok = parse_long(val, 1, 64, &v) && ((a->n_threads = (int) v), true);
         else if (strcmp(opt, "--top-k") == 0)
@@ -199,6 +238,15 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
         fprintf(stderr, "glmspark %s: --model and --tokens are required\n", cmd);
         return usage(cmd);
     }
+    if (a->rank < 0 && a->pp == 1 && pp_rank_from_env(&a->rank, &a->world) && !a->master)
+        a->master = getenv("GLMSPARK_MASTER");
+    if (a->rank >= 0 && (a->rank >= a->world || (a->world > 1 && !a->master))) {
+        fprintf(stderr,
+                "glmspark %s: --rank must be below --world, and a pipeline rank needs "
+                "--master ADDR:PORT (or GLMSPARK_MASTER)\n",
+                cmd);
+        return usage(cmd);
+    }
     if (strcmp(cmd, "logits") == 0 && !a->out_path) {
         fprintf(stderr, "glmspark logits: --out is required\n");
         return usage(cmd);
@@ -210,11 +258,24 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
     return 0;
 }
 
+// The backend --backend chose (cpu by default).
+static Err backend_open(const ModelArgs *a, Backend **be)
+{
+    if (!a->cuda) return backend_cpu_create(a->n_threads, be);
+#ifdef GLMSPARK_HAVE_CUDA
+    return backend_cuda_create(0, be);
+#else
+    *be = NULL;
+    LOG_ERROR("--backend cuda: this glmspark was built without CUDA");
+    return ERR_INVAL;
+#endif
+}
+
 // Backend, model and a KV cache with room for n_positions, or an error message.
 static Err open_model(const ModelArgs *a, int n_positions, Backend **be, Model *m, KvCache *kv)
 {
     const double t0 = now_s();
-    Err err = backend_cpu_create(a->n_threads, be);
+    Err err = backend_open(a, be);
     if (err) return err;
     if ((err = model_load(m, a->model_dir, NULL, *be))) return err;
     const int block = KV_DEFAULT_BLOCK_SIZE;
@@ -233,6 +294,186 @@ static void close_model(Backend *be, Model *m, KvCache *kv)
     if (be) be->destroy(be);
 }
 
+// ---------------------------------------------------------------------------
+// Several sequences through the scheduler (generate --n-seqs K)
+
+typedef struct BatchOut {
+    int32_t **ids;  // [K][max_tokens]
+    int *n;         // [K]
+} BatchOut;
+
+static void on_batch_event(void *user, const SchedEvent *ev)
+{
+    BatchOut *o = user;
+    if (ev->token >= 0) o->ids[ev->id][o->n[ev->id]++] = ev->token;
+}
+
+// Rank 0 (or the only rank): K copies of the prompt, sequence i seeded with seed + i, all
+// running at once; prints one line of ids per sequence and the aggregate decode rate.
+static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, const KvCache *kv,
+                           const int *ids, int n)
+{
+    const int K = a->n_seqs;
+    BatchOut out = {calloc((size_t) K, sizeof(int32_t *)), calloc((size_t) K, sizeof(int))};
+    Scheduler *s = NULL;
+    int rc = 1;
+    if (!out.ids || !out.n) goto done;
+    for (int i = 0; i < K; i++)
+        if (!(out.ids[i] = malloc(((size_t) a->max_tokens + 1) * sizeof(int32_t)))) goto done;
+    const SchedParams sp = {.max_num_seqs = K, .on_event = on_batch_event, .user = &out};
+    if (sched_create(st, m, kv, &sp, &s)) goto done;
+    for (int i = 0; i < K; i++) {
+        SchedRequest r = {.id = (uint64_t) i,
+                          .prompt = ids,
+                          .n_prompt = n,
+                          .max_tokens = a->max_tokens,
+                          .sampling = a->sampling,
+                          .ignore_eos = a->ignore_eos};
+        r.sampling.seed += (uint64_t) i;
+        if (sched_submit(s, &r)) goto done;
+    }
+    const double t0 = now_s(), c0 = cpu_s();
+    while (sched_has_work(s))
+        if (sched_step(s)) goto done;
+    const double dt = now_s() - t0, dc = cpu_s() - c0;
+    int total = 0;
+    for (int i = 0; i < K; i++) {
+        for (int j = 0; j < out.n[i]; j++)
+            printf(j ? " %d" : "%d", out.ids[i][j]);
+        printf("\n");
+        total += out.n[i];
+    }
+    fflush(stdout);
+    LOG_INFO("%d sequences x %d prompt tokens: %d tokens generated in %.3f s (%.2f tok/s "
+             "aggregate, %.3f s cpu on rank 0) over %d ranks",
+             K, n, total, dt, total / dt, dc, pp_world(st));
+    rc = 0;
+
+done:
+    sched_destroy(s);
+    for (int i = 0; out.ids && i < K; i++)
+        free(out.ids[i]);
+    free(out.ids);
+    free(out.n);
+    return rc;
+}
+
+// ---------------------------------------------------------------------------
+// Pipeline ranks
+
+static bool is_eos(const Model *m, int id)
+{
+    for (int e = 0; e < m->cfg.n_eos_ids; e++)
+        if (id == m->cfg.eos_ids[e]) return true;
+    return false;
+}
+
+// One rank of `logits` or `generate` over world ranks: plan the split (the same on every
+// rank), load this rank's layers, connect; rank 0 drives, the others serve.
+static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int n)
+{
+    const bool is_logits = strcmp(cmd, "logits") == 0;
+    const int positions = n + (is_logits ? 0 : a->max_tokens);
+    Backend *be = NULL;
+    Model m = {0};
+    KvCache kv = {0};
+    PpStage *st = NULL;
+    ModelConfig *cfg = malloc(sizeof *cfg);
+    FILE *f = NULL;
+    int rc = 1;
+    if (!cfg || config_load(cfg, a->model_dir)) goto done;
+    PpPlan plan;
+    // Memory is not the constraint on the CPU: balance bytes (weights + KV at the context).
+    if (pp_plan_model(a->model_dir, cfg, a->world, UINT64_C(1) << 60, 1.0, positions,
+                      a->kv_dtype == KV_DTYPE_BF16 ? 2 : 4, &plan))
+        goto done;
+    const PpRankPlan *mine = &plan.ranks[a->rank];
+    const double t0 = now_s();
+    const ModelOptions opts = {.first_layer = mine->first_layer, .last_layer = mine->last_layer};
+    if (backend_open(a, &be) || model_load(&m, a->model_dir, &opts, be)) goto done;
+    // Read this rank's weights once now, with progress (bytes, GB/s, ETA) in the log, rather
+    // than page-faulting them in during the first forward pass.
+    CkptTouchStats touch;
+    ckpt_touch(&m.ckpt, &touch);
+    const int block = KV_DEFAULT_BLOCK_SIZE;
+    KvCacheParams kp = model_kv_params(&m, a->n_seqs * ((positions + block - 1) / block), block);
+    kp.dtype = a->kv_dtype;
+    if (kv_init(&kv, &kp)) goto done;
+    LOG_INFO("pipeline rank %d of %d: layers [%d, %d)%s%s, %.3f GB of weights from %d shards, "
+             "loaded in %.3f s (%.2f GB/s)",
+             a->rank, a->world, mine->first_layer, mine->last_layer,
+             m.has_embed ? " + embeddings" : "", m.has_head ? " + head" : "",
+             mine->weight_bytes / 1e9, m.ckpt.n_shards, now_s() - t0, touch.gb_per_s);
+    const uint64_t extra = (uint64_t) positions << 8 | (uint64_t) a->kv_dtype;
+    if (pp_stage_create(&m, &kv, a->rank, a->world, a->master, pp_plan_hash(cfg, &plan, extra),
+                        &st))
+        goto done;
+    if (a->rank > 0) {
+        rc = pp_serve(st) ? 1 : 0;
+        goto done;
+    }
+
+    PpResult res;
+    PpSeqOp op = {.slot = 0, .n_new = n, .flags = PP_SEQ_START, .params = a->sampling};
+    if (is_logits) {
+        if (a->decode_check) LOG_WARN("--decode-check is not available with pipeline ranks");
+        op.flags |= PP_SEQ_LOGITS | PP_SEQ_FREE;
+        const double t1 = now_s();
+        if (pp_submit(st, &op, 1, ids) || pp_collect(st, &res)) goto done;
+        LOG_INFO("prefill: %d tokens in %.3f s over %d ranks", n, now_s() - t1, a->world);
+        const size_t V = (size_t) cfg->vocab_size, count = (size_t) n * V;
+        f = fopen(a->out_path, "wb");
+        if (!f || fwrite(res.logits, sizeof(float), count, f) != count || fclose(f) != 0) {
+            f = NULL;
+            fprintf(stderr, "glmspark logits: could not write \"%s\": %s\n", a->out_path,
+                    strerror(errno));
+            goto done;
+        }
+        f = NULL;
+    } else if (a->n_seqs > 1) {
+        if (drive_scheduler(a, st, &m, &kv, ids, n)) goto done;
+    } else {
+        op.flags |= PP_SEQ_SAMPLE;
+        double t1 = now_s();
+        if (pp_submit(st, &op, 1, ids) || pp_collect(st, &res)) goto done;
+        const double prefill_s = now_s() - t1;
+        t1 = now_s();
+        int n_out = 0;
+        for (; n_out < a->max_tokens; n_out++) {
+            const int32_t next = res.tokens[0];
+            printf(n_out ? " %d" : "%d", next);
+            if (is_eos(&m, next) && !a->ignore_eos) {
+                n_out++;
+                break;
+            }
+            if (n_out + 1 < a->max_tokens) {
+                const PpSeqOp step = {.slot = 0, .n_new = 1, .flags = PP_SEQ_SAMPLE};
+                if (pp_submit(st, &step, 1, &next) || pp_collect(st, &res)) goto done;
+            }
+        }
+        printf("\n");
+        fflush(stdout);
+        const double decode_s = now_s() - t1;
+        const PpSeqOp fin = {.slot = 0, .n_new = 0, .flags = PP_SEQ_FREE};
+        if (pp_submit(st, &fin, 1, NULL) || pp_collect(st, &res)) goto done;
+        LOG_INFO("prefill: %d tokens in %.3f s; decode: %d tokens in %.3f s (%.2f tok/s) over %d "
+                 "ranks",
+                 n, prefill_s, n_out > 0 ? n_out - 1 : 0, decode_s,
+                 n_out > 1 ? (n_out - 1) / decode_s : 0.0, a->world);
+    }
+    if (pp_end(st)) goto done;
+    rc = 0;
+
+done:
+    if (f) fclose(f);
+    pp_stage_destroy(st);
+    kv_free(&kv);
+    model_free(&m);
+    if (be) be->destroy(be);
+    free(cfg);
+    return rc;
+}
+
 int cli_logits(int argc, char **argv)
 {
     ModelArgs a;
@@ -240,6 +481,15 @@ int cli_logits(int argc, char **argv)
     if (rc) return rc;
     int *ids = NULL, n = 0;
     if (!parse_tokens(argv[0], a.tokens_arg, &ids, &n)) return 2;
+    if (a.pp > 1 && a.rank < 0) {
+        free(ids);
+        return pp_launch_local(argc, argv, a.pp);
+    }
+    if (a.rank >= 0 && a.world > 1) {
+        rc = run_pipeline(&a, argv[0], ids, n);
+        free(ids);
+        return rc;
+    }
 
     Backend *be = NULL;
     Model m = {0};
@@ -307,6 +557,15 @@ int cli_generate(int argc, char **argv)
     if (rc) return rc;
     int *ids = NULL, n = 0;
     if (!parse_tokens(argv[0], a.tokens_arg, &ids, &n)) return 2;
+    if (a.pp > 1 && a.rank < 0) {
+        free(ids);
+        return pp_launch_local(argc, argv, a.pp);
+    }
+    if (a.rank >= 0 && a.world > 1) {
+        rc = run_pipeline(&a, argv[0], ids, n);
+        free(ids);
+        return rc;
+    }
 
     Backend *be = NULL;
     Model m = {0};
@@ -316,6 +575,20 @@ int cli_generate(int argc, char **argv)
     float *logits = NULL;
     int32_t *history = NULL;  // prompt then generated ids, for the penalties
     rc = 1;
+    if (a.n_seqs > 1) {
+        // Through the scheduler on one stage: the cache holds every sequence at once.
+        PpStage *st = NULL;
+        KvCacheParams p;
+        if (backend_open(&a, &be) || model_load(&m, a.model_dir, NULL, be))
+            goto done;
+        const int block = KV_DEFAULT_BLOCK_SIZE;
+        p = model_kv_params(&m, a.n_seqs * ((n + a.max_tokens + block - 1) / block), block);
+        p.dtype = a.kv_dtype;
+        if (kv_init(&kv, &p) == ERR_OK && pp_stage_create(&m, &kv, 0, 1, NULL, 0, &st) == ERR_OK)
+            rc = drive_scheduler(&a, st, &m, &kv, ids, n);
+        pp_stage_destroy(st);
+        goto done;
+    }
     if (open_model(&a, n + a.max_tokens, &be, &m, &kv)) goto done;
     if (sampler_init(&s, m.cfg.vocab_size, a.sampling)) goto done;
     logits = malloc((size_t) m.cfg.vocab_size * sizeof *logits);

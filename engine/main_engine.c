@@ -3,7 +3,13 @@
  *
  *   glmspark-engine --model DIR --db CONNINFO [--tokenizer FILE] [--model-name NAME]
  *                   [--threads N] [--kv-blocks N] [--name NAME] [--lease-s S]
- *                   [--step-delay-ms MS]
+ *                   [--step-delay-ms MS] [--recipe FILE]
+ *   glmspark-engine --check-recipe FILE
+ *
+ * --recipe FILE (engine/recipe.h, ops/recipes/) supplies model, model_name, tokenizer,
+ * threads, kv_blocks (or max_model_len / block_size), lease_s; flags given on the command
+ * line override it wherever they appear. --check-recipe validates a recipe, prints every
+ * key's effective value (`key = value`) and exits 0, or 2 naming the bad key.
  *
  * One sequence at a time (continuous batching is the scheduler's job, later): claim a job,
  * prefill its prompt ids plus whatever output earlier attempts committed, then decode
@@ -37,6 +43,7 @@
 #include "common/tokenizer.h"
 #include "jobq.h"
 #include "model.h"
+#include "recipe.h"
 #include "sampler.h"
 
 static volatile sig_atomic_t is_stopping;
@@ -426,7 +433,8 @@ static int usage(void)
 {
     fprintf(stderr, "usage: glmspark-engine --model DIR --db CONNINFO [--tokenizer FILE]\n"
                     "       [--model-name NAME] [--threads N] [--kv-blocks N] [--name NAME]\n"
-                    "       [--lease-s S] [--step-delay-ms MS]\n");
+                    "       [--lease-s S] [--step-delay-ms MS] [--recipe FILE]\n"
+                    "       glmspark-engine --check-recipe FILE\n");
     return 2;
 }
 
@@ -437,6 +445,26 @@ int main(int argc, char **argv)
     int n_threads = 2, kv_blocks = 0, lease_s = 60;
     Engine e = {0};
     int rc = 1;
+    // The recipe first (wherever --recipe appears), so that every flag overrides it.
+    Recipe recipe;
+    recipe_defaults(&recipe);
+    if (argc == 3 && !strcmp(argv[1], "--check-recipe")) {
+        if (recipe_load(&recipe, argv[2])) return 2;
+        for (int k = 0; k < recipe_n_keys(); k++) {
+            char val[RECIPE_MAX_STR + 8];
+            printf("%s = %s\n", recipe_key_name(k), recipe_format_value(&recipe, k, val, sizeof val));
+        }
+        return 0;
+    }
+    for (int i = 1; i + 1 < argc; i += 2)
+        if (!strcmp(argv[i], "--recipe") && recipe_load(&recipe, argv[i + 1])) return 2;
+    if (recipe.model[0]) model_dir = recipe.model;
+    if (recipe.tokenizer[0]) tok_path = recipe.tokenizer;
+    if (recipe.model_name[0]) model_name = recipe.model_name;
+    n_threads = recipe.threads;
+    kv_blocks = recipe.kv_blocks;
+    lease_s = recipe.lease_s;
+    const bool has_recipe_ctx = recipe_is_set(&recipe, "max_model_len");
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) return usage();
@@ -450,6 +478,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--name")) name = v;
         else if (!strcmp(a, "--lease-s")) lease_s = atoi(v);
         else if (!strcmp(a, "--step-delay-ms")) e.step_delay_ms = atoi(v);
+        else if (!strcmp(a, "--recipe")) continue;  // read above
         else return usage();
     }
     if (!model_dir || !conninfo || n_threads < 1 || lease_s < 1) return usage();
@@ -485,10 +514,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "glmspark-engine: could not load the tokenizer \"%s\"\n", tok_path);
         goto done;
     }
-    const int block = KV_DEFAULT_BLOCK_SIZE;
+    const int block =
+        recipe_is_set(&recipe, "block_size") ? recipe.block_size : KV_DEFAULT_BLOCK_SIZE;
     if (kv_blocks <= 0) {
         int ctx = e.model.cfg.max_position_embeddings;
         if (ctx <= 0 || ctx > 32768) ctx = 32768;
+        if (has_recipe_ctx) ctx = recipe.max_model_len;
         kv_blocks = (ctx + block - 1) / block;
     }
     const KvCacheParams kp = model_kv_params(&e.model, kv_blocks, block);

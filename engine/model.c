@@ -16,6 +16,14 @@
  *            correction bias and group limit, renormalised, x routed_scaling_factor) plus
  *            the shared experts
  * then logits = lm_head(RMSNorm(x)). The MTP layer is ignored by transformers and here.
+ *
+ * Batches and stages (model_forward_batch): the projections, norms, MLP and MoE run over
+ * every token of every sequence at once; cache writes, the DSA selection and attention run
+ * per sequence on its segment. Each op computes a token's values from that token alone
+ * (backend_cpu.c), so a sequence's numbers do not depend on its batch. A pipeline stage
+ * holds layers [first_layer, last_layer); its KV cache holds those layers only (cache
+ * layer = l - first_layer), and the activations it hands on carry the residual stream and
+ * the DSA selection, which a stage starting on a shared indexer layer reuses.
  */
 #include "model.h"
 
@@ -30,6 +38,7 @@
 struct ModelWork {
     int n_cap;      // tokens the buffers hold
     int *pos_host;  // [n] positions, host copy
+    int *act_host;  // [n * (2 + topk) + 1] DSA state staging for stage hand-off, host
     int *pos;       // [n]
     int *tok;       // [n] token ids
     float *logits;  // [n, vocab]
@@ -280,6 +289,31 @@ static bool has_tensor_base(const Ckpt *ck, const char *base)
     return ckpt_find(ck, NAME("%s.weight", base)) || ckpt_find(ck, NAME("%s.weight_packed", base));
 }
 
+typedef struct StageFilter {
+    const Model *m;  // first_layer, last_layer, has_* and cfg set
+    bool load_mtp;
+} StageFilter;
+
+// ckpt_open_filtered() predicate: the tensors one pipeline stage needs.
+static bool stage_keeps(const char *name, void *user)
+{
+    const StageFilter *f = user;
+    const Model *m = f->m;
+    const char *layers = "model.layers.";
+    if (strncmp(name, layers, strlen(layers)) == 0) {
+        char *end;
+        const long l = strtol(name + strlen(layers), &end, 10);
+        if (*end != '.') return false;
+        if (l >= m->first_layer && l < m->last_layer) return true;
+        return l >= m->cfg.n_layers && m->has_head && f->load_mtp;
+    }
+    if (strncmp(name, "model.embed_tokens.", 19) == 0)
+        return m->has_embed || (m->has_head && m->cfg.tie_word_embeddings);
+    if (strncmp(name, "model.norm.", 11) == 0 || strncmp(name, "lm_head.", 8) == 0)
+        return m->has_head;
+    return false;
+}
+
 Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
 {
     memset(m, 0, sizeof *m);
@@ -290,27 +324,46 @@ Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
     if (err) goto done;
     if ((err = check_config(&m->cfg, dir))) goto done;
     m->be = be;
-    if ((err = ckpt_open(&m->ckpt, dir))) goto done;
-
     const ModelConfig *c = &m->cfg;
-    if ((err = load_linear(m, "model.embed_tokens", c->vocab_size, c->hidden_size, &m->embed))
-        || (err = load_vec(m, "model.norm.weight", c->hidden_size, &m->final_norm)))
-        goto done;
-    if (c->tie_word_embeddings && !has_tensor_base(&m->ckpt, "lm_head")) {
-        m->lm_head = m->embed;
-    } else if ((err = load_linear(m, "lm_head", c->vocab_size, c->hidden_size, &m->lm_head))) {
+    m->first_layer = opts->first_layer;
+    m->last_layer = opts->last_layer > 0 ? opts->last_layer : c->n_layers;
+    if (m->first_layer < 0 || m->first_layer >= m->last_layer || m->last_layer > c->n_layers) {
+        LOG_ERROR("layer range [%d, %d) is not within the %d layers of \"%s\"", opts->first_layer,
+                  m->last_layer, c->n_layers, dir);
+        err = ERR_INVAL;
         goto done;
     }
+    m->has_embed = m->first_layer == 0;
+    m->has_head = m->last_layer == c->n_layers;
+    const bool whole = m->has_embed && m->has_head;
+    StageFilter filter = {m, opts->load_mtp};
+    if ((err = whole ? ckpt_open(&m->ckpt, dir)
+                     : ckpt_open_filtered(&m->ckpt, dir, stage_keeps, &filter)))
+        goto done;
 
-    const int n_load = c->n_layers + (opts->load_mtp ? c->n_mtp_layers : 0);
+    const bool tied_head = c->tie_word_embeddings && !has_tensor_base(&m->ckpt, "lm_head");
+    if ((m->has_embed || (m->has_head && tied_head))
+        && (err = load_linear(m, "model.embed_tokens", c->vocab_size, c->hidden_size, &m->embed)))
+        goto done;
+    if (m->has_head) {
+        if ((err = load_vec(m, "model.norm.weight", c->hidden_size, &m->final_norm))) goto done;
+        if (tied_head) {
+            m->lm_head = m->embed;
+        } else if ((err = load_linear(m, "lm_head", c->vocab_size, c->hidden_size, &m->lm_head))) {
+            goto done;
+        }
+    }
+
+    const int n_load = c->n_layers + (opts->load_mtp && m->has_head ? c->n_mtp_layers : 0);
     m->layers = calloc((size_t) n_load, sizeof *m->layers);
     if (!m->layers) {
         err = ERR_NOMEM;
         goto done;
     }
-    for (int l = 0; l < n_load; l++) {
+    m->n_layers_loaded = n_load;  // layers outside the range stay zeroed (free_layer is safe)
+    for (int l = m->first_layer; l < n_load; l++) {
+        if (l >= m->last_layer && l < c->n_layers) continue;
         if ((err = load_layer(m, l, &m->layers[l]))) goto done;
-        m->n_layers_loaded = l + 1;
     }
     for (int l = c->n_layers; l < n_load; l++) {
         // The MTP block's own tensors; we only check that they are present and well-shaped.
@@ -326,9 +379,10 @@ Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
                                   2 * c->hidden_size, &eh)))
             goto done;
     }
-    LOG_INFO("model \"%s\": %d layers, hidden %d, vocab %d, %d experts, %.1f MB mapped", dir,
-             c->n_layers, c->hidden_size, c->vocab_size, c->n_routed_experts,
-             m->ckpt.n_bytes_mapped / 1e6);
+    LOG_INFO("model \"%s\": layers [%d, %d) of %d, hidden %d, vocab %d, %d experts, %.1f MB "
+             "mapped from %d shards",
+             dir, m->first_layer, m->last_layer, c->n_layers, c->hidden_size, c->vocab_size,
+             c->n_routed_experts, m->ckpt.n_bytes_mapped / 1e6, m->ckpt.n_shards);
     err = ERR_OK;
 
 done:
@@ -340,6 +394,7 @@ static void work_free(Backend *be, ModelWork *w)
 {
     if (!w) return;
     free(w->pos_host);
+    free(w->act_host);
     be->free_mem(be, w->pos);
     be->free_mem(be, w->tok);
     be->free_mem(be, w->logits);
@@ -382,16 +437,17 @@ void model_free(Model *m)
 KvCacheParams model_kv_params(const Model *m, int n_blocks, int block_size)
 {
     const ModelConfig *c = &m->cfg;
+    const int first = m->first_layer, last = m->last_layer > 0 ? m->last_layer : c->n_layers;
     KvCacheParams p = {
-        .n_layers = c->n_layers,
+        .n_layers = last - first,
         .block_size = block_size,
         .n_blocks = n_blocks,
         .kv_lora = c->kv_lora_rank,
         .rope_dim = c->qk_rope_head_dim,
         .index_dim = c->index_head_dim,
     };
-    for (int l = 0; l < c->n_layers && l < KV_MAX_LAYERS; l++)
-        p.has_index[l] = c->indexer[l] == CONFIG_INDEXER_FULL;
+    for (int l = first; l < last && l - first < KV_MAX_LAYERS; l++)
+        p.has_index[l - first] = c->indexer[l] == CONFIG_INDEXER_FULL;
     return p;
 }
 
@@ -420,6 +476,7 @@ static Err work_ensure(Model *m, int n)
     const size_t Di = c->index_head_dim > 0 ? (size_t) c->index_head_dim : 1;
     w->n_cap = n;
     w->pos_host = malloc(N * sizeof *w->pos_host);
+    w->act_host = malloc((N * (1 + topk) + 1) * sizeof *w->act_host);
     w->pos = be->alloc(be, N * sizeof(int));
     w->tok = be->alloc(be, N * sizeof(int));
     w->logits = be->alloc(be, N * (size_t) c->vocab_size * sizeof(float));
@@ -443,9 +500,9 @@ static Err work_ensure(Model *m, int n)
     w->rl = be->alloc(be, N * E * sizeof(float));
     w->ridx = be->alloc(be, N * K * sizeof(int));
     w->rw = be->alloc(be, N * K * sizeof(float));
-    if (!w->pos_host || !w->pos || !w->tok || !w->logits || !w->x || !w->h || !w->qa || !w->q
-        || !w->kva || !w->attn || !w->tmp || !w->tmp2 || !w->iq || !w->ik || !w->iw || !w->sel
-        || !w->n_sel || !w->g || !w->u || !w->rl || !w->ridx || !w->rw) {
+    if (!w->pos_host || !w->act_host || !w->pos || !w->tok || !w->logits || !w->x || !w->h || !w->qa
+        || !w->q || !w->kva || !w->attn || !w->tmp || !w->tmp2 || !w->iq || !w->ik || !w->iw
+        || !w->sel || !w->n_sel || !w->g || !w->u || !w->rl || !w->ridx || !w->rw) {
         LOG_ERROR("could not allocate the forward workspace for %d tokens", n);
         work_free(be, w);
         return ERR_NOMEM;
@@ -457,7 +514,9 @@ static Err work_ensure(Model *m, int n)
 // ---------------------------------------------------------------------------
 // Forward
 
-static void attention_block(Model *m, KvCache *kv, KvSeq *seq, int l, int n, bool *has_sel)
+// Attention for layer l over a batch: projections over all n tokens at once; cache writes,
+// DSA selection and attention per sequence (segment off .. off + n_new of the batch).
+static void attention_block(Model *m, KvCache *kv, const ModelBatch *b, int l, int n, bool *has_sel)
 {
     const ModelConfig *c = &m->cfg;
     const ModelLayer *L = &m->layers[l];
@@ -481,7 +540,11 @@ static void attention_block(Model *m, KvCache *kv, KvSeq *seq, int l, int n, boo
              c->rope_theta);
     be->rope(be, w->q, n, H, H * qk, qk, c->qk_nope_head_dim, c->qk_rope_head_dim, w->pos,
              c->rope_theta);
-    be->kv_write(be, kv, seq, l, w->pos, n, 0, w->kva, kv_width);
+    const int kl = l - m->first_layer;  // the stage's cache holds its own layers only
+    const int topk = c->index_topk > 0 ? c->index_topk : 1;
+    for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++])
+        be->kv_write(be, kv, b->seqs[i], kl, w->pos + off, b->n_new[i], 0,
+                     w->kva + (size_t) off * kv_width, kv_width);
 
     if (L->has_indexer) {
         const int Hi = c->index_n_heads, Di = c->index_head_dim;
@@ -491,9 +554,14 @@ static void attention_block(Model *m, KvCache *kv, KvSeq *seq, int l, int n, boo
         be->matmul(be, w->ik, &L->idx_wk, w->h, n);
         be->layernorm(be, w->ik, w->ik, L->idx_k_norm, L->idx_k_bias, n, Di, 1e-6f);
         be->rope(be, w->ik, n, 1, Di, 0, 0, c->qk_rope_head_dim, w->pos, c->rope_theta);
-        be->kv_write(be, kv, seq, l, w->pos, n, kv_width, w->ik, Di);
         be->matmul(be, w->iw, &L->idx_weights, w->h, n);
-        be->dsa_topk(be, w->sel, w->n_sel, w->iq, w->iw, kv, seq, l, w->pos, n, &dsa);
+        for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++]) {
+            be->kv_write(be, kv, b->seqs[i], kl, w->pos + off, b->n_new[i], kv_width,
+                         w->ik + (size_t) off * Di, Di);
+            be->dsa_topk(be, w->sel + (size_t) off * topk, w->n_sel + off,
+                         w->iq + (size_t) off * Hi * Di, w->iw + (size_t) off * Hi, kv, b->seqs[i],
+                         kl, w->pos + off, b->n_new[i], &dsa);
+        }
         *has_sel = true;
     }
     const bool use_sel = c->indexer[l] != CONFIG_INDEXER_NONE;
@@ -509,8 +577,12 @@ static void attention_block(Model *m, KvCache *kv, KvSeq *seq, int l, int n, boo
         // "default" (GLM-5's), so the plain 1/sqrt(qk_head_dim) is the whole story.
         .scale = (float) (1.0 / sqrt((double) qk)),
     };
-    be->mla_attention(be, w->attn, w->q, &L->kv_b, kv, seq, l, w->pos, n, use_sel ? w->sel : NULL,
-                      use_sel ? w->n_sel : NULL, c->index_topk > 0 ? c->index_topk : 1, &mla);
+    const size_t q_row = (size_t) H * qk, o_row = (size_t) H * c->v_head_dim;
+    for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++])
+        be->mla_attention(be, w->attn + off * o_row, w->q + off * q_row, &L->kv_b, kv, b->seqs[i],
+                          kl, w->pos + off, b->n_new[i],
+                          use_sel ? w->sel + (size_t) off * topk : NULL,
+                          use_sel ? w->n_sel + off : NULL, topk, &mla);
     be->matmul(be, w->tmp, &L->o_proj, w->attn, n);
     be->add(be, w->x, w->tmp, n * hidden);
 }
@@ -555,44 +627,113 @@ static void mlp_block(Model *m, int l, int n)
     be->add(be, w->x, w->tmp2, n * hidden);
 }
 
-Err model_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, int n, float *logits,
-                  bool all_logits)
+size_t model_act_bytes(const Model *m, int n)
 {
     const ModelConfig *c = &m->cfg;
-    ASSERT(n > 0 && kv->params.n_layers >= c->n_layers);
-    for (int t = 0; t < n; t++)
-        if (tokens[t] < 0 || tokens[t] >= c->vocab_size) {
-            LOG_ERROR("token id %d at index %d is outside the vocabulary (%d)", tokens[t], t,
-                      c->vocab_size);
-            return ERR_INVAL;
-        }
-    const int pos0 = seq->n_tokens;
-    Err err = kv_seq_reserve(kv, seq, pos0 + n);
-    if (err) return err;
+    const size_t topk = c->index_topk > 0 ? (size_t) c->index_topk : 1;
+    return (size_t) n * (size_t) c->hidden_size * sizeof(float)
+           + (1 + (size_t) n * (1 + topk)) * sizeof(int32_t);
+}
+
+Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *tokens,
+                        const void *act_in, void *act_out, float *logits, ModelLogitRows rows)
+{
+    const ModelConfig *c = &m->cfg;
+    ASSERT(b->n_seqs > 0 && kv->params.n_layers >= m->last_layer - m->first_layer);
+    ASSERT(m->has_embed ? tokens != NULL : act_in != NULL);
+    ASSERT(m->has_head || (act_out && rows == MODEL_LOGITS_NONE));
+    int n = 0;
+    for (int i = 0; i < b->n_seqs; i++) {
+        ASSERT(b->n_new[i] > 0);
+        n += b->n_new[i];
+    }
+    if (m->has_embed)
+        for (int t = 0; t < n; t++)
+            if (tokens[t] < 0 || tokens[t] >= c->vocab_size) {
+                LOG_ERROR("token id %d at index %d is outside the vocabulary (%d)", tokens[t], t,
+                          c->vocab_size);
+                return ERR_INVAL;
+            }
+    // Reserve for every sequence before running anything; blocks reserved by an earlier
+    // sequence when a later one fails stay with it (capacity only, n_tokens is unchanged).
+    Err err = ERR_OK;
+    for (int i = 0; i < b->n_seqs; i++)
+        if ((err = kv_seq_reserve(kv, b->seqs[i], b->seqs[i]->n_tokens + b->n_new[i]))) return err;
     if ((err = work_ensure(m, n))) return err;
     ModelWork *w = m->work;
     Backend *be = m->be;
     const int hidden = c->hidden_size;
-    for (int t = 0; t < n; t++)
-        w->pos_host[t] = pos0 + t;
+    const size_t topk = c->index_topk > 0 ? (size_t) c->index_topk : 1;
+    const size_t x_bytes = (size_t) n * hidden * sizeof(float);
+    for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++])
+        for (int t = 0; t < b->n_new[i]; t++)
+            w->pos_host[off + t] = b->seqs[i]->n_tokens + t;
     be->upload(be, w->pos, w->pos_host, (size_t) n * sizeof(int));
-    be->upload(be, w->tok, tokens, (size_t) n * sizeof(int));
 
-    be->embed(be, w->x, &m->embed, w->tok, n);
     bool has_sel = false;
-    for (int l = 0; l < c->n_layers; l++) {
-        attention_block(m, kv, seq, l, n, &has_sel);
+    if (m->has_embed) {
+        be->upload(be, w->tok, tokens, (size_t) n * sizeof(int));
+        be->embed(be, w->x, &m->embed, w->tok, n);
+    } else {
+        // act_in: x, has_sel, n_sel [n], sel [n, topk] (model_act_bytes).
+        be->upload(be, w->x, act_in, x_bytes);
+        memcpy(w->act_host, (const char *) act_in + x_bytes,
+               (1 + (size_t) n * (1 + topk)) * sizeof(int32_t));
+        has_sel = w->act_host[0] != 0;
+        if (has_sel) {
+            be->upload(be, w->n_sel, w->act_host + 1, (size_t) n * sizeof(int));
+            be->upload(be, w->sel, w->act_host + 1 + n, (size_t) n * topk * sizeof(int));
+        }
+    }
+    for (int l = m->first_layer; l < m->last_layer; l++) {
+        attention_block(m, kv, b, l, n, &has_sel);
         mlp_block(m, l, n);
     }
-    seq->n_tokens = pos0 + n;
+    for (int i = 0; i < b->n_seqs; i++)
+        b->seqs[i]->n_tokens += b->n_new[i];
 
-    if (logits) {
-        const int first = all_logits ? 0 : n - 1;
-        const int rows = n - first;
-        be->rmsnorm(be, w->h, w->x + (size_t) first * hidden, m->final_norm, rows, hidden, hidden,
-                    c->rms_norm_eps);
-        be->matmul(be, w->logits, &m->lm_head, w->h, rows);
-        be->download(be, logits, w->logits, (size_t) rows * c->vocab_size * sizeof(float));
+    if (act_out) {
+        be->download(be, act_out, w->x, x_bytes);
+        w->act_host[0] = has_sel;
+        if (has_sel) {
+            be->download(be, w->act_host + 1, w->n_sel, (size_t) n * sizeof(int));
+            be->download(be, w->act_host + 1 + n, w->sel, (size_t) n * topk * sizeof(int));
+        } else {
+            memset(w->act_host + 1, 0, (size_t) n * (1 + topk) * sizeof(int));
+        }
+        memcpy((char *) act_out + x_bytes, w->act_host,
+               (1 + (size_t) n * (1 + topk)) * sizeof(int32_t));
+    }
+    if (logits && rows != MODEL_LOGITS_NONE) {
+        ASSERT(m->has_head);
+        const size_t V = (size_t) c->vocab_size;
+        if (rows == MODEL_LOGITS_ALL) {
+            be->rmsnorm(be, w->h, w->x, m->final_norm, n, hidden, hidden, c->rms_norm_eps);
+            be->matmul(be, w->logits, &m->lm_head, w->h, n);
+            be->download(be, logits, w->logits, (size_t) n * V * sizeof(float));
+        } else {
+            // One row per sequence (its last token); each is normed and projected alone,
+            // as a single-sequence call would, so the numbers do not depend on the batch.
+            for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++]) {
+                const int last = off + b->n_new[i] - 1;
+                be->rmsnorm(be, w->h, w->x + (size_t) last * hidden, m->final_norm, 1, hidden,
+                            hidden, c->rms_norm_eps);
+                be->matmul(be, w->logits, &m->lm_head, w->h, 1);
+                be->download(be, logits + (size_t) i * V, w->logits, V * sizeof(float));
+            }
+        }
     }
     return ERR_OK;
+}
+
+Err model_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, int n, float *logits,
+                  bool all_logits)
+{
+    ASSERT(n > 0 && m->has_embed && m->has_head);
+    KvSeq *seqs[1] = {seq};
+    const ModelBatch b = {1, seqs, &n};
+    return model_forward_batch(m, kv, &b, tokens, NULL, NULL, logits,
+                               !logits      ? MODEL_LOGITS_NONE
+                               : all_logits ? MODEL_LOGITS_ALL
+                                            : MODEL_LOGITS_LAST);
 }

@@ -1,6 +1,7 @@
 /*
  * model.h - a loaded GlmMoeDsa model (config + mapped checkpoint + per-layer weight views)
- * and its forward pass over one sequence.
+ * and its forward pass over one sequence, a batch of sequences, or one pipeline stage's
+ * layers of either.
  *
  * The forward pass is transformers' GlmMoeDsaForCausalLM (5.17), op for op: embeddings (no
  * scaling); per layer RMSNorm -> MLA attention with DSA top-k selection -> residual ->
@@ -39,6 +40,11 @@ extern "C" {
 
 typedef struct ModelOptions {
     bool load_mtp;  // also resolve the MTP layer(s) (not used by the forward pass yet)
+    // Pipeline stage: decoder layers [first_layer, last_layer) only (last_layer 0 means
+    // n_layers). The first stage also holds the embeddings, the last the final norm,
+    // lm_head and the MTP layer(s); only the shards holding these tensors are opened.
+    int first_layer;
+    int last_layer;
 } ModelOptions;
 
 // One decoder layer's weights. Linear weights borrow from the Ckpt (after bind_linear);
@@ -83,8 +89,26 @@ typedef struct Model {
     float *final_norm;   // [hidden], backend memory
     ModelLayer *layers;  // [n_layers + n_mtp loaded]
     int n_layers_loaded;
-    ModelWork *work;  // owned forward workspace
+    int first_layer, last_layer;  // this stage's decoder layers [first, last)
+    bool has_embed;               // first stage: tokens in
+    bool has_head;                // last stage: final norm + lm_head, logits out
+    ModelWork *work;              // owned forward workspace
 } Model;
+
+// Several sequences in one forward call: sequence i contributes n_new[i] consecutive
+// tokens at its positions seqs[i]->n_tokens.., in order; tokens and activations are the
+// concatenation, n = sum of n_new. A sequence appears at most once.
+typedef struct ModelBatch {
+    int n_seqs;
+    KvSeq *const *seqs;  // [n_seqs] borrowed
+    const int *n_new;    // [n_seqs], each >= 1
+} ModelBatch;
+
+typedef enum ModelLogitRows {
+    MODEL_LOGITS_NONE,  // no lm_head
+    MODEL_LOGITS_LAST,  // each sequence's last token: logits [n_seqs, vocab]
+    MODEL_LOGITS_ALL,   // every token: logits [n, vocab]
+} ModelLogitRows;
 
 // Load the model in dir: config, checkpoint, every tensor the forward pass needs (and the
 // MTP layer's when opts->load_mtp). opts may be NULL (defaults). On failure *m is zeroed.
@@ -93,8 +117,8 @@ Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
 // Release everything model_load() allocated; safe on a zeroed Model; zeroes *m.
 void model_free(Model *m);
 
-// KV cache parameters that fit this model, for n_blocks blocks of block_size positions
-// (0: default).
+// KV cache parameters that fit this model (this stage's layers only), for n_blocks blocks
+// of block_size positions (0: default).
 KvCacheParams model_kv_params(const Model *m, int n_blocks, int block_size);
 
 // Run tokens[0..n) at positions seq->n_tokens.. and advance seq->n_tokens by n. Logits for
@@ -102,6 +126,20 @@ KvCacheParams model_kv_params(const Model *m, int n_blocks, int block_size);
 // logits [vocab]. logits may be NULL (no lm_head).
 Err model_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, int n, float *logits,
                   bool all_logits);
+
+// Bytes of the activations one stage hands the next for n tokens: the residual stream
+// f32 [n, hidden], then the DSA selection state (int32 has_sel, n_sel [n], sel [n, topk]),
+// which a stage starting on a shared DSA layer needs from the previous one.
+size_t model_act_bytes(const Model *m, int n);
+
+// Run this stage's layers over a batch. The first stage reads token ids (tokens [n]); the
+// others read act_in (model_act_bytes(n), from the previous stage). A stage with a next one
+// writes act_out (model_act_bytes(n)); the last stage writes logits per `rows` (its
+// lm_head). Every sequence's n_tokens advances by its n_new. On a single stage holding the
+// whole model, a batch of one sequence is model_forward() bit for bit, and each sequence of
+// a batch gets the logits it would get alone. Errors as model_forward(); nothing advances.
+Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *tokens,
+                        const void *act_in, void *act_out, float *logits, ModelLogitRows rows);
 
 #ifdef __cplusplus
 }

@@ -35,60 +35,6 @@ template <> __device__ __forceinline__ void store_out<uint16_t>(uint16_t *p, flo
     *p = f32_to_bf16_bits(v);
 }
 
-// Chunks c and c + 32 of each of R rows (the second only if it exists).
-template <int R>
-static __device__ __forceinline__ void bf16_load2(uint4 (*wv)[R], const uint16_t *const *w_rows,
-                                                  int c, int n_chunks)
-{
-    const int c2 = c + WARP_SIZE;
-#pragma unroll
-    for (int i = 0; i < R; i++) {
-        wv[0][i] = ld_stream_u4(w_rows[i] + (size_t) c * 8);
-        wv[1][i] = c2 < n_chunks ? ld_stream_u4(w_rows[i] + (size_t) c2 * 8) : make_uint4(0, 0, 0, 0);
-    }
-}
-
-template <int R, int NT>
-static __device__ __forceinline__ void bf16_compute2(float (*acc)[NT], const uint4 (*wv)[R],
-                                                     const uint16_t *x, int n_mat, int m, int cols,
-                                                     int c, int n_chunks, int n_tok)
-{
-#pragma unroll
-    for (int u = 0; u < 2; u++) {
-        const int cc = c + u * WARP_SIZE;
-        if (cc >= n_chunks) break;
-        float wf[R][8];
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            const uint32_t ws[4] = {wv[u][i].x, wv[u][i].y, wv[u][i].z, wv[u][i].w};
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const float2 f = bf16x2_bits_to_f32(ws[j]);
-                wf[i][2 * j] = f.x;
-                wf[i][2 * j + 1] = f.y;
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            if (t < n_tok) {
-                const uint4 xv = __ldg((const uint4 *) (x + ((size_t) t * n_mat + m) * cols) + cc);
-                const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
-                float xf[8];
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const float2 f = bf16x2_bits_to_f32(xs[j]);
-                    xf[2 * j] = f.x;
-                    xf[2 * j + 1] = f.y;
-                }
-#pragma unroll
-                for (int i = 0; i < R; i++)
-#pragma unroll
-                    for (int j = 0; j < 8; j++) acc[i][t] = fmaf(wf[i][j], xf[j], acc[i][t]);
-            }
-        }
-    }
-}
-
 template <int R, int NT, typename OutT>
 static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
     gemm_bf16_gemv_kernel(OutT *__restrict__ y, const uint16_t *__restrict__ w,
@@ -116,17 +62,48 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
 
-    // Software pipeline, two chunks per stage: the next stage's loads are in flight while
-    // this stage is computed.
-    uint4 wa[2][R], wb[2][R];
-    if (lane < n_chunks) bf16_load2<R>(wa, w_rows, lane, n_chunks);
-    for (int c = lane; c < n_chunks; c += 4 * WARP_SIZE) {
-        const int cb = c + 2 * WARP_SIZE, cn = c + 4 * WARP_SIZE;
-        if (cb < n_chunks) bf16_load2<R>(wb, w_rows, cb, n_chunks);
-        bf16_compute2<R, NT>(acc, wa, x, n_mat, m, cols, c, n_chunks, n_tok);
-        if (cb < n_chunks) {
-            if (cn < n_chunks) bf16_load2<R>(wa, w_rows, cn, n_chunks);
-            bf16_compute2<R, NT>(acc, wb, x, n_mat, m, cols, cb, n_chunks, n_tok);
+    for (int c = lane; c < n_chunks; c += 2 * WARP_SIZE) {
+        const int c2 = c + WARP_SIZE;
+        const bool has2 = c2 < n_chunks;
+        uint4 wv[2][R];
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            wv[0][i] = ld_stream_u4(w_rows[i] + (size_t) c * 8);
+            wv[1][i] = has2 ? ld_stream_u4(w_rows[i] + (size_t) c2 * 8) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int cc = u ? c2 : c;
+            if (u && !has2) break;
+            float wf[R][8];
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                const uint32_t ws[4] = {wv[u][i].x, wv[u][i].y, wv[u][i].z, wv[u][i].w};
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const float2 f = bf16x2_bits_to_f32(ws[j]);
+                    wf[i][2 * j] = f.x;
+                    wf[i][2 * j + 1] = f.y;
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (t < n_tok) {
+                    const uint4 xv = __ldg((const uint4 *) (x + ((size_t) t * n_mat + m) * cols) + cc);
+                    const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
+                    float xf[8];
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const float2 f = bf16x2_bits_to_f32(xs[j]);
+                        xf[2 * j] = f.x;
+                        xf[2 * j + 1] = f.y;
+                    }
+#pragma unroll
+                    for (int i = 0; i < R; i++)
+#pragma unroll
+                        for (int j = 0; j < 8; j++) acc[i][t] = fmaf(wf[i][j], xf[j], acc[i][t]);
+                }
+            }
         }
     }
 

@@ -10,10 +10,14 @@ PKGS="build-essential cmake ninja-build pkg-config git ca-certificates
       clang libclang-rt-dev
       libjson-c-dev libpcre2-dev libutf8proc-dev libssl-dev
       libpq-dev libfcgi-dev postgresql postgresql-client nginx-light openssl
-      nodejs npm curl procps wrk
+      curl procps wrk slowhttptest
       chromium fonts-dejavu-core"
 
 missing=""
+# Node.js may come from elsewhere (nodesource's nodejs bundles npm and conflicts with Debian's
+# npm package): install Debian's only when the commands are missing.
+command -v node >/dev/null 2>&1 || missing="$missing nodejs"
+command -v npm >/dev/null 2>&1 || missing="$missing npm"
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" \
         || missing="$missing $p"

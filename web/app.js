@@ -414,6 +414,14 @@ function renderJobMeta(v, job) {
   $('job-attempts').textContent = fmtNum(s.attempts);
   $('job-finish').textContent = s.finishReason || '–';
   show($('cancel-job'), !isFinal(s.state));
+  if (v.connected) {
+    const conn = $('job-conn');
+    if (s.state === 'queued') {
+      conn.textContent = `Waiting in the queue${s.queuePosition ? ` (position ${s.queuePosition})` : ''}; the output will appear here.`;
+    } else if (s.state === 'running' && conn.textContent.startsWith('Waiting')) {
+      conn.textContent = 'Streaming.';
+    }
+  }
   // A transient error of an earlier poll goes away once a poll succeeds; a failed cancel
   // (v.actionError) stays until the next click.
   if (s.state === 'failed') {

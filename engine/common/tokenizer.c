@@ -166,7 +166,8 @@ static Err merge_put(TokMergeMap *m, int32_t a, int32_t b, uint32_t rank, int32_
             const uint64_t k = m->kv[2 * j];
             if (!k) continue;
             size_t i = (size_t) ((k * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1);
-            while (kv[2 * i]) i = (i + 1) & (cap - 1);
+            while (kv[2 * i])
+                i = (i + 1) & (cap - 1);
             kv[2 * i] = k;
             kv[2 * i + 1] = m->kv[2 * j + 1];
         }
@@ -176,7 +177,8 @@ static Err merge_put(TokMergeMap *m, int32_t a, int32_t b, uint32_t rank, int32_
     }
     const uint64_t key = ((uint64_t) (uint32_t) (a + 1) << 32) | (uint32_t) b;
     size_t i = (size_t) ((key * 0x9E3779B97F4A7C15ull) >> 20) & (m->cap - 1);
-    while (m->kv[2 * i] && m->kv[2 * i] != key) i = (i + 1) & (m->cap - 1);
+    while (m->kv[2 * i] && m->kv[2 * i] != key)
+        i = (i + 1) & (m->cap - 1);
     if (m->kv[2 * i]) return ERR_OK;  // HF keeps the first (lowest) rank of a repeated merge
     m->kv[2 * i] = key;
     m->kv[2 * i + 1] = (uint64_t) rank << 32 | (uint32_t) id;

@@ -32,7 +32,7 @@ nvcc="$cuda/bin/nvcc"
 arch=${GPU_ARCH:-"-gencode=arch=compute_90a,code=sm_90a"}
 inc="-I$src -I$src/engine"
 cflags="-O2 -g -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra $inc -isystem $cuda/include"
-nvflags="-O2 -lineinfo $arch $inc -Xcompiler=-Wall,-Wextra"
+nvflags="-O2 -lineinfo $arch $inc -Xcompiler=-Wall,-Wextra,-fno-exceptions"
 libs="-L$cuda/lib64 -lcublasLt -lcublas -lcudart -lm -lstdc++ -lpthread -ldl -lrt"
 
 echo "== build ($(nproc) cores)"

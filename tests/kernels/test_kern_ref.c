@@ -10,7 +10,9 @@
 #include "kernels/nvfp4_format.h"
 #include "kernels/ref/dsa_ref.h"
 #include "kernels/ref/kern_ref.h"
+#include "kernels/ref/mla_ref.h"
 #include "kernels/ref/moe_ref.h"
+#include "kernels/ref/nvfp4_ref.h"
 #include "kernels/ref/norm_ref.h"
 #include "tests/check.h"
 
@@ -117,8 +119,44 @@ static void test_norms(void)
     CHECK_NEAR(act[0], 3.0 / (1.0 + exp(-1.0)), 1e-6);
 }
 
+static void test_nvfp4_weight(void)
+{
+    // One row of 32 weights: byte 0 = 0x21 -> codes 1 (0.5) then 2 (1.0); byte 8 = 0x9f ->
+    // codes 15 (-6) then 9 (-0.5); group 0 scale 0x38 (1.0), group 1 scale 0x40 (2.0).
+    uint8_t q[16] = {0x21, 0, 0, 0, 0, 0, 0, 0, 0x9f, 0, 0, 0, 0, 0, 0, 0};
+    const uint8_t sc[2] = {0x38, 0x40};
+    CHECK(nvfp4_weight_ref(q, sc, 0.5f, 32, 0, 0) == 0.25);
+    CHECK(nvfp4_weight_ref(q, sc, 0.5f, 32, 0, 1) == 0.5);
+    CHECK(nvfp4_weight_ref(q, sc, 0.5f, 32, 0, 16) == -6.0);
+    CHECK(nvfp4_weight_ref(q, sc, 0.5f, 32, 0, 17) == -0.5);
+    CHECK(nvfp4_weight_ref(q, sc, 0.5f, 32, 0, 2) == 0.0);
+}
+
+static void test_mla_one_position(void)
+{
+    // A bf16 cache with one position: attention over one position returns its c_kv exactly.
+    enum { LK = 576, TB = 1152 };
+    static uint8_t cache[128 * TB];
+    const float vals[3] = {0.5f, -1.25f, 3.0f};
+    for (int c = 0; c < LK; c++) {
+        const uint16_t b = kern_f32_to_bf16(vals[c % 3]);
+        memcpy(cache + 2 * c, &b, 2);
+    }
+    float q_lat[512], q_pe[64], out[512];
+    for (int c = 0; c < 512; c++) q_lat[c] = 0.01f * (c % 7);
+    for (int c = 0; c < 64; c++) q_pe[c] = -0.02f;
+    const int32_t table[1] = {0}, seq[1] = {0}, len[1] = {1};
+    mla_decode_ref(out, NULL, NULL, q_lat, q_pe, cache, 1, table, 1, seq, len, NULL, 0, 1, 1,
+                   1.0f / 16.0f);
+    int same = 1;
+    for (int c = 0; c < 512; c++) same &= out[c] == vals[c % 3];
+    CHECK(same);
+}
+
 int main(void)
 {
+    test_nvfp4_weight();
+    test_mla_one_position();
     test_bf16();
     test_e4m3();
     test_route();

@@ -289,10 +289,32 @@ test('a dropped connection reconnects and resumes', { skip: REAL && !DROP_CMD },
   await checkFinalOutput(job);
 });
 
-test('cancel stops a running job', async () => {
-  const { id } = await submit('Something to cancel.', LONG);
+test('cancel stops a queued job and a running job', async () => {
+  // Long enough to be still running after the second job's round trip (it is cancelled).
+  const { id } = await submit('Something to cancel.', 3 * LONG);
   await waitState('running');
   await waitShownAtLeast(20);
+  // A second job waits behind the first (the engine runs one sequence at a time; should it
+  // batch, the second is running and is cancelled all the same).
+  const second = await submit('Waiting in the queue.', LONG);
+  await page.waitForFunction(() => /state-(queued|running)/.test(
+    document.getElementById('job-state').className), null, { timeout: T });
+  if (mock) await waitState('queued');
+  if ((await page.textContent('#job-state')).trim() === 'queued') {
+    await page.waitForFunction(() => /^\d+$/.test(document.getElementById('job-queue').textContent),
+                               null, { timeout: T });
+    await shot('desktop-job-queued');
+  }
+  await page.click('#cancel-job');
+  await waitState('cancelled');
+  assert.equal((await apiCall('GET', `/v1/jobs/${second.id}`, userKey)).body.state, 'cancelled');
+
+  // Back to the first job through the list, and cancel it while it runs.
+  await page.click('#back-link');
+  await page.click(`#jobs-body tr[data-job-id="${id}"] a`);
+  await page.waitForFunction((i) => document.getElementById('job-id').textContent === i, id,
+                             { timeout: T });
+  await waitState('running');
   await page.click('#cancel-job');
   await waitState('cancelled');
   assert.match(await page.textContent('#job-conn'), /cancelled/);
@@ -305,8 +327,8 @@ test('cancel stops a running job', async () => {
 
 test('the job list updates without reloading', async () => {
   await page.click('#back-link');
-  // The four jobs submitted above are listed, newest first.
-  await page.waitForFunction(() => document.querySelectorAll('#jobs-body tr').length >= 4, null,
+  // The five jobs submitted above are listed, newest first.
+  await page.waitForFunction(() => document.querySelectorAll('#jobs-body tr').length >= 5, null,
                              { timeout: T });
   // A job created elsewhere (through the API) appears and finishes in the list by itself.
   const r = await apiCall('POST', '/v1/jobs', userKey, { model: await modelName(),
@@ -411,5 +433,30 @@ test('a phone-width screen shows everything without sideways scrolling', async (
   const h = await page.evaluate(() => document.getElementById('sign-out').getBoundingClientRect().height);
   assert.ok(h >= 40);
   await shot('phone-job-done');
+  assert.deepEqual(problems, []);
+});
+
+test('a long job list pages with Load more', async () => {
+  await page.setViewportSize({ width: 1280, height: 800 });
+  if (await page.isVisible('#job')) await page.click('#back-link');
+  await page.waitForSelector('#home:not([hidden])', { timeout: T });
+  const model = await modelName();
+  for (let i = 0; i < 21; i++) {
+    const r = await apiCall('POST', '/v1/jobs', userKey, { model, max_tokens: 1,
+      messages: [{ role: 'user', content: `page filler ${i}` }] });
+    assert.equal(r.status, 202);
+  }
+  const all = (await apiCall('GET', '/v1/jobs?limit=100', userKey)).body.data.map((j) => j.id);
+  assert.ok(all.length > 20);
+  // The first page is the newest 20; Load more brings the rest, in the same order.
+  await page.waitForFunction((first) => document.querySelector('#jobs-body tr') &&
+    document.querySelector('#jobs-body tr').dataset.jobId === first, all[0], { timeout: T });
+  assert.equal(await page.locator('#jobs-body tr').count(), 20);
+  assert.ok(await page.isVisible('#jobs-more'));
+  await page.click('#jobs-more');
+  await page.waitForFunction((n) => document.querySelectorAll('#jobs-body tr').length === n,
+                             Math.min(all.length, 40), { timeout: T });
+  const shown = await page.$$eval('#jobs-body tr', (rows) => rows.map((r) => r.dataset.jobId));
+  assert.deepEqual(shown, all.slice(0, shown.length));
   assert.deepEqual(problems, []);
 });

@@ -1,0 +1,943 @@
+/*
+ * backend_cuda.cu - the CUDA backend (backend_cuda.h): every op of backend.h as fp32 CUDA
+ * kernels on the legacy default stream, written for correctness first.
+ *
+ * Design:
+ * - Weights: bind_linear() copies data, NVFP4 group scales and FP8 block scales to device
+ *   memory unchanged and rewrites the CkptLinear's pointers; kernels decode each element as
+ *   they read it with the same formulas as the CPU backend (kernels/nvfp4_format.h), so no
+ *   weight is expanded in memory.
+ * - matmul: one warp per (output row, token), fp32 products summed per lane then across
+ *   the warp. The arithmetic of one output element does not depend on n, so decode equals
+ *   prefill bit for bit, as on the CPU.
+ * - Reductions that decide something (norm statistics, router, DSA scores, attention
+ *   softmax) run in double, in the CPU backend's order where one thread owns a sum: a
+ *   router token, a DSA score, each latent channel of q_lat / o_lat, the softmax sum.
+ * - KV cache: kv_cache.c owns a host pool; this backend keeps a device pool of the same
+ *   layout per KvCache (found by address, created zeroed on first use) and uploads the
+ *   sequence's block table with each cache op. Only this backend reads or writes the
+ *   device pool, so the host pool of a cache used with CUDA stays zero.
+ * - MoE: one launch computes gate and up for every (token, slot) from the expert table
+ *   (CkptLinear descriptors uploaded once per experts array), one the down projections,
+ *   one the weighted sum in ascending expert order (the CPU order).
+ * Not yet: the tuned kernels of kernels/ (bf16/NVFP4 GEMV at full bandwidth, fp8 paged
+ * MLA cache, split-KV), CUDA graphs, and a GPU top-k better than O(visible^2) for long DSA
+ * contexts. Host syncs: pageable block-table uploads and scratch growth only.
+ */
+#include "backend_cuda.h"
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/nvfp4_format.h"
+
+#define CK(call)                                                                          \
+    do {                                                                                  \
+        const cudaError_t ck_err_ = (call);                                               \
+        if (ck_err_ != cudaSuccess)                                                       \
+            log_fatal(__FILE__, __LINE__, "CUDA: %s: %s", #call, cudaGetErrorString(ck_err_)); \
+    } while (0)
+
+enum {
+    SCRATCH_BLOCKS,  // int block table
+    SCRATCH_A,       // double / float work buffers
+    SCRATCH_B,
+    SCRATCH_C,
+    SCRATCH_D,
+    N_SCRATCH,
+    MAX_POOLS = 16,
+    MAX_EXPERT_TABLES = 512,
+    THREADS = 256,
+};
+
+// A device mirror of one KvCache's pool.
+typedef struct DevPool {
+    const KvCache *kv;
+    const void *host_pool;
+    size_t bytes;
+    void *dev;
+} DevPool;
+
+// A device copy of an experts array's descriptors (DevLin [3 E]).
+typedef struct ExpertTable {
+    const CkptLinear *host;
+    int n;
+    void *dev;
+} ExpertTable;
+
+typedef struct CudaImpl {
+    int device;
+    void **allocs;  // weight copies made by bind_linear, owned
+    int n_allocs, cap_allocs;
+    void *scratch[N_SCRATCH];
+    size_t scratch_bytes[N_SCRATCH];
+    DevPool pools[MAX_POOLS];
+    ExpertTable tables[MAX_EXPERT_TABLES];
+    int n_tables;
+} CudaImpl;
+
+// A weight as the kernels see it (pointers into device memory).
+typedef struct DevLin {
+    int format;
+    int rows;
+    int cols;
+    const void *data;
+    const uint8_t *scale;
+    const float *scale_f32;
+    float global;
+} DevLin;
+
+// One layer of a cache as the kernels see it.
+typedef struct DevKv {
+    const unsigned char *pool;
+    const int *blocks;
+    size_t block_floats;
+    size_t layer_offset;
+    size_t entry_floats;
+    int block_size;
+    int bf16;
+} DevKv;
+
+static DevLin dev_lin(const CkptLinear *w)
+{
+    DevLin d = {(int) w->format, w->rows,     w->cols,        w->data,
+                w->scale,        w->scale_f32, w->global_scale};
+    return d;
+}
+
+// ---------------------------------------------------------------------------
+// Device helpers
+
+static __device__ float half_bits_to_float(uint16_t h)
+{
+    const int sign = h >> 15, exponent = (h >> 10) & 31, mantissa = h & 1023;
+    float v;
+    if (exponent == 0)
+        v = ldexpf((float) mantissa, -24);
+    else if (exponent == 31)
+        v = mantissa ? __int_as_float(0x7fc00000) : __int_as_float(0x7f800000);
+    else
+        v = ldexpf((float) (mantissa | 1024), exponent - 25);
+    return sign ? -v : v;
+}
+
+// W[r, c] as fp32, decoded as ckpt_linear_row() does.
+static __device__ __forceinline__ float lin_at(const DevLin &w, int r, int c)
+{
+    const size_t i = (size_t) r * (size_t) w.cols + (size_t) c;
+    switch (w.format) {
+    case CKPT_LINEAR_F32:
+        return ((const float *) w.data)[i];
+    case CKPT_LINEAR_BF16:
+        return __uint_as_float((uint32_t) ((const uint16_t *) w.data)[i] << 16);
+    case CKPT_LINEAR_F16:
+        return half_bits_to_float(((const uint16_t *) w.data)[i]);
+    case CKPT_LINEAR_FP8: {
+        float s = w.global;
+        if (w.scale_f32) {
+            const size_t n_col_blocks = ((size_t) w.cols + 127) / 128;
+            s = w.scale_f32[((size_t) r / 128) * n_col_blocks + (size_t) c / 128];
+        }
+        return nvfp4_e4m3_to_float(((const uint8_t *) w.data)[i]) * s;
+    }
+    default: {  // CKPT_LINEAR_NVFP4
+        const uint8_t byte = ((const uint8_t *) w.data)[i / 2];
+        const uint8_t code = (c & 1) ? byte >> 4 : byte & 15;
+        return nvfp4_e2m1_to_float(code)
+               * nvfp4_e4m3_to_float(w.scale[(size_t) r * (w.cols / NVFP4_GROUP) + c / NVFP4_GROUP])
+               * w.global;
+    }
+    }
+}
+
+static __device__ __forceinline__ float warp_sum(float v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum (op 0) or max (op 1) of v over the block; every thread gets the result. buf: shared
+// double [THREADS / 32].
+static __device__ double block_reduce(double v, int op, double *buf)
+{
+    for (int o = 16; o > 0; o >>= 1) {
+        const double u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = op ? fmax(v, u) : v + u;
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+    __syncthreads();
+    if (lane == 0) buf[warp] = v;
+    __syncthreads();
+    double r = buf[0];
+    for (int i = 1; i < n_warps; i++)
+        r = op ? fmax(r, buf[i]) : r + buf[i];
+    return r;
+}
+
+static __device__ __forceinline__ const unsigned char *kv_at(const DevKv &k, int pos)
+{
+    const int block = k.blocks[pos / k.block_size];
+    const size_t value = (size_t) block * k.block_floats + k.layer_offset
+                         + (size_t) (pos % k.block_size) * k.entry_floats;
+    return k.pool + value * (k.bf16 ? 2 : 4);
+}
+
+static __device__ __forceinline__ float kv_val(const unsigned char *e, int bf16, int i)
+{
+    if (bf16) return __uint_as_float((uint32_t) ((const uint16_t *) e)[i] << 16);
+    return ((const float *) e)[i];
+}
+
+// ---------------------------------------------------------------------------
+// Kernels
+
+// y[t, r] = W[r, :] . x[t, :]; one warp per row, blockIdx.y + gridDim.y * k per token.
+static __global__ void k_matmul(float *y, DevLin w, const float *x, int n)
+{
+    const int r = blockIdx.x * (THREADS / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (r >= w.rows) return;
+    for (int t = blockIdx.y; t < n; t += gridDim.y) {
+        const float *xt = x + (size_t) t * w.cols;
+        float acc = 0.0f;
+        for (int c = lane; c < w.cols; c += 32)
+            acc += lin_at(w, r, c) * xt[c];
+        acc = warp_sum(acc);
+        if (lane == 0) y[(size_t) t * w.rows + r] = acc;
+    }
+}
+
+static __global__ void k_embed(float *y, DevLin w, const int *ids)
+{
+    const int t = blockIdx.x, id = ids[t];
+    if (id < 0 || id >= w.rows) return;  // model.c validates ids on the host
+    for (int c = threadIdx.x; c < w.cols; c += blockDim.x)
+        y[(size_t) t * w.cols + c] = lin_at(w, id, c);
+}
+
+static __global__ void k_rmsnorm(float *y, const float *x, const float *w, int dim, int stride,
+                                 float eps)
+{
+    __shared__ double buf[THREADS / 32];
+    const float *xt = x + (size_t) blockIdx.x * stride;
+    float *yt = y + (size_t) blockIdx.x * stride;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        ss += (double) xt[i] * xt[i];
+    ss = block_reduce(ss, 0, buf);
+    const double inv = 1.0 / sqrt(ss / dim + eps);
+    __syncthreads();  // every thread has read x before y (may alias) is written
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        yt[i] = (float) (w[i] * (xt[i] * inv));
+}
+
+static __global__ void k_layernorm(float *y, const float *x, const float *w, const float *b,
+                                   int dim, float eps)
+{
+    __shared__ double buf[THREADS / 32];
+    const float *xt = x + (size_t) blockIdx.x * dim;
+    float *yt = y + (size_t) blockIdx.x * dim;
+    double s = 0.0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        s += xt[i];
+    const double mean = block_reduce(s, 0, buf) / dim;
+    double v = 0.0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        v += (xt[i] - mean) * (xt[i] - mean);
+    const double inv = 1.0 / sqrt(block_reduce(v, 0, buf) / dim + eps);
+    __syncthreads();
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        yt[i] = (float) ((xt[i] - mean) * inv * w[i] + b[i]);
+}
+
+// Block (t, h), thread i < rope_dim / 2.
+static __global__ void k_rope(float *x, int stride, int head_stride, int offset, int rope_dim,
+                              const int *pos, float theta)
+{
+    const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = rope_dim / 2;
+    float *v = x + (size_t) t * stride + (size_t) h * head_stride + offset;
+    float a = 0.0f, b = 0.0f, cs = 0.0f, sn = 0.0f;
+    if (i < half) {
+        const float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) rope_dim);
+        const float angle = (float) pos[t] * inv_freq;
+        cs = (float) cos((double) angle);
+        sn = (float) sin((double) angle);
+        a = v[2 * i];
+        b = v[2 * i + 1];
+    }
+    __syncthreads();
+    if (i < half) {
+        v[i] = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+        v[half + i] = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
+    }
+}
+
+static __global__ void k_silu_mul(float *y, const float *gate, const float *up, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
+         i += (size_t) gridDim.x * blockDim.x) {
+        const double g = gate[i];
+        y[i] = (float) (g / (1.0 + exp(-g)) * up[i]);
+    }
+}
+
+static __global__ void k_add(float *y, const float *x, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
+         i += (size_t) gridDim.x * blockDim.x)
+        y[i] = __fadd_rn(y[i], x[i]);
+}
+
+static __device__ int argmax_masked(const double *v, const unsigned char *taken, int n)
+{
+    int best = -1;
+    for (int i = 0; i < n; i++)
+        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+    return best;
+}
+
+// One block per token, thread 0 runs the CPU backend's algorithm (E is small). Shared:
+// double [3 E + G], then bytes [max(E, G)].
+static __global__ void k_route(int *idx, float *wts, const float *logits, const float *bias,
+                               BackendRoute p)
+{
+    extern __shared__ double sm[];
+    if (threadIdx.x != 0) return;
+    const int E = p.n_experts, K = p.top_k, G = p.n_group, per_group = E / G, t = blockIdx.x;
+    double *score = sm, *choice = score + E, *group = choice + E, *tmp = group + G;
+    unsigned char *taken = (unsigned char *) (tmp + E);
+    const float *lt = logits + (size_t) t * E;
+    for (int e = 0; e < E; e++) {
+        score[e] = 1.0 / (1.0 + exp(-(double) lt[e]));
+        choice[e] = score[e] + (bias ? bias[e] : 0.0f);
+    }
+    for (int g = 0; g < G; g++) {
+        memset(taken, 0, (size_t) per_group);
+        const double *cg = choice + (size_t) g * per_group;
+        const int a = argmax_masked(cg, taken, per_group);
+        taken[a] = 1;
+        const int b = argmax_masked(cg, taken, per_group);
+        group[g] = cg[a] + (b >= 0 ? cg[b] : 0.0);
+    }
+    memset(taken, 0, (size_t) G);
+    for (int k = 0; k < p.topk_group; k++)
+        taken[argmax_masked(group, taken, G)] = 1;
+    for (int e = 0; e < E; e++)
+        tmp[e] = taken[e / per_group] ? choice[e] : -INFINITY;
+    memset(taken, 0, (size_t) E);
+    for (int k = 0; k < K; k++)
+        taken[argmax_masked(tmp, taken, E)] = 1;
+    int *it = idx + (size_t) t * K;
+    int k = 0;
+    double sum = 0.0;
+    for (int e = 0; e < E; e++)
+        if (taken[e]) {
+            it[k++] = e;
+            sum += score[e];
+        }
+    for (k = 0; k < K; k++) {
+        double w = score[it[k]];
+        if (p.norm_topk_prob) w /= sum + 1e-20;
+        wts[(size_t) t * K + k] = (float) (w * p.routed_scaling_factor);
+    }
+}
+
+// DSA scores: block (t, chunk), thread per position s < pos[t] + 1; score[t, s] in double
+// with the CPU backend's order. key_offset: values before the index key in an entry.
+static __global__ void k_dsa_scores(double *score, int cap, const float *q, const float *w,
+                                    DevKv kv, int key_offset, const int *pos, BackendDsa p)
+{
+    const int t = blockIdx.x, s = blockIdx.y * blockDim.x + threadIdx.x;
+    const int visible = pos[t] + 1;
+    if (s >= visible || visible <= p.top_k) return;
+    const unsigned char *e = kv_at(kv, s);
+    const float *qt = q + (size_t) t * p.n_heads * p.head_dim;
+    const float *wt = w + (size_t) t * p.n_heads;
+    const double head_scale = 1.0 / sqrt((double) p.n_heads);
+    const double dot_scale = 1.0 / sqrt((double) p.head_dim);
+    double total = 0.0;
+    for (int h = 0; h < p.n_heads; h++) {
+        const float *qh = qt + (size_t) h * p.head_dim;
+        double d = 0.0;
+        for (int i = 0; i < p.head_dim; i++)
+            d += (double) qh[i] * kv_val(e, kv.bf16, key_offset + i);
+        d *= dot_scale;
+        if (d > 0.0) total += (double) wt[h] * head_scale * d;
+    }
+    score[(size_t) t * cap + s] = total;
+}
+
+// Top-k of the scores (ties to the earlier position), positions ascending. One block per
+// token; flag: int [n, cap] scratch.
+static __global__ void k_dsa_select(int *sel, int *n_sel, const double *score, int *flag, int cap,
+                                    const int *pos, int top_k)
+{
+    const int t = blockIdx.x, visible = pos[t] + 1;
+    int *st = sel + (size_t) t * top_k;
+    if (visible <= top_k) {
+        for (int s = threadIdx.x; s < visible; s += blockDim.x)
+            st[s] = s;
+        if (threadIdx.x == 0) n_sel[t] = visible;
+        return;
+    }
+    const double *sc = score + (size_t) t * cap;
+    int *fl = flag + (size_t) t * cap;
+    for (int s = threadIdx.x; s < visible; s += blockDim.x) {
+        const double v = sc[s];
+        int above = 0;
+        for (int u = 0; u < visible && above < top_k; u++)
+            above += sc[u] > v || (sc[u] == v && u < s);
+        fl[s] = above < top_k;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int k = 0;
+        for (int s = 0; s < visible && k < top_k; s++)
+            if (fl[s]) st[k++] = s;
+        n_sel[t] = k;
+    }
+}
+
+// MLA attention, absorbed form; one block per (t, h). Shared: double q_lat [L], o_lat [L].
+// prob: double [n * H, cap] scratch.
+static __global__ void k_mla(float *out, const float *q, DevLin kv_b, DevKv kv, const int *pos,
+                             const int *sel, const int *n_sel, int sel_stride, BackendMla p,
+                             double *prob_all, int cap)
+{
+    extern __shared__ double sm[];
+    __shared__ double buf[THREADS / 32];
+    const int H = p.n_heads, L = p.kv_lora, t = blockIdx.x, h = blockIdx.y;
+    const int qk = p.qk_nope + p.qk_rope;
+    const int visible = pos[t] + 1;
+    const int n_keys = sel ? n_sel[t] : visible;
+    const int *keys = sel ? sel + (size_t) t * sel_stride : NULL;
+    double *q_lat = sm, *o_lat = sm + L;
+    double *prob = prob_all + ((size_t) t * H + h) * cap;
+    const float *qt = q + ((size_t) t * H + h) * qk;
+    const int row0 = h * (p.qk_nope + p.v_dim);
+
+    for (int c = threadIdx.x; c < L; c += blockDim.x) {
+        double acc = 0.0;
+        for (int i = 0; i < p.qk_nope; i++)
+            acc += (double) qt[i] * lin_at(kv_b, row0 + i, c);
+        q_lat[c] = acc;
+    }
+    __syncthreads();
+    double mx = -INFINITY;
+    for (int j = threadIdx.x; j < n_keys; j += blockDim.x) {
+        const int s = keys ? keys[j] : j;
+        const unsigned char *e = kv_at(kv, s);
+        double d = 0.0;
+        for (int c = 0; c < L; c++)
+            d += q_lat[c] * kv_val(e, kv.bf16, c);
+        for (int i = 0; i < p.qk_rope; i++)
+            d += (double) qt[p.qk_nope + i] * kv_val(e, kv.bf16, L + i);
+        prob[j] = d * p.scale;
+        mx = fmax(mx, prob[j]);
+    }
+    mx = block_reduce(mx, 1, buf);
+    for (int j = threadIdx.x; j < n_keys; j += blockDim.x)
+        prob[j] = exp(prob[j] - mx);
+    __syncthreads();
+    __shared__ double sum_sh;
+    if (threadIdx.x == 0) {
+        double sum = 0.0;
+        for (int j = 0; j < n_keys; j++)
+            sum += prob[j];
+        sum_sh = sum;
+    }
+    __syncthreads();
+    const double sum = sum_sh;
+    for (int c = threadIdx.x; c < L; c += blockDim.x) {
+        double acc = 0.0;
+        for (int j = 0; j < n_keys; j++) {
+            const int s = keys ? keys[j] : j;
+            acc += prob[j] / sum * kv_val(kv_at(kv, s), kv.bf16, c);
+        }
+        o_lat[c] = acc;
+    }
+    __syncthreads();
+    float *ot = out + ((size_t) t * H + h) * p.v_dim;
+    for (int j = threadIdx.x; j < p.v_dim; j += blockDim.x) {
+        double d = 0.0;
+        for (int c = 0; c < L; c++)
+            d += lin_at(kv_b, row0 + p.qk_nope + j, c) * o_lat[c];
+        ot[j] = (float) d;
+    }
+}
+
+static __global__ void k_kv_write(unsigned char *pool, const int *blocks, size_t block_floats,
+                                  size_t layer_offset, size_t entry_floats, int block_size,
+                                  int bf16, const int *pos, int offset, const float *src,
+                                  int width)
+{
+    const int t = blockIdx.x, p = pos[t];
+    const size_t value = (size_t) blocks[p / block_size] * block_floats + layer_offset
+                         + (size_t) (p % block_size) * entry_floats + (size_t) offset;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = src[(size_t) t * width + i];
+        if (!bf16) {
+            ((float *) (void *) pool)[value + i] = v;
+            continue;
+        }
+        const uint32_t bits = __float_as_uint(v);
+        uint16_t hb;
+        if ((bits & 0x7fffffffu) > 0x7f800000u)
+            hb = (uint16_t) ((bits >> 16) | 0x40);
+        else
+            hb = (uint16_t) ((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+        ((uint16_t *) (void *) pool)[value + i] = hb;
+    }
+}
+
+// Routed experts, projection `which` (0 gate, 1 up, 2 down) of every slot (t, k): y [n K,
+// rows]; x is per token ([n, cols], x_per_slot 0) or per slot ([n K, cols]).
+static __global__ void k_moe_mm(float *y, const DevLin *table, int which, const int *idx,
+                                const float *x, int x_per_slot, int top_k, int n_slots)
+{
+    const int slot = blockIdx.y, lane = threadIdx.x % 32;
+    if (slot >= n_slots) return;
+    const DevLin w = table[3 * idx[slot] + which];
+    const int r = blockIdx.x * (THREADS / 32) + threadIdx.x / 32;
+    if (r >= w.rows) return;
+    const float *xt = x + (size_t) (x_per_slot ? slot : slot / top_k) * w.cols;
+    float acc = 0.0f;
+    for (int c = lane; c < w.cols; c += 32)
+        acc += lin_at(w, r, c) * xt[c];
+    acc = warp_sum(acc);
+    if (lane == 0) y[(size_t) slot * w.rows + r] = acc;
+}
+
+// out[t, c] = sum over the token's slots in ascending expert order of ye[slot, c] wts[slot].
+static __global__ void k_moe_combine(float *out, const float *ye, const int *idx,
+                                     const float *wts, int n, int top_k, int hidden)
+{
+    const size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x;
+    if (i >= (size_t) n * hidden) return;
+    const int t = (int) (i / hidden), c = (int) (i % hidden);
+    const int *it = idx + (size_t) t * top_k;
+    float acc = 0.0f;
+    int last_e = -1, last_k = -1;
+    for (int done = 0; done < top_k; done++) {
+        // Next slot by (expert, slot) ascending.
+        int best = -1;
+        for (int k = 0; k < top_k; k++) {
+            const bool after = it[k] > last_e || (it[k] == last_e && k > last_k);
+            if (after && (best < 0 || it[k] < it[best])) best = k;
+        }
+        last_e = it[best];
+        last_k = best;
+        const size_t slot = (size_t) t * top_k + best;
+        acc = __fadd_rn(acc, __fmul_rn(ye[slot * hidden + c], wts[slot]));
+    }
+    out[i] = acc;
+}
+
+// ---------------------------------------------------------------------------
+// Host side
+
+static void check_launch(const char *what)
+{
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) log_fatal(__FILE__, __LINE__, "CUDA: %s: %s", what, cudaGetErrorString(e));
+}
+
+static unsigned grid_1d(size_t n)
+{
+    const size_t g = (n + THREADS - 1) / THREADS;
+    return (unsigned) (g < 65535 ? (g ? g : 1) : 65535);
+}
+
+// Scratch buffer `slot` of at least `bytes` (grows geometrically; contents not kept).
+static void *scratch(CudaImpl *impl, int slot, size_t bytes)
+{
+    if (impl->scratch_bytes[slot] < bytes) {
+        const size_t grown = bytes < 2 * impl->scratch_bytes[slot] ? 2 * impl->scratch_bytes[slot]
+                                                                   : bytes;
+        if (impl->scratch[slot]) CK(cudaFree(impl->scratch[slot]));
+        impl->scratch[slot] = NULL;
+        CK(cudaMalloc(&impl->scratch[slot], grown));
+        impl->scratch_bytes[slot] = grown;
+    }
+    return impl->scratch[slot];
+}
+
+// The device pool mirroring kv's (created zeroed on first use).
+static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
+{
+    const size_t bytes = kv->block_floats * (size_t) kv->params.n_blocks * kv->value_bytes;
+    DevPool *free_slot = NULL;
+    for (int i = 0; i < MAX_POOLS; i++) {
+        DevPool *d = &impl->pools[i];
+        if (d->kv == kv) {
+            if (d->host_pool == kv->pool && d->bytes == bytes) return (unsigned char *) d->dev;
+            CK(cudaFree(d->dev));  // the cache was freed and set up again at this address
+            memset(d, 0, sizeof *d);
+        }
+        if (!d->kv && !free_slot) free_slot = d;
+    }
+    if (!free_slot) log_fatal(__FILE__, __LINE__, "more than %d KV caches on one CUDA backend", MAX_POOLS);
+    void *p = NULL;
+    CK(cudaMalloc(&p, bytes ? bytes : 1));
+    CK(cudaMemset(p, 0, bytes ? bytes : 1));
+    *free_slot = (DevPool){kv, kv->pool, bytes, p};
+    return (unsigned char *) p;
+}
+
+static DevKv dev_kv(CudaImpl *impl, const KvCache *kv, const KvSeq *seq, int layer)
+{
+    int *blocks = (int *) scratch(impl, SCRATCH_BLOCKS, (size_t) (seq->n_blocks + 1) * sizeof(int));
+    if (seq->n_blocks)
+        CK(cudaMemcpy(blocks, seq->blocks, (size_t) seq->n_blocks * sizeof(int),
+                      cudaMemcpyHostToDevice));
+    DevKv d = {dev_pool(impl, kv),          blocks,
+               kv->block_floats,            kv->layer_offset[layer],
+               kv->entry_floats[layer],     kv->params.block_size,
+               kv->params.dtype == KV_DTYPE_BF16};
+    return d;
+}
+
+static void *cuda_alloc(Backend *be, size_t bytes)
+{
+    (void) be;
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        (void) cudaGetLastError();
+        return NULL;
+    }
+    CK(cudaMemset(p, 0, bytes ? bytes : 1));
+    return p;
+}
+
+static void cuda_free_mem(Backend *be, void *p)
+{
+    (void) be;
+    if (p) CK(cudaFree(p));
+}
+
+static void cuda_upload(Backend *be, void *dst, const void *src_host, size_t bytes)
+{
+    (void) be;
+    if (bytes) CK(cudaMemcpy(dst, src_host, bytes, cudaMemcpyHostToDevice));
+}
+
+static void cuda_download(Backend *be, void *dst_host, const void *src, size_t bytes)
+{
+    (void) be;
+    if (bytes) CK(cudaMemcpy(dst_host, src, bytes, cudaMemcpyDeviceToHost));
+}
+
+// A device copy of host bytes, remembered for destroy; NULL when out of memory.
+static void *keep_copy(CudaImpl *impl, const void *src, size_t bytes)
+{
+    if (impl->n_allocs == impl->cap_allocs) {
+        const int cap = impl->cap_allocs ? 2 * impl->cap_allocs : 256;
+        void **a = (void **) realloc(impl->allocs, (size_t) cap * sizeof *a);
+        if (!a) return NULL;
+        impl->allocs = a;
+        impl->cap_allocs = cap;
+    }
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        (void) cudaGetLastError();
+        return NULL;
+    }
+    impl->allocs[impl->n_allocs++] = p;
+    if (bytes) CK(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice));
+    return p;
+}
+
+static Err cuda_bind_linear(Backend *be, CkptLinear *w)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    const size_t n = (size_t) w->rows * (size_t) w->cols;
+    size_t data_bytes = 0, scale_bytes = 0, scale_f32_bytes = 0;
+    switch (w->format) {
+    case CKPT_LINEAR_F32: data_bytes = n * 4; break;
+    case CKPT_LINEAR_F16:
+    case CKPT_LINEAR_BF16: data_bytes = n * 2; break;
+    case CKPT_LINEAR_FP8:
+        data_bytes = n;
+        if (w->scale_f32)
+            scale_f32_bytes = (((size_t) w->rows + 127) / 128) * (((size_t) w->cols + 127) / 128)
+                              * sizeof(float);
+        break;
+    case CKPT_LINEAR_NVFP4:
+        data_bytes = n / 2;
+        scale_bytes = n / NVFP4_GROUP;
+        break;
+    default:
+        LOG_ERROR("%s: unknown weight format %d", w->name ? w->name : "weight", (int) w->format);
+        return ERR_INVAL;
+    }
+    void *data = keep_copy(impl, w->data, data_bytes);
+    void *scale = scale_bytes ? keep_copy(impl, w->scale, scale_bytes) : NULL;
+    void *scale_f32 = scale_f32_bytes ? keep_copy(impl, w->scale_f32, scale_f32_bytes) : NULL;
+    if (!data || (scale_bytes && !scale) || (scale_f32_bytes && !scale_f32)) {
+        LOG_ERROR("out of GPU memory binding %s (%zu bytes)", w->name ? w->name : "a weight",
+                  data_bytes + scale_bytes + scale_f32_bytes);
+        return ERR_NOMEM;
+    }
+    w->data = data;
+    if (scale_bytes) w->scale = (const uint8_t *) scale;
+    if (scale_f32_bytes) w->scale_f32 = (const float *) scale_f32;
+    return ERR_OK;
+}
+
+static void cuda_matmul(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+{
+    (void) be;
+    ASSERT(w->rows > 0 && w->cols > 0 && n >= 0);
+    if (n == 0) return;
+    const dim3 grid((unsigned) ((w->rows + THREADS / 32 - 1) / (THREADS / 32)),
+                    (unsigned) (n < 65535 ? n : 65535));
+    k_matmul<<<grid, THREADS>>>(y, dev_lin(w), x, n);
+    check_launch("matmul");
+}
+
+static void cuda_embed(Backend *be, float *y, const CkptLinear *table, const int *ids, int n)
+{
+    (void) be;
+    if (n == 0) return;
+    k_embed<<<n, THREADS>>>(y, dev_lin(table), ids);
+    check_launch("embed");
+}
+
+static void cuda_rmsnorm(Backend *be, float *y, const float *x, const float *w, int n, int dim,
+                         int stride, float eps)
+{
+    (void) be;
+    ASSERT(dim > 0 && stride >= dim);
+    if (n == 0) return;
+    k_rmsnorm<<<n, THREADS>>>(y, x, w, dim, stride, eps);
+    check_launch("rmsnorm");
+}
+
+static void cuda_layernorm(Backend *be, float *y, const float *x, const float *w, const float *b,
+                           int n, int dim, float eps)
+{
+    (void) be;
+    if (n == 0) return;
+    k_layernorm<<<n, THREADS>>>(y, x, w, b, dim, eps);
+    check_launch("layernorm");
+}
+
+static void cuda_rope(Backend *be, float *x, int n, int n_heads, int stride, int head_stride,
+                      int offset, int rope_dim, const int *pos, float theta)
+{
+    (void) be;
+    ASSERT(rope_dim % 2 == 0 && rope_dim / 2 <= 1024);
+    if (n == 0 || rope_dim == 0 || n_heads == 0) return;
+    const int threads = ((rope_dim / 2 + 31) / 32) * 32;
+    k_rope<<<dim3((unsigned) n, (unsigned) n_heads), threads>>>(x, stride, head_stride, offset,
+                                                                 rope_dim, pos, theta);
+    check_launch("rope");
+}
+
+static void cuda_silu_mul(Backend *be, float *y, const float *gate, const float *up, int n_elems)
+{
+    (void) be;
+    if (n_elems <= 0) return;
+    k_silu_mul<<<grid_1d((size_t) n_elems), THREADS>>>(y, gate, up, (size_t) n_elems);
+    check_launch("silu_mul");
+}
+
+static void cuda_add(Backend *be, float *y, const float *x, int n_elems)
+{
+    (void) be;
+    if (n_elems <= 0) return;
+    k_add<<<grid_1d((size_t) n_elems), THREADS>>>(y, x, (size_t) n_elems);
+    check_launch("add");
+}
+
+static void cuda_route(Backend *be, int *idx, float *wts, const float *logits, const float *bias,
+                       int n, const BackendRoute *p)
+{
+    (void) be;
+    const int E = p->n_experts, G = p->n_group;
+    ASSERT(E > 0 && p->top_k > 0 && p->top_k <= E && G > 0 && E % G == 0 && p->topk_group > 0
+           && p->topk_group <= G);
+    if (n == 0) return;
+    const size_t shared = ((size_t) 3 * E + G) * sizeof(double) + (size_t) (E > G ? E : G);
+    ASSERT(shared <= 48 * 1024);
+    k_route<<<n, 32, shared>>>(idx, wts, logits, bias, *p);
+    check_launch("route");
+}
+
+static void cuda_kv_write(Backend *be, KvCache *kv, const KvSeq *seq, int layer, const int *pos,
+                          int n, int offset, const float *src, int width)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    ASSERT(offset >= 0 && width >= 0
+           && (size_t) offset + (size_t) width <= kv->entry_floats[layer]);
+    if (n == 0 || width == 0) return;
+    const DevKv d = dev_kv(impl, kv, seq, layer);
+    k_kv_write<<<n, THREADS>>>((unsigned char *) d.pool, d.blocks, d.block_floats, d.layer_offset,
+                               d.entry_floats, d.block_size, d.bf16, pos, offset, src, width);
+    check_launch("kv_write");
+}
+
+// Positions the sequence can hold: a bound on pos[t] + 1 known on the host (model.c
+// reserves before running the layers).
+static int seq_capacity(const KvCache *kv, const KvSeq *seq)
+{
+    const int cap = seq->n_blocks * kv->params.block_size;
+    return cap > 0 ? cap : 1;
+}
+
+static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, const float *w,
+                          const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
+                          const BackendDsa *p)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    ASSERT(kv->params.has_index[layer] && kv->params.index_dim == p->head_dim && p->top_k > 0);
+    if (n == 0) return;
+    const int cap = seq_capacity(kv, seq);
+    const DevKv d = dev_kv(impl, kv, seq, layer);
+    double *score = (double *) scratch(impl, SCRATCH_A, (size_t) n * cap * sizeof(double));
+    int *flag = (int *) scratch(impl, SCRATCH_B, (size_t) n * cap * sizeof(int));
+    const int key_offset = kv->params.kv_lora + kv->params.rope_dim;
+    k_dsa_scores<<<dim3((unsigned) n, (unsigned) ((cap + THREADS - 1) / THREADS)), THREADS>>>(
+        score, cap, q, w, d, key_offset, pos, *p);
+    check_launch("dsa_scores");
+    k_dsa_select<<<n, THREADS>>>(sel, n_sel, score, flag, cap, pos, p->top_k);
+    check_launch("dsa_select");
+}
+
+static void cuda_mla_attention(Backend *be, float *out, const float *q, const CkptLinear *kv_b,
+                               const KvCache *kv, const KvSeq *seq, int layer, const int *pos,
+                               int n, const int *sel, const int *n_sel, int sel_stride,
+                               const BackendMla *p)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    ASSERT(kv_b->cols == p->kv_lora && kv_b->rows == p->n_heads * (p->qk_nope + p->v_dim));
+    ASSERT(kv->params.kv_lora == p->kv_lora && kv->params.rope_dim == p->qk_rope);
+    if (n == 0) return;
+    const int cap = sel ? (sel_stride > 0 ? sel_stride : 1) : seq_capacity(kv, seq);
+    const DevKv d = dev_kv(impl, kv, seq, layer);
+    double *prob =
+        (double *) scratch(impl, SCRATCH_C, (size_t) n * p->n_heads * cap * sizeof(double));
+    const size_t shared = (size_t) 2 * p->kv_lora * sizeof(double);
+    ASSERT(shared <= 40 * 1024);
+    k_mla<<<dim3((unsigned) n, (unsigned) p->n_heads), THREADS, shared>>>(
+        out, q, dev_lin(kv_b), d, pos, sel, n_sel, sel_stride, *p, prob, cap);
+    check_launch("mla_attention");
+}
+
+// The device descriptor table of an experts array (uploaded on first use).
+static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int n_experts)
+{
+    for (int i = 0; i < impl->n_tables; i++)
+        if (impl->tables[i].host == experts && impl->tables[i].n == n_experts)
+            return (const DevLin *) impl->tables[i].dev;
+    if (impl->n_tables == MAX_EXPERT_TABLES)
+        log_fatal(__FILE__, __LINE__, "more than %d MoE layers", MAX_EXPERT_TABLES);
+    DevLin *host = (DevLin *) malloc((size_t) 3 * n_experts * sizeof *host);
+    if (!host) log_fatal(__FILE__, __LINE__, "out of memory");
+    for (int i = 0; i < 3 * n_experts; i++)
+        host[i] = dev_lin(&experts[i]);
+    void *dev = NULL;
+    CK(cudaMalloc(&dev, (size_t) 3 * n_experts * sizeof *host));
+    CK(cudaMemcpy(dev, host, (size_t) 3 * n_experts * sizeof *host, cudaMemcpyHostToDevice));
+    free(host);
+    impl->tables[impl->n_tables++] = (ExpertTable){experts, n_experts, dev};
+    return (const DevLin *) dev;
+}
+
+static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *idx,
+                     const float *wts, int top_k, const CkptLinear *experts, int n_experts)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    const int hidden = experts[0].cols, inter = experts[0].rows;
+    for (int e = 0; e < n_experts; e++) {
+        const CkptLinear *w = experts + 3 * (size_t) e;
+        ASSERT(w[0].cols == hidden && w[0].rows == inter && w[1].cols == hidden
+               && w[1].rows == inter && w[2].rows == hidden && w[2].cols == inter);
+    }
+    if (n == 0) return;
+    const DevLin *table = expert_table(impl, experts, n_experts);
+    const int slots = n * top_k;
+    float *g = (float *) scratch(impl, SCRATCH_A, (size_t) slots * inter * sizeof(float));
+    float *u = (float *) scratch(impl, SCRATCH_B, (size_t) slots * inter * sizeof(float));
+    float *ye = (float *) scratch(impl, SCRATCH_D, (size_t) slots * hidden * sizeof(float));
+    ASSERT(slots <= 65535);
+    const unsigned rb_inter = (unsigned) ((inter + THREADS / 32 - 1) / (THREADS / 32));
+    const unsigned rb_hidden = (unsigned) ((hidden + THREADS / 32 - 1) / (THREADS / 32));
+    k_moe_mm<<<dim3(rb_inter, (unsigned) slots), THREADS>>>(g, table, 0, idx, x, 0, top_k, slots);
+    k_moe_mm<<<dim3(rb_inter, (unsigned) slots), THREADS>>>(u, table, 1, idx, x, 0, top_k, slots);
+    k_silu_mul<<<grid_1d((size_t) slots * inter), THREADS>>>(g, g, u, (size_t) slots * inter);
+    k_moe_mm<<<dim3(rb_hidden, (unsigned) slots), THREADS>>>(ye, table, 2, idx, g, 1, top_k,
+                                                             slots);
+    k_moe_combine<<<(unsigned) (((size_t) n * hidden + THREADS - 1) / THREADS), THREADS>>>(
+        out, ye, idx, wts, n, top_k, hidden);
+    check_launch("moe");
+}
+
+static void cuda_destroy(Backend *be)
+{
+    if (!be) return;
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    if (impl) {
+        for (int i = 0; i < impl->n_allocs; i++)
+            cudaFree(impl->allocs[i]);
+        free(impl->allocs);
+        for (int i = 0; i < N_SCRATCH; i++)
+            cudaFree(impl->scratch[i]);
+        for (int i = 0; i < MAX_POOLS; i++)
+            cudaFree(impl->pools[i].dev);
+        for (int i = 0; i < impl->n_tables; i++)
+            cudaFree(impl->tables[i].dev);
+        free(impl);
+    }
+    free(be);
+}
+
+Err backend_cuda_create(int device, Backend **out)
+{
+    *out = NULL;
+    int n_devices = 0;
+    cudaError_t e = cudaGetDeviceCount(&n_devices);
+    if (e != cudaSuccess || device < 0 || device >= n_devices) {
+        LOG_ERROR("no CUDA device %d (%d found%s%s)", device, e == cudaSuccess ? n_devices : 0,
+                  e == cudaSuccess ? "" : ": ", e == cudaSuccess ? "" : cudaGetErrorString(e));
+        (void) cudaGetLastError();
+        return ERR_INVAL;
+    }
+    if ((e = cudaSetDevice(device)) != cudaSuccess) {
+        LOG_ERROR("cannot use CUDA device %d: %s", device, cudaGetErrorString(e));
+        return ERR_INVAL;
+    }
+    Backend *be = (Backend *) calloc(1, sizeof *be);
+    CudaImpl *impl = (CudaImpl *) calloc(1, sizeof *impl);
+    if (!be || !impl) {
+        free(be);
+        free(impl);
+        return ERR_NOMEM;
+    }
+    impl->device = device;
+    be->impl = impl;
+    be->name = "cuda";
+    be->destroy = cuda_destroy;
+    be->alloc = cuda_alloc;
+    be->free_mem = cuda_free_mem;
+    be->upload = cuda_upload;
+    be->download = cuda_download;
+    be->bind_linear = cuda_bind_linear;
+    be->matmul = cuda_matmul;
+    be->embed = cuda_embed;
+    be->rmsnorm = cuda_rmsnorm;
+    be->layernorm = cuda_layernorm;
+    be->rope = cuda_rope;
+    be->silu_mul = cuda_silu_mul;
+    be->add = cuda_add;
+    be->route = cuda_route;
+    be->dsa_topk = cuda_dsa_topk;
+    be->mla_attention = cuda_mla_attention;
+    be->kv_write = cuda_kv_write;
+    be->moe = cuda_moe;
+    *out = be;
+    return ERR_OK;
+}

@@ -1,0 +1,117 @@
+/*
+ * recipe.h - the deployment recipe: one file of `key = value` lines that says how a model is
+ * served (the files in ops/recipes/), read by glmspark-engine (--recipe FILE) and ops/launch-cluster.sh.
+ *
+ * Format: one setting per line, `key = value`; blank lines and lines starting with `#` are
+ * ignored; a value may be wrapped in double quotes (no escapes) and ends at the line's end or
+ * at ` #` (a comment). Every key is known (RECIPE_KEYS below); an unknown key, a repeated key,
+ * a malformed line or a value out of range is an error whose message names the file, the
+ * line and the key. Command-line flags override a recipe: the engine applies the recipe
+ * first, then its flags (recipe_set() with origin "command line" validates them the same way).
+ *
+ * Keys and defaults (the vLLM names of the reference deployment where one exists):
+ *   model                     checkpoint directory                  (none)
+ *   model_name                name served on /v1/models             (the directory's name)
+ *   tokenizer                 tokenizer.json                        (MODEL/tokenizer.json)
+ *   pipeline_parallel         ranks, one per node, 1..8             1
+ *   tensor_parallel           1 (a DGX Spark has one GPU)           1
+ *   gpu_memory_utilization    fraction of a node's memory, (0, 1]   0.85
+ *   max_model_len             context positions, >= 1               262144
+ *   kv_cache_dtype            fp8 | bf16 | f32                      fp8
+ *   block_size                KV block positions, power of two      128
+ *   max_num_seqs              concurrent sequences, >= 1            1
+ *   max_num_batched_tokens    prefill chunk, >= 1                   2048
+ *   threads                   CPU threads per rank, >= 1            2
+ *   kv_blocks                 KV blocks (0: from max_model_len)     0
+ *   lease_s                   job lease seconds, >= 1               60
+ *   master_port               rank 0's pipeline port, 1..65535      29500
+ *   heartbeat_timeout_s       a silent rank is dead after, >= 1     600
+ *   load_timeout_s            launcher's readiness limit, >= 1      3600
+ *   drop_page_cache           fadvise(DONTNEED) while loading       true
+ *   min_free_memory_gb        launcher's per-node check, >= 0       0
+ *
+ * Ownership: Recipe is plain data (fixed-size strings); copy it freely.
+ * Threads:   functions are reentrant.
+ * Errors:    ERR_IO when the file cannot be read, ERR_FORMAT for a malformed line, ERR_INVAL
+ *            for an unknown key, a repeated key or a bad value; logged once, naming the key.
+ */
+#ifndef ENGINE_RECIPE_H
+#define ENGINE_RECIPE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum {
+    RECIPE_MAX_STR = 1024,  // longest string value, NUL included
+    RECIPE_MAX_WORLD = 8,
+};
+
+typedef enum RecipeKvDtype {
+    RECIPE_KV_FP8,
+    RECIPE_KV_BF16,
+    RECIPE_KV_F32,
+} RecipeKvDtype;
+
+typedef struct Recipe {
+    char model[RECIPE_MAX_STR];       // "" when unset
+    char model_name[RECIPE_MAX_STR];  // "" when unset
+    char tokenizer[RECIPE_MAX_STR];   // "" when unset
+    int pipeline_parallel;
+    int tensor_parallel;
+    double gpu_memory_utilization;
+    int max_model_len;
+    RecipeKvDtype kv_cache_dtype;
+    int block_size;
+    int max_num_seqs;
+    int max_num_batched_tokens;
+    int threads;
+    int kv_blocks;
+    int lease_s;
+    int master_port;
+    int heartbeat_timeout_s;
+    int load_timeout_s;
+    bool drop_page_cache;
+    double min_free_memory_gb;
+    uint64_t set_mask;  // bit i: key i of recipe_key_name() was set (by a file or a flag)
+} Recipe;
+
+// The defaults listed above.
+void recipe_defaults(Recipe *r);
+
+// Parse text[0..len) (need not be NUL-terminated) on top of *r (start from
+// recipe_defaults()). origin names the source in messages (a file name). On error *r may
+// be partly updated; discard it.
+Err recipe_parse(Recipe *r, const char *text, size_t len, const char *origin);
+
+// Read and parse a file.
+Err recipe_load(Recipe *r, const char *path);
+
+// Set one key from a string, validated as in a file (a repeat is allowed here: flags
+// override). origin names the source in messages ("command line").
+Err recipe_set(Recipe *r, const char *key, const char *value, const char *origin);
+
+// Key i's name (0 <= i < recipe_n_keys()), NULL when out of range.
+const char *recipe_key_name(int i);
+int recipe_n_keys(void);
+
+// Key i's current value as text, in the file syntax (recipe_parse reads it back to the same
+// Recipe). buf of n bytes; returns buf.
+char *recipe_format_value(const Recipe *r, int i, char *buf, size_t n);
+
+// Whether key was set by a file or recipe_set() (false for unknown keys).
+bool recipe_is_set(const Recipe *r, const char *key);
+
+// The kv_cache_dtype's name ("fp8", "bf16", "f32").
+const char *recipe_kv_dtype_name(RecipeKvDtype d);
+
+#ifdef __cplusplus
+}
+#endif
+#endif  // ENGINE_RECIPE_H

@@ -1,0 +1,373 @@
+/*
+ * scheduler.c - continuous batching with chunked prefill over the pipeline (scheduler.h).
+ *
+ * Sequence life: waiting (queued, no slot) -> running (slot and KV blocks committed; the
+ * first micro-batch that carries it sends PP_SEQ_START) -> finished (last event
+ * delivered; a PP_SEQ_FREE op in the next micro-batch releases its slot on every rank)
+ * -> gone. A sequence is in at most one micro-batch at a time: its next decode token is
+ * the one the previous micro-batch sampled. Slots and block commitments are released
+ * when the FREE op is submitted; ranks process micro-batches in order, so a later START
+ * on the same slot finds it free.
+ *
+ * KV admission: a request commits ceil((n_prompt + max_tokens) / block_size) blocks of
+ * rank 0's pool when admitted. Every rank's pool has the same block count (model_kv_params
+ * of each stage), so no rank can run out while the commitments fit.
+ */
+#include "scheduler.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef enum SeqState { SEQ_WAITING, SEQ_RUNNING, SEQ_FINISHED } SeqState;
+
+typedef struct Seq {
+    uint64_t id;
+    int32_t *prompt;  // [n_prompt], owned
+    int n_prompt;
+    int n_prefilled;  // prompt tokens sent
+    int max_tokens;
+    int n_generated;
+    SamplerParams sampling;
+    int32_t stop_ids[SCHED_MAX_STOP_IDS];
+    int n_stop_ids;
+    bool ignore_eos;
+    SeqState state;
+    int slot;      // -1 while waiting
+    int n_blocks;  // committed
+    int32_t last;  // the last sampled token: the next decode input
+    bool started, inflight, cancelled;
+} Seq;
+
+typedef struct MicroBatch {
+    Seq **seqs;  // [n_ops] the op's sequence, NULL for FREE ops
+    int n_ops;
+} MicroBatch;
+
+struct Scheduler {
+    SchedParams p;
+    PpStage *stage;      // borrowed
+    const Model *model;  // borrowed
+    int n_blocks_total, block_size, n_blocks_committed;
+    Seq **waiting;  // FIFO [max_waiting]
+    int n_waiting;
+    Seq **running;  // [max_num_seqs] (running or finished-not-freed)
+    int n_running;
+    bool slot_used[PP_MAX_SLOTS];
+    MicroBatch *ring;  // [n_microbatches] in-flight micro-batches, oldest at head
+    int head, n_inflight;
+    PpSeqOp *ops;     // [max_num_seqs] scratch for building
+    int32_t *tokens;  // [max_num_batched_tokens] scratch
+    uint64_t n_mb_total, n_tok_total;
+    int max_batch_tokens;
+};
+
+static void seq_destroy(Seq *q)
+{
+    if (!q) return;
+    free(q->prompt);
+    free(q);
+}
+
+void sched_destroy(Scheduler *s)
+{
+    if (!s) return;
+    for (int i = 0; i < s->n_waiting; i++)
+        seq_destroy(s->waiting[i]);
+    for (int i = 0; i < s->n_running; i++)
+        seq_destroy(s->running[i]);
+    if (s->ring)
+        for (int i = 0; i < s->p.n_microbatches; i++)
+            free(s->ring[i].seqs);
+    free(s->ring);
+    free(s->waiting);
+    free(s->running);
+    free(s->ops);
+    free(s->tokens);
+    free(s);
+}
+
+Err sched_create(PpStage *stage, const Model *model, const KvCache *kv, const SchedParams *p,
+                 Scheduler **out)
+{
+    *out = NULL;
+    ASSERT(p->on_event);
+    Scheduler *s = calloc(1, sizeof *s);
+    if (!s) return ERR_NOMEM;
+    s->p = *p;
+    if (s->p.max_num_seqs <= 0) s->p.max_num_seqs = 16;
+    if (s->p.max_num_batched_tokens <= 0) s->p.max_num_batched_tokens = 512;
+    if (s->p.max_waiting <= 0) s->p.max_waiting = 1024;
+    if (s->p.n_microbatches <= 0) s->p.n_microbatches = stage ? pp_world(stage) : 1;
+    if (s->p.max_num_seqs > PP_MAX_SLOTS || s->p.n_microbatches > PP_MAX_INFLIGHT) {
+        LOG_ERROR("scheduler: max_num_seqs %d (at most %d) or %d micro-batches (at most %d) out "
+                  "of range",
+                  s->p.max_num_seqs, PP_MAX_SLOTS, s->p.n_microbatches, PP_MAX_INFLIGHT);
+        free(s);
+        return ERR_INVAL;
+    }
+    s->stage = stage;
+    s->model = model;
+    s->n_blocks_total = kv->params.n_blocks;
+    s->block_size = kv->params.block_size;
+    s->waiting = calloc((size_t) s->p.max_waiting, sizeof *s->waiting);
+    s->running = calloc((size_t) s->p.max_num_seqs, sizeof *s->running);
+    s->ring = calloc((size_t) s->p.n_microbatches, sizeof *s->ring);
+    s->ops = calloc((size_t) s->p.max_num_seqs, sizeof *s->ops);
+    s->tokens = calloc((size_t) s->p.max_num_batched_tokens + 1, sizeof *s->tokens);
+    bool ok = s->waiting && s->running && s->ring && s->ops && s->tokens;
+    for (int i = 0; ok && i < s->p.n_microbatches; i++)
+        ok = (s->ring[i].seqs = calloc((size_t) s->p.max_num_seqs, sizeof(Seq *))) != NULL;
+    if (!ok) {
+        sched_destroy(s);
+        return ERR_NOMEM;
+    }
+    *out = s;
+    return ERR_OK;
+}
+
+Err sched_submit(Scheduler *s, const SchedRequest *r)
+{
+    const int V = s->model->cfg.vocab_size;
+    if (r->n_prompt < 1 || r->max_tokens < 1 || r->n_stop_ids < 0
+        || r->n_stop_ids > SCHED_MAX_STOP_IDS) {
+        LOG_ERROR("request %llu: needs a prompt, max_tokens >= 1 and at most %d stop ids",
+                  (unsigned long long) r->id, SCHED_MAX_STOP_IDS);
+        return ERR_INVAL;
+    }
+    for (int i = 0; i < r->n_prompt; i++)
+        if (r->prompt[i] < 0 || r->prompt[i] >= V) {
+            LOG_ERROR("request %llu: prompt token %d at index %d is outside the vocabulary (%d)",
+                      (unsigned long long) r->id, r->prompt[i], i, V);
+            return ERR_INVAL;
+        }
+    if (s->n_waiting >= s->p.max_waiting) return ERR_AGAIN;
+    Seq *q = calloc(1, sizeof *q);
+    int32_t *prompt = malloc((size_t) r->n_prompt * sizeof *prompt);
+    if (!q || !prompt) {
+        free(q);
+        free(prompt);
+        return ERR_NOMEM;
+    }
+    memcpy(prompt, r->prompt, (size_t) r->n_prompt * sizeof *prompt);
+    *q = (Seq){
+        .id = r->id,
+        .prompt = prompt,  // ownership moved to q
+        .n_prompt = r->n_prompt,
+        .max_tokens = r->max_tokens,
+        .sampling = r->sampling,
+        .n_stop_ids = r->n_stop_ids,
+        .ignore_eos = r->ignore_eos,
+        .state = SEQ_WAITING,
+        .slot = -1,
+    };
+    memcpy(q->stop_ids, r->stop_ids, sizeof q->stop_ids);
+    s->waiting[s->n_waiting++] = q;
+    return ERR_OK;
+}
+
+void sched_cancel(Scheduler *s, uint64_t id)
+{
+    for (int i = 0; i < s->n_waiting; i++)
+        if (s->waiting[i]->id == id) s->waiting[i]->cancelled = true;
+    for (int i = 0; i < s->n_running; i++)
+        if (s->running[i]->id == id && s->running[i]->state == SEQ_RUNNING)
+            s->running[i]->cancelled = true;
+}
+
+bool sched_has_work(const Scheduler *s)
+{
+    return s->n_waiting > 0 || s->n_running > 0 || s->n_inflight > 0;
+}
+
+void sched_stats(const Scheduler *s, SchedStats *out)
+{
+    *out = (SchedStats){
+        .n_waiting = s->n_waiting,
+        .n_running = s->n_running,
+        .n_inflight = s->n_inflight,
+        .n_microbatches = s->n_mb_total,
+        .n_tokens = s->n_tok_total,
+        .max_batch_tokens = s->max_batch_tokens,
+    };
+}
+
+static void emit(Scheduler *s, Seq *q, int32_t token, SchedFinish finish)
+{
+    const SchedEvent ev = {q->id, token, q->n_generated, finish};
+    if (finish != SCHED_FINISH_NONE) q->state = SEQ_FINISHED;
+    s->p.on_event(s->p.user, &ev);
+}
+
+static bool is_stop(const Scheduler *s, const Seq *q, int32_t tok)
+{
+    if (!q->ignore_eos)
+        for (int e = 0; e < s->model->cfg.n_eos_ids; e++)
+            if (tok == s->model->cfg.eos_ids[e]) return true;
+    for (int i = 0; i < q->n_stop_ids; i++)
+        if (tok == q->stop_ids[i]) return true;
+    return false;
+}
+
+// Remove running[i] (order kept: older sequences decode first).
+static void running_remove(Scheduler *s, int i)
+{
+    memmove(s->running + i, s->running + i + 1, (size_t) (s->n_running - i - 1) * sizeof(Seq *));
+    s->n_running--;
+}
+
+// ---------------------------------------------------------------------------
+// Building a micro-batch
+
+typedef struct Builder {
+    int n_ops, n_tokens, budget;
+    Seq **seqs;  // the ring entry's sequence list
+} Builder;
+
+static void add_op(Scheduler *s, Builder *b, Seq *q, int n_new, uint32_t flags, const int32_t *toks)
+{
+    PpSeqOp *op = &s->ops[b->n_ops];
+    *op = (PpSeqOp){.slot = q->slot, .n_new = n_new, .flags = flags};
+    if (flags & PP_SEQ_START) op->params = q->sampling;
+    if (n_new > 0) memcpy(s->tokens + b->n_tokens, toks, (size_t) n_new * sizeof(int32_t));
+    b->seqs[b->n_ops++] = (flags & PP_SEQ_FREE) ? NULL : q;
+    b->n_tokens += n_new;
+    b->budget -= n_new;
+    if (!(flags & PP_SEQ_FREE)) q->inflight = true;
+}
+
+// The next prefill chunk of q (which is running and not in flight).
+static void add_prefill(Scheduler *s, Builder *b, Seq *q)
+{
+    const int rest = q->n_prompt - q->n_prefilled;
+    const int chunk = rest < b->budget ? rest : b->budget;
+    if (chunk <= 0) return;
+    uint32_t flags = q->started ? 0 : PP_SEQ_START;
+    if (chunk == rest) flags |= PP_SEQ_SAMPLE;  // the prompt's last token gives the first output
+    add_op(s, b, q, chunk, flags, q->prompt + q->n_prefilled);
+    q->started = true;
+    q->n_prefilled += chunk;
+}
+
+static void build(Scheduler *s, Builder *b)
+{
+    // Cancelled requests that never ran end here.
+    for (int i = 0; i < s->n_waiting;) {
+        Seq *q = s->waiting[i];
+        if (!q->cancelled) {
+            i++;
+            continue;
+        }
+        emit(s, q, -1, SCHED_FINISH_CANCELLED);
+        memmove(s->waiting + i, s->waiting + i + 1,
+                (size_t) (s->n_waiting - i - 1) * sizeof(Seq *));
+        s->n_waiting--;
+        seq_destroy(q);
+    }
+    // Cancelled running sequences between micro-batches end now.
+    for (int i = 0; i < s->n_running; i++) {
+        Seq *q = s->running[i];
+        if (q->state == SEQ_RUNNING && q->cancelled && !q->inflight)
+            emit(s, q, -1, SCHED_FINISH_CANCELLED);
+    }
+    // 1. Free finished sequences (no tokens; releases KV blocks on every rank).
+    for (int i = 0; i < s->n_running;) {
+        Seq *q = s->running[i];
+        if (q->state != SEQ_FINISHED || q->inflight) {
+            i++;
+            continue;
+        }
+        add_op(s, b, q, 0, PP_SEQ_FREE, NULL);
+        s->slot_used[q->slot] = false;
+        s->n_blocks_committed -= q->n_blocks;
+        running_remove(s, i);
+        seq_destroy(q);
+    }
+    // 2. One decode token for each running sequence past its prompt.
+    for (int i = 0; i < s->n_running && b->budget > 0; i++) {
+        Seq *q = s->running[i];
+        if (q->state == SEQ_RUNNING && !q->inflight && q->n_prefilled == q->n_prompt)
+            add_op(s, b, q, 1, PP_SEQ_SAMPLE, &q->last);
+    }
+    // 3. Prefill chunks of running sequences, oldest first.
+    for (int i = 0; i < s->n_running && b->budget > 0; i++) {
+        Seq *q = s->running[i];
+        if (q->state == SEQ_RUNNING && !q->inflight && q->n_prefilled < q->n_prompt)
+            add_prefill(s, b, q);
+    }
+    // 4. Admit waiting requests while slots, KV blocks and the token budget allow.
+    while (s->n_waiting > 0 && s->n_running < s->p.max_num_seqs && b->budget > 0) {
+        Seq *q = s->waiting[0];
+        const int need = (q->n_prompt + q->max_tokens + s->block_size - 1) / s->block_size;
+        if (need > s->n_blocks_total) {
+            LOG_ERROR("request %llu: %d prompt + %d max tokens need %d KV blocks, the cache has "
+                      "%d",
+                      (unsigned long long) q->id, q->n_prompt, q->max_tokens, need,
+                      s->n_blocks_total);
+        } else if (s->n_blocks_committed + need > s->n_blocks_total) {
+            break;  // wait for running sequences to finish
+        }
+        memmove(s->waiting, s->waiting + 1, (size_t) (s->n_waiting - 1) * sizeof(Seq *));
+        s->n_waiting--;
+        if (need > s->n_blocks_total) {
+            emit(s, q, -1, SCHED_FINISH_ERROR);
+            seq_destroy(q);
+            continue;
+        }
+        int slot = 0;
+        while (s->slot_used[slot])
+            slot++;  // n_running < max_num_seqs <= PP_MAX_SLOTS: one is free
+        s->slot_used[slot] = true;
+        q->slot = slot;
+        q->n_blocks = need;
+        q->state = SEQ_RUNNING;
+        s->n_blocks_committed += need;
+        s->running[s->n_running++] = q;
+        add_prefill(s, b, q);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Stepping
+
+Err sched_step(Scheduler *s)
+{
+    Err err = ERR_OK;
+    while (s->n_inflight < s->p.n_microbatches) {
+        MicroBatch *mb = &s->ring[(s->head + s->n_inflight) % s->p.n_microbatches];
+        Builder b = {0, 0, s->p.max_num_batched_tokens, mb->seqs};
+        build(s, &b);
+        if (b.n_ops == 0) break;
+        if ((err = pp_submit(s->stage, s->ops, b.n_ops, s->tokens))) return err;
+        mb->n_ops = b.n_ops;
+        s->n_inflight++;
+        s->n_mb_total++;
+        s->n_tok_total += (uint64_t) b.n_tokens;
+        if (b.n_tokens > s->max_batch_tokens) s->max_batch_tokens = b.n_tokens;
+    }
+    if (s->n_inflight == 0) return ERR_OK;
+
+    PpResult res;
+    if ((err = pp_collect(s->stage, &res))) return err;
+    MicroBatch *mb = &s->ring[s->head];
+    ASSERT(res.n_ops == mb->n_ops);
+    s->head = (s->head + 1) % s->p.n_microbatches;
+    s->n_inflight--;
+    for (int i = 0; i < mb->n_ops; i++) {
+        Seq *q = mb->seqs[i];
+        if (!q) continue;  // a FREE op
+        q->inflight = false;
+        if (q->cancelled) {
+            if (q->state == SEQ_RUNNING) emit(s, q, -1, SCHED_FINISH_CANCELLED);
+            continue;
+        }
+        const int32_t tok = res.tokens[i];
+        if (tok < 0) continue;  // a prefill chunk before the last
+        q->n_generated++;
+        q->last = tok;
+        const SchedFinish fin = is_stop(s, q, tok)                ? SCHED_FINISH_STOP
+                                : q->n_generated >= q->max_tokens ? SCHED_FINISH_LENGTH
+                                                                  : SCHED_FINISH_NONE;
+        emit(s, q, tok, fin);
+    }
+    return ERR_OK;
+}

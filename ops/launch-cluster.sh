@@ -1,0 +1,346 @@
+#!/bin/bash
+# launch-cluster.sh - start glmspark on every node of the cluster, from the head node.
+#
+#   ops/launch-cluster.sh [--env FILE] [--recipe FILE] [--check-only] [--wait] [-- ARGS...]
+#
+# 1. Checks every node in GLMSPARK_NODES at once: reachable through the transport, the rank
+#    binary present, the same model files as the head (sizes of every file and sha256 of
+#    every *.json; GLMSPARK_CHECK_HASH=full hashes every file), enough available memory and
+#    free disk, and no glmspark rank already running. Every failure is reported with its
+#    host; nothing starts unless every node passes. --check-only stops here.
+# 2. Starts one rank per node, node i being rank i: by default over ssh, each rank in its own
+#    session (setsid) with a pid file, its log and its exit status in GLMSPARK_RUN_DIR on that
+#    node; with GLMSPARK_LAUNCHER=mpirun or srun, one mpirun/srun on the head starts them all
+#    (ranks then come from OMPI_COMM_WORLD_RANK / PMI_RANK / SLURM_PROCID).
+#    Each rank runs GLMSPARK_RANK_CMD (default: glmspark-engine --recipe RECIPE --model MODEL
+#    --db DB) plus --rank R --world N --master ADDR:PORT (ssh), or GLMSPARK_MASTER in its
+#    environment (mpirun/srun), plus ARGS; with the variables in GLMSPARK_PASS_ENV and
+#    GLMSPARK_CLUSTER_ID (a fresh id that ops/cleanup.sh uses to verify nothing is left).
+# 3. Waits until every rank's log matches GLMSPARK_READY_RE, printing each rank's progress
+#    (its last log line) as it changes; a rank that dies or exits first, or the recipe's
+#    load_timeout_s running out, is reported with its host, exit status and last log
+#    lines, and every node is cleaned up. The marker file GLMSPARK_RUN_DIR/loading exists on
+#    a node while its rank loads (ops/pagecache-dropper.sh works while it is there).
+# --wait then stays until every rank has exited, and exits 0 only when all exited 0 (for
+#    batch commands and tests; SIGINT/SIGTERM stop the cluster). Without --wait the ranks
+#    keep running after the script exits; stop them with ops/cleanup.sh.
+#
+# Settings: ops/env.example (default file /etc/glmspark/env, or GLMSPARK_ENV). Exit status:
+# 0 ready (or, with --wait, all ranks succeeded), 1 anything else.
+# shellcheck disable=SC2016,SC2317  # remote scripts in single quotes; trap handlers
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+cl_prog=launch-cluster
+# shellcheck source=ops/cluster-lib.sh
+. "$here/cluster-lib.sh"
+
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+
+env_file=${GLMSPARK_ENV:-/etc/glmspark/env}
+env_explicit=0
+recipe_arg=""
+check_only=0
+wait_all=0
+extra=()
+while [ $# -gt 0 ]; do
+    case $1 in
+    --env) [ $# -ge 2 ] || usage; env_file=$2; env_explicit=1; shift 2 ;;
+    --recipe) [ $# -ge 2 ] || usage; recipe_arg=$2; shift 2 ;;
+    --check-only) check_only=1; shift ;;
+    --wait) wait_all=1; shift ;;
+    --) shift; extra=("$@"); break ;;
+    -h | --help) usage ;;
+    *) echo "launch-cluster: unknown argument \"$1\"" >&2; usage ;;
+    esac
+done
+cl_load_env "$env_file" "$env_explicit"
+nodes=("${cl_nodes[@]}")
+world=${#nodes[@]}
+run=$cl_run
+bin=${GLMSPARK_BIN:-/usr/local/bin}
+local_bin=${GLMSPARK_LOCAL_BIN:-$bin}
+recipe=${recipe_arg:-${GLMSPARK_RECIPE:-}}
+launcher=${GLMSPARK_LAUNCHER:-ssh}
+ready_re=${GLMSPARK_READY_RE:-engine: serving|pipeline rank [0-9]+ of [0-9]+: layers}
+poll_s=${GLMSPARK_POLL_S:-2}
+case $launcher in ssh | mpirun | srun) ;; *) cl_die "GLMSPARK_LAUNCHER must be ssh, mpirun or srun" ;; esac
+
+# The recipe, validated by the engine's own parser (errors name the key and the line).
+declare -A rc=([pipeline_parallel]=$world [master_port]=29500 [load_timeout_s]=3600
+               [min_free_memory_gb]=0 [model]="")
+if [ -n "$recipe" ]; then
+    [ -f "$recipe" ] || cl_die "no recipe \"$recipe\""
+    out=$("$local_bin/glmspark-engine" --check-recipe "$recipe" 2>&1) \
+        || cl_die "the recipe is invalid: $out"
+    while IFS= read -r line; do
+        k=${line%% = *}
+        v=${line#* = }
+        v=${v#\"}
+        rc[$k]=${v%\"}
+    done <<<"$out"
+fi
+[ "${rc[pipeline_parallel]}" = "$world" ] \
+    || cl_die "the recipe wants pipeline_parallel = ${rc[pipeline_parallel]} but GLMSPARK_NODES lists $world node(s)"
+model=${GLMSPARK_MODEL:-${rc[model]}}
+[ -n "$model" ] || cl_die "no model: set GLMSPARK_MODEL or the recipe's model"
+port=${GLMSPARK_MASTER_PORT:-${rc[master_port]}}
+master=${GLMSPARK_MASTER_ADDR:-${nodes[0]}}:$port
+load_timeout=${GLMSPARK_LOAD_TIMEOUT_S:-${rc[load_timeout_s]}}
+min_mem_gb=${GLMSPARK_MIN_MEM_GB:-0}
+awk "BEGIN { exit !(${rc[min_free_memory_gb]} > $min_mem_gb) }" && min_mem_gb=${rc[min_free_memory_gb]}
+min_disk_gb=${GLMSPARK_MIN_DISK_GB:-1}
+
+if [ -n "${GLMSPARK_RANK_CMD:-}" ]; then
+    rank_cmd=$GLMSPARK_RANK_CMD
+else
+    rank_cmd=$(printf '%q ' "$bin/glmspark-engine" --model "$model")
+    [ -n "$recipe" ] && rank_cmd+=$(printf ' --recipe %q' "$recipe")
+    [ -n "${GLMSPARK_DB:-}" ] && rank_cmd+=$(printf ' --db %q' "$GLMSPARK_DB")
+fi
+[ ${#extra[@]} -gt 0 ] && rank_cmd+=$(printf ' %q' "${extra[@]}")
+read -r rank_bin _ <<<"$rank_cmd"
+rank_bin=$(eval "printf '%s' $rank_bin")
+
+# ---------------------------------------------------------------------------
+# 1. Node checks, all nodes at once.
+
+probe_script='
+set -u
+echo "host=$(hostname)"
+if [ -x "$rank_bin" ]; then echo bin=ok; else echo bin=missing; fi
+echo "mem_kb=$(awk "/^MemAvailable:/ {print \$2}" /proc/meminfo)"
+mkdir -p "$run" 2>/dev/null && echo "disk_kb=$(df -Pk "$run" | awk "NR == 2 {print \$4}")"
+if [ -d "$model" ]; then
+    m=$(cd "$model" && {
+        find . -type f -printf "%P %s\n" | LC_ALL=C sort
+        if [ "$full" = 1 ]; then find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum
+        else find . -maxdepth 1 -type f -name "*.json" -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum; fi
+    } | sha256sum | cut -c1-16)
+    echo "model=$m files=$(find "$model" -type f | wc -l)"
+else
+    echo model=missing
+fi
+starttime() { sed "s/^.*) //" "/proc/$1/stat" 2>/dev/null | cut -d" " -f20; }
+for f in "$run"/rank*.pid "$run"/launcher.pid; do
+    [ -f "$f" ] || continue
+    read -r pid start _ <"$f" || true
+    [ -n "$pid" ] && [ "$(starttime "$pid")" = "$start" ] && echo "running=$pid"
+done
+exit 0
+'
+tmp=$(mktemp -d)
+cleanup_tmp() { rm -rf "$tmp"; }
+trap cleanup_tmp EXIT
+
+cl_say "checking ${world} node(s): ${nodes[*]}"
+pids=()
+for i in "${!nodes[@]}"; do
+    cl_remote "${nodes[$i]}" "$(cl_vars run="$run" rank_bin="$rank_bin" model="$model" \
+        full="$([ "${GLMSPARK_CHECK_HASH:-}" = full ] && echo 1 || echo 0)")$probe_script" \
+        >"$tmp/probe$i" 2>"$tmp/probe$i.err" &
+    pids+=($!)
+done
+failures=()
+head_model=""
+for i in "${!nodes[@]}"; do
+    h=${nodes[$i]}
+    if ! wait "${pids[$i]}" || ! grep -q '^host=' "$tmp/probe$i"; then
+        failures+=("$h: unreachable through \"$cl_rsh\": $(tr '\n' ' ' <"$tmp/probe$i.err" | cut -c1-200)")
+        continue
+    fi
+    declare -A p=()
+    while IFS='=' read -r k v; do p[$k]=$v; done <"$tmp/probe$i"
+    [ "${p[bin]:-}" = ok ] || failures+=("$h: no executable $rank_bin")
+    mem_gb=$(( ${p[mem_kb]:-0} / 1048576 ))
+    awk "BEGIN { exit !($mem_gb < $min_mem_gb) }" \
+        && failures+=("$h: ${mem_gb} GiB of memory available, the recipe needs $min_mem_gb (ops/pagecache-dropper.sh, a reboot, or another process?)")
+    disk_gb=$(( ${p[disk_kb]:-0} / 1048576 ))
+    [ "$disk_gb" -ge "$min_disk_gb" ] || failures+=("$h: ${disk_gb} GiB free in $run, need $min_disk_gb")
+    if [ "${p[model]:-missing}" = missing ]; then
+        failures+=("$h: no model directory $model")
+    else
+        m=${p[model]%% *}
+        if [ "$i" = 0 ]; then head_model=$m
+        elif [ "$m" != "$head_model" ]; then
+            failures+=("$h: the model files in $model differ from ${nodes[0]}'s (file sizes or *.json; manifest $m vs $head_model)")
+        fi
+    fi
+    [ -z "${p[running]:-}" ] || failures+=("$h: a glmspark rank is already running (pid ${p[running]}): ops/cleanup.sh first")
+    cl_say "  rank $i on $h (${p[host]}): ${mem_gb} GiB available, ${disk_gb} GiB free, model ${p[model]:-missing}"
+    unset p
+done
+if [ ${#failures[@]} -gt 0 ]; then
+    for f in "${failures[@]}"; do cl_say "FAILED $f"; done
+    exit 1
+fi
+[ "$check_only" = 1 ] && { cl_say "every node passed"; exit 0; }
+
+# ---------------------------------------------------------------------------
+# 2. Start.
+
+cluster_id=$(date +%s)-$$-$RANDOM
+pass_vars=()
+for v in ${GLMSPARK_PASS_ENV:-}; do
+    [ -n "${!v+x}" ] && pass_vars+=("$v=${!v}")
+done
+# The per-rank start script: with ssh it forks the rank into its own session and returns;
+# under mpirun/srun it execs in the foreground (the launcher owns the process).
+rank_script='
+set -u
+if [ -z "${rank:-}" ]; then rank=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-${SLURM_PROCID:-}}}; fi
+[ -n "$rank" ] || { echo "no rank: not started by mpirun or srun?" >&2; exit 12; }
+mkdir -p "$run" || exit 10
+log=$run/rank$rank.log
+rm -f "$run/rank$rank.exit"
+: >"$log"
+touch "$run/loading"
+echo "$cluster_id" >"$run/rank$rank.cluster"
+export GLMSPARK_CLUSTER_ID=$cluster_id GLMSPARK_RANK=$rank
+wrapper='"'"'
+starttime() { sed "s/^.*) //" "/proc/$1/stat" | cut -d" " -f20; }
+echo "$$ $(starttime $$) $KIND" >"$RUN/rank$RANK.pid"
+eval "$CMD"
+code=$?
+echo "$code" >"$RUN/rank$RANK.exit"
+echo "rank $RANK exited with status $code" >&2
+exit $code
+'"'"'
+if [ "$mode" = ssh ]; then
+    RUN=$run RANK=$rank KIND=group CMD="$cmd --rank $rank --world $world --master $master" \
+        setsid bash -c "$wrapper" </dev/null >>"$log" 2>&1 &
+    for _ in $(seq 50); do [ -f "$run/rank$rank.pid" ] && break; sleep 0.1; done
+    [ -f "$run/rank$rank.pid" ] || { echo "rank $rank did not start" >&2; exit 13; }
+else
+    export GLMSPARK_MASTER=$master
+    RUN=$run RANK=$rank KIND=single CMD="exec $cmd" exec bash -c "$wrapper" </dev/null >>"$log" 2>&1
+fi
+'
+start_vars() {  # start_vars RANK: the script's variables and the exported environment
+    cl_vars run="$run" cluster_id="$cluster_id" cmd="$rank_cmd" world="$world" \
+        master="$master" mode="$launcher" rank="$1"
+    local kv
+    for kv in "${pass_vars[@]}"; do printf 'export %s=%q\n' "${kv%%=*}" "${kv#*=}"; done
+}
+
+cl_say "cluster $cluster_id: starting $world rank(s) with $launcher; rank command: $rank_cmd"
+if [ "$launcher" = ssh ]; then
+    for i in "${!nodes[@]}"; do
+        if ! out=$(cl_remote "${nodes[$i]}" "$(start_vars "$i")$rank_script" 2>&1); then
+            cl_say "FAILED rank $i on ${nodes[$i]} did not start: $out"
+            cl_stop_all "${nodes[@]}" || true
+            exit 1
+        fi
+    done
+else
+    mkdir -p "$run"
+    script="$(start_vars "")$rank_script"
+    if [ "$launcher" = mpirun ]; then
+        hosts=$(IFS=,; echo "${nodes[*]}")
+        lcmd=(mpirun -np "$world" --host "$hosts" --map-by node bash -c "$script")
+    else
+        hosts=$(IFS=,; echo "${nodes[*]}")
+        lcmd=(srun --nodes="$world" --ntasks="$world" --ntasks-per-node=1 --nodelist="$hosts"
+              bash -c "$script")
+    fi
+    echo "$cluster_id" >"$run/launcher.cluster"
+    GLMSPARK_CLUSTER_ID=$cluster_id setsid "${lcmd[@]}" </dev/null >>"$run/launcher.log" 2>&1 &
+    lpid=$!
+    echo "$lpid $(sed 's/^.*) //' "/proc/$lpid/stat" | cut -d' ' -f20) group" >"$run/launcher.pid"
+fi
+
+# ---------------------------------------------------------------------------
+# 3. Readiness, then (--wait) completion.
+
+status_script='
+set -u
+r=$rank
+starttime() { sed "s/^.*) //" "/proc/$1/stat" 2>/dev/null | cut -d" " -f20; }
+log=$run/rank$r.log
+last=$(grep -v "^$" "$log" 2>/dev/null | tail -1 | cut -c1-160)
+if [ -f "$run/rank$r.exit" ]; then state="exited:$(cat "$run/rank$r.exit")"
+elif [ -f "$run/rank$r.pid" ]; then
+    read -r pid start _ <"$run/rank$r.pid"
+    if [ "$(starttime "$pid")" = "$start" ]; then state=running; else state=dead; fi
+else state=starting
+fi
+ready=0
+grep -Eq "$ready_re" "$log" 2>/dev/null && ready=1
+[ "$ready" = 1 ] && [ "$final" = 1 ] && rm -f "$run/loading"
+echo "$state $ready $last"
+'
+rank_status() {  # rank_status I FINAL -> "state ready lastline"
+    cl_remote "${nodes[$1]}" "$(cl_vars run="$run" rank="$1" ready_re="$ready_re" final="$2")$status_script" 2>/dev/null \
+        || echo "unreachable 0 (${nodes[$1]} did not answer)"
+}
+tail_log() {  # tail_log I: the rank's last log lines, indented
+    cl_remote "${nodes[$1]}" "tail -n ${GLMSPARK_TAIL_LINES:-8} $(printf '%q' "$run/rank$1.log")" 2>&1 \
+        | sed 's/^/      /' >&2 || true
+}
+fail_cluster() {  # fail_cluster MESSAGE...
+    cl_say "FAILED: $*"
+    cl_say "stopping every rank"
+    cl_stop_all "${nodes[@]}" || true
+    exit 1
+}
+on_signal() { trap - INT TERM; fail_cluster "interrupted"; }
+trap on_signal INT TERM
+
+t0=$(date +%s)
+declare -a ready_at last_line
+for i in "${!nodes[@]}"; do ready_at[i]=""; last_line[i]=""; done
+while :; do
+    n_ready=0
+    for i in "${!nodes[@]}"; do
+        [ -n "${ready_at[i]}" ] && { n_ready=$((n_ready + 1)); continue; }
+        read -r state ready last <<<"$(rank_status "$i" 1)"
+        if [ "$ready" = 1 ] || [ "$state" = exited:0 ]; then
+            ready_at[i]=$(($(date +%s) - t0))
+            n_ready=$((n_ready + 1))
+            cl_say "rank $i on ${nodes[$i]}: ready after ${ready_at[i]} s"
+            continue
+        fi
+        case $state in
+        exited:* | dead | unreachable)
+            cl_say "rank $i on ${nodes[$i]} failed while loading: ${state/exited:/exit status }; its log ends:"
+            tail_log "$i"
+            fail_cluster "rank $i on ${nodes[$i]}: ${state/exited:/exit status }"
+            ;;
+        esac
+        if [ "$last" != "${last_line[$i]}" ]; then
+            last_line[i]=$last
+            cl_say "rank $i on ${nodes[$i]} ($(($(date +%s) - t0)) s): ${last:-(no output yet)}"
+        fi
+    done
+    [ "$n_ready" = "$world" ] && break
+    if [ $(($(date +%s) - t0)) -ge "$load_timeout" ]; then
+        for i in "${!nodes[@]}"; do
+            [ -z "${ready_at[i]}" ] && { cl_say "rank $i on ${nodes[$i]} not ready; its log ends:"; tail_log "$i"; }
+        done
+        fail_cluster "not ready after $load_timeout s (the recipe's load_timeout_s)"
+    fi
+    sleep "$poll_s"
+done
+cl_say "cluster $cluster_id ready: $world rank(s) in $(($(date +%s) - t0)) s; rank 0 on ${nodes[0]}, master $master"
+[ "$wait_all" = 1 ] || exit 0
+
+worst=0
+for i in "${!nodes[@]}"; do
+    while :; do
+        read -r state _ _ <<<"$(rank_status "$i" 0)"
+        case $state in
+        exited:*) code=${state#exited:}; break ;;
+        dead | unreachable) code=255; break ;;
+        esac
+        sleep "$poll_s"
+    done
+    if [ "$code" != 0 ]; then
+        cl_say "rank $i on ${nodes[$i]} exited with status $code; its log ends:"
+        tail_log "$i"
+        worst=1
+    else
+        cl_say "rank $i on ${nodes[$i]} exited with status 0"
+    fi
+    [ "$worst" = 1 ] && fail_cluster "rank $i on ${nodes[$i]} exited with status $code"
+done
+cl_stop_all "${nodes[@]}" >/dev/null 2>&1 || true  # pid files and markers
+exit 0

@@ -1,0 +1,129 @@
+#!/bin/sh
+# test_pp_cli.sh BIN_DIR SOURCE_DIR - the CPU pipeline end to end through `glmspark`:
+#   1. `logits --pp 2/3` writes the same file as `--pp 1` (byte for byte) on a golden model
+#      (DSA, MoE, NVFP4) and on the mkmodel "tiny" preset;
+#   2. `generate --pp 2/3` prints the same ids as `--pp 1` (sampling with penalties);
+#   3. killing rank 1 mid-run makes the whole command exit non-zero within 10 s, rank 0
+#      names the failed rank, and no process of the pipeline is left.
+set -eu
+bin=$1/glmspark
+src=$2
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+golden=$src/tests/golden/models/dsa_modelopt
+"$bin" mkmodel --out "$tmp/tiny" --preset tiny 2>/dev/null
+"$bin" mkmodel --out "$tmp/default" --preset default 2>/dev/null
+
+for model in "$golden" "$tmp/tiny"; do
+    for pp in 1 2 3; do
+        "$bin" logits --model "$model" --tokens 1,5,7,9,11,3,2,8 --out "$tmp/l$pp.f32" \
+            --threads 1 --pp $pp 2>"$tmp/log" || { cat "$tmp/log"; fail "logits --pp $pp"; }
+    done
+    cmp "$tmp/l1.f32" "$tmp/l2.f32" || fail "logits --pp 2 differs from --pp 1 on $model"
+    cmp "$tmp/l1.f32" "$tmp/l3.f32" || fail "logits --pp 3 differs from --pp 1 on $model"
+    echo "ok: logits --pp 1/2/3 identical on $(basename "$model")"
+done
+
+for pp in 1 2 3; do
+    "$bin" generate --model "$tmp/default" --tokens 1,5,7,9 --max-tokens 24 --temperature 0.8 \
+        --seed 11 --repetition-penalty 1.2 --ignore-eos --threads 1 --pp $pp \
+        >"$tmp/g$pp.txt" 2>"$tmp/log" || { cat "$tmp/log"; fail "generate --pp $pp"; }
+done
+[ -s "$tmp/g1.txt" ] || fail "generate printed nothing"
+cmp "$tmp/g1.txt" "$tmp/g2.txt" || fail "generate --pp 2 differs: $(cat "$tmp/g1.txt") vs $(cat "$tmp/g2.txt")"
+cmp "$tmp/g1.txt" "$tmp/g3.txt" || fail "generate --pp 3 differs"
+echo "ok: generate --pp 1/2/3 identical: $(cat "$tmp/g1.txt")"
+
+# 2b. Several sequences at once through the scheduler (--n-seqs): each line equals the
+# sequence generated alone with seed + i, on one rank and on three.
+for pp in 1 3; do
+    "$bin" generate --model "$tmp/default" --tokens 1,5,7,9 --max-tokens 12 --temperature 0.9 \
+        --seed 4 --n-seqs 3 --ignore-eos --threads 1 --pp $pp >"$tmp/n$pp.txt" 2>"$tmp/log" \
+        || { cat "$tmp/log"; fail "generate --n-seqs 3 --pp $pp"; }
+done
+cmp "$tmp/n1.txt" "$tmp/n3.txt" || fail "--n-seqs 3: --pp 3 differs from --pp 1"
+for i in 0 1 2; do
+    "$bin" generate --model "$tmp/default" --tokens 1,5,7,9 --max-tokens 12 --temperature 0.9 \
+        --seed $((4 + i)) --ignore-eos --threads 1 >"$tmp/alone.txt" 2>/dev/null
+    sed -n "$((i + 1))p" "$tmp/n3.txt" | cmp - "$tmp/alone.txt" \
+        || fail "--n-seqs: sequence $i differs from its run alone"
+done
+echo "ok: generate --n-seqs 3 (scheduler) equals each sequence alone, --pp 1 and 3"
+
+# 3. Kill rank 1 of a long run.
+"$bin" generate --model "$tmp/default" --tokens 1,5,7,9 --max-tokens 30000 --ignore-eos \
+    --threads 1 --pp 3 >/dev/null 2>"$tmp/kill.log" &
+launcher=$!
+rank1=""
+i=0
+while [ -z "$rank1" ] && [ $i -lt 100 ]; do
+    sleep 0.1
+    i=$((i + 1))
+    for p in $(ps -o pid= --ppid $launcher 2>/dev/null); do
+        if tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q -- "--rank 1 "; then rank1=$p; fi
+    done
+done
+[ -n "$rank1" ] || { kill $launcher; fail "rank 1 never started"; }
+# Past loading and the handshake (slow under sanitizers): every rank has logged its layers.
+i=0
+while [ "$(grep -c "pipeline rank . of 3: layers" "$tmp/kill.log")" -lt 3 ] && [ $i -lt 600 ]; do
+    sleep 0.1
+    i=$((i + 1))
+done
+rank0=$(ps -o pid= --ppid $launcher | head -1 | tr -d ' ')
+pgid=$(ps -o pgid= -p "$rank1" | tr -d ' ')
+sleep 1.5  # well into decoding
+kill -KILL "$rank1"
+t0=$(date +%s.%N)
+status=0
+wait $launcher || status=$?
+t1=$(date +%s.%N)
+elapsed=$(awk "BEGIN { print $t1 - $t0 }")
+echo "pipeline exited with status $status $elapsed s after rank 1 was killed"
+[ $status -ne 0 ] || fail "the pipeline exited 0 after losing a rank"
+awk "BEGIN { exit !($elapsed < 10) }" || fail "took $elapsed s (limit 10 s)"
+grep -q "rank 1 (.*) failed" "$tmp/kill.log" || { cat "$tmp/kill.log"; fail "no message naming rank 1"; }
+left=$(ps -o pid= -g "$pgid" 2>/dev/null || true)
+[ -z "$left" ] || fail "processes left in the pipeline's group: $left"
+echo "ok: killing rank 1 stopped every rank (group $pgid, rank 0 pid $rank0) with:"
+grep "failed" "$tmp/kill.log" | head -3
+
+# 4. A hung rank (SIGSTOP: alive, silent) once the pipeline runs: the heartbeat timeout
+# catches it. (A rank that hangs before the handshake is caught by the 60 s join timeout,
+# PP_COMM_CONNECT_MS, which has to allow for loading a large model.)
+"$bin" generate --model "$tmp/default" --tokens 1,5,7,9 --max-tokens 30000 --ignore-eos \
+    --threads 1 --pp 3 >/dev/null 2>"$tmp/hang.log" &
+launcher=$!
+rank2=""
+i=0
+while [ -z "$rank2" ] && [ $i -lt 100 ]; do
+    sleep 0.1
+    i=$((i + 1))
+    for p in $(ps -o pid= --ppid $launcher 2>/dev/null); do
+        if tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q -- "--rank 2 "; then rank2=$p; fi
+    done
+done
+[ -n "$rank2" ] || { kill $launcher; fail "rank 2 never started"; }
+i=0
+while [ "$(grep -c "pipeline rank . of 3: layers" "$tmp/hang.log")" -lt 3 ] && [ $i -lt 600 ]; do
+    sleep 0.1
+    i=$((i + 1))
+done
+pgid=$(ps -o pgid= -p "$rank2" | tr -d ' ')
+sleep 1.5
+kill -STOP "$rank2"
+t0=$(date +%s.%N)
+status=0
+wait $launcher || status=$?
+elapsed=$(awk "BEGIN { print $(date +%s.%N) - $t0 }")
+echo "pipeline exited with status $status $elapsed s after rank 2 was stopped"
+[ $status -ne 0 ] || fail "the pipeline exited 0 with a hung rank"
+awk "BEGIN { exit !($elapsed < 10) }" || fail "took $elapsed s (limit 10 s)"
+grep -q "rank 2 (.*) failed: no heartbeat" "$tmp/hang.log" || { cat "$tmp/hang.log"; fail "no message naming rank 2"; }
+left=$(ps -o pid= -g "$pgid" 2>/dev/null || true)
+[ -z "$left" ] || fail "processes left in the pipeline's group: $left"
+echo "ok: a hung rank 2 was detected and every rank stopped:"
+grep "failed" "$tmp/hang.log" | head -3
+echo "all pipeline CLI checks passed"

@@ -1,0 +1,159 @@
+#!/bin/bash
+# test_netns_launch.sh BIN_DIR SOURCE_DIR - three "nodes" on one machine: three network
+# namespaces on a bridge (10.R.S.1-3), each with its own hostname and run directory, reached
+# through tests/ops/netns-rsh.sh (ssh's contract: HOST + command string, clean environment).
+#   1. launch-cluster.sh --wait runs a three-rank CPU pipeline (`glmspark generate --rank R
+#      --world 3 --master 10.R.S.1:PORT`, one rank per namespace, talking over the veths) to
+#      completion; rank 0's ids equal the single-process `--pp 1` output.
+#   2. A node that does not answer fails the pre-flight check, naming that host; nothing starts.
+#   3. A long detached run becomes ready, then ops/cleanup.sh stops it: every namespace is
+#      empty afterwards (ip netns pids), no process carries the cluster's id, and a second
+#      cleanup finds nothing.
+#   4. A rank killed while running: launch-cluster --wait reports that host and rank, stops
+#      the others, and leaves nothing.
+# Needs root and `ip netns add`; when the namespaces cannot be created (a sandbox without
+# CAP_SYS_ADMIN), prints why and exits 77 (ctest: skipped).
+set -euo pipefail
+bin=$(cd "$1" && pwd)
+src=$(cd "$2" && pwd)
+tmp=$(mktemp -d /tmp/gs-netns.XXXXXX)
+chmod 755 "$tmp"
+tag=gs$$
+br=${tag}b
+subnet=10.$((RANDOM % 200 + 20)).$((RANDOM % 250 + 1))
+ns=()
+fail() { echo "FAIL: $*"; exit 1; }
+
+teardown() {
+    set +e
+    for n in "${ns[@]}"; do
+        # Only our namespaces' processes, by pid (what a failed test left behind).
+        for p in $(ip netns pids "$n" 2>/dev/null); do kill -KILL "$p" 2>/dev/null; done
+        ip netns del "$n" 2>/dev/null
+    done
+    ip link del "$br" 2>/dev/null
+    rm -rf "$tmp"
+}
+trap teardown EXIT
+
+if [ "$(id -u)" != 0 ] || ! ip netns add "${tag}-0" 2>"$tmp/netns.err"; then
+    echo "SKIP: cannot create network namespaces here (need root with CAP_SYS_ADMIN):" \
+        "$(cat "$tmp/netns.err" 2>/dev/null)"
+    exit 77
+fi
+ns+=("${tag}-0")
+ip link add "$br" type bridge
+ip addr add "$subnet.254/24" dev "$br"
+ip link set "$br" up
+map=""
+mkdir -p "$tmp/run"
+for i in 0 1 2; do
+    n=${tag}-$i
+    [ "$i" = 0 ] || { ip netns add "$n"; ns+=("$n"); }
+    ip link add "${tag}v$i" type veth peer name eth0 netns "$n"
+    ip link set "${tag}v$i" master "$br" up
+    ip -n "$n" addr add "$subnet.$((i + 1))/24" dev eth0
+    ip -n "$n" link set eth0 up
+    ip -n "$n" link set lo up
+    mkdir -p "$tmp/node$i"
+    map="$map $subnet.$((i + 1))=$n:$tmp/node$i"
+done
+ip netns exec "${tag}-1" ping -c1 -W2 "$subnet.3" >/dev/null || fail "the namespaces cannot reach each other"
+echo "ok: three namespaces on bridge $br: $subnet.1-3"
+
+export GLMSPARK_NETNS_MAP=$map GLMSPARK_NETNS_RUN=$tmp/run
+model=$tmp/model
+"$bin/glmspark" mkmodel --out "$model" --preset default 2>/dev/null
+gen=(--model "$model" --tokens 1,5,7,9 --temperature 0.8 --seed 11 --repetition-penalty 1.2
+     --ignore-eos --threads 1)
+"$bin/glmspark" generate "${gen[@]}" --max-tokens 24 >"$tmp/ref.txt" 2>/dev/null
+[ -s "$tmp/ref.txt" ] || fail "the reference run printed nothing"
+
+port=$((20000 + RANDOM % 20000))
+cat >"$tmp/env" <<EOF
+GLMSPARK_NODES="$subnet.1 $subnet.2 $subnet.3"
+GLMSPARK_MASTER_ADDR=$subnet.1
+GLMSPARK_MASTER_PORT=$port
+GLMSPARK_MODEL=$model
+GLMSPARK_BIN=$bin
+GLMSPARK_RUN_DIR=$tmp/run
+GLMSPARK_RSH=$src/tests/ops/netns-rsh.sh
+GLMSPARK_RECIPE=$src/ops/recipes/devstack-tiny-cpu.conf
+GLMSPARK_LOAD_TIMEOUT_S=60
+GLMSPARK_STOP_TIMEOUT=10
+GLMSPARK_POLL_S=0.3
+GLMSPARK_PASS_ENV="MALLOC_ARENA_MAX"
+MALLOC_ARENA_MAX=1
+EOF
+rank_cmd() {  # rank_cmd MAX_TOKENS
+    printf '%q ' "$bin/glmspark" generate "${gen[@]}" --max-tokens "$1"
+}
+launch=$src/ops/launch-cluster.sh
+cleanup=$src/ops/cleanup.sh
+
+# 1. A three-rank pipeline to completion.
+t0=$(date +%s)
+GLMSPARK_RANK_CMD=$(rank_cmd 24) "$launch" --env "$tmp/env" --wait >"$tmp/l1.log" 2>&1 \
+    || { cat "$tmp/l1.log"; fail "launch-cluster --wait"; }
+grep -Eh '^[0-9]+( [0-9]+)*$' "$tmp/node0/rank0.log" >"$tmp/got.txt" || true
+cmp "$tmp/ref.txt" "$tmp/got.txt" \
+    || { cat "$tmp/l1.log" "$tmp/node0/rank0.log"; fail "ids over three namespaces differ from --pp 1"; }
+for i in 1 2; do
+    grep -q "pipeline rank $i of 3" "$tmp/node$i/rank$i.log" || fail "rank $i did not run in node $i"
+done
+grep -q "ready after" "$tmp/l1.log" || fail "no per-rank progress"
+echo "ok: 3 ranks over 3 namespaces in $(($(date +%s) - t0)) s, ids equal --pp 1: $(cat "$tmp/got.txt")"
+
+# 2. An unreachable node fails the check, named; nothing starts.
+sed "s/^GLMSPARK_NODES=.*/GLMSPARK_NODES=\"$subnet.1 $subnet.2 $subnet.9\"/" "$tmp/env" >"$tmp/env.bad"
+if GLMSPARK_RANK_CMD=$(rank_cmd 24) "$launch" --env "$tmp/env.bad" >"$tmp/l2.log" 2>&1; then
+    fail "launch-cluster succeeded with an unreachable node"
+fi
+grep -q "FAILED $subnet.9: unreachable" "$tmp/l2.log" || { cat "$tmp/l2.log"; fail "the unreachable host is not named"; }
+ls "$tmp"/node*/rank*.pid >/dev/null 2>&1 && fail "a rank started despite a failed check"
+echo "ok: unreachable node reported: $(grep "FAILED" "$tmp/l2.log")"
+
+# 3. Detached, ready, then cleanup.
+GLMSPARK_RANK_CMD=$(rank_cmd 1000000) "$launch" --env "$tmp/env" >"$tmp/l3.log" 2>&1 \
+    || { cat "$tmp/l3.log"; fail "detached launch"; }
+id=$(sed -n 's/.*cluster \([0-9-]*\) ready.*/\1/p' "$tmp/l3.log")
+[ -n "$id" ] || { cat "$tmp/l3.log"; fail "no readiness line"; }
+sleep 1
+for i in 0 1 2; do
+    [ -n "$(ip netns pids "${tag}-$i")" ] || fail "nothing runs in node $i after the launch"
+done
+t0=$(date +%s)
+"$cleanup" --env "$tmp/env" >"$tmp/c3.log" 2>&1 || { cat "$tmp/c3.log"; fail "cleanup"; }
+for i in 0 1 2; do
+    left=$(ip netns pids "${tag}-$i")
+    [ -z "$left" ] || fail "processes left in node $i: $left"
+done
+for e in /proc/[0-9]*/environ; do
+    if tr '\0' '\n' <"$e" 2>/dev/null | grep -qx "GLMSPARK_CLUSTER_ID=$id"; then
+        fail "process ${e#/proc/} still carries the cluster id"
+    fi
+done
+ls "$tmp"/node*/rank*.pid >/dev/null 2>&1 && fail "pid files left"
+"$cleanup" --env "$tmp/env" >"$tmp/c3b.log" 2>&1 || { cat "$tmp/c3b.log"; fail "second cleanup"; }
+grep -q "stopped 0 process" "$tmp/c3b.log" || { cat "$tmp/c3b.log"; fail "second cleanup found something"; }
+echo "ok: cleanup stopped cluster $id in $(($(date +%s) - t0)) s, every namespace empty:"
+grep -h "nothing left" "$tmp/c3.log" | sed 's/^/    /'
+
+# 4. A rank dies mid-run: reported with its host, the others stopped.
+GLMSPARK_RANK_CMD=$(rank_cmd 1000000) "$launch" --env "$tmp/env" --wait >"$tmp/l4.log" 2>&1 &
+lpid=$!
+for _ in $(seq 200); do grep -q "ready:" "$tmp/l4.log" 2>/dev/null && break; sleep 0.1; done
+grep -q "ready:" "$tmp/l4.log" || { kill "$lpid"; cat "$tmp/l4.log"; fail "run 4 never became ready"; }
+read -r victim _ <"$tmp/node1/rank1.pid"
+kill -KILL -- "-$victim"
+status=0
+wait "$lpid" || status=$?
+[ "$status" != 0 ] || fail "launch-cluster --wait exited 0 after losing rank 1"
+grep -q "rank [0-9] on $subnet.[0-9] exited with status" "$tmp/l4.log" \
+    || { cat "$tmp/l4.log"; fail "the failed rank is not named"; }
+for i in 0 1 2; do
+    left=$(ip netns pids "${tag}-$i")
+    [ -z "$left" ] || fail "processes left in node $i after a rank failure: $left"
+done
+echo "ok: killed rank 1; launch-cluster reported: $(grep -m1 "exited with status [1-9]" "$tmp/l4.log")"
+echo "all three-node launch checks passed"
