@@ -7,22 +7,27 @@
  *   memory unchanged and rewrites the CkptLinear's pointers; kernels decode each element as
  *   they read it with the same formulas as the CPU backend (kernels/nvfp4_format.h), so no
  *   weight is expanded in memory.
- * - matmul: one warp per (output row, token), fp32 products summed per lane then across
- *   the warp. The arithmetic of one output element does not depend on n, so decode equals
+ * - matmul: one warp per (output row, chunk of 8 tokens), fp32 products summed per lane then
+ *   across the warp. The arithmetic of one output element does not depend on n, so decode equals
  *   prefill bit for bit, as on the CPU.
  * - Reductions that decide something (norm statistics, router, DSA scores, attention
- *   softmax) run in double, in the CPU backend's order where one thread owns a sum: a
- *   router token, a DSA score, each latent channel of q_lat / o_lat, the softmax sum.
+ *   scores and softmax) run in double, in the CPU backend's order where one thread owns a
+ *   sum (a router token, a DSA score, q_lat channels) and in a fixed tree order otherwise.
+ * - MLA attention (absorbed form, as the CPU backend) is five launches: q_lat per (token,
+ *   head); scores with a warp per key; softmax statistics; partial o_lat per split of 256
+ *   keys; the splits summed in order and projected. Long contexts spread over the GPU.
  * - KV cache: kv_cache.c owns a host pool; this backend keeps a device pool of the same
- *   layout per KvCache (found by address, created zeroed on first use) and uploads the
- *   sequence's block table with each cache op. Only this backend reads or writes the
- *   device pool, so the host pool of a cache used with CUDA stays zero.
- * - MoE: one launch computes gate and up for every (token, slot) from the expert table
- *   (CkptLinear descriptors uploaded once per experts array), one the down projections,
- *   one the weighted sum in ascending expert order (the CPU order).
- * Not yet: the tuned kernels of kernels/ (bf16/NVFP4 GEMV at full bandwidth, fp8 paged
- * MLA cache, split-KV), CUDA graphs, and a GPU top-k better than O(visible^2) for long DSA
- * contexts. Host syncs: pageable block-table uploads and scratch growth only.
+ *   layout per KvCache (found by address, created zeroed on first use) and a device copy
+ *   of each sequence's block table, uploaded again only when the table changed. Only this
+ *   backend reads or writes the device pool, so the host pool of a cache used with CUDA
+ *   stays zero.
+ * - MoE: the (token, slot) pairs are grouped by expert on the GPU; then one launch per
+ *   projection (gate, up, down) runs every expert over its slots, 8 slots per weight read
+ *   (CkptLinear descriptors uploaded once per experts array), and one launch takes the
+ *   weighted sum in ascending expert order (the CPU order).
+ * Not yet: the tuned kernels of kernels/ (bf16 activations, bf16/NVFP4 GEMV at full
+ * bandwidth, fp8 paged MLA cache) and CUDA graphs. Host syncs: block-table uploads when a sequence
+ * gains a block, scratch growth, and the first use of a cache or experts array.
  */
 #include "backend_cuda.h"
 
@@ -34,21 +39,22 @@
 
 #include "kernels/nvfp4_format.h"
 
-#define CK(call)                                                                          \
-    do {                                                                                  \
-        const cudaError_t ck_err_ = (call);                                               \
-        if (ck_err_ != cudaSuccess)                                                       \
+#define CK(call)                                                                               \
+    do {                                                                                       \
+        const cudaError_t ck_err_ = (call);                                                    \
+        if (ck_err_ != cudaSuccess)                                                            \
             log_fatal(__FILE__, __LINE__, "CUDA: %s: %s", #call, cudaGetErrorString(ck_err_)); \
     } while (0)
 
 enum {
-    SCRATCH_BLOCKS,  // int block table
-    SCRATCH_A,       // double / float work buffers
+    SCRATCH_A,  // double / float work buffers
     SCRATCH_B,
     SCRATCH_C,
     SCRATCH_D,
+    SCRATCH_E,  // MoE slot grouping
     N_SCRATCH,
     MAX_POOLS = 16,
+    MAX_TABLES = 256,
     MAX_EXPERT_TABLES = 512,
     THREADS = 256,
 };
@@ -60,6 +66,16 @@ typedef struct DevPool {
     size_t bytes;
     void *dev;
 } DevPool;
+
+// A sequence's block table on the device, re-uploaded only when it changed.
+typedef struct DevTable {
+    const KvSeq *seq;
+    int n_blocks;
+    int cap;                  // ints allocated in host and dev
+    int *host;                // the table as last uploaded, owned
+    int *dev;                 // device copy, owned
+    unsigned long long used;  // last use (for eviction)
+} DevTable;
 
 // A device copy of an experts array's descriptors (DevLin [3 E]).
 typedef struct ExpertTable {
@@ -75,6 +91,8 @@ typedef struct CudaImpl {
     void *scratch[N_SCRATCH];
     size_t scratch_bytes[N_SCRATCH];
     DevPool pools[MAX_POOLS];
+    DevTable seq_tables[MAX_TABLES];
+    unsigned long long clock;
     ExpertTable tables[MAX_EXPERT_TABLES];
     int n_tables;
 } CudaImpl;
@@ -103,7 +121,7 @@ typedef struct DevKv {
 
 static DevLin dev_lin(const CkptLinear *w)
 {
-    DevLin d = {(int) w->format, w->rows,     w->cols,        w->data,
+    DevLin d = {(int) w->format, w->rows,      w->cols,        w->data,
                 w->scale,        w->scale_f32, w->global_scale};
     return d;
 }
@@ -195,18 +213,31 @@ static __device__ __forceinline__ float kv_val(const unsigned char *e, int bf16,
 // ---------------------------------------------------------------------------
 // Kernels
 
-// y[t, r] = W[r, :] . x[t, :]; one warp per row, blockIdx.y + gridDim.y * k per token.
+// y[t, r] = W[r, :] . x[t, :]; one warp per row and chunk of MATMUL_TOK tokens (each weight
+// element is decoded once per chunk); chunks blockIdx.y + gridDim.y * k. Lane l sums columns
+// l, l + 32, ... in order, then the warp adds the lanes: the same arithmetic for any n.
+enum { MATMUL_TOK = 8 };
 static __global__ void k_matmul(float *y, DevLin w, const float *x, int n)
 {
     const int r = blockIdx.x * (THREADS / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (r >= w.rows) return;
-    for (int t = blockIdx.y; t < n; t += gridDim.y) {
-        const float *xt = x + (size_t) t * w.cols;
-        float acc = 0.0f;
-        for (int c = lane; c < w.cols; c += 32)
-            acc += lin_at(w, r, c) * xt[c];
-        acc = warp_sum(acc);
-        if (lane == 0) y[(size_t) t * w.rows + r] = acc;
+    for (int t0 = blockIdx.y * MATMUL_TOK; t0 < n; t0 += gridDim.y * MATMUL_TOK) {
+        const int nt = n - t0 < MATMUL_TOK ? n - t0 : MATMUL_TOK;
+        const float *xt = x + (size_t) t0 * w.cols;
+        float acc[MATMUL_TOK];
+        for (int j = 0; j < MATMUL_TOK; j++)
+            acc[j] = 0.0f;
+        for (int c = lane; c < w.cols; c += 32) {
+            const float wv = lin_at(w, r, c);
+#pragma unroll
+            for (int j = 0; j < MATMUL_TOK; j++)
+                if (j < nt) acc[j] += wv * xt[(size_t) j * w.cols + c];
+        }
+#pragma unroll
+        for (int j = 0; j < MATMUL_TOK; j++) {
+            const float v = warp_sum(acc[j]);
+            if (lane == 0 && j < nt) y[(size_t) (t0 + j) * w.rows + r] = v;
+        }
     }
 }
 
@@ -370,11 +401,43 @@ static __global__ void k_dsa_scores(double *score, int cap, const float *q, cons
     score[(size_t) t * cap + s] = total;
 }
 
-// Top-k of the scores (ties to the earlier position), positions ascending. One block per
-// token; flag: int [n, cap] scratch.
-static __global__ void k_dsa_select(int *sel, int *n_sel, const double *score, int *flag, int cap,
+// Order-preserving map of a double to an unsigned key (larger value, larger key).
+static __device__ __forceinline__ unsigned long long order_key(double v)
+{
+    const unsigned long long u = (unsigned long long) __double_as_longlong(v);
+    return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
+}
+
+// Exclusive prefix count of pred over the block (threads in order) and the block's total.
+// buf: shared int [THREADS / 32 + 1].
+static __device__ int block_prefix(bool pred, int *total, int *buf)
+{
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+    const unsigned ballot = __ballot_sync(0xffffffffu, pred);
+    const int in_warp = __popc(ballot & ((1u << lane) - 1u));
+    __syncthreads();
+    if (lane == 0) buf[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int w = 0; w < n_warps; w++) {
+        if (w < warp) before += buf[w];
+        all += buf[w];
+    }
+    *total = all;
+    return before + in_warp;
+}
+
+// Top-k of the scores (ties to the earlier position), positions ascending; one block per
+// token. A radix select over the 64-bit keys (8 passes of 8 bits) finds the k-th largest
+// key T and how many keys equal to T to take; a block scan in position order then writes
+// every key > T and the first such equal ones. O(visible) work per pass.
+static __global__ void k_dsa_select(int *sel, int *n_sel, const double *score, int cap,
                                     const int *pos, int top_k)
 {
+    __shared__ int hist[256];
+    __shared__ int buf[THREADS / 32 + 1];
+    __shared__ unsigned long long prefix_sh;
+    __shared__ int need_sh;
     const int t = blockIdx.x, visible = pos[t] + 1;
     int *st = sel + (size_t) t * top_k;
     if (visible <= top_k) {
@@ -384,83 +447,159 @@ static __global__ void k_dsa_select(int *sel, int *n_sel, const double *score, i
         return;
     }
     const double *sc = score + (size_t) t * cap;
-    int *fl = flag + (size_t) t * cap;
-    for (int s = threadIdx.x; s < visible; s += blockDim.x) {
-        const double v = sc[s];
-        int above = 0;
-        for (int u = 0; u < visible && above < top_k; u++)
-            above += sc[u] > v || (sc[u] == v && u < s);
-        fl[s] = above < top_k;
+    unsigned long long prefix = 0, mask = 0;
+    int need = top_k;  // keys still to take among those matching prefix
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x)
+            hist[i] = 0;
+        __syncthreads();
+        for (int s = threadIdx.x; s < visible; s += blockDim.x) {
+            const unsigned long long key = order_key(sc[s]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int cum = 0, b = 255;
+            for (; b > 0; b--) {
+                if (cum + hist[b] >= need) break;
+                cum += hist[b];
+            }
+            need_sh = need - cum;
+            prefix_sh = prefix | ((unsigned long long) b << shift);
+        }
+        __syncthreads();
+        need = need_sh;
+        prefix = prefix_sh;
+        mask |= 255ull << shift;
+        __syncthreads();
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int k = 0;
-        for (int s = 0; s < visible && k < top_k; s++)
-            if (fl[s]) st[k++] = s;
-        n_sel[t] = k;
+    // prefix is the k-th largest key; take every larger key and the first `need` equal ones.
+    int eq_before = 0, out_before = 0;
+    for (int s0 = 0; s0 < visible; s0 += blockDim.x) {
+        const int s = s0 + threadIdx.x;
+        const unsigned long long key = s < visible ? order_key(sc[s]) : 0;
+        const bool eq = s < visible && key == prefix;
+        int eq_total, out_total;
+        const int eq_rank = eq_before + block_prefix(eq, &eq_total, buf);
+        const bool take = s < visible && (key > prefix || (eq && eq_rank < need));
+        const int out = out_before + block_prefix(take, &out_total, buf);
+        if (take) st[out] = s;
+        eq_before += eq_total;
+        out_before += out_total;
     }
+    if (threadIdx.x == 0) n_sel[t] = top_k;
 }
 
-// MLA attention, absorbed form; one block per (t, h). Shared: double q_lat [L], o_lat [L].
-// prob: double [n * H, cap] scratch.
-static __global__ void k_mla(float *out, const float *q, DevLin kv_b, DevKv kv, const int *pos,
-                             const int *sel, const int *n_sel, int sel_stride, BackendMla p,
-                             double *prob_all, int cap)
-{
-    extern __shared__ double sm[];
-    __shared__ double buf[THREADS / 32];
-    const int H = p.n_heads, L = p.kv_lora, t = blockIdx.x, h = blockIdx.y;
-    const int qk = p.qk_nope + p.qk_rope;
-    const int visible = pos[t] + 1;
-    const int n_keys = sel ? n_sel[t] : visible;
-    const int *keys = sel ? sel + (size_t) t * sel_stride : NULL;
-    double *q_lat = sm, *o_lat = sm + L;
-    double *prob = prob_all + ((size_t) t * H + h) * cap;
-    const float *qt = q + ((size_t) t * H + h) * qk;
-    const int row0 = h * (p.qk_nope + p.v_dim);
+// MLA attention, absorbed form, in five launches so that long contexts spread over the GPU:
+// q_lat per (t, h); scores with one warp per key; softmax statistics per (t, h); partial
+// o_lat per split of MLA_SPLIT keys; then the splits summed in order and projected by W_uv.
+// Split boundaries depend only on the key index, so a token's result does not depend on n.
+enum { MLA_SPLIT = 256 };
 
+// Keys of token t: sel row or every position up to pos[t].
+static __device__ __forceinline__ int mla_n_keys(const int *pos, const int *n_sel, int t)
+{
+    return n_sel ? n_sel[t] : pos[t] + 1;
+}
+
+// q_lat [t, h, L] = W_uk[h]^T q_nope; block (t, h).
+static __global__ void k_mla_qlat(double *q_lat, const float *q, DevLin kv_b, BackendMla p)
+{
+    const int t = blockIdx.x, h = blockIdx.y, L = p.kv_lora, qk = p.qk_nope + p.qk_rope;
+    const float *qt = q + ((size_t) t * p.n_heads + h) * qk;
+    const int row0 = h * (p.qk_nope + p.v_dim);
+    double *ql = q_lat + ((size_t) t * p.n_heads + h) * L;
     for (int c = threadIdx.x; c < L; c += blockDim.x) {
         double acc = 0.0;
         for (int i = 0; i < p.qk_nope; i++)
             acc += (double) qt[i] * lin_at(kv_b, row0 + i, c);
-        q_lat[c] = acc;
+        ql[c] = acc;
     }
-    __syncthreads();
+}
+
+// prob[t, h, j] = score of key j; block (t, h, chunk of 8 keys), one warp per key.
+static __global__ void k_mla_scores(double *prob, int cap, const double *q_lat, const float *q,
+                                    DevKv kv, const int *pos, const int *sel, const int *n_sel,
+                                    int sel_stride, BackendMla p)
+{
+    const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x % 32;
+    const int j = blockIdx.z * (THREADS / 32) + threadIdx.x / 32;
+    if (j >= mla_n_keys(pos, n_sel, t)) return;
+    const int L = p.kv_lora, qk = p.qk_nope + p.qk_rope;
+    const int s = sel ? sel[(size_t) t * sel_stride + j] : j;
+    const unsigned char *e = kv_at(kv, s);
+    const double *ql = q_lat + ((size_t) t * p.n_heads + h) * L;
+    const float *qr = q + ((size_t) t * p.n_heads + h) * qk + p.qk_nope;
+    double d = 0.0;
+    for (int c = lane; c < L; c += 32)
+        d += ql[c] * kv_val(e, kv.bf16, c);
+    for (int i = lane; i < p.qk_rope; i += 32)
+        d += (double) qr[i] * kv_val(e, kv.bf16, L + i);
+    for (int o = 16; o > 0; o >>= 1)
+        d += __shfl_xor_sync(0xffffffffu, d, o);
+    if (lane == 0) prob[((size_t) t * p.n_heads + h) * cap + j] = d * p.scale;
+}
+
+// prob -> exp(prob - max) and stat[t, h] = their sum; block (t, h).
+static __global__ void k_mla_softmax(double *prob, double *stat, int cap, const int *pos,
+                                     const int *n_sel, int n_heads)
+{
+    __shared__ double buf[THREADS / 32];
+    const int t = blockIdx.x, h = blockIdx.y, n_keys = mla_n_keys(pos, n_sel, t);
+    double *pr = prob + ((size_t) t * n_heads + h) * cap;
     double mx = -INFINITY;
-    for (int j = threadIdx.x; j < n_keys; j += blockDim.x) {
-        const int s = keys ? keys[j] : j;
-        const unsigned char *e = kv_at(kv, s);
-        double d = 0.0;
-        for (int c = 0; c < L; c++)
-            d += q_lat[c] * kv_val(e, kv.bf16, c);
-        for (int i = 0; i < p.qk_rope; i++)
-            d += (double) qt[p.qk_nope + i] * kv_val(e, kv.bf16, L + i);
-        prob[j] = d * p.scale;
-        mx = fmax(mx, prob[j]);
-    }
-    mx = block_reduce(mx, 1, buf);
     for (int j = threadIdx.x; j < n_keys; j += blockDim.x)
-        prob[j] = exp(prob[j] - mx);
-    __syncthreads();
-    __shared__ double sum_sh;
-    if (threadIdx.x == 0) {
-        double sum = 0.0;
-        for (int j = 0; j < n_keys; j++)
-            sum += prob[j];
-        sum_sh = sum;
+        mx = fmax(mx, pr[j]);
+    mx = block_reduce(mx, 1, buf);
+    double sum = 0.0;
+    for (int j = threadIdx.x; j < n_keys; j += blockDim.x) {
+        pr[j] = exp(pr[j] - mx);
+        sum += pr[j];
     }
-    __syncthreads();
-    const double sum = sum_sh;
+    sum = block_reduce(sum, 0, buf);
+    if (threadIdx.x == 0) stat[(size_t) t * n_heads + h] = sum;
+}
+
+// part[t, h, split, c] = sum over the split's keys of p_j latent_j[c]; block (t, h, split).
+static __global__ void k_mla_pv(double *part, int n_split, const double *prob, const double *stat,
+                                int cap, DevKv kv, const int *pos, const int *sel, const int *n_sel,
+                                int sel_stride, BackendMla p)
+{
+    const int t = blockIdx.x, h = blockIdx.y, split = blockIdx.z, L = p.kv_lora;
+    const int n_keys = mla_n_keys(pos, n_sel, t);
+    const int j0 = split * MLA_SPLIT;
+    if (j0 >= n_keys) return;  // k_mla_out reads only the splits that hold keys
+    const int j1 = j0 + MLA_SPLIT < n_keys ? j0 + MLA_SPLIT : n_keys;
+    const double *pr = prob + ((size_t) t * p.n_heads + h) * cap;
+    const double sum = stat[(size_t) t * p.n_heads + h];
+    double *pt = part + (((size_t) t * p.n_heads + h) * n_split + split) * L;
     for (int c = threadIdx.x; c < L; c += blockDim.x) {
         double acc = 0.0;
-        for (int j = 0; j < n_keys; j++) {
-            const int s = keys ? keys[j] : j;
-            acc += prob[j] / sum * kv_val(kv_at(kv, s), kv.bf16, c);
+        for (int j = j0; j < j1; j++) {
+            const int s = sel ? sel[(size_t) t * sel_stride + j] : j;
+            acc += pr[j] / sum * kv_val(kv_at(kv, s), kv.bf16, c);
         }
+        pt[c] = acc;
+    }
+}
+
+// out[t, h] = W_uv[h] (sum of the splits in order); block (t, h). Shared: double o_lat [L].
+static __global__ void k_mla_out(float *out, const double *part, int n_split, DevLin kv_b,
+                                 const int *pos, const int *n_sel, BackendMla p)
+{
+    extern __shared__ double o_lat[];
+    const int t = blockIdx.x, h = blockIdx.y, L = p.kv_lora;
+    const int used = (mla_n_keys(pos, n_sel, t) + MLA_SPLIT - 1) / MLA_SPLIT;
+    const double *pt = part + ((size_t) t * p.n_heads + h) * n_split * L;
+    for (int c = threadIdx.x; c < L; c += blockDim.x) {
+        double acc = 0.0;
+        for (int sp = 0; sp < used; sp++)
+            acc += pt[(size_t) sp * L + c];
         o_lat[c] = acc;
     }
     __syncthreads();
-    float *ot = out + ((size_t) t * H + h) * p.v_dim;
+    const int row0 = h * (p.qk_nope + p.v_dim);
+    float *ot = out + ((size_t) t * p.n_heads + h) * p.v_dim;
     for (int j = threadIdx.x; j < p.v_dim; j += blockDim.x) {
         double d = 0.0;
         for (int c = 0; c < L; c++)
@@ -471,8 +610,7 @@ static __global__ void k_mla(float *out, const float *q, DevLin kv_b, DevKv kv, 
 
 static __global__ void k_kv_write(unsigned char *pool, const int *blocks, size_t block_floats,
                                   size_t layer_offset, size_t entry_floats, int block_size,
-                                  int bf16, const int *pos, int offset, const float *src,
-                                  int width)
+                                  int bf16, const int *pos, int offset, const float *src, int width)
 {
     const int t = blockIdx.x, p = pos[t];
     const size_t value = (size_t) blocks[p / block_size] * block_floats + layer_offset
@@ -493,27 +631,71 @@ static __global__ void k_kv_write(unsigned char *pool, const int *blocks, size_t
     }
 }
 
-// Routed experts, projection `which` (0 gate, 1 up, 2 down) of every slot (t, k): y [n K,
-// rows]; x is per token ([n, cols], x_per_slot 0) or per slot ([n K, cols]).
-static __global__ void k_moe_mm(float *y, const DevLin *table, int which, const int *idx,
-                                const float *x, int x_per_slot, int top_k, int n_slots)
+// Group the slots (t, k) by expert: offsets [E + 1] and list [n K] (slots of expert e at
+// list[offsets[e] .. offsets[e + 1]), in no particular order: each slot's result does not
+// depend on the others). One block.
+static __global__ void k_moe_group(int *offsets, int *list, const int *idx, int n_slots, int E)
 {
-    const int slot = blockIdx.y, lane = threadIdx.x % 32;
-    if (slot >= n_slots) return;
-    const DevLin w = table[3 * idx[slot] + which];
+    extern __shared__ int cnt[];  // [2 E]: counts, then cursors
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        cnt[e] = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x)
+        atomicAdd(&cnt[idx[s]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int e = 0; e < E; e++) {
+            offsets[e] = acc;
+            cnt[E + e] = acc;
+            acc += cnt[e];
+        }
+        offsets[E] = acc;
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x)
+        list[atomicAdd(&cnt[E + idx[s]], 1)] = s;
+}
+
+// Routed experts, projection `which` (0 gate, 1 up, 2 down): block (row block, expert e),
+// one warp per row of e's matrix over e's slots in chunks of MATMUL_TOK (each weight element
+// decoded once per chunk). y [n K, rows]; x per token ([n, cols], x_per_slot 0) or per slot.
+// Per output element the arithmetic of k_matmul, whatever the grouping.
+static __global__ void k_moe_mm(float *y, const DevLin *table, int which, const int *offsets,
+                                const int *list, const float *x, int x_per_slot, int top_k)
+{
+    const int e = blockIdx.y, lane = threadIdx.x % 32;
+    const DevLin w = table[3 * e + which];
     const int r = blockIdx.x * (THREADS / 32) + threadIdx.x / 32;
     if (r >= w.rows) return;
-    const float *xt = x + (size_t) (x_per_slot ? slot : slot / top_k) * w.cols;
-    float acc = 0.0f;
-    for (int c = lane; c < w.cols; c += 32)
-        acc += lin_at(w, r, c) * xt[c];
-    acc = warp_sum(acc);
-    if (lane == 0) y[(size_t) slot * w.rows + r] = acc;
+    const int begin = offsets[e], end = offsets[e + 1];
+    for (int i0 = begin; i0 < end; i0 += MATMUL_TOK) {
+        const int nt = end - i0 < MATMUL_TOK ? end - i0 : MATMUL_TOK;
+        const float *xs[MATMUL_TOK];
+        float acc[MATMUL_TOK];
+#pragma unroll
+        for (int j = 0; j < MATMUL_TOK; j++) {
+            const int slot = list[i0 + (j < nt ? j : 0)];
+            xs[j] = x + (size_t) (x_per_slot ? slot : slot / top_k) * w.cols;
+            acc[j] = 0.0f;
+        }
+        for (int c = lane; c < w.cols; c += 32) {
+            const float wv = lin_at(w, r, c);
+#pragma unroll
+            for (int j = 0; j < MATMUL_TOK; j++)
+                if (j < nt) acc[j] += wv * xs[j][c];
+        }
+#pragma unroll
+        for (int j = 0; j < MATMUL_TOK; j++) {
+            const float v = warp_sum(acc[j]);
+            if (lane == 0 && j < nt) y[(size_t) list[i0 + j] * w.rows + r] = v;
+        }
+    }
 }
 
 // out[t, c] = sum over the token's slots in ascending expert order of ye[slot, c] wts[slot].
-static __global__ void k_moe_combine(float *out, const float *ye, const int *idx,
-                                     const float *wts, int n, int top_k, int hidden)
+static __global__ void k_moe_combine(float *out, const float *ye, const int *idx, const float *wts,
+                                     int n, int top_k, int hidden)
 {
     const size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x;
     if (i >= (size_t) n * hidden) return;
@@ -542,7 +724,8 @@ static __global__ void k_moe_combine(float *out, const float *ye, const int *idx
 static void check_launch(const char *what)
 {
     const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) log_fatal(__FILE__, __LINE__, "CUDA: %s: %s", what, cudaGetErrorString(e));
+    if (e != cudaSuccess)
+        log_fatal(__FILE__, __LINE__, "CUDA: %s: %s", what, cudaGetErrorString(e));
 }
 
 static unsigned grid_1d(size_t n)
@@ -555,8 +738,8 @@ static unsigned grid_1d(size_t n)
 static void *scratch(CudaImpl *impl, int slot, size_t bytes)
 {
     if (impl->scratch_bytes[slot] < bytes) {
-        const size_t grown = bytes < 2 * impl->scratch_bytes[slot] ? 2 * impl->scratch_bytes[slot]
-                                                                   : bytes;
+        const size_t grown =
+            bytes < 2 * impl->scratch_bytes[slot] ? 2 * impl->scratch_bytes[slot] : bytes;
         if (impl->scratch[slot]) CK(cudaFree(impl->scratch[slot]));
         impl->scratch[slot] = NULL;
         CK(cudaMalloc(&impl->scratch[slot], grown));
@@ -579,7 +762,8 @@ static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
         }
         if (!d->kv && !free_slot) free_slot = d;
     }
-    if (!free_slot) log_fatal(__FILE__, __LINE__, "more than %d KV caches on one CUDA backend", MAX_POOLS);
+    if (!free_slot)
+        log_fatal(__FILE__, __LINE__, "more than %d KV caches on one CUDA backend", MAX_POOLS);
     void *p = NULL;
     CK(cudaMalloc(&p, bytes ? bytes : 1));
     CK(cudaMemset(p, 0, bytes ? bytes : 1));
@@ -587,15 +771,55 @@ static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
     return (unsigned char *) p;
 }
 
+// seq's block table in device memory. Tables are kept per KvSeq address and compared with
+// the host table on every call (a few ints), so a decode step uploads nothing unless a block
+// was added or the sequence was replaced; the least recently used slot is recycled.
+static const int *dev_blocks(CudaImpl *impl, const KvSeq *seq)
+{
+    DevTable *slot = NULL, *lru = &impl->seq_tables[0];
+    for (int i = 0; i < MAX_TABLES && !slot; i++) {
+        DevTable *d = &impl->seq_tables[i];
+        if (d->seq == seq)
+            slot = d;
+        else if (d->used < lru->used)
+            lru = d;
+    }
+    if (!slot) {
+        slot = lru;
+        slot->seq = seq;
+        slot->n_blocks = -1;
+    }
+    slot->used = ++impl->clock;
+    const int n = seq->n_blocks;
+    if (slot->n_blocks == n
+        && (n == 0 || memcmp(slot->host, seq->blocks, (size_t) n * sizeof(int)) == 0))
+        return slot->dev;
+    if (n + 1 > slot->cap) {
+        const int cap = 2 * (n + 1) > 64 ? 2 * (n + 1) : 64;
+        free(slot->host);
+        if (slot->dev) CK(cudaFree(slot->dev));
+        slot->host = (int *) malloc((size_t) cap * sizeof(int));
+        if (!slot->host) log_fatal(__FILE__, __LINE__, "out of memory");
+        CK(cudaMalloc(&slot->dev, (size_t) cap * sizeof(int)));
+        slot->cap = cap;
+    }
+    if (n) {
+        memcpy(slot->host, seq->blocks, (size_t) n * sizeof(int));
+        CK(cudaMemcpy(slot->dev, slot->host, (size_t) n * sizeof(int), cudaMemcpyHostToDevice));
+    }
+    slot->n_blocks = n;
+    return slot->dev;
+}
+
 static DevKv dev_kv(CudaImpl *impl, const KvCache *kv, const KvSeq *seq, int layer)
 {
-    int *blocks = (int *) scratch(impl, SCRATCH_BLOCKS, (size_t) (seq->n_blocks + 1) * sizeof(int));
-    if (seq->n_blocks)
-        CK(cudaMemcpy(blocks, seq->blocks, (size_t) seq->n_blocks * sizeof(int),
-                      cudaMemcpyHostToDevice));
-    DevKv d = {dev_pool(impl, kv),          blocks,
-               kv->block_floats,            kv->layer_offset[layer],
-               kv->entry_floats[layer],     kv->params.block_size,
+    const int *blocks = dev_blocks(impl, seq);
+    DevKv d = {dev_pool(impl, kv),
+               blocks,
+               kv->block_floats,
+               kv->layer_offset[layer],
+               kv->entry_floats[layer],
+               kv->params.block_size,
                kv->params.dtype == KV_DTYPE_BF16};
     return d;
 }
@@ -656,14 +880,18 @@ static Err cuda_bind_linear(Backend *be, CkptLinear *w)
     const size_t n = (size_t) w->rows * (size_t) w->cols;
     size_t data_bytes = 0, scale_bytes = 0, scale_f32_bytes = 0;
     switch (w->format) {
-    case CKPT_LINEAR_F32: data_bytes = n * 4; break;
+    case CKPT_LINEAR_F32:
+        data_bytes = n * 4;
+        break;
     case CKPT_LINEAR_F16:
-    case CKPT_LINEAR_BF16: data_bytes = n * 2; break;
+    case CKPT_LINEAR_BF16:
+        data_bytes = n * 2;
+        break;
     case CKPT_LINEAR_FP8:
         data_bytes = n;
         if (w->scale_f32)
-            scale_f32_bytes = (((size_t) w->rows + 127) / 128) * (((size_t) w->cols + 127) / 128)
-                              * sizeof(float);
+            scale_f32_bytes =
+                (((size_t) w->rows + 127) / 128) * (((size_t) w->cols + 127) / 128) * sizeof(float);
         break;
     case CKPT_LINEAR_NVFP4:
         data_bytes = n / 2;
@@ -692,8 +920,9 @@ static void cuda_matmul(Backend *be, float *y, const CkptLinear *w, const float 
     (void) be;
     ASSERT(w->rows > 0 && w->cols > 0 && n >= 0);
     if (n == 0) return;
+    const int chunks = (n + MATMUL_TOK - 1) / MATMUL_TOK;
     const dim3 grid((unsigned) ((w->rows + THREADS / 32 - 1) / (THREADS / 32)),
-                    (unsigned) (n < 65535 ? n : 65535));
+                    (unsigned) (chunks < 65535 ? chunks : 65535));
     k_matmul<<<grid, THREADS>>>(y, dev_lin(w), x, n);
     check_launch("matmul");
 }
@@ -733,7 +962,7 @@ static void cuda_rope(Backend *be, float *x, int n, int n_heads, int stride, int
     if (n == 0 || rope_dim == 0 || n_heads == 0) return;
     const int threads = ((rope_dim / 2 + 31) / 32) * 32;
     k_rope<<<dim3((unsigned) n, (unsigned) n_heads), threads>>>(x, stride, head_stride, offset,
-                                                                 rope_dim, pos, theta);
+                                                                rope_dim, pos, theta);
     check_launch("rope");
 }
 
@@ -798,12 +1027,11 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
     const int cap = seq_capacity(kv, seq);
     const DevKv d = dev_kv(impl, kv, seq, layer);
     double *score = (double *) scratch(impl, SCRATCH_A, (size_t) n * cap * sizeof(double));
-    int *flag = (int *) scratch(impl, SCRATCH_B, (size_t) n * cap * sizeof(int));
     const int key_offset = kv->params.kv_lora + kv->params.rope_dim;
     k_dsa_scores<<<dim3((unsigned) n, (unsigned) ((cap + THREADS - 1) / THREADS)), THREADS>>>(
         score, cap, q, w, d, key_offset, pos, *p);
     check_launch("dsa_scores");
-    k_dsa_select<<<n, THREADS>>>(sel, n_sel, score, flag, cap, pos, p->top_k);
+    k_dsa_select<<<n, THREADS>>>(sel, n_sel, score, cap, pos, p->top_k);
     check_launch("dsa_select");
 }
 
@@ -817,13 +1045,39 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
     ASSERT(kv->params.kv_lora == p->kv_lora && kv->params.rope_dim == p->qk_rope);
     if (n == 0) return;
     const int cap = sel ? (sel_stride > 0 ? sel_stride : 1) : seq_capacity(kv, seq);
+    const int n_split = (cap + MLA_SPLIT - 1) / MLA_SPLIT;
     const DevKv d = dev_kv(impl, kv, seq, layer);
-    double *prob =
-        (double *) scratch(impl, SCRATCH_C, (size_t) n * p->n_heads * cap * sizeof(double));
-    const size_t shared = (size_t) 2 * p->kv_lora * sizeof(double);
-    ASSERT(shared <= 40 * 1024);
-    k_mla<<<dim3((unsigned) n, (unsigned) p->n_heads), THREADS, shared>>>(
-        out, q, dev_lin(kv_b), d, pos, sel, n_sel, sel_stride, *p, prob, cap);
+    const DevLin w = dev_lin(kv_b);
+    const size_t H = (size_t) p->n_heads, L = (size_t) p->kv_lora;
+    ASSERT(L * sizeof(double) <= 40 * 1024 && (cap + THREADS / 32 - 1) / (THREADS / 32) <= 65535);
+    // Tokens in chunks, so the scratch stays under ~256 MB whatever n (each token's result
+    // does not depend on its chunk).
+    const size_t per_tok = H * (L + (size_t) cap + 1 + (size_t) n_split * L) * sizeof(double);
+    int chunk = (int) ((256u << 20) / per_tok);
+    if (chunk < 1) chunk = 1;
+    if (chunk > n) chunk = n;
+    double *q_lat = (double *) scratch(impl, SCRATCH_A, (size_t) chunk * H * L * sizeof(double));
+    double *prob = (double *) scratch(impl, SCRATCH_C, (size_t) chunk * H * cap * sizeof(double));
+    double *stat = (double *) scratch(impl, SCRATCH_B, (size_t) chunk * H * sizeof(double));
+    double *part =
+        (double *) scratch(impl, SCRATCH_D, (size_t) chunk * H * n_split * L * sizeof(double));
+    for (int t0 = 0; t0 < n; t0 += chunk) {
+        const int nc = n - t0 < chunk ? n - t0 : chunk;
+        const float *qc = q + (size_t) t0 * H * (p->qk_nope + p->qk_rope);
+        const int *pc = pos + t0;
+        const int *sc = sel ? sel + (size_t) t0 * sel_stride : NULL;
+        const int *nsc = sel ? n_sel + t0 : NULL;
+        const dim3 th((unsigned) nc, (unsigned) H);
+        k_mla_qlat<<<th, THREADS>>>(q_lat, qc, w, *p);
+        k_mla_scores<<<dim3((unsigned) nc, (unsigned) H,
+                            (unsigned) ((cap + THREADS / 32 - 1) / (THREADS / 32))),
+                       THREADS>>>(prob, cap, q_lat, qc, d, pc, sc, nsc, sel_stride, *p);
+        k_mla_softmax<<<th, THREADS>>>(prob, stat, cap, pc, nsc, p->n_heads);
+        k_mla_pv<<<dim3((unsigned) nc, (unsigned) H, (unsigned) n_split), THREADS>>>(
+            part, n_split, prob, stat, cap, d, pc, sc, nsc, sel_stride, *p);
+        k_mla_out<<<th, THREADS, L * sizeof(double)>>>(out + (size_t) t0 * H * p->v_dim, part,
+                                                       n_split, w, pc, nsc, *p);
+    }
     check_launch("mla_attention");
 }
 
@@ -863,14 +1117,18 @@ static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *
     float *g = (float *) scratch(impl, SCRATCH_A, (size_t) slots * inter * sizeof(float));
     float *u = (float *) scratch(impl, SCRATCH_B, (size_t) slots * inter * sizeof(float));
     float *ye = (float *) scratch(impl, SCRATCH_D, (size_t) slots * hidden * sizeof(float));
-    ASSERT(slots <= 65535);
+    int *groups = (int *) scratch(impl, SCRATCH_E, ((size_t) slots + n_experts + 1) * sizeof(int));
+    int *offsets = groups, *list = groups + n_experts + 1;
+    ASSERT((size_t) 2 * n_experts * sizeof(int) <= 48 * 1024 && n_experts <= 65535);
+    k_moe_group<<<1, 1024, (size_t) 2 * n_experts * sizeof(int)>>>(offsets, list, idx, slots,
+                                                                   n_experts);
     const unsigned rb_inter = (unsigned) ((inter + THREADS / 32 - 1) / (THREADS / 32));
     const unsigned rb_hidden = (unsigned) ((hidden + THREADS / 32 - 1) / (THREADS / 32));
-    k_moe_mm<<<dim3(rb_inter, (unsigned) slots), THREADS>>>(g, table, 0, idx, x, 0, top_k, slots);
-    k_moe_mm<<<dim3(rb_inter, (unsigned) slots), THREADS>>>(u, table, 1, idx, x, 0, top_k, slots);
+    const dim3 g_inter(rb_inter, (unsigned) n_experts), g_hidden(rb_hidden, (unsigned) n_experts);
+    k_moe_mm<<<g_inter, THREADS>>>(g, table, 0, offsets, list, x, 0, top_k);
+    k_moe_mm<<<g_inter, THREADS>>>(u, table, 1, offsets, list, x, 0, top_k);
     k_silu_mul<<<grid_1d((size_t) slots * inter), THREADS>>>(g, g, u, (size_t) slots * inter);
-    k_moe_mm<<<dim3(rb_hidden, (unsigned) slots), THREADS>>>(ye, table, 2, idx, g, 1, top_k,
-                                                             slots);
+    k_moe_mm<<<g_hidden, THREADS>>>(ye, table, 2, offsets, list, g, 1, top_k);
     k_moe_combine<<<(unsigned) (((size_t) n * hidden + THREADS - 1) / THREADS), THREADS>>>(
         out, ye, idx, wts, n, top_k, hidden);
     check_launch("moe");
@@ -888,6 +1146,10 @@ static void cuda_destroy(Backend *be)
             cudaFree(impl->scratch[i]);
         for (int i = 0; i < MAX_POOLS; i++)
             cudaFree(impl->pools[i].dev);
+        for (int i = 0; i < MAX_TABLES; i++) {
+            free(impl->seq_tables[i].host);
+            cudaFree(impl->seq_tables[i].dev);
+        }
         for (int i = 0; i < impl->n_tables; i++)
             cudaFree(impl->tables[i].dev);
         free(impl);

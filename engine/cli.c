@@ -16,6 +16,7 @@ static const CliCommand commands[] = {
     {"tokenize", cli_tokenize, "turn UTF-8 text on stdin into token ids"},
     {"detokenize", cli_detokenize, "turn token ids on stdin into text"},
     {"bench-tokenize", cli_bench_tokenize, "time single-threaded tokenization of a text file"},
+    {"bench", cli_bench, "time prefill and batched decode through the engine (--backend cpu|cuda)"},
     {"chat-template", cli_chat_template, "render OpenAI-style messages as a GLM prompt"},
     {"db", cli_db, "apply the job-queue SQL migrations: db migrate --db CONNINFO"},
     {"keys", cli_keys, "API keys: keys create|list|revoke"},

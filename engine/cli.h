@@ -36,6 +36,7 @@ int cli_mkmodel(int argc, char **argv);
 int cli_tokenize(int argc, char **argv);
 int cli_detokenize(int argc, char **argv);
 int cli_bench_tokenize(int argc, char **argv);
+int cli_bench(int argc, char **argv);
 int cli_chat_template(int argc, char **argv);
 int cli_db(int argc, char **argv);
 int cli_keys(int argc, char **argv);

@@ -12,8 +12,8 @@
  *     [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]
  *     [--kv-dtype f32|bf16]
  * --kv-dtype chooses the KV cache storage (default f32, exact; bf16 halves it).
- * --backend cuda runs the ops on GPU 0 (backend_cuda.h; builds with CUDA only), cpu is the
- * default.
+ * --backend cuda runs the ops on GPU --local-rank (default 0; backend_cuda.h; builds with
+ * CUDA only), cpu is the default.
  *     Prefill, then decode token by token; prints the generated ids space-separated on one
  *     line and stops at an eos id unless --ignore-eos. Load time, prefill and decode tok/s
  *     go to stderr at info level.
@@ -23,7 +23,15 @@
  * gives the same output as the single-rank form. Each rank (--rank R --world N --master
  * ADDR:PORT, or the launcher's environment: OMPI_COMM_WORLD_*, PMI_*, SLURM_*) loads only
  * its layers of the split pp_plan_model() computes (identical on every rank, checked by
- * the handshake); rank 0 prints or writes the output, the last rank samples.
+ * the handshake); rank 0 prints or writes the output, the last rank samples. The local
+ * launcher passes --local-rank R (GPU R); under mpirun/srun OMPI_COMM_WORLD_LOCAL_RANK or
+ * SLURM_LOCALID does. generate --n-seqs K runs K sequences (seeds seed .. seed+K-1) at once
+ * through the scheduler and prints one line per sequence.
+ *
+ * generate --mtp K (1..8) decodes speculatively (mtp.h): K drafts from the model's MTP
+ * layer, verified in one forward of 1 + K tokens; the greedy output is the same as
+ * without it, and sampling keeps the target distribution (temperature only: no top-k/p,
+ * min-p or penalties). Acceptance rate and tok/s go to stderr. Single rank, one sequence.
  */
 #include "cli.h"
 
@@ -42,6 +50,7 @@
 #endif
 #include "kv_cache.h"
 #include "model.h"
+#include "mtp.h"
 #include "pp.h"
 #include "sampler.h"
 #include "scheduler.h"
@@ -52,6 +61,7 @@ typedef struct ModelArgs {
     const char *out_path;
     int max_tokens;
     int n_seqs;  // generate --n-seqs K: K copies of the prompt through the scheduler
+    int mtp;     // generate --mtp K: K MTP drafts per verify step (0: off)
     int n_threads;
     bool ignore_eos;
     bool decode_check;
@@ -62,6 +72,7 @@ typedef struct ModelArgs {
     int rank;  // -1: not a pipeline rank (unless the environment says so)
     int world;
     const char *master;
+    int local_rank;  // this rank's index on its host: the GPU --backend cuda uses
 } ModelArgs;
 
 static double now_s(void)
@@ -140,14 +151,16 @@ static int usage(const char *cmd)
 {
     if (strcmp(cmd, "logits") == 0)
         fprintf(stderr, "usage: glmspark logits --model DIR --tokens 5,17,42 --out FILE "
-                        "[--threads N] [--backend cpu|cuda] [--decode-check] [--kv-dtype f32|bf16] [--pp N | --rank R "
+                        "[--threads N] [--backend cpu|cuda] [--decode-check] [--kv-dtype f32|bf16] "
+                        "[--pp N | --rank R "
                         "--world N --master ADDR:PORT]\n");
     else
-        fprintf(stderr, "usage: glmspark generate --model DIR --tokens 5,17,42 --max-tokens N "
-                        "[--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S] "
-                        "[--ignore-eos] [--threads N] [--backend cpu|cuda] [--repetition-penalty R] "
-                        "[--presence-penalty P] [--frequency-penalty F] [--kv-dtype f32|bf16] "
-                        "[--pp N | --rank R --world N --master ADDR:PORT]\n");
+        fprintf(stderr,
+                "usage: glmspark generate --model DIR --tokens 5,17,42 --max-tokens N "
+                "[--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S] "
+                "[--ignore-eos] [--threads N] [--backend cpu|cuda] [--repetition-penalty R] "
+                "[--presence-penalty P] [--frequency-penalty F] [--kv-dtype f32|bf16] "
+                "[--mtp K] [--pp N | --rank R --world N --master ADDR:PORT]\n");
     return 2;
 }
 
@@ -201,6 +214,10 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
             ok = parse_long(val, 1, PP_MAX_WORLD, &v) && ((a->world = (int) v), true);
         else if (strcmp(opt, "--master") == 0)
             a->master = val;
+        else if (strcmp(opt, "--local-rank") == 0)
+            ok = parse_long(val, 0, 1023, &v) && ((a->local_rank = (int) v), true);
+        else if (strcmp(opt, "--mtp") == 0)
+            ok = parse_long(val, 1, MTP_MAX_DRAFTS, &v) && ((a->mtp = (int) v), true);
         else if (strcmp(opt, "--n-seqs") == 0)
             ok = parse_long(val, 1, PP_MAX_SLOTS, &v) && ((a->n_seqs = (int) v), true);
         else if (strcmp(opt, "--threads") == 0)
@@ -238,8 +255,13 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
         fprintf(stderr, "glmspark %s: --model and --tokens are required\n", cmd);
         return usage(cmd);
     }
-    if (a->rank < 0 && a->pp == 1 && pp_rank_from_env(&a->rank, &a->world) && !a->master)
-        a->master = getenv("GLMSPARK_MASTER");
+    if (a->rank < 0 && a->pp == 1 && pp_rank_from_env(&a->rank, &a->world)) {
+        if (!a->master) a->master = getenv("GLMSPARK_MASTER");
+        // The launcher's host-local rank picks the GPU (mpirun, srun).
+        const char *local = getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+        if (!local) local = getenv("SLURM_LOCALID");
+        if (local && atoi(local) > 0) a->local_rank = atoi(local);
+    }
     if (a->rank >= 0 && (a->rank >= a->world || (a->world > 1 && !a->master))) {
         fprintf(stderr,
                 "glmspark %s: --rank must be below --world, and a pipeline rank needs "
@@ -263,7 +285,7 @@ static Err backend_open(const ModelArgs *a, Backend **be)
 {
     if (!a->cuda) return backend_cpu_create(a->n_threads, be);
 #ifdef GLMSPARK_HAVE_CUDA
-    return backend_cuda_create(0, be);
+    return backend_cuda_create(a->local_rank, be);
 #else
     *be = NULL;
     LOG_ERROR("--backend cuda: this glmspark was built without CUDA");
@@ -550,6 +572,79 @@ done:
     return rc;
 }
 
+// generate --mtp K: speculative decoding on one rank (mtp.h).
+static int generate_mtp(const ModelArgs *a, const int *ids, int n)
+{
+    Backend *be = NULL;
+    Model m = {0};
+    KvCache kv = {0}, mkv = {0};
+    Sampler s = {0};
+    MtpGen g = {0};
+    int *out = NULL;
+    int rc = 1;
+    if (mtp_check_params(&a->sampling)) return 2;
+    const double t0 = now_s();
+    const ModelOptions opts = {.load_mtp = true};
+    if (backend_open(a, &be) || model_load(&m, a->model_dir, &opts, be)) goto done;
+    const int block = KV_DEFAULT_BLOCK_SIZE;
+    // Room for the prompt, the output and one step's drafts past the end.
+    const int blocks = (n + a->max_tokens + a->mtp + 1 + block - 1) / block;
+    KvCacheParams p = model_kv_params(&m, blocks, block);
+    p.dtype = a->kv_dtype;
+    KvCacheParams mp = model_mtp_kv_params(&m, blocks, block);
+    mp.dtype = a->kv_dtype;
+    if (kv_init(&kv, &p) || kv_init(&mkv, &mp)) goto done;
+    if (sampler_init(&s, m.cfg.vocab_size, a->sampling)) goto done;
+    if (mtp_gen_init(&g, &m, &kv, &mkv, &s, a->mtp)) goto done;
+    out = malloc((size_t) (a->mtp + 1) * sizeof *out);
+    if (!out) goto done;
+    LOG_INFO("loaded \"%s\" with its MTP layer in %.3f s (%d threads)", a->model_dir, now_s() - t0,
+             a->n_threads);
+
+    double t1 = now_s();
+    int n_out = 0, first = 0;
+    if (a->max_tokens > 0 && mtp_gen_prefill(&g, ids, n, &first)) goto done;
+    const double prefill_s = now_s() - t1;
+    t1 = now_s();
+    bool stop = a->max_tokens == 0;
+    if (!stop) {
+        printf("%d", first);
+        n_out = 1;
+        stop = !a->ignore_eos && is_eos(&m, first);
+    }
+    while (!stop && n_out < a->max_tokens) {
+        int k = 0;
+        if (mtp_gen_step(&g, out, &k)) goto done;
+        for (int i = 0; i < k && !stop && n_out < a->max_tokens; i++) {
+            printf(" %d", out[i]);
+            n_out++;
+            stop = !a->ignore_eos && is_eos(&m, out[i]);
+        }
+    }
+    printf("\n");
+    const double decode_s = now_s() - t1;
+    const MtpStats *st = &g.stats;
+    LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s); decode: %d tokens in %.3f s (%.2f "
+             "tok/s)",
+             n, prefill_s, n / prefill_s, n_out > 0 ? n_out - 1 : 0, decode_s,
+             n_out > 1 ? (n_out - 1) / decode_s : 0.0);
+    LOG_INFO("mtp %d: %ld verify steps, %ld of %ld drafts accepted (%.1f%%), %.2f tokens per "
+             "step",
+             a->mtp, st->steps, st->accepted, st->drafted,
+             st->drafted ? 100.0 * (double) st->accepted / (double) st->drafted : 0.0,
+             st->steps ? (double) st->emitted / (double) st->steps : 0.0);
+    rc = 0;
+
+done:
+    fflush(stdout);
+    free(out);
+    mtp_gen_free(&g);
+    sampler_free(&s);
+    kv_free(&mkv);
+    close_model(be, &m, &kv);
+    return rc;
+}
+
 int cli_generate(int argc, char **argv)
 {
     ModelArgs a;
@@ -557,6 +652,17 @@ int cli_generate(int argc, char **argv)
     if (rc) return rc;
     int *ids = NULL, n = 0;
     if (!parse_tokens(argv[0], a.tokens_arg, &ids, &n)) return 2;
+    if (a.mtp > 0 && (a.pp > 1 || a.rank >= 0 || a.n_seqs > 1)) {
+        fprintf(stderr, "glmspark generate: --mtp runs one sequence on one rank (no --pp, "
+                        "--rank or --n-seqs)\n");
+        free(ids);
+        return 2;
+    }
+    if (a.mtp > 0) {
+        rc = generate_mtp(&a, ids, n);
+        free(ids);
+        return rc;
+    }
     if (a.pp > 1 && a.rank < 0) {
         free(ids);
         return pp_launch_local(argc, argv, a.pp);
@@ -579,8 +685,7 @@ int cli_generate(int argc, char **argv)
         // Through the scheduler on one stage: the cache holds every sequence at once.
         PpStage *st = NULL;
         KvCacheParams p;
-        if (backend_open(&a, &be) || model_load(&m, a.model_dir, NULL, be))
-            goto done;
+        if (backend_open(&a, &be) || model_load(&m, a.model_dir, NULL, be)) goto done;
         const int block = KV_DEFAULT_BLOCK_SIZE;
         p = model_kv_params(&m, a.n_seqs * ((n + a.max_tokens + block - 1) / block), block);
         p.dtype = a.kv_dtype;

@@ -335,7 +335,7 @@ static const char *const kind_names[] = {"content", "reasoning", "tool"};
 Err jobq_append(JobQueue *q, JobqJob *job, const JobqChunk *chunks, int n, bool *is_cancelled)
 {
     ASSERT(n > 0 && n <= 64);
-    enum { N_FIXED = 6, PER_CHUNK = 3 };
+    enum { N_FIXED = 6, PER_CHUNK = 4 };
     const char *params[N_FIXED + PER_CHUNK * 64];
     char id_text[24], seq_text[16], n_text[16], n_tok_text[16], attempt_text[16];
     char *arrays = NULL, *sql = NULL;
@@ -365,7 +365,7 @@ Err jobq_append(JobQueue *q, JobqJob *job, const JobqChunk *chunks, int n, bool 
     params[5] = attempt_text;
 
     // VALUES ($7, $8, $9::int[], 0), ... : kind, text, token ids, position in the batch.
-    const size_t sql_cap = 1024 + (size_t) n * 64;
+    const size_t sql_cap = 1024 + (size_t) n * 96;
     if (!(sql = malloc(sql_cap))) goto done;
     int len = snprintf(sql, sql_cap,
                        "WITH j AS (UPDATE jobs SET n_chunks = n_chunks + $4::int,"
@@ -374,19 +374,22 @@ Err jobq_append(JobQueue *q, JobqJob *job, const JobqChunk *chunks, int n, bool 
                        " lease_until = now() + %d * interval '1 second'"
                        " WHERE id = $1::bigint AND state = 'running' AND lease_epoch = $2::bigint"
                        " AND n_chunks = $3::int RETURNING id, public_id, cancel_requested),"
-                       " ins AS (INSERT INTO job_chunks (job_id, seq, attempt, kind, text, token_ids)"
-                       " SELECT j.id, $3::int + v.k, $6::int, v.kind, v.text, v.ids FROM j, (VALUES ",
+                       " ins AS (INSERT INTO job_chunks (job_id, seq, attempt, kind, text, token_ids,"
+                       " logprobs) SELECT j.id, $3::int + v.k, $6::int, v.kind, v.text, v.ids, v.lp"
+                       " FROM j, (VALUES ",
                        q->opt.lease_s);
     for (int i = 0; i < n; i++) {
         const int p = N_FIXED + PER_CHUNK * i;
         params[p] = kind_names[chunks[i].kind];
         params[p + 1] = chunks[i].text ? chunks[i].text : "";
         params[p + 2] = arrays + offsets[i];
-        len += snprintf(sql + len, sql_cap - (size_t) len, "%s($%d::text, $%d::text, $%d::int[], %d)",
-                        i ? ", " : "", p + 1, p + 2, p + 3, i);
+        params[p + 3] = chunks[i].logprobs_json;  // NULL: SQL NULL
+        len += snprintf(sql + len, sql_cap - (size_t) len,
+                        "%s($%d::text, $%d::text, $%d::int[], $%d::jsonb, %d)", i ? ", " : "", p + 1,
+                        p + 2, p + 3, p + 4, i);
     }
     snprintf(sql + len, sql_cap - (size_t) len,
-             ") AS v (kind, text, ids, k))"
+             ") AS v (kind, text, ids, lp, k))"
              " SELECT cancel_requested, pg_notify('job_chunks', public_id) FROM j");
     err = ERR_DB;
     if (!(res = exec_params(q, "appending chunks", sql, N_FIXED + PER_CHUNK * n, params,

@@ -59,6 +59,7 @@ typedef struct JobqChunk {
     const char *text;           // UTF-8, may be "" (tokens whose text is held back)
     const int32_t *token_ids;   // [n_tokens]
     int n_tokens;
+    const char *logprobs_json;  // JSON array, one entry per token (job_chunks.logprobs), or NULL
 } JobqChunk;
 
 typedef struct JobqJob {

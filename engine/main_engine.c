@@ -3,7 +3,7 @@
  *
  *   glmspark-engine --model DIR --db CONNINFO [--tokenizer FILE] [--model-name NAME]
  *                   [--threads N] [--kv-blocks N] [--name NAME] [--lease-s S]
- *                   [--step-delay-ms MS] [--recipe FILE]
+ *                   [--step-delay-ms MS] [--prefill-slice N] [--recipe FILE]
  *   glmspark-engine --check-recipe FILE
  *
  * --recipe FILE (engine/recipe.h, ops/recipes/) supplies model, model_name, tokenizer,
@@ -27,7 +27,13 @@
  * The engine holds the queue's advisory lock (one engine cluster per queue); a second one
  * exits with status 3. It reconnects with backoff when PostgreSQL restarts. SIGTERM and
  * SIGINT stop it after the current step; the job in flight is resumed by the next engine.
- * --step-delay-ms slows decoding (demos and the kill tests in tests/integration).
+ * --step-delay-ms slows decoding and prefill slices (demos and the kill tests in
+ * tests/integration).
+ *
+ * Heartbeats: a prompt is prefilled in slices of --prefill-slice tokens (2048); between
+ * slices, and between decode steps, the job's lease and the engine's heartbeat (what
+ * /health reads) are renewed every lease_s / 3 seconds (1..5 s), so a long prefill neither
+ * loses its job nor makes /health flap.
  */
 #include <json-c/json.h>
 #include <math.h>
@@ -68,6 +74,8 @@ typedef struct Engine {
     JobQueue *q;
     float *logits;  // [vocab]
     int step_delay_ms;
+    int prefill_slice;  // tokens per prefill model_forward call
+    int beat_s;         // seconds between heartbeats while working on a job
 } Engine;
 
 // ---------------------------------------------------------------------------
@@ -206,19 +214,20 @@ static void gen_clear_chunks(Gen *g)
     g->n_chunks = 0;
 }
 
-// Commit this step's chunks with tokens ids[0..n_ids) (attached to the first chunk; an
-// empty content chunk carries them when the step produced no text).
+// Commit this step's chunks with tokens ids[0..n_ids) and their log-probabilities lp_json
+// (or NULL) attached to the first chunk; an empty content chunk carries them when the step
+// produced no text.
 static Err commit_step(Engine *e, JobqJob *job, Gen *g, const int32_t *ids, int n_ids,
-                       bool *is_cancelled)
+                       const char *lp_json, bool *is_cancelled)
 {
     JobqChunk chunks[MAX_STEP_CHUNKS];
     int n = 0;
     for (int i = 0; i < g->n_chunks; i++)
         chunks[n++] = (JobqChunk){g->chunks[i].kind, g->chunks[i].text, i == 0 ? ids : NULL,
-                                  i == 0 ? n_ids : 0};
+                                  i == 0 ? n_ids : 0, i == 0 ? lp_json : NULL};
     if (n == 0) {
         if (n_ids == 0) return ERR_OK;
-        chunks[n++] = (JobqChunk){JOBQ_CHUNK_CONTENT, "", ids, n_ids};
+        chunks[n++] = (JobqChunk){JOBQ_CHUNK_CONTENT, "", ids, n_ids, lp_json};
     }
     const Err err = jobq_append(e->q, job, chunks, n, is_cancelled);
     gen_clear_chunks(g);
@@ -231,6 +240,85 @@ static double jnum(json_object *o, const char *k, double def)
 {
     json_object *v;
     return json_object_object_get_ex(o, k, &v) ? json_object_get_double(v) : def;
+}
+
+// ---------------------------------------------------------------------------
+// Log-probabilities (OpenAI's logprobs / top_logprobs): of the model's own distribution,
+// log_softmax of the raw logits, before penalties and temperature, as OpenAI and vLLM
+// report them.
+
+enum { MAX_TOP_LOGPROBS = 20 };
+
+// {"token", "logprob", "bytes"} of token id: its decoded bytes, and as text those bytes
+// with each invalid UTF-8 sequence (a piece of a character) replaced by U+FFFD.
+static json_object *lp_entry(const Tokenizer *tok, int32_t id, double logprob)
+{
+    char *text = NULL;
+    size_t n = 0;
+    json_object *o = json_object_new_object(), *bytes = json_object_new_array();
+    char *clean = NULL;
+    if (tok_decode(tok, &id, 1, false, &text, &n) == ERR_OK && (clean = malloc(3 * n + 1))) {
+        size_t m = 0;
+        const unsigned char *u = (const unsigned char *) text;
+        for (size_t i = 0; i < n;) {
+            json_object_array_add(bytes, json_object_new_int(u[i]));
+            size_t len = u[i] < 0x80 ? 1 : (u[i] & 0xE0) == 0xC0 ? 2 : (u[i] & 0xF0) == 0xE0 ? 3
+                                                               : (u[i] & 0xF8) == 0xF0 ? 4 : 0;
+            bool ok = len > 0 && i + len <= n && u[i] != 0;
+            for (size_t k = 1; ok && k < len; k++) ok = (u[i + k] & 0xC0) == 0x80;
+            if (ok) {
+                for (size_t k = 1; k < len; k++) json_object_array_add(bytes, json_object_new_int(u[i + k]));
+                memcpy(clean + m, text + i, len);
+                m += len;
+                i += len;
+            } else {
+                memcpy(clean + m, "\xef\xbf\xbd", 3);
+                m += 3;
+                i++;
+            }
+        }
+        json_object_object_add(o, "token", json_object_new_string_len(clean, (int) m));
+    } else {
+        json_object_object_add(o, "token", json_object_new_string(""));
+    }
+    json_object_object_add(o, "logprob", json_object_new_double(logprob));
+    json_object_object_add(o, "bytes", bytes);
+    free(clean);
+    free(text);
+    return o;
+}
+
+// The logprobs entry of the sampled token `next` given the raw logits [vocab]: its
+// log-probability and the n_top most likely tokens, best first. A new JSON string (the
+// caller frees it) holding a one-element array, or NULL on OOM.
+static char *lp_json_for(const Tokenizer *tok, const float *logits, int vocab, int32_t next,
+                         int n_top)
+{
+    float mx = -INFINITY;
+    for (int i = 0; i < vocab; i++)
+        if (logits[i] > mx) mx = logits[i];
+    double sum = 0;
+    for (int i = 0; i < vocab; i++) sum += exp((double) logits[i] - mx);
+    const double lse = mx + log(sum);
+    int top[MAX_TOP_LOGPROBS];
+    int n = 0;
+    for (int i = 0; i < vocab && n_top > 0; i++) {  // insertion into a short sorted list
+        if (n == n_top && logits[i] <= logits[top[n - 1]]) continue;
+        int at = n < n_top ? n++ : n - 1;
+        while (at > 0 && logits[top[at - 1]] < logits[i]) {
+            top[at] = top[at - 1];
+            at--;
+        }
+        top[at] = i;
+    }
+    json_object *arr = json_object_new_array();
+    json_object *entry = lp_entry(tok, next, (double) logits[next] - lse), *alts = json_object_new_array();
+    for (int k = 0; k < n; k++) json_object_array_add(alts, lp_entry(tok, top[k], (double) logits[top[k]] - lse));
+    json_object_object_add(entry, "top_logprobs", alts);
+    json_object_array_add(arr, entry);
+    char *out = strdup(json_object_to_json_string_ext(arr, JSON_C_TO_STRING_PLAIN));
+    json_object_put(arr);
+    return out;
 }
 
 // Generate one claimed job to its end. Returns ERR_DB when the database went away (the
@@ -249,6 +337,8 @@ static Err run_job(Engine *e, JobqJob *job)
     Err err = ERR_OK, db_err = ERR_OK;
     const char *fail_msg = NULL, *finish = "length";
     bool is_cancelled = false;
+    float *raw = NULL;  // a copy of the step's raw logits when logprobs are wanted
+    char *lp = NULL;    // the step's logprobs JSON
 
     g.is_chat = !strcmp(job->kind, "chat");
     SamplerParams sp = sampler_default_params();
@@ -272,6 +362,14 @@ static Err run_job(Engine *e, JobqJob *job)
                               json_object_get_boolean(v);
     json_object *tools = NULL;
     if (req) json_object_object_get_ex(req, "tools", &tools);
+    const bool want_lp = req && json_object_object_get_ex(req, "logprobs", &v) &&
+                         json_object_get_boolean(v);
+    int n_top = (int) jnum(req, "top_logprobs", 0);
+    n_top = n_top < 0 ? 0 : n_top > MAX_TOP_LOGPROBS ? MAX_TOP_LOGPROBS : n_top;
+    if (want_lp && !(raw = malloc((size_t) cfg->vocab_size * sizeof *raw))) {
+        fail_msg = "out of memory";
+        goto done;
+    }
 
     if (sampler_init(&s, cfg->vocab_size, sp)) {
         fail_msg = "invalid sampling parameters";
@@ -306,7 +404,22 @@ static Err run_job(Engine *e, JobqJob *job)
         db_err = ERR_DB;
         goto done;
     }
-    err = model_forward(&e->model, &e->kv, &seq, ids, n_ctx, e->logits, false);
+    // Prefill in slices, beating between them, so that a long prompt keeps the job's lease
+    // and the engine's heartbeat (what /health reads) fresh.
+    time_t last_beat = time(NULL);
+    for (int at = 0; at < n_ctx && !err && !is_cancelled && !is_stopping;) {
+        const int n = n_ctx - at < e->prefill_slice ? n_ctx - at : e->prefill_slice;
+        err = model_forward(&e->model, &e->kv, &seq, ids + at, n, e->logits, false);
+        at += n;
+        if (!err && at < n_ctx && e->step_delay_ms > 0) sleep_ms(e->step_delay_ms);
+        if (!err && at < n_ctx && time(NULL) - last_beat >= e->beat_s) {
+            last_beat = time(NULL);
+            if (jobq_heartbeat(e->q, job, &is_cancelled) == ERR_DB) {
+                db_err = ERR_DB;
+                goto done;
+            }
+        }
+    }
     if (err == ERR_AGAIN) {
         fail_msg = "the prompt does not fit in the KV cache";
         goto done;
@@ -324,12 +437,12 @@ static Err run_job(Engine *e, JobqJob *job)
     }
     if (job->n_committed) memcpy(hist, job->committed_ids, (size_t) job->n_committed * sizeof *hist);
 
-    time_t last_beat = time(NULL);
     while (!is_cancelled && !is_stopping) {
         if (n_gen >= job->max_tokens) {
             finish = "length";
             break;
         }
+        if (raw) memcpy(raw, e->logits, (size_t) cfg->vocab_size * sizeof *raw);
         sampler_apply_penalties(&s, e->logits, hist, n_gen);
         const int32_t next = sampler_sample(&s, e->logits);
         bool is_eos = false;
@@ -349,7 +462,13 @@ static Err run_job(Engine *e, JobqJob *job)
             fail_msg = "out of memory";
             break;
         }
-        const Err cerr = commit_step(e, job, &g, &next, 1, &is_cancelled);
+        free(lp);
+        lp = raw ? lp_json_for(e->tok, raw, cfg->vocab_size, next, n_top) : NULL;
+        if (raw && !lp) {
+            fail_msg = "out of memory";
+            break;
+        }
+        const Err cerr = commit_step(e, job, &g, &next, 1, lp, &is_cancelled);
         if (cerr == ERR_DB) {
             db_err = ERR_DB;
             break;
@@ -366,7 +485,7 @@ static Err run_job(Engine *e, JobqJob *job)
         // Appends extend the job's lease; the engine's own heartbeat (what /health reads)
         // needs a beat of its own during long generations.
         const time_t now = time(NULL);
-        if (now - last_beat >= 5) {
+        if (now - last_beat >= e->beat_s) {
             last_beat = now;
             if (jobq_heartbeat(e->q, job, &is_cancelled) == ERR_DB) {
                 db_err = ERR_DB;
@@ -400,7 +519,7 @@ static Err run_job(Engine *e, JobqJob *job)
             gen_push(&g, JOBQ_CHUNK_CONTENT, g.hold, g.n_hold);
             g.n_hold = 0;
         }
-        const Err cerr = commit_step(e, job, &g, NULL, 0, NULL);
+        const Err cerr = commit_step(e, job, &g, NULL, 0, NULL, NULL);
         if (cerr) {
             db_err = cerr;
             goto done;
@@ -418,6 +537,8 @@ done:
         if (jobq_fail(e->q, job, fail_msg) == ERR_DB) db_err = ERR_DB;
     }
     json_object_put(req);
+    free(raw);
+    free(lp);
     gen_free(&g);
     chat_parser_free(&parser);
     tok_stream_destroy(ts);
@@ -433,7 +554,7 @@ static int usage(void)
 {
     fprintf(stderr, "usage: glmspark-engine --model DIR --db CONNINFO [--tokenizer FILE]\n"
                     "       [--model-name NAME] [--threads N] [--kv-blocks N] [--name NAME]\n"
-                    "       [--lease-s S] [--step-delay-ms MS] [--recipe FILE]\n"
+                    "       [--lease-s S] [--step-delay-ms MS] [--prefill-slice N] [--recipe FILE]\n"
                     "       glmspark-engine --check-recipe FILE\n");
     return 2;
 }
@@ -478,10 +599,13 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--name")) name = v;
         else if (!strcmp(a, "--lease-s")) lease_s = atoi(v);
         else if (!strcmp(a, "--step-delay-ms")) e.step_delay_ms = atoi(v);
+        else if (!strcmp(a, "--prefill-slice")) e.prefill_slice = atoi(v);
         else if (!strcmp(a, "--recipe")) continue;  // read above
         else return usage();
     }
-    if (!model_dir || !conninfo || n_threads < 1 || lease_s < 1) return usage();
+    if (!model_dir || !conninfo || n_threads < 1 || lease_s < 1 || e.prefill_slice < 0) return usage();
+    if (e.prefill_slice == 0) e.prefill_slice = 2048;
+    e.beat_s = lease_s / 3 < 1 ? 1 : lease_s / 3 > 5 ? 5 : lease_s / 3;
     char tok_default[4096], name_buf[256], host[128] = "engine";
     if (!tok_path) {
         snprintf(tok_default, sizeof tok_default, "%s/tokenizer.json", model_dir);

@@ -15,7 +15,8 @@
  *   x     += MLP(RMSNorm(x)): dense silu(gate) * up -> down, or MoE (sigmoid router with
  *            correction bias and group limit, renormalised, x routed_scaling_factor) plus
  *            the shared experts
- * then logits = lm_head(RMSNorm(x)). The MTP layer is ignored by transformers and here.
+ * then logits = lm_head(RMSNorm(x)). The MTP layer, which transformers ignores, runs in
+ * model_mtp_forward() (model.h) with its own one-layer KV cache.
  *
  * Batches and stages (model_forward_batch): the projections, norms, MLP and MoE run over
  * every token of every sequence at once; cache writes, the DSA selection and attention run
@@ -122,10 +123,28 @@ static Err load_vec(Model *m, const char *name, int n, float **out)
 }
 
 // Resolve linear weight `base` and hand it to the backend.
+// Resolve linear weight `base` and hand it to the backend. When the backend took its own
+// copy (a device backend rewrites the pointers), drop the file's pages from this process
+// and the page cache: on unified memory (DGX Spark) they would compete with the GPU. The
+// CPU backend computes from the mapping itself, so nothing is dropped there.
 static Err load_linear(Model *m, const char *base, int rows, int cols, CkptLinear *out)
 {
-    const Err err = ckpt_linear(&m->ckpt, base, rows, cols, out);
-    return err ? err : m->be->bind_linear(m->be, out);
+    Err err = ckpt_linear(&m->ckpt, base, rows, cols, out);
+    if (err) return err;
+    const void *mapped = out->data;
+    if ((err = m->be->bind_linear(m->be, out))) return err;
+    if (out->data != mapped) {
+        static const char *const parts[] = {
+            ".weight",         ".weight_packed",       ".weight_scale",
+            ".weight_scale_2", ".weight_global_scale", ".weight_scale_inv"};
+        char name[NAME_MAX_LEN];
+        for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
+            snprintf(name, sizeof name, "%s%s", base, parts[i]);
+            const CkptTensor *t = ckpt_find(&m->ckpt, name);
+            if (t) ckpt_release(&m->ckpt, t);
+        }
+    }
+    return ERR_OK;
 }
 
 #define NAME(...) (snprintf(name, sizeof name, __VA_ARGS__), name)
@@ -308,7 +327,7 @@ static bool stage_keeps(const char *name, void *user)
         return l >= m->cfg.n_layers && m->has_head && f->load_mtp;
     }
     if (strncmp(name, "model.embed_tokens.", 19) == 0)
-        return m->has_embed || (m->has_head && m->cfg.tie_word_embeddings);
+        return m->has_embed || (m->has_head && (m->cfg.tie_word_embeddings || f->load_mtp));
     if (strncmp(name, "model.norm.", 11) == 0 || strncmp(name, "lm_head.", 8) == 0)
         return m->has_head;
     return false;
@@ -342,7 +361,9 @@ Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
         goto done;
 
     const bool tied_head = c->tie_word_embeddings && !has_tensor_base(&m->ckpt, "lm_head");
-    if ((m->has_embed || (m->has_head && tied_head))
+    // The last stage's MTP layer embeds the next token with the shared table too.
+    const bool mtp_embed = opts->load_mtp && c->n_mtp_layers > 0;
+    if ((m->has_embed || (m->has_head && (tied_head || mtp_embed)))
         && (err = load_linear(m, "model.embed_tokens", c->vocab_size, c->hidden_size, &m->embed)))
         goto done;
     if (m->has_head) {
@@ -365,8 +386,25 @@ Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
         if (l >= m->last_layer && l < c->n_layers) continue;
         if ((err = load_layer(m, l, &m->layers[l]))) goto done;
     }
-    for (int l = c->n_layers; l < n_load; l++) {
-        // The MTP block's own tensors; we only check that they are present and well-shaped.
+    if (n_load > c->n_layers) {
+        // The first MTP block's own tensors (model_mtp_forward runs that one).
+        const int l = c->n_layers;
+        if (!(m->mtp = calloc(1, sizeof *m->mtp))) {
+            err = ERR_NOMEM;
+            goto done;
+        }
+        if ((err = load_vec(m, NAME("model.layers.%d.enorm.weight", l), c->hidden_size,
+                            &m->mtp->enorm))
+            || (err = load_vec(m, NAME("model.layers.%d.hnorm.weight", l), c->hidden_size,
+                               &m->mtp->hnorm))
+            || (err = load_vec(m, NAME("model.layers.%d.shared_head.norm.weight", l),
+                               c->hidden_size, &m->mtp->head_norm))
+            || (err = load_linear(m, NAME("model.layers.%d.eh_proj", l), c->hidden_size,
+                                  2 * c->hidden_size, &m->mtp->eh_proj)))
+            goto done;
+    }
+    for (int l = c->n_layers + 1; l < n_load; l++) {
+        // Further MTP blocks: we only check that they are present and well-shaped.
         const CkptTensor *t = NULL;
         const int64_t vec[1] = {c->hidden_size};
         const unsigned dt = 1u << CKPT_DTYPE_F32 | 1u << CKPT_DTYPE_BF16 | 1u << CKPT_DTYPE_F16;
@@ -428,8 +466,15 @@ void model_free(Model *m)
     free(m->layers);
     if (m->be) {
         m->be->free_mem(m->be, m->final_norm);
+        if (m->mtp) {
+            m->be->free_mem(m->be, m->mtp->enorm);
+            m->be->free_mem(m->be, m->mtp->hnorm);
+            m->be->free_mem(m->be, m->mtp->head_norm);
+            m->be->free_mem(m->be, m->mtp->cat);
+        }
         work_free(m->be, m->work);
     }
+    free(m->mtp);
     ckpt_close(&m->ckpt);
     memset(m, 0, sizeof *m);
 }
@@ -540,7 +585,8 @@ static void attention_block(Model *m, KvCache *kv, const ModelBatch *b, int l, i
              c->rope_theta);
     be->rope(be, w->q, n, H, H * qk, qk, c->qk_nope_head_dim, c->qk_rope_head_dim, w->pos,
              c->rope_theta);
-    const int kl = l - m->first_layer;  // the stage's cache holds its own layers only
+    // The stage's cache holds its own layers only; the MTP layer has a cache of its own.
+    const int kl = l >= c->n_layers ? l - c->n_layers : l - m->first_layer;
     const int topk = c->index_topk > 0 ? c->index_topk : 1;
     for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++])
         be->kv_write(be, kv, b->seqs[i], kl, w->pos + off, b->n_new[i], 0,
@@ -736,4 +782,123 @@ Err model_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, int n, f
                                !logits      ? MODEL_LOGITS_NONE
                                : all_logits ? MODEL_LOGITS_ALL
                                             : MODEL_LOGITS_LAST);
+}
+
+// ---------------------------------------------------------------------------
+// MTP layer
+
+Err model_forward_hidden(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, int n, float *logits,
+                         bool all_logits, float *hidden)
+{
+    ASSERT(n > 0 && m->has_embed && m->has_head && logits && hidden);
+    KvSeq *seqs[1] = {seq};
+    const ModelBatch b = {1, seqs, &n};
+    Err err = model_forward_batch(m, kv, &b, tokens, NULL, NULL, NULL, MODEL_LOGITS_NONE);
+    if (err) return err;
+    // The head as model_forward_batch runs it: all rows at once, or the last alone.
+    const ModelConfig *c = &m->cfg;
+    Backend *be = m->be;
+    ModelWork *w = m->work;
+    const size_t hidden_n = (size_t) c->hidden_size, V = (size_t) c->vocab_size;
+    be->rmsnorm(be, w->h, w->x, m->final_norm, n, c->hidden_size, c->hidden_size, c->rms_norm_eps);
+    be->download(be, hidden, w->h, (size_t) n * hidden_n * sizeof(float));
+    if (all_logits) {
+        be->matmul(be, w->logits, &m->lm_head, w->h, n);
+        be->download(be, logits, w->logits, (size_t) n * V * sizeof(float));
+    } else {
+        be->matmul(be, w->logits, &m->lm_head, w->h + (size_t) (n - 1) * hidden_n, 1);
+        be->download(be, logits, w->logits, V * sizeof(float));
+    }
+    return ERR_OK;
+}
+
+KvCacheParams model_mtp_kv_params(const Model *m, int n_blocks, int block_size)
+{
+    const ModelConfig *c = &m->cfg;
+    KvCacheParams p = {
+        .n_layers = 1,
+        .block_size = block_size,
+        .n_blocks = n_blocks,
+        .kv_lora = c->kv_lora_rank,
+        .rope_dim = c->qk_rope_head_dim,
+        .index_dim = c->index_head_dim,
+    };
+    p.has_index[0] = c->indexer[c->n_layers] == CONFIG_INDEXER_FULL;
+    return p;
+}
+
+Err model_mtp_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, const float *h_prev,
+                      int n, float *logits, float *h_out, bool all_rows)
+{
+    const ModelConfig *c = &m->cfg;
+    ASSERT(n > 0 && tokens && h_prev);
+    if (!m->mtp || !m->has_head || !m->embed.data) {
+        LOG_ERROR("the model has no MTP layer loaded (num_nextn_predict_layers %d)",
+                  c->n_mtp_layers);
+        return ERR_INVAL;
+    }
+    ASSERT(kv->params.n_layers == 1);
+    for (int t = 0; t < n; t++)
+        if (tokens[t] < 0 || tokens[t] >= c->vocab_size) {
+            LOG_ERROR("MTP token id %d at index %d is outside the vocabulary (%d)", tokens[t], t,
+                      c->vocab_size);
+            return ERR_INVAL;
+        }
+    Err err = kv_seq_reserve(kv, seq, seq->n_tokens + n);
+    if (err) return err;
+    if ((err = work_ensure(m, n))) return err;
+    Backend *be = m->be;
+    ModelWork *w = m->work;
+    ModelMtp *mt = m->mtp;
+    const int hidden = c->hidden_size;
+    const size_t row = (size_t) hidden * sizeof(float);
+    if (mt->cat_cap < n) {
+        be->free_mem(be, mt->cat);
+        mt->cat_cap = 0;
+        if (!(mt->cat = be->alloc(be, (size_t) n * 2 * row))) {
+            LOG_ERROR("could not allocate the MTP input for %d tokens", n);
+            return ERR_NOMEM;
+        }
+        mt->cat_cap = n;
+    }
+    for (int t = 0; t < n; t++)
+        w->pos_host[t] = seq->n_tokens + t;
+    be->upload(be, w->pos, w->pos_host, (size_t) n * sizeof(int));
+    be->upload(be, w->tok, tokens, (size_t) n * sizeof(int));
+    be->embed(be, w->tmp, &m->embed, w->tok, n);
+    if (seq->n_tokens == 0) {
+        // vLLM: inputs_embeds[positions == 0] = 0 (RMSNorm then keeps the row zero).
+        float *zero = calloc((size_t) hidden, sizeof *zero);
+        if (!zero) return ERR_NOMEM;
+        be->upload(be, w->tmp, zero, row);
+        free(zero);
+    }
+    be->upload(be, w->tmp2, h_prev, (size_t) n * row);
+    // cat[t] = [RMSNorm(e_t, enorm), RMSNorm(h_t, hnorm)]: row by row, as the two halves
+    // of a row are interleaved with the other rows' in cat.
+    for (int t = 0; t < n; t++) {
+        float *dst = mt->cat + (size_t) t * 2 * hidden;
+        be->rmsnorm(be, dst, w->tmp + (size_t) t * hidden, mt->enorm, 1, hidden, hidden,
+                    c->rms_norm_eps);
+        be->rmsnorm(be, dst + hidden, w->tmp2 + (size_t) t * hidden, mt->hnorm, 1, hidden, hidden,
+                    c->rms_norm_eps);
+    }
+    be->matmul(be, w->x, &mt->eh_proj, mt->cat, n);
+
+    KvSeq *seqs[1] = {seq};
+    const ModelBatch b = {1, seqs, &n};
+    bool has_sel = false;
+    attention_block(m, kv, &b, c->n_layers, n, &has_sel);
+    mlp_block(m, c->n_layers, n);
+    seq->n_tokens += n;
+
+    const int first = all_rows ? 0 : n - 1, rows = all_rows ? n : 1;
+    const float *x = w->x + (size_t) first * hidden;
+    if (h_out) be->download(be, h_out, x, (size_t) rows * row);
+    if (logits) {
+        be->rmsnorm(be, w->h, x, mt->head_norm, rows, hidden, hidden, c->rms_norm_eps);
+        be->matmul(be, w->logits, &m->lm_head, w->h, rows);
+        be->download(be, logits, w->logits, (size_t) rows * (size_t) c->vocab_size * sizeof(float));
+    }
+    return ERR_OK;
 }

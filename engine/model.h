@@ -39,7 +39,7 @@ extern "C" {
 #endif
 
 typedef struct ModelOptions {
-    bool load_mtp;  // also resolve the MTP layer(s) (not used by the forward pass yet)
+    bool load_mtp;  // also load the first MTP layer (model_mtp_forward)
     // Pipeline stage: decoder layers [first_layer, last_layer) only (last_layer 0 means
     // n_layers). The first stage also holds the embeddings, the last the final norm,
     // lm_head and the MTP layer(s); only the shards holding these tensors are opened.
@@ -80,6 +80,16 @@ typedef struct ModelLayer {
 
 typedef struct ModelWork ModelWork;
 
+// The MTP (next-token prediction) block of layer n_layers, beside its decoder layer
+// (layers[n_layers]): enorm, hnorm and shared_head.norm as fp32 backend vectors, eh_proj
+// [hidden, 2 * hidden] bound through the backend; cat is its [n, 2 * hidden] input buffer.
+typedef struct ModelMtp {
+    float *enorm, *hnorm, *head_norm;  // [hidden] each, backend memory
+    CkptLinear eh_proj;
+    float *cat;   // backend memory, [cat_cap, 2 * hidden]
+    int cat_cap;  // rows cat holds
+} ModelMtp;
+
 typedef struct Model {
     ModelConfig cfg;
     Ckpt ckpt;
@@ -93,6 +103,7 @@ typedef struct Model {
     bool has_embed;               // first stage: tokens in
     bool has_head;                // last stage: final norm + lm_head, logits out
     ModelWork *work;              // owned forward workspace
+    ModelMtp *mtp;                // the MTP block's own tensors (load_mtp on the last stage)
 } Model;
 
 // Several sequences in one forward call: sequence i contributes n_new[i] consecutive
@@ -140,6 +151,29 @@ size_t model_act_bytes(const Model *m, int n);
 // a batch gets the logits it would get alone. Errors as model_forward(); nothing advances.
 Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *tokens,
                         const void *act_in, void *act_out, float *logits, ModelLogitRows rows);
+
+// model_forward() that also returns the final-normed hidden state of every row (hidden
+// [n, hidden_size], host memory): the input the MTP layer takes (vLLM's DeepseekV2Model
+// output, after model.norm). Logits as model_forward (every row or the last; the same bits).
+Err model_forward_hidden(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, int n, float *logits,
+                         bool all_logits, float *hidden);
+
+// KV cache parameters for the MTP layer alone (one cache layer, its own DSA index keys).
+KvCacheParams model_mtp_kv_params(const Model *m, int n_blocks, int block_size);
+
+// Run the MTP layer (needs load_mtp) over n rows at positions seq->n_tokens.. of its own
+// cache kv (model_mtp_kv_params): row t takes the main model's hidden state h_prev[t]
+// (model_forward_hidden, or the MTP's own h_out for recursive drafts) at position p and
+// the token at p + 1, tokens[t]; as vLLM's DeepSeekMultiTokenPredictorLayer:
+//   e = RMSNorm(embed(tokens[t]), enorm) (embedding zeroed at position 0), hh =
+//   RMSNorm(h_prev[t], hnorm), z = eh_proj([e, hh]), z = decoder layer(z),
+//   logits = lm_head(RMSNorm(z, shared_head.norm)).
+// Writes logits and h_out (z before the head norm; either may be NULL), host memory, for
+// every row ([n, vocab], [n, hidden]) when all_rows, else for the last ([vocab],
+// [hidden]); advances seq->n_tokens by n. ERR_INVAL without an MTP layer or for
+// a token outside the vocabulary, ERR_AGAIN when the cache is full, ERR_NOMEM.
+Err model_mtp_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, const float *h_prev,
+                      int n, float *logits, float *h_out, bool all_rows);
 
 #ifdef __cplusplus
 }

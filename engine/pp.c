@@ -290,8 +290,9 @@ int pp_launch_local(int argc, char **argv, int world)
         LOG_ERROR("could not find a free port for the pipeline's control plane");
         return 1;
     }
-    // argv: command, args (without --pp N), --rank R --world N --master ADDR:PORT, NULL.
-    char **args = calloc((size_t) argc + 9, sizeof *args);
+    // argv: command, args (without --pp N), --rank R --world N --master ADDR:PORT
+    // --local-rank R, NULL.
+    char **args = calloc((size_t) argc + 11, sizeof *args);
     if (!args) return 1;
     char rank_s[16], world_s[16], master_s[32];
     snprintf(world_s, sizeof world_s, "%d", world);
@@ -311,6 +312,8 @@ int pp_launch_local(int argc, char **argv, int world)
     args[n++] = world_s;
     args[n++] = "--master";
     args[n++] = master_s;
+    args[n++] = "--local-rank";  // one GPU per local rank (device backends)
+    args[n++] = rank_s;
     args[n] = NULL;
 
     const pid_t parent = getpid();

@@ -103,7 +103,8 @@ bool pp_parse_bytes(const char *s, uint64_t *out);
 bool pp_rank_from_env(int *rank, int *world);
 
 // Start `world` ranks of this program on this host: re-executes /proc/self/exe with argv
-// plus "--rank R --world N --master 127.0.0.1:PORT" (the caller's --pp is removed), every
+// plus "--rank R --world N --master 127.0.0.1:PORT --local-rank R" (the caller's --pp is
+// removed; --local-rank picks the GPU of a device backend), every
 // child in one process group that dies with the parent (PR_SET_PDEATHSIG). Waits for all;
 // when one fails, kills the rest of the group 2 s later. Rank 0's stdout is the
 // command's. Returns the exit status for main (0 when every rank succeeded).

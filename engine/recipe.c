@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef enum KeyKind { KIND_STR, KIND_INT, KIND_REAL, KIND_BOOL, KIND_KV_DTYPE } KeyKind;
+typedef enum KeyKind { KIND_STR, KIND_INT, KIND_REAL, KIND_KV_DTYPE } KeyKind;
 
 typedef struct KeyDef {
     const char *name;
@@ -39,9 +39,7 @@ static const KeyDef KEYS[] = {
     {"kv_blocks", KIND_INT, F(kv_blocks), 0, 1 << 24, false, false},
     {"lease_s", KIND_INT, F(lease_s), 1, 86400, false, false},
     {"master_port", KIND_INT, F(master_port), 1, 65535, false, false},
-    {"heartbeat_timeout_s", KIND_INT, F(heartbeat_timeout_s), 1, 86400, false, false},
     {"load_timeout_s", KIND_INT, F(load_timeout_s), 1, 604800, false, false},
-    {"drop_page_cache", KIND_BOOL, F(drop_page_cache), 0, 0, false, false},
     {"min_free_memory_gb", KIND_REAL, F(min_free_memory_gb), 0, 1e6, false, false},
 };
 #undef F
@@ -65,9 +63,7 @@ void recipe_defaults(Recipe *r)
     r->kv_blocks = 0;
     r->lease_s = 60;
     r->master_port = 29500;
-    r->heartbeat_timeout_s = 600;
     r->load_timeout_s = 3600;
-    r->drop_page_cache = true;
     r->min_free_memory_gb = 0;
 }
 
@@ -126,20 +122,6 @@ static Err set_value(Recipe *r, int k, const char *value, size_t n, const char *
     }
     memcpy(buf, value, n);
     buf[n] = '\0';
-    if (d->kind == KIND_BOOL) {
-        bool b;
-        if (!strcmp(buf, "true") || !strcmp(buf, "yes") || !strcmp(buf, "on") || !strcmp(buf, "1"))
-            b = true;
-        else if (!strcmp(buf, "false") || !strcmp(buf, "no") || !strcmp(buf, "off") ||
-                 !strcmp(buf, "0"))
-            b = false;
-        else {
-            LOG_ERROR("%s: %s: \"%s\" is not a boolean (true or false)", where, d->name, buf);
-            return ERR_INVAL;
-        }
-        memcpy(field, &b, sizeof b);
-        return ERR_OK;
-    }
     if (d->kind == KIND_KV_DTYPE) {
         for (int i = 0; i < 3; i++)
             if (!strcmp(buf, KV_DTYPES[i])) {
@@ -334,12 +316,6 @@ char *recipe_format_value(const Recipe *r, int i, char *buf, size_t n)
         // The shortest of %.15g / %.17g that reads back exactly.
         snprintf(buf, n, "%.15g", v);
         if (strtod(buf, NULL) != v) snprintf(buf, n, "%.17g", v);
-        break;
-    }
-    case KIND_BOOL: {
-        bool v;
-        memcpy(&v, field, sizeof v);
-        snprintf(buf, n, "%s", v ? "true" : "false");
         break;
     }
     case KIND_KV_DTYPE: {

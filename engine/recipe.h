@@ -1,6 +1,7 @@
 /*
  * recipe.h - the deployment recipe: one file of `key = value` lines that says how a model is
- * served (the files in ops/recipes/), read by glmspark-engine (--recipe FILE) and ops/launch-cluster.sh.
+ * served (the files in ops/recipes/), read by glmspark-engine (--recipe FILE) and, through
+ * `glmspark-engine --check-recipe`, by ops/launch-cluster.sh.
  *
  * Format: one setting per line, `key = value`; blank lines and lines starting with `#` are
  * ignored; a value may be wrapped in double quotes (no escapes) and ends at the line's end or
@@ -25,10 +26,15 @@
  *   kv_blocks                 KV blocks (0: from max_model_len)     0
  *   lease_s                   job lease seconds, >= 1               60
  *   master_port               rank 0's pipeline port, 1..65535      29500
- *   heartbeat_timeout_s       a silent rank is dead after, >= 1     600
  *   load_timeout_s            launcher's readiness limit, >= 1      3600
- *   drop_page_cache           fadvise(DONTNEED) while loading       true
  *   min_free_memory_gb        launcher's per-node check, >= 0       0
+ *
+ * Who reads what: glmspark-engine applies model, model_name, tokenizer, threads, kv_blocks,
+ * lease_s, max_model_len and block_size (the KV cache size); ops/launch-cluster.sh uses
+ * pipeline_parallel (must equal the node count), master_port, load_timeout_s,
+ * min_free_memory_gb and model. tensor_parallel, gpu_memory_utilization, kv_cache_dtype,
+ * max_num_seqs and max_num_batched_tokens are validated here for the multi-rank engine and
+ * the scheduler to apply (not yet read by glmspark-engine's single-sequence loop).
  *
  * Ownership: Recipe is plain data (fixed-size strings); copy it freely.
  * Threads:   functions are reentrant.
@@ -75,9 +81,7 @@ typedef struct Recipe {
     int kv_blocks;
     int lease_s;
     int master_port;
-    int heartbeat_timeout_s;
     int load_timeout_s;
-    bool drop_page_cache;
     double min_free_memory_gb;
     uint64_t set_mask;  // bit i: key i of recipe_key_name() was set (by a file or a flag)
 } Recipe;

@@ -55,9 +55,38 @@ void api_db_free(ApiDb *db)
     memset(db, 0, sizeof *db);
 }
 
+// True while the connection is usable as far as can be told without a round trip. A
+// connection that the server closed while we were idle (pg_terminate_backend, a restart)
+// still says CONNECTION_OK until its socket is read: read what is pending (notifications,
+// the server's goodbye, the end of the stream) until nothing is.
+static bool is_alive(ApiDb *db)
+{
+    if (!db->conn || PQstatus(db->conn) != CONNECTION_OK) return false;
+    for (int i = 0; i < 8; i++) {
+        struct pollfd pfd = {.fd = PQsocket(db->conn), .events = POLLIN};
+        if (pfd.fd < 0) return false;
+        if (poll(&pfd, 1, 0) <= 0) return true;
+        if (!PQconsumeInput(db->conn) || PQstatus(db->conn) != CONNECTION_OK) return false;
+    }
+    return true;
+}
+
+// True when a failed statement's connection is gone: libpq says so, or the error is
+// libpq's own (no SQLSTATE: "server closed the connection unexpectedly" can leave the
+// status OK), or the server ended the session (class 08, 57P0x).
+static bool is_lost(const PGconn *conn, const PGresult *res)
+{
+    if (PQstatus(conn) != CONNECTION_OK || !res) return true;
+    if (PQresultStatus(res) != PGRES_FATAL_ERROR) return false;
+    const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+    return !state || !strncmp(state, "08", 2) || !strncmp(state, "57P", 3);
+}
+
 Err api_db_ensure(ApiDb *db)
 {
-    if (db->conn && PQstatus(db->conn) == CONNECTION_OK) return ERR_OK;
+    if (is_alive(db)) return ERR_OK;
+    if (db->conn && PQstatus(db->conn) == CONNECTION_OK)
+        LOG_WARN("api: the database closed an idle connection; reconnecting");
     int delay = 50, waited = 0;
     for (;;) {
         if (connect_once(db)) {
@@ -82,14 +111,17 @@ PGresult *api_db_exec(ApiDb *db, const char *sql, int n_params, const char *cons
         if (api_db_ensure(db)) return NULL;
         PGresult *res = PQexecParams(db->conn, sql, n_params, NULL, params, NULL, NULL, 0);
         if (PQresultStatus(res) == want) return res;
+        const bool lost = is_lost(db->conn, res);
         PQclear(res);
         // A statement that failed because the connection dropped is retried once on a new
         // one; anything else is the server's answer.
-        if (PQstatus(db->conn) == CONNECTION_OK) {
+        if (!lost) {
             LOG_ERROR("api: statement failed: %s", PQerrorMessage(db->conn));
             return NULL;
         }
         LOG_WARN("api: lost the database connection: %s", PQerrorMessage(db->conn));
+        PQfinish(db->conn);
+        db->conn = NULL;
     }
     return NULL;
 }
@@ -145,6 +177,80 @@ typedef struct CacheEntry {
 
 static CacheEntry cache[CACHE_SLOTS];
 static pthread_mutex_t cache_mutex = PTHREAD_MUTEX_INITIALIZER;
+// Revocation watcher (api_db_watch_revocations): once started, the cache is trusted only
+// while the watcher is connected and listening, so a missed revocation cannot linger.
+static bool is_watch_started, is_watch_live;
+
+static void cache_clear(void)
+{
+    pthread_mutex_lock(&cache_mutex);
+    memset(cache, 0, sizeof cache);
+    pthread_mutex_unlock(&cache_mutex);
+}
+
+static void set_watch_live(bool live)
+{
+    pthread_mutex_lock(&cache_mutex);
+    is_watch_live = live;
+    if (!live) memset(cache, 0, sizeof cache);
+    pthread_mutex_unlock(&cache_mutex);
+}
+
+static void *watch_main(void *arg)
+{
+    char *conninfo = arg;
+    PGconn *conn = NULL;
+    int delay = 100;
+    for (;;) {
+        PQfinish(conn);
+        conn = PQconnectdb(conninfo);
+        PGresult *res = PQstatus(conn) == CONNECTION_OK ? PQexec(conn, "LISTEN api_keys_revoked") : NULL;
+        const bool ok = res && PQresultStatus(res) == PGRES_COMMAND_OK;
+        PQclear(res);
+        if (!ok) {
+            sleep_ms(delay);
+            delay = delay * 2 > 2000 ? 2000 : delay * 2;
+            continue;
+        }
+        delay = 100;
+        set_watch_live(true);  // listening from here on: what is cached now stays valid
+        for (;;) {
+            struct pollfd pfd = {.fd = PQsocket(conn), .events = POLLIN};
+            if (pfd.fd < 0 || poll(&pfd, 1, 5000) < 0 || !PQconsumeInput(conn)) break;
+            PGnotify *note;
+            bool is_revoked = false;
+            while ((note = PQnotifies(conn))) {
+                is_revoked = true;
+                PQfreemem(note);
+            }
+            if (is_revoked) {
+                cache_clear();
+                LOG_INFO("api: a key was revoked; auth cache cleared");
+            }
+            if (PQstatus(conn) != CONNECTION_OK) break;
+        }
+        set_watch_live(false);
+        LOG_WARN("api: revocation watcher lost the database; auth cache off until it is back");
+    }
+    return NULL;
+}
+
+Err api_db_watch_revocations(const char *conninfo)
+{
+    char *copy = strdup(conninfo);
+    pthread_t t;
+    if (!copy) return ERR_NOMEM;
+    pthread_mutex_lock(&cache_mutex);
+    is_watch_started = true;
+    pthread_mutex_unlock(&cache_mutex);
+    if (pthread_create(&t, NULL, watch_main, copy) != 0) {
+        free(copy);
+        LOG_ERROR("api: could not start the revocation watcher");
+        return ERR_NOMEM;
+    }
+    pthread_detach(t);
+    return ERR_OK;
+}
 
 static bool cache_get(const uint8_t digest[APIKEY_HASH_LEN], ApiKey *out)
 {
@@ -152,7 +258,7 @@ static bool cache_get(const uint8_t digest[APIKEY_HASH_LEN], ApiKey *out)
     const time_t now = time(NULL);
     pthread_mutex_lock(&cache_mutex);
     const CacheEntry *e = &cache[digest[0]];
-    if (e->expires > now && CRYPTO_memcmp(e->digest, digest, APIKEY_HASH_LEN) == 0) {
+    if ((!is_watch_started || is_watch_live) && e->expires > now && CRYPTO_memcmp(e->digest, digest, APIKEY_HASH_LEN) == 0) {
         *out = e->key;
         hit = true;
     }

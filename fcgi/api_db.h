@@ -10,7 +10,8 @@
  *
  * Keys: the presented key is parsed (common/apikey.h), its row found by public prefix and
  * its SHA-256 compared in constant time. Verified keys are cached per process for
- * API_AUTH_TTL_S seconds (a revoked key stops working within that time); failures are not
+ * API_AUTH_TTL_S seconds; with api_db_watch_revocations running, a revocation empties the
+ * cache at once (else a revoked key stops working within the TTL). Failures are not
  * cached, so a bad key always costs a lookup of a prefix.
  *
  * Ownership: ApiDb is caller storage (init/free). PGresults returned are the caller's.
@@ -63,6 +64,12 @@ PGresult *api_db_exec(ApiDb *db, const char *sql, int n_params, const char *cons
 
 // Authenticate key[0..n). *out is written on success.
 Err api_db_auth(ApiDb *db, const char *key, size_t n, ApiKey *out);
+
+// Start a thread (with its own connection to conninfo) that LISTENs on api_keys_revoked
+// (sql/004's trigger) and empties the auth cache on every revocation, so a revoked key
+// stops working at once rather than within API_AUTH_TTL_S. While that connection is down
+// the cache is bypassed (every request looks its key up). Call once per process.
+Err api_db_watch_revocations(const char *conninfo);
 
 // Wait up to timeout_ms for a notification whose payload is job_id (NULL: any). Other
 // jobs' notifications are consumed and ignored, so that a thread streaming one job does

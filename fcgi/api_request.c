@@ -31,8 +31,8 @@ void api_error_set(ApiError *err, int status, const char *type, const char *code
 // ---------------------------------------------------------------------------
 // Tree checks
 
-// True when s[0..n) is strict UTF-8: shortest forms only, no surrogates (json-c turns a
-// lone "\ud800" escape into one), nothing above U+10FFFF, and no NUL byte.
+// True when s[0..n) is strict UTF-8: shortest forms only, no surrogates (UTF-8-encoded
+// ones; escaped ones are has_lone_surrogate's), nothing above U+10FFFF, and no NUL byte.
 static bool is_clean_utf8(const char *str, size_t n)
 {
     const unsigned char *s = (const unsigned char *) str;
@@ -59,6 +59,48 @@ static bool is_clean_utf8(const char *str, size_t n)
         i += len;
     }
     return true;
+}
+
+static unsigned hex4(const char *s)
+{
+    unsigned v = 0;
+    for (int k = 0; k < 4; k++) {
+        const char c = s[k];
+        const unsigned d = c >= '0' && c <= '9'   ? (unsigned) (c - '0')
+                           : c >= 'a' && c <= 'f' ? (unsigned) (c - 'a' + 10)
+                           : c >= 'A' && c <= 'F' ? (unsigned) (c - 'A' + 10)
+                                                  : 16u;
+        if (d == 16u) return 0xFFFFFFFFu;
+        v = v << 4 | d;
+    }
+    return v;
+}
+
+// True when a string of the text (already parsed as valid JSON) holds a \uD800-\uDFFF
+// escape that is not a high+low pair. json-c replaces such an escape with U+FFFD, which
+// would silently change the client's text, so this check reads the raw body.
+static bool has_lone_surrogate(const char *s, size_t n)
+{
+    bool in_string = false;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] == '"') {
+            in_string = !in_string;
+            continue;
+        }
+        if (!in_string || s[i] != '\\') continue;
+        if (++i >= n) return false;  // cannot happen in valid JSON
+        if (s[i] != 'u') continue;
+        if (i + 4 >= n) return false;
+        const unsigned cp = hex4(s + i + 1);
+        i += 4;  // on the last hex digit
+        if (cp >= 0xDC00 && cp <= 0xDFFF) return true;
+        if (cp < 0xD800 || cp > 0xDBFF) continue;
+        if (i + 6 >= n || s[i + 1] != '\\' || s[i + 2] != 'u') return true;
+        const unsigned lo = hex4(s + i + 3);
+        if (lo < 0xDC00 || lo > 0xDFFF) return true;
+        i += 6;
+    }
+    return false;
 }
 
 // Check every value of the tree: strings (and keys) are clean UTF-8 without NUL, numbers
@@ -182,6 +224,70 @@ static bool get_stop(ApiRequest *r, ApiError *err)
     return true;
 }
 
+// The name of tools[i]'s function ({"type": "function", "function": {"name": ...}}), or NULL.
+static const char *tool_name(json_object *tool)
+{
+    json_object *fn, *name;
+    if (!json_object_is_type(tool, json_type_object)) return NULL;
+    if (!json_object_object_get_ex(tool, "function", &fn)) fn = tool;
+    if (!json_object_is_type(fn, json_type_object) || !json_object_object_get_ex(fn, "name", &name) ||
+        !json_object_is_type(name, json_type_string))
+        return NULL;
+    return json_object_get_string(name);
+}
+
+// "tool_choice": "none" | "auto" | "required" | {"type": "function", "function": {"name"}}.
+// "none" removes the tools from the request, so the prompt is rendered without them.
+static bool get_tool_choice(ApiRequest *r, ApiError *err)
+{
+    json_object *v, *fn, *name;
+    r->tool_choice = API_TOOL_CHOICE_AUTO;
+    if (!json_object_object_get_ex(r->root, "tool_choice", &v) || json_object_is_type(v, json_type_null))
+        return true;
+    if (json_object_is_type(v, json_type_string)) {
+        const char *s = json_object_get_string(v);
+        if (!strcmp(s, "auto")) return true;
+        if (!strcmp(s, "none")) {
+            r->tool_choice = API_TOOL_CHOICE_NONE;
+            r->tools = NULL;
+            json_object_object_del(r->root, "tools");
+            return true;
+        }
+        if (!strcmp(s, "required")) {
+            if (!r->tools) {
+                api_error_set(err, 400, NULL, NULL, "tool_choice",
+                              "'tool_choice' is \"required\" but no 'tools' were given");
+                return false;
+            }
+            r->tool_choice = API_TOOL_CHOICE_REQUIRED;
+            return true;
+        }
+        api_error_set(err, 400, NULL, NULL, "tool_choice",
+                      "'tool_choice' must be \"none\", \"auto\", \"required\" or a function object");
+        return false;
+    }
+    if (!json_object_is_type(v, json_type_object) || !json_object_object_get_ex(v, "function", &fn) ||
+        !json_object_is_type(fn, json_type_object) || !json_object_object_get_ex(fn, "name", &name) ||
+        !json_object_is_type(name, json_type_string)) {
+        api_error_set(err, 400, NULL, NULL, "tool_choice",
+                      "'tool_choice' must be \"none\", \"auto\", \"required\" or"
+                      " {\"type\": \"function\", \"function\": {\"name\": ...}}");
+        return false;
+    }
+    const char *want = json_object_get_string(name);
+    for (size_t i = 0; r->tools && i < json_object_array_length(r->tools); i++) {
+        const char *have = tool_name(json_object_array_get_idx(r->tools, i));
+        if (have && !strcmp(have, want)) {
+            r->tool_choice = API_TOOL_CHOICE_FUNCTION;
+            r->tool_choice_name = want;
+            return true;
+        }
+    }
+    api_error_set(err, 400, NULL, NULL, "tool_choice",
+                  "'tool_choice' names the function '%.64s', which is not in 'tools'", want);
+    return false;
+}
+
 // ---------------------------------------------------------------------------
 
 static bool parse_fields(ApiRequest *r, ApiError *err)
@@ -222,6 +328,7 @@ static bool parse_fields(ApiRequest *r, ApiError *err)
             }
             r->tools = json_object_array_length(v) ? v : NULL;
         }
+        if (!get_tool_choice(r, err)) return false;
     } else {
         if (!json_object_object_get_ex(root, "prompt", &v)) v = NULL;
         if (v && json_object_is_type(v, json_type_array) && json_object_array_length(v) == 1)
@@ -265,9 +372,21 @@ static bool parse_fields(ApiRequest *r, ApiError *err)
     if (!get_int(root, "top_k", -1, 1 << 20, &x, NULL, err)) return false;
     r->top_k = (int) x;
     if (!get_int(root, "seed", INT64_MIN, INT64_MAX, &r->seed, &r->has_seed, err)) return false;
-    if (!get_bool(root, "logprobs", &r->logprobs, err)) return false;
+    bool has_lp = false;
     x = 0;
-    if (!get_int(root, "top_logprobs", 0, 20, &x, NULL, err)) return false;
+    if (r->kind == API_KIND_CHAT) {
+        if (!get_bool(root, "logprobs", &r->logprobs, err)) return false;
+        if (!get_int(root, "top_logprobs", 0, API_MAX_TOP_LOGPROBS, &x, &has_lp, err)) return false;
+        if (has_lp && !r->logprobs) {
+            api_error_set(err, 400, NULL, NULL, "top_logprobs",
+                          "'top_logprobs' needs 'logprobs' to be true");
+            return false;
+        }
+    } else {
+        // The legacy completions API: "logprobs" is the number of alternatives per token.
+        if (!get_int(root, "logprobs", 0, API_MAX_TOP_LOGPROBS, &x, &has_lp, err)) return false;
+        r->logprobs = has_lp;
+    }
     r->top_logprobs = (int) x;
     if (!get_number(root, "temperature", 0, 2, &r->temperature, err)) return false;
     if (!get_number(root, "top_p", 0, 1, &r->top_p, err)) return false;
@@ -315,7 +434,9 @@ Err api_request_parse(ApiRequest *r, ApiKind kind, const char *body, size_t n, A
         api_error_set(err, 400, NULL, NULL, NULL, "the body must be a JSON object");
         goto done;
     }
-    const char *bad = bad_value(root);
+    const char *bad = has_lone_surrogate(body, n)
+                          ? "strings must be valid UTF-8 without U+0000 or unpaired surrogates"
+                          : bad_value(root);
     if (bad) {
         api_error_set(err, 400, NULL, NULL, NULL, "%s", bad);
         goto done;
@@ -368,6 +489,10 @@ json_object *api_request_params(const ApiRequest *r)
     json_object_object_add(o, "logprobs", json_object_new_boolean(r->logprobs));
     json_object_object_add(o, "top_logprobs", json_object_new_int(r->top_logprobs));
     if (r->tools) json_object_object_add(o, "tools", json_object_get(r->tools));
+    static const char *const choices[] = {"auto", "none", "required", "function"};
+    json_object_object_add(o, "tool_choice", json_object_new_string(choices[r->tool_choice]));
+    if (r->tool_choice_name)
+        json_object_object_add(o, "tool_choice_name", json_object_new_string(r->tool_choice_name));
     return o;
 }
 
@@ -378,6 +503,9 @@ bool api_request_check(const ApiRequest *r)
         return false;
     if (r->kind == API_KIND_COMPLETION && !r->prompt) return false;
     if (r->prompt && strlen(r->prompt) != r->n_prompt) return false;
+    if (r->top_logprobs < 0 || r->top_logprobs > API_MAX_TOP_LOGPROBS) return false;
+    if (r->tool_choice == API_TOOL_CHOICE_NONE && r->tools) return false;
+    if ((r->tool_choice == API_TOOL_CHOICE_FUNCTION) != (r->tool_choice_name != NULL)) return false;
     if (r->max_tokens < 0 || r->n_stop < 0 || r->n_stop > API_MAX_STOP) return false;
     for (int i = 0; i < r->n_stop; i++)
         if (!r->stop[i] || !*r->stop[i]) return false;

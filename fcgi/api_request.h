@@ -48,6 +48,18 @@ typedef struct ApiError {
     char message[256];
 } ApiError;
 
+#define API_MAX_TOP_LOGPROBS 20
+
+// tool_choice. The prompt is rendered with the tools for AUTO, REQUIRED and FUNCTION (the
+// model is not constrained: REQUIRED and FUNCTION are validated and recorded only) and
+// without them for NONE, whose request then has no tools at all.
+typedef enum ApiToolChoice {
+    API_TOOL_CHOICE_AUTO,
+    API_TOOL_CHOICE_NONE,
+    API_TOOL_CHOICE_REQUIRED,
+    API_TOOL_CHOICE_FUNCTION,
+} ApiToolChoice;
+
 typedef struct ApiRequest {
     ApiKind kind;
     json_object *root;          // owned: the whole body
@@ -69,8 +81,10 @@ typedef struct ApiRequest {
     int64_t seed;
     int n_stop;
     const char *stop[API_MAX_STOP];
-    bool logprobs;
-    int top_logprobs;
+    bool logprobs;              // chat: "logprobs"; completion: "logprobs" is an integer N
+    int top_logprobs;           // alternatives per token, 0..API_MAX_TOP_LOGPROBS
+    ApiToolChoice tool_choice;  // chat: "tool_choice"; default auto
+    const char *tool_choice_name;  // API_TOOL_CHOICE_FUNCTION: the named function
 } ApiRequest;
 
 // Parse body[0..n) as a request of the given kind. On success *r owns the tree; on failure

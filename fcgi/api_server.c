@@ -442,17 +442,25 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
             goto done;
         }
     }
-    if (!(res = tx(c->db,
-                   "INSERT INTO jobs (api_key_id, kind, model, request, prompt_ids, n_prompt_tokens,"
-                   " max_tokens, idem_key) VALUES ($1::bigint, $2, $3, $4::jsonb, $5::int[],"
-                   " $6::int, $7::int, $8)"
-                   " RETURNING id, public_id, extract(epoch FROM created_at)::bigint",
-                   8,
-                   (const char *const[]){key_id, r->kind == API_KIND_CHAT ? "chat" : "completion",
-                                         cfg->model_name, json_text(params), ids_text,
-                                         n_prompt_text, max_tokens_text, idem},
-                   PGRES_TUPLES_OK)))
-        goto db_down;
+    // The caller's input (messages or prompt) is kept so that GET /v1/jobs/{id} can show it.
+    json_object *input = r->kind == API_KIND_CHAT
+                             ? json_object_get(r->messages)
+                             : json_object_new_string_len(r->prompt, (int) r->n_prompt);
+    char *input_text = input ? strdup(json_text(input)) : NULL;
+    json_object_put(input);
+    if (!input_text) goto oom;
+    res = tx(c->db,
+             "INSERT INTO jobs (api_key_id, kind, model, request, prompt_ids, n_prompt_tokens,"
+             " max_tokens, idem_key, input) VALUES ($1::bigint, $2, $3, $4::jsonb, $5::int[],"
+             " $6::int, $7::int, $8, $9::jsonb)"
+             " RETURNING id, public_id, extract(epoch FROM created_at)::bigint",
+             9,
+             (const char *const[]){key_id, r->kind == API_KIND_CHAT ? "chat" : "completion",
+                                   cfg->model_name, json_text(params), ids_text, n_prompt_text,
+                                   max_tokens_text, idem, input_text},
+             PGRES_TUPLES_OK);
+    free(input_text);
+    if (!res) goto db_down;
     job->id = atoll(PQgetvalue(res, 0, 0));
     snprintf(job->public_id, sizeof job->public_id, "%s", PQgetvalue(res, 0, 1));
     job->created = atoll(PQgetvalue(res, 0, 2));
@@ -551,7 +559,51 @@ typedef enum StreamMode {
 typedef struct Collected {
     Buf content, reasoning;
     json_object *tool_calls;  // array or NULL
+    json_object *logprobs;    // array of per-token entries (chat shape), or NULL
 } Collected;
+
+// logprobs as the legacy completions API has them, from entries (chat shape: token,
+// logprob, bytes, top_logprobs) of which the first starts at byte *offset of the text.
+static json_object *legacy_logprobs(json_object *entries, int *offset)
+{
+    json_object *o = json_object_new_object(), *tokens = json_object_new_array(),
+                *lps = json_object_new_array(), *tops = json_object_new_array(),
+                *offs = json_object_new_array();
+    for (size_t i = 0; entries && i < json_object_array_length(entries); i++) {
+        json_object *en = json_object_array_get_idx(entries, i), *tok = NULL, *lp = NULL, *top = NULL;
+        json_object_object_get_ex(en, "token", &tok);
+        json_object_object_get_ex(en, "logprob", &lp);
+        json_object_object_get_ex(en, "top_logprobs", &top);
+        json_object_array_add(tokens, json_object_get(tok));
+        json_object_array_add(lps, json_object_get(lp));
+        json_object *alt = json_object_new_object();
+        for (size_t k = 0; top && k < json_object_array_length(top); k++) {
+            json_object *a = json_object_array_get_idx(top, k), *at = NULL, *al = NULL;
+            json_object_object_get_ex(a, "token", &at);
+            json_object_object_get_ex(a, "logprob", &al);
+            if (at) json_object_object_add(alt, json_object_get_string(at), json_object_get(al));
+        }
+        json_object_array_add(tops, alt);
+        json_object_array_add(offs, json_object_new_int(*offset));
+        *offset += tok ? json_object_get_string_len(tok) : 0;
+    }
+    json_object_object_add(o, "tokens", tokens);
+    json_object_object_add(o, "token_logprobs", lps);
+    json_object_object_add(o, "top_logprobs", tops);
+    json_object_object_add(o, "text_offset", offs);
+    return o;
+}
+
+// A choice's "logprobs": {"content": entries} for chat, the legacy object for completions.
+// Takes a reference of entries; NULL when there are none.
+static json_object *choice_logprobs(json_object *entries, bool is_chat, int *offset)
+{
+    if (!entries) return NULL;
+    if (!is_chat) return legacy_logprobs(entries, offset);
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "content", json_object_get(entries));
+    return o;
+}
 
 static json_object *usage_object(const JobState *st)
 {
@@ -609,13 +661,13 @@ static void sse_data(Ctx *c, json_object *o)
 
 // One choice delta event (chat) or text event (completion).
 static void sse_delta(Ctx *c, const char *job_id, long long created, bool is_chat,
-                      json_object *delta_or_text, const char *finish_reason)
+                      json_object *delta_or_text, const char *finish_reason, json_object *logprobs)
 {
     json_object *o = chunk_envelope(c, job_id, created, is_chat), *choices = json_object_new_array(),
                 *ch = json_object_new_object();
     json_object_object_add(ch, "index", json_object_new_int(0));
     json_object_object_add(ch, is_chat ? "delta" : "text", delta_or_text);
-    json_object_object_add(ch, "logprobs", NULL);
+    json_object_object_add(ch, "logprobs", logprobs);
     json_object_object_add(ch, "finish_reason",
                            finish_reason ? json_object_new_string(finish_reason) : NULL);
     json_object_array_add(choices, ch);
@@ -644,13 +696,16 @@ static bool stream_job(Ctx *c, int64_t id, const char *job_id, long long created
         json_object *d = json_object_new_object();
         json_object_object_add(d, "role", json_object_new_string("assistant"));
         json_object_object_add(d, "content", json_object_new_string(""));
-        sse_delta(c, job_id, created, true, d, NULL);
+        sse_delta(c, job_id, created, true, d, NULL, NULL);
         flush(c);
     }
+    const bool want_lp = r && r->logprobs;
+    int lp_offset = 0;  // legacy completions: text_offset of the next token
     for (;;) {
         snprintf(seq_text, sizeof seq_text, "%d", last);
         PGresult *res = api_db_exec(c->db,
-                                    "SELECT seq, kind, text FROM job_chunks WHERE job_id = $1::bigint"
+                                    "SELECT seq, kind, text, logprobs::text FROM job_chunks"
+                                    " WHERE job_id = $1::bigint"
                                     " AND seq > $2::int ORDER BY seq LIMIT 256",
                                     2, (const char *const[]){id_text, seq_text}, PGRES_TUPLES_OK);
         if (!res) {
@@ -663,16 +718,30 @@ static bool stream_job(Ctx *c, int64_t id, const char *job_id, long long created
             const char *kind = PQgetvalue(res, i, 1), *text = PQgetvalue(res, i, 2);
             const size_t n_text = (size_t) PQgetlength(res, i, 2);
             last = seq;
+            json_object *lp = PQgetisnull(res, i, 3) ? NULL : json_tokener_parse(PQgetvalue(res, i, 3));
             if (mode == MODE_EVENTS_SSE) {
                 json_object *o = json_object_new_object();
                 json_object_object_add(o, "seq", json_object_new_int(seq));
                 json_object_object_add(o, "kind", json_object_new_string(kind));
                 json_object_object_add(o, "text", json_object_new_string_len(text, (int) n_text));
+                if (lp) json_object_object_add(o, "logprobs", lp);
                 putf(c, "id: %d\n", seq);
                 sse_data(c, o);
                 continue;
             }
-            if (n_text == 0) continue;
+            if (!want_lp) {
+                json_object_put(lp);
+                lp = NULL;
+            }
+            if (mode == MODE_COLLECT && lp) {
+                if (!col->logprobs) col->logprobs = json_object_new_array();
+                for (size_t k = 0; k < json_object_array_length(lp); k++)
+                    json_object_array_add(col->logprobs, json_object_get(json_object_array_get_idx(lp, k)));
+            }
+            if (n_text == 0 && (!lp || mode == MODE_COLLECT)) {
+                json_object_put(lp);
+                continue;
+            }
             const bool is_tool = !strcmp(kind, "tool"), is_reasoning = !strcmp(kind, "reasoning");
             if (mode == MODE_COLLECT) {
                 if (is_tool) {
@@ -693,10 +762,12 @@ static bool stream_job(Ctx *c, int64_t id, const char *job_id, long long created
                 } else {
                     json_object_object_add(d, "content", json_object_new_string_len(text, (int) n_text));
                 }
-                sse_delta(c, job_id, created, true, d, NULL);
+                sse_delta(c, job_id, created, true, d, NULL, choice_logprobs(lp, true, NULL));
             } else if (!is_reasoning && !is_tool) {
-                sse_delta(c, job_id, created, false, json_object_new_string_len(text, (int) n_text), NULL);
+                sse_delta(c, job_id, created, false, json_object_new_string_len(text, (int) n_text), NULL,
+                          choice_logprobs(lp, false, &lp_offset));
             }
+            json_object_put(lp);
             n_tools += is_tool;
         }
         PQclear(res);
@@ -734,7 +805,7 @@ static bool stream_job(Ctx *c, int64_t id, const char *job_id, long long created
             sse_data(c, error_object(&e));
         } else {
             sse_delta(c, job_id, created, is_chat,
-                      is_chat ? json_object_new_object() : json_object_new_string(""), fr);
+                      is_chat ? json_object_new_object() : json_object_new_string(""), fr, NULL);
         }
         if (r && r->include_usage) {
             json_object *o = chunk_envelope(c, job_id, created, is_chat);
@@ -876,7 +947,10 @@ static void handle_generate(Ctx *c, ApiKind kind, bool is_job)
         json_object_object_add(ch, "message", message_object(&col, job.public_id));
     else
         json_object_object_add(ch, "text", json_object_new_string(col.content.p ? col.content.p : ""));
-    json_object_object_add(ch, "logprobs", NULL);
+    int lp_offset = 0;
+    if (r.logprobs && !col.logprobs) col.logprobs = json_object_new_array();
+    json_object_object_add(ch, "logprobs",
+                           r.logprobs ? choice_logprobs(col.logprobs, kind == API_KIND_CHAT, &lp_offset) : NULL);
     json_object_object_add(ch, "finish_reason", json_object_new_string(client_finish_reason(&st, n_tools)));
     json_object_array_add(choices, ch);
     json_object_object_add(o, "choices", choices);
@@ -886,6 +960,7 @@ done:
     free(col.content.p);
     free(col.reasoning.p);
     json_object_put(col.tool_calls);
+    json_object_put(col.logprobs);
     api_request_free(&r);
 }
 
@@ -895,7 +970,10 @@ static const char job_columns[] =
     " extract(epoch FROM j.first_token_at)::float8, extract(epoch FROM j.finished_at)::float8,"
     " j.n_prompt_tokens, j.n_completion_tokens, j.finish_reason, j.error, j.max_tokens,"
     " CASE WHEN j.state = 'queued' THEN (SELECT count(*) FROM jobs q WHERE q.state = 'queued'"
-    "   AND (q.priority > j.priority OR (q.priority = j.priority AND q.id <= j.id))) END";
+    "   AND (q.priority > j.priority OR (q.priority = j.priority AND q.id <= j.id))) END,"
+    " (SELECT k.name FROM api_keys k WHERE k.id = j.api_key_id),"
+    " (SELECT k.prefix FROM api_keys k WHERE k.id = j.api_key_id)";
+enum { N_JOB_COLUMNS = 18 };  // handle_job_get's output columns follow
 
 // The job object for row i of res (columns as job_columns, then optionally outputs).
 static json_object *job_object(PGresult *res, int i, bool with_output)
@@ -936,11 +1014,17 @@ static json_object *job_object(PGresult *res, int i, bool with_output)
     json_object_object_add(o, "max_tokens", json_object_new_int(atoi(PQgetvalue(res, i, 14))));
     COL_STR("finish_reason", 12);
     COL_STR("error", 13);
+    // The key that owns the job: its name and public prefix (never anything secret).
+    json_object *owner = json_object_new_object();
+    json_object_object_add(owner, "name", json_object_new_string(PQgetvalue(res, i, 16)));
+    json_object_object_add(owner, "prefix", json_object_new_string(PQgetvalue(res, i, 17)));
+    json_object_object_add(o, "owner", owner);
     if (with_output) {
+        const int k0 = N_JOB_COLUMNS;
         json_object *out = json_object_new_object();
-        json_object_object_add(out, "content", json_object_new_string(PQgetvalue(res, i, 16)));
-        json_object_object_add(out, "reasoning_content", json_object_new_string(PQgetvalue(res, i, 17)));
-        json_object *tools = json_tokener_parse(PQgetvalue(res, i, 18)), *calls = json_object_new_array();
+        json_object_object_add(out, "content", json_object_new_string(PQgetvalue(res, i, k0)));
+        json_object_object_add(out, "reasoning_content", json_object_new_string(PQgetvalue(res, i, k0 + 1)));
+        json_object *tools = json_tokener_parse(PQgetvalue(res, i, k0 + 2)), *calls = json_object_new_array();
         for (size_t k = 0; tools && k < json_object_array_length(tools); k++)
             json_object_array_add(calls, tool_call_object(PQgetvalue(res, i, 1), (int) k,
                                                           json_object_get_string(json_object_array_get_idx(tools, k)),
@@ -948,6 +1032,14 @@ static json_object *job_object(PGresult *res, int i, bool with_output)
         json_object_put(tools);
         json_object_object_add(out, "tool_calls", calls);
         json_object_object_add(o, "output", out);
+        // What the caller sent: {"messages": [...]} for chat, {"prompt": "..."} for completions.
+        json_object *input = PQgetisnull(res, i, k0 + 3) ? NULL : json_tokener_parse(PQgetvalue(res, i, k0 + 3));
+        if (input) {
+            json_object *request = json_object_new_object();
+            json_object_object_add(request, json_object_is_type(input, json_type_string) ? "prompt" : "messages",
+                                   input);
+            json_object_object_add(o, "request", request);
+        }
     }
 #undef COL_STR
 #undef COL_NUM
@@ -990,7 +1082,8 @@ static void handle_job_get(Ctx *c, const char *public_id)
              " coalesce((SELECT string_agg(text, '' ORDER BY seq) FROM job_chunks WHERE job_id = j.id"
              "  AND kind = 'reasoning'), ''),"
              " coalesce((SELECT json_agg(text ORDER BY seq) FROM job_chunks WHERE job_id = j.id"
-             "  AND kind = 'tool'), '[]')::text"
+             "  AND kind = 'tool'), '[]')::text,"
+             " j.input::text"
              " FROM jobs j WHERE j.public_id = $1",
              job_columns);
     PGresult *res = api_db_exec(c->db, sql, 1, (const char *const[]){public_id}, PGRES_TUPLES_OK);
@@ -1033,6 +1126,8 @@ static void handle_job_list(Ctx *c)
     json_object_object_add(o, "object", json_object_new_string("list"));
     json_object_object_add(o, "data", data);
     json_object_object_add(o, "has_more", json_object_new_boolean(n > limit));
+    // Whose jobs these are: an admin key lists everyone's.
+    json_object_object_add(o, "scope", json_object_new_string(c->key.is_admin ? "admin" : "user"));
     PQclear(res);
     send_json(c, 200, o, NULL);
 }

@@ -163,6 +163,7 @@ int main(int argc, char **argv)
     pthread_sigmask(SIG_BLOCK, &set, NULL);
     signal(SIGPIPE, SIG_IGN);
 
+    if (api_db_watch_revocations(conninfo)) return 1;
     pthread_t *threads = calloc((size_t) n_threads, sizeof *threads);
     if (!threads) return 1;
     for (int i = 0; i < n_threads; i++) pthread_create(&threads[i], NULL, worker, NULL);

@@ -105,14 +105,11 @@ left=""
 for i in 1 2 3 4 5 6 7 8 9 10; do
     left=""
     for id in $ids; do
-        for e in /proc/[0-9]*/environ; do
+        for e in $(grep -lzx "GLMSPARK_CLUSTER_ID=$id" /proc/[0-9]*/environ 2>/dev/null); do
             p=${e#/proc/}
             p=${p%/environ}
             [ "$p" = "$$" ] && continue
-            [ "$(readlink "/proc/$p/ns/net" 2>/dev/null)" = "$my_net" ] || continue
-            if tr "\0" "\n" <"$e" 2>/dev/null | grep -qx "GLMSPARK_CLUSTER_ID=$id"; then
-                left="$left $p"
-            fi
+            [ "$(readlink "/proc/$p/ns/net" 2>/dev/null)" = "$my_net" ] && left="$left $p"
         done
     done
     [ -z "$left" ] && break

@@ -11,6 +11,7 @@ PKGS="build-essential cmake ninja-build pkg-config git ca-certificates
       libjson-c-dev libpcre2-dev libutf8proc-dev libssl-dev
       libpq-dev libfcgi-dev postgresql postgresql-client nginx-light openssl
       curl procps wrk slowhttptest
+      shellcheck iproute2 openmpi-bin
       chromium fonts-dejavu-core"
 
 missing=""

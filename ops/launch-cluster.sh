@@ -13,8 +13,8 @@
 #    node; with GLMSPARK_LAUNCHER=mpirun or srun, one mpirun/srun on the head starts them all
 #    (ranks then come from OMPI_COMM_WORLD_RANK / PMI_RANK / SLURM_PROCID).
 #    Each rank runs GLMSPARK_RANK_CMD (default: glmspark-engine --recipe RECIPE --model MODEL
-#    --db DB) plus --rank R --world N --master ADDR:PORT (ssh), or GLMSPARK_MASTER in its
-#    environment (mpirun/srun), plus ARGS; with the variables in GLMSPARK_PASS_ENV and
+#    --db DB) plus --rank R --world N --master ADDR:PORT (ssh, more than one node), or
+#    GLMSPARK_MASTER in its environment (mpirun/srun), plus ARGS; with the variables in GLMSPARK_PASS_ENV and
 #    GLMSPARK_CLUSTER_ID (a fresh id that ops/cleanup.sh uses to verify nothing is left).
 # 3. Waits until every rank's log matches GLMSPARK_READY_RE, printing each rank's progress
 #    (its last log line) as it changes; a rank that dies or exits first, or the recipe's
@@ -206,8 +206,9 @@ echo "rank $RANK exited with status $code" >&2
 exit $code
 '"'"'
 if [ "$mode" = ssh ]; then
-    RUN=$run RANK=$rank KIND=group CMD="$cmd --rank $rank --world $world --master $master" \
-        setsid bash -c "$wrapper" </dev/null >>"$log" 2>&1 &
+    flags=""
+    [ "$world" -gt 1 ] && flags=" --rank $rank --world $world --master $master"
+    RUN=$run RANK=$rank KIND=group CMD="$cmd$flags" setsid bash -c "$wrapper" </dev/null >>"$log" 2>&1 &
     for _ in $(seq 50); do [ -f "$run/rank$rank.pid" ] && break; sleep 0.1; done
     [ -f "$run/rank$rank.pid" ] || { echo "rank $rank did not start" >&2; exit 13; }
 else
@@ -234,14 +235,15 @@ if [ "$launcher" = ssh ]; then
 else
     mkdir -p "$run"
     script="$(start_vars "")$rank_script"
+    hosts=$(IFS=,; echo "${nodes[*]}")
+    read -r -a more <<<"${GLMSPARK_LAUNCHER_ARGS:-}"
     if [ "$launcher" = mpirun ]; then
-        hosts=$(IFS=,; echo "${nodes[*]}")
-        lcmd=(mpirun -np "$world" --host "$hosts" --map-by node bash -c "$script")
+        lcmd=(mpirun -np "$world" --host "$hosts" --map-by node)
+        [ "$(id -u)" = 0 ] && lcmd+=(--allow-run-as-root)
     else
-        hosts=$(IFS=,; echo "${nodes[*]}")
-        lcmd=(srun --nodes="$world" --ntasks="$world" --ntasks-per-node=1 --nodelist="$hosts"
-              bash -c "$script")
+        lcmd=(srun --nodes="$world" --ntasks="$world" --ntasks-per-node=1 --nodelist="$hosts")
     fi
+    lcmd+=("${more[@]}" bash -c "$script")
     echo "$cluster_id" >"$run/launcher.cluster"
     GLMSPARK_CLUSTER_ID=$cluster_id setsid "${lcmd[@]}" </dev/null >>"$run/launcher.log" 2>&1 &
     lpid=$!
@@ -256,6 +258,11 @@ set -u
 r=$rank
 starttime() { sed "s/^.*) //" "/proc/$1/stat" 2>/dev/null | cut -d" " -f20; }
 log=$run/rank$r.log
+# Files of an earlier cluster (mpirun/srun ranks start a moment later) do not count.
+if [ "$(cat "$run/rank$r.cluster" 2>/dev/null)" != "$cluster_id" ]; then
+    echo "starting 0"
+    exit 0
+fi
 last=$(grep -v "^$" "$log" 2>/dev/null | tail -1 | cut -c1-160)
 if [ -f "$run/rank$r.exit" ]; then state="exited:$(cat "$run/rank$r.exit")"
 elif [ -f "$run/rank$r.pid" ]; then
@@ -269,7 +276,7 @@ grep -Eq "$ready_re" "$log" 2>/dev/null && ready=1
 echo "$state $ready $last"
 '
 rank_status() {  # rank_status I FINAL -> "state ready lastline"
-    cl_remote "${nodes[$1]}" "$(cl_vars run="$run" rank="$1" ready_re="$ready_re" final="$2")$status_script" 2>/dev/null \
+    cl_remote "${nodes[$1]}" "$(cl_vars run="$run" rank="$1" ready_re="$ready_re" final="$2" cluster_id="$cluster_id")$status_script" 2>/dev/null \
         || echo "unreachable 0 (${nodes[$1]} did not answer)"
 }
 tail_log() {  # tail_log I: the rank's last log lines, indented
@@ -323,6 +330,18 @@ done
 cl_say "cluster $cluster_id ready: $world rank(s) in $(($(date +%s) - t0)) s; rank 0 on ${nodes[0]}, master $master"
 [ "$wait_all" = 1 ] || exit 0
 
+if [ "$launcher" != ssh ]; then  # mpirun/srun collects the ranks' statuses
+    code=0
+    wait "$lpid" || code=$?
+    if [ "$code" != 0 ]; then
+        for i in "${!nodes[@]}"; do cl_say "rank $i on ${nodes[$i]}: its log ends:"; tail_log "$i"; done
+        tail -n 5 "$run/launcher.log" | sed 's/^/      /' >&2
+        fail_cluster "$launcher exited with status $code"
+    fi
+    cl_say "$launcher exited with status 0"
+    cl_stop_all "${nodes[@]}" >/dev/null 2>&1 || true
+    exit 0
+fi
 worst=0
 for i in "${!nodes[@]}"; do
     while :; do

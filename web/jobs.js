@@ -57,7 +57,10 @@ export function summarize(job, now = Date.now()) {
     id: String(job.id),
     state: job.state || job.status || 'unknown',
     model: job.model || '',
-    owner: first(job.owner, job.key_name, job.api_key_name, job.key_prefix) || '',
+    // owner: {name, prefix} from the API (a plain string is accepted too).
+    owner: (job.owner && typeof job.owner === 'object'
+      ? [job.owner.name, job.owner.prefix && `(${job.owner.prefix})`].filter(Boolean).join(' ')
+      : first(job.owner, job.key_name, job.api_key_name, job.key_prefix)) || '',
     queuePosition: first(job.queue_position),
     attempts: first(job.attempts, job.attempt),
     createdMs,

@@ -53,7 +53,7 @@ int main(int argc, char **argv)
             char text[32];
             snprintf(text, sizeof text, "t=%lld", now_us());
             const int32_t tok = 1;
-            JobqChunk ch = {JOBQ_CHUNK_CONTENT, text, &tok, 1};
+            JobqChunk ch = {JOBQ_CHUNK_CONTENT, text, &tok, 1, NULL};
             if (jobq_append(q, &jobs[i], &ch, 1, NULL)) goto done;
         }
         struct timespec ts = {interval_ms / 1000, (long) (interval_ms % 1000) * 1000000L};

@@ -92,7 +92,28 @@ static void test_migrate(void)
     CHECK(cli_db(4, argv) == 0);
     CHECK(cli_db(4, argv) == 0);  // idempotent: applies nothing the second time
     PGconn *c = connect_or_die(conn_super);
-    CHECK(qint(c, "SELECT count(*) FROM schema_migrations") == 3);
+    CHECK(qint(c, "SELECT count(*) FROM schema_migrations") == 4);
+    // 004: revoking a key (by any means) rings api_keys_revoked with its prefix, once.
+    PQclear(PQexec(c, "LISTEN api_keys_revoked"));
+    PQclear(PQexec(c, "INSERT INTO api_keys (prefix, key_hash, name) VALUES"
+                      " ('gsk_trigger01', sha256('t'), 'trigger-test')"));
+    PQclear(PQexec(c, "UPDATE api_keys SET last_used_at = now() WHERE prefix = 'gsk_trigger01'"));
+    PQconsumeInput(c);
+    PGnotify *note = PQnotifies(c);
+    CHECK(note == NULL);  // other updates do not ring
+    PQfreemem(note);
+    PQclear(PQexec(c, "UPDATE api_keys SET revoked_at = now() WHERE prefix = 'gsk_trigger01'"));
+    PQconsumeInput(c);
+    note = PQnotifies(c);
+    CHECK(note && !strcmp(note->relname, "api_keys_revoked") && !strcmp(note->extra, "gsk_trigger01"));
+    PQfreemem(note);
+    PQclear(PQexec(c, "UPDATE api_keys SET revoked_at = now() WHERE prefix = 'gsk_trigger01'"));
+    PQconsumeInput(c);
+    note = PQnotifies(c);
+    CHECK(note == NULL);  // already revoked: no second ring
+    PQfreemem(note);
+    PQclear(PQexec(c, "UNLISTEN *"));
+    PQclear(PQexec(c, "DELETE FROM api_keys WHERE prefix = 'gsk_trigger01'"));
     CHECK(qint(c, "SELECT count(*) FROM information_schema.views WHERE table_schema = 'admin'")
           == 5);
     char *bad[] = {"db", "migrate", "--db", conn_super, "--sql", "/nonexistent", NULL};
@@ -195,7 +216,7 @@ static void *claimer(void *arg)
         pthread_mutex_unlock(&claim_mutex);
         if (err) break;
         const int32_t tok = (int32_t) job.id;
-        JobqChunk ch = {JOBQ_CHUNK_CONTENT, "x", &tok, 1};
+        JobqChunk ch = {JOBQ_CHUNK_CONTENT, "x", &tok, 1, NULL};
         if (jobq_append(q, &job, &ch, 1, NULL) || jobq_finish(q, &job, "stop")) {
             pthread_mutex_lock(&claim_mutex);
             claim_errors++;
@@ -240,7 +261,7 @@ static void test_lease_expiry_and_fencing(void)
     CHECK(ja.id == id && ja.attempt == 1 && ja.n_prompt == 2 && ja.next_seq == 0);
     CHECK(jobq_claim(qb, &jb) == ERR_NOTFOUND);  // leased: nobody else gets it
     const int32_t t1[] = {11, 12};
-    JobqChunk ch1 = {JOBQ_CHUNK_REASONING, "ab", t1, 2};
+    JobqChunk ch1 = {JOBQ_CHUNK_REASONING, "ab", t1, 2, NULL};
     bool cancelled = true;
     CHECK(jobq_append(qa, &ja, &ch1, 1, &cancelled) == ERR_OK && !cancelled);
     CHECK(ja.next_seq == 1);
@@ -256,13 +277,14 @@ static void test_lease_expiry_and_fencing(void)
 
     // The stalled owner wakes up: every write is refused.
     const int32_t t2[] = {13};
-    JobqChunk ch2 = {JOBQ_CHUNK_CONTENT, "zombie", t2, 1};
+    JobqChunk ch2 = {JOBQ_CHUNK_CONTENT, "zombie", t2, 1, NULL};
     CHECK(jobq_append(qa, &ja, &ch2, 1, NULL) == ERR_NOTFOUND);
     CHECK(jobq_heartbeat(qa, &ja, NULL) == ERR_NOTFOUND);
     CHECK(jobq_finish(qa, &ja, "stop") == ERR_NOTFOUND);
 
     const int32_t t3[] = {21}, t4[] = {22, 23};
-    JobqChunk ch3[2] = {{JOBQ_CHUNK_CONTENT, "c", t3, 1}, {JOBQ_CHUNK_CONTENT, "", t4, 2}};
+    JobqChunk ch3[2] = {{JOBQ_CHUNK_CONTENT, "c", t3, 1, "[{\"token\":\"c\",\"logprob\":-0.5}]"},
+                         {JOBQ_CHUNK_CONTENT, "", t4, 2, NULL}};
     CHECK(jobq_append(qb, &jb, ch3, 2, NULL) == ERR_OK && jb.next_seq == 3);
     CHECK(jobq_finish(qb, &jb, "length") == ERR_OK);
     snprintf(sql, sizeof sql,
@@ -270,6 +292,12 @@ static void test_lease_expiry_and_fencing(void)
              " token_ids::text, ' ' ORDER BY seq) FROM job_chunks WHERE job_id = %lld", id);
     const char *v = q1(c, sql);
     CHECK(v && strcmp(v, "0:1:reasoning:ab:{11,12} 1:2:content:c:{21} 2:2:content::{22,23}") == 0);
+    // logprobs are stored as jsonb with their chunk, NULL where none were given.
+    snprintf(sql, sizeof sql,
+             "SELECT string_agg(seq || '=' || coalesce((logprobs->0->>'logprob'), 'null'), ' '"
+             " ORDER BY seq) FROM job_chunks WHERE job_id = %lld", id);
+    v = q1(c, sql);
+    CHECK(v && strcmp(v, "0=null 1=-0.5 2=null") == 0);
     snprintf(sql, sizeof sql, "SELECT state || ' ' || n_completion_tokens || ' ' || finish_reason"
              " FROM jobs WHERE id = %lld", id);
     v = q1(c, sql);
@@ -293,7 +321,7 @@ static void test_exclusive_and_recovery(void)
     JobqJob j1, j2;
     CHECK(jobq_claim(e1, &j1) == ERR_OK && j1.id == id);
     const int32_t t[] = {7};
-    JobqChunk ch = {JOBQ_CHUNK_CONTENT, "seven", t, 1};
+    JobqChunk ch = {JOBQ_CHUNK_CONTENT, "seven", t, 1, NULL};
     CHECK(jobq_append(e1, &j1, &ch, 1, NULL) == ERR_OK);
 
     // e1's session dies (network, server restart): its lock goes with it.
@@ -340,7 +368,7 @@ static void test_cancel_and_attempts(void)
     snprintf(sql, sizeof sql, "UPDATE jobs SET cancel_requested = true WHERE id = %lld", id);
     CHECK(q1(c, sql) != NULL);
     const int32_t t[] = {1};
-    JobqChunk ch = {JOBQ_CHUNK_CONTENT, "x", t, 1};
+    JobqChunk ch = {JOBQ_CHUNK_CONTENT, "x", t, 1, NULL};
     bool cancelled = false;
     CHECK(jobq_append(q, &j, &ch, 1, &cancelled) == ERR_OK && cancelled);
     cancelled = false;

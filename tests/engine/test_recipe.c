@@ -55,8 +55,7 @@ static void test_shipped_recipe(void)
     CHECK(r.max_num_batched_tokens == 2048);
     CHECK(!strcmp(r.model, "/models/GLM-5.2-NVFP4-REAP-469B"));
     CHECK(!strcmp(r.model_name, "GLM-5.2-NVFP4-REAP-469B"));
-    CHECK(r.heartbeat_timeout_s == 600);
-    CHECK(r.drop_page_cache);
+    CHECK(r.load_timeout_s == 3600 && r.master_port == 29500);
 
     snprintf(path, sizeof path, "%s/ops/recipes/devstack-tiny-cpu.conf", src ? src : ".");
     recipe_defaults(&r);
@@ -79,8 +78,8 @@ static void test_syntax(void)
     CHECK(!strcmp(r.model, "/a b/c#d"));
     CHECK(parse(&r, "model = /x#y\n") == ERR_OK);  // # without a space before is text
     CHECK(!strcmp(r.model, "/x#y"));
-    CHECK(parse(&r, "kv_cache_dtype = bf16\ndrop_page_cache = off\n") == ERR_OK);
-    CHECK(r.kv_cache_dtype == RECIPE_KV_BF16 && !r.drop_page_cache);
+    CHECK(parse(&r, "kv_cache_dtype = bf16\n") == ERR_OK);
+    CHECK(r.kv_cache_dtype == RECIPE_KV_BF16);
     CHECK(parse(&r, "gpu_memory_utilization = 1\nmin_free_memory_gb = 0\n") == ERR_OK);
     CHECK_NEAR(r.gpu_memory_utilization, 1.0, 0);
     CHECK(parse(&r, "block_size = 64") == ERR_OK);  // no final newline
@@ -114,7 +113,6 @@ static void test_errors_name_the_key(void)
         {"gpu_memory_utilization = 0.8x\n", ERR_INVAL, "not a number"},
         {"block_size = 100\n", ERR_INVAL, "block_size: 100 is not a power of two"},
         {"kv_cache_dtype = int4\n", ERR_INVAL, "kv_cache_dtype: \"int4\" is not one of"},
-        {"drop_page_cache = maybe\n", ERR_INVAL, "drop_page_cache"},
         {"model = \"/unterminated\n", ERR_FORMAT, "model: unterminated"},
         {"model = \"/a\" extra\n", ERR_FORMAT, "model: text after"},
         {"model = \"\"\n", ERR_INVAL, "model: empty value"},
@@ -150,7 +148,7 @@ static void test_round_trip(void)
     Recipe r, back;
     CHECK(parse(&r, "model = \"/m o/d\"\nmodel_name = x\ntokenizer = /t.json\n"
                     "gpu_memory_utilization = 0.123456789\nkv_cache_dtype = bf16\n"
-                    "drop_page_cache = false\nmin_free_memory_gb = 12.5\n") == ERR_OK);
+                    "min_free_memory_gb = 12.5\n") == ERR_OK);
     char text[8192] = "";
     size_t len = 0;
     for (int i = 0; i < recipe_n_keys(); i++) {

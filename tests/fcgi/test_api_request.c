@@ -105,6 +105,15 @@ static void test_bad_inputs(void)
     expect_bad(API_KIND_CHAT, "{\"model\":\"\xc3\x28\"}", "");            // invalid UTF-8
     expect_bad(API_KIND_CHAT, "{\"model\":\"\xe0\x80\xaf\"}", "");         // overlong
     expect_bad(API_KIND_CHAT, "{\"model\":\"a\\u0000b\"}", "");             // U+0000
+    // Unpaired surrogate escapes (json-c would turn them into U+FFFD; found by
+    // tests/reliability): a lone high, a lone low, a high followed by a non-low escape or at
+    // the end, a reversed pair, one in a key.
+    expect_bad(API_KIND_CHAT, "{\"model\":\"\\ud800\"}", "");
+    expect_bad(API_KIND_CHAT, "{\"model\":\"\\uDC00x\"}", "");
+    expect_bad(API_KIND_CHAT, "{\"model\":\"a\\ud83d\\u0041\"}", "");
+    expect_bad(API_KIND_CHAT, "{\"model\":\"a\\ud83d\\n\"}", "");
+    expect_bad(API_KIND_CHAT, "{\"model\":\"\\ude00\\ud83d\"}", "");
+    expect_bad(API_KIND_CHAT, "{\"\\ud800\":1,\"model\":\"m\"}", "");
     expect_bad(API_KIND_CHAT, "{\"model\":\"m\",\"temperature\":NaN}", "");
     expect_bad(API_KIND_CHAT, "{\"model\":\"m\",\"temperature\":Infinity}", "");
     char deep[300] = "";
@@ -144,14 +153,85 @@ static void test_bad_inputs(void)
     // null means absent.
     ApiRequest r;
     ApiError e;
+    // A proper pair, an escaped backslash before "u" and a literal U+FFFD all pass.
+    CHECK(parse(&r, API_KIND_CHAT,
+                "{\"model\":\"m\\ud83d\\ude00 \\\\ud800 \\ufffd\",\"messages\":[{\"role\":\"user\","
+                "\"content\":\"\\\"\\ud800\\udc00\"}]}",
+                &e) == ERR_OK);
+    CHECK(strcmp(r.model, "m\xf0\x9f\x98\x80 \\ud800 \xef\xbf\xbd") == 0);
+    api_request_free(&r);
     snprintf(buf, sizeof buf, "{\"model\":\"m\"%s,\"temperature\":null,\"stop\":null,\"tools\":null}", msg);
     CHECK(parse(&r, API_KIND_CHAT, buf, &e) == ERR_OK);
     CHECK_NEAR(r.temperature, 1, 0);
     api_request_free(&r);
 }
 
+// logprobs (chat: bool + top_logprobs; completions: an integer) and tool_choice.
+static void test_logprobs_and_tool_choice(void)
+{
+    const char *msg = "\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]";
+    const char *tools = ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}},"
+                        "{\"type\":\"function\",\"function\":{\"name\":\"g\"}}]";
+    char buf[512];
+    ApiRequest r;
+    ApiError e;
+    snprintf(buf, sizeof buf, "{%s,\"logprobs\":true}", msg);
+    CHECK(parse(&r, API_KIND_CHAT, buf, &e) == ERR_OK);
+    CHECK(r.logprobs && r.top_logprobs == 0);
+    api_request_free(&r);
+    snprintf(buf, sizeof buf, "{%s,\"top_logprobs\":3}", msg);  // needs logprobs: true
+    expect_bad(API_KIND_CHAT, buf, "top_logprobs");
+    CHECK(parse(&r, API_KIND_COMPLETION, "{\"model\":\"m\",\"prompt\":\"a\",\"logprobs\":4}", &e) == ERR_OK);
+    CHECK(r.logprobs && r.top_logprobs == 4);
+    json_object *p = api_request_params(&r), *v;
+    CHECK(json_object_object_get_ex(p, "top_logprobs", &v) && json_object_get_int(v) == 4);
+    json_object_put(p);
+    api_request_free(&r);
+    CHECK(parse(&r, API_KIND_COMPLETION, "{\"model\":\"m\",\"prompt\":\"a\",\"logprobs\":0}", &e) == ERR_OK);
+    CHECK(r.logprobs && r.top_logprobs == 0);
+    api_request_free(&r);
+    CHECK(parse(&r, API_KIND_COMPLETION, "{\"model\":\"m\",\"prompt\":\"a\"}", &e) == ERR_OK);
+    CHECK(!r.logprobs);
+    api_request_free(&r);
+    expect_bad(API_KIND_COMPLETION, "{\"model\":\"m\",\"prompt\":\"a\",\"logprobs\":true}", "logprobs");
+    expect_bad(API_KIND_COMPLETION, "{\"model\":\"m\",\"prompt\":\"a\",\"logprobs\":21}", "logprobs");
+
+    // tool_choice: auto (default), none drops the tools, required, a named function.
+    snprintf(buf, sizeof buf, "{%s%s}", msg, tools);
+    CHECK(parse(&r, API_KIND_CHAT, buf, &e) == ERR_OK);
+    CHECK(r.tool_choice == API_TOOL_CHOICE_AUTO && r.tools);
+    api_request_free(&r);
+    snprintf(buf, sizeof buf, "{%s%s,\"tool_choice\":\"none\"}", msg, tools);
+    CHECK(parse(&r, API_KIND_CHAT, buf, &e) == ERR_OK);
+    CHECK(r.tool_choice == API_TOOL_CHOICE_NONE && !r.tools);
+    CHECK(!json_object_object_get_ex(r.root, "tools", &v));  // rendered without tools
+    CHECK(api_request_check(&r));
+    api_request_free(&r);
+    snprintf(buf, sizeof buf, "{%s%s,\"tool_choice\":\"required\"}", msg, tools);
+    CHECK(parse(&r, API_KIND_CHAT, buf, &e) == ERR_OK);
+    CHECK(r.tool_choice == API_TOOL_CHOICE_REQUIRED && r.tools);
+    api_request_free(&r);
+    snprintf(buf, sizeof buf, "{%s%s,\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"g\"}}}",
+             msg, tools);
+    CHECK(parse(&r, API_KIND_CHAT, buf, &e) == ERR_OK);
+    CHECK(r.tool_choice == API_TOOL_CHOICE_FUNCTION && !strcmp(r.tool_choice_name, "g"));
+    CHECK(api_request_check(&r));
+    api_request_free(&r);
+    const char *bad[] = {
+        "\"tool_choice\":\"always\"", "\"tool_choice\":3", "\"tool_choice\":{\"type\":\"function\"}",
+        "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"h\"}}",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(buf, sizeof buf, "{%s%s,%s}", msg, tools, bad[i]);
+        expect_bad(API_KIND_CHAT, buf, "tool_choice");
+    }
+    snprintf(buf, sizeof buf, "{%s,\"tool_choice\":\"required\"}", msg);  // no tools
+    expect_bad(API_KIND_CHAT, buf, "tool_choice");
+}
+
 int main(void)
 {
+    test_logprobs_and_tool_choice();
     test_valid_chat();
     test_defaults_and_completion();
     test_bad_inputs();

@@ -240,8 +240,9 @@ int main(int argc, char **argv)
     if (argc == 3) {
         float *cli = malloc((size_t) g.n_tokens * V * sizeof *cli);
         FILE *f = fopen(argv[2], "rb");
-        const bool ok = cli && f && fread(cli, sizeof *cli, (size_t) g.n_tokens * V, f)
-                                        == (size_t) g.n_tokens * V;
+        const bool ok =
+            cli && f
+            && fread(cli, sizeof *cli, (size_t) g.n_tokens * V, f) == (size_t) g.n_tokens * V;
         if (f) fclose(f);
         CHECK(ok);
         if (ok) compare("glmspark logits --backend cuda vs reference", cli, want, &g, 1e-3);

@@ -17,6 +17,8 @@ chmod 755 "$var"
 export GLMSPARK_VAR=$var GLMSPARK_BUILD=$(dirname "$bin") GLMSPARK_SKIP_DEPS=1 GLMSPARK_SKIP_BUILD=1
 export GLMSPARK_HTTPS_PORT=$(free_port) GLMSPARK_HTTP_PORT=$(free_port)
 export GLMSPARK_ENGINE_ARGS="--step-delay-ms ${GLMSPARK_STEP_DELAY_MS:-25}"
+# A small queue, so that the queue-full test can fill it (no other test queues this many).
+export GLMSPARK_MAX_QUEUE=${GLMSPARK_MAX_QUEUE:-6}
 devstack=$src/ops/devstack
 cleanup() {
     local rc=${1:-$?}
@@ -43,7 +45,7 @@ rpm2=$(key --name it-rpm2 --rpm 2)
 "$bin/glmspark" keys revoke it-revoked --db "$db" >/dev/null
 
 export GLMSPARK_URL=$url GLMSPARK_ADMIN_KEY=$admin GLMSPARK_USER_KEY=$user GLMSPARK_OTHER_KEY=$other
-export GLMSPARK_REVOKED_KEY=$revoked GLMSPARK_CONC1_KEY=$conc1 GLMSPARK_RPM2_KEY=$rpm2
+export GLMSPARK_DB_SUPER=$db GLMSPARK_REVOKED_KEY=$revoked GLMSPARK_CONC1_KEY=$conc1 GLMSPARK_RPM2_KEY=$rpm2
 export GLMSPARK_MODEL=glmspark-demo GLMSPARK_DEVSTACK=$devstack GLMSPARK_BIN=$bin
 export GLMSPARK_DB_APP="host=$var/pg/run dbname=glmspark user=glmspark_app"
 export NODE_EXTRA_CA_CERTS=$var/tls/cert.pem NODE_PATH=$src/tests/node_modules

@@ -358,3 +358,190 @@ test('PostgreSQL restart mid-stream: engine and fcgi reconnect, the stream stays
     const after = await client().chat.completions.create(chatBody({ max_tokens: 2 }));
     assert.equal(after.object, 'chat.completion');
 });
+
+// ---------------------------------------------------------------------------
+// logprobs, tool_choice, job owners and inputs, revocation, a full queue.
+
+const isSortedDesc = (xs) => xs.every((x, i) => i === 0 || xs[i - 1] >= x);
+
+test('logprobs: chat at temperature 0 samples the argmax; stream equals non-stream', async () => {
+    const body = chatBody({ temperature: 0, max_tokens: 10, logprobs: true, top_logprobs: 5 });
+    const r = await client().chat.completions.create(body);
+    const entries = r.choices[0].logprobs.content;
+    assert.equal(entries.length, r.usage.completion_tokens);  // one entry per generated token
+    for (const e of entries) {
+        assert.equal(typeof e.token, 'string');
+        assert.ok(Array.isArray(e.bytes) && e.bytes.every((b) => Number.isInteger(b) && b >= 0 && b < 256));
+        assert.ok(e.logprob <= 0);
+        assert.equal(e.top_logprobs.length, 5);
+        const lps = e.top_logprobs.map((t) => t.logprob);
+        assert.ok(lps.every((x) => x <= 0));
+        assert.ok(isSortedDesc(lps), JSON.stringify(lps));
+        assert.ok(lps.reduce((a, x) => a + Math.exp(x), 0) <= 1 + 1e-6);  // a distribution
+        // Greedy: the sampled token is the most likely one.
+        assert.equal(e.logprob, lps[0]);
+        if (lps[1] < lps[0]) assert.equal(e.token, e.top_logprobs[0].token);
+    }
+    const stream = await client().chat.completions.create({ ...body, stream: true, stream_options: { include_usage: true } });
+    const streamed = [];
+    let usage = null;
+    for await (const chunk of stream) {
+        if (chunk.usage) usage = chunk.usage;
+        for (const ch of chunk.choices) if (ch.logprobs) streamed.push(...ch.logprobs.content);
+    }
+    assert.equal(streamed.length, usage.completion_tokens);
+    assert.deepEqual(streamed, entries);  // greedy: the same tokens with the same numbers
+    // Not asked for: null, as OpenAI's.
+    const plain = await client().chat.completions.create(chatBody({ max_tokens: 2 }));
+    assert.equal(plain.choices[0].logprobs, null);
+    await assert.rejects(client().chat.completions.create(chatBody({ top_logprobs: 3 })),
+        (e) => e instanceof OpenAI.BadRequestError && e.param === 'top_logprobs');
+    await assert.rejects(client().chat.completions.create(chatBody({ logprobs: true, top_logprobs: 21 })),
+        (e) => e instanceof OpenAI.BadRequestError && e.param === 'top_logprobs');
+});
+
+test('logprobs: completions (legacy shape), streamed and not', async () => {
+    const base = { model: MODEL, prompt: 'Once upon a time', max_tokens: 8, temperature: 0, logprobs: 3 };
+    const r = await client().completions.create(base);
+    const lp = r.choices[0].logprobs;
+    const n = r.usage.completion_tokens;
+    assert.equal(lp.tokens.length, n);
+    assert.equal(lp.token_logprobs.length, n);
+    assert.equal(lp.top_logprobs.length, n);
+    assert.equal(lp.text_offset.length, n);
+    assert.ok(isSortedDesc(lp.text_offset.map((x) => -x)));  // non-decreasing offsets
+    for (let i = 0; i < n; i++) {
+        assert.ok(lp.token_logprobs[i] <= 0);
+        const alts = Object.values(lp.top_logprobs[i]);
+        assert.ok(alts.length >= 1 && alts.length <= 3);
+        assert.equal(lp.token_logprobs[i], Math.max(...alts));  // greedy
+    }
+    const stream = await client().completions.create({ ...base, stream: true });
+    const tokens = [], lps = [];
+    for await (const chunk of stream)
+        for (const ch of chunk.choices)
+            if (ch.logprobs) { tokens.push(...ch.logprobs.tokens); lps.push(...ch.logprobs.token_logprobs); }
+    assert.deepEqual(tokens, lp.tokens);
+    assert.deepEqual(lps, lp.token_logprobs);
+});
+
+test('tool_choice: none renders without tools; required and named validated; bad values 400', async () => {
+    const tools = [{ type: 'function', function: { name: 'get_weather', description: 'Weather in a city',
+        parameters: { type: 'object', properties: { city: { type: 'string' } }, required: ['city'] } } }];
+    const run = (extra) => client().chat.completions.create(chatBody({ max_tokens: 1, ...extra }));
+    const bare = await run({});
+    const auto = await run({ tools });
+    const none = await run({ tools, tool_choice: 'none' });
+    assert.ok(auto.usage.prompt_tokens > bare.usage.prompt_tokens);   // tools are in the prompt
+    assert.equal(none.usage.prompt_tokens, bare.usage.prompt_tokens);  // "none": not offered
+    const explicitAuto = await run({ tools, tool_choice: 'auto' });
+    assert.equal(explicitAuto.usage.prompt_tokens, auto.usage.prompt_tokens);
+    const required = await run({ tools, tool_choice: 'required' });
+    assert.equal(required.usage.prompt_tokens, auto.usage.prompt_tokens);
+    const named = await run({ tools, tool_choice: { type: 'function', function: { name: 'get_weather' } } });
+    assert.equal(named.usage.prompt_tokens, auto.usage.prompt_tokens);
+    for (const tool_choice of ['sometimes', 7, { type: 'function' },
+        { type: 'function', function: { name: 'no_such_function' } }])
+        await assert.rejects(run({ tools, tool_choice }),
+            (e) => e instanceof OpenAI.BadRequestError && e.param === 'tool_choice', JSON.stringify(tool_choice));
+    await assert.rejects(run({ tool_choice: 'required' }),
+        (e) => e instanceof OpenAI.BadRequestError && e.param === 'tool_choice');
+});
+
+test('jobs: owner, scope and the caller\'s input', async () => {
+    const messages = [{ role: 'system', content: 'Be brief.' }, { role: 'user', content: 'Name a colour' }];
+    const job = await api('/v1/jobs', { method: 'POST', body: chatBody({ messages, max_tokens: 2 }) });
+    assert.equal(job.status, 202);
+    const got = await waitJob(job.json.id, (j) => j.state === 'succeeded');
+    assert.equal(got.owner.name, 'it-user');
+    assert.ok(got.owner.prefix.startsWith('gsk_') && USER.startsWith(got.owner.prefix), got.owner.prefix);
+    assert.deepEqual(got.request.messages, messages);
+    assert.ok(!JSON.stringify(got).includes(USER));  // never the key itself
+    const mine = await api('/v1/jobs?limit=5');
+    assert.equal(mine.json.scope, 'user');
+    assert.ok(mine.json.data.every((j) => j.owner.name === 'it-user'));
+    const all = await api('/v1/jobs?limit=100', { key: ADMIN });
+    assert.equal(all.json.scope, 'admin');
+    assert.equal(all.json.data.find((j) => j.id === job.json.id).owner.name, 'it-user');
+    assert.equal((await api(`/v1/jobs/${job.json.id}`, { key: ADMIN })).json.request.messages[1].content, 'Name a colour');
+    const c = await client().completions.create({ model: MODEL, prompt: 'Two plus two', max_tokens: 1 });
+    assert.equal((await api(`/v1/jobs/${c.id}`)).json.request.prompt, 'Two plus two');
+});
+
+test('auth: a revoked key stops working at once (no cache delay)', async () => {
+    const cli = (...args) => execFileSync(`${process.env.GLMSPARK_BIN}/glmspark`,
+        [...args, '--db', process.env.GLMSPARK_DB_SUPER], { stdio: ['ignore', 'pipe', 'ignore'] }).toString().trim();
+    const key = cli('keys', 'create', '--name', 'it-revoke-now');
+    for (let i = 0; i < 3; i++) assert.equal((await api('/v1/models', { key })).status, 200);  // cached now
+    cli('keys', 'revoke', 'it-revoke-now');
+    const after = await api('/v1/models', { key });
+    assert.equal(after.status, 401);
+    assert.equal((await api('/v1/jobs', { key, method: 'POST', body: chatBody() })).status, 401);
+    await assert.rejects(client(key).models.list(), (e) => e instanceof OpenAI.AuthenticationError);
+});
+
+test('queue full: 503 with an OpenAI error body and Retry-After', async () => {
+    const long = chatBody({ max_tokens: 400 });
+    const running = await api('/v1/jobs', { method: 'POST', body: long });
+    assert.equal(running.status, 202);
+    await waitJob(running.json.id, (j) => j.state === 'running');
+    const queued = [];
+    let full = null;
+    for (let i = 0; i < 20 && !full; i++) {  // run.sh sets GLMSPARK_MAX_QUEUE=6
+        const r = await api('/v1/jobs', { method: 'POST', body: long });
+        if (r.status === 202) queued.push(r.json.id);
+        else full = r;
+    }
+    try {
+        assert.ok(full, 'the queue never filled');
+        assert.equal(full.status, 503);
+        assert.equal(full.json.error.code, 'queue_full');
+        assert.equal(full.json.error.type, 'server_error');
+        assert.equal(typeof full.json.error.message, 'string');
+        assert.ok(Number(full.headers.get('retry-after')) >= 1);
+        assert.ok(queued.length <= Number(process.env.GLMSPARK_MAX_QUEUE ?? 6));
+        await assert.rejects(client().chat.completions.create(chatBody()),
+            (e) => e instanceof OpenAI.InternalServerError && e.status === 503);
+    } finally {
+        for (const id of [...queued, running.json.id]) await api(`/v1/jobs/${id}/cancel`, { method: 'POST' });
+    }
+    await waitJob(running.json.id, (j) => j.state === 'cancelled');
+    // Room again: a new job is accepted.
+    const again = await api('/v1/jobs', { method: 'POST', body: chatBody({ max_tokens: 1 }) });
+    assert.equal(again.status, 202);
+    await waitJob(again.json.id, (j) => j.state === 'succeeded');
+});
+
+test('a long prefill keeps the lease and the engine heartbeat fresh', async () => {
+    // An engine with a 3 s lease (so it beats every second) that prefills one token per
+    // slice, 25 ms apart: a prompt of a few hundred tokens takes far longer than the lease.
+    const psql = (sql) => execFileSync('psql', [process.env.GLMSPARK_DB_SUPER, '-Atc', sql]).toString().trim();
+    const restart = (args) => execFileSync(DEVSTACK, ['restart', 'engine'],
+        { stdio: 'inherit', env: { ...process.env, GLMSPARK_ENGINE_ARGS: args } });
+    restart('--step-delay-ms 25 --prefill-slice 1 --lease-s 3');
+    try {
+        const content = 'one two three four five six seven eight nine ten '.repeat(40);
+        const job = await api('/v1/jobs', { method: 'POST',
+            body: chatBody({ messages: [{ role: 'user', content }], max_tokens: 1 }) });
+        assert.equal(job.status, 202);
+        assert.ok(job.json.prompt_tokens >= 300, `prompt of ${job.json.prompt_tokens} tokens`);
+        const id = job.json.id;
+        await waitJob(id, (j) => j.state === 'running');
+        // Wait until the job has been prefilling for longer than the lease.
+        const row = () => psql(`SELECT n_completion_tokens, extract(epoch FROM now() - claimed_at) > 4,
+            lease_until > now(), (SELECT heartbeat_at > j.claimed_at + interval '2 seconds'
+            FROM engines WHERE id = j.lease_epoch) FROM jobs j WHERE public_id = '${id}'`).split('|');
+        let r = row();
+        while (r[1] !== 't' && r[0] === '0') { await sleep(200); r = row(); }
+        assert.equal(r[0], '0', 'the prefill ended before the lease would have run out; lengthen the prompt');
+        assert.equal(r[2], 't');  // the lease was renewed during the prefill
+        assert.equal(r[3], 't');  // and so was the engine's heartbeat
+        assert.equal((await fetch(`${URL_}/health`)).status, 200);
+        await api(`/v1/jobs/${id}/cancel`, { method: 'POST' });
+        const done = await waitJob(id, (j) => j.state !== 'running' && j.state !== 'queued');
+        assert.equal(done.state, 'cancelled');
+        assert.equal(done.attempts, 1);  // never lost and re-claimed
+    } finally {
+        restart(process.env.GLMSPARK_ENGINE_ARGS);
+    }
+});

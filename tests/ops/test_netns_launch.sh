@@ -11,6 +11,7 @@
 #      cleanup finds nothing.
 #   4. A rank killed while running: launch-cluster --wait reports that host and rank, stops
 #      the others, and leaves nothing.
+#   5. With GLMSPARK_LAUNCHER=mpirun (when Open MPI is installed), case 1 again.
 # Needs root and `ip netns add`; when the namespaces cannot be created (a sandbox without
 # CAP_SYS_ADMIN), prints why and exits 77 (ctest: skipped).
 set -euo pipefail
@@ -58,13 +59,12 @@ for i in 0 1 2; do
     mkdir -p "$tmp/node$i"
     map="$map $subnet.$((i + 1))=$n:$tmp/node$i"
 done
-ip netns exec "${tag}-1" ping -c1 -W2 "$subnet.3" >/dev/null || fail "the namespaces cannot reach each other"
 echo "ok: three namespaces on bridge $br: $subnet.1-3"
 
 export GLMSPARK_NETNS_MAP=$map GLMSPARK_NETNS_RUN=$tmp/run
 model=$tmp/model
 "$bin/glmspark" mkmodel --out "$model" --preset default 2>/dev/null
-gen=(--model "$model" --tokens 1,5,7,9 --temperature 0.8 --seed 11 --repetition-penalty 1.2
+gen=(--model "$model" --tokens "1,5,7,9" --temperature 0.8 --seed 11 --repetition-penalty 1.2
      --ignore-eos --threads 1)
 "$bin/glmspark" generate "${gen[@]}" --max-tokens 24 >"$tmp/ref.txt" 2>/dev/null
 [ -s "$tmp/ref.txt" ] || fail "the reference run printed nothing"
@@ -128,11 +128,8 @@ for i in 0 1 2; do
     left=$(ip netns pids "${tag}-$i")
     [ -z "$left" ] || fail "processes left in node $i: $left"
 done
-for e in /proc/[0-9]*/environ; do
-    if tr '\0' '\n' <"$e" 2>/dev/null | grep -qx "GLMSPARK_CLUSTER_ID=$id"; then
-        fail "process ${e#/proc/} still carries the cluster id"
-    fi
-done
+left=$(grep -lzx "GLMSPARK_CLUSTER_ID=$id" /proc/[0-9]*/environ 2>/dev/null || true)
+[ -z "$left" ] || fail "processes still carry the cluster id: $left"
 ls "$tmp"/node*/rank*.pid >/dev/null 2>&1 && fail "pid files left"
 "$cleanup" --env "$tmp/env" >"$tmp/c3b.log" 2>&1 || { cat "$tmp/c3b.log"; fail "second cleanup"; }
 grep -q "stopped 0 process" "$tmp/c3b.log" || { cat "$tmp/c3b.log"; fail "second cleanup found something"; }
@@ -156,4 +153,27 @@ for i in 0 1 2; do
     [ -z "$left" ] || fail "processes left in node $i after a rank failure: $left"
 done
 echo "ok: killed rank 1; launch-cluster reported: $(grep -m1 "exited with status [1-9]" "$tmp/l4.log")"
+# 5. The same pipeline started by mpirun (Open MPI's ssh launch through the same transport);
+# ranks come from OMPI_COMM_WORLD_RANK, the master from GLMSPARK_MASTER.
+if command -v mpirun >/dev/null; then
+    rm -f "$tmp"/node*/rank*.log
+    t0=$(date +%s)
+    GLMSPARK_LAUNCHER=mpirun GLMSPARK_RANK_CMD=$(rank_cmd 24) \
+        OMPI_MCA_plm_rsh_agent=$src/tests/ops/netns-rsh.sh \
+        GLMSPARK_LAUNCHER_ARGS="--mca oob_tcp_if_include $subnet.0/24" \
+        "$launch" --env "$tmp/env" --wait >"$tmp/l5.log" 2>&1 \
+        || { cat "$tmp/l5.log" "$tmp/run/launcher.log" 2>/dev/null; fail "launch-cluster under mpirun"; }
+    grep -Eh '^[0-9]+( [0-9]+)*$' "$tmp/node0/rank0.log" >"$tmp/got5.txt" || true
+    cmp "$tmp/ref.txt" "$tmp/got5.txt" || { cat "$tmp/l5.log" "$tmp/node0/rank0.log"; fail "mpirun: ids differ"; }
+    for i in 1 2; do
+        grep -q "pipeline rank $i of 3" "$tmp/node$i/rank$i.log" || fail "mpirun: rank $i did not run in node $i"
+    done
+    for i in 0 1 2; do
+        left=$(ip netns pids "${tag}-$i")
+        [ -z "$left" ] || fail "processes left in node $i after the mpirun launch: $left"
+    done
+    echo "ok: the same 3 ranks under mpirun in $(($(date +%s) - t0)) s, ids equal --pp 1, nothing left"
+else
+    echo "note: mpirun not installed (openmpi-bin): the mpirun launch was not tested"
+fi
 echo "all three-node launch checks passed"

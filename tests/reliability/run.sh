@@ -49,7 +49,7 @@ cleanup() {
         for c in engine fcgi nginx; do echo "== $c log" >&2; "$devstack" logs $c 2>/dev/null | tail -20 >&2 || true; done
     fi
     "$devstack" down >/dev/null 2>&1 || true
-    rm -f "$src/tests/.reliability.run.mjs"
+    rm -f "$src/tests/.reliability.$$.run.mjs"
     rm -rf "$var"
     exit $rc
 }
@@ -73,15 +73,15 @@ export GLMSPARK_REVOKED_KEY=$revoked GLMSPARK_CONC3_KEY=$conc3 GLMSPARK_RPM10_KE
 export GLMSPARK_MODEL=glmspark-demo GLMSPARK_DEVSTACK=$devstack GLMSPARK_DB_OWNER=$db
 export REL_PROFILE=$profile REL_RESULTS=$results
 export NODE_EXTRA_CA_CERTS=$var/tls/cert.pem NODE_PATH=$src/tests/node_modules
-cp "$src/tests/reliability/scenarios.mjs" "$src/tests/.reliability.run.mjs"
+cp "$src/tests/reliability/scenarios.mjs" "$src/tests/.reliability.$$.run.mjs"
 rc=0
-node "$src/tests/.reliability.run.mjs" || rc=$?
+node "$src/tests/.reliability.$$.run.mjs" || rc=$?
 [ -f "$results" ] || { echo "run.sh: scenarios.mjs wrote no results" >&2; exit 1; }
 
 # No key (its secret part, or the whole key) in any log of the stack or PostgreSQL.
 hits=0
 for k in "$admin" "$user" "$other" "$revoked" "$conc3" "$rpm10"; do
-    n=$(grep -rcF -- "${k##*_}" "$var/log" "$var/pg/server.log" 2>/dev/null | awk -F: '{s+=$NF} END {print s+0}')
+    n=$( (grep -rcF -- "${k##*_}" "$var/log" "$var/pg/server.log" 2>/dev/null || true) | awk -F: '{s+=$NF} END {print s+0}')
     hits=$((hits + n))
 done
 logs=$(find "$var/log" "$var/pg/server.log" -type f | wc -l)

@@ -162,6 +162,10 @@ test('summarize: the figures of a job as fcgi returns it', () => {
   assert.equal(run.tokPerS, 10);
   const q = summarize({ id: 'job-2', state: 'queued', queue_position: 3, attempts: 0, created_at: 5, timings: {} });
   assert.deepEqual([q.queuePosition, q.ttftMs, q.tokPerS, q.tokens], [3, null, null, null]);
+  // The owner as fcgi gives it, {name, prefix}; a plain string (older servers, the mock) too.
+  assert.equal(summarize({ ...job, owner: { name: 'alice', prefix: 'gsk_0123abcd' } }).owner, 'alice (gsk_0123abcd)');
+  assert.equal(summarize({ ...job, owner: 'bob' }).owner, 'bob');
+  assert.equal(s.owner, '');
   assert.equal(toMs('2026-11-30T15:00:00Z'), Date.UTC(2026, 10, 30, 15));
   assert.equal(fmtMs(1500), '1.50 s');
   assert.equal(fmtMs(null), '–');

@@ -1,0 +1,110 @@
+/*
+ * mtp.h - speculative decoding with the model's MTP layer: draft K tokens with the MTP
+ * layer, verify them in one batched forward of the main model, keep the accepted prefix.
+ *
+ * One step, with P positions in the main cache and x_P the last emitted token (not yet in
+ * it): the MTP layer runs over its pending rows (main hidden h_p after model.norm, token
+ * p+1) up to position P-1, whose last row drafts d_1; d_k for k > 1 comes from the MTP's
+ * own output hidden state fed back with d_{k-1} at position P+k-2 (vLLM's recursion).
+ * The main model then runs [x_P, d_1 .. d_K] at positions P .. P+K (n = 1 + K), giving K+1
+ * target rows. Temperature 0: d_i is kept while it equals the target row's argmax (ties to
+ * the lowest id, as sampler.h); the first mismatch, or the row after the last draft, gives
+ * the emitted correction/bonus token, so the output is the plain greedy output. Temperature
+ * T > 0: d_i ~ q_i = softmax(mtp_logits / T) is kept with probability min(1, p_i / q_i) for
+ * p_i = softmax(target_logits / T); on rejection the token is drawn from norm(max(0, p_i -
+ * q_i)); after K acceptances a bonus token from p_K. Each emitted token is distributed as
+ * p (Leviathan et al. 2023). Rejected positions are rolled back by lowering n_tokens of the
+ * main and the MTP sequence (later writes overwrite them; attention reads positions <= its
+ * own); the MTP's recursive draft rows are always rolled back, and its rows for the
+ * accepted positions are recomputed from the main model's verify hidden states next step.
+ *
+ * Sampling filters (top-k, top-p, min-p) and penalties change p per position and are not
+ * supported with drafts: mtp_check_params() refuses them.
+ *
+ * Ownership: MtpGen borrows the Model, both caches and the Sampler (for its generator);
+ *            it owns its two sequences and buffers, released by mtp_gen_free().
+ * Threads:   one thread per MtpGen (the model's workspace is shared).
+ * Errors:    ERR_INVAL (no MTP layer, K outside 1..MTP_MAX_DRAFTS, unsupported sampling),
+ *            ERR_AGAIN (a cache is full), ERR_NOMEM; logged once at the site.
+ */
+#ifndef ENGINE_MTP_H
+#define ENGINE_MTP_H
+
+#include <stdbool.h>
+
+#include "common/err.h"
+#include "kv_cache.h"
+#include "model.h"
+#include "sampler.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { MTP_MAX_DRAFTS = 8 };
+
+typedef struct MtpStats {
+    long steps;     // verify forwards
+    long drafted;   // draft tokens proposed
+    long accepted;  // draft tokens kept
+    long emitted;   // tokens emitted by steps (accepted + one per step)
+} MtpStats;
+
+typedef struct MtpGen MtpGen;
+
+struct MtpGen {
+    Model *m;         // borrowed, loaded with load_mtp
+    KvCache *kv;      // borrowed: main cache
+    KvCache *mkv;     // borrowed: MTP cache (model_mtp_kv_params)
+    Sampler *s;       // borrowed: its params and generator
+    KvSeq seq;        // main sequence, owned
+    KvSeq mseq;       // MTP sequence, owned
+    int k;            // drafts per step
+    int last;         // last emitted token, not yet in the main cache (-1 before prefill)
+    int n_pend;       // MTP rows pending: positions mseq.n_tokens .. seq.n_tokens - 1
+    int pend_cap;     // rows pend_hid/pend_tok hold
+    float *pend_hid;  // [pend_cap, hidden] main hidden states of pending rows
+    int *pend_tok;    // [pend_cap] the token after each pending row's position
+    float *vlog;      // [k + 1, vocab] verify logits
+    float *vhid;      // [k + 1, hidden] verify hidden states
+    float *dlog;      // [k, vocab] draft logits
+    float *hcur;      // [hidden] MTP hidden state for the recursion
+    double *prob;     // [3, vocab] scratch: p, q, residual
+    int drafts[MTP_MAX_DRAFTS];
+    MtpStats stats;
+    // Optional, temperature 0 only: replaces draft i's choice (the token at position
+    // seq.n_tokens + 1 + i) with what it returns, given the MTP's logits row [vocab]. Lets
+    // tests drive every acceptance length; NULL uses the MTP layer's argmax.
+    int (*draft_hook)(void *user, const MtpGen *g, int i, const float *mtp_logits);
+    void *hook_user;
+};
+
+// ERR_OK when params can be used with drafts (no top-k/top-p/min-p, no penalties), else
+// ERR_INVAL with the reason logged.
+Err mtp_check_params(const SamplerParams *p);
+
+// Prepare g for k drafts per step. m needs its MTP layer (load_mtp); mkv comes from
+// model_mtp_kv_params(). On failure g is zeroed (mtp_gen_free is still safe).
+Err mtp_gen_init(MtpGen *g, Model *m, KvCache *kv, KvCache *mkv, Sampler *s, int k);
+
+// Release g's sequences and buffers; safe on a zeroed MtpGen. Zeroes *g.
+void mtp_gen_free(MtpGen *g);
+
+// Run the prompt tokens[0..n) through the main model and return the first generated token.
+Err mtp_gen_prefill(MtpGen *g, const int *tokens, int n, int *first);
+
+// One draft-and-verify step: writes 1 .. k+1 emitted tokens to out (room for k + 1) and
+// their count to *n_out.
+Err mtp_gen_step(MtpGen *g, int *out, int *n_out);
+
+// The acceptance rule on probability rows, exposed for tests: p [k + 1, V] target
+// distributions, q [k, V] draft distributions, drafts[k] (q_i(drafts[i]) > 0). Writes the
+// emitted tokens (the accepted drafts, then the correction or bonus token) to out and
+// returns their count (1 .. k+1). resid: scratch [V]. Uses sampler_uniform(s).
+int mtp_accept(const double *p, const double *q, const int *drafts, int k, int V, Sampler *s,
+               double *resid, int *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif  // ENGINE_MTP_H

@@ -1,0 +1,422 @@
+/*
+ * backend_ops.c - every op of the CUDA backend against the CPU backend (the reference) on
+ * fresh random inputs (label gpu; needs a GPU, never run by ops/test).
+ *
+ * Float outputs must agree to a relative L2 error of 1e-5 (both compute in fp32 with
+ * double reductions; only the summation order differs); integer outputs (router experts,
+ * DSA selections) must be identical. Shapes are odd on purpose (rows not multiples of 8,
+ * sequences crossing block boundaries) and every weight format is covered. Seeded, so a
+ * failure reproduces.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/err.h"
+#include "engine/backend.h"
+#include "engine/backend_cuda.h"
+#include "engine/kv_cache.h"
+#include "kernels/nvfp4_format.h"
+#include "tests/check.h"
+
+static Backend *cpu, *gpu;
+static uint64_t rng_state = 0x9e3779b97f4a7c15u;
+
+static uint32_t rnd(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t) (rng_state >> 16);
+}
+
+static float frand(void)
+{
+    return (float) rnd() / 4294967296.0f * 2.0f - 1.0f;
+}
+
+static float *rand_floats(size_t n, float scale)
+{
+    float *v = malloc(n * sizeof *v + 1);
+    ASSERT(v);
+    for (size_t i = 0; i < n; i++)
+        v[i] = frand() * scale;
+    return v;
+}
+
+// A device copy of host floats / ints on the GPU backend.
+static void *dev(const void *host, size_t bytes)
+{
+    void *d = gpu->alloc(gpu, bytes);
+    ASSERT(d);
+    gpu->upload(gpu, d, host, bytes);
+    return d;
+}
+
+static void *down(const void *d, size_t bytes)
+{
+    void *h = malloc(bytes + 1);
+    ASSERT(h);
+    gpu->download(gpu, h, d, bytes);
+    return h;
+}
+
+static double rel_l2(const float *got, const float *want, size_t n)
+{
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double d = (double) got[i] - want[i];
+        num += d * d;
+        den += (double) want[i] * want[i];
+    }
+    return sqrt(num / (den > 0.0 ? den : 1.0));
+}
+
+// Compare the GPU result d (n floats) with the CPU result want; print and check.
+static void expect_close(const char *what, const float *d, const float *want, size_t n, double tol)
+{
+    float *got = down(d, n * sizeof *got);
+    const double e = rel_l2(got, want, n);
+    printf("%-34s rel L2 %.3g\n", what, e);
+    CHECK(e <= tol);
+    if (e > tol) fprintf(stderr, "%s: relative L2 error %.3g > %.3g\n", what, e, tol);
+    free(got);
+}
+
+// A random weight [rows, cols] in format f (host memory; freed with free_linear).
+static CkptLinear make_linear(CkptLinearFormat f, int rows, int cols)
+{
+    CkptLinear w = {.format = f, .rows = rows, .cols = cols, .global_scale = 1.0f};
+    const size_t n = (size_t) rows * cols;
+    uint8_t *data = NULL;
+    switch (f) {
+    case CKPT_LINEAR_F32:
+        data = (uint8_t *) rand_floats(n, 0.1f);
+        break;
+    case CKPT_LINEAR_BF16:
+    case CKPT_LINEAR_F16:
+        data = malloc(n * 2);
+        ASSERT(data);
+        for (size_t i = 0; i < n; i++) {
+            // bf16: sign, exponent near 2^-4; f16: same range, exponent bias 15.
+            const uint16_t h = f == CKPT_LINEAR_BF16
+                                   ? (uint16_t) ((rnd() & 0x8000u) | (0x3b00u + (rnd() & 0x1ffu)))
+                                   : (uint16_t) ((rnd() & 0x8000u) | (0x2c00u + (rnd() & 0x7ffu)));
+            memcpy(data + 2 * i, &h, 2);
+        }
+        break;
+    case CKPT_LINEAR_FP8: {
+        data = malloc(n);
+        ASSERT(data);
+        for (size_t i = 0; i < n; i++)
+            data[i] = (uint8_t) ((rnd() & 0x80u) | (0x20u + rnd() % 0x30u));
+        const size_t nb = (size_t) ((rows + 127) / 128) * ((cols + 127) / 128);
+        float *s = malloc(nb * sizeof *s);
+        ASSERT(s);
+        for (size_t i = 0; i < nb; i++)
+            s[i] = 0.01f + 0.01f * (float) (rnd() % 7);
+        w.scale_f32 = s;
+        break;
+    }
+    case CKPT_LINEAR_NVFP4: {
+        data = malloc(n / 2);
+        uint8_t *s = malloc(n / NVFP4_GROUP);
+        ASSERT(data && s);
+        for (size_t i = 0; i < n / 2; i++)
+            data[i] = (uint8_t) rnd();
+        for (size_t i = 0; i < n / NVFP4_GROUP; i++)
+            s[i] = (uint8_t) (0x28 + rnd() % 0x18);  // e4m3 around 2^-2 .. 2^1
+        w.scale = s;
+        w.global_scale = 0.0123f;
+        break;
+    }
+    }
+    w.data = data;
+    return w;
+}
+
+static void free_linear(CkptLinear *w)
+{
+    free((void *) w->data);
+    free((void *) w->scale);
+    free((void *) w->scale_f32);
+}
+
+static const char *format_name(CkptLinearFormat f)
+{
+    static const char *names[] = {"f32", "f16", "bf16", "fp8", "nvfp4"};
+    return names[f];
+}
+
+static void test_matmul(void)
+{
+    const CkptLinearFormat formats[] = {CKPT_LINEAR_F32, CKPT_LINEAR_F16, CKPT_LINEAR_BF16,
+                                        CKPT_LINEAR_FP8, CKPT_LINEAR_NVFP4};
+    for (int fi = 0; fi < 5; fi++) {
+        const int rows = 203, cols = 288;
+        CkptLinear w = make_linear(formats[fi], rows, cols);
+        CkptLinear wg = w;
+        CHECK(gpu->bind_linear(gpu, &wg) == ERR_OK);
+        for (int n = 1; n <= 7; n += 6) {
+            float *x = rand_floats((size_t) n * cols, 1.0f);
+            float *want = malloc((size_t) n * rows * sizeof *want);
+            cpu->matmul(cpu, want, &w, x, n);
+            float *dx = dev(x, (size_t) n * cols * sizeof *x);
+            float *dy = gpu->alloc(gpu, (size_t) n * rows * sizeof(float));
+            gpu->matmul(gpu, dy, &wg, dx, n);
+            char what[64];
+            snprintf(what, sizeof what, "matmul %s n=%d", format_name(formats[fi]), n);
+            expect_close(what, dy, want, (size_t) n * rows, 1e-5);
+            if (n == 1) {  // embed reads rows with the same decoder
+                const int ids[3] = {0, rows - 1, 77};
+                float *e_want = malloc(3 * (size_t) cols * sizeof *e_want);
+                cpu->embed(cpu, e_want, &w, ids, 3);
+                int *dids = dev(ids, sizeof ids);
+                float *de = gpu->alloc(gpu, 3 * (size_t) cols * sizeof(float));
+                gpu->embed(gpu, de, &wg, dids, 3);
+                snprintf(what, sizeof what, "embed %s", format_name(formats[fi]));
+                expect_close(what, de, e_want, 3 * (size_t) cols, 0.0);
+                gpu->free_mem(gpu, dids);
+                gpu->free_mem(gpu, de);
+                free(e_want);
+            }
+            gpu->free_mem(gpu, dx);
+            gpu->free_mem(gpu, dy);
+            free(x);
+            free(want);
+        }
+        free_linear(&w);
+    }
+}
+
+static void test_elementwise(void)
+{
+    const int n = 5, dim = 96, stride = 130;
+    float *x = rand_floats((size_t) n * stride, 3.0f);
+    float *w = rand_floats(stride, 1.0f), *b = rand_floats(stride, 1.0f);
+    float *dx = dev(x, (size_t) n * stride * sizeof *x);
+    float *dw = dev(w, stride * sizeof *w), *db = dev(b, stride * sizeof *b);
+
+    float *want = malloc((size_t) n * stride * sizeof *want);
+    memcpy(want, x, (size_t) n * stride * sizeof *want);
+    cpu->rmsnorm(cpu, want, want, w, n, dim, stride, 1e-5f);
+    gpu->rmsnorm(gpu, dx, dx, dw, n, dim, stride, 1e-5f);
+    expect_close("rmsnorm in place, strided", dx, want, (size_t) n * stride, 1e-6);
+
+    gpu->upload(gpu, dx, x, (size_t) n * stride * sizeof *x);
+    memcpy(want, x, (size_t) n * stride * sizeof *want);
+    cpu->layernorm(cpu, want, want, w, b, n, dim, 1e-6f);
+    gpu->layernorm(gpu, dx, dx, dw, db, n, dim, 1e-6f);
+    expect_close("layernorm in place", dx, want, (size_t) n * dim, 1e-6);
+
+    // RoPE on 3 heads of 40 (offset 8, rope 16), then on a single strided row.
+    const int pos[5] = {0, 1, 17, 1000, 65000};
+    int *dpos = dev(pos, sizeof pos);
+    gpu->upload(gpu, dx, x, (size_t) n * stride * sizeof *x);
+    memcpy(want, x, (size_t) n * stride * sizeof *want);
+    cpu->rope(cpu, want, n, 3, stride, 40, 8, 16, pos, 1e4f);
+    gpu->rope(gpu, dx, n, 3, stride, 40, 8, 16, dpos, 1e4f);
+    cpu->rope(cpu, want, n, 1, stride, 0, 100, 30, pos, 8e6f);
+    gpu->rope(gpu, dx, n, 1, stride, 0, 100, 30, dpos, 8e6f);
+    expect_close("rope", dx, want, (size_t) n * stride, 1e-6);
+
+    const int N = n * stride;
+    float *u = rand_floats((size_t) N, 2.0f);
+    float *du = dev(u, (size_t) N * sizeof *u);
+    gpu->upload(gpu, dx, x, (size_t) N * sizeof *x);
+    memcpy(want, x, (size_t) N * sizeof *want);
+    cpu->silu_mul(cpu, want, want, u, N);
+    gpu->silu_mul(gpu, dx, dx, du, N);
+    expect_close("silu_mul", dx, want, (size_t) N, 1e-6);
+    cpu->add(cpu, want, u, N);
+    gpu->add(gpu, dx, du, N);
+    expect_close("add", dx, want, (size_t) N, 0.0);
+
+    gpu->free_mem(gpu, dx);
+    gpu->free_mem(gpu, dw);
+    gpu->free_mem(gpu, db);
+    gpu->free_mem(gpu, du);
+    gpu->free_mem(gpu, dpos);
+    free(x);
+    free(w);
+    free(b);
+    free(u);
+    free(want);
+}
+
+static void test_route_moe(void)
+{
+    const BackendRoute cases[2] = {{16, 4, 4, 2, true, 2.5f}, {7, 3, 1, 1, false, 1.0f}};
+    for (int ci = 0; ci < 2; ci++) {
+        const BackendRoute p = cases[ci];
+        const int n = 9, E = p.n_experts, K = p.top_k, hidden = 64, inter = 32;
+        float *logits = rand_floats((size_t) n * E, 4.0f), *bias = rand_floats((size_t) E, 0.5f);
+        int *idx = malloc((size_t) n * K * sizeof *idx);
+        float *wts = malloc((size_t) n * K * sizeof *wts);
+        cpu->route(cpu, idx, wts, logits, bias, n, &p);
+        float *dl = dev(logits, (size_t) n * E * sizeof(float)),
+              *dbias = dev(bias, E * sizeof(float));
+        int *didx = gpu->alloc(gpu, (size_t) n * K * sizeof(int));
+        float *dwts = gpu->alloc(gpu, (size_t) n * K * sizeof(float));
+        gpu->route(gpu, didx, dwts, dl, dbias, n, &p);
+        int *gidx = down(didx, (size_t) n * K * sizeof(int));
+        CHECK(memcmp(gidx, idx, (size_t) n * K * sizeof(int)) == 0);
+        expect_close(ci ? "route (7 experts, 1 group)" : "route (16 experts, 4 groups)", dwts, wts,
+                     (size_t) n * K, 1e-6);
+
+        // Routed experts: NVFP4 except one bf16 expert, as an odd mix.
+        CkptLinear *ex = calloc((size_t) 3 * E, sizeof *ex),
+                   *exg = calloc((size_t) 3 * E, sizeof *exg);
+        ASSERT(ex && exg);
+        for (int e = 0; e < E; e++) {
+            const CkptLinearFormat f = e == 1 ? CKPT_LINEAR_BF16 : CKPT_LINEAR_NVFP4;
+            ex[3 * e] = make_linear(f, inter, hidden);
+            ex[3 * e + 1] = make_linear(f, inter, hidden);
+            ex[3 * e + 2] = make_linear(f, hidden, inter);
+            for (int j = 0; j < 3; j++) {
+                exg[3 * e + j] = ex[3 * e + j];
+                CHECK(gpu->bind_linear(gpu, &exg[3 * e + j]) == ERR_OK);
+            }
+        }
+        float *x = rand_floats((size_t) n * hidden, 1.0f);
+        float *want = malloc((size_t) n * hidden * sizeof *want);
+        cpu->moe(cpu, want, x, n, idx, wts, K, ex, E);
+        float *dx = dev(x, (size_t) n * hidden * sizeof *x);
+        float *dout = gpu->alloc(gpu, (size_t) n * hidden * sizeof(float));
+        gpu->moe(gpu, dout, dx, n, didx, dwts, K, exg, E);
+        expect_close(ci ? "moe (7 experts, top 3)" : "moe (16 experts, top 4)", dout, want,
+                     (size_t) n * hidden, 1e-5);
+        for (int i = 0; i < 3 * E; i++)
+            free_linear(&ex[i]);
+        free(ex);
+        free(exg);
+        gpu->free_mem(gpu, dl);
+        gpu->free_mem(gpu, dbias);
+        gpu->free_mem(gpu, didx);
+        gpu->free_mem(gpu, dwts);
+        gpu->free_mem(gpu, dx);
+        gpu->free_mem(gpu, dout);
+        free(gidx);
+        free(x);
+        free(want);
+        free(logits);
+        free(bias);
+        free(idx);
+        free(wts);
+    }
+}
+
+// kv_write, dsa_topk and mla_attention over a 45-token sequence in blocks of 16, for an fp32
+// and a bf16 cache; the two backends use separate caches of the same layout.
+static void test_attention(KvDtype dtype)
+{
+    const int T = 45, L = 48, R = 16, Di = 32, Hi = 4, H = 3, nope = 24, vd = 20, topk = 8;
+    KvCacheParams p = {.n_layers = 2,
+                       .block_size = 16,
+                       .n_blocks = 4,
+                       .kv_lora = L,
+                       .rope_dim = R,
+                       .index_dim = Di,
+                       .dtype = dtype};
+    p.has_index[1] = true;
+    KvCache kc, kg;
+    ASSERT(kv_init(&kc, &p) == ERR_OK && kv_init(&kg, &p) == ERR_OK);
+    KvSeq sc = {0}, sg = {0};
+    ASSERT(kv_seq_reserve(&kc, &sc, T) == ERR_OK && kv_seq_reserve(&kg, &sg, T) == ERR_OK);
+    int pos[45];
+    for (int t = 0; t < T; t++)
+        pos[t] = t;
+    int *dpos = dev(pos, sizeof pos);
+    float *lat = rand_floats((size_t) T * (L + R), 1.0f), *key = rand_floats((size_t) T * Di, 1.0f);
+    float *dlat = dev(lat, (size_t) T * (L + R) * sizeof(float));
+    float *dkey = dev(key, (size_t) T * Di * sizeof(float));
+    for (int layer = 0; layer < 2; layer++) {
+        cpu->kv_write(cpu, &kc, &sc, layer, pos, T, 0, lat, L + R);
+        gpu->kv_write(gpu, &kg, &sg, layer, dpos, T, 0, dlat, L + R);
+    }
+    cpu->kv_write(cpu, &kc, &sc, 1, pos, T, L + R, key, Di);
+    gpu->kv_write(gpu, &kg, &sg, 1, dpos, T, L + R, dkey, Di);
+
+    // DSA: the last 12 queries (positions 33..44 > top_k) and the first 3 (all visible).
+    const BackendDsa dp = {Hi, Di, topk};
+    float *q = rand_floats((size_t) T * Hi * Di, 1.0f), *w = rand_floats((size_t) T * Hi, 1.0f);
+    float *dq = dev(q, (size_t) T * Hi * Di * sizeof(float)),
+          *dw = dev(w, (size_t) T * Hi * sizeof(float));
+    int *sel = calloc((size_t) T * topk, sizeof *sel), *n_sel = calloc(T, sizeof *n_sel);
+    int *dsel = gpu->alloc(gpu, (size_t) T * topk * sizeof(int));
+    int *dn_sel = gpu->alloc(gpu, (size_t) T * sizeof(int));
+    cpu->dsa_topk(cpu, sel, n_sel, q, w, &kc, &sc, 1, pos, T, &dp);
+    gpu->dsa_topk(gpu, dsel, dn_sel, dq, dw, &kg, &sg, 1, dpos, T, &dp);
+    int *gsel = down(dsel, (size_t) T * topk * sizeof(int)),
+        *gn = down(dn_sel, (size_t) T * sizeof(int));
+    int sel_bad = 0;
+    for (int t = 0; t < T; t++) {
+        sel_bad += gn[t] != n_sel[t];
+        for (int k = 0; k < n_sel[t] && k < topk; k++)
+            sel_bad += gsel[(size_t) t * topk + k] != sel[(size_t) t * topk + k];
+    }
+    printf("dsa_topk (%s cache)                 %d differences\n", dtype ? "bf16" : "f32", sel_bad);
+    CHECK(sel_bad == 0);
+
+    // MLA attention, dense and over the DSA selection.
+    CkptLinear kv_b = make_linear(CKPT_LINEAR_BF16, H * (nope + vd), L), kv_bg = kv_b;
+    CHECK(gpu->bind_linear(gpu, &kv_bg) == ERR_OK);
+    const BackendMla mp = {H, nope, R, vd, L, 0.125f};
+    float *qa = rand_floats((size_t) T * H * (nope + R), 1.0f);
+    float *dqa = dev(qa, (size_t) T * H * (nope + R) * sizeof(float));
+    float *want = malloc((size_t) T * H * vd * sizeof *want);
+    float *dout = gpu->alloc(gpu, (size_t) T * H * vd * sizeof(float));
+    for (int sparse = 0; sparse < 2; sparse++) {
+        cpu->mla_attention(cpu, want, qa, &kv_b, &kc, &sc, 0, pos, T, sparse ? sel : NULL,
+                           sparse ? n_sel : NULL, topk, &mp);
+        gpu->mla_attention(gpu, dout, dqa, &kv_bg, &kg, &sg, 0, dpos, T, sparse ? dsel : NULL,
+                           sparse ? dn_sel : NULL, topk, &mp);
+        char what[64];
+        snprintf(what, sizeof what, "mla_attention %s (%s cache)", sparse ? "sparse" : "dense",
+                 dtype ? "bf16" : "f32");
+        expect_close(what, dout, want, (size_t) T * H * vd, 1e-5);
+    }
+    free_linear(&kv_b);
+    gpu->free_mem(gpu, dpos);
+    gpu->free_mem(gpu, dlat);
+    gpu->free_mem(gpu, dkey);
+    gpu->free_mem(gpu, dq);
+    gpu->free_mem(gpu, dw);
+    gpu->free_mem(gpu, dsel);
+    gpu->free_mem(gpu, dn_sel);
+    gpu->free_mem(gpu, dqa);
+    gpu->free_mem(gpu, dout);
+    free(lat);
+    free(key);
+    free(q);
+    free(w);
+    free(sel);
+    free(n_sel);
+    free(gsel);
+    free(gn);
+    free(qa);
+    free(want);
+    kv_seq_free(&kc, &sc);
+    kv_seq_free(&kg, &sg);
+    kv_free(&kc);
+    kv_free(&kg);
+}
+
+int main(void)
+{
+    ASSERT(backend_cpu_create(2, &cpu) == ERR_OK);
+    if (backend_cuda_create(0, &gpu) != ERR_OK) {
+        fprintf(stderr, "no CUDA device\n");
+        return 1;
+    }
+    test_matmul();
+    test_elementwise();
+    test_route_moe();
+    test_attention(KV_DTYPE_F32);
+    test_attention(KV_DTYPE_BF16);
+    gpu->destroy(gpu);
+    cpu->destroy(cpu);
+    return check_exit();
+}

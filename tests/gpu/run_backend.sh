@@ -1,0 +1,59 @@
+#!/bin/sh
+# run_backend.sh [CARRY_DIR] - the engine's CUDA backend tests on the GPU machine (label gpu).
+#
+# The GPU image lacks the engine's build dependencies (json-c, pcre2, utf8proc, libpq), so the
+# engine is built on the development machine and carried: CARRY_DIR (default
+# .carry/cudabackend, gitignored) holds bin/{glmspark,gpu_backend_ops,gpu_golden_cuda} from a
+# CUDA build (-DGLMSPARK_NCCL_LIBRARY=OFF keeps NCCL out) and lib/ with every shared library
+# they need plus the dynamic loader, which runs them so that the image's own glibc does not
+# matter. Make it with:
+#   cmake -S . -B build-cudabackend -G Ninja -DWERROR=ON -DGLMSPARK_NCCL_LIBRARY=OFF
+#   ninja -C build-cudabackend glmspark gpu_backend_ops gpu_golden_cuda
+#   tests/gpu/run_backend.sh --pack build-cudabackend
+# Runs: every op against the CPU backend; each golden model end to end (in-process, and the
+# `glmspark logits --backend cuda` file against the reference); `glmspark generate
+# --backend cuda` greedy output against golden.json. Logs go to $OUT (or ./gpu-out).
+set -u
+cd "$(dirname "$0")/../.."
+if [ "${1:-}" = "--pack" ]; then
+    bld=$2
+    c=.carry/cudabackend
+    rm -rf "$c" && mkdir -p "$c/bin" "$c/lib"
+    cp "$bld/bin/glmspark" "$bld/bin/gpu_backend_ops" "$bld/bin/gpu_golden_cuda" "$c/bin/"
+    for b in "$c"/bin/*; do ldd "$b" | awk '/=>/ {print $3}'; done | sort -u | while read -r l; do
+        [ -n "$l" ] && cp -L "$l" "$c/lib/"
+    done
+    cp -L /lib64/ld-linux-x86-64.so.2 "$c/lib/"
+    du -sh "$c"
+    exit 0
+fi
+c=${1:-.carry/cudabackend}
+out=${OUT:-$(pwd)/gpu-out}
+mkdir -p "$out"
+libpath="$c/lib:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+run() { "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$@"; }
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+echo "== op tests (CUDA vs CPU backend)"
+if run "$c/bin/gpu_backend_ops" >"$out/backend_ops.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
+cat "$out/backend_ops.log" | tail -40
+echo "backend_ops $r"
+
+echo "== golden models"
+for d in tests/golden/models/*/; do
+    m=$(basename "$d")
+    toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('$d/golden.json'))['tokens'])))")
+    run "$c/bin/glmspark" logits --backend cuda --model "$d" --tokens "$toks" --out "$out/$m.f32" \
+        --decode-check >"$out/$m.cli.log" 2>&1 || { echo "$m: glmspark logits failed"; status=1; }
+    if run "$c/bin/gpu_golden_cuda" "$d" "$out/$m.f32" >"$out/$m.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
+    cat "$out/$m.log"; grep -i "decode\|error" "$out/$m.cli.log" | head -3
+    prompt=$(python3 -c "import json;print(','.join(map(str,json.load(open('$d/golden.json'))['greedy']['prompt'])))")
+    want=$(python3 -c "import json;g=json.load(open('$d/golden.json'))['greedy'];print(' '.join(map(str,g['output'])))")
+    n=$(python3 -c "import json;print(json.load(open('$d/golden.json'))['greedy']['max_tokens'])")
+    got=$(run "$c/bin/glmspark" generate --backend cuda --model "$d" --tokens "$prompt" \
+        --max-tokens "$n" --temperature 0 --ignore-eos 2>"$out/$m.gen.log" | tr -s ' ' | sed 's/ *$//')
+    if [ "$got" = "$want" ]; then g=PASS; else g="FAIL (got '$got', want '$want')"; status=1; fi
+    echo "$m: golden $r, generate --backend cuda $g"
+done
+exit $status
