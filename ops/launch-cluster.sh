@@ -14,13 +14,15 @@
 #    (ranks then come from OMPI_COMM_WORLD_RANK / PMI_RANK / SLURM_PROCID).
 #    Each rank runs GLMSPARK_RANK_CMD (default: glmspark-engine --recipe RECIPE --model MODEL
 #    --db DB) plus --rank R --world N --master ADDR:PORT (ssh, more than one node), or
-#    GLMSPARK_MASTER in its environment (mpirun/srun), plus ARGS; with the variables in GLMSPARK_PASS_ENV and
-#    GLMSPARK_CLUSTER_ID (a fresh id that ops/cleanup.sh uses to verify nothing is left).
+#    GLMSPARK_MASTER in its environment (mpirun/srun), plus ARGS; with the variables in
+#    GLMSPARK_PASS_ENV and GLMSPARK_CLUSTER_ID (a fresh id that ops/cleanup.sh uses to
+#    verify nothing is left).
 # 3. Waits until every rank's log matches GLMSPARK_READY_RE, printing each rank's progress
-#    (its last log line) as it changes; a rank that dies or exits first, or the recipe's
-#    load_timeout_s running out, is reported with its host, exit status and last log
-#    lines, and every node is cleaned up. The marker file GLMSPARK_RUN_DIR/loading exists on
-#    a node while its rank loads (ops/pagecache-dropper.sh works while it is there).
+#    (its last log line) as it changes; a rank that dies or exits first, a node silent for
+#    GLMSPARK_MAX_MISSED polls in a row (10; one missed answer is not a dead node), or the
+#    recipe's load_timeout_s running out, is reported with its host, exit status and last
+#    log lines, and every node is cleaned up. The marker file GLMSPARK_RUN_DIR/loading
+#    exists on a node while its rank loads (ops/pagecache-dropper.sh works while it is there).
 # --wait then stays until every rank has exited, and exits 0 only when all exited 0 (for
 #    batch commands and tests; SIGINT/SIGTERM stop the cluster). Without --wait the ranks
 #    keep running after the script exits; stop them with ops/cleanup.sh.
@@ -34,7 +36,7 @@ cl_prog=launch-cluster
 # shellcheck source=ops/cluster-lib.sh
 . "$here/cluster-lib.sh"
 
-usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 env_file=${GLMSPARK_ENV:-/etc/glmspark/env}
 env_explicit=0
@@ -293,8 +295,11 @@ on_signal() { trap - INT TERM; fail_cluster "interrupted"; }
 trap on_signal INT TERM
 
 t0=$(date +%s)
-declare -a ready_at last_line
-for i in "${!nodes[@]}"; do ready_at[i]=""; last_line[i]=""; done
+# A node that does not answer a poll (ssh timing out under memory pressure while it loads)
+# is not a dead rank: only GLMSPARK_MAX_MISSED (10) silent polls in a row fail the launch.
+max_missed=${GLMSPARK_MAX_MISSED:-10}
+declare -a ready_at last_line missed
+for i in "${!nodes[@]}"; do ready_at[i]=""; last_line[i]=""; missed[i]=0; done
 while :; do
     n_ready=0
     for i in "${!nodes[@]}"; do
@@ -305,6 +310,13 @@ while :; do
             n_ready=$((n_ready + 1))
             cl_say "rank $i on ${nodes[$i]}: ready after ${ready_at[i]} s"
             continue
+        fi
+        if [ "$state" = unreachable ]; then
+            missed[i]=$((missed[i] + 1))
+            cl_say "rank $i on ${nodes[$i]}: no answer (${missed[i]} of $max_missed)"
+            [ "${missed[i]}" -lt "$max_missed" ] && continue
+        else
+            missed[i]=0
         fi
         case $state in
         exited:* | dead | unreachable)
@@ -348,7 +360,11 @@ for i in "${!nodes[@]}"; do
         read -r state _ _ <<<"$(rank_status "$i" 0)"
         case $state in
         exited:*) code=${state#exited:}; break ;;
-        dead | unreachable) code=255; break ;;
+        dead) code=255; break ;;
+        unreachable)
+            missed[i]=$((missed[i] + 1))
+            [ "${missed[i]}" -ge "$max_missed" ] && { code=255; break; } ;;
+        *) missed[i]=0 ;;
         esac
         sleep "$poll_s"
     done

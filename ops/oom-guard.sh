@@ -24,12 +24,12 @@ once=0
 [ "${1:-}" = --once ] && once=1
 say() { echo "oom-guard: $*" >&2; }
 
-set_adj() {  # set_adj PID VALUE: only when different (the write is cheap, the log is not)
+set_adj() {  # set_adj PID VALUE COMM: only when different (the write is cheap, the log is not)
     local f=/proc/$1/oom_score_adj cur
-    cur=$(cat "$f" 2>/dev/null) || return 0
+    { read -r cur <"$f"; } 2>/dev/null || return 0
     [ "$cur" = "$2" ] && return 0
-    if echo "$2" >"$f" 2>/dev/null; then
-        say "pid $1 ($(cat "/proc/$1/comm" 2>/dev/null)): oom_score_adj $cur -> $2"
+    if { echo "$2" >"$f"; } 2>/dev/null; then
+        say "pid $1 ($3): oom_score_adj $cur -> $2"
     fi
 }
 
@@ -52,10 +52,10 @@ pass() {
     local d pid comm
     for d in /proc/[0-9]*; do
         pid=${d#/proc/}
-        comm=$(cat "$d/comm" 2>/dev/null) || continue
-        case $protect in *" $comm "*) set_adj "$pid" -1000; continue ;; esac
-        case $control in *" $comm "*) set_adj "$pid" -900; continue ;; esac
-        case $victims in *" $comm "*) set_adj "$pid" 500 ;; esac
+        { read -r comm <"$d/comm"; } 2>/dev/null || continue  # a builtin: no fork per process
+        case $protect in *" $comm "*) set_adj "$pid" -1000 "$comm"; continue ;; esac
+        case $control in *" $comm "*) set_adj "$pid" -900 "$comm"; continue ;; esac
+        case $victims in *" $comm "*) set_adj "$pid" 500 "$comm" ;; esac
     done
     local avail_mb
     avail_mb=$(( $(awk '/^MemAvailable:/ {print $2}' /proc/meminfo) / 1024 ))

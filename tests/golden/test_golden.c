@@ -28,97 +28,7 @@
 #include "engine/kv_cache.h"
 #include "engine/model.h"
 #include "tests/check.h"
-
-typedef struct Golden {
-    int *tokens;
-    int n_tokens;
-    int vocab;
-    char logits_file[256];
-    int *prompt;
-    int n_prompt;
-    int max_tokens;
-    int *output;
-    int n_output;
-} Golden;
-
-static int *int_array(json_object *arr, int *n)
-{
-    if (!arr || !json_object_is_type(arr, json_type_array)) return NULL;
-    *n = (int) json_object_array_length(arr);
-    int *v = malloc(((size_t) *n + 1) * sizeof *v);
-    ASSERT(v);
-    for (int i = 0; i < *n; i++)
-        v[i] = json_object_get_int(json_object_array_get_idx(arr, (size_t) i));
-    return v;
-}
-
-static bool golden_read(const char *dir, Golden *g)
-{
-    char path[1024];
-    snprintf(path, sizeof path, "%s/golden.json", dir);
-    json_object *root = json_object_from_file(path);
-    if (!root) {
-        fprintf(stderr, "could not read \"%s\"\n", path);
-        return false;
-    }
-    json_object *v, *greedy;
-    memset(g, 0, sizeof *g);
-    g->tokens = int_array(json_object_object_get_ex(root, "tokens", &v) ? v : NULL, &g->n_tokens);
-    g->vocab = json_object_object_get_ex(root, "vocab_size", &v) ? json_object_get_int(v) : 0;
-    snprintf(g->logits_file, sizeof g->logits_file, "%s",
-             json_object_object_get_ex(root, "logits_file", &v) ? json_object_get_string(v)
-                                                                : "logits.f32");
-    if (json_object_object_get_ex(root, "greedy", &greedy)) {
-        g->prompt =
-            int_array(json_object_object_get_ex(greedy, "prompt", &v) ? v : NULL, &g->n_prompt);
-        g->output =
-            int_array(json_object_object_get_ex(greedy, "output", &v) ? v : NULL, &g->n_output);
-        g->max_tokens = json_object_object_get_ex(greedy, "max_tokens", &v) ? json_object_get_int(v)
-                                                                            : g->n_output;
-    }
-    json_object_put(root);
-    if (!g->tokens || g->n_tokens < 1 || g->vocab < 1 || !g->prompt || !g->output) {
-        fprintf(stderr, "\"%s\" lacks tokens, vocab_size or greedy.prompt/output\n", path);
-        return false;
-    }
-    return true;
-}
-
-static float *read_logits(const char *dir, const Golden *g)
-{
-    char path[1024];
-    snprintf(path, sizeof path, "%s/%s", dir, g->logits_file);
-    const size_t count = (size_t) g->n_tokens * g->vocab;
-    float *v = malloc(count * sizeof *v);
-    FILE *f = fopen(path, "rb");
-    const bool ok = v && f && fread(v, sizeof *v, count, f) == count && fgetc(f) == EOF;
-    if (f) fclose(f);
-    if (!ok) {
-        fprintf(stderr, "could not read %zu floats from \"%s\"\n", count, path);
-        free(v);
-        return NULL;
-    }
-    return v;
-}
-
-static double rel_l2(const float *got, const float *want, int n)
-{
-    double num = 0.0, den = 0.0;
-    for (int i = 0; i < n; i++) {
-        const double d = (double) got[i] - want[i];
-        num += d * d;
-        den += (double) want[i] * want[i];
-    }
-    return sqrt(num / (den > 0.0 ? den : 1.0));
-}
-
-static int argmax(const float *v, int n)
-{
-    int best = 0;
-    for (int i = 1; i < n; i++)
-        if (v[i] > v[best]) best = i;
-    return best;
-}
+#include "tests/golden/golden_data.h"
 
 int main(int argc, char **argv)
 {
@@ -129,7 +39,7 @@ int main(int argc, char **argv)
     const char *dir = argv[1];
     Golden g;
     if (!golden_read(dir, &g)) return 1;
-    float *want = read_logits(dir, &g);
+    float *want = golden_read_logits(dir, &g);
     if (!want) return 1;
 
     Backend *be = NULL;
@@ -157,10 +67,10 @@ int main(int argc, char **argv)
     double worst = 0.0;
     int worst_pos = 0, argmax_bad = 0;
     for (int t = 0; t < g.n_tokens; t++) {
-        const double e = rel_l2(got + (size_t) t * V, want + (size_t) t * V, V);
+        const double e = golden_rel_l2(got + (size_t) t * V, want + (size_t) t * V, V);
         if (e > worst) worst = e, worst_pos = t;
         CHECK(e <= 1e-4);
-        const int a = argmax(got + (size_t) t * V, V), b = argmax(want + (size_t) t * V, V);
+        const int a = golden_argmax(got + (size_t) t * V, V), b = golden_argmax(want + (size_t) t * V, V);
         argmax_bad += a != b;
         if (a != b) fprintf(stderr, "position %d: argmax %d, reference %d\n", t, a, b);
     }
@@ -173,7 +83,7 @@ int main(int argc, char **argv)
     double worst_decode = 0.0;
     for (int t = 0; t < g.n_tokens; t++) {
         CHECK(model_forward(&m, &kv, &seq2, g.tokens + t, 1, row, false) == ERR_OK);
-        const double e = rel_l2(row, got + (size_t) t * V, V);
+        const double e = golden_rel_l2(row, got + (size_t) t * V, V);
         if (e > worst_decode) worst_decode = e;
     }
     CHECK(worst_decode <= 1e-5);
@@ -187,7 +97,7 @@ int main(int argc, char **argv)
     ASSERT(gen);
     CHECK(model_forward(&m, &kv, &seq3, g.prompt, g.n_prompt, row, false) == ERR_OK);
     for (int i = 0; i < g.max_tokens; i++) {
-        gen[i] = argmax(row, V);
+        gen[i] = golden_argmax(row, V);
         if (i + 1 < g.max_tokens)
             CHECK(model_forward(&m, &kv, &seq3, &gen[i], 1, row, false) == ERR_OK);
     }
@@ -206,9 +116,7 @@ int main(int argc, char **argv)
     free(got);
     free(row);
     free(want);
-    free(g.tokens);
-    free(g.prompt);
-    free(g.output);
+    golden_free(&g);
     kv_free(&kv);
     model_free(&m);
     be->destroy(be);

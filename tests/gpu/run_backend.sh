@@ -14,7 +14,7 @@
 # `glmspark logits --backend cuda` file against the reference); `glmspark generate
 # --backend cuda` greedy output against golden.json. Logs go to $OUT (or ./gpu-out).
 set -u
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 if [ "${1:-}" = "--pack" ]; then
     bld=$2
     c=.carry/cudabackend
@@ -37,7 +37,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 echo "== op tests (CUDA vs CPU backend)"
 if run "$c/bin/gpu_backend_ops" >"$out/backend_ops.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
-cat "$out/backend_ops.log" | tail -40
+tail -40 "$out/backend_ops.log"
 echo "backend_ops $r"
 
 echo "== golden models"

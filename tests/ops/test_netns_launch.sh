@@ -12,12 +12,28 @@
 #   4. A rank killed while running: launch-cluster --wait reports that host and rank, stops
 #      the others, and leaves nothing.
 #   5. With GLMSPARK_LAUNCHER=mpirun (when Open MPI is installed), case 1 again.
-# Needs root and `ip netns add`; when the namespaces cannot be created (a sandbox without
-# CAP_SYS_ADMIN), prints why and exits 77 (ctest: skipped).
+# Needs root, `ip netns add` and `ip netns exec`; when namespaces cannot be created or
+# entered (a sandbox without CAP_SYS_ADMIN), prints why and exits 77 (ctest: skipped).
 set -euo pipefail
 bin=$(cd "$1" && pwd)
 src=$(cd "$2" && pwd)
-tmp=$(mktemp -d /tmp/gs-netns.XXXXXX)
+# Leftovers of an earlier run that was killed (ctest's timeout sends SIGKILL, so its trap
+# never ran): namespaces, bridge and directory named after a test pid that is gone.
+for n in $(ip netns list 2>/dev/null | awk '$1 ~ /^gs[0-9]+-[0-2]$/ {print $1}'); do
+    owner=${n#gs}
+    owner=${owner%-*}
+    [ -d "/proc/$owner" ] && continue
+    for p in $(ip netns pids "$n" 2>/dev/null); do kill -KILL "$p" 2>/dev/null || true; done
+    ip netns del "$n" 2>/dev/null || true
+    ip link del "gs${owner}b" 2>/dev/null || true
+done
+for d in /tmp/gs-netns-*; do
+    [ -d "$d" ] || continue
+    owner=${d#/tmp/gs-netns-}
+    owner=${owner%%.*}
+    [ -d "/proc/$owner" ] || rm -rf "$d"
+done
+tmp=$(mktemp -d "/tmp/gs-netns-$$.XXXXXX")
 chmod 755 "$tmp"
 tag=gs$$
 br=${tag}b
@@ -43,6 +59,11 @@ if [ "$(id -u)" != 0 ] || ! ip netns add "${tag}-0" 2>"$tmp/netns.err"; then
     exit 77
 fi
 ns+=("${tag}-0")
+if ! ip netns exec "${tag}-0" unshare --uts --mount true 2>"$tmp/netns.err"; then
+    echo "SKIP: cannot enter a network namespace here (ip netns exec + unshare):" \
+        "$(cat "$tmp/netns.err")"
+    exit 77
+fi
 ip link add "$br" type bridge
 ip addr add "$subnet.254/24" dev "$br"
 ip link set "$br" up

@@ -533,8 +533,8 @@ async function load() {
         `wrk.headers["Content-Type"] = "application/json"\nwrk.headers["Authorization"] = "Bearer ${K.user}"\n`);
     const statusId = await submit({ max_tokens: 1 });
     const [enq, rd] = await Promise.all([
-        runTool('wrk', ['-t1', '-c16', `-d${dur}s`, '--latency', '-s', lua, `${URL_}/v1/jobs`]),
-        runTool('wrk', ['-t1', '-c32', `-d${dur}s`, '--latency', '-H', `Authorization: Bearer ${K.user}`,
+        runTool('wrk', ['-t1', '-c16', `-d${dur}s`, '--timeout', '10s', '--latency', '-s', lua, `${URL_}/v1/jobs`]),
+        runTool('wrk', ['-t1', '-c32', `-d${dur}s`, '--timeout', '10s', '--latency', '-H', `Authorization: Bearer ${K.user}`,
             `${URL_}/v1/jobs/${statusId}`]),
     ]);
     const e = wrkStats(enq.out), r = wrkStats(rd.out);
@@ -551,8 +551,8 @@ async function load() {
     assert.equal(r.non2xx, 0, `reads: ${r.non2xx} non-2xx`);
     return {
         iterations: e.reqs + r.reqs,
-        figures: `${dur} s; enqueue ${e.reqs} req (${e.rps}/s) p50 ${e.p50} p99 ${e.p99} non-2xx ${e.non2xx}; ` +
-            `reads ${r.reqs} req (${r.rps}/s) p50 ${r.p50} p99 ${r.p99} non-2xx ${r.non2xx}; ` +
+        figures: `${dur} s; enqueue ${e.reqs} req (${e.rps}/s) p50 ${e.p50} p99 ${e.p99} non-2xx ${e.non2xx} ${e.errs || 'no socket errors'}; ` +
+            `reads ${r.reqs} req (${r.rps}/s) p50 ${r.p50} p99 ${r.p99} non-2xx ${r.non2xx} ${r.errs || 'no socket errors'}; ` +
             `200 SSE readers all got the identical ${rs[0].events.length}-chunk stream (${ref.state}); ` +
             `notification queue usage ${usage}`,
     };
