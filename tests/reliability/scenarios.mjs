@@ -216,6 +216,7 @@ async function engineKillLoop() {
 
 async function fcgiKillEnqueue() {
     let firstAnswered = 0, firstLost = 0, committedUnanswered = 0, unavailable = 0;
+    const firstStatus = {};
     for (let i = 0; i < N.fcgiKill; i++) {
         const idem = `rel-fcgi-${process.pid}-${i}`;
         const h = { 'Idempotency-Key': idem };
@@ -227,6 +228,11 @@ async function fcgiKillEnqueue() {
         const a = await first;
         devstack('restart', 'fcgi');
         if (a.status === 202) firstAnswered++; else firstLost++;
+        firstStatus[a.status] = (firstStatus[a.status] || 0) + 1;
+        if (a.status >= 500) {  // nginx's answer for the cut request: the JSON 503, never HTML
+            assert.equal(a.status, 503, `cut request: ${a.status} ${a.text.slice(0, 100)}`);
+            assert.equal(a.json?.error?.code, 'unavailable');
+        }
         // Cut before the answer, yet committed: the case the key exists for.
         if (a.status !== 202 && Number(psql(`SELECT count(*) FROM jobs WHERE idem_key = '${idem}'`)) === 1)
             committedUnanswered++;
@@ -252,7 +258,8 @@ async function fcgiKillEnqueue() {
     return {
         iterations: N.fcgiKill,
         figures: `first request answered before the kill ${firstAnswered}, cut ${firstLost} ` +
-            `(${committedUnanswered} of them committed but unanswered); ` +
+            `(${committedUnanswered} of them committed but unanswered; statuses of the cut requests ` +
+            `${JSON.stringify(firstStatus)}); ` +
             `${unavailable} retries answered 503 (JSON, Retry-After) while fcgi was away; ` +
             'every retry returned exactly one job (DB count per key = 1)',
     };
@@ -585,7 +592,9 @@ async function slowClients() {
         const during = await probeLatency(25);
         const a = await attack;
         const p99 = pctl(during.lat, 99), b99 = pctl(base.lat, 99);
-        const connected = (a.out.match(/connected:\s+(\d+)/g) || []).map((s) => Number(s.split(/\s+/)[1]));
+        // Its status lines carry colour codes: "connected:   ESC[1;32m        9".
+        const plain = a.out.replace(/\x1b\[[0-9;]*m/g, '');
+        const connected = [...plain.matchAll(/\bconnected:\s+(\d+)/g)].map((m) => Number(m[1]));
         figures.push(`${name}: probe p50 ${ms(pctl(during.lat, 50))} p99 ${ms(p99)}, ${during.fails} failed; ` +
             `attacker peak connected ${connected.length ? Math.max(...connected) : '?'}`);
         assert.equal(during.fails, 0, `${name}: ${during.fails} normal requests failed`);
