@@ -379,26 +379,40 @@ static Err push_item(void **arr, size_t *n, size_t size)
     return ERR_OK;
 }
 
-static Err load_normalizer(Tokenizer *tok, json_object *obj, const Path *path)
+// A pipeline component (normalizer, pre-tokenizer, decoder, post-processor) is an object with
+// a "type". Writes the type to *type; an error names the path.
+static Err component_type(json_object *obj, const Path *path, const char **type)
 {
     if (json_object_get_type(obj) != json_type_object) {
         LOG_ERROR("tokenizer.json: %s: expected object", path->s);
         return ERR_FORMAT;
     }
-    const char *type;
     size_t type_n;
-    Err err = get_str(obj, path, "type", true, &type, &type_n);
+    return get_str(obj, path, "type", true, type, &type_n);
+}
+
+typedef Err (*ComponentLoader)(Tokenizer *tok, json_object *obj, const Path *path);
+
+// Load each element of the array obj[key] (a "Sequence" component) with load, in order.
+static Err load_sequence(Tokenizer *tok, json_object *obj, const Path *path, const char *key,
+                         ComponentLoader load)
+{
+    json_object *list;
+    Err err = get_field(obj, path, key, json_type_array, true, &list);
+    for (size_t i = 0; !err && i < json_object_array_length(list); i++) {
+        const Path ip = path_index(path, key, i);
+        err = load(tok, json_object_array_get_idx(list, i), &ip);
+    }
+    return err;
+}
+
+static Err load_normalizer(Tokenizer *tok, json_object *obj, const Path *path)
+{
+    const char *type;
+    Err err = component_type(obj, path, &type);
     if (err) return err;
     const Path tp = path_join(path, "type");
-    if (strcmp(type, "Sequence") == 0) {
-        json_object *list;
-        err = get_field(obj, path, "normalizers", json_type_array, true, &list);
-        for (size_t i = 0; !err && i < json_object_array_length(list); i++) {
-            const Path ip = path_index(path, "normalizers", i);
-            err = load_normalizer(tok, json_object_array_get_idx(list, i), &ip);
-        }
-        return err;
-    }
+    if (strcmp(type, "Sequence") == 0) return load_sequence(tok, obj, path, "normalizers", load_normalizer);
     TokNorm norm = {0};
     if (strcmp(type, "NFC") == 0) {
         norm.kind = TOK_NORM_NFC;
@@ -489,24 +503,11 @@ static Err load_prepend_scheme(json_object *obj, const Path *path, TokPrependSch
 
 static Err load_pre_tokenizer(Tokenizer *tok, json_object *obj, const Path *path)
 {
-    if (json_object_get_type(obj) != json_type_object) {
-        LOG_ERROR("tokenizer.json: %s: expected object", path->s);
-        return ERR_FORMAT;
-    }
     const char *type;
-    size_t type_n;
-    Err err = get_str(obj, path, "type", true, &type, &type_n);
+    Err err = component_type(obj, path, &type);
     if (err) return err;
     const Path tp = path_join(path, "type");
-    if (strcmp(type, "Sequence") == 0) {
-        json_object *list;
-        err = get_field(obj, path, "pretokenizers", json_type_array, true, &list);
-        for (size_t i = 0; !err && i < json_object_array_length(list); i++) {
-            const Path ip = path_index(path, "pretokenizers", i);
-            err = load_pre_tokenizer(tok, json_object_array_get_idx(list, i), &ip);
-        }
-        return err;
-    }
+    if (strcmp(type, "Sequence") == 0) return load_sequence(tok, obj, path, "pretokenizers", load_pre_tokenizer);
     if (tok->byte_level) {
         // Our model step reads raw bytes and maps them itself, so nothing may follow ByteLevel.
         LOG_ERROR("tokenizer.json: %s: unsupported pre-tokenizer after ByteLevel", tp.s);
@@ -577,24 +578,11 @@ static Err load_pre_tokenizer(Tokenizer *tok, json_object *obj, const Path *path
 
 static Err load_decoder(Tokenizer *tok, json_object *obj, const Path *path)
 {
-    if (json_object_get_type(obj) != json_type_object) {
-        LOG_ERROR("tokenizer.json: %s: expected object", path->s);
-        return ERR_FORMAT;
-    }
     const char *type;
-    size_t type_n;
-    Err err = get_str(obj, path, "type", true, &type, &type_n);
+    Err err = component_type(obj, path, &type);
     if (err) return err;
     const Path tp = path_join(path, "type");
-    if (strcmp(type, "Sequence") == 0) {
-        json_object *list;
-        err = get_field(obj, path, "decoders", json_type_array, true, &list);
-        for (size_t i = 0; !err && i < json_object_array_length(list); i++) {
-            const Path ip = path_index(path, "decoders", i);
-            err = load_decoder(tok, json_object_array_get_idx(list, i), &ip);
-        }
-        return err;
-    }
+    if (strcmp(type, "Sequence") == 0) return load_sequence(tok, obj, path, "decoders", load_decoder);
     TokDec dec = {0};
     if (strcmp(type, "ByteLevel") == 0) {
         dec.kind = TOK_DEC_BYTELEVEL;
@@ -1013,23 +1001,10 @@ static Err template_ids(json_object *specials, const Path *path, const char *nam
 
 static Err load_post_processor(Tokenizer *tok, json_object *obj, const Path *path)
 {
-    if (json_object_get_type(obj) != json_type_object) {
-        LOG_ERROR("tokenizer.json: %s: expected object", path->s);
-        return ERR_FORMAT;
-    }
     const char *type;
-    size_t type_n;
-    Err err = get_str(obj, path, "type", true, &type, &type_n);
+    Err err = component_type(obj, path, &type);
     if (err) return err;
-    if (strcmp(type, "Sequence") == 0) {
-        json_object *list;
-        err = get_field(obj, path, "processors", json_type_array, true, &list);
-        for (size_t i = 0; !err && i < json_object_array_length(list); i++) {
-            const Path ip = path_index(path, "processors", i);
-            err = load_post_processor(tok, json_object_array_get_idx(list, i), &ip);
-        }
-        return err;
-    }
+    if (strcmp(type, "Sequence") == 0) return load_sequence(tok, obj, path, "processors", load_post_processor);
     if (strcmp(type, "ByteLevel") == 0) return ERR_OK;  // offsets only
     int32_t *pre = NULL, *suf = NULL;
     size_t n_pre = 0, n_suf = 0;

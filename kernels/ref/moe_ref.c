@@ -1,6 +1,6 @@
 /*
  * moe_ref.c - the router and the experts written out plainly, following
- * /work/ref/modeling_glm_moe_dsa.py (GlmMoeDsaTopkRouter / route_tokens_to_experts).
+ * transformers 5.17 models/glm_moe_dsa/modeling_glm_moe_dsa.py (GlmMoeDsaTopkRouter / route_tokens_to_experts).
  */
 #include "kernels/ref/moe_ref.h"
 

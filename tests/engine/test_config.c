@@ -1,6 +1,6 @@
 /*
  * test_config.c - config.json / hf_quant_config.json parsing against transformers'
- * GlmMoeDsaConfig semantics (/work/ref/configuration_glm_moe_dsa.py, 5.17).
+ * GlmMoeDsaConfig semantics (transformers 5.17 configuration_glm_moe_dsa.py).
  *
  * Expected values come from that file: its defaults, its indexer_types rule
  * (full iff max(i - offset + 1, 0) % freq == 0, defaults offset 2 / freq 1), its
