@@ -150,6 +150,17 @@ struct Backend {
     void (*mla_attention)(Backend *be, float *out, const float *q, const CkptLinear *kv_b,
                           const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
                           const int *sel, const int *n_sel, int sel_stride, const BackendMla *p);
+
+    // Optional (NULL when the backend has none, as the CPU one): record the ops called
+    // between graph_begin and graph_end once and replay them (a CUDA graph). key [n_key]
+    // must name everything host-side those ops' arguments depend on (buffers, shapes, n)
+    // except the KvCache and the sequences' block tables, which the backend takes from kv
+    // and seqs [n_seqs] itself; inputs that vary (positions, token ids) must be in backend
+    // memory, uploaded before graph_begin. Returns true when a recording of this key will
+    // run at graph_end: the caller then skips the ops. graph_end follows every graph_begin.
+    bool (*graph_begin)(Backend *be, const KvCache *kv, KvSeq *const *seqs, int n_seqs,
+                        const unsigned long long *key, int n_key);
+    void (*graph_end)(Backend *be);
 };
 
 // The plain-C11 reference backend: fp32 math (double where a reduction needs it), split

@@ -20,6 +20,7 @@ static const CliCommand commands[] = {
     {"chat-template", cli_chat_template, "render OpenAI-style messages as a GLM prompt"},
     {"db", cli_db, "apply the job-queue SQL migrations: db migrate --db CONNINFO"},
     {"keys", cli_keys, "API keys: keys create|list|revoke"},
+    {"status", cli_status, "the engine's ranks, KV cache, jobs and tokens/s (exit 0 when up)"},
     {NULL, NULL, NULL},
 };
 

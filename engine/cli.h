@@ -5,7 +5,8 @@
  * argv[0] = the command name. Each returns the process exit status: 0 on success, 1 on a
  * failure that has been reported on stderr, 2 on a usage error. Commands are grouped in
  * files by subject: cli_model.c (logits, generate), cli_ckpt.c (inspect, mkmodel),
- * cli_text.c (tokenize, detokenize), cli_chat.c (chat-template), cli_serve.c (db, keys).
+ * cli_text.c (tokenize, detokenize), cli_chat.c (chat-template), cli_serve.c (db, keys),
+ * cli_status.c (status).
  *
  * Ownership: nothing outlives a call.
  * Threads:   called once, from main.
@@ -40,6 +41,7 @@ int cli_bench(int argc, char **argv);
 int cli_chat_template(int argc, char **argv);
 int cli_db(int argc, char **argv);
 int cli_keys(int argc, char **argv);
+int cli_status(int argc, char **argv);  // cli_status.c
 
 #ifdef __cplusplus
 }

@@ -31,7 +31,9 @@
  * generate --mtp K (1..8) decodes speculatively (mtp.h): K drafts from the model's MTP
  * layer, verified in one forward of 1 + K tokens; the greedy output is the same as
  * without it, and sampling keeps the target distribution (temperature only: no top-k/p,
- * min-p or penalties). Acceptance rate and tok/s go to stderr. Single rank, one sequence.
+ * min-p or penalties). Acceptance rate and tok/s go to stderr. With --pp N or --n-seqs K
+ * it runs through the scheduler (SchedParams.mtp_k): the last rank drafts, the next
+ * micro-batch verifies, and the output is again what the run without --mtp prints.
  */
 #include "cli.h"
 
@@ -342,7 +344,8 @@ static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, cons
     if (!out.ids || !out.n) goto done;
     for (int i = 0; i < K; i++)
         if (!(out.ids[i] = malloc(((size_t) a->max_tokens + 1) * sizeof(int32_t)))) goto done;
-    const SchedParams sp = {.max_num_seqs = K, .on_event = on_batch_event, .user = &out};
+    const SchedParams sp = {
+        .max_num_seqs = K, .mtp_k = a->mtp, .on_event = on_batch_event, .user = &out};
     if (sched_create(st, m, kv, &sp, &s)) goto done;
     for (int i = 0; i < K; i++) {
         SchedRequest r = {.id = (uint64_t) i,
@@ -369,6 +372,14 @@ static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, cons
     LOG_INFO("%d sequences x %d prompt tokens: %d tokens generated in %.3f s (%.2f tok/s "
              "aggregate, %.3f s cpu on rank 0) over %d ranks",
              K, n, total, dt, total / dt, dc, pp_world(st));
+    if (a->mtp > 0) {
+        SchedStats ss;
+        sched_stats(s, &ss);
+        LOG_INFO("mtp %d: %llu verify steps, %llu of %llu drafts accepted (%.1f%%)", a->mtp,
+                 (unsigned long long) ss.mtp_steps, (unsigned long long) ss.mtp_accepted,
+                 (unsigned long long) ss.mtp_drafted,
+                 ss.mtp_drafted ? 100.0 * (double) ss.mtp_accepted / (double) ss.mtp_drafted : 0.0);
+    }
     rc = 0;
 
 done:
@@ -395,7 +406,8 @@ static bool is_eos(const Model *m, int id)
 static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int n)
 {
     const bool is_logits = strcmp(cmd, "logits") == 0;
-    const int positions = n + (is_logits ? 0 : a->max_tokens);
+    // MTP: the last rank's draft recursion runs up to --mtp positions past the output.
+    const int positions = n + (is_logits ? 0 : a->max_tokens + a->mtp);
     Backend *be = NULL;
     Model m = {0};
     KvCache kv = {0};
@@ -404,6 +416,12 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
     FILE *f = NULL;
     int rc = 1;
     if (!cfg || config_load(cfg, a->model_dir)) goto done;
+    if (a->mtp > 0 && cfg->n_mtp_layers < 1) {
+        LOG_ERROR("--mtp needs the model's MTP layer; \"%s\" has none (num_nextn_predict_layers "
+                  "0)",
+                  a->model_dir);
+        goto done;
+    }
     PpPlan plan;
     // Memory is not the constraint on the CPU: balance bytes (weights + KV at the context).
     if (pp_plan_model(a->model_dir, cfg, a->world, UINT64_C(1) << 60, 1.0, positions,
@@ -411,7 +429,9 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
         goto done;
     const PpRankPlan *mine = &plan.ranks[a->rank];
     const double t0 = now_s();
-    const ModelOptions opts = {.first_layer = mine->first_layer, .last_layer = mine->last_layer};
+    const ModelOptions opts = {.load_mtp = a->mtp > 0 && !is_logits,
+                               .first_layer = mine->first_layer,
+                               .last_layer = mine->last_layer};
     if (backend_open(a, &be) || model_load(&m, a->model_dir, &opts, be)) goto done;
     // Read this rank's weights once now, with progress (bytes, GB/s, ETA) in the log, rather
     // than page-faulting them in during the first forward pass.
@@ -426,7 +446,8 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
              a->rank, a->world, mine->first_layer, mine->last_layer,
              m.has_embed ? " + embeddings" : "", m.has_head ? " + head" : "",
              mine->weight_bytes / 1e9, m.ckpt.n_shards, now_s() - t0, touch.gb_per_s);
-    const uint64_t extra = (uint64_t) positions << 8 | (uint64_t) a->kv_dtype;
+    const uint64_t extra =
+        (uint64_t) a->mtp << 48 | (uint64_t) positions << 8 | (uint64_t) a->kv_dtype;
     if (pp_stage_create(&m, &kv, a->rank, a->world, a->master, pp_plan_hash(cfg, &plan, extra),
                         &st))
         goto done;
@@ -452,7 +473,7 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
             goto done;
         }
         f = NULL;
-    } else if (a->n_seqs > 1) {
+    } else if (a->n_seqs > 1 || a->mtp > 0) {
         if (drive_scheduler(a, st, &m, &kv, ids, n)) goto done;
     } else {
         op.flags |= PP_SEQ_SAMPLE;
@@ -652,13 +673,11 @@ int cli_generate(int argc, char **argv)
     if (rc) return rc;
     int *ids = NULL, n = 0;
     if (!parse_tokens(argv[0], a.tokens_arg, &ids, &n)) return 2;
-    if (a.mtp > 0 && (a.pp > 1 || a.rank >= 0 || a.n_seqs > 1)) {
-        fprintf(stderr, "glmspark generate: --mtp runs one sequence on one rank (no --pp, "
-                        "--rank or --n-seqs)\n");
+    if (a.mtp > 0 && mtp_check_params(&a.sampling)) {
         free(ids);
         return 2;
     }
-    if (a.mtp > 0) {
+    if (a.mtp > 0 && a.pp == 1 && a.rank < 0 && a.n_seqs <= 1) {
         rc = generate_mtp(&a, ids, n);
         free(ids);
         return rc;
@@ -685,9 +704,11 @@ int cli_generate(int argc, char **argv)
         // Through the scheduler on one stage: the cache holds every sequence at once.
         PpStage *st = NULL;
         KvCacheParams p;
-        if (backend_open(&a, &be) || model_load(&m, a.model_dir, NULL, be)) goto done;
+        const ModelOptions opts = {.load_mtp = a.mtp > 0};
+        if (backend_open(&a, &be) || model_load(&m, a.model_dir, &opts, be)) goto done;
         const int block = KV_DEFAULT_BLOCK_SIZE;
-        p = model_kv_params(&m, a.n_seqs * ((n + a.max_tokens + block - 1) / block), block);
+        p = model_kv_params(&m, a.n_seqs * ((n + a.max_tokens + a.mtp + block - 1) / block),
+                            block);
         p.dtype = a.kv_dtype;
         if (kv_init(&kv, &p) == ERR_OK && pp_stage_create(&m, &kv, 0, 1, NULL, 0, &st) == ERR_OK)
             rc = drive_scheduler(&a, st, &m, &kv, ids, n);

@@ -76,43 +76,71 @@ static void print_ids(const TokIds *ids, bool json)
     puts(json ? "]" : "");
 }
 
-int cli_tokenize(int argc, char **argv)
+// What tokenize and detokenize share: the tokenizer, all of stdin (n bytes, NUL-terminated)
+// and the command's two boolean flags.
+typedef struct TextCmd {
+    Tokenizer *tok;
+    char *input;
+    size_t n;
+    bool on[2];
+} TextCmd;
+
+// Parse "--tokenizer FILE" and the flags flags[0] and flags[1] (setting c->on[0], c->on[1]),
+// load the tokenizer and read stdin into *c (zeroed by the caller). Returns -1 on success
+// (text_cmd_close frees c); otherwise the command's exit status, 2 after printing the
+// usage or 1 after a failure, with nothing to free.
+static int text_cmd_open(int argc, char **argv, const char *const flags[2], TextCmd *c)
 {
     const char *path = NULL;
-    bool add_special = false, jsonl = false;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--tokenizer") == 0 && i + 1 < argc) {
             path = argv[++i];
-        } else if (strcmp(argv[i], "--add-special") == 0) {
-            add_special = true;
-        } else if (strcmp(argv[i], "--jsonl") == 0) {
-            jsonl = true;
+        } else if (strcmp(argv[i], flags[0]) == 0) {
+            c->on[0] = true;
+        } else if (strcmp(argv[i], flags[1]) == 0) {
+            c->on[1] = true;
         } else {
             return usage(argv[0]);
         }
     }
     if (!path) return usage(argv[0]);
-    Tokenizer *tok = NULL;
-    char *input = NULL;
-    TokIds ids = {0};
-    int rc = 1;
-    if (tok_load(&tok, path)) goto done;
-    size_t n;
-    input = read_all(stdin, &n);
-    if (!input) {
-        fprintf(stderr, "glmspark tokenize: could not read stdin: %s\n", strerror(errno));
-        goto done;
+    if (tok_load(&c->tok, path)) return 1;
+    c->input = read_all(stdin, &c->n);
+    if (!c->input) {
+        fprintf(stderr, "glmspark %s: could not read stdin: %s\n", argv[0], strerror(errno));
+        tok_destroy(c->tok);
+        c->tok = NULL;
+        return 1;
     }
+    return -1;
+}
+
+// Free what text_cmd_open gave c.
+static void text_cmd_close(TextCmd *c)
+{
+    free(c->input);
+    tok_destroy(c->tok);
+}
+
+int cli_tokenize(int argc, char **argv)
+{
+    static const char *const flags[2] = {"--add-special", "--jsonl"};
+    TextCmd c = {0};
+    int rc = text_cmd_open(argc, argv, flags, &c);
+    if (rc >= 0) return rc;
+    const bool add_special = c.on[0], jsonl = c.on[1];
+    TokIds ids = {0};
+    rc = 1;
     if (!jsonl) {
-        if (tok_encode(tok, input, n, add_special, &ids)) goto done;
+        if (tok_encode(c.tok, c.input, c.n, add_special, &ids)) goto done;
         print_ids(&ids, false);
         rc = 0;
         goto done;
     }
     size_t line_no = 0;
-    for (char *line = input; line < input + n;) {
-        char *end = memchr(line, '\n', (size_t) (input + n - line));
-        if (!end) end = input + n;
+    for (char *line = c.input; line < c.input + c.n;) {
+        char *end = memchr(line, '\n', (size_t) (c.input + c.n - line));
+        if (!end) end = c.input + c.n;
         line_no++;
         json_tokener *jt = json_tokener_new();
         json_object *js = jt ? json_tokener_parse_ex(jt, line, (int) (end - line)) : NULL;
@@ -121,8 +149,8 @@ int cli_tokenize(int argc, char **argv)
             fprintf(stderr, "glmspark tokenize: line %zu: expected one JSON string\n", line_no);
         } else {
             ids.n = 0;
-            if (tok_encode(tok, json_object_get_string(js), (size_t) json_object_get_string_len(js),
-                           add_special, &ids)) {
+            if (tok_encode(c.tok, json_object_get_string(js),
+                           (size_t) json_object_get_string_len(js), add_special, &ids)) {
                 json_object_put(js);
                 json_tokener_free(jt);
                 goto done;
@@ -138,40 +166,22 @@ int cli_tokenize(int argc, char **argv)
 done:
     if (fflush(stdout) != 0) rc = 1;
     tok_ids_free(&ids);
-    free(input);
-    tok_destroy(tok);
+    text_cmd_close(&c);
     return rc;
 }
 
 int cli_detokenize(int argc, char **argv)
 {
-    const char *path = NULL;
-    bool skip = false, stream = false;
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--tokenizer") == 0 && i + 1 < argc) {
-            path = argv[++i];
-        } else if (strcmp(argv[i], "--skip-special") == 0) {
-            skip = true;
-        } else if (strcmp(argv[i], "--stream") == 0) {
-            stream = true;
-        } else {
-            return usage(argv[0]);
-        }
-    }
-    if (!path) return usage(argv[0]);
-    Tokenizer *tok = NULL;
+    static const char *const flags[2] = {"--skip-special", "--stream"};
+    TextCmd c = {0};
+    int rc = text_cmd_open(argc, argv, flags, &c);
+    if (rc >= 0) return rc;
     TokStream *ts = NULL;
-    char *input = NULL, *text = NULL;
+    char *text = NULL;
+    const bool skip = c.on[0], stream = c.on[1];
     TokIds ids = {0};
-    int rc = 1;
-    if (tok_load(&tok, path)) goto done;
-    size_t n;
-    input = read_all(stdin, &n);
-    if (!input) {
-        fprintf(stderr, "glmspark detokenize: could not read stdin: %s\n", strerror(errno));
-        goto done;
-    }
-    for (char *p = input; *p;) {
+    rc = 1;
+    for (char *p = c.input; *p;) {
         if (strchr(" \t\r\n,[]", *p)) {
             p++;
             continue;
@@ -180,7 +190,7 @@ int cli_detokenize(int argc, char **argv)
         errno = 0;
         const long v = strtol(p, &end, 10);
         if (end == p || errno || v < 0 || v > INT32_MAX) {
-            fprintf(stderr, "glmspark detokenize: bad id at byte %zu\n", (size_t) (p - input));
+            fprintf(stderr, "glmspark detokenize: bad id at byte %zu\n", (size_t) (p - c.input));
             goto done;
         }
         if (ids.n == ids.cap) {
@@ -193,7 +203,7 @@ int cli_detokenize(int argc, char **argv)
         p = end;
     }
     if (stream) {
-        if (tok_stream_create(&ts, tok, skip)) goto done;
+        if (tok_stream_create(&ts, c.tok, skip)) goto done;
         const char *piece;
         size_t np;
         for (size_t i = 0; i < ids.n; i++) {
@@ -204,7 +214,7 @@ int cli_detokenize(int argc, char **argv)
         fwrite(piece, 1, np, stdout);
     } else {
         size_t nt;
-        if (tok_decode(tok, ids.ids, ids.n, skip, &text, &nt)) goto done;
+        if (tok_decode(c.tok, ids.ids, ids.n, skip, &text, &nt)) goto done;
         fwrite(text, 1, nt, stdout);
     }
     rc = 0;
@@ -213,8 +223,7 @@ done:
     tok_stream_destroy(ts);
     tok_ids_free(&ids);
     free(text);
-    free(input);
-    tok_destroy(tok);
+    text_cmd_close(&c);
     return rc;
 }
 

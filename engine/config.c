@@ -177,9 +177,10 @@ static json_object *parse_object(const char *text, size_t len, const char *origi
 static Err parse_indexer_entry(const Ctx *c, const char *field, int i, const char *s,
                                ConfigIndexer *out)
 {
-    if (!strcmp(s, "full") || !strcmp(s, "F")) {
+    const size_t len = strlen(s);  // compared by length first: gcc -O3 warns on short buffers
+    if ((len == 4 && !memcmp(s, "full", 4)) || (len == 1 && s[0] == 'F')) {
         *out = CONFIG_INDEXER_FULL;
-    } else if (!strcmp(s, "shared") || !strcmp(s, "S")) {
+    } else if ((len == 6 && !memcmp(s, "shared", 6)) || (len == 1 && s[0] == 'S')) {
         *out = CONFIG_INDEXER_SHARED;
     } else {
         LOG_ERROR("%s: field \"%s\"[%d] = \"%.32s\" is neither \"full\" nor \"shared\"", c->origin,

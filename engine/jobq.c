@@ -8,6 +8,10 @@
  * that keeps chunks contiguous) feeds the INSERT of its chunks and the NOTIFY through
  * data-modifying CTEs. The UPDATE takes the job's row lock first, so an append and a
  * takeover by another engine are serialized and the loser sees zero rows.
+ * jobq_append_batch() is the same for many jobs in one prepared statement whose items
+ * and chunks travel as parallel arrays: one UPDATE ... FROM unnest(...) matches only the
+ * rows still ours, so a fenced item drops out without aborting the others, and one commit
+ * (one WAL flush, one pass of the notify queue) serves the whole engine step.
  */
 #include "jobq.h"
 
@@ -29,6 +33,7 @@ struct JobQueue {
     int64_t epoch;
     char epoch_text[24];
     char lease_text[16];
+    bool is_batch_prepared;  // the batch statement exists on this connection
 };
 
 // ---------------------------------------------------------------------------
@@ -85,25 +90,40 @@ static Err parse_int_array(const char *s, int32_t **out, int *n_out)
     return ERR_FORMAT;
 }
 
-// Append "{a,b,c}" for ids[0..n) to buf (a growing heap string). false on OOM.
-static bool format_int_array(char **buf, size_t *len, size_t *cap, const int32_t *ids, int n)
+// A growing heap string with sticky allocation failure (statement parameters).
+typedef struct StrBuf {
+    char *s;
+    size_t len, cap;
+    bool is_oom;
+} StrBuf;
+
+static void buf_add(StrBuf *b, const char *s, size_t n)
 {
-    const size_t need = *len + 2 + (size_t) n * 12 + 1;
-    if (need > *cap) {
-        size_t c = *cap ? *cap : 64;
-        while (c < need) c *= 2;
-        char *b = realloc(*buf, c);
-        if (!b) return false;
-        *buf = b;
-        *cap = c;
+    if (b->is_oom) return;
+    if (b->len + n + 1 > b->cap) {
+        size_t c = b->cap ? b->cap : 256;
+        while (c < b->len + n + 1) c *= 2;
+        char *p = realloc(b->s, c);
+        if (!p) {
+            b->is_oom = true;
+            return;
+        }
+        b->s = p;
+        b->cap = c;
     }
-    char *p = *buf + *len;
-    *p++ = '{';
-    for (int i = 0; i < n; i++) p += sprintf(p, i ? ",%d" : "%d", (int) ids[i]);
-    *p++ = '}';
-    *p = '\0';
-    *len = (size_t) (p - *buf);
-    return true;
+    memcpy(b->s + b->len, s, n);
+    b->len += n;
+    b->s[b->len] = '\0';
+}
+
+// Append "{a,b,c}" for ids[0..n) to b.
+static void buf_add_int_array(StrBuf *b, const int32_t *ids, int n)
+{
+    char t[16];
+    buf_add(b, "{", 1);
+    for (int i = 0; i < n; i++)
+        buf_add(b, t, (size_t) snprintf(t, sizeof t, i ? ",%d" : "%d", (int) ids[i]));
+    buf_add(b, "}", 1);
 }
 
 // Open the connection, LISTEN, take the lock when exclusive. ERR_AGAIN when the lock is
@@ -111,6 +131,7 @@ static bool format_int_array(char **buf, size_t *len, size_t *cap, const int32_t
 static Err open_session(JobQueue *q)
 {
     PQfinish(q->conn);
+    q->is_batch_prepared = false;
     q->conn = PQconnectdb(q->conninfo);
     if (PQstatus(q->conn) != CONNECTION_OK) {
         LOG_WARN("jobq: could not connect to the database: %s", PQerrorMessage(q->conn));
@@ -338,20 +359,20 @@ Err jobq_append(JobQueue *q, JobqJob *job, const JobqChunk *chunks, int n, bool 
     enum { N_FIXED = 6, PER_CHUNK = 4 };
     const char *params[N_FIXED + PER_CHUNK * 64];
     char id_text[24], seq_text[16], n_text[16], n_tok_text[16], attempt_text[16];
-    char *arrays = NULL, *sql = NULL;
-    size_t arrays_len = 0, arrays_cap = 0, offsets[64];
+    char *sql = NULL;
+    StrBuf arrays = {0};
+    size_t offsets[64];
     PGresult *res = NULL;
     Err err = ERR_NOMEM;
 
     int n_tokens = 0;
     for (int i = 0; i < n; i++) {
-        offsets[i] = arrays_len;
-        if (!format_int_array(&arrays, &arrays_len, &arrays_cap, chunks[i].token_ids,
-                              chunks[i].n_tokens))
-            goto done;
-        arrays_len++;  // keep the NUL: each array is its own parameter string
+        offsets[i] = arrays.len;
+        buf_add_int_array(&arrays, chunks[i].token_ids, chunks[i].n_tokens);
+        buf_add(&arrays, "", 1);  // keep the NUL: each array is its own parameter string
         n_tokens += chunks[i].n_tokens;
     }
+    if (arrays.is_oom) goto done;
     snprintf(id_text, sizeof id_text, "%lld", (long long) job->id);
     snprintf(seq_text, sizeof seq_text, "%d", job->next_seq);
     snprintf(n_text, sizeof n_text, "%d", n);
@@ -382,7 +403,7 @@ Err jobq_append(JobQueue *q, JobqJob *job, const JobqChunk *chunks, int n, bool 
         const int p = N_FIXED + PER_CHUNK * i;
         params[p] = kind_names[chunks[i].kind];
         params[p + 1] = chunks[i].text ? chunks[i].text : "";
-        params[p + 2] = arrays + offsets[i];
+        params[p + 2] = arrays.s + offsets[i];
         params[p + 3] = chunks[i].logprobs_json;  // NULL: SQL NULL
         len += snprintf(sql + len, sql_cap - (size_t) len,
                         "%s($%d::text, $%d::text, $%d::int[], $%d::jsonb, %d)", i ? ", " : "", p + 1,
@@ -407,7 +428,7 @@ Err jobq_append(JobQueue *q, JobqJob *job, const JobqChunk *chunks, int n, bool 
 done:
     PQclear(res);
     free(sql);
-    free(arrays);
+    free(arrays.s);
     return err;
 }
 
@@ -435,27 +456,37 @@ Err jobq_heartbeat(JobQueue *q, const JobqJob *job, bool *is_cancelled)
     return err;
 }
 
+// Run sql, a statement on one running job of ours returning one row when it applied:
+// $1 the job id, $2 our epoch, $3.. extra[0..n_extra). ERR_NOTFOUND (logged) when the job
+// is no longer ours.
+static Err exec_owned(JobQueue *q, const JobqJob *job, const char *what, const char *sql,
+                      const char *const *extra, int n_extra)
+{
+    char id_text[24];
+    const char *params[5] = {id_text, q->epoch_text};
+    ASSERT(n_extra <= 3);
+    for (int i = 0; i < n_extra; i++) params[2 + i] = extra[i];
+    snprintf(id_text, sizeof id_text, "%lld", (long long) job->id);
+    PGresult *res = exec_params(q, what, sql, 2 + n_extra, params, PGRES_TUPLES_OK);
+    if (!res) return ERR_DB;
+    const Err err = PQntuples(res) == 1 ? ERR_OK : ERR_NOTFOUND;
+    if (err) LOG_WARN("jobq: %s %s: the job is not owned by epoch %s", what, job->public_id,
+                      q->epoch_text);
+    PQclear(res);
+    return err;
+}
+
 // Move a running job of ours to a terminal state.
 static Err end_job(JobQueue *q, const JobqJob *job, const char *state, const char *finish_reason,
                    const char *error)
 {
-    char id_text[24];
-    snprintf(id_text, sizeof id_text, "%lld", (long long) job->id);
-    PGresult *res = exec_params(
-        q, "finishing a job",
-        "WITH j AS (UPDATE jobs SET state = $3, finished_at = now(), finish_reason = $4,"
-        " error = $5, lease_until = NULL"
-        " WHERE id = $1::bigint AND state = 'running' AND lease_epoch = $2::bigint"
-        " RETURNING public_id)"
-        " SELECT pg_notify('job_chunks', public_id) FROM j",
-        5, (const char *const[]){id_text, q->epoch_text, state, finish_reason, error},
-        PGRES_TUPLES_OK);
-    if (!res) return ERR_DB;
-    const Err err = PQntuples(res) == 1 ? ERR_OK : ERR_NOTFOUND;
-    if (err) LOG_WARN("jobq: could not end job %s: not owned by epoch %s", job->public_id,
-                      q->epoch_text);
-    PQclear(res);
-    return err;
+    return exec_owned(q, job, "finishing job",
+                      "WITH j AS (UPDATE jobs SET state = $3, finished_at = now(),"
+                      " finish_reason = $4, error = $5, lease_until = NULL"
+                      " WHERE id = $1::bigint AND state = 'running' AND lease_epoch = $2::bigint"
+                      " RETURNING public_id)"
+                      " SELECT pg_notify('job_chunks', public_id) FROM j",
+                      (const char *const[]){state, finish_reason, error}, 3);
 }
 
 Err jobq_finish(JobQueue *q, const JobqJob *job, const char *finish_reason)
@@ -489,4 +520,210 @@ Err jobq_wait(JobQueue *q, int timeout_ms)
 lost:
     LOG_WARN("jobq: lost the database connection: %s", PQerrorMessage(q->conn));
     return ERR_DB;
+}
+
+// ---------------------------------------------------------------------------
+// Batched output, release, engine status
+
+// Append one element to a PostgreSQL array literal being built in b ("{" first, "}" at
+// the end): a number, or a string quoted with \ and " escaped, or NULL for s == NULL.
+static void buf_add_number(StrBuf *b, long long x)
+{
+    char t[24];
+    const int n = snprintf(t, sizeof t, "%s%lld", b->len > 1 ? "," : "", x);
+    buf_add(b, t, (size_t) n);
+}
+
+static void buf_add_string(StrBuf *b, const char *s)
+{
+    if (b->len > 1) buf_add(b, ",", 1);
+    if (!s) {
+        buf_add(b, "NULL", 4);
+        return;
+    }
+    buf_add(b, "\"", 1);
+    for (const char *p = s;;) {
+        const size_t run = strcspn(p, "\\\"");
+        buf_add(b, p, run);
+        if (!p[run]) break;
+        buf_add(b, "\\", 1);
+        buf_add(b, p + run, 1);
+        p += run + 1;
+    }
+    buf_add(b, "\"", 1);
+}
+
+// The batch statement, prepared once per connection. Every item's and chunk's fields go
+// as parallel arrays, so the text never changes and the plan is cached: one UPDATE of
+// the items' job rows (fencing: state running, our epoch, n_chunks equal to the item's
+// next_seq, so a fenced item matches no row and the others go on; id = ANY keeps it an
+// index scan however large jobs grows), feeding the INSERT of the chunks of the rows it
+// matched and one NOTIFY per job that got output or ended.
+#define BATCH_STMT "jobq_append_batch"
+static const char batch_sql[] =
+    "WITH v AS (SELECT * FROM unnest($3::bigint[], $4::int[], $5::int[], $6::int[], $7::text[],"
+    "   $8::text[]) AS v (id, seq, n, ntok, fin, err)),"
+    " j AS (UPDATE jobs SET n_chunks = jobs.n_chunks + v.n,"
+    "   n_completion_tokens = jobs.n_completion_tokens + v.ntok,"
+    "   first_token_at = CASE WHEN v.n > 0 THEN coalesce(jobs.first_token_at, now())"
+    "     ELSE jobs.first_token_at END,"
+    "   heartbeat_at = now(),"
+    "   state = CASE WHEN v.err IS NOT NULL THEN 'failed' WHEN v.fin = 'cancelled' THEN 'cancelled'"
+    "     WHEN v.fin IS NOT NULL THEN 'succeeded' ELSE jobs.state END,"
+    "   finished_at = CASE WHEN v.err IS NOT NULL OR v.fin IS NOT NULL THEN now() END,"
+    "   finish_reason = CASE WHEN v.err IS NOT NULL THEN 'error'"
+    "     ELSE coalesce(v.fin, jobs.finish_reason) END,"
+    "   error = coalesce(v.err, jobs.error),"
+    "   lease_until = CASE WHEN v.err IS NOT NULL OR v.fin IS NOT NULL THEN NULL"
+    "     WHEN jobs.lease_until > now() + $2::int * interval '0.75 second' THEN jobs.lease_until"
+    "     ELSE now() + $2::int * interval '1 second' END"
+    "  FROM v WHERE jobs.id = ANY ($3::bigint[]) AND jobs.id = v.id AND jobs.state = 'running'"
+    "   AND jobs.lease_epoch = $1::bigint AND jobs.n_chunks = v.seq"
+    "  RETURNING jobs.id, jobs.public_id, jobs.cancel_requested, jobs.attempt,"
+    "   (v.n > 0 OR v.fin IS NOT NULL OR v.err IS NOT NULL) AS wake),"
+    " ins AS (INSERT INTO job_chunks (job_id, seq, attempt, kind, text, token_ids, logprobs)"
+    "  SELECT j.id, c.seq, j.attempt, c.kind, c.text, c.ids::int[], c.lp::jsonb"
+    "  FROM j JOIN unnest($9::bigint[], $10::int[], $11::text[], $12::text[], $13::text[],"
+    "   $14::text[]) AS c (job_id, seq, kind, text, ids, lp) ON c.job_id = j.id)"
+    " SELECT id, cancel_requested, CASE WHEN wake THEN pg_notify('job_chunks', public_id) END"
+    " FROM j";
+
+enum {
+    B_ID, B_SEQ, B_N, B_NTOK, B_FIN, B_ERR,           // per item
+    C_JOB, C_SEQ, C_KIND, C_TEXT, C_IDS, C_LP,        // per chunk
+    N_BATCH_ARRAYS
+};
+
+// Fill the 12 array parameters for items[0..n).
+static Err build_batch_arrays(const JobqAppend *items, int n, StrBuf a[N_BATCH_ARRAYS])
+{
+    StrBuf ids = {0};
+    for (int k = 0; k < N_BATCH_ARRAYS; k++) buf_add(&a[k], "{", 1);
+    for (int i = 0; i < n; i++) {
+        const JobqAppend *it = &items[i];
+        int n_tok = 0;
+        for (int k = 0; k < it->n_chunks; k++) {
+            const JobqChunk *ch = &it->chunks[k];
+            n_tok += ch->n_tokens;
+            ids.len = 0;
+            buf_add_int_array(&ids, ch->token_ids, ch->n_tokens);
+            buf_add_number(&a[C_JOB], (long long) it->job->id);
+            buf_add_number(&a[C_SEQ], it->job->next_seq + k);
+            buf_add_string(&a[C_KIND], kind_names[ch->kind]);
+            buf_add_string(&a[C_TEXT], ch->text ? ch->text : "");
+            buf_add_string(&a[C_IDS], ids.is_oom ? NULL : ids.s);
+            buf_add_string(&a[C_LP], ch->logprobs_json);
+        }
+        buf_add_number(&a[B_ID], (long long) it->job->id);
+        buf_add_number(&a[B_SEQ], it->job->next_seq);
+        buf_add_number(&a[B_N], it->n_chunks);
+        buf_add_number(&a[B_NTOK], n_tok);
+        buf_add_string(&a[B_FIN], it->error ? NULL : it->finish_reason);
+        buf_add_string(&a[B_ERR], it->error);
+    }
+    free(ids.s);
+    bool is_oom = ids.is_oom;
+    for (int k = 0; k < N_BATCH_ARRAYS; k++) {
+        buf_add(&a[k], "}", 1);
+        is_oom |= a[k].is_oom;
+    }
+    return is_oom ? ERR_NOMEM : ERR_OK;
+}
+
+// ERR_INVAL (logged) unless every item names a job once and its chunks are well formed.
+static Err check_batch(const JobqAppend *items, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const JobqAppend *it = &items[i];
+        bool is_bad = !it->job || it->n_chunks < 0 || it->n_chunks > 64
+                      || (it->n_chunks > 0 && !it->chunks);
+        for (int k = 0; !is_bad && k < it->n_chunks; k++) {
+            const JobqChunk *ch = &it->chunks[k];
+            is_bad = ch->n_tokens < 0 || (ch->n_tokens > 0 && !ch->token_ids)
+                     || (int) ch->kind < 0 || (int) ch->kind > (int) JOBQ_CHUNK_TOOL;
+        }
+        for (int k = 0; !is_bad && k < i; k++) is_bad = items[k].job->id == it->job->id;
+        if (is_bad) {
+            LOG_ERROR("jobq: batch item %d is malformed (no job, a job twice, or bad chunks)", i);
+            return ERR_INVAL;
+        }
+    }
+    return ERR_OK;
+}
+
+Err jobq_append_batch(JobQueue *q, JobqAppend *items, int n)
+{
+    if (n <= 0) return ERR_OK;
+    Err err = check_batch(items, n);
+    if (err) return err;
+    StrBuf a[N_BATCH_ARRAYS] = {{0}};
+    PGresult *res = NULL;
+    if ((err = build_batch_arrays(items, n, a))) goto done;
+    err = ERR_DB;
+    if (!q->is_batch_prepared) {
+        res = PQprepare(q->conn, BATCH_STMT, batch_sql, 0, NULL);
+        const bool ok = PQresultStatus(res) == PGRES_COMMAND_OK;
+        PQclear(res);
+        res = NULL;
+        if (!ok) {
+            LOG_ERROR("jobq: preparing the batch statement failed: %s", PQerrorMessage(q->conn));
+            goto done;
+        }
+        q->is_batch_prepared = true;
+    }
+    const char *params[2 + N_BATCH_ARRAYS] = {q->epoch_text, q->lease_text};
+    for (int k = 0; k < N_BATCH_ARRAYS; k++) params[2 + k] = a[k].s;
+    res = PQexecPrepared(q->conn, BATCH_STMT, 2 + N_BATCH_ARRAYS, params, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        LOG_ERROR("jobq: appending a batch of %d jobs failed: %s", n, PQerrorMessage(q->conn));
+        goto done;
+    }
+    for (int i = 0; i < n; i++) {
+        items[i].result = ERR_NOTFOUND;
+        items[i].is_cancelled = false;
+    }
+    const int n_rows = PQntuples(res);
+    for (int r = 0; r < n_rows; r++) {
+        const int64_t id = strtoll(PQgetvalue(res, r, 0), NULL, 10);
+        for (int i = 0; i < n; i++)
+            if (items[i].job->id == id) {
+                items[i].result = ERR_OK;
+                items[i].is_cancelled = PQgetvalue(res, r, 1)[0] == 't';
+                items[i].job->next_seq += items[i].n_chunks;
+                break;
+            }
+    }
+    for (int i = 0; i < n; i++)
+        if (items[i].result)
+            LOG_WARN("jobq: job %s is no longer owned by epoch %s; dropping its output",
+                     items[i].job->public_id, q->epoch_text);
+    err = ERR_OK;
+done:
+    PQclear(res);
+    for (int k = 0; k < N_BATCH_ARRAYS; k++) free(a[k].s);
+    return err;
+}
+
+Err jobq_release(JobQueue *q, const JobqJob *job)
+{
+    const Err err = exec_owned(q, job, "releasing job",
+                               "UPDATE jobs SET state = 'queued', lease_epoch = NULL,"
+                               " lease_until = NULL WHERE id = $1::bigint AND state = 'running'"
+                               " AND lease_epoch = $2::bigint RETURNING public_id",
+                               NULL, 0);
+    if (err) return err;
+    LOG_INFO("jobq: released job %s after %d chunks", job->public_id, job->next_seq);
+    PQclear(PQexec(q->conn, "NOTIFY jobs_new"));  // the doorbell for claimers, after the commit
+    return ERR_OK;
+}
+
+Err jobq_set_stats(JobQueue *q, const char *stats_json)
+{
+    PGresult *res = exec_params(
+        q, "publishing engine stats",
+        "UPDATE engines SET stats = $2::jsonb, heartbeat_at = now() WHERE id = $1::bigint",
+        2, (const char *const[]){q->epoch_text, stats_json}, PGRES_COMMAND_OK);
+    if (!res) return ERR_DB;
+    PQclear(res);
+    return ERR_OK;
 }

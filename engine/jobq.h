@@ -14,7 +14,10 @@
  *   - output goes to job_chunks in order (seq 0, 1, 2, ... with no gap, whatever the
  *     attempt), one statement per append, which also extends the lease and NOTIFYs readers
  *     (a doorbell only: readers always re-read by seq). A re-claimed job resumes: the claim
- *     returns the token ids already committed and the next seq;
+ *     returns the token ids already committed and the next seq. jobq_append_batch() does
+ *     that for every running job of an engine step in one statement (one commit);
+ *   - engines.stats holds the engine's status JSON (jobq_set_stats, read through
+ *     admin.engines and by glmspark-fcgi);
  *   - a job whose lease ran out (no append or heartbeat for lease_s) can be claimed again.
  *
  * Ownership: JobQueue is opaque (create/destroy). A JobqJob filled by jobq_claim owns its
@@ -110,6 +113,38 @@ Err jobq_finish(JobQueue *q, const JobqJob *job, const char *finish_reason);
 
 // End the job as failed with a message for the client (no internals).
 Err jobq_fail(JobQueue *q, const JobqJob *job, const char *error);
+
+typedef struct JobqAppend {
+    JobqJob *job;               // next_seq advanced on success
+    const JobqChunk *chunks;    // may be NULL when n_chunks == 0 (lease renewal only)
+    int n_chunks;               // 0..64
+    const char *finish_reason;  // non-NULL: finish the job in the same transaction
+                                // ("stop", "length", "tool_calls", "cancelled", ...)
+    const char *error;          // non-NULL: fail the job with this client message instead
+    bool is_cancelled;          // out: a cancel was requested for this job
+    Err result;                 // out: ERR_OK, or ERR_NOTFOUND when the job is no longer
+                                // this engine's (fenced / finished elsewhere); the other
+                                // items are unaffected
+} JobqAppend;
+
+// One transaction (one commit, one WAL flush) for every item: append each item's chunks
+// at its job's next_seq, extend every item's lease, finish/fail where asked, wake the
+// readers (NOTIFY as the single-job calls do). Returns ERR_DB when the connection failed
+// or the server refused (nothing committed); per-item fencing goes to item.result.
+// (A lease with more than 3/4 of lease_s left is kept as it is: most steps then change
+// no indexed column of the job row, so PostgreSQL can update it in place (HOT). A job
+// renewed at least every lease_s * 3/4 never expires.)
+// ERR_INVAL (logged, nothing sent) for a malformed batch: a NULL job, the same job twice,
+// n_chunks outside 0..64, or chunks with negative n_tokens or NULL token_ids.
+Err jobq_append_batch(JobQueue *q, JobqAppend *items, int n);
+
+// Hand a running job back to the queue at once (state queued, lease cleared; its committed
+// chunks stay, so the next claim resumes it). ERR_NOTFOUND when it is no longer ours.
+Err jobq_release(JobQueue *q, const JobqJob *job);
+
+// Publish the engine's status JSON (schema C2) into engines.stats of this boot and renew
+// the engine heartbeat (what /health reads), in one statement.
+Err jobq_set_stats(JobQueue *q, const char *stats_json);
 
 // Wait up to timeout_ms for a new-job notification. ERR_OK on a wake-up or timeout.
 Err jobq_wait(JobQueue *q, int timeout_ms);

@@ -1,42 +1,55 @@
 /*
- * main_engine.c - glmspark-engine: claim jobs from PostgreSQL, generate, stream chunks back.
+ * main_engine.c - glmspark-engine: claim jobs from PostgreSQL, generate them together
+ * through the scheduler (continuous batching over a pipeline of ranks), stream chunks back.
  *
  *   glmspark-engine --model DIR --db CONNINFO [--tokenizer FILE] [--model-name NAME]
  *                   [--threads N] [--kv-blocks N] [--name NAME] [--lease-s S]
- *                   [--step-delay-ms MS] [--prefill-slice N] [--recipe FILE]
+ *                   [--max-num-seqs N] [--max-num-batched-tokens N] [--prefill-slice N]
+ *                   [--backend cpu|cuda] [--kv-cache-dtype f32|bf16] [--step-delay-ms MS]
+ *                   [--pp N | --rank R --world N --master HOST:PORT [--local-rank L]]
+ *                   [--recipe FILE]
  *   glmspark-engine --check-recipe FILE
  *
  * --recipe FILE (engine/recipe.h, ops/recipes/) supplies model, model_name, tokenizer,
- * threads, kv_blocks (or max_model_len / block_size), lease_s; flags given on the command
- * line override it wherever they appear. --check-recipe validates a recipe, prints every
- * key's effective value (`key = value`) and exits 0, or 2 naming the bad key.
+ * threads, kv_blocks (or max_model_len / block_size), lease_s, max_num_seqs,
+ * max_num_batched_tokens, pipeline_parallel, backend and kv_cache_dtype; flags given on the
+ * command line override it wherever they appear (--prefill-slice is another name for
+ * --max-num-batched-tokens, the scheduler's prefill chunk). --check-recipe validates a
+ * recipe, prints every key's effective value (`key = value`) and exits 0, or 2 naming the
+ * bad key. A kv_cache_dtype the backend cannot store is an error naming the key.
  *
- * One sequence at a time (continuous batching is the scheduler's job, later): claim a job,
- * prefill its prompt ids plus whatever output earlier attempts committed, then decode
- * token by token. Each step's token goes through the streaming detokenizer and, for chat
- * jobs, the chat parser (reasoning / content / tool calls); the resulting chunks are
- * committed in one statement per step (jobq_append), which also returns the cancel flag.
- * Stop strings are matched on content: text that could still become a stop string is
- * held back until the next step decides it, so no stop string ever reaches a client.
+ * Ranks (contract C3): --pp N (or pipeline_parallel = N) starts N local ranks of this
+ * command (pp_launch_local); --rank/--world/--master (or OMPI_COMM_WORLD_RANK/SIZE,
+ * PMI_RANK/SIZE, SLURM_PROCID/NTASKS with --master or GLMSPARK_MASTER) make this process
+ * one rank of a pipeline spread over hosts. Every rank plans the same split
+ * (pp_plan_model) and loads only its layers; rank 0 is the serving engine (scheduler,
+ * PostgreSQL), the others serve micro-batches (pp_serve) until rank 0 ends the pipeline.
+ * When a rank fails, rank 0 (pp names the rank and host) hands its jobs back
+ * (jobq_release) and exits 1; the others see the failure through pp_comm's heartbeats and
+ * exit non-zero within seconds.
  *
- * Resume: a re-claimed job comes with its committed token ids. We prefill them after the
- * prompt and replay them through the detokenizer and the parser without emitting, which
- * restores their state exactly; generation then continues at the next seq, so a client's
- * stream has no gap and no duplicate.
+ * Serving loop (rank 0): while the scheduler has room (max_num_seqs, and no claimed job
+ * still waiting for KV blocks) claim jobs and submit them (prompt plus the output earlier
+ * attempts committed); one sched_step; route each token event to its job's output state
+ * (serve_out.h: detokenizer, chat parser, stop strings with hold-back, logprobs, the
+ * forced tool-call opening); then ONE jobq_append_batch for every job with new chunks, an
+ * end, a failure, or a lease due for renewal (every lease_s / 3 s, 1..5). A cancel flag
+ * in its answer cancels the sequence; a job that is no longer ours (ERR_NOTFOUND) is
+ * dropped. The status JSON (serve_stats.h) goes out with jobq_set_stats every second,
+ * busy or idle, which is also the engine heartbeat /health reads; long prefills are cut
+ * into max_num_batched_tokens chunks, so beats never wait for one.
+ *
+ * Resume: a re-claimed job's committed ids are submitted after its prompt and replayed
+ * through the output state without emitting, so the stream continues at the next seq
+ * with no gap and no duplicate.
  *
  * The engine holds the queue's advisory lock (one engine cluster per queue); a second one
- * exits with status 3. It reconnects with backoff when PostgreSQL restarts. SIGTERM and
- * SIGINT stop it after the current step; the job in flight is resumed by the next engine.
- * --step-delay-ms slows decoding and prefill slices (demos and the kill tests in
- * tests/integration).
- *
- * Heartbeats: a prompt is prefilled in slices of --prefill-slice tokens (2048); between
- * slices, and between decode steps, the job's lease and the engine's heartbeat (what
- * /health reads) are renewed every lease_s / 3 seconds (1..5 s), so a long prefill neither
- * loses its job nor makes /health flap.
+ * exits with status 3. When PostgreSQL goes away it drops every sequence (nothing
+ * uncommitted is lost: jobs resume from their committed output), reconnects with
+ * backoff, requeues the jobs and claims again. SIGTERM and SIGINT stop it after the
+ * current step and its commit: running jobs are handed back at once (jobq_release).
+ * --step-delay-ms sleeps after each step (demos and the kill tests).
  */
-#include <json-c/json.h>
-#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,13 +57,16 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "common/chat.h"
 #include "common/err.h"
 #include "common/tokenizer.h"
 #include "jobq.h"
 #include "model.h"
+#include "pp.h"
 #include "recipe.h"
-#include "sampler.h"
+#include "scheduler.h"
+#include "serve_out.h"
+#include "serve_stage.h"
+#include "serve_stats.h"
 
 static volatile sig_atomic_t is_stopping;
 
@@ -66,594 +82,507 @@ static void sleep_ms(int ms)
     nanosleep(&ts, NULL);
 }
 
+// ---------------------------------------------------------------------------
+// Settings
+
+typedef struct Opts {
+    Recipe r;  // recipe, then flags
+    const char *model_dir, *conninfo, *tok_path, *model_name, *name, *master;
+    int step_delay_ms;
+    int rank, world, local_rank;  // rank -1: not a pipeline rank
+    bool is_pp_flag;              // --pp given (else pipeline_parallel from the recipe)
+} Opts;
+
+// Flags that set a recipe key (validated as in a file).
+static const struct {
+    const char *flag, *key;
+} KEY_FLAGS[] = {
+    {"--model", "model"},
+    {"--tokenizer", "tokenizer"},
+    {"--model-name", "model_name"},
+    {"--threads", "threads"},
+    {"--kv-blocks", "kv_blocks"},
+    {"--lease-s", "lease_s"},
+    {"--max-num-seqs", "max_num_seqs"},
+    {"--max-num-batched-tokens", "max_num_batched_tokens"},
+    {"--prefill-slice", "max_num_batched_tokens"},
+    {"--pp", "pipeline_parallel"},
+    {"--backend", "backend"},
+    {"--kv-cache-dtype", "kv_cache_dtype"},
+    {"--max-model-len", "max_model_len"},
+    {"--block-size", "block_size"},
+};
+
+static int usage(void)
+{
+    fprintf(stderr,
+            "usage: glmspark-engine --model DIR --db CONNINFO [--tokenizer FILE]\n"
+            "       [--model-name NAME] [--threads N] [--kv-blocks N] [--name NAME] [--lease-s S]\n"
+            "       [--max-num-seqs N] [--max-num-batched-tokens N] [--prefill-slice N]\n"
+            "       [--backend cpu|cuda] [--kv-cache-dtype f32|bf16] [--max-model-len N]\n"
+            "       [--block-size N] [--step-delay-ms MS] [--recipe FILE]\n"
+            "       [--pp N | --rank R --world N --master HOST:PORT [--local-rank L]]\n"
+            "       glmspark-engine --check-recipe FILE\n");
+    return 2;
+}
+
+static bool parse_int(const char *s, int lo, int hi, int *out)
+{
+    char *end;
+    const long v = strtol(s, &end, 10);
+    if (end == s || *end || v < lo || v > hi) return false;
+    *out = (int) v;
+    return true;
+}
+
+// Recipe first (wherever --recipe appears), then flags. Returns 0 or main's exit status.
+static int parse_opts(int argc, char **argv, Opts *o)
+{
+    memset(o, 0, sizeof *o);
+    o->conninfo = getenv("GLMSPARK_DB");
+    o->rank = -1;
+    recipe_defaults(&o->r);
+    for (int i = 1; i + 1 < argc; i += 2)
+        if (!strcmp(argv[i], "--recipe") && recipe_load(&o->r, argv[i + 1])) return 2;
+    for (int i = 1; i < argc; i += 2) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!v) return usage();
+        bool ok = true, known = false;
+        for (size_t k = 0; k < sizeof KEY_FLAGS / sizeof KEY_FLAGS[0]; k++)
+            if (!strcmp(a, KEY_FLAGS[k].flag)) {
+                known = true;
+                if (recipe_set(&o->r, KEY_FLAGS[k].key, v, "command line")) return 2;
+            }
+        if (!strcmp(a, "--pp")) o->is_pp_flag = true;
+        if (known) continue;
+        if (!strcmp(a, "--db")) o->conninfo = v;
+        else if (!strcmp(a, "--name")) o->name = v;
+        else if (!strcmp(a, "--master")) o->master = v;
+        else if (!strcmp(a, "--step-delay-ms")) ok = parse_int(v, 0, 600000, &o->step_delay_ms);
+        else if (!strcmp(a, "--rank")) ok = parse_int(v, 0, PP_MAX_WORLD - 1, &o->rank);
+        else if (!strcmp(a, "--world")) ok = parse_int(v, 1, PP_MAX_WORLD, &o->world);
+        else if (!strcmp(a, "--local-rank")) ok = parse_int(v, 0, 1023, &o->local_rank);
+        else if (strcmp(a, "--recipe") != 0) return usage();
+        if (!ok) {
+            fprintf(stderr, "glmspark-engine: bad value for %s: \"%s\"\n", a, v);
+            return usage();
+        }
+    }
+    if (o->r.model[0]) o->model_dir = o->r.model;
+    if (o->r.tokenizer[0]) o->tok_path = o->r.tokenizer;
+    if (o->r.model_name[0]) o->model_name = o->r.model_name;
+    if (!o->master) o->master = getenv("GLMSPARK_MASTER");
+    if (o->rank < 0 && !o->is_pp_flag && pp_rank_from_env(&o->rank, &o->world)) {
+        const char *local = getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+        if (!local) local = getenv("SLURM_LOCALID");
+        if (local && atoi(local) > 0) o->local_rank = atoi(local);
+    }
+    if (o->rank >= 0 && o->world == 0) o->world = o->r.pipeline_parallel;
+    if (!o->model_dir) return usage();
+    if (o->rank >= 0 && (o->rank >= o->world || (o->world > 1 && !o->master))) {
+        fprintf(stderr, "glmspark-engine: --rank must be below --world, and a pipeline rank "
+                        "needs --master HOST:PORT (or GLMSPARK_MASTER)\n");
+        return usage();
+    }
+    if (o->rank <= 0 && !o->conninfo) {
+        fprintf(stderr, "glmspark-engine: the serving rank needs --db CONNINFO (or GLMSPARK_DB)\n");
+        return usage();
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------
+// Engine state
+
+typedef struct Job {
+    bool is_live;
+    JobqJob job;
+    ServeOut out;
+    const char *finish;  // non-NULL: finish the job at the next commit
+    const char *error;   // non-NULL: fail the job (message for the client) at the next commit
+    int n_gen;           // tokens generated by this attempt
+    double last_lease;   // monotonic time of the last append or renewal
+} Job;
+
 typedef struct Engine {
-    Model model;
-    Backend *be;
-    KvCache kv;
+    Opts *o;
+    ServeStage st;  // this rank's backend, layers, KV cache and pipeline stage
     Tokenizer *tok;
     JobQueue *q;
-    float *logits;  // [vocab]
-    int step_delay_ms;
-    int prefill_slice;  // tokens per prefill model_forward call
-    int beat_s;         // seconds between heartbeats while working on a job
+    Scheduler *sched;
+    Job *jobs;  // [max_num_seqs]
+    int n_slots;
+    double beat_s;
+    ServeStats stats;
+    int step_seqs, step_gen;  // of the current step, counted by on_event
+    double last_stats;
 } Engine;
 
-// ---------------------------------------------------------------------------
-// One job's generation state
-
-enum { MAX_STOP = 4, MAX_STEP_CHUNKS = 16 };
-
-typedef struct StepChunk {
-    JobqChunkKind kind;
-    char *text;  // owned
-} StepChunk;
-
-typedef struct Gen {
-    bool is_chat;
-    bool is_replay;          // restoring state from committed tokens: emit nothing
-    char *stop[MAX_STOP];    // owned copies
-    int n_stop;
-    size_t max_stop_len;
-    char *hold;              // content held back while it could become a stop string
-    size_t n_hold, cap_hold;
-    bool is_stopped;         // a stop string matched
-    StepChunk chunks[MAX_STEP_CHUNKS];
-    int n_chunks;
-    Err err;                 // first error in a callback
-} Gen;
-
-static void gen_push(Gen *g, JobqChunkKind kind, const char *text, size_t n)
+static Job *find_job(Engine *e, uint64_t id)
 {
-    if (g->is_replay || n == 0) return;
-    // Merge with the previous chunk of the same kind within the step.
-    if (g->n_chunks > 0 && g->chunks[g->n_chunks - 1].kind == kind && kind != JOBQ_CHUNK_TOOL) {
-        StepChunk *c = &g->chunks[g->n_chunks - 1];
-        const size_t old = strlen(c->text);
-        char *t = realloc(c->text, old + n + 1);
-        if (!t) {
-            g->err = ERR_NOMEM;
+    for (int i = 0; i < e->n_slots; i++)
+        if (e->jobs[i].is_live && (uint64_t) e->jobs[i].job.id == id) return &e->jobs[i];
+    return NULL;
+}
+
+static int n_live(const Engine *e)
+{
+    int n = 0;
+    for (int i = 0; i < e->n_slots; i++) n += e->jobs[i].is_live;
+    return n;
+}
+
+static void job_drop(Job *j)
+{
+    serve_out_free(&j->out);
+    jobq_job_free(&j->job);
+    memset(j, 0, sizeof *j);
+}
+
+// A token event: through the job's output state; the last event ends the job.
+static void on_event(void *user, const SchedEvent *ev)
+{
+    Engine *e = user;
+    if (ev->token >= 0) {
+        e->step_seqs++;
+        e->step_gen++;
+    }
+    Job *j = find_job(e, ev->id);
+    if (!j || j->finish || j->error) return;  // already ending (a stop string, a failure)
+    // SCHED_FINISH_STOP's token is an end-of-sequence id: not part of the output.
+    if (ev->token >= 0 && ev->finish != SCHED_FINISH_STOP) {
+        j->n_gen++;
+        if (serve_out_token(&j->out, ev->token, ev->logprob, ev->top_ids, ev->top_logprobs,
+                            ev->n_top)) {
+            j->error = "out of memory";
+            sched_cancel(e->sched, ev->id);
             return;
         }
-        memcpy(t + old, text, n);
-        t[old + n] = '\0';
-        c->text = t;
-        return;
-    }
-    if (g->n_chunks == MAX_STEP_CHUNKS) {
-        g->err = ERR_NOMEM;
-        return;
-    }
-    char *t = malloc(n + 1);
-    if (!t) {
-        g->err = ERR_NOMEM;
-        return;
-    }
-    memcpy(t, text, n);
-    t[n] = '\0';
-    g->chunks[g->n_chunks++] = (StepChunk){kind, t};
-}
-
-// Content goes through the stop-string filter.
-static void gen_content(Gen *g, const char *text, size_t n)
-{
-    if (g->is_stopped) return;
-    if (g->n_stop == 0) {
-        gen_push(g, JOBQ_CHUNK_CONTENT, text, n);
-        return;
-    }
-    if (g->n_hold + n + 1 > g->cap_hold) {
-        size_t cap = g->cap_hold ? g->cap_hold : 64;
-        while (cap < g->n_hold + n + 1) cap *= 2;
-        char *h = realloc(g->hold, cap);
-        if (!h) {
-            g->err = ERR_NOMEM;
+        if (j->out.is_stopped) {  // a stop string matched
+            j->finish = "stop";
+            sched_cancel(e->sched, ev->id);
             return;
         }
-        g->hold = h;
-        g->cap_hold = cap;
     }
-    memcpy(g->hold + g->n_hold, text, n);
-    g->n_hold += n;
-    g->hold[g->n_hold] = '\0';
-    // A complete stop string: emit what precedes it and stop.
-    size_t cut = g->n_hold;
-    for (int i = 0; i < g->n_stop; i++) {
-        const char *hit = strstr(g->hold, g->stop[i]);
-        if (hit && (size_t) (hit - g->hold) < cut) cut = (size_t) (hit - g->hold);
-    }
-    if (cut < g->n_hold) {
-        gen_push(g, JOBQ_CHUNK_CONTENT, g->hold, cut);
-        g->n_hold = 0;
-        g->is_stopped = true;
+    switch (ev->finish) {
+    case SCHED_FINISH_NONE:
+        return;
+    case SCHED_FINISH_LENGTH:
+        j->finish = "length";
+        break;
+    case SCHED_FINISH_STOP:
+        j->finish = "stop";
+        break;
+    case SCHED_FINISH_CANCELLED:
+        j->finish = "cancelled";
+        return;
+    case SCHED_FINISH_ERROR:
+        j->error = "the prompt and max_tokens do not fit in the KV cache";
         return;
     }
-    // Otherwise keep the longest suffix that is a prefix of some stop string.
-    size_t keep = 0;
-    for (int i = 0; i < g->n_stop; i++) {
-        const size_t ls = strlen(g->stop[i]);
-        for (size_t k = ls - 1; k > keep; k--)
-            if (k <= g->n_hold && !memcmp(g->hold + g->n_hold - k, g->stop[i], k)) {
-                keep = k;
-                break;
-            }
+    if (serve_out_end(&j->out)) j->error = "out of memory";
+}
+
+// Start a claimed job: its output state, the replay of committed output, the request.
+static void job_start(Engine *e, Job *j)
+{
+    const JobqJob *job = &j->job;
+    const char *msg = NULL;
+    const uint64_t seed = (uint64_t) job->id * 0x9E3779B97F4A7C15ull + (uint64_t) job->attempt;
+    if (serve_out_init(&j->out, e->tok, job, seed, &msg)) {
+        j->error = msg;
+        return;
     }
-    gen_push(g, JOBQ_CHUNK_CONTENT, g->hold, g->n_hold - keep);
-    memmove(g->hold, g->hold + g->n_hold - keep, keep);
-    g->n_hold = keep;
-}
-
-static Err on_chat_event(void *user, const ChatEvent *ev)
-{
-    Gen *g = user;
-    if (ev->kind == CHAT_EVENT_REASONING) {
-        gen_push(g, JOBQ_CHUNK_REASONING, ev->text, ev->n_text);
-    } else if (ev->kind == CHAT_EVENT_CONTENT) {
-        gen_content(g, ev->text, ev->n_text);
-    } else {
-        json_object *o = json_object_new_object();
-        json_object_object_add(o, "name", json_object_new_string(ev->name));
-        json_object_object_add(o, "arguments", json_object_new_string(ev->arguments));
-        const char *t = json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN);
-        gen_push(g, JOBQ_CHUNK_TOOL, t, strlen(t));
-        json_object_put(o);
-    }
-    return g->err;
-}
-
-static void gen_free(Gen *g)
-{
-    for (int i = 0; i < g->n_stop; i++) free(g->stop[i]);
-    for (int i = 0; i < g->n_chunks; i++) free(g->chunks[i].text);
-    free(g->hold);
-    memset(g, 0, sizeof *g);
-}
-
-static void gen_clear_chunks(Gen *g)
-{
-    for (int i = 0; i < g->n_chunks; i++) free(g->chunks[i].text);
-    g->n_chunks = 0;
-}
-
-// Commit this step's chunks with tokens ids[0..n_ids) and their log-probabilities lp_json
-// (or NULL) attached to the first chunk; an empty content chunk carries them when the step
-// produced no text.
-static Err commit_step(Engine *e, JobqJob *job, Gen *g, const int32_t *ids, int n_ids,
-                       const char *lp_json, bool *is_cancelled)
-{
-    JobqChunk chunks[MAX_STEP_CHUNKS];
-    int n = 0;
-    for (int i = 0; i < g->n_chunks; i++)
-        chunks[n++] = (JobqChunk){g->chunks[i].kind, g->chunks[i].text, i == 0 ? ids : NULL,
-                                  i == 0 ? n_ids : 0, i == 0 ? lp_json : NULL};
-    if (n == 0) {
-        if (n_ids == 0) return ERR_OK;
-        chunks[n++] = (JobqChunk){JOBQ_CHUNK_CONTENT, "", ids, n_ids, lp_json};
-    }
-    const Err err = jobq_append(e->q, job, chunks, n, is_cancelled);
-    gen_clear_chunks(g);
-    return err;
-}
-
-// ---------------------------------------------------------------------------
-
-static double jnum(json_object *o, const char *k, double def)
-{
-    json_object *v;
-    return json_object_object_get_ex(o, k, &v) ? json_object_get_double(v) : def;
-}
-
-// ---------------------------------------------------------------------------
-// Log-probabilities (OpenAI's logprobs / top_logprobs): of the model's own distribution,
-// log_softmax of the raw logits, before penalties and temperature, as OpenAI and vLLM
-// report them.
-
-enum { MAX_TOP_LOGPROBS = 20 };
-
-// {"token", "logprob", "bytes"} of token id: its decoded bytes, and as text those bytes
-// with each invalid UTF-8 sequence (a piece of a character) replaced by U+FFFD.
-static json_object *lp_entry(const Tokenizer *tok, int32_t id, double logprob)
-{
-    char *text = NULL;
-    size_t n = 0;
-    json_object *o = json_object_new_object(), *bytes = json_object_new_array();
-    char *clean = NULL;
-    if (tok_decode(tok, &id, 1, false, &text, &n) == ERR_OK && (clean = malloc(3 * n + 1))) {
-        size_t m = 0;
-        const unsigned char *u = (const unsigned char *) text;
-        for (size_t i = 0; i < n;) {
-            json_object_array_add(bytes, json_object_new_int(u[i]));
-            size_t len = u[i] < 0x80 ? 1 : (u[i] & 0xE0) == 0xC0 ? 2 : (u[i] & 0xF0) == 0xE0 ? 3
-                                                               : (u[i] & 0xF8) == 0xF0 ? 4 : 0;
-            bool ok = len > 0 && i + len <= n && u[i] != 0;
-            for (size_t k = 1; ok && k < len; k++) ok = (u[i + k] & 0xC0) == 0x80;
-            if (ok) {
-                for (size_t k = 1; k < len; k++) json_object_array_add(bytes, json_object_new_int(u[i + k]));
-                memcpy(clean + m, text + i, len);
-                m += len;
-                i += len;
-            } else {
-                memcpy(clean + m, "\xef\xbf\xbd", 3);
-                m += 3;
-                i++;
-            }
-        }
-        json_object_object_add(o, "token", json_object_new_string_len(clean, (int) m));
-    } else {
-        json_object_object_add(o, "token", json_object_new_string(""));
-    }
-    json_object_object_add(o, "logprob", json_object_new_double(logprob));
-    json_object_object_add(o, "bytes", bytes);
-    free(clean);
-    free(text);
-    return o;
-}
-
-// The logprobs entry of the sampled token `next` given the raw logits [vocab]: its
-// log-probability and the n_top most likely tokens, best first. A new JSON string (the
-// caller frees it) holding a one-element array, or NULL on OOM.
-static char *lp_json_for(const Tokenizer *tok, const float *logits, int vocab, int32_t next,
-                         int n_top)
-{
-    float mx = -INFINITY;
-    for (int i = 0; i < vocab; i++)
-        if (logits[i] > mx) mx = logits[i];
-    double sum = 0;
-    for (int i = 0; i < vocab; i++) sum += exp((double) logits[i] - mx);
-    const double lse = mx + log(sum);
-    int top[MAX_TOP_LOGPROBS];
-    int n = 0;
-    for (int i = 0; i < vocab && n_top > 0; i++) {  // insertion into a short sorted list
-        if (n == n_top && logits[i] <= logits[top[n - 1]]) continue;
-        int at = n < n_top ? n++ : n - 1;
-        while (at > 0 && logits[top[at - 1]] < logits[i]) {
-            top[at] = top[at - 1];
-            at--;
-        }
-        top[at] = i;
-    }
-    json_object *arr = json_object_new_array();
-    json_object *entry = lp_entry(tok, next, (double) logits[next] - lse), *alts = json_object_new_array();
-    for (int k = 0; k < n; k++) json_object_array_add(alts, lp_entry(tok, top[k], (double) logits[top[k]] - lse));
-    json_object_object_add(entry, "top_logprobs", alts);
-    json_object_array_add(arr, entry);
-    char *out = strdup(json_object_to_json_string_ext(arr, JSON_C_TO_STRING_PLAIN));
-    json_object_put(arr);
-    return out;
-}
-
-// Generate one claimed job to its end. Returns ERR_DB when the database went away (the
-// caller reconnects; the job is resumed from its committed output), else ERR_OK: the job
-// was finished, failed or taken from us.
-static Err run_job(Engine *e, JobqJob *job)
-{
-    const ModelConfig *cfg = &e->model.cfg;
-    json_object *req = json_tokener_parse(job->request_json), *v;
-    Gen g = {0};
-    ChatParser parser = {0};
-    TokStream *ts = NULL;
     Sampler s = {0};
-    KvSeq seq = {0};
-    int32_t *ids = NULL;
-    Err err = ERR_OK, db_err = ERR_OK;
-    const char *fail_msg = NULL, *finish = "length";
-    bool is_cancelled = false;
-    float *raw = NULL;  // a copy of the step's raw logits when logprobs are wanted
-    char *lp = NULL;    // the step's logprobs JSON
-
-    g.is_chat = !strcmp(job->kind, "chat");
-    SamplerParams sp = sampler_default_params();
-    sp.temperature = (float) jnum(req, "temperature", 1.0);
-    sp.top_p = (float) jnum(req, "top_p", 1.0);
-    sp.top_k = (int) jnum(req, "top_k", 0);
-    sp.min_p = (float) jnum(req, "min_p", 0.0);
-    sp.presence_penalty = (float) jnum(req, "presence_penalty", 0.0);
-    sp.frequency_penalty = (float) jnum(req, "frequency_penalty", 0.0);
-    sp.repetition_penalty = (float) jnum(req, "repetition_penalty", 1.0);
-    if (req && json_object_object_get_ex(req, "seed", &v))
-        sp.seed = (uint64_t) json_object_get_int64(v);
-    else
-        sp.seed = (uint64_t) job->id * 0x9E3779B97F4A7C15ull + (uint64_t) job->attempt;
-    if (req && json_object_object_get_ex(req, "stop", &v) && json_object_is_type(v, json_type_array))
-        for (size_t i = 0; i < json_object_array_length(v) && g.n_stop < MAX_STOP; i++) {
-            const char *t = json_object_get_string(json_object_array_get_idx(v, i));
-            if (t && *t && (g.stop[g.n_stop] = strdup(t))) g.n_stop++;
-        }
-    const bool in_reasoning = req && json_object_object_get_ex(req, "in_reasoning", &v) &&
-                              json_object_get_boolean(v);
-    json_object *tools = NULL;
-    if (req) json_object_object_get_ex(req, "tools", &tools);
-    const bool want_lp = req && json_object_object_get_ex(req, "logprobs", &v) &&
-                         json_object_get_boolean(v);
-    int n_top = (int) jnum(req, "top_logprobs", 0);
-    n_top = n_top < 0 ? 0 : n_top > MAX_TOP_LOGPROBS ? MAX_TOP_LOGPROBS : n_top;
-    if (want_lp && !(raw = malloc((size_t) cfg->vocab_size * sizeof *raw))) {
-        fail_msg = "out of memory";
-        goto done;
+    const bool bad_params = sampler_init(&s, e->st.cfg->vocab_size, j->out.sampling) != ERR_OK;
+    sampler_free(&s);
+    if (bad_params) {
+        j->error = "invalid sampling parameters";
+        return;
     }
-
-    if (sampler_init(&s, cfg->vocab_size, sp)) {
-        fail_msg = "invalid sampling parameters";
-        goto done;
+    if (serve_out_replay(&j->out, job->committed_ids, job->n_committed)) {
+        j->error = "out of memory";
+        return;
     }
-    if (tok_stream_create(&ts, e->tok, true) ||
-        (g.is_chat && chat_parser_init(&parser, in_reasoning, tools))) {
-        fail_msg = "out of memory";
-        goto done;
+    const int rest = job->max_tokens - job->n_committed;
+    if (rest <= 0 || j->out.is_stopped) {  // it ended before the interruption
+        j->finish = j->out.is_stopped ? "stop" : "length";
+        if (serve_out_end(&j->out)) j->error = "out of memory";
+        return;
     }
-    const int n_ctx = job->n_prompt + job->n_committed;
-    if (!(ids = malloc(((size_t) n_ctx + 1) * sizeof *ids))) {
-        fail_msg = "out of memory";
-        goto done;
+    const int n = job->n_prompt + job->n_committed;
+    int32_t *ids = malloc((size_t) n * sizeof *ids);
+    if (!ids) {
+        j->error = "out of memory";
+        return;
     }
     memcpy(ids, job->prompt_ids, (size_t) job->n_prompt * sizeof *ids);
     if (job->n_committed)
         memcpy(ids + job->n_prompt, job->committed_ids, (size_t) job->n_committed * sizeof *ids);
-
-    // Replay committed output through the detokenizer and parser to restore their state.
-    g.is_replay = true;
-    for (int i = 0; i < job->n_committed; i++) {
-        const char *piece;
-        size_t n_piece;
-        if (tok_stream_feed(ts, job->committed_ids[i], &piece, &n_piece)) continue;
-        if (g.is_chat) chat_parser_feed(&parser, piece, n_piece, on_chat_event, &g);
-        else gen_content(&g, piece, n_piece);
-    }
-    g.is_replay = false;  // g.hold keeps what was held back at the crash, as it was then
-
-    if (jobq_heartbeat(e->q, job, &is_cancelled) == ERR_DB) {
-        db_err = ERR_DB;
-        goto done;
-    }
-    // Prefill in slices, beating between them, so that a long prompt keeps the job's lease
-    // and the engine's heartbeat (what /health reads) fresh.
-    time_t last_beat = time(NULL);
-    for (int at = 0; at < n_ctx && !err && !is_cancelled && !is_stopping;) {
-        const int n = n_ctx - at < e->prefill_slice ? n_ctx - at : e->prefill_slice;
-        err = model_forward(&e->model, &e->kv, &seq, ids + at, n, e->logits, false);
-        at += n;
-        if (!err && at < n_ctx && e->step_delay_ms > 0) sleep_ms(e->step_delay_ms);
-        if (!err && at < n_ctx && time(NULL) - last_beat >= e->beat_s) {
-            last_beat = time(NULL);
-            if (jobq_heartbeat(e->q, job, &is_cancelled) == ERR_DB) {
-                db_err = ERR_DB;
-                goto done;
-            }
-        }
-    }
-    if (err == ERR_AGAIN) {
-        fail_msg = "the prompt does not fit in the KV cache";
-        goto done;
-    }
-    if (err) {
-        fail_msg = "the model failed on this input";
-        goto done;
-    }
-    // Penalties look at the generated tokens only, as OpenAI's do.
-    int n_gen = job->n_committed;
-    int32_t *hist = malloc(((size_t) job->max_tokens + 1) * sizeof *hist);
-    if (!hist) {
-        fail_msg = "out of memory";
-        goto done;
-    }
-    if (job->n_committed) memcpy(hist, job->committed_ids, (size_t) job->n_committed * sizeof *hist);
-
-    while (!is_cancelled && !is_stopping) {
-        if (n_gen >= job->max_tokens) {
-            finish = "length";
-            break;
-        }
-        if (raw) memcpy(raw, e->logits, (size_t) cfg->vocab_size * sizeof *raw);
-        sampler_apply_penalties(&s, e->logits, hist, n_gen);
-        const int32_t next = sampler_sample(&s, e->logits);
-        bool is_eos = false;
-        for (int i = 0; i < cfg->n_eos_ids; i++) is_eos |= next == cfg->eos_ids[i];
-        if (is_eos) {
-            finish = "stop";
-            break;
-        }
-        hist[n_gen++] = next;
-        const char *piece;
-        size_t n_piece;
-        if (tok_stream_feed(ts, next, &piece, &n_piece) == ERR_OK) {
-            if (g.is_chat) chat_parser_feed(&parser, piece, n_piece, on_chat_event, &g);
-            else gen_content(&g, piece, n_piece);
-        }
-        if (g.err) {
-            fail_msg = "out of memory";
-            break;
-        }
-        free(lp);
-        lp = raw ? lp_json_for(e->tok, raw, cfg->vocab_size, next, n_top) : NULL;
-        if (raw && !lp) {
-            fail_msg = "out of memory";
-            break;
-        }
-        const Err cerr = commit_step(e, job, &g, &next, 1, lp, &is_cancelled);
-        if (cerr == ERR_DB) {
-            db_err = ERR_DB;
-            break;
-        }
-        if (cerr == ERR_NOTFOUND) {
-            db_err = ERR_NOTFOUND;  // taken over or finished elsewhere: drop it
-            break;
-        }
-        if (g.is_stopped) {
-            finish = "stop";
-            break;
-        }
-        if (is_cancelled) break;
-        // Appends extend the job's lease; the engine's own heartbeat (what /health reads)
-        // needs a beat of its own during long generations.
-        const time_t now = time(NULL);
-        if (now - last_beat >= e->beat_s) {
-            last_beat = now;
-            if (jobq_heartbeat(e->q, job, &is_cancelled) == ERR_DB) {
-                db_err = ERR_DB;
-                break;
-            }
-        }
-        if (e->step_delay_ms > 0) sleep_ms(e->step_delay_ms);
-        if (n_gen < job->max_tokens &&
-            model_forward(&e->model, &e->kv, &seq, &next, 1, e->logits, false)) {
-            fail_msg = "the model failed while decoding (context full?)";
-            break;
-        }
-    }
-    free(hist);
-    if (db_err || fail_msg) goto done;
-    if (is_stopping && !is_cancelled) {
-        db_err = ERR_NOTFOUND;  // shutting down: leave it running; the next engine resumes it
-        goto done;
-    }
-    if (is_cancelled) finish = "cancelled";
-    // End of output: flush what the detokenizer, the parser and the stop filter hold.
-    if (!g.is_stopped && !is_cancelled) {
-        const char *piece;
-        size_t n_piece;
-        if (tok_stream_flush(ts, &piece, &n_piece) == ERR_OK && n_piece) {
-            if (g.is_chat) chat_parser_feed(&parser, piece, n_piece, on_chat_event, &g);
-            else gen_content(&g, piece, n_piece);
-        }
-        if (g.is_chat) chat_parser_finish(&parser, on_chat_event, &g);
-        if (!g.is_stopped && g.n_hold) {
-            gen_push(&g, JOBQ_CHUNK_CONTENT, g.hold, g.n_hold);
-            g.n_hold = 0;
-        }
-        const Err cerr = commit_step(e, job, &g, NULL, 0, NULL, NULL);
-        if (cerr) {
-            db_err = cerr;
-            goto done;
-        }
-    }
-    const Err ferr = jobq_finish(e->q, job, finish);
-    if (ferr == ERR_DB) db_err = ERR_DB;
-    if (!ferr)
-        LOG_INFO("engine: job %s %s after %d tokens (attempt %d)", job->public_id, finish, n_gen,
-                 job->attempt);
-
-done:
-    if (fail_msg && !db_err) {
-        LOG_ERROR("engine: job %s failed: %s", job->public_id, fail_msg);
-        if (jobq_fail(e->q, job, fail_msg) == ERR_DB) db_err = ERR_DB;
-    }
-    json_object_put(req);
-    free(raw);
-    free(lp);
-    gen_free(&g);
-    chat_parser_free(&parser);
-    tok_stream_destroy(ts);
-    sampler_free(&s);
-    kv_seq_free(&e->kv, &seq);
+    const SchedRequest r = {.id = (uint64_t) job->id,
+                            .prompt = ids,
+                            .n_prompt = n,
+                            .max_tokens = rest,
+                            .sampling = j->out.sampling,
+                            .n_top_logprobs = j->out.n_top_logprobs};
+    const Err err = sched_submit(e->sched, &r);
     free(ids);
-    return db_err == ERR_DB ? ERR_DB : ERR_OK;
+    if (err) {
+        j->error = "the request could not be scheduled (token ids outside the vocabulary?)";
+        return;
+    }
+    serve_stats_prompt(&e->stats, n);
+    int n_force;
+    const int32_t *force = serve_out_force(&j->out, &n_force);
+    if (force) sched_force(e->sched, (uint64_t) job->id, force, n_force);
 }
 
-// ---------------------------------------------------------------------------
-
-static int usage(void)
+// Claim jobs while the scheduler has room: a free slot, and no claimed job still waiting
+// for KV blocks (so we never hold a job the cache cannot admit soon).
+static Err claim_jobs(Engine *e, double now)
 {
-    fprintf(stderr, "usage: glmspark-engine --model DIR --db CONNINFO [--tokenizer FILE]\n"
-                    "       [--model-name NAME] [--threads N] [--kv-blocks N] [--name NAME]\n"
-                    "       [--lease-s S] [--step-delay-ms MS] [--prefill-slice N] [--recipe FILE]\n"
-                    "       glmspark-engine --check-recipe FILE\n");
-    return 2;
+    for (;;) {
+        SchedStats st;
+        sched_stats(e->sched, &st);
+        if (st.n_waiting > 0 || n_live(e) >= e->n_slots || is_stopping) return ERR_OK;
+        Job *j = NULL;
+        for (int i = 0; i < e->n_slots && !j; i++)
+            if (!e->jobs[i].is_live) j = &e->jobs[i];
+        const Err err = jobq_claim(e->q, &j->job);
+        if (err == ERR_NOTFOUND) return ERR_OK;
+        if (err) return err;
+        j->is_live = true;
+        j->last_lease = now;
+        LOG_INFO("engine: job %s claimed (attempt %d, %d prompt + %d committed tokens)",
+                 j->job.public_id, j->job.attempt, j->job.n_prompt, j->job.n_committed);
+        job_start(e, j);
+        if (j->error) LOG_ERROR("engine: job %s failed: %s", j->job.public_id, j->error);
+    }
 }
 
-int main(int argc, char **argv)
+// One jobq_append_batch for every job with output, an end, or a lease due.
+static Err commit(Engine *e, double now)
 {
-    const char *model_dir = NULL, *conninfo = getenv("GLMSPARK_DB"), *tok_path = NULL;
-    const char *model_name = NULL, *name = NULL;
-    int n_threads = 2, kv_blocks = 0, lease_s = 60;
-    Engine e = {0};
-    int rc = 1;
-    // The recipe first (wherever --recipe appears), so that every flag overrides it.
-    Recipe recipe;
-    recipe_defaults(&recipe);
-    if (argc == 3 && !strcmp(argv[1], "--check-recipe")) {
-        if (recipe_load(&recipe, argv[2])) return 2;
-        for (int k = 0; k < recipe_n_keys(); k++) {
-            char val[RECIPE_MAX_STR + 8];
-            printf("%s = %s\n", recipe_key_name(k), recipe_format_value(&recipe, k, val, sizeof val));
+    JobqAppend items[PP_MAX_SLOTS];
+    Job *who[PP_MAX_SLOTS];
+    int n = 0;
+    for (int i = 0; i < e->n_slots; i++) {
+        Job *j = &e->jobs[i];
+        if (!j->is_live) continue;
+        int n_chunks = 0;
+        const JobqChunk *chunks = serve_out_chunks(&j->out, &n_chunks);
+        if (!chunks && !j->error) {
+            j->error = "out of memory";
+            sched_cancel(e->sched, (uint64_t) j->job.id);
         }
-        return 0;
+        if (n_chunks == 0 && !j->finish && !j->error && now - j->last_lease < e->beat_s) continue;
+        items[n] = (JobqAppend){.job = &j->job,
+                                .chunks = chunks,
+                                .n_chunks = chunks ? n_chunks : 0,
+                                .finish_reason = j->error ? NULL : j->finish,
+                                .error = j->error};
+        who[n++] = j;
     }
-    for (int i = 1; i + 1 < argc; i += 2)
-        if (!strcmp(argv[i], "--recipe") && recipe_load(&recipe, argv[i + 1])) return 2;
-    if (recipe.model[0]) model_dir = recipe.model;
-    if (recipe.tokenizer[0]) tok_path = recipe.tokenizer;
-    if (recipe.model_name[0]) model_name = recipe.model_name;
-    n_threads = recipe.threads;
-    kv_blocks = recipe.kv_blocks;
-    lease_s = recipe.lease_s;
-    const bool has_recipe_ctx = recipe_is_set(&recipe, "max_model_len");
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!v) return usage();
-        i++;
-        if (!strcmp(a, "--model")) model_dir = v;
-        else if (!strcmp(a, "--db")) conninfo = v;
-        else if (!strcmp(a, "--tokenizer")) tok_path = v;
-        else if (!strcmp(a, "--model-name")) model_name = v;
-        else if (!strcmp(a, "--threads")) n_threads = atoi(v);
-        else if (!strcmp(a, "--kv-blocks")) kv_blocks = atoi(v);
-        else if (!strcmp(a, "--name")) name = v;
-        else if (!strcmp(a, "--lease-s")) lease_s = atoi(v);
-        else if (!strcmp(a, "--step-delay-ms")) e.step_delay_ms = atoi(v);
-        else if (!strcmp(a, "--prefill-slice")) e.prefill_slice = atoi(v);
-        else if (!strcmp(a, "--recipe")) continue;  // read above
-        else return usage();
+    if (n == 0) return ERR_OK;
+    const Err err = jobq_append_batch(e->q, items, n);
+    if (err) return err;
+    for (int i = 0; i < n; i++) {
+        Job *j = who[i];
+        const uint64_t id = (uint64_t) j->job.id;
+        if (items[i].result == ERR_NOTFOUND) {
+            LOG_WARN("engine: job %s is no longer ours (taken over or ended elsewhere); dropped",
+                     j->job.public_id);
+            sched_cancel(e->sched, id);
+            job_drop(j);
+            continue;
+        }
+        serve_out_clear_step(&j->out);
+        j->last_lease = now;
+        if (j->error) {
+            LOG_ERROR("engine: job %s failed: %s", j->job.public_id, j->error);
+            job_drop(j);
+        } else if (j->finish) {
+            LOG_INFO("engine: job %s %s after %d tokens (attempt %d)", j->job.public_id,
+                     j->finish, j->job.n_committed + j->n_gen, j->job.attempt);
+            job_drop(j);
+        } else if (items[i].is_cancelled) {
+            sched_cancel(e->sched, id);
+        }
     }
-    if (!model_dir || !conninfo || n_threads < 1 || lease_s < 1 || e.prefill_slice < 0) return usage();
-    if (e.prefill_slice == 0) e.prefill_slice = 2048;
-    e.beat_s = lease_s / 3 < 1 ? 1 : lease_s / 3 > 5 ? 5 : lease_s / 3;
+    return ERR_OK;
+}
+
+// Cancel every sequence and run the pipeline empty; the jobs stay (the caller releases or
+// drops them: nothing they got since the last commit is kept).
+static Err drain(Engine *e)
+{
+    for (int i = 0; i < e->n_slots; i++)
+        if (e->jobs[i].is_live) sched_cancel(e->sched, (uint64_t) e->jobs[i].job.id);
+    Err err = ERR_OK;
+    while (!err && sched_has_work(e->sched)) err = sched_step(e->sched);
+    return err;
+}
+
+// Hand every job back to the queue (SIGTERM, a failed rank) and forget it. Output since
+// the last commit is not kept: the next claim resumes from what was committed.
+static void release_all(Engine *e)
+{
+    int n = 0;
+    for (int i = 0; i < e->n_slots; i++) {
+        Job *j = &e->jobs[i];
+        if (!j->is_live) continue;
+        if (jobq_release(e->q, &j->job) == ERR_OK) n++;
+        job_drop(j);
+    }
+    if (n) LOG_INFO("engine: %d running jobs handed back to the queue", n);
+}
+
+static void publish_stats(Engine *e, const char *state, double now)
+{
+    ServeStats *s = &e->stats;
+    SchedStats st = {0};
+    if (e->sched) sched_stats(e->sched, &st);
+    s->state = state;
+    s->running = st.n_running;
+    s->waiting = st.n_waiting;
+    s->inflight = st.n_inflight;
+    s->kv_blocks_used = e->st.kv.params.n_blocks - kv_n_free_blocks(&e->st.kv);
+    struct timespec wall;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    char *json = serve_stats_json(s, now, (double) wall.tv_sec + wall.tv_nsec / 1e9);
+    if (json && jobq_set_stats(e->q, json) == ERR_OK) e->last_stats = now;
+    free(json);
+}
+
+// The serving loop. Returns ERR_OK when stopped by a signal, ERR_DB when the database
+// went away (the caller reconnects), ERR_IO when the pipeline failed, ERR_AGAIN when
+// another engine took the queue.
+static Err serve(Engine *e)
+{
+    double last_empty_claim = -1;
+    for (;;) {
+        double now = serve_stats_now();
+        Err err = ERR_OK;
+        // Claim at once when the last claim found a job, else at most every 100 ms while
+        // busy (each claim is a round trip).
+        if (!is_stopping && now - last_empty_claim >= 0.1) {
+            const int before = n_live(e);
+            if ((err = claim_jobs(e, now))) return err;
+            if (n_live(e) == before) last_empty_claim = now;
+        }
+        const bool has_work = sched_has_work(e->sched);
+        if (has_work) {
+            SchedStats a, b;
+            sched_stats(e->sched, &a);
+            e->step_seqs = e->step_gen = 0;
+            now = serve_stats_now();
+            if ((err = sched_step(e->sched))) return ERR_IO;
+            sched_stats(e->sched, &b);
+            const double t = serve_stats_now();
+            const ServeStep step = {t, (float) ((t - now) * 1e3), e->step_seqs,
+                                    (int) (b.n_tokens - a.n_tokens), e->step_gen};
+            serve_stats_step(&e->stats, &step);
+            now = t;
+            for (int i = 0; i < e->n_slots; i++) {  // tool-call openings due now
+                Job *j = &e->jobs[i];
+                int n;
+                const int32_t *force = j->is_live ? serve_out_force(&j->out, &n) : NULL;
+                if (force) sched_force(e->sched, (uint64_t) j->job.id, force, n);
+            }
+        }
+        if ((err = commit(e, now))) return err;
+        if (now - e->last_stats >= 1.0) publish_stats(e, is_stopping ? "stopping" : "ready", now);
+        if (is_stopping) return ERR_OK;
+        if (has_work) {
+            if (e->o->step_delay_ms > 0) sleep_ms(e->o->step_delay_ms);
+        } else if (n_live(e) == 0) {
+            if ((err = jobq_wait(e->q, 1000))) return err;
+            last_empty_claim = -1;  // woken (or a second passed): claim now
+        }
+    }
+}
+
+static void engine_free(Engine *e)
+{
+    for (int i = 0; e->jobs && i < e->n_slots; i++)
+        if (e->jobs[i].is_live) job_drop(&e->jobs[i]);
+    free(e->jobs);
+    sched_destroy(e->sched);
+    jobq_destroy(e->q);
+    serve_stage_free(&e->st);
+    tok_destroy(e->tok);
+}
+
+// A rank > 0: load, connect, serve micro-batches until rank 0 ends the pipeline.
+static int run_stage_rank(Opts *o)
+{
+    Engine e = {.o = o};
+    // SIGTERM reaches every rank (the local launcher forwards it, cleanup.sh signals
+    // each): rank 0 stops in order and ends the pipeline, or its failure ends ours.
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
+    int rc = 1;
+    if (!serve_stage_load(&e.st, &o->r, o->model_dir, o->local_rank, o->rank, o->world) &&
+        !serve_stage_connect(&e.st, o->rank, o->world, o->master))
+        rc = pp_serve(e.st.stage) ? 1 : 0;
+    engine_free(&e);
+    return rc;
+}
+
+// Rank 0 (or the only rank): the serving engine.
+static int run_engine(Opts *o)
+{
+    Engine e = {.o = o};
+    const int world = o->rank >= 0 ? o->world : 1;
+    int rc = 1;
     char tok_default[4096], name_buf[256], host[128] = "engine";
-    if (!tok_path) {
-        snprintf(tok_default, sizeof tok_default, "%s/tokenizer.json", model_dir);
-        tok_path = tok_default;
+    gethostname(host, sizeof host - 1);
+    if (!o->tok_path) {
+        snprintf(tok_default, sizeof tok_default, "%s/tokenizer.json", o->model_dir);
+        o->tok_path = tok_default;
     }
-    if (!model_name) {
-        size_t n = strlen(model_dir);
-        while (n > 1 && model_dir[n - 1] == '/') n--;
+    if (!o->model_name) {
+        size_t n = strlen(o->model_dir);
+        while (n > 1 && o->model_dir[n - 1] == '/') n--;
         size_t start = n;
-        while (start > 0 && model_dir[start - 1] != '/') start--;
-        snprintf(name_buf, sizeof name_buf, "%.*s", (int) (n - start), model_dir + start);
-        model_name = name_buf;
+        while (start > 0 && o->model_dir[start - 1] != '/') start--;
+        snprintf(name_buf, sizeof name_buf, "%.*s", (int) (n - start), o->model_dir + start);
+        o->model_name = name_buf;
     }
-    if (!name) {
-        gethostname(host, sizeof host - 1);
-        name = host;
-    }
+    if (!o->name) o->name = host;
     struct sigaction sa = {0};
     sa.sa_handler = on_signal;
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
+    e.beat_s = o->r.lease_s / 3 < 1 ? 1 : o->r.lease_s / 3 > 5 ? 5 : o->r.lease_s / 3;
+    e.n_slots = o->r.max_num_seqs;
 
     // Load first: a model that cannot load should not take the queue.
-    if (backend_cpu_create(n_threads, &e.be) || model_load(&e.model, model_dir, NULL, e.be)) {
-        fprintf(stderr, "glmspark-engine: could not load the model in \"%s\"\n", model_dir);
+    if (serve_stage_load(&e.st, &o->r, o->model_dir, o->local_rank, 0, world)) goto done;
+    if (tok_load(&e.tok, o->tok_path)) {
+        fprintf(stderr, "glmspark-engine: could not load the tokenizer \"%s\"\n", o->tok_path);
         goto done;
     }
-    if (tok_load(&e.tok, tok_path)) {
-        fprintf(stderr, "glmspark-engine: could not load the tokenizer \"%s\"\n", tok_path);
-        goto done;
-    }
-    const int block =
-        recipe_is_set(&recipe, "block_size") ? recipe.block_size : KV_DEFAULT_BLOCK_SIZE;
-    if (kv_blocks <= 0) {
-        int ctx = e.model.cfg.max_position_embeddings;
-        if (ctx <= 0 || ctx > 32768) ctx = 32768;
-        if (has_recipe_ctx) ctx = recipe.max_model_len;
-        kv_blocks = (ctx + block - 1) / block;
-    }
-    const KvCacheParams kp = model_kv_params(&e.model, kv_blocks, block);
-    if (kv_init(&e.kv, &kp) || !(e.logits = malloc((size_t) e.model.cfg.vocab_size * sizeof *e.logits))) {
-        fprintf(stderr, "glmspark-engine: could not allocate the KV cache (%d blocks)\n", kv_blocks);
-        goto done;
-    }
+    if (!(e.jobs = calloc((size_t) e.n_slots, sizeof *e.jobs))) goto done;
+    ServeStats *st = &e.stats;
+    st->backend = recipe_backend_name(o->r.backend);
+    st->model = o->model_name;
+    st->world = world;
+    for (int r = 0; r < world; r++)
+        st->ranks[r] = (ServeRank){.state = "loading",
+                                   .first_layer = e.st.plan.ranks[r].first_layer,
+                                   .last_layer = e.st.plan.ranks[r].last_layer,
+                                   .weight_bytes = e.st.plan.ranks[r].weight_bytes};
+    snprintf(st->ranks[0].host, sizeof st->ranks[0].host, "%s", host);
+    st->ranks[0].pid = (int) getpid();
+    st->ranks[0].load_fraction = 1.0;
+    st->kv_blocks_total = e.st.kv.params.n_blocks;
+    st->kv_block_size = e.st.kv.params.block_size;
+    st->max_num_seqs = e.n_slots;
 
-    JobqOptions qo = {.conninfo = conninfo, .engine_name = name, .model = model_name,
-                      .is_exclusive = true, .lease_s = lease_s};
+    JobqOptions qo = {.conninfo = o->conninfo, .engine_name = o->name, .model = o->model_name,
+                      .is_exclusive = true, .lease_s = o->r.lease_s};
     for (int delay = 100;;) {
         const Err err = jobq_create(&qo, &e.q);
         if (err == ERR_AGAIN) {
@@ -666,41 +595,86 @@ int main(int argc, char **argv)
         sleep_ms(delay);
         delay = delay * 2 > 5000 ? 5000 : delay * 2;
     }
+    publish_stats(&e, "loading", serve_stats_now());
+    if (serve_stage_connect(&e.st, 0, world, o->master)) goto done;
+    for (int r = 0; r < world; r++) {
+        st->ranks[r].state = "up";
+        st->ranks[r].load_fraction = 1.0;
+    }
+    const SchedParams sp = {.max_num_seqs = e.n_slots,
+                            .max_num_batched_tokens = o->r.max_num_batched_tokens,
+                            .on_event = on_event,
+                            .user = &e};
+    if (sched_create(e.st.stage, &e.st.model, &e.st.kv, &sp, &e.sched)) goto done;
     int n_requeued = 0;
     if (jobq_recover(e.q, &n_requeued)) goto done;
     LOG_INFO("engine: serving \"%s\" as \"%s\" (%d KV blocks); %d interrupted jobs requeued",
-             model_name, name, kv_blocks, n_requeued);
+             o->model_name, o->name, e.st.kv.params.n_blocks, n_requeued);
+    LOG_INFO("engine: %d ranks, backend %s, max_num_seqs %d, max_num_batched_tokens %d", world,
+             st->backend, e.n_slots, o->r.max_num_batched_tokens);
 
-    while (!is_stopping) {
-        JobqJob job;
-        Err err = jobq_claim(e.q, &job);
-        if (err == ERR_OK) {
-            err = run_job(&e, &job);
-            jobq_job_free(&job);
-        } else if (err == ERR_NOTFOUND) {
-            err = jobq_heartbeat(e.q, NULL, NULL);
-            if (!err) err = jobq_wait(e.q, 1000);
+    for (;;) {
+        const Err err = serve(&e);
+        if (err == ERR_OK) break;  // a signal
+        if (err == ERR_IO) {
+            LOG_ERROR("engine: the pipeline failed (the rank and host are named above); handing "
+                      "%d jobs back and exiting",
+                      n_live(&e));
+            for (int r = 1; r < world; r++) st->ranks[r].state = "down";
+            release_all(&e);
+            publish_stats(&e, "stopping", serve_stats_now());
+            goto done;
         }
-        if (err == ERR_DB && !is_stopping) {
-            err = jobq_reconnect(e.q, -1);
-            if (err == ERR_AGAIN) {
-                fprintf(stderr, "glmspark-engine: lost the queue to another engine; exiting\n");
-                rc = 3;
-                goto done;
-            }
-            // The job we were running (if any) was dropped: resume it now rather than
-            // after its lease runs out.
-            if (!err) jobq_recover(e.q, NULL);
+        if (err == ERR_AGAIN) {
+            fprintf(stderr, "glmspark-engine: lost the queue to another engine; exiting\n");
+            rc = 3;
+            goto done;
         }
+        // ERR_DB: drop every sequence (their output resumes from what was committed),
+        // reconnect, requeue our jobs, claim again.
+        if (drain(&e)) goto done;
+        for (int i = 0; i < e.n_slots; i++)
+            if (e.jobs[i].is_live) job_drop(&e.jobs[i]);
+        Err rerr = ERR_DB;
+        while (rerr == ERR_DB && !is_stopping) rerr = jobq_reconnect(e.q, 2000);
+        if (rerr == ERR_AGAIN) {
+            fprintf(stderr, "glmspark-engine: lost the queue to another engine; exiting\n");
+            rc = 3;
+            goto done;
+        }
+        if (rerr) break;  // stopping while the database is away: the leases run out
+        if (jobq_recover(e.q, NULL) == ERR_DB) continue;
     }
     LOG_INFO("engine: stopping");
+    const Err derr = drain(&e);
+    release_all(&e);
+    publish_stats(&e, "stopping", serve_stats_now());
+    if (derr || pp_end(e.st.stage)) goto done;
     rc = 0;
 done:
-    jobq_destroy(e.q);
-    free(e.logits);
-    kv_free(&e.kv);
-    tok_destroy(e.tok);
-    model_free(&e.model);
-    if (e.be) e.be->destroy(e.be);
+    engine_free(&e);
     return rc;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 3 && !strcmp(argv[1], "--check-recipe")) {
+        Recipe recipe;
+        recipe_defaults(&recipe);
+        if (recipe_load(&recipe, argv[2])) return 2;
+        for (int k = 0; k < recipe_n_keys(); k++) {
+            char val[RECIPE_MAX_STR + 8];
+            printf("%s = %s\n", recipe_key_name(k), recipe_format_value(&recipe, k, val, sizeof val));
+        }
+        return 0;
+    }
+    Opts o;
+    const int rc = parse_opts(argc, argv, &o);
+    if (rc) return rc;
+    // pp_launch_local re-executes this program with its argv after a program name (it
+    // serves `glmspark <cmd>`, whose argv starts at the command): ours starts at argv[1].
+    if (o.rank < 0 && o.r.pipeline_parallel > 1)
+        return pp_launch_local(argc - 1, argv + 1, o.r.pipeline_parallel);
+    if (o.rank > 0) return run_stage_rank(&o);
+    return run_engine(&o);
 }

@@ -731,10 +731,46 @@ Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *t
             be->upload(be, w->sel, w->act_host + 1 + n, (size_t) n * topk * sizeof(int));
         }
     }
-    for (int l = m->first_layer; l < m->last_layer; l++) {
-        attention_block(m, kv, b, l, n, &has_sel);
-        mlp_block(m, l, n);
+    // Small batches (decode) run the layers, and the head when each sequence's last row is
+    // wanted, as one recorded unit where the backend can (backend.h, graph_begin); the key
+    // names what the ops' arguments depend on.
+    enum { GRAPH_MAX_TOKENS = 64 };
+    const bool graphed = be->graph_begin && n <= GRAPH_MAX_TOKENS;
+    const bool head_last = logits && rows == MODEL_LOGITS_LAST;
+    ASSERT(!head_last || m->has_head);
+    bool replay = false;
+    if (graphed) {
+        unsigned long long key[5 + GRAPH_MAX_TOKENS];
+        int nk = 0;
+        key[nk++] = (unsigned long long) (uintptr_t) m;
+        key[nk++] = (unsigned long long) (uintptr_t) w;
+        key[nk++] = (unsigned long long) n;
+        key[nk++] = has_sel;
+        key[nk++] = head_last;
+        for (int i = 0; i < b->n_seqs; i++)
+            key[nk++] = (unsigned long long) b->n_new[i];
+        replay = be->graph_begin(be, kv, b->seqs, b->n_seqs, key, nk);
     }
+    if (replay) {
+        for (int l = m->first_layer; l < m->last_layer; l++)
+            if (m->layers[l].has_indexer) has_sel = true;  // as attention_block sets it
+    } else {
+        for (int l = m->first_layer; l < m->last_layer; l++) {
+            attention_block(m, kv, b, l, n, &has_sel);
+            mlp_block(m, l, n);
+        }
+        // One row per sequence (its last token) into row i of w->logits; each is normed and
+        // projected alone, as a single-sequence call would, so the numbers do not depend on
+        // the batch.
+        for (int i = 0, off = 0; head_last && i < b->n_seqs; off += b->n_new[i++]) {
+            const int last = off + b->n_new[i] - 1;
+            float *h_row = w->h + (size_t) i * hidden;
+            be->rmsnorm(be, h_row, w->x + (size_t) last * hidden, m->final_norm, 1, hidden, hidden,
+                        c->rms_norm_eps);
+            be->matmul(be, w->logits + (size_t) i * c->vocab_size, &m->lm_head, h_row, 1);
+        }
+    }
+    if (graphed) be->graph_end(be);
     for (int i = 0; i < b->n_seqs; i++)
         b->seqs[i]->n_tokens += b->n_new[i];
 
@@ -757,16 +793,8 @@ Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *t
             be->rmsnorm(be, w->h, w->x, m->final_norm, n, hidden, hidden, c->rms_norm_eps);
             be->matmul(be, w->logits, &m->lm_head, w->h, n);
             be->download(be, logits, w->logits, (size_t) n * V * sizeof(float));
-        } else {
-            // One row per sequence (its last token); each is normed and projected alone,
-            // as a single-sequence call would, so the numbers do not depend on the batch.
-            for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++]) {
-                const int last = off + b->n_new[i] - 1;
-                be->rmsnorm(be, w->h, w->x + (size_t) last * hidden, m->final_norm, 1, hidden,
-                            hidden, c->rms_norm_eps);
-                be->matmul(be, w->logits, &m->lm_head, w->h, 1);
-                be->download(be, logits + (size_t) i * V, w->logits, V * sizeof(float));
-            }
+        } else {  // computed after the layers (head_last)
+            be->download(be, logits, w->logits, (size_t) b->n_seqs * V * sizeof(float));
         }
     }
     return ERR_OK;

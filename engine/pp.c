@@ -5,8 +5,11 @@
  * Wire format on the data ring (pp_comm), host byte order (every rank runs the same
  * binary on the same architecture):
  *   PPMSG_BATCH   header, PpSeqOp[n_ops], int32 tokens[n_tokens], activations
- *               (model_act_bytes(n_tokens); absent from rank 0 when world == 1)
+ *               (model_act_bytes(n_tokens); absent from rank 0 when world == 1). The
+ *               activations go through pp_comm_send_act: NCCL between GPU ranks (unless
+ *               GLMSPARK_PP_DATA=tcp), the TCP ring otherwise; the rest always over TCP.
  *   PPMSG_RESULT  header, int32 tokens[n_ops], float logits[n_rows, vocab]   (last -> rank 0)
+ *               then MtpOut[n_ops] when header.has_mtp (the batch had ops of MTP slots)
  *   PPMSG_END     header                          (travels the whole ring back to rank 0)
  * Every rank sees every op and every token id, so each keeps its own KvSeq per slot and
  * the last rank its samplers and token histories; nothing but activations depends on
@@ -15,7 +18,9 @@
  * Flow control: rank 0 may have `world` micro-batches outstanding. Sends block only when
  * the socket buffers (4 MiB each way, pp_comm.c) are full; decode micro-batches are a few
  * KiB, and a full-logits result is only requested by `glmspark logits` with one batch in
- * flight, so the ring cannot fill up and deadlock.
+ * flight, so the ring cannot fill up and deadlock. An NCCL send blocks until the next
+ * rank posts its receive; every rank goes back to receiving as soon as it has sent on,
+ * and the last rank's results travel over TCP, so that chain cannot deadlock either.
  */
 #define _DEFAULT_SOURCE  // setpgid, kill
 #include "pp.h"
@@ -395,11 +400,12 @@ enum { PPMSG_MAGIC = 0x47505042, PPMSG_BATCH = 1, PPMSG_RESULT = 2, PPMSG_END = 
 
 typedef struct MsgHeader {
     uint32_t magic, kind;
-    int32_t n_ops, n_tokens, n_rows, pad_;
+    int32_t n_ops, n_tokens, n_rows, has_mtp;
 } MsgHeader;
 
 typedef struct SlotState {
     KvSeq seq;
+    int mtp_k;         // MTP drafts per sample (PP_SEQ_START), every rank
     Sampler sampler;   // last rank
     int32_t *history;  // last rank: tokens fed, for the penalties
     int n_history, cap_history;
@@ -431,6 +437,12 @@ struct PpStage {
     int *batch_n;
     // world == 1: the result of the one outstanding submit
     int local_n_ops, local_n_rows;
+    // MTP: the last rank's drafting state (has_mtp), and each result's per-op outcome
+    bool has_mtp;
+    MtpStage mtp;
+    MtpOut *res_mtp;
+    int cap_res_mtp;
+    bool res_has_mtp;
 };
 
 static Err grow(void **p, size_t *cap, size_t need, size_t elem)
@@ -456,6 +468,7 @@ static Err grow_int(void **p, int *cap, int need, size_t elem)
 
 static void slot_free(PpStage *s, SlotState *st)
 {
+    if (s->has_mtp) mtp_slot_end(&s->mtp, (int) (st - s->slots));
     kv_seq_free(s->kv, &st->seq);
     sampler_free(&st->sampler);
     free(st->history);
@@ -478,8 +491,21 @@ Err pp_stage_create(Model *m, KvCache *kv, int rank, int world, const char *mast
     s->batch_n = calloc(PP_MAX_SLOTS, sizeof *s->batch_n);
     Err err = ERR_NOMEM;
     if (!s->batch_seqs || !s->batch_n) goto fail;
+    if (s->is_last && m->mtp) {
+        if ((err = mtp_stage_init(&s->mtp, m, &kv->params, PP_MAX_SLOTS))) goto fail;
+        s->has_mtp = true;
+    }
     if (world > 1) {
-        if ((err = pp_comm_init(&s->comm, rank, world, master, config_hash, NULL))) goto fail;
+        // GPU ranks move activations with NCCL unless rank 0 says otherwise (pp_comm.h).
+        const bool gpu = m->be && strcmp(m->be->name, "cuda") == 0;
+        unsigned char id[PP_NCCL_ID_BYTES];
+        const bool offer = rank == 0 && gpu && pp_comm_nccl_offer(id);
+        if ((err = pp_comm_init(&s->comm, rank, world, master, config_hash, offer ? id : NULL)))
+            goto fail;
+        if ((err = pp_comm_data_start(&s->comm, gpu))) {
+            pp_comm_free(&s->comm);
+            goto fail;
+        }
     } else {
         s->comm.world = 1;
         s->comm.next_fd = s->comm.prev_fd = -1;
@@ -490,6 +516,7 @@ Err pp_stage_create(Model *m, KvCache *kv, int rank, int world, const char *mast
     return ERR_OK;
 
 fail:
+    mtp_stage_free(&s->mtp);
     free(s->batch_seqs);
     free(s->batch_n);
     free(s);
@@ -509,6 +536,8 @@ void pp_stage_destroy(PpStage *s)
     free(s->logits);
     free(s->res_logits);
     free(s->res_tokens);
+    free(s->res_mtp);
+    mtp_stage_free(&s->mtp);
     free(s->batch_seqs);
     free(s->batch_n);
     free(s);
@@ -524,12 +553,27 @@ int pp_inflight(const PpStage *s)
     return s->n_inflight;
 }
 
+MtpStage *pp_mtp(PpStage *s)
+{
+    return s->has_mtp ? &s->mtp : NULL;
+}
+
+int pp_slot_positions(const PpStage *s, int slot)
+{
+    return slot >= 0 && slot < PP_MAX_SLOTS ? s->slots[slot].seq.n_tokens : 0;
+}
+
 static Err check_ops(const PpSeqOp *ops, int n_ops, int n_tokens)
 {
     int sum = 0;
     for (int i = 0; i < n_ops; i++) {
         if (ops[i].slot < 0 || ops[i].slot >= PP_MAX_SLOTS || ops[i].n_new < 0
-            || (ops[i].n_new == 0 && !(ops[i].flags & PP_SEQ_FREE))) {
+            || (ops[i].n_new == 0 && !(ops[i].flags & PP_SEQ_FREE)) || ops[i].mtp_k < 0
+            || ops[i].mtp_k > MTP_MAX_DRAFTS || ops[i].n_draft < 0
+            || (ops[i].n_draft > 0
+                && (ops[i].n_new != ops[i].n_draft + 1 || !(ops[i].flags & PP_SEQ_SAMPLE)))
+            || ops[i].n_rollback < 0 || ops[i].n_rollback > MTP_MAX_DRAFTS
+            || (ops[i].n_rollback > 0 && (ops[i].flags & PP_SEQ_START))) {
             LOG_ERROR("bad pipeline op %d: slot %d, %d new tokens, flags %#x", i, ops[i].slot,
                       ops[i].n_new, ops[i].flags);
             return ERR_FORMAT;
@@ -556,19 +600,59 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
     Model *m = s->m;
     const size_t V = (size_t) m->cfg.vocab_size;
     Err err = ERR_OK;
-    int n_batch = 0, n_rows = 0;
+    int n_batch = 0, n_rows = 0, n_mtp = 0, off0 = 0;
     bool all = false;
     for (int i = 0; i < n_ops; i++) {
         SlotState *st = &s->slots[ops[i].slot];
         if (ops[i].flags & PP_SEQ_START) {
             slot_free(s, st);
             st->active = true;
+            st->mtp_k = ops[i].mtp_k;
             if (s->is_last && (err = sampler_init(&st->sampler, m->cfg.vocab_size, ops[i].params)))
                 return err;
+            if (s->is_last && st->mtp_k > 0
+                && (err = s->has_mtp ? mtp_slot_start(&s->mtp, ops[i].slot, st->mtp_k,
+                                                      &ops[i].params)
+                                     : ERR_INVAL)) {
+                if (!s->has_mtp)
+                    LOG_ERROR("pipeline slot %d asks for MTP drafts; the last rank has no MTP "
+                              "layer loaded",
+                              ops[i].slot);
+                st->active = false;
+                return err;
+            }
         } else if (!st->active) {
             LOG_ERROR("pipeline op on slot %d, which holds no sequence", ops[i].slot);
             return ERR_FORMAT;
         }
+        if ((ops[i].flags & PP_SEQ_FREE) && ops[i].n_new == 0) {
+            // Free-only ops release their blocks before the forward: a sequence the
+            // scheduler admitted into this micro-batch may have been promised them.
+            slot_free(s, st);
+            continue;
+        }
+        if ((ops[i].n_rollback > 0 || ops[i].n_draft > 0)
+            && (st->mtp_k == 0 || ops[i].n_rollback > st->seq.n_tokens)) {
+            LOG_ERROR("pipeline op on slot %d: %d drafts, %d positions to drop (slot without MTP "
+                      "or shorter)",
+                      ops[i].slot, ops[i].n_draft, ops[i].n_rollback);
+            return ERR_FORMAT;
+        }
+        if (st->mtp_k > 0 && !(ops[i].flags & PP_SEQ_START)
+            && (ops[i].n_new > 0 || !(ops[i].flags & PP_SEQ_FREE))) {
+            // The previous op's rejected drafts leave every rank's cache.
+            // Drafts are checked before anything changes (the forward writes the cache).
+            if (s->is_last && ops[i].n_new > 0
+                && (err = mtp_slot_check(&s->mtp, ops[i].slot, tokens + off0, ops[i].n_new,
+                                         ops[i].n_draft, ops[i].flags & PP_SEQ_SAMPLE)))
+                return err;
+            if (s->is_last && (err = mtp_slot_rollback(&s->mtp, ops[i].slot, ops[i].n_rollback)))
+                return err;
+            st->seq.n_tokens -= ops[i].n_rollback;
+            if (s->is_last) st->n_history -= ops[i].n_rollback;
+        }
+        if (st->mtp_k > 0 && ops[i].n_new > 0) n_mtp++;
+        off0 += ops[i].n_new;
         if (ops[i].n_new > 0) {
             s->batch_seqs[n_batch] = &st->seq;
             s->batch_n[n_batch++] = ops[i].n_new;
@@ -583,14 +667,21 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
             || (err = grow((void **) &s->res_logits, &s->cap_res_rows, (size_t) n_rows,
                            V * sizeof(float)))
             || (err = grow((void **) &s->logits, &s->cap_logits_rows,
-                           (size_t) (all ? n_tokens : n_batch), V * sizeof(float))))
+                           (size_t) (all ? n_tokens : n_batch), V * sizeof(float)))
+            || (err = grow_int((void **) &s->res_mtp, &s->cap_res_mtp, n_ops, sizeof(MtpOut))))
             return err;
+        // MTP slots need their rows' residual stream (mtp_stage_op runs their head).
+        if (n_mtp > 0
+            && (err = grow((void **) &s->act_out, &s->cap_act, model_act_bytes(m, n_tokens), 1)))
+            return err;
+        s->res_has_mtp = n_mtp > 0;
     } else if ((err = grow((void **) &s->act_out, &s->cap_act, model_act_bytes(m, n_tokens), 1))) {
         return err;
     }
     if (n_batch > 0) {
         const ModelBatch b = {n_batch, s->batch_seqs, s->batch_n};
-        err = model_forward_batch(m, s->kv, &b, tokens, act_in, s->is_last ? NULL : s->act_out,
+        err = model_forward_batch(m, s->kv, &b, tokens, act_in,
+                                  s->is_last && n_mtp == 0 ? NULL : s->act_out,
                                   s->is_last ? s->logits : NULL,
                                   !s->is_last ? MODEL_LOGITS_NONE
                                   : all       ? MODEL_LOGITS_ALL
@@ -607,6 +698,7 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
             SlotState *st = &s->slots[ops[i].slot];
             const int k = ops[i].n_new;
             s->res_tokens[i] = -1;
+            s->res_mtp[i] = (MtpOut){0};
             if (k > 0) {
                 if (st->n_history + k > st->cap_history) {
                     const int cap = (st->n_history + k) * 2;
@@ -622,7 +714,15 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
                            (size_t) k * V * sizeof(float));
                     row += k;
                 }
-                if (ops[i].flags & PP_SEQ_SAMPLE) {
+                MtpOut *mo = &s->res_mtp[i];
+                if (st->mtp_k > 0) {
+                    const float *x = (const float *) s->act_out + (size_t) off * m->cfg.hidden_size;
+                    if ((err = mtp_stage_op(&s->mtp, ops[i].slot, &st->sampler, tokens + off, k,
+                                            ops[i].n_draft, ops[i].flags & PP_SEQ_SAMPLE, x, last,
+                                            mo)))
+                        return err;
+                    if (mo->n_emit > 0) s->res_tokens[i] = mo->emit[mo->n_emit - 1];
+                } else if (ops[i].flags & PP_SEQ_SAMPLE) {
                     sampler_apply_penalties(&st->sampler, last, st->history, st->n_history);
                     s->res_tokens[i] = sampler_sample(&st->sampler, last);
                 }
@@ -640,12 +740,14 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
 // Last rank: send the result of the batch just run to rank 0.
 static Err send_result(PpStage *s, int n_ops, int n_rows)
 {
-    const MsgHeader h = {PPMSG_MAGIC, PPMSG_RESULT, n_ops, 0, n_rows, 0};
+    const MsgHeader h = {PPMSG_MAGIC, PPMSG_RESULT, n_ops, 0, n_rows, s->res_has_mtp};
     const size_t V = (size_t) s->m->cfg.vocab_size;
     Err err = pp_comm_send(&s->comm, &h, sizeof h);
     if (!err) err = pp_comm_send(&s->comm, s->res_tokens, (size_t) n_ops * sizeof(int32_t));
     if (!err && n_rows)
         err = pp_comm_send(&s->comm, s->res_logits, (size_t) n_rows * V * sizeof(float));
+    if (!err && s->res_has_mtp)
+        err = pp_comm_send(&s->comm, s->res_mtp, (size_t) n_ops * sizeof(MtpOut));
     return err;
 }
 
@@ -656,7 +758,7 @@ static Err send_batch(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *
     Err err = pp_comm_send(&s->comm, &h, sizeof h);
     if (!err) err = pp_comm_send(&s->comm, ops, (size_t) n_ops * sizeof *ops);
     if (!err) err = pp_comm_send(&s->comm, tokens, (size_t) n_tokens * sizeof(int32_t));
-    if (!err) err = pp_comm_send(&s->comm, s->act_out, model_act_bytes(s->m, n_tokens));
+    if (!err) err = pp_comm_send_act(&s->comm, s->act_out, model_act_bytes(s->m, n_tokens));
     return err;
 }
 
@@ -699,16 +801,23 @@ Err pp_collect(PpStage *s, PpResult *out)
             || (err = pp_comm_recv(&s->comm, s->res_tokens, (size_t) h.n_ops * sizeof(int32_t)))
             || (h.n_rows
                 && (err = pp_comm_recv(&s->comm, s->res_logits,
-                                       (size_t) h.n_rows * V * sizeof(float)))))
+                                       (size_t) h.n_rows * V * sizeof(float))))
+            || (h.has_mtp
+                && ((err = grow_int((void **) &s->res_mtp, &s->cap_res_mtp, h.n_ops,
+                                    sizeof(MtpOut)))
+                    || (err = pp_comm_recv(&s->comm, s->res_mtp,
+                                           (size_t) h.n_ops * sizeof(MtpOut))))))
             return err;
         s->local_n_ops = h.n_ops;
         s->local_n_rows = h.n_rows;
+        s->res_has_mtp = h.has_mtp != 0;
     }
     s->n_inflight--;
     out->n_ops = s->local_n_ops;
     out->tokens = s->res_tokens;
     out->n_rows = s->local_n_rows;
     out->logits = s->res_logits;
+    out->mtp = s->res_has_mtp ? s->res_mtp : NULL;
     return ERR_OK;
 }
 
@@ -743,7 +852,7 @@ Err pp_serve(PpStage *s)
             break;
         if ((err = pp_comm_recv(&s->comm, s->ops, (size_t) h.n_ops * sizeof *s->ops))
             || (err = pp_comm_recv(&s->comm, s->tokens, (size_t) h.n_tokens * sizeof(int32_t)))
-            || (err = pp_comm_recv(&s->comm, s->act_in, model_act_bytes(s->m, h.n_tokens)))
+            || (err = pp_comm_recv_act(&s->comm, s->act_in, model_act_bytes(s->m, h.n_tokens)))
             || (err = check_ops(s->ops, h.n_ops, h.n_tokens)))
             break;
         int n_rows = 0;
@@ -800,7 +909,9 @@ Err pp_plan_model(const char *dir, const ModelConfig *cfg, int world, uint64_t m
                 last += t->n_bytes;  // MTP layer(s)
         } else if (strncmp(t->name, "model.embed_tokens.", 19) == 0) {
             first += t->n_bytes;
-            if (tied_head) last += t->n_bytes;
+            // The last rank's MTP layer embeds its next token with the same table (as a
+            // tied lm_head does): it holds a copy when the checkpoint has an MTP layer.
+            if (tied_head || cfg->n_mtp_layers > 0) last += t->n_bytes;
         } else {
             last += t->n_bytes;  // final norm, lm_head
         }

@@ -16,6 +16,9 @@
  * sends the token ids (and logits when asked) back to rank 0, where pp_collect() returns
  * them in submission order. Up to `world` micro-batches may be in flight, so every stage
  * works when several are queued. With world == 1 the same calls run everything locally.
+ * MTP (mtp.h): slots started with mtp_k draft on the last rank after each sample; the
+ * drafts come back in PpResult.mtp, the next op carries them (n_draft) for verification
+ * and the previous op's rejected positions (n_rollback), which every rank drops.
  *
  * Ownership: PpStage borrows the Model and KvCache (they must outlive it) and owns its
  *            comm, per-slot KV sequences, samplers and buffers.
@@ -35,6 +38,7 @@
 #include "config.h"
 #include "kv_cache.h"
 #include "model.h"
+#include "mtp.h"
 #include "pp_comm.h"
 #include "sampler.h"
 
@@ -129,21 +133,34 @@ typedef struct PpSeqOp {
     int32_t slot;
     int32_t n_new;   // tokens of this sequence in the batch (0 only with PP_SEQ_FREE)
     uint32_t flags;  // PP_SEQ_*
-    int32_t pad_;
+    // MTP speculative decoding (mtp.h). With PP_SEQ_START: mtp_k drafts per sample (0:
+    // off; the last rank needs the MTP layer). n_draft: the op's last n_draft tokens are
+    // the drafts the previous result proposed (a prefix of them), verified by the last
+    // rank (needs PP_SEQ_SAMPLE and n_new == 1 + n_draft). n_rollback: positions every
+    // rank drops from the slot's cache before this op: the drafts the previous result
+    // rejected (its n_draft + 1 - n_emit); the last rank checks it.
+    int32_t mtp_k;
+    int32_t n_draft;
+    int32_t n_rollback;
     SamplerParams params;  // with PP_SEQ_START
 } PpSeqOp;
 
 typedef struct PpResult {
     int n_ops;
     int32_t *tokens;  // [n_ops] sampled id per op, -1 when not sampled; owned by the stage
+                      // (MTP ops: the last emitted token)
     float *logits;    // [n_rows, vocab] of the ops with PP_SEQ_LOGITS, in op order
     int n_rows;
+    MtpOut *mtp;      // [n_ops] when the batch has ops of MTP slots (else NULL): the
+                      // emitted tokens and next drafts of each (n_emit 0 for other ops)
 } PpResult;
 
 typedef struct PpStage PpStage;
 
 // Connect this rank (pp_comm_init) and prepare slots for a model loaded with this rank's
-// layer range. kv: this rank's cache. On failure *out is NULL.
+// layer range. kv: this rank's cache. The last rank of a model loaded with its MTP layer
+// (load_mtp) also keeps an MTP cache of kv's block count for slots started with mtp_k.
+// On failure *out is NULL.
 Err pp_stage_create(Model *m, KvCache *kv, int rank, int world, const char *master,
                     uint64_t config_hash, PpStage **out);
 
@@ -167,6 +184,13 @@ int pp_inflight(const PpStage *s);
 
 // The pipeline's world size (stages).
 int pp_world(const PpStage *s);
+
+// The last rank's MTP state (drafting counters, the test hook), NULL on other ranks or
+// without an MTP layer.
+MtpStage *pp_mtp(PpStage *s);
+
+// Positions slot holds in this rank's cache (0 when free), for tests.
+int pp_slot_positions(const PpStage *s, int slot);
 
 // Release everything; closes the connections (a rank that has not ended sees a failure).
 void pp_stage_destroy(PpStage *s);

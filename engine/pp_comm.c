@@ -30,6 +30,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#ifdef GLMSPARK_HAVE_NCCL
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+#endif
+
 enum {
     CTRL_MAGIC = 0x47504354,  // "GPCT"
     HELLO_MAGIC = 0x47504848,
@@ -194,6 +199,8 @@ bool pp_comm_parse_addr(const char *s, char *addr, size_t addr_len, int *port)
     *port = (int) p;
     return true;
 }
+
+static void nccl_free(PpComm *c);  // the NCCL data plane's teardown (end of file)
 
 // ---------------------------------------------------------------------------
 // Heartbeats and failure
@@ -505,6 +512,7 @@ bool pp_comm_failed(const PpComm *c)
 void pp_comm_free(PpComm *c)
 {
     if (!c) return;
+    nccl_free(c);
     if (c->has_thread) {
         atomic_store(&c->flags->closing, true);
         atomic_store(&c->flags->bye, true);
@@ -519,69 +527,317 @@ void pp_comm_free(PpComm *c)
     comm_reset(c);
 }
 
-#ifdef GLMSPARK_HAVE_NCCL
 // ---------------------------------------------------------------------------
-// NCCL
+// Activation data plane
 
-void pp_nccl_fatal(ncclComm_t comm, ncclResult_t r, const char *what, const char *file, int line)
+bool pp_comm_uses_nccl(const PpComm *c)
 {
-    if (comm) ncclCommAbort(comm);  // peers' pending calls fail instead of hanging
-    log_fatal(file, line, "%s failed: %s", what, ncclGetErrorString(r));
+    return c->nccl != NULL;
 }
 
-void pp_nccl_make_id(unsigned char id[PP_NCCL_ID_BYTES])
+// True when GLMSPARK_PP_DATA asks for the TCP data plane.
+static bool tcp_forced(void)
 {
-    ncclUniqueId uid;
-    _Static_assert(sizeof uid == PP_NCCL_ID_BYTES, "NCCL unique id size");
-    NCCL_CHECK(NULL, ncclGetUniqueId(&uid));
-    memcpy(id, &uid, sizeof uid);
+    const char *v = getenv("GLMSPARK_PP_DATA");
+    return v && strcmp(v, "tcp") == 0;
 }
 
-ncclComm_t pp_nccl_init(const PpComm *c, int device)
+static bool id_is_zero(const unsigned char *id)
 {
-    ncclUniqueId uid;
-    memcpy(&uid, c->nccl_id, sizeof uid);
-    if (cudaSetDevice(device) != cudaSuccess)
-        log_fatal(__FILE__, __LINE__, "cudaSetDevice(%d) failed", device);
-    ncclComm_t comm = NULL;
-    NCCL_CHECK(NULL, ncclCommInitRank(&comm, c->world, uid, c->rank));
-    return comm;
+    for (int i = 0; i < PP_NCCL_ID_BYTES; i++)
+        if (id[i]) return false;
+    return true;
 }
 
-// Wait for stream while polling the communicator's async error and our heartbeat state.
-static void nccl_wait(ncclComm_t comm, const PpComm *c, cudaStream_t stream)
+#ifndef GLMSPARK_HAVE_NCCL
+
+bool pp_comm_nccl_offer(unsigned char id[PP_NCCL_ID_BYTES])
 {
+    (void) id;
+    (void) tcp_forced;
+    return false;
+}
+
+Err pp_comm_data_start(PpComm *c, bool gpu)
+{
+    (void) gpu;
+    if (id_is_zero(c->nccl_id)) return ERR_OK;
+    LOG_ERROR("rank %d: rank 0 offered the NCCL data plane, but this glmspark was built without "
+              "NCCL (start every rank from the same build, or set GLMSPARK_PP_DATA=tcp on rank 0)",
+              c->rank);
+    return ERR_INVAL;
+}
+
+Err pp_comm_send_dev(PpComm *c, const void *d_buf, size_t n)
+{
+    (void) c, (void) d_buf, (void) n;
+    LOG_ERROR("pipeline: device-memory transfers need NCCL, which this build lacks");
+    return ERR_INVAL;
+}
+
+Err pp_comm_recv_dev(PpComm *c, void *d_buf, size_t n)
+{
+    return pp_comm_send_dev(c, d_buf, n);
+}
+
+static void nccl_free(PpComm *c)
+{
+    (void) c;
+}
+
+Err pp_comm_send_act(PpComm *c, const void *buf, size_t n)
+{
+    return pp_comm_send(c, buf, n);
+}
+
+Err pp_comm_recv_act(PpComm *c, void *buf, size_t n)
+{
+    return pp_comm_recv(c, buf, n);
+}
+
+#else  // GLMSPARK_HAVE_NCCL
+
+// One rank's NCCL state: the communicator, its stream and device staging buffers for
+// activations that come from host memory.
+struct PpNccl {
+    ncclComm_t comm;
+    cudaStream_t stream;
+    void *stage;  // device memory, cap bytes
+    size_t cap;
+    bool aborted;
+};
+
+enum { NCCL_SPIN_US = 2000 };  // poll without sleeping this long, then sleep 20 us per poll
+
+static Err stage_ensure(PpComm *c, size_t n);
+
+// Record an NCCL-side failure: abort the communicator (pending peer operations fail instead
+// of hanging), then report through the heartbeat machinery (logged once, watchdog armed).
+static Err nccl_fail(PpComm *c, int peer, const char *why)
+{
+    if (!c->nccl->aborted) {
+        ncclCommAbort(c->nccl->comm);
+        c->nccl->aborted = true;
+    }
+    if (!atomic_load(&c->flags->failed)) fail(c, peer, why);
+    return ERR_IO;
+}
+
+// Wait until the communicator's pending work is enqueued and the stream is idle, polling
+// NCCL's asynchronous error and the heartbeat state. peer: the rank blamed on failure.
+// timeout_ms < 0: no limit (a peer may compute for long; its heartbeats say it is alive).
+static Err nccl_wait(PpComm *c, int peer, const char *what, int timeout_ms)
+{
+    struct PpNccl *x = c->nccl;
+    const double t0 = now_ms();
+    char why[160];
     for (;;) {
-        const cudaError_t q = cudaStreamQuery(stream);
-        if (q == cudaSuccess) return;
-        if (q != cudaErrorNotReady) {
-            ncclCommAbort(comm);
-            log_fatal(__FILE__, __LINE__, "CUDA error while waiting for NCCL: %s",
-                      cudaGetErrorString(q));
-        }
+        if (atomic_load(&c->flags->failed)) return nccl_fail(c, peer, "failed during NCCL");
         ncclResult_t async = ncclSuccess;
-        NCCL_CHECK(comm, ncclCommGetAsyncError(comm, &async));
-        if (async != ncclSuccess)
-            pp_nccl_fatal(comm, async, "NCCL async error", __FILE__, __LINE__);
-        if (pp_comm_failed(c)) {
-            ncclCommAbort(comm);
-            log_fatal(__FILE__, __LINE__, "a pipeline rank failed during an NCCL transfer");
+        const ncclResult_t r = ncclCommGetAsyncError(x->comm, &async);
+        if (r != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
+            snprintf(why, sizeof why, "NCCL error during %s: %s", what,
+                     ncclGetErrorString(r != ncclSuccess ? r : async));
+            return nccl_fail(c, peer, why);
         }
-        sleep_ms(0);
+        if (async == ncclSuccess) {  // enqueued (or joined): now the stream
+            const cudaError_t q = cudaStreamQuery(x->stream);
+            if (q == cudaSuccess) return ERR_OK;
+            if (q != cudaErrorNotReady) {
+                snprintf(why, sizeof why, "CUDA error during %s: %s", what, cudaGetErrorString(q));
+                return nccl_fail(c, peer, why);
+            }
+        }
+        const double t = now_ms() - t0;
+        if (timeout_ms >= 0 && t > timeout_ms) {
+            snprintf(why, sizeof why, "%s did not finish within %d s", what, timeout_ms / 1000);
+            return nccl_fail(c, peer, why);
+        }
+        if (t * 1000 > NCCL_SPIN_US) {
+            const struct timespec ts = {0, 20 * 1000};
+            nanosleep(&ts, NULL);
+        }
     }
 }
 
-void pp_nccl_send(ncclComm_t comm, const PpComm *c, const void *d_buf, size_t n,
-                  cudaStream_t stream)
+bool pp_comm_nccl_offer(unsigned char id[PP_NCCL_ID_BYTES])
 {
-    NCCL_CHECK(comm, ncclSend(d_buf, n, ncclUint8, (c->rank + 1) % c->world, comm, stream));
-    nccl_wait(comm, c, stream);
+    if (tcp_forced()) {
+        LOG_INFO("pipeline: GLMSPARK_PP_DATA=tcp, activations over TCP");
+        return false;
+    }
+    ncclUniqueId uid;
+    _Static_assert(sizeof uid == PP_NCCL_ID_BYTES, "NCCL unique id size");
+    const ncclResult_t r = ncclGetUniqueId(&uid);
+    if (r != ncclSuccess) {
+        LOG_WARN("pipeline: ncclGetUniqueId failed (%s); activations over TCP",
+                 ncclGetErrorString(r));
+        return false;
+    }
+    memcpy(id, &uid, sizeof uid);
+    return true;
 }
 
-void pp_nccl_recv(ncclComm_t comm, const PpComm *c, void *d_buf, size_t n, cudaStream_t stream)
+Err pp_comm_data_start(PpComm *c, bool gpu)
 {
-    NCCL_CHECK(comm,
-               ncclRecv(d_buf, n, ncclUint8, (c->rank - 1 + c->world) % c->world, comm, stream));
-    nccl_wait(comm, c, stream);
+    if (c->world <= 1 || id_is_zero(c->nccl_id)) return ERR_OK;
+    if (!gpu) {
+        LOG_ERROR("rank %d: rank 0 offered the NCCL data plane, but this rank runs on the CPU "
+                  "(use the same --backend on every rank)",
+                  c->rank);
+        return ERR_INVAL;
+    }
+    int device = -1;
+    if (cudaGetDevice(&device) != cudaSuccess) {
+        LOG_ERROR("rank %d: no current CUDA device for NCCL", c->rank);
+        return ERR_IO;
+    }
+    if (!(c->nccl = calloc(1, sizeof *c->nccl))) return ERR_NOMEM;
+    if (cudaStreamCreateWithFlags(&c->nccl->stream, cudaStreamNonBlocking) != cudaSuccess) {
+        LOG_ERROR("rank %d: could not create a CUDA stream for NCCL", c->rank);
+        c->nccl->stream = NULL;
+        nccl_free(c);
+        return ERR_IO;
+    }
+    ncclUniqueId uid;
+    memcpy(&uid, c->nccl_id, sizeof uid);
+    // Blocking calls (NCCL's default; NCCL_COMM_BLOCKING=0 makes them non-blocking, which
+    // the waits below handle too but which costs tens of microseconds per hop: the enqueue
+    // moves to a helper thread). A peer that dies while a blocking call waits on it cannot
+    // hang us: the heartbeat thread notices and its watchdog ends the process.
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    const double t0 = now_ms();
+    const ncclResult_t r = ncclCommInitRankConfig(&c->nccl->comm, c->world, uid, c->rank, &cfg);
+    if (r != ncclSuccess && r != ncclInProgress) {
+        LOG_ERROR("rank %d: ncclCommInitRankConfig failed: %s", c->rank, ncclGetErrorString(r));
+        c->nccl->comm = NULL;
+        nccl_free(c);
+        return ERR_IO;
+    }
+    const int blame = c->rank == 0 ? 1 : 0;
+    Err err = nccl_wait(c, blame, "the NCCL join", PP_COMM_CONNECT_MS);
+    // One byte around the ring now, in one group (every rank sends and receives at once), so
+    // that NCCL's lazy connection setup (~100 ms) happens here and not in the first batch.
+    if (!err && !(err = stage_ensure(c, 2))) {
+        struct PpNccl *x = c->nccl;
+        const int next = (c->rank + 1) % c->world, prev = (c->rank - 1 + c->world) % c->world;
+        ncclResult_t g = ncclGroupStart();
+        if (g == ncclSuccess) g = ncclSend(x->stage, 1, ncclUint8, next, x->comm, x->stream);
+        if (g == ncclSuccess)
+            g = ncclRecv((char *) x->stage + 1, 1, ncclUint8, prev, x->comm, x->stream);
+        const ncclResult_t g_end = ncclGroupEnd();
+        if (g == ncclSuccess) g = g_end;
+        if (g != ncclSuccess && g != ncclInProgress) {
+            char why[128];
+            snprintf(why, sizeof why, "NCCL connection setup failed: %s", ncclGetErrorString(g));
+            err = nccl_fail(c, blame, why);
+        } else {
+            err = nccl_wait(c, blame, "the NCCL connection setup", PP_COMM_CONNECT_MS);
+        }
+    }
+    if (err) {
+        nccl_free(c);
+        return err;
+    }
+    LOG_INFO("pipeline rank %d: NCCL data plane on GPU %d (%s), joined in %.0f ms", c->rank,
+             device, c->hosts[c->rank], now_ms() - t0);
+    return ERR_OK;
 }
-#endif
+
+// Enqueue one NCCL point-to-point call (send when d_send, else receive into d_recv) with
+// rank `peer` and wait for it.
+static Err nccl_p2p(PpComm *c, const void *d_send, void *d_recv, size_t n, int peer)
+{
+    if (atomic_load(&c->flags->failed)) return ERR_IO;
+    struct PpNccl *x = c->nccl;
+    const ncclResult_t r = d_send ? ncclSend(d_send, n, ncclUint8, peer, x->comm, x->stream)
+                                  : ncclRecv(d_recv, n, ncclUint8, peer, x->comm, x->stream);
+    if (r != ncclSuccess && r != ncclInProgress) {
+        char why[128];
+        snprintf(why, sizeof why, "NCCL %s failed: %s", d_send ? "send" : "receive",
+                 ncclGetErrorString(r));
+        return nccl_fail(c, peer, why);
+    }
+    return nccl_wait(c, peer, d_send ? "an NCCL send" : "an NCCL receive", -1);
+}
+
+// The staging buffer, grown to n bytes. ERR_NOMEM (logged).
+static Err stage_ensure(PpComm *c, size_t n)
+{
+    struct PpNccl *x = c->nccl;
+    if (x->cap >= n) return ERR_OK;
+    if (x->stage) cudaFree(x->stage);
+    x->stage = NULL;
+    x->cap = 0;
+    if (cudaMalloc(&x->stage, n) != cudaSuccess) {
+        x->stage = NULL;
+        LOG_ERROR("rank %d: out of device memory for a %zu-byte activation buffer", c->rank, n);
+        return ERR_NOMEM;
+    }
+    x->cap = n;
+    return ERR_OK;
+}
+
+Err pp_comm_send_dev(PpComm *c, const void *d_buf, size_t n)
+{
+    if (!c->nccl) {
+        LOG_ERROR("pipeline: device-memory transfers need the NCCL data plane");
+        return ERR_INVAL;
+    }
+    return nccl_p2p(c, d_buf, NULL, n, (c->rank + 1) % c->world);
+}
+
+Err pp_comm_recv_dev(PpComm *c, void *d_buf, size_t n)
+{
+    if (!c->nccl) {
+        LOG_ERROR("pipeline: device-memory transfers need the NCCL data plane");
+        return ERR_INVAL;
+    }
+    return nccl_p2p(c, NULL, d_buf, n, (c->rank - 1 + c->world) % c->world);
+}
+
+// Host-memory variants of send_dev/recv_dev through the staging buffer, on the one stream.
+static Err nccl_send_host(PpComm *c, const void *buf, size_t n)
+{
+    Err err = stage_ensure(c, n);
+    if (err) return err;
+    if (cudaMemcpyAsync(c->nccl->stage, buf, n, cudaMemcpyHostToDevice, c->nccl->stream)
+        != cudaSuccess)
+        return nccl_fail(c, c->rank, "cudaMemcpyAsync to the activation buffer failed");
+    return pp_comm_send_dev(c, c->nccl->stage, n);
+}
+
+static Err nccl_recv_host(PpComm *c, void *buf, size_t n)
+{
+    Err err = stage_ensure(c, n);
+    if (!err) err = pp_comm_recv_dev(c, c->nccl->stage, n);
+    if (err) return err;
+    if (cudaMemcpy(buf, c->nccl->stage, n, cudaMemcpyDeviceToHost) != cudaSuccess)
+        return nccl_fail(c, c->rank, "cudaMemcpy from the activation buffer failed");
+    return ERR_OK;
+}
+
+Err pp_comm_send_act(PpComm *c, const void *buf, size_t n)
+{
+    return c->nccl ? nccl_send_host(c, buf, n) : pp_comm_send(c, buf, n);
+}
+
+Err pp_comm_recv_act(PpComm *c, void *buf, size_t n)
+{
+    return c->nccl ? nccl_recv_host(c, buf, n) : pp_comm_recv(c, buf, n);
+}
+
+static void nccl_free(PpComm *c)
+{
+    struct PpNccl *x = c->nccl;
+    if (!x) return;
+    // Every transfer has completed by now (each is waited for), so nothing is lost by
+    // aborting; unlike ncclCommDestroy, whose finalize step may wait on peers, abort is
+    // local and bounded, which matters when the other ranks have already exited.
+    if (x->comm && !x->aborted) ncclCommAbort(x->comm);
+    if (x->stage) cudaFree(x->stage);
+    if (x->stream) cudaStreamDestroy(x->stream);
+    free(x);
+    c->nccl = NULL;
+}
+#endif  // GLMSPARK_HAVE_NCCL

@@ -1,8 +1,18 @@
 /*
  * pp_comm.h - the pipeline's transport: a TCP control plane run by rank 0 (handshake,
  * heartbeats, orderly shutdown, failure broadcast) and a TCP data ring (rank r sends to
- * r + 1, the last rank back to rank 0) for the CPU backend; NCCL send/recv for GPU ranks
- * behind GLMSPARK_HAVE_NCCL.
+ * r + 1, the last rank back to rank 0) for the CPU backend and for small messages; GPU
+ * ranks send activations with NCCL send/recv instead (builds with GLMSPARK_HAVE_NCCL).
+ *
+ * Data plane: rank 0 decides. With GPU ranks it offers NCCL (pp_comm_nccl_offer: a fresh
+ * unique id, travelling in the handshake) unless GLMSPARK_PP_DATA=tcp; after the handshake
+ * every rank joins the communicator (pp_comm_data_start) on its current CUDA device, with
+ * one stream of its own. pp_comm_send_act/recv_act then move host buffers through device
+ * staging buffers and NCCL (or over the TCP ring when NCCL is off); pp_comm_send_dev/recv_dev
+ * move device buffers directly. While a transfer runs the caller polls the stream, NCCL's
+ * asynchronous error and the heartbeat state: a dead peer ends in ncclCommAbort and ERR_IO,
+ * never in an endless wait; a peer that dies while an NCCL call blocks (the join, a lazy
+ * connection) is caught by the heartbeat thread, whose watchdog ends the process.
  *
  * Handshake: every rank > 0 connects to rank 0 (--master ADDR:PORT, retrying while rank 0
  * starts) and sends its rank, world size, a hash of the model config and layer split, the
@@ -20,7 +30,8 @@
  * thread is stuck in computation is killed by the watchdog PP_COMM_GRACE_MS after the
  * failure (_exit(1)): the launcher restarts ranks, and no rank may outlive its pipeline.
  *
- * Ownership: PpComm owns its sockets and its heartbeat thread (pp_comm_init/pp_comm_free).
+ * Ownership: PpComm owns its sockets, its heartbeat thread and (GPU ranks) the NCCL
+ *            communicator, its stream and staging buffers (pp_comm_init/pp_comm_free).
  * Threads:   send/recv from one thread (the owner); the heartbeat thread is internal;
  *            pp_comm_failed() may be called from any thread.
  * Errors:    ERR_IO for connect/accept/send/recv failures and for a failed peer (logged
@@ -34,11 +45,6 @@
 #include <stdint.h>
 
 #include "common/err.h"
-
-#ifdef GLMSPARK_HAVE_NCCL
-#include <cuda_runtime_api.h>
-#include <nccl.h>
-#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -61,6 +67,7 @@ typedef struct PpComm {
     char hosts[PP_MAX_WORLD][64];  // host name of every rank (for messages)
     unsigned char nccl_id[PP_NCCL_ID_BYTES];  // from rank 0 (zeros on CPU)
     struct PpCommFlags *flags;  // private (pp_comm.c): atomics shared with the heartbeat thread
+    struct PpNccl *nccl;        // private (pp_comm.c): the NCCL data plane; NULL: TCP
     bool has_thread;
     unsigned long thread;  // pthread_t, kept opaque so the header stays plain C
 } PpComm;
@@ -84,34 +91,40 @@ void pp_comm_finish(PpComm *c);
 // True once a peer failure has been detected.
 bool pp_comm_failed(const PpComm *c);
 
-// Stop the heartbeat thread and close every socket; safe on a zeroed/closed PpComm.
+// Stop the heartbeat thread, leave the NCCL communicator (destroyed, or aborted after a
+// failure) and close every socket; safe on a zeroed/closed PpComm.
 void pp_comm_free(PpComm *c);
 
 // Split "ADDR:PORT" into addr (size addr_len) and port; false when malformed.
 bool pp_comm_parse_addr(const char *s, char *addr, size_t addr_len, int *port);
 
-#ifdef GLMSPARK_HAVE_NCCL
 // ---------------------------------------------------------------------------
-// NCCL data plane for GPU ranks (compiled with the CUDA backend). NCCL_CHECK logs, aborts
-// the communicator so that peers fail fast instead of hanging, and aborts the process.
+// Activation data plane (NCCL for GPU ranks)
 
-void pp_nccl_fatal(ncclComm_t comm, ncclResult_t r, const char *what, const char *file, int line);
-#define NCCL_CHECK(comm, call)                                                               \
-    do {                                                                                     \
-        const ncclResult_t nccl_r_ = (call);                                                 \
-        if (nccl_r_ != ncclSuccess) pp_nccl_fatal(comm, nccl_r_, #call, __FILE__, __LINE__); \
-    } while (0)
+// Rank 0, before pp_comm_init, when its ranks run on GPUs: true with a fresh NCCL unique id
+// in id (pass it to pp_comm_init) when this build has NCCL and GLMSPARK_PP_DATA is not
+// "tcp"; false (TCP data plane, id untouched) otherwise. ERR-free: a failing
+// ncclGetUniqueId is logged and answers false.
+bool pp_comm_nccl_offer(unsigned char id[PP_NCCL_ID_BYTES]);
 
-// Rank 0 creates the unique id (passed to pp_comm_init, which distributes it); every rank
-// then joins the communicator with the id found in c->nccl_id.
-void pp_nccl_make_id(unsigned char id[PP_NCCL_ID_BYTES]);
-ncclComm_t pp_nccl_init(const PpComm *c, int device);
-// Activations to the next / from the previous rank on stream; checks async errors while
-// waiting so a dead peer ends in ncclCommAbort, never an endless hang.
-void pp_nccl_send(ncclComm_t comm, const PpComm *c, const void *d_buf, size_t n,
-                  cudaStream_t stream);
-void pp_nccl_recv(ncclComm_t comm, const PpComm *c, void *d_buf, size_t n, cudaStream_t stream);
-#endif
+// Every rank, after pp_comm_init: when rank 0 offered NCCL, join the communicator on the
+// calling thread's current CUDA device (gpu says this rank's activations live on a GPU;
+// a CPU rank offered NCCL is refused with ERR_INVAL), else keep the TCP ring. ERR_IO when
+// NCCL fails or a peer dies while joining (within PP_COMM_CONNECT_MS).
+Err pp_comm_data_start(PpComm *c, bool gpu);
+
+// True when activations travel through NCCL.
+bool pp_comm_uses_nccl(const PpComm *c);
+
+// Activations in host memory (n bytes) to the next rank / from the previous one: staged
+// through device buffers and NCCL when pp_comm_uses_nccl(), else the TCP ring. Errors as
+// pp_comm_send/recv.
+Err pp_comm_send_act(PpComm *c, const void *buf, size_t n);
+Err pp_comm_recv_act(PpComm *c, void *buf, size_t n);
+
+// Device memory (n bytes) straight through NCCL; ERR_INVAL (logged) without NCCL.
+Err pp_comm_send_dev(PpComm *c, const void *d_buf, size_t n);
+Err pp_comm_recv_dev(PpComm *c, void *d_buf, size_t n);
 
 #ifdef __cplusplus
 }

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef enum KeyKind { KIND_STR, KIND_INT, KIND_REAL, KIND_KV_DTYPE } KeyKind;
+typedef enum KeyKind { KIND_STR, KIND_INT, KIND_REAL, KIND_KV_DTYPE, KIND_BACKEND } KeyKind;
 
 typedef struct KeyDef {
     const char *name;
@@ -41,12 +41,14 @@ static const KeyDef KEYS[] = {
     {"master_port", KIND_INT, F(master_port), 1, 65535, false, false},
     {"load_timeout_s", KIND_INT, F(load_timeout_s), 1, 604800, false, false},
     {"min_free_memory_gb", KIND_REAL, F(min_free_memory_gb), 0, 1e6, false, false},
+    {"backend", KIND_BACKEND, F(backend), 0, 0, false, false},
 };
 #undef F
 enum { N_KEYS = (int) (sizeof KEYS / sizeof KEYS[0]) };
 _Static_assert(N_KEYS <= 64, "set_mask holds 64 keys");
 
 static const char *const KV_DTYPES[] = {"fp8", "bf16", "f32"};
+static const char *const BACKENDS[] = {"cpu", "cuda"};
 
 void recipe_defaults(Recipe *r)
 {
@@ -80,6 +82,11 @@ const char *recipe_key_name(int i)
 const char *recipe_kv_dtype_name(RecipeKvDtype d)
 {
     return (unsigned) d < 3 ? KV_DTYPES[d] : "?";
+}
+
+const char *recipe_backend_name(RecipeBackend b)
+{
+    return (unsigned) b < 2 ? BACKENDS[b] : "?";
 }
 
 static int find_key(const char *key, size_t n)
@@ -130,6 +137,16 @@ static Err set_value(Recipe *r, int k, const char *value, size_t n, const char *
                 return ERR_OK;
             }
         LOG_ERROR("%s: %s: \"%s\" is not one of fp8, bf16, f32", where, d->name, buf);
+        return ERR_INVAL;
+    }
+    if (d->kind == KIND_BACKEND) {
+        for (int i = 0; i < 2; i++)
+            if (!strcmp(buf, BACKENDS[i])) {
+                const RecipeBackend t = (RecipeBackend) i;
+                memcpy(field, &t, sizeof t);
+                return ERR_OK;
+            }
+        LOG_ERROR("%s: %s: \"%s\" is not one of cpu, cuda", where, d->name, buf);
         return ERR_INVAL;
     }
     char *end;
@@ -322,6 +339,12 @@ char *recipe_format_value(const Recipe *r, int i, char *buf, size_t n)
         RecipeKvDtype v;
         memcpy(&v, field, sizeof v);
         snprintf(buf, n, "%s", recipe_kv_dtype_name(v));
+        break;
+    }
+    case KIND_BACKEND: {
+        RecipeBackend v;
+        memcpy(&v, field, sizeof v);
+        snprintf(buf, n, "%s", recipe_backend_name(v));
         break;
     }
     }

@@ -28,13 +28,17 @@
  *   master_port               rank 0's pipeline port, 1..65535      29500
  *   load_timeout_s            launcher's readiness limit, >= 1      3600
  *   min_free_memory_gb        launcher's per-node check, >= 0       0
+ *   backend                   cpu | cuda (ops of every rank)        cpu
  *
  * Who reads what: glmspark-engine applies model, model_name, tokenizer, threads, kv_blocks,
- * lease_s, max_model_len and block_size (the KV cache size); ops/launch-cluster.sh uses
- * pipeline_parallel (must equal the node count), master_port, load_timeout_s,
- * min_free_memory_gb and model. tensor_parallel, gpu_memory_utilization, kv_cache_dtype,
- * max_num_seqs and max_num_batched_tokens are validated here for the multi-rank engine and
- * the scheduler to apply (not yet read by glmspark-engine's single-sequence loop).
+ * lease_s, max_model_len and block_size (the KV cache size), pipeline_parallel (ranks;
+ * --pp/--world override), max_num_seqs and
+ * max_num_batched_tokens (the scheduler), backend and kv_cache_dtype (an explicit value
+ * the backend cannot store, fp8 today, is an error naming the key; unset: f32);
+ * ops/launch-cluster.sh uses pipeline_parallel (must equal the node count), master_port,
+ * load_timeout_s, min_free_memory_gb and model. tensor_parallel (1) and
+ * gpu_memory_utilization are validated only: the engine sizes its KV cache from kv_blocks
+ * or max_model_len (`glmspark inspect --pp N --mem M` shows what a node's memory holds).
  *
  * Ownership: Recipe is plain data (fixed-size strings); copy it freely.
  * Threads:   functions are reentrant.
@@ -65,6 +69,11 @@ typedef enum RecipeKvDtype {
     RECIPE_KV_F32,
 } RecipeKvDtype;
 
+typedef enum RecipeBackend {
+    RECIPE_BACKEND_CPU,
+    RECIPE_BACKEND_CUDA,
+} RecipeBackend;
+
 typedef struct Recipe {
     char model[RECIPE_MAX_STR];       // "" when unset
     char model_name[RECIPE_MAX_STR];  // "" when unset
@@ -83,6 +92,7 @@ typedef struct Recipe {
     int master_port;
     int load_timeout_s;
     double min_free_memory_gb;
+    RecipeBackend backend;
     uint64_t set_mask;  // bit i: key i of recipe_key_name() was set (by a file or a flag)
 } Recipe;
 
@@ -114,6 +124,9 @@ bool recipe_is_set(const Recipe *r, const char *key);
 
 // The kv_cache_dtype's name ("fp8", "bf16", "f32").
 const char *recipe_kv_dtype_name(RecipeKvDtype d);
+
+// The backend's name ("cpu", "cuda").
+const char *recipe_backend_name(RecipeBackend b);
 
 #ifdef __cplusplus
 }

@@ -45,7 +45,7 @@
 extern "C" {
 #endif
 
-enum { SCHED_MAX_STOP_IDS = 16 };
+enum { SCHED_MAX_STOP_IDS = 16, SCHED_MAX_TOP_LOGPROBS = 20 };
 
 typedef enum SchedFinish {
     SCHED_FINISH_NONE,       // more tokens follow
@@ -60,6 +60,13 @@ typedef struct SchedEvent {
     int32_t token;       // the sampled id, -1 when none (cancelled, error)
     int n_generated;     // tokens generated so far, this one included
     SchedFinish finish;  // SCHED_FINISH_NONE until the sequence's last event
+    // With n_top_logprobs >= 0 (and token >= 0): the token's log-probability under the raw
+    // logits (log-softmax before temperature and penalties) and the n_top most likely ids,
+    // most likely first (ties: lower id first). Otherwise logprob 0 and n_top 0.
+    float logprob;
+    int n_top;
+    int32_t top_ids[SCHED_MAX_TOP_LOGPROBS];
+    float top_logprobs[SCHED_MAX_TOP_LOGPROBS];
 } SchedEvent;
 
 typedef void (*SchedEventFn)(void *user, const SchedEvent *ev);
@@ -69,7 +76,13 @@ typedef struct SchedParams {
     int max_num_batched_tokens;  // tokens per micro-batch; 0 means 512
     int n_microbatches;          // in flight; 0 means the pipeline's world size
     int max_waiting;             // queued requests before ERR_AGAIN; 0 means 1024
-    SchedEventFn on_event;       // required
+    // MTP speculative decoding (mtp.h): the last stage drafts mtp_k tokens (1 ..
+    // MTP_MAX_DRAFTS; 0: off) after each sample, the next micro-batch verifies them, and a
+    // sequence gets 1 .. mtp_k + 1 events per step. The last stage needs the MTP layer
+    // (load_mtp). Requests whose sampling mtp_params_ok() refuses (filters, penalties) run
+    // without drafts.
+    int mtp_k;
+    SchedEventFn on_event;  // required
     void *user;
 } SchedParams;
 
@@ -82,6 +95,9 @@ typedef struct SchedRequest {
     int32_t stop_ids[SCHED_MAX_STOP_IDS];
     int n_stop_ids;
     bool ignore_eos;
+    int n_top_logprobs;  // -1: no logprobs; 0..20: the sampled token's logprob
+                         // plus that many alternatives (log-softmax of the raw
+                         // logits, before temperature/penalties, as OpenAI does)
 } SchedRequest;
 
 typedef struct Scheduler Scheduler;
@@ -99,6 +115,14 @@ Err sched_submit(Scheduler *s, const SchedRequest *r);
 // from a later sched_step(). Unknown ids are ignored.
 void sched_cancel(Scheduler *s, uint64_t id);
 
+// The sequence's next n outputs are ids[0..n) instead of sampled tokens (tool_choice
+// "required"/named: the engine forces the tool-call opening); events are delivered as
+// usual (logprob fields still filled from the logits); forced ids never end the sequence
+// (no eos/stop check), max_tokens counts them. Calls add to what is still to force (at
+// most 64 pending per sequence; ids outside the vocabulary are dropped, logged).
+// ERR-free: unknown ids ignored.
+void sched_force(Scheduler *s, uint64_t id, const int32_t *ids, int n);
+
 // True while requests are queued, running or in flight.
 bool sched_has_work(const Scheduler *s);
 
@@ -111,6 +135,8 @@ typedef struct SchedStats {
     uint64_t n_microbatches;  // submitted so far
     uint64_t n_tokens;        // tokens through the model so far (prefill + decode)
     int max_batch_tokens;     // the largest micro-batch seen
+    // MTP: verify ops (ops carrying drafts), drafts they carried, drafts accepted
+    uint64_t mtp_steps, mtp_drafted, mtp_accepted;
 } SchedStats;
 void sched_stats(const Scheduler *s, SchedStats *out);
 

@@ -22,6 +22,7 @@
 #include <time.h>
 
 #include "engine/common/apikey.h"
+#include "fcgi/api_metrics.h"
 #include "fcgi/api_request.h"
 
 typedef struct Ctx {
@@ -1167,92 +1168,33 @@ static void handle_job_cancel(Ctx *c, const char *public_id)
     handle_job_get(c, public_id);
 }
 
+// 200 {"status":"ok"} while an engine serves, else 503 with the reason (api_metrics.h).
 static void handle_health(Ctx *c)
 {
-    PGresult *res = api_db_exec(c->db,
-                                "SELECT count(*) FROM engines WHERE stopped_at IS NULL"
-                                " AND heartbeat_at > now() - interval '30 seconds'",
-                                0, NULL, PGRES_TUPLES_OK);
+    ApiHealth h;
+    const Err err = api_metrics_health(c->db, &h);
     json_object *o = json_object_new_object();
-    const int n = res ? atoi(PQgetvalue(res, 0, 0)) : 0;
-    json_object_object_add(o, "status", json_object_new_string(n > 0 ? "ok" : "unavailable"));
-    json_object_object_add(o, "database", json_object_new_boolean(res != NULL));
-    json_object_object_add(o, "engines", json_object_new_int(n));
-    PQclear(res);
-    send_json(c, n > 0 ? 200 : 503, o, NULL);
+    json_object_object_add(o, "status", json_object_new_string(h.status));
+    json_object_object_add(o, "database", json_object_new_boolean(err == ERR_OK));
+    json_object_object_add(o, "engines", json_object_new_int(h.n_engines));
+    if (h.has_stats) {
+        json_object_object_add(o, "ranks_up", json_object_new_int(h.ranks_up));
+        json_object_object_add(o, "world", json_object_new_int(h.world));
+    }
+    send_json(c, strcmp(h.status, "ok") ? 503 : 200, o, NULL);
 }
 
 static void handle_metrics(Ctx *c)
 {
-    static const char *const buckets[] = {"0.05", "0.1", "0.25", "0.5", "1", "2.5", "5", "10", "30", "60"};
-    PGresult *res = api_db_exec(
-        c->db,
-        "SELECT (SELECT count(*) FROM jobs WHERE state = 'queued'),"
-        " (SELECT count(*) FROM jobs WHERE state = 'running'),"
-        " (SELECT coalesce(sum(n_completion_tokens), 0) FROM jobs),"
-        " (SELECT coalesce(sum(n_prompt_tokens), 0) FROM jobs),"
-        " (SELECT count(*) FROM engines WHERE stopped_at IS NULL"
-        "   AND heartbeat_at > now() - interval '30 seconds'),"
-        " (SELECT count(*) FROM jobs WHERE state = 'succeeded'),"
-        " (SELECT count(*) FROM jobs WHERE state = 'failed'),"
-        " (SELECT count(*) FROM jobs WHERE state = 'cancelled')",
-        0, NULL, PGRES_TUPLES_OK);
-    PGresult *ttft = api_db_exec(
-        c->db,
-        "SELECT b, count(*) FILTER (WHERE extract(epoch FROM first_token_at - claimed_at) <= b),"
-        " count(*) FILTER (WHERE n_completion_tokens > 1 AND extract(epoch FROM finished_at -"
-        "   first_token_at) / (n_completion_tokens - 1) <= b),"
-        " count(*) FILTER (WHERE first_token_at IS NOT NULL),"
-        " coalesce(sum(extract(epoch FROM first_token_at - claimed_at)), 0),"
-        " count(*) FILTER (WHERE n_completion_tokens > 1 AND finished_at IS NOT NULL),"
-        " coalesce(sum(extract(epoch FROM finished_at - first_token_at) / (n_completion_tokens - 1))"
-        "   FILTER (WHERE n_completion_tokens > 1 AND finished_at IS NOT NULL), 0)"
-        " FROM unnest('{0.05,0.1,0.25,0.5,1,2.5,5,10,30,60}'::float8[]) b"
-        " LEFT JOIN jobs ON first_token_at IS NOT NULL GROUP BY b ORDER BY b",
-        0, NULL, PGRES_TUPLES_OK);
-    PGresult *eng = api_db_exec(
-        c->db,
-        "SELECT id, name, (stopped_at IS NULL AND heartbeat_at > now() - interval '30 seconds')::int"
-        " FROM engines ORDER BY id DESC LIMIT 8",
-        0, NULL, PGRES_TUPLES_OK);
-    if (!res || !ttft || !eng) {
-        PQclear(res);
-        PQclear(ttft);
-        PQclear(eng);
+    char *text = NULL;
+    size_t n = 0;
+    if (api_metrics_render(c->db, &text, &n)) {
         fail_db(c);
         return;
     }
-    putf(c, "Status: 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n");
-    putf(c, "# TYPE glmspark_queue_depth gauge\nglmspark_queue_depth %s\n", PQgetvalue(res, 0, 0));
-    putf(c, "# TYPE glmspark_jobs_running gauge\nglmspark_jobs_running %s\n", PQgetvalue(res, 0, 1));
-    putf(c, "# TYPE glmspark_completion_tokens_total counter\nglmspark_completion_tokens_total %s\n",
-         PQgetvalue(res, 0, 2));
-    putf(c, "# TYPE glmspark_prompt_tokens_total counter\nglmspark_prompt_tokens_total %s\n",
-         PQgetvalue(res, 0, 3));
-    putf(c, "# TYPE glmspark_engine_up gauge\nglmspark_engine_up %d\n", atoi(PQgetvalue(res, 0, 4)) > 0);
-    putf(c, "# TYPE glmspark_jobs_total counter\n");
-    putf(c, "glmspark_jobs_total{state=\"succeeded\"} %s\n", PQgetvalue(res, 0, 5));
-    putf(c, "glmspark_jobs_total{state=\"failed\"} %s\n", PQgetvalue(res, 0, 6));
-    putf(c, "glmspark_jobs_total{state=\"cancelled\"} %s\n", PQgetvalue(res, 0, 7));
-    for (int h = 0; h < 2; h++) {
-        const char *name = h ? "glmspark_inter_token_latency_seconds" : "glmspark_ttft_seconds";
-        putf(c, "# TYPE %s histogram\n", name);
-        for (int i = 0; i < PQntuples(ttft) && i < 10; i++)
-            putf(c, "%s_bucket{le=\"%s\"} %s\n", name, buckets[i], PQgetvalue(ttft, i, 1 + h));
-        const int n_rows = PQntuples(ttft);
-        if (n_rows > 0) {
-            putf(c, "%s_bucket{le=\"+Inf\"} %s\n", name, PQgetvalue(ttft, 0, h ? 5 : 3));
-            putf(c, "%s_sum %s\n", name, PQgetvalue(ttft, 0, h ? 6 : 4));
-            putf(c, "%s_count %s\n", name, PQgetvalue(ttft, 0, h ? 5 : 3));
-        }
-    }
-    putf(c, "# TYPE glmspark_rank_up gauge\n");
-    for (int i = 0; i < PQntuples(eng); i++)
-        putf(c, "glmspark_rank_up{engine=\"%s\",epoch=\"%s\",rank=\"0\"} %s\n", PQgetvalue(eng, i, 1),
-             PQgetvalue(eng, i, 0), PQgetvalue(eng, i, 2));
-    PQclear(res);
-    PQclear(ttft);
-    PQclear(eng);
+    putf(c, "Status: 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nCache-Control: no-store\r\n\r\n");
+    put(c, text, n);
+    free(text);
 }
 
 // nginx auth_request: 200 with the identity in headers, or 401.

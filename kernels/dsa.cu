@@ -1,23 +1,24 @@
 /*
  * dsa.cu - DSA indexer for decode: key append, scores, top-k.
  *
- * Scores: grid (pages, n_tok); a CTA of 4 warps covers one 128-position page, a warp 32
- * positions one after another. Lane l owns key dims 4l..4l+3 and keeps the matching slice of
- * all (up to 32) query heads in registers, so a position costs one 4-byte fp8 load per lane,
- * 128 FMAs per lane, and a 31-shuffle transpose-reduction after which lane h holds head h's
- * dot product; ReLU, the head weight and a warp sum finish the score.
+ * Scores: grid (pages, n_tok); a CTA of 128 threads covers one 128-position page, thread r
+ * position r: it streams its 128-byte key 16 bytes at a time and dots it with all (up to 32)
+ * query heads held in shared memory (broadcast reads), one fp32 accumulator per head; the key
+ * scale, ReLU and the head weights finish the score.
  *
  * Top-k: one CTA of 1024 threads per token. A 4-pass MSB-first radix select over the scores'
  * order-preserving 32-bit keys finds the k-th largest key T and how many positions equal to T
- * to keep; a final ordered pass (ballot prefix sums) writes the positions with key > T and the
- * first such ties, in ascending order. Scores are read 5 times from L2 (128 KB at 32K context).
+ * to keep (histogram atomics aggregated per warp with __match_any_sync; the digit is found by
+ * one warp scan); a final ordered pass writes the positions with key > T and the first such
+ * ties, in ascending order, with one block scan per 1024 positions (both counts packed in one
+ * word) and stops once k are written. Scores are read 5 times from L2 (512 KB at 128K).
  */
 #include "kernels/dsa.h"
 
 #include "common/cuda_check.h"
 #include "kernels/common.cuh"
 
-enum { TOPK_THREADS = 1024 };
+enum { TOPK_THREADS = 1024, TOPK_UNROLL = 8 };
 
 // ---------------------------------------------------------------------------
 // Append and score kernels
@@ -67,60 +68,67 @@ static __global__ void dsa_append_kernel(uint8_t *__restrict__ cache, const floa
     if (d == 0) ((float *) (page + DSA_BLOCK * DSA_DIM))[p % DSA_BLOCK] = scale;
 }
 
-static __global__ void __launch_bounds__(128)
+static __global__ void __launch_bounds__(DSA_BLOCK)
     dsa_scores_kernel(float *__restrict__ scores, int score_stride, const float *__restrict__ q,
                       const float *__restrict__ w, float w_scale, float sm_scale,
                       const uint8_t *__restrict__ cache, const int32_t *__restrict__ block_table,
                       int max_blocks, const int32_t *__restrict__ seq,
                       const int32_t *__restrict__ kv_len, int n_heads)
 {
-    const int page_i = blockIdx.x, t = blockIdx.y;
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    __shared__ float4 qs[DSA_MAX_HEADS * DSA_DIM / 4];  // heads past n_heads are zero
+    __shared__ float ws[DSA_MAX_HEADS];
+    const int page_i = blockIdx.x, t = blockIdx.y, r = threadIdx.x;
     const int len = kv_len[t];
-    const int p0 = page_i * DSA_BLOCK;
-    if (p0 >= len) return;
+    const int p0 = page_i * DSA_BLOCK, p = p0 + r;
+    if (p0 >= len) return;  // the whole CTA
 
-    float qr[DSA_MAX_HEADS][4];
-#pragma unroll
-    for (int h = 0; h < DSA_MAX_HEADS; h++) {
-        const float4 v = h < n_heads ? *(const float4 *) (q + ((size_t) t * n_heads + h) * DSA_DIM + lane * 4)
-                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        qr[h][0] = v.x;
-        qr[h][1] = v.y;
-        qr[h][2] = v.z;
-        qr[h][3] = v.w;
-    }
-    const float wh = lane < n_heads ? w[(size_t) t * n_heads + lane] * w_scale : 0.0f;
+    const float4 *qt = (const float4 *) (q + (size_t) t * n_heads * DSA_DIM);
+    for (int i = r; i < DSA_MAX_HEADS * DSA_DIM / 4; i += DSA_BLOCK)
+        qs[i] = i / (DSA_DIM / 4) < n_heads ? qt[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (r < DSA_MAX_HEADS) ws[r] = r < n_heads ? w[(size_t) t * n_heads + r] * w_scale : 0.0f;
     const int blk = block_table[(size_t) seq[t] * max_blocks + page_i];
-    const uint8_t *page = cache + (size_t) blk * DSA_BLOCK_BYTES;
-    const float *kscale = (const float *) (page + DSA_BLOCK * DSA_DIM);
+    const uint8_t *key = cache + (size_t) blk * DSA_BLOCK_BYTES + (size_t) r * DSA_DIM;
+    const float ks = p < len ? ((const float *) (cache + (size_t) blk * DSA_BLOCK_BYTES + DSA_BLOCK * DSA_DIM))[r] : 0.0f;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    uint4 kcur = p < len ? __ldg((const uint4 *) key) : zero;
+    __syncthreads();
+    if (p >= len) return;
 
-    for (int r = warp * 32; r < warp * 32 + 32; r++) {
-        const int p = p0 + r;
-        if (p >= len) break;
-        const uint32_t kb = *(const uint32_t *) (page + r * DSA_DIM + lane * 4);
-        const float ks = kscale[r];
-        float kf[4];
+    // Thread r owns position p: 16 key values at a time against every head's matching 16 query
+    // values (shared-memory broadcasts), one fp32 dot product per head; the key scale, ReLU
+    // and head weights finish it. No shuffles (the first version, which transposed 32 heads
+    // across a warp per position with 31 shuffles, took 272 us per indexer layer at 128K
+    // context; this one 58 us: docs/perf.md).
+    float acc[DSA_MAX_HEADS];
 #pragma unroll
-        for (int j = 0; j < 4; j++) kf[j] = e4m3_bits_to_f32((uint8_t) (kb >> (8 * j))) * ks;
-        float part[DSA_MAX_HEADS];
+    for (int h = 0; h < DSA_MAX_HEADS; h++) acc[h] = 0.0f;
+#pragma unroll 1
+    for (int j = 0; j < DSA_DIM / 16; j++) {
+        const uint4 knext = j + 1 < DSA_DIM / 16 ? __ldg((const uint4 *) key + j + 1) : zero;
+        const uint32_t kw[4] = {kcur.x, kcur.y, kcur.z, kcur.w};
+        float kf[16];
 #pragma unroll
-        for (int h = 0; h < DSA_MAX_HEADS; h++)
-            part[h] = qr[h][0] * kf[0] + qr[h][1] * kf[1] + qr[h][2] * kf[2] + qr[h][3] * kf[3];
-        // Transpose-reduce: afterwards part[0] of lane l is the full dot product of head l.
+        for (int i = 0; i < 16; i++) kf[i] = e4m3_bits_to_f32((uint8_t) (kw[i / 4] >> (8 * (i % 4))));
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const bool upper = lane & o;
+        for (int h = 0; h < DSA_MAX_HEADS; h++) {
+            const float4 *qh = qs + h * (DSA_DIM / 4) + j * 4;
+            float a = acc[h];
 #pragma unroll
-            for (int i = 0; i < o; i++) {
-                const float send = upper ? part[i] : part[i + o];
-                const float keep = upper ? part[i + o] : part[i];
-                part[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+            for (int i = 0; i < 4; i++) {
+                const float4 v = qh[i];
+                a = fmaf(v.x, kf[4 * i], a);
+                a = fmaf(v.y, kf[4 * i + 1], a);
+                a = fmaf(v.z, kf[4 * i + 2], a);
+                a = fmaf(v.w, kf[4 * i + 3], a);
             }
+            acc[h] = a;
         }
-        const float sc = warp_sum(wh * fmaxf(part[0] * sm_scale, 0.0f));
-        if (lane == 0) scores[(size_t) t * score_stride + p] = sc;
+        kcur = knext;
     }
+    float sc = 0.0f;
+#pragma unroll
+    for (int h = 0; h < DSA_MAX_HEADS; h++) sc = fmaf(ws[h], fmaxf(acc[h] * ks * sm_scale, 0.0f), sc);
+    scores[(size_t) t * score_stride + p] = sc;
 }
 
 // ---------------------------------------------------------------------------
@@ -133,21 +141,28 @@ static __device__ __forceinline__ uint32_t order_key(float f)
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Exclusive prefix sum of flag over the block, in thread order; returns the block total.
-static __device__ int block_scan(int flag, int *excl, int *warp_tot)
+// Exclusive prefix sum of v over the block, in thread order (warp shuffle scan, then the
+// warp totals); returns the block total. Starts with a barrier, so warp_tot may be reused.
+static __device__ uint32_t block_scan(uint32_t v, uint32_t *excl, uint32_t *warp_tot)
 {
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-    const int in_warp = __popc(ballot & ((1u << lane) - 1));
-    __syncthreads();
-    if (lane == 0) warp_tot[warp] = __popc(ballot);
-    __syncthreads();
-    int before = 0, total = 0;
-    for (int i = 0; i < TOPK_THREADS / WARP_SIZE; i++) {
-        before += i < warp ? warp_tot[i] : 0;
-        total += warp_tot[i];
+    uint32_t inc = v;
+#pragma unroll
+    for (int o = 1; o < WARP_SIZE; o <<= 1) {
+        const uint32_t n = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += n;
     }
-    *excl = before + in_warp;
+    __syncthreads();
+    if (lane == WARP_SIZE - 1) warp_tot[warp] = inc;
+    __syncthreads();
+    uint32_t before = 0, total = 0;
+#pragma unroll 8
+    for (int i = 0; i < TOPK_THREADS / WARP_SIZE; i++) {
+        const uint32_t wt = warp_tot[i];
+        before += i < warp ? wt : 0u;
+        total += wt;
+    }
+    *excl = before + inc - v;
     return total;
 }
 
@@ -157,10 +172,10 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
                     const int32_t *__restrict__ kv_len, int k)
 {
     __shared__ int hist[256];
-    __shared__ int warp_tot[TOPK_THREADS / WARP_SIZE];
+    __shared__ uint32_t warp_tot[TOPK_THREADS / WARP_SIZE];
     __shared__ uint32_t s_prefix;
     __shared__ int s_remaining;
-    const int t = blockIdx.x, tid = threadIdx.x;
+    const int t = blockIdx.x, tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
     const int len = kv_len[t];
     const float *sc = scores + (size_t) t * score_stride;
     int32_t *out = idx + (size_t) t * k;
@@ -176,19 +191,57 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = tid; i < 256; i += TOPK_THREADS) hist[i] = 0;
         __syncthreads();
-        for (int i = tid; i < len; i += TOPK_THREADS) {
-            const uint32_t key = order_key(sc[i]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
+        // Lanes with the same digit are combined first (__match_any_sync): scores of one row
+        // share few top digits, and unaggregated shared-memory atomics on one address
+        // serialize the whole warp.
+        for (int base = 0; base < len; base += TOPK_THREADS * TOPK_UNROLL) {
+            float v[TOPK_UNROLL];  // all loads of the batch in flight before the first use
+#pragma unroll
+            for (int u = 0; u < TOPK_UNROLL; u++) {
+                const int i = base + u * TOPK_THREADS + tid;
+                v[u] = i < len ? sc[i] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < TOPK_UNROLL; u++) {
+                const int i = base + u * TOPK_THREADS + tid;
+                int bin = -1;
+                if (i < len) {
+                    const uint32_t key = order_key(v[u]);
+                    if ((key & mask) == prefix) bin = (int) ((key >> shift) & 255);
+                }
+                const unsigned peers = __match_any_sync(0xffffffffu, bin);
+                if (bin >= 0 && __ffs(peers) - 1 == lane) atomicAdd(&hist[bin], __popc(peers));
+            }
         }
         __syncthreads();
-        if (tid == 0) {
-            int acc = 0, digit = 255;
-            for (; digit > 0; digit--) {
-                if (acc + hist[digit] >= remaining) break;
-                acc += hist[digit];
+        if (warp == 0) {
+            // Lane l owns digits 255-8l .. 248-8l; a scan over the lanes finds the one holding
+            // the remaining-th largest key, which then walks its 8 digits.
+            int loc[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                loc[j] = hist[255 - 8 * lane - j];
+                sum += loc[j];
             }
-            s_prefix = prefix | ((uint32_t) digit << shift);
-            s_remaining = remaining - acc;
+            int incl = sum;
+#pragma unroll
+            for (int o = 1; o < WARP_SIZE; o <<= 1) {
+                const int n = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += n;
+            }
+            const unsigned hit = __ballot_sync(0xffffffffu, incl >= remaining);
+            const int owner = hit ? __ffs(hit) - 1 : WARP_SIZE - 1;
+            if (lane == owner) {
+                int acc = incl - sum, digit = 0;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    digit = 255 - 8 * lane - j;
+                    if (acc + loc[j] >= remaining || digit == 0) break;
+                    acc += loc[j];
+                }
+                s_prefix = prefix | ((uint32_t) digit << shift);
+                s_remaining = remaining - acc;
+            }
         }
         __syncthreads();
         prefix = s_prefix;
@@ -196,24 +249,32 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
         mask |= 255u << shift;
         __syncthreads();
     }
-    // prefix is the k-th largest key T; keep every key > T and the first `remaining` keys == T.
-    int written = 0, ties_taken = 0;
-    for (int base = 0; base < len; base += TOPK_THREADS) {
-        const int i = base + tid;
-        const uint32_t key = i < len ? order_key(sc[i]) : 0;
-        const int gt = i < len && key > prefix;
-        const int eq = i < len && key == prefix;
-        int ex_gt, ex_eq;
-        const int tot_gt = block_scan(gt, &ex_gt, warp_tot);
-        const int tot_eq = block_scan(eq, &ex_eq, warp_tot);
-        const int take_eq = eq && ties_taken + ex_eq < remaining;
-        // Positions are written in ascending order: all selections of this chunk in thread order.
-        int ex_take;
-        const int tot_take = block_scan(gt || take_eq, &ex_take, warp_tot);
-        if (gt || take_eq) out[written + ex_take] = i;
-        written += tot_take;
-        ties_taken += min(tot_eq, max(remaining - ties_taken, 0));
-        (void) tot_gt;
+    // prefix is the k-th largest key T; keep every key > T and the first `remaining` keys == T,
+    // in ascending position order. One scan per chunk counts both kinds (greater in the low 16
+    // bits, equal in the high 16); an element's output slot is the selections before it.
+    int written = 0, ties_left = remaining;
+    for (int base = 0; base < len && written < k; base += TOPK_THREADS * TOPK_UNROLL) {
+        uint32_t kv[TOPK_UNROLL];
+#pragma unroll
+        for (int u = 0; u < TOPK_UNROLL; u++) {
+            const int i = base + u * TOPK_THREADS + tid;
+            kv[u] = i < len ? order_key(sc[i]) : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < TOPK_UNROLL; u++) {
+            if (base + u * TOPK_THREADS >= len || written >= k) break;  // uniform
+            const int i = base + u * TOPK_THREADS + tid;
+            const int gt = i < len && kv[u] > prefix;
+            const int eq = i < len && kv[u] == prefix;
+            uint32_t ex;
+            const uint32_t tot = block_scan((uint32_t) gt | ((uint32_t) eq << 16), &ex, warp_tot);
+            const int ex_gt = (int) (ex & 0xffffu), ex_eq = (int) (ex >> 16);
+            if (gt) out[written + ex_gt + min(ex_eq, ties_left)] = i;
+            else if (eq && ex_eq < ties_left) out[written + ex_gt + ex_eq] = i;
+            const int take_eq = min((int) (tot >> 16), ties_left);
+            written += (int) (tot & 0xffffu) + take_eq;
+            ties_left -= take_eq;
+        }
     }
     if (tid == 0) n_sel[t] = k;
 }
@@ -240,7 +301,7 @@ void dsa_scores(float *scores, int score_stride, const float *q, const float *w,
     ASSERT(score_stride >= max_len && max_blocks * DSA_BLOCK >= max_len);
     ASSERT((uintptr_t) q % 16 == 0);
     const dim3 grid((unsigned) CEIL_DIV(max_len, DSA_BLOCK), (unsigned) n_tok);
-    dsa_scores_kernel<<<grid, 128, 0, stream>>>(scores, score_stride, q, w, w_scale, sm_scale,
+    dsa_scores_kernel<<<grid, DSA_BLOCK, 0, stream>>>(scores, score_stride, q, w, w_scale, sm_scale,
                                                 cache, block_table, max_blocks, seq, kv_len,
                                                 n_heads);
     CUDA_CHECK(cudaGetLastError());

@@ -122,6 +122,94 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
 }
 
 // ---------------------------------------------------------------------------
+// Tensor-core GEMV: mma.sync m16n8k16 (bf16 in, fp32 accumulate)
+//
+// The tokens are the MMA's M (rows 0..15 = tokens, unused ones zero) and 8 weight rows its N,
+// so one weight load serves every token with one MMA per 16 weights per row, instead of one
+// fp32 FMA per weight per token (which made the CUDA-core GEMV instruction-bound at 4+
+// tokens). A block is 8 warps on the same 8 rows; lane (g = lane/4, c = lane%4) loads 16
+// bytes (8 weights) of row r0+g and the same 8 inputs of tokens g and g+8, so a warp covers
+// 32 columns per tile and takes tiles warp, warp+8, ... (4 tiles' loads in flight). The MMA's
+// k order is a relabelling of the 32 columns (A and B lanes with the same c hold the same
+// columns), so no shuffles are needed. The 8 warps' partial sums meet in shared memory and are
+// added in warp order: reproducible, no atomics.
+
+enum { MMA_WARPS = 8, MMA_TILES_IN_FLIGHT = 4 };
+
+static __device__ __forceinline__ void mma_bf16_16816(float *d, uint32_t a0, uint32_t a1,
+                                                      uint32_t a2, uint32_t a3, uint32_t b0,
+                                                      uint32_t b1)
+{
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <typename OutT>
+static __global__ void __launch_bounds__(MMA_WARPS *WARP_SIZE)
+    gemm_bf16_gemv_tc_kernel(OutT *__restrict__ y, const uint16_t *__restrict__ w,
+                             const uint16_t *__restrict__ x, const float *residual, int rows,
+                             int cols, int n_mat, int n_tok)
+{
+    __shared__ float4 red[MMA_WARPS][WARP_SIZE];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int g = lane / 4, c = lane % 4;
+    const int blocks_per_mat = CEIL_DIV(rows, 8);
+    const int m = blockIdx.x / blocks_per_mat;
+    const int r0 = (blockIdx.x % blocks_per_mat) * 8;
+    const int n_chunks = cols / 8, n_tiles = CEIL_DIV(n_chunks, 4);
+    // Rows past the end are clamped (their sums are not stored); so are absent tokens' inputs
+    // (not loaded: zeros).
+    const uint16_t *wr = w + ((size_t) m * rows + min(r0 + g, rows - 1)) * cols;
+    const uint4 *x0 = (const uint4 *) (x + ((size_t) min(g, n_tok - 1) * n_mat + m) * cols);
+    const uint4 *x1 = (const uint4 *) (x + ((size_t) min(g + 8, n_tok - 1) * n_mat + m) * cols);
+    const bool has0 = g < n_tok, has1 = g + 8 < n_tok;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int t0 = warp; t0 < n_tiles; t0 += MMA_WARPS * MMA_TILES_IN_FLIGHT) {
+        uint4 wv[MMA_TILES_IN_FLIGHT], xa[MMA_TILES_IN_FLIGHT], xb[MMA_TILES_IN_FLIGHT];
+#pragma unroll
+        for (int u = 0; u < MMA_TILES_IN_FLIGHT; u++) {
+            const int ch = (t0 + u * MMA_WARPS) * 4 + c;
+            const bool ok = ch < n_chunks;
+            wv[u] = ok ? ld_stream_u4(wr + (size_t) ch * 8) : zero;
+            xa[u] = ok && has0 ? __ldg(x0 + ch) : zero;
+            xb[u] = ok && has1 ? __ldg(x1 + ch) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < MMA_TILES_IN_FLIGHT; u++) {
+            mma_bf16_16816(d, xa[u].x, xb[u].x, xa[u].y, xb[u].y, wv[u].x, wv[u].y);
+            mma_bf16_16816(d, xa[u].z, xb[u].z, xa[u].w, xb[u].w, wv[u].z, wv[u].w);
+        }
+    }
+    red[warp][lane] = make_float4(d[0], d[1], d[2], d[3]);
+    __syncthreads();
+    if (warp == 0) {
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < MMA_WARPS; i++) {
+            const float4 p = red[i][lane];
+            v[0] += p.x;
+            v[1] += p.y;
+            v[2] += p.z;
+            v[3] += p.w;
+        }
+        // Accumulator q of lane (g, c): token g + 8 * (q / 2), row r0 + 2c + q % 2.
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int tok = g + 8 * (q >> 1), r = r0 + 2 * c + (q & 1);
+            if (tok < n_tok && r < rows) {
+                const size_t o = ((size_t) tok * n_mat + m) * rows + r;
+                store_out<OutT>(y + o, residual ? v[q] + residual[o] : v[q]);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Launchers
 
 template <int R, int NT>
@@ -158,20 +246,44 @@ static void launch_gemv_r(void *y, GemmOut y_type, const uint16_t *w, const uint
         launch_gemv<R, 16>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
 }
 
-void gemm_bf16_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
-                    const float *residual, int rows, int cols, int n_mat, int n_tok,
-                    cudaStream_t stream)
+// The preconditions both GEMVs share (gemm.h).
+static void check_gemv(GemmOut y_type, const uint16_t *w, const uint16_t *x, const float *residual,
+                       int rows, int cols, int n_mat, int n_tok)
 {
     ASSERT(rows > 0 && cols > 0 && n_mat > 0 && cols % 8 == 0);
     ASSERT(n_tok >= 1 && n_tok <= GEMM_MAX_TOK);
     ASSERT((uintptr_t) w % 16 == 0 && (uintptr_t) x % 16 == 0);
     ASSERT(residual == NULL || y_type == GEMM_OUT_F32);
+}
+
+void gemm_bf16_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
+                    const float *residual, int rows, int cols, int n_mat, int n_tok,
+                    cudaStream_t stream)
+{
+    check_gemv(y_type, w, x, residual, rows, cols, n_mat, n_tok);
     // Four rows per warp reuse each input load four times, but only when that still leaves
     // a few warps per multiprocessor to keep loads in flight (132 SMs on H200, 48 on GB10).
     if ((long) rows * n_mat >= 4L * 32 * 132 && rows % 4 == 0)
         launch_gemv_r<4>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
     else
         launch_gemv_r<1>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+}
+
+void gemm_bf16_gemv_tc(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
+                       const float *residual, int rows, int cols, int n_mat, int n_tok,
+                       cudaStream_t stream)
+{
+    check_gemv(y_type, w, x, residual, rows, cols, n_mat, n_tok);
+    const long n_blocks = (long) n_mat * CEIL_DIV(rows, 8);
+    ASSERT(n_blocks <= 0x7fffffffL);
+    const dim3 grid((unsigned) n_blocks), block(MMA_WARPS * WARP_SIZE);
+    if (y_type == GEMM_OUT_F32)
+        gemm_bf16_gemv_tc_kernel<float>
+            <<<grid, block, 0, stream>>>((float *) y, w, x, residual, rows, cols, n_mat, n_tok);
+    else
+        gemm_bf16_gemv_tc_kernel<uint16_t>
+            <<<grid, block, 0, stream>>>((uint16_t *) y, w, x, residual, rows, cols, n_mat, n_tok);
+    CUDA_CHECK(cudaGetLastError());
 }
 
 // ---------------------------------------------------------------------------

@@ -17,7 +17,11 @@
  * This is the CUDA-core baseline: at 32K context it is bound by shared-memory bandwidth, not
  * by the cache bytes (docs/perf.md); tensor-core (mma.sync) tiles are the next step.
  *
- * Merge: one CTA per (head, token) rescales the n_split partial outputs by exp(m_s - M).
+ * Merge: one CTA per (head, token) rescales the n_split partial outputs by exp(m_s - M); the
+ * (m_s, l_s) pairs are reduced by one warp, then the partial outputs are read with all splits'
+ * loads independent (the first version walked the splits one dependent load after another;
+ * with this merge and the 16-byte query loads, attention at 1K context with 64 splits went from
+ * 41 to 29 us per layer: docs/perf.md).
  */
 #include "kernels/mla.h"
 
@@ -123,7 +127,7 @@ static __global__ void __launch_bounds__(DEC_THREADS)
                       const uint8_t *__restrict__ cache, const int32_t *__restrict__ block_table,
                       int max_blocks, const int32_t *__restrict__ seq,
                       const int32_t *__restrict__ kv_len, const int32_t *__restrict__ indices,
-                      int idx_stride, int n_heads, float sm_scale, int n_split)
+                      int idx_stride, int n_heads, float sm_scale, int n_split, int vec_q)
 {
     extern __shared__ float4 smem4[];
     float *qs = (float *) smem4;   // [HB][MLA_LK]
@@ -135,10 +139,27 @@ static __global__ void __launch_bounds__(DEC_THREADS)
     const int h = hg * HB + hl;
     const size_t tb = CT == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES : BF16_TOKEN_BYTES;
 
-    for (int i = tid; i < HB * MLA_LK; i += DEC_THREADS) {
-        const int hh = hg * HB + i / MLA_LK, c = i % MLA_LK;
-        qs[i] = c < MLA_KV_LORA ? q_lat[((size_t) t * n_heads + hh) * MLA_KV_LORA + c]
-                                : q_pe[((size_t) t * n_heads + hh) * MLA_ROPE + c - MLA_KV_LORA];
+    if (vec_q) {
+        // 16 heads x 144 float4: all 9 loads of a thread are in flight before the first store
+        // (a scalar loop waited one L2 latency per 256 values; at 1K context with 64 splits the
+        // whole CTA is a single tile, so nothing hides that latency).
+        enum { Q4 = HB * MLA_LK / 4, Q4_PER = Q4 / DEC_THREADS, ROW4 = MLA_LK / 4 };
+        float4 v[Q4_PER];
+#pragma unroll
+        for (int r = 0; r < Q4_PER; r++) {
+            const int i = tid + r * DEC_THREADS, hh = hg * HB + i / ROW4, c4 = i % ROW4;
+            v[r] = c4 < MLA_KV_LORA / 4
+                       ? __ldg((const float4 *) (q_lat + ((size_t) t * n_heads + hh) * MLA_KV_LORA) + c4)
+                       : __ldg((const float4 *) (q_pe + ((size_t) t * n_heads + hh) * MLA_ROPE) + c4 - MLA_KV_LORA / 4);
+        }
+#pragma unroll
+        for (int r = 0; r < Q4_PER; r++) ((float4 *) qs)[tid + r * DEC_THREADS] = v[r];
+    } else {
+        for (int i = tid; i < HB * MLA_LK; i += DEC_THREADS) {
+            const int hh = hg * HB + i / MLA_LK, c = i % MLA_LK;
+            qs[i] = c < MLA_KV_LORA ? q_lat[((size_t) t * n_heads + hh) * MLA_KV_LORA + c]
+                                    : q_pe[((size_t) t * n_heads + hh) * MLA_ROPE + c - MLA_KV_LORA];
+        }
     }
 
     const int len = kv_len[t];
@@ -255,24 +276,45 @@ static __global__ void __launch_bounds__(DEC_THREADS)
 static __global__ void mla_merge_kernel(uint16_t *__restrict__ out, const float *__restrict__ ws_o,
                                         const float *__restrict__ ws_ml, int n_heads, int n_split)
 {
+    __shared__ float wgt[MLA_MAX_SPLIT];
+    __shared__ float s_l;
     const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;  // 128 threads x 4 columns
-    float m = -INFINITY;
-    for (int s = 0; s < n_split; s++)
-        m = fmaxf(m, ws_ml[(((size_t) t * n_split + s) * n_heads + h) * 2]);
-    float l = 0.0f;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int s = 0; s < n_split; s++) {
-        const size_t row = ((size_t) t * n_split + s) * n_heads + h;
-        const float ms = ws_ml[row * 2];
-        if (ms == -INFINITY) continue;
-        const float wgt = expf(ms - m);
-        l += wgt * ws_ml[row * 2 + 1];
-        const float4 v = *(const float4 *) (ws_o + row * MLA_KV_LORA + tid * 4);
-        acc.x = fmaf(wgt, v.x, acc.x);
-        acc.y = fmaf(wgt, v.y, acc.y);
-        acc.z = fmaf(wgt, v.z, acc.z);
-        acc.w = fmaf(wgt, v.w, acc.w);
+    const size_t row0 = (size_t) t * n_split * n_heads + h;      // split s: row0 + s * n_heads
+    if (tid < WARP_SIZE) {
+        // Warp 0: lane l holds splits l and l + 32; the maximum, the weights exp(m_s - M) and
+        // the denominator are warp reductions instead of a serial loop of dependent loads.
+        float m2[2], l2[2];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int s = tid + WARP_SIZE * j;
+            m2[j] = s < n_split ? ws_ml[(row0 + (size_t) s * n_heads) * 2] : -INFINITY;
+            l2[j] = s < n_split ? ws_ml[(row0 + (size_t) s * n_heads) * 2 + 1] : 0.0f;
+        }
+        const float m = warp_max(fmaxf(m2[0], m2[1]));
+        float l = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int s = tid + WARP_SIZE * j;
+            const float wg = m2[j] == -INFINITY ? 0.0f : expf(m2[j] - m);
+            if (s < n_split) wgt[s] = wg;
+            l = fmaf(wg, l2[j], l);
+        }
+        l = warp_sum(l);
+        if (tid == 0) s_l = l;
     }
+    __syncthreads();
+    // The partial outputs of all splits are independent loads: unrolled, several are in flight.
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+    for (int s = 0; s < n_split; s++) {
+        const float wg = wgt[s];
+        const float4 v = *(const float4 *) (ws_o + (row0 + (size_t) s * n_heads) * MLA_KV_LORA + tid * 4);
+        acc.x = fmaf(wg, v.x, acc.x);
+        acc.y = fmaf(wg, v.y, acc.y);
+        acc.z = fmaf(wg, v.z, acc.z);
+        acc.w = fmaf(wg, v.w, acc.w);
+    }
+    const float l = s_l;
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     uint16_t *o = out + ((size_t) t * n_heads + h) * MLA_KV_LORA + tid * 4;
     o[0] = f32_to_bf16_bits(acc.x * inv);
@@ -325,18 +367,19 @@ void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaC
     ASSERT((uintptr_t) ws_o % 16 == 0);
     const size_t smem = (size_t) (HB * MLA_LK + TILE * KS_STRIDE) * sizeof(float);
     const dim3 grid(n_split, n_heads / HB, n_tok);
+    const int vec_q = ((uintptr_t) q_lat | (uintptr_t) q_pe) % 16 == 0;
     if (cache->type == MLA_CACHE_FP8) {
         CUDA_CHECK(cudaFuncSetAttribute(mla_decode_kernel<MLA_CACHE_FP8>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         mla_decode_kernel<MLA_CACHE_FP8><<<grid, DEC_THREADS, smem, stream>>>(
             ws_o, ws_ml, q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
-            idx_stride, n_heads, sm_scale, n_split);
+            idx_stride, n_heads, sm_scale, n_split, vec_q);
     } else {
         CUDA_CHECK(cudaFuncSetAttribute(mla_decode_kernel<MLA_CACHE_BF16>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         mla_decode_kernel<MLA_CACHE_BF16><<<grid, DEC_THREADS, smem, stream>>>(
             ws_o, ws_ml, q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
-            idx_stride, n_heads, sm_scale, n_split);
+            idx_stride, n_heads, sm_scale, n_split, vec_q);
     }
     CUDA_CHECK(cudaGetLastError());
     mla_merge_kernel<<<dim3(n_heads, n_tok), MLA_KV_LORA / 4, 0, stream>>>(out, ws_o, ws_ml,

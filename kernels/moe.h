@@ -27,7 +27,7 @@
  *   act[t*k + j, i] = bf16( SiLU(gate_e(x_t)[i]) * up_e(x_t)[i] )         bf16 [n_tok*k, inter]
  * moe_experts_w2: out[t, :] = residual[t, :] + sum_j w[t, j] * down_{idx[t,j]}(act[t*k + j])
  *   out, residual fp32 [n_tok, hidden]; out may alias residual. The weighted sum and the
- *   residual add are fused; slots are added in order j = 0..k-1, so results are reproducible.
+ *   residual add are fused; slots are added in a fixed order, so results are reproducible.
  *
  * Numerics of the products: as nvfp4.h (exact dequantization, fp32 accumulation per group).
  *

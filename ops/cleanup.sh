@@ -3,10 +3,11 @@
 #
 #   ops/cleanup.sh [--env FILE] [--local]
 #
-# On every node of GLMSPARK_NODES at once (--local: this machine only, no transport): each
-# pid file in GLMSPARK_RUN_DIR (rank*.pid, and launcher.pid of an mpirun/srun launch) whose
-# process is still the one recorded (same start time) gets SIGTERM, to its whole session
-# for ssh-launched ranks, so the engine finishes its step and hands its job back;
+# On every node of GLMSPARK_NODES, the head (rank 0) first, then the others at once
+# (--local: this machine only, no transport): each pid file in GLMSPARK_RUN_DIR (rank*.pid,
+# and launcher.pid of an mpirun/srun launch) whose process is still the one recorded (same
+# start time) gets SIGTERM, to its whole session for ssh-launched ranks, so the engine
+# finishes its step and hands its job back;
 # GLMSPARK_STOP_TIMEOUT s (90) later, SIGKILL. Nothing is killed by name. Then every process
 # that still carries the cluster's GLMSPARK_CLUSTER_ID (all ranks and their children do) is
 # reported and killed, and the node reports "nothing left". Stale pid files are removed.
@@ -40,7 +41,12 @@ cl_load_env "$env_file" "$env_explicit"
 if [ -f "$cl_run/launcher.pid" ]; then
     run=$cl_run timeout=$cl_stop_timeout bash -c "run=\$run; timeout=\$timeout; $cl_stop_script" >&2 || true
 fi
-if cl_stop_all "${cl_nodes[@]}"; then
+# Rank 0 (the head) first: it finishes its step and hands its jobs back while the pipeline
+# is whole; then the other nodes at once (their ranks may have exited already).
+status=0
+cl_stop_all "${cl_nodes[0]}" || status=1
+if [ ${#cl_nodes[@]} -gt 1 ]; then cl_stop_all "${cl_nodes[@]:1}" || status=1; fi
+if [ "$status" = 0 ]; then
     cl_say "every node clean: ${cl_nodes[*]}"
 else
     cl_say "FAILED: see the nodes above"

@@ -12,17 +12,23 @@
 #    session (setsid) with a pid file, its log and its exit status in GLMSPARK_RUN_DIR on that
 #    node; with GLMSPARK_LAUNCHER=mpirun or srun, one mpirun/srun on the head starts them all
 #    (ranks then come from OMPI_COMM_WORLD_RANK / PMI_RANK / SLURM_PROCID).
-#    Each rank runs GLMSPARK_RANK_CMD (default: glmspark-engine --recipe RECIPE --model MODEL
-#    --db DB) plus --rank R --world N --master ADDR:PORT (ssh, more than one node), or
+#    Each rank runs GLMSPARK_RANK_CMD (default: glmspark-engine --model MODEL --recipe
+#    RECIPE) plus --rank R --world N --master ADDR:PORT (ssh, more than one node), or
 #    GLMSPARK_MASTER in its environment (mpirun/srun), plus ARGS; with the variables in
 #    GLMSPARK_PASS_ENV and GLMSPARK_CLUSTER_ID (a fresh id that ops/cleanup.sh uses to
-#    verify nothing is left).
-# 3. Waits until every rank's log matches GLMSPARK_READY_RE, printing each rank's progress
-#    (its last log line) as it changes; a rank that dies or exits first, a node silent for
-#    GLMSPARK_MAX_MISSED polls in a row (10; one missed answer is not a dead node), or the
-#    recipe's load_timeout_s running out, is reported with its host, exit status and last
-#    log lines, and every node is cleaned up. The marker file GLMSPARK_RUN_DIR/loading
-#    exists on a node while its rank loads (ops/pagecache-dropper.sh works while it is there).
+#    verify nothing is left). Rank 0 alone gets GLMSPARK_DB in its environment (the engine
+#    reads it like --db; only rank 0 talks to PostgreSQL, and the conninfo stays out of ps).
+# 3. Waits for readiness, printing progress as it changes: each rank's last log line, and
+#    with GLMSPARK_READY=status (the default when the rank command is the engine's and
+#    GLMSPARK_DB is set) the rank lines of `glmspark status` (state, layers, weights, load
+#    %); ready is `glmspark status` exiting 0 for a boot newer than the launch (the engine
+#    up, every rank up). With GLMSPARK_READY=log (the default for GLMSPARK_RANK_CMD), ready
+#    is every rank's log matching GLMSPARK_READY_RE. A rank that dies or exits first, a node
+#    silent for GLMSPARK_MAX_MISSED polls in a row (10; one missed answer is not a dead
+#    node), or the recipe's load_timeout_s running out, is reported with its host, exit
+#    status and last log lines, and every node is cleaned up. The marker file
+#    GLMSPARK_RUN_DIR/loading exists on a node while its rank loads (ops/pagecache-dropper.sh
+#    works while it is there).
 # --wait then stays until every rank has exited, and exits 0 only when all exited 0 (for
 #    batch commands and tests; SIGINT/SIGTERM stop the cluster). Without --wait the ranks
 #    keep running after the script exits; stop them with ops/cleanup.sh.
@@ -36,7 +42,7 @@ cl_prog=launch-cluster
 # shellcheck source=ops/cluster-lib.sh
 . "$here/cluster-lib.sh"
 
-usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 env_file=${GLMSPARK_ENV:-/etc/glmspark/env}
 env_explicit=0
@@ -63,7 +69,7 @@ bin=${GLMSPARK_BIN:-/usr/local/bin}
 local_bin=${GLMSPARK_LOCAL_BIN:-$bin}
 recipe=${recipe_arg:-${GLMSPARK_RECIPE:-}}
 launcher=${GLMSPARK_LAUNCHER:-ssh}
-ready_re=${GLMSPARK_READY_RE:-engine: serving|pipeline rank [0-9]+ of [0-9]+: layers}
+ready_re=${GLMSPARK_READY_RE:-engine: serving|(engine|pipeline) rank [0-9]+ of [0-9]+: layers}
 poll_s=${GLMSPARK_POLL_S:-2}
 case $launcher in ssh | mpirun | srun) ;; *) cl_die "GLMSPARK_LAUNCHER must be ssh, mpirun or srun" ;; esac
 
@@ -95,10 +101,26 @@ min_disk_gb=${GLMSPARK_MIN_DISK_GB:-1}
 if [ -n "${GLMSPARK_RANK_CMD:-}" ]; then
     rank_cmd=$GLMSPARK_RANK_CMD
 else
-    rank_cmd=$(printf '%q ' "$bin/glmspark-engine" --model "$model")
+    rank_cmd=$(printf '%q --model %q' "$bin/glmspark-engine" "$model")
     [ -n "$recipe" ] && rank_cmd+=$(printf ' --recipe %q' "$recipe")
-    [ -n "${GLMSPARK_DB:-}" ] && rank_cmd+=$(printf ' --db %q' "$GLMSPARK_DB")
 fi
+# Readiness: `glmspark status` against rank 0's database, or the ranks' logs.
+ready_mode=${GLMSPARK_READY:-}
+if [ -z "$ready_mode" ]; then
+    ready_mode=log
+    [ -z "${GLMSPARK_RANK_CMD:-}" ] && [ -n "${GLMSPARK_DB:-}" ] && ready_mode=status
+fi
+case $ready_mode in
+status)
+    [ -n "${GLMSPARK_DB:-}" ] || cl_die "GLMSPARK_READY=status needs GLMSPARK_DB"
+    [ -x "$local_bin/glmspark" ] || cl_die "GLMSPARK_READY=status needs $local_bin/glmspark (GLMSPARK_LOCAL_BIN)"
+    ;;
+log) ;;
+*) cl_die "GLMSPARK_READY must be status or log" ;;
+esac
+# The conninfo reaches `glmspark status` through the environment, not argv (ps).
+[ -n "${GLMSPARK_DB:-}" ] && export GLMSPARK_DB
+status_cmd=("$local_bin/glmspark" status)
 [ ${#extra[@]} -gt 0 ] && rank_cmd+=$(printf ' %q' "${extra[@]}")
 read -r rank_bin _ <<<"$rank_cmd"
 rank_bin=$(eval "printf '%s' $rank_bin")
@@ -171,6 +193,18 @@ for i in "${!nodes[@]}"; do
     cl_say "  rank $i on $h (${p[host]}): ${mem_gb} GiB available, ${disk_gb} GiB free, model ${p[model]:-missing}"
     unset p
 done
+# Rank 0's database, and the engine boot already there (readiness wants a newer one).
+boot_of() { sed -n 's/^boot \([0-9][0-9]*\) .*/\1/p'; }
+boot_before=""
+if [ "$ready_mode" = status ]; then
+    code=0
+    out=$("${status_cmd[@]}" 2>&1) || code=$?
+    if [ "$code" = 2 ]; then
+        failures+=("${nodes[0]}: rank 0's database (GLMSPARK_DB) does not answer: $(tr '\n' ' ' <<<"$out" | cut -c1-300)")
+    else
+        boot_before=$(boot_of <<<"$out")
+    fi
+fi
 if [ ${#failures[@]} -gt 0 ]; then
     for f in "${failures[@]}"; do cl_say "FAILED $f"; done
     exit 1
@@ -198,6 +232,7 @@ rm -f "$run/rank$rank.exit"
 touch "$run/loading"
 echo "$cluster_id" >"$run/rank$rank.cluster"
 export GLMSPARK_CLUSTER_ID=$cluster_id GLMSPARK_RANK=$rank
+if [ "$rank" = 0 ] && [ -n "$db" ]; then export GLMSPARK_DB=$db; else unset GLMSPARK_DB; fi
 wrapper='"'"'
 starttime() { sed "s/^.*) //" "/proc/$1/stat" | cut -d" " -f20; }
 echo "$$ $(starttime $$) $KIND" >"$RUN/rank$RANK.pid"
@@ -220,7 +255,7 @@ fi
 '
 start_vars() {  # start_vars RANK: the script's variables and the exported environment
     cl_vars run="$run" cluster_id="$cluster_id" cmd="$rank_cmd" world="$world" \
-        master="$master" mode="$launcher" rank="$1"
+        master="$master" mode="$launcher" rank="$1" db="${GLMSPARK_DB:-}"
     local kv
     for kv in "${pass_vars[@]}"; do printf 'export %s=%q\n' "${kv%%=*}" "${kv#*=}"; done
 }
@@ -294,6 +329,27 @@ fail_cluster() {  # fail_cluster MESSAGE...
 on_signal() { trap - INT TERM; fail_cluster "interrupted"; }
 trap on_signal INT TERM
 
+# GLMSPARK_READY=status: true when `glmspark status` exits 0 for a boot newer than the one
+# there before the launch; else prints its verdict and rank lines that changed.
+declare -A status_seen=()
+status_final=""
+poll_status() {
+    local out code=0 boot line key
+    out=$("${status_cmd[@]}" 2>&1) || code=$?
+    boot=$(boot_of <<<"$out")
+    if [ "$code" = 2 ] || { [ -n "$boot" ] && [ "$boot" != "$boot_before" ]; }; then
+        [ "$code" = 0 ] && { status_final=$out; return 0; }
+        while IFS= read -r line; do
+            key=${line%% *}
+            [ "$code" = 2 ] && key=error
+            [ "${status_seen[$key]:-}" = "$line" ] && continue
+            status_seen[$key]=$line
+            cl_say "status ($(($(date +%s) - t0)) s): $line"
+        done < <(grep -E '^(engine:|[0-9]+ |glmspark:)' <<<"$out")
+    fi
+    return 1
+}
+
 t0=$(date +%s)
 # A node that does not answer a poll (ssh timing out under memory pressure while it loads)
 # is not a dead rank: only GLMSPARK_MAX_MISSED (10) silent polls in a row fail the launch.
@@ -305,7 +361,7 @@ while :; do
     for i in "${!nodes[@]}"; do
         [ -n "${ready_at[i]}" ] && { n_ready=$((n_ready + 1)); continue; }
         read -r state ready last <<<"$(rank_status "$i" 1)"
-        if [ "$ready" = 1 ] || [ "$state" = exited:0 ]; then
+        if [ "$ready_mode" = log ] && { [ "$ready" = 1 ] || [ "$state" = exited:0 ]; }; then
             ready_at[i]=$(($(date +%s) - t0))
             n_ready=$((n_ready + 1))
             cl_say "rank $i on ${nodes[$i]}: ready after ${ready_at[i]} s"
@@ -330,7 +386,11 @@ while :; do
             cl_say "rank $i on ${nodes[$i]} ($(($(date +%s) - t0)) s): ${last:-(no output yet)}"
         fi
     done
-    [ "$n_ready" = "$world" ] && break
+    if [ "$ready_mode" = status ]; then
+        poll_status && break
+    else
+        [ "$n_ready" = "$world" ] && break
+    fi
     if [ $(($(date +%s) - t0)) -ge "$load_timeout" ]; then
         for i in "${!nodes[@]}"; do
             [ -z "${ready_at[i]}" ] && { cl_say "rank $i on ${nodes[$i]} not ready; its log ends:"; tail_log "$i"; }
@@ -339,6 +399,12 @@ while :; do
     fi
     sleep "$poll_s"
 done
+if [ "$ready_mode" = status ]; then
+    printf '%s\n' "$status_final" | sed 's/^/    /' >&2
+    for i in "${!nodes[@]}"; do  # loaded: the page-cache dropper can rest
+        cl_remote "${nodes[$i]}" "rm -f $(printf '%q' "$run/loading")" >/dev/null 2>&1 || true
+    done
+fi
 cl_say "cluster $cluster_id ready: $world rank(s) in $(($(date +%s) - t0)) s; rank 0 on ${nodes[0]}, master $master"
 [ "$wait_all" = 1 ] || exit 0
 

@@ -8,22 +8,32 @@
  * routed experts NVFP4; attention, router, shared expert and dense MLP bf16; fp8 MLA cache.
  *
  * Decode step (per layer, batch B at context C): RMSNorm; fused q_a+kv_a GEMV; q_a RMSNorm;
- * cache append (kv_a RMSNorm, RoPE, fp8); q_b GEMV; q split + RoPE; per-head W_UK^T GEMV;
- * split-KV absorbed MLA attention over C positions; per-head W_UV GEMV; o_proj GEMV + residual;
- * RMSNorm; then router GEMV + fused top-8, routed gate/up + SwiGLU, shared gate/up GEMV +
- * SwiGLU, routed down + weighted sum + residual, shared down + residual (MoE layers) or the
- * dense MLP. The whole step (26 layers) is captured in one CUDA graph and replayed; the weights
- * (~88 GB) are far larger than L2, so every replay streams them from HBM.
+ * then two graph branches: (1) cache append (kv_a RMSNorm, RoPE, fp8) and, with DSA on and on
+ * the layers that run their own indexer (GLM-5.2 IndexShare: 0, 1, 2, 6, 10, ... - 8 of a
+ * stage's 26), the indexer: wk and weights_proj GEMVs, key LayerNorm + RoPE + fp8 append,
+ * wq_b GEMV, query RoPE, scores over all C positions, top-2048; (2) q_b GEMV; q split + RoPE;
+ * per-head W_UK^T GEMV. Then split-KV absorbed MLA attention over the C positions (DSA off) or
+ * over the 2048 selected by the most recent indexer layer (DSA on); per-head W_UV GEMV; o_proj
+ * GEMV + residual; RMSNorm; then two branches again: (1) router GEMV + fused top-8, routed
+ * gate/up + SwiGLU; (2) shared gate/up GEMV, SwiGLU, shared down + residual; then routed down
+ * + weighted sum + residual (MoE layers), or the dense MLP. The whole step (26 layers) is
+ * captured in one CUDA graph and replayed; the weights (~88 GB) are far larger than L2, so every
+ * replay streams them from HBM. The single-stream graph (fork 0) is timed too.
  *
  * Reported: ms/step, tok/s, bytes read per step by category (routed experts counted per
  * distinct expert actually selected), achieved GB/s and its % of a device-to-device copy
- * measured in the same run; a per-op breakdown (each op replayed over all layers in its own
- * graph); prefill tok/s for the stage's linear layers (cuBLASLt; NVFP4 experts dequantized to
- * bf16 first) and its TFLOP/s vs an 8192^3 cuBLAS bf16 GEMM measured in the same run.
- * Not included: MLA prefill attention (no flash-MLA prefill kernel yet), the DSA indexer,
- * embedding and lm_head (they are not part of a middle stage).
+ * measured in the same run, at 1K / 32K / 128K context with DSA off and on; the MTP verify
+ * step (one sequence, 1+k rows attending causally to the same cache, k = 1..3, at 1K and 32K,
+ * rows routed (a) independently or (b) reusing the previous row's experts with probability
+ * 1/2) with its cost ratio to one row and the projected speed-up (1 + a + ... + a^k) / ratio;
+ * a per-op breakdown (each op replayed over all layers in its own graph); prefill tok/s for the
+ * stage's linear layers (cuBLASLt; NVFP4 experts dequantized to bf16 first) and its TFLOP/s vs
+ * an 8192^3 cuBLAS bf16 GEMM measured in the same run.
+ * Not included: MLA prefill attention (no flash-MLA prefill kernel yet), embedding and lm_head
+ * (they are not part of a middle stage), the MTP draft layer's own cost.
  *
- * Usage: bench_stage [--json PATH] [--layers N] [--iters N] [--quick]
+ * Usage: bench_stage [--json PATH] [--layers N] [--iters N] [--quick] [--dsa-only]
+ * (--dsa-only: only the DSA decode rows, the MTP section and the DSA per-op tables)
  */
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -35,6 +45,7 @@
 #include "common/cuda_check.h"
 #include "kernels/act.h"
 #include "kernels/common.cuh"
+#include "kernels/dsa.h"
 #include "kernels/gemm.h"
 #include "kernels/mla.h"
 #include "kernels/moe.h"
@@ -56,7 +67,10 @@ enum {
     DENSE_INTER = 12288,
     QKV_A = QLORA + MLA_LK,
     MAX_B = 16,
+    LONG_B = 8,  // sequences that can run past the short context (page budget)
     N_DENSE = 3,
+    IDX_HEADS = 32,
+    IDX_TOPK = 2048,
 };
 
 static const float EPS = 1e-5f, THETA = 8e6f, ROUTE_SCALE = 2.5f;
@@ -146,7 +160,8 @@ static float *new_f32(size_t n, float v)
 }
 
 typedef struct Layer {
-    int dense;
+    int id, dense;
+    int full;          // runs its own DSA indexer (GLM-5.2 IndexShare: layers 0, 1, 2, 6, 10, ...)
     uint16_t *qkv_a;   // [2624, 6144]
     uint16_t *q_b;     // [16384, 2048]
     uint16_t *kv_b;    // [64*448, 512]: W_UK^T [64, 512, 192] then W_UV [64, 256, 512] in decode
@@ -160,6 +175,13 @@ typedef struct Layer {
     MlaCache cache;
     int32_t *idx;  // [MAX_B, 8] routing result of the last step
     float *wts;
+    // DSA indexer (full layers): wq_b [4096, 2048], wk [128, 6144], weights_proj [32, 6144],
+    // k_norm LayerNorm, fp8 key cache; the selection [MAX_B, 2048] and its counts [MAX_B].
+    uint16_t *iwq, *iwk, *iwp;
+    float *iln_w, *iln_b;
+    uint8_t *icache;
+    int32_t *sel, *n_sel;
+    const int32_t *use_sel, *use_n_sel;  // the selection this layer attends (its own or shared)
 } Layer;
 
 // ---------------------------------------------------------------------------
@@ -168,78 +190,147 @@ typedef struct Layer {
 typedef struct Work {
     float *h, *h0, *qkv, *q, *q_pe, *q_lat, *logits, *sgu, *ws_o, *ws_ml;
     uint16_t *xb, *qr, *q_nope, *o_lat, *ov, *act, *sact;
+    float *iq, *ik, *iw, *scores;  // indexer query [B, 32, 128], key [B, 128], weights [B, 32]
     int32_t *pos, *seq, *kv_len, *table;
-    int max_blocks;
+    int max_blocks, max_ctx;
+    int ctx;          // context of the current configuration (host copy of kv_len's maximum)
+    int dsa;          // attention through the DSA indexer's top-2048 selection
+    int route_share;  // MTP verify model (b): a row reuses the previous row's experts w.p. 0.5
+    int fork;         // independent chains on two streams (graph branches)
+    int tc;           // bf16 GEMVs through tensor cores at 2+ tokens
+    int n_split;
+    cudaStream_t side;
+    cudaEvent_t ev_fork, ev_join;
 } Work;
 
 typedef enum Op {
-    OP_NORM_IN, OP_QKV_A, OP_Q_NORM, OP_KV_APPEND, OP_Q_B, OP_Q_SPLIT, OP_W_UK, OP_ATTN, OP_W_UV,
-    OP_O_PROJ, OP_NORM_POST, OP_ROUTER, OP_ROUTE, OP_W13, OP_SH13, OP_SH_ACT, OP_W2, OP_SH2,
-    OP_D13, OP_D_ACT, OP_D2, N_OPS
+    OP_NORM_IN, OP_QKV_A, OP_Q_NORM, OP_KV_APPEND, OP_IDX_K, OP_IDX_W, OP_IDX_APPEND, OP_IDX_Q,
+    OP_IDX_ROPE, OP_IDX_SCORE, OP_IDX_TOPK, OP_Q_B, OP_Q_SPLIT, OP_W_UK, OP_ATTN, OP_W_UV,
+    OP_O_PROJ, OP_NORM_POST, OP_ROUTER, OP_ROUTE, OP_ROUTE_SHARE, OP_W13, OP_SH13, OP_SH_ACT,
+    OP_SH2, OP_W2, OP_D13, OP_D_ACT, OP_D2, N_OPS
 } Op;
 
 static const char *op_name[N_OPS] = {
-    "norm_in", "qkv_a gemv", "q_a norm", "kv append", "q_b gemv", "q split+rope", "W_UK^T gemv",
-    "mla attention", "W_UV gemv", "o_proj gemv+res", "norm_post", "router gemv", "route top8",
-    "experts w13+act", "shared w13", "shared act", "experts w2+sum", "shared w2+res",
-    "dense w13", "dense act", "dense w2+res"};
+    "norm_in", "qkv_a gemv", "q_a norm", "kv append", "idx wk gemv", "idx wproj gemv",
+    "idx key append", "idx wq_b gemv", "idx q rope", "idx scores", "idx top2048", "q_b gemv",
+    "q split+rope", "W_UK^T gemv", "mla attention", "W_UV gemv", "o_proj gemv+res", "norm_post",
+    "router gemv", "route top8", "route share", "experts w13+act", "shared w13", "shared act",
+    "shared w2+res", "experts w2+sum", "dense w13", "dense act", "dense w2+res"};
 
-static int op_applies(Op op, const Layer *L)
+static int op_applies(Op op, const Layer *L, const Work *w)
 {
-    if (op >= OP_ROUTER && op <= OP_SH2) return !L->dense;
+    if (op >= OP_IDX_K && op <= OP_IDX_TOPK) return w->dsa && L->full;
+    if (op == OP_ROUTE_SHARE) return !L->dense && w->route_share;
+    if (op >= OP_ROUTER && op <= OP_W2) return !L->dense;
     if (op >= OP_D13) return L->dense;
     return 1;
 }
 
-static void run_op(Op op, Layer *L, Work *w, int B, int n_split, cudaStream_t s)
+// MTP verify model (b): row i > 0 takes row i-1's expert in slot j with probability 1/2 (a
+// fixed hash per layer, row and slot) unless row i already has it. One thread: rows <= 16.
+static __global__ void route_share_kernel(int32_t *idx, int n_rows, int k, uint64_t seed)
+{
+    for (int i = 1; i < n_rows; i++) {
+        for (int j = 0; j < k; j++) {
+            if (mix64(seed ^ (uint64_t) (i * 64 + j)) & 1) continue;
+            const int e = idx[(i - 1) * k + j];
+            int dup = 0;
+            for (int jj = 0; jj < k; jj++) dup |= idx[i * k + jj] == e;
+            if (!dup) idx[i * k + j] = e;
+        }
+    }
+}
+
+// bf16 GEMV: through tensor cores at 2+ tokens when there are enough 8-row CTAs to fill the
+// chip twice (w->tc), else the CUDA-core kernel.
+static void gemv(const Work *w, void *y, GemmOut yt, const uint16_t *W, const uint16_t *x,
+                 const float *res, int rows, int cols, int n_mat, int B, cudaStream_t s)
+{
+    if (w->tc && B >= 2 && (long) n_mat * ((rows + 7) / 8) >= 2 * 132)
+        gemm_bf16_gemv_tc(y, yt, W, x, res, rows, cols, n_mat, B, s);
+    else
+        gemm_bf16_gemv(y, yt, W, x, res, rows, cols, n_mat, B, s);
+}
+
+static void run_op(Op op, Layer *L, Work *w, int B, cudaStream_t s)
 {
     switch (op) {
     case OP_NORM_IN: norm_rms(w->xb, w->h, L->norm_in, EPS, B, HID, HID, HID, s); break;
-    case OP_QKV_A: gemm_bf16_gemv(w->qkv, GEMM_OUT_F32, L->qkv_a, w->xb, NULL, QKV_A, HID, 1, B, s); break;
+    case OP_QKV_A: gemv(w, w->qkv, GEMM_OUT_F32, L->qkv_a, w->xb, NULL, QKV_A, HID, 1, B, s); break;
     case OP_Q_NORM: norm_rms(w->qr, w->qkv, L->q_norm, EPS, B, QLORA, QKV_A, QLORA, s); break;
     case OP_KV_APPEND:
         mla_cache_append(&L->cache, w->qkv + QLORA, QKV_A, L->kv_norm, EPS, THETA, w->pos, w->seq,
                          w->table, w->max_blocks, B, s);
         break;
-    case OP_Q_B: gemm_bf16_gemv(w->q, GEMM_OUT_F32, L->q_b, w->qr, NULL, NH * QHEAD, QLORA, 1, B, s); break;
+    case OP_IDX_K: gemv(w, w->ik, GEMM_OUT_F32, L->iwk, w->xb, NULL, DSA_DIM, HID, 1, B, s); break;
+    case OP_IDX_W: gemv(w, w->iw, GEMM_OUT_F32, L->iwp, w->xb, NULL, IDX_HEADS, HID, 1, B, s); break;
+    case OP_IDX_APPEND:
+        dsa_cache_append(L->icache, w->ik, L->iln_w, L->iln_b, 1e-6f, THETA, w->pos, w->seq, w->table,
+                         w->max_blocks, B, s);
+        break;
+    case OP_IDX_Q:
+        gemv(w, w->iq, GEMM_OUT_F32, L->iwq, w->qr, NULL, IDX_HEADS * DSA_DIM, QLORA, 1, B, s);
+        break;
+    case OP_IDX_ROPE: rope_interleaved(w->iq, w->pos, B, IDX_HEADS, DSA_DIM, 0, DSA_ROPE, THETA, s); break;
+    case OP_IDX_SCORE:
+        dsa_scores(w->scores, w->max_ctx, w->iq, w->iw, 1.0f / sqrtf((float) IDX_HEADS),
+                   1.0f / sqrtf((float) DSA_DIM), L->icache, w->table, w->max_blocks, w->seq,
+                   w->kv_len, w->ctx, B, IDX_HEADS, s);
+        break;
+    case OP_IDX_TOPK: dsa_topk(L->sel, L->n_sel, w->scores, w->max_ctx, w->kv_len, B, IDX_TOPK, s); break;
+    case OP_Q_B: gemv(w, w->q, GEMM_OUT_F32, L->q_b, w->qr, NULL, NH * QHEAD, QLORA, 1, B, s); break;
     case OP_Q_SPLIT: mla_q_split(w->q_nope, w->q_pe, w->q, w->pos, B, NH, THETA, s); break;
-    case OP_W_UK: gemm_bf16_gemv(w->q_lat, GEMM_OUT_F32, L->kv_b, w->q_nope, NULL, MLA_KV_LORA, NOPE, NH, B, s); break;
+    case OP_W_UK: gemv(w, w->q_lat, GEMM_OUT_F32, L->kv_b, w->q_nope, NULL, MLA_KV_LORA, NOPE, NH, B, s); break;
     case OP_ATTN:
         mla_decode(w->o_lat, w->q_lat, w->q_pe, &L->cache, w->table, w->max_blocks, w->seq,
-                   w->kv_len, NULL, 0, B, NH, 1.0f / 16.0f, n_split, w->ws_o, w->ws_ml, s);
+                   w->dsa ? L->use_n_sel : w->kv_len, w->dsa ? L->use_sel : NULL, IDX_TOPK, B, NH,
+                   1.0f / 16.0f, w->n_split, w->ws_o, w->ws_ml, s);
         break;
     case OP_W_UV:
-        gemm_bf16_gemv(w->ov, GEMM_OUT_BF16, L->kv_b + (size_t) NH * MLA_KV_LORA * NOPE, w->o_lat,
+        gemv(w, w->ov, GEMM_OUT_BF16, L->kv_b + (size_t) NH * MLA_KV_LORA * NOPE, w->o_lat,
                        NULL, VDIM, MLA_KV_LORA, NH, B, s);
         break;
-    case OP_O_PROJ: gemm_bf16_gemv(w->h, GEMM_OUT_F32, L->o_proj, w->ov, w->h, HID, NH * VDIM, 1, B, s); break;
+    case OP_O_PROJ: gemv(w, w->h, GEMM_OUT_F32, L->o_proj, w->ov, w->h, HID, NH * VDIM, 1, B, s); break;
     case OP_NORM_POST: norm_rms(w->xb, w->h, L->norm_post, EPS, B, HID, HID, HID, s); break;
-    case OP_ROUTER: gemm_bf16_gemv(w->logits, GEMM_OUT_F32, L->router, w->xb, NULL, NEXP, HID, 1, B, s); break;
+    case OP_ROUTER: gemv(w, w->logits, GEMM_OUT_F32, L->router, w->xb, NULL, NEXP, HID, 1, B, s); break;
     case OP_ROUTE: moe_route(L->idx, L->wts, w->logits, L->bias, B, NEXP, TOPK, 1, 1, ROUTE_SCALE, s); break;
+    case OP_ROUTE_SHARE:
+        route_share_kernel<<<1, 1, 0, s>>>(L->idx, B, TOPK, (uint64_t) L->id);
+        CUDA_CHECK(cudaGetLastError());
+        break;
     case OP_W13: moe_experts_w13(w->act, &L->ex, w->xb, L->idx, B, TOPK, s); break;
-    case OP_SH13: gemm_bf16_gemv(w->sgu, GEMM_OUT_F32, L->sh13, w->xb, NULL, 2 * INTER, HID, 1, B, s); break;
+    case OP_SH13: gemv(w, w->sgu, GEMM_OUT_F32, L->sh13, w->xb, NULL, 2 * INTER, HID, 1, B, s); break;
     case OP_SH_ACT: act_silu_mul(w->sact, w->sgu, B, INTER, s); break;
     case OP_W2: moe_experts_w2(w->h, &L->ex, w->act, L->idx, L->wts, w->h, B, TOPK, s); break;
-    case OP_SH2: gemm_bf16_gemv(w->h, GEMM_OUT_F32, L->sh2, w->sact, w->h, HID, INTER, 1, B, s); break;
-    case OP_D13: gemm_bf16_gemv(w->sgu, GEMM_OUT_F32, L->d13, w->xb, NULL, 2 * DENSE_INTER, HID, 1, B, s); break;
+    case OP_SH2: gemv(w, w->h, GEMM_OUT_F32, L->sh2, w->sact, w->h, HID, INTER, 1, B, s); break;
+    case OP_D13: gemv(w, w->sgu, GEMM_OUT_F32, L->d13, w->xb, NULL, 2 * DENSE_INTER, HID, 1, B, s); break;
     case OP_D_ACT: act_silu_mul(w->sact, w->sgu, B, DENSE_INTER, s); break;
-    case OP_D2: gemm_bf16_gemv(w->h, GEMM_OUT_F32, L->d2, w->sact, w->h, HID, DENSE_INTER, 1, B, s); break;
+    case OP_D2: gemv(w, w->h, GEMM_OUT_F32, L->d2, w->sact, w->h, HID, DENSE_INTER, 1, B, s); break;
     default: break;
     }
 }
 
+// Positions attended per token: the whole context, or the top-2048 selection with DSA.
+static int attended(const Work *w)
+{
+    return w->dsa && w->ctx > IDX_TOPK ? IDX_TOPK : w->ctx;
+}
+
 // Weight (and cache) bytes one op reads in one layer; distinct = distinct routed experts.
-static double op_bytes(Op op, const Layer *L, int B, int ctx, double distinct)
+static double op_bytes(Op op, const Work *w, int B, double distinct)
 {
     const double nv = 0.5625;  // NVFP4 bytes per weight
-    (void) L;
     switch (op) {
     case OP_QKV_A: return 2.0 * QKV_A * HID;
+    case OP_IDX_K: return 2.0 * DSA_DIM * HID;
+    case OP_IDX_W: return 2.0 * IDX_HEADS * HID;
+    case OP_IDX_Q: return 2.0 * IDX_HEADS * DSA_DIM * QLORA;
+    case OP_IDX_SCORE: return (double) B * w->ctx * (DSA_DIM + 4);
     case OP_Q_B: return 2.0 * NH * QHEAD * QLORA;
     case OP_W_UK: return 2.0 * NH * MLA_KV_LORA * NOPE;
     case OP_W_UV: return 2.0 * NH * VDIM * MLA_KV_LORA;
     case OP_O_PROJ: return 2.0 * HID * NH * VDIM;
-    case OP_ATTN: return (double) B * ctx * MLA_FP8_TOKEN_BYTES;
+    case OP_ATTN: return (double) B * attended(w) * MLA_FP8_TOKEN_BYTES;
     case OP_ROUTER: return 2.0 * NEXP * HID;
     case OP_W13: return distinct * nv * 2 * INTER * HID;
     case OP_W2: return distinct * nv * HID * INTER;
@@ -251,12 +342,59 @@ static double op_bytes(Op op, const Layer *L, int B, int ctx, double distinct)
     }
 }
 
-static void enqueue_step(Layer *layers, int n_layers, Work *w, int B, int n_split, cudaStream_t s)
+// Byte category of an op: 0 attention weights (incl. indexer), 1 routed experts, 2 shared
+// expert + router, 3 dense MLP, 4 caches (MLA latent and indexer keys).
+static int op_category(Op op)
+{
+    if (op == OP_ATTN || op == OP_IDX_SCORE) return 4;
+    if (op == OP_W13 || op == OP_W2) return 1;
+    if (op == OP_SH13 || op == OP_SH2 || op == OP_ROUTER) return 2;
+    if (op >= OP_D13) return 3;
+    return 0;
+}
+
+static void run_ops(Layer *L, Work *w, int B, Op first, Op last, cudaStream_t s)
+{
+    for (int op = first; op <= last; op++)
+        if (op_applies((Op) op, L, w)) run_op((Op) op, L, w, B, s);
+}
+
+// Two independent chains: a on the main stream, b on the side stream, joined afterwards. In a
+// captured graph they become parallel branches, so the small latency-bound kernels of one
+// chain overlap the bandwidth-bound GEMVs of the other.
+static void run_fork(Layer *L, Work *w, int B, Op a0, Op a1, Op b0, Op b1, cudaStream_t s)
+{
+    if (!w->fork) {
+        run_ops(L, w, B, a0, a1, s);
+        run_ops(L, w, B, b0, b1, s);
+        return;
+    }
+    CUDA_CHECK(cudaEventRecord(w->ev_fork, s));
+    CUDA_CHECK(cudaStreamWaitEvent(w->side, w->ev_fork, 0));
+    run_ops(L, w, B, b0, b1, w->side);
+    run_ops(L, w, B, a0, a1, s);
+    CUDA_CHECK(cudaEventRecord(w->ev_join, w->side));
+    CUDA_CHECK(cudaStreamWaitEvent(s, w->ev_join, 0));
+}
+
+static void enqueue_step(Layer *layers, int n_layers, Work *w, int B, cudaStream_t s)
 {
     CUDA_CHECK(cudaMemcpyAsync(w->h, w->h0, (size_t) B * HID * 4, cudaMemcpyDeviceToDevice, s));
-    for (int l = 0; l < n_layers; l++)
-        for (int op = 0; op < N_OPS; op++)
-            if (op_applies((Op) op, &layers[l])) run_op((Op) op, &layers[l], w, B, n_split, s);
+    for (int l = 0; l < n_layers; l++) {
+        Layer *L = &layers[l];
+        run_ops(L, w, B, OP_NORM_IN, OP_Q_NORM, s);
+        // Cache append and indexer | q_b, q split, W_UK.
+        run_fork(L, w, B, OP_KV_APPEND, OP_IDX_TOPK, OP_Q_B, OP_W_UK, s);
+        run_ops(L, w, B, OP_ATTN, OP_NORM_POST, s);
+        if (L->dense) {
+            run_ops(L, w, B, OP_D13, OP_D2, s);
+            continue;
+        }
+        // Router, routed gate/up | shared expert (its down projection adds into h); then the
+        // routed down projection adds into h.
+        run_fork(L, w, B, OP_ROUTER, OP_W13, OP_SH13, OP_SH2, s);
+        run_ops(L, w, B, OP_W2, OP_W2, s);
+    }
 }
 
 static int cmp_float(const void *a, const void *b)
@@ -295,15 +433,80 @@ static cudaGraphExec_t capture_begin_end(cudaStream_t s, cudaGraph_t *graph)
     return exec;
 }
 
-static int choose_split(int B, int ctx)
+static int choose_split(int B, int len)
 {
     // About four CTAs per SM (H = 64 heads = 4 CTAs per token and split), at least one
     // 16-position tile per split; the per-op section also times other split counts.
     int n = (528 + 4 * B - 1) / (4 * B);
-    const int by_len = (ctx + 15) / 16;
+    const int by_len = (len + 15) / 16;
     if (n > by_len) n = by_len;
     if (n > MLA_MAX_SPLIT) n = MLA_MAX_SPLIT;
     return n < 1 ? 1 : n;
+}
+
+// Configure B rows at context ctx. mtp = 0: B independent sequences, each at position ctx-1.
+// mtp = 1: one sequence verifying B = 1+k tokens: row i sits at position ctx-B+i and attends
+// causally to positions 0 .. ctx-B+i (the cache and the earlier rows of this step).
+static void set_rows(Work *w, int B, int ctx, int dsa, int fork, int tc, int mtp)
+{
+    int32_t hp[MAX_B], hl[MAX_B], hs[MAX_B];
+    for (int b = 0; b < MAX_B; b++) {
+        hp[b] = mtp ? ctx - B + (b < B ? b : B - 1) : ctx - 1;
+        hl[b] = hp[b] + 1;
+        hs[b] = mtp ? 0 : b;
+    }
+    CUDA_CHECK(cudaMemcpy(w->pos, hp, sizeof hp, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(w->kv_len, hl, sizeof hl, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(w->seq, hs, sizeof hs, cudaMemcpyHostToDevice));
+    w->ctx = ctx;
+    w->dsa = dsa;
+    w->fork = fork;
+    w->tc = tc;
+    w->n_split = choose_split(B, attended(w));
+}
+
+// Median ms of one decode step of B rows, as one graph (a warm-up step runs eagerly first).
+static float time_step(Layer *layers, int n_layers, Work *w, int B, int iters, cudaStream_t s)
+{
+    cudaGraph_t graph;
+    enqueue_step(layers, n_layers, w, B, s);
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    enqueue_step(layers, n_layers, w, B, s);
+    cudaGraphExec_t ge = capture_begin_end(s, &graph);
+    const float ms = time_graph(ge, iters, s);
+    CUDA_CHECK(cudaGraphExecDestroy(ge));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    return ms;
+}
+
+// Distinct routed experts per MoE layer in the last step's routing of B rows.
+static double count_distinct(const Layer *layers, int n_layers, int B)
+{
+    double distinct = 0.0;
+    int n_moe = 0;
+    for (int l = 0; l < n_layers; l++) {
+        if (layers[l].dense) continue;
+        int32_t idx[MAX_B * TOPK];
+        CUDA_CHECK(cudaMemcpy(idx, layers[l].idx, (size_t) B * TOPK * 4, cudaMemcpyDeviceToHost));
+        char seen[NEXP];
+        memset(seen, 0, sizeof seen);
+        for (int i = 0; i < B * TOPK; i++)
+            if (idx[i] >= 0 && idx[i] < NEXP && !seen[idx[i]]) seen[idx[i]] = 1, distinct++;
+        n_moe++;
+    }
+    return n_moe ? distinct / n_moe : 0.0;
+}
+
+// Bytes one step reads, by op_category; returns the total.
+static double step_bytes(const Layer *layers, int n_layers, const Work *w, int B, double distinct,
+                         double cat[5])
+{
+    for (int c = 0; c < 5; c++) cat[c] = 0.0;
+    for (int l = 0; l < n_layers; l++)
+        for (int op = 0; op < N_OPS; op++)
+            if (op_applies((Op) op, &layers[l], w)) cat[op_category((Op) op)] += op_bytes((Op) op, w, B, distinct);
+    return cat[0] + cat[1] + cat[2] + cat[3] + cat[4];
 }
 
 // ---------------------------------------------------------------------------
@@ -362,14 +565,15 @@ static double prefill_layer(Layer *L, Prefill *p, int m, GemmLt *lt, cudaStream_
 int main(int argc, char **argv)
 {
     const char *json_path = NULL;
-    int n_layers = 26, iters = 20, quick = 0;
+    int n_layers = 26, iters = 20, quick = 0, dsa_only = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
         else if (!strcmp(argv[i], "--layers") && i + 1 < argc) n_layers = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--quick")) quick = 1;
+        else if (!strcmp(argv[i], "--dsa-only")) dsa_only = 1;
         else {
-            fprintf(stderr, "usage: bench_stage [--json PATH] [--layers N] [--iters N] [--quick]\n");
+            fprintf(stderr, "usage: bench_stage [--json PATH] [--layers N] [--iters N] [--quick] [--dsa-only]\n");
             return 2;
         }
     }
@@ -429,16 +633,23 @@ int main(int argc, char **argv)
     CUDA_CHECK(cudaFree(gb));
     CUDA_CHECK(cudaFree(gc));
 
-    // Weights.
-    const int max_ctx = quick ? 4096 : 32768;
+    // Weights. Pages: position block j of sequence b is page b*short_blocks + j for the first
+    // short_ctx positions; beyond (only the first LONG_B sequences go there) page
+    // MAX_B*short_blocks + b*(max_blocks - short_blocks) + j - short_blocks.
+    const int short_ctx = quick ? 4096 : 32768, long_ctx = quick ? 8192 : 131072;
     Work w;
     memset(&w, 0, sizeof w);
-    w.max_blocks = max_ctx / MLA_BLOCK;
+    w.max_ctx = long_ctx;
+    w.max_blocks = long_ctx / MLA_BLOCK;
+    const int short_blocks = short_ctx / MLA_BLOCK;
+    const int n_pages = MAX_B * short_blocks + LONG_B * (w.max_blocks - short_blocks);
     Layer *layers = (Layer *) calloc((size_t) n_layers, sizeof(Layer));
     double weight_bytes = 0.0;
     for (int l = 0; l < n_layers; l++) {
         Layer *L = &layers[l];
+        L->id = l;
         L->dense = l < N_DENSE;
+        L->full = l < 3 || (l - 2) % 4 == 0;
         const float a6144 = 1.7f / sqrtf(6144.0f);
         L->qkv_a = new_bf16((size_t) QKV_A * HID, a6144);
         L->q_b = new_bf16((size_t) NH * QHEAD * QLORA, 1.7f / sqrtf(2048.0f));
@@ -450,6 +661,19 @@ int main(int argc, char **argv)
         L->kv_norm = new_f32(MLA_KV_LORA, 1.0f);
         weight_bytes += 2.0 * ((double) QKV_A * HID + (double) NH * QHEAD * QLORA
                                + (double) NH * (NOPE + VDIM) * MLA_KV_LORA + (double) HID * NH * VDIM);
+        if (L->full) {
+            L->iwq = new_bf16((size_t) IDX_HEADS * DSA_DIM * QLORA, 1.7f / sqrtf(2048.0f));
+            L->iwk = new_bf16((size_t) DSA_DIM * HID, a6144);
+            L->iwp = new_bf16((size_t) IDX_HEADS * HID, a6144);
+            L->iln_w = new_f32(DSA_DIM, 1.0f);
+            L->iln_b = new_f32(DSA_DIM, 0.0f);
+            L->icache = new_u8((size_t) n_pages * DSA_BLOCK_BYTES, 1);
+            L->sel = (int32_t *) dalloc((size_t) MAX_B * IDX_TOPK * 4);
+            L->n_sel = (int32_t *) dalloc(MAX_B * 4);
+            weight_bytes += 2.0 * ((double) IDX_HEADS * DSA_DIM * QLORA + (double) (DSA_DIM + IDX_HEADS) * HID);
+        }
+        L->use_sel = L->full ? L->sel : layers[l - 1].use_sel;
+        L->use_n_sel = L->full ? L->n_sel : layers[l - 1].use_n_sel;
         if (L->dense) {
             L->d13 = new_bf16((size_t) 2 * DENSE_INTER * HID, a6144);
             L->d2 = new_bf16((size_t) HID * DENSE_INTER, 1.7f / sqrtf(12288.0f));
@@ -474,12 +698,14 @@ int main(int argc, char **argv)
             weight_bytes += 0.5625 * (double) (n13 + n2) + 2.0 * 3 * INTER * (double) HID + 2.0 * NEXP * HID;
         }
         L->cache.type = MLA_CACHE_FP8;
-        L->cache.n_blocks = MAX_B * w.max_blocks;
-        L->cache.data = new_u8((size_t) L->cache.n_blocks * MLA_BLOCK * MLA_FP8_TOKEN_BYTES, 1);
+        L->cache.n_blocks = n_pages;
+        L->cache.data = new_u8((size_t) n_pages * MLA_BLOCK * MLA_FP8_TOKEN_BYTES, 1);
     }
     CUDA_CHECK(cudaDeviceSynchronize());
-    printf("stage: %d layers (%d dense), %.1f GB of weights in device memory\n", n_layers,
-           n_layers < N_DENSE ? n_layers : N_DENSE, weight_bytes / 1e9);
+    int n_full = 0;
+    for (int l = 0; l < n_layers; l++) n_full += layers[l].full;
+    printf("stage: %d layers (%d dense, %d with their own DSA indexer), %.1f GB of weights in device memory\n",
+           n_layers, n_layers < N_DENSE ? n_layers : N_DENSE, n_full, weight_bytes / 1e9);
 
     // Decode work buffers.
     w.h = (float *) dalloc(MAX_B * HID * 4);
@@ -501,17 +727,26 @@ int main(int argc, char **argv)
     w.sact = (uint16_t *) dalloc((size_t) MAX_B * DENSE_INTER * 2);
     w.ws_o = (float *) dalloc((size_t) MAX_B * MLA_MAX_SPLIT * NH * MLA_KV_LORA * 4);
     w.ws_ml = (float *) dalloc((size_t) MAX_B * MLA_MAX_SPLIT * NH * 2 * 4);
-    int32_t h_table[MAX_B * 256], h_seq[MAX_B];
-    for (int b = 0; b < MAX_B; b++) {
-        h_seq[b] = b;
-        for (int j = 0; j < w.max_blocks; j++) h_table[b * w.max_blocks + j] = b * w.max_blocks + j;
-    }
-    w.table = (int32_t *) dalloc(sizeof h_table);
-    CUDA_CHECK(cudaMemcpy(w.table, h_table, sizeof h_table, cudaMemcpyHostToDevice));
-    w.seq = (int32_t *) dalloc(sizeof h_seq);
-    CUDA_CHECK(cudaMemcpy(w.seq, h_seq, sizeof h_seq, cudaMemcpyHostToDevice));
+    w.iq = (float *) dalloc((size_t) MAX_B * IDX_HEADS * DSA_DIM * 4);
+    w.ik = (float *) dalloc((size_t) MAX_B * DSA_DIM * 4);
+    w.iw = (float *) dalloc((size_t) MAX_B * IDX_HEADS * 4);
+    w.scores = (float *) dalloc((size_t) MAX_B * w.max_ctx * 4);
+    int32_t *h_table = (int32_t *) calloc((size_t) MAX_B * w.max_blocks, 4);
+    for (int b = 0; b < MAX_B; b++)
+        for (int j = 0; j < w.max_blocks; j++)
+            h_table[b * w.max_blocks + j] =
+                j < short_blocks ? b * short_blocks + j
+                : b < LONG_B     ? MAX_B * short_blocks + b * (w.max_blocks - short_blocks) + j - short_blocks
+                                 : 0;
+    w.table = (int32_t *) dalloc((size_t) MAX_B * w.max_blocks * 4);
+    CUDA_CHECK(cudaMemcpy(w.table, h_table, (size_t) MAX_B * w.max_blocks * 4, cudaMemcpyHostToDevice));
+    free(h_table);
+    w.seq = (int32_t *) dalloc(MAX_B * 4);
     w.pos = (int32_t *) dalloc(MAX_B * 4);
     w.kv_len = (int32_t *) dalloc(MAX_B * 4);
+    CUDA_CHECK(cudaStreamCreateWithFlags(&w.side, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&w.ev_fork, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&w.ev_join, cudaEventDisableTiming));
 
     FILE *js = json_path ? fopen(json_path, "w") : NULL;
     if (js)
@@ -519,145 +754,153 @@ int main(int argc, char **argv)
                     "  \"layers\": %d, \"weight_gb\": %.2f,\n  \"decode\": [\n",
                 prop.name, prop.multiProcessorCount, copy_gbs, memcpy_gbs, gemm_tflops, n_layers, weight_bytes / 1e9);
 
-    // Decode sweeps.
-    const int ctxs[2] = {1024, quick ? 4096 : 32768};
-    const int batches[5] = {1, 2, 4, 8, 16};
-    double tok1[2] = {0, 0};
-    int first_row = 1;
+    // Decode sweeps: {ctx, batch, dsa, fork, tc}. fork 0 = every op on one stream; tc 0 = the
+    // CUDA-core bf16 GEMV at every batch: {1024, 8, 0, 0, 0} is the previous graph exactly.
+    const int cfg[][5] = {
+        {1024, 1, 0, 1, 1}, {1024, 2, 0, 1, 1}, {1024, 4, 0, 1, 1}, {1024, 8, 0, 1, 1},
+        {1024, 16, 0, 1, 1}, {1024, 1, 0, 0, 1}, {1024, 8, 0, 0, 0}, {1024, 8, 0, 1, 0},
+        {short_ctx, 1, 0, 1, 1}, {short_ctx, 8, 0, 1, 1}, {short_ctx, 16, 0, 1, 1},
+        {long_ctx, 1, 0, 1, 1}, {1024, 1, 1, 1, 1}, {1024, 8, 1, 1, 1}, {short_ctx, 1, 1, 1, 1},
+        {short_ctx, 8, 1, 1, 1}, {long_ctx, 1, 1, 1, 1}, {long_ctx, 8, 1, 1, 1}};
+    const int n_cfg = (int) (sizeof cfg / sizeof cfg[0]);
+    double ms_of[sizeof cfg / sizeof cfg[0]], gb_of[sizeof cfg / sizeof cfg[0]];
     printf("\ndecode, one graph per step (%d layers):\n", n_layers);
-    printf("%6s %5s %5s %8s %8s %8s %8s %6s | GB/step: %6s %6s %6s %6s %6s\n", "ctx", "batch",
-           "split", "ms/step", "tok/s", "GB/step", "GB/s", "%copy", "attn", "routed", "shared",
-           "dense", "kv");
+    printf("%6s %5s %3s %4s %3s %5s %8s %8s %8s %8s %6s | GB/step: %6s %6s %6s %6s %6s\n", "ctx", "batch",
+           "dsa", "fork", "tc", "split", "ms/step", "tok/s", "GB/step", "GB/s", "%copy", "attn", "routed",
+           "shared", "dense", "kv");
+    int first_row = 1;
+    for (int c = 0; c < n_cfg; c++) {
+        ms_of[c] = gb_of[c] = 0.0;
+        if (dsa_only && !cfg[c][2]) continue;
+        const int ctx = cfg[c][0], B = cfg[c][1];
+        set_rows(&w, B, ctx, cfg[c][2], cfg[c][3], cfg[c][4], 0);
+        const float ms = time_step(layers, n_layers, &w, B, iters, s);
+        const double avg_distinct = count_distinct(layers, n_layers, B);
+        double cat[5];
+        const double total = step_bytes(layers, n_layers, &w, B, avg_distinct, cat);
+        const double gbs = total / (ms * 1e-3) / 1e9;
+        const double tps = B / (ms * 1e-3);
+        ms_of[c] = ms;
+        gb_of[c] = total;
+        printf("%6d %5d %3d %4d %3d %5d %8.3f %8.1f %8.2f %8.0f %5.1f%% | %15.2f %6.2f %6.2f %6.2f %6.2f  (distinct experts/layer %.1f)\n",
+               ctx, B, w.dsa, w.fork, w.tc, w.n_split, ms, tps, total / 1e9, gbs, 100.0 * gbs / copy_gbs,
+               cat[0] / 1e9, cat[1] / 1e9, cat[2] / 1e9, cat[3] / 1e9, cat[4] / 1e9, avg_distinct);
+        if (js)
+            fprintf(js, "%s    {\"ctx\": %d, \"batch\": %d, \"dsa\": %d, \"fork\": %d, \"tc\": %d, \"split\": %d, \"ms_per_step\": %.4f, "
+                        "\"tok_s\": %.2f, \"gb_per_step\": %.4f, \"gbs\": %.1f, \"pct_copy\": %.2f, \"gb_attn_w\": %.4f, "
+                        "\"gb_routed\": %.4f, \"gb_shared_router\": %.4f, \"gb_dense\": %.4f, \"gb_kv\": %.4f, "
+                        "\"distinct_experts\": %.2f}",
+                    first_row ? "" : ",\n", ctx, B, w.dsa, w.fork, w.tc, w.n_split, ms, tps, total / 1e9, gbs,
+                    100.0 * gbs / copy_gbs, cat[0] / 1e9, cat[1] / 1e9, cat[2] / 1e9, cat[3] / 1e9,
+                    cat[4] / 1e9, avg_distinct);
+        first_row = 0;
+    }
+    // Ratios the targets ask for (indices into cfg above).
+    if (!dsa_only) printf("batch 8 / batch 1 tok/s at 1K: %.2fx measured; byte-model cap at equal bandwidth "
+           "8 x %.2f / %.2f GB = %.2fx\n", 8.0 * ms_of[0] / ms_of[3], gb_of[0] / 1e9, gb_of[3] / 1e9,
+           8.0 * gb_of[0] / gb_of[3]);
+    if (!dsa_only)
+        printf("at 1K: batch 1 two-branch graph %.3f ms vs one stream %.3f ms; batch 8 %.3f ms vs "
+           "CUDA-core GEMVs %.3f ms vs one stream + CUDA-core GEMVs (the previous graph) %.3f ms\n",
+           ms_of[0], ms_of[5], ms_of[3], ms_of[7], ms_of[6]);
+    printf("DSA on, batch 1: 1K %.3f ms, %dK %.3f ms, %dK %.3f ms: long / 1K = %.2fx (dense %dK: %.3f ms)\n",
+           ms_of[12], short_ctx / 1024, ms_of[14], long_ctx / 1024, ms_of[16], ms_of[16] / ms_of[12],
+           long_ctx / 1024, ms_of[11]);  // dense long context: 0 with --dsa-only
+
+    // MTP verify step: one sequence, 1+k rows attending causally to the same cache, DSA on;
+    // (a) every row routed independently, (b) a row reuses the previous row's experts w.p. 1/2.
+    if (js) fprintf(js, "\n  ],\n  \"mtp\": [\n");
+    printf("\nMTP verify step, batch 1, DSA on: cost of 1+k rows vs 1 row, projected speed-up "
+           "(1 + a + ... + a^k) / cost ratio\n");
+    printf("%6s %2s %-28s %8s %6s %8s | %6s %6s %6s %6s\n", "ctx", "k", "routing", "ms/step", "ratio",
+           "distinct", "a=0.6", "a=0.7", "a=0.8", "a=0.9");
+    first_row = 1;
+    const int mtp_ctx[2] = {1024, short_ctx};
     for (int ci = 0; ci < 2; ci++) {
-        for (int bi = 0; bi < 5; bi++) {
-            const int B = batches[bi], ctx = ctxs[ci];
-            int32_t hp[MAX_B], hl[MAX_B];
-            for (int b = 0; b < MAX_B; b++) hp[b] = ctx - 1, hl[b] = ctx;
-            CUDA_CHECK(cudaMemcpy(w.pos, hp, sizeof hp, cudaMemcpyHostToDevice));
-            CUDA_CHECK(cudaMemcpy(w.kv_len, hl, sizeof hl, cudaMemcpyHostToDevice));
-            const int n_split = choose_split(B, ctx);
-            enqueue_step(layers, n_layers, &w, B, n_split, s);  // warm-up outside capture
-            CUDA_CHECK(cudaStreamSynchronize(s));
-            CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-            enqueue_step(layers, n_layers, &w, B, n_split, s);
-            ge = capture_begin_end(s, &graph);
-            const float ms = time_graph(ge, iters, s);
-            CUDA_CHECK(cudaGraphExecDestroy(ge));
-            CUDA_CHECK(cudaGraphDestroy(graph));
-            // Distinct routed experts per MoE layer, from the last replay's routing.
-            double distinct = 0.0;
-            int n_moe = 0;
-            for (int l = 0; l < n_layers; l++) {
-                if (layers[l].dense) continue;
-                int32_t idx[MAX_B * TOPK];
-                CUDA_CHECK(cudaMemcpy(idx, layers[l].idx, (size_t) B * TOPK * 4, cudaMemcpyDeviceToHost));
-                char seen[NEXP];
-                memset(seen, 0, sizeof seen);
-                int d = 0;
-                for (int i = 0; i < B * TOPK; i++) {
-                    if (idx[i] < 0 || idx[i] >= NEXP) continue;
-                    d += !seen[idx[i]];
-                    seen[idx[i]] = 1;
+        set_rows(&w, 1, mtp_ctx[ci], 1, 1, 1, 1);
+        const float base = time_step(layers, n_layers, &w, 1, iters, s);
+        printf("%6d %2d %-28s %8.3f %6.3f %8.1f |\n", mtp_ctx[ci], 0, "(one token)", base, 1.0,
+               count_distinct(layers, n_layers, 1));
+        for (int share = 0; share < 2; share++) {
+            for (int k = 1; k <= 3; k++) {
+                set_rows(&w, 1 + k, mtp_ctx[ci], 1, 1, 1, 1);
+                w.route_share = share;
+                const float ms = time_step(layers, n_layers, &w, 1 + k, iters, s);
+                const double d = count_distinct(layers, n_layers, 1 + k);
+                w.route_share = 0;
+                const double ratio = ms / base;
+                double sp[4];
+                for (int a = 0; a < 4; a++) {
+                    const double acc = 0.6 + 0.1 * a;
+                    double e = 0.0, p = 1.0;
+                    for (int j = 0; j <= k; j++, p *= acc) e += p;
+                    sp[a] = e / ratio;
                 }
-                distinct += d;
-                n_moe++;
+                const char *mode = share ? "(b) share prev w.p. 0.5" : "(a) independent per row";
+                printf("%6d %2d %-28s %8.3f %6.3f %8.1f | %6.2f %6.2f %6.2f %6.2f\n", mtp_ctx[ci], k, mode,
+                       ms, ratio, d, sp[0], sp[1], sp[2], sp[3]);
+                if (js)
+                    fprintf(js, "%s    {\"ctx\": %d, \"k\": %d, \"routing\": \"%s\", \"ms_per_step\": %.4f, "
+                                "\"ms_one_token\": %.4f, \"cost_ratio\": %.4f, \"distinct_experts\": %.2f, "
+                                "\"speedup_a06\": %.3f, \"speedup_a07\": %.3f, \"speedup_a08\": %.3f, \"speedup_a09\": %.3f}",
+                            first_row ? "" : ",\n", mtp_ctx[ci], k, share ? "b" : "a", ms, base, ratio, d,
+                            sp[0], sp[1], sp[2], sp[3]);
+                first_row = 0;
             }
-            const double avg_distinct = n_moe ? distinct / n_moe : 0.0;
-            double cat[5] = {0, 0, 0, 0, 0};  // attn weights, routed, shared+router, dense, kv
-            for (int l = 0; l < n_layers; l++) {
-                for (int op = 0; op < N_OPS; op++) {
-                    if (!op_applies((Op) op, &layers[l])) continue;
-                    const double by = op_bytes((Op) op, &layers[l], B, ctx, avg_distinct);
-                    const int c = op == OP_ATTN ? 4 : (op == OP_W13 || op == OP_W2) ? 1
-                                  : (op == OP_SH13 || op == OP_SH2 || op == OP_ROUTER) ? 2
-                                  : (op >= OP_D13) ? 3 : 0;
-                    cat[c] += by;
-                }
-            }
-            const double total = cat[0] + cat[1] + cat[2] + cat[3] + cat[4];
-            const double gbs = total / (ms * 1e-3) / 1e9;
-            const double tps = B / (ms * 1e-3);
-            if (B == 1) tok1[ci] = tps;
-            printf("%6d %5d %5d %8.3f %8.1f %8.2f %8.0f %5.1f%% | %15.2f %6.2f %6.2f %6.2f %6.2f  (distinct experts/layer %.1f)\n",
-                   ctx, B, n_split, ms, tps, total / 1e9, gbs, 100.0 * gbs / copy_gbs, cat[0] / 1e9,
-                   cat[1] / 1e9, cat[2] / 1e9, cat[3] / 1e9, cat[4] / 1e9, avg_distinct);
-            if (js)
-                fprintf(js, "%s    {\"ctx\": %d, \"batch\": %d, \"split\": %d, \"ms_per_step\": %.4f, \"tok_s\": %.2f, "
-                            "\"gb_per_step\": %.4f, \"gbs\": %.1f, \"pct_copy\": %.2f, \"gb_attn_w\": %.4f, "
-                            "\"gb_routed\": %.4f, \"gb_shared_router\": %.4f, \"gb_dense\": %.4f, \"gb_kv\": %.4f, "
-                            "\"distinct_experts\": %.2f}",
-                        first_row ? "" : ",\n", ctx, B, n_split, ms, tps, total / 1e9, gbs,
-                        100.0 * gbs / copy_gbs, cat[0] / 1e9, cat[1] / 1e9, cat[2] / 1e9,
-                        cat[3] / 1e9, cat[4] / 1e9, avg_distinct);
-            first_row = 0;
-            if (B == 8) printf("       batch 8 / batch 1 tok/s: %.2fx\n", tps / tok1[ci]);
         }
     }
 
-    // Per-op breakdown at batch 1 and batch 8, ctx 1K and the long context.
+    // Per-op breakdown: {batch, ctx, dsa}.
     if (js) fprintf(js, "\n  ],\n  \"ops\": [\n");
     first_row = 1;
-    const int op_cfg[3][2] = {{1, 1024}, {8, 1024}, {1, quick ? 4096 : 32768}};
-    for (int k = 0; k < 3; k++) {
+    const int op_cfg[4][3] = {{1, 1024, 0}, {8, 1024, 0}, {1, short_ctx, 1}, {1, long_ctx, 1}};
+    for (int k = dsa_only ? 2 : 0; k < 4; k++) {
         const int B = op_cfg[k][0], ctx = op_cfg[k][1];
-        int32_t hp[MAX_B], hl[MAX_B];
-        for (int b = 0; b < MAX_B; b++) hp[b] = ctx - 1, hl[b] = ctx;
-        CUDA_CHECK(cudaMemcpy(w.pos, hp, sizeof hp, cudaMemcpyHostToDevice));
-        CUDA_CHECK(cudaMemcpy(w.kv_len, hl, sizeof hl, cudaMemcpyHostToDevice));
-        const int n_split = choose_split(B, ctx);
-        enqueue_step(layers, n_layers, &w, B, n_split, s);
+        set_rows(&w, B, ctx, op_cfg[k][2], 0, 1, 0);
+        enqueue_step(layers, n_layers, &w, B, s);
         CUDA_CHECK(cudaStreamSynchronize(s));
-        double distinct = 0.0;
-        int n_moe = 0;
-        for (int l = 0; l < n_layers; l++) {
-            if (layers[l].dense) continue;
-            int32_t idx[MAX_B * TOPK];
-            CUDA_CHECK(cudaMemcpy(idx, layers[l].idx, (size_t) B * TOPK * 4, cudaMemcpyDeviceToHost));
-            char seen[NEXP];
-            memset(seen, 0, sizeof seen);
-            for (int i = 0; i < B * TOPK; i++)
-                if (idx[i] >= 0 && idx[i] < NEXP && !seen[idx[i]]) seen[idx[i]] = 1, distinct++;
-            n_moe++;
-        }
-        const double avg_distinct = n_moe ? distinct / n_moe : 0.0;
-        printf("\nper-op, batch %d, ctx %d (each op replayed over its layers in one graph):\n", B, ctx);
+        const double avg_distinct = count_distinct(layers, n_layers, B);
+        printf("\nper-op, batch %d, ctx %d, dsa %d (each op replayed over its layers in one graph):\n", B, ctx, w.dsa);
         printf("%-18s %8s %10s %8s %7s\n", "op", "us/layer", "MB/layer", "GB/s", "%copy");
         double sum_us = 0.0;
         for (int op = 0; op < N_OPS; op++) {
             int n_app = 0;
             CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
             for (int l = 0; l < n_layers; l++)
-                if (op_applies((Op) op, &layers[l])) run_op((Op) op, &layers[l], &w, B, n_split, s), n_app++;
+                if (op_applies((Op) op, &layers[l], &w)) run_op((Op) op, &layers[l], &w, B, s), n_app++;
             ge = capture_begin_end(s, &graph);
             const float ms = n_app ? time_graph(ge, iters, s) : 0.0f;
             CUDA_CHECK(cudaGraphExecDestroy(ge));
             CUDA_CHECK(cudaGraphDestroy(graph));
             if (!n_app) continue;
             const double us = 1e3 * ms / n_app;
-            const double by = op_bytes((Op) op, &layers[n_layers - 1], B, ctx, avg_distinct);
+            const double by = op_bytes((Op) op, &w, B, avg_distinct);
             const double gbs = by / (us * 1e-6) / 1e9;
             sum_us += us * n_app;
             printf("%-18s %8.1f %10.2f %8.0f %6.1f%%\n", op_name[op], us, by / 1e6, gbs, 100.0 * gbs / copy_gbs);
             if (js)
-                fprintf(js, "%s    {\"batch\": %d, \"ctx\": %d, \"op\": \"%s\", \"layers\": %d, \"us_per_layer\": %.2f, "
+                fprintf(js, "%s    {\"batch\": %d, \"ctx\": %d, \"dsa\": %d, \"op\": \"%s\", \"layers\": %d, \"us_per_layer\": %.2f, "
                             "\"mb_per_layer\": %.3f, \"gbs\": %.1f}",
-                        first_row ? "" : ",\n", B, ctx, op_name[op], n_app, us, by / 1e6, gbs);
+                        first_row ? "" : ",\n", B, ctx, w.dsa, op_name[op], n_app, us, by / 1e6, gbs);
             first_row = 0;
         }
         printf("%-18s %8.1f ms per step if run back to back\n", "sum of ops", sum_us / 1e3);
         const int alt[4] = {1, 4, 16, 64};
+        const int keep_split = w.n_split;
         for (int a = 0; a < 4; a++) {
+            w.n_split = alt[a];
             CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-            for (int l = 0; l < n_layers; l++) run_op(OP_ATTN, &layers[l], &w, B, alt[a], s);
+            for (int l = 0; l < n_layers; l++) run_op(OP_ATTN, &layers[l], &w, B, s);
             ge = capture_begin_end(s, &graph);
             const float ms = time_graph(ge, iters, s);
             CUDA_CHECK(cudaGraphExecDestroy(ge));
             CUDA_CHECK(cudaGraphDestroy(graph));
             printf("  mla attention with %2d splits: %8.1f us/layer\n", alt[a], 1e3 * ms / n_layers);
             if (js)
-                fprintf(js, ",\n    {\"batch\": %d, \"ctx\": %d, \"op\": \"mla attention split %d\", \"us_per_layer\": %.2f}",
-                        B, ctx, alt[a], 1e3 * ms / n_layers);
+                fprintf(js, ",\n    {\"batch\": %d, \"ctx\": %d, \"dsa\": %d, \"op\": \"mla attention split %d\", \"us_per_layer\": %.2f}",
+                        B, ctx, w.dsa, alt[a], 1e3 * ms / n_layers);
         }
+        w.n_split = keep_split;
     }
 
     // Prefill.
@@ -673,7 +916,7 @@ int main(int argc, char **argv)
     p.f = (float *) dalloc((size_t) 8192 * 2 * DENSE_INTER * 4);
     printf("\nprefill, linear layers only (MLA prefill attention not included):\n");
     printf("%6s %10s %10s %10s %10s %8s\n", "tokens", "ms/stage", "tok/s", "TFLOP", "TFLOP/s", "%cuBLAS");
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < (dsa_only ? 0 : 2); k++) {
         const int m = pm[k];
         double t_layer[2] = {0, 0}, f_layer[2] = {0, 0};
         for (int kind = 0; kind < 2; kind++) {  // 0 = dense layer 0, 1 = MoE layer (last)

@@ -1,6 +1,8 @@
 // bench_streams.mjs - open N concurrent /v1/jobs/{id}/events streams through nginx and
 // measure, for every chunk, the time from its commit (stamped in the chunk's text by
-// bench_chunk_writer) to its arrival here. Prints percentiles in milliseconds.
+// bench_chunk_writer) to its arrival here. Prints percentiles in milliseconds, and the
+// writer's run time with the chunk rate it sustained (a one-commit-per-chunk writer and a
+// batched one offer very different rates, so latencies compare only with their rates).
 //   node bench_streams.mjs URL KEY MODEL N WRITER_CMD...
 import { spawn } from 'node:child_process';
 
@@ -40,10 +42,13 @@ async function stream(id) {
 }
 const streams = Promise.all(ids.map(stream));
 await new Promise((r) => setTimeout(r, 500));  // let every stream attach first
+const t0 = performance.now();
 const child = spawn(writer[0], writer.slice(1), { stdio: 'inherit' });
 const code = await new Promise((r) => child.on('exit', r));
+const writerS = (performance.now() - t0) / 1000;
 await streams;
 lat.sort((a, b) => a - b);
 const pct = (p) => lat[Math.min(lat.length - 1, Math.floor(p * lat.length))].toFixed(2);
-console.log(`streams=${n} done=${nDone} chunks=${lat.length} writer_exit=${code}`);
+console.log(`streams=${n} done=${nDone} chunks=${lat.length} writer_exit=${code}` +
+    ` writer_s=${writerS.toFixed(1)} chunks_per_s=${(lat.length / writerS).toFixed(0)}`);
 console.log(`chunk latency ms: p50=${pct(0.5)} p90=${pct(0.9)} p99=${pct(0.99)} max=${lat[lat.length - 1].toFixed(2)}`);

@@ -4,7 +4,12 @@
 # stopped, then measures through nginx over HTTPS:
 #   1. wrk, authenticated GET /v1/models        (12 connections, 2 threads, 10 s)
 #   2. wrk, POST /v1/jobs job submissions       (12 connections, 2 threads, 10 s)
-#   3. chunk commit-to-client latency, 50 concurrent SSE streams, 40 chunks each 50 ms apart
+#   3. chunk commit-to-client latency, 50 concurrent SSE streams, 40 chunks each 50 ms apart,
+#      one commit per chunk (the one-sequence engine)
+#   4. the same with one commit per round for all 50 streams' chunks every 30 ms
+#      (jobq_append_batch: the continuous-batching engine's decode step), then every 100 ms
+#      (a slower step: the fan-out's cost without queueing behind the previous step)
+# Each measurement line is preceded by the 1-minute load average at its start.
 set -euo pipefail
 src=$(cd "$(dirname "$0")/../.." && pwd)
 bin=$(cd "${1:-$src/build/bin}" && pwd)
@@ -21,6 +26,7 @@ key=$(echo "$out" | sed -n 's/^API_KEY=//p')
 kill "$(cat "$var/run/engine.pid")"  # the writer below plays the engine
 sleep 1
 echo "machine: $(nproc) cores, $(uname -m), $(date -u +%Y-%m-%dT%H:%MZ)"
+echo "load average (1 min): $(cut -d' ' -f1 /proc/loadavg)"
 
 lua=$var/post.lua
 cat >"$lua" <<LUA
@@ -38,7 +44,15 @@ wrk -t2 -c12 -d10s --latency -s "$lua" "$url/v1/jobs" | grep -E 'Requests/sec|No
 psql -h "$var/pg/run" -U postgres -d glmspark -qAtc \
     "UPDATE jobs SET state = 'cancelled', finished_at = now() WHERE state = 'queued'" >/dev/null
 
-echo "== chunk latency, 50 streams"
+load() { echo "load average (1 min): $(cut -d' ' -f1 /proc/loadavg)"; }
 export GLMSPARK_DB="host=$var/pg/run dbname=glmspark user=glmspark_app"
+echo "== chunk latency, 50 streams, one commit per chunk"
+load
 NODE_EXTRA_CA_CERTS=$var/tls/cert.pem node "$src/tests/bench/bench_streams.mjs" "$url" "$key" \
     glmspark-demo 50 "$bin/bench_chunk_writer" 50 40 50
+for step_ms in 30 100; do
+    echo "== chunk latency, 50 streams, one batched commit per $step_ms ms step"
+    load
+    NODE_EXTRA_CA_CERTS=$var/tls/cert.pem node "$src/tests/bench/bench_streams.mjs" "$url" "$key" \
+        glmspark-demo 50 "$bin/bench_chunk_writer" 50 40 "$step_ms" --batch
+done

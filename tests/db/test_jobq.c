@@ -5,7 +5,9 @@
  * the admin role can only read admin views; many concurrent claimers take every job
  * exactly once; an expired lease re-delivers a job that resumes from its committed tokens
  * while the old owner is fenced off; one exclusive engine per queue and recovery of a dead
- * engine's jobs; cancel of queued and running jobs; max_attempts.
+ * engine's jobs; cancel of queued and running jobs; max_attempts; batched appends (one
+ * fenced item does not abort the others, finish in the batch, cancel flags, one NOTIFY per
+ * job with output), release and resume, engine stats through admin.engines.
  * Lease expiry is simulated by moving lease_until into the past, never by sleeping.
  */
 #include <libpq-fe.h>
@@ -92,7 +94,7 @@ static void test_migrate(void)
     CHECK(cli_db(4, argv) == 0);
     CHECK(cli_db(4, argv) == 0);  // idempotent: applies nothing the second time
     PGconn *c = connect_or_die(conn_super);
-    CHECK(qint(c, "SELECT count(*) FROM schema_migrations") == 4);
+    CHECK(qint(c, "SELECT count(*) FROM schema_migrations") == 5);
     // 004: revoking a key (by any means) rings api_keys_revoked with its prefix, once.
     PQclear(PQexec(c, "LISTEN api_keys_revoked"));
     PQclear(PQexec(c, "INSERT INTO api_keys (prefix, key_hash, name) VALUES"
@@ -115,7 +117,7 @@ static void test_migrate(void)
     PQclear(PQexec(c, "UNLISTEN *"));
     PQclear(PQexec(c, "DELETE FROM api_keys WHERE prefix = 'gsk_trigger01'"));
     CHECK(qint(c, "SELECT count(*) FROM information_schema.views WHERE table_schema = 'admin'")
-          == 5);
+          == 6);
     char *bad[] = {"db", "migrate", "--db", conn_super, "--sql", "/nonexistent", NULL};
     CHECK(cli_db(6, bad) == 1);
     PQfinish(c);
@@ -129,6 +131,8 @@ static void test_roles(void)
     CHECK(q1(admin, "SELECT count(*) FROM admin.recent_jobs") != NULL);
     CHECK(q1(admin, "SELECT count(*) FROM admin.usage_by_key") != NULL);
     CHECK(qint(admin, "SELECT count(*) FROM admin.throughput") == 3);
+    CHECK(q1(admin, "SELECT count(*) FROM admin.engines") != NULL);
+    CHECK(q1(admin, "SELECT stats FROM engines") == NULL);
     CHECK(q1(admin, "SELECT key_hash FROM api_keys") == NULL);
     CHECK(strstr(last_error, "permission denied") != NULL);
     CHECK(q1(admin, "SELECT * FROM jobs") == NULL);
@@ -394,6 +398,201 @@ static void test_cancel_and_attempts(void)
     PQfinish(c);
 }
 
+// ---------------------------------------------------------------------------
+// Batches, release, stats
+
+// "seq:attempt:kind:text:ids" of a job's chunks, space-separated (static buffer).
+static const char *chunk_list(PGconn *c, long long id)
+{
+    char sql[256];
+    snprintf(sql, sizeof sql,
+             "SELECT coalesce(string_agg(seq || ':' || attempt || ':' || kind || ':' || text ||"
+             " ':' || token_ids::text, ' ' ORDER BY seq), '') FROM job_chunks WHERE job_id = %lld",
+             id);
+    return q1(c, sql);
+}
+
+static const char *job_state(PGconn *c, long long id)
+{
+    char sql[256];
+    snprintf(sql, sizeof sql,
+             "SELECT state || ' ' || n_chunks || ' ' || n_completion_tokens || ' ' ||"
+             " coalesce(finish_reason, '-') || ' ' || coalesce(error, '-') || ' ' ||"
+             " (lease_until IS NULL) || ' ' || (finished_at IS NULL) FROM jobs WHERE id = %lld", id);
+    return q1(c, sql);
+}
+
+static void test_append_batch(void)
+{
+    PGconn *c = connect_or_die(conn_super);
+    JobQueue *qa = open_queue(false, NULL), *qb = open_queue(false, NULL);
+    CHECK(qa && qb);
+    if (!qa || !qb) return;
+    const long long first = insert_jobs(c, 4, 3);
+    JobqJob j[4], taken;
+    for (int i = 0; i < 4; i++) CHECK(jobq_claim(qa, &j[i]) == ERR_OK && j[i].id == first + i);
+    char sql[256];
+    // Job 1 is taken over by qb (qa stalled past its lease); job 0 gets a cancel request.
+    snprintf(sql, sizeof sql, "UPDATE jobs SET lease_until = now() - interval '1 second'"
+             " WHERE id = %lld", first + 1);
+    CHECK(q1(c, sql) != NULL);
+    CHECK(jobq_claim(qb, &taken) == ERR_OK && taken.id == first + 1);
+    snprintf(sql, sizeof sql, "UPDATE jobs SET cancel_requested = true WHERE id = %lld", first);
+    CHECK(q1(c, sql) != NULL);
+    snprintf(sql, sizeof sql, "UPDATE jobs SET lease_until = now() + interval '2 seconds'"
+             " WHERE id = %lld", first + 3);
+    CHECK(q1(c, sql) != NULL);
+    PQclear(PQexec(c, "LISTEN job_chunks"));
+
+    const int32_t t0[] = {1, 2}, t1[] = {3}, t2[] = {4, 5, 6};
+    const JobqChunk c0[2] = {{JOBQ_CHUNK_REASONING, "r", t0, 2, NULL},
+                             {JOBQ_CHUNK_CONTENT, "it's", t1, 1, "[{\"logprob\":-1.25}]"}};
+    const JobqChunk c1 = {JOBQ_CHUNK_CONTENT, "zombie", t1, 1, NULL};
+    const JobqChunk c2 = {JOBQ_CHUNK_TOOL, "{\"a\":1}", t2, 3, NULL};
+    JobqAppend items[4] = {
+        {.job = &j[0], .chunks = c0, .n_chunks = 2, .result = ERR_DB},
+        {.job = &j[1], .chunks = &c1, .n_chunks = 1, .result = ERR_DB},  // fenced
+        {.job = &j[2], .chunks = &c2, .n_chunks = 1, .finish_reason = "tool_calls",
+         .result = ERR_DB},
+        {.job = &j[3], .result = ERR_DB},  // lease renewal only
+    };
+    CHECK(jobq_append_batch(qa, items, 4) == ERR_OK);
+    CHECK(items[0].result == ERR_OK && items[0].is_cancelled && j[0].next_seq == 2);
+    CHECK(items[1].result == ERR_NOTFOUND && j[1].next_seq == 0);
+    CHECK(items[2].result == ERR_OK && !items[2].is_cancelled && j[2].next_seq == 1);
+    CHECK(items[3].result == ERR_OK && !items[3].is_cancelled && j[3].next_seq == 0);
+    const char *v = chunk_list(c, first);
+    CHECK(v && !strcmp(v, "0:1:reasoning:r:{1,2} 1:1:content:it's:{3}"));
+    v = chunk_list(c, first + 1);
+    CHECK(v && !strcmp(v, ""));  // the zombie wrote nothing
+    v = chunk_list(c, first + 2);
+    CHECK(v && !strcmp(v, "0:1:tool:{\"a\":1}:{4,5,6}"));
+    snprintf(sql, sizeof sql, "SELECT logprobs->0->>'logprob' FROM job_chunks"
+             " WHERE job_id = %lld AND seq = 1", first);
+    v = q1(c, sql);
+    CHECK(v && !strcmp(v, "-1.25"));
+    v = job_state(c, first);
+    CHECK(v && !strcmp(v, "running 2 3 - - false true"));
+    v = job_state(c, first + 1);
+    CHECK(v && !strcmp(v, "running 0 0 - - false true"));  // qb's, untouched
+    v = job_state(c, first + 2);
+    CHECK(v && !strcmp(v, "succeeded 1 3 tool_calls - true false"));
+    snprintf(sql, sizeof sql, "SELECT lease_until > now() + interval '20 seconds'"
+             " AND first_token_at IS NULL FROM jobs WHERE id = %lld", first + 3);
+    v = q1(c, sql);
+    CHECK(v && !strcmp(v, "t"));  // renewed, and no output means no first token
+    // One doorbell per job that got output or ended: jobs 0 and 2.
+    PQconsumeInput(c);
+    char rung[4] = {0};
+    int n_notes = 0;
+    PGnotify *note;
+    while ((note = PQnotifies(c))) {
+        for (int i = 0; i < 4; i++) rung[i] += !strcmp(note->extra, j[i].public_id);
+        n_notes++;
+        PQfreemem(note);
+    }
+    CHECK(n_notes == 2 && rung[0] == 1 && rung[2] == 1);
+
+    // A lease with more than 3/4 of lease_s left is kept as it is (the row stays HOT).
+    snprintf(sql, sizeof sql, "SELECT lease_until::text FROM jobs WHERE id = %lld", first);
+    char lease_before[64];
+    v = q1(c, sql);
+    snprintf(lease_before, sizeof lease_before, "%s", v ? v : "?");
+    JobqAppend renew = {.job = &j[0]};
+    CHECK(jobq_append_batch(qa, &renew, 1) == ERR_OK && renew.result == ERR_OK);
+    v = q1(c, sql);
+    CHECK(v && !strcmp(v, lease_before));
+
+    // Fail one job and finish another as cancelled, with output, in one batch; the job
+    // already finished is fenced now.
+    const int32_t t3[] = {7};
+    const JobqChunk c3 = {JOBQ_CHUNK_CONTENT, "end", t3, 1, NULL};
+    JobqAppend more[3] = {
+        {.job = &j[0], .chunks = &c3, .n_chunks = 1, .finish_reason = "cancelled"},
+        {.job = &j[3], .error = "the model failed"},
+        {.job = &j[2], .chunks = &c3, .n_chunks = 1},
+    };
+    CHECK(jobq_append_batch(qa, more, 3) == ERR_OK);
+    CHECK(more[0].result == ERR_OK && more[1].result == ERR_OK && more[2].result == ERR_NOTFOUND);
+    CHECK(j[0].next_seq == 3 && j[2].next_seq == 1);
+    v = job_state(c, first);
+    CHECK(v && !strcmp(v, "cancelled 3 4 cancelled - true false"));
+    v = job_state(c, first + 3);
+    CHECK(v && !strcmp(v, "failed 0 0 error the model failed true false"));
+    v = chunk_list(c, first + 2);
+    CHECK(v && !strcmp(v, "0:1:tool:{\"a\":1}:{4,5,6}"));
+
+    // Malformed batches are refused before anything is sent.
+    JobqAppend dup[2] = {{.job = &j[1]}, {.job = &j[1]}};
+    CHECK(jobq_append_batch(qb, dup, 2) == ERR_INVAL);
+    JobqAppend no_chunks = {.job = &taken, .n_chunks = 1};
+    CHECK(jobq_append_batch(qb, &no_chunks, 1) == ERR_INVAL);
+    CHECK(jobq_append_batch(qb, NULL, 0) == ERR_OK);
+
+    // Release: the job goes back to the queue at once and the next claim resumes it.
+    JobqAppend own = {.job = &taken, .chunks = &c1, .n_chunks = 1};
+    CHECK(jobq_append_batch(qb, &own, 1) == ERR_OK && own.result == ERR_OK && taken.next_seq == 1);
+    CHECK(jobq_release(qa, &taken) == ERR_NOTFOUND);  // not qa's
+    CHECK(jobq_release(qb, &taken) == ERR_OK);
+    CHECK(jobq_release(qb, &taken) == ERR_NOTFOUND);  // no longer running
+    v = job_state(c, first + 1);
+    CHECK(v && !strcmp(v, "queued 1 1 - - true true"));
+    JobqJob again;
+    CHECK(jobq_claim(qa, &again) == ERR_OK && again.id == first + 1 && again.attempt == 3
+          && again.next_seq == 1 && again.n_committed == 1 && again.committed_ids[0] == 3);
+    // Text and logprobs travel inside array literals: quotes, backslashes, braces, commas,
+    // NULL, newlines and UTF-8 come back byte for byte, as does an empty token list.
+    const char *tricky = "NULL \\ \"q\" {x,y} \u00e9\n'";
+    const char *tricky_lp = "[{\"token\":\"\\\"}\\\\\",\"logprob\":-2}]";
+    const JobqChunk fin_chunks[2] = {c3, {JOBQ_CHUNK_CONTENT, tricky, NULL, 0, tricky_lp}};
+    JobqAppend fin = {.job = &again, .chunks = fin_chunks, .n_chunks = 2, .finish_reason = "stop"};
+    CHECK(jobq_append_batch(qa, &fin, 1) == ERR_OK && fin.result == ERR_OK && again.next_seq == 3);
+    v = chunk_list(c, first + 1);
+    CHECK(v && !strncmp(v, "0:2:content:zombie:{3} 1:3:content:end:{7} 2:3:content:", 55));
+    snprintf(sql, sizeof sql, "SELECT (text = $1 AND logprobs = $2::jsonb AND token_ids = '{}')::text"
+             " FROM job_chunks WHERE job_id = %lld AND seq = 2", first + 1);
+    PGresult *r = PQexecParams(c, sql, 2, NULL, (const char *const[]){tricky, tricky_lp}, NULL,
+                               NULL, 0);
+    CHECK(PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1
+          && !strcmp(PQgetvalue(r, 0, 0), "true"));
+    PQclear(r);
+    PQclear(PQexec(c, "UNLISTEN *"));
+    for (int i = 0; i < 4; i++) jobq_job_free(&j[i]);
+    jobq_job_free(&taken);
+    jobq_job_free(&again);
+    jobq_destroy(qa);
+    jobq_destroy(qb);
+    PQfinish(c);
+}
+
+static void test_stats(void)
+{
+    PGconn *c = connect_or_die(conn_super), *admin = connect_or_die(conn_admin);
+    JobQueue *q = open_queue(false, NULL);
+    CHECK(q != NULL);
+    if (!q) return;
+    char sql[256];
+    snprintf(sql, sizeof sql, "UPDATE engines SET heartbeat_at = now() - interval '1 hour'"
+             " WHERE id = %lld", (long long) jobq_epoch(q));
+    CHECK(q1(c, sql) != NULL);
+    const char *stats = "{\"version\":1,\"state\":\"ready\",\"world\":3,\"ranks\":[{\"rank\":0,"
+                        "\"host\":\"n1\"}],\"tokens_per_s\":75.25}";
+    CHECK(jobq_set_stats(q, stats) == ERR_OK);
+    snprintf(sql, sizeof sql,
+             "SELECT (stats->>'state') || ' ' || (stats->>'world') || ' ' ||"
+             " (stats->'ranks'->0->>'host') || ' ' || (stats->>'tokens_per_s') || ' ' ||"
+             " (heartbeat_at > now() - interval '1 minute') || ' ' || name"
+             " FROM admin.engines WHERE id = %lld", (long long) jobq_epoch(q));
+    const char *v = q1(admin, sql);
+    CHECK(v && !strcmp(v, "ready 3 n1 75.25 true test"));
+    CHECK(jobq_set_stats(q, "{\"version\":") == ERR_DB);  // not JSON: refused, reported
+    v = q1(admin, sql);
+    CHECK(v && !strcmp(v, "ready 3 n1 75.25 true test"));  // the last good stats stay
+    jobq_destroy(q);
+    PQfinish(admin);
+    PQfinish(c);
+}
+
 int main(void)
 {
     const char *host = getenv("GLMSPARK_PGHOST"), *db = getenv("GLMSPARK_DB");
@@ -411,5 +610,7 @@ int main(void)
     test_lease_expiry_and_fencing();
     test_exclusive_and_recovery();
     test_cancel_and_attempts();
+    test_append_batch();
+    test_stats();
     return check_exit();
 }

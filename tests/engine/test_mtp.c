@@ -33,6 +33,7 @@
 #include "engine/mtp.h"
 #include "engine/sampler.h"
 #include "tests/check.h"
+#include "tests/engine/mtp_test_util.h"
 
 static char src_dir[1024];
 static char tmp_root[512];
@@ -377,38 +378,6 @@ static void test_greedy(void)
 // ---------------------------------------------------------------------------
 // The acceptance rule keeps the target distribution
 
-// Upper p = 1e-4 point of chi-square with dof degrees of freedom (Wilson-Hilferty).
-static double chi2_crit(int dof)
-{
-    const double z = 3.719, k = dof;
-    const double t = 1.0 - 2.0 / (9.0 * k) + z * sqrt(2.0 / (9.0 * k));
-    return k * t * t * t;
-}
-
-// Chi-square of counts against probabilities (bins with expectation < 5 pooled).
-static double chi2(const long *count, const double *prob, int V, long n, int *dof)
-{
-    double stat = 0.0, pool_e = 0.0, pool_o = 0.0;
-    int bins = 0;
-    for (int i = 0; i < V; i++) {
-        const double ex = prob[i] * (double) n;
-        if (ex < 5.0) {
-            pool_e += ex, pool_o += (double) count[i];
-            continue;
-        }
-        stat += ((double) count[i] - ex) * ((double) count[i] - ex) / ex;
-        bins++;
-    }
-    if (pool_e >= 5.0) {
-        stat += (pool_o - pool_e) * (pool_o - pool_e) / pool_e;
-        bins++;
-    } else if (pool_o > 0 && pool_e == 0.0) {
-        return INFINITY;  // a token the target never emits
-    }
-    *dof = bins - 1;
-    return stat;
-}
-
 static void test_accept_rule(void)
 {
     enum { V = 6, K = 2, TRIALS = 60000 };
@@ -477,32 +446,10 @@ static void test_sampling_end_to_end(void)
     env_open(&e, dir, 64);
     const int V = e.m.cfg.vocab_size;
     const int prompt[5] = {11, 200, 37, 5, 99};
-    float *lg = malloc((size_t) V * sizeof *lg);
-    double *p1 = malloc((size_t) V * sizeof *p1), *marg = calloc((size_t) V, sizeof *marg);
+    double *marg = calloc((size_t) V, sizeof *marg);
     long *count = calloc((size_t) V, sizeof *count);
-    ASSERT(lg && p1 && marg && count);
-    KvSeq seq = {0};
-    ASSERT(model_forward(&e.m, &e.kv, &seq, prompt, 5, lg, false) == ERR_OK);
-    double mx = -INFINITY, sum = 0.0;
-    for (int v = 0; v < V; v++)
-        mx = lg[v] > mx ? lg[v] : mx;
-    for (int v = 0; v < V; v++)
-        sum += p1[v] = exp(lg[v] - mx);
-    for (int v = 0; v < V; v++)
-        p1[v] /= sum;
-    for (int y = 0; y < V; y++) {
-        if (p1[y] < 1e-9) continue;
-        seq.n_tokens = 5;  // roll back to the prompt
-        ASSERT(model_forward(&e.m, &e.kv, &seq, &y, 1, lg, false) == ERR_OK);
-        mx = -INFINITY, sum = 0.0;
-        for (int v = 0; v < V; v++)
-            mx = lg[v] > mx ? lg[v] : mx;
-        for (int v = 0; v < V; v++)
-            sum += exp(lg[v] - mx);
-        for (int v = 0; v < V; v++)
-            marg[v] += p1[y] * exp(lg[v] - mx) / sum;
-    }
-    kv_seq_free(&e.kv, &seq);
+    ASSERT(marg && count);
+    second_token_marginal(&e.m, &e.kv, prompt, 5, marg);
     enum { RUNS = 3000 };
     long drafted = 0, kept = 0;
     for (int r = 0; r < RUNS; r++) {
@@ -529,8 +476,6 @@ static void test_sampling_end_to_end(void)
            RUNS, c, dof, chi2_crit(dof), kept, drafted);
     CHECK(dof >= 5 && c < chi2_crit(dof));
     CHECK(kept > 0);  // the acceptance path ran
-    free(lg);
-    free(p1);
     free(marg);
     free(count);
     env_close(&e);
@@ -538,21 +483,9 @@ static void test_sampling_end_to_end(void)
 
 int main(void)
 {
-    const char *src = getenv("GLMSPARK_SOURCE_DIR");
-    snprintf(src_dir, sizeof src_dir, "%s", src ? src : ".");
-    char probe[1200];
-    snprintf(probe, sizeof probe, "%s/tests/golden/mtp/mtp_theta.json", src_dir);
-    struct stat st;
-    if (stat(probe, &st) != 0) {
-        fprintf(stderr, "\"%s\" not found (set GLMSPARK_SOURCE_DIR)\n", probe);
+    if (!mtp_test_dirs(src_dir, sizeof src_dir, "tests/golden/mtp/mtp_theta.json", tmp_root,
+                       sizeof tmp_root, "glmspark_mtp"))
         return 1;
-    }
-    const char *base = getenv("TMPDIR");
-    snprintf(tmp_root, sizeof tmp_root, "%s/glmspark_mtp_XXXXXX", base ? base : "/tmp");
-    if (!mkdtemp(tmp_root)) {
-        perror("mkdtemp");
-        return 1;
-    }
     log_set_level(LOG_LEVEL_WARN);
     test_golden_logits();
     test_accept_rule();

@@ -80,6 +80,9 @@ static void test_syntax(void)
     CHECK(!strcmp(r.model, "/x#y"));
     CHECK(parse(&r, "kv_cache_dtype = bf16\n") == ERR_OK);
     CHECK(r.kv_cache_dtype == RECIPE_KV_BF16);
+    CHECK(r.backend == RECIPE_BACKEND_CPU);  // the default
+    CHECK(parse(&r, "backend = cuda\n") == ERR_OK);
+    CHECK(r.backend == RECIPE_BACKEND_CUDA && !strcmp(recipe_backend_name(r.backend), "cuda"));
     CHECK(parse(&r, "gpu_memory_utilization = 1\nmin_free_memory_gb = 0\n") == ERR_OK);
     CHECK_NEAR(r.gpu_memory_utilization, 1.0, 0);
     CHECK(parse(&r, "block_size = 64") == ERR_OK);  // no final newline
@@ -113,6 +116,7 @@ static void test_errors_name_the_key(void)
         {"gpu_memory_utilization = 0.8x\n", ERR_INVAL, "not a number"},
         {"block_size = 100\n", ERR_INVAL, "block_size: 100 is not a power of two"},
         {"kv_cache_dtype = int4\n", ERR_INVAL, "kv_cache_dtype: \"int4\" is not one of"},
+        {"backend = tpu\n", ERR_INVAL, "backend: \"tpu\" is not one of cpu, cuda"},
         {"model = \"/unterminated\n", ERR_FORMAT, "model: unterminated"},
         {"model = \"/a\" extra\n", ERR_FORMAT, "model: text after"},
         {"model = \"\"\n", ERR_INVAL, "model: empty value"},

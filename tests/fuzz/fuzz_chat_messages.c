@@ -15,78 +15,9 @@
 #include <json-c/json.h>
 
 #include "engine/common/chat.h"
+#include "tests/fuzz/chat_transcript.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-typedef struct Sink {
-    char *p;
-    size_t n, cap;
-} Sink;
-
-static void sink_put(Sink *s, const char *text, size_t n)
-{
-    if (s->n + n + 1 > s->cap) {
-        s->cap = (s->n + n + 1) * 2;
-        s->p = realloc(s->p, s->cap);
-        if (!s->p) abort();
-    }
-    memcpy(s->p + s->n, text, n);
-    s->n += n;
-}
-
-static Err on_event(void *user, const ChatEvent *ev)
-{
-    Sink *s = user;
-    char tag[2] = {"RCT"[ev->kind], 0};
-    sink_put(s, tag, 1);
-    if (ev->kind == CHAT_EVENT_TOOL_CALL) {
-        if (!ev->name[0] || ev->arguments[0] != '{') abort();
-        sink_put(s, ev->name, strlen(ev->name));
-        sink_put(s, ev->arguments, strlen(ev->arguments));
-    } else {
-        if (ev->n_text == 0) abort();
-        sink_put(s, ev->text, ev->n_text);
-    }
-    sink_put(s, "", 1);
-    return ERR_OK;
-}
-
-// Concatenate text per run of one kind so that different splits compare equal.
-static void normalize(const Sink *in, Sink *out)
-{
-    size_t i = 0;
-    char last = 0;
-    while (i < in->n) {
-        const char kind = in->p[i];
-        const char *body = in->p + i + 1;
-        const size_t len = strlen(body);  // the input is cut at its first NUL
-        if (kind == 'T' || kind != last) {
-            sink_put(out, "\n", 1);
-            sink_put(out, &kind, 1);
-        }
-        sink_put(out, body, len);
-        last = kind == 'T' ? 0 : kind;
-        i += 1 + len + 1;
-    }
-}
-
-static void parse_text(const uint8_t *data, size_t size, const size_t *cuts, int n_cuts, Sink *out)
-{
-    ChatParser p;
-    Sink raw = {0};
-    const bool in_reasoning = size > 0 && (data[0] & 1);
-    if (chat_parser_init(&p, in_reasoning, NULL)) abort();
-    size_t at = 0;
-    for (int i = 0; i <= n_cuts; i++) {
-        const size_t end = i < n_cuts ? cuts[i] : size;
-        if (chat_parser_feed(&p, (const char *) data + at, end - at, on_event, &raw)) abort();
-        at = end;
-    }
-    if (chat_parser_finish(&p, on_event, &raw)) abort();
-    chat_parser_free(&p);
-    normalize(&raw, out);
-    free(raw.p);
-}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -117,12 +48,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     // Parser: events hold no NUL except inside text, so cut the text at the first NUL.
     const uint8_t *nul = memchr(data, 0, size);
     const size_t n_text = nul ? (size_t) (nul - data) : size;
-    Sink whole = {0}, split = {0};
+    ChatSink whole = {0}, split = {0};
     size_t cuts[2] = {n_text / 3, n_text / 3 + (n_text > 1 ? data[1] % (n_text - n_text / 3) : 0)};
     if (cuts[1] > n_text) cuts[1] = n_text;
-    parse_text(data, n_text, NULL, 0, &whole);
-    parse_text(data, n_text, cuts, 2, &split);
-    if (whole.n != split.n || (whole.n && memcmp(whole.p, split.p, whole.n) != 0)) abort();
+    const bool in_reasoning = n_text > 0 && (data[0] & 1);
+    chat_transcript(NULL, in_reasoning, (const char *) data, n_text, NULL, 0, &whole);
+    chat_transcript(NULL, in_reasoning, (const char *) data, n_text, cuts, 2, &split);
+    chat_transcript_same(&whole, &split);
     free(whole.p);
     free(split.p);
     return 0;

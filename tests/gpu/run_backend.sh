@@ -10,9 +10,15 @@
 #   cmake -S . -B build-cudabackend -G Ninja -DWERROR=ON -DGLMSPARK_NCCL_LIBRARY=OFF
 #   ninja -C build-cudabackend glmspark gpu_backend_ops gpu_golden_cuda
 #   tests/gpu/run_backend.sh --pack build-cudabackend
+# (--pack strips the binaries; the pack is ~51 MB. When it and the tree pass the device's 64 MiB
+# transfer limit, carry `tar cf - -C .carry cudabackend | xz -T2 >.carry/cudabe.tar.xz` (~13 MB)
+# instead and start the device command with `tar xJf .carry/cudabe.tar.xz -C .carry`.)
 # Runs: every op against the CPU backend; each golden model end to end (in-process, and the
 # `glmspark logits --backend cuda` file against the reference); `glmspark generate
-# --backend cuda` greedy output against golden.json. Logs go to $OUT (or ./gpu-out).
+# --backend cuda` greedy output against golden.json (CUDA graphs on, the default). With
+# BENCH="PRESET:BATCHES:CTX ..." (e.g. "default:1,8:1024 small:1,8:1024") it then runs
+# `glmspark bench --synthetic --backend cuda` for each, with graphs on and off
+# (GLMSPARK_CUDA_GRAPHS=0), into bench.log. Logs go to $OUT (or ./gpu-out).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 if [ "${1:-}" = "--pack" ]; then
@@ -24,6 +30,7 @@ if [ "${1:-}" = "--pack" ]; then
         [ -n "$l" ] && cp -L "$l" "$c/lib/"
     done
     cp -L /lib64/ld-linux-x86-64.so.2 "$c/lib/"
+    strip "$c"/bin/*
     du -sh "$c"
     exit 0
 fi
@@ -56,4 +63,15 @@ for d in tests/golden/models/*/; do
     if [ "$got" = "$want" ]; then g=PASS; else g="FAIL (got '$got', want '$want')"; status=1; fi
     echo "$m: golden $r, generate --backend cuda $g"
 done
+
+for cfg in ${BENCH:-}; do
+    preset=${cfg%%:*}; rest=${cfg#*:}; batches=${rest%%:*}; ctx=${rest#*:}
+    for graphs in 1 0; do
+        echo "== bench $preset batch $batches ctx $ctx graphs $graphs" | tee -a "$out/bench.log"
+        GLMSPARK_CUDA_GRAPHS=$graphs TMPDIR=/tmp run "$c/bin/glmspark" bench --backend cuda \
+            --synthetic --preset "$preset" --batch "$batches" --ctx "$ctx" --steps "${STEPS:-32}" \
+            >>"$out/bench.log" 2>&1 || { echo "bench $preset failed"; status=1; }
+    done
+done
+[ -f "$out/bench.log" ] && grep -v "^\[\|INFO" "$out/bench.log"
 exit $status

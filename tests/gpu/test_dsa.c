@@ -6,7 +6,8 @@
  * Scores: the reference decodes the same cache bytes; fp32 dot products of 128 terms, a
  * 32-term weighted sum: (128 + 32 + 16) * FLT_EPSILON * sum|terms|.
  * Top-k: exact. The reference sorts the GPU's own fp32 scores, so selections must be identical,
- * including ties (a synthetic score row with many equal values checks the tie rule).
+ * including ties (a synthetic score row with many equal values checks the tie rule; a 128K row
+ * of nearly equal scores and one of 200 distinct values check the long-context path).
  */
 #include <float.h>
 #include <math.h>
@@ -147,6 +148,20 @@ static void test_ties(void)
     free(s);
 }
 
+static void test_long(void)
+{
+    // 128K positions (the bench's long context): continuous scores with a narrow spread (most
+    // keys share their top digits) and a row with ties at the threshold.
+    const int n_tok = 2, stride = 131072, k = 2048;
+    const int32_t kv_len[2] = {131072, 100003};
+    float *s = xmalloc((size_t) n_tok * stride * 4);
+    for (size_t i = 0; i < (size_t) stride; i++) s[i] = 1.0f + kern_rand_uniform(&rng, 0.0f, 1e-3f);
+    for (size_t i = stride; i < (size_t) 2 * stride; i++)
+        s[i] = (float) (int) (kern_rand_u64(&rng) % 200) * 0.25f;
+    check_topk("dsa topk 128K", s, stride, kv_len, n_tok, k);
+    free(s);
+}
+
 int main(void)
 {
     const int lens_a[] = {1, 100, 129};
@@ -155,5 +170,6 @@ int main(void)
     test_indexer(3, lens_a, 5, 64);
     test_indexer(2, lens_b, 32, 2048);  // GLM: 32 heads x 128, top-2048
     test_ties();
+    test_long();
     return check_exit();
 }

@@ -3,7 +3,8 @@
  *
  * Shapes: one chunk; rows not a multiple of the warp's rows; columns not a multiple of the
  * warp's stride; every token count bucket; and GLM-5.2's decode shapes (fused q_a+kv_a, q_b,
- * o_proj, the per-head W_UK^T / W_UV products, the router). Outputs are poisoned (NaN) first.
+ * o_proj, the per-head W_UK^T / W_UV products, the router). Both GEMVs (CUDA-core and tensor-
+ * core) run every shape. Outputs are poisoned (NaN) first.
  *
  * Tolerance: an n-term fp32 dot product, in any order, is within about n * FLT_EPSILON *
  * sum|terms| of the exact value; bf16 outputs add half an ulp (2^-9 relative, we allow 2^-8).
@@ -18,6 +19,7 @@
 #include "tests/gpu/gpu_util.h"
 
 static uint64_t rng = 42;
+static int g_tc;  // test gemm_bf16_gemv_tc instead of gemm_bf16_gemv
 
 static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int with_residual)
 {
@@ -34,7 +36,10 @@ static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int
     uint16_t *d_w = gpu_upload(w, nw * 2), *d_x = gpu_upload(x, nx * 2);
     float *d_res = with_residual ? gpu_upload(res, ny * 4) : NULL;
     void *d_y = gpu_alloc_poisoned(ny * 4);
-    gemm_bf16_gemv(d_y, out, d_w, d_x, d_res, rows, cols, n_mat, n_tok, 0);
+    if (g_tc)
+        gemm_bf16_gemv_tc(d_y, out, d_w, d_x, d_res, rows, cols, n_mat, n_tok, 0);
+    else
+        gemm_bf16_gemv(d_y, out, d_w, d_x, d_res, rows, cols, n_mat, n_tok, 0);
     if (out == GEMM_OUT_F32) {
         gpu_download(got, d_y, ny * 4);
     } else {
@@ -49,7 +54,7 @@ static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int
         if (out == GEMM_OUT_BF16) tol[i] += ldexpf(fabsf(want[i]), -8);
     }
     char name[96];
-    snprintf(name, sizeof name, "gemv %dx%d mats=%d tok=%d %s%s", rows, cols, n_mat, n_tok,
+    snprintf(name, sizeof name, "gemv%s %dx%d mats=%d tok=%d %s%s", g_tc ? "-tc" : "", rows, cols, n_mat, n_tok,
              out == GEMM_OUT_F32 ? "f32" : "bf16", with_residual ? " +res" : "");
     compare(name, got, want, tol, 0, ny, out == GEMM_OUT_F32 ? 1e-10 : 1e-4);
     cudaFree(d_w);
@@ -84,19 +89,23 @@ static void test_lt(int m, int n, int k, GemmLt *lt)
 
 int main(void)
 {
-    test_gemv(1, 8, 1, 1, GEMM_OUT_F32, 0);
-    test_gemv(37, 72, 1, 3, GEMM_OUT_F32, 1);
-    test_gemv(129, 520, 1, 16, GEMM_OUT_BF16, 0);
-    test_gemv(300, 2056, 1, 5, GEMM_OUT_F32, 1);
-    test_gemv(16900, 64, 1, 2, GEMM_OUT_F32, 1);  // four rows per warp
-    test_gemv(16900, 64, 1, 9, GEMM_OUT_BF16, 0);
-    // GLM-5.2 decode shapes.
-    test_gemv(2048 + 576, 6144, 1, 1, GEMM_OUT_F32, 0);  // q_a + kv_a
-    test_gemv(64 * 256, 2048, 1, 4, GEMM_OUT_F32, 0);    // q_b
-    test_gemv(6144, 64 * 256, 1, 1, GEMM_OUT_F32, 1);    // o_proj + residual
-    test_gemv(512, 192, 64, 2, GEMM_OUT_F32, 0);         // q_nope -> latent (W_UK^T per head)
-    test_gemv(256, 512, 64, 8, GEMM_OUT_BF16, 0);        // latent -> v (W_UV per head)
-    test_gemv(156, 6144, 1, 16, GEMM_OUT_F32, 0);        // router logits
+    for (g_tc = 0; g_tc < 2; g_tc++) {
+        test_gemv(1, 8, 1, 1, GEMM_OUT_F32, 0);
+        test_gemv(37, 72, 1, 3, GEMM_OUT_F32, 1);
+        test_gemv(129, 520, 1, 16, GEMM_OUT_BF16, 0);
+        test_gemv(300, 2056, 1, 5, GEMM_OUT_F32, 1);
+        test_gemv(16900, 64, 1, 2, GEMM_OUT_F32, 1);  // four rows per warp
+        test_gemv(16900, 64, 1, 9, GEMM_OUT_BF16, 0);
+        // GLM-5.2 decode shapes.
+        test_gemv(2048 + 576, 6144, 1, 1, GEMM_OUT_F32, 0);  // q_a + kv_a
+        test_gemv(64 * 256, 2048, 1, 4, GEMM_OUT_F32, 0);    // q_b
+        test_gemv(6144, 64 * 256, 1, 1, GEMM_OUT_F32, 1);    // o_proj + residual
+        test_gemv(6144, 64 * 256, 1, 8, GEMM_OUT_F32, 1);    // o_proj, batch 8
+        test_gemv(512, 192, 64, 2, GEMM_OUT_F32, 0);         // q_nope -> latent (W_UK^T per head)
+        test_gemv(256, 512, 64, 8, GEMM_OUT_BF16, 0);        // latent -> v (W_UV per head)
+        test_gemv(156, 6144, 1, 16, GEMM_OUT_F32, 0);        // router logits
+        test_gemv(4096, 6144, 1, 13, GEMM_OUT_F32, 0);       // shared gate/up, 13 tokens
+    }
 
     GemmLt lt = {0};
     gemm_lt_init(&lt);

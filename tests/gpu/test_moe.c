@@ -173,5 +173,7 @@ int main(void)
     test_experts(5, 64, 64, 3, 2);
     test_experts(9, 96, 160, 4, 3);
     test_experts(12, 6144, 2048, 2, 8);  // GLM shapes, 12 experts in memory
+    test_experts(20, 128, 64, 2, 16);    // k > 8: a w2 warp walks two slots
+    test_experts(11, 96, 96, 3, 9);
     return check_exit();
 }

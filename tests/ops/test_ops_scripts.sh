@@ -9,7 +9,8 @@
 #   5. oom-guard.sh --once: raises a victim's oom_score_adj, stops a rank by its pid file
 #      below the memory floor, and leaves a process whose pid file is stale alone;
 #   6. launch-cluster.sh --check-only through a local transport: a recipe/node mismatch, a
-#      missing model and a missing binary are reported naming the host; a good node passes.
+#      missing model, a missing binary and rank 0's database not answering are reported
+#      naming the host; a bad GLMSPARK_READY is refused; a good node passes.
 set -euo pipefail
 bin=$(cd "$1" && pwd)
 src=$(cd "$2" && pwd)
@@ -165,6 +166,11 @@ check "here" "" GLMSPARK_BIN="$tmp/no-bin"
 [ "$st" = 1 ] && grep -q "FAILED here: no executable" <<<"$out" || fail "no binary: $out"
 check "here" "" GLMSPARK_MIN_MEM_GB=100000000
 [ "$st" = 1 ] && grep -q "FAILED here: .* GiB of memory available" <<<"$out" || fail "memory: $out"
+check "here" "" GLMSPARK_DB="host=/nonexistent-glmspark-pg dbname=glmspark connect_timeout=2"
+[ "$st" = 1 ] && grep -q "FAILED here: rank 0's database (GLMSPARK_DB) does not answer" <<<"$out" \
+    || fail "an unreachable database: $out"
+check "here" "" GLMSPARK_READY=maybe
+[ "$st" = 1 ] && grep -q "GLMSPARK_READY must be status or log" <<<"$out" || fail "GLMSPARK_READY: $out"
 check "here" ""
 [ "$st" = 0 ] && grep -q "every node passed" <<<"$out" || fail "a good node: $out"
 echo "ok: launch-cluster --check-only names the failing host and reason"

@@ -214,6 +214,58 @@ async function engineKillLoop() {
     };
 }
 
+// Pipeline rank killed (issue 5): the engine runs as two local CPU ranks (--pp 2); kill -9
+// of rank 1 mid-generation makes every engine process exit non-zero within 10 s (rank 0
+// names the rank and hands its job back: state queued at once, no lease to wait for); a
+// restarted engine finishes the job with a contiguous stream equal to the stored output.
+async function pipelineRankKilled() {
+    const args = `${env.GLMSPARK_ENGINE_ARGS ?? ''} --pp 2`;
+    const restartWith = (a) => execFileSync(DEVSTACK, ['restart', 'engine'],
+        { stdio: ['ignore', 'ignore', 'inherit'], env: { ...env, GLMSPARK_ENGINE_ARGS: a } });
+    const children = (pid) => execFileSync('ps', ['-o', 'pid=', '--ppid', String(pid)], { encoding: 'utf8' })
+        .split('\n').map(Number).filter((p) => p > 0);
+    const rankOf = (pid) => {
+        try { return readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0').join(' ').match(/--rank (\d+) /)?.[1]; }
+        catch { return undefined; }
+    };
+    const exits = [];
+    const n = FULL ? 3 : 1;
+    try {
+        for (let i = 0; i < n; i++) {
+            restartWith(args);
+            const id = await submit({ max_tokens: 60, seed: 100 + i });
+            await waitJob(id, (j) => terminal(j) || j.usage.completion_tokens >= 5);
+            const launcher = pidOf('engine');
+            const ranks = children(launcher);
+            const rank1 = ranks.find((p) => rankOf(p) === '1');
+            assert.ok(rank1, `no rank 1 among ${ranks} (children of ${launcher})`);
+            faultWindow = true;
+            const t0 = now();
+            process.kill(rank1, 'SIGKILL');
+            while ([launcher, ...ranks].some(alive) && now() - t0 < 15000) await sleep(20);
+            const dt = now() - t0;
+            assert.ok(![launcher, ...ranks].some(alive), 'engine processes still run 15 s after rank 1 died');
+            assert.ok(dt < 10000, `the engine took ${dt} ms to exit`);
+            const log = readFileSync(`${VAR}/log/engine.log`, 'utf8');
+            assert.match(log, /pipeline failed .* handing 1 jobs back/);
+            assert.equal(psql(`SELECT state FROM jobs WHERE public_id = '${id}'`), 'queued');
+            exits.push(dt);
+            restartWith(args);
+            faultWindow = false;
+            const ev = await readEvents(id);
+            assert.ok(ev.done && ev.end, `job ${id}: stream did not end`);
+            const j = await checkStream(id, ev.events);
+            assert.equal(j.state, 'succeeded');
+            assert.equal(j.attempts, 2);
+        }
+    } finally {
+        faultWindow = false;
+        restartWith(env.GLMSPARK_ENGINE_ARGS ?? '');
+    }
+    return { iterations: n, figures: `every engine process gone ${exits.map(ms).join(', ')} after kill -9 of rank 1; ` +
+        'job handed back and resumed contiguous' };
+}
+
 async function fcgiKillEnqueue() {
     let firstAnswered = 0, firstLost = 0, committedUnanswered = 0, unavailable = 0;
     const firstStatus = {};
@@ -611,6 +663,7 @@ const scenarios = [
     ['cancel queued and running', cancelLoop],
     ['client disconnect + resume (Last-Event-ID)', resumeLoop],
     ['engine kill -9 at random points', engineKillLoop],
+    ['pipeline rank killed', pipelineRankKilled],
     ['fcgi kill -9 during enqueue (Idempotency-Key)', fcgiKillEnqueue],
     ['PostgreSQL fast and immediate restart mid-stream', pgRestart],
     ['listener terminated + NOTIFY suppressed (polling fallback)', notifySuppressed],

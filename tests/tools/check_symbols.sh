@@ -16,8 +16,8 @@ check() {  # check LIBNAME REGEX
         fail=1
     fi
 }
-check common '^(err_|log_|arena_|tok_|chat_|utf8_|json_util_|str_|apikey_)'
-check engine_core '^(ckpt_|config_|model_|weights_|backend_|cpu_|kv_|sampler_|sched_|pp_|jobq_|engine_|mkmodel_|mtp_|bench_|recipe_|plan_|cli_|tensor_|nvfp4_|thread_pool_)'
+check common '^(err_|log_|arena_|tok_|chat_|utf8_|json_util_|str_|apikey_|stats_)'
+check engine_core '^(ckpt_|config_|model_|weights_|backend_|cpu_|kv_|sampler_|sched_|pp_|jobq_|engine_|serve_|mkmodel_|mtp_|bench_|recipe_|plan_|cli_|tensor_|nvfp4_|thread_pool_)'
 check kernels '^(nvfp4_|mla_|moe_|dsa_|norm_|rope_|sample_|kern_|cuda_backend_|gemm_|attn_|embed_|act_)'
 check kernels_ref '^(nvfp4_|mla_|moe_|dsa_|norm_|rope_|sample_|kern_|gemm_|attn_|embed_|act_)'
 check fcgi_core '^(api_)'

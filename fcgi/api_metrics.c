@@ -1,0 +1,250 @@
+/*
+ * api_metrics.c - the /metrics body (see api_metrics.h).
+ *
+ * Written into an open_memstream, family by family: family() prints the HELP and TYPE
+ * lines, then the samples follow. The queue figures are SQL aggregates over jobs and
+ * engines; the engine internals are the newest running boot's engines.stats parsed by
+ * stats_parse (a boot whose stats are missing or unreadable contributes only its heartbeat
+ * age; unreadable stats are logged).
+ */
+#include "fcgi/api_metrics.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/common/stats.h"
+
+static const char *const ttft_buckets[] = {"0.05", "0.1", "0.25", "0.5", "1", "2.5", "5", "10", "30", "60"};
+enum { N_TTFT_BUCKETS = sizeof ttft_buckets / sizeof *ttft_buckets };
+
+static void family(FILE *f, const char *name, const char *type, const char *help)
+{
+    fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+// A label value with \, " and newline escaped.
+static void put_label_value(FILE *f, const char *s)
+{
+    for (; *s; s++) {
+        if (*s == '\\') fputs("\\\\", f);
+        else if (*s == '"') fputs("\\\"", f);
+        else if (*s == '\n') fputs("\\n", f);
+        else fputc(*s, f);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The job queue
+
+static const char queue_sql[] =
+    "SELECT (SELECT count(*) FROM jobs WHERE state = 'queued'),"
+    " (SELECT count(*) FROM jobs WHERE state = 'running'),"
+    " (SELECT coalesce(sum(n_completion_tokens), 0) FROM jobs),"
+    " (SELECT coalesce(sum(n_prompt_tokens), 0) FROM jobs),"
+    " (SELECT count(*) FROM engines WHERE stopped_at IS NULL"
+    "   AND heartbeat_at > now() - interval '30 seconds'),"
+    " (SELECT count(*) FROM jobs WHERE state = 'succeeded'),"
+    " (SELECT count(*) FROM jobs WHERE state = 'failed'),"
+    " (SELECT count(*) FROM jobs WHERE state = 'cancelled')";
+
+// Per bucket b: TTFT <= b, inter-token latency <= b; then (the same on every row) the
+// TTFT count and sum, the inter-token count and sum.
+static const char latency_sql[] =
+    "SELECT b, count(*) FILTER (WHERE extract(epoch FROM first_token_at - claimed_at) <= b),"
+    " count(*) FILTER (WHERE n_completion_tokens > 1 AND finished_at IS NOT NULL AND"
+    "   extract(epoch FROM finished_at - first_token_at) / (n_completion_tokens - 1) <= b),"
+    " count(*) FILTER (WHERE first_token_at IS NOT NULL),"
+    " coalesce(sum(extract(epoch FROM first_token_at - claimed_at)), 0),"
+    " count(*) FILTER (WHERE n_completion_tokens > 1 AND finished_at IS NOT NULL),"
+    " coalesce(sum(extract(epoch FROM finished_at - first_token_at) / (n_completion_tokens - 1))"
+    "   FILTER (WHERE n_completion_tokens > 1 AND finished_at IS NOT NULL), 0)"
+    " FROM unnest('{0.05,0.1,0.25,0.5,1,2.5,5,10,30,60}'::float8[]) b"
+    " LEFT JOIN jobs ON first_token_at IS NOT NULL GROUP BY b ORDER BY b";
+
+static const char boots_sql[] =
+    "SELECT id, name, (stopped_at IS NULL AND heartbeat_at > now() - interval '30 seconds')::int"
+    " FROM engines ORDER BY id DESC LIMIT 8";
+
+static void put_queue(FILE *f, PGresult *q, PGresult *lat, PGresult *boots)
+{
+    family(f, "glmspark_queue_depth", "gauge", "Jobs waiting in the queue.");
+    fprintf(f, "glmspark_queue_depth %s\n", PQgetvalue(q, 0, 0));
+    family(f, "glmspark_jobs_running", "gauge", "Jobs an engine is generating.");
+    fprintf(f, "glmspark_jobs_running %s\n", PQgetvalue(q, 0, 1));
+    family(f, "glmspark_completion_tokens_total", "counter", "Tokens generated for every job in the database.");
+    fprintf(f, "glmspark_completion_tokens_total %s\n", PQgetvalue(q, 0, 2));
+    family(f, "glmspark_prompt_tokens_total", "counter", "Prompt tokens of every job in the database.");
+    fprintf(f, "glmspark_prompt_tokens_total %s\n", PQgetvalue(q, 0, 3));
+    family(f, "glmspark_engine_up", "gauge", "1 when an engine boot has beaten its heartbeat in the last 30 s.");
+    fprintf(f, "glmspark_engine_up %d\n", atoi(PQgetvalue(q, 0, 4)) > 0);
+    family(f, "glmspark_jobs_total", "counter", "Finished jobs by final state.");
+    fprintf(f, "glmspark_jobs_total{state=\"succeeded\"} %s\n", PQgetvalue(q, 0, 5));
+    fprintf(f, "glmspark_jobs_total{state=\"failed\"} %s\n", PQgetvalue(q, 0, 6));
+    fprintf(f, "glmspark_jobs_total{state=\"cancelled\"} %s\n", PQgetvalue(q, 0, 7));
+    for (int h = 0; h < 2; h++) {
+        const char *name = h ? "glmspark_inter_token_latency_seconds" : "glmspark_ttft_seconds";
+        family(f, name, "histogram",
+               h ? "Mean time between a finished job's tokens, per job."
+                 : "Time from a job's claim by an engine to its first token.");
+        const int n_rows = PQntuples(lat);
+        for (int i = 0; i < n_rows && i < N_TTFT_BUCKETS; i++)
+            fprintf(f, "%s_bucket{le=\"%s\"} %s\n", name, ttft_buckets[i], PQgetvalue(lat, i, 1 + h));
+        if (n_rows > 0) {
+            fprintf(f, "%s_bucket{le=\"+Inf\"} %s\n", name, PQgetvalue(lat, 0, h ? 5 : 3));
+            fprintf(f, "%s_sum %s\n", name, PQgetvalue(lat, 0, h ? 6 : 4));
+            fprintf(f, "%s_count %s\n", name, PQgetvalue(lat, 0, h ? 5 : 3));
+        }
+    }
+    family(f, "glmspark_rank_up", "gauge", "Per engine boot (the last 8): 1 while its heartbeat is fresh.");
+    for (int i = 0; i < PQntuples(boots); i++) {
+        fputs("glmspark_rank_up{engine=\"", f);
+        put_label_value(f, PQgetvalue(boots, i, 1));
+        fprintf(f, "\",epoch=\"%s\",rank=\"0\"} %s\n", PQgetvalue(boots, i, 0), PQgetvalue(boots, i, 2));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Engine internals (engines.stats)
+
+// One sample per rank of a per-rank family; what: 0 up, 1 load fraction, 2 weight bytes.
+static void put_ranks(FILE *f, const EngineStats *s, const char *name, const char *help, int what)
+{
+    family(f, name, "gauge", help);
+    for (int i = 0; i < s->n_ranks; i++) {
+        const StatsRank *r = &s->ranks[i];
+        const double v = what == 0 ? !strcmp(r->state, "up") : what == 1 ? r->load_fraction : r->weight_bytes;
+        fprintf(f, "%s{rank=\"%d\",host=\"", name, r->rank);
+        put_label_value(f, r->host);
+        fprintf(f, "\"} %.15g\n", v);
+    }
+}
+
+static void put_engine(FILE *f, PGresult *latest)
+{
+    EngineStats s;
+    const bool has_engine = PQntuples(latest) == 1;
+    bool has_stats = false;
+    if (has_engine && *PQgetvalue(latest, 0, 5)) {
+        const char *bad = NULL;
+        has_stats = stats_parse(PQgetvalue(latest, 0, 5), &s, &bad) == ERR_OK;
+        if (!has_stats)
+            LOG_WARN("api: engine %s published unreadable stats (key \"%s\")", PQgetvalue(latest, 0, 0), bad);
+    }
+    family(f, "glmspark_engine_heartbeat_age_seconds", "gauge",
+           "Seconds since the newest running engine boot's last heartbeat.");
+    if (has_engine) fprintf(f, "glmspark_engine_heartbeat_age_seconds %s\n", PQgetvalue(latest, 0, 4));
+    if (!has_stats) memset(&s, 0, sizeof s);
+    family(f, "glmspark_engine_info", "gauge", "The running engine: backend, model and state (value 1).");
+    if (has_stats) {
+        fputs("glmspark_engine_info{backend=\"", f);
+        put_label_value(f, s.backend);
+        fputs("\",model=\"", f);
+        put_label_value(f, s.model);
+        fputs("\",state=\"", f);
+        put_label_value(f, s.state);
+        fprintf(f, "\",world=\"%d\"} 1\n", s.world);
+    }
+    put_ranks(f, &s, "glmspark_engine_rank_up", "1 when the pipeline rank is up, 0 when down or loading.", 0);
+    put_ranks(f, &s, "glmspark_engine_rank_load_fraction", "Fraction of the rank's weights loaded.", 1);
+    put_ranks(f, &s, "glmspark_engine_rank_weight_bytes", "Bytes of weights loaded on the rank.", 2);
+    family(f, "glmspark_engine_step_seconds", "gauge",
+           "Engine step time over the engine's last window: stat=\"avg\" or \"max\".");
+    if (has_stats) {
+        fprintf(f, "glmspark_engine_step_seconds{stat=\"avg\"} %.15g\n", s.step_ms_avg / 1000.0);
+        fprintf(f, "glmspark_engine_step_seconds{stat=\"max\"} %.15g\n", s.step_ms_max / 1000.0);
+    }
+    const struct {
+        const char *name, *type, *help;
+        double v;
+    } scalars[] = {
+        {"glmspark_engine_batch_sequences", "gauge", "Mean sequences per step over the last window.",
+         s.batch_seqs_avg},
+        {"glmspark_engine_batch_tokens", "gauge", "Mean tokens per step over the last window.",
+         s.batch_tokens_avg},
+        {"glmspark_engine_kv_blocks_used", "gauge", "KV cache blocks in use.", (double) s.kv_blocks_used},
+        {"glmspark_engine_kv_blocks_capacity", "gauge", "KV cache blocks in all (not _total: a gauge).",
+         (double) s.kv_blocks_total},
+        {"glmspark_engine_kv_usage_ratio", "gauge", "KV cache blocks used / blocks in all.",
+         s.kv_blocks_total > 0 ? (double) s.kv_blocks_used / (double) s.kv_blocks_total : 0.0},
+        {"glmspark_engine_running_sequences", "gauge", "Sequences the scheduler is running.",
+         (double) s.running},
+        {"glmspark_engine_waiting_sequences", "gauge", "Sequences waiting for a scheduler slot.",
+         (double) s.waiting},
+        {"glmspark_engine_tokens_per_second", "gauge", "Generated tokens per second over the last window.",
+         s.tokens_per_s},
+        {"glmspark_engine_steps_total", "counter", "Engine steps since the boot.", (double) s.steps_total},
+        {"glmspark_engine_prompt_tokens_total", "counter", "Prompt tokens processed since the boot.",
+         (double) s.prompt_tokens_total},
+        {"glmspark_engine_generated_tokens_total", "counter", "Tokens generated since the boot.",
+         (double) s.generated_tokens_total},
+    };
+    for (size_t i = 0; i < sizeof scalars / sizeof *scalars; i++) {
+        family(f, scalars[i].name, scalars[i].type, scalars[i].help);
+        if (has_stats) fprintf(f, "%s %.15g\n", scalars[i].name, scalars[i].v);
+    }
+}
+
+// ---------------------------------------------------------------------------
+
+Err api_metrics_render(ApiDb *db, char **text, size_t *n_text)
+{
+    Err err = ERR_DB;
+    char *buf = NULL;
+    size_t n = 0;
+    FILE *f = NULL;
+    *text = NULL;
+    *n_text = 0;
+    PGresult *q = api_db_exec(db, queue_sql, 0, NULL, PGRES_TUPLES_OK);
+    PGresult *lat = q ? api_db_exec(db, latency_sql, 0, NULL, PGRES_TUPLES_OK) : NULL;
+    PGresult *boots = lat ? api_db_exec(db, boots_sql, 0, NULL, PGRES_TUPLES_OK) : NULL;
+    PGresult *latest = boots ? api_db_exec(db, STATS_SQL_LATEST, 0, NULL, PGRES_TUPLES_OK) : NULL;
+    if (!latest) goto done;
+    err = ERR_NOMEM;
+    if (!(f = open_memstream(&buf, &n))) goto done;
+    put_queue(f, q, lat, boots);
+    put_engine(f, latest);
+    if (fclose(f) != 0) {
+        f = NULL;
+        goto done;
+    }
+    f = NULL;
+    *text = buf;  // ownership moved to the caller
+    *n_text = n;
+    buf = NULL;
+    err = ERR_OK;
+done:
+    if (f) fclose(f);
+    free(buf);
+    PQclear(q);
+    PQclear(lat);
+    PQclear(boots);
+    PQclear(latest);
+    return err;
+}
+
+Err api_metrics_health(ApiDb *db, ApiHealth *out)
+{
+    memset(out, 0, sizeof *out);
+    out->status = "unavailable";
+    PGresult *res = api_db_exec(db,
+                                "SELECT count(*), (SELECT stats::text FROM engines WHERE stopped_at IS NULL"
+                                "   AND heartbeat_at > now() - interval '30 seconds' ORDER BY id DESC LIMIT 1)"
+                                " FROM engines WHERE stopped_at IS NULL"
+                                " AND heartbeat_at > now() - interval '30 seconds'",
+                                0, NULL, PGRES_TUPLES_OK);
+    if (!res) return ERR_DB;
+    out->n_engines = atoi(PQgetvalue(res, 0, 0));
+    EngineStats s;
+    out->has_stats = !PQgetisnull(res, 0, 1) && !stats_parse(PQgetvalue(res, 0, 1), &s, NULL);
+    PQclear(res);
+    if (out->n_engines == 0) return ERR_OK;
+    out->status = "ok";
+    if (!out->has_stats) return ERR_OK;  // an engine that publishes no stats: its heartbeat says up
+    out->ranks_up = stats_n_ranks_up(&s);
+    out->world = s.world;
+    if (!strcmp(s.state, "loading")) out->status = "loading";
+    else if (!strcmp(s.state, "stopping")) out->status = "stopping";
+    else if (strcmp(s.state, "ready") != 0 || out->ranks_up < s.n_ranks) out->status = "degraded";
+    return ERR_OK;
+}

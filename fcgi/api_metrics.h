@@ -1,0 +1,55 @@
+/*
+ * api_metrics.h - the text of GET /metrics (Prometheus exposition format 0.0.4).
+ *
+ * Two sources, read in one call:
+ *   the job queue     queue depth, jobs by state, prompt/completion tokens, TTFT and
+ *                     inter-token latency histograms, engine boots (glmspark_rank_up,
+ *                     glmspark_engine_up);
+ *   engines.stats     the engine internals that rank 0 of the newest running boot publishes
+ *                     (contract C2, common/stats.h): step time (avg and max over the
+ *                     engine's window), batch sequences and tokens, KV blocks used and
+ *                     capacity (a gauge, so not named _total) and their ratio,
+ *                     running and waiting sequences, tokens/s, per-rank up/loading/weights
+ *                     ({rank, host}), the token and step counters, the heartbeat's age.
+ *                     Absent (HELP and TYPE only) while no engine publishes stats.
+ * Every family has one HELP and one TYPE line before its samples; label values are escaped
+ * (backslash, double quote, newline). GET /health's verdict is computed here too, from the
+ * same engines.stats.
+ *
+ * Ownership: *text is the caller's (free()).
+ * Threads:   call with the calling thread's ApiDb.
+ * Errors:    ERR_DB when a query fails (logged by api_db_exec), ERR_NOMEM.
+ */
+#ifndef FCGI_API_METRICS_H
+#define FCGI_API_METRICS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "engine/common/err.h"
+#include "fcgi/api_db.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Render the whole /metrics body into *text (NUL-terminated, *n_text bytes). On failure
+// *text is NULL.
+Err api_metrics_render(ApiDb *db, char **text, size_t *n_text);
+
+typedef struct ApiHealth {
+    int n_engines;       // engine boots with a heartbeat in the last STATS_STALE_S seconds
+    const char *status;  // "ok", "unavailable", "loading", "stopping" or "degraded" (static)
+    bool has_stats;      // the newest fresh boot published stats: ranks_up and world are set
+    int ranks_up, world;
+} ApiHealth;
+
+// What GET /health answers: "ok" (200) while an engine's heartbeat is fresh and its
+// published state (when it publishes one) is "ready" with no rank down; otherwise the
+// reason (503). ERR_DB when the query fails; *out then says "unavailable".
+Err api_metrics_health(ApiDb *db, ApiHealth *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif  // FCGI_API_METRICS_H

@@ -1,0 +1,35 @@
+# shellcheck shell=bash
+# carry.sh - sourced by the GPU scripts whose binaries are built on the development machine
+# and carried to the GPU machine (run_pp.sh; run_mtp.sh packs the same way), which lacks the
+# engine's build dependencies.
+#   carry_pack DEST BIN...  copy the binaries to DEST/bin and every shared library they
+#                           need to DEST/lib, except glibc and the compiler runtime (the
+#                           image's are newer) and NCCL (218 MB; the image has its own)
+#   carry_env DEST          on the GPU machine: LD_LIBRARY_PATH for DEST/lib, the image's
+#                           NCCL and the driver, and NVLink multicast off (KINDS.md: it can
+#                           take the host's GPUs out of service). The binaries run through
+#                           the image's own loader, so `--pp` can re-execute itself.
+carry_pack() {
+    dest=$1
+    shift
+    rm -rf "$dest" && mkdir -p "$dest/bin" "$dest/lib" || return 1
+    cp "$@" "$dest/bin/" || return 1
+    for b in "$dest"/bin/*; do ldd "$b" | awk '/=>/ {print $3}'; done | sort -u | while read -r l; do
+        case $(basename "$l") in
+        libc.so.* | libm.so.* | libpthread.so.* | libdl.so.* | librt.so.* | libresolv.so.* | ld-linux* \
+            | libstdc++.so.* | libgcc_s.so.* | libnccl*) ;;
+        *) [ -n "$l" ] && cp -L "$l" "$dest/lib/" ;;
+        esac
+    done
+    du -sh "$dest"
+}
+
+carry_env() {
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    nccl_dir=""
+    for d in /usr/local/cuda/lib /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu; do
+        [ -e "$d/libnccl.so.2" ] && { nccl_dir=$d; break; }
+    done
+    [ -n "$nccl_dir" ] || nccl_dir=$(dirname "$(find /usr /opt -name 'libnccl.so.2' 2>/dev/null | head -1)" 2>/dev/null)
+    export LD_LIBRARY_PATH="$1/lib:${nccl_dir:-.}:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}"
+}
