@@ -353,6 +353,7 @@ static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, cons
                           .n_prompt = n,
                           .max_tokens = a->max_tokens,
                           .sampling = a->sampling,
+                          .n_top_logprobs = -1,
                           .ignore_eos = a->ignore_eos};
         r.sampling.seed += (uint64_t) i;
         if (sched_submit(s, &r)) goto done;

@@ -109,6 +109,7 @@ static const struct {
     {"--pp", "pipeline_parallel"},
     {"--backend", "backend"},
     {"--kv-cache-dtype", "kv_cache_dtype"},
+    {"--mtp", "mtp_tokens"},
     {"--max-model-len", "max_model_len"},
     {"--block-size", "block_size"},
 };
@@ -600,9 +601,14 @@ static int run_engine(Opts *o)
     for (int r = 0; r < world; r++) {
         st->ranks[r].state = "up";
         st->ranks[r].load_fraction = 1.0;
+        if (r > 0) {
+            snprintf(st->ranks[r].host, sizeof st->ranks[r].host, "%s", pp_rank_host(e.st.stage, r));
+            st->ranks[r].pid = pp_rank_pid(e.st.stage, r);
+        }
     }
     const SchedParams sp = {.max_num_seqs = e.n_slots,
                             .max_num_batched_tokens = o->r.max_num_batched_tokens,
+                            .mtp_k = o->r.mtp_tokens,
                             .on_event = on_event,
                             .user = &e};
     if (sched_create(e.st.stage, &e.st.model, &e.st.kv, &sp, &e.sched)) goto done;
@@ -610,8 +616,9 @@ static int run_engine(Opts *o)
     if (jobq_recover(e.q, &n_requeued)) goto done;
     LOG_INFO("engine: serving \"%s\" as \"%s\" (%d KV blocks); %d interrupted jobs requeued",
              o->model_name, o->name, e.st.kv.params.n_blocks, n_requeued);
-    LOG_INFO("engine: %d ranks, backend %s, max_num_seqs %d, max_num_batched_tokens %d", world,
-             st->backend, e.n_slots, o->r.max_num_batched_tokens);
+    LOG_INFO("engine: %d ranks, backend %s, max_num_seqs %d, max_num_batched_tokens %d, "
+             "mtp_tokens %d",
+             world, st->backend, e.n_slots, o->r.max_num_batched_tokens, o->r.mtp_tokens);
 
     for (;;) {
         const Err err = serve(&e);

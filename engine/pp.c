@@ -255,13 +255,24 @@ bool pp_rank_from_env(int *rank, int *world)
 // message; then the launcher kills the group (a stopped or wedged rank never exits).
 enum { LAUNCH_GRACE_MS = 2000 };
 
+// SIGTERM/SIGINT to the launcher: the first asks rank 0 to stop in order (a serving rank 0
+// finishes its step, hands its jobs back and ends the pipeline, so every rank exits by
+// itself); the group is killed when that takes longer than LAUNCH_STOP_MS, or at once on
+// a second signal.
+enum { LAUNCH_STOP_MS = 60000 };
+
 static volatile sig_atomic_t launch_pgid;
+static volatile sig_atomic_t launch_n_signals;
 
 static void forward_signal(int sig)
 {
-    if (launch_pgid > 0) kill(-(pid_t) launch_pgid, SIGKILL);
-    signal(sig, SIG_DFL);
-    raise(sig);
+    (void) sig;
+    launch_n_signals++;
+    if (launch_pgid <= 0) return;
+    if (launch_n_signals == 1)
+        kill((pid_t) launch_pgid, SIGTERM);  // rank 0 leads the group: its pid is the pgid
+    else
+        kill(-(pid_t) launch_pgid, SIGKILL);
 }
 
 // A free TCP port on 127.0.0.1 (bound and released; rank 0 binds it again right away).
@@ -347,6 +358,7 @@ int pp_launch_local(int argc, char **argv, int world)
         if (r == 0) {
             pgid = pid;
             launch_pgid = pid;
+            launch_n_signals = 0;
             signal(SIGINT, forward_signal);
             signal(SIGTERM, forward_signal);
         }
@@ -358,7 +370,15 @@ int pp_launch_local(int argc, char **argv, int world)
     for (int r = 0; r < world; r++)
         alive += pids[r] > 0;
     double kill_at = status ? mono_s() : 0;
+    bool is_stopping = false;
     while (alive > 0) {
+        if (launch_n_signals > 0 && !is_stopping) {
+            is_stopping = true;
+            LOG_INFO("stopping the pipeline: rank 0 was asked to stop (killed after %d s)",
+                     LAUNCH_STOP_MS / 1000);
+            const double stop_at = mono_s() + LAUNCH_STOP_MS / 1e3;
+            if (kill_at == 0 || stop_at < kill_at) kill_at = stop_at;
+        }
         int st;
         const pid_t pid = waitpid(-1, &st, WNOHANG);
         if (pid > 0) {
@@ -374,7 +394,8 @@ int pp_launch_local(int argc, char **argv, int world)
                     LOG_ERROR("pipeline rank %d was killed by signal %d", r, WTERMSIG(st));
                 if (!status) status = code;
                 if (r == 0) rank0_status = code;
-                if (kill_at == 0) kill_at = mono_s() + LAUNCH_GRACE_MS / 1e3;
+                if (kill_at == 0 || (is_stopping && r == 0))
+                    kill_at = mono_s() + LAUNCH_GRACE_MS / 1e3;
             }
             continue;
         }
@@ -546,6 +567,23 @@ void pp_stage_destroy(PpStage *s)
 int pp_world(const PpStage *s)
 {
     return s->world;
+}
+
+const char *pp_rank_host(const PpStage *s, int r)
+{
+    if (r < 0 || r >= s->world) return "";
+    if (s->world == 1) {
+        static char self[64];
+        if (!self[0] && gethostname(self, sizeof self - 1) != 0) snprintf(self, sizeof self, "?");
+        return self;
+    }
+    return s->comm.hosts[r];
+}
+
+int pp_rank_pid(const PpStage *s, int r)
+{
+    if (r < 0 || r >= s->world) return 0;
+    return s->world == 1 ? (int) getpid() : s->comm.pids[r];
 }
 
 int pp_inflight(const PpStage *s)

@@ -185,6 +185,11 @@ int pp_inflight(const PpStage *s);
 // The pipeline's world size (stages).
 int pp_world(const PpStage *s);
 
+// Host name and process id of rank r as exchanged in the handshake (this process's own for
+// a pipeline of one); "" and 0 when r is out of range.
+const char *pp_rank_host(const PpStage *s, int r);
+int pp_rank_pid(const PpStage *s, int r);
+
 // The last rank's MTP state (drafting counters, the test hook), NULL on other ranks or
 // without an MTP layer.
 MtpStage *pp_mtp(PpStage *s);

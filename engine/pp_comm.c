@@ -58,7 +58,7 @@ typedef struct CtrlFrame {
 
 typedef struct Hello {
     uint32_t magic;
-    int32_t rank, world, data_port;
+    int32_t rank, world, data_port, pid;
     uint64_t config_hash;
     char host[64];
 } Hello;
@@ -68,6 +68,7 @@ typedef struct Welcome {
     int32_t ports[PP_MAX_WORLD];
     char addrs[PP_MAX_WORLD][64];  // data address of every rank
     char hosts[PP_MAX_WORLD][64];
+    int32_t pids[PP_MAX_WORLD];
     unsigned char nccl_id[PP_NCCL_ID_BYTES];
 } Welcome;
 
@@ -322,6 +323,7 @@ Err pp_comm_init(PpComm *c, int rank, int world, const char *master, uint64_t co
     char host[64] = "?";
     gethostname(host, sizeof host - 1);
     snprintf(c->hosts[rank], sizeof c->hosts[rank], "%s", host);
+    c->pids[rank] = (int) getpid();
     if (!pp_comm_parse_addr(master, addr, sizeof addr, &port)) {
         LOG_ERROR("pipeline master address \"%s\" is not ADDR:PORT", master ? master : "");
         err = ERR_INVAL;
@@ -376,13 +378,17 @@ Err pp_comm_init(PpComm *c, int rank, int world, const char *master, uint64_t co
             snprintf(wel->addrs[h.rank], sizeof wel->addrs[h.rank], "%s", peer);
             wel->ports[h.rank] = h.data_port;
             snprintf(c->hosts[h.rank], sizeof c->hosts[h.rank], "%s", h.host);
+            c->pids[h.rank] = h.pid;
             n_joined++;
         }
         snprintf(wel->addrs[0], sizeof wel->addrs[0], "%s",
                  strcmp(addr, "0.0.0.0") == 0 ? "127.0.0.1" : addr);
         wel->ports[0] = data_port;
         for (int r = 0; r < world; r++)
+        {
             snprintf(wel->hosts[r], sizeof wel->hosts[r], "%s", c->hosts[r]);
+            wel->pids[r] = c->pids[r];
+        }
         if (nccl_id) memcpy(wel->nccl_id, nccl_id, PP_NCCL_ID_BYTES);
         for (int r = 1; r < world; r++)
             if (write_all(c->ctrl_fd[r], wel, sizeof *wel)) {
@@ -397,7 +403,7 @@ Err pp_comm_init(PpComm *c, int rank, int world, const char *master, uint64_t co
             goto done;
         }
         c->ctrl_fd[0] = fd;
-        Hello h = {HELLO_MAGIC, rank, world, data_port, config_hash, {0}};
+        Hello h = {HELLO_MAGIC, rank, world, data_port, (int32_t) getpid(), config_hash, {0}};
         snprintf(h.host, sizeof h.host, "%s", host);
         if (write_all(fd, &h, sizeof h) || !wait_readable(fd, PP_COMM_CONNECT_MS)
             || read_all(fd, wel, sizeof(int32_t))) {
@@ -414,7 +420,10 @@ Err pp_comm_init(PpComm *c, int rank, int world, const char *master, uint64_t co
             goto done;
         }
         for (int r = 0; r < world; r++)
+        {
             memcpy(c->hosts[r], wel->hosts[r], sizeof c->hosts[r]);
+            c->pids[r] = wel->pids[r];
+        }
         memcpy(c->nccl_id, wel->nccl_id, PP_NCCL_ID_BYTES);
     }
     if (nccl_id && rank == 0) memcpy(c->nccl_id, nccl_id, PP_NCCL_ID_BYTES);

@@ -65,6 +65,7 @@ typedef struct PpComm {
     int next_fd;                   // data to rank (rank + 1) % world
     int prev_fd;                   // data from rank (rank - 1 + world) % world
     char hosts[PP_MAX_WORLD][64];  // host name of every rank (for messages)
+    int pids[PP_MAX_WORLD];        // process id of every rank (status reports)
     unsigned char nccl_id[PP_NCCL_ID_BYTES];  // from rank 0 (zeros on CPU)
     struct PpCommFlags *flags;  // private (pp_comm.c): atomics shared with the heartbeat thread
     struct PpNccl *nccl;        // private (pp_comm.c): the NCCL data plane; NULL: TCP

@@ -42,6 +42,7 @@ static const KeyDef KEYS[] = {
     {"load_timeout_s", KIND_INT, F(load_timeout_s), 1, 604800, false, false},
     {"min_free_memory_gb", KIND_REAL, F(min_free_memory_gb), 0, 1e6, false, false},
     {"backend", KIND_BACKEND, F(backend), 0, 0, false, false},
+    {"mtp_tokens", KIND_INT, F(mtp_tokens), 0, 8, false, false},
 };
 #undef F
 enum { N_KEYS = (int) (sizeof KEYS / sizeof KEYS[0]) };

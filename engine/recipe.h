@@ -29,11 +29,13 @@
  *   load_timeout_s            launcher's readiness limit, >= 1      3600
  *   min_free_memory_gb        launcher's per-node check, >= 0       0
  *   backend                   cpu | cuda (ops of every rank)        cpu
+ *   mtp_tokens                MTP drafts per step, 0..8 (0: off)    0
  *
  * Who reads what: glmspark-engine applies model, model_name, tokenizer, threads, kv_blocks,
  * lease_s, max_model_len and block_size (the KV cache size), pipeline_parallel (ranks;
- * --pp/--world override), max_num_seqs and
- * max_num_batched_tokens (the scheduler), backend and kv_cache_dtype (an explicit value
+ * --pp/--world override), max_num_seqs,
+ * max_num_batched_tokens and mtp_tokens (the scheduler; mtp_tokens > 0 loads the model's MTP
+ * layer on the last rank and is an error for a model without one), backend and kv_cache_dtype (an explicit value
  * the backend cannot store, fp8 today, is an error naming the key; unset: f32);
  * ops/launch-cluster.sh uses pipeline_parallel (must equal the node count), master_port,
  * load_timeout_s, min_free_memory_gb and model. tensor_parallel (1) and
@@ -86,6 +88,7 @@ typedef struct Recipe {
     int block_size;
     int max_num_seqs;
     int max_num_batched_tokens;
+    int mtp_tokens;  // MTP drafts per verify step (0: off)
     int threads;
     int kv_blocks;
     int lease_s;

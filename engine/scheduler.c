@@ -417,11 +417,23 @@ static void build(Scheduler *s, Builder *b)
         running_remove(s, i);
         seq_destroy(q);
     }
-    // 2. One decode token for each running sequence past its prompt.
-    for (int i = 0; i < s->n_running && b->budget > 0; i++) {
+    // 2. One decode token for each running sequence past its prompt. With several stages,
+    // at most ceil(decoding / stages) per micro-batch, so the decoding sequences spread over
+    // the micro-batches in flight and every stage works (all of them in one micro-batch
+    // would leave the other stages idle while it passes).
+    int n_decoding = 0;
+    for (int i = 0; i < s->n_running; i++) {
+        const Seq *q = s->running[i];
+        n_decoding += q->state == SEQ_RUNNING && q->n_prefilled == q->n_prompt;
+    }
+    const int mb = s->p.n_microbatches;
+    const int cap = mb > 1 ? (n_decoding + mb - 1) / mb : n_decoding;
+    for (int i = 0, n = 0; i < s->n_running && b->budget > 0 && n < cap; i++) {
         Seq *q = s->running[i];
-        if (q->state == SEQ_RUNNING && !q->inflight && q->n_prefilled == q->n_prompt)
+        if (q->state == SEQ_RUNNING && !q->inflight && q->n_prefilled == q->n_prompt) {
             add_decode(s, b, q);
+            n++;
+        }
     }
     // 3. Prefill chunks of running sequences, oldest first.
     for (int i = 0; i < s->n_running && b->budget > 0; i++) {

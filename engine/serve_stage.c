@@ -61,7 +61,16 @@ Err serve_stage_load(ServeStage *e, const Recipe *r, const char *model_dir, int 
                              dtype == KV_DTYPE_BF16 ? 2 : 4, &e->plan)))
         return err;
     const PpRankPlan *mine = &e->plan.ranks[rank];
-    const ModelOptions mo = {.first_layer = mine->first_layer, .last_layer = mine->last_layer};
+    if (r->mtp_tokens > 0 && e->cfg->n_mtp_layers < 1) {
+        LOG_ERROR("mtp_tokens = %d: the model in \"%s\" has no MTP layer "
+                  "(num_nextn_predict_layers 0)",
+                  r->mtp_tokens, model_dir);
+        return ERR_INVAL;
+    }
+    e->mtp_tokens = r->mtp_tokens;
+    const ModelOptions mo = {.load_mtp = r->mtp_tokens > 0,
+                             .first_layer = mine->first_layer,
+                             .last_layer = mine->last_layer};
     const double t0 = now_s();
     if ((err = open_backend(r, local_rank, &e->be)) || (err = model_load(&e->model, model_dir, &mo, e->be))) {
         fprintf(stderr, "glmspark-engine: could not load the model in \"%s\"\n", model_dir);
@@ -84,7 +93,7 @@ Err serve_stage_load(ServeStage *e, const Recipe *r, const char *model_dir, int 
 
 Err serve_stage_connect(ServeStage *e, int rank, int world, const char *master)
 {
-    const uint64_t extra = (uint64_t) e->kv.params.n_blocks << 24 ^
+    const uint64_t extra = (uint64_t) e->mtp_tokens << 56 ^ (uint64_t) e->kv.params.n_blocks << 24 ^
                            (uint64_t) e->kv.params.block_size << 4 ^ (uint64_t) e->kv.params.dtype;
     return pp_stage_create(&e->model, &e->kv, rank, world, world > 1 ? master : NULL,
                            pp_plan_hash(e->cfg, &e->plan, extra), &e->stage);

@@ -39,6 +39,7 @@ typedef struct ServeStage {
     ModelConfig *cfg;
     PpPlan plan;  // the split, the same on every rank
     PpStage *stage;
+    int mtp_tokens;  // MTP drafts per step (recipe mtp_tokens; in the handshake's hash)
 } ServeStage;
 
 // Load rank `rank` of `world` from model_dir with the recipe's settings; local_rank picks

@@ -780,7 +780,7 @@ static bool stream_job(Ctx *c, int64_t id, const char *job_id, long long created
         if (n == 256) continue;
         if (!read_state(c, id, st)) return false;
         if (st->is_terminal && last + 1 >= st->n_chunks) break;
-        if (n > 0) continue;
+        if (last + 1 < st->n_chunks) continue;  // more is committed: read it before waiting
         api_db_wait(c->db, job_id, c->cfg->poll_ms);
         if (mode != MODE_COLLECT && now_s() - last_write >= c->cfg->keepalive_s) {
             put(c, ": keep-alive\n\n", 14);

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # carry.sh - sourced by the GPU scripts whose binaries are built on the development machine
-# and carried to the GPU machine (run_pp.sh; run_mtp.sh packs the same way), which lacks the
+# and carried to the GPU machine (run_pp.sh, run_mtp.sh), which lacks the
 # engine's build dependencies.
 #   carry_pack DEST BIN...  copy the binaries to DEST/bin and every shared library they
 #                           need to DEST/lib, except glibc and the compiler runtime (the

@@ -17,28 +17,17 @@
 # MTP_BACKEND=cpu MTP_NGPU=2 MTP_TOKENS=16.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
+. tests/gpu/carry.sh
 if [ "${1:-}" = "--pack" ]; then
-    c=.carry/mtp
-    rm -rf "$c" && mkdir -p "$c/bin" "$c/lib"
-    cp "$2/bin/glmspark" "$c/bin/"
-    ldd "$c/bin/glmspark" | awk '/=>/ {print $3}' | sort -u | while read -r l; do
-        case $(basename "$l") in
-        libc.so.* | libm.so.* | libpthread.so.* | libdl.so.* | librt.so.* | libresolv.so.* | ld-linux* \
-            | libstdc++.so.* | libgcc_s.so.* | libnccl*) ;;
-        *) [ -n "$l" ] && cp -L "$l" "$c/lib/" ;;
-        esac
-    done
-    du -sh "$c"
-    exit 0
+    carry_pack .carry/mtp "$2/bin/glmspark"
+    exit
 fi
 c=${1:-.carry/mtp}
 out=${OUT:-$(pwd)/gpu-out}
 mkdir -p "$out"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nccl_dir=$(dirname "$(find /usr/local/cuda* /usr /opt -name 'libnccl.so.2' 2>/dev/null | head -1)" 2>/dev/null)
-export LD_LIBRARY_PATH="$c/lib:${nccl_dir:-.}:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}"
+carry_env "$c"
 g=$c/bin/glmspark
 summary=$out/summary.txt
 : >"$summary"

@@ -16,6 +16,9 @@ var=$(mktemp -d /tmp/glmspark-it.XXXXXX)
 chmod 755 "$var"
 export GLMSPARK_VAR=$var GLMSPARK_BUILD=$(dirname "$bin") GLMSPARK_SKIP_DEPS=1 GLMSPARK_SKIP_BUILD=1
 export GLMSPARK_HTTPS_PORT=$(free_port) GLMSPARK_HTTP_PORT=$(free_port)
+# One sequence at a time: the scenarios here count on a second job waiting in the queue
+# (continuous batching is tested by tests/integration/test_engine_serve.sh).
+export GLMSPARK_MAX_NUM_SEQS=${GLMSPARK_MAX_NUM_SEQS:-1}
 export GLMSPARK_ENGINE_ARGS="--step-delay-ms ${GLMSPARK_STEP_DELAY_MS:-25}"
 # A small queue, so that the queue-full test can fill it (no other test queues this many).
 export GLMSPARK_MAX_QUEUE=${GLMSPARK_MAX_QUEUE:-6}

@@ -21,6 +21,10 @@
 #            output is exactly one tool call to NAME;
 #   logprobs a greedy job with logprobs and top_logprobs 3: each token's logprob is the
 #            best alternative's (greedy samples the argmax), alternatives sorted.
+#   mtp      the six jobs through `--pp 2 --mtp 2` (the last rank drafts with the model's MTP
+#            layer, the next micro-batch verifies): outputs equal the one-at-a-time outputs
+#            without MTP; then SIGTERM to the --pp launcher itself stops every rank in order
+#            (exit 0, no rank left).
 #   bench    (not a test, not run by default) aggregate generated tok/s on the mkmodel
 #            "default" preset with 1, 4 and 8 concurrent jobs of BENCH_TOKENS (64) tokens,
 #            --max-num-seqs equal to the job count, from claim of the first to end of the
@@ -29,7 +33,7 @@ set -euo pipefail
 bin=$(cd "$1" && pwd)
 src=$(cd "$2" && pwd)
 shift 2
-scenarios=${*:-batch pp killrank sigterm tool logprobs}
+scenarios=${*:-batch pp killrank sigterm tool logprobs mtp}
 : "${GLMSPARK_DB:?run me through tests/db/with_pg.sh}"
 tmp=$(mktemp -d)
 pids=()
@@ -75,7 +79,7 @@ rank_pid() {  # rank_pid R: the pid of rank R among the --pp launcher's children
     return 0
 }
 # SIGTERM to the serving rank (rank 0 under --pp: it stops in order and ends the pipeline;
-# pp_launch_local itself answers SIGTERM by killing its ranks).
+# the "mtp" scenario signals the launcher instead, which forwards it to rank 0).
 stop_engine() {
     local r0
     r0=$(rank_pid 0)
@@ -116,7 +120,7 @@ batch_ids() {  # submit the six prompts; ids in ${ids[@]}
     for p in "${prompts[@]}"; do ids+=("$(submit completion "$greedy" "$p" 24)"); done
 }
 
-if [[ " $scenarios " =~ " batch " || " $scenarios " =~ " pp " || " $scenarios " =~ " killrank " ]]; then
+if [[ " $scenarios " =~ " batch " || " $scenarios " =~ " pp " || " $scenarios " =~ " killrank " || " $scenarios " =~ " mtp " ]]; then
     start_engine --max-num-seqs 1
     alone=()
     for p in "${prompts[@]}"; do
@@ -170,6 +174,25 @@ if [[ " $scenarios " =~ " pp " ]]; then
     done
     stop_engine
     echo "ok: --pp 2 serves the same outputs as --pp 1"
+fi
+
+if [[ " $scenarios " =~ " mtp " ]]; then
+    start_engine --pp 2 --max-num-seqs 4 --mtp 2
+    grep -q "mtp_tokens 2" "$tmp/engine$n_engine.log" || fail "the engine does not report mtp_tokens 2"
+    batch_ids
+    wait_jobs "${ids[@]}"
+    for i in "${!prompts[@]}"; do
+        [ "$(output "${ids[$i]}")" = "${alone[$i]}" ] \
+            || fail "--pp 2 --mtp 2 job $i: $(output "${ids[$i]}") != without MTP: ${alone[$i]}"
+    done
+    ranks=$(ps -o pid= --ppid "$engine_pid" | tr -d ' ' | tr '\n' ' ')
+    kill -TERM "$engine_pid"
+    st=0
+    timeout 30 tail --pid="$engine_pid" -f /dev/null || fail "the launcher still runs 30 s after SIGTERM"
+    wait "$engine_pid" || st=$?
+    [ $st -eq 0 ] || fail "the --pp launcher exited $st after SIGTERM"
+    for p in $ranks; do kill -0 "$p" 2>/dev/null && fail "rank pid $p still runs after SIGTERM"; done
+    echo "ok: --pp 2 --mtp 2 serves the outputs of the run without MTP; SIGTERM to the launcher stops it in order"
 fi
 
 if [[ " $scenarios " =~ " killrank " ]]; then

@@ -33,6 +33,9 @@ var=$(mktemp -d /tmp/glmspark-rel.XXXXXX)
 chmod 755 "$var"
 export GLMSPARK_VAR=$var GLMSPARK_BUILD=$(dirname "$bin") GLMSPARK_SKIP_DEPS=1 GLMSPARK_SKIP_BUILD=1
 export GLMSPARK_HTTPS_PORT=$(free_port) GLMSPARK_HTTP_PORT=$(free_port)
+# One sequence at a time: the scenarios here count on a second job waiting in the queue
+# (continuous batching is tested by tests/integration/test_engine_serve.sh).
+export GLMSPARK_MAX_NUM_SEQS=${GLMSPARK_MAX_NUM_SEQS:-1}
 export GLMSPARK_ENGINE_ARGS="--step-delay-ms ${GLMSPARK_STEP_DELAY_MS:-20} --lease-s 30"
 export GLMSPARK_FCGI_ARGS="--max-queue 1000000"
 if [ "$profile" = full ]; then

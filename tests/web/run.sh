@@ -32,6 +32,9 @@ chmod 755 "$var"
 export GLMSPARK_VAR=$var GLMSPARK_BUILD=$(dirname "$bin") GLMSPARK_SKIP_DEPS=1 GLMSPARK_SKIP_BUILD=1
 export GLMSPARK_HTTPS_PORT=$(free_port) GLMSPARK_HTTP_PORT=$(free_port)
 # A steady pace, so that a test can reload or cut the connection while a job streams.
+# One sequence at a time: the scenarios here count on a second job waiting in the queue
+# (continuous batching is tested by tests/integration/test_engine_serve.sh).
+export GLMSPARK_MAX_NUM_SEQS=${GLMSPARK_MAX_NUM_SEQS:-1}
 export GLMSPARK_ENGINE_ARGS="--step-delay-ms ${GLMSPARK_STEP_DELAY_MS:-25}"
 devstack=$src/ops/devstack
 cleanup() {
