@@ -4,6 +4,15 @@
  * The auth cache is a small direct-mapped table indexed by the first bytes of the key's
  * SHA-256; an entry holds the full digest, so a hit is confirmed with CRYPTO_memcmp
  * before use. It only ever holds keys that verified.
+ *
+ * The notification hub keeps one ApiDbWaiter per handler thread that ever waited, in a
+ * list under hub_mutex. A waiter stays registered for its last job id between waits:
+ * the hub bumps its generation on every matching notification and signals its own
+ * condition variable, and a wait returns once the generation differs from the one it
+ * last saw. So only the threads streaming the notified job wake, and a notification
+ * that lands while the thread is reading is seen by its next wait. The list is scanned
+ * linearly per notification: it holds at most one entry per handler thread (--threads,
+ * 64 in the benchmark), which is a few microseconds per decode step.
  */
 #include "fcgi/api_db.h"
 
@@ -26,22 +35,30 @@ static void sleep_ms(int ms)
     nanosleep(&ts, NULL);
 }
 
-// Connect and LISTEN; true on success.
+// Connect; true on success. Handler connections LISTEN on nothing: the hub does.
 static bool connect_once(ApiDb *db)
 {
+    for (int i = 0; i < db->n_prepared; i++)
+        free(db->prepared[i]);
+    db->n_prepared = 0;  // prepared statements die with their connection
     PQfinish(db->conn);
     db->conn = PQconnectdb(db->conninfo);
-    if (PQstatus(db->conn) != CONNECTION_OK) return false;
-    PGresult *res = PQexec(db->conn, "LISTEN job_chunks");
-    const bool ok = PQresultStatus(res) == PGRES_COMMAND_OK;
-    PQclear(res);
-    return ok;
+    return PQstatus(db->conn) == CONNECTION_OK;
 }
+
+static void hub_leave(ApiDb *db);
 
 Err api_db_init(ApiDb *db, const char *conninfo)
 {
     memset(db, 0, sizeof *db);
-    if (!(db->conninfo = strdup(conninfo))) return ERR_NOMEM;
+    db->conninfo = strdup(conninfo);
+    db->prepared = calloc(API_DB_MAX_PREPARED, sizeof *db->prepared);
+    if (!db->conninfo || !db->prepared) {
+        free(db->conninfo);
+        free(db->prepared);
+        memset(db, 0, sizeof *db);
+        return ERR_NOMEM;
+    }
     if (!connect_once(db))
         LOG_WARN("api: database not reachable yet: %s", PQerrorMessage(db->conn));
     return ERR_OK;
@@ -50,6 +67,10 @@ Err api_db_init(ApiDb *db, const char *conninfo)
 void api_db_free(ApiDb *db)
 {
     if (!db) return;
+    hub_leave(db);
+    for (int i = 0; i < db->n_prepared; i++)
+        free(db->prepared[i]);
+    free(db->prepared);
     PQfinish(db->conn);
     free(db->conninfo);
     memset(db, 0, sizeof *db);
@@ -104,12 +125,37 @@ Err api_db_ensure(ApiDb *db)
     }
 }
 
+// Execute sql as a statement prepared on this connection, preparing it on first use while
+// there is room; without room (or memory) it runs unprepared. A failed prepare's result
+// is returned as the statement's, so callers see the server's error either way.
+static PGresult *exec_prepared(ApiDb *db, const char *sql, int n_params, const char *const *params)
+{
+    char name[16];
+    int i = 0;
+    while (i < db->n_prepared && strcmp(db->prepared[i], sql) != 0)
+        i++;
+    if (i == db->n_prepared) {
+        char *copy = i < API_DB_MAX_PREPARED ? strdup(sql) : NULL;
+        if (!copy) return PQexecParams(db->conn, sql, n_params, NULL, params, NULL, NULL, 0);
+        snprintf(name, sizeof name, "s%d", i);
+        PGresult *res = PQprepare(db->conn, name, sql, n_params, NULL);
+        if (PQresultStatus(res) != PGRES_COMMAND_OK) {
+            free(copy);
+            return res;
+        }
+        PQclear(res);
+        db->prepared[db->n_prepared++] = copy;
+    }
+    snprintf(name, sizeof name, "s%d", i);
+    return PQexecPrepared(db->conn, name, n_params, params, NULL, NULL, 0);
+}
+
 PGresult *api_db_exec(ApiDb *db, const char *sql, int n_params, const char *const *params,
                       ExecStatusType want)
 {
     for (int attempt = 0; attempt < 2; attempt++) {
         if (api_db_ensure(db)) return NULL;
-        PGresult *res = PQexecParams(db->conn, sql, n_params, NULL, params, NULL, NULL, 0);
+        PGresult *res = exec_prepared(db, sql, n_params, params);
         if (PQresultStatus(res) == want) return res;
         const bool lost = is_lost(db->conn, res);
         PQclear(res);
@@ -126,42 +172,163 @@ PGresult *api_db_exec(ApiDb *db, const char *sql, int n_params, const char *cons
     return NULL;
 }
 
-static double mono_ms(void)
+// ---------------------------------------------------------------------------
+// Notification hub
+
+struct ApiDbWaiter {
+    pthread_cond_t cond;  // CLOCK_MONOTONIC; signalled by the hub, waited on by the owner
+    char *job_id;         // the job waited for; NULL: any job
+    uint64_t gen, seen;   // bumped by the hub per matching notification; last gen returned
+    ApiDbWaiter *next;
+};
+
+static pthread_mutex_t hub_mutex = PTHREAD_MUTEX_INITIALIZER;
+static ApiDbWaiter *hub_waiters;  // guarded by hub_mutex, as is every field of every waiter
+
+// Wake the waiters for job_id (NULL: all of them). Called with hub_mutex held.
+static void hub_ring(const char *job_id)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec * 1e3 + (double) ts.tv_nsec * 1e-6;
+    for (ApiDbWaiter *w = hub_waiters; w; w = w->next) {
+        if (job_id && w->job_id && strcmp(w->job_id, job_id) != 0) continue;
+        w->gen++;
+        pthread_cond_signal(&w->cond);
+    }
 }
 
-// Consume pending notifications; true when one matches job_id (or any, for NULL).
-static bool drain(ApiDb *db, const char *job_id)
+static void hub_leave(ApiDb *db)
 {
-    bool hit = false;
-    PGnotify *note;
-    while ((note = PQnotifies(db->conn))) {
-        if (!job_id || !strcmp(note->extra, job_id)) hit = true;
-        PQfreemem(note);
+    ApiDbWaiter *w = db->waiter;
+    if (!w) return;
+    pthread_mutex_lock(&hub_mutex);
+    for (ApiDbWaiter **p = &hub_waiters; *p; p = &(*p)->next) {
+        if (*p == w) {
+            *p = w->next;
+            break;
+        }
     }
-    return hit;
+    pthread_mutex_unlock(&hub_mutex);
+    pthread_cond_destroy(&w->cond);
+    free(w->job_id);
+    free(w);
+    db->waiter = NULL;
+}
+
+// db's waiter, created and listed on first use; NULL when out of memory.
+static ApiDbWaiter *hub_join(ApiDb *db)
+{
+    if (db->waiter) return db->waiter;
+    ApiDbWaiter *w = calloc(1, sizeof *w);
+    pthread_condattr_t attr;
+    if (!w) return NULL;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    const int rc = pthread_cond_init(&w->cond, &attr);
+    pthread_condattr_destroy(&attr);
+    if (rc != 0) {
+        free(w);
+        return NULL;
+    }
+    pthread_mutex_lock(&hub_mutex);
+    w->next = hub_waiters;
+    hub_waiters = w;
+    pthread_mutex_unlock(&hub_mutex);
+    db->waiter = w;
+    return w;
 }
 
 bool api_db_wait(ApiDb *db, const char *job_id, int timeout_ms)
 {
-    if (api_db_ensure(db)) {
+    ApiDbWaiter *w = hub_join(db);
+    if (!w) {
+        LOG_ERROR("api: out of memory for a notification waiter; polling");
         sleep_ms(timeout_ms);
         return false;
     }
-    PQconsumeInput(db->conn);
-    if (drain(db, job_id)) return true;
-    const double deadline = mono_ms() + timeout_ms;
-    for (;;) {
-        const double left = deadline - mono_ms();
-        if (left <= 0) return false;
-        struct pollfd pfd = {.fd = PQsocket(db->conn), .events = POLLIN};
-        if (pfd.fd < 0 || poll(&pfd, 1, (int) left + 1) <= 0) return false;
-        if (!PQconsumeInput(db->conn)) return false;  // connection lost: the caller's next query reconnects
-        if (drain(db, job_id)) return true;
+    struct timespec deadline;
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += timeout_ms / 1000;
+    deadline.tv_nsec += (long) (timeout_ms % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) {
+        deadline.tv_sec++;
+        deadline.tv_nsec -= 1000000000L;
     }
+    bool hit = false;
+    pthread_mutex_lock(&hub_mutex);
+    const bool is_same = job_id ? w->job_id && !strcmp(w->job_id, job_id) : !w->job_id;
+    if (!is_same) {
+        // A new job: notifications before this point were not counted for it, so the
+        // caller re-reads once before really waiting. Waiting for any job needs no re-read.
+        char *copy = job_id ? strdup(job_id) : NULL;
+        free(w->job_id);
+        w->job_id = copy;  // NULL on out of memory: woken by every job, which is only slower
+        w->seen = w->gen;
+        hit = job_id != NULL;
+    }
+    while (!hit && w->gen == w->seen) {
+        // 0 is a wake-up (maybe spurious: the loop re-checks); anything else is the timeout.
+        if (pthread_cond_timedwait(&w->cond, &hub_mutex, &deadline) != 0) break;
+    }
+    if (w->gen != w->seen) hit = true;
+    w->seen = w->gen;
+    pthread_mutex_unlock(&hub_mutex);
+    return hit;
+}
+
+static void *hub_main(void *arg)
+{
+    char *conninfo = arg;
+    PGconn *conn = NULL;
+    int delay = 100;
+    bool was_live = false;
+    for (;;) {
+        PQfinish(conn);
+        conn = PQconnectdb(conninfo);
+        PGresult *res = PQstatus(conn) == CONNECTION_OK ? PQexec(conn, "LISTEN job_chunks") : NULL;
+        const bool ok = res && PQresultStatus(res) == PGRES_COMMAND_OK;
+        PQclear(res);
+        if (!ok) {
+            sleep_ms(delay);
+            delay = delay * 2 > 2000 ? 2000 : delay * 2;
+            continue;
+        }
+        delay = 100;
+        if (was_live) LOG_INFO("api: notification hub listening again");
+        // Listening from here on; what was committed before is read by every waiter once.
+        pthread_mutex_lock(&hub_mutex);
+        hub_ring(NULL);
+        pthread_mutex_unlock(&hub_mutex);
+        was_live = true;
+        for (;;) {
+            struct pollfd pfd = {.fd = PQsocket(conn), .events = POLLIN};
+            if (pfd.fd < 0 || poll(&pfd, 1, 5000) < 0 || !PQconsumeInput(conn)) break;
+            PGnotify *note = PQnotifies(conn);
+            if (note) {
+                pthread_mutex_lock(&hub_mutex);
+                for (; note; note = PQnotifies(conn)) {
+                    hub_ring(note->extra);
+                    PQfreemem(note);
+                }
+                pthread_mutex_unlock(&hub_mutex);
+            }
+            if (PQstatus(conn) != CONNECTION_OK) break;
+        }
+        LOG_WARN("api: notification hub lost the database; streams poll until it is back");
+    }
+    return NULL;
+}
+
+Err api_db_hub_start(const char *conninfo)
+{
+    char *copy = strdup(conninfo);
+    pthread_t t;
+    if (!copy) return ERR_NOMEM;
+    if (pthread_create(&t, NULL, hub_main, copy) != 0) {
+        free(copy);
+        LOG_ERROR("api: could not start the notification hub");
+        return ERR_NOMEM;
+    }
+    pthread_detach(t);
+    return ERR_OK;
 }
 
 // ---------------------------------------------------------------------------

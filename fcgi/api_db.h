@@ -2,11 +2,15 @@
  * api_db.h - fcgi/'s PostgreSQL side: one connection per thread, reconnect with backoff,
  * API-key authentication with a short-lived cache.
  *
- * Each handler thread owns an ApiDb. The connection LISTENs on job_chunks (the engine's
- * doorbell: the payload is a job's public id) so that a thread streaming a job wakes as
- * soon as output is committed; it re-reads job_chunks by seq on every wake-up and on a
- * poll timer, so a lost notification only costs latency. After a reconnect it LISTENs
- * again before reading, so nothing committed in between is missed.
+ * Each handler thread owns an ApiDb. The engine rings a doorbell when it commits output:
+ * NOTIFY job_chunks with the job's public id as payload. One notification hub per process
+ * (api_db_hub_start: a thread with its own connection) LISTENs on it and wakes only the
+ * handler threads waiting for that job, so a batched decode step that commits 50 streams'
+ * chunks costs PostgreSQL one listening backend to signal instead of one per stream.
+ * A waiting thread re-reads job_chunks by seq on every wake-up and on a poll timer, so a
+ * lost notification (hub down, NOTIFY suppressed) only costs latency; when the hub
+ * (re)connects it wakes every waiter once, so nothing committed while it was down waits
+ * for the timer.
  *
  * Keys: the presented key is parsed (common/apikey.h), its row found by public prefix and
  * its SHA-256 compared in constant time. Verified keys are cached per process for
@@ -15,7 +19,8 @@
  * cached, so a bad key always costs a lookup of a prefix.
  *
  * Ownership: ApiDb is caller storage (init/free). PGresults returned are the caller's.
- * Threads:   an ApiDb belongs to one thread; the auth cache is shared and locked.
+ * Threads:   an ApiDb belongs to one thread; the auth cache and the hub's table of
+ *            waiters are shared and locked.
  * Errors:    ERR_DB when the database cannot be reached within the retry budget or
  *            refuses a statement; ERR_NOTFOUND for an unknown or revoked key.
  */
@@ -33,10 +38,17 @@ extern "C" {
 #endif
 
 #define API_AUTH_TTL_S 10
+// Statements api_db_exec prepares per connection; later distinct SQL runs unprepared.
+#define API_DB_MAX_PREPARED 32
+
+typedef struct ApiDbWaiter ApiDbWaiter;  // private to api_db.c
 
 typedef struct ApiDb {
     PGconn *conn;
     char *conninfo;
+    ApiDbWaiter *waiter;  // this thread's entry in the hub's table; created by api_db_wait
+    char **prepared;      // [API_DB_MAX_PREPARED] SQL prepared on conn as "s<index>"; owned
+    int n_prepared;       // reset whenever conn is replaced
 } ApiDb;
 
 typedef struct ApiKey {
@@ -50,7 +62,7 @@ typedef struct ApiKey {
 // Remember conninfo and try to connect (a failure here is retried on first use).
 Err api_db_init(ApiDb *db, const char *conninfo);
 
-// Close and zero; accepts a zeroed ApiDb.
+// Close, leave the hub's table and zero; accepts a zeroed ApiDb.
 void api_db_free(ApiDb *db);
 
 // Make sure the connection is up, reconnecting with backoff (50 ms .. 1 s, about 3 s in
@@ -58,7 +70,9 @@ void api_db_free(ApiDb *db);
 Err api_db_ensure(ApiDb *db);
 
 // Run a parameterized statement, reconnecting once if the connection had dropped. Returns
-// the result when its status is want, else logs and returns NULL.
+// the result when its status is want, else logs and returns NULL. The first
+// API_DB_MAX_PREPARED distinct SQL texts are prepared on the connection and reused, which
+// spares PostgreSQL a parse and plan per call (the stream loop runs two per chunk).
 PGresult *api_db_exec(ApiDb *db, const char *sql, int n_params, const char *const *params,
                       ExecStatusType want);
 
@@ -71,9 +85,19 @@ Err api_db_auth(ApiDb *db, const char *key, size_t n, ApiKey *out);
 // the cache is bypassed (every request looks its key up). Call once per process.
 Err api_db_watch_revocations(const char *conninfo);
 
-// Wait up to timeout_ms for a notification whose payload is job_id (NULL: any). Other
-// jobs' notifications are consumed and ignored, so that a thread streaming one job does
-// not re-read on every other job's output. true when a matching one came.
+// Start the notification hub: a thread with its own connection to conninfo that LISTENs
+// on job_chunks and wakes the api_db_wait callers waiting for the notified job. It
+// reconnects with backoff (100 ms .. 2 s) and, once listening again, wakes every waiter
+// so that what was committed meanwhile is read. Without it (or while it is down) waits
+// simply last timeout_ms. Call once per process.
+Err api_db_hub_start(const char *conninfo);
+
+// Wait up to timeout_ms for a job_chunks notification whose payload is job_id (NULL:
+// any), through the hub. The thread stays registered for job_id after returning, so a
+// notification that arrives between the caller's read and its next wait is not lost: that
+// wait returns at once. The first wait for a new job_id returns true at once (a
+// notification may have come before registration; the caller re-reads). true when a
+// matching notification came (or might have), false on timeout or out of memory.
 bool api_db_wait(ApiDb *db, const char *job_id, int timeout_ms);
 
 #ifdef __cplusplus

@@ -164,6 +164,7 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
 
     if (api_db_watch_revocations(conninfo)) return 1;
+    if (api_db_hub_start(conninfo)) return 1;  // one LISTEN job_chunks for every stream
     pthread_t *threads = calloc((size_t) n_threads, sizeof *threads);
     if (!threads) return 1;
     for (int i = 0; i < n_threads; i++) pthread_create(&threads[i], NULL, worker, NULL);

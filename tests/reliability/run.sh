@@ -112,6 +112,11 @@ mkdir -p "$(dirname "$report")"
     echo "| key leak: grep of every log for each key's secret | $logs files, $logbytes bytes | $([ $hits -eq 0 ] && echo pass || echo '**FAIL**') | $hits hits |"
     echo
     echo "Scenario details and pass criteria: tests/reliability/README.md."
+    # Sections kept by hand (from "## Fuzzing" on) survive a regeneration.
+    if [ -f "$report" ] && grep -q '^## Fuzzing' "$report"; then
+        echo
+        sed -n '/^## Fuzzing/,$p' "$report"
+    fi
 } >"$report.tmp"
 mv "$report.tmp" "$report"
 cat "$report"
