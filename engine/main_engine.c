@@ -575,7 +575,7 @@ static int run_engine(Opts *o)
                                    .first_layer = e.st.plan.ranks[r].first_layer,
                                    .last_layer = e.st.plan.ranks[r].last_layer,
                                    .weight_bytes = e.st.plan.ranks[r].weight_bytes};
-    snprintf(st->ranks[0].host, sizeof st->ranks[0].host, "%s", host);
+    snprintf(st->ranks[0].host, sizeof st->ranks[0].host, "%.63s", host);
     st->ranks[0].pid = (int) getpid();
     st->ranks[0].load_fraction = 1.0;
     st->kv_blocks_total = e.st.kv.params.n_blocks;
