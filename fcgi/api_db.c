@@ -274,16 +274,25 @@ bool api_db_wait(ApiDb *db, const char *job_id, int timeout_ms)
     return hit;
 }
 
-static void *hub_main(void *arg)
+// A thread with its own connection that LISTENs on one channel and reconnects with backoff
+// (100 ms .. 2 s). on_live(true) runs once it listens, on_live(false) when the connection is
+// lost; on_notes drains PQnotifies() after each wake-up.
+typedef struct Listener {
+    char *conninfo;  // owned
+    const char *listen_sql;
+    void (*on_live)(bool is_live);
+    void (*on_notes)(PGconn *conn);
+} Listener;
+
+static void *listener_main(void *arg)
 {
-    char *conninfo = arg;
+    const Listener *l = arg;
     PGconn *conn = NULL;
     int delay = 100;
-    bool was_live = false;
     for (;;) {
         PQfinish(conn);
-        conn = PQconnectdb(conninfo);
-        PGresult *res = PQstatus(conn) == CONNECTION_OK ? PQexec(conn, "LISTEN job_chunks") : NULL;
+        conn = PQconnectdb(l->conninfo);
+        PGresult *res = PQstatus(conn) == CONNECTION_OK ? PQexec(conn, l->listen_sql) : NULL;
         const bool ok = res && PQresultStatus(res) == PGRES_COMMAND_OK;
         PQclear(res);
         if (!ok) {
@@ -292,43 +301,72 @@ static void *hub_main(void *arg)
             continue;
         }
         delay = 100;
-        if (was_live) LOG_INFO("api: notification hub listening again");
-        // Listening from here on; what was committed before is read by every waiter once.
-        pthread_mutex_lock(&hub_mutex);
-        hub_ring(NULL);
-        pthread_mutex_unlock(&hub_mutex);
-        was_live = true;
+        l->on_live(true);
         for (;;) {
             struct pollfd pfd = {.fd = PQsocket(conn), .events = POLLIN};
             if (pfd.fd < 0 || poll(&pfd, 1, 5000) < 0 || !PQconsumeInput(conn)) break;
-            PGnotify *note = PQnotifies(conn);
-            if (note) {
-                pthread_mutex_lock(&hub_mutex);
-                for (; note; note = PQnotifies(conn)) {
-                    hub_ring(note->extra);
-                    PQfreemem(note);
-                }
-                pthread_mutex_unlock(&hub_mutex);
-            }
+            l->on_notes(conn);
             if (PQstatus(conn) != CONNECTION_OK) break;
         }
-        LOG_WARN("api: notification hub lost the database; streams poll until it is back");
+        l->on_live(false);
     }
     return NULL;
 }
 
-Err api_db_hub_start(const char *conninfo)
+// Start a listener thread (what: for the error message). The Listener lives for the process.
+static Err listener_start(const char *conninfo, const char *listen_sql, void (*on_live)(bool),
+                          void (*on_notes)(PGconn *), const char *what)
 {
+    Listener *l = calloc(1, sizeof *l);
     char *copy = strdup(conninfo);
     pthread_t t;
-    if (!copy) return ERR_NOMEM;
-    if (pthread_create(&t, NULL, hub_main, copy) != 0) {
+    if (!l || !copy) {
+        free(l);
         free(copy);
-        LOG_ERROR("api: could not start the notification hub");
+        return ERR_NOMEM;
+    }
+    *l = (Listener){copy, listen_sql, on_live, on_notes};
+    if (pthread_create(&t, NULL, listener_main, l) != 0) {
+        free(copy);
+        free(l);
+        LOG_ERROR("api: could not start the %s", what);
         return ERR_NOMEM;
     }
     pthread_detach(t);
     return ERR_OK;
+}
+
+static void hub_live(bool is_live)
+{
+    static bool was_live;
+    if (!is_live) {
+        LOG_WARN("api: notification hub lost the database; streams poll until it is back");
+        return;
+    }
+    if (was_live) LOG_INFO("api: notification hub listening again");
+    // Listening from here on; what was committed before is read by every waiter once.
+    pthread_mutex_lock(&hub_mutex);
+    hub_ring(NULL);
+    pthread_mutex_unlock(&hub_mutex);
+    was_live = true;
+}
+
+static void hub_notes(PGconn *conn)
+{
+    PGnotify *note = PQnotifies(conn);
+    if (!note) return;
+    pthread_mutex_lock(&hub_mutex);
+    for (; note; note = PQnotifies(conn)) {
+        hub_ring(note->extra);
+        PQfreemem(note);
+    }
+    pthread_mutex_unlock(&hub_mutex);
+}
+
+Err api_db_hub_start(const char *conninfo)
+{
+    return listener_start(conninfo, "LISTEN job_chunks", hub_live, hub_notes,
+                          "notification hub");
 }
 
 // ---------------------------------------------------------------------------
@@ -363,60 +401,34 @@ static void set_watch_live(bool live)
     pthread_mutex_unlock(&cache_mutex);
 }
 
-static void *watch_main(void *arg)
+static void watch_live(bool is_live)
 {
-    char *conninfo = arg;
-    PGconn *conn = NULL;
-    int delay = 100;
-    for (;;) {
-        PQfinish(conn);
-        conn = PQconnectdb(conninfo);
-        PGresult *res = PQstatus(conn) == CONNECTION_OK ? PQexec(conn, "LISTEN api_keys_revoked") : NULL;
-        const bool ok = res && PQresultStatus(res) == PGRES_COMMAND_OK;
-        PQclear(res);
-        if (!ok) {
-            sleep_ms(delay);
-            delay = delay * 2 > 2000 ? 2000 : delay * 2;
-            continue;
-        }
-        delay = 100;
-        set_watch_live(true);  // listening from here on: what is cached now stays valid
-        for (;;) {
-            struct pollfd pfd = {.fd = PQsocket(conn), .events = POLLIN};
-            if (pfd.fd < 0 || poll(&pfd, 1, 5000) < 0 || !PQconsumeInput(conn)) break;
-            PGnotify *note;
-            bool is_revoked = false;
-            while ((note = PQnotifies(conn))) {
-                is_revoked = true;
-                PQfreemem(note);
-            }
-            if (is_revoked) {
-                cache_clear();
-                LOG_INFO("api: a key was revoked; auth cache cleared");
-            }
-            if (PQstatus(conn) != CONNECTION_OK) break;
-        }
-        set_watch_live(false);
+    set_watch_live(is_live);  // listening from here on: what is cached now stays valid
+    if (!is_live)
         LOG_WARN("api: revocation watcher lost the database; auth cache off until it is back");
+}
+
+static void watch_notes(PGconn *conn)
+{
+    PGnotify *note;
+    bool is_revoked = false;
+    while ((note = PQnotifies(conn))) {
+        is_revoked = true;
+        PQfreemem(note);
     }
-    return NULL;
+    if (is_revoked) {
+        cache_clear();
+        LOG_INFO("api: a key was revoked; auth cache cleared");
+    }
 }
 
 Err api_db_watch_revocations(const char *conninfo)
 {
-    char *copy = strdup(conninfo);
-    pthread_t t;
-    if (!copy) return ERR_NOMEM;
     pthread_mutex_lock(&cache_mutex);
     is_watch_started = true;
     pthread_mutex_unlock(&cache_mutex);
-    if (pthread_create(&t, NULL, watch_main, copy) != 0) {
-        free(copy);
-        LOG_ERROR("api: could not start the revocation watcher");
-        return ERR_NOMEM;
-    }
-    pthread_detach(t);
-    return ERR_OK;
+    return listener_start(conninfo, "LISTEN api_keys_revoked", watch_live, watch_notes,
+                          "revocation watcher");
 }
 
 static bool cache_get(const uint8_t digest[APIKEY_HASH_LEN], ApiKey *out)
