@@ -46,6 +46,7 @@
 #include "engine/scheduler.h"
 #include "tests/check.h"
 #include "tests/engine/mtp_test_util.h"
+#include "tests/engine/pp_test_util.h"
 
 enum { N_REQ = 4, MAX_TOK = 12, TRUTH = MAX_TOK + MTP_MAX_DRAFTS + 2, MAX_OUT = 64, BLOCKS = 40 };
 
@@ -544,18 +545,6 @@ static void *rank_main(void *arg)
     return NULL;
 }
 
-static int free_port(void)
-{
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET};
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof sa;
-    ASSERT(fd >= 0 && bind(fd, (struct sockaddr *) &sa, sizeof sa) == 0
-           && getsockname(fd, (struct sockaddr *) &sa, &len) == 0);
-    close(fd);
-    return ntohs(sa.sin_port);
-}
-
 static void test_pipeline(const char *dir)
 {
     Backend *be;
@@ -567,7 +556,7 @@ static void test_pipeline(const char *dir)
     model_free(&plain);
 
     char master[64];
-    snprintf(master, sizeof master, "127.0.0.1:%d", free_port());
+    snprintf(master, sizeof master, "127.0.0.1:%d", pp_test_free_port());
     RankArgs args[3] = {{0}, {1, dir, master, NULL, ERR_OK}, {2, dir, master, &o, ERR_OK}};
     pthread_t th[3];
     for (int r = 1; r < 3; r++)

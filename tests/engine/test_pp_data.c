@@ -21,6 +21,7 @@
 #include "common/err.h"
 #include "engine/pp_comm.h"
 #include "tests/check.h"
+#include "tests/engine/pp_test_util.h"
 
 enum { N_BYTES = 100 * 1000 };
 
@@ -34,20 +35,6 @@ typedef struct Rank {
     bool intact;  // the pattern received equals the one sent
     Err dev_err;
 } Rank;
-
-// A port nothing listens on now (bind to 0, read it back, close).
-static int free_port(void)
-{
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof sa;
-    int port = -1;
-    if (fd >= 0 && bind(fd, (struct sockaddr *) &sa, sizeof sa) == 0
-        && getsockname(fd, (struct sockaddr *) &sa, &len) == 0)
-        port = ntohs(sa.sin_port);
-    if (fd >= 0) close(fd);
-    return port;
-}
 
 static void fill(unsigned char *p, size_t n, int seed)
 {
@@ -98,7 +85,7 @@ static void *rank_main(void *arg)
 // Run ranks 0 and 1 (threads) through rank_main; offer goes to rank 0.
 static void run_pair(Rank r[2], const unsigned char *offer)
 {
-    const int port = free_port();
+    const int port = pp_test_free_port();
     CHECK(port > 0);
     pthread_t th[2];
     for (int i = 0; i < 2; i++) {

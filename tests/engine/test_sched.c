@@ -35,6 +35,7 @@
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
 #include "tests/check.h"
+#include "tests/engine/pp_test_util.h"
 
 enum { N_REQ = 4, MAX_TOK = 10, MAX_OUT = 64 };
 
@@ -457,22 +458,10 @@ static void *rank_main(void *arg)
     return NULL;
 }
 
-static int free_port(void)
-{
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET};
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof sa;
-    ASSERT(fd >= 0 && bind(fd, (struct sockaddr *) &sa, sizeof sa) == 0
-           && getsockname(fd, (struct sockaddr *) &sa, &len) == 0);
-    close(fd);
-    return ntohs(sa.sin_port);
-}
-
 static void test_pipeline(Model *full, Backend *be)
 {
     char master[64];
-    snprintf(master, sizeof master, "127.0.0.1:%d", free_port());
+    snprintf(master, sizeof master, "127.0.0.1:%d", pp_test_free_port());
     const uint64_t hash = 0x5eed;
     RankArgs args[3] = {{0}, {1, master, hash, ERR_OK}, {2, master, hash, ERR_OK}};
     pthread_t th[3];
@@ -543,7 +532,7 @@ static void *rank1_of_2(void *arg)
 static void test_handshake_mismatch(Backend *be)
 {
     char master[64];
-    snprintf(master, sizeof master, "127.0.0.1:%d", free_port());
+    snprintf(master, sizeof master, "127.0.0.1:%d", pp_test_free_port());
     RankArgs a1 = {1, master, 0xbad, ERR_OK};
     pthread_t th;
     ASSERT(pthread_create(&th, NULL, rank1_of_2, &a1) == 0);
