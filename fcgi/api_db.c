@@ -108,13 +108,14 @@ Err api_db_ensure(ApiDb *db)
     if (is_alive(db)) return ERR_OK;
     if (db->conn && PQstatus(db->conn) == CONNECTION_OK)
         LOG_WARN("api: the database closed an idle connection; reconnecting");
+    const int budget = db->retry_ms > 0 ? db->retry_ms : API_DB_RETRY_MS;
     int delay = 50, waited = 0;
     for (;;) {
         if (connect_once(db)) {
             LOG_INFO("api: connected to the database");
             return ERR_OK;
         }
-        if (waited >= 3000) {
+        if (waited >= budget) {
             LOG_ERROR("api: could not connect to the database: %s",
                       db->conn ? PQerrorMessage(db->conn) : "out of memory");
             return ERR_DB;
@@ -122,6 +123,7 @@ Err api_db_ensure(ApiDb *db)
         sleep_ms(delay);
         waited += delay;
         delay = delay * 2 > 1000 ? 1000 : delay * 2;
+        if (delay > budget - waited && budget > waited) delay = budget - waited;
     }
 }
 
@@ -385,25 +387,33 @@ static pthread_mutex_t cache_mutex = PTHREAD_MUTEX_INITIALIZER;
 // Revocation watcher (api_db_watch_revocations): once started, the cache is trusted only
 // while the watcher is connected and listening, so a missed revocation cannot linger.
 static bool is_watch_started, is_watch_live;
+// Bumped by every clear. A lookup notes it before reading api_keys and caches its answer
+// only if it is unchanged: otherwise a revocation may have committed after the read (its
+// NOTIFY emptied the cache meanwhile) and the row the lookup saw is stale.
+static uint64_t cache_gen;
+
+// Empty the cache. Called with cache_mutex held.
+static void cache_clear_locked(void)
+{
+    memset(cache, 0, sizeof cache);
+    cache_gen++;
+}
 
 static void cache_clear(void)
 {
     pthread_mutex_lock(&cache_mutex);
-    memset(cache, 0, sizeof cache);
-    pthread_mutex_unlock(&cache_mutex);
-}
-
-static void set_watch_live(bool live)
-{
-    pthread_mutex_lock(&cache_mutex);
-    is_watch_live = live;
-    if (!live) memset(cache, 0, sizeof cache);
+    cache_clear_locked();
     pthread_mutex_unlock(&cache_mutex);
 }
 
 static void watch_live(bool is_live)
 {
-    set_watch_live(is_live);  // listening from here on: what is cached now stays valid
+    // Either way the cache starts empty: entries made while the watcher was away may be of
+    // keys revoked meanwhile (their NOTIFY went nowhere).
+    pthread_mutex_lock(&cache_mutex);
+    is_watch_live = is_live;
+    cache_clear_locked();
+    pthread_mutex_unlock(&cache_mutex);
     if (!is_live)
         LOG_WARN("api: revocation watcher lost the database; auth cache off until it is back");
 }
@@ -431,27 +441,33 @@ Err api_db_watch_revocations(const char *conninfo)
                           "revocation watcher");
 }
 
-static bool cache_get(const uint8_t digest[APIKEY_HASH_LEN], ApiKey *out)
+// Look digest up; on a miss *gen gets the generation that a later cache_put must match.
+static bool cache_get(const uint8_t digest[APIKEY_HASH_LEN], ApiKey *out, uint64_t *gen)
 {
     bool hit = false;
     const time_t now = time(NULL);
     pthread_mutex_lock(&cache_mutex);
     const CacheEntry *e = &cache[digest[0]];
-    if ((!is_watch_started || is_watch_live) && e->expires > now && CRYPTO_memcmp(e->digest, digest, APIKEY_HASH_LEN) == 0) {
+    const bool is_trusted = !is_watch_started || is_watch_live;
+    if (is_trusted && e->expires > now && CRYPTO_memcmp(e->digest, digest, APIKEY_HASH_LEN) == 0) {
         *out = e->key;
         hit = true;
     }
+    *gen = cache_gen;
     pthread_mutex_unlock(&cache_mutex);
     return hit;
 }
 
-static void cache_put(const uint8_t digest[APIKEY_HASH_LEN], const ApiKey *key)
+// Cache key unless the cache was cleared since gen was read or is not trusted now.
+static void cache_put(const uint8_t digest[APIKEY_HASH_LEN], const ApiKey *key, uint64_t gen)
 {
     pthread_mutex_lock(&cache_mutex);
-    CacheEntry *e = &cache[digest[0]];
-    memcpy(e->digest, digest, APIKEY_HASH_LEN);
-    e->key = *key;
-    e->expires = time(NULL) + API_AUTH_TTL_S;
+    if (gen == cache_gen && (!is_watch_started || is_watch_live)) {
+        CacheEntry *e = &cache[digest[0]];
+        memcpy(e->digest, digest, APIKEY_HASH_LEN);
+        e->key = *key;
+        e->expires = time(NULL) + API_AUTH_TTL_S;
+    }
     pthread_mutex_unlock(&cache_mutex);
 }
 
@@ -459,9 +475,10 @@ Err api_db_auth(ApiDb *db, const char *key, size_t n, ApiKey *out)
 {
     char prefix[APIKEY_PREFIX_LEN + 1];
     uint8_t digest[APIKEY_HASH_LEN], stored[APIKEY_HASH_LEN];
+    uint64_t gen = 0;
     if (apikey_parse(key, n, prefix)) return ERR_NOTFOUND;
     apikey_hash(key, n, digest);
-    if (cache_get(digest, out)) return ERR_OK;
+    if (cache_get(digest, out, &gen)) return ERR_OK;
 
     PGresult *res = api_db_exec(db,
                                 "SELECT id, encode(key_hash, 'hex'), scope, coalesce(rpm, 0),"
@@ -487,7 +504,7 @@ Err api_db_auth(ApiDb *db, const char *key, size_t n, ApiKey *out)
             k.is_admin = strcmp(PQgetvalue(res, 0, 2), "admin") == 0;
             k.rpm = atoi(PQgetvalue(res, 0, 3));
             k.max_concurrent = atoi(PQgetvalue(res, 0, 4));
-            cache_put(digest, &k);
+            cache_put(digest, &k, gen);
             *out = k;
             err = ERR_OK;
         }
@@ -496,8 +513,10 @@ Err api_db_auth(ApiDb *db, const char *key, size_t n, ApiKey *out)
     if (err == ERR_OK) {
         char id_text[24];
         snprintf(id_text, sizeof id_text, "%lld", (long long) out->id);
-        PQclear(api_db_exec(db, "UPDATE api_keys SET last_used_at = now() WHERE id = $1::bigint",
-                            1, (const char *const[]){id_text}, PGRES_COMMAND_OK));
+        PGresult *upd = api_db_exec(db, "UPDATE api_keys SET last_used_at = now() WHERE id = $1::bigint",
+                                    1, (const char *const[]){id_text}, PGRES_COMMAND_OK);
+        if (!upd) LOG_WARN("api: could not record the use of key %s", prefix);
+        PQclear(upd);
     }
     return err;
 }

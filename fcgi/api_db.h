@@ -15,8 +15,9 @@
  * Keys: the presented key is parsed (common/apikey.h), its row found by public prefix and
  * its SHA-256 compared in constant time. Verified keys are cached per process for
  * API_AUTH_TTL_S seconds; with api_db_watch_revocations running, a revocation empties the
- * cache at once (else a revoked key stops working within the TTL). Failures are not
- * cached, so a bad key always costs a lookup of a prefix.
+ * cache at once (else a revoked key stops working within the TTL), and a lookup that
+ * raced the revocation cannot put the key back (a generation count, api_db.c). Failures
+ * are not cached, so a bad key always costs a lookup of a prefix.
  *
  * Ownership: ApiDb is caller storage (init/free). PGresults returned are the caller's.
  * Threads:   an ApiDb belongs to one thread; the auth cache and the hub's table of
@@ -40,6 +41,9 @@ extern "C" {
 #define API_AUTH_TTL_S 10
 // Statements api_db_exec prepares per connection; later distinct SQL runs unprepared.
 #define API_DB_MAX_PREPARED 32
+// How long api_db_ensure keeps reconnecting by default (a request's patience); a stream
+// that must keep writing keep-alives sets ApiDb.retry_ms lower for its reads.
+#define API_DB_RETRY_MS 3000
 
 typedef struct ApiDbWaiter ApiDbWaiter;  // private to api_db.c
 
@@ -49,6 +53,7 @@ typedef struct ApiDb {
     ApiDbWaiter *waiter;  // this thread's entry in the hub's table; created by api_db_wait
     char **prepared;      // [API_DB_MAX_PREPARED] SQL prepared on conn as "s<index>"; owned
     int n_prepared;       // reset whenever conn is replaced
+    int retry_ms;         // api_db_ensure's reconnect budget; 0 = API_DB_RETRY_MS
 } ApiDb;
 
 typedef struct ApiKey {
@@ -65,8 +70,8 @@ Err api_db_init(ApiDb *db, const char *conninfo);
 // Close, leave the hub's table and zero; accepts a zeroed ApiDb.
 void api_db_free(ApiDb *db);
 
-// Make sure the connection is up, reconnecting with backoff (50 ms .. 1 s, about 3 s in
-// all). ERR_DB when it stays down.
+// Make sure the connection is up, reconnecting with backoff (50 ms .. 1 s, for retry_ms,
+// about 3 s by default). ERR_DB when it stays down.
 Err api_db_ensure(ApiDb *db);
 
 // Run a parameterized statement, reconnecting once if the connection had dropped. Returns
@@ -76,7 +81,10 @@ Err api_db_ensure(ApiDb *db);
 PGresult *api_db_exec(ApiDb *db, const char *sql, int n_params, const char *const *params,
                       ExecStatusType want);
 
-// Authenticate key[0..n). *out is written on success.
+// Authenticate key[0..n). *out is written on success. A lookup that overlaps a cache
+// clear (a revocation, the watcher reconnecting) does not cache its answer: the row it
+// read may predate the revocation. last_used_at is updated on every lookup that reached
+// the database (a failure is logged, not returned: the key did verify).
 Err api_db_auth(ApiDb *db, const char *key, size_t n, ApiKey *out);
 
 // Start a thread (with its own connection to conninfo) that LISTENs on api_keys_revoked

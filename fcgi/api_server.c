@@ -13,15 +13,14 @@
  */
 #include "fcgi/api_server.h"
 
-#include <ctype.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <time.h>
 
 #include "engine/common/apikey.h"
+#include "fcgi/api_http.h"
 #include "fcgi/api_metrics.h"
 #include "fcgi/api_request.h"
 
@@ -36,27 +35,6 @@ typedef struct Ctx {
     bool is_broken;  // a write failed: the client is gone
 } Ctx;
 
-typedef struct Buf {
-    char *p;
-    size_t n, cap;
-} Buf;
-
-static bool buf_add(Buf *b, const char *s, size_t n)
-{
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n + 1) cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p) return false;
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = '\0';
-    return true;
-}
-
 static double now_s(void)
 {
     struct timespec ts;
@@ -67,40 +45,29 @@ static double now_s(void)
 // ---------------------------------------------------------------------------
 // Output
 
-static const char *reason_phrase(int status)
-{
-    switch (status) {
-    case 200: return "OK";
-    case 202: return "Accepted";
-    case 400: return "Bad Request";
-    case 401: return "Unauthorized";
-    case 403: return "Forbidden";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 409: return "Conflict";
-    case 413: return "Payload Too Large";
-    case 429: return "Too Many Requests";
-    case 500: return "Internal Server Error";
-    case 503: return "Service Unavailable";
-    default: return "Status";
-    }
-}
-
 static void put(Ctx *c, const char *s, size_t n)
 {
     if (c->is_broken) return;
     if (FCGX_PutStr(s, (int) n, c->req->out) != (int) n) c->is_broken = true;
 }
 
+// Formatted output of any length (no fixed buffer to cut it short). A formatting or
+// memory failure is logged and ends the response: a half-formatted line must not go out.
 static void putf(Ctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void putf(Ctx *c, const char *fmt, ...)
 {
-    char buf[1024];
+    ApiBuf b = {0};
     va_list ap;
     va_start(ap, fmt);
-    const int n = vsnprintf(buf, sizeof buf, fmt, ap);
+    const Err err = api_buf_vaddf(&b, fmt, ap);
     va_end(ap);
-    if (n > 0) put(c, buf, (size_t) n < sizeof buf ? (size_t) n : sizeof buf - 1);
+    if (err) {
+        LOG_ERROR("api: could not format a response line: %s", err_name(err));
+        c->is_broken = true;
+    } else {
+        put(c, b.p, b.n);
+    }
+    api_buf_free(&b);
 }
 
 static void flush(Ctx *c)
@@ -113,12 +80,13 @@ static const char *json_text(json_object *o)
     return json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN | JSON_C_TO_STRING_NOSLASHESCAPE);
 }
 
-// Send status + JSON body; takes ownership of body. extra: more header lines, or NULL.
-static void send_json(Ctx *c, int status, json_object *body, const char *extra)
+// Send status + JSON body; takes ownership of body. extra: more header lines (made with
+// api_http_add_header), or NULL.
+static void send_json(Ctx *c, int status, json_object *body, const ApiBuf *extra)
 {
     const char *text = json_text(body);
     putf(c, "Status: %d %s\r\nContent-Type: application/json\r\nCache-Control: no-store\r\n%s\r\n",
-         status, reason_phrase(status), extra ? extra : "");
+         status, api_http_reason_phrase(status), extra && extra->p ? extra->p : "");
     put(c, text, strlen(text));
     put(c, "\n", 1);
     json_object_put(body);
@@ -137,10 +105,13 @@ static json_object *error_object(const ApiError *e)
 
 static void send_error(Ctx *c, const ApiError *e, int retry_after_s)
 {
-    char extra[64] = "";
-    if (retry_after_s > 0) snprintf(extra, sizeof extra, "Retry-After: %d\r\n", retry_after_s);
-    if (e->status == 401) snprintf(extra, sizeof extra, "WWW-Authenticate: Bearer\r\n");
-    send_json(c, e->status, error_object(e), extra);
+    ApiBuf extra = {0};
+    Err err = ERR_OK;
+    if (retry_after_s > 0) err = api_buf_addf(&extra, "Retry-After: %d\r\n", retry_after_s);
+    if (!err && e->status == 401) err = api_http_add_header(&extra, "WWW-Authenticate", "Bearer");
+    if (err) LOG_ERROR("api: could not add the headers of a %d answer: %s", e->status, err_name(err));
+    send_json(c, e->status, error_object(e), &extra);
+    api_buf_free(&extra);
 }
 
 static void fail(Ctx *c, int status, const char *type, const char *code, const char *param,
@@ -157,32 +128,17 @@ static void fail_db(Ctx *c)
          "the job database is unavailable; retry shortly");
 }
 
+static void fail_oom(Ctx *c)
+{
+    fail(c, 500, "server_error", NULL, NULL, "out of memory");
+}
+
 // ---------------------------------------------------------------------------
 // Request helpers
 
 static const char *param(const Ctx *c, const char *name)
 {
     return FCGX_GetParam(name, c->req->envp);
-}
-
-// Value of name in the query string, copied into out; false when absent.
-static bool query_value(const Ctx *c, const char *name, char *out, size_t cap)
-{
-    const char *q = c->query;
-    const size_t n = strlen(name);
-    while (q && *q) {
-        if (!strncmp(q, name, n) && q[n] == '=') {
-            const char *v = q + n + 1;
-            size_t len = strcspn(v, "&");
-            if (len >= cap) len = cap - 1;
-            memcpy(out, v, len);
-            out[len] = '\0';
-            return true;
-        }
-        q = strchr(q, '&');
-        if (q) q++;
-    }
-    return false;
 }
 
 // Read the body into a new NUL-terminated string; NULL after answering 413/400.
@@ -200,7 +156,7 @@ static char *read_body(Ctx *c, size_t *n_out)
     }
     char *body = malloc((size_t) len + 1);
     if (!body) {
-        fail(c, 500, "server_error", NULL, NULL, "out of memory");
+        fail_oom(c);
         return NULL;
     }
     size_t got = 0;
@@ -219,31 +175,15 @@ static char *read_body(Ctx *c, size_t *n_out)
     return body;
 }
 
-// Identify the caller: nginx's auth_request params, else the Authorization header.
-// false after answering 401/503.
+// Identify the caller by the key it presents (Authorization: Bearer, or X-Api-Key), on
+// every request. FastCGI parameters never carry identity: anything that can connect to
+// the socket can set them (GLMSPARK_KEY_ID and friends, which nginx used to pass, are
+// ignored). Behind nginx the auth_request subrequest has just verified the same key, so
+// this is a hit in the process's auth cache. false after answering 401/503.
 static bool authenticate(Ctx *c)
 {
-    const char *id = param(c, "GLMSPARK_KEY_ID");
-    if (id && *id) {
-        const char *scope = param(c, "GLMSPARK_KEY_SCOPE"), *rpm = param(c, "GLMSPARK_KEY_RPM"),
-                   *conc = param(c, "GLMSPARK_KEY_MAX_CONCURRENT"),
-                   *prefix = param(c, "GLMSPARK_KEY_PREFIX");
-        c->key.id = atoll(id);
-        c->key.is_admin = scope && !strcmp(scope, "admin");
-        c->key.rpm = rpm ? atoi(rpm) : 0;
-        c->key.max_concurrent = conc ? atoi(conc) : 0;
-        snprintf(c->key.prefix, sizeof c->key.prefix, "%s", prefix ? prefix : "");
-        return c->key.id > 0;
-    }
-    const char *auth = param(c, "HTTP_AUTHORIZATION");
-    const char *key = NULL;
-    if (auth && !strncasecmp(auth, "Bearer ", 7)) {
-        key = auth + 7;
-        while (*key == ' ') key++;
-    } else if ((auth = param(c, "HTTP_X_API_KEY"))) {
-        key = auth;
-    }
-    if (!key || !*key) {
+    const char *key = api_http_bearer_key(param(c, "HTTP_AUTHORIZATION"), param(c, "HTTP_X_API_KEY"));
+    if (!key) {
         fail(c, 401, "invalid_request_error", "missing_api_key", NULL,
              "no API key: send it as \"Authorization: Bearer <key>\"");
         return false;
@@ -278,6 +218,28 @@ static PGresult *tx(ApiDb *db, const char *sql, int n, const char *const *params
     LOG_ERROR("api: enqueue statement failed: %s", PQerrorMessage(db->conn));
     PQclear(res);
     return NULL;
+}
+
+// The job that an earlier request with this Idempotency-Key made, read in the open
+// transaction (each statement sees what committed before it). ERR_OK with *job filled,
+// ERR_NOTFOUND when there is none, ERR_DB when the statement failed (logged by tx).
+static Err find_idem_job(Ctx *c, const char *key_id, const char *idem, NewJob *job)
+{
+    PGresult *res = tx(c->db, "SELECT id, public_id, extract(epoch FROM created_at)::bigint,"
+                              " n_prompt_tokens, max_tokens FROM jobs"
+                              " WHERE api_key_id = $1::bigint AND idem_key = $2",
+                       2, (const char *const[]){key_id, idem}, PGRES_TUPLES_OK);
+    if (!res) return ERR_DB;
+    const Err err = PQntuples(res) == 1 ? ERR_OK : ERR_NOTFOUND;
+    if (!err) {
+        job->id = atoll(PQgetvalue(res, 0, 0));
+        snprintf(job->public_id, sizeof job->public_id, "%s", PQgetvalue(res, 0, 1));
+        job->created = atoll(PQgetvalue(res, 0, 2));
+        job->n_prompt = atoi(PQgetvalue(res, 0, 3));
+        job->max_tokens = atoi(PQgetvalue(res, 0, 4));
+    }
+    PQclear(res);
+    return err;
 }
 
 // Render, tokenize, check the context, insert. false after answering the client.
@@ -375,22 +337,10 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
         api_error_set(&e, 401, NULL, "invalid_api_key", NULL, "invalid or revoked API key");
         goto done;
     }
-    if (idem) {
-        if (!(res = tx(c->db, "SELECT id, public_id, extract(epoch FROM created_at)::bigint,"
-                              " n_prompt_tokens, max_tokens FROM jobs"
-                              " WHERE api_key_id = $1::bigint AND idem_key = $2",
-                       2, (const char *const[]){key_id, idem}, PGRES_TUPLES_OK)))
-            goto db_down;
-        if (PQntuples(res) == 1) {  // a retry of a request we already accepted
-            job->id = atoll(PQgetvalue(res, 0, 0));
-            snprintf(job->public_id, sizeof job->public_id, "%s", PQgetvalue(res, 0, 1));
-            job->created = atoll(PQgetvalue(res, 0, 2));
-            job->n_prompt = atoi(PQgetvalue(res, 0, 3));
-            job->max_tokens = atoi(PQgetvalue(res, 0, 4));
-            PQclear(res);
-            goto commit;
-        }
-        PQclear(res);
+    if (idem) {  // a retry of a request we already accepted gets that request's job
+        const Err err = find_idem_job(c, key_id, idem, job);
+        if (err == ERR_DB) goto db_down;
+        if (!err) goto commit;
     }
     if (c->key.max_concurrent > 0) {
         if (!(res = tx(c->db, "SELECT count(*) FROM jobs WHERE api_key_id = $1::bigint"
@@ -454,6 +404,7 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
              "INSERT INTO jobs (api_key_id, kind, model, request, prompt_ids, n_prompt_tokens,"
              " max_tokens, idem_key, input) VALUES ($1::bigint, $2, $3, $4::jsonb, $5::int[],"
              " $6::int, $7::int, $8, $9::jsonb)"
+             " ON CONFLICT (api_key_id, idem_key) WHERE idem_key IS NOT NULL DO NOTHING"
              " RETURNING id, public_id, extract(epoch FROM created_at)::bigint",
              9,
              (const char *const[]){key_id, r->kind == API_KIND_CHAT ? "chat" : "completion",
@@ -462,6 +413,19 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
              PGRES_TUPLES_OK);
     free(input_text);
     if (!res) goto db_down;
+    if (PQntuples(res) == 0) {
+        // Only a key without limits gets here concurrently (a key with limits holds its row
+        // FOR UPDATE): a request with the same Idempotency-Key inserted first. ON CONFLICT
+        // waited for it to commit and inserted nothing; its job is this request's answer.
+        PQclear(res);
+        const Err err = find_idem_job(c, key_id, idem ? idem : "", job);
+        if (err == ERR_DB) goto db_down;
+        if (err) {
+            LOG_ERROR("api: key %s: no job for Idempotency-Key after a conflict", c->key.prefix);
+            goto db_down;
+        }
+        goto commit;
+    }
     job->id = atoll(PQgetvalue(res, 0, 0));
     snprintf(job->public_id, sizeof job->public_id, "%s", PQgetvalue(res, 0, 1));
     job->created = atoll(PQgetvalue(res, 0, 2));
@@ -473,7 +437,11 @@ commit:
     // The doorbell goes after the commit, in its own statement: a NOTIFY inside the
     // transaction would hold PostgreSQL's database-wide notify lock across the commit's WAL
     // flush and serialize every enqueue (and every engine append) behind it.
-    PQclear(PQexec(c->db->conn, "NOTIFY jobs_new"));
+    res = PQexec(c->db->conn, "NOTIFY jobs_new");
+    if (PQresultStatus(res) != PGRES_COMMAND_OK)  // committed anyway; the engine's poll finds it
+        LOG_WARN("api: could not notify jobs_new for job %s: %s", job->public_id,
+                 PQerrorMessage(c->db->conn));
+    PQclear(res);
     LOG_INFO("api: key %s queued job %s (%d prompt tokens, max %d)", c->key.prefix,
              job->public_id, job->n_prompt, job->max_tokens);
     ok = true;
@@ -486,7 +454,13 @@ db_down:
                   "the job database is unavailable; retry shortly");
     retry_after = 1;
 done:
-    if (in_tx) PQclear(PQexec(c->db->conn, "ROLLBACK"));
+    if (in_tx) {
+        // A failed ROLLBACK means the connection is gone, which ends the transaction too.
+        PGresult *rb = PQexec(c->db->conn, "ROLLBACK");
+        if (PQresultStatus(rb) != PGRES_COMMAND_OK)
+            LOG_WARN("api: could not roll back an enqueue: %s", PQerrorMessage(c->db->conn));
+        PQclear(rb);
+    }
     if (!ok) send_error(c, &e, retry_after);
     json_object_put(params);
     free(ids_text);
@@ -506,7 +480,8 @@ typedef struct JobState {
     bool is_terminal;
 } JobState;
 
-static bool read_state(Ctx *c, int64_t id, JobState *st)
+// The job's state. ERR_NOTFOUND when the row is gone, ERR_DB when the read failed.
+static Err read_state(Ctx *c, int64_t id, JobState *st)
 {
     char id_text[24];
     snprintf(id_text, sizeof id_text, "%lld", (long long) id);
@@ -515,9 +490,10 @@ static bool read_state(Ctx *c, int64_t id, JobState *st)
                                 " n_prompt_tokens, n_completion_tokens, n_chunks"
                                 " FROM jobs WHERE id = $1::bigint",
                                 1, (const char *const[]){id_text}, PGRES_TUPLES_OK);
-    if (!res || PQntuples(res) != 1) {
+    if (!res) return ERR_DB;
+    if (PQntuples(res) != 1) {
         PQclear(res);
-        return false;
+        return ERR_NOTFOUND;
     }
     snprintf(st->state, sizeof st->state, "%s", PQgetvalue(res, 0, 0));
     snprintf(st->finish_reason, sizeof st->finish_reason, "%s", PQgetvalue(res, 0, 1));
@@ -528,7 +504,7 @@ static bool read_state(Ctx *c, int64_t id, JobState *st)
     st->is_terminal = !strcmp(st->state, "succeeded") || !strcmp(st->state, "failed") ||
                       !strcmp(st->state, "cancelled");
     PQclear(res);
-    return true;
+    return ERR_OK;
 }
 
 // Ask the engine to stop a job (a queued one is cancelled at once). true if found.
@@ -558,7 +534,7 @@ typedef enum StreamMode {
 } StreamMode;
 
 typedef struct Collected {
-    Buf content, reasoning;
+    ApiBuf content, reasoning;
     json_object *tool_calls;  // array or NULL
     json_object *logprobs;    // array of per-token entries (chat shape), or NULL
 } Collected;
@@ -682,17 +658,181 @@ static const char *client_finish_reason(const JobState *st, int n_tools)
     return st->finish_reason[0] ? st->finish_reason : "stop";
 }
 
+// The reader loop's state for one stream.
+typedef struct Stream {
+    StreamMode mode;
+    const char *job_id;
+    long long created;
+    bool is_chat, want_lp;
+    Collected *col;       // MODE_COLLECT only
+    int last;             // seq of the last chunk handled
+    int n_tools;          // tool chunks so far (their call index)
+    int lp_offset;        // legacy completions: text_offset of the next token
+    double last_write;    // when bytes last went out (events or keep-alive)
+    double outage_since;  // first failed read of the current outage; 0 while reads work
+} Stream;
+
+// While the database is away a stream's reads reconnect for at most this long, and it
+// waits at most until its next keep-alive, so keep-alives stay on time and a client that
+// left is noticed at the next one.
+enum { STREAM_RETRY_MS = 250 };
+
+// Handle row i of a job_chunks read (seq, kind, text, logprobs). ERR_NOMEM when the
+// collected output cannot grow (logged).
+static Err stream_chunk(Ctx *c, Stream *s, PGresult *res, int i)
+{
+    const int seq = atoi(PQgetvalue(res, i, 0));
+    const char *kind = PQgetvalue(res, i, 1), *text = PQgetvalue(res, i, 2);
+    const size_t n_text = (size_t) PQgetlength(res, i, 2);
+    Err err = ERR_OK;
+    s->last = seq;
+    json_object *lp = PQgetisnull(res, i, 3) ? NULL : json_tokener_parse(PQgetvalue(res, i, 3));
+    if (s->mode == MODE_EVENTS_SSE) {
+        json_object *o = json_object_new_object();
+        json_object_object_add(o, "seq", json_object_new_int(seq));
+        json_object_object_add(o, "kind", json_object_new_string(kind));
+        json_object_object_add(o, "text", json_object_new_string_len(text, (int) n_text));
+        if (lp) json_object_object_add(o, "logprobs", lp);
+        putf(c, "id: %d\n", seq);
+        sse_data(c, o);
+        return ERR_OK;
+    }
+    if (!s->want_lp) {
+        json_object_put(lp);
+        lp = NULL;
+    }
+    Collected *col = s->col;
+    if (s->mode == MODE_COLLECT && lp) {
+        if (!col->logprobs) col->logprobs = json_object_new_array();
+        for (size_t k = 0; k < json_object_array_length(lp); k++)
+            json_object_array_add(col->logprobs, json_object_get(json_object_array_get_idx(lp, k)));
+    }
+    if (n_text == 0 && (!lp || s->mode == MODE_COLLECT)) {
+        json_object_put(lp);
+        return ERR_OK;
+    }
+    const bool is_tool = !strcmp(kind, "tool"), is_reasoning = !strcmp(kind, "reasoning");
+    if (s->mode == MODE_COLLECT) {
+        if (is_tool) {
+            if (!col->tool_calls) col->tool_calls = json_object_new_array();
+            json_object_array_add(col->tool_calls, tool_call_object(s->job_id, s->n_tools, text, false));
+        } else if ((err = api_buf_add(is_reasoning ? &col->reasoning : &col->content, text, n_text))) {
+            LOG_ERROR("api: out of memory collecting the output of job %s (%zu bytes so far)",
+                      s->job_id, col->content.n + col->reasoning.n);
+        }
+    } else if (s->mode == MODE_CHAT_SSE) {
+        json_object *d = json_object_new_object();
+        if (is_tool) {
+            json_object *calls = json_object_new_array();
+            json_object_array_add(calls, tool_call_object(s->job_id, s->n_tools, text, true));
+            json_object_object_add(d, "tool_calls", calls);
+        } else if (is_reasoning) {
+            json_object_object_add(d, "reasoning_content", json_object_new_string_len(text, (int) n_text));
+            json_object_object_add(d, "reasoning", json_object_new_string_len(text, (int) n_text));
+        } else {
+            json_object_object_add(d, "content", json_object_new_string_len(text, (int) n_text));
+        }
+        sse_delta(c, s->job_id, s->created, true, d, NULL, choice_logprobs(lp, true, NULL));
+    } else if (!is_reasoning && !is_tool) {
+        sse_delta(c, s->job_id, s->created, false, json_object_new_string_len(text, (int) n_text), NULL,
+                  choice_logprobs(lp, false, &s->lp_offset));
+    }
+    json_object_put(lp);
+    s->n_tools += is_tool;
+    return err;
+}
+
+// Send ": keep-alive" once the stream has been quiet for keepalive_s (SSE modes). false
+// when the client is gone.
+static bool stream_keepalive(Ctx *c, Stream *s)
+{
+    if (s->mode != MODE_COLLECT && now_s() - s->last_write >= c->cfg->keepalive_s) {
+        put(c, ": keep-alive\n\n", 14);
+        flush(c);
+        s->last_write = now_s();
+    }
+    return !c->is_broken;
+}
+
+// A read failed: the database is away. Wait a step (never past the next keep-alive), then
+// send the keep-alive if due. ERR_OK to read again, ERR_IO when the client left, ERR_DB
+// once the outage has lasted stream_outage_s (logged).
+static Err stream_outage(Ctx *c, Stream *s)
+{
+    const double t = now_s();
+    if (s->outage_since == 0) {
+        s->outage_since = t;
+        LOG_WARN("api: stream of job %s: the database is unavailable; retrying", s->job_id);
+    }
+    if (t - s->outage_since >= c->cfg->stream_outage_s) {
+        LOG_ERROR("api: stream of job %s: the database was unavailable for %d s; giving up",
+                  s->job_id, c->cfg->stream_outage_s);
+        return ERR_DB;
+    }
+    double wait_s = c->cfg->poll_ms / 1000.0;
+    if (s->mode != MODE_COLLECT && s->last_write + c->cfg->keepalive_s - t < wait_s)
+        wait_s = s->last_write + c->cfg->keepalive_s - t;
+    if (wait_s > 0) api_db_wait(c->db, s->job_id, (int) (wait_s * 1000) + 1);
+    return stream_keepalive(c, s) ? ERR_OK : ERR_IO;
+}
+
+// The events after the last chunk: the end event, usage, [DONE]; for a stream that gave up
+// on the database (gave_up), an error event and [DONE] instead.
+static void stream_end(Ctx *c, const Stream *s, const ApiRequest *r, const JobState *st, bool gave_up)
+{
+    const char *fr = client_finish_reason(st, s->n_tools);
+    if (s->mode == MODE_COLLECT) return;
+    if (gave_up) {
+        ApiError e;
+        api_error_set(&e, 503, "server_error", "database_unavailable", NULL,
+                      "the job database was unavailable for %d s; reconnect to "
+                      "/v1/jobs/%s/events with Last-Event-ID %d to resume",
+                      c->cfg->stream_outage_s, s->job_id, s->last);
+        sse_data(c, error_object(&e));
+    } else if (s->mode == MODE_EVENTS_SSE) {
+        json_object *o = json_object_new_object();
+        json_object_object_add(o, "state", json_object_new_string(st->state));
+        json_object_object_add(o, "finish_reason", st->finish_reason[0] ? json_object_new_string(fr) : NULL);
+        json_object_object_add(o, "usage", usage_object(st));
+        json_object_object_add(o, "error", st->error[0] ? json_object_new_string(st->error) : NULL);
+        sse_data(c, o);
+    } else {
+        if (!strcmp(st->state, "failed")) {
+            ApiError e;
+            api_error_set(&e, 500, "server_error", "generation_failed", NULL, "%s", st->error);
+            sse_data(c, error_object(&e));
+        } else {
+            sse_delta(c, s->job_id, s->created, s->is_chat,
+                      s->is_chat ? json_object_new_object() : json_object_new_string(""), fr, NULL);
+        }
+        if (r && r->include_usage) {
+            json_object *o = chunk_envelope(c, s->job_id, s->created, s->is_chat);
+            json_object_object_add(o, "choices", json_object_new_array());
+            json_object_object_add(o, "usage", usage_object(st));
+            sse_data(c, o);
+        }
+    }
+    put(c, "data: [DONE]\n\n", 14);
+    flush(c);
+}
+
 // Read the job's output from seq > after until it is terminal. In SSE modes events are
 // written as they arrive; in MODE_COLLECT the output goes to *col. *st gets the final
-// state. false when the job vanished or the client went away (c->is_broken).
-static bool stream_job(Ctx *c, int64_t id, const char *job_id, long long created, int after,
-                       StreamMode mode, const ApiRequest *r, Collected *col, JobState *st)
+// state. While the database is away the stream keeps sending keep-alives and retries for
+// cfg->stream_outage_s, then ends with an error event and [DONE]. Returns ERR_OK when the
+// job ended and its end was written, ERR_NOTFOUND when the job vanished, ERR_IO when the
+// client went away (c->is_broken), ERR_DB when it gave up on the database, ERR_NOMEM.
+static Err stream_job(Ctx *c, int64_t id, const char *job_id, long long created, int after,
+                      StreamMode mode, const ApiRequest *r, Collected *col, JobState *st)
 {
     char id_text[24], seq_text[16];
-    int last = after, n_tools = 0;
-    double last_write = now_s();
-    const bool is_chat = mode != MODE_COMPLETION_SSE;
+    Stream s = {.mode = mode, .job_id = job_id, .created = created, .col = col, .last = after,
+                .is_chat = mode != MODE_COMPLETION_SSE, .want_lp = r && r->logprobs,
+                .last_write = now_s()};
+    Err err = ERR_OK;
+    memset(st, 0, sizeof *st);
     snprintf(id_text, sizeof id_text, "%lld", (long long) id);
+    c->db->retry_ms = STREAM_RETRY_MS;
     if (mode == MODE_CHAT_SSE) {
         json_object *d = json_object_new_object();
         json_object_object_add(d, "role", json_object_new_string("assistant"));
@@ -700,126 +840,53 @@ static bool stream_job(Ctx *c, int64_t id, const char *job_id, long long created
         sse_delta(c, job_id, created, true, d, NULL, NULL);
         flush(c);
     }
-    const bool want_lp = r && r->logprobs;
-    int lp_offset = 0;  // legacy completions: text_offset of the next token
     for (;;) {
-        snprintf(seq_text, sizeof seq_text, "%d", last);
+        snprintf(seq_text, sizeof seq_text, "%d", s.last);
         PGresult *res = api_db_exec(c->db,
                                     "SELECT seq, kind, text, logprobs::text FROM job_chunks"
                                     " WHERE job_id = $1::bigint"
                                     " AND seq > $2::int ORDER BY seq LIMIT 256",
                                     2, (const char *const[]){id_text, seq_text}, PGRES_TUPLES_OK);
         if (!res) {
-            api_db_wait(c->db, NULL, c->cfg->poll_ms);  // the database is restarting: keep trying
+            if ((err = stream_outage(c, &s))) break;
             continue;
         }
         const int n = PQntuples(res);
-        for (int i = 0; i < n; i++) {
-            const int seq = atoi(PQgetvalue(res, i, 0));
-            const char *kind = PQgetvalue(res, i, 1), *text = PQgetvalue(res, i, 2);
-            const size_t n_text = (size_t) PQgetlength(res, i, 2);
-            last = seq;
-            json_object *lp = PQgetisnull(res, i, 3) ? NULL : json_tokener_parse(PQgetvalue(res, i, 3));
-            if (mode == MODE_EVENTS_SSE) {
-                json_object *o = json_object_new_object();
-                json_object_object_add(o, "seq", json_object_new_int(seq));
-                json_object_object_add(o, "kind", json_object_new_string(kind));
-                json_object_object_add(o, "text", json_object_new_string_len(text, (int) n_text));
-                if (lp) json_object_object_add(o, "logprobs", lp);
-                putf(c, "id: %d\n", seq);
-                sse_data(c, o);
-                continue;
-            }
-            if (!want_lp) {
-                json_object_put(lp);
-                lp = NULL;
-            }
-            if (mode == MODE_COLLECT && lp) {
-                if (!col->logprobs) col->logprobs = json_object_new_array();
-                for (size_t k = 0; k < json_object_array_length(lp); k++)
-                    json_object_array_add(col->logprobs, json_object_get(json_object_array_get_idx(lp, k)));
-            }
-            if (n_text == 0 && (!lp || mode == MODE_COLLECT)) {
-                json_object_put(lp);
-                continue;
-            }
-            const bool is_tool = !strcmp(kind, "tool"), is_reasoning = !strcmp(kind, "reasoning");
-            if (mode == MODE_COLLECT) {
-                if (is_tool) {
-                    if (!col->tool_calls) col->tool_calls = json_object_new_array();
-                    json_object_array_add(col->tool_calls, tool_call_object(job_id, n_tools, text, false));
-                } else {
-                    buf_add(is_reasoning ? &col->reasoning : &col->content, text, n_text);
-                }
-            } else if (mode == MODE_CHAT_SSE) {
-                json_object *d = json_object_new_object();
-                if (is_tool) {
-                    json_object *calls = json_object_new_array();
-                    json_object_array_add(calls, tool_call_object(job_id, n_tools, text, true));
-                    json_object_object_add(d, "tool_calls", calls);
-                } else if (is_reasoning) {
-                    json_object_object_add(d, "reasoning_content", json_object_new_string_len(text, (int) n_text));
-                    json_object_object_add(d, "reasoning", json_object_new_string_len(text, (int) n_text));
-                } else {
-                    json_object_object_add(d, "content", json_object_new_string_len(text, (int) n_text));
-                }
-                sse_delta(c, job_id, created, true, d, NULL, choice_logprobs(lp, true, NULL));
-            } else if (!is_reasoning && !is_tool) {
-                sse_delta(c, job_id, created, false, json_object_new_string_len(text, (int) n_text), NULL,
-                          choice_logprobs(lp, false, &lp_offset));
-            }
-            json_object_put(lp);
-            n_tools += is_tool;
-        }
+        for (int i = 0; i < n && !err; i++) err = stream_chunk(c, &s, res, i);
         PQclear(res);
+        if (err) break;
         if (mode != MODE_COLLECT && n > 0) {
             flush(c);
-            last_write = now_s();
+            s.last_write = now_s();
         }
-        if (c->is_broken) return false;
+        if (c->is_broken) {
+            err = ERR_IO;
+            break;
+        }
         if (n == 256) continue;
-        if (!read_state(c, id, st)) return false;
-        if (st->is_terminal && last + 1 >= st->n_chunks) break;
-        if (last + 1 < st->n_chunks) continue;  // more is committed: read it before waiting
+        err = read_state(c, id, st);
+        if (err == ERR_DB) {
+            if ((err = stream_outage(c, &s))) break;
+            continue;
+        }
+        if (err) break;
+        if (s.outage_since != 0) {
+            LOG_INFO("api: stream of job %s: the database is back after %.1f s", job_id,
+                     now_s() - s.outage_since);
+            s.outage_since = 0;
+        }
+        if (st->is_terminal && s.last + 1 >= st->n_chunks) break;
+        if (s.last + 1 < st->n_chunks) continue;  // more is committed: read it before waiting
         api_db_wait(c->db, job_id, c->cfg->poll_ms);
-        if (mode != MODE_COLLECT && now_s() - last_write >= c->cfg->keepalive_s) {
-            put(c, ": keep-alive\n\n", 14);
-            flush(c);
-            last_write = now_s();
-            if (c->is_broken) return false;
+        if (!stream_keepalive(c, &s)) {
+            err = ERR_IO;
+            break;
         }
     }
-
-    // The end: finish reason, usage, [DONE].
-    const char *fr = client_finish_reason(st, n_tools);
-    if (mode == MODE_EVENTS_SSE) {
-        json_object *o = json_object_new_object();
-        json_object_object_add(o, "state", json_object_new_string(st->state));
-        json_object_object_add(o, "finish_reason", st->finish_reason[0] ? json_object_new_string(fr) : NULL);
-        json_object_object_add(o, "usage", usage_object(st));
-        json_object_object_add(o, "error", st->error[0] ? json_object_new_string(st->error) : NULL);
-        sse_data(c, o);
-    } else if (mode == MODE_CHAT_SSE || mode == MODE_COMPLETION_SSE) {
-        if (!strcmp(st->state, "failed")) {
-            ApiError e;
-            api_error_set(&e, 500, "server_error", "generation_failed", NULL, "%s", st->error);
-            sse_data(c, error_object(&e));
-        } else {
-            sse_delta(c, job_id, created, is_chat,
-                      is_chat ? json_object_new_object() : json_object_new_string(""), fr, NULL);
-        }
-        if (r && r->include_usage) {
-            json_object *o = chunk_envelope(c, job_id, created, is_chat);
-            json_object_object_add(o, "choices", json_object_new_array());
-            json_object_object_add(o, "usage", usage_object(st));
-            sse_data(c, o);
-        }
-    }
-    if (mode != MODE_COLLECT) {
-        put(c, "data: [DONE]\n\n", 14);
-        flush(c);
-    }
-    return !c->is_broken;
+    c->db->retry_ms = 0;
+    if (!err || err == ERR_DB) stream_end(c, &s, r, st, err == ERR_DB);
+    if (!err && c->is_broken) err = ERR_IO;
+    return err;
 }
 
 static void sse_headers(Ctx *c)
@@ -909,25 +976,45 @@ static void handle_generate(Ctx *c, ApiKind kind, bool is_job)
         json_object_object_add(o, "prompt_tokens", json_object_new_int(job.n_prompt));
         json_object_object_add(o, "max_tokens", json_object_new_int(job.max_tokens));
         char loc[128];
-        snprintf(loc, sizeof loc, "Location: /v1/jobs/%s\r\n", job.public_id);
-        send_json(c, 202, o, loc);
+        ApiBuf extra = {0};
+        snprintf(loc, sizeof loc, "/v1/jobs/%s", job.public_id);
+        if (api_http_add_header(&extra, "Location", loc)) {
+            json_object_put(o);
+            fail(c, 500, "server_error", NULL, NULL, "could not write the response headers");
+        } else {
+            send_json(c, 202, o, &extra);
+        }
+        api_buf_free(&extra);
         goto done;
     }
     JobState st = {0};
     if (r.stream) {
         sse_headers(c);
-        const bool ok = stream_job(c, job.id, job.public_id, job.created, -1,
+        const Err err = stream_job(c, job.id, job.public_id, job.created, -1,
                                    kind == API_KIND_CHAT ? MODE_CHAT_SSE : MODE_COMPLETION_SSE,
                                    &r, NULL, &st);
-        if (!ok && c->is_broken) {
+        if (err == ERR_IO) {
             // The client left a chat/completions stream: nobody can read the rest.
             LOG_INFO("api: client left the stream of job %s; cancelling it", job.public_id);
-            cancel_job(c->db, job.id);
+            if (!cancel_job(c->db, job.id))
+                LOG_WARN("api: could not cancel job %s after its client left", job.public_id);
         }
         goto done;
     }
-    if (!stream_job(c, job.id, job.public_id, job.created, -1, MODE_COLLECT, &r, &col, &st)) {
-        fail(c, 500, "server_error", NULL, NULL, "the job disappeared");
+    const Err err = stream_job(c, job.id, job.public_id, job.created, -1, MODE_COLLECT, &r, &col, &st);
+    if (err == ERR_DB) {
+        api_error_set(&e, 503, "server_error", "database_unavailable", NULL,
+                      "the job database was unavailable for %d s; job %s goes on: read it with "
+                      "GET /v1/jobs/%s", c->cfg->stream_outage_s, job.public_id, job.public_id);
+        send_error(c, &e, 1);
+        goto done;
+    }
+    if (err == ERR_NOMEM) {
+        fail_oom(c);
+        goto done;
+    }
+    if (err) {
+        if (err == ERR_NOTFOUND) fail(c, 500, "server_error", NULL, NULL, "the job disappeared");
         goto done;
     }
     if (!strcmp(st.state, "failed")) {
@@ -958,8 +1045,8 @@ static void handle_generate(Ctx *c, ApiKind kind, bool is_job)
     json_object_object_add(o, "usage", usage_object(&st));
     send_json(c, 200, o, NULL);
 done:
-    free(col.content.p);
-    free(col.reasoning.p);
+    api_buf_free(&col.content);
+    api_buf_free(&col.reasoning);
     json_object_put(col.tool_calls);
     json_object_put(col.logprobs);
     api_request_free(&r);
@@ -1100,9 +1187,12 @@ static void handle_job_get(Ctx *c, const char *public_id)
 static void handle_job_list(Ctx *c)
 {
     char limit_text[16] = "20", after[64] = "", key_id[24], sql[2048];
-    query_value(c, "limit", limit_text, sizeof limit_text);
-    query_value(c, "after", after, sizeof after);
-    int limit = atoi(limit_text);
+    if (api_http_query_value(c->query, "after", after, sizeof after) == ERR_INVAL) {
+        fail(c, 400, NULL, NULL, "after", "'after' must be a job id");
+        return;
+    }
+    const Err err = api_http_query_value(c->query, "limit", limit_text, sizeof limit_text);
+    const int limit = err == ERR_INVAL ? 0 : atoi(limit_text);
     if (limit < 1 || limit > 100) {
         fail(c, 400, NULL, NULL, "limit", "'limit' must be between 1 and 100");
         return;
@@ -1142,19 +1232,21 @@ static void handle_job_events(Ctx *c, const char *public_id)
     const char *last = param(c, "HTTP_LAST_EVENT_ID");
     char qafter[16];
     if (last && *last) {
-        char *end = NULL;
-        const long v = strtol(last, &end, 10);
-        if (*end || v < -1 || v > INT32_MAX) {
+        if (api_http_parse_event_id(last, &after)) {
             fail(c, 400, NULL, NULL, "Last-Event-ID", "Last-Event-ID must be a chunk sequence number");
             return;
         }
-        after = (int) v;
-    } else if (query_value(c, "after", qafter, sizeof qafter)) {
-        after = atoi(qafter);
+    } else {
+        const Err err = api_http_query_value(c->query, "after", qafter, sizeof qafter);
+        if (err == ERR_INVAL || (!err && api_http_parse_event_id(qafter, &after))) {
+            fail(c, 400, NULL, NULL, "after", "'after' must be a chunk sequence number");
+            return;
+        }
     }
     sse_headers(c);
     JobState st;
-    stream_job(c, id, public_id, created, after, MODE_EVENTS_SSE, NULL, NULL, &st);
+    // Whatever ended the stream was logged where it happened; events streams cancel nothing.
+    (void) stream_job(c, id, public_id, created, after, MODE_EVENTS_SSE, NULL, NULL, &st);
 }
 
 static void handle_job_cancel(Ctx *c, const char *public_id)
@@ -1197,47 +1289,34 @@ static void handle_metrics(Ctx *c)
     free(text);
 }
 
-// nginx auth_request: 200 with the identity in headers, or 401.
+// nginx auth_request: 200 with the identity in headers (for nginx's access log and for
+// operators; the app never reads them back), or 401.
 static void handle_auth(Ctx *c)
 {
-    const char *auth = param(c, "HTTP_AUTHORIZATION");
-    const char *key = auth && !strncasecmp(auth, "Bearer ", 7) ? auth + 7 : param(c, "HTTP_X_API_KEY");
-    while (key && *key == ' ') key++;
+    const char *key = api_http_bearer_key(param(c, "HTTP_AUTHORIZATION"), param(c, "HTTP_X_API_KEY"));
     ApiKey k;
-    const Err err = key && *key ? api_db_auth(c->db, key, strlen(key), &k) : ERR_NOTFOUND;
+    ApiBuf h = {0};
+    char num[24];
+    const Err err = key ? api_db_auth(c->db, key, strlen(key), &k) : ERR_NOTFOUND;
     if (err) {
         putf(c, "Status: %d\r\nContent-Type: text/plain\r\n\r\n", err == ERR_DB ? 503 : 401);
         return;
     }
-    putf(c, "Status: 200 OK\r\nX-Key-Id: %lld\r\nX-Key-Scope: %s\r\nX-Key-Prefix: %s\r\n"
-            "X-Key-Rpm: %d\r\nX-Key-Max-Concurrent: %d\r\nContent-Type: text/plain\r\n\r\n",
-         (long long) k.id, k.is_admin ? "admin" : "user", k.prefix, k.rpm, k.max_concurrent);
+    snprintf(num, sizeof num, "%lld", (long long) k.id);
+    Err herr = api_http_add_header(&h, "X-Key-Id", num);
+    if (!herr) herr = api_http_add_header(&h, "X-Key-Scope", k.is_admin ? "admin" : "user");
+    if (!herr) herr = api_http_add_header(&h, "X-Key-Prefix", k.prefix);
+    snprintf(num, sizeof num, "%d", k.rpm);
+    if (!herr) herr = api_http_add_header(&h, "X-Key-Rpm", num);
+    snprintf(num, sizeof num, "%d", k.max_concurrent);
+    if (!herr) herr = api_http_add_header(&h, "X-Key-Max-Concurrent", num);
+    if (herr) putf(c, "Status: 500\r\nContent-Type: text/plain\r\n\r\n");
+    else putf(c, "Status: 200 OK\r\n%sContent-Type: text/plain\r\n\r\n", h.p);
+    api_buf_free(&h);
 }
 
 // ---------------------------------------------------------------------------
 // Routing
-
-// True when the query string carries something that looks like a key.
-static bool query_has_key(const char *q)
-{
-    if (!q) return false;
-    for (const char *p = q; *p; p++) {
-        if (!strncmp(p, "gsk_", 4) || !strncasecmp(p, "gsk%5f", 6)) return true;
-        if ((p == q || p[-1] == '&') &&
-            (!strncasecmp(p, "api_key=", 8) || !strncasecmp(p, "key=", 4) ||
-             !strncasecmp(p, "access_token=", 13)))
-            return true;
-    }
-    return false;
-}
-
-static bool is_job_id(const char *s, size_t n)
-{
-    if (n < 5 || n > 60 || strncmp(s, "job-", 4) != 0) return false;
-    for (size_t i = 4; i < n; i++)
-        if (!isxdigit((unsigned char) s[i])) return false;
-    return true;
-}
 
 void api_server_handle(FCGX_Request *req, ApiDb *db, const ApiConfig *cfg)
 {
@@ -1249,72 +1328,58 @@ void api_server_handle(FCGX_Request *req, ApiDb *db, const ApiConfig *cfg)
     const char *uri = param(c, "DOCUMENT_URI");
     if (!uri) uri = param(c, "REQUEST_URI");
     if (!uri) uri = "/";
-    snprintf(c->path, sizeof c->path, "%.*s", (int) strcspn(uri, "?"), uri);
-    const char *path = c->path;
-    const bool is_get = !strcmp(c->method, "GET"), is_post = !strcmp(c->method, "POST");
+    const size_t n_path = strcspn(uri, "?");
+    if (n_path >= sizeof c->path) {  // refused, not cut: a cut path could name another route
+        fail(c, 414, NULL, "uri_too_long", NULL, "the request path is too long");
+        return;
+    }
+    memcpy(c->path, uri, n_path);
+    c->path[n_path] = '\0';
+    const char *arg = NULL;
+    size_t n_arg = 0;
+    const ApiRoute route = api_http_route(c->method, c->path, &arg, &n_arg);
+    char public_id[64] = "";
+    if (route >= API_ROUTE_JOB_GET) snprintf(public_id, sizeof public_id, "%.*s", (int) n_arg, arg);
 
-    if (!strcmp(path, "/health")) {
+    if (route == API_ROUTE_HEALTH) {
         handle_health(c);
         return;
     }
-    if (query_has_key(c->query)) {
+    if (api_http_query_has_key(c->query)) {
         fail(c, 401, NULL, "api_key_in_query", NULL,
              "API keys are accepted only in the Authorization header, never in the URL");
         return;
     }
-    if (!strcmp(path, "/internal/auth")) {
+    if (route == API_ROUTE_AUTH) {
         handle_auth(c);
         return;
     }
+    // Every other route, unknown ones included, answers only a verified key.
     if (!authenticate(c)) return;
-
-    if (!strcmp(path, "/metrics")) {
+    switch (route) {
+    case API_ROUTE_METRICS:
         if (!c->key.is_admin) {
             fail(c, 403, "permission_error", "insufficient_scope", NULL, "this endpoint needs an admin key");
             return;
         }
         handle_metrics(c);
         return;
-    }
-    if (!strcmp(path, "/v1/models") || !strncmp(path, "/v1/models/", 11)) {
-        if (!is_get) goto method;
-        handle_models(c, path[10] == '/' ? path + 11 : NULL);
+    case API_ROUTE_MODELS: handle_models(c, NULL); return;
+    case API_ROUTE_MODEL: handle_models(c, arg); return;
+    case API_ROUTE_CHAT: handle_generate(c, API_KIND_CHAT, false); return;
+    case API_ROUTE_COMPLETIONS: handle_generate(c, API_KIND_COMPLETION, false); return;
+    case API_ROUTE_JOB_SUBMIT: handle_generate(c, API_KIND_CHAT, true); return;
+    case API_ROUTE_JOB_LIST: handle_job_list(c); return;
+    case API_ROUTE_JOB_GET: handle_job_get(c, public_id); return;
+    case API_ROUTE_JOB_EVENTS: handle_job_events(c, public_id); return;
+    case API_ROUTE_JOB_CANCEL: handle_job_cancel(c, public_id); return;
+    case API_ROUTE_BAD_JOB: fail(c, 404, NULL, "job_not_found", NULL, "no such job"); return;
+    case API_ROUTE_METHOD:
+        fail(c, 405, NULL, "method_not_allowed", NULL, "method not allowed on this endpoint");
         return;
-    }
-    if (!strcmp(path, "/v1/chat/completions")) {
-        if (!is_post) goto method;
-        handle_generate(c, API_KIND_CHAT, false);
-        return;
-    }
-    if (!strcmp(path, "/v1/completions")) {
-        if (!is_post) goto method;
-        handle_generate(c, API_KIND_COMPLETION, false);
-        return;
-    }
-    if (!strcmp(path, "/v1/jobs")) {
-        if (is_post) handle_generate(c, API_KIND_CHAT, true);
-        else if (is_get) handle_job_list(c);
-        else goto method;
-        return;
-    }
-    if (!strncmp(path, "/v1/jobs/", 9)) {
-        const char *id = path + 9, *rest = strchr(id, '/');
-        const size_t n_id = rest ? (size_t) (rest - id) : strlen(id);
-        char public_id[64];
-        if (!is_job_id(id, n_id)) {
-            fail(c, 404, NULL, "job_not_found", NULL, "no such job");
-            return;
-        }
-        snprintf(public_id, sizeof public_id, "%.*s", (int) n_id, id);
-        if (!rest && is_get) handle_job_get(c, public_id);
-        else if (rest && !strcmp(rest, "/events") && is_get) handle_job_events(c, public_id);
-        else if (rest && !strcmp(rest, "/cancel") && is_post) handle_job_cancel(c, public_id);
-        else if (!rest || !strcmp(rest, "/events") || !strcmp(rest, "/cancel")) goto method;
-        else fail(c, 404, NULL, "not_found", NULL, "no such endpoint");
-        return;
+    case API_ROUTE_NONE:
+    case API_ROUTE_HEALTH:
+    case API_ROUTE_AUTH: break;
     }
     fail(c, 404, NULL, "not_found", NULL, "no such endpoint");
-    return;
-method:
-    fail(c, 405, NULL, "method_not_allowed", NULL, "method not allowed on this endpoint");
 }

@@ -12,9 +12,15 @@
  *   POST /v1/jobs/{id}/cancel
  *   GET  /health, /metrics                 engine heartbeat (200/503), Prometheus text
  *   GET  /internal/auth                    nginx auth_request: 200 + X-Key-* headers, or 401
- * Identity: nginx passes the verified key as FastCGI params GLMSPARK_KEY_ID, _SCOPE, _RPM,
- * _MAX_CONCURRENT (from auth_request); without them the handler authenticates the
- * Authorization header itself, so the app is safe behind any front end.
+ * Identity: every request is authenticated here, from the key it presents (Authorization:
+ * Bearer, or X-Api-Key), through the process's auth cache; FastCGI parameters never carry
+ * identity, because anything that can connect to the socket can set them. nginx's
+ * auth_request (to /internal/auth) only rejects bad keys early, before a body is read, and
+ * warms the cache for the real request. So the socket's file mode is defence in depth,
+ * not authentication.
+ * Streams outlive database outages: reads retry, keep-alives go on, a client that leaves
+ * is noticed at the next keep-alive, and after stream_outage_s without the database the
+ * stream ends with an error event and [DONE] (resumable with Last-Event-ID).
  *
  * Ownership: ApiConfig and its tokenizer are borrowed and must outlive every call.
  * Threads:   api_server_handle may run on many threads at once, each with its own ApiDb.
@@ -44,6 +50,7 @@ typedef struct ApiConfig {
     size_t max_body_bytes;     // larger bodies get 413
     int keepalive_s;           // SSE keep-alive comment interval (15)
     int poll_ms;               // fallback poll when no notification arrives (1000)
+    int stream_outage_s;       // a stream gives up after this long without the database (300)
 } ApiConfig;
 
 // Answer one request. Does not call FCGX_Finish_r.

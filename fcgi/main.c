@@ -4,17 +4,23 @@
  *   glmspark-fcgi --socket PATH --db CONNINFO --model DIR [--tokenizer FILE]
  *                 [--model-name NAME] [--threads N] [--max-queue N] [--context N]
  *                 [--chat-template glm47|glm52] [--max-body-mb N] [--socket-mode OCTAL]
+ *                 [--socket-group NAME] [--stream-outage-s N]
  *
  * A pool of threads, each with its own FCGX_Request and PostgreSQL connection, accepts on
  * one Unix socket (nginx must use fastcgi_keep_conn off: with keep-alive a libfcgi thread
  * stays pinned to an idle connection). Without --socket the socket is fd 0, as systemd
  * socket activation and spawn-fcgi hand it over. The model directory gives the tokenizer
  * (tokenizer.json), the context length (config.json max_position_embeddings) and, by
- * default, the served model name (the directory's name). SIGTERM/SIGINT stop accepting and
- * exit after in-flight requests had a moment to finish; a stream cut short resumes from
- * the job's committed output.
+ * default, the served model name (the directory's name). The socket is created 0660 (or
+ * --socket-mode, which may not let others write) and handed to --socket-group, the group
+ * nginx's workers run in; authentication does not rest on it (api_server.h: every request
+ * is verified from its key), it only keeps other local users off. SIGTERM/SIGINT stop
+ * accepting and exit after in-flight requests had a moment to finish; a stream cut short
+ * resumes from the job's committed output.
  */
+#include <errno.h>
 #include <fcgiapp.h>
+#include <grp.h>
 #include <json-c/json.h>
 #include <pthread.h>
 #include <signal.h>
@@ -59,7 +65,8 @@ static int usage(void)
 {
     fprintf(stderr, "usage: glmspark-fcgi [--socket PATH] --db CONNINFO --model DIR [--tokenizer FILE]\n"
                     "       [--model-name NAME] [--threads N] [--max-queue N] [--context N]\n"
-                    "       [--chat-template glm47|glm52] [--max-body-mb N] [--socket-mode OCTAL]\n");
+                    "       [--chat-template glm47|glm52] [--max-body-mb N] [--socket-mode OCTAL]\n"
+                    "       [--socket-group NAME] [--stream-outage-s N]\n");
     return 2;
 }
 
@@ -82,8 +89,9 @@ static int read_context(const char *dir)
 int main(int argc, char **argv)
 {
     const char *socket_path = NULL, *model_dir = NULL, *tok_path = NULL, *model_name = NULL;
-    const char *tmpl = "glm52";
+    const char *tmpl = "glm52", *socket_group = NULL;
     int n_threads = 16, max_queue = 1000, context = 0, max_body_mb = 32, socket_mode = 0660;
+    int stream_outage_s = 300;
     conninfo = getenv("GLMSPARK_DB");
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -100,8 +108,16 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--chat-template")) tmpl = v;
         else if (!strcmp(a, "--max-body-mb")) max_body_mb = atoi(v);
         else if (!strcmp(a, "--socket-mode")) socket_mode = (int) strtol(v, NULL, 8);
+        else if (!strcmp(a, "--socket-group")) socket_group = v;
+        else if (!strcmp(a, "--stream-outage-s")) stream_outage_s = atoi(v);
         else return usage();
     }
+    if (socket_mode <= 0 || socket_mode > 0777 || (socket_mode & 0002)) {
+        fprintf(stderr, "glmspark-fcgi: --socket-mode %o would let any local user connect; "
+                        "use 0660 and --socket-group\n", (unsigned) socket_mode);
+        return 2;
+    }
+    if (stream_outage_s < 1) return usage();
     if (!conninfo || !model_dir || n_threads < 1 || n_threads > 1024 || max_body_mb < 1) return usage();
     if (strcmp(tmpl, "glm47") != 0 && strcmp(tmpl, "glm52") != 0) return usage();
 
@@ -138,6 +154,7 @@ int main(int argc, char **argv)
         .max_body_bytes = (size_t) max_body_mb << 20,
         .keepalive_s = 15,
         .poll_ms = 1000,
+        .stream_outage_s = stream_outage_s,
     };
     if (getenv("GLMSPARK_SSE_KEEPALIVE_S")) config.keepalive_s = atoi(getenv("GLMSPARK_SSE_KEEPALIVE_S"));
 
@@ -146,13 +163,30 @@ int main(int argc, char **argv)
         return 1;
     }
     if (socket_path) {
+        gid_t gid = (gid_t) -1;
+        if (socket_group) {
+            const struct group *g = getgrnam(socket_group);
+            if (!g) {
+                fprintf(stderr, "glmspark-fcgi: no such group \"%s\"\n", socket_group);
+                return 1;
+            }
+            gid = g->gr_gid;
+        }
         unlink(socket_path);
+        // Created with no access for others from the start (no window before the chmod).
+        const mode_t old_umask = umask(0077);
         listen_fd = FCGX_OpenSocket(socket_path, 256);
+        umask(old_umask);
         if (listen_fd < 0) {
             fprintf(stderr, "glmspark-fcgi: could not listen on \"%s\"\n", socket_path);
             return 1;
         }
-        chmod(socket_path, (mode_t) socket_mode);
+        if ((socket_group && chown(socket_path, (uid_t) -1, gid) != 0)
+            || chmod(socket_path, (mode_t) socket_mode) != 0) {
+            fprintf(stderr, "glmspark-fcgi: could not set the owner or mode of \"%s\": %s\n",
+                    socket_path, strerror(errno));
+            return 1;
+        }
     }
 
     // Signals go to this thread only (sigwait below); workers never see them.

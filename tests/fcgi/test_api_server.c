@@ -1,0 +1,211 @@
+/*
+ * test_api_server.c - api_server_handle driven through in-memory FastCGI streams, with no
+ * database (its conninfo points at a socket directory that does not exist).
+ *
+ * What needs no database is checked on every route: a request that sets nginx's old
+ * identity parameters itself (GLMSPARK_KEY_ID=1, scope admin, ...) with no key, or with a
+ * malformed key, is answered 401 with a JSON error and WWW-Authenticate, before any body
+ * is read; a key in the query string is 401 api_key_in_query; an over-long path is 414
+ * (refused, not cut); /internal/auth without a key is 401; /health without a database is
+ * 503 with "database": false. Each answer's header block is checked for shape (Status
+ * line, CRLF, blank line, then the body).
+ */
+#include <fcgiapp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../check.h"
+#include "fcgi/api_http.h"
+#include "fcgi/api_server.h"
+
+// A writer stream whose bytes land in an ApiBuf, through a small buffer so that
+// FCGX_PutStr's refill path (emptyBuffProc) runs too.
+typedef struct Capture {
+    unsigned char window[64];
+    ApiBuf out;
+    size_t n_body_read;  // reader side: bytes handed out
+    const char *body;
+    size_t n_body;
+} Capture;
+
+static void capture_empty(FCGX_Stream *s, int do_close)
+{
+    Capture *cap = s->data;
+    (void) do_close;
+    CHECK(api_buf_add(&cap->out, (const char *) cap->window, (size_t) (s->wrNext - cap->window))
+          == ERR_OK);
+    s->wrNext = cap->window;
+}
+
+static void body_fill(FCGX_Stream *s)
+{
+    Capture *cap = s->data;
+    if (cap->n_body_read == cap->n_body) {
+        s->isClosed = 1;
+        return;
+    }
+    s->rdNext = s->stopUnget = (unsigned char *) cap->body + cap->n_body_read;
+    s->stop = (unsigned char *) cap->body + cap->n_body;
+    cap->n_body_read = cap->n_body;
+}
+
+static ApiDb db;
+static ApiConfig cfg = {
+    .model_name = "glmspark-demo",
+    .context_len = 4096,
+    .max_body_bytes = 1 << 20,
+    .keepalive_s = 15,
+    .poll_ms = 100,
+    .stream_outage_s = 2,
+};
+
+// Answer one request (envp: NULL-terminated "NAME=value" strings); the response text is
+// returned (the caller frees it).
+static char *handle(char **envp, const char *body)
+{
+    Capture cap = {.body = body ? body : "", .n_body = body ? strlen(body) : 0};
+    FCGX_Stream in = {.isReader = 1, .fillBuffProc = body_fill, .data = &cap};
+    in.rdNext = in.stop = in.stopUnget = (unsigned char *) cap.body;
+    FCGX_Stream out = {.wrNext = cap.window,
+                       .stop = cap.window + sizeof cap.window,
+                       .emptyBuffProc = capture_empty,
+                       .data = &cap};
+    out.rdNext = out.stop;
+    FCGX_Request req = {.in = &in, .out = &out, .envp = envp};
+    api_server_handle(&req, &db, &cfg);
+    capture_empty(&out, 1);
+    CHECK(cap.n_body_read == 0);  // nothing here may read a body before authenticating
+    char *text = cap.out.p ? cap.out.p : strdup("");
+    return text;
+}
+
+// The status of a response and its body (a pointer into text), after checking that the
+// header block is "Status: N ...\r\n" lines ending in a blank line.
+static int status_of(const char *text, const char **body)
+{
+    int status = 0;
+    if (sscanf(text, "Status: %d", &status) != 1) return -1;
+    const char *end = strstr(text, "\r\n\r\n");
+    if (!end) return -1;
+    for (const char *p = text; p < end; p++)
+        if (*p == '\n' && p[-1] != '\r') return -1;  // bare LF inside the header block
+    *body = end + 4;
+    return status;
+}
+
+static const struct {
+    const char *method, *uri;
+} routes[] = {
+    {"GET", "/v1/models"},
+    {"GET", "/v1/models/glmspark-demo"},
+    {"POST", "/v1/chat/completions"},
+    {"POST", "/v1/completions"},
+    {"POST", "/v1/jobs"},
+    {"GET", "/v1/jobs"},
+    {"GET", "/v1/jobs/job-0123abcd"},
+    {"GET", "/v1/jobs/job-0123abcd/events"},
+    {"POST", "/v1/jobs/job-0123abcd/cancel"},
+    {"GET", "/metrics"},
+    {"GET", "/v1/nonexistent"},
+    {"DELETE", "/v1/jobs"},
+};
+
+// Every route, with forged identity parameters and the given Authorization (NULL: none),
+// must answer 401 with code.
+static void forged(const char *authorization, const char *code)
+{
+    for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++) {
+        char method[32], uri[128], auth[128];
+        snprintf(method, sizeof method, "REQUEST_METHOD=%s", routes[i].method);
+        snprintf(uri, sizeof uri, "DOCUMENT_URI=%s", routes[i].uri);
+        snprintf(auth, sizeof auth, "HTTP_AUTHORIZATION=%s", authorization ? authorization : "");
+        char *envp[] = {method,
+                        uri,
+                        "QUERY_STRING=",
+                        "CONTENT_LENGTH=2",
+                        "GLMSPARK_KEY_ID=1",
+                        "GLMSPARK_KEY_SCOPE=admin",
+                        "GLMSPARK_KEY_PREFIX=gsk_forgedforged",
+                        "GLMSPARK_KEY_RPM=0",
+                        "GLMSPARK_KEY_MAX_CONCURRENT=0",
+                        authorization ? auth : NULL,
+                        NULL};
+        char *text = handle(envp, "{}");
+        const char *body = NULL;
+        const int status = status_of(text, &body);
+        if (status != 401)
+            fprintf(stderr, "%s %s: %.200s\n", routes[i].method, routes[i].uri, text);
+        CHECK(status == 401);
+        CHECK(strstr(text, "WWW-Authenticate: Bearer\r\n") != NULL);
+        CHECK(strstr(text, "Content-Type: application/json\r\n") != NULL);
+        CHECK(body && strstr(body, code) != NULL);
+        CHECK(body && strstr(body, "\"type\":\"invalid_request_error\"") != NULL);
+        free(text);
+    }
+}
+
+static void test_forged_identity(void)
+{
+    forged(NULL, "\"code\":\"missing_api_key\"");
+    forged("Bearer not-a-key", "\"code\":\"invalid_api_key\"");
+    forged("Basic Z3NrOng=", "\"code\":\"missing_api_key\"");
+}
+
+static void test_key_in_query(void)
+{
+    char *envp[] = {"REQUEST_METHOD=GET", "DOCUMENT_URI=/v1/models", "QUERY_STRING=api_key=gsk_x",
+                    "HTTP_AUTHORIZATION=Bearer gsk_x", NULL};
+    char *text = handle(envp, NULL);
+    const char *body = NULL;
+    CHECK(status_of(text, &body) == 401);
+    CHECK(body && strstr(body, "api_key_in_query"));
+    free(text);
+}
+
+static void test_long_path(void)
+{
+    char uri[600] = "DOCUMENT_URI=/v1/jobs/job-";
+    memset(uri + strlen(uri), 'a', 400);
+    char *envp[] = {"REQUEST_METHOD=GET", uri, NULL};
+    char *text = handle(envp, NULL);
+    const char *body = NULL;
+    CHECK(status_of(text, &body) == 414);
+    CHECK(body && strstr(body, "uri_too_long"));
+    free(text);
+}
+
+static void test_internal_auth(void)
+{
+    char *envp[] = {"REQUEST_METHOD=GET", "DOCUMENT_URI=/internal/auth", "GLMSPARK_KEY_ID=1",
+                    "GLMSPARK_KEY_SCOPE=admin", NULL};
+    char *text = handle(envp, NULL);
+    const char *body = NULL;
+    CHECK(status_of(text, &body) == 401);
+    CHECK(strstr(text, "X-Key-Id") == NULL);
+    free(text);
+}
+
+static void test_health_without_db(void)
+{
+    char *envp[] = {"REQUEST_METHOD=GET", "DOCUMENT_URI=/health", NULL};
+    char *text = handle(envp, NULL);
+    const char *body = NULL;
+    CHECK(status_of(text, &body) == 503);
+    CHECK(body && strstr(body, "\"database\":false"));
+    free(text);
+}
+
+int main(void)
+{
+    log_set_level(LOG_LEVEL_ERROR);
+    CHECK(api_db_init(&db, "host=/nonexistent-glmspark-test dbname=none connect_timeout=1")
+          == ERR_OK);
+    db.retry_ms = 100;
+    test_forged_identity();
+    test_key_in_query();
+    test_long_path();
+    test_internal_auth();
+    test_health_without_db();
+    api_db_free(&db);
+    return check_exit();
+}
