@@ -399,6 +399,16 @@ static void cache_clear_locked(void)
     cache_gen++;
 }
 
+void (*api_db_auth_hook)(void);
+
+uint64_t api_db_auth_clears(void)
+{
+    pthread_mutex_lock(&cache_mutex);
+    const uint64_t n = cache_gen;
+    pthread_mutex_unlock(&cache_mutex);
+    return n;
+}
+
 static void cache_clear(void)
 {
     pthread_mutex_lock(&cache_mutex);
@@ -504,6 +514,7 @@ Err api_db_auth(ApiDb *db, const char *key, size_t n, ApiKey *out)
             k.is_admin = strcmp(PQgetvalue(res, 0, 2), "admin") == 0;
             k.rpm = atoi(PQgetvalue(res, 0, 3));
             k.max_concurrent = atoi(PQgetvalue(res, 0, 4));
+            if (api_db_auth_hook) api_db_auth_hook();
             cache_put(digest, &k, gen);
             *out = k;
             err = ERR_OK;

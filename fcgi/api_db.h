@@ -87,6 +87,14 @@ PGresult *api_db_exec(ApiDb *db, const char *sql, int n_params, const char *cons
 // the database (a failure is logged, not returned: the key did verify).
 Err api_db_auth(ApiDb *db, const char *key, size_t n, ApiKey *out);
 
+// How many times the auth cache has been emptied (revocations, watcher reconnects).
+uint64_t api_db_auth_clears(void);
+
+// Test hook (fault injection, tests/db/test_api_db.c): when set, api_db_auth calls it after
+// a key's row has been read and verified and before the answer is cached, so a test can
+// revoke the key exactly there. NULL in production; set it before any thread authenticates.
+extern void (*api_db_auth_hook)(void);
+
 // Start a thread (with its own connection to conninfo) that LISTENs on api_keys_revoked
 // (sql/004's trigger) and empties the auth cache on every revocation, so a revoked key
 // stops working at once rather than within API_AUTH_TTL_S. While that connection is down

@@ -4,14 +4,23 @@
  * as on a restart) is noticed and replaced, so the next statement succeeds instead of
  * answering 503; a real SQL error is reported and not mistaken for a lost connection.
  * Regression test for the failure found by tests/reliability (listener terminated).
+ *
+ * Revocation (issue 21): with the revocation watcher running, a key revoked between the
+ * moment a lookup read its row and the moment the lookup cached it (api_db_auth_hook
+ * revokes it exactly there and waits for the watcher to empty the cache) is not put back
+ * into the cache: the next request is refused at once instead of for the cache's 10 s.
+ * A key revoked while the watcher is disconnected is not served from the cache either.
  */
 #include <libpq-fe.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "../check.h"
+#include "cli.h"
+#include "engine/common/apikey.h"
 #include "fcgi/api_db.h"
 
 static PGconn *admin;
@@ -75,6 +84,111 @@ static void test_sql_error_keeps_connection(void)
     api_db_free(&db);
 }
 
+// ---------------------------------------------------------------------------
+// Revocation racing a lookup
+
+static void sql(const char *q)
+{
+    PGresult *res = PQexec(admin, q);
+    const ExecStatusType st = PQresultStatus(res);
+    if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) fprintf(stderr, "%s: %s", q, PQerrorMessage(admin));
+    CHECK(st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK);
+    PQclear(res);
+}
+
+// A new key row (user scope, no limits); its text goes to key[APIKEY_LEN + 1].
+static void make_key(char key[APIKEY_LEN + 1], const char *name)
+{
+    char prefix[APIKEY_PREFIX_LEN + 1], hex[2 * APIKEY_HASH_LEN + 1], q[512];
+    uint8_t digest[APIKEY_HASH_LEN];
+    CHECK(apikey_generate(key) == ERR_OK);
+    CHECK(apikey_parse(key, strlen(key), prefix) == ERR_OK);
+    apikey_hash(key, strlen(key), digest);
+    for (int i = 0; i < APIKEY_HASH_LEN; i++) snprintf(hex + 2 * i, 3, "%02x", digest[i]);
+    snprintf(q, sizeof q, "INSERT INTO api_keys (prefix, key_hash, name) VALUES ('%s', decode('%s', 'hex'), '%s')",
+             prefix, hex, name);
+    sql(q);
+}
+
+static const char *revoke_name;  // the key the hook revokes
+
+// Wait until f() is true (up to 10 s).
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long) (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+static bool eventually(bool (*f)(void))
+{
+    for (int i = 0; i < 1000; i++) {
+        if (f()) return true;
+        sleep_ms(10);
+    }
+    return false;
+}
+
+static uint64_t clears_before;
+static bool cache_was_cleared(void)
+{
+    return api_db_auth_clears() > clears_before;
+}
+
+static bool watcher_listens(void)
+{
+    PGresult *res = PQexec(admin, "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN api_keys_revoked'"
+                                  " AND state = 'idle'");
+    const bool ok = PQresultStatus(res) == PGRES_TUPLES_OK && atoi(PQgetvalue(res, 0, 0)) == 1;
+    PQclear(res);
+    return ok;
+}
+
+// Between the lookup's read and its cache_put: revoke, and wait for the watcher's clear.
+static void revoke_in_the_middle(void)
+{
+    char q[256];
+    clears_before = api_db_auth_clears();
+    snprintf(q, sizeof q, "UPDATE api_keys SET revoked_at = now() WHERE name = '%s'", revoke_name);
+    sql(q);
+    CHECK(eventually(cache_was_cleared));
+}
+
+static void test_revocation_race(void)
+{
+    ApiDb db;
+    ApiKey k;
+    char key[APIKEY_LEN + 1], other[APIKEY_LEN + 1], q[256];
+    CHECK(api_db_init(&db, getenv("GLMSPARK_DB")) == ERR_OK);
+    CHECK(api_db_watch_revocations(getenv("GLMSPARK_DB")) == ERR_OK);
+    CHECK(eventually(watcher_listens));
+    sleep_ms(100);  // the watcher marks itself live right after its LISTEN returns
+
+    make_key(key, "race");
+    make_key(other, "bystander");
+    CHECK(api_db_auth(&db, other, strlen(other), &k) == ERR_OK);  // cached
+    revoke_name = "race";
+    api_db_auth_hook = revoke_in_the_middle;
+    // The row was read before the revocation: this request itself is let through.
+    CHECK(api_db_auth(&db, key, strlen(key), &k) == ERR_OK);
+    api_db_auth_hook = NULL;
+    // But it must not have been cached: the very next lookup sees the revocation.
+    CHECK(api_db_auth(&db, key, strlen(key), &k) == ERR_NOTFOUND);
+    CHECK(api_db_auth(&db, other, strlen(other), &k) == ERR_OK);  // others still work
+
+    // A revocation while the watcher is away: its NOTIFY goes nowhere, so nothing cached
+    // before (or during) the outage may be served.
+    CHECK(api_db_auth(&db, other, strlen(other), &k) == ERR_OK);
+    clears_before = api_db_auth_clears();
+    sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query = 'LISTEN api_keys_revoked'");
+    CHECK(eventually(cache_was_cleared));
+    snprintf(q, sizeof q, "UPDATE api_keys SET revoked_at = now() WHERE name = 'bystander'");
+    sql(q);
+    CHECK(api_db_auth(&db, other, strlen(other), &k) == ERR_NOTFOUND);
+    CHECK(eventually(watcher_listens));
+    CHECK(api_db_auth(&db, other, strlen(other), &k) == ERR_NOTFOUND);
+    api_db_free(&db);
+}
+
 int main(void)
 {
     const char *conninfo = getenv("GLMSPARK_DB");
@@ -89,6 +203,9 @@ int main(void)
     }
     test_terminated_idle_connection();
     test_sql_error_keeps_connection();
+    char *migrate[] = {"db", "migrate", "--db", (char *) conninfo, NULL};
+    CHECK(cli_db(4, migrate) == 0);
+    test_revocation_race();
     PQfinish(admin);
     return check_exit();
 }

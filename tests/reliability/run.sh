@@ -73,7 +73,7 @@ rpm10=$(key --name rpm10 --rpm 10)
 
 export GLMSPARK_URL=$url GLMSPARK_ADMIN_KEY=$admin GLMSPARK_USER_KEY=$user GLMSPARK_OTHER_KEY=$other
 export GLMSPARK_REVOKED_KEY=$revoked GLMSPARK_CONC3_KEY=$conc3 GLMSPARK_RPM10_KEY=$rpm10
-export GLMSPARK_MODEL=glmspark-demo GLMSPARK_DEVSTACK=$devstack GLMSPARK_DB_OWNER=$db
+export GLMSPARK_MODEL=glmspark-demo GLMSPARK_DEVSTACK=$devstack GLMSPARK_DB_OWNER=$db GLMSPARK_BIN_DIR=$bin
 export REL_PROFILE=$profile REL_RESULTS=$results
 export NODE_EXTRA_CA_CERTS=$var/tls/cert.pem NODE_PATH=$src/tests/node_modules
 cp "$src/tests/reliability/scenarios.mjs" "$src/tests/.reliability.$$.run.mjs"

@@ -8,8 +8,11 @@
 // scenario failed. Random choices come from a seeded generator (REL_SEED), so a failing
 // sequence can be replayed.
 import assert from 'node:assert/strict';
-import { execFileSync, spawn } from 'node:child_process';
-import { readFileSync, writeFileSync } from 'node:fs';
+import { execFile, execFileSync, spawn } from 'node:child_process';
+import { readFileSync, statSync, writeFileSync } from 'node:fs';
+import { setMaxListeners } from 'node:events';
+import net from 'node:net';
+import { promisify } from 'node:util';
 
 const env = process.env;
 const URL_ = env.GLMSPARK_URL;
@@ -22,8 +25,14 @@ const K = {
 };
 const FULL = env.REL_PROFILE === 'full';
 const N = FULL
-    ? { engineKill: 50, fcgiKill: 20, pgRestart: 2, resume: 1000, cancel: 10, notify: 3 }
-    : { engineKill: 10, fcgiKill: 5, pgRestart: 1, resume: 100, cancel: 3, notify: 1 };
+    ? { engineKill: 50, fcgiKill: 20, pgRestart: 2, resume: 1000, cancel: 10, notify: 3, revoke: 20 }
+    : { engineKill: 10, fcgiKill: 5, pgRestart: 1, resume: 100, cancel: 3, notify: 1, revoke: 5 };
+// The database outage with open streams (issue 21): REL_OUTAGE_S seconds (60), REL_STREAMS
+// streams (100), keep-alives every REL_KEEPALIVE_S (5) seconds.
+const OUTAGE = {
+    seconds: Number(env.REL_OUTAGE_S || 60), streams: Number(env.REL_STREAMS || 100),
+    keepalive: Number(env.REL_KEEPALIVE_S || 5),
+};
 const only = env.REL_ONLY ? env.REL_ONLY.split(',') : null;
 
 // Deterministic PRNG (mulberry32).
@@ -80,23 +89,38 @@ async function submit(extra = {}, key = K.user, headers = {}) {
 // Read /v1/jobs/{id}/events from `after` on. Stops at the end, or (abortAtByte) after that
 // many bytes, keeping only the events that arrived whole. Returns the events, the end event
 // and whether [DONE] came.
-async function readEvents(id, { key = K.user, after, abortAtByte = Infinity, timeoutMs = 120000 } = {}) {
+async function readEvents(id, { key = K.user, after, abortAtByte = Infinity, timeoutMs = 120000, signal, onBytes } = {}) {
     const ac = new AbortController();
     const timer = setTimeout(() => ac.abort(), timeoutMs);
+    if (signal) signal.addEventListener('abort', () => ac.abort());
     const headers = { Authorization: `Bearer ${key}` };
     if (after !== undefined) headers['Last-Event-ID'] = String(after);
     try {
-        const res = await fetch(`${URL_}/v1/jobs/${id}/events`, { headers, signal: ac.signal });
+        let res;
+        try {
+            res = await fetch(`${URL_}/v1/jobs/${id}/events`, { headers, signal: ac.signal });
+        } catch (e) {
+            if (signal?.aborted) return { events: [], end: null, done: false, bytes: 0, keepalives: 0, aborted: true };
+            throw e;
+        }
         note(res.status);
         assert.equal(res.status, 200, `events ${id}: ${res.status}`);
         const events = [];
         let end = null, done = false, buf = '', bytes = 0;
         const reader = res.body.getReader();
         const dec = new TextDecoder();
+        let keepalives = 0;
         outer: for (;;) {
-            const { value, done: eof } = await reader.read();
+            let value, eof;
+            try {
+                ({ value, done: eof } = await reader.read());
+            } catch (e) {
+                if (signal?.aborted) return { events, end, done, bytes, keepalives, aborted: true };
+                throw e;
+            }
             if (eof) break;
             let chunk = value;
+            onBytes?.(now());
             if (bytes + chunk.length >= abortAtByte) chunk = chunk.subarray(0, abortAtByte - bytes);
             bytes += chunk.length;
             buf += dec.decode(chunk, { stream: true });
@@ -109,6 +133,7 @@ async function readEvents(id, { key = K.user, after, abortAtByte = Infinity, tim
                     if (line.startsWith('id: ')) eid = Number(line.slice(4));
                     else if (line.startsWith('data: ')) data = line.slice(6);
                 }
+                if (block.startsWith(': keep-alive')) keepalives++;
                 if (data === null) continue;
                 if (data === '[DONE]') { done = true; break outer; }
                 const obj = JSON.parse(data);
@@ -116,7 +141,7 @@ async function readEvents(id, { key = K.user, after, abortAtByte = Infinity, tim
             }
             if (bytes >= abortAtByte) { ac.abort(); break; }
         }
-        return { events, end, done, bytes };
+        return { events, end, done, bytes, keepalives };
     } finally {
         clearTimeout(timer);
     }
@@ -508,6 +533,333 @@ async function security() {
 }
 
 // ---------------------------------------------------------------------------
+// Serving hardening (issue 21): forged identity on the socket, Idempotency-Key races,
+// revocation latency, streams across a database outage.
+
+const execFileP = promisify(execFile);
+const BIN = env.GLMSPARK_BIN_DIR;
+const SOCK = `${VAR}/run/fcgi.sock`;
+const newKey = (name, ...args) => execFileSync(`${BIN}/glmspark`, ['keys', 'create', '--db', env.GLMSPARK_DB_OWNER,
+    '--name', name, ...args], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'ignore'] }).trim();
+
+// One FastCGI request straight on glmspark-fcgi's socket, bypassing nginx: params are the
+// FastCGI params (whatever we like, identity included), body the stdin. Resolves to the
+// status and the response text.
+function fcgiRequest(params, body = '', timeoutMs = 10000) {
+    const record = (type, content) => {
+        const pad = (8 - (content.length % 8)) % 8;
+        const h = Buffer.from([1, type, 0, 1, content.length >> 8, content.length & 255, pad, 0]);
+        return Buffer.concat([h, content, Buffer.alloc(pad)]);
+    };
+    const len = (n) => n < 128 ? Buffer.from([n])
+        : Buffer.from([(n >>> 24) | 0x80, (n >>> 16) & 255, (n >>> 8) & 255, n & 255]);
+    const nv = Buffer.concat(Object.entries(params).flatMap(([k, v]) => {
+        const kb = Buffer.from(k), vb = Buffer.from(String(v));
+        return [len(kb.length), len(vb.length), kb, vb];
+    }));
+    const stdin = Buffer.from(body);
+    const out = [record(1, Buffer.from([0, 1, 0, 0, 0, 0, 0, 0]))];  // BEGIN_REQUEST, responder
+    for (let i = 0; i < nv.length; i += 65535) out.push(record(4, nv.subarray(i, i + 65535)));
+    out.push(record(4, Buffer.alloc(0)));
+    for (let i = 0; i < stdin.length; i += 65535) out.push(record(5, stdin.subarray(i, i + 65535)));
+    out.push(record(5, Buffer.alloc(0)));
+    return new Promise((resolve, reject) => {
+        const c = net.createConnection(SOCK);
+        const timer = setTimeout(() => { c.destroy(); reject(new Error('FastCGI request timed out')); }, timeoutMs);
+        let buf = Buffer.alloc(0), text = Buffer.alloc(0);
+        c.on('connect', () => c.write(Buffer.concat(out)));
+        c.on('data', (d) => {
+            buf = Buffer.concat([buf, d]);
+            while (buf.length >= 8) {
+                const n = buf.readUInt16BE(4), pad = buf[6];
+                if (buf.length < 8 + n + pad) break;
+                if (buf[1] === 6) text = Buffer.concat([text, buf.subarray(8, 8 + n)]);  // STDOUT
+                buf = buf.subarray(8 + n + pad);
+            }
+        });
+        c.on('error', (e) => { clearTimeout(timer); reject(e); });
+        c.on('close', () => {
+            clearTimeout(timer);
+            const t = text.toString();
+            const m = t.match(/^Status: (\d+)/);
+            resolve({ status: m ? Number(m[1]) : 200, text: t });
+        });
+    });
+}
+
+// The routes every check below walks, for a key that owns job `id`.
+const routesFor = (id) => [
+    ['GET', '/v1/models'], ['GET', `/v1/models/${MODEL}`], ['POST', '/v1/chat/completions'],
+    ['POST', '/v1/completions'], ['POST', '/v1/jobs'], ['GET', '/v1/jobs'], ['GET', `/v1/jobs/${id}`],
+    ['GET', `/v1/jobs/${id}/events`], ['POST', `/v1/jobs/${id}/cancel`], ['GET', '/metrics'],
+    ['GET', '/v1/no-such-route'],
+];
+
+// A process on the socket sets every identity parameter nginx ever passed (admin scope)
+// and sends no key, a malformed key, or a revoked key: 401 on every route. The same
+// request with a real key works, so it is the key, not the socket, that authenticates.
+async function forgedIdentity() {
+    const st = statSync(SOCK);
+    const mode = (st.mode & 0o777).toString(8);
+    assert.equal(mode, '660', `fcgi socket mode ${mode}`);
+    let group = String(st.gid);
+    try { group = execFileSync('getent', ['group', String(st.gid)], { encoding: 'utf8' }).split(':')[0]; } catch { /* numeric */ }
+    if (process.getuid() === 0) assert.equal(group, 'www-data', `fcgi socket group ${group}`);
+    const id = await submit({ max_tokens: 2 });
+    await waitJob(id, terminal);
+    const adminId = psql("SELECT id FROM api_keys WHERE scope = 'admin' ORDER BY id LIMIT 1");
+    const body = JSON.stringify(chatBody({ max_tokens: 2 }));
+    const jobsBefore = Number(psql('SELECT count(*) FROM jobs'));
+    const forged = {
+        GLMSPARK_KEY_ID: adminId, GLMSPARK_KEY_SCOPE: 'admin', GLMSPARK_KEY_PREFIX: 'gsk_forged',
+        GLMSPARK_KEY_RPM: '0', GLMSPARK_KEY_MAX_CONCURRENT: '0',
+    };
+    const variants = [['no key', {}], ['malformed key', { HTTP_AUTHORIZATION: 'Bearer forged' }],
+        ['revoked key', { HTTP_AUTHORIZATION: `Bearer ${K.revoked}` }],
+        ['unknown key', { HTTP_AUTHORIZATION: 'Bearer gsk_AAAAAAAAAAAA_AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA' }]];
+    let n = 0;
+    for (const [what, auth] of variants) {
+        for (const [method, path] of [...routesFor(id), ['GET', '/internal/auth']]) {
+            const isPost = method === 'POST';
+            const r = await fcgiRequest({
+                REQUEST_METHOD: method, DOCUMENT_URI: path, REQUEST_URI: path, QUERY_STRING: '',
+                CONTENT_TYPE: 'application/json', CONTENT_LENGTH: isPost ? Buffer.byteLength(body) : '',
+                ...forged, ...auth,
+            }, isPost ? body : '');
+            assert.equal(r.status, 401, `forged identity, ${what}, ${method} ${path}: ${r.text.slice(0, 200)}`);
+            assert.ok(!/X-Key-Id/i.test(r.text), `${what}: /internal/auth vouched for a forged request`);
+            n++;
+        }
+    }
+    assert.equal(Number(psql('SELECT count(*) FROM jobs')), jobsBefore, 'a forged request wrote a job');
+    const real = await fcgiRequest({ REQUEST_METHOD: 'GET', DOCUMENT_URI: '/v1/models', QUERY_STRING: '',
+        HTTP_AUTHORIZATION: `Bearer ${K.user}`, ...forged });
+    assert.equal(real.status, 200, `a real key on the socket: ${real.text.slice(0, 200)}`);
+    const asUser = await fcgiRequest({ REQUEST_METHOD: 'GET', DOCUMENT_URI: '/metrics', QUERY_STRING: '',
+        HTTP_AUTHORIZATION: `Bearer ${K.user}`, ...forged });
+    assert.equal(asUser.status, 403, 'a user key with forged admin scope reached /metrics');
+    return { iterations: n + 2, figures: `socket mode ${mode} group ${group}; ${n} forged requests ` +
+        `(${variants.length} key variants x ${n / variants.length} routes, admin identity params set) all 401, 0 jobs written; ` +
+        'a real user key on the socket: 200, its forged admin scope ignored (403 on /metrics)' };
+}
+
+// N concurrent POST /v1/jobs with one Idempotency-Key, for a key without limits and one
+// with limits: all 2xx with one job id, exactly one job row.
+async function idempotencyRace() {
+    const keys = { unlimited: newKey('idem-unlimited'), limited: newKey('idem-limited', '--max-concurrent', '2', '--rpm', '100000') };
+    const figures = [];
+    let rounds = 0;
+    for (const n of [20, 200]) {
+        for (const [kind, key] of Object.entries(keys)) {
+            const idem = `rel-idem-${process.pid}-${kind}-${n}`;
+            const t0 = now();
+            const rs = await Promise.all(Array.from({ length: n }, () => api('/v1/jobs', {
+                key, method: 'POST', body: chatBody({ max_tokens: 2 }), headers: { 'Idempotency-Key': idem },
+            })));
+            const dt = now() - t0;
+            const statuses = {};
+            for (const r of rs) statuses[r.status] = (statuses[r.status] || 0) + 1;
+            assert.ok(rs.every((r) => r.status >= 200 && r.status < 300), `${kind} N=${n}: ${JSON.stringify(statuses)} ` +
+                rs.find((r) => r.status >= 300)?.text.slice(0, 200));
+            const ids = new Set(rs.map((r) => r.json.id));
+            assert.equal(ids.size, 1, `${kind} N=${n}: ${ids.size} job ids`);
+            const rows = Number(psql(`SELECT count(*) FROM jobs WHERE idem_key = '${idem}'`));
+            assert.equal(rows, 1, `${kind} N=${n}: ${rows} job rows`);
+            await waitJob([...ids][0], terminal);
+            figures.push(`N=${n} ${kind}: ${JSON.stringify(statuses)}, 1 id, 1 row, ${ms(dt)}`);
+            rounds++;
+        }
+    }
+    return { iterations: rounds, figures: figures.join('; ') };
+}
+
+// A key in use (cached by fcgi, requests in flight) is revoked with `glmspark keys
+// revoke`: every route answers 401 within 1 s of the command's return.
+async function revocationLatency() {
+    const first = [], all = [];
+    for (let i = 0; i < N.revoke; i++) {
+        const name = `rel-revoke-${process.pid}-${i}`;
+        const key = newKey(name);
+        const id = await submit({ max_tokens: 2 }, key);
+        await waitJob(id, terminal);
+        for (let k = 0; k < 3; k++) assert.equal((await api('/v1/models', { key })).status, 200);
+        // Keep requests of the key in flight across the revocation (each lookup may race it).
+        let stop = false, hammerOk = 0;
+        const hammer = Promise.all(Array.from({ length: 4 }, async () => {
+            while (!stop) if ((await api('/v1/models', { key })).status === 200) hammerOk++;
+        }));
+        await sleep(100);
+        await execFileP(`${BIN}/glmspark`, ['keys', 'revoke', name, '--db', env.GLMSPARK_DB_OWNER]);
+        const t0 = now();
+        let tFirst = null;
+        const routes = routesFor(id);
+        const pending = new Set(routes.map((r) => r.join(' ')));
+        while (pending.size) {
+            for (const [method, path] of routes) {
+                if (!pending.has(`${method} ${path}`)) continue;
+                const r = await api(path, { key, method, body: method === 'POST' ? chatBody({ max_tokens: 2 }) : undefined });
+                if (r.status === 401) {
+                    pending.delete(`${method} ${path}`);
+                    tFirst ??= now() - t0;
+                }
+            }
+            assert.ok(now() - t0 < 1000 || !pending.size, `revoked key still accepted after 1 s on ${[...pending]}`);
+        }
+        const tAll = now() - t0;
+        stop = true;
+        await hammer;
+        // Every request started from here on is refused, whatever route.
+        for (const [method, path] of routes) {
+            const r = await api(path, { key, method, body: method === 'POST' ? chatBody({ max_tokens: 2 }) : undefined });
+            assert.equal(r.status, 401, `revoked key: ${method} ${path} ${r.status}`);
+        }
+        first.push(tFirst);
+        all.push(tAll);
+        assert.ok(hammerOk > 0);
+    }
+    return { iterations: N.revoke, figures: `after \`glmspark keys revoke\` returned: first 401 p50 ${ms(pctl(first, 50))} ` +
+        `max ${ms(Math.max(...first))}; every one of ${routesFor('x').length} routes 401 max ${ms(Math.max(...all))} ` +
+        '(4 clients hammering the key across the revocation)' };
+}
+
+// Connected sockets on glmspark-fcgi's listening path: one per request in flight, since
+// nginx does not keep FastCGI connections (so: busy handler threads).
+function fcgiConnections() {
+    return readFileSync('/proc/net/unix', 'utf8').split('\n')
+        .filter((l) => l.endsWith(` ${SOCK}`) && l.trim().split(/\s+/)[5] === '03').length;
+}
+const appConnections = () => Number(psql("SELECT count(*) FROM pg_stat_activity WHERE usename = 'glmspark_app'"));
+const fcgiThreads = () => Number(readFileSync(`/proc/${pidOf('fcgi')}/status`, 'utf8').match(/Threads:\s+(\d+)/)[1]);
+
+function pgStop() {
+    const pgbin = execFileSync('bash', ['-c', 'ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1'], { encoding: 'utf8' }).trim();
+    const asPg = process.getuid() === 0 ? ['runuser', '-u', 'postgres', '--'] : [];
+    const cmd = [...asPg, `${pgbin}/pg_ctl`, '-D', `${VAR}/pg/data`, '-m', 'fast', '-w', 'stop'];
+    execFileSync(cmd[0], cmd.slice(1), { stdio: 'ignore' });
+}
+
+const restartFcgi = (extraEnv) => execFileSync(DEVSTACK, ['restart', 'fcgi'],
+    { stdio: ['ignore', 'ignore', 'inherit'], env: { ...env, ...extraEnv } });
+
+// Streams across a database outage: OUTAGE.streams readers of running jobs' events, then
+// PostgreSQL stopped for OUTAGE.seconds. Keep-alives go on; the readers that leave during
+// the outage free their handler thread within two keep-alive periods; the rest resume and
+// get every committed chunk. Then a stream that gives up (fcgi with --stream-outage-s 3)
+// ends with an error event and [DONE]. No thread or connection is left behind.
+async function outageStreams() {
+    const ka = OUTAGE.keepalive;
+    const fcgiEnv = { GLMSPARK_FCGI_THREADS: String(OUTAGE.streams + 40), GLMSPARK_SSE_KEEPALIVE_S: String(ka) };
+    restartFcgi(fcgiEnv);
+    const figures = [];
+    try {
+        await sleep(1000);
+        const threads0 = fcgiThreads(), conns0 = fcgiConnections(), app0 = appConnections();
+        // Two jobs long enough to outlast the outage; max_num_seqs 1, so one runs, one waits.
+        const jobs = [await submit({ max_tokens: 600, seed: 21 }), await submit({ max_tokens: 200, seed: 22 })];
+        await waitJob(jobs[0], (j) => j.state === 'running' && j.usage.completion_tokens >= 3);
+        const nLeave = Math.round(OUTAGE.streams / 5);
+        const leave = new AbortController();
+        setMaxListeners(OUTAGE.streams, leave.signal);
+        const gaps = [];  // per staying reader: the longest silence during the outage
+        let outageStart = Infinity, outageEnd = Infinity;
+        const readers = Array.from({ length: OUTAGE.streams }, (_, i) => {
+            const leaver = i < nLeave;
+            let lastBytes = now(), maxGap = 0;
+            const onBytes = (t) => {
+                const from = Math.max(lastBytes, outageStart), to = Math.min(t, outageEnd);
+                if (to > from) maxGap = Math.max(maxGap, to - from);
+                lastBytes = t;
+            };
+            return readEvents(jobs[i % 2], { timeoutMs: (OUTAGE.seconds + 240) * 1000, signal: leaver ? leave.signal : undefined, onBytes })
+                .then((r) => ({ ...r, leaver, maxGap: () => maxGap, lastBytes: () => lastBytes, job: jobs[i % 2] }));
+        });
+        for (let t = 0; t < 100 && fcgiConnections() < conns0 + OUTAGE.streams; t++) await sleep(100);
+        const streaming = fcgiConnections() - conns0;
+        assert.equal(streaming, OUTAGE.streams, `${streaming} streams reached fcgi`);
+        await sleep(500);
+        faultWindow = true;
+        pgStop();
+        outageStart = now();
+        // A fifth of the clients leave a third of the way into the outage.
+        await sleep(Math.min(OUTAGE.seconds / 3, 20) * 1000);
+        const tLeave = now();
+        leave.abort();
+        let freed = null;
+        while (now() - tLeave < 4 * ka * 1000) {
+            if (fcgiConnections() <= conns0 + OUTAGE.streams - nLeave) { freed = now() - tLeave; break; }
+            await sleep(100);
+        }
+        assert.ok(freed !== null && freed <= 2 * ka * 1000,
+            `${fcgiConnections() - conns0} streams still held ${ms(now() - tLeave)} after ${nLeave} clients left`);
+        await sleep(Math.max(0, outageStart + OUTAGE.seconds * 1000 - now()));
+        devstack('restart', 'postgres');
+        outageEnd = now();
+        faultWindow = false;
+        if (!alive(pidOf('engine'))) await restartEngine();
+        const rs = await Promise.all(readers);
+        const stayed = rs.filter((r) => !r.leaver);
+        for (const r of stayed) {
+            assert.ok(r.done && r.end, `job ${r.job}: a stream did not end`);
+            assert.equal(r.end.state, 'succeeded', `job ${r.job}: ${JSON.stringify(r.end)}`);
+        }
+        for (const id of jobs) {
+            const mine = stayed.filter((r) => r.job === id);
+            await checkStream(id, mine[0].events);
+            for (const r of mine) assert.deepEqual(r.events.map((e) => e.seq), mine[0].events.map((e) => e.seq));
+        }
+        const maxGap = Math.max(...stayed.map((r) => r.maxGap()));
+        const kas = stayed.map((r) => r.keepalives);
+        assert.ok(maxGap <= 2 * ka * 1000, `a stream was silent ${ms(maxGap)} during the outage (keep-alive ${ka} s)`);
+        const chunks = jobs.map((id) => Number(psql(`SELECT count(*) FROM job_chunks c JOIN jobs j ON j.id = c.job_id WHERE j.public_id = '${id}'`)));
+        // Afterwards: no handler thread still busy, no extra thread, no extra connection.
+        let conns1 = fcgiConnections();
+        for (let t = 0; t < 50 && conns1 > conns0; t++) { await sleep(100); conns1 = fcgiConnections(); }
+        const threads1 = fcgiThreads(), app1 = appConnections();
+        assert.equal(conns1, conns0, `${conns1 - conns0} fcgi requests still in flight`);
+        assert.equal(threads1, threads0, `fcgi threads ${threads0} -> ${threads1}`);
+        assert.ok(app1 <= app0, `app connections ${app0} -> ${app1}`);
+        const probe = await api('/v1/models');
+        assert.equal(probe.status, 200);
+        figures.push(`${OUTAGE.streams} streams, PostgreSQL stopped ${OUTAGE.seconds} s: longest silence on a staying stream ` +
+            `${ms(maxGap)} (keep-alive ${ka} s; ${Math.min(...kas)}-${Math.max(...kas)} keep-alives each); ` +
+            `${nLeave} clients left mid-outage, their threads free after ${ms(freed)}; ` +
+            `${stayed.length} streams resumed, each with every chunk (${chunks.join(' + ')} chunks, equal to job_chunks); ` +
+            `after: fcgi threads ${threads0} -> ${threads1}, requests in flight ${conns0} -> ${conns1}, ` +
+            `app connections ${app0} -> ${app1}`);
+
+        // Give up: a stream that outlives --stream-outage-s ends with an error event and [DONE].
+        restartFcgi({ ...fcgiEnv, GLMSPARK_FCGI_ARGS: `${env.GLMSPARK_FCGI_ARGS ?? ''} --stream-outage-s 3` });
+        const g = await submit({ max_tokens: 400, seed: 23 });
+        await waitJob(g, (j) => j.state === 'running' && j.usage.completion_tokens >= 3);
+        const giving = [readEvents(g), readEvents(g)];
+        await sleep(500);
+        faultWindow = true;
+        pgStop();
+        const t1 = now();
+        const gs = await Promise.all(giving);
+        const dt = now() - t1;
+        devstack('restart', 'postgres');
+        faultWindow = false;
+        if (!alive(pidOf('engine'))) await restartEngine();
+        for (const r of gs) {
+            assert.ok(r.done, 'a stream that gave up did not send [DONE]');
+            assert.equal(r.end?.error?.code, 'database_unavailable', `end event ${JSON.stringify(r.end)}`);
+        }
+        // The client resumes where it stopped once the database is back.
+        const last = gs[0].events.length ? gs[0].events[gs[0].events.length - 1].seq : undefined;
+        const rest = await readEvents(g, { after: last });
+        assert.ok(rest.done && rest.end.state === 'succeeded');
+        await checkStream(g, [...gs[0].events, ...rest.events]);
+        figures.push(`give-up (--stream-outage-s 3): both streams ended ${ms(dt)} after the stop with an ` +
+            'error event (database_unavailable) and [DONE]; resumed with Last-Event-ID to the end');
+    } finally {
+        faultWindow = false;
+        restartFcgi({});
+    }
+    return { iterations: OUTAGE.streams + 2, figures: figures.join('; ') };
+}
+
+// ---------------------------------------------------------------------------
 // Input hardening through nginx
 
 async function hardening() {
@@ -667,6 +1019,10 @@ const scenarios = [
     ['fcgi kill -9 during enqueue (Idempotency-Key)', fcgiKillEnqueue],
     ['PostgreSQL fast and immediate restart mid-stream', pgRestart],
     ['listener terminated + NOTIFY suppressed (polling fallback)', notifySuppressed],
+    ['forged identity on the FastCGI socket', forgedIdentity],
+    ['Idempotency-Key race (N concurrent submissions)', idempotencyRace],
+    ['revocation latency (key in use)', revocationLatency],
+    ['streams across a database outage', outageStreams],
 ];
 if (FULL) {
     scenarios.push(['load: wrk enqueue + reads, 200 SSE readers', load]);
