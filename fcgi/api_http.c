@@ -18,13 +18,14 @@
 // ---------------------------------------------------------------------------
 // Buffer
 
+// Make room for n more bytes and the NUL, doubling (from 256) so appends stay amortised O(1).
 static Err buf_reserve(ApiBuf *b, size_t n)
 {
-    if (b->n + n + 1 <= b->cap) return ERR_OK;
     if (n > SIZE_MAX / 2 - b->n) return ERR_NOMEM;
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap < b->n + n + 1)
-        cap *= 2;
+    const size_t need = b->n + n + 1;
+    if (need <= b->cap) return ERR_OK;
+    size_t cap = b->cap ? 2 * b->cap : 256;
+    if (cap < need) cap = need;
     char *p = realloc(b->p, cap);
     if (!p) return ERR_NOMEM;
     b->p = p;

@@ -151,48 +151,37 @@ static void test_forged_identity(void)
     forged("Basic Z3NrOng=", "\"code\":\"missing_api_key\"");
 }
 
-static void test_key_in_query(void)
+// Answer envp and check the status and that the whole response holds needle (and, when
+// absent is not NULL, does not hold it).
+static void expect(char **envp, int status, const char *needle, const char *absent)
 {
-    char *envp[] = {"REQUEST_METHOD=GET", "DOCUMENT_URI=/v1/models", "QUERY_STRING=api_key=gsk_x",
-                    "HTTP_AUTHORIZATION=Bearer gsk_x", NULL};
     char *text = handle(envp, NULL);
     const char *body = NULL;
-    CHECK(status_of(text, &body) == 401);
-    CHECK(body && strstr(body, "api_key_in_query"));
+    const int got = status_of(text, &body);
+    if (got != status) fprintf(stderr, "want %d: %.300s\n", status, text);
+    CHECK(got == status);
+    CHECK(strstr(text, needle) != NULL);
+    if (absent) CHECK(strstr(text, absent) == NULL);
     free(text);
 }
 
-static void test_long_path(void)
+static void test_other_answers(void)
 {
+    char *query[] = {"REQUEST_METHOD=GET", "DOCUMENT_URI=/v1/models", "QUERY_STRING=api_key=gsk_x",
+                     "HTTP_AUTHORIZATION=Bearer gsk_x", NULL};
+    expect(query, 401, "\"code\":\"api_key_in_query\"", NULL);
+
     char uri[600] = "DOCUMENT_URI=/v1/jobs/job-";
     memset(uri + strlen(uri), 'a', 400);
-    char *envp[] = {"REQUEST_METHOD=GET", uri, NULL};
-    char *text = handle(envp, NULL);
-    const char *body = NULL;
-    CHECK(status_of(text, &body) == 414);
-    CHECK(body && strstr(body, "uri_too_long"));
-    free(text);
-}
+    char *long_path[] = {"REQUEST_METHOD=GET", uri, NULL};
+    expect(long_path, 414, "\"code\":\"uri_too_long\"", NULL);
 
-static void test_internal_auth(void)
-{
-    char *envp[] = {"REQUEST_METHOD=GET", "DOCUMENT_URI=/internal/auth", "GLMSPARK_KEY_ID=1",
+    char *auth[] = {"REQUEST_METHOD=GET", "DOCUMENT_URI=/internal/auth", "GLMSPARK_KEY_ID=1",
                     "GLMSPARK_KEY_SCOPE=admin", NULL};
-    char *text = handle(envp, NULL);
-    const char *body = NULL;
-    CHECK(status_of(text, &body) == 401);
-    CHECK(strstr(text, "X-Key-Id") == NULL);
-    free(text);
-}
+    expect(auth, 401, "Content-Type: text/plain", "X-Key-Id");
 
-static void test_health_without_db(void)
-{
-    char *envp[] = {"REQUEST_METHOD=GET", "DOCUMENT_URI=/health", NULL};
-    char *text = handle(envp, NULL);
-    const char *body = NULL;
-    CHECK(status_of(text, &body) == 503);
-    CHECK(body && strstr(body, "\"database\":false"));
-    free(text);
+    char *health[] = {"REQUEST_METHOD=GET", "DOCUMENT_URI=/health", NULL};
+    expect(health, 503, "\"database\":false", NULL);
 }
 
 int main(void)
@@ -202,10 +191,7 @@ int main(void)
           == ERR_OK);
     db.retry_ms = 100;
     test_forged_identity();
-    test_key_in_query();
-    test_long_path();
-    test_internal_auth();
-    test_health_without_db();
+    test_other_answers();
     api_db_free(&db);
     return check_exit();
 }
