@@ -51,16 +51,28 @@ static void put(Ctx *c, const char *s, size_t n)
     if (FCGX_PutStr(s, (int) n, c->req->out) != (int) n) c->is_broken = true;
 }
 
-// Formatted output of any length (no fixed buffer to cut it short). A formatting or
-// memory failure is logged and ends the response: a half-formatted line must not go out.
+// Formatted output of any length: short text (SSE ids, status lines) is formatted on the
+// stack, anything longer in an ApiBuf, so nothing is ever cut. A formatting or memory
+// failure is logged and ends the response: a half-formatted line must not go out.
 static void putf(Ctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void putf(Ctx *c, const char *fmt, ...)
 {
+    char small[256];
     ApiBuf b = {0};
     va_list ap;
     va_start(ap, fmt);
-    const Err err = api_buf_vaddf(&b, fmt, ap);
+    const int n = vsnprintf(small, sizeof small, fmt, ap);
     va_end(ap);
+    Err err = n < 0 ? ERR_INVAL : ERR_OK;
+    if (!err && (size_t) n < sizeof small) {
+        put(c, small, (size_t) n);
+        return;
+    }
+    if (!err) {
+        va_start(ap, fmt);
+        err = api_buf_vaddf(&b, fmt, ap);
+        va_end(ap);
+    }
     if (err) {
         LOG_ERROR("api: could not format a response line: %s", err_name(err));
         c->is_broken = true;
