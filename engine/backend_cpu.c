@@ -421,11 +421,12 @@ typedef struct ScoredPos {
     int pos;
 } ScoredPos;
 
-// True when a ranks below b: a lower score, or the same score at a later position (ties go
-// to the earlier position, a fixed rule where torch.topk leaves them unspecified).
+// True when a ranks below b: a lower score, or the same score at an earlier position. The
+// tie rule of DSA (the model notes): among equal scores the later, more recent position wins,
+// where torch.topk leaves ties unspecified; the GPU kernels follow the same rule.
 static bool ranks_below(ScoredPos a, ScoredPos b)
 {
-    return a.score < b.score || (a.score == b.score && a.pos > b.pos);
+    return a.score < b.score || (a.score == b.score && a.pos < b.pos);
 }
 
 // Restore the min-heap (by ranks_below) below node i of h[0..n).

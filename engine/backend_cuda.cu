@@ -647,10 +647,11 @@ static __device__ int block_prefix(bool pred, int *total, int *buf)
     return before + in_warp;
 }
 
-// Top-k of the scores (ties to the earlier position), positions ascending; one block per
-// token. A radix select over the 64-bit keys (8 passes of 8 bits) finds the k-th largest
-// key T and how many keys equal to T to take; a block scan in position order then writes
-// every key > T and the first such equal ones. O(visible) work per pass.
+// Top-k of the scores, positions ascending; one block per token. The tie rule (as the CPU
+// backend): among equal scores the later position wins. A radix select over the 64-bit keys
+// (8 passes of 8 bits) finds the k-th largest key T and how many keys equal to T to take; a
+// count of the keys equal to T, then a block scan in position order writes every key > T and
+// the last such equal ones. O(visible) work per pass.
 static __global__ void k_dsa_select(int *sel, int *n_sel, const double *score, int cap,
                                     const int *pos, int top_k)
 {
@@ -708,7 +709,14 @@ static __global__ void k_dsa_select(int *sel, int *n_sel, const double *score, i
         mask |= 255ull << shift;
         __syncthreads();
     }
-    // prefix is the k-th largest key; take every larger key and the first `need` equal ones.
+    // prefix is the k-th largest key; take every larger key and the last `need` equal ones.
+    int n_eq = 0;
+    for (int s0 = 0; s0 < visible; s0 += blockDim.x) {
+        const int s = s0 + threadIdx.x;
+        int eq_total;
+        block_prefix(s < visible && order_key(sc[s]) == prefix, &eq_total, buf);
+        n_eq += eq_total;
+    }
     int eq_before = 0, out_before = 0;
     for (int s0 = 0; s0 < visible; s0 += blockDim.x) {
         const int s = s0 + threadIdx.x;
@@ -716,7 +724,7 @@ static __global__ void k_dsa_select(int *sel, int *n_sel, const double *score, i
         const bool eq = s < visible && key == prefix;
         int eq_total, out_total;
         const int eq_rank = eq_before + block_prefix(eq, &eq_total, buf);
-        const bool take = s < visible && (key > prefix || (eq && eq_rank < need));
+        const bool take = s < visible && (key > prefix || (eq && eq_rank >= n_eq - need));
         const int out = out_before + block_prefix(take, &out_total, buf);
         if (take) st[out] = s;
         eq_before += eq_total;

@@ -311,14 +311,27 @@ static bool has_tensor_base(const Ckpt *ck, const char *base)
 typedef struct StageFilter {
     const Model *m;  // first_layer, last_layer, has_* and cfg set
     bool load_mtp;
+    bool *has_indexer;  // [CONFIG_MAX_LAYERS]: layer l has tensors "...l.self_attn.indexer.*"
 } StageFilter;
 
-// ckpt_open_filtered() predicate: the tensors one pipeline stage needs.
+// Note in has_indexer[] the layer of an indexer tensor name.
+static void note_indexer_tensor(const char *name, bool *has_indexer)
+{
+    int l = -1, n = 0;
+    if (sscanf(name, "model.layers.%d.self_attn.indexer.%n", &l, &n) == 1 && n > 0 && l >= 0
+        && l < CONFIG_MAX_LAYERS)
+        has_indexer[l] = true;
+}
+
+// ckpt_open_filtered() predicate: the tensors one pipeline stage needs. It sees every name
+// of the checkpoint (the index lists them all), so it also notes which layers have indexer
+// tensors: every rank then decides the same dense layers.
 static bool stage_keeps(const char *name, void *user)
 {
     const StageFilter *f = user;
     const Model *m = f->m;
     const char *layers = "model.layers.";
+    note_indexer_tensor(name, f->has_indexer);
     if (strncmp(name, layers, strlen(layers)) == 0) {
         char *end;
         const long l = strtol(name + strlen(layers), &end, 10);
@@ -331,6 +344,33 @@ static bool stage_keeps(const char *name, void *user)
     if (strncmp(name, "model.norm.", 11) == 0 || strncmp(name, "lm_head.", 8) == 0)
         return m->has_head;
     return false;
+}
+
+// A full DSA layer whose checkpoint has no indexer tensors (REAP checkpoints may drop them, as
+// the reference deployment runs with DSA disabled) runs dense attention, and so do the shared
+// layers that would reuse its selection; the MTP layers likewise. One notice names them.
+static void resolve_dense_layers(ModelConfig *c, const bool *has_indexer, const char *dir)
+{
+    char list[512];
+    size_t len = 0;
+    int n_dense = 0;
+    bool source_dense = false;
+    list[0] = 0;
+    for (int l = 0; l < c->n_layers + c->n_mtp_layers; l++) {
+        if (l == c->n_layers) source_dense = false;  // MTP layers select for themselves
+        if (c->indexer[l] == CONFIG_INDEXER_FULL) source_dense = !has_indexer[l];
+        if (c->indexer[l] == CONFIG_INDEXER_NONE || !source_dense) continue;
+        c->indexer[l] = CONFIG_INDEXER_NONE;
+        n_dense++;
+        if (len + 24 < sizeof list)
+            len += (size_t) snprintf(list + len, sizeof list - len, "%s%d%s", len ? ", " : "", l,
+                                     l >= c->n_layers ? " (MTP)" : "");
+    }
+    if (n_dense)
+        LOG_WARN("model \"%s\": %d DSA layer%s without indexer tensors run%s dense attention: "
+                 "layer%s %s",
+                 dir, n_dense, n_dense > 1 ? "s" : "", n_dense > 1 ? "" : "s",
+                 n_dense > 1 ? "s" : "", list);
 }
 
 Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
@@ -355,10 +395,15 @@ Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
     m->has_embed = m->first_layer == 0;
     m->has_head = m->last_layer == c->n_layers;
     const bool whole = m->has_embed && m->has_head;
-    StageFilter filter = {m, opts->load_mtp};
+    bool has_indexer[CONFIG_MAX_LAYERS] = {0};
+    StageFilter filter = {m, opts->load_mtp, has_indexer};
     if ((err = whole ? ckpt_open(&m->ckpt, dir)
                      : ckpt_open_filtered(&m->ckpt, dir, stage_keeps, &filter)))
         goto done;
+    if (whole)
+        for (int i = 0; i < m->ckpt.n_tensors; i++)
+            note_indexer_tensor(m->ckpt.tensors[i].name, has_indexer);
+    resolve_dense_layers(&m->cfg, has_indexer, dir);
 
     const bool tied_head = c->tie_word_embeddings && !has_tensor_base(&m->ckpt, "lm_head");
     // The last stage's MTP layer embeds the next token with the shared table too.

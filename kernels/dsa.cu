@@ -9,9 +9,11 @@
  * Top-k: one CTA of 1024 threads per token. A 4-pass MSB-first radix select over the scores'
  * order-preserving 32-bit keys finds the k-th largest key T and how many positions equal to T
  * to keep (histogram atomics aggregated per warp with __match_any_sync; the digit is found by
- * one warp scan); a final ordered pass writes the positions with key > T and the first such
- * ties, in ascending order, with one block scan per 1024 positions (both counts packed in one
- * word) and stops once k are written. Scores are read 5 times from L2 (512 KB at 128K).
+ * one warp scan); a counting pass finds how many positions tie at T, and a final ordered pass
+ * writes the positions with key > T and the last such ties (the tie rule: among equal scores
+ * the later position wins, as in the engine's CPU reference), in ascending order, with one
+ * block scan per 1024 positions (both counts packed in one word) and stops once k are
+ * written. Scores are read 6 times from L2 (512 KB at 128K).
  */
 #include "kernels/dsa.h"
 
@@ -249,10 +251,19 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
         mask |= 255u << shift;
         __syncthreads();
     }
-    // prefix is the k-th largest key T; keep every key > T and the first `remaining` keys == T,
-    // in ascending position order. One scan per chunk counts both kinds (greater in the low 16
-    // bits, equal in the high 16); an element's output slot is the selections before it.
-    int written = 0, ties_left = remaining;
+    // prefix is the k-th largest key T; keep every key > T and the last `remaining` keys == T,
+    // in ascending position order: the first n_eq - remaining ties are skipped. One scan per
+    // chunk counts both kinds (greater in the low 16 bits, equal in the high 16); an
+    // element's output slot is the selections before it.
+    int n_eq = 0;
+    for (int base = 0; base < len; base += TOPK_THREADS) {
+        const int i = base + tid;
+        uint32_t ex;
+        n_eq += (int) block_scan((uint32_t) (i < len && order_key(sc[i]) == prefix), &ex,
+                                 warp_tot);
+    }
+    const int skip_eq = n_eq - remaining;
+    int written = 0, eq_seen = 0;
     for (int base = 0; base < len && written < k; base += TOPK_THREADS * TOPK_UNROLL) {
         uint32_t kv[TOPK_UNROLL];
 #pragma unroll
@@ -269,11 +280,13 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
             uint32_t ex;
             const uint32_t tot = block_scan((uint32_t) gt | ((uint32_t) eq << 16), &ex, warp_tot);
             const int ex_gt = (int) (ex & 0xffffu), ex_eq = (int) (ex >> 16);
-            if (gt) out[written + ex_gt + min(ex_eq, ties_left)] = i;
-            else if (eq && ex_eq < ties_left) out[written + ex_gt + ex_eq] = i;
-            const int take_eq = min((int) (tot >> 16), ties_left);
-            written += (int) (tot & 0xffffu) + take_eq;
-            ties_left -= take_eq;
+            const int taken_eq_before = max(eq_seen + ex_eq - skip_eq, 0);
+            if (gt || (eq && eq_seen + ex_eq >= skip_eq))
+                out[written + ex_gt + taken_eq_before] = i;
+            const int eq_after = eq_seen + (int) (tot >> 16);
+            written += (int) (tot & 0xffffu) + max(eq_after - skip_eq, 0)
+                       - max(eq_seen - skip_eq, 0);
+            eq_seen = eq_after;
         }
     }
     if (tid == 0) n_sel[t] = k;

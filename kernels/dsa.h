@@ -15,7 +15,7 @@
  *     (weights_proj output; w_scale = n_heads^-0.5, sm_scale = 128^-0.5 for GLM-5).
  *     scores fp32 [n_tok, score_stride]; entries at p >= kv_len[t] are not written.
  *   dsa_topk: idx int32 [n_tok, k] = the min(k, kv_len[t]) positions with the largest scores,
- *     ties to the lower position, in ascending position order; n_sel int32 [n_tok] their count.
+ *     ties to the higher (later) position, in ascending position order; n_sel int32 [n_tok] their count.
  *     The output feeds mla_decode(indices = idx, kv_len = n_sel).
  *
  * Numerics: fp32 dot products of exact dequantized keys; selection is exact on the fp32

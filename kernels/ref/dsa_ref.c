@@ -1,6 +1,7 @@
 /*
  * dsa_ref.c - DSA indexer references: exact key decode, double dot products, and top-k by a
- * full sort (score descending, position ascending), then positions re-sorted ascending.
+ * full sort (score descending; among equal scores the later position first: the tie rule),
+ * then positions re-sorted ascending.
  */
 #include "kernels/ref/dsa_ref.h"
 
@@ -78,7 +79,7 @@ static int by_score_desc(const void *a, const void *b)
 {
     const ScorePos *x = a, *y = b;
     if (x->score != y->score) return x->score > y->score ? -1 : 1;
-    return x->pos < y->pos ? -1 : x->pos > y->pos;
+    return x->pos > y->pos ? -1 : x->pos < y->pos;
 }
 
 static int by_int_asc(const void *a, const void *b)

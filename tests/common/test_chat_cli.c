@@ -150,7 +150,9 @@ static void test_ids(void)
              src ? src : ".");
     json_object *tj = json_object_from_file(path);
     if (!tj) {
-        printf("test_ids skipped: %s is not installed (npm ci in tests/)\n", path);
+        char why[4200];
+        snprintf(why, sizeof why, "test_ids: %s is not installed (npm ci in tests/)", path);
+        check_skip(why);
         return;
     }
     json_object *added = NULL;

@@ -227,14 +227,14 @@ static void test_dsa(Backend *be, int Hi, int Di, int top_k, int T)
         pos[t] = t;
     const BackendDsa p = {Hi, Di, top_k};
 
-    // All weights zero: every score ties at 0 and the earliest positions win.
+    // All weights zero: every score ties at 0 and the latest positions win (the tie rule).
     memset(w, 0, (size_t) T * Hi * sizeof *w);
     be->dsa_topk(be, sel, n_sel, q, w, &m.kv, &m.seq, 1, pos, T, &p);
-    int earliest = 1;
+    int latest = 1;
     for (int t = 0; t < T; t++)
         for (int k = 0; k < n_sel[t]; k++)
-            earliest &= sel[(size_t) t * top_k + k] == k;
-    CHECK(earliest);
+            latest &= sel[(size_t) t * top_k + k] == t + 1 - n_sel[t] + k;
+    CHECK(latest);
     for (int i = 0; i < T * Hi; i++)
         w[i] = frand();
     be->dsa_topk(be, sel, n_sel, q, w, &m.kv, &m.seq, 1, pos, T, &p);
@@ -260,7 +260,7 @@ static void test_dsa(Backend *be, int Hi, int Di, int top_k, int T)
         for (int s = 0; s < visible; s++) {
             int rank = 0;
             for (int o = 0; o < visible; o++)
-                rank += score[o] > score[s] || (score[o] == score[s] && o < s);
+                rank += score[o] > score[s] || (score[o] == score[s] && o > s);
             const int want = rank < top_k;
             n_expected += want;
             int got = 0;
@@ -391,6 +391,9 @@ int main(void)
         // big enough to be split over the pool (backend_cpu.c: PARALLEL_MIN_WORK)
         test_mla(be, 4, 16, 8, 16, 64, 40, 12);
         test_dsa(be, 8, 64, 8, 40);
+        // one index head: about half the keys score exactly 0 (ReLU), so most rows tie at
+        // the top-k boundary and the rule decides
+        test_dsa(be, 1, 16, 12, 40);
         const CkptLinearFormat formats[4] = {CKPT_LINEAR_F32, CKPT_LINEAR_BF16, CKPT_LINEAR_F16,
                                              CKPT_LINEAR_NVFP4};
         for (int f = 0; f < 4; f++) {

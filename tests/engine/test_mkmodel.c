@@ -356,7 +356,9 @@ static void test_golden_models(void)
     snprintf(dir, sizeof dir, "%s/tests/golden/models", src ? src : ".");
     DIR *d = opendir(dir);
     if (!d) {
-        printf("no golden models under %s; skipped\n", dir);
+        char why[600];
+        snprintf(why, sizeof why, "test_golden_models: no golden models under %s", dir);
+        check_skip(why);
         return;
     }
     struct dirent *e;

@@ -1,10 +1,12 @@
 /*
- * golden_data.h - read a golden model directory's golden.json and logits file, and the two
- * measures the golden tests compare by. Shared by tests/golden/test_golden.c (CPU) and
- * tests/gpu/golden_cuda.c (CUDA backend). Format: tests/golden/README.md.
+ * golden_data.h - read a golden model directory's golden.json and logits file, the two
+ * measures the golden tests compare by, and the checks they run on a backend. Shared by
+ * tests/golden/test_golden.c (CPU) and tests/gpu/golden_cuda.c (CUDA backend). Format:
+ * tests/golden/README.md.
  *
  * Ownership: golden_read() fills a Golden whose arrays the caller frees with golden_free();
- *            golden_read_logits() returns a malloc'd array the caller frees.
+ *            golden_read_logits() and golden_check_model() return malloc'd arrays the caller
+ *            frees.
  * Threads:   no shared state.
  * Errors:    a missing or malformed file prints the path and returns false / NULL.
  */
@@ -18,6 +20,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/backend.h"
+#include "engine/kv_cache.h"
+#include "engine/model.h"
+#include "tests/check.h"
+
 #include "common/err.h"
 
 typedef struct Golden {
@@ -30,7 +37,17 @@ typedef struct Golden {
     int max_tokens;
     int *output;
     int n_output;
+    int logits_first;  // the logits file holds positions [logits_first, n_tokens)
 } Golden;
+
+// Release the arrays golden_read() allocated; safe on a zeroed Golden.
+static inline void golden_free(Golden *g)
+{
+    free(g->tokens);
+    free(g->prompt);
+    free(g->output);
+    memset(g, 0, sizeof *g);
+}
 
 static inline int *golden_int_array(json_object *arr, int *n)
 {
@@ -56,6 +73,8 @@ static inline bool golden_read(const char *dir, Golden *g)
     memset(g, 0, sizeof *g);
     g->tokens = golden_int_array(json_object_object_get_ex(root, "tokens", &v) ? v : NULL, &g->n_tokens);
     g->vocab = json_object_object_get_ex(root, "vocab_size", &v) ? json_object_get_int(v) : 0;
+    g->logits_first =
+        json_object_object_get_ex(root, "logits_first", &v) ? json_object_get_int(v) : 0;
     snprintf(g->logits_file, sizeof g->logits_file, "%s",
              json_object_object_get_ex(root, "logits_file", &v) ? json_object_get_string(v)
                                                                 : "logits.f32");
@@ -68,8 +87,11 @@ static inline bool golden_read(const char *dir, Golden *g)
                                                                             : g->n_output;
     }
     json_object_put(root);
-    if (!g->tokens || g->n_tokens < 1 || g->vocab < 1 || !g->prompt || !g->output) {
-        fprintf(stderr, "\"%s\" lacks tokens, vocab_size or greedy.prompt/output\n", path);
+    if (!g->tokens || g->n_tokens < 1 || g->vocab < 1 || !g->prompt || !g->output
+        || g->logits_first < 0 || g->logits_first >= g->n_tokens) {
+        fprintf(stderr, "\"%s\" lacks tokens, vocab_size or greedy.prompt/output, or its "
+                "logits_first is out of range\n", path);
+        golden_free(g);
         return false;
     }
     return true;
@@ -79,7 +101,7 @@ static inline float *golden_read_logits(const char *dir, const Golden *g)
 {
     char path[1024];
     snprintf(path, sizeof path, "%s/%s", dir, g->logits_file);
-    const size_t count = (size_t) g->n_tokens * g->vocab;
+    const size_t count = (size_t) (g->n_tokens - g->logits_first) * g->vocab;
     float *v = malloc(count * sizeof *v);
     FILE *f = fopen(path, "rb");
     const bool ok = v && f && fread(v, sizeof *v, count, f) == count && fgetc(f) == EOF;
@@ -111,13 +133,104 @@ static inline int golden_argmax(const float *v, int n)
     return best;
 }
 
-// Release the arrays golden_read() allocated; safe on a zeroed Golden.
-static inline void golden_free(Golden *g)
+// Largest per-row relative L2 error of got [n_tokens, V] (every position) against want (the
+// reference's rows, from logits_first); CHECKs each row against tol and every argmax.
+static inline double golden_compare(const char *what, const float *got, const float *want,
+                                    const Golden *g, double tol)
 {
-    free(g->tokens);
-    free(g->prompt);
-    free(g->output);
-    memset(g, 0, sizeof *g);
+    const int V = g->vocab;
+    double worst = 0.0;
+    int worst_pos = 0, argmax_bad = 0;
+    for (int t = g->logits_first; t < g->n_tokens; t++) {
+        const float *w = want + (size_t) (t - g->logits_first) * V, *r = got + (size_t) t * V;
+        const double e = golden_rel_l2(r, w, V);
+        if (e > worst) worst = e, worst_pos = t;
+        CHECK(e <= tol);
+        const int a = golden_argmax(r, V), b = golden_argmax(w, V);
+        argmax_bad += a != b;
+        if (a != b) fprintf(stderr, "%s: position %d: argmax %d, reference %d\n", what, t, a, b);
+    }
+    CHECK(argmax_bad == 0);
+    printf("%s: max relative L2 error %.3g (position %d; positions %d..%d), %d argmax "
+           "mismatches (tolerance %.3g)\n",
+           what, worst, worst_pos, g->logits_first, g->n_tokens - 1, argmax_bad, tol);
+    return worst;
+}
+
+// The golden checks of one model directory on backend be: (1) one forward pass over every
+// token against want within tol; (2) feeding the tokens one at a time (decode) gives the
+// prefill's logits within tol_decode; (3) greedy generation from greedy.prompt with the KV
+// cache equals greedy.output. Returns the prefill logits [n_tokens, V] (the caller frees
+// them), or NULL when the model does not load.
+static inline float *golden_check_model(Backend *be, const char *what, const char *dir,
+                                        const Golden *g, const float *want, double tol,
+                                        double tol_decode)
+{
+    Model m;
+    if (model_load(&m, dir, NULL, be) != ERR_OK) {
+        fprintf(stderr, "could not load the model in \"%s\" (%s)\n", dir, what);
+        CHECK(false);
+        return NULL;
+    }
+    CHECK(m.cfg.vocab_size == g->vocab);
+    const int V = g->vocab;
+    const int longest =
+        g->n_tokens > g->n_prompt + g->max_tokens ? g->n_tokens : g->n_prompt + g->max_tokens;
+    const int block = 16;  // small blocks: sequences cross block boundaries
+    const KvCacheParams kp = model_kv_params(&m, 3 * ((longest + block - 1) / block), block);
+    KvCache kv;
+    ASSERT(kv_init(&kv, &kp) == ERR_OK);
+    char label[256];
+
+    // 1. one forward pass over every token
+    float *got = malloc((size_t) g->n_tokens * V * sizeof *got);
+    float *row = malloc((size_t) V * sizeof *row);
+    ASSERT(got && row);
+    KvSeq seq = {0};
+    CHECK(model_forward(&m, &kv, &seq, g->tokens, g->n_tokens, got, true) == ERR_OK);
+    snprintf(label, sizeof label, "%s: %s prefill vs reference", dir, what);
+    golden_compare(label, got, want, g, tol);
+
+    // 2. token-by-token decode equals the prefill
+    KvSeq seq2 = {0};
+    double worst_decode = 0.0;
+    for (int t = 0; t < g->n_tokens; t++) {
+        CHECK(model_forward(&m, &kv, &seq2, g->tokens + t, 1, row, false) == ERR_OK);
+        const double e = golden_rel_l2(row, got + (size_t) t * V, V);
+        if (e > worst_decode) worst_decode = e;
+    }
+    CHECK(worst_decode <= tol_decode);
+    printf("%s: %s decode vs prefill max relative L2 difference %.3g (tolerance %.3g)\n", dir,
+           what, worst_decode, tol_decode);
+    kv_seq_free(&kv, &seq2);
+    kv_seq_free(&kv, &seq);
+
+    // 3. greedy generation with the KV cache
+    KvSeq seq3 = {0};
+    int *gen = malloc(((size_t) g->max_tokens + 1) * sizeof *gen);
+    ASSERT(gen);
+    CHECK(model_forward(&m, &kv, &seq3, g->prompt, g->n_prompt, row, false) == ERR_OK);
+    for (int i = 0; i < g->max_tokens; i++) {
+        gen[i] = golden_argmax(row, V);
+        if (i + 1 < g->max_tokens)
+            CHECK(model_forward(&m, &kv, &seq3, &gen[i], 1, row, false) == ERR_OK);
+    }
+    CHECK(g->n_output == g->max_tokens);
+    int same = g->n_output == g->max_tokens;
+    for (int i = 0; i < g->max_tokens && i < g->n_output; i++)
+        same &= gen[i] == g->output[i];
+    CHECK(same);
+    printf("%s: %s greedy %d tokens:", dir, what, g->max_tokens);
+    for (int i = 0; i < g->max_tokens; i++)
+        printf(" %d", gen[i]);
+    printf(" (%s the reference)\n", same ? "equal to" : "DIFFERENT from");
+    kv_seq_free(&kv, &seq3);
+
+    free(gen);
+    free(row);
+    kv_free(&kv);
+    model_free(&m);
+    return got;
 }
 
 #endif  // TESTS_GOLDEN_GOLDEN_DATA_H

@@ -374,19 +374,33 @@ static void test_attention(KvDtype dtype)
     int *sel = calloc((size_t) T * topk, sizeof *sel), *n_sel = calloc(T, sizeof *n_sel);
     int *dsel = gpu->alloc(gpu, (size_t) T * topk * sizeof(int));
     int *dn_sel = gpu->alloc(gpu, (size_t) T * sizeof(int));
-    cpu->dsa_topk(cpu, sel, n_sel, q, w, &kc, &sc, 1, pos, T, &dp);
-    gpu->dsa_topk(gpu, dsel, dn_sel, dq, dw, &kg, &sg, 1, dpos, T, &dp);
-    int *gsel = down(dsel, (size_t) T * topk * sizeof(int)),
-        *gn = down(dn_sel, (size_t) T * sizeof(int));
-    int sel_bad = 0;
-    for (int t = 0; t < T; t++) {
-        sel_bad += gn[t] != n_sel[t];
-        for (int k = 0; k < n_sel[t] && k < topk; k++)
-            sel_bad += gsel[(size_t) t * topk + k] != sel[(size_t) t * topk + k];
+    // Pass 0 with ties: one live index head (about half the keys score exactly 0) and every
+    // weight 0 on even tokens (all keys score 0), so the tie rule (the later position wins)
+    // decides at the top-k boundary; pass 1 as drawn (its selection feeds the MLA test below).
+    for (int pass = 0; pass < 2; pass++) {
+        const bool ties = pass == 0;
+        float *wp = malloc((size_t) T * Hi * sizeof *wp);
+        ASSERT(wp);
+        for (int i = 0; i < T * Hi; i++)
+            wp[i] = ties && (i % Hi != 0 || (i / Hi) % 2 == 0) ? 0.0f : w[i];
+        gpu->upload(gpu, dw, wp, (size_t) T * Hi * sizeof(float));
+        cpu->dsa_topk(cpu, sel, n_sel, q, wp, &kc, &sc, 1, pos, T, &dp);
+        gpu->dsa_topk(gpu, dsel, dn_sel, dq, dw, &kg, &sg, 1, dpos, T, &dp);
+        int *gsel = down(dsel, (size_t) T * topk * sizeof(int)),
+            *gn = down(dn_sel, (size_t) T * sizeof(int));
+        int sel_bad = 0;
+        for (int t = 0; t < T; t++) {
+            sel_bad += gn[t] != n_sel[t];
+            for (int k = 0; k < n_sel[t] && k < topk; k++)
+                sel_bad += gsel[(size_t) t * topk + k] != sel[(size_t) t * topk + k];
+        }
+        printf("dsa_topk (%s cache%s)        %d differences\n", dtype ? "bf16" : "f32",
+               ties ? ", ties" : "", sel_bad);
+        CHECK(sel_bad == 0);
+        free(gsel);
+        free(gn);
+        free(wp);
     }
-    printf("dsa_topk (%s cache)                 %d differences\n", dtype ? "bf16" : "f32", sel_bad);
-    CHECK(sel_bad == 0);
-
     // MLA attention, dense and over the DSA selection.
     CkptLinear kv_b = make_linear(CKPT_LINEAR_BF16, H * (nope + vd), L), kv_bg = kv_b;
     CHECK(gpu->bind_linear(gpu, &kv_bg) == ERR_OK);
@@ -421,8 +435,6 @@ static void test_attention(KvDtype dtype)
     free(w);
     free(sel);
     free(n_sel);
-    free(gsel);
-    free(gn);
     free(qa);
     free(want);
     kv_seq_free(&kc, &sc);
