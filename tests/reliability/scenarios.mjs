@@ -688,22 +688,26 @@ async function revocationLatency() {
         const hammer = Promise.all(Array.from({ length: 4 }, async () => {
             while (!stop) if ((await api('/v1/models', { key })).status === 200) hammerOk++;
         }));
-        await sleep(100);
+        for (let t = 0; t < 100 && !hammerOk; t++) await sleep(50);
         await execFileP(`${BIN}/glmspark`, ['keys', 'revoke', name, '--db', env.GLMSPARK_DB_OWNER]);
         const t0 = now();
         let tFirst = null;
         const routes = routesFor(id);
         const pending = new Set(routes.map((r) => r.join(' ')));
+        // A request sent 1 s or more after the revocation must be refused (judged by when it
+        // was sent, so a slow machine's latency does not count against the server).
         while (pending.size) {
             for (const [method, path] of routes) {
                 if (!pending.has(`${method} ${path}`)) continue;
+                const sent = now() - t0;
                 const r = await api(path, { key, method, body: method === 'POST' ? chatBody({ max_tokens: 2 }) : undefined });
                 if (r.status === 401) {
                     pending.delete(`${method} ${path}`);
                     tFirst ??= now() - t0;
+                } else {
+                    assert.ok(sent < 1000, `revoked key accepted ${ms(sent)} after the revocation: ${method} ${path} ${r.status}`);
                 }
             }
-            assert.ok(now() - t0 < 1000 || !pending.size, `revoked key still accepted after 1 s on ${[...pending]}`);
         }
         const tAll = now() - t0;
         stop = true;
@@ -753,7 +757,10 @@ async function outageStreams() {
     const figures = [];
     try {
         await sleep(1000);
-        const threads0 = fcgiThreads(), conns0 = fcgiConnections(), app0 = appConnections();
+        // The baseline once nothing is in flight (a request of an earlier scenario may linger).
+        let conns0 = fcgiConnections();
+        for (let t = 0; t < 100 && conns0 > 0; t++) { await sleep(100); conns0 = fcgiConnections(); }
+        const threads0 = fcgiThreads(), app0 = appConnections();
         // Two jobs long enough to outlast the outage; max_num_seqs 1, so one runs, one waits.
         const jobs = [await submit({ max_tokens: 600, seed: 21 }), await submit({ max_tokens: 200, seed: 22 })];
         await waitJob(jobs[0], (j) => j.state === 'running' && j.usage.completion_tokens >= 3);
@@ -773,24 +780,25 @@ async function outageStreams() {
             return readEvents(jobs[i % 2], { timeoutMs: (OUTAGE.seconds + 240) * 1000, signal: leaver ? leave.signal : undefined, onBytes })
                 .then((r) => ({ ...r, leaver, maxGap: () => maxGap, lastBytes: () => lastBytes, job: jobs[i % 2] }));
         });
-        for (let t = 0; t < 100 && fcgiConnections() < conns0 + OUTAGE.streams; t++) await sleep(100);
-        const streaming = fcgiConnections() - conns0;
-        assert.equal(streaming, OUTAGE.streams, `${streaming} streams reached fcgi`);
+        for (let t = 0; t < 300 && fcgiConnections() < conns0 + OUTAGE.streams; t++) await sleep(100);
         await sleep(500);
+        const streaming = fcgiConnections() - conns0;
+        assert.ok(streaming >= OUTAGE.streams, `${streaming} of ${OUTAGE.streams} streams reached fcgi (baseline ${conns0})`);
         faultWindow = true;
         pgStop();
         outageStart = now();
         // A fifth of the clients leave a third of the way into the outage.
         await sleep(Math.min(OUTAGE.seconds / 3, 20) * 1000);
+        const held = fcgiConnections();
         const tLeave = now();
         leave.abort();
         let freed = null;
         while (now() - tLeave < 4 * ka * 1000) {
-            if (fcgiConnections() <= conns0 + OUTAGE.streams - nLeave) { freed = now() - tLeave; break; }
+            if (fcgiConnections() <= held - nLeave) { freed = now() - tLeave; break; }
             await sleep(100);
         }
         assert.ok(freed !== null && freed <= 2 * ka * 1000,
-            `${fcgiConnections() - conns0} streams still held ${ms(now() - tLeave)} after ${nLeave} clients left`);
+            `${fcgiConnections() - conns0} of ${held - conns0} streams still held ${ms(now() - tLeave)} after ${nLeave} clients left`);
         await sleep(Math.max(0, outageStart + OUTAGE.seconds * 1000 - now()));
         devstack('restart', 'postgres');
         outageEnd = now();
@@ -815,7 +823,7 @@ async function outageStreams() {
         let conns1 = fcgiConnections();
         for (let t = 0; t < 50 && conns1 > conns0; t++) { await sleep(100); conns1 = fcgiConnections(); }
         const threads1 = fcgiThreads(), app1 = appConnections();
-        assert.equal(conns1, conns0, `${conns1 - conns0} fcgi requests still in flight`);
+        assert.ok(conns1 <= conns0, `${conns1 - conns0} fcgi requests still in flight`);
         assert.equal(threads1, threads0, `fcgi threads ${threads0} -> ${threads1}`);
         assert.ok(app1 <= app0, `app connections ${app0} -> ${app1}`);
         const probe = await api('/v1/models');
