@@ -22,6 +22,7 @@
 #include "checkpoint.h"
 #include "config.h"
 #include "mkmodel.h"
+#include "model.h"
 #include "pp.h"
 
 // ---------------------------------------------------------------------------
@@ -332,6 +333,7 @@ int cli_inspect(int argc, char **argv)
         fprintf(stderr, "glmspark inspect: bad checkpoint \"%s\" (see the message above)\n", dir);
         goto done;
     }
+    model_resolve_indexers(cfg, &ck, dir);  // layers without indexer tensors: dense attention
     const double t_open = now_seconds() - t0;
     const int n_layers = cfg->n_layers + cfg->n_mtp_layers;
     ClassStats classes[N_CLASSES] = {{0}};

@@ -373,6 +373,14 @@ static void resolve_dense_layers(ModelConfig *c, const bool *has_indexer, const 
                  n_dense > 1 ? "s" : "", list);
 }
 
+void model_resolve_indexers(ModelConfig *c, const Ckpt *ck, const char *dir)
+{
+    bool has_indexer[CONFIG_MAX_LAYERS] = {0};
+    for (int i = 0; i < ck->n_tensors; i++)
+        note_indexer_tensor(ck->tensors[i].name, has_indexer);
+    resolve_dense_layers(c, has_indexer, dir);
+}
+
 Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
 {
     memset(m, 0, sizeof *m);
@@ -401,9 +409,9 @@ Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
                      : ckpt_open_filtered(&m->ckpt, dir, stage_keeps, &filter)))
         goto done;
     if (whole)
-        for (int i = 0; i < m->ckpt.n_tensors; i++)
-            note_indexer_tensor(m->ckpt.tensors[i].name, has_indexer);
-    resolve_dense_layers(&m->cfg, has_indexer, dir);
+        model_resolve_indexers(&m->cfg, &m->ckpt, dir);
+    else
+        resolve_dense_layers(&m->cfg, has_indexer, dir);
 
     const bool tied_head = c->tie_word_embeddings && !has_tensor_base(&m->ckpt, "lm_head");
     // The last stage's MTP layer embeds the next token with the shared table too.

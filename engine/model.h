@@ -123,7 +123,14 @@ typedef enum ModelLogitRows {
 
 // Load the model in dir: config, checkpoint, every tensor the forward pass needs (and the
 // MTP layer's when opts->load_mtp). opts may be NULL (defaults). On failure *m is zeroed.
+// A DSA layer whose indexer tensors are absent runs dense attention (model_resolve_indexers).
 Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be);
+
+// The DSA layers of c (the MTP layers included) whose checkpoint ck has no indexer tensors
+// ("model.layers.L.self_attn.indexer.*") run dense attention: their c->indexer, and that of
+// the shared layers that would reuse their selection, becomes CONFIG_INDEXER_NONE; one
+// warning names them. ck must list every tensor (an unfiltered ckpt_open).
+void model_resolve_indexers(ModelConfig *c, const Ckpt *ck, const char *dir);
 
 // Release everything model_load() allocated; safe on a zeroed Model; zeroes *m.
 void model_free(Model *m);

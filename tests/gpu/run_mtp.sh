@@ -1,7 +1,8 @@
 #!/bin/sh
 # run_mtp.sh [CARRY_DIR] - MTP speculative decoding on the CUDA backend (issue 10), on the
 # GPU machine: greedy `glmspark generate --backend cuda --mtp K` (K = 1..3) prints the same
-# ids as the run without --mtp, on the golden model mtp_theta and the mkmodel "small" preset
+# ids as the run without --mtp, on every golden model with an MTP layer (mtp_theta and the
+# sweep's, with and without indexer tensors on the MTP layer) and the mkmodel "small" preset
 # (hidden 1024, 12 layers, an MTP layer); `--n-seqs 2 --mtp K` (the scheduler: the last-stage
 # drafting code of the pipeline, on one GPU); with two GPUs also `--pp 2 --mtp K` (the last rank
 # drafts, the next micro-batch verifies; activations over NCCL, then over TCP with
@@ -52,9 +53,11 @@ gen() {
 rate() { grep -o "decode: [0-9]* tokens in [0-9.]* s ([0-9.]* tok/s\|[0-9.]* tok/s aggregate" "$out/$1.log" | tail -1; }
 accept() { grep -o "mtp [0-9]: .*" "$out/$1.log" | tail -1; }
 
-for m in mtp_theta small; do
+golden_mtp=$(grep -l '"num_nextn_predict_layers": [1-9]' tests/golden/models/*/config.json \
+    | xargs -n1 dirname | xargs -n1 basename)
+for m in $golden_mtp small; do
     model=$tmp/$m
-    [ $m = mtp_theta ] && model=tests/golden/models/mtp_theta
+    [ $m = small ] || model=tests/golden/models/$m
     gen "$m.plain" "$model"
     say "$m plain: $(rate "$m.plain")"
     if [ "$ngpu" -ge 2 ]; then

@@ -3,8 +3,9 @@
 # on pipeline ranks (the last rank drafts, the next micro-batch verifies, every rank drops
 # the rejected positions):
 #   1. `--pp 2 --mtp K` and `--pp 3 --mtp K` print the same ids as `--pp 1` without MTP,
-#      K = 1..3, on the golden model mtp_theta and the mkmodel default preset (both with an
-#      MTP layer), greedy; rank 0 logs the acceptance counters;
+#      K = 1..3, on every golden model with an MTP layer (mtp_theta and the sweep's, some of
+#      whose MTP layers have no indexer tensors and run dense attention) and the mkmodel
+#      default preset, greedy; rank 0 logs the acceptance counters;
 #   2. `--n-seqs 3 --mtp 2 --pp 3` (the scheduler, three sequences at once): every line is
 #      the --pp 1 output; without --ignore-eos the output stops where --pp 1's does;
 #   3. refusals: --mtp on a model without an MTP layer, --mtp with top-p.
@@ -18,8 +19,11 @@ fail() { echo "FAIL: $*"; exit 1; }
 "$bin" mkmodel --out "$tmp/default" --preset default 2>/dev/null
 theta=$src/tests/golden/models/mtp_theta
 toks=1,5,7,9,11,3
+golden_mtp=$(grep -l '"num_nextn_predict_layers": [1-9]' "$src"/tests/golden/models/*/config.json \
+    | xargs -n1 dirname)
+n_dense_mtp=0
 
-for model in "$theta" "$tmp/default"; do
+for model in $golden_mtp "$tmp/default"; do
     name=$(basename "$model")
     "$bin" generate --model "$model" --tokens $toks --max-tokens 24 --ignore-eos --threads 1 \
         >"$tmp/ref.txt" 2>"$tmp/log" || { cat "$tmp/log"; fail "generate --pp 1 on $name"; }
@@ -36,7 +40,13 @@ for model in "$theta" "$tmp/default"; do
         done
         echo "ok: $name --pp 2/3 --mtp $k equals --pp 1: $(grep -o "mtp $k: .*" "$tmp/log")"
     done
+    if grep -q "without indexer tensors run.* dense attention: .*(MTP)" "$tmp/log"; then
+        n_dense_mtp=$((n_dense_mtp + 1))
+        echo "   ($name: its MTP layer has no indexer tensors and runs dense attention)"
+    fi
 done
+[ "$(echo "$golden_mtp" | wc -w)" -ge 3 ] || fail "fewer than 3 golden models with an MTP layer"
+[ "$n_dense_mtp" -ge 1 ] || fail "no golden model whose MTP layer lacks indexer tensors"
 
 # 2. Three sequences at once through the scheduler on three ranks.
 "$bin" generate --model "$theta" --tokens $toks --max-tokens 24 --ignore-eos --threads 1 \
