@@ -25,8 +25,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     memcpy(buf, data, size);
     buf[size] = '\0';  // an embedded NUL ends the text early, as FastCGI params do
     char *rest = strchr(buf, '\n');
-    if (rest) *rest++ = '\0';
-    else rest = buf + strlen(buf);
+    if (rest)
+        *rest++ = '\0';
+    else
+        rest = buf + strlen(buf);
     const char *path = buf;
 
     static const char *const methods[] = {"GET", "POST", "DELETE"};
