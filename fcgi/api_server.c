@@ -64,11 +64,8 @@ static void putf(Ctx *c, const char *fmt, ...)
     const int n = vsnprintf(small, sizeof small, fmt, ap);
     va_end(ap);
     Err err = n < 0 ? ERR_INVAL : ERR_OK;
-    if (!err && (size_t) n < sizeof small) {
-        put(c, small, (size_t) n);
-        return;
-    }
-    if (!err) {
+    const bool is_small = !err && (size_t) n < sizeof small;
+    if (!err && !is_small) {
         va_start(ap, fmt);
         err = api_buf_vaddf(&b, fmt, ap);
         va_end(ap);
@@ -77,7 +74,7 @@ static void putf(Ctx *c, const char *fmt, ...)
         LOG_ERROR("api: could not format a response line: %s", err_name(err));
         c->is_broken = true;
     } else {
-        put(c, b.p, b.n);
+        put(c, is_small ? small : b.p, is_small ? (size_t) n : b.n);
     }
     api_buf_free(&b);
 }

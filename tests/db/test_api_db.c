@@ -19,8 +19,8 @@
 #include <unistd.h>
 
 #include "../check.h"
+#include "api_key_util.h"
 #include "cli.h"
-#include "engine/common/apikey.h"
 #include "fcgi/api_db.h"
 
 static PGconn *admin;
@@ -89,25 +89,7 @@ static void test_sql_error_keeps_connection(void)
 
 static void sql(const char *q)
 {
-    PGresult *res = PQexec(admin, q);
-    const ExecStatusType st = PQresultStatus(res);
-    if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) fprintf(stderr, "%s: %s", q, PQerrorMessage(admin));
-    CHECK(st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK);
-    PQclear(res);
-}
-
-// A new key row (user scope, no limits); its text goes to key[APIKEY_LEN + 1].
-static void make_key(char key[APIKEY_LEN + 1], const char *name)
-{
-    char prefix[APIKEY_PREFIX_LEN + 1], hex[2 * APIKEY_HASH_LEN + 1], q[512];
-    uint8_t digest[APIKEY_HASH_LEN];
-    CHECK(apikey_generate(key) == ERR_OK);
-    CHECK(apikey_parse(key, strlen(key), prefix) == ERR_OK);
-    apikey_hash(key, strlen(key), digest);
-    for (int i = 0; i < APIKEY_HASH_LEN; i++) snprintf(hex + 2 * i, 3, "%02x", digest[i]);
-    snprintf(q, sizeof q, "INSERT INTO api_keys (prefix, key_hash, name) VALUES ('%s', decode('%s', 'hex'), '%s')",
-             prefix, hex, name);
-    sql(q);
+    db_sql(admin, q);
 }
 
 static const char *revoke_name;  // the key the hook revokes
@@ -163,8 +145,8 @@ static void test_revocation_race(void)
     CHECK(eventually(watcher_listens));
     sleep_ms(100);  // the watcher marks itself live right after its LISTEN returns
 
-    make_key(key, "race");
-    make_key(other, "bystander");
+    db_make_key(admin, key, "race", "user");
+    db_make_key(admin, other, "bystander", "user");
     CHECK(api_db_auth(&db, other, strlen(other), &k) == ERR_OK);  // cached
     revoke_name = "race";
     api_db_auth_hook = revoke_in_the_middle;

@@ -10,87 +10,21 @@
  * 503 with "database": false. Each answer's header block is checked for shape (Status
  * line, CRLF, blank line, then the body).
  */
-#include <fcgiapp.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "../check.h"
-#include "fcgi/api_http.h"
-#include "fcgi/api_server.h"
-
-// A writer stream whose bytes land in an ApiBuf, through a small buffer so that
-// FCGX_PutStr's refill path (emptyBuffProc) runs too.
-typedef struct Capture {
-    unsigned char window[64];
-    ApiBuf out;
-    size_t n_body_read;  // reader side: bytes handed out
-    const char *body;
-    size_t n_body;
-} Capture;
-
-static void capture_empty(FCGX_Stream *s, int do_close)
-{
-    Capture *cap = s->data;
-    (void) do_close;
-    CHECK(api_buf_add(&cap->out, (const char *) cap->window, (size_t) (s->wrNext - cap->window))
-          == ERR_OK);
-    s->wrNext = cap->window;
-}
-
-static void body_fill(FCGX_Stream *s)
-{
-    Capture *cap = s->data;
-    if (cap->n_body_read == cap->n_body) {
-        s->isClosed = 1;
-        return;
-    }
-    s->rdNext = s->stopUnget = (unsigned char *) cap->body + cap->n_body_read;
-    s->stop = (unsigned char *) cap->body + cap->n_body;
-    cap->n_body_read = cap->n_body;
-}
+#include "fcgi_capture.h"
 
 static ApiDb db;
-static ApiConfig cfg = {
-    .model_name = "glmspark-demo",
-    .context_len = 4096,
-    .max_body_bytes = 1 << 20,
-    .keepalive_s = 15,
-    .poll_ms = 100,
-    .stream_outage_s = 2,
-};
+static ApiConfig cfg = CAPTURE_CONFIG;
 
-// Answer one request (envp: NULL-terminated "NAME=value" strings); the response text is
-// returned (the caller frees it).
+// Answer one request; nothing here may read a body before authenticating.
 static char *handle(char **envp, const char *body)
 {
-    Capture cap = {.body = body ? body : "", .n_body = body ? strlen(body) : 0};
-    FCGX_Stream in = {.isReader = 1, .fillBuffProc = body_fill, .data = &cap};
-    in.rdNext = in.stop = in.stopUnget = (unsigned char *) cap.body;
-    FCGX_Stream out = {.wrNext = cap.window,
-                       .stop = cap.window + sizeof cap.window,
-                       .emptyBuffProc = capture_empty,
-                       .data = &cap};
-    out.rdNext = out.stop;
-    FCGX_Request req = {.in = &in, .out = &out, .envp = envp};
-    api_server_handle(&req, &db, &cfg);
-    capture_empty(&out, 1);
-    CHECK(cap.n_body_read == 0);  // nothing here may read a body before authenticating
-    char *text = cap.out.p ? cap.out.p : strdup("");
+    size_t n_read = 0;
+    char *text = capture_handle(envp, body, &db, &cfg, &n_read);
+    CHECK(n_read == 0);
     return text;
-}
-
-// The status of a response and its body (a pointer into text), after checking that the
-// header block is "Status: N ...\r\n" lines ending in a blank line.
-static int status_of(const char *text, const char **body)
-{
-    int status = 0;
-    if (sscanf(text, "Status: %d", &status) != 1) return -1;
-    const char *end = strstr(text, "\r\n\r\n");
-    if (!end) return -1;
-    for (const char *p = text; p < end; p++)
-        if (*p == '\n' && p[-1] != '\r') return -1;  // bare LF inside the header block
-    *body = end + 4;
-    return status;
 }
 
 static const struct {
@@ -132,7 +66,7 @@ static void forged(const char *authorization, const char *code)
                         NULL};
         char *text = handle(envp, "{}");
         const char *body = NULL;
-        const int status = status_of(text, &body);
+        const int status = capture_status(text, &body);
         if (status != 401)
             fprintf(stderr, "%s %s: %.200s\n", routes[i].method, routes[i].uri, text);
         CHECK(status == 401);
@@ -157,7 +91,7 @@ static void expect(char **envp, int status, const char *needle, const char *abse
 {
     char *text = handle(envp, NULL);
     const char *body = NULL;
-    const int got = status_of(text, &body);
+    const int got = capture_status(text, &body);
     if (got != status) fprintf(stderr, "want %d: %.300s\n", status, text);
     CHECK(got == status);
     CHECK(strstr(text, needle) != NULL);
