@@ -8,8 +8,12 @@
  *   RoPE (interleaved pairs) on q's rope part and on k_pe; latent and k_pe go to the cache
  *   full DSA layer: iq = wq_b(q_a normed) [n, Hi, Di], ik = LayerNorm_1e-6(wk(h)) [n, Di],
  *          RoPE on the first `rope` dims of both, ik to the cache, w = weights_proj(h);
- *          selection = top-k over visible keys of sum_h w_h Hi^-0.5 ReLU(iq_h . ik Di^-0.5)
+ *          selection = top-k over visible keys of sum_h w_h Hi^-0.5 ReLU(iq_h . ik Di^-0.5);
+ *          the tie rule (torch.topk has none): among equal scores the later position wins,
+ *          on every backend (many keys score exactly 0 when few index heads are live)
  *   shared DSA layer: the selection of the most recent full layer (same call, same tokens)
+ *   a full layer without indexer tensors in the checkpoint, and the shared layers after it,
+ *          attend densely (model_resolve_indexers)
  *   attn   = softmax(q . k * scale) v over the selection (all visible keys without DSA)
  *   x     += o_proj(attn)
  *   x     += MLP(RMSNorm(x)): dense silu(gate) * up -> down, or MoE (sigmoid router with

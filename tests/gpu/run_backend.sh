@@ -15,7 +15,8 @@
 # instead and start the device command with `tar xJf .carry/cudabe.tar.xz -C .carry`.)
 # Runs: every op against the CPU backend; each golden model end to end (in-process, and the
 # `glmspark logits --backend cuda` file against the reference); `glmspark generate
-# --backend cuda` greedy output against golden.json (CUDA graphs on, the default). With
+# --backend cuda` greedy output against golden.json (CUDA graphs on, the default); greedy
+# `--mtp K` (K = 1..3) against the output without MTP on every golden model with an MTP layer. With
 # BENCH="PRESET:BATCHES:CTX ..." (e.g. "default:1,8:1024 small:1,8:1024") it then runs
 # `glmspark bench --synthetic --backend cuda` for each, with graphs on and off
 # (GLMSPARK_CUDA_GRAPHS=0), into bench.log. Logs go to $OUT (or ./gpu-out).
@@ -62,6 +63,24 @@ for d in tests/golden/models/*/; do
         --max-tokens "$n" --temperature 0 --ignore-eos 2>"$out/$m.gen.log" | tr -s ' ' | sed 's/ *$//')
     if [ "$got" = "$want" ]; then g=PASS; else g="FAIL (got '$got', want '$want')"; status=1; fi
     echo "$m: golden $r, generate --backend cuda $g"
+done
+
+echo "== MTP on every golden model with an MTP layer (with and without MTP indexer tensors)"
+toks=1,5,7,9,11,3
+for cfgf in $(grep -l '"num_nextn_predict_layers": [1-9]' tests/golden/models/*/config.json); do
+    d=$(dirname "$cfgf")
+    m=$(basename "$d")
+    ref=$(run "$c/bin/glmspark" generate --backend cuda --model "$d" --tokens $toks --max-tokens 24 \
+        --temperature 0 --ignore-eos 2>"$out/$m.mtp0.log")
+    dense=""
+    grep -q "without indexer tensors run.* dense attention: .*(MTP)" "$out/$m.mtp0.log" \
+        && dense=" (MTP layer without indexer tensors: dense)"
+    for k in 1 2 3; do
+        got=$(run "$c/bin/glmspark" generate --backend cuda --model "$d" --tokens $toks \
+            --max-tokens 24 --temperature 0 --ignore-eos --mtp $k 2>"$out/$m.mtp$k.log")
+        if [ -n "$ref" ] && [ "$got" = "$ref" ]; then r=PASS; else r="FAIL ('$got' vs '$ref')"; status=1; fi
+        echo "$m --mtp $k: $r$dense; $(grep -o "mtp $k: .*" "$out/$m.mtp$k.log" | tail -1)"
+    done
 done
 
 for cfg in ${BENCH:-}; do

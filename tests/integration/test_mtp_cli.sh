@@ -28,8 +28,11 @@ for model in $golden_mtp "$tmp/default"; do
     "$bin" generate --model "$model" --tokens $toks --max-tokens 24 --ignore-eos --threads 1 \
         >"$tmp/ref.txt" 2>"$tmp/log" || { cat "$tmp/log"; fail "generate --pp 1 on $name"; }
     [ -s "$tmp/ref.txt" ] || fail "generate printed nothing"
+    # at most one rank per layer: a 2-layer model runs --pp 2 only
+    n_layers=$(sed -n 's/.*"num_hidden_layers": *\([0-9]*\).*/\1/p' "$model/config.json")
     for k in 1 2 3; do
         for pp in 2 3; do
+            [ "$pp" -le "${n_layers:-3}" ] || continue
             "$bin" generate --model "$model" --tokens $toks --max-tokens 24 --ignore-eos \
                 --threads 1 --pp $pp --mtp $k >"$tmp/out.txt" 2>"$tmp/log" \
                 || { cat "$tmp/log"; fail "generate --pp $pp --mtp $k on $name"; }
@@ -38,7 +41,7 @@ for model in $golden_mtp "$tmp/default"; do
             grep -q "mtp $k: [0-9]* verify steps, [0-9]* of [0-9]* drafts accepted" "$tmp/log" \
                 || { cat "$tmp/log"; fail "no acceptance counters in the log"; }
         done
-        echo "ok: $name --pp 2/3 --mtp $k equals --pp 1: $(grep -o "mtp $k: .*" "$tmp/log")"
+        echo "ok: $name --pp 2/3 (of $n_layers layers) --mtp $k equals --pp 1: $(grep -o "mtp $k: .*" "$tmp/log")"
     done
     if grep -q "without indexer tensors run.* dense attention: .*(MTP)" "$tmp/log"; then
         n_dense_mtp=$((n_dense_mtp + 1))

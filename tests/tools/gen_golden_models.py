@@ -142,16 +142,17 @@ CONFIGS.append(dict(
 # transformers' float32 score precision are certain: exact ties are refused, near ones are
 # counted (golden.json margins), and the expert choices keep a 1e-5 margin.
 CONFIGS.append(dict(
-    name="long_dsa", seed=8000, n_tokens=4160, greedy_tokens=4, logits_last=256,
+    name="long_dsa", seed=8000, n_tokens=4160, greedy_tokens=3, logits_last=256,
     indexer_min_rel=0.0, router_min_rel=1e-5,
     covers="(g) long context: 4,160 tokens, index_topk 2048, GLM-5.2 per-head dimensions "
-           "(qk_nope 192, qk_rope 64, v_head 256, index_head_dim 128), 2 heads, 4 index "
-           "heads, indexer full,shared,full; logits of the last 256 positions",
+           "(qk_nope 192, qk_rope 64, v_head 256, index_head_dim 128), 2 heads, 16 index "
+           "heads (with few, many keys score exactly 0 and tie at the boundary), indexer "
+           "full,shared,full; logits of the last 256 positions",
     arch=arch(num_hidden_layers=3, num_attention_heads=2, qk_nope_head_dim=192,
-              qk_rope_head_dim=64, v_head_dim=256, index_head_dim=128, index_n_heads=4,
+              qk_rope_head_dim=64, v_head_dim=256, index_head_dim=128, index_n_heads=16,
               index_topk=2048, q_lora_rank=64, kv_lora_rank=64, hidden_size=64,
               n_routed_experts=8, num_experts_per_tok=2,
-              mlp_layer_types=["dense", "sparse", "sparse"],
+              mlp_layer_types=["dense", "dense", "sparse"],
               indexer_types=["full", "shared", "full"]),
     quant="modelopt", scale2_shape="one", kv_fp8=True, shards=2))
 
@@ -598,6 +599,7 @@ def np_forward(a, W, tokens, trace=None):
             # have index_topk >= every sequence length, where DSA selects every key anyway.
             assert a["index_topk"] >= T, "indexer_absent needs index_topk >= the length"
             topk_sel = np.ones((T, T), dtype=bool)
+            tr["indexer_sel"][L] = [list(range(s + 1)) for s in range(T)]
         elif a["indexer_types"][L] == "full":
             D, nih = a["index_head_dim"], a["index_n_heads"]
             iq = (q_resid @ W[p + "self_attn.indexer.wq_b.weight"].T).reshape(T, nih, D)
