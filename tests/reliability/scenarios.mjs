@@ -784,6 +784,8 @@ async function outageStreams() {
         await sleep(500);
         const streaming = fcgiConnections() - conns0;
         assert.ok(streaming >= OUTAGE.streams, `${streaming} of ${OUTAGE.streams} streams reached fcgi (baseline ${conns0})`);
+        const chunksOf = (id) => Number(psql(`SELECT count(*) FROM job_chunks c JOIN jobs j ON j.id = c.job_id WHERE j.public_id = '${id}'`));
+        const before = jobs.map(chunksOf);
         faultWindow = true;
         pgStop();
         outageStart = now();
@@ -818,7 +820,7 @@ async function outageStreams() {
         const maxGap = Math.max(...stayed.map((r) => r.maxGap()));
         const kas = stayed.map((r) => r.keepalives);
         assert.ok(maxGap <= 2 * ka * 1000, `a stream was silent ${ms(maxGap)} during the outage (keep-alive ${ka} s)`);
-        const chunks = jobs.map((id) => Number(psql(`SELECT count(*) FROM job_chunks c JOIN jobs j ON j.id = c.job_id WHERE j.public_id = '${id}'`)));
+        const chunks = jobs.map(chunksOf);
         // Afterwards: no handler thread still busy, no extra thread, no extra connection.
         let conns1 = fcgiConnections();
         for (let t = 0; t < 50 && conns1 > conns0; t++) { await sleep(100); conns1 = fcgiConnections(); }
@@ -831,7 +833,8 @@ async function outageStreams() {
         figures.push(`${OUTAGE.streams} streams, PostgreSQL stopped ${OUTAGE.seconds} s: longest silence on a staying stream ` +
             `${ms(maxGap)} (keep-alive ${ka} s; ${Math.min(...kas)}-${Math.max(...kas)} keep-alives each); ` +
             `${nLeave} clients left mid-outage, their threads free after ${ms(freed)}; ` +
-            `${stayed.length} streams resumed, each with every chunk (${chunks.join(' + ')} chunks, equal to job_chunks); ` +
+            `${stayed.length} streams resumed, each with every chunk (${chunks.join(' + ')} chunks, equal to job_chunks; ` +
+            `${chunks.map((n, i) => n - before[i]).join(' + ')} of them committed after the stop); ` +
             `after: fcgi threads ${threads0} -> ${threads1}, requests in flight ${conns0} -> ${conns1}, ` +
             `app connections ${app0} -> ${app1}`);
 
