@@ -112,7 +112,11 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--stream-outage-s")) stream_outage_s = atoi(v);
         else return usage();
     }
-    if (socket_mode <= 0 || socket_mode > 0777 || (socket_mode & 0002)) {
+    if (socket_mode <= 0 || socket_mode > 0777) {
+        fprintf(stderr, "glmspark-fcgi: --socket-mode must be an octal mode such as 0660\n");
+        return 2;
+    }
+    if (socket_mode & 0002) {
         fprintf(stderr, "glmspark-fcgi: --socket-mode %o would let any local user connect; "
                         "use 0660 and --socket-group\n", (unsigned) socket_mode);
         return 2;
