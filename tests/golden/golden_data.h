@@ -38,7 +38,18 @@ typedef struct Golden {
     int *output;
     int n_output;
     int logits_first;  // the logits file holds positions [logits_first, n_tokens)
+    bool *fragile;     // [n_tokens]: the position's DSA choice is within fragile_rel of a tie
+    int n_fragile;
+    double fragile_rel;
+    double logits_tolerance;  // > 0: the reference's own bound for the other positions (a
+                              // stated reason in golden.json), used when above the runner's
 } Golden;
+
+// The bound for fragile positions (golden.json "fragile_positions", the long-context model):
+// an fp32 engine may swap two keys whose indexer scores differ by less than its own error,
+// which moves that row's logits by up to 1e-3 relative (measured: 1.0e-3 at 3,200 tokens);
+// 1e-2 still catches a wrong op there, and every other position keeps the tight bound.
+#define GOLDEN_TOL_FRAGILE 1e-2
 
 // Release the arrays golden_read() allocated; safe on a zeroed Golden.
 static inline void golden_free(Golden *g)
@@ -46,6 +57,7 @@ static inline void golden_free(Golden *g)
     free(g->tokens);
     free(g->prompt);
     free(g->output);
+    free(g->fragile);
     memset(g, 0, sizeof *g);
 }
 
@@ -75,6 +87,21 @@ static inline bool golden_read(const char *dir, Golden *g)
     g->vocab = json_object_object_get_ex(root, "vocab_size", &v) ? json_object_get_int(v) : 0;
     g->logits_first =
         json_object_object_get_ex(root, "logits_first", &v) ? json_object_get_int(v) : 0;
+    g->fragile_rel =
+        json_object_object_get_ex(root, "fragile_rel", &v) ? json_object_get_double(v) : 0.0;
+    g->logits_tolerance = json_object_object_get_ex(root, "logits_tolerance", &v)
+                              ? json_object_get_double(v)
+                              : 0.0;
+    int n_fr = 0;
+    int *fr = golden_int_array(
+        json_object_object_get_ex(root, "fragile_positions", &v) ? v : NULL, &n_fr);
+    if (g->tokens) {
+        g->fragile = calloc((size_t) g->n_tokens + 1, sizeof *g->fragile);
+        ASSERT(g->fragile);
+        for (int i = 0; fr && i < n_fr; i++)
+            if (fr[i] >= 0 && fr[i] < g->n_tokens) g->fragile[fr[i]] = true, g->n_fragile++;
+    }
+    free(fr);
     snprintf(g->logits_file, sizeof g->logits_file, "%s",
              json_object_object_get_ex(root, "logits_file", &v) ? json_object_get_string(v)
                                                                 : "logits.f32");
@@ -139,13 +166,19 @@ static inline double golden_compare(const char *what, const float *got, const fl
                                     const Golden *g, double tol)
 {
     const int V = g->vocab;
-    double worst = 0.0;
-    int worst_pos = 0, argmax_bad = 0;
+    double worst = 0.0, worst_fragile = 0.0;
+    int worst_pos = 0, argmax_bad = 0, n_fragile = 0;
     for (int t = g->logits_first; t < g->n_tokens; t++) {
         const float *w = want + (size_t) (t - g->logits_first) * V, *r = got + (size_t) t * V;
         const double e = golden_rel_l2(r, w, V);
-        if (e > worst) worst = e, worst_pos = t;
-        CHECK(e <= tol);
+        if (g->fragile && g->fragile[t]) {
+            n_fragile++;
+            if (e > worst_fragile) worst_fragile = e;
+            CHECK(e <= GOLDEN_TOL_FRAGILE);
+        } else {
+            if (e > worst) worst = e, worst_pos = t;
+            CHECK(e <= tol);
+        }
         const int a = golden_argmax(r, V), b = golden_argmax(w, V);
         argmax_bad += a != b;
         if (a != b) fprintf(stderr, "%s: position %d: argmax %d, reference %d\n", what, t, a, b);
@@ -154,6 +187,10 @@ static inline double golden_compare(const char *what, const float *got, const fl
     printf("%s: max relative L2 error %.3g (position %d; positions %d..%d), %d argmax "
            "mismatches (tolerance %.3g)\n",
            what, worst, worst_pos, g->logits_first, g->n_tokens - 1, argmax_bad, tol);
+    if (n_fragile)
+        printf("%s: %d fragile positions (a DSA choice within %.3g of a tie): max relative L2 "
+               "error %.3g (tolerance %.3g)\n",
+               what, n_fragile, g->fragile_rel, worst_fragile, GOLDEN_TOL_FRAGILE);
     return worst;
 }
 
@@ -174,6 +211,12 @@ static inline float *golden_check_model(Backend *be, const char *what, const cha
     }
     CHECK(m.cfg.vocab_size == g->vocab);
     const int V = g->vocab;
+    if (g->logits_tolerance > tol) {
+        printf("%s: the reference sets the logits tolerance %.3g (golden.json "
+               "logits_tolerance_why)\n",
+               dir, g->logits_tolerance);
+        tol = g->logits_tolerance;
+    }
     const int longest =
         g->n_tokens > g->n_prompt + g->max_tokens ? g->n_tokens : g->n_prompt + g->max_tokens;
     const int block = 16;  // small blocks: sequences cross block boundaries

@@ -85,7 +85,8 @@ int main(int argc, char **argv)
         // Both backends' prefill logits at every position: the CPU run as the reference.
         Golden all = g;
         all.logits_first = 0;
-        golden_compare("cuda prefill vs cpu backend", got, ref_cpu, &all, TOL_REFERENCE);
+        golden_compare("cuda prefill vs cpu backend", got, ref_cpu, &all,
+                       g.logits_tolerance > TOL_REFERENCE ? g.logits_tolerance : TOL_REFERENCE);
     }
 
     // 4. the command line's output, when given

@@ -142,18 +142,24 @@ CONFIGS.append(dict(
 # transformers' float32 score precision are certain: exact ties are refused, near ones are
 # counted (golden.json margins), and the expert choices keep a 1e-5 margin.
 CONFIGS.append(dict(
-    name="long_dsa", seed=8000, n_tokens=4160, greedy_tokens=3, logits_last=256,
-    indexer_min_rel=0.0, router_min_rel=1e-5,
+    name="long_dsa", seed=8001, n_tokens=4160, greedy_tokens=3, logits_last=256,
+    indexer_min_rel=0.0, router_min_rel=1e-5, fragile_rel=1e-5, logits_tolerance=1e-4,
+    logits_tolerance_why="a DSA swap at a fragile row (its own bound: fragile_positions) "
+                         "changes that token's cache entries, which moves every later row by "
+                         "up to 3e-5 relative (measured on this model: 99th percentile "
+                         "2.8e-5); 1e-4 bounds that, 1e-2 a wrong op",
     covers="(g) long context: 4,160 tokens, index_topk 2048, GLM-5.2 per-head dimensions "
            "(qk_nope 192, qk_rope 64, v_head 256, index_head_dim 128), 2 heads, 16 index "
-           "heads (with few, many keys score exactly 0 and tie at the boundary), indexer "
-           "full,shared,full; logits of the last 256 positions",
+           "heads (with few, many keys score exactly 0 and tie at the boundary); indexer "
+           "full,shared,shared (one selection from the exact embeddings: a full layer deeper "
+           "down sees the fp32 engine's error, ~1e-5, and 4,160 candidates per row leave "
+           "boundary gaps far below it); dense,dense,MoE; logits of the last 256 positions",
     arch=arch(num_hidden_layers=3, num_attention_heads=2, qk_nope_head_dim=192,
               qk_rope_head_dim=64, v_head_dim=256, index_head_dim=128, index_n_heads=16,
               index_topk=2048, q_lora_rank=64, kv_lora_rank=64, hidden_size=64,
               n_routed_experts=8, num_experts_per_tok=2,
               mlp_layer_types=["dense", "dense", "sparse"],
-              indexer_types=["full", "shared", "full"]),
+              indexer_types=["full", "shared", "shared"]),
     quant="modelopt", scale2_shape="one", kv_fp8=True, shards=2))
 
 SWEEP_SEED = 16016
@@ -750,6 +756,7 @@ def assess(cfg, W, tokens):
         "n_router_below_1e-3": sum(m[0] < 1e-3 for m in tr["route_margins"]),
         "min_indexer_sign_margin": min(tr["idx_sign_margins"], default=None),
         "max_softmax_prob": float(pr.max()),
+        "row_indexer_margins": row_margins(tr),
         "min_max_softmax_prob": float(pr.max(axis=-1).min()),
         "mean_entropy_nats": float(np.mean(-np.sum(pr * np.log(pr), axis=-1))),
         "logit_std": float(lg.std()),
@@ -781,6 +788,14 @@ def assess(cfg, W, tokens):
     return True, "", summ
 
 
+def row_margins(tr):
+    """{position: smallest DSA top-k margin of that query row over the full layers}."""
+    rows = {}
+    for v, _, s in tr["idx_margins"]:
+        rows[s] = min(rows.get(s, 1.0), v)
+    return rows
+
+
 def search_seed(cfg, tokens, log=print):
     tried = []
     for seed in range(cfg["seed"], cfg["seed"] + cfg.get("seed_tries", SEED_TRIES)):
@@ -788,7 +803,8 @@ def search_seed(cfg, tokens, log=print):
         ok, why, summ = assess(cfg, b.eff, tokens)
         if ok:
             log(f"{cfg['name']}: seed {seed} accepted; " + json.dumps(
-                {k: v for k, v in summ.items() if k != "greedy_output"}))
+                {k: v for k, v in summ.items() if k not in ("greedy_output",
+                                                            "row_indexer_margins")}))
             return seed, b, summ, tried
         log(f"{cfg['name']}: seed {seed} rejected: {why}")
         tried.append({"seed": seed, "rejected": why})
@@ -1215,7 +1231,16 @@ def hf_reference(cfg, b, d, tokens, np_summ, ref_out, log=print):
     np_logits = np_forward(a, W, tokens, tr)
     diff = float(np.max(np.abs(logits - np_logits)))
     log(f"{cfg['name']}: max |transformers - numpy| logits = {diff:.3g}")
-    if diff > 1e-4:
+    lim = 1e-4
+    if cfg.get("fragile_rel"):
+        # transformers scores the indexer in float32 and may swap keys at fragile rows (see
+        # write_golden); compare the other rows, whose cache inputs such a swap moves a little
+        keep = [s for s in range(len(tokens))
+                if np_summ["row_indexer_margins"].get(s, 1.0) >= cfg["fragile_rel"]]
+        diff = float(np.max(np.abs(logits[keep] - np_logits[keep])))
+        log(f"{cfg['name']}: at the {len(keep)} non-fragile positions: {diff:.3g}")
+        lim = 1e-3
+    if diff > lim:
         raise SystemExit(f"{cfg['name']}: transformers and numpy disagree ({diff})")
     T = len(tokens)
     # same discrete choices (where the config asks for clear margins; a long prompt has
@@ -1307,8 +1332,15 @@ def write_golden(cfg, d, tokens, logits, out, np_summ, extra, reference, how, di
     pr = softmax(logits)
     first_row = max(len(tokens) - cfg["logits_last"], 0) if cfg.get("logits_last") else 0
     logits[first_row:].astype("<f4").tofile(os.path.join(d, "logits.f32"))
-    margins = {k: v for k, v in np_summ.items() if k != "greedy_output"}
+    margins = {k: v for k, v in np_summ.items()
+               if k not in ("greedy_output", "row_indexer_margins")}
     margins.update(extra)
+    # Positions whose own DSA choice is closer to a tie than an fp32 engine's error (swaps seen
+    # at gaps up to 1.7e-6 relative): a swap of two keys at the boundary moves that row's
+    # logits by up to ~7e-3, so the golden tests hold them to a looser bound (README). Every
+    # position is listed: the CUDA test compares all of them with the CPU backend.
+    fragile = sorted(int(p) for p, m in np_summ["row_indexer_margins"].items()
+                     if p < len(tokens) and m < cfg.get("fragile_rel", 0.0))
     gaps = extra.get("hf_greedy_gaps") or [np_summ["min_greedy_gap"]]
     g = {
         "tokens": tokens,
@@ -1339,6 +1371,12 @@ def write_golden(cfg, d, tokens, logits, out, np_summ, extra, reference, how, di
     }
     if not first_row:
         del g["logits_first"]
+    if cfg.get("fragile_rel"):
+        g["fragile_rel"] = cfg["fragile_rel"]
+        g["fragile_positions"] = fragile
+    if cfg.get("logits_tolerance"):
+        g["logits_tolerance"] = cfg["logits_tolerance"]
+        g["logits_tolerance_why"] = cfg["logits_tolerance_why"]
     with open(os.path.join(d, "golden.json"), "w") as f:
         json.dump(g, f, indent=1)
         f.write("\n")
