@@ -280,7 +280,8 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
             uint32_t ex;
             const uint32_t tot = block_scan((uint32_t) gt | ((uint32_t) eq << 16), &ex, warp_tot);
             const int ex_gt = (int) (ex & 0xffffu), ex_eq = (int) (ex >> 16);
-            const int taken_eq_before = max(eq_seen + ex_eq - skip_eq, 0);
+            // ties of this chunk before i that are taken (written counts the earlier chunks')
+            const int taken_eq_before = max(ex_eq - max(skip_eq - eq_seen, 0), 0);
             if (gt || (eq && eq_seen + ex_eq >= skip_eq))
                 out[written + ex_gt + taken_eq_before] = i;
             const int eq_after = eq_seen + (int) (tot >> 16);
