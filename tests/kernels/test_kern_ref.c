@@ -77,9 +77,10 @@ static void test_topk_ties(void)
     const int32_t len[1] = {6};
     int32_t idx[4], n[1];
     dsa_topk_ref(idx, n, sc, 6, len, 1, 4);
-    // 3 (pos 1), 3 (pos 3), 2 (pos 5), then the first 1 (pos 0); ascending positions.
+    // 3 (pos 1), 3 (pos 3), 2 (pos 5), then the last 1 (pos 4: among equal scores the later
+    // position wins); ascending positions.
     CHECK(n[0] == 4);
-    CHECK(idx[0] == 0 && idx[1] == 1 && idx[2] == 3 && idx[3] == 5);
+    CHECK(idx[0] == 1 && idx[1] == 3 && idx[2] == 4 && idx[3] == 5);
     const int32_t short_len[1] = {3};
     dsa_topk_ref(idx, n, sc, 6, short_len, 1, 4);
     CHECK(n[0] == 3 && idx[0] == 0 && idx[1] == 1 && idx[2] == 2);
