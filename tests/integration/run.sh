@@ -54,7 +54,7 @@ export GLMSPARK_DB_APP="host=$var/pg/run dbname=glmspark user=glmspark_app"
 export NODE_EXTRA_CA_CERTS=$var/tls/cert.pem NODE_PATH=$src/tests/node_modules
 # ESM resolves packages from the script's directory upwards: run from a copy inside tests/.
 cp "$src/tests/integration/test_api.mjs" "$src/tests/.test_api.run.mjs"
-node --test --test-reporter=spec "$src/tests/.test_api.run.mjs"
+"$src/tests/tools/node_test.sh" "$src/tests/.test_api.run.mjs"
 
 # Keys never reach a log.
 for k in "$admin" "$user" "$other" "$revoked" "$conc1" "$rpm2"; do

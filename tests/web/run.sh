@@ -22,7 +22,7 @@ mkdir -p "$here/screenshots"
 
 if [ "$mode" = --mock ]; then
     unset GLMSPARK_WEB_URL
-    exec node --test --test-concurrency=1 --test-reporter=spec "$here/ui_test.mjs"
+    exec "$here/../tools/node_test.sh" --test-concurrency=1 "$here/ui_test.mjs"
 fi
 
 bin=${GLMSPARK_BIN_DIR:?set GLMSPARK_BIN_DIR to the bin/ folder of a build (ctest does)}
@@ -58,4 +58,4 @@ export GLMSPARK_WEB_RPM_KEY=$(key --name web-rpm1 --rpm 1)
 # Restarting fcgi cuts every open event stream: the "dropped connection" test.
 export GLMSPARK_WEB_DROP_CMD="$devstack restart fcgi"
 [ -n "$GLMSPARK_WEB_URL" ] && [ -n "$GLMSPARK_WEB_KEY" ] || { echo "run.sh: devstack gave no URL or key" >&2; exit 1; }
-node --test --test-concurrency=1 --test-reporter=spec "$here/ui_test.mjs"
+"$here/../tools/node_test.sh" --test-concurrency=1 "$here/ui_test.mjs"
