@@ -649,9 +649,9 @@ static __device__ int block_prefix(bool pred, int *total, int *buf)
 
 // Top-k of the scores, positions ascending; one block per token. The tie rule (as the CPU
 // backend): among equal scores the later position wins. A radix select over the 64-bit keys
-// (8 passes of 8 bits) finds the k-th largest key T and how many keys equal to T to take; a
-// count of the keys equal to T, then a block scan in position order writes every key > T and
-// the last such equal ones. O(visible) work per pass.
+// (8 passes of 8 bits) finds the k-th largest key T, how many keys equal T (the last pass's
+// bin of T) and how many of them to take; a block scan in position order then writes every
+// key > T and the last such equal ones. O(visible) work per pass.
 static __global__ void k_dsa_select(int *sel, int *n_sel, const double *score, int cap,
                                     const int *pos, int top_k)
 {
@@ -710,13 +710,8 @@ static __global__ void k_dsa_select(int *sel, int *n_sel, const double *score, i
         __syncthreads();
     }
     // prefix is the k-th largest key; take every larger key and the last `need` equal ones.
-    int n_eq = 0;
-    for (int s0 = 0; s0 < visible; s0 += blockDim.x) {
-        const int s = s0 + threadIdx.x;
-        int eq_total;
-        block_prefix(s < visible && order_key(sc[s]) == prefix, &eq_total, buf);
-        n_eq += eq_total;
-    }
+    // The last pass's bin of prefix counted exactly the keys equal to it.
+    const int n_eq = hist[prefix & 255];
     int eq_before = 0, out_before = 0;
     for (int s0 = 0; s0 < visible; s0 += blockDim.x) {
         const int s = s0 + threadIdx.x;

@@ -9,11 +9,11 @@
  * Top-k: one CTA of 1024 threads per token. A 4-pass MSB-first radix select over the scores'
  * order-preserving 32-bit keys finds the k-th largest key T and how many positions equal to T
  * to keep (histogram atomics aggregated per warp with __match_any_sync; the digit is found by
- * one warp scan); a counting pass finds how many positions tie at T, and a final ordered pass
- * writes the positions with key > T and the last such ties (the tie rule: among equal scores
- * the later position wins, as in the engine's CPU reference), in ascending order, with one
- * block scan per 1024 positions (both counts packed in one word) and stops once k are
- * written. Scores are read 6 times from L2 (512 KB at 128K).
+ * one warp scan); the last pass's bin of T counts the positions that tie at T, and a final
+ * ordered pass writes the positions with key > T and the last such ties (the tie rule: among
+ * equal scores the later position wins, as in the engine's CPU reference), in ascending order,
+ * with one block scan per 1024 positions (both counts packed in one word) and stops once k are
+ * written. Scores are read 5 times from L2 (512 KB at 128K).
  */
 #include "kernels/dsa.h"
 
@@ -255,13 +255,7 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
     // in ascending position order: the first n_eq - remaining ties are skipped. One scan per
     // chunk counts both kinds (greater in the low 16 bits, equal in the high 16); an
     // element's output slot is the selections before it.
-    int n_eq = 0;
-    for (int base = 0; base < len; base += TOPK_THREADS) {
-        const int i = base + tid;
-        uint32_t ex;
-        n_eq += (int) block_scan((uint32_t) (i < len && order_key(sc[i]) == prefix), &ex,
-                                 warp_tot);
-    }
+    const int n_eq = hist[prefix & 255];  // the last pass's bin of T: the keys equal to T
     const int skip_eq = n_eq - remaining;
     int written = 0, eq_seen = 0;
     for (int base = 0; base < len && written < k; base += TOPK_THREADS * TOPK_UNROLL) {
