@@ -39,7 +39,6 @@ typedef struct Golden {
     int n_output;
     int logits_first;  // the logits file holds positions [logits_first, n_tokens)
     bool *fragile;     // [n_tokens]: the position's DSA choice is within fragile_rel of a tie
-    int n_fragile;
     double fragile_rel;
     double logits_tolerance;  // > 0: the reference's own bound for the other positions (a
                               // stated reason in golden.json), used when above the runner's
@@ -47,8 +46,9 @@ typedef struct Golden {
 
 // The bound for fragile positions (golden.json "fragile_positions", the long-context model):
 // an fp32 engine may swap two keys whose indexer scores differ by less than its own error,
-// which moves that row's logits by up to 1e-3 relative (measured: 1.0e-3 at 3,200 tokens);
-// 1e-2 still catches a wrong op there, and every other position keeps the tight bound.
+// which moves that row's logits by up to ~7e-3 relative (measured: 6.8e-3 at 4,160 tokens,
+// 4.3e-3 between the CUDA and CPU backends on long_dsa); 1e-2 still catches a wrong op there,
+// and every other position keeps the tight bound.
 #define GOLDEN_TOL_FRAGILE 1e-2
 
 // Release the arrays golden_read() allocated; safe on a zeroed Golden.
@@ -99,7 +99,7 @@ static inline bool golden_read(const char *dir, Golden *g)
         g->fragile = calloc((size_t) g->n_tokens + 1, sizeof *g->fragile);
         ASSERT(g->fragile);
         for (int i = 0; fr && i < n_fr; i++)
-            if (fr[i] >= 0 && fr[i] < g->n_tokens) g->fragile[fr[i]] = true, g->n_fragile++;
+            if (fr[i] >= 0 && fr[i] < g->n_tokens) g->fragile[fr[i]] = true;
     }
     free(fr);
     snprintf(g->logits_file, sizeof g->logits_file, "%s",
