@@ -328,8 +328,10 @@ static void test_exclusive_and_recovery(void)
     JobqChunk ch = {JOBQ_CHUNK_CONTENT, "seven", t, 1, NULL};
     CHECK(jobq_append(e1, &j1, &ch, 1, NULL) == ERR_OK);
 
-    // e1's session dies (network, server restart): its lock goes with it.
-    CHECK(qint(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_locks"
+    // e1's session dies (network, server restart): its lock goes with it. The timeout makes
+    // pg_terminate_backend wait until the backend has exited (and so released the lock);
+    // without it the signal is only sent, and the next open can still find the lock held.
+    CHECK(qint(c, "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 5000)) FROM pg_locks"
                   " WHERE locktype = 'advisory' AND granted") == 1);
     e2 = open_queue(true, &err);
     CHECK(e2 && err == ERR_OK);
