@@ -24,7 +24,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/common/apikey.h"
+#include "engine/shared/apikey.h"
 
 // ---------------------------------------------------------------------------
 // Connections

@@ -12,7 +12,7 @@
  * (re)connects it wakes every waiter once, so nothing committed while it was down waits
  * for the timer.
  *
- * Keys: the presented key is parsed (common/apikey.h), its row found by public prefix and
+ * Keys: the presented key is parsed (engine/shared/apikey.h), its row found by public prefix and
  * its SHA-256 compared in constant time. Verified keys are cached per process for
  * API_AUTH_TTL_S seconds; with api_db_watch_revocations running, a revocation empties the
  * cache at once (else a revoked key stops working within the TTL), and a lookup that
@@ -32,7 +32,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "engine/common/err.h"
+#include "engine/shared/err.h"
 
 #ifdef __cplusplus
 extern "C" {

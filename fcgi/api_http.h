@@ -25,7 +25,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "engine/common/err.h"
+#include "engine/shared/err.h"
 
 #ifdef __cplusplus
 extern "C" {

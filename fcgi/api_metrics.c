@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/common/stats.h"
+#include "engine/shared/stats.h"
 
 static const char *const ttft_buckets[] = {"0.05", "0.1", "0.25", "0.5", "1", "2.5", "5", "10", "30", "60"};
 enum { N_TTFT_BUCKETS = sizeof ttft_buckets / sizeof *ttft_buckets };

@@ -19,7 +19,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/common/apikey.h"
+#include "engine/shared/apikey.h"
 #include "fcgi/api_http.h"
 #include "fcgi/api_metrics.h"
 #include "fcgi/api_request.h"

@@ -33,8 +33,8 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "engine/common/chat.h"
-#include "engine/common/tokenizer.h"
+#include "engine/shared/chat.h"
+#include "engine/shared/tokenizer.h"
 #include "fcgi/api_db.h"
 
 #ifdef __cplusplus

@@ -32,7 +32,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "engine/common/err.h"
+#include "engine/shared/err.h"
 #include "fcgi/api_db.h"
 #include "fcgi/api_server.h"
 

@@ -3,7 +3,7 @@
  */
 #include "kernels/act.h"
 
-#include "common/cuda_check.h"
+#include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
 
 // ---------------------------------------------------------------------------

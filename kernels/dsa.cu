@@ -17,7 +17,7 @@
  */
 #include "kernels/dsa.h"
 
-#include "common/cuda_check.h"
+#include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
 
 enum { TOPK_THREADS = 1024, TOPK_UNROLL = 8 };

@@ -17,7 +17,7 @@
 #include <cublasLt.h>
 #include <stdlib.h>
 
-#include "common/cuda_check.h"
+#include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
 
 enum { GEMV_WARPS = 8 };

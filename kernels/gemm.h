@@ -22,8 +22,8 @@
  * cuBLASLt handle and a device workspace from gemm_lt_init until gemm_lt_free.
  * Threads:   launchers are thread-safe; one GemmLt per stream at a time.
  * Errors:    shapes or alignment the kernels cannot handle trip an ASSERT (caller bug); CUDA
- *            and cuBLAS failures are fatal (common/cuda_check.h). Launchers never allocate and
- *            never synchronize.
+ *            and cuBLAS failures are fatal (engine/shared/cuda_check.h). Launchers never allocate
+ * and never synchronize.
  */
 #ifndef KERNELS_GEMM_H
 #define KERNELS_GEMM_H

@@ -25,7 +25,7 @@
  */
 #include "kernels/mla.h"
 
-#include "common/cuda_check.h"
+#include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
 
 enum {

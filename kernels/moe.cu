@@ -29,7 +29,7 @@
  */
 #include "kernels/moe.h"
 
-#include "common/cuda_check.h"
+#include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
 #include "kernels/nvfp4_dev.cuh"
 

@@ -8,7 +8,7 @@
  */
 #include "kernels/norm.h"
 
-#include "common/cuda_check.h"
+#include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
 
 enum { NORM_THREADS = 256 };

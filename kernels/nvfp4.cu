@@ -16,7 +16,7 @@
  */
 #include "kernels/nvfp4.h"
 
-#include "common/cuda_check.h"
+#include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
 #include "kernels/nvfp4_dev.cuh"
 

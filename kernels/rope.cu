@@ -4,7 +4,7 @@
  */
 #include "kernels/rope.h"
 
-#include "common/cuda_check.h"
+#include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
 
 // ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 # pagecache-dropper.sh - drop the clean page cache while a glmspark rank loads its weights
 # (replaces the reference deployment's cache_dropper.sh). On unified memory (GB10) the page
 # cache of the safetensors files competes with the weights for the same RAM; the loader
-# already calls posix_fadvise(DONTNEED) behind itself (engine/checkpoint.c), and this is the
+# already calls posix_fadvise(DONTNEED) behind itself (engine/model/checkpoint.c), and this is the
 # second line: every GLMSPARK_DROP_INTERVAL s (5), while GLMSPARK_RUN_DIR/loading exists
 # (ops/launch-cluster.sh creates it on every node and removes it when the rank is ready) or
 # always with --always, when the page cache ("Cached" minus shared memory) exceeds

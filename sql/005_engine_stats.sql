@@ -1,6 +1,6 @@
 -- 005_engine_stats.sql - the engine's status JSON, and a read-only view of engine boots.
 --
---   engines.stats   the status JSON of an engine boot (schema C2 in engine/jobq.h's users:
+--   engines.stats   the status JSON of an engine boot (schema C2 in engine/serve/jobq.h's users:
 --                   version, state, ranks, KV blocks, step times, tokens/s ...), written
 --                   with the heartbeat by jobq_set_stats(); NULL until the first write.
 --   admin.engines   engine boots for operators (`glmspark status`, psql as the admin role):

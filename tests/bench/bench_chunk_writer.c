@@ -3,7 +3,7 @@
  *
  *   bench_chunk_writer N_JOBS N_ROUNDS INTERVAL_MS [--batch]   (database from $GLMSPARK_DB)
  *
- * Claims N_JOBS queued jobs through engine/jobq (the real engine's code path), then for
+ * Claims N_JOBS queued jobs through engine/serve/jobq (the real engine's code path), then for
  * N_ROUNDS rounds appends one chunk to every job and sleeps INTERVAL_MS. Each chunk's text
  * is "t=<microseconds since the epoch>" taken before its commit starts, so a client
  * reading the stream through nginx measures commit-to-client latency on the same clock
@@ -21,7 +21,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "jobq.h"
+#include "engine/serve/jobq.h"
 
 static long long now_us(void)
 {

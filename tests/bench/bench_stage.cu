@@ -42,7 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/cuda_check.h"
+#include "engine/shared/cuda_check.h"
 #include "kernels/act.h"
 #include "kernels/common.cuh"
 #include "kernels/dsa.h"

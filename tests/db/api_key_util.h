@@ -11,8 +11,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../check.h"
-#include "engine/common/apikey.h"
+#include "engine/shared/apikey.h"
+#include "tests/check.h"
 
 // Run q on conn; a failure counts as a failed check (and is printed).
 static void db_sql(PGconn *conn, const char *q)

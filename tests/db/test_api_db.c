@@ -18,10 +18,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../check.h"
 #include "api_key_util.h"
-#include "cli.h"
+#include "engine/cli/cli.h"
 #include "fcgi/api_db.h"
+#include "tests/check.h"
 
 static PGconn *admin;
 

@@ -21,8 +21,8 @@
 
 #include "../fcgi/fcgi_capture.h"
 #include "api_key_util.h"
-#include "cli.h"
-#include "engine/common/tokenizer.h"
+#include "engine/cli/cli.h"
+#include "engine/shared/tokenizer.h"
 
 static PGconn *admin;
 static ApiDb db;

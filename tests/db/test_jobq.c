@@ -16,10 +16,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../check.h"
-#include "cli.h"
-#include "common/apikey.h"
-#include "jobq.h"
+#include "engine/cli/cli.h"
+#include "engine/serve/jobq.h"
+#include "engine/shared/apikey.h"
+#include "tests/check.h"
 
 static char conn_super[512], conn_app[512], conn_admin[512];
 

@@ -24,10 +24,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../check.h"
-#include "cli.h"
-#include "common/stats.h"
+#include "engine/cli/cli.h"
+#include "engine/shared/stats.h"
 #include "fcgi/api_metrics.h"
+#include "tests/check.h"
 
 static PGconn *conn;
 static const char *conninfo;

@@ -15,9 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../check.h"
 #include "fcgi/api_http.h"
 #include "fcgi/api_server.h"
+#include "tests/check.h"
 
 // The configuration both tests serve with (the tokenizer is set by the test that needs one).
 #define CAPTURE_CONFIG                                                                          \

@@ -7,8 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../check.h"
 #include "fcgi/api_http.h"
+#include "tests/check.h"
 
 static ApiRoute route(const char *method, const char *path, const char **arg, size_t *n_arg)
 {

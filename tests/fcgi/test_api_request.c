@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../check.h"
 #include "fcgi/api_request.h"
+#include "tests/check.h"
 
 static Err parse(ApiRequest *r, ApiKind kind, const char *body, ApiError *e)
 {

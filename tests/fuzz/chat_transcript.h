@@ -26,7 +26,7 @@
 
 #include <json-c/json.h>
 
-#include "engine/common/chat.h"
+#include "engine/shared/chat.h"
 
 typedef struct ChatSink {
     char *p;  // [n] raw events, each a kind letter, its bytes and a NUL

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/common/err.h"
+#include "engine/shared/err.h"
 #include "fcgi/api_request.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

@@ -14,7 +14,7 @@
 
 #include <json-c/json.h>
 
-#include "engine/common/chat.h"
+#include "engine/shared/chat.h"
 #include "tests/fuzz/chat_transcript.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

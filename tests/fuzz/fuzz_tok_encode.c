@@ -13,10 +13,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/err.h"
-#include "common/tok_internal.h"
-#include "common/tokenizer.h"
-#include "common/utf8.h"
+#include "engine/shared/err.h"
+#include "engine/shared/tok_internal.h"
+#include "engine/shared/tokenizer.h"
+#include "engine/shared/utf8.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

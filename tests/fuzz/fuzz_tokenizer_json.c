@@ -10,8 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/err.h"
-#include "common/tokenizer.h"
+#include "engine/shared/err.h"
+#include "engine/shared/tokenizer.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -3,7 +3,7 @@
  * holding <think> and <tool_call> sections, streamed in arbitrary pieces.
  *
  * fuzz_chat_messages covers the parser without tools; here the schema decides whether an
- * <arg_value> stays a string or is parsed as JSON (engine/common/chat.c param_is_string),
+ * <arg_value> stays a string or is parsed as JSON (engine/shared/chat.c param_is_string),
  * and the text is mostly model output rather than a request. Input layout:
  *
  *   byte 0        flags: bit 0 = the prompt left the model inside <think>
@@ -21,7 +21,7 @@
 
 #include <json-c/json.h>
 
-#include "engine/common/chat.h"
+#include "engine/shared/chat.h"
 #include "tests/fuzz/chat_transcript.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

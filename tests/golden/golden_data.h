@@ -20,12 +20,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/backend.h"
-#include "engine/kv_cache.h"
-#include "engine/model.h"
+#include "engine/model/backend.h"
+#include "engine/model/kv_cache.h"
+#include "engine/model/model.h"
 #include "tests/check.h"
 
-#include "common/err.h"
+#include "engine/shared/err.h"
 
 typedef struct Golden {
     int *tokens;

@@ -19,8 +19,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "common/err.h"
-#include "engine/backend.h"
+#include "engine/model/backend.h"
+#include "engine/shared/err.h"
 #include "tests/check.h"
 #include "tests/golden/golden_data.h"
 

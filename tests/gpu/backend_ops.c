@@ -16,10 +16,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/err.h"
-#include "engine/backend.h"
-#include "engine/backend_cuda.h"
-#include "engine/kv_cache.h"
+#include "engine/backend/backend_cuda.h"
+#include "engine/model/backend.h"
+#include "engine/model/kv_cache.h"
+#include "engine/shared/err.h"
 #include "kernels/nvfp4_format.h"
 #include "tests/check.h"
 

@@ -23,11 +23,11 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "common/err.h"
-#include "engine/backend.h"
-#include "engine/backend_cuda.h"
-#include "engine/kv_cache.h"
-#include "engine/model.h"
+#include "engine/backend/backend_cuda.h"
+#include "engine/model/backend.h"
+#include "engine/model/kv_cache.h"
+#include "engine/model/model.h"
+#include "engine/shared/err.h"
 #include "tests/check.h"
 #include "tests/golden/golden_data.h"
 

@@ -15,7 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "common/cuda_check.h"
+#include "engine/shared/cuda_check.h"
 #include "kernels/ref/kern_ref.h"
 #include "tests/check.h"
 

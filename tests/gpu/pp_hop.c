@@ -24,7 +24,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/pp_comm.h"
+#include "engine/pipeline/pp_comm.h"
 
 enum { HIDDEN = 6144, TOPK = 2048, WARMUP = 20 };
 

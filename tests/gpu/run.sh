@@ -30,7 +30,7 @@ done
 cuda=${CUDA_HOME:-/usr/local/cuda}
 nvcc="$cuda/bin/nvcc"
 arch=${GPU_ARCH:-"-gencode=arch=compute_90a,code=sm_90a"}
-inc="-I$src -I$src/engine"
+inc="-I$src"
 cflags="-O2 -g -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra $inc -isystem $cuda/include"
 nvflags="-O2 -lineinfo $arch $inc -Xcompiler=-Wall,-Wextra,-fno-exceptions"
 libs="-L$cuda/lib64 -lcublasLt -lcublas -lcudart -lm -lstdc++ -lpthread -ldl -lrt"
@@ -40,7 +40,7 @@ t0=$(date +%s)
 fail=0
 for f in kernels/*.cu; do echo "$f"; done | xargs -P "$(nproc)" -I{} sh -c \
     "$nvcc $nvflags -c {} -o $bld/obj/\$(basename {} .cu).o || exit 255" || fail=1
-for f in kernels/ref/*.c engine/common/err.c; do
+for f in kernels/ref/*.c engine/shared/err.c; do
     cc $cflags -c "$f" -o "$bld/obj/$(basename "$f" .c).o" || fail=1
 done
 [ $fail -eq 0 ] || { echo "build failed"; exit 1; }

@@ -5,12 +5,12 @@ set -eu
 src=$1 cc=$2 cxx=$3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-inc="-I$src -I$src/engine $(pkg-config --cflags json-c libpcre2-8 libutf8proc libpq libcrypto 2>/dev/null || true)"
+inc="-I$src $(pkg-config --cflags json-c libpcre2-8 libutf8proc libpq libcrypto 2>/dev/null || true)"
 [ -d /usr/local/cuda/include ] && inc="$inc -isystem /usr/local/cuda/include"
 pass=0 fail=0
 for h in $(cd "$src" && find engine fcgi kernels -name '*.h' 2>/dev/null | sort); do
     case $h in
-    kernels/* | engine/common/cuda_check.h) [ -d /usr/local/cuda/include ] || continue ;;
+    kernels/* | engine/shared/cuda_check.h) [ -d /usr/local/cuda/include ] || continue ;;
     esac
     printf '#include "%s"\n#include "%s"\n' "$h" "$h" >"$tmp/t.c"
     cp "$tmp/t.c" "$tmp/t.cpp"

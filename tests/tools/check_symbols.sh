@@ -1,6 +1,7 @@
 #!/bin/sh
-# check_symbols.sh LIBDIR - every exported symbol of each module library starts with one of
-# that module's prefixes (../shared/STYLE.md §2.1). Prints offenders and exits 1.
+# check_symbols.sh LIBDIR - every exported symbol of each module library (one per engine/
+# folder, kernels, kernels_ref, fcgi_core) starts with one of that module's prefixes
+# (../shared/STYLE.md §2.1). Prints offenders and exits 1.
 set -eu
 libdir=$1
 fail=0 checked=0
@@ -17,8 +18,13 @@ check() {  # check LIBNAME REGEX
         fail=1
     fi
 }
-check common '^(err_|log_|arena_|tok_|chat_|utf8_|json_util_|str_|apikey_|stats_)'
-check engine_core '^(ckpt_|config_|model_|weights_|backend_|cpu_|kv_|sampler_|sched_|pp_|jobq_|engine_|serve_|mkmodel_|mtp_|bench_|recipe_|plan_|cli_|tensor_|nvfp4_|thread_pool_)'
+check glmspark_shared '^(err_|log_|tok_|chat_|utf8_|apikey_|stats_)'
+check engine_model '^(ckpt_|config_|model_|kv_|sampler_)'
+check engine_backend '^(backend_|thread_pool_)'
+check engine_pipeline '^(pp_|sched_|mtp_)'
+check engine_serve '^(serve_|jobq_|recipe_)'
+check engine_tools '^(mkmodel_)'
+check engine_cli '^(cli_)'
 check kernels '^(nvfp4_|mla_|moe_|dsa_|norm_|rope_|sample_|kern_|cuda_backend_|gemm_|attn_|embed_|act_)'
 check kernels_ref '^(nvfp4_|mla_|moe_|dsa_|norm_|rope_|sample_|kern_|gemm_|attn_|embed_|act_)'
 check fcgi_core '^(api_)'

@@ -11,7 +11,7 @@ calls) and writes tests/golden/chat/cases.jsonl: one JSON object per line,
 
 where "request" is exactly what `glmspark chat-template` reads on stdin (messages, tools,
 add_generation_prompt, chat_template_kwargs.enable_thinking / clear_thinking) and the C
-renderer (engine/common/chat.c) must reproduce "expected" byte for byte. The first line is a
+renderer (engine/shared/chat.c) must reproduce "expected" byte for byte. The first line is a
 {"meta": ...} record naming the template and the transformers version.
 
 The request is OpenAI-shaped: tool_calls[].function.arguments is a JSON *string*, as clients

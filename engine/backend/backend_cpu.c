@@ -1,0 +1,803 @@
+/*
+ * backend_cpu.c - the reference backend: plain C11, fp32 data, threads from a pool.
+ *
+ * Weights stay in their stored format; a matmul task owns a range of output rows and
+ * decodes one row at a time into per-thread scratch (bf16/f16 widen; NVFP4 builds each
+ * 16-weight group's 16 possible values from lookup tables of the E2M1 codes and E4M3
+ * scales, then indexes it by nibble), then takes the dot product with every token of the
+ * batch, so prefill decodes each weight once per call. Dots accumulate in fp32 with 8
+ * independent partial sums; reductions that decide something (norm variance, softmax,
+ * router sigmoid and selection, DSA scores) run in double. Ops too small to repay waking
+ * the thread pool run on the calling thread (PARALLEL_MIN_WORK).
+ *
+ * Attention uses MLA's absorbed form: for head h, q_lat = W_uk[h]^T q_nope (W_uk[h] is the
+ * first qk_nope rows of head h's block of kv_b_proj), score(s) = (q_lat . latent[s] + q_rope
+ * . k_pe[s]) * scale, o_lat = sum_s p(s) latent[s], out = W_uv[h] o_lat. That equals
+ * transformers' expanded form (k_nope = W_uk latent, v = W_uv latent) up to rounding, and
+ * reads only the cached latents (widened first when the cache stores bf16). One task per
+ * (token, head).
+ *
+ * Every op computes each output element with the same arithmetic whatever the batch size or
+ * thread count, so a token decoded alone gets bit-identical results to the same token inside
+ * a prefill (the model test checks decode == prefill on that basis).
+ */
+#include "engine/model/backend.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/backend/thread_pool.h"
+#include "kernels/nvfp4_format.h"
+
+typedef struct CpuImpl {
+    ThreadPool *pool;
+    int n_threads;
+    void *scratch[THREAD_POOL_MAX_THREADS];  // per-thread scratch, owned
+    size_t scratch_bytes[THREAD_POOL_MAX_THREADS];
+    double *route_buf;  // [3 * E + n_group] doubles + flags for route(), owned
+    size_t route_cap;
+    float *moe_buf;  // gathered tokens and expert activations for moe(), owned
+    size_t moe_cap;  // floats
+} CpuImpl;
+
+// ---------------------------------------------------------------------------
+// Weight rows
+
+static float e2m1_lut[16];
+static float e4m3_lut[256];
+static pthread_once_t lut_once = PTHREAD_ONCE_INIT;
+
+static void lut_build(void)
+{
+    for (int i = 0; i < 16; i++)
+        e2m1_lut[i] = nvfp4_e2m1_to_float((uint8_t) i);
+    for (int i = 0; i < 256; i++)
+        e4m3_lut[i] = nvfp4_e4m3_to_float((uint8_t) i);
+}
+
+static float half_to_float(uint16_t h)
+{
+    const int sign = h >> 15, exponent = (h >> 10) & 31, mantissa = h & 1023;
+    float v;
+    if (exponent == 0)
+        v = ldexpf((float) mantissa, -24);
+    else if (exponent == 31)
+        v = mantissa ? NAN : INFINITY;
+    else
+        v = ldexpf((float) (mantissa | 1024), exponent - 25);
+    return sign ? -v : v;
+}
+
+static float bf16_to_float(const uint8_t *p)
+{
+    const uint32_t bits = ((uint32_t) p[0] | (uint32_t) p[1] << 8) << 16;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+// Row r of w as fp32: a pointer into the weight itself (f32) or into buf ([w->cols]).
+static const float *linear_row(const CkptLinear *w, int r, float *buf)
+{
+    const size_t cols = (size_t) w->cols;
+    switch (w->format) {
+    case CKPT_LINEAR_F32: {
+        const float *row = (const float *) w->data + (size_t) r * cols;
+        if ((uintptr_t) row % sizeof(float) == 0) return row;
+        memcpy(buf, row, cols * sizeof(float));
+        return buf;
+    }
+    case CKPT_LINEAR_BF16: {
+        const uint8_t *row = (const uint8_t *) w->data + (size_t) r * cols * 2;
+        if ((uintptr_t) row % 2 == 0) {
+            // The common case, written so that the compiler vectorizes the widening.
+            // Blocks of 8 with a fixed trip count: gcc -O2's cheap cost model vectorizes
+            // those, not a loop that needs a runtime-sized epilogue.
+            const uint16_t *row16 = (const uint16_t *) (const void *) row;
+            size_t c = 0;
+            for (; c + 8 <= cols; c += 8) {
+                uint32_t bits[8];
+                for (int j = 0; j < 8; j++)
+                    bits[j] = (uint32_t) row16[c + j] << 16;
+                memcpy(buf + c, bits, sizeof bits);
+            }
+            for (; c < cols; c++)
+                buf[c] = bf16_to_float(row + 2 * c);
+        } else {
+            for (size_t c = 0; c < cols; c++)
+                buf[c] = bf16_to_float(row + 2 * c);
+        }
+        return buf;
+    }
+    case CKPT_LINEAR_F16: {
+        const uint8_t *row = (const uint8_t *) w->data + (size_t) r * cols * 2;
+        for (size_t c = 0; c < cols; c++)
+            buf[c] = half_to_float((uint16_t) (row[2 * c] | row[2 * c + 1] << 8));
+        return buf;
+    }
+    case CKPT_LINEAR_NVFP4: {
+        const uint8_t *q = (const uint8_t *) w->data + (size_t) r * (cols / 2);
+        const uint8_t *scale = w->scale + (size_t) r * (cols / NVFP4_GROUP);
+        const float global = w->global_scale;
+        for (size_t g = 0; g < cols / NVFP4_GROUP; g++) {
+            // The group's 16 possible values. e2m1 * e4m3 is exact in fp32, so the one
+            // rounding is the global scale's, as in the float64 reference cast to fp32.
+            const float s = e4m3_lut[scale[g]];
+            float value[16];
+            for (int k = 0; k < 16; k++)
+                value[k] = e2m1_lut[k] * s * global;
+            float *out = buf + g * NVFP4_GROUP;
+            const uint8_t *qg = q + g * (NVFP4_GROUP / 2);
+            for (int j = 0; j < NVFP4_GROUP / 2; j++) {
+                out[2 * j] = value[qg[j] & 15];
+                out[2 * j + 1] = value[qg[j] >> 4];
+            }
+        }
+        return buf;
+    }
+    case CKPT_LINEAR_FP8:
+        ckpt_linear_row(w, r, buf);
+        return buf;
+    }
+    ASSERT(!"unknown linear format");
+    return buf;
+}
+
+static float dot_f32(const float *a, const float *b, int n)
+{
+    float s[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++)
+            s[j] += a[i + j] * b[i + j];
+    float tail = 0.0f;
+    for (; i < n; i++)
+        tail += a[i] * b[i];
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])) + tail;
+}
+
+// ---------------------------------------------------------------------------
+// Scratch
+
+static void *thread_scratch(CpuImpl *impl, int thread)
+{
+    return impl->scratch[thread];
+}
+
+// Make every thread's scratch at least `bytes`. Running out of memory here is fatal: ops
+// cannot fail, and the sizes are bounded by the model and the cache set up at startup.
+static void ensure_scratch(CpuImpl *impl, size_t bytes)
+{
+    for (int t = 0; t < impl->n_threads; t++) {
+        if (impl->scratch_bytes[t] >= bytes) continue;
+        // Grow geometrically: attention scratch follows the context length, and a decode
+        // loop should not reallocate at every token.
+        const size_t grown =
+            bytes < 2 * impl->scratch_bytes[t] ? 2 * impl->scratch_bytes[t] : bytes;
+        free(impl->scratch[t]);
+        impl->scratch[t] = malloc(grown);
+        if (!impl->scratch[t]) log_fatal(__FILE__, __LINE__, "out of memory (%zu bytes)", grown);
+        impl->scratch_bytes[t] = grown;
+    }
+}
+
+// Below this many multiply-adds per op, waking the pool costs more than it saves: a decode
+// step on the "default" preset is ~100 ops, most of them this small, and 2 threads were no
+// faster than 1 until small ops stayed on the calling thread.
+enum { PARALLEL_MIN_WORK = 1 << 18 };
+
+// thread_pool_run(), or a plain loop on the calling thread when `work` is small.
+static void run_tasks(CpuImpl *impl, int n_tasks, ThreadPoolFn fn, void *ctx, double work)
+{
+    if (work < PARALLEL_MIN_WORK) {
+        for (int t = 0; t < n_tasks; t++)
+            fn(ctx, t, 0);
+        return;
+    }
+    thread_pool_run(impl->pool, n_tasks, fn, ctx);
+}
+
+// ---------------------------------------------------------------------------
+// Matmul and embedding
+
+typedef struct MatmulJob {
+    CpuImpl *impl;
+    float *y;
+    const CkptLinear *w;
+    const float *x;
+    int n;
+    int rows_per_task;
+} MatmulJob;
+
+static void matmul_task(void *ctx, int task, int thread)
+{
+    const MatmulJob *job = ctx;
+    const CkptLinear *w = job->w;
+    float *buf = thread_scratch(job->impl, thread);
+    const int r0 = task * job->rows_per_task;
+    const int r1 = r0 + job->rows_per_task < w->rows ? r0 + job->rows_per_task : w->rows;
+    for (int r = r0; r < r1; r++) {
+        const float *row = linear_row(w, r, buf);
+        for (int t = 0; t < job->n; t++)
+            job->y[(size_t) t * w->rows + r] = dot_f32(row, job->x + (size_t) t * w->cols, w->cols);
+    }
+}
+
+static void cpu_matmul(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+{
+    CpuImpl *impl = be->impl;
+    ASSERT(w->rows > 0 && w->cols > 0 && n >= 0);
+    if (n == 0) return;
+    ensure_scratch(impl, (size_t) w->cols * sizeof(float));
+    // About 8 tasks per thread, at least 4 rows each, to even out the tail.
+    int rows_per_task = w->rows / (8 * impl->n_threads);
+    if (rows_per_task < 4) rows_per_task = 4;
+    MatmulJob job = {impl, y, w, x, n, rows_per_task};
+    run_tasks(impl, (w->rows + rows_per_task - 1) / rows_per_task, matmul_task, &job,
+              (double) w->rows * w->cols * n);
+}
+
+static void cpu_embed(Backend *be, float *y, const CkptLinear *table, const int *ids, int n)
+{
+    CpuImpl *impl = be->impl;
+    ensure_scratch(impl, (size_t) table->cols * sizeof(float));
+    float *buf = thread_scratch(impl, 0);
+    for (int t = 0; t < n; t++) {
+        ASSERT(ids[t] >= 0 && ids[t] < table->rows);
+        const float *row = linear_row(table, ids[t], buf);
+        memmove(y + (size_t) t * table->cols, row, (size_t) table->cols * sizeof(float));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Elementwise and norms
+
+static void cpu_rmsnorm(Backend *be, float *y, const float *x, const float *w, int n, int dim,
+                        int stride, float eps)
+{
+    (void) be;
+    for (int t = 0; t < n; t++) {
+        const float *xt = x + (size_t) t * stride;
+        float *yt = y + (size_t) t * stride;
+        double ss = 0.0;
+        for (int i = 0; i < dim; i++)
+            ss += (double) xt[i] * xt[i];
+        const double inv = 1.0 / sqrt(ss / dim + eps);
+        for (int i = 0; i < dim; i++)
+            yt[i] = (float) (w[i] * (xt[i] * inv));
+    }
+}
+
+static void cpu_layernorm(Backend *be, float *y, const float *x, const float *w, const float *b,
+                          int n, int dim, float eps)
+{
+    (void) be;
+    for (int t = 0; t < n; t++) {
+        const float *xt = x + (size_t) t * dim;
+        float *yt = y + (size_t) t * dim;
+        double mean = 0.0, var = 0.0;
+        for (int i = 0; i < dim; i++)
+            mean += xt[i];
+        mean /= dim;
+        for (int i = 0; i < dim; i++)
+            var += (xt[i] - mean) * (xt[i] - mean);
+        const double inv = 1.0 / sqrt(var / dim + eps);
+        for (int i = 0; i < dim; i++)
+            yt[i] = (float) ((xt[i] - mean) * inv * w[i] + b[i]);
+    }
+}
+
+static void cpu_rope(Backend *be, float *x, int n, int n_heads, int stride, int head_stride,
+                     int offset, int rope_dim, const int *pos, float theta)
+{
+    CpuImpl *impl = be->impl;
+    const int half = rope_dim / 2;
+    ASSERT(rope_dim % 2 == 0);
+    ensure_scratch(impl, (size_t) 3 * rope_dim * sizeof(float));
+    float *cs = thread_scratch(impl, 0);  // cos [half], sin [half], tmp [rope_dim]
+    float *sn = cs + half, *tmp = cs + 2 * half;
+    for (int t = 0; t < n; t++) {
+        for (int i = 0; i < half; i++) {
+            // transformers: inv_freq = 1 / base^(arange(0, d, 2) / d) and the angle, both
+            // in fp32 (autocast disabled); cos/sin of that fp32 angle.
+            const float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) rope_dim);
+            const float angle = (float) pos[t] * inv_freq;
+            cs[i] = (float) cos((double) angle);
+            sn[i] = (float) sin((double) angle);
+        }
+        for (int h = 0; h < n_heads; h++) {
+            float *v = x + (size_t) t * stride + (size_t) h * head_stride + offset;
+            for (int i = 0; i < half; i++) {
+                tmp[i] = v[2 * i] * cs[i] - v[2 * i + 1] * sn[i];
+                tmp[half + i] = v[2 * i + 1] * cs[i] + v[2 * i] * sn[i];
+            }
+            memcpy(v, tmp, (size_t) rope_dim * sizeof(float));
+        }
+    }
+}
+
+static void cpu_silu_mul(Backend *be, float *y, const float *gate, const float *up, int n_elems)
+{
+    (void) be;
+    for (int i = 0; i < n_elems; i++) {
+        const float g = gate[i];
+        y[i] = (float) ((double) g / (1.0 + exp(-(double) g)) * up[i]);
+    }
+}
+
+static void cpu_add(Backend *be, float *y, const float *x, int n_elems)
+{
+    (void) be;
+    for (int i = 0; i < n_elems; i++)
+        y[i] += x[i];
+}
+
+// ---------------------------------------------------------------------------
+// MoE routing (GlmMoeDsaTopkRouter)
+
+// Index of the largest v[i] among i < n not yet taken, ties to the lowest index; -1 if none.
+static int argmax_masked(const double *v, const unsigned char *taken, int n)
+{
+    int best = -1;
+    for (int i = 0; i < n; i++)
+        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+    return best;
+}
+
+static void cpu_route(Backend *be, int *idx, float *wts, const float *logits, const float *bias,
+                      int n, const BackendRoute *p)
+{
+    CpuImpl *impl = be->impl;
+    const int E = p->n_experts, K = p->top_k, G = p->n_group;
+    ASSERT(E > 0 && K > 0 && K <= E && G > 0 && E % G == 0 && p->topk_group > 0
+           && p->topk_group <= G);
+    const int per_group = E / G;
+    const size_t need = (size_t) 3 * E + G;
+    if (impl->route_cap < need) {
+        free(impl->route_buf);
+        impl->route_buf = malloc(need * sizeof(double) + (size_t) (E + G));
+        if (!impl->route_buf) log_fatal(__FILE__, __LINE__, "out of memory");
+        impl->route_cap = need;
+    }
+    double *score = impl->route_buf;  // sigmoid(logit) [E]
+    double *choice = score + E;       // score + bias, -inf outside kept groups [E]
+    double *group = choice + E;       // [G]
+    double *tmp = group + G;          // [E]
+    unsigned char *taken = (unsigned char *) (tmp + E);  // [max(E, G)]
+
+    for (int t = 0; t < n; t++) {
+        const float *lt = logits + (size_t) t * E;
+        for (int e = 0; e < E; e++) {
+            score[e] = 1.0 / (1.0 + exp(-(double) lt[e]));
+            choice[e] = score[e] + (bias ? bias[e] : 0.0f);
+        }
+        // Group score: the sum of the group's two best biased scores (one if the group has
+        // a single expert).
+        for (int g = 0; g < G; g++) {
+            memset(taken, 0, (size_t) per_group);
+            const double *cg = choice + (size_t) g * per_group;
+            const int a = argmax_masked(cg, taken, per_group);
+            taken[a] = 1;
+            const int b = argmax_masked(cg, taken, per_group);
+            group[g] = cg[a] + (b >= 0 ? cg[b] : 0.0);
+        }
+        memset(taken, 0, (size_t) G);
+        for (int k = 0; k < p->topk_group; k++)
+            taken[argmax_masked(group, taken, G)] = 1;
+        for (int e = 0; e < E; e++)
+            tmp[e] = taken[e / per_group] ? choice[e] : -INFINITY;
+
+        memset(taken, 0, (size_t) E);
+        int *it = idx + (size_t) t * K;
+        for (int k = 0; k < K; k++) {
+            const int e = argmax_masked(tmp, taken, E);
+            taken[e] = 1;
+        }
+        int k = 0;
+        double sum = 0.0;
+        for (int e = 0; e < E; e++)
+            if (taken[e]) {
+                it[k++] = e;
+                sum += score[e];
+            }
+        ASSERT(k == K);
+        for (k = 0; k < K; k++) {
+            double w = score[it[k]];
+            if (p->norm_topk_prob) w /= sum + 1e-20;
+            wts[(size_t) t * K + k] = (float) (w * p->routed_scaling_factor);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// DSA indexer top-k
+
+typedef struct ScoredPos {
+    double score;
+    int pos;
+} ScoredPos;
+
+// True when a ranks below b: a lower score, or the same score at an earlier position. The
+// tie rule of DSA (the model notes): among equal scores the later, more recent position wins,
+// where torch.topk leaves ties unspecified; the GPU kernels follow the same rule.
+static bool ranks_below(ScoredPos a, ScoredPos b)
+{
+    return a.score < b.score || (a.score == b.score && a.pos < b.pos);
+}
+
+// Restore the min-heap (by ranks_below) below node i of h[0..n).
+static void heap_sift_down(ScoredPos *h, int n, int i)
+{
+    for (;;) {
+        const int l = 2 * i + 1, r = l + 1;
+        int m = i;
+        if (l < n && ranks_below(h[l], h[m])) m = l;
+        if (r < n && ranks_below(h[r], h[m])) m = r;
+        if (m == i) return;
+        const ScoredPos t = h[i];
+        h[i] = h[m];
+        h[m] = t;
+        i = m;
+    }
+}
+
+// Sort v[0..n) ascending in place (heapsort: no allocation, unlike qsort).
+static void sort_ints(int *v, int n)
+{
+    for (int start = n / 2 - 1, end = n;;) {
+        int i;
+        if (start >= 0) {
+            i = start--;
+        } else {
+            if (--end <= 0) return;
+            const int t = v[0];
+            v[0] = v[end];
+            v[end] = t;
+            i = 0;
+        }
+        for (;;) {  // sift down in a max-heap of v[0..end)
+            const int l = 2 * i + 1, r = l + 1;
+            int m = i;
+            if (l < end && v[l] > v[m]) m = l;
+            if (r < end && v[r] > v[m]) m = r;
+            if (m == i) break;
+            const int t = v[i];
+            v[i] = v[m];
+            v[m] = t;
+            i = m;
+        }
+    }
+}
+
+typedef struct DsaJob {
+    CpuImpl *impl;
+    int *sel;
+    int *n_sel;
+    const float *q;
+    const float *w;
+    const KvCache *kv;
+    const KvSeq *seq;
+    int layer;
+    const int *pos;
+    const BackendDsa *p;
+} DsaJob;
+
+static void dsa_task(void *ctx, int t, int thread)
+{
+    const DsaJob *job = ctx;
+    const BackendDsa *p = job->p;
+    const int visible = job->pos[t] + 1;
+    int *sel = job->sel + (size_t) t * p->top_k;
+    if (visible <= p->top_k) {
+        for (int s = 0; s < visible; s++)
+            sel[s] = s;
+        job->n_sel[t] = visible;
+        return;
+    }
+    ScoredPos *heap = thread_scratch(job->impl, thread);  // the best top_k so far, worst on top
+    float *entry_buf = (float *) (heap + p->top_k);       // a widened cache entry
+    int n_heap = 0;
+    const float *qt = job->q + (size_t) t * p->n_heads * p->head_dim;
+    const float *wt = job->w + (size_t) t * p->n_heads;
+    const size_t key_offset = (size_t) job->kv->params.kv_lora + job->kv->params.rope_dim;
+    const double head_scale = 1.0 / sqrt((double) p->n_heads);
+    const double dot_scale = 1.0 / sqrt((double) p->head_dim);
+    for (int s = 0; s < visible; s++) {
+        const float *k = kv_read(job->kv, job->seq, job->layer, s, entry_buf) + key_offset;
+        double total = 0.0;
+        for (int h = 0; h < p->n_heads; h++) {
+            const float *qh = qt + (size_t) h * p->head_dim;
+            double d = 0.0;
+            for (int i = 0; i < p->head_dim; i++)
+                d += (double) qh[i] * k[i];
+            d *= dot_scale;
+            if (d > 0.0) total += (double) wt[h] * head_scale * d;
+        }
+        const ScoredPos cand = {total, s};
+        if (n_heap < p->top_k) {
+            heap[n_heap++] = cand;
+            if (n_heap == p->top_k)
+                for (int i = n_heap / 2 - 1; i >= 0; i--)
+                    heap_sift_down(heap, n_heap, i);
+        } else if (ranks_below(heap[0], cand)) {
+            heap[0] = cand;
+            heap_sift_down(heap, n_heap, 0);
+        }
+    }
+    for (int k = 0; k < p->top_k; k++)
+        sel[k] = heap[k].pos;
+    sort_ints(sel, p->top_k);
+    job->n_sel[t] = p->top_k;
+}
+
+static void cpu_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, const float *w,
+                         const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
+                         const BackendDsa *p)
+{
+    CpuImpl *impl = be->impl;
+    ASSERT(kv->params.has_index[layer] && kv->params.index_dim == p->head_dim && p->top_k > 0);
+    ensure_scratch(impl,
+                   (size_t) p->top_k * sizeof(ScoredPos) + kv->entry_floats[layer] * sizeof(float));
+    DsaJob job = {impl, sel, n_sel, q, w, kv, seq, layer, pos, p};
+    double work = 0.0;
+    for (int t = 0; t < n; t++)
+        work += (double) (pos[t] + 1) * p->n_heads * p->head_dim;
+    run_tasks(impl, n, dsa_task, &job, work);
+}
+
+// ---------------------------------------------------------------------------
+// MLA attention (absorbed form)
+
+typedef struct MlaJob {
+    CpuImpl *impl;
+    float *out;
+    const float *q;
+    const CkptLinear *kv_b;
+    const KvCache *kv;
+    const KvSeq *seq;
+    int layer;
+    const int *pos;
+    const int *sel;
+    const int *n_sel;
+    int sel_stride;
+    const BackendMla *p;
+} MlaJob;
+
+static void mla_task(void *ctx, int task, int thread)
+{
+    const MlaJob *job = ctx;
+    const BackendMla *p = job->p;
+    const int H = p->n_heads, L = p->kv_lora;
+    const int t = task / H, h = task % H;
+    const int qk = p->qk_nope + p->qk_rope;
+    const int visible = job->pos[t] + 1;
+    const int n_keys = job->sel ? job->n_sel[t] : visible;
+    const int *keys = job->sel ? job->sel + (size_t) t * job->sel_stride : NULL;
+
+    // Scratch: q_lat, o_lat (double [L]); probabilities (double [visible]); row (float [L]);
+    // a widened cache entry (float [entry_floats]).
+    double *q_lat = thread_scratch(job->impl, thread);
+    double *o_lat = q_lat + L;
+    double *prob = o_lat + L;
+    float *row_buf = (float *) (prob + visible);
+    float *entry_buf = row_buf + L;
+
+    const float *qt = job->q + ((size_t) t * H + h) * qk;
+    const int row0 = h * (p->qk_nope + p->v_dim);
+
+    // q_lat = W_uk[h]^T q_nope
+    for (int c = 0; c < L; c++)
+        q_lat[c] = 0.0;
+    for (int i = 0; i < p->qk_nope; i++) {
+        const float *w = linear_row(job->kv_b, row0 + i, row_buf);
+        const double qi = qt[i];
+        for (int c = 0; c < L; c++)
+            q_lat[c] += qi * w[c];
+    }
+
+    double max_score = -INFINITY;
+    for (int j = 0; j < n_keys; j++) {
+        const int s = keys ? keys[j] : j;
+        DASSERT(s >= 0 && s < visible);
+        const float *e = kv_read(job->kv, job->seq, job->layer, s, entry_buf);
+        double d = 0.0;
+        for (int c = 0; c < L; c++)
+            d += q_lat[c] * e[c];
+        for (int i = 0; i < p->qk_rope; i++)
+            d += (double) qt[p->qk_nope + i] * e[L + i];
+        prob[j] = d * p->scale;
+        if (prob[j] > max_score) max_score = prob[j];
+    }
+    double sum = 0.0;
+    for (int j = 0; j < n_keys; j++) {
+        prob[j] = exp(prob[j] - max_score);
+        sum += prob[j];
+    }
+    for (int c = 0; c < L; c++)
+        o_lat[c] = 0.0;
+    for (int j = 0; j < n_keys; j++) {
+        const int s = keys ? keys[j] : j;
+        const float *e = kv_read(job->kv, job->seq, job->layer, s, entry_buf);
+        const double pj = prob[j] / sum;
+        for (int c = 0; c < L; c++)
+            o_lat[c] += pj * e[c];
+    }
+
+    // out = W_uv[h] o_lat
+    float *ot = job->out + ((size_t) t * H + h) * p->v_dim;
+    for (int j = 0; j < p->v_dim; j++) {
+        const float *w = linear_row(job->kv_b, row0 + p->qk_nope + j, row_buf);
+        double d = 0.0;
+        for (int c = 0; c < L; c++)
+            d += w[c] * o_lat[c];
+        ot[j] = (float) d;
+    }
+}
+
+static void cpu_mla_attention(Backend *be, float *out, const float *q, const CkptLinear *kv_b,
+                              const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
+                              const int *sel, const int *n_sel, int sel_stride, const BackendMla *p)
+{
+    CpuImpl *impl = be->impl;
+    ASSERT(kv_b->cols == p->kv_lora && kv_b->rows == p->n_heads * (p->qk_nope + p->v_dim));
+    ASSERT(kv->params.kv_lora == p->kv_lora && kv->params.rope_dim == p->qk_rope);
+    int max_visible = 1;
+    for (int t = 0; t < n; t++)
+        if (pos[t] + 1 > max_visible) max_visible = pos[t] + 1;
+    ensure_scratch(impl, ((size_t) 2 * p->kv_lora + max_visible) * sizeof(double)
+                             + ((size_t) p->kv_lora + kv->entry_floats[layer]) * sizeof(float));
+    MlaJob job = {impl, out, q, kv_b, kv, seq, layer, pos, sel, n_sel, sel_stride, p};
+    double work = 0.0;
+    for (int t = 0; t < n; t++)
+        work += (double) p->n_heads * p->kv_lora
+                * (2.0 * (sel ? n_sel[t] : pos[t] + 1) + p->qk_nope + p->v_dim);
+    run_tasks(impl, n * p->n_heads, mla_task, &job, work);
+}
+
+// ---------------------------------------------------------------------------
+// KV cache writes and routed experts
+
+static void cpu_kv_write(Backend *be, KvCache *kv, const KvSeq *seq, int layer, const int *pos,
+                         int n, int offset, const float *src, int width)
+{
+    (void) be;
+    for (int t = 0; t < n; t++)
+        kv_store(kv, seq, layer, pos[t], offset, src + (size_t) t * width, width);
+}
+
+// Tokens are grouped by expert (as transformers' eager experts loop does), so each expert's
+// weights are decoded once per call and run as one matmul over its tokens.
+static void cpu_moe(Backend *be, float *out, const float *x, int n, const int *idx,
+                    const float *wts, int top_k, const CkptLinear *experts, int n_experts)
+{
+    CpuImpl *impl = be->impl;
+    const int hidden = experts[0].cols, inter = experts[0].rows;
+    const size_t need = (size_t) n * (2 * (size_t) hidden + 2 * (size_t) inter + 2);
+    if (impl->moe_cap < need) {
+        free(impl->moe_buf);
+        impl->moe_buf = malloc(need * sizeof(float));
+        if (!impl->moe_buf) log_fatal(__FILE__, __LINE__, "out of memory (%zu floats)", need);
+        impl->moe_cap = need;
+    }
+    float *xe = impl->moe_buf;             // [n, hidden] this expert's tokens
+    float *ye = xe + (size_t) n * hidden;  // [n, hidden] its output
+    float *g = ye + (size_t) n * hidden;   // [n, inter]
+    float *u = g + (size_t) n * inter;     // [n, inter]
+    float *we = u + (size_t) n * inter;    // [n] routing weights
+    int *tok = (int *) (we + n);           // [n] token of each row
+
+    memset(out, 0, (size_t) n * hidden * sizeof(float));
+    for (int e = 0; e < n_experts; e++) {
+        int cnt = 0;
+        for (int t = 0; t < n; t++)
+            for (int k = 0; k < top_k; k++)
+                if (idx[(size_t) t * top_k + k] == e) {
+                    memcpy(xe + (size_t) cnt * hidden, x + (size_t) t * hidden,
+                           (size_t) hidden * sizeof(float));
+                    we[cnt] = wts[(size_t) t * top_k + k];
+                    tok[cnt++] = t;
+                }
+        if (cnt == 0) continue;
+        const CkptLinear *w = experts + 3 * (size_t) e;
+        ASSERT(w[0].cols == hidden && w[1].rows == inter && w[2].rows == hidden
+               && w[2].cols == inter);
+        cpu_matmul(be, g, &w[0], xe, cnt);
+        cpu_matmul(be, u, &w[1], xe, cnt);
+        cpu_silu_mul(be, g, g, u, cnt * inter);
+        cpu_matmul(be, ye, &w[2], g, cnt);
+        for (int i = 0; i < cnt; i++) {
+            float *o = out + (size_t) tok[i] * hidden;
+            const float *y = ye + (size_t) i * hidden;
+            for (int c = 0; c < hidden; c++)
+                o[c] += y[c] * we[i];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Construction
+
+static void *cpu_alloc(Backend *be, size_t bytes)
+{
+    (void) be;
+    return calloc(1, bytes ? bytes : 1);
+}
+
+static void cpu_free_mem(Backend *be, void *p)
+{
+    (void) be;
+    free(p);
+}
+
+static void cpu_copy(Backend *be, void *dst, const void *src, size_t bytes)
+{
+    (void) be;
+    if (bytes) memcpy(dst, src, bytes);
+}
+
+static Err cpu_bind_linear(Backend *be, CkptLinear *w)
+{
+    (void) be;
+    (void) w;  // read in place from the checkpoint mapping
+    return ERR_OK;
+}
+
+static void cpu_destroy(Backend *be)
+{
+    if (!be) return;
+    CpuImpl *impl = be->impl;
+    if (impl) {
+        thread_pool_destroy(impl->pool);
+        for (int t = 0; t < THREAD_POOL_MAX_THREADS; t++)
+            free(impl->scratch[t]);
+        free(impl->route_buf);
+        free(impl->moe_buf);
+        free(impl);
+    }
+    free(be);
+}
+
+Err backend_cpu_create(int n_threads, Backend **out)
+{
+    *out = NULL;
+    pthread_once(&lut_once, lut_build);
+    Backend *be = calloc(1, sizeof *be);
+    CpuImpl *impl = calloc(1, sizeof *impl);
+    if (!be || !impl) {
+        free(be);
+        free(impl);
+        return ERR_NOMEM;
+    }
+    be->impl = impl;
+    impl->n_threads = n_threads;
+    const Err err = thread_pool_create(n_threads, &impl->pool);
+    if (err) {
+        cpu_destroy(be);
+        return err;
+    }
+    be->name = "cpu";
+    be->destroy = cpu_destroy;
+    be->alloc = cpu_alloc;
+    be->free_mem = cpu_free_mem;
+    be->upload = cpu_copy;
+    be->download = cpu_copy;
+    be->bind_linear = cpu_bind_linear;
+    be->matmul = cpu_matmul;
+    be->embed = cpu_embed;
+    be->rmsnorm = cpu_rmsnorm;
+    be->layernorm = cpu_layernorm;
+    be->rope = cpu_rope;
+    be->silu_mul = cpu_silu_mul;
+    be->add = cpu_add;
+    be->route = cpu_route;
+    be->dsa_topk = cpu_dsa_topk;
+    be->mla_attention = cpu_mla_attention;
+    be->kv_write = cpu_kv_write;
+    be->moe = cpu_moe;
+    *out = be;
+    return ERR_OK;
+}

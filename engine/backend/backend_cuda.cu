@@ -1,0 +1,1867 @@
+/*
+ * backend_cuda.cu - the CUDA backend (backend_cuda.h): every op of backend.h as fp32 CUDA
+ * kernels on one stream of the backend's own, with the decode step replayable as a CUDA graph.
+ *
+ * Design:
+ * - Weights: bind_linear() copies data, NVFP4 group scales and FP8 block scales to device
+ *   memory unchanged and rewrites the CkptLinear's pointers; kernels decode each element as
+ *   they read it with the same values as the CPU backend (kernels/nvfp4_format.h, by bit
+ *   manipulation on the device), so no weight is expanded in memory.
+ * - matmul (k_gemv): one warp per output row and chunk of up to 8 tokens (one token when n is
+ *   1), so each weight byte is read once per chunk. When a row is a whole number of 16-byte
+ *   vectors (and x is 16-byte aligned) each lane reads 16-byte weight vectors (4 f32, 8
+ *   bf16/f16, 16 fp8, 32 NVFP4 codes with their two group scales), four vectors in flight,
+ *   lanes owning vectors lane, lane + 32, ...; otherwise one element per lane. fp32 products
+ *   summed per lane in vector order, then across the warp. Which path a weight takes depends
+ *   on the weight alone, and each token's sum on nothing but its own row, so decode equals
+ *   prefill bit for bit, as on the CPU.
+ * - Reductions that decide something (norm statistics, router, DSA scores, attention
+ *   scores and softmax) run in double, in the CPU backend's order where one thread owns a
+ *   sum (a router token, a DSA score, q_lat channels) and in a fixed tree order otherwise.
+ * - MLA attention (absorbed form, as the CPU backend) is five launches: q_lat per (token,
+ *   head); scores with a warp per key; softmax statistics; partial o_lat per split of 256
+ *   keys; the splits summed in order and projected. Long contexts spread over the GPU.
+ * - KV cache: kv_cache.c owns a host pool; this backend keeps a device pool of the same
+ *   layout per KvCache (found by address, created zeroed on first use) and a device copy
+ *   of each sequence's block table, uploaded again only when the table changed. Only this
+ *   backend reads or writes the device pool, so the host pool of a cache used with CUDA
+ *   stays zero.
+ * - MoE: four launches whatever the expert count: the (token, slot) pairs grouped by expert
+ *   with the list of active experts (ascending) on the GPU; gate and up of every active
+ *   expert with silu(gate) * up fused (grid: row blocks x active experts, so inactive experts
+ *   cost nothing; the slots sharing an expert share its weight read, 8 per read); down the
+ *   same way; the weighted sum in ascending expert order (the CPU order).
+ * - Graphs (graph_begin/graph_end of backend.h): the caller names a run of ops by a key;
+ *   the backend adds the sequences' block-table lengths and a generation counter that every
+ *   device (re)allocation and block-table upload bumps, since launches capture pointers and
+ *   grid sizes. A key seen in the previous call, with no allocation since, is captured
+ *   (stream capture) and launched; later calls with the key replay the graph, the caller
+ *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
+ *   buffers the caller uploads before. GLMSPARK_CUDA_GRAPHS=0 turns graphs off.
+ * Not yet: bf16 activations, the fp8 paged MLA cache and tensor-core prefill of kernels/.
+ * Host syncs: uploads and downloads (cudaMemcpy semantics), scratch growth, block-table
+ * uploads when a sequence gains a block, and the first use of a cache or experts array;
+ * none inside a decode step's layer loop once its graph exists.
+ */
+#include "engine/backend/backend_cuda.h"
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kernels/nvfp4_format.h"
+
+#define CK(call)                                                                               \
+    do {                                                                                       \
+        const cudaError_t ck_err_ = (call);                                                    \
+        if (ck_err_ != cudaSuccess)                                                            \
+            log_fatal(__FILE__, __LINE__, "CUDA: %s: %s", #call, cudaGetErrorString(ck_err_)); \
+    } while (0)
+
+enum {
+    SCRATCH_A,  // double / float work buffers
+    SCRATCH_B,
+    SCRATCH_C,
+    SCRATCH_D,
+    SCRATCH_E,  // MoE slot grouping
+    N_SCRATCH,
+    MAX_POOLS = 16,
+    MAX_TABLES = 256,
+    MAX_EXPERT_TABLES = 512,
+    MAX_GRAPHS = 16,
+    MAX_GRAPH_KEY = 256,  // key words (caller's and backend's) a graph can be recorded under
+    THREADS = 256,
+    MM_WARPS = 4,  // k_gemv / MoE: rows (warps) per block
+    MATMUL_TOK = 8,
+};
+
+// A device mirror of one KvCache's pool.
+typedef struct DevPool {
+    const KvCache *kv;
+    const void *host_pool;
+    size_t bytes;
+    void *dev;
+} DevPool;
+
+// A sequence's block table on the device, re-uploaded only when it changed.
+typedef struct DevTable {
+    const KvSeq *seq;
+    int n_blocks;
+    int cap;                  // ints allocated in host and dev
+    int *host;                // the table as last uploaded, owned
+    int *dev;                 // device copy, owned
+    unsigned long long used;  // last use (for eviction)
+} DevTable;
+
+// A device copy of an experts array's descriptors (DevLin [3 E]).
+typedef struct ExpertTable {
+    const CkptLinear *host;
+    int n;
+    void *dev;
+} ExpertTable;
+
+// A recorded decode step: the key it was captured under and its executable graph.
+typedef struct GraphEntry {
+    unsigned long long key[MAX_GRAPH_KEY];
+    int n_key;  // 0: slot empty
+    unsigned long long gen;
+    unsigned long long used;
+    cudaGraphExec_t exec;
+} GraphEntry;
+
+typedef enum GraphMode { GRAPH_NONE, GRAPH_EAGER, GRAPH_CAPTURE, GRAPH_REPLAY } GraphMode;
+
+// Ops timed by GLMSPARK_CUDA_PROFILE=1 (backend_cuda_profile_report).
+enum {
+    PROF_MATMUL,
+    PROF_EMBED,
+    PROF_NORM,
+    PROF_ROPE,
+    PROF_ELEMENTWISE,
+    PROF_ROUTE,
+    PROF_KV_WRITE,
+    PROF_DSA,
+    PROF_MLA,
+    PROF_MOE,
+    N_PROF,
+};
+static const char *const prof_names[N_PROF] = {
+    "matmul", "embed",    "rmsnorm/layernorm", "rope",          "silu_mul/add",
+    "route",  "kv_write", "dsa_topk",          "mla_attention", "moe"};
+
+typedef struct CudaImpl {
+    int device;
+    cudaStream_t stream;     // every launch and copy
+    unsigned long long gen;  // bumped by every device (re)allocation and block-table upload
+    bool graphs;             // GLMSPARK_CUDA_GRAPHS != 0
+    GraphMode mode;          // between graph_begin and graph_end
+    GraphEntry *graph_cur;   // the entry being replayed
+    unsigned long long key[MAX_GRAPH_KEY];  // the current call's key
+    int n_key;
+    unsigned long long last_key[MAX_GRAPH_KEY];  // the last eager call's key, and gen after it
+    int n_last_key;
+    unsigned long long last_gen;
+    GraphEntry graph_cache[MAX_GRAPHS];
+    bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
+    double prof_t0;
+    double prof_s[N_PROF];
+    double prof_bytes[N_PROF];  // weight bytes read (matmul, moe)
+    long prof_calls[N_PROF];
+    void **allocs;  // weight copies made by bind_linear, owned
+    int n_allocs, cap_allocs;
+    void *scratch[N_SCRATCH];
+    size_t scratch_bytes[N_SCRATCH];
+    DevPool pools[MAX_POOLS];
+    DevTable seq_tables[MAX_TABLES];
+    unsigned long long clock;
+    ExpertTable tables[MAX_EXPERT_TABLES];
+    int n_tables;
+} CudaImpl;
+
+// A weight as the kernels see it (pointers into device memory).
+typedef struct DevLin {
+    int format;
+    int rows;
+    int cols;
+    const void *data;
+    const uint8_t *scale;
+    const float *scale_f32;
+    float global;
+    int vec;  // rows are whole 16-byte vectors: k_gemv's vector path
+} DevLin;
+
+// One layer of a cache as the kernels see it.
+typedef struct DevKv {
+    const unsigned char *pool;
+    const int *blocks;
+    size_t block_floats;
+    size_t layer_offset;
+    size_t entry_floats;
+    int block_size;
+    int bf16;
+} DevKv;
+
+// Elements of format f in one 16-byte vector.
+static __host__ __device__ constexpr int vec_elems(int f)
+{
+    return f == CKPT_LINEAR_F32 ? 4 : f == CKPT_LINEAR_FP8 ? 16 : f == CKPT_LINEAR_NVFP4 ? 32 : 8;
+}
+
+static DevLin dev_lin(const CkptLinear *w)
+{
+    const int n = vec_elems((int) w->format);
+    const bool aligned = ((uintptr_t) w->data & 15) == 0
+                         && (w->format != CKPT_LINEAR_NVFP4 || ((uintptr_t) w->scale & 1) == 0);
+    DevLin d = {(int) w->format, w->rows,      w->cols,         w->data,
+                w->scale,        w->scale_f32, w->global_scale, aligned && w->cols % n == 0};
+    return d;
+}
+
+// ---------------------------------------------------------------------------
+// Device helpers
+
+static __device__ float half_bits_to_float(uint16_t h)
+{
+    const int sign = h >> 15, exponent = (h >> 10) & 31, mantissa = h & 1023;
+    float v;
+    if (exponent == 0)
+        v = ldexpf((float) mantissa, -24);
+    else if (exponent == 31)
+        v = mantissa ? __int_as_float(0x7fc00000) : __int_as_float(0x7f800000);
+    else
+        v = ldexpf((float) (mantissa | 1024), exponent - 25);
+    return sign ? -v : v;
+}
+
+// W[r, c] as fp32, decoded as ckpt_linear_row() does.
+static __device__ __forceinline__ float lin_at(const DevLin &w, int r, int c)
+{
+    const size_t i = (size_t) r * (size_t) w.cols + (size_t) c;
+    switch (w.format) {
+    case CKPT_LINEAR_F32:
+        return ((const float *) w.data)[i];
+    case CKPT_LINEAR_BF16:
+        return __uint_as_float((uint32_t) ((const uint16_t *) w.data)[i] << 16);
+    case CKPT_LINEAR_F16:
+        return half_bits_to_float(((const uint16_t *) w.data)[i]);
+    case CKPT_LINEAR_FP8: {
+        float s = w.global;
+        if (w.scale_f32) {
+            const size_t n_col_blocks = ((size_t) w.cols + 127) / 128;
+            s = w.scale_f32[((size_t) r / 128) * n_col_blocks + (size_t) c / 128];
+        }
+        return nvfp4_e4m3_to_float(((const uint8_t *) w.data)[i]) * s;
+    }
+    default: {  // CKPT_LINEAR_NVFP4
+        const uint8_t byte = ((const uint8_t *) w.data)[i / 2];
+        const uint8_t code = (c & 1) ? byte >> 4 : byte & 15;
+        return nvfp4_e2m1_to_float(code)
+               * nvfp4_e4m3_to_float(w.scale[(size_t) r * (w.cols / NVFP4_GROUP) + c / NVFP4_GROUP])
+               * w.global;
+    }
+    }
+}
+
+static __device__ __forceinline__ float warp_sum(float v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum (op 0) or max (op 1) of v over the block; every thread gets the result. buf: shared
+// double [THREADS / 32].
+static __device__ double block_reduce(double v, int op, double *buf)
+{
+    for (int o = 16; o > 0; o >>= 1) {
+        const double u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = op ? fmax(v, u) : v + u;
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+    __syncthreads();
+    if (lane == 0) buf[warp] = v;
+    __syncthreads();
+    double r = buf[0];
+    for (int i = 1; i < n_warps; i++)
+        r = op ? fmax(r, buf[i]) : r + buf[i];
+    return r;
+}
+
+static __device__ __forceinline__ const unsigned char *kv_at(const DevKv &k, int pos)
+{
+    const int block = k.blocks[pos / k.block_size];
+    const size_t value = (size_t) block * k.block_floats + k.layer_offset
+                         + (size_t) (pos % k.block_size) * k.entry_floats;
+    return k.pool + value * (k.bf16 ? 2 : 4);
+}
+
+static __device__ __forceinline__ float kv_val(const unsigned char *e, int bf16, int i)
+{
+    if (bf16) return __uint_as_float((uint32_t) ((const uint16_t *) e)[i] << 16);
+    return ((const float *) e)[i];
+}
+
+// ---------------------------------------------------------------------------
+// Kernels
+
+// E2M1 and E4M3 by bit manipulation: the exact values of nvfp4_format.h's decoders.
+static __device__ __forceinline__ float e2m1_fast(uint32_t code)
+{
+    const uint32_t e = (code >> 1) & 3u, m = code & 1u;
+    const uint32_t bits = e ? ((e + 126u) << 23) | (m << 22) : (m ? 0x3f000000u : 0u);
+    return __uint_as_float(bits | ((code & 8u) << 28));
+}
+
+static __device__ __forceinline__ float e4m3_fast(uint32_t b)
+{
+    const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+    const float mag =
+        e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float) m * 0.001953125f;
+    return (b & 0x80u) ? -mag : mag;
+}
+
+// One 16-byte weight vector as read from memory, with what its decoding needs: the two
+// NVFP4 group-scale bytes or the fp8 scale.
+typedef struct RawVec {
+    uint4 q;
+    uint32_t s;
+} RawVec;
+
+// Vector k (elements k N .. k N + N - 1) of row r, format F (w.vec set).
+template <int F> static __device__ __forceinline__ RawVec raw_vec(const DevLin &w, int r, int k)
+{
+    constexpr int N = vec_elems(F);
+    RawVec v;
+    v.q = __ldg((const uint4 *) w.data + (size_t) r * (size_t) (w.cols / N) + k);
+    v.s = 0;
+    if (F == CKPT_LINEAR_NVFP4) {
+        v.s = __ldg(
+            (const unsigned short *) (w.scale + (size_t) r * (size_t) (w.cols / NVFP4_GROUP)) + k);
+    } else if (F == CKPT_LINEAR_FP8) {
+        float s = w.global;
+        if (w.scale_f32)
+            s = __ldg(w.scale_f32 + ((size_t) r / 128) * (size_t) ((w.cols + 127) / 128)
+                      + (size_t) k * N / 128);
+        v.s = __float_as_uint(s);
+    }
+    return v;
+}
+
+// Element i of a vector (i a compile-time constant after unrolling); lin_at's value.
+template <int F>
+static __device__ __forceinline__ float vec_at(const RawVec &v, float global, int i)
+{
+    const uint32_t words[4] = {v.q.x, v.q.y, v.q.z, v.q.w};
+    if (F == CKPT_LINEAR_F32) return __uint_as_float(words[i]);
+    if (F == CKPT_LINEAR_BF16) {
+        const uint32_t wd = words[i / 2];
+        return __uint_as_float((i & 1) ? wd & 0xffff0000u : wd << 16);
+    }
+    if (F == CKPT_LINEAR_F16) {
+        const uint32_t wd = words[i / 2];
+        return __half2float(__ushort_as_half((unsigned short) ((i & 1) ? wd >> 16 : wd & 0xffffu)));
+    }
+    if (F == CKPT_LINEAR_FP8)
+        return e4m3_fast((words[i / 4] >> (8 * (i % 4))) & 255u) * __uint_as_float(v.s);
+    // NVFP4: code i is nibble i of the 16 bytes (low nibble first); codes 0..15 take scale
+    // byte 0, 16..31 byte 1.
+    const uint32_t code = (words[i / 8] >> (4 * (i % 8))) & 15u;
+    return e2m1_fast(code) * e4m3_fast((v.s >> (8 * (i / 16))) & 255u) * global;
+}
+
+// acc[j] += W[r, :] . xs[j][:] for j < nt, vector path: lane owns vectors lane, lane + 32,
+// ... in that order, VEC_UNROLL loads in flight.
+enum { VEC_UNROLL = 4 };
+template <int F, int TOK>
+static __device__ __forceinline__ void row_dot_vec(const DevLin &w, int r, const float *const *xs,
+                                                   int nt, float *acc)
+{
+    constexpr int N = vec_elems(F);
+    const int nk = w.cols / N, lane = threadIdx.x % 32;
+    for (int k0 = lane; k0 < nk; k0 += 32 * VEC_UNROLL) {
+        RawVec v[VEC_UNROLL];
+#pragma unroll
+        for (int u = 0; u < VEC_UNROLL; u++)
+            if (k0 + 32 * u < nk) v[u] = raw_vec<F>(w, r, k0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < VEC_UNROLL; u++) {
+            const int k = k0 + 32 * u;
+            if (k >= nk) break;
+            float wv[N];
+#pragma unroll
+            for (int i = 0; i < N; i++)
+                wv[i] = vec_at<F>(v[u], w.global, i);
+#pragma unroll
+            for (int j = 0; j < TOK; j++) {
+                if (j >= nt) break;
+                const float4 *xp = (const float4 *) (xs[j] + (size_t) k * N);
+#pragma unroll
+                for (int i = 0; i < N / 4; i++) {
+                    const float4 xv = xp[i];
+                    acc[j] += wv[4 * i] * xv.x;
+                    acc[j] += wv[4 * i + 1] * xv.y;
+                    acc[j] += wv[4 * i + 2] * xv.z;
+                    acc[j] += wv[4 * i + 3] * xv.w;
+                }
+            }
+        }
+    }
+}
+
+// acc[j] += W[r, :] . xs[j][:] for j < nt, any weight: the vector path when w.vec, else
+// lane l sums columns l, l + 32, ... in order.
+template <int TOK>
+static __device__ __forceinline__ void row_dot(const DevLin &w, int r, const float *const *xs,
+                                               int nt, float *acc)
+{
+    if (w.vec) {
+        switch (w.format) {
+        case CKPT_LINEAR_F32:
+            row_dot_vec<CKPT_LINEAR_F32, TOK>(w, r, xs, nt, acc);
+            return;
+        case CKPT_LINEAR_BF16:
+            row_dot_vec<CKPT_LINEAR_BF16, TOK>(w, r, xs, nt, acc);
+            return;
+        case CKPT_LINEAR_F16:
+            row_dot_vec<CKPT_LINEAR_F16, TOK>(w, r, xs, nt, acc);
+            return;
+        case CKPT_LINEAR_FP8:
+            row_dot_vec<CKPT_LINEAR_FP8, TOK>(w, r, xs, nt, acc);
+            return;
+        default:
+            row_dot_vec<CKPT_LINEAR_NVFP4, TOK>(w, r, xs, nt, acc);
+            return;
+        }
+    }
+    for (int c = threadIdx.x % 32; c < w.cols; c += 32) {
+        const float wv = lin_at(w, r, c);
+#pragma unroll
+        for (int j = 0; j < TOK; j++)
+            if (j < nt) acc[j] += wv * xs[j][c];
+    }
+}
+
+// y[t, r] = W[r, :] . x[t, :]; one warp per row and chunk of TOK tokens; chunks blockIdx.y
+// + gridDim.y k. The same arithmetic per output element for any n and TOK.
+template <int TOK>
+static __global__ void __launch_bounds__(MM_WARPS * 32)
+    k_gemv(float *y, DevLin w, const float *x, int n)
+{
+    const int r = blockIdx.x * MM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (r >= w.rows) return;
+    for (int t0 = blockIdx.y * TOK; t0 < n; t0 += gridDim.y * TOK) {
+        const int nt = n - t0 < TOK ? n - t0 : TOK;
+        const float *xs[TOK];
+        float acc[TOK];
+#pragma unroll
+        for (int j = 0; j < TOK; j++) {
+            xs[j] = x + (size_t) (t0 + (j < nt ? j : 0)) * w.cols;
+            acc[j] = 0.0f;
+        }
+        row_dot<TOK>(w, r, xs, nt, acc);
+#pragma unroll
+        for (int j = 0; j < TOK; j++) {
+            const float v = warp_sum(acc[j]);
+            if (lane == 0 && j < nt) y[(size_t) (t0 + j) * w.rows + r] = v;
+        }
+    }
+}
+
+static __global__ void k_embed(float *y, DevLin w, const int *ids)
+{
+    const int t = blockIdx.x, id = ids[t];
+    if (id < 0 || id >= w.rows) return;  // model.c validates ids on the host
+    for (int c = threadIdx.x; c < w.cols; c += blockDim.x)
+        y[(size_t) t * w.cols + c] = lin_at(w, id, c);
+}
+
+static __global__ void k_rmsnorm(float *y, const float *x, const float *w, int dim, int stride,
+                                 float eps)
+{
+    __shared__ double buf[THREADS / 32];
+    const float *xt = x + (size_t) blockIdx.x * stride;
+    float *yt = y + (size_t) blockIdx.x * stride;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        ss += (double) xt[i] * xt[i];
+    ss = block_reduce(ss, 0, buf);
+    const double inv = 1.0 / sqrt(ss / dim + eps);
+    __syncthreads();  // every thread has read x before y (may alias) is written
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        yt[i] = (float) (w[i] * (xt[i] * inv));
+}
+
+static __global__ void k_layernorm(float *y, const float *x, const float *w, const float *b,
+                                   int dim, float eps)
+{
+    __shared__ double buf[THREADS / 32];
+    const float *xt = x + (size_t) blockIdx.x * dim;
+    float *yt = y + (size_t) blockIdx.x * dim;
+    double s = 0.0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        s += xt[i];
+    const double mean = block_reduce(s, 0, buf) / dim;
+    double v = 0.0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        v += (xt[i] - mean) * (xt[i] - mean);
+    const double inv = 1.0 / sqrt(block_reduce(v, 0, buf) / dim + eps);
+    __syncthreads();
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        yt[i] = (float) ((xt[i] - mean) * inv * w[i] + b[i]);
+}
+
+// Block (t, h), thread i < rope_dim / 2.
+static __global__ void k_rope(float *x, int stride, int head_stride, int offset, int rope_dim,
+                              const int *pos, float theta)
+{
+    const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = rope_dim / 2;
+    float *v = x + (size_t) t * stride + (size_t) h * head_stride + offset;
+    float a = 0.0f, b = 0.0f, cs = 0.0f, sn = 0.0f;
+    if (i < half) {
+        const float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) rope_dim);
+        const float angle = (float) pos[t] * inv_freq;
+        cs = (float) cos((double) angle);
+        sn = (float) sin((double) angle);
+        a = v[2 * i];
+        b = v[2 * i + 1];
+    }
+    __syncthreads();
+    if (i < half) {
+        v[i] = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+        v[half + i] = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
+    }
+}
+
+static __global__ void k_silu_mul(float *y, const float *gate, const float *up, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
+         i += (size_t) gridDim.x * blockDim.x) {
+        const double g = gate[i];
+        y[i] = (float) (g / (1.0 + exp(-g)) * up[i]);
+    }
+}
+
+static __global__ void k_add(float *y, const float *x, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
+         i += (size_t) gridDim.x * blockDim.x)
+        y[i] = __fadd_rn(y[i], x[i]);
+}
+
+static __device__ int argmax_masked(const double *v, const unsigned char *taken, int n)
+{
+    int best = -1;
+    for (int i = 0; i < n; i++)
+        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+    return best;
+}
+
+// One block per token, thread 0 runs the CPU backend's algorithm (E is small). Shared:
+// double [3 E + G], then bytes [max(E, G)].
+static __global__ void k_route(int *idx, float *wts, const float *logits, const float *bias,
+                               BackendRoute p)
+{
+    extern __shared__ double sm[];
+    if (threadIdx.x != 0) return;
+    const int E = p.n_experts, K = p.top_k, G = p.n_group, per_group = E / G, t = blockIdx.x;
+    double *score = sm, *choice = score + E, *group = choice + E, *tmp = group + G;
+    unsigned char *taken = (unsigned char *) (tmp + E);
+    const float *lt = logits + (size_t) t * E;
+    for (int e = 0; e < E; e++) {
+        score[e] = 1.0 / (1.0 + exp(-(double) lt[e]));
+        choice[e] = score[e] + (bias ? bias[e] : 0.0f);
+    }
+    for (int g = 0; g < G; g++) {
+        memset(taken, 0, (size_t) per_group);
+        const double *cg = choice + (size_t) g * per_group;
+        const int a = argmax_masked(cg, taken, per_group);
+        taken[a] = 1;
+        const int b = argmax_masked(cg, taken, per_group);
+        group[g] = cg[a] + (b >= 0 ? cg[b] : 0.0);
+    }
+    memset(taken, 0, (size_t) G);
+    for (int k = 0; k < p.topk_group; k++)
+        taken[argmax_masked(group, taken, G)] = 1;
+    for (int e = 0; e < E; e++)
+        tmp[e] = taken[e / per_group] ? choice[e] : -INFINITY;
+    memset(taken, 0, (size_t) E);
+    for (int k = 0; k < K; k++)
+        taken[argmax_masked(tmp, taken, E)] = 1;
+    int *it = idx + (size_t) t * K;
+    int k = 0;
+    double sum = 0.0;
+    for (int e = 0; e < E; e++)
+        if (taken[e]) {
+            it[k++] = e;
+            sum += score[e];
+        }
+    for (k = 0; k < K; k++) {
+        double w = score[it[k]];
+        if (p.norm_topk_prob) w /= sum + 1e-20;
+        wts[(size_t) t * K + k] = (float) (w * p.routed_scaling_factor);
+    }
+}
+
+static __device__ __forceinline__ double warp_sum_double(double v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// DSA scores: block (t, chunk of THREADS / 32 positions), one warp per position s < pos[t] +
+// 1; score[t, s] in double, each head's dot product lane-strided then summed across the
+// warp, heads added in order. key_offset: values before the index key in an entry.
+static __global__ void k_dsa_scores(double *score, int cap, const float *q, const float *w,
+                                    DevKv kv, int key_offset, const int *pos, BackendDsa p)
+{
+    const int t = blockIdx.x, lane = threadIdx.x % 32;
+    const int s = blockIdx.y * (THREADS / 32) + threadIdx.x / 32;
+    const int visible = pos[t] + 1;
+    if (s >= visible || visible <= p.top_k) return;
+    const unsigned char *e = kv_at(kv, s);
+    const float *qt = q + (size_t) t * p.n_heads * p.head_dim;
+    const float *wt = w + (size_t) t * p.n_heads;
+    const double head_scale = 1.0 / sqrt((double) p.n_heads);
+    const double dot_scale = 1.0 / sqrt((double) p.head_dim);
+    double total = 0.0;
+    for (int h = 0; h < p.n_heads; h++) {
+        const float *qh = qt + (size_t) h * p.head_dim;
+        double d = 0.0;
+        for (int i = lane; i < p.head_dim; i += 32)
+            d += (double) qh[i] * kv_val(e, kv.bf16, key_offset + i);
+        d = warp_sum_double(d) * dot_scale;
+        if (d > 0.0) total += (double) wt[h] * head_scale * d;
+    }
+    if (lane == 0) score[(size_t) t * cap + s] = total;
+}
+
+// Order-preserving map of a double to an unsigned key (larger value, larger key).
+static __device__ __forceinline__ unsigned long long order_key(double v)
+{
+    const unsigned long long u = (unsigned long long) __double_as_longlong(v);
+    return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
+}
+
+// Exclusive prefix count of pred over the block (threads in order) and the block's total.
+// buf: shared int [THREADS / 32 + 1].
+static __device__ int block_prefix(bool pred, int *total, int *buf)
+{
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+    const unsigned ballot = __ballot_sync(0xffffffffu, pred);
+    const int in_warp = __popc(ballot & ((1u << lane) - 1u));
+    __syncthreads();
+    if (lane == 0) buf[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int w = 0; w < n_warps; w++) {
+        if (w < warp) before += buf[w];
+        all += buf[w];
+    }
+    *total = all;
+    return before + in_warp;
+}
+
+// Top-k of the scores, positions ascending; one block per token. The tie rule (as the CPU
+// backend): among equal scores the later position wins. A radix select over the 64-bit keys
+// (8 passes of 8 bits) finds the k-th largest key T, how many keys equal T (the last pass's
+// bin of T) and how many of them to take; a block scan in position order then writes every
+// key > T and the last such equal ones. O(visible) work per pass.
+static __global__ void k_dsa_select(int *sel, int *n_sel, const double *score, int cap,
+                                    const int *pos, int top_k)
+{
+    __shared__ int hist[256];
+    __shared__ int buf[THREADS / 32 + 1];
+    __shared__ unsigned long long prefix_sh;
+    __shared__ int need_sh;
+    const int t = blockIdx.x, visible = pos[t] + 1;
+    int *st = sel + (size_t) t * top_k;
+    if (visible <= top_k) {
+        for (int s = threadIdx.x; s < visible; s += blockDim.x)
+            st[s] = s;
+        if (threadIdx.x == 0) n_sel[t] = visible;
+        return;
+    }
+    const double *sc = score + (size_t) t * cap;
+    unsigned long long prefix = 0, mask = 0;
+    int need = top_k;  // keys still to take among those matching prefix
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x)
+            hist[i] = 0;
+        __syncthreads();
+        for (int s = threadIdx.x; s < visible; s += blockDim.x) {
+            const unsigned long long key = order_key(sc[s]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            // The highest bin b whose suffix count hist[b] + ... + hist[255] reaches need
+            // (bin 0 at the latest); need_sh = need minus the count above b. Lane l owns
+            // bins 8 l .. 8 l + 7; exactly one lane holds b.
+            const int lane = threadIdx.x;
+            int own = 0;
+            for (int i = 0; i < 8; i++)
+                own += hist[8 * lane + i];
+            int suffix = own;  // inclusive suffix sum over lanes lane .. 31
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_down_sync(0xffffffffu, suffix, o);
+                if (lane + o < 32) suffix += v;
+            }
+            const int above = suffix - own;  // bins of the lanes above this one
+            if (above < need && (above + own >= need || lane == 0)) {
+                int cum = above, b = 8 * lane + 7;
+                for (; b > 0 && b >= 8 * lane; b--) {
+                    if (cum + hist[b] >= need) break;
+                    cum += hist[b];
+                }
+                need_sh = need - cum;
+                prefix_sh = prefix | ((unsigned long long) b << shift);
+            }
+        }
+        __syncthreads();
+        need = need_sh;
+        prefix = prefix_sh;
+        mask |= 255ull << shift;
+        __syncthreads();
+    }
+    // prefix is the k-th largest key; take every larger key and the last `need` equal ones.
+    // The last pass's bin of prefix counted exactly the keys equal to it.
+    const int n_eq = hist[prefix & 255];
+    int eq_before = 0, out_before = 0;
+    for (int s0 = 0; s0 < visible; s0 += blockDim.x) {
+        const int s = s0 + threadIdx.x;
+        const unsigned long long key = s < visible ? order_key(sc[s]) : 0;
+        const bool eq = s < visible && key == prefix;
+        int eq_total, out_total;
+        const int eq_rank = eq_before + block_prefix(eq, &eq_total, buf);
+        const bool take = s < visible && (key > prefix || (eq && eq_rank >= n_eq - need));
+        const int out = out_before + block_prefix(take, &out_total, buf);
+        if (take) st[out] = s;
+        eq_before += eq_total;
+        out_before += out_total;
+    }
+    if (threadIdx.x == 0) n_sel[t] = top_k;
+}
+
+// MLA attention, absorbed form, in five launches so that long contexts spread over the GPU:
+// q_lat per (t, h); scores with one warp per key; softmax statistics per (t, h); partial
+// o_lat per split of MLA_SPLIT keys; then the splits summed in order and projected by W_uv.
+// Split boundaries depend only on the key index, so a token's result does not depend on n.
+enum { MLA_SPLIT = 256 };
+
+// Keys of token t: sel row or every position up to pos[t].
+static __device__ __forceinline__ int mla_n_keys(const int *pos, const int *n_sel, int t)
+{
+    return n_sel ? n_sel[t] : pos[t] + 1;
+}
+
+// q_lat [t, h, L] = W_uk[h]^T q_nope; block (t, h, chunk of 32 channels): lane = channel,
+// warp w sums rows i = w, w + 8, ...; the warps' sums added in warp order.
+static __global__ void k_mla_qlat(double *q_lat, const float *q, DevLin kv_b, BackendMla p)
+{
+    __shared__ double part[THREADS / 32][32];
+    const int t = blockIdx.x, h = blockIdx.y, L = p.kv_lora, qk = p.qk_nope + p.qk_rope;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, c = blockIdx.z * 32 + lane;
+    const float *qt = q + ((size_t) t * p.n_heads + h) * qk;
+    const int row0 = h * (p.qk_nope + p.v_dim);
+    double acc = 0.0;
+    if (c < L)
+        for (int i = warp; i < p.qk_nope; i += THREADS / 32)
+            acc += (double) qt[i] * lin_at(kv_b, row0 + i, c);
+    part[warp][lane] = acc;
+    __syncthreads();
+    if (warp == 0 && c < L) {
+        double sum = 0.0;
+        for (int k = 0; k < THREADS / 32; k++)
+            sum += part[k][lane];
+        q_lat[((size_t) t * p.n_heads + h) * L + c] = sum;
+    }
+}
+
+// prob[t, h, j] = score of key j; block (t, h, chunk of 8 keys), one warp per key.
+static __global__ void k_mla_scores(double *prob, int cap, const double *q_lat, const float *q,
+                                    DevKv kv, const int *pos, const int *sel, const int *n_sel,
+                                    int sel_stride, BackendMla p)
+{
+    const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x % 32;
+    const int j = blockIdx.z * (THREADS / 32) + threadIdx.x / 32;
+    if (j >= mla_n_keys(pos, n_sel, t)) return;
+    const int L = p.kv_lora, qk = p.qk_nope + p.qk_rope;
+    const int s = sel ? sel[(size_t) t * sel_stride + j] : j;
+    const unsigned char *e = kv_at(kv, s);
+    const double *ql = q_lat + ((size_t) t * p.n_heads + h) * L;
+    const float *qr = q + ((size_t) t * p.n_heads + h) * qk + p.qk_nope;
+    double d = 0.0;
+    for (int c = lane; c < L; c += 32)
+        d += ql[c] * kv_val(e, kv.bf16, c);
+    for (int i = lane; i < p.qk_rope; i += 32)
+        d += (double) qr[i] * kv_val(e, kv.bf16, L + i);
+    for (int o = 16; o > 0; o >>= 1)
+        d += __shfl_xor_sync(0xffffffffu, d, o);
+    if (lane == 0) prob[((size_t) t * p.n_heads + h) * cap + j] = d * p.scale;
+}
+
+// prob -> exp(prob - max) / (their sum), stat[t, h] = the sum; block (t, h).
+static __global__ void k_mla_softmax(double *prob, double *stat, int cap, const int *pos,
+                                     const int *n_sel, int n_heads)
+{
+    __shared__ double buf[THREADS / 32];
+    const int t = blockIdx.x, h = blockIdx.y, n_keys = mla_n_keys(pos, n_sel, t);
+    double *pr = prob + ((size_t) t * n_heads + h) * cap;
+    double mx = -INFINITY;
+    for (int j = threadIdx.x; j < n_keys; j += blockDim.x)
+        mx = fmax(mx, pr[j]);
+    mx = block_reduce(mx, 1, buf);
+    double sum = 0.0;
+    for (int j = threadIdx.x; j < n_keys; j += blockDim.x) {
+        pr[j] = exp(pr[j] - mx);
+        sum += pr[j];
+    }
+    sum = block_reduce(sum, 0, buf);
+    for (int j = threadIdx.x; j < n_keys; j += blockDim.x)
+        pr[j] = pr[j] / sum;  // each thread normalizes the entries it wrote
+    if (threadIdx.x == 0) stat[(size_t) t * n_heads + h] = sum;
+}
+
+// part[t, h, split, c] = sum over the split's keys of p_j latent_j[c] (p normalized by
+// k_mla_softmax); block (t, h, split), keys in order.
+static __global__ void k_mla_pv(double *part, int n_split, const double *prob, int cap, DevKv kv,
+                                const int *pos, const int *sel, const int *n_sel, int sel_stride,
+                                BackendMla p)
+{
+    __shared__ const unsigned char *rows[MLA_SPLIT];  // the split's cache entries
+    __shared__ double pn[MLA_SPLIT];                  // and their probabilities
+    const int t = blockIdx.x, h = blockIdx.y, split = blockIdx.z, L = p.kv_lora;
+    const int n_keys = mla_n_keys(pos, n_sel, t);
+    const int j0 = split * MLA_SPLIT;
+    if (j0 >= n_keys) return;  // k_mla_out reads only the splits that hold keys
+    const int j1 = j0 + MLA_SPLIT < n_keys ? j0 + MLA_SPLIT : n_keys, nj = j1 - j0;
+    const double *pr = prob + ((size_t) t * p.n_heads + h) * cap;
+    for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+        rows[j - j0] = kv_at(kv, sel ? sel[(size_t) t * sel_stride + j] : j);
+        pn[j - j0] = pr[j];
+    }
+    __syncthreads();
+    double *pt = part + (((size_t) t * p.n_heads + h) * n_split + split) * L;
+    for (int c = threadIdx.x; c < L; c += blockDim.x) {
+        double acc = 0.0;
+#pragma unroll 8
+        for (int j = 0; j < nj; j++)
+            acc += pn[j] * kv_val(rows[j], kv.bf16, c);
+        pt[c] = acc;
+    }
+}
+
+// out[t, h] = W_uv[h] (sum of the splits in order); block (t, h). Shared: double o_lat [L].
+static __global__ void k_mla_out(float *out, const double *part, int n_split, DevLin kv_b,
+                                 const int *pos, const int *n_sel, BackendMla p)
+{
+    extern __shared__ double o_lat[];
+    const int t = blockIdx.x, h = blockIdx.y, L = p.kv_lora;
+    const int used = (mla_n_keys(pos, n_sel, t) + MLA_SPLIT - 1) / MLA_SPLIT;
+    const double *pt = part + ((size_t) t * p.n_heads + h) * n_split * L;
+    for (int c = threadIdx.x; c < L; c += blockDim.x) {
+        double acc = 0.0;
+        for (int sp = 0; sp < used; sp++)
+            acc += pt[(size_t) sp * L + c];
+        o_lat[c] = acc;
+    }
+    __syncthreads();
+    // One warp per output j, lanes over the latent channels (coalesced weight rows).
+    const int row0 = h * (p.qk_nope + p.v_dim), lane = threadIdx.x % 32;
+    float *ot = out + ((size_t) t * p.n_heads + h) * p.v_dim;
+    for (int j = threadIdx.x / 32; j < p.v_dim; j += blockDim.x / 32) {
+        double d = 0.0;
+        for (int c = lane; c < L; c += 32)
+            d += lin_at(kv_b, row0 + p.qk_nope + j, c) * o_lat[c];
+        d = warp_sum_double(d);
+        if (lane == 0) ot[j] = (float) d;
+    }
+}
+
+static __global__ void k_kv_write(unsigned char *pool, const int *blocks, size_t block_floats,
+                                  size_t layer_offset, size_t entry_floats, int block_size,
+                                  int bf16, const int *pos, int offset, const float *src, int width)
+{
+    const int t = blockIdx.x, p = pos[t];
+    const size_t value = (size_t) blocks[p / block_size] * block_floats + layer_offset
+                         + (size_t) (p % block_size) * entry_floats + (size_t) offset;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = src[(size_t) t * width + i];
+        if (!bf16) {
+            ((float *) (void *) pool)[value + i] = v;
+            continue;
+        }
+        const uint32_t bits = __float_as_uint(v);
+        uint16_t hb;
+        if ((bits & 0x7fffffffu) > 0x7f800000u)
+            hb = (uint16_t) ((bits >> 16) | 0x40);
+        else
+            hb = (uint16_t) ((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+        ((uint16_t *) (void *) pool)[value + i] = hb;
+    }
+}
+
+// Group the slots (t, k) by expert: meta = offsets [E + 1] | n_active [1] | active [E] |
+// list [n K]. The slots of expert e are list[offsets[e] .. offsets[e + 1]), in no
+// particular order (each slot's result does not depend on the others); active holds the
+// experts with slots, ascending. One block.
+static __global__ void k_moe_group(int *meta, const int *idx, int n_slots, int E)
+{
+    extern __shared__ int cnt[];  // [2 E]: counts, then cursors
+    int *offsets = meta, *n_active = meta + E + 1, *active = n_active + 1, *list = active + E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        cnt[e] = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x)
+        atomicAdd(&cnt[idx[s]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int acc = 0, na = 0;
+        for (int e = 0; e < E; e++) {
+            offsets[e] = acc;
+            cnt[E + e] = acc;
+            acc += cnt[e];
+            if (cnt[e]) active[na++] = e;
+        }
+        offsets[E] = acc;
+        *n_active = na;
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x)
+        list[atomicAdd(&cnt[E + idx[s]], 1)] = s;
+}
+
+// The expert of MoE block row blockIdx.y (an index into meta's active list), or -1.
+static __device__ __forceinline__ int moe_expert(const int *meta, int E)
+{
+    const int a = blockIdx.y;
+    return a < meta[E + 1] ? meta[E + 2 + a] : -1;
+}
+
+// Input rows of slots list[i0 .. i0 + nt) of x: per token ([n, cols], x_per_slot 0) or per
+// slot ([n K, cols]).
+template <int TOK>
+static __device__ __forceinline__ void moe_inputs(const float **xs, const int *list, int i0, int nt,
+                                                  const float *x, int x_per_slot, int top_k,
+                                                  int cols)
+{
+#pragma unroll
+    for (int j = 0; j < TOK; j++) {
+        const int slot = list[i0 + (j < nt ? j : 0)];
+        xs[j] = x + (size_t) (x_per_slot ? slot : slot / top_k) * cols;
+    }
+}
+
+// Routed experts, gate and up with the activation: h[slot, r] = silu(gate_e x) * (up_e x)
+// (k_silu_mul's formula) for each slot of active expert e; block (row block, active
+// expert), one warp per row over e's slots in chunks of TOK (each weight read once per
+// chunk). Per output element the arithmetic of k_gemv, whatever the grouping.
+template <int TOK>
+static __global__ void __launch_bounds__(MM_WARPS * 32)
+    k_moe_gateup(float *h, const DevLin *table, const int *meta, int E, const float *x, int top_k,
+                 int xvec)
+{
+    const int e = moe_expert(meta, E), lane = threadIdx.x % 32;
+    if (e < 0) return;
+    DevLin wg = table[3 * e], wu = table[3 * e + 1];
+    wg.vec &= xvec;  // x not 16-byte aligned: the element path
+    wu.vec &= xvec;
+    const int r = blockIdx.x * MM_WARPS + threadIdx.x / 32;
+    if (r >= wg.rows) return;
+    const int *list = meta + 2 * E + 2;
+    const int begin = meta[e], end = meta[e + 1];
+    for (int i0 = begin; i0 < end; i0 += TOK) {
+        const int nt = end - i0 < TOK ? end - i0 : TOK;
+        const float *xs[TOK];
+        float ag[TOK], au[TOK];
+        moe_inputs<TOK>(xs, list, i0, nt, x, 0, top_k, wg.cols);
+#pragma unroll
+        for (int j = 0; j < TOK; j++)
+            ag[j] = au[j] = 0.0f;
+        row_dot<TOK>(wg, r, xs, nt, ag);
+        row_dot<TOK>(wu, r, xs, nt, au);
+#pragma unroll
+        for (int j = 0; j < TOK; j++) {
+            const double g = warp_sum(ag[j]);
+            const float u = warp_sum(au[j]);
+            if (lane == 0 && j < nt)
+                h[(size_t) list[i0 + j] * wg.rows + r] = (float) (g / (1.0 + exp(-g)) * u);
+        }
+    }
+}
+
+// Routed experts, down: y[slot, r] = down_e h[slot]; blocks as k_moe_gateup.
+template <int TOK>
+static __global__ void __launch_bounds__(MM_WARPS * 32)
+    k_moe_down(float *y, const DevLin *table, const int *meta, int E, const float *h, int top_k)
+{
+    const int e = moe_expert(meta, E), lane = threadIdx.x % 32;
+    if (e < 0) return;
+    const DevLin w = table[3 * e + 2];
+    const int r = blockIdx.x * MM_WARPS + threadIdx.x / 32;
+    if (r >= w.rows) return;
+    const int *list = meta + 2 * E + 2;
+    const int begin = meta[e], end = meta[e + 1];
+    for (int i0 = begin; i0 < end; i0 += TOK) {
+        const int nt = end - i0 < TOK ? end - i0 : TOK;
+        const float *xs[TOK];
+        float acc[TOK];
+        moe_inputs<TOK>(xs, list, i0, nt, h, 1, top_k, w.cols);
+#pragma unroll
+        for (int j = 0; j < TOK; j++)
+            acc[j] = 0.0f;
+        row_dot<TOK>(w, r, xs, nt, acc);
+#pragma unroll
+        for (int j = 0; j < TOK; j++) {
+            const float v = warp_sum(acc[j]);
+            if (lane == 0 && j < nt) y[(size_t) list[i0 + j] * w.rows + r] = v;
+        }
+    }
+}
+
+// out[t, c] = sum over the token's slots in ascending expert order of ye[slot, c] wts[slot].
+static __global__ void k_moe_combine(float *out, const float *ye, const int *idx, const float *wts,
+                                     int n, int top_k, int hidden)
+{
+    const size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x;
+    if (i >= (size_t) n * hidden) return;
+    const int t = (int) (i / hidden), c = (int) (i % hidden);
+    const int *it = idx + (size_t) t * top_k;
+    float acc = 0.0f;
+    int last_e = -1, last_k = -1;
+    for (int done = 0; done < top_k; done++) {
+        // Next slot by (expert, slot) ascending.
+        int best = -1;
+        for (int k = 0; k < top_k; k++) {
+            const bool after = it[k] > last_e || (it[k] == last_e && k > last_k);
+            if (after && (best < 0 || it[k] < it[best])) best = k;
+        }
+        last_e = it[best];
+        last_k = best;
+        const size_t slot = (size_t) t * top_k + best;
+        acc = __fadd_rn(acc, __fmul_rn(ye[slot * hidden + c], wts[slot]));
+    }
+    out[i] = acc;
+}
+
+// Synthetic weight bytes (backend_cuda_random_linear): a hash of (seed, index) shaped into
+// finite values: bf16 / f16 / fp8 codes near 2^-4 with a random sign, any NVFP4 code, e4m3
+// group scales between 2^-2 and 2^1.
+static __device__ __forceinline__ uint32_t mix32(unsigned long long x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return (uint32_t) x;
+}
+
+static __global__ void k_random_fill(uint32_t *words, size_t n_words, int kind,
+                                     unsigned long long seed)
+{
+    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n_words;
+         i += (size_t) gridDim.x * blockDim.x) {
+        const uint32_t r = mix32(seed * 0x9e3779b97f4a7c15ull + i), r2 = mix32(~seed + 7 * i);
+        uint32_t v = r;
+        if (kind == 1)  // two bf16
+            v = ((r & 0x8000u) | (0x3b00u + (r2 & 0x1ffu)))
+                | ((r & 0x80000000u) | ((0x3b00u + ((r2 >> 16) & 0x1ffu)) << 16));
+        else if (kind == 2)  // four fp8 / e4m3 scales: 0x28 + (0 .. 23) and a sign (fp8)
+            v = (0x28u + (r & 0xffu) % 24u) | (0x28u + ((r >> 8) & 0xffu) % 24u) << 8
+                | (0x28u + ((r >> 16) & 0xffu) % 24u) << 16 | (0x28u + (r >> 24) % 24u) << 24;
+        words[i] = v;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Host side
+
+static void check_launch(const char *what)
+{
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        log_fatal(__FILE__, __LINE__, "CUDA: %s: %s", what, cudaGetErrorString(e));
+}
+
+// Host work that cannot be part of a graph (allocation, synchronous copy) must not happen
+// while one is captured: graph_begin captures only a call whose allocations an eager call
+// with the same key made already, so reaching this is a bug in that bookkeeping.
+static void no_capture(const CudaImpl *impl, const char *what)
+{
+    if (impl->mode == GRAPH_CAPTURE)
+        log_fatal(__FILE__, __LINE__, "CUDA backend: %s while capturing a graph", what);
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double) ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// Profiling (GLMSPARK_CUDA_PROFILE=1): the GPU is idle at prof_begin, and prof_end waits
+// for the op, so each op's wall time is its own (plus one launch and sync).
+static void prof_begin(CudaImpl *impl)
+{
+    if (!impl->profile) return;
+    CK(cudaStreamSynchronize(impl->stream));
+    impl->prof_t0 = now_s();
+}
+
+static void prof_end(CudaImpl *impl, int op, double weight_bytes)
+{
+    if (!impl->profile) return;
+    CK(cudaStreamSynchronize(impl->stream));
+    impl->prof_s[op] += now_s() - impl->prof_t0;
+    impl->prof_bytes[op] += weight_bytes;
+    impl->prof_calls[op]++;
+}
+
+// Bytes of a stored weight: 16 per vector of vec_elems, plus NVFP4's group scales.
+static double lin_bytes(const CkptLinear *w)
+{
+    const double n = (double) w->rows * (double) w->cols;
+    return n * 16.0 / vec_elems((int) w->format)
+           + (w->format == CKPT_LINEAR_NVFP4 ? n / NVFP4_GROUP : 0.0);
+}
+
+static unsigned grid_1d(size_t n)
+{
+    const size_t g = (n + THREADS - 1) / THREADS;
+    return (unsigned) (g < 65535 ? (g ? g : 1) : 65535);
+}
+
+// Scratch buffer `slot` of at least `bytes` (grows geometrically; contents not kept).
+static void *scratch(CudaImpl *impl, int slot, size_t bytes)
+{
+    if (impl->scratch_bytes[slot] < bytes) {
+        const size_t grown =
+            bytes < 2 * impl->scratch_bytes[slot] ? 2 * impl->scratch_bytes[slot] : bytes;
+        no_capture(impl, "scratch growth");
+        impl->gen++;
+        if (impl->scratch[slot]) CK(cudaFree(impl->scratch[slot]));
+        impl->scratch[slot] = NULL;
+        CK(cudaMalloc(&impl->scratch[slot], grown));
+        impl->scratch_bytes[slot] = grown;
+    }
+    return impl->scratch[slot];
+}
+
+// The device pool mirroring kv's (created zeroed on first use).
+static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
+{
+    const size_t bytes = kv->block_floats * (size_t) kv->params.n_blocks * kv->value_bytes;
+    DevPool *free_slot = NULL;
+    for (int i = 0; i < MAX_POOLS; i++) {
+        DevPool *d = &impl->pools[i];
+        if (d->kv == kv) {
+            if (d->host_pool == kv->pool && d->bytes == bytes) return (unsigned char *) d->dev;
+            CK(cudaFree(d->dev));  // the cache was freed and set up again at this address
+            memset(d, 0, sizeof *d);
+        }
+        if (!d->kv && !free_slot) free_slot = d;
+    }
+    if (!free_slot)
+        log_fatal(__FILE__, __LINE__, "more than %d KV caches on one CUDA backend", MAX_POOLS);
+    no_capture(impl, "a KV pool allocation");
+    impl->gen++;
+    void *p = NULL;
+    CK(cudaMalloc(&p, bytes ? bytes : 1));
+    CK(cudaMemset(p, 0, bytes ? bytes : 1));
+    *free_slot = (DevPool){kv, kv->pool, bytes, p};
+    return (unsigned char *) p;
+}
+
+// seq's block table in device memory. Tables are kept per KvSeq address and compared with
+// the host table on every call (a few ints), so a decode step uploads nothing unless a block
+// was added or the sequence was replaced; the least recently used slot is recycled.
+static const int *dev_blocks(CudaImpl *impl, const KvSeq *seq)
+{
+    DevTable *slot = NULL, *lru = &impl->seq_tables[0];
+    for (int i = 0; i < MAX_TABLES && !slot; i++) {
+        DevTable *d = &impl->seq_tables[i];
+        if (d->seq == seq)
+            slot = d;
+        else if (d->used < lru->used)
+            lru = d;
+    }
+    if (!slot) {
+        slot = lru;
+        slot->seq = seq;
+        slot->n_blocks = -1;
+    }
+    slot->used = ++impl->clock;
+    const int n = seq->n_blocks;
+    if (slot->n_blocks == n
+        && (n == 0 || memcmp(slot->host, seq->blocks, (size_t) n * sizeof(int)) == 0))
+        return slot->dev;
+    no_capture(impl, "a block-table upload");
+    impl->gen++;  // graphs captured the table's pointer and length
+    if (n + 1 > slot->cap) {
+        const int cap = 2 * (n + 1) > 64 ? 2 * (n + 1) : 64;
+        free(slot->host);
+        if (slot->dev) CK(cudaFree(slot->dev));
+        slot->host = (int *) malloc((size_t) cap * sizeof(int));
+        if (!slot->host) log_fatal(__FILE__, __LINE__, "out of memory");
+        CK(cudaMalloc(&slot->dev, (size_t) cap * sizeof(int)));
+        slot->cap = cap;
+    }
+    if (n) {
+        memcpy(slot->host, seq->blocks, (size_t) n * sizeof(int));
+        CK(cudaMemcpy(slot->dev, slot->host, (size_t) n * sizeof(int), cudaMemcpyHostToDevice));
+    }
+    slot->n_blocks = n;
+    return slot->dev;
+}
+
+static DevKv dev_kv(CudaImpl *impl, const KvCache *kv, const KvSeq *seq, int layer)
+{
+    const int *blocks = dev_blocks(impl, seq);
+    DevKv d = {dev_pool(impl, kv),
+               blocks,
+               kv->block_floats,
+               kv->layer_offset[layer],
+               kv->entry_floats[layer],
+               kv->params.block_size,
+               kv->params.dtype == KV_DTYPE_BF16};
+    return d;
+}
+
+static void *cuda_alloc(Backend *be, size_t bytes)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    no_capture(impl, "alloc");
+    impl->gen++;
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        (void) cudaGetLastError();
+        return NULL;
+    }
+    CK(cudaMemset(p, 0, bytes ? bytes : 1));
+    return p;
+}
+
+static void cuda_free_mem(Backend *be, void *p)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    no_capture(impl, "free_mem");
+    impl->gen++;
+    if (p) CK(cudaFree(p));
+}
+
+static void cuda_upload(Backend *be, void *dst, const void *src_host, size_t bytes)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    no_capture(impl, "upload");
+    if (!bytes) return;
+    CK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, impl->stream));
+    CK(cudaStreamSynchronize(impl->stream));
+}
+
+static void cuda_download(Backend *be, void *dst_host, const void *src, size_t bytes)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    no_capture(impl, "download");
+    if (!bytes) return;
+    CK(cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, impl->stream));
+    CK(cudaStreamSynchronize(impl->stream));
+}
+
+// Device memory of `bytes` bytes, remembered for destroy; NULL when out of memory.
+static void *keep_alloc(CudaImpl *impl, size_t bytes)
+{
+    if (impl->n_allocs == impl->cap_allocs) {
+        const int cap = impl->cap_allocs ? 2 * impl->cap_allocs : 256;
+        void **a = (void **) realloc(impl->allocs, (size_t) cap * sizeof *a);
+        if (!a) return NULL;
+        impl->allocs = a;
+        impl->cap_allocs = cap;
+    }
+    no_capture(impl, "a weight allocation");
+    impl->gen++;
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        (void) cudaGetLastError();
+        return NULL;
+    }
+    impl->allocs[impl->n_allocs++] = p;
+    return p;
+}
+
+// A device copy of host bytes, remembered for destroy; NULL when out of memory.
+static void *keep_copy(CudaImpl *impl, const void *src, size_t bytes)
+{
+    void *p = keep_alloc(impl, bytes);
+    if (p && bytes) CK(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice));
+    return p;
+}
+
+static Err cuda_bind_linear(Backend *be, CkptLinear *w)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    const size_t n = (size_t) w->rows * (size_t) w->cols;
+    size_t data_bytes = 0, scale_bytes = 0, scale_f32_bytes = 0;
+    switch (w->format) {
+    case CKPT_LINEAR_F32:
+        data_bytes = n * 4;
+        break;
+    case CKPT_LINEAR_F16:
+    case CKPT_LINEAR_BF16:
+        data_bytes = n * 2;
+        break;
+    case CKPT_LINEAR_FP8:
+        data_bytes = n;
+        if (w->scale_f32)
+            scale_f32_bytes =
+                (((size_t) w->rows + 127) / 128) * (((size_t) w->cols + 127) / 128) * sizeof(float);
+        break;
+    case CKPT_LINEAR_NVFP4:
+        data_bytes = n / 2;
+        scale_bytes = n / NVFP4_GROUP;
+        break;
+    default:
+        LOG_ERROR("%s: unknown weight format %d", w->name ? w->name : "weight", (int) w->format);
+        return ERR_INVAL;
+    }
+    void *data = keep_copy(impl, w->data, data_bytes);
+    void *scale = scale_bytes ? keep_copy(impl, w->scale, scale_bytes) : NULL;
+    void *scale_f32 = scale_f32_bytes ? keep_copy(impl, w->scale_f32, scale_f32_bytes) : NULL;
+    if (!data || (scale_bytes && !scale) || (scale_f32_bytes && !scale_f32)) {
+        LOG_ERROR("out of GPU memory binding %s (%zu bytes)", w->name ? w->name : "a weight",
+                  data_bytes + scale_bytes + scale_f32_bytes);
+        return ERR_NOMEM;
+    }
+    w->data = data;
+    if (scale_bytes) w->scale = (const uint8_t *) scale;
+    if (scale_f32_bytes) w->scale_f32 = (const float *) scale_f32;
+    return ERR_OK;
+}
+
+// Launch k_gemv: one token per chunk when n is 1 (decode), else MATMUL_TOK.
+static void launch_gemv(CudaImpl *impl, float *y, DevLin w, const float *x, int n)
+{
+    w.vec &= ((uintptr_t) x & 15) == 0;  // float4 activation loads
+    const unsigned row_blocks = (unsigned) ((w.rows + MM_WARPS - 1) / MM_WARPS);
+    if (n == 1) {
+        k_gemv<1><<<row_blocks, MM_WARPS * 32, 0, impl->stream>>>(y, w, x, n);
+    } else {
+        const int chunks = (n + MATMUL_TOK - 1) / MATMUL_TOK;
+        const dim3 grid(row_blocks, (unsigned) (chunks < 65535 ? chunks : 65535));
+        k_gemv<MATMUL_TOK><<<grid, MM_WARPS * 32, 0, impl->stream>>>(y, w, x, n);
+    }
+    check_launch("matmul");
+}
+
+static void cuda_matmul(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+{
+    ASSERT(w->rows > 0 && w->cols > 0 && n >= 0);
+    if (n == 0) return;
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    prof_begin(impl);
+    launch_gemv(impl, y, dev_lin(w), x, n);
+    prof_end(impl, PROF_MATMUL, lin_bytes(w));
+}
+
+static void cuda_embed(Backend *be, float *y, const CkptLinear *table, const int *ids, int n)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    if (n == 0) return;
+    prof_begin(impl);
+    k_embed<<<n, THREADS, 0, impl->stream>>>(y, dev_lin(table), ids);
+    check_launch("embed");
+    prof_end(impl, PROF_EMBED, 0.0);
+}
+
+static void cuda_rmsnorm(Backend *be, float *y, const float *x, const float *w, int n, int dim,
+                         int stride, float eps)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    ASSERT(dim > 0 && stride >= dim);
+    if (n == 0) return;
+    prof_begin(impl);
+    k_rmsnorm<<<n, THREADS, 0, impl->stream>>>(y, x, w, dim, stride, eps);
+    check_launch("rmsnorm");
+    prof_end(impl, PROF_NORM, 0.0);
+}
+
+static void cuda_layernorm(Backend *be, float *y, const float *x, const float *w, const float *b,
+                           int n, int dim, float eps)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    if (n == 0) return;
+    prof_begin(impl);
+    k_layernorm<<<n, THREADS, 0, impl->stream>>>(y, x, w, b, dim, eps);
+    check_launch("layernorm");
+    prof_end(impl, PROF_NORM, 0.0);
+}
+
+static void cuda_rope(Backend *be, float *x, int n, int n_heads, int stride, int head_stride,
+                      int offset, int rope_dim, const int *pos, float theta)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    ASSERT(rope_dim % 2 == 0 && rope_dim / 2 <= 1024);
+    if (n == 0 || rope_dim == 0 || n_heads == 0) return;
+    const int threads = ((rope_dim / 2 + 31) / 32) * 32;
+    prof_begin(impl);
+    k_rope<<<dim3((unsigned) n, (unsigned) n_heads), threads, 0, impl->stream>>>(
+        x, stride, head_stride, offset, rope_dim, pos, theta);
+    check_launch("rope");
+    prof_end(impl, PROF_ROPE, 0.0);
+}
+
+static void cuda_silu_mul(Backend *be, float *y, const float *gate, const float *up, int n_elems)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    if (n_elems <= 0) return;
+    prof_begin(impl);
+    k_silu_mul<<<grid_1d((size_t) n_elems), THREADS, 0, impl->stream>>>(y, gate, up,
+                                                                        (size_t) n_elems);
+    check_launch("silu_mul");
+    prof_end(impl, PROF_ELEMENTWISE, 0.0);
+}
+
+static void cuda_add(Backend *be, float *y, const float *x, int n_elems)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    if (n_elems <= 0) return;
+    prof_begin(impl);
+    k_add<<<grid_1d((size_t) n_elems), THREADS, 0, impl->stream>>>(y, x, (size_t) n_elems);
+    check_launch("add");
+    prof_end(impl, PROF_ELEMENTWISE, 0.0);
+}
+
+static void cuda_route(Backend *be, int *idx, float *wts, const float *logits, const float *bias,
+                       int n, const BackendRoute *p)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    const int E = p->n_experts, G = p->n_group;
+    ASSERT(E > 0 && p->top_k > 0 && p->top_k <= E && G > 0 && E % G == 0 && p->topk_group > 0
+           && p->topk_group <= G);
+    if (n == 0) return;
+    const size_t shared = ((size_t) 3 * E + G) * sizeof(double) + (size_t) (E > G ? E : G);
+    ASSERT(shared <= 48 * 1024);
+    prof_begin(impl);
+    k_route<<<n, 32, shared, impl->stream>>>(idx, wts, logits, bias, *p);
+    check_launch("route");
+    prof_end(impl, PROF_ROUTE, 0.0);
+}
+
+static void cuda_kv_write(Backend *be, KvCache *kv, const KvSeq *seq, int layer, const int *pos,
+                          int n, int offset, const float *src, int width)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    ASSERT(offset >= 0 && width >= 0
+           && (size_t) offset + (size_t) width <= kv->entry_floats[layer]);
+    if (n == 0 || width == 0) return;
+    const DevKv d = dev_kv(impl, kv, seq, layer);
+    prof_begin(impl);
+    k_kv_write<<<n, THREADS, 0, impl->stream>>>((unsigned char *) d.pool, d.blocks, d.block_floats,
+                                                d.layer_offset, d.entry_floats, d.block_size,
+                                                d.bf16, pos, offset, src, width);
+    check_launch("kv_write");
+    prof_end(impl, PROF_KV_WRITE, 0.0);
+}
+
+// Positions the sequence can hold: a bound on pos[t] + 1 known on the host (model.c
+// reserves before running the layers).
+static int seq_capacity(const KvCache *kv, const KvSeq *seq)
+{
+    const int cap = seq->n_blocks * kv->params.block_size;
+    return cap > 0 ? cap : 1;
+}
+
+static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, const float *w,
+                          const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
+                          const BackendDsa *p)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    ASSERT(kv->params.has_index[layer] && kv->params.index_dim == p->head_dim && p->top_k > 0);
+    if (n == 0) return;
+    const int cap = seq_capacity(kv, seq);
+    const DevKv d = dev_kv(impl, kv, seq, layer);
+    double *score = (double *) scratch(impl, SCRATCH_A, (size_t) n * cap * sizeof(double));
+    const int key_offset = kv->params.kv_lora + kv->params.rope_dim;
+    prof_begin(impl);
+    const int key_blocks = (cap + THREADS / 32 - 1) / (THREADS / 32);  // a warp per key
+    ASSERT(key_blocks <= 65535);
+    k_dsa_scores<<<dim3((unsigned) n, (unsigned) key_blocks), THREADS, 0, impl->stream>>>(
+        score, cap, q, w, d, key_offset, pos, *p);
+    check_launch("dsa_scores");
+    k_dsa_select<<<n, THREADS, 0, impl->stream>>>(sel, n_sel, score, cap, pos, p->top_k);
+    check_launch("dsa_select");
+    prof_end(impl, PROF_DSA, 0.0);
+}
+
+static void cuda_mla_attention(Backend *be, float *out, const float *q, const CkptLinear *kv_b,
+                               const KvCache *kv, const KvSeq *seq, int layer, const int *pos,
+                               int n, const int *sel, const int *n_sel, int sel_stride,
+                               const BackendMla *p)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    ASSERT(kv_b->cols == p->kv_lora && kv_b->rows == p->n_heads * (p->qk_nope + p->v_dim));
+    ASSERT(kv->params.kv_lora == p->kv_lora && kv->params.rope_dim == p->qk_rope);
+    if (n == 0) return;
+    const int cap = sel ? (sel_stride > 0 ? sel_stride : 1) : seq_capacity(kv, seq);
+    const int n_split = (cap + MLA_SPLIT - 1) / MLA_SPLIT;
+    const DevKv d = dev_kv(impl, kv, seq, layer);
+    const DevLin w = dev_lin(kv_b);
+    const size_t H = (size_t) p->n_heads, L = (size_t) p->kv_lora;
+    ASSERT(L * sizeof(double) <= 40 * 1024 && (cap + THREADS / 32 - 1) / (THREADS / 32) <= 65535);
+    // Tokens in chunks, so the scratch stays under ~256 MB whatever n (each token's result
+    // does not depend on its chunk).
+    const size_t per_tok = H * (L + (size_t) cap + 1 + (size_t) n_split * L) * sizeof(double);
+    int chunk = (int) ((256u << 20) / per_tok);
+    if (chunk < 1) chunk = 1;
+    if (chunk > n) chunk = n;
+    double *q_lat = (double *) scratch(impl, SCRATCH_A, (size_t) chunk * H * L * sizeof(double));
+    double *prob = (double *) scratch(impl, SCRATCH_C, (size_t) chunk * H * cap * sizeof(double));
+    double *stat = (double *) scratch(impl, SCRATCH_B, (size_t) chunk * H * sizeof(double));
+    double *part =
+        (double *) scratch(impl, SCRATCH_D, (size_t) chunk * H * n_split * L * sizeof(double));
+    prof_begin(impl);
+    for (int t0 = 0; t0 < n; t0 += chunk) {
+        const int nc = n - t0 < chunk ? n - t0 : chunk;
+        const float *qc = q + (size_t) t0 * H * (p->qk_nope + p->qk_rope);
+        const int *pc = pos + t0;
+        const int *sc = sel ? sel + (size_t) t0 * sel_stride : NULL;
+        const int *nsc = sel ? n_sel + t0 : NULL;
+        const dim3 th((unsigned) nc, (unsigned) H);
+        k_mla_qlat<<<dim3((unsigned) nc, (unsigned) H, (unsigned) ((L + 31) / 32)), THREADS, 0,
+                     impl->stream>>>(q_lat, qc, w, *p);
+        k_mla_scores<<<dim3((unsigned) nc, (unsigned) H,
+                            (unsigned) ((cap + THREADS / 32 - 1) / (THREADS / 32))),
+                       THREADS, 0, impl->stream>>>(prob, cap, q_lat, qc, d, pc, sc, nsc, sel_stride,
+                                                   *p);
+        k_mla_softmax<<<th, THREADS, 0, impl->stream>>>(prob, stat, cap, pc, nsc, p->n_heads);
+        k_mla_pv<<<dim3((unsigned) nc, (unsigned) H, (unsigned) n_split), THREADS, 0,
+                   impl->stream>>>(part, n_split, prob, cap, d, pc, sc, nsc, sel_stride, *p);
+        k_mla_out<<<th, THREADS, L * sizeof(double), impl->stream>>>(
+            out + (size_t) t0 * H * p->v_dim, part, n_split, w, pc, nsc, *p);
+    }
+    check_launch("mla_attention");
+    prof_end(impl, PROF_MLA, 0.0);
+}
+
+// The device descriptor table of an experts array (uploaded on first use).
+static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int n_experts)
+{
+    for (int i = 0; i < impl->n_tables; i++)
+        if (impl->tables[i].host == experts && impl->tables[i].n == n_experts)
+            return (const DevLin *) impl->tables[i].dev;
+    if (impl->n_tables == MAX_EXPERT_TABLES)
+        log_fatal(__FILE__, __LINE__, "more than %d MoE layers", MAX_EXPERT_TABLES);
+    no_capture(impl, "an expert table upload");
+    impl->gen++;
+    DevLin *host = (DevLin *) malloc((size_t) 3 * n_experts * sizeof *host);
+    if (!host) log_fatal(__FILE__, __LINE__, "out of memory");
+    for (int i = 0; i < 3 * n_experts; i++)
+        host[i] = dev_lin(&experts[i]);
+    void *dev = NULL;
+    CK(cudaMalloc(&dev, (size_t) 3 * n_experts * sizeof *host));
+    CK(cudaMemcpy(dev, host, (size_t) 3 * n_experts * sizeof *host, cudaMemcpyHostToDevice));
+    free(host);
+    impl->tables[impl->n_tables++] = (ExpertTable){experts, n_experts, dev};
+    return (const DevLin *) dev;
+}
+
+static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *idx,
+                     const float *wts, int top_k, const CkptLinear *experts, int n_experts)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    const int hidden = experts[0].cols, inter = experts[0].rows;
+    for (int e = 0; e < n_experts; e++) {
+        const CkptLinear *w = experts + 3 * (size_t) e;
+        ASSERT(w[0].cols == hidden && w[0].rows == inter && w[1].cols == hidden
+               && w[1].rows == inter && w[2].rows == hidden && w[2].cols == inter);
+    }
+    if (n == 0) return;
+    const DevLin *table = expert_table(impl, experts, n_experts);
+    const int slots = n * top_k;
+    float *hs = (float *) scratch(impl, SCRATCH_A, (size_t) slots * inter * sizeof(float));
+    float *ye = (float *) scratch(impl, SCRATCH_D, (size_t) slots * hidden * sizeof(float));
+    int *meta =
+        (int *) scratch(impl, SCRATCH_E, ((size_t) slots + 2 * n_experts + 2) * sizeof(int));
+    ASSERT((size_t) 2 * n_experts * sizeof(int) <= 48 * 1024);
+    prof_begin(impl);
+    k_moe_group<<<1, 1024, (size_t) 2 * n_experts * sizeof(int), impl->stream>>>(meta, idx, slots,
+                                                                                 n_experts);
+    // Grid rows: one per possibly active expert (at most min(slots, E) are).
+    const unsigned ny = (unsigned) (slots < n_experts ? slots : n_experts);
+    ASSERT(ny <= 65535);
+    const dim3 g_inter((unsigned) ((inter + MM_WARPS - 1) / MM_WARPS), ny);
+    const dim3 g_hidden((unsigned) ((hidden + MM_WARPS - 1) / MM_WARPS), ny);
+    const int xvec = ((uintptr_t) x & 15) == 0;
+    if (n == 1) {  // one slot per expert
+        k_moe_gateup<1><<<g_inter, MM_WARPS * 32, 0, impl->stream>>>(hs, table, meta, n_experts, x,
+                                                                     top_k, xvec);
+        k_moe_down<1>
+            <<<g_hidden, MM_WARPS * 32, 0, impl->stream>>>(ye, table, meta, n_experts, hs, top_k);
+    } else {
+        k_moe_gateup<MATMUL_TOK><<<g_inter, MM_WARPS * 32, 0, impl->stream>>>(
+            hs, table, meta, n_experts, x, top_k, xvec);
+        k_moe_down<MATMUL_TOK>
+            <<<g_hidden, MM_WARPS * 32, 0, impl->stream>>>(ye, table, meta, n_experts, hs, top_k);
+    }
+    k_moe_combine<<<(unsigned) (((size_t) n * hidden + THREADS - 1) / THREADS), THREADS, 0,
+                    impl->stream>>>(out, ye, idx, wts, n, top_k, hidden);
+    check_launch("moe");
+    prof_end(impl, PROF_MOE, 0.0);
+}
+
+// Graphs: see the file comment. A key too long for MAX_GRAPH_KEY runs eagerly.
+static bool cuda_graph_begin(Backend *be, const KvCache *kv, KvSeq *const *seqs, int n_seqs,
+                             const unsigned long long *key, int n_key)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    ASSERT(impl->mode == GRAPH_NONE && n_key >= 0 && n_seqs >= 0);
+    impl->mode = GRAPH_EAGER;
+    impl->n_key = 0;
+    if (!impl->graphs || n_key + 1 + 2 * n_seqs > MAX_GRAPH_KEY) return false;
+    // The pool and block tables up to date now (a change bumps gen), so that a replay reads
+    // them.
+    (void) dev_pool(impl, kv);
+    for (int i = 0; i < n_seqs; i++)
+        (void) dev_blocks(impl, seqs[i]);
+    unsigned long long *k = impl->key;
+    int nk = 0;
+    for (int i = 0; i < n_key; i++)
+        k[nk++] = key[i];
+    k[nk++] = (unsigned long long) (uintptr_t) kv;
+    for (int i = 0; i < n_seqs; i++) {
+        k[nk++] = (unsigned long long) (uintptr_t) seqs[i];
+        k[nk++] = (unsigned long long) seqs[i]->n_blocks;
+    }
+    impl->n_key = nk;
+    const size_t kb = (size_t) nk * sizeof *k;
+    for (int i = 0; i < MAX_GRAPHS; i++) {
+        GraphEntry *g = &impl->graph_cache[i];
+        if (g->n_key == nk && g->gen == impl->gen && memcmp(g->key, k, kb) == 0) {
+            g->used = ++impl->clock;
+            impl->graph_cur = g;
+            impl->mode = GRAPH_REPLAY;
+            return true;
+        }
+    }
+    if (impl->n_last_key == nk && impl->last_gen == impl->gen
+        && memcmp(impl->last_key, k, kb) == 0) {
+        CK(cudaStreamBeginCapture(impl->stream, cudaStreamCaptureModeThreadLocal));
+        impl->mode = GRAPH_CAPTURE;
+    }
+    return false;
+}
+
+static void cuda_graph_end(Backend *be)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    switch (impl->mode) {
+    case GRAPH_REPLAY:
+        CK(cudaGraphLaunch(impl->graph_cur->exec, impl->stream));
+        break;
+    case GRAPH_CAPTURE: {
+        cudaGraph_t graph = NULL;
+        CK(cudaStreamEndCapture(impl->stream, &graph));
+        GraphEntry *g = &impl->graph_cache[0];
+        for (int i = 1; i < MAX_GRAPHS; i++)
+            if (impl->graph_cache[i].used < g->used) g = &impl->graph_cache[i];
+        if (g->n_key) CK(cudaGraphExecDestroy(g->exec));
+        g->n_key = 0;
+        CK(cudaGraphInstantiate(&g->exec, graph, 0));
+        CK(cudaGraphDestroy(graph));
+        memcpy(g->key, impl->key, (size_t) impl->n_key * sizeof *g->key);
+        g->n_key = impl->n_key;
+        g->gen = impl->gen;
+        g->used = ++impl->clock;
+        CK(cudaGraphLaunch(g->exec, impl->stream));
+        impl->n_last_key = 0;
+        break;
+    }
+    case GRAPH_EAGER:
+        memcpy(impl->last_key, impl->key, (size_t) impl->n_key * sizeof *impl->key);
+        impl->n_last_key = impl->n_key;
+        impl->last_gen = impl->gen;
+        break;
+    case GRAPH_NONE:
+        ASSERT(!"graph_end without graph_begin");
+    }
+    impl->mode = GRAPH_NONE;
+    impl->graph_cur = NULL;
+}
+
+// `bytes` synthetic bytes of k_random_fill's `kind` (0 any, 1 bf16, 2 e4m3), remembered
+// for destroy; NULL when out of memory.
+static void *random_bytes(CudaImpl *impl, size_t bytes, int kind, unsigned long long seed)
+{
+    const size_t padded = (bytes + 3) / 4 * 4;
+    void *p = keep_alloc(impl, padded);
+    if (!p) return NULL;
+    k_random_fill<<<grid_1d(padded / 4), THREADS, 0, impl->stream>>>((uint32_t *) p, padded / 4,
+                                                                     kind, seed);
+    check_launch("random_fill");
+    return p;
+}
+
+Err backend_cuda_random_linear(Backend *be, CkptLinear *w, CkptLinearFormat format, int rows,
+                               int cols, unsigned long long seed)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    memset(w, 0, sizeof *w);
+    if (rows < 1 || cols < 1 || (format == CKPT_LINEAR_NVFP4 && cols % NVFP4_GROUP)
+        || (format != CKPT_LINEAR_BF16 && format != CKPT_LINEAR_FP8
+            && format != CKPT_LINEAR_NVFP4)) {
+        LOG_ERROR("random weight: format %d [%d, %d] not supported (bf16, fp8, NVFP4 with "
+                  "cols %% 16 == 0)",
+                  (int) format, rows, cols);
+        return ERR_INVAL;
+    }
+    const size_t n = (size_t) rows * (size_t) cols;
+    w->format = format;
+    w->rows = rows;
+    w->cols = cols;
+    w->global_scale = format == CKPT_LINEAR_NVFP4 ? 0.01f
+                      : format == CKPT_LINEAR_FP8 ? 0.05f
+                                                  : 1.0f;
+    w->name = "synthetic";
+    const size_t data_bytes = format == CKPT_LINEAR_BF16  ? 2 * n
+                              : format == CKPT_LINEAR_FP8 ? n
+                                                          : n / 2;
+    w->data = random_bytes(impl, data_bytes,
+                           format == CKPT_LINEAR_BF16  ? 1
+                           : format == CKPT_LINEAR_FP8 ? 2
+                                                       : 0,
+                           seed);
+    if (format == CKPT_LINEAR_NVFP4)
+        w->scale = (const uint8_t *) random_bytes(impl, n / NVFP4_GROUP, 2, seed + 1);
+    if (!w->data || (format == CKPT_LINEAR_NVFP4 && !w->scale)) {
+        LOG_ERROR("out of GPU memory for a random [%d, %d] weight", rows, cols);
+        return ERR_NOMEM;
+    }
+    return ERR_OK;
+}
+
+void backend_cuda_profile_report(Backend *be, const char *title)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    if (!impl->profile) return;
+    if (title) {
+        double total = 0.0;
+        for (int i = 0; i < N_PROF; i++)
+            total += impl->prof_s[i];
+        fprintf(stderr, "cuda profile (%s): %.3f ms in ops\n", title, total * 1e3);
+        for (int i = 0; i < N_PROF; i++) {
+            if (!impl->prof_calls[i]) continue;
+            fprintf(stderr, "  %-18s %8ld calls %10.3f ms %5.1f%% %9.2f us/call", prof_names[i],
+                    impl->prof_calls[i], impl->prof_s[i] * 1e3,
+                    total > 0 ? 100.0 * impl->prof_s[i] / total : 0.0,
+                    impl->prof_s[i] / impl->prof_calls[i] * 1e6);
+            if (impl->prof_bytes[i] > 0)
+                fprintf(stderr, " %8.1f GB/s", impl->prof_bytes[i] / impl->prof_s[i] * 1e-9);
+            fprintf(stderr, "\n");
+        }
+    }
+    memset(impl->prof_s, 0, sizeof impl->prof_s);
+    memset(impl->prof_bytes, 0, sizeof impl->prof_bytes);
+    memset(impl->prof_calls, 0, sizeof impl->prof_calls);
+}
+
+double backend_cuda_copy_gbs(Backend *be, size_t bytes)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    void *a = NULL, *b = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    double best = 0.0;
+    if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) {
+        (void) cudaGetLastError();
+        LOG_ERROR("copy benchmark: no room for 2 x %zu bytes on the GPU", bytes);
+        goto done;
+    }
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaMemsetAsync(a, 1, bytes, impl->stream));
+    for (int i = 0; i < 6; i++) {  // the first is a warm-up
+        CK(cudaEventRecord(e0, impl->stream));
+        CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, impl->stream));
+        CK(cudaEventRecord(e1, impl->stream));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0.0f;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        const double gbs = 2.0 * (double) bytes / (ms * 1e-3) / 1e9;
+        if (i > 0 && gbs > best) best = gbs;
+    }
+done:
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    cudaFree(a);
+    cudaFree(b);
+    return best;
+}
+
+static void cuda_destroy(Backend *be)
+{
+    if (!be) return;
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    if (impl) {
+        for (int i = 0; i < impl->n_allocs; i++)
+            cudaFree(impl->allocs[i]);
+        free(impl->allocs);
+        for (int i = 0; i < N_SCRATCH; i++)
+            cudaFree(impl->scratch[i]);
+        for (int i = 0; i < MAX_POOLS; i++)
+            cudaFree(impl->pools[i].dev);
+        for (int i = 0; i < MAX_TABLES; i++) {
+            free(impl->seq_tables[i].host);
+            cudaFree(impl->seq_tables[i].dev);
+        }
+        for (int i = 0; i < impl->n_tables; i++)
+            cudaFree(impl->tables[i].dev);
+        for (int i = 0; i < MAX_GRAPHS; i++)
+            if (impl->graph_cache[i].n_key) cudaGraphExecDestroy(impl->graph_cache[i].exec);
+        if (impl->stream) cudaStreamDestroy(impl->stream);
+        free(impl);
+    }
+    free(be);
+}
+
+Err backend_cuda_create(int device, Backend **out)
+{
+    *out = NULL;
+    int n_devices = 0;
+    cudaError_t e = cudaGetDeviceCount(&n_devices);
+    if (e != cudaSuccess || device < 0 || device >= n_devices) {
+        LOG_ERROR("no CUDA device %d (%d found%s%s)", device, e == cudaSuccess ? n_devices : 0,
+                  e == cudaSuccess ? "" : ": ", e == cudaSuccess ? "" : cudaGetErrorString(e));
+        (void) cudaGetLastError();
+        return ERR_INVAL;
+    }
+    if ((e = cudaSetDevice(device)) != cudaSuccess) {
+        LOG_ERROR("cannot use CUDA device %d: %s", device, cudaGetErrorString(e));
+        return ERR_INVAL;
+    }
+    Backend *be = (Backend *) calloc(1, sizeof *be);
+    CudaImpl *impl = (CudaImpl *) calloc(1, sizeof *impl);
+    if (!be || !impl) {
+        free(be);
+        free(impl);
+        return ERR_NOMEM;
+    }
+    impl->device = device;
+    if ((e = cudaStreamCreate(&impl->stream)) != cudaSuccess) {  // blocking: ordered with
+        LOG_ERROR("cannot create a CUDA stream: %s", cudaGetErrorString(e));  // cudaMemcpy
+        free(be);
+        free(impl);
+        return ERR_INVAL;
+    }
+    const char *graphs = getenv("GLMSPARK_CUDA_GRAPHS"), *prof = getenv("GLMSPARK_CUDA_PROFILE");
+    impl->profile = prof && strcmp(prof, "0") != 0;
+    impl->graphs = !impl->profile && (!graphs || strcmp(graphs, "0") != 0);
+    be->impl = impl;
+    be->name = "cuda";
+    be->destroy = cuda_destroy;
+    be->alloc = cuda_alloc;
+    be->free_mem = cuda_free_mem;
+    be->upload = cuda_upload;
+    be->download = cuda_download;
+    be->bind_linear = cuda_bind_linear;
+    be->matmul = cuda_matmul;
+    be->embed = cuda_embed;
+    be->rmsnorm = cuda_rmsnorm;
+    be->layernorm = cuda_layernorm;
+    be->rope = cuda_rope;
+    be->silu_mul = cuda_silu_mul;
+    be->add = cuda_add;
+    be->route = cuda_route;
+    be->dsa_topk = cuda_dsa_topk;
+    be->mla_attention = cuda_mla_attention;
+    be->kv_write = cuda_kv_write;
+    be->moe = cuda_moe;
+    be->graph_begin = cuda_graph_begin;
+    be->graph_end = cuda_graph_end;
+    *out = be;
+    return ERR_OK;
+}

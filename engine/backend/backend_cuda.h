@@ -1,0 +1,49 @@
+/*
+ * backend_cuda.h - the CUDA backend: every op of backend.h on one GPU, fp32 activations.
+ *
+ * Built only with CUDA (GLMSPARK_HAVE_CUDA); backend_cuda.cu has the design (and graphs:
+ * graph_begin/graph_end, off with GLMSPARK_CUDA_GRAPHS=0). Weights are
+ * copied to device memory in their stored format at bind_linear() and dequantized as the
+ * kernels read them; the KV cache's pool is mirrored by a device pool of the same layout
+ * (allocated on the first op that touches a cache), so kv_cache.c stays host-only.
+ *
+ * Ownership: backend_cuda_create() returns a Backend released with its destroy op, which
+ *            frees every device allocation it made (weights, mirrored pools, scratch).
+ * Threads:   one thread calls the ops (see backend.h); the device is selected on create.
+ * Errors:    ERR_INVAL when there is no usable CUDA device (logged); ERR_NOMEM. A CUDA
+ *            error inside an op is fatal (ops cannot fail).
+ */
+#ifndef ENGINE_BACKEND_BACKEND_CUDA_H
+#define ENGINE_BACKEND_BACKEND_CUDA_H
+
+#include "engine/model/backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// The CUDA backend on device `device` (0-based). *out is NULL on failure.
+Err backend_cuda_create(int device, Backend **out);
+
+// Device-to-device copy bandwidth of be's GPU in GB/s (read + write bytes per second, best
+// of 5 cudaMemcpy's of `bytes`), the ceiling `glmspark bench` reports against; 0 when the
+// buffers do not fit (logged).
+double backend_cuda_copy_gbs(Backend *be, size_t bytes);
+
+// With GLMSPARK_CUDA_PROFILE=1 in the environment at create (which turns graphs off), every op
+// synchronizes and is timed: this prints the time per op kind since the last report to
+// stderr under `title` (nothing when title is NULL) and starts counting again. A no-op
+// without the variable.
+void backend_cuda_profile_report(Backend *be, const char *title);
+
+// A random weight [rows, cols] generated on the GPU (no host copy): BF16, FP8 (per-tensor
+// scale) or NVFP4 (cols % 16 == 0) with finite values; w's pointers are device memory owned
+// by be until destroy. For benchmarks at sizes no checkpoint on disk has. ERR_INVAL (format
+// or shape), ERR_NOMEM.
+Err backend_cuda_random_linear(Backend *be, CkptLinear *w, CkptLinearFormat format, int rows,
+                               int cols, unsigned long long seed);
+
+#ifdef __cplusplus
+}
+#endif
+#endif  // ENGINE_BACKEND_BACKEND_CUDA_H

@@ -1,0 +1,30 @@
+/*
+ * cli.c - the command table behind `glmspark <command>`.
+ *
+ * Kept apart from main.c so that tests can link the whole table and call a command as a
+ * function.
+ */
+#include "engine/cli/cli.h"
+
+#include <stddef.h>
+
+static const CliCommand commands[] = {
+    {"logits", cli_logits, "run one forward pass over token ids and write f32 logits"},
+    {"generate", cli_generate, "generate token ids from prompt token ids"},
+    {"inspect", cli_inspect, "describe a checkpoint: layers, quantization, bytes"},
+    {"mkmodel", cli_mkmodel, "write a small random checkpoint in the real on-disk format"},
+    {"tokenize", cli_tokenize, "turn UTF-8 text on stdin into token ids"},
+    {"detokenize", cli_detokenize, "turn token ids on stdin into text"},
+    {"bench-tokenize", cli_bench_tokenize, "time single-threaded tokenization of a text file"},
+    {"bench", cli_bench, "time prefill and batched decode through the engine (--backend cpu|cuda)"},
+    {"chat-template", cli_chat_template, "render OpenAI-style messages as a GLM prompt"},
+    {"db", cli_db, "apply the job-queue SQL migrations: db migrate --db CONNINFO"},
+    {"keys", cli_keys, "API keys: keys create|list|revoke"},
+    {"status", cli_status, "the engine's ranks, KV cache, jobs and tokens/s (exit 0 when up)"},
+    {NULL, NULL, NULL},
+};
+
+const CliCommand *cli_commands(void)
+{
+    return commands;
+}

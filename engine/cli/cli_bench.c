@@ -1,0 +1,522 @@
+/*
+ * cli_bench.c - `glmspark bench`: time prefill and batched decode through the real engine
+ * (model.c's forward pass on a backend), on a checkpoint or a synthetic one.
+ *
+ *   glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] [--seed S])
+ *     [--batch 1,8] [--ctx 1024] [--steps 32] [--threads N] [--kv-dtype f32|bf16] [--json]
+ *   glmspark bench --backend cuda --reap-ops [--batch 1,8] [--steps 32]
+ *
+ * For each batch size B: B sequences are prefilled with --ctx deterministic token ids each
+ * (one forward call per sequence; prefill tok/s), then --steps decode steps run all B
+ * sequences together (one token each, one model_forward_batch call, each sequence's logits
+ * downloaded, which also waits for the GPU), after one untimed warm-up step. Printed per
+ * configuration: prefill tok/s, decode ms/step and tok/s, and the weight bytes a decode step
+ * reads (estimate: every linear weight except the embedding and the routed experts, plus
+ * the routed experts expected to be hit by B tokens under uniform routing, E (1 - (1 -
+ * K/E)^B)) with the GB/s that implies. KV-cache reads are not counted. On the CUDA backend
+ * the GB/s is also given as a % of a device-to-device copy (1 GiB cudaMemcpy, read + write
+ * bytes, best of 5) measured in the same run, as tests/bench/bench_stage.cu does; decode
+ * steps replay CUDA graphs unless GLMSPARK_CUDA_GRAPHS=0; GLMSPARK_CUDA_PROFILE=1 prints the
+ * time per op kind of the decode steps (synchronized, so slower; backend_cuda.h). --json
+ * prints one JSON object per configuration instead.
+ *
+ * --synthetic writes the mkmodel preset (default "default"; see `glmspark mkmodel`) into
+ * $TMPDIR (or /tmp)/glmspark-bench-PRESET-SEED first. The GLM-5.2-REAP-dimension stage
+ * benchmark with the tuned kernels is tests/bench/bench_stage.cu (docs/perf.md, CUDA section);
+ * this command measures the engine path itself, whatever its backend.
+ *
+ * --reap-ops (CUDA) times the backend's matmul and moe ops alone on weights generated on the
+ * GPU at GLM-5.2-REAP dimensions (bf16 projections and lm_head, 156 NVFP4 experts of 2048 x
+ * 6144, top-8): per op and batch, us per call (--steps back-to-back calls, launch included)
+ * and the weight GB/s with its % of the measured copy bandwidth.
+ */
+#include "engine/cli/cli.h"
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine/model/backend.h"
+#ifdef GLMSPARK_HAVE_CUDA
+#include "engine/backend/backend_cuda.h"
+#endif
+#include "engine/model/kv_cache.h"
+#include "engine/model/model.h"
+#include "engine/tools/mkmodel.h"
+
+enum { BENCH_MAX_BATCHES = 16 };
+
+typedef struct BenchArgs {
+    const char *model_dir;
+    bool synthetic;
+    const char *preset;
+    unsigned long long seed;
+    bool cuda;
+    int batches[BENCH_MAX_BATCHES];
+    int n_batches;
+    int ctx;
+    int steps;
+    int n_threads;
+    KvDtype kv_dtype;
+    bool json;
+    bool reap_ops;
+    double copy_gbs;  // measured device-to-device copy bandwidth (CUDA), else 0
+} BenchArgs;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double) ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int bench_usage(void)
+{
+    fprintf(stderr,
+            "usage: glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] "
+            "[--seed S]) [--batch 1,8] [--ctx 1024] [--steps 32] [--threads N] "
+            "[--kv-dtype f32|bf16] [--json]\n"
+            "       glmspark bench --backend cuda --reap-ops [--batch 1,8] [--steps 32]\n");
+    return 2;
+}
+
+static bool parse_int(const char *s, long lo, long hi, int *out)
+{
+    char *end;
+    const long v = strtol(s, &end, 10);
+    if (end == s || *end || v < lo || v > hi) return false;
+    *out = (int) v;
+    return true;
+}
+
+// "1,8,16" -> batches; false on a bad list.
+static bool parse_batches(const char *s, BenchArgs *a)
+{
+    a->n_batches = 0;
+    while (*s) {
+        char *end;
+        const long v = strtol(s, &end, 10);
+        if (end == s || v < 1 || v > 1024 || a->n_batches == BENCH_MAX_BATCHES) return false;
+        a->batches[a->n_batches++] = (int) v;
+        if (*end == ',')
+            end++;
+        else if (*end)
+            return false;
+        s = end;
+    }
+    return a->n_batches > 0;
+}
+
+static int parse_bench_args(int argc, char **argv, BenchArgs *a)
+{
+    const long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
+    *a = (BenchArgs){.preset = "default",
+                     .ctx = 1024,
+                     .steps = 32,
+                     .n_threads = n_cpu > 0 ? (n_cpu > 64 ? 64 : (int) n_cpu) : 1};
+    a->batches[0] = 1;
+    a->n_batches = 1;
+    for (int i = 1; i < argc; i++) {
+        const char *opt = argv[i];
+        if (strcmp(opt, "--synthetic") == 0) {
+            a->synthetic = true;
+            continue;
+        }
+        if (strcmp(opt, "--json") == 0) {
+            a->json = true;
+            continue;
+        }
+        if (strcmp(opt, "--reap-ops") == 0) {
+            a->reap_ops = true;
+            continue;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "glmspark bench: %s needs a value\n", opt);
+            return bench_usage();
+        }
+        const char *val = argv[++i];
+        bool ok = true;
+        if (strcmp(opt, "--model") == 0)
+            a->model_dir = val;
+        else if (strcmp(opt, "--preset") == 0)
+            a->preset = val;
+        else if (strcmp(opt, "--seed") == 0) {
+            char *end;
+            a->seed = strtoull(val, &end, 10);
+            ok = end != val && !*end;
+        } else if (strcmp(opt, "--backend") == 0)
+            ok = (strcmp(val, "cpu") == 0 && ((a->cuda = false), true))
+                 || (strcmp(val, "cuda") == 0 && ((a->cuda = true), true));
+        else if (strcmp(opt, "--batch") == 0)
+            ok = parse_batches(val, a);
+        else if (strcmp(opt, "--ctx") == 0)
+            ok = parse_int(val, 1, 1 << 20, &a->ctx);
+        else if (strcmp(opt, "--steps") == 0)
+            ok = parse_int(val, 1, 1 << 20, &a->steps);
+        else if (strcmp(opt, "--threads") == 0)
+            ok = parse_int(val, 1, 64, &a->n_threads);
+        else if (strcmp(opt, "--kv-dtype") == 0)
+            ok = (strcmp(val, "f32") == 0 && ((a->kv_dtype = KV_DTYPE_F32), true))
+                 || (strcmp(val, "bf16") == 0 && ((a->kv_dtype = KV_DTYPE_BF16), true));
+        else {
+            fprintf(stderr, "glmspark bench: unknown option %s\n", opt);
+            return bench_usage();
+        }
+        if (!ok) {
+            fprintf(stderr, "glmspark bench: bad value for %s: \"%s\"\n", opt, val);
+            return bench_usage();
+        }
+    }
+    if (a->reap_ops) {
+        if (!a->cuda || a->model_dir || a->synthetic) {
+            fprintf(stderr, "glmspark bench: --reap-ops needs --backend cuda and no model\n");
+            return bench_usage();
+        }
+        return 0;
+    }
+    if (!a->model_dir == !a->synthetic) {
+        fprintf(stderr, "glmspark bench: give exactly one of --model DIR and --synthetic\n");
+        return bench_usage();
+    }
+    return 0;
+}
+
+// Bytes of a linear weight as stored (codes and scales).
+static double linear_bytes(const CkptLinear *w)
+{
+    const double n = (double) w->rows * (double) w->cols;
+    switch (w->format) {
+    case CKPT_LINEAR_F32:
+        return 4.0 * n;
+    case CKPT_LINEAR_F16:
+    case CKPT_LINEAR_BF16:
+        return 2.0 * n;
+    case CKPT_LINEAR_FP8:
+        return n + (w->scale_f32 ? 4.0 * ceil(w->rows / 128.0) * ceil(w->cols / 128.0) : 0.0);
+    case CKPT_LINEAR_NVFP4:
+        return n / 2.0 + n / 16.0;
+    }
+    return 0.0;
+}
+
+// Estimated weight bytes one decode step of batch B reads (see the file comment).
+static double step_bytes(const Model *m, int B)
+{
+    const ModelConfig *c = &m->cfg;
+    double dense = m->has_head ? linear_bytes(&m->lm_head) : 0.0, experts = 0.0;
+    for (int l = m->first_layer; l < m->last_layer; l++) {
+        const ModelLayer *L = &m->layers[l];
+        const CkptLinear *lin[] = {&L->q_a,         &L->q_b,     &L->q_proj,   &L->kv_a,
+                                   &L->kv_b,        &L->o_proj,  &L->idx_wq_b, &L->idx_wk,
+                                   &L->idx_weights, &L->gate,    &L->up,       &L->down,
+                                   &L->router,      &L->sh_gate, &L->sh_up,    &L->sh_down};
+        for (size_t i = 0; i < sizeof lin / sizeof *lin; i++)
+            if (lin[i]->rows > 0 && lin[i]->cols > 0) dense += linear_bytes(lin[i]);
+        if (L->is_moe && L->experts && c->n_routed_experts > 0) {
+            const double E = c->n_routed_experts, K = c->n_experts_per_tok;
+            const double hit = E * (1.0 - pow(1.0 - K / E, B));
+            experts += hit
+                       * (linear_bytes(&L->experts[0]) + linear_bytes(&L->experts[1])
+                          + linear_bytes(&L->experts[2]));
+        }
+    }
+    return dense + experts;
+}
+
+static Err open_backend(const BenchArgs *a, Backend **be)
+{
+    if (!a->cuda) return backend_cpu_create(a->n_threads, be);
+#ifdef GLMSPARK_HAVE_CUDA
+    return backend_cuda_create(0, be);
+#else
+    *be = NULL;
+    LOG_ERROR("--backend cuda: this glmspark was built without CUDA");
+    return ERR_INVAL;
+#endif
+}
+
+// One batch size: prefill B sequences, then time decode steps. Returns false on failure.
+static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int B)
+{
+    const ModelConfig *c = &m->cfg;
+    const int block = KV_DEFAULT_BLOCK_SIZE, positions = a->ctx + a->steps + 1;
+    KvCacheParams p = model_kv_params(m, B * ((positions + block - 1) / block), block);
+    p.dtype = a->kv_dtype;
+    KvCache kv = {0};
+    KvSeq *seqs = calloc((size_t) B, sizeof *seqs);
+    KvSeq **ptrs = calloc((size_t) B, sizeof *ptrs);
+    int *ids = malloc((size_t) (a->ctx > B ? a->ctx : B) * sizeof *ids);
+    int *n_new = malloc((size_t) B * sizeof *n_new);
+    float *logits = malloc((size_t) B * c->vocab_size * sizeof *logits);
+    bool ok = false;
+    if (!seqs || !ptrs || !ids || !n_new || !logits || kv_init(&kv, &p)) {
+        LOG_ERROR("bench: could not set up batch %d (context %d)", B, a->ctx);
+        goto done;
+    }
+    for (int i = 0; i < B; i++)
+        ptrs[i] = &seqs[i];
+
+    // Prefill, one sequence per call.
+    double t0 = now_s();
+    for (int i = 0; i < B; i++) {
+        for (int t = 0; t < a->ctx; t++)
+            ids[t] = (int) ((1103515245u * (unsigned) (t + 7919 * i) + 12345u)
+                            % (unsigned) c->vocab_size);
+        n_new[0] = a->ctx;
+        const ModelBatch b = {1, &ptrs[i], n_new};
+        if (model_forward_batch(m, &kv, &b, ids, NULL, NULL, logits, MODEL_LOGITS_LAST)) goto done;
+    }
+    const double prefill_s = now_s() - t0;
+
+    // Decode: one warm-up step, then the timed steps.
+    for (int i = 0; i < B; i++)
+        n_new[i] = 1;
+    const ModelBatch b = {B, ptrs, n_new};
+    double decode_s = 0.0;
+#ifdef GLMSPARK_HAVE_CUDA
+    if (a->cuda) backend_cuda_profile_report(m->be, NULL);  // GLMSPARK_CUDA_PROFILE=1
+#endif
+    for (int s = 0; s <= a->steps; s++) {
+        for (int i = 0; i < B; i++)
+            ids[i] = (int) ((unsigned) (s * 31 + i * 17 + 5) % (unsigned) c->vocab_size);
+        const double t1 = now_s();
+        if (model_forward_batch(m, &kv, &b, ids, NULL, NULL, logits, MODEL_LOGITS_LAST)) goto done;
+        if (s > 0) decode_s += now_s() - t1;
+    }
+    const double step_s = decode_s / a->steps;
+#ifdef GLMSPARK_HAVE_CUDA
+    if (a->cuda) {
+        char title[96];
+        snprintf(title, sizeof title, "batch %d ctx %d, %d decode steps", B, a->ctx, a->steps + 1);
+        backend_cuda_profile_report(m->be, title);
+    }
+#endif
+    const double bytes = step_bytes(m, B), gbs = bytes / step_s * 1e-9;
+    const double pct = a->copy_gbs > 0.0 ? 100.0 * gbs / a->copy_gbs : 0.0;
+    if (a->json)
+        printf("{\"model\":\"%s\",\"backend\":\"%s\",\"layers\":%d,\"batch\":%d,\"ctx\":%d,"
+               "\"steps\":%d,\"prefill_tok_s\":%.2f,\"decode_ms_step\":%.4f,\"decode_tok_s\":%.2f,"
+               "\"weight_bytes_step\":%.0f,\"weight_gb_s\":%.3f,\"copy_gb_s\":%.1f,"
+               "\"pct_copy\":%.2f}\n",
+               model_dir, m->be->name, m->last_layer - m->first_layer, B, a->ctx, a->steps,
+               B * a->ctx / prefill_s, step_s * 1e3, B / step_s, bytes, gbs, a->copy_gbs, pct);
+    else if (a->copy_gbs > 0.0)
+        printf("%-5s batch %3d ctx %6d: prefill %10.1f tok/s | decode %9.3f ms/step %10.1f tok/s"
+               " | ~%.3f GB weights/step, %8.1f GB/s = %5.2f%% of copy\n",
+               m->be->name, B, a->ctx, B * a->ctx / prefill_s, step_s * 1e3, B / step_s,
+               bytes * 1e-9, gbs, pct);
+    else
+        printf("%-5s batch %3d ctx %6d: prefill %10.1f tok/s | decode %9.3f ms/step %10.1f tok/s"
+               " | ~%.3f GB weights/step, %8.1f GB/s\n",
+               m->be->name, B, a->ctx, B * a->ctx / prefill_s, step_s * 1e3, B / step_s,
+               bytes * 1e-9, gbs);
+    ok = true;
+done:
+    if (seqs)
+        for (int i = 0; i < B; i++)
+            kv_seq_free(&kv, &seqs[i]);
+    kv_free(&kv);
+    free(seqs);
+    free(ptrs);
+    free(ids);
+    free(n_new);
+    free(logits);
+    return ok;
+}
+
+#ifdef GLMSPARK_HAVE_CUDA
+// Seconds per call of op(be, ctx) over `reps` back-to-back calls (after 2 warm-up calls); a
+// 4-byte download waits for the GPU.
+static double time_op(Backend *be, void (*op)(Backend *, void *), void *ctx, int reps,
+                      const float *sync_buf)
+{
+    float probe;
+    for (int i = 0; i < 2; i++)
+        op(be, ctx);
+    be->download(be, &probe, sync_buf, sizeof probe);
+    const double t0 = now_s();
+    for (int i = 0; i < reps; i++)
+        op(be, ctx);
+    be->download(be, &probe, sync_buf, sizeof probe);
+    return (now_s() - t0) / reps;
+}
+
+typedef struct ReapOp {
+    const CkptLinear *w;  // matmul weight, or NULL for the MoE
+    const CkptLinear *experts;
+    float *y;
+    const float *x;
+    const int *idx;
+    const float *wts;
+    int n;
+} ReapOp;
+
+static void run_reap_op(Backend *be, void *ctx)
+{
+    const ReapOp *o = ctx;
+    if (o->w)
+        be->matmul(be, o->y, o->w, o->x, o->n);
+    else
+        be->moe(be, o->y, o->x, o->n, o->idx, o->wts, 8, o->experts, 156);
+}
+
+enum { REAP_HIDDEN = 6144, REAP_EXPERTS = 156, REAP_TOPK = 8, REAP_MOE_INTER = 2048 };
+
+// --reap-ops: see the file comment.
+static bool bench_reap_ops(const BenchArgs *a, Backend *be)
+{
+    static const struct {
+        const char *name;
+        CkptLinearFormat format;
+        int rows, cols;
+    } shapes[] = {
+        {"q_a_proj", CKPT_LINEAR_BF16, 2048, REAP_HIDDEN},
+        {"q_b_proj", CKPT_LINEAR_BF16, 64 * 256, 2048},
+        {"kv_a_proj", CKPT_LINEAR_BF16, 576, REAP_HIDDEN},
+        {"o_proj", CKPT_LINEAR_BF16, REAP_HIDDEN, 64 * 256},
+        {"shared gate/up", CKPT_LINEAR_BF16, REAP_MOE_INTER, REAP_HIDDEN},
+        {"shared down", CKPT_LINEAR_BF16, REAP_HIDDEN, REAP_MOE_INTER},
+        {"lm_head", CKPT_LINEAR_BF16, 154880, REAP_HIDDEN},
+        {"fp8 6144x6144", CKPT_LINEAR_FP8, REAP_HIDDEN, REAP_HIDDEN},
+        {"nvfp4 expert gate", CKPT_LINEAR_NVFP4, REAP_MOE_INTER, REAP_HIDDEN},
+    };
+    enum { N_SHAPES = sizeof shapes / sizeof shapes[0] };
+    int max_b = 1;
+    for (int i = 0; i < a->n_batches; i++)
+        if (a->batches[i] > max_b) max_b = a->batches[i];
+    CkptLinear w[N_SHAPES];
+    CkptLinear *experts = calloc((size_t) 3 * REAP_EXPERTS, sizeof *experts);
+    const size_t x_floats = (size_t) max_b * 64 * 256, y_floats = (size_t) max_b * 154880;
+    float *x = be->alloc(be, x_floats * sizeof(float)),
+          *y = be->alloc(be, y_floats * sizeof(float));
+    int *idx_host = malloc((size_t) max_b * REAP_TOPK * sizeof *idx_host);
+    float *wts_host = malloc((size_t) max_b * REAP_TOPK * sizeof *wts_host);
+    int *idx = be->alloc(be, (size_t) max_b * REAP_TOPK * sizeof(int));
+    float *wts = be->alloc(be, (size_t) max_b * REAP_TOPK * sizeof(float));
+    bool ok = false;
+    if (!experts || !x || !y || !idx_host || !wts_host || !idx || !wts) {
+        LOG_ERROR("bench --reap-ops: out of memory");
+        goto done;
+    }
+    for (int i = 0; i < N_SHAPES; i++)
+        if (backend_cuda_random_linear(be, &w[i], shapes[i].format, shapes[i].rows, shapes[i].cols,
+                                       100 + (unsigned long long) i))
+            goto done;
+    for (int e = 0; e < REAP_EXPERTS; e++)
+        for (int k = 0; k < 3; k++)
+            if (backend_cuda_random_linear(be, &experts[3 * e + k], CKPT_LINEAR_NVFP4,
+                                           k == 2 ? REAP_HIDDEN : REAP_MOE_INTER,
+                                           k == 2 ? REAP_MOE_INTER : REAP_HIDDEN,
+                                           1000 + 3 * (unsigned long long) e + k))
+                goto done;
+    // Routing: each token's 8 experts distinct, ascending, from a fixed LCG.
+    unsigned lcg = 12345u;
+    for (int t = 0; t < max_b; t++) {
+        bool taken[REAP_EXPERTS] = {false};
+        for (int k = 0; k < REAP_TOPK; k++) {
+            int e;
+            do {
+                lcg = lcg * 1103515245u + 12345u;
+                e = (int) ((lcg >> 8) % REAP_EXPERTS);
+            } while (taken[e]);
+            taken[e] = true;
+        }
+        for (int e = 0, k = 0; e < REAP_EXPERTS; e++)
+            if (taken[e]) idx_host[t * REAP_TOPK + k++] = e;
+        for (int k = 0; k < REAP_TOPK; k++)
+            wts_host[t * REAP_TOPK + k] = 1.0f / REAP_TOPK;
+    }
+    be->upload(be, idx, idx_host, (size_t) max_b * REAP_TOPK * sizeof(int));
+    be->upload(be, wts, wts_host, (size_t) max_b * REAP_TOPK * sizeof(float));
+    const double expert_bytes = 3.0 * linear_bytes(&experts[0]);
+    for (int bi = 0; bi < a->n_batches; bi++) {
+        const int B = a->batches[bi];
+        for (int i = 0; i <= N_SHAPES; i++) {
+            const bool moe = i == N_SHAPES;
+            const ReapOp op = {moe ? NULL : &w[i], experts, y, x, idx, wts, B};
+            double bytes = 0.0;
+            if (moe) {
+                bool hit[REAP_EXPERTS] = {false};
+                for (int s = 0; s < B * REAP_TOPK; s++)
+                    hit[idx_host[s]] = true;
+                for (int e = 0; e < REAP_EXPERTS; e++)
+                    bytes += hit[e] ? expert_bytes : 0.0;
+            } else {
+                bytes = linear_bytes(&w[i]);
+            }
+            const double s = time_op(be, run_reap_op, (void *) &op, a->steps, y);
+            printf("reap-ops batch %2d: %-18s %-6s [%6d x %5d] %9.1f us %8.1f GB/s %5.1f%% of "
+                   "copy\n",
+                   B, moe ? "moe (156 x 3, top-8)" : shapes[i].name,
+                   moe                                    ? "nvfp4"
+                   : shapes[i].format == CKPT_LINEAR_BF16 ? "bf16"
+                   : shapes[i].format == CKPT_LINEAR_FP8  ? "fp8"
+                                                          : "nvfp4",
+                   moe ? REAP_MOE_INTER : shapes[i].rows, moe ? REAP_HIDDEN : shapes[i].cols,
+                   s * 1e6, bytes / s * 1e-9, 100.0 * bytes / s * 1e-9 / a->copy_gbs);
+        }
+    }
+    ok = true;
+done:
+    be->free_mem(be, x);
+    be->free_mem(be, y);
+    be->free_mem(be, idx);
+    be->free_mem(be, wts);
+    free(idx_host);
+    free(wts_host);
+    free(experts);
+    return ok;
+}
+#endif
+
+int cli_bench(int argc, char **argv)
+{
+    BenchArgs a;
+    const int bad = parse_bench_args(argc, argv, &a);
+    if (bad) return bad;
+    char dir[1024] = "";
+    if (a.reap_ops) {
+        // no model: the ops alone (bench_reap_ops)
+    } else if (a.synthetic) {
+        const char *tmp = getenv("TMPDIR");
+        snprintf(dir, sizeof dir, "%s/glmspark-bench-%s-%llu", tmp && *tmp ? tmp : "/tmp", a.preset,
+                 a.seed);
+        const MkmodelOptions mo = {.out_dir = dir, .preset = a.preset, .seed = a.seed};
+        if (mkmodel_write(&mo)) return 1;
+    } else {
+        snprintf(dir, sizeof dir, "%s", a.model_dir);
+    }
+    Backend *be = NULL;
+    Model m = {0};
+    int rc = 1;
+    if (open_backend(&a, &be)) goto done;
+#ifdef GLMSPARK_HAVE_CUDA
+    if (a.cuda) {
+        a.copy_gbs = backend_cuda_copy_gbs(be, (size_t) 1 << 30);
+        const char *graphs = getenv("GLMSPARK_CUDA_GRAPHS");
+        if (!a.json)
+            printf("cuda  device-to-device copy (1 GiB, read+write): %.1f GB/s; graphs %s\n",
+                   a.copy_gbs, graphs && strcmp(graphs, "0") == 0 ? "off" : "on");
+    }
+    if (a.reap_ops) {
+        rc = bench_reap_ops(&a, be) ? 0 : 1;
+        goto done;
+    }
+#endif
+    if (model_load(&m, dir, NULL, be)) goto done;
+    if (!m.has_embed || !m.has_head) {
+        LOG_ERROR("bench: \"%s\" is not a whole model", dir);
+        goto done;
+    }
+    rc = 0;
+    for (int i = 0; i < a.n_batches && rc == 0; i++)
+        if (!bench_batch(&a, &m, dir, a.batches[i])) rc = 1;
+done:
+    model_free(&m);
+    if (be) be->destroy(be);
+    return rc;
+}

@@ -1,0 +1,173 @@
+/*
+ * backend.h - the operations the forward pass is made of, behind one table of function
+ * pointers, so that the CPU reference (backend_cpu.c) and a CUDA backend run the same
+ * model code (model.c).
+ *
+ * Every op works on plain fp32 buffers with explicit shapes (outermost first) and on
+ * CkptLinear weights in their stored format (f32, f16, bf16, fp8, NVFP4: each backend
+ * dequantizes as it reads; nothing is expanded in memory). Buffers and int arrays passed
+ * to ops belong to the backend's memory space (alloc/upload/download below): host memory
+ * for the CPU backend, device memory for a CUDA one. model.c never touches them directly.
+ * Weights are handed to bind_linear() once at load, which may move or repack them. The KV
+ * cache's pool is host memory for now (kv_cache.c); a device backend will need it to come
+ * from alloc. Shapes use the letters n (tokens in this call), H (heads), D (head dim),
+ * E (experts), K (top-k).
+ *
+ * Numerics every backend honours (transformers' glm_moe_dsa in float64 is the reference):
+ *   matmul      fp32 products, accumulation at least fp32
+ *   norms       variance and mean in at least fp32, then scale
+ *   softmax     attention scores and softmax in at least fp32
+ *   router      sigmoid scores and selection in at least fp32
+ *   RoPE        angles pos * inv_freq with inv_freq = 1 / theta^(2i/d) computed in fp32,
+ *               as transformers does even for a float64 model
+ *
+ * Ownership: a Backend is created by its constructor (backend_cpu_create) and released
+ *            with its destroy op; ops keep no pointer past the call.
+ * Threads:   one thread calls the ops of a Backend (the backend may fan out internally).
+ * Errors:    ops cannot fail: a wrong shape is a caller bug (ASSERT). Constructors return
+ *            ERR_NOMEM or ERR_INVAL.
+ */
+#ifndef ENGINE_MODEL_BACKEND_H
+#define ENGINE_MODEL_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "engine/model/checkpoint.h"
+#include "engine/model/kv_cache.h"
+#include "engine/shared/err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// MoE routing parameters (GlmMoeDsaTopkRouter).
+typedef struct BackendRoute {
+    int n_experts;   // E
+    int top_k;       // K experts per token
+    int n_group;     // E % n_group == 0
+    int topk_group;  // groups kept, 1..n_group
+    bool norm_topk_prob;
+    float routed_scaling_factor;
+} BackendRoute;
+
+// MLA shapes and the softmax scale.
+typedef struct BackendMla {
+    int n_heads;  // H
+    int qk_nope;  // per-head non-rotary query/key width
+    int qk_rope;  // rotary width (shared k_pe)
+    int v_dim;    // per-head value width
+    int kv_lora;  // latent width
+    float scale;  // softmax scale, 1/sqrt(qk_nope + qk_rope) (x mscale^2 for yarn)
+} BackendMla;
+
+// DSA indexer shapes.
+typedef struct BackendDsa {
+    int n_heads;   // Hi
+    int head_dim;  // Di; the first rope dims of q and k are rotated
+    int top_k;     // index_topk
+} BackendDsa;
+
+typedef struct Backend Backend;
+
+struct Backend {
+    const char *name;  // "cpu", "cuda"
+    void *impl;        // the implementation's private state
+
+    void (*destroy)(Backend *be);
+
+    // Zero-filled backend memory of `bytes` bytes, or NULL when out of memory. Released
+    // with free_mem (NULL allowed).
+    void *(*alloc)(Backend *be, size_t bytes);
+    void (*free_mem)(Backend *be, void *p);
+
+    // Copy bytes from host memory into backend memory, and back.
+    void (*upload)(Backend *be, void *dst, const void *src_host, size_t bytes);
+    void (*download)(Backend *be, void *dst_host, const void *src, size_t bytes);
+
+    // Make weight w usable by the ops (upload or repack it, rewriting w's pointers). Called
+    // once per weight at load; the CPU backend uses the mapping as it is. ERR_NOMEM.
+    Err (*bind_linear)(Backend *be, CkptLinear *w);
+
+    // y[t, r] = sum_c W[r, c] x[t, c] for t < n. y: [n, w->rows], x: [n, w->cols].
+    void (*matmul)(Backend *be, float *y, const CkptLinear *w, const float *x, int n);
+
+    // y[t] = table row ids[t]; y: [n, table->cols]. ids must be < table->rows.
+    void (*embed)(Backend *be, float *y, const CkptLinear *table, const int *ids, int n);
+
+    // y = x * rsqrt(mean(x^2) + eps) * w over the last dim. y may equal x. x: [n, dim].
+    // x and y rows are `stride` floats apart (stride >= dim).
+    void (*rmsnorm)(Backend *be, float *y, const float *x, const float *w, int n, int dim,
+                    int stride, float eps);
+
+    // y = (x - mean) / sqrt(var + eps) * w + b (biased variance). y may equal x.
+    void (*layernorm)(Backend *be, float *y, const float *x, const float *w, const float *b, int n,
+                      int dim, float eps);
+
+    // Interleaved RoPE, in place, on x[t, h, offset .. offset+rope_dim) for t < n, h < H;
+    // rows of a token are `stride` floats apart, heads `head_stride`. Pairs (2i, 2i+1) are
+    // rotated by angle pos[t] * theta^(-2i/rope_dim) and written de-interleaved, as
+    // transformers' apply_rotary_pos_emb_interleave does: out[i] = x[2i] cos - x[2i+1] sin,
+    // out[rope_dim/2 + i] = x[2i+1] cos + x[2i] sin.
+    void (*rope)(Backend *be, float *x, int n, int n_heads, int stride, int head_stride, int offset,
+                 int rope_dim, const int *pos, float theta);
+
+    // y[i] = silu(gate[i]) * up[i] for i < n_elems. y may equal gate.
+    void (*silu_mul)(Backend *be, float *y, const float *gate, const float *up, int n_elems);
+
+    // y[i] += x[i] for i < n_elems.
+    void (*add)(Backend *be, float *y, const float *x, int n_elems);
+
+    // Write src [n, width] into the cache entries of `layer` at positions pos[t] of seq,
+    // floats offset .. offset+width of each entry (see kv_cache.h for the entry layout).
+    void (*kv_write)(Backend *be, KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
+                     int offset, const float *src, int width);
+
+    // Routed experts: out[t] = sum_k wts[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) with
+    // e = idx[t, k]; experts[3 e + 0/1/2] are expert e's gate [I, hidden], up [I, hidden]
+    // and down [hidden, I]. out, x: [n, hidden]; idx, wts: [n, K]. Experts are applied in
+    // ascending order and each token's contributions summed in that order.
+    void (*moe)(Backend *be, float *out, const float *x, int n, const int *idx, const float *wts,
+                int top_k, const CkptLinear *experts, int n_experts);
+
+    // Expert choice from router logits [n, E] and correction bias [E]: idx [n, K] (experts,
+    // ascending) and their weights wts [n, K].
+    void (*route)(Backend *be, int *idx, float *wts, const float *logits, const float *bias, int n,
+                  const BackendRoute *p);
+
+    // DSA top-k for n queries at positions pos[t] of seq, over keys in layer `layer` of the
+    // cache (positions 0 .. pos[t]). q: [n, Hi, Di] (rope applied), w: [n, Hi] (weights_proj
+    // output). Writes sel [n, top_k] (positions ascending) and n_sel [n] = min(top_k,
+    // pos[t] + 1).
+    void (*dsa_topk)(Backend *be, int *sel, int *n_sel, const float *q, const float *w,
+                     const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
+                     const BackendDsa *p);
+
+    // MLA attention for n queries at positions pos[t], from the latents cached in `layer`.
+    // q: [n, H, qk_nope + qk_rope] (rope part rotated); kv_b: kv_b_proj, [H * (qk_nope +
+    // v_dim), kv_lora]; out: [n, H, v_dim]. With sel == NULL every position 0 .. pos[t] is
+    // attended; otherwise only sel[t, 0 .. n_sel[t]) (rows sel_stride apart).
+    void (*mla_attention)(Backend *be, float *out, const float *q, const CkptLinear *kv_b,
+                          const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
+                          const int *sel, const int *n_sel, int sel_stride, const BackendMla *p);
+
+    // Optional (NULL when the backend has none, as the CPU one): record the ops called
+    // between graph_begin and graph_end once and replay them (a CUDA graph). key [n_key]
+    // must name everything host-side those ops' arguments depend on (buffers, shapes, n)
+    // except the KvCache and the sequences' block tables, which the backend takes from kv
+    // and seqs [n_seqs] itself; inputs that vary (positions, token ids) must be in backend
+    // memory, uploaded before graph_begin. Returns true when a recording of this key will
+    // run at graph_end: the caller then skips the ops. graph_end follows every graph_begin.
+    bool (*graph_begin)(Backend *be, const KvCache *kv, KvSeq *const *seqs, int n_seqs,
+                        const unsigned long long *key, int n_key);
+    void (*graph_end)(Backend *be);
+};
+
+// The plain-C11 reference backend: fp32 math (double where a reduction needs it), split
+// over n_threads threads (>= 1) with a thread pool. *out is NULL on failure.
+Err backend_cpu_create(int n_threads, Backend **out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif  // ENGINE_MODEL_BACKEND_H

@@ -1,0 +1,76 @@
+/*
+ * sampler.h - choose the next token from one row of logits.
+ *
+ * Optional penalties on the tokens seen so far (repetition as in Hugging Face: divide a
+ * positive logit, multiply a negative one; presence and frequency as in OpenAI: subtract
+ * presence once and frequency per occurrence), then temperature, then top-k, top-p and
+ * min-p on the remaining distribution, then one draw. Temperature 0 is greedy: the
+ * largest logit, ties to the lowest id. The generator is xorshift64* seeded through
+ * splitmix64, so a seed reproduces the same tokens on every machine.
+ *
+ * Ownership: sampler_init() allocates scratch sized for the vocabulary and
+ *            sampler_free() releases it. Logits are borrowed and are overwritten.
+ * Threads:   one thread at a time per Sampler; each sequence owns one.
+ * Errors:    only sampler_init() can fail (ERR_NOMEM, ERR_INVAL for parameters out of
+ *            range: fcgi/ validates requests, the CLI reports them).
+ */
+#ifndef ENGINE_MODEL_SAMPLER_H
+#define ENGINE_MODEL_SAMPLER_H
+
+#include <stdint.h>
+
+#include "engine/shared/err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct SamplerParams {
+    float temperature;         // 0 means greedy; otherwise > 0
+    int top_k;                 // 0 disables
+    float top_p;               // in (0, 1]; 1 disables
+    float min_p;               // in [0, 1]; 0 disables
+    float repetition_penalty;  // >= 1 (1 or 0 disables)
+    float presence_penalty;    // 0 disables
+    float frequency_penalty;   // 0 disables
+    uint64_t seed;             // same seed and same logits give the same token
+} SamplerParams;
+
+// The defaults: greedy, every filter off, seed 0.
+SamplerParams sampler_default_params(void);
+
+typedef struct SamplerCandidate {
+    int32_t id;
+    float logit;  // scaled logit, then probability after the filters
+} SamplerCandidate;
+
+typedef struct Sampler {
+    SamplerParams params;
+    uint64_t rng;                  // xorshift64* state, advanced per draw
+    int vocab_size;                // entries in every logits row
+    SamplerCandidate *candidates;  // owned scratch, vocab_size entries
+    int32_t *counts;               // owned scratch for penalties, vocab_size entries
+} Sampler;
+
+// Prepare s for a vocabulary of vocab_size tokens. On failure *s is left zeroed, so
+// sampler_free(s) is still safe to call.
+Err sampler_init(Sampler *s, int vocab_size, SamplerParams params);
+
+// Release what sampler_init() allocated and zero *s. Safe on a zeroed Sampler.
+void sampler_free(Sampler *s);
+
+// Apply the penalties for the tokens history[0..n) to logits (vocab_size floats) in place.
+// A no-op when every penalty is disabled.
+void sampler_apply_penalties(Sampler *s, float *logits, const int32_t *history, int n);
+
+// Return the next token. logits holds vocab_size floats; it is read, not kept, and may be
+// modified.
+int32_t sampler_sample(Sampler *s, float *logits);
+
+// A uniform double in [0, 1) from the sampler's generator (exposed for tests).
+double sampler_uniform(Sampler *s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif  // ENGINE_MODEL_SAMPLER_H

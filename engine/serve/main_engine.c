@@ -1,0 +1,687 @@
+/*
+ * main_engine.c - glmspark-engine: claim jobs from PostgreSQL, generate them together
+ * through the scheduler (continuous batching over a pipeline of ranks), stream chunks back.
+ *
+ *   glmspark-engine --model DIR --db CONNINFO [--tokenizer FILE] [--model-name NAME]
+ *                   [--threads N] [--kv-blocks N] [--name NAME] [--lease-s S]
+ *                   [--max-num-seqs N] [--max-num-batched-tokens N] [--prefill-slice N]
+ *                   [--backend cpu|cuda] [--kv-cache-dtype f32|bf16] [--step-delay-ms MS]
+ *                   [--pp N | --rank R --world N --master HOST:PORT [--local-rank L]]
+ *                   [--recipe FILE]
+ *   glmspark-engine --check-recipe FILE
+ *
+ * --recipe FILE (engine/serve/recipe.h, ops/recipes/) supplies model, model_name, tokenizer,
+ * threads, kv_blocks (or max_model_len / block_size), lease_s, max_num_seqs,
+ * max_num_batched_tokens, pipeline_parallel, backend and kv_cache_dtype; flags given on the
+ * command line override it wherever they appear (--prefill-slice is another name for
+ * --max-num-batched-tokens, the scheduler's prefill chunk). --check-recipe validates a
+ * recipe, prints every key's effective value (`key = value`) and exits 0, or 2 naming the
+ * bad key. A kv_cache_dtype the backend cannot store is an error naming the key.
+ *
+ * Ranks (contract C3): --pp N (or pipeline_parallel = N) starts N local ranks of this
+ * command (pp_launch_local); --rank/--world/--master (or OMPI_COMM_WORLD_RANK/SIZE,
+ * PMI_RANK/SIZE, SLURM_PROCID/NTASKS with --master or GLMSPARK_MASTER) make this process
+ * one rank of a pipeline spread over hosts. Every rank plans the same split
+ * (pp_plan_model) and loads only its layers; rank 0 is the serving engine (scheduler,
+ * PostgreSQL), the others serve micro-batches (pp_serve) until rank 0 ends the pipeline.
+ * When a rank fails, rank 0 (pp names the rank and host) hands its jobs back
+ * (jobq_release) and exits 1; the others see the failure through pp_comm's heartbeats and
+ * exit non-zero within seconds.
+ *
+ * Serving loop (rank 0): while the scheduler has room (max_num_seqs, and no claimed job
+ * still waiting for KV blocks) claim jobs and submit them (prompt plus the output earlier
+ * attempts committed); one sched_step; route each token event to its job's output state
+ * (serve_out.h: detokenizer, chat parser, stop strings with hold-back, logprobs, the
+ * forced tool-call opening); then ONE jobq_append_batch for every job with new chunks, an
+ * end, a failure, or a lease due for renewal (every lease_s / 3 s, 1..5). A cancel flag
+ * in its answer cancels the sequence; a job that is no longer ours (ERR_NOTFOUND) is
+ * dropped. The status JSON (serve_stats.h) goes out with jobq_set_stats every second,
+ * busy or idle, which is also the engine heartbeat /health reads; long prefills are cut
+ * into max_num_batched_tokens chunks, so beats never wait for one.
+ *
+ * Resume: a re-claimed job's committed ids are submitted after its prompt and replayed
+ * through the output state without emitting, so the stream continues at the next seq
+ * with no gap and no duplicate.
+ *
+ * The engine holds the queue's advisory lock (one engine cluster per queue); a second one
+ * exits with status 3. When PostgreSQL goes away it drops every sequence (nothing
+ * uncommitted is lost: jobs resume from their committed output), reconnects with
+ * backoff, requeues the jobs and claims again. SIGTERM and SIGINT stop it after the
+ * current step and its commit: running jobs are handed back at once (jobq_release).
+ * --step-delay-ms sleeps after each step (demos and the kill tests).
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine/model/model.h"
+#include "engine/pipeline/pp.h"
+#include "engine/pipeline/scheduler.h"
+#include "engine/serve/jobq.h"
+#include "engine/serve/recipe.h"
+#include "engine/serve/serve_out.h"
+#include "engine/serve/serve_stage.h"
+#include "engine/serve/serve_stats.h"
+#include "engine/shared/err.h"
+#include "engine/shared/tokenizer.h"
+
+static volatile sig_atomic_t is_stopping;
+
+static void on_signal(int sig)
+{
+    (void) sig;
+    is_stopping = 1;
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long) (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+// ---------------------------------------------------------------------------
+// Settings
+
+typedef struct Opts {
+    Recipe r;  // recipe, then flags
+    const char *model_dir, *conninfo, *tok_path, *model_name, *name, *master;
+    int step_delay_ms;
+    int rank, world, local_rank;  // rank -1: not a pipeline rank
+    bool is_pp_flag;              // --pp given (else pipeline_parallel from the recipe)
+} Opts;
+
+// Flags that set a recipe key (validated as in a file).
+static const struct {
+    const char *flag, *key;
+} KEY_FLAGS[] = {
+    {"--model", "model"},
+    {"--tokenizer", "tokenizer"},
+    {"--model-name", "model_name"},
+    {"--threads", "threads"},
+    {"--kv-blocks", "kv_blocks"},
+    {"--lease-s", "lease_s"},
+    {"--max-num-seqs", "max_num_seqs"},
+    {"--max-num-batched-tokens", "max_num_batched_tokens"},
+    {"--prefill-slice", "max_num_batched_tokens"},
+    {"--pp", "pipeline_parallel"},
+    {"--backend", "backend"},
+    {"--kv-cache-dtype", "kv_cache_dtype"},
+    {"--mtp", "mtp_tokens"},
+    {"--max-model-len", "max_model_len"},
+    {"--block-size", "block_size"},
+};
+
+static int usage(void)
+{
+    fprintf(stderr,
+            "usage: glmspark-engine --model DIR --db CONNINFO [--tokenizer FILE]\n"
+            "       [--model-name NAME] [--threads N] [--kv-blocks N] [--name NAME] [--lease-s S]\n"
+            "       [--max-num-seqs N] [--max-num-batched-tokens N] [--prefill-slice N]\n"
+            "       [--backend cpu|cuda] [--kv-cache-dtype f32|bf16] [--max-model-len N]\n"
+            "       [--block-size N] [--step-delay-ms MS] [--recipe FILE]\n"
+            "       [--pp N | --rank R --world N --master HOST:PORT [--local-rank L]]\n"
+            "       glmspark-engine --check-recipe FILE\n");
+    return 2;
+}
+
+static bool parse_int(const char *s, int lo, int hi, int *out)
+{
+    char *end;
+    const long v = strtol(s, &end, 10);
+    if (end == s || *end || v < lo || v > hi) return false;
+    *out = (int) v;
+    return true;
+}
+
+// Recipe first (wherever --recipe appears), then flags. Returns 0 or main's exit status.
+static int parse_opts(int argc, char **argv, Opts *o)
+{
+    memset(o, 0, sizeof *o);
+    o->conninfo = getenv("GLMSPARK_DB");
+    o->rank = -1;
+    recipe_defaults(&o->r);
+    for (int i = 1; i + 1 < argc; i += 2)
+        if (!strcmp(argv[i], "--recipe") && recipe_load(&o->r, argv[i + 1])) return 2;
+    for (int i = 1; i < argc; i += 2) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!v) return usage();
+        bool ok = true, known = false;
+        for (size_t k = 0; k < sizeof KEY_FLAGS / sizeof KEY_FLAGS[0]; k++)
+            if (!strcmp(a, KEY_FLAGS[k].flag)) {
+                known = true;
+                if (recipe_set(&o->r, KEY_FLAGS[k].key, v, "command line")) return 2;
+            }
+        if (!strcmp(a, "--pp")) o->is_pp_flag = true;
+        if (known) continue;
+        if (!strcmp(a, "--db")) o->conninfo = v;
+        else if (!strcmp(a, "--name")) o->name = v;
+        else if (!strcmp(a, "--master")) o->master = v;
+        else if (!strcmp(a, "--step-delay-ms")) ok = parse_int(v, 0, 600000, &o->step_delay_ms);
+        else if (!strcmp(a, "--rank")) ok = parse_int(v, 0, PP_MAX_WORLD - 1, &o->rank);
+        else if (!strcmp(a, "--world")) ok = parse_int(v, 1, PP_MAX_WORLD, &o->world);
+        else if (!strcmp(a, "--local-rank")) ok = parse_int(v, 0, 1023, &o->local_rank);
+        else if (strcmp(a, "--recipe") != 0) return usage();
+        if (!ok) {
+            fprintf(stderr, "glmspark-engine: bad value for %s: \"%s\"\n", a, v);
+            return usage();
+        }
+    }
+    if (o->r.model[0]) o->model_dir = o->r.model;
+    if (o->r.tokenizer[0]) o->tok_path = o->r.tokenizer;
+    if (o->r.model_name[0]) o->model_name = o->r.model_name;
+    if (!o->master) o->master = getenv("GLMSPARK_MASTER");
+    if (o->rank < 0 && !o->is_pp_flag && pp_rank_from_env(&o->rank, &o->world)) {
+        const char *local = getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+        if (!local) local = getenv("SLURM_LOCALID");
+        if (local && atoi(local) > 0) o->local_rank = atoi(local);
+    }
+    if (o->rank >= 0 && o->world == 0) o->world = o->r.pipeline_parallel;
+    if (!o->model_dir) return usage();
+    if (o->rank >= 0 && (o->rank >= o->world || (o->world > 1 && !o->master))) {
+        fprintf(stderr, "glmspark-engine: --rank must be below --world, and a pipeline rank "
+                        "needs --master HOST:PORT (or GLMSPARK_MASTER)\n");
+        return usage();
+    }
+    if (o->rank <= 0 && !o->conninfo) {
+        fprintf(stderr, "glmspark-engine: the serving rank needs --db CONNINFO (or GLMSPARK_DB)\n");
+        return usage();
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------
+// Engine state
+
+typedef struct Job {
+    bool is_live;
+    JobqJob job;
+    ServeOut out;
+    const char *finish;  // non-NULL: finish the job at the next commit
+    const char *error;   // non-NULL: fail the job (message for the client) at the next commit
+    int n_gen;           // tokens generated by this attempt
+    double last_lease;   // monotonic time of the last append or renewal
+} Job;
+
+typedef struct Engine {
+    Opts *o;
+    ServeStage st;  // this rank's backend, layers, KV cache and pipeline stage
+    Tokenizer *tok;
+    JobQueue *q;
+    Scheduler *sched;
+    Job *jobs;  // [max_num_seqs]
+    int n_slots;
+    double beat_s;
+    ServeStats stats;
+    int step_seqs, step_gen;  // of the current step, counted by on_event
+    double last_stats;
+} Engine;
+
+static Job *find_job(Engine *e, uint64_t id)
+{
+    for (int i = 0; i < e->n_slots; i++)
+        if (e->jobs[i].is_live && (uint64_t) e->jobs[i].job.id == id) return &e->jobs[i];
+    return NULL;
+}
+
+static int n_live(const Engine *e)
+{
+    int n = 0;
+    for (int i = 0; i < e->n_slots; i++) n += e->jobs[i].is_live;
+    return n;
+}
+
+static void job_drop(Job *j)
+{
+    serve_out_free(&j->out);
+    jobq_job_free(&j->job);
+    memset(j, 0, sizeof *j);
+}
+
+// A token event: through the job's output state; the last event ends the job.
+static void on_event(void *user, const SchedEvent *ev)
+{
+    Engine *e = user;
+    if (ev->token >= 0) {
+        e->step_seqs++;
+        e->step_gen++;
+    }
+    Job *j = find_job(e, ev->id);
+    if (!j || j->finish || j->error) return;  // already ending (a stop string, a failure)
+    // SCHED_FINISH_STOP's token is an end-of-sequence id: not part of the output.
+    if (ev->token >= 0 && ev->finish != SCHED_FINISH_STOP) {
+        j->n_gen++;
+        if (serve_out_token(&j->out, ev->token, ev->logprob, ev->top_ids, ev->top_logprobs,
+                            ev->n_top)) {
+            j->error = "out of memory";
+            sched_cancel(e->sched, ev->id);
+            return;
+        }
+        if (j->out.is_stopped) {  // a stop string matched
+            j->finish = "stop";
+            sched_cancel(e->sched, ev->id);
+            return;
+        }
+    }
+    switch (ev->finish) {
+    case SCHED_FINISH_NONE:
+        return;
+    case SCHED_FINISH_LENGTH:
+        j->finish = "length";
+        break;
+    case SCHED_FINISH_STOP:
+        j->finish = "stop";
+        break;
+    case SCHED_FINISH_CANCELLED:
+        j->finish = "cancelled";
+        return;
+    case SCHED_FINISH_ERROR:
+        j->error = "the prompt and max_tokens do not fit in the KV cache";
+        return;
+    }
+    if (serve_out_end(&j->out)) j->error = "out of memory";
+}
+
+// Start a claimed job: its output state, the replay of committed output, the request.
+static void job_start(Engine *e, Job *j)
+{
+    const JobqJob *job = &j->job;
+    const char *msg = NULL;
+    const uint64_t seed = (uint64_t) job->id * 0x9E3779B97F4A7C15ull + (uint64_t) job->attempt;
+    if (serve_out_init(&j->out, e->tok, job, seed, &msg)) {
+        j->error = msg;
+        return;
+    }
+    Sampler s = {0};
+    const bool bad_params = sampler_init(&s, e->st.cfg->vocab_size, j->out.sampling) != ERR_OK;
+    sampler_free(&s);
+    if (bad_params) {
+        j->error = "invalid sampling parameters";
+        return;
+    }
+    if (serve_out_replay(&j->out, job->committed_ids, job->n_committed)) {
+        j->error = "out of memory";
+        return;
+    }
+    const int rest = job->max_tokens - job->n_committed;
+    if (rest <= 0 || j->out.is_stopped) {  // it ended before the interruption
+        j->finish = j->out.is_stopped ? "stop" : "length";
+        if (serve_out_end(&j->out)) j->error = "out of memory";
+        return;
+    }
+    const int n = job->n_prompt + job->n_committed;
+    int32_t *ids = malloc((size_t) n * sizeof *ids);
+    if (!ids) {
+        j->error = "out of memory";
+        return;
+    }
+    memcpy(ids, job->prompt_ids, (size_t) job->n_prompt * sizeof *ids);
+    if (job->n_committed)
+        memcpy(ids + job->n_prompt, job->committed_ids, (size_t) job->n_committed * sizeof *ids);
+    const SchedRequest r = {.id = (uint64_t) job->id,
+                            .prompt = ids,
+                            .n_prompt = n,
+                            .max_tokens = rest,
+                            .sampling = j->out.sampling,
+                            .n_top_logprobs = j->out.n_top_logprobs};
+    const Err err = sched_submit(e->sched, &r);
+    free(ids);
+    if (err) {
+        j->error = "the request could not be scheduled (token ids outside the vocabulary?)";
+        return;
+    }
+    serve_stats_prompt(&e->stats, n);
+    int n_force;
+    const int32_t *force = serve_out_force(&j->out, &n_force);
+    if (force) sched_force(e->sched, (uint64_t) job->id, force, n_force);
+}
+
+// Claim jobs while the scheduler has room: a free slot, and no claimed job still waiting
+// for KV blocks (so we never hold a job the cache cannot admit soon).
+static Err claim_jobs(Engine *e, double now)
+{
+    for (;;) {
+        SchedStats st;
+        sched_stats(e->sched, &st);
+        if (st.n_waiting > 0 || n_live(e) >= e->n_slots || is_stopping) return ERR_OK;
+        Job *j = NULL;
+        for (int i = 0; i < e->n_slots && !j; i++)
+            if (!e->jobs[i].is_live) j = &e->jobs[i];
+        const Err err = jobq_claim(e->q, &j->job);
+        if (err == ERR_NOTFOUND) return ERR_OK;
+        if (err) return err;
+        j->is_live = true;
+        j->last_lease = now;
+        LOG_INFO("engine: job %s claimed (attempt %d, %d prompt + %d committed tokens)",
+                 j->job.public_id, j->job.attempt, j->job.n_prompt, j->job.n_committed);
+        job_start(e, j);
+        if (j->error) LOG_ERROR("engine: job %s failed: %s", j->job.public_id, j->error);
+    }
+}
+
+// One jobq_append_batch for every job with output, an end, or a lease due.
+static Err commit(Engine *e, double now)
+{
+    JobqAppend items[PP_MAX_SLOTS];
+    Job *who[PP_MAX_SLOTS];
+    int n = 0;
+    for (int i = 0; i < e->n_slots; i++) {
+        Job *j = &e->jobs[i];
+        if (!j->is_live) continue;
+        int n_chunks = 0;
+        const JobqChunk *chunks = serve_out_chunks(&j->out, &n_chunks);
+        if (!chunks && !j->error) {
+            j->error = "out of memory";
+            sched_cancel(e->sched, (uint64_t) j->job.id);
+        }
+        if (n_chunks == 0 && !j->finish && !j->error && now - j->last_lease < e->beat_s) continue;
+        items[n] = (JobqAppend){.job = &j->job,
+                                .chunks = chunks,
+                                .n_chunks = chunks ? n_chunks : 0,
+                                .finish_reason = j->error ? NULL : j->finish,
+                                .error = j->error};
+        who[n++] = j;
+    }
+    if (n == 0) return ERR_OK;
+    const Err err = jobq_append_batch(e->q, items, n);
+    if (err) return err;
+    for (int i = 0; i < n; i++) {
+        Job *j = who[i];
+        const uint64_t id = (uint64_t) j->job.id;
+        if (items[i].result == ERR_NOTFOUND) {
+            LOG_WARN("engine: job %s is no longer ours (taken over or ended elsewhere); dropped",
+                     j->job.public_id);
+            sched_cancel(e->sched, id);
+            job_drop(j);
+            continue;
+        }
+        serve_out_clear_step(&j->out);
+        j->last_lease = now;
+        if (j->error) {
+            LOG_ERROR("engine: job %s failed: %s", j->job.public_id, j->error);
+            job_drop(j);
+        } else if (j->finish) {
+            LOG_INFO("engine: job %s %s after %d tokens (attempt %d)", j->job.public_id,
+                     j->finish, j->job.n_committed + j->n_gen, j->job.attempt);
+            job_drop(j);
+        } else if (items[i].is_cancelled) {
+            sched_cancel(e->sched, id);
+        }
+    }
+    return ERR_OK;
+}
+
+// Cancel every sequence and run the pipeline empty; the jobs stay (the caller releases or
+// drops them: nothing they got since the last commit is kept).
+static Err drain(Engine *e)
+{
+    for (int i = 0; i < e->n_slots; i++)
+        if (e->jobs[i].is_live) sched_cancel(e->sched, (uint64_t) e->jobs[i].job.id);
+    Err err = ERR_OK;
+    while (!err && sched_has_work(e->sched)) err = sched_step(e->sched);
+    return err;
+}
+
+// Hand every job back to the queue (SIGTERM, a failed rank) and forget it. Output since
+// the last commit is not kept: the next claim resumes from what was committed.
+static void release_all(Engine *e)
+{
+    int n = 0;
+    for (int i = 0; i < e->n_slots; i++) {
+        Job *j = &e->jobs[i];
+        if (!j->is_live) continue;
+        if (jobq_release(e->q, &j->job) == ERR_OK) n++;
+        job_drop(j);
+    }
+    if (n) LOG_INFO("engine: %d running jobs handed back to the queue", n);
+}
+
+static void publish_stats(Engine *e, const char *state, double now)
+{
+    ServeStats *s = &e->stats;
+    SchedStats st = {0};
+    if (e->sched) sched_stats(e->sched, &st);
+    s->state = state;
+    s->running = st.n_running;
+    s->waiting = st.n_waiting;
+    s->inflight = st.n_inflight;
+    s->kv_blocks_used = e->st.kv.params.n_blocks - kv_n_free_blocks(&e->st.kv);
+    struct timespec wall;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    char *json = serve_stats_json(s, now, (double) wall.tv_sec + wall.tv_nsec / 1e9);
+    if (json && jobq_set_stats(e->q, json) == ERR_OK) e->last_stats = now;
+    free(json);
+}
+
+// The serving loop. Returns ERR_OK when stopped by a signal, ERR_DB when the database
+// went away (the caller reconnects), ERR_IO when the pipeline failed, ERR_AGAIN when
+// another engine took the queue.
+static Err serve(Engine *e)
+{
+    double last_empty_claim = -1;
+    for (;;) {
+        double now = serve_stats_now();
+        Err err = ERR_OK;
+        // Claim at once when the last claim found a job, else at most every 100 ms while
+        // busy (each claim is a round trip).
+        if (!is_stopping && now - last_empty_claim >= 0.1) {
+            const int before = n_live(e);
+            if ((err = claim_jobs(e, now))) return err;
+            if (n_live(e) == before) last_empty_claim = now;
+        }
+        const bool has_work = sched_has_work(e->sched);
+        if (has_work) {
+            SchedStats a, b;
+            sched_stats(e->sched, &a);
+            e->step_seqs = e->step_gen = 0;
+            now = serve_stats_now();
+            if ((err = sched_step(e->sched))) return ERR_IO;
+            sched_stats(e->sched, &b);
+            const double t = serve_stats_now();
+            const ServeStep step = {t, (float) ((t - now) * 1e3), e->step_seqs,
+                                    (int) (b.n_tokens - a.n_tokens), e->step_gen};
+            serve_stats_step(&e->stats, &step);
+            now = t;
+            for (int i = 0; i < e->n_slots; i++) {  // tool-call openings due now
+                Job *j = &e->jobs[i];
+                int n;
+                const int32_t *force = j->is_live ? serve_out_force(&j->out, &n) : NULL;
+                if (force) sched_force(e->sched, (uint64_t) j->job.id, force, n);
+            }
+        }
+        if ((err = commit(e, now))) return err;
+        if (now - e->last_stats >= 1.0) publish_stats(e, is_stopping ? "stopping" : "ready", now);
+        if (is_stopping) return ERR_OK;
+        if (has_work) {
+            if (e->o->step_delay_ms > 0) sleep_ms(e->o->step_delay_ms);
+        } else if (n_live(e) == 0) {
+            if ((err = jobq_wait(e->q, 1000))) return err;
+            last_empty_claim = -1;  // woken (or a second passed): claim now
+        }
+    }
+}
+
+static void engine_free(Engine *e)
+{
+    for (int i = 0; e->jobs && i < e->n_slots; i++)
+        if (e->jobs[i].is_live) job_drop(&e->jobs[i]);
+    free(e->jobs);
+    sched_destroy(e->sched);
+    jobq_destroy(e->q);
+    serve_stage_free(&e->st);
+    tok_destroy(e->tok);
+}
+
+// A rank > 0: load, connect, serve micro-batches until rank 0 ends the pipeline.
+static int run_stage_rank(Opts *o)
+{
+    Engine e = {.o = o};
+    // SIGTERM reaches every rank (the local launcher forwards it, cleanup.sh signals
+    // each): rank 0 stops in order and ends the pipeline, or its failure ends ours.
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
+    int rc = 1;
+    if (!serve_stage_load(&e.st, &o->r, o->model_dir, o->local_rank, o->rank, o->world) &&
+        !serve_stage_connect(&e.st, o->rank, o->world, o->master))
+        rc = pp_serve(e.st.stage) ? 1 : 0;
+    engine_free(&e);
+    return rc;
+}
+
+// Rank 0 (or the only rank): the serving engine.
+static int run_engine(Opts *o)
+{
+    Engine e = {.o = o};
+    const int world = o->rank >= 0 ? o->world : 1;
+    int rc = 1;
+    char tok_default[4096], name_buf[256], host[128] = "engine";
+    gethostname(host, sizeof host - 1);
+    if (!o->tok_path) {
+        snprintf(tok_default, sizeof tok_default, "%s/tokenizer.json", o->model_dir);
+        o->tok_path = tok_default;
+    }
+    if (!o->model_name) {
+        size_t n = strlen(o->model_dir);
+        while (n > 1 && o->model_dir[n - 1] == '/') n--;
+        size_t start = n;
+        while (start > 0 && o->model_dir[start - 1] != '/') start--;
+        snprintf(name_buf, sizeof name_buf, "%.*s", (int) (n - start), o->model_dir + start);
+        o->model_name = name_buf;
+    }
+    if (!o->name) o->name = host;
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    e.beat_s = o->r.lease_s / 3 < 1 ? 1 : o->r.lease_s / 3 > 5 ? 5 : o->r.lease_s / 3;
+    e.n_slots = o->r.max_num_seqs;
+
+    // Load first: a model that cannot load should not take the queue.
+    if (serve_stage_load(&e.st, &o->r, o->model_dir, o->local_rank, 0, world)) goto done;
+    if (tok_load(&e.tok, o->tok_path)) {
+        fprintf(stderr, "glmspark-engine: could not load the tokenizer \"%s\"\n", o->tok_path);
+        goto done;
+    }
+    if (!(e.jobs = calloc((size_t) e.n_slots, sizeof *e.jobs))) goto done;
+    ServeStats *st = &e.stats;
+    st->backend = recipe_backend_name(o->r.backend);
+    st->model = o->model_name;
+    st->world = world;
+    for (int r = 0; r < world; r++)
+        st->ranks[r] = (ServeRank){.state = "loading",
+                                   .first_layer = e.st.plan.ranks[r].first_layer,
+                                   .last_layer = e.st.plan.ranks[r].last_layer,
+                                   .weight_bytes = e.st.plan.ranks[r].weight_bytes};
+    snprintf(st->ranks[0].host, sizeof st->ranks[0].host, "%.63s", host);
+    st->ranks[0].pid = (int) getpid();
+    st->ranks[0].load_fraction = 1.0;
+    st->kv_blocks_total = e.st.kv.params.n_blocks;
+    st->kv_block_size = e.st.kv.params.block_size;
+    st->max_num_seqs = e.n_slots;
+
+    JobqOptions qo = {.conninfo = o->conninfo, .engine_name = o->name, .model = o->model_name,
+                      .is_exclusive = true, .lease_s = o->r.lease_s};
+    for (int delay = 100;;) {
+        const Err err = jobq_create(&qo, &e.q);
+        if (err == ERR_AGAIN) {
+            fprintf(stderr, "glmspark-engine: another engine is serving this queue; exiting\n");
+            rc = 3;
+            goto done;
+        }
+        if (!err) break;
+        if (is_stopping) goto done;
+        sleep_ms(delay);
+        delay = delay * 2 > 5000 ? 5000 : delay * 2;
+    }
+    publish_stats(&e, "loading", serve_stats_now());
+    if (serve_stage_connect(&e.st, 0, world, o->master)) goto done;
+    for (int r = 0; r < world; r++) {
+        st->ranks[r].state = "up";
+        st->ranks[r].load_fraction = 1.0;
+        if (r > 0) {
+            snprintf(st->ranks[r].host, sizeof st->ranks[r].host, "%s", pp_rank_host(e.st.stage, r));
+            st->ranks[r].pid = pp_rank_pid(e.st.stage, r);
+        }
+    }
+    const SchedParams sp = {.max_num_seqs = e.n_slots,
+                            .max_num_batched_tokens = o->r.max_num_batched_tokens,
+                            .mtp_k = o->r.mtp_tokens,
+                            .on_event = on_event,
+                            .user = &e};
+    if (sched_create(e.st.stage, &e.st.model, &e.st.kv, &sp, &e.sched)) goto done;
+    int n_requeued = 0;
+    if (jobq_recover(e.q, &n_requeued)) goto done;
+    LOG_INFO("engine: serving \"%s\" as \"%s\" (%d KV blocks); %d interrupted jobs requeued",
+             o->model_name, o->name, e.st.kv.params.n_blocks, n_requeued);
+    LOG_INFO("engine: %d ranks, backend %s, max_num_seqs %d, max_num_batched_tokens %d, "
+             "mtp_tokens %d",
+             world, st->backend, e.n_slots, o->r.max_num_batched_tokens, o->r.mtp_tokens);
+
+    for (;;) {
+        const Err err = serve(&e);
+        if (err == ERR_OK) break;  // a signal
+        if (err == ERR_IO) {
+            LOG_ERROR("engine: the pipeline failed (the rank and host are named above); handing "
+                      "%d jobs back and exiting",
+                      n_live(&e));
+            for (int r = 1; r < world; r++) st->ranks[r].state = "down";
+            release_all(&e);
+            publish_stats(&e, "stopping", serve_stats_now());
+            goto done;
+        }
+        if (err == ERR_AGAIN) {
+            fprintf(stderr, "glmspark-engine: lost the queue to another engine; exiting\n");
+            rc = 3;
+            goto done;
+        }
+        // ERR_DB: drop every sequence (their output resumes from what was committed),
+        // reconnect, requeue our jobs, claim again.
+        if (drain(&e)) goto done;
+        for (int i = 0; i < e.n_slots; i++)
+            if (e.jobs[i].is_live) job_drop(&e.jobs[i]);
+        Err rerr = ERR_DB;
+        while (rerr == ERR_DB && !is_stopping) rerr = jobq_reconnect(e.q, 2000);
+        if (rerr == ERR_AGAIN) {
+            fprintf(stderr, "glmspark-engine: lost the queue to another engine; exiting\n");
+            rc = 3;
+            goto done;
+        }
+        if (rerr) break;  // stopping while the database is away: the leases run out
+        if (jobq_recover(e.q, NULL) == ERR_DB) continue;
+    }
+    LOG_INFO("engine: stopping");
+    const Err derr = drain(&e);
+    release_all(&e);
+    publish_stats(&e, "stopping", serve_stats_now());
+    if (derr || pp_end(e.st.stage)) goto done;
+    rc = 0;
+done:
+    engine_free(&e);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 3 && !strcmp(argv[1], "--check-recipe")) {
+        Recipe recipe;
+        recipe_defaults(&recipe);
+        if (recipe_load(&recipe, argv[2])) return 2;
+        for (int k = 0; k < recipe_n_keys(); k++) {
+            char val[RECIPE_MAX_STR + 8];
+            printf("%s = %s\n", recipe_key_name(k), recipe_format_value(&recipe, k, val, sizeof val));
+        }
+        return 0;
+    }
+    Opts o;
+    const int rc = parse_opts(argc, argv, &o);
+    if (rc) return rc;
+    // pp_launch_local re-executes this program with its argv after a program name (it
+    // serves `glmspark <cmd>`, whose argv starts at the command): ours starts at argv[1].
+    if (o.rank < 0 && o.r.pipeline_parallel > 1)
+        return pp_launch_local(argc - 1, argv + 1, o.r.pipeline_parallel);
+    if (o.rank > 0) return run_stage_rank(&o);
+    return run_engine(&o);
+}

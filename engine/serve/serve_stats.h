@@ -1,0 +1,77 @@
+/*
+ * serve_stats.h - glmspark-engine's status JSON (contract C2 of session 13): what the
+ * engine publishes with jobq_set_stats() every heartbeat and `glmspark status` / /metrics
+ * read back from engines.stats.
+ *
+ * The engine records every scheduler step (serve_stats_step: its duration, the sequences
+ * that got a token, the tokens it put through the model, the tokens it generated) and
+ * every admitted prompt; serve_stats_json() turns the last window_s seconds of steps
+ * into averages (step_ms_avg/max, batch_seqs_avg, batch_tokens_avg, tokens_per_s) next to
+ * the totals, the KV cache occupancy and the pipeline's ranks. Every key of C2 is always
+ * present.
+ *
+ * Ownership: ServeStats is plain data plus a fixed ring; serve_stats_json returns a
+ *            malloc'd string the caller frees.
+ * Threads:   one thread.
+ * Errors:    serve_stats_json returns NULL on ERR_NOMEM.
+ */
+#ifndef ENGINE_SERVE_SERVE_STATS_H
+#define ENGINE_SERVE_SERVE_STATS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "engine/pipeline/pp.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { SERVE_STATS_RING = 4096, SERVE_STATS_WINDOW_S = 10 };
+
+typedef struct ServeStep {
+    double t;        // monotonic seconds at the step's end
+    float ms;        // its duration
+    int n_seqs;      // sequences that got a token
+    int n_tokens;    // tokens through the model (prefill + decode)
+    int n_generated;
+} ServeStep;
+
+typedef struct ServeRank {
+    char host[64];
+    int pid;
+    const char *state;  // "up", "down", "loading"
+    int first_layer, last_layer;
+    uint64_t weight_bytes;
+    double load_fraction;
+} ServeRank;
+
+typedef struct ServeStats {
+    // Set by the engine
+    const char *backend, *model, *state;
+    int world;
+    ServeRank ranks[PP_MAX_WORLD];
+    int kv_blocks_total, kv_blocks_used, kv_block_size;
+    int max_num_seqs, running, waiting, inflight;
+    // Kept by serve_stats_step / serve_stats_prompt
+    uint64_t steps_total, prompt_tokens_total, generated_tokens_total;
+    ServeStep ring[SERVE_STATS_RING];
+    int head, n;  // oldest at head
+} ServeStats;
+
+// Monotonic seconds (CLOCK_MONOTONIC).
+double serve_stats_now(void);
+
+// Record one scheduler step that ended at `t` (serve_stats_now()).
+void serve_stats_step(ServeStats *s, const ServeStep *step);
+
+// Count an admitted prompt of n tokens.
+void serve_stats_prompt(ServeStats *s, int n);
+
+// The C2 JSON as of now (monotonic now_mono, wall clock now_unix); malloc'd.
+char *serve_stats_json(const ServeStats *s, double now_mono, double now_unix);
+
+#ifdef __cplusplus
+}
+#endif
+#endif  // ENGINE_SERVE_SERVE_STATS_H
