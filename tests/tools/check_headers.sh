@@ -1,6 +1,7 @@
 #!/bin/sh
 # check_headers.sh SRCDIR CC CXX - every header compiles on its own, as C11 and as C++
-# (../shared/STYLE.md §2.3). Kernel headers are checked only where CUDA headers exist.
+# (self-contained headers, usable from C++). Kernel headers are checked only where CUDA
+# headers exist.
 set -eu
 src=$1 cc=$2 cxx=$3
 tmp=$(mktemp -d)
