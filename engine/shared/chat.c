@@ -5,8 +5,8 @@
  * runs it (trim_blocks, lstrip_blocks, its own tojson filter), so every rule below points
  * at a template construct: visible_text() is the template's macro of the same name,
  * py_strip() is Python's str.strip(), py_dumps() is json.dumps(ensure_ascii=False).
- * Output goes to a growable buffer whose allocation failure is sticky: code appends
- * freely and the one check sits at the end.
+ * Output goes to a Buf (buf.h), whose allocation failure is sticky: code appends freely
+ * and the one check sits at the end.
  *
  * The parser keeps one buffer: in text states it holds only the suffix that could still
  * grow into a tag (at most 11 bytes), inside <tool_call> the whole call body.
@@ -20,45 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/shared/buf.h"
+
 // ---------------------------------------------------------------------------
-// Growable byte buffer with sticky allocation failure
-
-typedef struct Buf {
-    char *p;  // [cap], NUL-terminated when n < cap
-    size_t n, cap;
-    bool oom;
-} Buf;
-
-static void buf_put(Buf *b, const char *s, size_t n)
-{
-    if (b->oom) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n + 1)
-            cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    if (n) memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = '\0';
-}
-
-static void buf_puts(Buf *b, const char *s)
-{
-    buf_put(b, s, strlen(s));
-}
-
-static void buf_free(Buf *b)
-{
-    free(b->p);
-    *b = (Buf){0};
-}
+// Helpers
 
 // json-c's getters do not modify their argument but are declared without const.
 static json_object *jmut(const json_object *o)
@@ -175,15 +140,15 @@ static size_t find(const char *s, size_t n, const char *needle, bool last)
 static void py_float_repr(double d, Buf *out)
 {
     if (isnan(d)) {
-        buf_puts(out, "NaN");
+        buf_adds(out, "NaN");
         return;
     }
     if (isinf(d)) {
-        buf_puts(out, d < 0 ? "-Infinity" : "Infinity");
+        buf_adds(out, d < 0 ? "-Infinity" : "Infinity");
         return;
     }
     if (d == 0) {
-        buf_puts(out, signbit(d) ? "-0.0" : "0.0");
+        buf_adds(out, signbit(d) ? "-0.0" : "0.0");
         return;
     }
     char tmp[48];
@@ -194,7 +159,7 @@ static void py_float_repr(double d, Buf *out)
     // tmp is "[-]D[.DDD]e[+-]XX": split into sign, digits and the decimal exponent.
     const char *p = tmp;
     if (*p == '-') {
-        buf_put(out, "-", 1);
+        buf_add(out, "-", 1);
         p++;
     }
     char digits[24];
@@ -208,36 +173,36 @@ static void py_float_repr(double d, Buf *out)
     const int decpt = exp10 + 1;  // digits[0..decpt) precede the decimal point
     if (exp10 >= -4 && exp10 < 16) {
         if (decpt <= 0) {
-            buf_puts(out, "0.");
+            buf_adds(out, "0.");
             for (int i = 0; i < -decpt; i++)
-                buf_put(out, "0", 1);
-            buf_put(out, digits, (size_t) n_digits);
+                buf_add(out, "0", 1);
+            buf_add(out, digits, (size_t) n_digits);
         } else if (decpt >= n_digits) {
-            buf_put(out, digits, (size_t) n_digits);
+            buf_add(out, digits, (size_t) n_digits);
             for (int i = n_digits; i < decpt; i++)
-                buf_put(out, "0", 1);
-            buf_puts(out, ".0");
+                buf_add(out, "0", 1);
+            buf_adds(out, ".0");
         } else {
-            buf_put(out, digits, (size_t) decpt);
-            buf_put(out, ".", 1);
-            buf_put(out, digits + decpt, (size_t) (n_digits - decpt));
+            buf_add(out, digits, (size_t) decpt);
+            buf_add(out, ".", 1);
+            buf_add(out, digits + decpt, (size_t) (n_digits - decpt));
         }
     } else {
-        buf_put(out, digits, 1);
+        buf_add(out, digits, 1);
         if (n_digits > 1) {
-            buf_put(out, ".", 1);
-            buf_put(out, digits + 1, (size_t) (n_digits - 1));
+            buf_add(out, ".", 1);
+            buf_add(out, digits + 1, (size_t) (n_digits - 1));
         }
         char e[16];
         snprintf(e, sizeof e, "e%c%02d", exp10 < 0 ? '-' : '+', abs(exp10));
-        buf_puts(out, e);
+        buf_adds(out, e);
     }
 }
 
 static void py_string(const char *s, size_t n, Buf *out)
 {
     size_t start = 0;  // first byte not yet copied
-    buf_put(out, "\"", 1);
+    buf_add(out, "\"", 1);
     for (size_t i = 0; i < n; i++) {
         const unsigned char c = (unsigned char) s[i];
         const char *esc = NULL;
@@ -271,12 +236,12 @@ static void py_string(const char *s, size_t n, Buf *out)
             }
         }
         if (!esc) continue;
-        buf_put(out, s + start, i - start);
-        buf_puts(out, esc);
+        buf_add(out, s + start, i - start);
+        buf_adds(out, esc);
         start = i + 1;
     }
-    buf_put(out, s + start, n - start);
-    buf_put(out, "\"", 1);
+    buf_add(out, s + start, n - start);
+    buf_add(out, "\"", 1);
 }
 
 static void py_dumps(const json_object *o, Buf *out);
@@ -286,10 +251,10 @@ static void py_dumps(const json_object *o, Buf *out)
     char num[32];
     switch (o ? json_object_get_type(o) : json_type_null) {
     case json_type_null:
-        buf_puts(out, "null");
+        buf_adds(out, "null");
         break;
     case json_type_boolean:
-        buf_puts(out, json_object_get_boolean(o) ? "true" : "false");
+        buf_adds(out, json_object_get_boolean(o) ? "true" : "false");
         break;
     case json_type_int: {
         const int64_t v = json_object_get_int64(o);
@@ -299,7 +264,7 @@ static void py_dumps(const json_object *o, Buf *out)
         } else {
             snprintf(num, sizeof num, "%lld", (long long) v);
         }
-        buf_puts(out, num);
+        buf_adds(out, num);
         break;
     }
     case json_type_double:
@@ -310,26 +275,26 @@ static void py_dumps(const json_object *o, Buf *out)
         break;
     case json_type_array: {
         const size_t n = json_object_array_length(o);
-        buf_put(out, "[", 1);
+        buf_add(out, "[", 1);
         for (size_t i = 0; i < n; i++) {
-            if (i) buf_put(out, ", ", 2);
+            if (i) buf_add(out, ", ", 2);
             py_dumps(json_object_array_get_idx(o, i), out);
         }
-        buf_put(out, "]", 1);
+        buf_add(out, "]", 1);
         break;
     }
     case json_type_object: {
         bool first = true;
-        buf_put(out, "{", 1);
+        buf_add(out, "{", 1);
         json_object_object_foreach(jmut(o), key, val)
         {
-            if (!first) buf_put(out, ", ", 2);
+            if (!first) buf_add(out, ", ", 2);
             first = false;
             py_string(key, strlen(key), out);
-            buf_put(out, ": ", 2);
+            buf_add(out, ": ", 2);
             py_dumps(val, out);
         }
-        buf_put(out, "}", 1);
+        buf_add(out, "}", 1);
         break;
     }
     }
@@ -339,8 +304,8 @@ Err chat_json_dumps(const json_object *value, char **out, size_t *n_out)
 {
     Buf b = {0};
     py_dumps(value, &b);
-    buf_put(&b, "", 0);
-    if (b.oom) {
+    buf_add(&b, "", 0);
+    if (b.is_oom) {
         buf_free(&b);
         LOG_ERROR("could not allocate a JSON string");
         return ERR_NOMEM;
@@ -402,7 +367,7 @@ static Err visible_text(const json_object *content, const char *path, Buf *dst, 
     case json_type_null:
         return ERR_OK;
     case json_type_string:
-        buf_put(dst, json_object_get_string(jmut(content)),
+        buf_add(dst, json_object_get_string(jmut(content)),
                 (size_t) json_object_get_string_len(content));
         return ERR_OK;
     case json_type_array:
@@ -415,7 +380,7 @@ static Err visible_text(const json_object *content, const char *path, Buf *dst, 
     for (size_t j = 0; j < n; j++) {
         const json_object *item = json_object_array_get_idx(content, j);
         if (json_object_is_type(item, json_type_string)) {
-            buf_put(dst, json_object_get_string(jmut(item)),
+            buf_add(dst, json_object_get_string(jmut(item)),
                     (size_t) json_object_get_string_len(item));
             continue;
         }
@@ -432,7 +397,7 @@ static Err visible_text(const json_object *content, const char *path, Buf *dst, 
             || !json_object_is_type(text, json_type_string)) {
             return fail(err, "%s[%zu].text: expected a string", path, j);
         }
-        buf_put(dst, json_object_get_string(text), (size_t) json_object_get_string_len(text));
+        buf_add(dst, json_object_get_string(text), (size_t) json_object_get_string_len(text));
     }
     return ERR_OK;
 }
@@ -512,24 +477,24 @@ static Err render_tool_calls(const json_object *calls, const char *mpath, Buf *o
         json_object *owned = NULL;
         Err e = call_arguments(fn, path, &args, &owned, err);
         if (e) return e;
-        buf_puts(out, "<tool_call>");
-        buf_put(out, json_object_get_string(name), (size_t) json_object_get_string_len(name));
+        buf_adds(out, "<tool_call>");
+        buf_add(out, json_object_get_string(name), (size_t) json_object_get_string_len(name));
         if (args) {
             json_object_object_foreach(jmut(args), key, val)
             {
-                buf_puts(out, "<arg_key>");
-                buf_puts(out, key);
-                buf_puts(out, "</arg_key><arg_value>");
+                buf_adds(out, "<arg_key>");
+                buf_adds(out, key);
+                buf_adds(out, "</arg_key><arg_value>");
                 if (json_object_is_type(val, json_type_string)) {
-                    buf_put(out, json_object_get_string(val),
+                    buf_add(out, json_object_get_string(val),
                             (size_t) json_object_get_string_len(val));
                 } else {
                     py_dumps(val, out);
                 }
-                buf_puts(out, "</arg_value>");
+                buf_adds(out, "</arg_value>");
             }
         }
-        buf_puts(out, "</tool_call>");
+        buf_adds(out, "</tool_call>");
         json_object_put(owned);
     }
     return ERR_OK;
@@ -573,17 +538,17 @@ static Err render_assistant(const json_object *msg, const char *path, bool keep_
         }
     }
 
-    buf_puts(out, "<|assistant|>");
+    buf_adds(out, "<|assistant|>");
     if (keep_reasoning && reasoning.n > 0) {
         const Str r = py_strip(reasoning);
-        buf_puts(out, "<think>");
-        buf_put(out, r.p, r.n);
-        buf_puts(out, "</think>");
+        buf_adds(out, "<think>");
+        buf_add(out, r.p, r.n);
+        buf_adds(out, "</think>");
     } else {
-        buf_puts(out, "</think>");
+        buf_adds(out, "</think>");
     }
     const Str c = py_strip(body);
-    buf_put(out, c.p, c.n);
+    buf_add(out, c.p, c.n);
 
     if (json_object_object_get_ex(msg, "tool_calls", &calls) && calls) {
         if (!json_object_is_type(calls, json_type_array)) {
@@ -594,7 +559,7 @@ static Err render_assistant(const json_object *msg, const char *path, bool keep_
         *has_calls = json_object_array_length(calls) > 0;
     }
 done:
-    if (!e && text.oom) e = ERR_NOMEM;
+    if (!e && text.is_oom) e = ERR_NOMEM;
     buf_free(&text);
     return e;
 }
@@ -607,7 +572,7 @@ static Err render_tools(const json_object *tools, Buf *out, ChatError *err)
     }
     const size_t n = json_object_array_length(tools);
     if (n == 0) return ERR_OK;  // {% if tools %}: an empty list is false
-    buf_puts(out, TOOLS_HEAD);
+    buf_adds(out, TOOLS_HEAD);
     for (size_t k = 0; k < n; k++) {
         const json_object *t = json_object_array_get_idx(tools, k);
         json_object *fn = NULL, *name = NULL;
@@ -623,9 +588,9 @@ static Err render_tools(const json_object *tools, Buf *out, ChatError *err)
             return fail(err, "tools[%zu].function.name: expected a string", k);
         }
         py_dumps(t, out);
-        buf_put(out, "\n", 1);
+        buf_add(out, "\n", 1);
     }
-    buf_puts(out, TOOLS_TAIL);
+    buf_adds(out, TOOLS_TAIL);
     return ERR_OK;
 }
 
@@ -673,9 +638,9 @@ static Err render_into(const json_object *messages, const json_object *tools,
         if (role == ROLE_USER) last_user = i;
     }
 
-    buf_puts(out, "[gMASK]<sop>");
+    buf_adds(out, "[gMASK]<sop>");
     if (opts->tmpl == CHAT_TEMPLATE_GLM52 && opts->thinking) {
-        buf_puts(out, opts->effort == CHAT_EFFORT_HIGH ? "<|system|>Reasoning Effort: High"
+        buf_adds(out, opts->effort == CHAT_EFFORT_HIGH ? "<|system|>Reasoning Effort: High"
                                                        : "<|system|>Reasoning Effort: Max");
     }
     if ((e = render_tools(tools, out, err))) return e;
@@ -694,7 +659,7 @@ static Err render_into(const json_object *messages, const json_object *tools,
         switch (role) {
         case ROLE_SYSTEM:
         case ROLE_USER:
-            buf_puts(out, role == ROLE_USER ? "<|user|>" : "<|system|>");
+            buf_adds(out, role == ROLE_USER ? "<|user|>" : "<|system|>");
             if ((e = visible_text(content, field, out, err))) return e;
             calls_open = false;
             break;
@@ -713,17 +678,17 @@ static Err render_into(const json_object *messages, const json_object *tools,
                             i);
             }
             if ((e = opt_string(msg, "tool_call_id", path, &id, &has_id, err))) return e;
-            if (i == 0 || prev != ROLE_TOOL) buf_puts(out, "<|observation|>");
-            buf_puts(out, "<tool_response>");
+            if (i == 0 || prev != ROLE_TOOL) buf_adds(out, "<|observation|>");
+            buf_adds(out, "<tool_response>");
             if ((e = visible_text(content, field, out, err))) return e;
-            buf_puts(out, "</tool_response>");
+            buf_adds(out, "</tool_response>");
             break;
         }
         }
         prev = role;
     }
     if (opts->add_generation_prompt) {
-        buf_puts(out, opts->thinking ? "<|assistant|><think>" : "<|assistant|></think>");
+        buf_adds(out, opts->thinking ? "<|assistant|><think>" : "<|assistant|></think>");
     }
     return ERR_OK;
 }
@@ -806,8 +771,8 @@ Err chat_render(const json_object *messages, const json_object *tools, const Cha
 {
     Buf b = {0};
     Err e = render_into(messages, tools, opts, &b, err);
-    if (!e) buf_put(&b, "", 0);  // a NUL-terminated string even when empty
-    if (!e && b.oom) {
+    if (!e) buf_add(&b, "", 0);  // a NUL-terminated string even when empty
+    if (!e && b.is_oom) {
         LOG_ERROR("could not allocate the chat prompt (%zu bytes so far)", b.n);
         e = ERR_NOMEM;
     }
@@ -869,37 +834,16 @@ Err chat_parser_init(ChatParser *p, bool in_reasoning, const json_object *tools)
 void chat_parser_free(ChatParser *p)
 {
     if (!p) return;
-    free(p->buf);
+    buf_free(&p->buf);
     json_object_put(p->tools);
     *p = (ChatParser){0};
 }
 
 static Err parser_append(ChatParser *p, const char *s, size_t n)
 {
-    if (p->n_buf + n + 1 > p->cap_buf) {
-        size_t cap = p->cap_buf ? p->cap_buf : 64;
-        while (cap < p->n_buf + n + 1)
-            cap *= 2;
-        char *b = realloc(p->buf, cap);
-        if (!b) {
-            LOG_ERROR("could not grow the chat parser buffer to %zu bytes", cap);
-            return ERR_NOMEM;
-        }
-        p->buf = b;
-        p->cap_buf = cap;
-    }
-    if (n) memcpy(p->buf + p->n_buf, s, n);
-    p->n_buf += n;
-    p->buf[p->n_buf] = '\0';
-    return ERR_OK;
-}
-
-static void parser_consume(ChatParser *p, size_t k)
-{
-    if (k == 0) return;
-    memmove(p->buf, p->buf + k, p->n_buf - k);
-    p->n_buf -= k;
-    p->buf[p->n_buf] = '\0';
+    const Err err = buf_add(&p->buf, s, n);
+    if (err) LOG_ERROR("could not grow the chat parser buffer past %zu bytes", p->buf.n);
+    return err;
 }
 
 static Err emit_text(ChatEventKind kind, const char *s, size_t n, ChatEventFn fn, void *user)
@@ -1084,7 +1028,7 @@ static Err finish_call(ChatParser *p, size_t body_n, ChatEventFn fn, void *user)
     json_object *args = NULL;
     size_t n_args = 0;
     bool ok = false;
-    Err e = parse_call(p, p->buf, body_n, &name, &args, &ok);
+    Err e = parse_call(p, p->buf.p, body_n, &name, &args, &ok);
     if (e) goto done;
     if (ok) {
         if ((e = chat_json_dumps(args, &args_text, &n_args))) goto done;
@@ -1097,10 +1041,10 @@ static Err finish_call(ChatParser *p, size_t body_n, ChatEventFn fn, void *user)
     } else {
         // Not a call we understand: hand the text on as content, tags and all.
         Buf b = {0};
-        buf_puts(&b, TAG_CALL);
-        buf_put(&b, p->buf, body_n);
-        buf_puts(&b, TAG_CALL_END);
-        e = b.oom ? ERR_NOMEM : emit_text(CHAT_EVENT_CONTENT, b.p, b.n, fn, user);
+        buf_adds(&b, TAG_CALL);
+        buf_add(&b, p->buf.p, body_n);
+        buf_adds(&b, TAG_CALL_END);
+        e = b.is_oom ? ERR_NOMEM : emit_text(CHAT_EVENT_CONTENT, b.p, b.n, fn, user);
         buf_free(&b);
     }
 done:
@@ -1117,19 +1061,19 @@ static Err parser_run(ChatParser *p, ChatEventFn fn, void *user)
     static const char *const content_tags[] = {TAG_CALL, TAG_THINK};
     Err e;
     for (;;) {
-        const char *s = p->buf;
-        const size_t n = p->n_buf;
+        const char *s = p->buf.p;
+        const size_t n = p->buf.n;
         if (p->state == PARSE_REASONING) {
             const size_t at = find(s, n, TAG_THINK_END, false);
             if (at != SIZE_MAX) {
                 if ((e = emit_text(CHAT_EVENT_REASONING, s, at, fn, user))) return e;
-                parser_consume(p, at + strlen(TAG_THINK_END));
+                buf_consume(&p->buf, at + strlen(TAG_THINK_END));
                 p->state = PARSE_CONTENT;
                 continue;
             }
             const size_t keep = partial_tag(s, n, reasoning_tags, 1);
             if ((e = emit_text(CHAT_EVENT_REASONING, s, n - keep, fn, user))) return e;
-            parser_consume(p, n - keep);
+            buf_consume(&p->buf, n - keep);
             return ERR_OK;
         }
         if (p->state == PARSE_CONTENT) {
@@ -1142,7 +1086,7 @@ static Err parser_run(ChatParser *p, ChatEventFn fn, void *user)
                 if (rest < lc && memcmp(s + w, TAG_CALL, rest) == 0) return ERR_OK;
                 p->after_tool_call = false;
                 if (rest >= lc && memcmp(s + w, TAG_CALL, lc) == 0) {
-                    parser_consume(p, w);  // whitespace between two calls
+                    buf_consume(&p->buf, w);  // whitespace between two calls
                     continue;
                 }
             }
@@ -1152,13 +1096,13 @@ static Err parser_run(ChatParser *p, ChatEventFn fn, void *user)
             if (at != SIZE_MAX) {
                 if ((e = emit_text(CHAT_EVENT_CONTENT, s, at, fn, user))) return e;
                 const bool call = at == at_call;
-                parser_consume(p, at + strlen(call ? TAG_CALL : TAG_THINK));
+                buf_consume(&p->buf, at + strlen(call ? TAG_CALL : TAG_THINK));
                 p->state = call ? PARSE_TOOL_CALL : PARSE_REASONING;
                 continue;
             }
             const size_t keep = partial_tag(s, n, content_tags, 2);
             if ((e = emit_text(CHAT_EVENT_CONTENT, s, n - keep, fn, user))) return e;
-            parser_consume(p, n - keep);
+            buf_consume(&p->buf, n - keep);
             return ERR_OK;
         }
         if (p->state == PARSE_TOOL_CALL) {
@@ -1174,7 +1118,7 @@ static Err parser_run(ChatParser *p, ChatEventFn fn, void *user)
             at += from;
             p->n_scanned = 0;
             if ((e = finish_call(p, at, fn, user))) return e;
-            parser_consume(p, at + strlen(TAG_CALL_END));
+            buf_consume(&p->buf, at + strlen(TAG_CALL_END));
             p->state = PARSE_CONTENT;
             continue;
         }
@@ -1196,28 +1140,28 @@ Err chat_parser_finish(ChatParser *p, ChatEventFn fn, void *user)
     Err e = ERR_OK;
     switch (p->state) {
     case PARSE_REASONING:
-        e = emit_text(CHAT_EVENT_REASONING, p->buf, p->n_buf, fn, user);
+        e = emit_text(CHAT_EVENT_REASONING, p->buf.p, p->buf.n, fn, user);
         break;
     case PARSE_CONTENT: {
         size_t w = 0;
-        while (w < p->n_buf && is_ascii_space(p->buf[w]))
+        while (w < p->buf.n && is_ascii_space(p->buf.p[w]))
             w++;
-        if (!(p->after_tool_call && w == p->n_buf)) {
-            e = emit_text(CHAT_EVENT_CONTENT, p->buf, p->n_buf, fn, user);
+        if (!(p->after_tool_call && w == p->buf.n)) {
+            e = emit_text(CHAT_EVENT_CONTENT, p->buf.p, p->buf.n, fn, user);
         }
         break;
     }
     case PARSE_TOOL_CALL: {
         // Cut off inside a call: pass the text on as content.
         Buf b = {0};
-        buf_puts(&b, TAG_CALL);
-        buf_put(&b, p->buf, p->n_buf);
-        e = b.oom ? ERR_NOMEM : emit_text(CHAT_EVENT_CONTENT, b.p, b.n, fn, user);
+        buf_adds(&b, TAG_CALL);
+        buf_add(&b, p->buf.p, p->buf.n);
+        e = b.is_oom ? ERR_NOMEM : emit_text(CHAT_EVENT_CONTENT, b.p, b.n, fn, user);
         buf_free(&b);
         break;
     }
     }
-    p->n_buf = 0;
+    buf_clear(&p->buf);
     p->state = PARSE_DONE;
     return e;
 }

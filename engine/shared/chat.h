@@ -60,6 +60,7 @@
 
 #include <json-c/json.h>
 
+#include "engine/shared/buf.h"
 #include "engine/shared/err.h"
 
 #ifdef __cplusplus
@@ -145,8 +146,7 @@ typedef struct ChatParser {
     int state;             // internal: where in the output we are
     bool after_tool_call;  // internal: whitespace after </tool_call> is pending
     int n_tool_calls;
-    char *buf;  // [n_buf] held-back text, or the body of an open tool call
-    size_t n_buf, cap_buf;
+    Buf buf;             // internal: held-back text, or the body of an open tool call
     size_t n_scanned;    // internal: bytes of an open call already searched for its end
     json_object *tools;  // own reference, or NULL: argument types come from the schema
 } ChatParser;

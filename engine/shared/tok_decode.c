@@ -21,28 +21,22 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/shared/buf.h"
 #include "engine/shared/tok_internal.h"
 #include "engine/shared/utf8.h"
 
-// A list of strings in one buffer.
+// A list of strings in one buffer: string i is bytes.p[off[i] .. off[i] + len[i]), and the
+// strings lie back to back, so the buffer is also their concatenation.
 typedef struct StrList {
-    char *buf;
-    size_t n_buf, cap_buf;
+    Buf bytes;
     size_t *off, *len;  // [n]
     size_t n, cap;
 } StrList;
 
-static Err list_push(StrList *l, const char *s, size_t n)
+// Make the bytes appended since offset start the list's next string.
+static Err list_close(StrList *l, size_t start)
 {
-    if (l->n_buf + n + 1 > l->cap_buf) {
-        size_t cap = l->cap_buf ? l->cap_buf : 256;
-        while (cap < l->n_buf + n + 1)
-            cap *= 2;
-        char *b = realloc(l->buf, cap);
-        if (!b) return ERR_NOMEM;
-        l->buf = b;
-        l->cap_buf = cap;
-    }
+    if (l->bytes.is_oom) return ERR_NOMEM;
     if (l->n == l->cap) {
         const size_t cap = l->cap ? 2 * l->cap : 64;
         size_t *off = realloc(l->off, cap * sizeof *off);
@@ -53,18 +47,22 @@ static Err list_push(StrList *l, const char *s, size_t n)
         l->len = len;
         l->cap = cap;
     }
-    if (n) memcpy(l->buf + l->n_buf, s, n);
-    l->off[l->n] = l->n_buf;
-    l->len[l->n] = n;
-    l->n_buf += n;
-    l->buf[l->n_buf] = '\0';
+    l->off[l->n] = start;
+    l->len[l->n] = l->bytes.n - start;
     l->n++;
     return ERR_OK;
 }
 
+static Err list_push(StrList *l, const char *s, size_t n)
+{
+    const size_t start = l->bytes.n;
+    buf_add(&l->bytes, s, n);
+    return list_close(l, start);
+}
+
 static void list_free(StrList *l)
 {
-    free(l->buf);
+    buf_free(&l->bytes);
     free(l->off);
     free(l->len);
     memset(l, 0, sizeof *l);
@@ -76,7 +74,7 @@ static void list_swap(StrList *a, StrList *b)
     *a = *b;
     *b = t;
     b->n = 0;
-    b->n_buf = 0;
+    buf_clear(&b->bytes);
 }
 
 // Byte for a char of the byte-level alphabet, -1 if cp is not one.
@@ -135,35 +133,20 @@ static int byte_token(const char *s, size_t n)
 
 static Err replace_all(const TokDec *d, pcre2_match_data *md, const char *s, size_t n, StrList *out)
 {
-    // Build the result in out's buffer directly: reserve, then push the assembled string.
-    char *tmp = NULL;
-    size_t cap = n + d->content_n + 16, w = 0, prev = 0, pos = 0;
-    tmp = malloc(cap);
-    if (!tmp) return ERR_NOMEM;
-    Err err = ERR_OK;
+    // Build the result in out's buffer directly, then close it as out's next string.
+    const size_t start = out->bytes.n;
+    size_t prev = 0, pos = 0;
     while (pos <= n) {
         const int rc = pcre2_match(d->re, (PCRE2_SPTR) s, n, pos, PCRE2_NO_UTF_CHECK, md, NULL);
         if (rc == PCRE2_ERROR_NOMATCH) break;
         if (rc < 0) {
             LOG_ERROR("could not match a decoder regex over %zu bytes", n);
-            err = ERR_INVAL;
-            goto done;
+            return ERR_INVAL;
         }
         const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
         const size_t ms = ov[0], me = ov[1];
-        if (w + (ms - prev) + d->content_n + 1 > cap) {
-            cap = 2 * (w + (ms - prev) + d->content_n + 1);
-            char *b = realloc(tmp, cap);
-            if (!b) {
-                err = ERR_NOMEM;
-                goto done;
-            }
-            tmp = b;
-        }
-        memcpy(tmp + w, s + prev, ms - prev);
-        w += ms - prev;
-        memcpy(tmp + w, d->content, d->content_n);
-        w += d->content_n;
+        buf_add(&out->bytes, s + prev, ms - prev);
+        buf_add(&out->bytes, d->content, d->content_n);
         prev = me;
         if (me > ms) {
             pos = me;
@@ -172,21 +155,8 @@ static Err replace_all(const TokDec *d, pcre2_match_data *md, const char *s, siz
             pos = me + (len ? len : 1);
         }
     }
-    if (w + (n - prev) + 1 > cap) {
-        cap = w + (n - prev) + 1;
-        char *b = realloc(tmp, cap);
-        if (!b) {
-            err = ERR_NOMEM;
-            goto done;
-        }
-        tmp = b;
-    }
-    memcpy(tmp + w, s + prev, n - prev);
-    w += n - prev;
-    err = list_push(out, tmp, w);
-done:
-    free(tmp);
-    return err;
+    buf_add(&out->bytes, s + prev, n - prev);
+    return list_close(out, start);
 }
 
 // Decode ids; first: ids[0..] start the sequence (first-token rules apply). *n_kept receives
@@ -210,14 +180,14 @@ static Err decode_impl(const Tokenizer *tok, const int32_t *ids, size_t n_ids, b
         const TokDec *d = &tok->decs[k];
         switch (d->kind) {
         case TOK_DEC_BYTELEVEL: {
-            tmp = malloc(a.n_buf + 1);
+            tmp = malloc(a.bytes.n + 1);
             if (!tmp) {
                 err = ERR_NOMEM;
                 break;
             }
             size_t w = 0;
             for (size_t i = 0; i < a.n; i++)
-                w += bytelevel_unmap(a.buf + a.off[i], a.len[i], tmp + w);
+                w += bytelevel_unmap(a.bytes.p + a.off[i], a.len[i], tmp + w);
             char *fixed;
             size_t nf;
             err = utf8_lossy((const uint8_t *) tmp, w, &fixed, &nf);
@@ -236,19 +206,19 @@ static Err decode_impl(const Tokenizer *tok, const int32_t *ids, size_t n_ids, b
                 break;
             }
             for (size_t i = 0; i < a.n && !err; i++)
-                err = replace_all(d, md, a.buf + a.off[i], a.len[i], &b);
+                err = replace_all(d, md, a.bytes.p + a.off[i], a.len[i], &b);
             break;
         case TOK_DEC_BYTEFALLBACK: {
             // Runs of byte tokens become their UTF-8 text, or one U+FFFD per byte token when
             // the run is not valid UTF-8 (HF decoders/byte_fallback.rs).
             for (size_t i = 0; i < a.n && !err;) {
-                if (byte_token(a.buf + a.off[i], a.len[i]) < 0) {
-                    err = list_push(&b, a.buf + a.off[i], a.len[i]);
+                if (byte_token(a.bytes.p + a.off[i], a.len[i]) < 0) {
+                    err = list_push(&b, a.bytes.p + a.off[i], a.len[i]);
                     i++;
                     continue;
                 }
                 size_t j = i;
-                while (j < a.n && byte_token(a.buf + a.off[j], a.len[j]) >= 0)
+                while (j < a.n && byte_token(a.bytes.p + a.off[j], a.len[j]) >= 0)
                     j++;
                 uint8_t *run = malloc(j - i);
                 if (!run) {
@@ -256,7 +226,7 @@ static Err decode_impl(const Tokenizer *tok, const int32_t *ids, size_t n_ids, b
                     break;
                 }
                 for (size_t r = i; r < j; r++)
-                    run[r - i] = (uint8_t) byte_token(a.buf + a.off[r], a.len[r]);
+                    run[r - i] = (uint8_t) byte_token(a.bytes.p + a.off[r], a.len[r]);
                 const size_t nr = j - i;
                 if (utf8_valid_prefix(run, nr) == nr) {
                     err = list_push(&b, (const char *) run, nr);
@@ -271,14 +241,14 @@ static Err decode_impl(const Tokenizer *tok, const int32_t *ids, size_t n_ids, b
         }
         case TOK_DEC_FUSE:
             // Pushes are adjacent in the buffer, so a's buffer is already the concatenation.
-            err = list_push(&b, a.buf, a.n_buf);
+            err = list_push(&b, a.bytes.p, a.bytes.n);
             fused = true;
             break;
         case TOK_DEC_STRIP: {
             // On a fused text only the true start of the sequence may lose leading chars.
             const size_t start = fused && !first ? 0 : d->start;
             for (size_t i = 0; i < a.n && !err; i++) {
-                const char *s = a.buf + a.off[i];
+                const char *s = a.bytes.p + a.off[i];
                 size_t lo = 0, hi = a.len[i];
                 for (size_t c = 0; c < start && lo < hi; c++) {
                     if (hi - lo < d->content_n || memcmp(s + lo, d->content, d->content_n) != 0)
@@ -298,26 +268,22 @@ static Err decode_impl(const Tokenizer *tok, const int32_t *ids, size_t n_ids, b
         }
         case TOK_DEC_METASPACE:
             for (size_t i = 0; i < a.n && !err; i++) {
-                const char *s = a.buf + a.off[i];
-                const size_t n = a.len[i];
-                tmp = malloc(n + 1);
-                if (!tmp) {
-                    err = ERR_NOMEM;
-                    break;
-                }
-                size_t w = 0;
+                const char *s = a.bytes.p + a.off[i];
+                const size_t n = a.len[i], start = b.bytes.n;
                 const bool drop = i == 0 && first && d->strip_first;
+                size_t run = 0;  // s[run..c) is copied as it is
                 for (size_t c = 0; c < n;) {
                     if (n - c >= d->content_n && memcmp(s + c, d->content, d->content_n) == 0) {
-                        if (!drop) tmp[w++] = ' ';
+                        buf_add(&b.bytes, s + run, c - run);
+                        if (!drop) buf_add(&b.bytes, " ", 1);
                         c += d->content_n;
+                        run = c;
                     } else {
-                        tmp[w++] = s[c++];
+                        c++;
                     }
                 }
-                err = list_push(&b, tmp, w);
-                free(tmp);
-                tmp = NULL;
+                buf_add(&b.bytes, s + run, n - run);
+                err = list_close(&b, start);
             }
             break;
         }
@@ -325,7 +291,7 @@ static Err decode_impl(const Tokenizer *tok, const int32_t *ids, size_t n_ids, b
     }
     if (err) goto done;
     // Join: by nothing after decoders, by spaces without any.
-    size_t total = a.n_buf + (tok->has_decoder ? 0 : a.n + 1);
+    size_t total = a.bytes.n + (tok->has_decoder ? 0 : a.n + 1);
     char *res = malloc(total + 1);
     if (!res) {
         err = ERR_NOMEM;
@@ -334,7 +300,7 @@ static Err decode_impl(const Tokenizer *tok, const int32_t *ids, size_t n_ids, b
     size_t w = 0;
     for (size_t i = 0; i < a.n; i++) {
         if (!tok->has_decoder && (i > 0 || !first)) res[w++] = ' ';
-        memcpy(res + w, a.buf + a.off[i], a.len[i]);
+        memcpy(res + w, a.bytes.p + a.off[i], a.len[i]);
         w += a.len[i];
     }
     res[w] = '\0';

@@ -27,6 +27,7 @@
 #include <string.h>
 #include <utf8proc.h>
 
+#include "engine/shared/buf.h"
 #include "engine/shared/tok_internal.h"
 #include "engine/shared/utf8.h"
 
@@ -65,8 +66,7 @@ typedef struct Enc {
     TokIds *out;
     bool use_cache;
     pcre2_match_data *md;
-    char *buf;  // word bytes
-    size_t buf_n, buf_cap;
+    Buf buf;  // word bytes
     Span *spans, *spans2;
     size_t n_spans, n_spans2, cap_spans, cap_spans2;
     Mark *marks;
@@ -342,14 +342,12 @@ static Err apply_behavior(Enc *e, size_t base, bool first, TokSplitBehavior beha
 }
 
 // Append bytes to the word buffer; *off receives where they start.
-static Err buf_add(Enc *e, const char *s, size_t n, size_t *off)
+static Err text_add(Enc *e, const char *s, size_t n, size_t *off)
 {
-    const Err err = grow((void **) &e->buf, &e->buf_cap, e->buf_n + n, 1);
-    if (err) return err;
-    memcpy(e->buf + e->buf_n, s, n);
-    *off = e->buf_n;
-    e->buf_n += n;
-    return ERR_OK;
+    const size_t at = e->buf.n;
+    const Err err = buf_add(&e->buf, s, n);
+    if (!err) *off = at;
+    return err;
 }
 
 // ---------------------------------------------------------------------------
@@ -359,7 +357,7 @@ static Err pre_split(Enc *e, const TokPre *p)
 {
     for (size_t i = 0; i < e->n_spans; i++) {
         const Span sp = e->spans[i];
-        Err err = regex_marks(e, p->re, e->buf + sp.off, sp.n);
+        Err err = regex_marks(e, p->re, e->buf.p + sp.off, sp.n);
         if (!err) err = apply_behavior(e, sp.off, sp.first, p->behavior, p->invert);
         if (err) return err;
     }
@@ -371,16 +369,16 @@ static Err pre_bytelevel(Enc *e, const TokPre *p)
     for (size_t i = 0; i < e->n_spans; i++) {
         Span sp = e->spans[i];
         Err err = ERR_OK;
-        if (p->add_prefix_space && e->buf[sp.off] != ' ') {
+        if (p->add_prefix_space && e->buf.p[sp.off] != ' ') {
             size_t off = 0;
-            err = grow((void **) &e->buf, &e->buf_cap, e->buf_n + sp.n + 1, 1);
-            if (!err) err = buf_add(e, " ", 1, &off);
-            if (!err) err = buf_add(e, e->buf + sp.off, sp.n, &sp.off);
+            err = buf_reserve(&e->buf, sp.n + 1);  // so the copy's source stays put
+            if (!err) err = text_add(e, " ", 1, &off);
+            if (!err) err = text_add(e, e->buf.p + sp.off, sp.n, &sp.off);
             sp.off = off;
             sp.n += 1;
         }
         if (!err && p->re) {
-            err = regex_marks(e, p->re, e->buf + sp.off, sp.n);
+            err = regex_marks(e, p->re, e->buf.p + sp.off, sp.n);
             if (!err) err = apply_behavior(e, sp.off, sp.first, TOK_SPLIT_ISOLATED, false);
         } else if (!err) {
             err = add_span2(e, sp.off, sp.n, sp.first);
@@ -394,7 +392,7 @@ static Err pre_digits(Enc *e, const TokPre *p)
 {
     for (size_t i = 0; i < e->n_spans; i++) {
         const Span sp = e->spans[i];
-        Err err = pred_marks(e, is_numeric, e->buf + sp.off, sp.n);
+        Err err = pred_marks(e, is_numeric, e->buf.p + sp.off, sp.n);
         if (!err) {
             err = apply_behavior(e, sp.off, sp.first,
                                  p->individual_digits ? TOK_SPLIT_ISOLATED : TOK_SPLIT_CONTIGUOUS,
@@ -414,7 +412,7 @@ static Err pre_whitespace_split(Enc *e)
 {
     for (size_t i = 0; i < e->n_spans; i++) {
         const Span sp = e->spans[i];
-        Err err = pred_marks(e, is_white_space, e->buf + sp.off, sp.n);
+        Err err = pred_marks(e, is_white_space, e->buf.p + sp.off, sp.n);
         if (!err) err = apply_behavior(e, sp.off, sp.first, TOK_SPLIT_REMOVED, false);
         if (err) return err;
     }
@@ -426,17 +424,17 @@ static Err pre_metaspace(Enc *e, const TokPre *p)
     for (size_t i = 0; i < e->n_spans; i++) {
         const Span sp = e->spans[i];
         // Rewrite: optional replacement prefix, then spaces replaced.
-        Err err = grow((void **) &e->buf, &e->buf_cap, e->buf_n + p->replacement_n * (sp.n + 1), 1);
+        Err err = buf_reserve(&e->buf, p->replacement_n * (sp.n + 1));
         if (err) return err;
-        const size_t start = e->buf_n;
-        const char *src = e->buf + sp.off;
+        const size_t start = e->buf.n;
+        const char *src = e->buf.p + sp.off;
         const bool starts_rep =
             sp.n >= p->replacement_n && memcmp(src, p->replacement, p->replacement_n) == 0;
         const bool starts_space = sp.n > 0 && src[0] == ' ';
         const bool prepend = !starts_rep && !starts_space
                              && (p->prepend_scheme == TOK_PREPEND_ALWAYS
                                  || (p->prepend_scheme == TOK_PREPEND_FIRST && sp.first));
-        char *dst = e->buf + e->buf_n;
+        char *dst = e->buf.p + e->buf.n;
         size_t w = 0;
         if (prepend) {
             memcpy(dst, p->replacement, p->replacement_n);
@@ -450,7 +448,8 @@ static Err pre_metaspace(Enc *e, const TokPre *p)
                 dst[w++] = src[k];
             }
         }
-        e->buf_n += w;
+        e->buf.n += w;
+        e->buf.p[e->buf.n] = '\0';  // reserved above, as Buf keeps it
         if (!p->split) {
             err = add_span2(e, start, w, sp.first);
         } else {
@@ -459,7 +458,7 @@ static Err pre_metaspace(Enc *e, const TokPre *p)
             size_t last = 0;
             for (size_t k = 0; k < w;) {
                 if (w - k >= p->replacement_n
-                    && memcmp(e->buf + start + k, p->replacement, p->replacement_n) == 0) {
+                    && memcmp(e->buf.p + start + k, p->replacement, p->replacement_n) == 0) {
                     if (last < k) err = add_mark(e, last, k, false);
                     if (!err) err = add_mark(e, k, k + p->replacement_n, true);
                     k += p->replacement_n;
@@ -744,7 +743,7 @@ static Err bpe_word(Enc *e, const char *s, size_t n)
 void tok_cache_free(TokCache *c)
 {
     tok_strmap_free(&c->map);
-    free(c->words.data);
+    buf_free(&c->words);
     free(c->spans);
     free(c->ids);
     memset(c, 0, sizeof *c);
@@ -757,7 +756,7 @@ static Err cache_put(TokCache *c, const char *s, size_t n, const int32_t *ids, s
         // Clear rather than evict: cheap, and a working set this large gains little anyway.
         memset(c->map.slots, 0, c->map.cap * sizeof *c->map.slots);
         c->map.n = 0;
-        c->words.n = 0;
+        buf_clear(&c->words);
         c->n_ids = 0;
     }
     Err err = grow((void **) &c->ids, &c->cap_ids, c->n_ids + k, sizeof *c->ids);
@@ -778,33 +777,18 @@ static Err cache_put(TokCache *c, const char *s, size_t n, const int32_t *ids, s
 static Err norm_replace(Enc *e, const TokNorm *nm, const char *s, size_t n, char **out,
                         size_t *out_n)
 {
-    size_t cap = n + 16, w = 0, pos = 0, prev = 0;
-    char *d = malloc(cap);
-    if (!d) return ERR_NOMEM;
+    Buf d = {0};
+    size_t pos = 0, prev = 0;
     for (;;) {
         size_t ms, me;
         const int rc = pos <= n ? regex_next(e, nm->re, s, n, pos, &ms, &me) : 0;
         if (rc < 0) {
-            free(d);
+            buf_free(&d);
             return ERR_INVAL;
         }
-        const size_t copy_to = rc ? ms : n;
-        const size_t need = w + (copy_to - prev) + (rc ? nm->content_n : 0) + 1;
-        if (need > cap) {
-            while (cap < need)
-                cap *= 2;
-            char *b = realloc(d, cap);
-            if (!b) {
-                free(d);
-                return ERR_NOMEM;
-            }
-            d = b;
-        }
-        memcpy(d + w, s + prev, copy_to - prev);
-        w += copy_to - prev;
+        buf_add(&d, s + prev, (rc ? ms : n) - prev);
         if (!rc) break;
-        memcpy(d + w, nm->content, nm->content_n);
-        w += nm->content_n;
+        buf_add(&d, nm->content, nm->content_n);
         prev = me;
         if (me > ms) {
             pos = me;
@@ -818,8 +802,10 @@ static Err norm_replace(Enc *e, const TokNorm *nm, const char *s, size_t n, char
             pos = me + len;
         }
     }
-    d[w] = '\0';
-    *out = d;
+    size_t w;
+    char *res = buf_take(&d, &w);
+    if (!res) return ERR_NOMEM;
+    *out = res;
     *out_n = w;
     return ERR_OK;
 }
@@ -1005,16 +991,16 @@ static Err find_added(const Tokenizer *tok, const TokTrie *trie, const char *s, 
 static Err encode_words(Enc *e, const char *s, size_t n, bool first)
 {
     if (n == 0) return ERR_OK;
-    e->buf_n = 0;
+    buf_clear(&e->buf);
     e->n_spans = 0;
     size_t off;
-    Err err = buf_add(e, s, n, &off);
+    Err err = text_add(e, s, n, &off);
     if (!err) err = grow((void **) &e->spans, &e->cap_spans, 1, sizeof *e->spans);
     if (err) return err;
     e->spans[e->n_spans++] = (Span){off, n, first};
     err = pre_tokenize(e);
     for (size_t i = 0; !err && i < e->n_spans; i++) {
-        err = bpe_word(e, e->buf + e->spans[i].off, e->spans[i].n);
+        err = bpe_word(e, e->buf.p + e->spans[i].off, e->spans[i].n);
     }
     return err;
 }
@@ -1109,7 +1095,7 @@ Err tok_encode(const Tokenizer *tok, const char *text, size_t n_bytes, bool add_
 done:
     if (err) out->n = n0;
     pcre2_match_data_free(e.md);
-    free(e.buf);
+    buf_free(&e.buf);
     free(e.spans);
     free(e.spans2);
     free(e.marks);

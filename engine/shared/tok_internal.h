@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "engine/shared/buf.h"
 #include "engine/shared/tokenizer.h"
 
 #ifdef __cplusplus
@@ -29,10 +30,8 @@ extern "C" {
 // ---------------------------------------------------------------------------
 // Byte strings and hash tables
 
-typedef struct TokPool {
-    char *data;  // [n], NUL after every string so each is also a C string
-    size_t n, cap;
-} TokPool;
+// The string pool: every string followed by a NUL, so each is also a C string.
+typedef Buf TokPool;
 
 // Open-addressing map from byte strings in a TokPool to int32 values.
 typedef struct TokStrMap {

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/shared/buf.h"
 #include "engine/shared/tok_internal.h"
 #include "engine/shared/utf8.h"
 
@@ -47,26 +48,22 @@ uint64_t tok_hash(const void *s, size_t n)
 
 Err tok_pool_add(TokPool *pool, const char *s, size_t n, size_t *off)
 {
-    if (pool->n + n + 1 > pool->cap) {
-        size_t cap = pool->cap ? pool->cap : 4096;
-        while (cap < pool->n + n + 1)
-            cap *= 2;
-        char *data = realloc(pool->data, cap);
-        if (!data) return ERR_NOMEM;
-        pool->data = data;
-        pool->cap = cap;
+    // One reservation for the string and its NUL, so a failed add leaves the pool as it was;
+    // and usable, not sticky: the encoder's word cache goes on after a failed put.
+    if (buf_reserve(pool, n + 1)) {
+        pool->is_oom = false;
+        return ERR_NOMEM;
     }
     *off = pool->n;
-    if (n) memcpy(pool->data + pool->n, s, n);
-    pool->data[pool->n + n] = '\0';
-    pool->n += n + 1;
+    buf_add(pool, s, n);
+    buf_add(pool, "", 1);
     return ERR_OK;
 }
 
 const char *tok_strmap_key(const TokStrMap *m, const TokPool *pool, size_t i, size_t *n)
 {
     *n = (size_t) (m->off_len[i] & 0xFFFFFF);
-    return pool->data + (m->off_len[i] >> 24);
+    return pool->p + (m->off_len[i] >> 24);
 }
 
 static size_t strmap_find(const TokStrMap *m, const TokPool *pool, const char *s, size_t n,
@@ -80,7 +77,7 @@ static size_t strmap_find(const TokStrMap *m, const TokPool *pool, const char *s
             return i;
         }
         const uint64_t ol = m->off_len[e - 1];
-        if ((ol & 0xFFFFFF) == n && memcmp(pool->data + (ol >> 24), s, n) == 0) {
+        if ((ol & 0xFFFFFF) == n && memcmp(pool->p + (ol >> 24), s, n) == 0) {
             *found = true;
             return i;
         }
@@ -680,7 +677,7 @@ static Err load_vocab(Tokenizer *tok, json_object *vocab, const Path *path)
     for (size_t e = 0; e < tok->vocab.n; e++) {
         size_t n;
         const char *s = tok_strmap_key(&tok->vocab, &tok->pool, e, &n);
-        err = set_id_str(tok, tok->vocab.vals[e], (size_t) (s - tok->pool.data));
+        err = set_id_str(tok, tok->vocab.vals[e], (size_t) (s - tok->pool.p));
         if (err) return err;
     }
     return ERR_OK;
@@ -690,23 +687,13 @@ static Err load_vocab(Tokenizer *tok, json_object *vocab, const Path *path)
 // encoder can look words up without mapping them.
 static Err build_raw_vocab(Tokenizer *tok)
 {
-    char *buf = NULL;
-    size_t cap = 0;
+    Buf raw = {0};
     Err err = ERR_OK;
     for (size_t e = 0; e < tok->vocab.n && !err; e++) {
         size_t n;
         const char *s = tok_strmap_key(&tok->vocab, &tok->pool, e, &n);
-        if (n > cap) {
-            cap = 2 * n;
-            char *b = realloc(buf, cap);
-            if (!b) {
-                err = ERR_NOMEM;
-                break;
-            }
-            buf = b;
-        }
         // Copy the key first: adding to the pool may move it.
-        size_t w = 0;
+        buf_clear(&raw);
         bool ok = true;
         for (size_t i = 0; i < n && ok;) {
             const size_t len = utf8_char_len((const uint8_t *) s + i, n - i);
@@ -714,21 +701,25 @@ static Err build_raw_vocab(Tokenizer *tok)
             if (b < 0) {
                 ok = false;
             } else {
-                buf[w++] = (char) b;
+                const char c = (char) b;
+                buf_add(&raw, &c, 1);
                 i += len;
             }
         }
-        if (ok) err = tok_strmap_put(&tok->raw_vocab, &tok->pool, buf, w, tok->vocab.vals[e]);
+        if (raw.is_oom) {
+            err = ERR_NOMEM;
+        } else if (ok) {
+            err = tok_strmap_put(&tok->raw_vocab, &tok->pool, raw.p, raw.n, tok->vocab.vals[e]);
+        }
     }
-    free(buf);
+    buf_free(&raw);
     return err;
 }
 
 static Err load_merges(Tokenizer *tok, json_object *merges, const Path *path)
 {
     const size_t n = json_object_array_length(merges);
-    char *buf = NULL;
-    size_t cap = 0;
+    Buf merged = {0};
     Err err = ERR_OK;
     for (size_t r = 0; r < n && !err; r++) {
         json_object *m = json_object_array_get_idx(merges, r);
@@ -768,18 +759,13 @@ static Err load_merges(Tokenizer *tok, json_object *merges, const Path *path)
         if (tok->prefix && bn >= tok->prefix_n && memcmp(b, tok->prefix, tok->prefix_n) == 0) {
             skip = tok->prefix_n;
         }
-        if (an + bn > cap) {
-            cap = 2 * (an + bn);
-            char *nb = realloc(buf, cap);
-            if (!nb) {
-                err = ERR_NOMEM;
-                break;
-            }
-            buf = nb;
+        buf_clear(&merged);
+        buf_add(&merged, a, an);
+        if (buf_add(&merged, b + skip, bn - skip)) {
+            err = ERR_NOMEM;
+            break;
         }
-        memcpy(buf, a, an);
-        memcpy(buf + an, b + skip, bn - skip);
-        const int32_t im = tok_strmap_get(&tok->vocab, &tok->pool, buf, an + bn - skip);
+        const int32_t im = tok_strmap_get(&tok->vocab, &tok->pool, merged.p, merged.n);
         if (ia < 0 || ib < 0 || im < 0) {
             LOG_ERROR("tokenizer.json: %s: merge of tokens missing from the vocabulary", ip.s);
             err = ERR_FORMAT;
@@ -787,7 +773,7 @@ static Err load_merges(Tokenizer *tok, json_object *merges, const Path *path)
         }
         err = merge_put(&tok->merges, ia, ib, (uint32_t) r, im);
     }
-    free(buf);
+    buf_free(&merged);
     return err;
 }
 
@@ -941,7 +927,7 @@ static Err load_added_tokens(Tokenizer *tok, json_object *list)
             tok->has_norm_added = true;
             continue;
         }
-        Err err = tok_trie_add(&tok->trie_raw, tok->pool.data + t->off, t->n, (int32_t) i);
+        Err err = tok_trie_add(&tok->trie_raw, tok->pool.p + t->off, t->n, (int32_t) i);
         if (err) return err;
     }
     return ERR_OK;
@@ -956,7 +942,7 @@ static Err build_norm_trie(Tokenizer *tok)
         if (!t->normalized) continue;
         char *norm = NULL;
         size_t nn;
-        Err err = tok_normalize(tok, tok->pool.data + t->off, t->n, &norm, &nn);
+        Err err = tok_normalize(tok, tok->pool.p + t->off, t->n, &norm, &nn);
         if (!err) err = tok_trie_add(&tok->trie_norm, norm, nn, (int32_t) i);
         free(norm);
         if (err) return err;
@@ -1236,7 +1222,7 @@ void tok_destroy(Tokenizer *tok)
     free(tok->norms);
     free(tok->pres);
     free(tok->decs);
-    free(tok->pool.data);
+    buf_free(&tok->pool);
     tok_strmap_free(&tok->vocab);
     tok_strmap_free(&tok->raw_vocab);
     tok_strmap_free(&tok->added_map);
@@ -1273,7 +1259,7 @@ int32_t tok_token_to_id(const Tokenizer *tok, const char *token)
 const char *tok_id_to_token(const Tokenizer *tok, int32_t id)
 {
     if (id < 0 || id >= tok->n_vocab || tok->id_str[id] < 0) return NULL;
-    return tok->pool.data + tok->id_str[id];
+    return tok->pool.p + tok->id_str[id];
 }
 
 bool tok_is_special(const Tokenizer *tok, int32_t id)

@@ -1,7 +1,8 @@
 #!/bin/sh
 # check_symbols.sh LIBDIR - every exported symbol of each module library (one per engine/
-# folder, kernels, kernels_ref, fcgi_core) starts with one of that module's prefixes
-# (../shared/STYLE.md §2.1). Prints offenders and exits 1.
+# folder, kernels, kernels_ref, fcgi_core) starts with one of that module's prefixes, so a
+# forgotten `static` or a name without its module's prefix fails. Prints offenders and
+# exits 1.
 set -eu
 libdir=$1
 fail=0 checked=0
@@ -18,7 +19,7 @@ check() {  # check LIBNAME REGEX
         fail=1
     fi
 }
-check glmspark_shared '^(err_|log_|tok_|chat_|utf8_|apikey_|stats_)'
+check glmspark_shared '^(err_|log_|buf_|tok_|chat_|utf8_|apikey_|stats_)'
 check engine_model '^(ckpt_|config_|model_|kv_|sampler_)'
 check engine_backend '^(backend_|thread_pool_)'
 check engine_pipeline '^(pp_|sched_|mtp_)'
