@@ -8,70 +8,11 @@
 #include "fcgi/api_http.h"
 
 #include <ctype.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-
-// ---------------------------------------------------------------------------
-// Buffer
-
-// Make room for n more bytes and the NUL, doubling (from 256) so appends stay amortised O(1).
-static Err buf_reserve(ApiBuf *b, size_t n)
-{
-    if (n > SIZE_MAX / 2 - b->n) return ERR_NOMEM;
-    const size_t need = b->n + n + 1;
-    if (need <= b->cap) return ERR_OK;
-    size_t cap = b->cap ? 2 * b->cap : 256;
-    if (cap < need) cap = need;
-    char *p = realloc(b->p, cap);
-    if (!p) return ERR_NOMEM;
-    b->p = p;
-    b->cap = cap;
-    return ERR_OK;
-}
-
-Err api_buf_add(ApiBuf *b, const char *s, size_t n)
-{
-    const Err err = buf_reserve(b, n);
-    if (err) return err;
-    if (n) memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = '\0';
-    return ERR_OK;
-}
-
-Err api_buf_vaddf(ApiBuf *b, const char *fmt, va_list ap)
-{
-    va_list again;
-    va_copy(again, ap);
-    const int n = vsnprintf(NULL, 0, fmt, ap);
-    Err err = n < 0 ? ERR_INVAL : buf_reserve(b, (size_t) n);
-    if (!err) {
-        vsnprintf(b->p + b->n, (size_t) n + 1, fmt, again);
-        b->n += (size_t) n;
-    }
-    va_end(again);
-    return err;
-}
-
-Err api_buf_addf(ApiBuf *b, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    const Err err = api_buf_vaddf(b, fmt, ap);
-    va_end(ap);
-    return err;
-}
-
-void api_buf_free(ApiBuf *b)
-{
-    if (!b) return;
-    free(b->p);
-    memset(b, 0, sizeof *b);
-}
 
 // ---------------------------------------------------------------------------
 // Routing
@@ -217,7 +158,7 @@ const char *api_http_reason_phrase(int status)
     }
 }
 
-Err api_http_add_header(ApiBuf *b, const char *name, const char *value)
+Err api_http_add_header(Buf *b, const char *name, const char *value)
 {
     const size_t n = strlen(value);
     if (n > API_HTTP_MAX_HEADER) {
@@ -229,5 +170,5 @@ Err api_http_add_header(ApiBuf *b, const char *name, const char *value)
         LOG_ERROR("api: header \"%s\" holds a line break", name);
         return ERR_INVAL;
     }
-    return api_buf_addf(b, "%s: %s\r\n", name, value);
+    return buf_addf(b, "%s: %s\r\n", name, value);
 }

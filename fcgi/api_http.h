@@ -1,6 +1,6 @@
 /*
- * api_http.h - the HTTP pieces of glmspark-fcgi that need no database: the growable buffer,
- * routing, query-string and header parsing, and header formatting.
+ * api_http.h - the HTTP pieces of glmspark-fcgi that need no database: routing, query-string
+ * and header parsing, and header formatting (into a Buf, engine/shared/buf.h).
  *
  * api_server.c answers requests with these; they are separate so that the routing and
  * parsing rules can be tested without a FastCGI socket (tests/fcgi/test_api_http.c). A
@@ -12,19 +12,18 @@
  * bytes, or holding CR or LF (which would split the header block), is refused with
  * ERR_INVAL and logged, so that nothing the client sees was silently truncated.
  *
- * Ownership: ApiBuf's bytes are owned by the buffer (api_buf_free); every other function
- *            borrows its arguments for the call.
+ * Ownership: every function borrows its arguments for the call.
  * Threads:   everything may run on any thread; nothing here has state.
- * Errors:    ERR_NOMEM when the buffer cannot grow; ERR_INVAL for a header value that
+ * Errors:    ERR_NOMEM when the Buf cannot grow; ERR_INVAL for a header value that
  *            cannot be sent (logged once, here).
  */
 #ifndef FCGI_API_HTTP_H
 #define FCGI_API_HTTP_H
 
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 
+#include "engine/shared/buf.h"
 #include "engine/shared/err.h"
 
 #ifdef __cplusplus
@@ -34,25 +33,6 @@ extern "C" {
 // Longest header value we send (nginx's default proxy/fastcgi buffer is 4 KiB for the
 // whole header block; 1 KiB per value leaves room for the others).
 #define API_HTTP_MAX_HEADER 1024
-
-// A growable, always NUL-terminated byte buffer. Zero-initialise to start.
-typedef struct ApiBuf {
-    char *p;  // NULL until the first append; p[n] == '\0' after it
-    size_t n, cap;
-} ApiBuf;
-
-// Append s[0..n). ERR_NOMEM (the buffer is unchanged) when it cannot grow.
-Err api_buf_add(ApiBuf *b, const char *s, size_t n);
-
-// Append printf-style text, whatever its length. ERR_NOMEM as above; ERR_INVAL on a bad
-// format (vsnprintf failed).
-Err api_buf_addf(ApiBuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-// api_buf_addf with a va_list (consumed).
-Err api_buf_vaddf(ApiBuf *b, const char *fmt, va_list ap) __attribute__((format(printf, 2, 0)));
-
-// Free the bytes and zero the buffer; accepts a zeroed buffer.
-void api_buf_free(ApiBuf *b);
 
 typedef enum ApiRoute {
     API_ROUTE_NONE,         // no such endpoint: 404
@@ -100,7 +80,7 @@ const char *api_http_reason_phrase(int status);
 
 // Append "name: value\r\n" to b. ERR_INVAL (logged with the header's name and length) when
 // value is longer than API_HTTP_MAX_HEADER or holds CR or LF; ERR_NOMEM.
-Err api_http_add_header(ApiBuf *b, const char *name, const char *value);
+Err api_http_add_header(Buf *b, const char *name, const char *value);
 
 #ifdef __cplusplus
 }

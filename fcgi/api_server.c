@@ -20,6 +20,7 @@
 #include <time.h>
 
 #include "engine/shared/apikey.h"
+#include "engine/shared/buf.h"
 #include "fcgi/api_http.h"
 #include "fcgi/api_metrics.h"
 #include "fcgi/api_request.h"
@@ -52,13 +53,13 @@ static void put(Ctx *c, const char *s, size_t n)
 }
 
 // Formatted output of any length: short text (SSE ids, status lines) is formatted on the
-// stack, anything longer in an ApiBuf, so nothing is ever cut. A formatting or memory
+// stack, anything longer in a Buf, so nothing is ever cut. A formatting or memory
 // failure is logged and ends the response: a half-formatted line must not go out.
 static void putf(Ctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void putf(Ctx *c, const char *fmt, ...)
 {
     char small[256];
-    ApiBuf b = {0};
+    Buf b = {0};
     va_list ap;
     va_start(ap, fmt);
     const int n = vsnprintf(small, sizeof small, fmt, ap);
@@ -67,7 +68,7 @@ static void putf(Ctx *c, const char *fmt, ...)
     const bool is_small = !err && (size_t) n < sizeof small;
     if (!err && !is_small) {
         va_start(ap, fmt);
-        err = api_buf_vaddf(&b, fmt, ap);
+        err = buf_vaddf(&b, fmt, ap);
         va_end(ap);
     }
     if (err) {
@@ -76,7 +77,7 @@ static void putf(Ctx *c, const char *fmt, ...)
     } else {
         put(c, is_small ? small : b.p, is_small ? (size_t) n : b.n);
     }
-    api_buf_free(&b);
+    buf_free(&b);
 }
 
 static void flush(Ctx *c)
@@ -91,7 +92,7 @@ static const char *json_text(json_object *o)
 
 // Send status + JSON body; takes ownership of body. extra: more header lines (made with
 // api_http_add_header), or NULL.
-static void send_json(Ctx *c, int status, json_object *body, const ApiBuf *extra)
+static void send_json(Ctx *c, int status, json_object *body, const Buf *extra)
 {
     const char *text = json_text(body);
     putf(c, "Status: %d %s\r\nContent-Type: application/json\r\nCache-Control: no-store\r\n%s\r\n",
@@ -114,13 +115,13 @@ static json_object *error_object(const ApiError *e)
 
 static void send_error(Ctx *c, const ApiError *e, int retry_after_s)
 {
-    ApiBuf extra = {0};
+    Buf extra = {0};
     Err err = ERR_OK;
-    if (retry_after_s > 0) err = api_buf_addf(&extra, "Retry-After: %d\r\n", retry_after_s);
+    if (retry_after_s > 0) err = buf_addf(&extra, "Retry-After: %d\r\n", retry_after_s);
     if (!err && e->status == 401) err = api_http_add_header(&extra, "WWW-Authenticate", "Bearer");
     if (err) LOG_ERROR("api: could not add the headers of a %d answer: %s", e->status, err_name(err));
     send_json(c, e->status, error_object(e), &extra);
-    api_buf_free(&extra);
+    buf_free(&extra);
 }
 
 static void fail(Ctx *c, int status, const char *type, const char *code, const char *param,
@@ -543,7 +544,7 @@ typedef enum StreamMode {
 } StreamMode;
 
 typedef struct Collected {
-    ApiBuf content, reasoning;
+    Buf content, reasoning;
     json_object *tool_calls;  // array or NULL
     json_object *logprobs;    // array of per-token entries (chat shape), or NULL
 } Collected;
@@ -725,7 +726,7 @@ static Err stream_chunk(Ctx *c, Stream *s, PGresult *res, int i)
         if (is_tool) {
             if (!col->tool_calls) col->tool_calls = json_object_new_array();
             json_object_array_add(col->tool_calls, tool_call_object(s->job_id, s->n_tools, text, false));
-        } else if ((err = api_buf_add(is_reasoning ? &col->reasoning : &col->content, text, n_text))) {
+        } else if ((err = buf_add(is_reasoning ? &col->reasoning : &col->content, text, n_text))) {
             LOG_ERROR("api: out of memory collecting the output of job %s (%zu bytes so far)",
                       s->job_id, col->content.n + col->reasoning.n);
         }
@@ -985,7 +986,7 @@ static void handle_generate(Ctx *c, ApiKind kind, bool is_job)
         json_object_object_add(o, "prompt_tokens", json_object_new_int(job.n_prompt));
         json_object_object_add(o, "max_tokens", json_object_new_int(job.max_tokens));
         char loc[128];
-        ApiBuf extra = {0};
+        Buf extra = {0};
         snprintf(loc, sizeof loc, "/v1/jobs/%s", job.public_id);
         if (api_http_add_header(&extra, "Location", loc)) {
             json_object_put(o);
@@ -993,7 +994,7 @@ static void handle_generate(Ctx *c, ApiKind kind, bool is_job)
         } else {
             send_json(c, 202, o, &extra);
         }
-        api_buf_free(&extra);
+        buf_free(&extra);
         goto done;
     }
     JobState st = {0};
@@ -1054,8 +1055,8 @@ static void handle_generate(Ctx *c, ApiKind kind, bool is_job)
     json_object_object_add(o, "usage", usage_object(&st));
     send_json(c, 200, o, NULL);
 done:
-    api_buf_free(&col.content);
-    api_buf_free(&col.reasoning);
+    buf_free(&col.content);
+    buf_free(&col.reasoning);
     json_object_put(col.tool_calls);
     json_object_put(col.logprobs);
     api_request_free(&r);
@@ -1304,7 +1305,7 @@ static void handle_auth(Ctx *c)
 {
     const char *key = api_http_bearer_key(param(c, "HTTP_AUTHORIZATION"), param(c, "HTTP_X_API_KEY"));
     ApiKey k;
-    ApiBuf h = {0};
+    Buf h = {0};
     char num[24];
     const Err err = key ? api_db_auth(c->db, key, strlen(key), &k) : ERR_NOTFOUND;
     if (err) {
@@ -1321,7 +1322,7 @@ static void handle_auth(Ctx *c)
     if (!herr) herr = api_http_add_header(&h, "X-Key-Max-Concurrent", num);
     if (herr) putf(c, "Status: 500\r\nContent-Type: text/plain\r\n\r\n");
     else putf(c, "Status: 200 OK\r\n%sContent-Type: text/plain\r\n\r\n", h.p);
-    api_buf_free(&h);
+    buf_free(&h);
 }
 
 // ---------------------------------------------------------------------------

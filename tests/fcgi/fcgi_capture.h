@@ -1,7 +1,7 @@
 /*
  * fcgi_capture.h - drive api_server_handle through in-memory FastCGI streams (tests only).
  *
- * The writer stream lands its bytes in an ApiBuf through a 64-byte window, so that
+ * The writer stream lands its bytes in a Buf through a 64-byte window, so that
  * FCGX_PutStr's refill path (emptyBuffProc) runs too; the reader stream hands out a body
  * and then reports the end. Used by tests/fcgi/test_api_server.c (no database) and
  * tests/db/test_api_server_db.c (a throwaway PostgreSQL). Header-only: static functions,
@@ -28,7 +28,7 @@
 
 typedef struct Capture {
     unsigned char window[64];
-    ApiBuf out;
+    Buf out;
     size_t n_body_read;  // reader side: bytes handed out
     const char *body;
     size_t n_body;
@@ -38,7 +38,7 @@ static void capture_empty(FCGX_Stream *s, int do_close)
 {
     Capture *cap = s->data;
     (void) do_close;
-    CHECK(api_buf_add(&cap->out, (const char *) cap->window, (size_t) (s->wrNext - cap->window))
+    CHECK(buf_add(&cap->out, (const char *) cap->window, (size_t) (s->wrNext - cap->window))
           == ERR_OK);
     s->wrNext = cap->window;
 }

@@ -1,8 +1,9 @@
 /*
  * test_api_http.c - the parts of the HTTP surface that need no database: routing (every
  * route, the wrong method, malformed job ids), query strings (values, keys leaked into
- * them, over-long values refused), the presented key, Last-Event-ID, the growable buffer
- * and header formatting (over-long and line-breaking values refused, never cut).
+ * them, over-long values refused), the presented key, Last-Event-ID and header formatting
+ * (over-long and line-breaking values refused, never cut). The buffer the headers go into
+ * is tested in tests/engine/shared/test_buf.c.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -141,30 +142,9 @@ static void test_event_id(void)
     CHECK(api_http_parse_event_id("99999999999999999999999", &v) == ERR_INVAL);
 }
 
-static void test_buffer(void)
-{
-    ApiBuf b = {0};
-    CHECK(api_buf_add(&b, "", 0) == ERR_OK && b.p && b.n == 0 && b.p[0] == '\0');
-    // Longer than any fixed buffer the old code used (1 KiB): nothing is cut.
-    char *big = malloc(5000);
-    memset(big, 'x', 4999);
-    big[4999] = '\0';
-    CHECK(api_buf_addf(&b, "<%s>", big) == ERR_OK);
-    CHECK(b.n == 5001 && b.p[0] == '<' && b.p[5000] == '>' && b.p[5001] == '\0');
-    CHECK(api_buf_add(&b, "ab", 2) == ERR_OK && b.n == 5003 && !strcmp(b.p + 5001, "ab"));
-    for (int i = 0; i < 1000; i++)
-        CHECK(api_buf_addf(&b, "%d,", i) == ERR_OK);
-    CHECK(b.n == 5003 + 3890 && strlen(b.p) == b.n);
-    api_buf_free(&b);
-    CHECK(b.p == NULL && b.n == 0 && b.cap == 0);
-    api_buf_free(&b);  // a zeroed buffer is fine
-    api_buf_free(NULL);
-    free(big);
-}
-
 static void test_headers(void)
 {
-    ApiBuf b = {0};
+    Buf b = {0};
     CHECK(api_http_add_header(&b, "Location", "/v1/jobs/job-1") == ERR_OK);
     CHECK(!strcmp(b.p, "Location: /v1/jobs/job-1\r\n"));
     const size_t n = b.n;
@@ -178,7 +158,7 @@ static void test_headers(void)
     CHECK(api_http_add_header(&b, "X-Long", v) == ERR_OK);
     CHECK(b.n == n + strlen("X-Long: \r\n") + API_HTTP_MAX_HEADER);
     free(v);
-    api_buf_free(&b);
+    buf_free(&b);
 
     CHECK(!strcmp(api_http_reason_phrase(200), "OK"));
     CHECK(!strcmp(api_http_reason_phrase(401), "Unauthorized"));
@@ -194,7 +174,6 @@ int main(void)
     test_query();
     test_bearer();
     test_event_id();
-    test_buffer();
     test_headers();
     return check_exit();
 }

@@ -52,7 +52,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int seq = 0;
     if (!api_http_parse_event_id(rest, &seq)) ASSERT(seq >= -1);
 
-    ApiBuf b = {0};
+    Buf b = {0};
     const Err herr = api_http_add_header(&b, "X-Test", rest);
     if (!herr) {
         ASSERT(b.n == strlen("X-Test: \r\n") + strlen(rest));
@@ -60,7 +60,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     } else {
         ASSERT(b.n == 0);
     }
-    api_buf_free(&b);
+    buf_free(&b);
     free(buf);
     return 0;
 }
