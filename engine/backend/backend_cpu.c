@@ -31,6 +31,8 @@
 #include <string.h>
 
 #include "engine/backend/thread_pool.h"
+#include "engine/model/topk.h"
+#include "kernels/moe_router.h"
 #include "kernels/nvfp4_format.h"
 
 typedef struct CpuImpl {
@@ -38,8 +40,8 @@ typedef struct CpuImpl {
     int n_threads;
     void *scratch[THREAD_POOL_MAX_THREADS];  // per-thread scratch, owned
     size_t scratch_bytes[THREAD_POOL_MAX_THREADS];
-    double *route_buf;  // [3 * E + n_group] doubles + flags for route(), owned
-    size_t route_cap;
+    double *route_buf;  // moe_router_work_bytes() for route(), owned
+    size_t route_cap;   // bytes
     float *moe_buf;  // gathered tokens and expert activations for moe(), owned
     size_t moe_cap;  // floats
 } CpuImpl;
@@ -339,15 +341,8 @@ static void cpu_add(Backend *be, float *y, const float *x, int n_elems)
 // ---------------------------------------------------------------------------
 // MoE routing (GlmMoeDsaTopkRouter)
 
-// Index of the largest v[i] among i < n not yet taken, ties to the lowest index; -1 if none.
-static int argmax_masked(const double *v, const unsigned char *taken, int n)
-{
-    int best = -1;
-    for (int i = 0; i < n; i++)
-        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
-    return best;
-}
-
+// The router itself is kernels/moe_router.h, shared with the CUDA backend and the kernels'
+// reference; this op owns only its work buffer.
 static void cpu_route(Backend *be, int *idx, float *wts, const float *logits, const float *bias,
                       int n, const BackendRoute *p)
 {
@@ -355,95 +350,28 @@ static void cpu_route(Backend *be, int *idx, float *wts, const float *logits, co
     const int E = p->n_experts, K = p->top_k, G = p->n_group;
     ASSERT(E > 0 && K > 0 && K <= E && G > 0 && E % G == 0 && p->topk_group > 0
            && p->topk_group <= G);
-    const int per_group = E / G;
-    const size_t need = (size_t) 3 * E + G;
+    const size_t need = moe_router_work_bytes(E, G);
     if (impl->route_cap < need) {
         free(impl->route_buf);
-        impl->route_buf = malloc(need * sizeof(double) + (size_t) (E + G));
+        impl->route_buf = malloc(need);
         if (!impl->route_buf) log_fatal(__FILE__, __LINE__, "out of memory");
         impl->route_cap = need;
     }
-    double *score = impl->route_buf;  // sigmoid(logit) [E]
-    double *choice = score + E;       // score + bias, -inf outside kept groups [E]
-    double *group = choice + E;       // [G]
-    double *tmp = group + G;          // [E]
-    unsigned char *taken = (unsigned char *) (tmp + E);  // [max(E, G)]
-
     for (int t = 0; t < n; t++) {
-        const float *lt = logits + (size_t) t * E;
-        for (int e = 0; e < E; e++) {
-            score[e] = 1.0 / (1.0 + exp(-(double) lt[e]));
-            choice[e] = score[e] + (bias ? bias[e] : 0.0f);
-        }
-        // Group score: the sum of the group's two best biased scores (one if the group has
-        // a single expert).
-        for (int g = 0; g < G; g++) {
-            memset(taken, 0, (size_t) per_group);
-            const double *cg = choice + (size_t) g * per_group;
-            const int a = argmax_masked(cg, taken, per_group);
-            taken[a] = 1;
-            const int b = argmax_masked(cg, taken, per_group);
-            group[g] = cg[a] + (b >= 0 ? cg[b] : 0.0);
-        }
-        memset(taken, 0, (size_t) G);
-        for (int k = 0; k < p->topk_group; k++)
-            taken[argmax_masked(group, taken, G)] = 1;
-        for (int e = 0; e < E; e++)
-            tmp[e] = taken[e / per_group] ? choice[e] : -INFINITY;
-
-        memset(taken, 0, (size_t) E);
-        int *it = idx + (size_t) t * K;
-        for (int k = 0; k < K; k++) {
-            const int e = argmax_masked(tmp, taken, E);
-            taken[e] = 1;
-        }
-        int k = 0;
-        double sum = 0.0;
-        for (int e = 0; e < E; e++)
-            if (taken[e]) {
-                it[k++] = e;
-                sum += score[e];
-            }
-        ASSERT(k == K);
-        for (k = 0; k < K; k++) {
-            double w = score[it[k]];
-            if (p->norm_topk_prob) w /= sum + 1e-20;
-            wts[(size_t) t * K + k] = (float) (w * p->routed_scaling_factor);
-        }
+        const int n_chosen = moe_router_token(
+            idx + (size_t) t * K, wts + (size_t) t * K, NULL, logits + (size_t) t * E, bias, E,
+            K, G, p->topk_group, p->norm_topk_prob, p->routed_scaling_factor, true,
+            impl->route_buf);
+        ASSERT(n_chosen == K);
     }
 }
 
 // ---------------------------------------------------------------------------
 // DSA indexer top-k
 
-typedef struct ScoredPos {
-    double score;
-    int pos;
-} ScoredPos;
-
-// True when a ranks below b: a lower score, or the same score at an earlier position. The
-// tie rule of DSA (the model notes): among equal scores the later, more recent position wins,
-// where torch.topk leaves ties unspecified; the GPU kernels follow the same rule.
-static bool ranks_below(ScoredPos a, ScoredPos b)
-{
-    return a.score < b.score || (a.score == b.score && a.pos < b.pos);
-}
-
-// Restore the min-heap (by ranks_below) below node i of h[0..n).
-static void heap_sift_down(ScoredPos *h, int n, int i)
-{
-    for (;;) {
-        const int l = 2 * i + 1, r = l + 1;
-        int m = i;
-        if (l < n && ranks_below(h[l], h[m])) m = l;
-        if (r < n && ranks_below(h[r], h[m])) m = r;
-        if (m == i) return;
-        const ScoredPos t = h[i];
-        h[i] = h[m];
-        h[m] = t;
-        i = m;
-    }
-}
+// The best top_k positions by score come from engine/model/topk.h with the tie rule of DSA
+// (engine/model/README.md): among equal scores the later, more recent position wins, where
+// torch.topk leaves ties unspecified; the GPU kernels follow the same rule.
 
 // Sort v[0..n) ascending in place (heapsort: no allocation, unlike qsort).
 static void sort_ints(int *v, int n)
@@ -498,7 +426,7 @@ static void dsa_task(void *ctx, int t, int thread)
         job->n_sel[t] = visible;
         return;
     }
-    ScoredPos *heap = thread_scratch(job->impl, thread);  // the best top_k so far, worst on top
+    TopkEntry *heap = thread_scratch(job->impl, thread);  // the best top_k so far, worst on top
     float *entry_buf = (float *) (heap + p->top_k);       // a widened cache entry
     int n_heap = 0;
     const float *qt = job->q + (size_t) t * p->n_heads * p->head_dim;
@@ -517,19 +445,10 @@ static void dsa_task(void *ctx, int t, int thread)
             d *= dot_scale;
             if (d > 0.0) total += (double) wt[h] * head_scale * d;
         }
-        const ScoredPos cand = {total, s};
-        if (n_heap < p->top_k) {
-            heap[n_heap++] = cand;
-            if (n_heap == p->top_k)
-                for (int i = n_heap / 2 - 1; i >= 0; i--)
-                    heap_sift_down(heap, n_heap, i);
-        } else if (ranks_below(heap[0], cand)) {
-            heap[0] = cand;
-            heap_sift_down(heap, n_heap, 0);
-        }
+        topk_offer(heap, &n_heap, p->top_k, (TopkEntry){total, s}, TOPK_TIE_HIGHER_ID);
     }
     for (int k = 0; k < p->top_k; k++)
-        sel[k] = heap[k].pos;
+        sel[k] = heap[k].id;
     sort_ints(sel, p->top_k);
     job->n_sel[t] = p->top_k;
 }
@@ -541,7 +460,7 @@ static void cpu_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, cons
     CpuImpl *impl = be->impl;
     ASSERT(kv->params.has_index[layer] && kv->params.index_dim == p->head_dim && p->top_k > 0);
     ensure_scratch(impl,
-                   (size_t) p->top_k * sizeof(ScoredPos) + kv->entry_floats[layer] * sizeof(float));
+                   (size_t) p->top_k * sizeof(TopkEntry) + kv->entry_floats[layer] * sizeof(float));
     DsaJob job = {impl, sel, n_sel, q, w, kv, seq, layer, pos, p};
     double work = 0.0;
     for (int t = 0; t < n; t++)

@@ -54,14 +54,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "engine/shared/cuda_check.h"
+#include "kernels/moe_router.h"
 #include "kernels/nvfp4_format.h"
-
-#define CK(call)                                                                               \
-    do {                                                                                       \
-        const cudaError_t ck_err_ = (call);                                                    \
-        if (ck_err_ != cudaSuccess)                                                            \
-            log_fatal(__FILE__, __LINE__, "CUDA: %s: %s", #call, cudaGetErrorString(ck_err_)); \
-    } while (0)
 
 enum {
     SCRATCH_A,  // double / float work buffers
@@ -533,58 +528,17 @@ static __global__ void k_add(float *y, const float *x, size_t n)
         y[i] = __fadd_rn(y[i], x[i]);
 }
 
-static __device__ int argmax_masked(const double *v, const unsigned char *taken, int n)
-{
-    int best = -1;
-    for (int i = 0; i < n; i++)
-        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
-    return best;
-}
-
-// One block per token, thread 0 runs the CPU backend's algorithm (E is small). Shared:
-// double [3 E + G], then bytes [max(E, G)].
+// One block per token; thread 0 runs the router of kernels/moe_router.h (E is small), the
+// CPU backend's code, in the shared work buffer (moe_router_work_bytes(E, G)).
 static __global__ void k_route(int *idx, float *wts, const float *logits, const float *bias,
                                BackendRoute p)
 {
     extern __shared__ double sm[];
     if (threadIdx.x != 0) return;
-    const int E = p.n_experts, K = p.top_k, G = p.n_group, per_group = E / G, t = blockIdx.x;
-    double *score = sm, *choice = score + E, *group = choice + E, *tmp = group + G;
-    unsigned char *taken = (unsigned char *) (tmp + E);
-    const float *lt = logits + (size_t) t * E;
-    for (int e = 0; e < E; e++) {
-        score[e] = 1.0 / (1.0 + exp(-(double) lt[e]));
-        choice[e] = score[e] + (bias ? bias[e] : 0.0f);
-    }
-    for (int g = 0; g < G; g++) {
-        memset(taken, 0, (size_t) per_group);
-        const double *cg = choice + (size_t) g * per_group;
-        const int a = argmax_masked(cg, taken, per_group);
-        taken[a] = 1;
-        const int b = argmax_masked(cg, taken, per_group);
-        group[g] = cg[a] + (b >= 0 ? cg[b] : 0.0);
-    }
-    memset(taken, 0, (size_t) G);
-    for (int k = 0; k < p.topk_group; k++)
-        taken[argmax_masked(group, taken, G)] = 1;
-    for (int e = 0; e < E; e++)
-        tmp[e] = taken[e / per_group] ? choice[e] : -INFINITY;
-    memset(taken, 0, (size_t) E);
-    for (int k = 0; k < K; k++)
-        taken[argmax_masked(tmp, taken, E)] = 1;
-    int *it = idx + (size_t) t * K;
-    int k = 0;
-    double sum = 0.0;
-    for (int e = 0; e < E; e++)
-        if (taken[e]) {
-            it[k++] = e;
-            sum += score[e];
-        }
-    for (k = 0; k < K; k++) {
-        double w = score[it[k]];
-        if (p.norm_topk_prob) w /= sum + 1e-20;
-        wts[(size_t) t * K + k] = (float) (w * p.routed_scaling_factor);
-    }
+    const int E = p.n_experts, K = p.top_k, t = blockIdx.x;
+    moe_router_token(idx + (size_t) t * K, wts + (size_t) t * K, NULL, logits + (size_t) t * E,
+                     bias, E, K, p.n_group, p.topk_group, p.norm_topk_prob,
+                     p.routed_scaling_factor, true, sm);
 }
 
 static __device__ __forceinline__ double warp_sum_double(double v)
@@ -1091,14 +1045,14 @@ static double now_s(void)
 static void prof_begin(CudaImpl *impl)
 {
     if (!impl->profile) return;
-    CK(cudaStreamSynchronize(impl->stream));
+    CUDA_CHECK(cudaStreamSynchronize(impl->stream));
     impl->prof_t0 = now_s();
 }
 
 static void prof_end(CudaImpl *impl, int op, double weight_bytes)
 {
     if (!impl->profile) return;
-    CK(cudaStreamSynchronize(impl->stream));
+    CUDA_CHECK(cudaStreamSynchronize(impl->stream));
     impl->prof_s[op] += now_s() - impl->prof_t0;
     impl->prof_bytes[op] += weight_bytes;
     impl->prof_calls[op]++;
@@ -1126,9 +1080,9 @@ static void *scratch(CudaImpl *impl, int slot, size_t bytes)
             bytes < 2 * impl->scratch_bytes[slot] ? 2 * impl->scratch_bytes[slot] : bytes;
         no_capture(impl, "scratch growth");
         impl->gen++;
-        if (impl->scratch[slot]) CK(cudaFree(impl->scratch[slot]));
+        if (impl->scratch[slot]) CUDA_CHECK(cudaFree(impl->scratch[slot]));
         impl->scratch[slot] = NULL;
-        CK(cudaMalloc(&impl->scratch[slot], grown));
+        CUDA_CHECK(cudaMalloc(&impl->scratch[slot], grown));
         impl->scratch_bytes[slot] = grown;
     }
     return impl->scratch[slot];
@@ -1143,7 +1097,7 @@ static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
         DevPool *d = &impl->pools[i];
         if (d->kv == kv) {
             if (d->host_pool == kv->pool && d->bytes == bytes) return (unsigned char *) d->dev;
-            CK(cudaFree(d->dev));  // the cache was freed and set up again at this address
+            CUDA_CHECK(cudaFree(d->dev));  // the cache was freed and set up again at this address
             memset(d, 0, sizeof *d);
         }
         if (!d->kv && !free_slot) free_slot = d;
@@ -1153,8 +1107,8 @@ static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
     no_capture(impl, "a KV pool allocation");
     impl->gen++;
     void *p = NULL;
-    CK(cudaMalloc(&p, bytes ? bytes : 1));
-    CK(cudaMemset(p, 0, bytes ? bytes : 1));
+    CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 1));
+    CUDA_CHECK(cudaMemset(p, 0, bytes ? bytes : 1));
     *free_slot = (DevPool){kv, kv->pool, bytes, p};
     return (unsigned char *) p;
 }
@@ -1187,15 +1141,15 @@ static const int *dev_blocks(CudaImpl *impl, const KvSeq *seq)
     if (n + 1 > slot->cap) {
         const int cap = 2 * (n + 1) > 64 ? 2 * (n + 1) : 64;
         free(slot->host);
-        if (slot->dev) CK(cudaFree(slot->dev));
+        if (slot->dev) CUDA_CHECK(cudaFree(slot->dev));
         slot->host = (int *) malloc((size_t) cap * sizeof(int));
         if (!slot->host) log_fatal(__FILE__, __LINE__, "out of memory");
-        CK(cudaMalloc(&slot->dev, (size_t) cap * sizeof(int)));
+        CUDA_CHECK(cudaMalloc(&slot->dev, (size_t) cap * sizeof(int)));
         slot->cap = cap;
     }
     if (n) {
         memcpy(slot->host, seq->blocks, (size_t) n * sizeof(int));
-        CK(cudaMemcpy(slot->dev, slot->host, (size_t) n * sizeof(int), cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(slot->dev, slot->host, (size_t) n * sizeof(int), cudaMemcpyHostToDevice));
     }
     slot->n_blocks = n;
     return slot->dev;
@@ -1224,7 +1178,7 @@ static void *cuda_alloc(Backend *be, size_t bytes)
         (void) cudaGetLastError();
         return NULL;
     }
-    CK(cudaMemset(p, 0, bytes ? bytes : 1));
+    CUDA_CHECK(cudaMemset(p, 0, bytes ? bytes : 1));
     return p;
 }
 
@@ -1233,7 +1187,7 @@ static void cuda_free_mem(Backend *be, void *p)
     CudaImpl *impl = (CudaImpl *) be->impl;
     no_capture(impl, "free_mem");
     impl->gen++;
-    if (p) CK(cudaFree(p));
+    if (p) CUDA_CHECK(cudaFree(p));
 }
 
 static void cuda_upload(Backend *be, void *dst, const void *src_host, size_t bytes)
@@ -1241,8 +1195,8 @@ static void cuda_upload(Backend *be, void *dst, const void *src_host, size_t byt
     CudaImpl *impl = (CudaImpl *) be->impl;
     no_capture(impl, "upload");
     if (!bytes) return;
-    CK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, impl->stream));
-    CK(cudaStreamSynchronize(impl->stream));
+    CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, impl->stream));
+    CUDA_CHECK(cudaStreamSynchronize(impl->stream));
 }
 
 static void cuda_download(Backend *be, void *dst_host, const void *src, size_t bytes)
@@ -1250,8 +1204,8 @@ static void cuda_download(Backend *be, void *dst_host, const void *src, size_t b
     CudaImpl *impl = (CudaImpl *) be->impl;
     no_capture(impl, "download");
     if (!bytes) return;
-    CK(cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, impl->stream));
-    CK(cudaStreamSynchronize(impl->stream));
+    CUDA_CHECK(cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, impl->stream));
+    CUDA_CHECK(cudaStreamSynchronize(impl->stream));
 }
 
 // Device memory of `bytes` bytes, remembered for destroy; NULL when out of memory.
@@ -1279,7 +1233,7 @@ static void *keep_alloc(CudaImpl *impl, size_t bytes)
 static void *keep_copy(CudaImpl *impl, const void *src, size_t bytes)
 {
     void *p = keep_alloc(impl, bytes);
-    if (p && bytes) CK(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice));
+    if (p && bytes) CUDA_CHECK(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice));
     return p;
 }
 
@@ -1425,7 +1379,7 @@ static void cuda_route(Backend *be, int *idx, float *wts, const float *logits, c
     ASSERT(E > 0 && p->top_k > 0 && p->top_k <= E && G > 0 && E % G == 0 && p->topk_group > 0
            && p->topk_group <= G);
     if (n == 0) return;
-    const size_t shared = ((size_t) 3 * E + G) * sizeof(double) + (size_t) (E > G ? E : G);
+    const size_t shared = moe_router_work_bytes(E, G);
     ASSERT(shared <= 48 * 1024);
     prof_begin(impl);
     k_route<<<n, 32, shared, impl->stream>>>(idx, wts, logits, bias, *p);
@@ -1544,8 +1498,8 @@ static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int
     for (int i = 0; i < 3 * n_experts; i++)
         host[i] = dev_lin(&experts[i]);
     void *dev = NULL;
-    CK(cudaMalloc(&dev, (size_t) 3 * n_experts * sizeof *host));
-    CK(cudaMemcpy(dev, host, (size_t) 3 * n_experts * sizeof *host, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMalloc(&dev, (size_t) 3 * n_experts * sizeof *host));
+    CUDA_CHECK(cudaMemcpy(dev, host, (size_t) 3 * n_experts * sizeof *host, cudaMemcpyHostToDevice));
     free(host);
     impl->tables[impl->n_tables++] = (ExpertTable){experts, n_experts, dev};
     return (const DevLin *) dev;
@@ -1631,7 +1585,7 @@ static bool cuda_graph_begin(Backend *be, const KvCache *kv, KvSeq *const *seqs,
     }
     if (impl->n_last_key == nk && impl->last_gen == impl->gen
         && memcmp(impl->last_key, k, kb) == 0) {
-        CK(cudaStreamBeginCapture(impl->stream, cudaStreamCaptureModeThreadLocal));
+        CUDA_CHECK(cudaStreamBeginCapture(impl->stream, cudaStreamCaptureModeThreadLocal));
         impl->mode = GRAPH_CAPTURE;
     }
     return false;
@@ -1642,23 +1596,23 @@ static void cuda_graph_end(Backend *be)
     CudaImpl *impl = (CudaImpl *) be->impl;
     switch (impl->mode) {
     case GRAPH_REPLAY:
-        CK(cudaGraphLaunch(impl->graph_cur->exec, impl->stream));
+        CUDA_CHECK(cudaGraphLaunch(impl->graph_cur->exec, impl->stream));
         break;
     case GRAPH_CAPTURE: {
         cudaGraph_t graph = NULL;
-        CK(cudaStreamEndCapture(impl->stream, &graph));
+        CUDA_CHECK(cudaStreamEndCapture(impl->stream, &graph));
         GraphEntry *g = &impl->graph_cache[0];
         for (int i = 1; i < MAX_GRAPHS; i++)
             if (impl->graph_cache[i].used < g->used) g = &impl->graph_cache[i];
-        if (g->n_key) CK(cudaGraphExecDestroy(g->exec));
+        if (g->n_key) CUDA_CHECK(cudaGraphExecDestroy(g->exec));
         g->n_key = 0;
-        CK(cudaGraphInstantiate(&g->exec, graph, 0));
-        CK(cudaGraphDestroy(graph));
+        CUDA_CHECK(cudaGraphInstantiate(&g->exec, graph, 0));
+        CUDA_CHECK(cudaGraphDestroy(graph));
         memcpy(g->key, impl->key, (size_t) impl->n_key * sizeof *g->key);
         g->n_key = impl->n_key;
         g->gen = impl->gen;
         g->used = ++impl->clock;
-        CK(cudaGraphLaunch(g->exec, impl->stream));
+        CUDA_CHECK(cudaGraphLaunch(g->exec, impl->stream));
         impl->n_last_key = 0;
         break;
     }
@@ -1761,16 +1715,16 @@ double backend_cuda_copy_gbs(Backend *be, size_t bytes)
         LOG_ERROR("copy benchmark: no room for 2 x %zu bytes on the GPU", bytes);
         goto done;
     }
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    CK(cudaMemsetAsync(a, 1, bytes, impl->stream));
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    CUDA_CHECK(cudaMemsetAsync(a, 1, bytes, impl->stream));
     for (int i = 0; i < 6; i++) {  // the first is a warm-up
-        CK(cudaEventRecord(e0, impl->stream));
-        CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, impl->stream));
-        CK(cudaEventRecord(e1, impl->stream));
-        CK(cudaEventSynchronize(e1));
+        CUDA_CHECK(cudaEventRecord(e0, impl->stream));
+        CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, impl->stream));
+        CUDA_CHECK(cudaEventRecord(e1, impl->stream));
+        CUDA_CHECK(cudaEventSynchronize(e1));
         float ms = 0.0f;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
+        CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
         const double gbs = 2.0 * (double) bytes / (ms * 1e-3) / 1e9;
         if (i > 0 && gbs > best) best = gbs;
     }

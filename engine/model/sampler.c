@@ -89,45 +89,14 @@ void sampler_apply_penalties(Sampler *s, float *logits, const int32_t *history, 
     }
 }
 
-// True when a ranks below b: a lower logit, or the same logit and a higher id.
-static bool ranks_below(SamplerCandidate a, SamplerCandidate b)
+// Keep the k best of c[0..n) in c[0..k), sorted best first (engine/model/topk.h), ties to the
+// lower token id.
+static void select_sorted(TopkEntry *c, int n, int k)
 {
-    return a.logit < b.logit || (a.logit == b.logit && a.id > b.id);
-}
-
-// Restore the min-heap (the lowest-ranked candidate on top) below node i of h[0..n).
-static void sift_down(SamplerCandidate *h, int n, int i)
-{
-    for (;;) {
-        const int l = 2 * i + 1, r = l + 1;
-        int m = i;
-        if (l < n && ranks_below(h[l], h[m])) m = l;
-        if (r < n && ranks_below(h[r], h[m])) m = r;
-        if (m == i) return;
-        const SamplerCandidate t = h[i];
-        h[i] = h[m];
-        h[m] = t;
-        i = m;
-    }
-}
-
-// Keep the k best of c[0..n) in c[0..k), sorted best first: a min-heap of k over one pass,
-// then heapsort. O(n log k), no allocation (qsort may allocate; the decode loop must not).
-static void select_sorted(SamplerCandidate *c, int n, int k)
-{
-    for (int i = k / 2 - 1; i >= 0; i--)
-        sift_down(c, k, i);
-    for (int i = k; i < n; i++)
-        if (ranks_below(c[0], c[i])) {
-            c[0] = c[i];
-            sift_down(c, k, 0);
-        }
-    for (int end = k - 1; end > 0; end--) {  // pop the worst to the back
-        const SamplerCandidate t = c[0];
-        c[0] = c[end];
-        c[end] = t;
-        sift_down(c, end, 0);
-    }
+    int n_heap = 0;
+    for (int i = 0; i < n; i++)
+        topk_offer(c, &n_heap, k, c[i], TOPK_TIE_LOWER_ID);
+    topk_sort(c, k, TOPK_TIE_LOWER_ID);
 }
 
 int32_t sampler_sample(Sampler *s, float *logits)
@@ -157,7 +126,7 @@ int32_t sampler_sample(Sampler *s, float *logits)
         return best;
     }
 
-    SamplerCandidate *c = s->candidates;
+    TopkEntry *c = s->candidates;
     int n = 0;
     // min-p (p_i >= min_p * p_max, i.e. logit_i - max_logit >= log(min_p)) can go first when
     // no top-p follows: a candidate it drops could never pass it after top-k. With top-p,
@@ -167,7 +136,7 @@ int32_t sampler_sample(Sampler *s, float *logits)
     for (int i = 0; i < V; i++) {
         const float scaled = logits[i] / p->temperature;
         if (min_p_first && (double) scaled - max_logit < floor_logit) continue;
-        c[n++] = (SamplerCandidate){i, scaled};
+        c[n++] = (TopkEntry){scaled, i};
     }
     ASSERT(n > 0);  // the best candidate always passes min-p (0 >= log(min_p))
     select_sorted(c, n, has_top_k && p->top_k < n ? p->top_k : n);
@@ -176,12 +145,12 @@ int32_t sampler_sample(Sampler *s, float *logits)
     // Probabilities of the kept prefix; c[0] has the largest logit.
     double sum = 0.0;
     for (int i = 0; i < n; i++)
-        sum += exp((double) c[i].logit - max_logit);
+        sum += exp(c[i].key - max_logit);
     if (p->top_p < 1.0f) {
         double cum = 0.0;
         int keep = n;
         for (int i = 0; i < n; i++) {
-            cum += exp((double) c[i].logit - max_logit) / sum;
+            cum += exp(c[i].key - max_logit) / sum;
             if (cum >= p->top_p) {
                 keep = i + 1;
                 break;
@@ -191,17 +160,17 @@ int32_t sampler_sample(Sampler *s, float *logits)
     }
     if (p->min_p > 0.0f && !min_p_first) {
         int keep = 1;
-        while (keep < n && (double) c[keep].logit - max_logit >= floor_logit)
+        while (keep < n && c[keep].key - max_logit >= floor_logit)
             keep++;
         n = keep;
     }
     double total = 0.0;
     for (int i = 0; i < n; i++)
-        total += exp((double) c[i].logit - max_logit);
+        total += exp(c[i].key - max_logit);
     const double u = sampler_uniform(s) * total;
     double cum = 0.0;
     for (int i = 0; i < n; i++) {
-        cum += exp((double) c[i].logit - max_logit);
+        cum += exp(c[i].key - max_logit);
         if (u < cum) return c[i].id;
     }
     return c[n - 1].id;

@@ -19,6 +19,7 @@
 
 #include <stdint.h>
 
+#include "engine/model/topk.h"
 #include "engine/shared/err.h"
 
 #ifdef __cplusplus
@@ -39,16 +40,11 @@ typedef struct SamplerParams {
 // The defaults: greedy, every filter off, seed 0.
 SamplerParams sampler_default_params(void);
 
-typedef struct SamplerCandidate {
-    int32_t id;
-    float logit;  // scaled logit, then probability after the filters
-} SamplerCandidate;
-
 typedef struct Sampler {
     SamplerParams params;
     uint64_t rng;                  // xorshift64* state, advanced per draw
     int vocab_size;                // entries in every logits row
-    SamplerCandidate *candidates;  // owned scratch, vocab_size entries
+    TopkEntry *candidates;         // owned scratch, vocab_size entries: scaled logit, token id
     int32_t *counts;               // owned scratch for penalties, vocab_size entries
 } Sampler;
 

@@ -1,6 +1,8 @@
 /*
- * moe_ref.c - the router and the experts written out plainly, following
- * transformers 5.17 models/glm_moe_dsa/modeling_glm_moe_dsa.py (GlmMoeDsaTopkRouter / route_tokens_to_experts).
+ * moe_ref.c - the router and the experts written out plainly, following transformers 5.17
+ * models/glm_moe_dsa/modeling_glm_moe_dsa.py (GlmMoeDsaTopkRouter / route_tokens_to_experts).
+ * The router is kernels/moe_router.h, the one the CPU and CUDA backends run, in moe.h's
+ * order (descending choice) and with norm_topk_prob, as kernels/moe.cu computes it.
  */
 #include "kernels/ref/moe_ref.h"
 
@@ -8,6 +10,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 
+#include "kernels/moe_router.h"
 #include "kernels/ref/kern_ref.h"
 #include "kernels/ref/nvfp4_ref.h"
 
@@ -15,60 +18,13 @@ void moe_route_ref(int32_t *idx, float *w, double *choice, const float *logits,
                    const float *bias, int n_tok, int n_experts, int k, int n_group,
                    int topk_group, float scale)
 {
-    double *s = malloc(sizeof(double) * n_experts);
-    double *c = malloc(sizeof(double) * n_experts);
-    double *gs = malloc(sizeof(double) * n_group);
-    int *keep = malloc(sizeof(int) * n_group);
-    const int per_group = n_experts / n_group;
-    for (int t = 0; t < n_tok; t++) {
-        for (int e = 0; e < n_experts; e++) {
-            s[e] = 1.0 / (1.0 + exp(-(double) logits[(size_t) t * n_experts + e]));
-            c[e] = s[e] + bias[e];
-        }
-        if (n_group > 1) {
-            for (int g = 0; g < n_group; g++) {
-                double best = -INFINITY, second = -INFINITY;
-                for (int e = g * per_group; e < (g + 1) * per_group; e++) {
-                    if (c[e] > best) {
-                        second = best;
-                        best = c[e];
-                    } else if (c[e] > second) {
-                        second = c[e];
-                    }
-                }
-                gs[g] = best + second;
-                keep[g] = 0;
-            }
-            for (int r = 0; r < topk_group; r++) {
-                int b = -1;
-                for (int g = 0; g < n_group; g++)
-                    if (!keep[g] && (b < 0 || gs[g] > gs[b])) b = g;
-                keep[b] = 1;
-            }
-            for (int e = 0; e < n_experts; e++)
-                if (!keep[e / per_group]) c[e] = -INFINITY;
-        }
-        if (choice)
-            for (int e = 0; e < n_experts; e++) choice[(size_t) t * n_experts + e] = c[e];
-        double sum = 0.0;
-        for (int r = 0; r < k; r++) {
-            int b = -1;
-            for (int e = 0; e < n_experts; e++)
-                if (b < 0 || c[e] > c[b]) b = e;
-            idx[(size_t) t * k + r] = b;
-            w[(size_t) t * k + r] = (float) s[b];
-            sum += s[b];
-            c[b] = -INFINITY;
-        }
-        for (int r = 0; r < k; r++) {
-            const int e = idx[(size_t) t * k + r];
-            w[(size_t) t * k + r] = (float) (s[e] / (sum + 1e-20) * scale);
-        }
-    }
-    free(s);
-    free(c);
-    free(gs);
-    free(keep);
+    void *work = malloc(moe_router_work_bytes(n_experts, n_group));
+    for (int t = 0; t < n_tok; t++)
+        moe_router_token(idx + (size_t) t * k, w + (size_t) t * k,
+                         choice ? choice + (size_t) t * n_experts : NULL,
+                         logits + (size_t) t * n_experts, bias, n_experts, k, n_group,
+                         topk_group, true, scale, false, work);
+    free(work);
 }
 
 void moe_w13_ref(float *act, float *g, float *u, float *g_abs, float *u_abs, const uint8_t *q13,
