@@ -23,9 +23,9 @@
 #include "engine/model/backend.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/model.h"
-#include "tests/check.h"
-
 #include "engine/shared/err.h"
+#include "tests/check.h"
+#include "tests/golden/rel_l2.h"
 
 typedef struct Golden {
     int *tokens;
@@ -124,12 +124,10 @@ static inline bool golden_read(const char *dir, Golden *g)
     return true;
 }
 
-static inline float *golden_read_logits(const char *dir, const Golden *g)
+// count floats from path, exactly (the file must end there), malloc'd; NULL after a message.
+static inline float *golden_read_floats(const char *path, size_t count)
 {
-    char path[1024];
-    snprintf(path, sizeof path, "%s/%s", dir, g->logits_file);
-    const size_t count = (size_t) (g->n_tokens - g->logits_first) * g->vocab;
-    float *v = malloc(count * sizeof *v);
+    float *v = malloc(count * sizeof *v + 1);
     FILE *f = fopen(path, "rb");
     const bool ok = v && f && fread(v, sizeof *v, count, f) == count && fgetc(f) == EOF;
     if (f) fclose(f);
@@ -141,15 +139,21 @@ static inline float *golden_read_logits(const char *dir, const Golden *g)
     return v;
 }
 
-static inline double golden_rel_l2(const float *got, const float *want, int n)
+static inline float *golden_read_logits(const char *dir, const Golden *g)
 {
-    double num = 0.0, den = 0.0;
-    for (int i = 0; i < n; i++) {
-        const double d = (double) got[i] - want[i];
-        num += d * d;
-        den += (double) want[i] * want[i];
-    }
-    return sqrt(num / (den > 0.0 ? den : 1.0));
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", dir, g->logits_file);
+    return golden_read_floats(path, (size_t) (g->n_tokens - g->logits_first) * g->vocab);
+}
+
+// golden_read() and golden_read_logits() of dir: the reference logits (the caller frees
+// them and golden_free()s *g), or NULL with *g zeroed after a message.
+static inline float *golden_load(const char *dir, Golden *g)
+{
+    if (!golden_read(dir, g)) return NULL;
+    float *want = golden_read_logits(dir, g);
+    if (!want) golden_free(g);
+    return want;
 }
 
 static inline int golden_argmax(const float *v, int n)

@@ -36,8 +36,7 @@ int main(int argc, char **argv)
     }
     const char *dir = argv[1];
     Golden g;
-    if (!golden_read(dir, &g)) return 1;
-    float *want = golden_read_logits(dir, &g);
+    float *want = golden_load(dir, &g);
     if (!want) return 1;
 
     Backend *be = NULL;

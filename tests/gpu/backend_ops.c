@@ -22,6 +22,7 @@
 #include "engine/shared/err.h"
 #include "kernels/nvfp4_format.h"
 #include "tests/check.h"
+#include "tests/golden/rel_l2.h"
 
 static Backend *cpu, *gpu;
 static uint64_t rng_state = 0x9e3779b97f4a7c15u;
@@ -65,22 +66,11 @@ static void *down(const void *d, size_t bytes)
     return h;
 }
 
-static double rel_l2(const float *got, const float *want, size_t n)
-{
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        const double d = (double) got[i] - want[i];
-        num += d * d;
-        den += (double) want[i] * want[i];
-    }
-    return sqrt(num / (den > 0.0 ? den : 1.0));
-}
-
 // Compare the GPU result d (n floats) with the CPU result want; print and check.
 static void expect_close(const char *what, const float *d, const float *want, size_t n, double tol)
 {
     float *got = down(d, n * sizeof *got);
-    const double e = rel_l2(got, want, n);
+    const double e = golden_rel_l2(got, want, n);
     printf("%-34s rel L2 %.3g\n", what, e);
     CHECK(e <= tol);
     if (e > tol) fprintf(stderr, "%s: relative L2 error %.3g > %.3g\n", what, e, tol);

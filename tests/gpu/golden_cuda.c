@@ -64,8 +64,7 @@ int main(int argc, char **argv)
     }
     const char *dir = argv[1];
     Golden g;
-    if (!golden_read(dir, &g)) return 1;
-    float *want = golden_read_logits(dir, &g);
+    float *want = golden_load(dir, &g);
     if (!want) return 1;
     const int V = g.vocab;
 
@@ -91,15 +90,10 @@ int main(int argc, char **argv)
 
     // 4. the command line's output, when given
     if (argc == 3) {
-        float *cli = malloc((size_t) g.n_tokens * V * sizeof *cli);
-        FILE *f = fopen(argv[2], "rb");
-        const bool ok =
-            cli && f
-            && fread(cli, sizeof *cli, (size_t) g.n_tokens * V, f) == (size_t) g.n_tokens * V;
-        if (f) fclose(f);
-        CHECK(ok);
-        if (ok) golden_compare("glmspark logits --backend cuda vs reference", cli, want, &g,
-                               TOL_REFERENCE);
+        float *cli = golden_read_floats(argv[2], (size_t) g.n_tokens * V);
+        CHECK(cli != NULL);
+        if (cli) golden_compare("glmspark logits --backend cuda vs reference", cli, want, &g,
+                                TOL_REFERENCE);
         free(cli);
     }
 

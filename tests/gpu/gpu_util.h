@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 #include <float.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -99,6 +100,33 @@ static inline void compare(const char *what, const float *got, const float *want
     if (bad) check_failures++;
     else check_passes++;
     CHECK(nmse <= nmse_max);  // NaN fails too
+}
+
+// A GEMV's output d_y [ny] on the device (fp32, or bf16 when is_bf16) against the reference
+// want [ny], whose sum |terms| over n_terms terms is abs [ny]: res [ny] (or NULL, the
+// residual the kernel added) is added to want first. Each element may be off by
+// n_terms * FLT_EPSILON * (abs + |res|), plus the bf16 rounding of the output; the NMSE by
+// 1e-10 (fp32) or 1e-4 (bf16). want is modified.
+static inline void compare_gemv(const char *what, const void *d_y, bool is_bf16, float *want,
+                                const float *abs, const float *res, size_t ny, int n_terms)
+{
+    float *got = (float *) xmalloc(ny * 4), *tol = (float *) xmalloc(ny * 4);
+    if (!is_bf16) {
+        gpu_download(got, d_y, ny * 4);
+    } else {
+        uint16_t *gb = (uint16_t *) xmalloc(ny * 2);
+        gpu_download(gb, d_y, ny * 2);
+        for (size_t i = 0; i < ny; i++) got[i] = kern_bf16_to_f32(gb[i]);
+        free(gb);
+    }
+    for (size_t i = 0; i < ny; i++) {
+        if (res) want[i] += res[i];
+        tol[i] = (float) (n_terms * FLT_EPSILON * (abs[i] + (res ? fabsf(res[i]) : 0)));
+        if (is_bf16) tol[i] += ldexpf(fabsf(want[i]), -8);
+    }
+    compare(what, got, want, tol, 0, ny, is_bf16 ? 1e-4 : 1e-10);
+    free(got);
+    free(tol);
 }
 
 #endif  // TESTS_GPU_GPU_UTIL_H

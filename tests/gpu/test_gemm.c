@@ -27,7 +27,6 @@ static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int
     const size_t ny = (size_t) n_tok * n_mat * rows;
     uint16_t *w = xmalloc(nw * 2), *x = xmalloc(nx * 2);
     float *res = xmalloc(ny * 4), *want = xmalloc(ny * 4), *abs_ = xmalloc(ny * 4);
-    float *got = xmalloc(ny * 4), *tol = xmalloc(ny * 4);
     fill_bf16(w, nw, &rng, -1.0f, 1.0f);
     fill_bf16(x, nx, &rng, -2.0f, 2.0f);
     fill_f32(res, ny, &rng, -4.0f, 4.0f);
@@ -40,28 +39,16 @@ static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int
         gemm_bf16_gemv_tc(d_y, out, d_w, d_x, d_res, rows, cols, n_mat, n_tok, 0);
     else
         gemm_bf16_gemv(d_y, out, d_w, d_x, d_res, rows, cols, n_mat, n_tok, 0);
-    if (out == GEMM_OUT_F32) {
-        gpu_download(got, d_y, ny * 4);
-    } else {
-        uint16_t *gb = xmalloc(ny * 2);
-        gpu_download(gb, d_y, ny * 2);
-        for (size_t i = 0; i < ny; i++) got[i] = kern_bf16_to_f32(gb[i]);
-        free(gb);
-    }
-    for (size_t i = 0; i < ny; i++) {
-        if (with_residual) want[i] += res[i];
-        tol[i] = (float) ((cols + 8) * FLT_EPSILON * (abs_[i] + (with_residual ? fabsf(res[i]) : 0)));
-        if (out == GEMM_OUT_BF16) tol[i] += ldexpf(fabsf(want[i]), -8);
-    }
     char name[96];
     snprintf(name, sizeof name, "gemv%s %dx%d mats=%d tok=%d %s%s", g_tc ? "-tc" : "", rows, cols, n_mat, n_tok,
              out == GEMM_OUT_F32 ? "f32" : "bf16", with_residual ? " +res" : "");
-    compare(name, got, want, tol, 0, ny, out == GEMM_OUT_F32 ? 1e-10 : 1e-4);
+    compare_gemv(name, d_y, out == GEMM_OUT_BF16, want, abs_, with_residual ? res : NULL, ny,
+                 cols + 8);
     cudaFree(d_w);
     cudaFree(d_x);
     cudaFree(d_res);
     cudaFree(d_y);
-    free(w), free(x), free(res), free(want), free(abs_), free(got), free(tol);
+    free(w), free(x), free(res), free(want), free(abs_);
 }
 
 static void test_lt(int m, int n, int k, GemmLt *lt)

@@ -42,8 +42,7 @@ static void test_gemv(int rows, int cols, int n_tok, GemmOut out, int with_resid
     HostNv h = make_nv(rows, cols);
     const size_t ny = (size_t) n_tok * rows;
     uint16_t *x = xmalloc((size_t) n_tok * cols * 2);
-    float *want = xmalloc(ny * 4), *abs_ = xmalloc(ny * 4), *got = xmalloc(ny * 4);
-    float *tol = xmalloc(ny * 4), *res = xmalloc(ny * 4);
+    float *want = xmalloc(ny * 4), *abs_ = xmalloc(ny * 4), *res = xmalloc(ny * 4);
     fill_bf16(x, (size_t) n_tok * cols, &rng, -2.0f, 2.0f);
     fill_f32(res, ny, &rng, -1.0f, 1.0f);
     nvfp4_gemv_ref(want, abs_, h.q, h.s, h.global, rows, cols, x, n_tok);
@@ -54,25 +53,13 @@ static void test_gemv(int rows, int cols, int n_tok, GemmOut out, int with_resid
     float *d_res = with_residual ? gpu_upload(res, ny * 4) : NULL;
     void *d_y = gpu_alloc_poisoned(ny * 4);
     nvfp4_gemv(d_y, out, &w, d_x, d_res, n_tok, 0);
-    if (out == GEMM_OUT_F32) {
-        gpu_download(got, d_y, ny * 4);
-    } else {
-        uint16_t *gb = xmalloc(ny * 2);
-        gpu_download(gb, d_y, ny * 2);
-        for (size_t i = 0; i < ny; i++) got[i] = kern_bf16_to_f32(gb[i]);
-        free(gb);
-    }
-    for (size_t i = 0; i < ny; i++) {
-        if (with_residual) want[i] += res[i];
-        tol[i] = (float) ((cols + 64) * FLT_EPSILON * (abs_[i] + (with_residual ? fabsf(res[i]) : 0)));
-        if (out == GEMM_OUT_BF16) tol[i] += ldexpf(fabsf(want[i]), -8);
-    }
     char name[96];
     snprintf(name, sizeof name, "nvfp4 gemv %dx%d tok=%d %s%s", rows, cols, n_tok,
              out == GEMM_OUT_F32 ? "f32" : "bf16", with_residual ? " +res" : "");
-    compare(name, got, want, tol, 0, ny, out == GEMM_OUT_F32 ? 1e-10 : 1e-4);
+    compare_gemv(name, d_y, out == GEMM_OUT_BF16, want, abs_, with_residual ? res : NULL, ny,
+                 cols + 64);
     cudaFree((void *) w.q), cudaFree((void *) w.scale), cudaFree(d_x), cudaFree(d_res), cudaFree(d_y);
-    free(h.q), free(h.s), free(x), free(want), free(abs_), free(got), free(tol), free(res);
+    free(h.q), free(h.s), free(x), free(want), free(abs_), free(res);
 }
 
 static void test_dequant_gemm(int rows, int cols, int m, GemmLt *lt)
