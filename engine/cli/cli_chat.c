@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/shared/buf.h"
 #include "engine/shared/chat.h"
 #include "engine/shared/tokenizer.h"
 
@@ -27,31 +28,6 @@ static int usage_chat_template(void)
             "  reads {\"messages\": [...], \"tools\": [...]} or a messages array on stdin and\n"
             "  prints the GLM prompt; --ids prints its token ids (needs DIR/tokenizer.json)\n");
     return 2;
-}
-
-// Read all of stdin into a malloc'd NUL-terminated buffer.
-static char *read_stdin(size_t *n_out)
-{
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    while (buf) {
-        if (n + 1 >= cap) {
-            char *bigger = realloc(buf, cap * 2);
-            if (!bigger) break;
-            buf = bigger;
-            cap *= 2;
-        }
-        const size_t got = fread(buf + n, 1, cap - n - 1, stdin);
-        n += got;
-        if (got == 0) {
-            if (ferror(stdin)) break;
-            buf[n] = '\0';
-            *n_out = n;
-            return buf;
-        }
-    }
-    free(buf);
-    return NULL;
 }
 
 static int print_ids(const char *dir, const char *prompt, size_t n_prompt)
@@ -122,15 +98,16 @@ int cli_chat_template(int argc, char **argv)
     }
 
     int rc = 1;
-    size_t n_in = 0, n_prompt = 0;
-    char *in = read_stdin(&n_in), *prompt = NULL;
+    size_t n_prompt = 0;
+    char *prompt = NULL;
+    Buf in = {0};
     json_object *request = NULL;
     json_tokener *tok = json_tokener_new();
-    if (!in || !tok) {
+    if (buf_add_file(&in, stdin) || !tok) {
         fprintf(stderr, "glmspark chat-template: could not read stdin\n");
         goto done;
     }
-    request = json_tokener_parse_ex(tok, in, (int) n_in + 1);  // +1: the NUL ends a number
+    request = json_tokener_parse_ex(tok, in.p, (int) in.n + 1);  // +1: the NUL ends a number
     if (json_tokener_get_error(tok) != json_tokener_success) {
         fprintf(stderr, "glmspark chat-template: stdin is not valid JSON at byte %zu: %s\n",
                 json_tokener_get_parse_end(tok),
@@ -167,6 +144,6 @@ done:
     free(prompt);
     json_object_put(request);
     if (tok) json_tokener_free(tok);
-    free(in);
+    buf_free(&in);
     return rc;
 }

@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "engine/shared/buf.h"
 #include "engine/shared/tokenizer.h"
 
 static int usage(const char *cmd)
@@ -38,33 +39,13 @@ static int usage(const char *cmd)
     return 2;
 }
 
-// Read all of f into a malloc'd buffer (NUL-terminated). Returns NULL on failure.
+// Read all of f into a malloc'd NUL-terminated string. NULL on failure (errno says why).
 static char *read_all(FILE *f, size_t *n_out)
 {
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    if (!buf) return NULL;
-    for (;;) {
-        if (n + 1 >= cap) {
-            char *b = realloc(buf, cap * 2);
-            if (!b) {
-                free(buf);
-                return NULL;
-            }
-            buf = b;
-            cap *= 2;
-        }
-        const size_t got = fread(buf + n, 1, cap - n - 1, f);
-        n += got;
-        if (got == 0) break;
-    }
-    if (ferror(f)) {
-        free(buf);
-        return NULL;
-    }
-    buf[n] = '\0';
-    *n_out = n;
-    return buf;
+    Buf b = {0};
+    if (!buf_add_file(&b, f)) return buf_take(&b, n_out);
+    buf_free(&b);
+    return NULL;
 }
 
 static void print_ids(const TokIds *ids, bool json)

@@ -68,6 +68,22 @@ Err buf_addf(Buf *b, const char *fmt, ...)
     return err;
 }
 
+Err buf_add_file(Buf *b, FILE *f)
+{
+    for (;;) {
+        // Read straight into the spare room; when it is full, double it (from 64 KiB).
+        if (b->n + 1 >= b->cap) {
+            const Err err = buf_reserve(b, b->cap ? b->cap : (size_t) 1 << 16);
+            if (err) return err;
+        }
+        const size_t got = fread(b->p + b->n, 1, b->cap - b->n - 1, f);
+        b->n += got;
+        b->p[b->n] = '\0';
+        if (got == 0) break;
+    }
+    return ferror(f) ? ERR_IO : ERR_OK;
+}
+
 void buf_consume(Buf *b, size_t k)
 {
     ASSERT(k <= b->n);

@@ -12,8 +12,9 @@
  * Ownership: a Buf owns its bytes; buf_free releases them, buf_take hands them over. Any
  *            append may move p: keep offsets into a Buf, not pointers, across one.
  * Threads:   one thread per Buf.
- * Errors:    ERR_NOMEM (sticky, as above; nothing is logged: callers name what they built);
- *            buf_addf's ERR_INVAL for a format vsnprintf refuses (not sticky).
+ * Errors:    ERR_NOMEM (sticky, as above); buf_addf's ERR_INVAL for a format vsnprintf
+ *            refuses and buf_add_file's ERR_IO (neither sticky). Nothing is logged: callers
+ *            name what they were building.
  */
 #ifndef ENGINE_SHARED_BUF_H
 #define ENGINE_SHARED_BUF_H
@@ -21,6 +22,7 @@
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdio.h>
 
 #include "engine/shared/err.h"
 
@@ -51,6 +53,10 @@ Err buf_addf(Buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)))
 
 // buf_addf with a va_list (consumed).
 Err buf_vaddf(Buf *b, const char *fmt, va_list ap) __attribute__((format(printf, 2, 0)));
+
+// Append what f holds from its position to its end. ERR_NOMEM (sticky); ERR_IO when a read
+// fails (ferror(f), errno as the read left it; the bytes read so far stay).
+Err buf_add_file(Buf *b, FILE *f);
 
 // Drop the first k (<= n) bytes, moving the rest to the front.
 void buf_consume(Buf *b, size_t k);

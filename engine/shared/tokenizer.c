@@ -1166,42 +1166,19 @@ done:
 Err tok_load(Tokenizer **out, const char *path)
 {
     *out = NULL;
-    Err err = ERR_OK;
-    char *buf = NULL;
     FILE *f = fopen(path, "rb");
     if (!f) {
         LOG_ERROR("could not open tokenizer \"%s\": %s", path, strerror(errno));
         return ERR_IO;
     }
-    size_t cap = 1 << 20, n = 0;
-    buf = malloc(cap);
-    if (!buf) {
-        err = ERR_NOMEM;
-        goto done;
-    }
-    for (;;) {
-        if (n == cap) {
-            char *b = realloc(buf, 2 * cap);
-            if (!b) {
-                err = ERR_NOMEM;
-                goto done;
-            }
-            buf = b;
-            cap *= 2;
-        }
-        const size_t got = fread(buf + n, 1, cap - n, f);
-        n += got;
-        if (got == 0) break;
-    }
-    if (ferror(f)) {
-        LOG_ERROR("could not read tokenizer \"%s\": %s", path, strerror(errno));
-        err = ERR_IO;
-        goto done;
-    }
-    err = tok_load_json(out, buf, n);
+    Buf text = {0};
+    Err err = buf_add_file(&text, f);
+    if (err == ERR_IO) LOG_ERROR("could not read tokenizer \"%s\": %s", path, strerror(errno));
+    if (err) goto done;
+    err = tok_load_json(out, text.p, text.n);
     if (err) LOG_ERROR("could not load tokenizer \"%s\": %s", path, err_name(err));
 done:
-    free(buf);
+    buf_free(&text);
     fclose(f);
     return err;
 }

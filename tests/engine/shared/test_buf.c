@@ -1,7 +1,7 @@
 /*
  * test_buf.c - the growable byte buffer (engine/shared/buf.h): NUL termination from the first
- * append, growth past any fixed size, printf-style appends, consume/clear/take, and the
- * sticky allocation failure (forced through the size check, which needs no allocator hook).
+ * append, growth past any fixed size, printf-style appends, whole files, consume/clear/take,
+ * and the sticky allocation failure (forced through the size check: no allocator hook).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -66,6 +66,46 @@ static void test_consume_clear_take(void)
     CHECK(b.p == NULL && b.n == 0);
 }
 
+static void test_file(void)
+{
+    // More than the first read's 64 KiB, so the room doubles; appended after what is there.
+    FILE *f = tmpfile();
+    CHECK(f != NULL);
+    if (!f) return;
+    for (int i = 0; i < 20000; i++)
+        fprintf(f, "%05d\n", i);
+    rewind(f);
+    Buf b = {0};
+    CHECK(buf_adds(&b, "head:") == ERR_OK);
+    CHECK(buf_add_file(&b, f) == ERR_OK);
+    CHECK(b.n == 5 + 20000 * 6 && b.p[b.n] == '\0' && strlen(b.p) == b.n);
+    CHECK(!strncmp(b.p, "head:00000\n00001\n", 17) && !strcmp(b.p + b.n - 6, "19999\n"));
+    // At the end of the file: nothing more, still OK.
+    const size_t n = b.n;
+    CHECK(buf_add_file(&b, f) == ERR_OK && b.n == n);
+    fclose(f);
+    buf_free(&b);
+
+    // An empty file still gives a string.
+    f = tmpfile();
+    CHECK(f != NULL);
+    if (!f) return;
+    CHECK(buf_add_file(&b, f) == ERR_OK && b.p && b.n == 0 && b.p[0] == '\0');
+    fclose(f);
+    buf_free(&b);
+
+    // A directory opens for reading on Linux and then fails to read (EISDIR): ERR_IO, not
+    // sticky.
+    f = fopen(".", "rb");
+    CHECK(f != NULL);
+    if (f) {
+        CHECK(buf_add_file(&b, f) == ERR_IO && !b.is_oom);
+        CHECK(buf_adds(&b, "x") == ERR_OK && !strcmp(b.p, "x"));
+        fclose(f);
+    }
+    buf_free(&b);
+}
+
 static void test_sticky_failure(void)
 {
     Buf b = {0};
@@ -91,6 +131,7 @@ int main(void)
 {
     test_append();
     test_consume_clear_take();
+    test_file();
     test_sticky_failure();
     return check_exit();
 }
