@@ -1,12 +1,17 @@
 /*
- * cli.c - the command table behind `glmspark <command>`.
+ * cli.c - the command table behind `glmspark <command>`, and the option parsing the command
+ * files share.
  *
  * Kept apart from main.c so that tests can link the whole table and call a command as a
  * function.
  */
 #include "engine/cli/cli.h"
 
+#include <errno.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
 
 static const CliCommand commands[] = {
     {"logits", cli_logits, "run one forward pass over token ids and write f32 logits"},
@@ -27,4 +32,39 @@ static const CliCommand commands[] = {
 const CliCommand *cli_commands(void)
 {
     return commands;
+}
+
+double cli_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double) ts.tv_sec + (double) ts.tv_nsec * 1e-9;
+}
+
+bool cli_parse_long(const char *s, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    const long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+bool cli_parse_backend(const char *s, bool *is_cuda)
+{
+    if (strcmp(s, "cpu") != 0 && strcmp(s, "cuda") != 0) return false;
+    *is_cuda = strcmp(s, "cuda") == 0;
+    return true;
+}
+
+bool cli_parse_kv_dtype(const char *s, KvDtype *out)
+{
+    if (strcmp(s, "f32") == 0)
+        *out = KV_DTYPE_F32;
+    else if (strcmp(s, "bf16") == 0)
+        *out = KV_DTYPE_BF16;
+    else
+        return false;
+    return true;
 }

@@ -6,7 +6,8 @@
  * failure that has been reported on stderr, 2 on a usage error. Commands are grouped in
  * files by subject: cli_model.c (logits, generate), cli_ckpt.c (inspect, mkmodel),
  * cli_text.c (tokenize, detokenize), cli_chat.c (chat-template), cli_serve.c (db, keys),
- * cli_status.c (status).
+ * cli_status.c (status), cli_bench.c (bench). cli.c holds the table and the option parsing
+ * the command files share.
  *
  * Ownership: nothing outlives a call.
  * Threads:   called once, from main.
@@ -14,6 +15,10 @@
  */
 #ifndef ENGINE_CLI_CLI_H
 #define ENGINE_CLI_CLI_H
+
+#include <stdbool.h>
+
+#include "engine/model/kv_cache.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -29,6 +34,17 @@ typedef struct CliCommand {
 
 // The table of commands, terminated by an entry with name == NULL. Static storage.
 const CliCommand *cli_commands(void);
+
+// Seconds on CLOCK_MONOTONIC, for timing a phase.
+double cli_now_s(void);
+
+// Option values, shared by the command files: each returns false on a malformed or
+// out-of-range value and then leaves *out unchanged. A decimal integer in [lo, hi].
+bool cli_parse_long(const char *s, long lo, long hi, long *out);
+// --backend cpu|cuda: *is_cuda.
+bool cli_parse_backend(const char *s, bool *is_cuda);
+// --kv-dtype f32|bf16.
+bool cli_parse_kv_dtype(const char *s, KvDtype *out);
 
 int cli_logits(int argc, char **argv);
 int cli_generate(int argc, char **argv);

@@ -37,7 +37,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "engine/model/backend.h"
@@ -67,13 +66,6 @@ typedef struct BenchArgs {
     double copy_gbs;  // measured device-to-device copy bandwidth (CUDA), else 0
 } BenchArgs;
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static int bench_usage(void)
 {
     fprintf(stderr,
@@ -86,9 +78,8 @@ static int bench_usage(void)
 
 static bool parse_int(const char *s, long lo, long hi, int *out)
 {
-    char *end;
-    const long v = strtol(s, &end, 10);
-    if (end == s || *end || v < lo || v > hi) return false;
+    long v;
+    if (!cli_parse_long(s, lo, hi, &v)) return false;
     *out = (int) v;
     return true;
 }
@@ -149,8 +140,7 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
             a->seed = strtoull(val, &end, 10);
             ok = end != val && !*end;
         } else if (strcmp(opt, "--backend") == 0)
-            ok = (strcmp(val, "cpu") == 0 && ((a->cuda = false), true))
-                 || (strcmp(val, "cuda") == 0 && ((a->cuda = true), true));
+            ok = cli_parse_backend(val, &a->cuda);
         else if (strcmp(opt, "--batch") == 0)
             ok = parse_batches(val, a);
         else if (strcmp(opt, "--ctx") == 0)
@@ -160,8 +150,7 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
         else if (strcmp(opt, "--threads") == 0)
             ok = parse_int(val, 1, 64, &a->n_threads);
         else if (strcmp(opt, "--kv-dtype") == 0)
-            ok = (strcmp(val, "f32") == 0 && ((a->kv_dtype = KV_DTYPE_F32), true))
-                 || (strcmp(val, "bf16") == 0 && ((a->kv_dtype = KV_DTYPE_BF16), true));
+            ok = cli_parse_kv_dtype(val, &a->kv_dtype);
         else {
             fprintf(stderr, "glmspark bench: unknown option %s\n", opt);
             return bench_usage();
@@ -261,7 +250,7 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
         ptrs[i] = &seqs[i];
 
     // Prefill, one sequence per call.
-    double t0 = now_s();
+    double t0 = cli_now_s();
     for (int i = 0; i < B; i++) {
         for (int t = 0; t < a->ctx; t++)
             ids[t] = (int) ((1103515245u * (unsigned) (t + 7919 * i) + 12345u)
@@ -270,7 +259,7 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
         const ModelBatch b = {1, &ptrs[i], n_new};
         if (model_forward_batch(m, &kv, &b, ids, NULL, NULL, logits, MODEL_LOGITS_LAST)) goto done;
     }
-    const double prefill_s = now_s() - t0;
+    const double prefill_s = cli_now_s() - t0;
 
     // Decode: one warm-up step, then the timed steps.
     for (int i = 0; i < B; i++)
@@ -283,9 +272,9 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
     for (int s = 0; s <= a->steps; s++) {
         for (int i = 0; i < B; i++)
             ids[i] = (int) ((unsigned) (s * 31 + i * 17 + 5) % (unsigned) c->vocab_size);
-        const double t1 = now_s();
+        const double t1 = cli_now_s();
         if (model_forward_batch(m, &kv, &b, ids, NULL, NULL, logits, MODEL_LOGITS_LAST)) goto done;
-        if (s > 0) decode_s += now_s() - t1;
+        if (s > 0) decode_s += cli_now_s() - t1;
     }
     const double step_s = decode_s / a->steps;
 #ifdef GLMSPARK_HAVE_CUDA
@@ -338,11 +327,11 @@ static double time_op(Backend *be, void (*op)(Backend *, void *), void *ctx, int
     for (int i = 0; i < 2; i++)
         op(be, ctx);
     be->download(be, &probe, sync_buf, sizeof probe);
-    const double t0 = now_s();
+    const double t0 = cli_now_s();
     for (int i = 0; i < reps; i++)
         op(be, ctx);
     be->download(be, &probe, sync_buf, sizeof probe);
-    return (now_s() - t0) / reps;
+    return (cli_now_s() - t0) / reps;
 }
 
 typedef struct ReapOp {

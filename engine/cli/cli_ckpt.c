@@ -243,13 +243,6 @@ static const char *quant_name(ConfigQuant q)
     return "?";
 }
 
-static double now_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec + (double) ts.tv_nsec * 1e-9;
-}
-
 static void print_config(const ModelConfig *c)
 {
     printf("architecture   %s (%s)\n", c->architecture[0] ? c->architecture : "?", c->model_type);
@@ -328,13 +321,13 @@ int cli_inspect(int argc, char **argv)
         fprintf(stderr, "glmspark inspect: bad config in \"%s\" (see the message above)\n", dir);
         goto done;
     }
-    const double t0 = now_seconds();
+    const double t0 = cli_now_s();
     if (ckpt_open(&ck, dir)) {
         fprintf(stderr, "glmspark inspect: bad checkpoint \"%s\" (see the message above)\n", dir);
         goto done;
     }
     model_resolve_indexers(cfg, &ck, dir);  // layers without indexer tensors: dense attention
-    const double t_open = now_seconds() - t0;
+    const double t_open = cli_now_s() - t0;
     const int n_layers = cfg->n_layers + cfg->n_mtp_layers;
     ClassStats classes[N_CLASSES] = {{0}};
     if (!(layer_bytes = calloc((size_t) n_layers + 1, sizeof *layer_bytes))) goto done;

@@ -77,13 +77,6 @@ typedef struct ModelArgs {
     int local_rank;  // this rank's index on its host: the GPU --backend cuda uses
 } ModelArgs;
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 // CPU time of the whole process (all threads), to tell work from waiting on a busy machine.
 static double cpu_s(void)
 {
@@ -98,16 +91,6 @@ static int default_threads(void)
     if (env && atoi(env) > 0) return atoi(env) > 64 ? 64 : atoi(env);
     const long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n < 1 ? 1 : n > 64 ? 64 : (int) n;
-}
-
-static bool parse_long(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    const long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return false;
-    *out = v;
-    return true;
 }
 
 static bool parse_float(const char *s, float *out)
@@ -197,37 +180,35 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
         if (strcmp(opt, "--model") == 0)
             a->model_dir = val;
         else if (strcmp(opt, "--kv-dtype") == 0)
-            ok = (strcmp(val, "f32") == 0 && ((a->kv_dtype = KV_DTYPE_F32), true))
-                 || (strcmp(val, "bf16") == 0 && ((a->kv_dtype = KV_DTYPE_BF16), true));
+            ok = cli_parse_kv_dtype(val, &a->kv_dtype);
         else if (strcmp(opt, "--backend") == 0)
-            ok = (strcmp(val, "cpu") == 0 && ((a->cuda = false), true))
-                 || (strcmp(val, "cuda") == 0 && ((a->cuda = true), true));
+            ok = cli_parse_backend(val, &a->cuda);
         else if (strcmp(opt, "--tokens") == 0)
             a->tokens_arg = val;
         else if (strcmp(opt, "--out") == 0)
             a->out_path = val;
         else if (strcmp(opt, "--max-tokens") == 0)
-            ok = parse_long(val, 0, 1 << 24, &v) && ((a->max_tokens = (int) v), true);
+            ok = cli_parse_long(val, 0, 1 << 24, &v) && ((a->max_tokens = (int) v), true);
         else if (strcmp(opt, "--pp") == 0)
-            ok = parse_long(val, 1, PP_MAX_WORLD, &v) && ((a->pp = (int) v), true);
+            ok = cli_parse_long(val, 1, PP_MAX_WORLD, &v) && ((a->pp = (int) v), true);
         else if (strcmp(opt, "--rank") == 0)
-            ok = parse_long(val, 0, PP_MAX_WORLD - 1, &v) && ((a->rank = (int) v), true);
+            ok = cli_parse_long(val, 0, PP_MAX_WORLD - 1, &v) && ((a->rank = (int) v), true);
         else if (strcmp(opt, "--world") == 0)
-            ok = parse_long(val, 1, PP_MAX_WORLD, &v) && ((a->world = (int) v), true);
+            ok = cli_parse_long(val, 1, PP_MAX_WORLD, &v) && ((a->world = (int) v), true);
         else if (strcmp(opt, "--master") == 0)
             a->master = val;
         else if (strcmp(opt, "--local-rank") == 0)
-            ok = parse_long(val, 0, 1023, &v) && ((a->local_rank = (int) v), true);
+            ok = cli_parse_long(val, 0, 1023, &v) && ((a->local_rank = (int) v), true);
         else if (strcmp(opt, "--mtp") == 0)
-            ok = parse_long(val, 1, MTP_MAX_DRAFTS, &v) && ((a->mtp = (int) v), true);
+            ok = cli_parse_long(val, 1, MTP_MAX_DRAFTS, &v) && ((a->mtp = (int) v), true);
         else if (strcmp(opt, "--n-seqs") == 0)
-            ok = parse_long(val, 1, PP_MAX_SLOTS, &v) && ((a->n_seqs = (int) v), true);
+            ok = cli_parse_long(val, 1, PP_MAX_SLOTS, &v) && ((a->n_seqs = (int) v), true);
         else if (strcmp(opt, "--threads") == 0)
-            ok = parse_long(val, 1, 64, &v) && ((a->n_threads = (int) v), true);
+            ok = cli_parse_long(val, 1, 64, &v) && ((a->n_threads = (int) v), true);
         else if (strcmp(opt, "--top-k") == 0)
-            ok = parse_long(val, 0, 1 << 30, &v) && ((a->sampling.top_k = (int) v), true);
+            ok = cli_parse_long(val, 0, 1 << 30, &v) && ((a->sampling.top_k = (int) v), true);
         else if (strcmp(opt, "--seed") == 0)
-            ok = parse_long(val, 0, 0x7fffffffffffffffL, &v)
+            ok = cli_parse_long(val, 0, 0x7fffffffffffffffL, &v)
                  && ((a->sampling.seed = (uint64_t) v), true);
         else if (strcmp(opt, "--temperature") == 0)
             ok = parse_float(val, &a->sampling.temperature) && a->sampling.temperature >= 0.0f;
@@ -298,7 +279,7 @@ static Err backend_open(const ModelArgs *a, Backend **be)
 // Backend, model and a KV cache with room for n_positions, or an error message.
 static Err open_model(const ModelArgs *a, int n_positions, Backend **be, Model *m, KvCache *kv)
 {
-    const double t0 = now_s();
+    const double t0 = cli_now_s();
     Err err = backend_open(a, be);
     if (err) return err;
     if ((err = model_load(m, a->model_dir, NULL, *be))) return err;
@@ -307,7 +288,7 @@ static Err open_model(const ModelArgs *a, int n_positions, Backend **be, Model *
     KvCacheParams p = model_kv_params(m, 2 * ((n_positions + block - 1) / block), block);
     p.dtype = a->kv_dtype;
     if ((err = kv_init(kv, &p))) return err;
-    LOG_INFO("loaded \"%s\" in %.3f s (%d threads)", a->model_dir, now_s() - t0, a->n_threads);
+    LOG_INFO("loaded \"%s\" in %.3f s (%d threads)", a->model_dir, cli_now_s() - t0, a->n_threads);
     return ERR_OK;
 }
 
@@ -358,10 +339,10 @@ static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, cons
         r.sampling.seed += (uint64_t) i;
         if (sched_submit(s, &r)) goto done;
     }
-    const double t0 = now_s(), c0 = cpu_s();
+    const double t0 = cli_now_s(), c0 = cpu_s();
     while (sched_has_work(s))
         if (sched_step(s)) goto done;
-    const double dt = now_s() - t0, dc = cpu_s() - c0;
+    const double dt = cli_now_s() - t0, dc = cpu_s() - c0;
     int total = 0;
     for (int i = 0; i < K; i++) {
         for (int j = 0; j < out.n[i]; j++)
@@ -395,6 +376,22 @@ done:
 // ---------------------------------------------------------------------------
 // Pipeline ranks
 
+// logits [count] as float32 little-endian into path (the host is little-endian: x86-64,
+// aarch64, the format's byte order). Returns 1 after a message on stderr, else 0.
+static int write_logits(const char *path, const float *logits, size_t count)
+{
+    FILE *f = fopen(path, "wb");
+    if (!f) {
+        fprintf(stderr, "glmspark logits: could not open \"%s\": %s\n", path, strerror(errno));
+        return 1;
+    }
+    if (fwrite(logits, sizeof *logits, count, f) != count || fclose(f) != 0) {
+        fprintf(stderr, "glmspark logits: could not write \"%s\": %s\n", path, strerror(errno));
+        return 1;
+    }
+    return 0;
+}
+
 static bool is_eos(const Model *m, int id)
 {
     for (int e = 0; e < m->cfg.n_eos_ids; e++)
@@ -414,7 +411,6 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
     KvCache kv = {0};
     PpStage *st = NULL;
     ModelConfig *cfg = malloc(sizeof *cfg);
-    FILE *f = NULL;
     int rc = 1;
     if (!cfg || config_load(cfg, a->model_dir)) goto done;
     if (a->mtp > 0 && cfg->n_mtp_layers < 1) {
@@ -429,7 +425,7 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
                       a->kv_dtype == KV_DTYPE_BF16 ? 2 : 4, &plan))
         goto done;
     const PpRankPlan *mine = &plan.ranks[a->rank];
-    const double t0 = now_s();
+    const double t0 = cli_now_s();
     const ModelOptions opts = {.load_mtp = a->mtp > 0 && !is_logits,
                                .first_layer = mine->first_layer,
                                .last_layer = mine->last_layer};
@@ -446,7 +442,7 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
              "loaded in %.3f s (%.2f GB/s)",
              a->rank, a->world, mine->first_layer, mine->last_layer,
              m.has_embed ? " + embeddings" : "", m.has_head ? " + head" : "",
-             mine->weight_bytes / 1e9, m.ckpt.n_shards, now_s() - t0, touch.gb_per_s);
+             mine->weight_bytes / 1e9, m.ckpt.n_shards, cli_now_s() - t0, touch.gb_per_s);
     const uint64_t extra =
         (uint64_t) a->mtp << 48 | (uint64_t) positions << 8 | (uint64_t) a->kv_dtype;
     if (pp_stage_create(&m, &kv, a->rank, a->world, a->master, pp_plan_hash(cfg, &plan, extra),
@@ -462,26 +458,18 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
     if (is_logits) {
         if (a->decode_check) LOG_WARN("--decode-check is not available with pipeline ranks");
         op.flags |= PP_SEQ_LOGITS | PP_SEQ_FREE;
-        const double t1 = now_s();
+        const double t1 = cli_now_s();
         if (pp_submit(st, &op, 1, ids) || pp_collect(st, &res)) goto done;
-        LOG_INFO("prefill: %d tokens in %.3f s over %d ranks", n, now_s() - t1, a->world);
-        const size_t V = (size_t) cfg->vocab_size, count = (size_t) n * V;
-        f = fopen(a->out_path, "wb");
-        if (!f || fwrite(res.logits, sizeof(float), count, f) != count || fclose(f) != 0) {
-            f = NULL;
-            fprintf(stderr, "glmspark logits: could not write \"%s\": %s\n", a->out_path,
-                    strerror(errno));
-            goto done;
-        }
-        f = NULL;
+        LOG_INFO("prefill: %d tokens in %.3f s over %d ranks", n, cli_now_s() - t1, a->world);
+        if (write_logits(a->out_path, res.logits, (size_t) n * (size_t) cfg->vocab_size)) goto done;
     } else if (a->n_seqs > 1 || a->mtp > 0) {
         if (drive_scheduler(a, st, &m, &kv, ids, n)) goto done;
     } else {
         op.flags |= PP_SEQ_SAMPLE;
-        double t1 = now_s();
+        double t1 = cli_now_s();
         if (pp_submit(st, &op, 1, ids) || pp_collect(st, &res)) goto done;
-        const double prefill_s = now_s() - t1;
-        t1 = now_s();
+        const double prefill_s = cli_now_s() - t1;
+        t1 = cli_now_s();
         int n_out = 0;
         for (; n_out < a->max_tokens; n_out++) {
             const int32_t next = res.tokens[0];
@@ -497,7 +485,7 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
         }
         printf("\n");
         fflush(stdout);
-        const double decode_s = now_s() - t1;
+        const double decode_s = cli_now_s() - t1;
         const PpSeqOp fin = {.slot = 0, .n_new = 0, .flags = PP_SEQ_FREE};
         if (pp_submit(st, &fin, 1, NULL) || pp_collect(st, &res)) goto done;
         LOG_INFO("prefill: %d tokens in %.3f s; decode: %d tokens in %.3f s (%.2f tok/s) over %d "
@@ -509,7 +497,6 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
     rc = 0;
 
 done:
-    if (f) fclose(f);
     pp_stage_destroy(st);
     kv_free(&kv);
     model_free(&m);
@@ -518,55 +505,31 @@ done:
     return rc;
 }
 
-int cli_logits(int argc, char **argv)
-{
-    ModelArgs a;
-    int rc = parse_args(argc, argv, &a);
-    if (rc) return rc;
-    int *ids = NULL, n = 0;
-    if (!parse_tokens(argv[0], a.tokens_arg, &ids, &n)) return 2;
-    if (a.pp > 1 && a.rank < 0) {
-        free(ids);
-        return pp_launch_local(argc, argv, a.pp);
-    }
-    if (a.rank >= 0 && a.world > 1) {
-        rc = run_pipeline(&a, argv[0], ids, n);
-        free(ids);
-        return rc;
-    }
+// ---------------------------------------------------------------------------
+// The only rank
 
+// `logits` on this process alone.
+static int logits_alone(const ModelArgs *a, const int *ids, int n)
+{
     Backend *be = NULL;
     Model m = {0};
     KvCache kv = {0};
     KvSeq seq = {0}, seq2 = {0};
     float *logits = NULL, *row = NULL;
-    FILE *f = NULL;
-    rc = 1;
-    if (open_model(&a, n, &be, &m, &kv)) goto done;
+    int rc = 1;
+    if (open_model(a, n, &be, &m, &kv)) goto done;
     const size_t V = (size_t) m.cfg.vocab_size;
     logits = malloc((size_t) n * V * sizeof *logits);
     row = malloc(V * sizeof *row);
     if (!logits || !row) goto done;
-    const double t0 = now_s();
+    const double t0 = cli_now_s();
     if (model_forward(&m, &kv, &seq, ids, n, logits, true)) goto done;
-    LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s)", n, now_s() - t0, n / (now_s() - t0));
+    LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s)", n, cli_now_s() - t0,
+             n / (cli_now_s() - t0));
 
-    f = fopen(a.out_path, "wb");
-    if (!f) {
-        fprintf(stderr, "glmspark logits: could not open \"%s\": %s\n", a.out_path,
-                strerror(errno));
-        goto done;
-    }
-    // The host is little-endian (x86-64, aarch64), the format's byte order.
-    if (fwrite(logits, sizeof *logits, (size_t) n * V, f) != (size_t) n * V || fclose(f) != 0) {
-        f = NULL;
-        fprintf(stderr, "glmspark logits: could not write \"%s\": %s\n", a.out_path,
-                strerror(errno));
-        goto done;
-    }
-    f = NULL;
+    if (write_logits(a->out_path, logits, (size_t) n * V)) goto done;
 
-    if (a.decode_check) {
+    if (a->decode_check) {
         double worst = 0.0;
         for (int t = 0; t < n; t++) {
             if (model_forward(&m, &kv, &seq2, ids + t, 1, row, false)) goto done;
@@ -584,10 +547,8 @@ int cli_logits(int argc, char **argv)
     rc = 0;
 
 done:
-    if (f) fclose(f);
     free(logits);
     free(row);
-    free(ids);
     kv_seq_free(&kv, &seq);
     kv_seq_free(&kv, &seq2);
     close_model(be, &m, &kv);
@@ -605,7 +566,7 @@ static int generate_mtp(const ModelArgs *a, const int *ids, int n)
     int *out = NULL;
     int rc = 1;
     if (mtp_check_params(&a->sampling)) return 2;
-    const double t0 = now_s();
+    const double t0 = cli_now_s();
     const ModelOptions opts = {.load_mtp = true};
     if (backend_open(a, &be) || model_load(&m, a->model_dir, &opts, be)) goto done;
     const int block = KV_DEFAULT_BLOCK_SIZE;
@@ -620,14 +581,14 @@ static int generate_mtp(const ModelArgs *a, const int *ids, int n)
     if (mtp_gen_init(&g, &m, &kv, &mkv, &s, a->mtp)) goto done;
     out = malloc((size_t) (a->mtp + 1) * sizeof *out);
     if (!out) goto done;
-    LOG_INFO("loaded \"%s\" with its MTP layer in %.3f s (%d threads)", a->model_dir, now_s() - t0,
-             a->n_threads);
+    LOG_INFO("loaded \"%s\" with its MTP layer in %.3f s (%d threads)", a->model_dir,
+             cli_now_s() - t0, a->n_threads);
 
-    double t1 = now_s();
+    double t1 = cli_now_s();
     int n_out = 0, first = 0;
     if (a->max_tokens > 0 && mtp_gen_prefill(&g, ids, n, &first)) goto done;
-    const double prefill_s = now_s() - t1;
-    t1 = now_s();
+    const double prefill_s = cli_now_s() - t1;
+    t1 = cli_now_s();
     bool stop = a->max_tokens == 0;
     if (!stop) {
         printf("%d", first);
@@ -644,7 +605,7 @@ static int generate_mtp(const ModelArgs *a, const int *ids, int n)
         }
     }
     printf("\n");
-    const double decode_s = now_s() - t1;
+    const double decode_s = cli_now_s() - t1;
     const MtpStats *st = &g.stats;
     LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s); decode: %d tokens in %.3f s (%.2f "
              "tok/s)",
@@ -667,32 +628,9 @@ done:
     return rc;
 }
 
-int cli_generate(int argc, char **argv)
+// `generate` on this process alone: one sequence, or --n-seqs K through the scheduler.
+static int generate_alone(const ModelArgs *a, const int *ids, int n)
 {
-    ModelArgs a;
-    int rc = parse_args(argc, argv, &a);
-    if (rc) return rc;
-    int *ids = NULL, n = 0;
-    if (!parse_tokens(argv[0], a.tokens_arg, &ids, &n)) return 2;
-    if (a.mtp > 0 && mtp_check_params(&a.sampling)) {
-        free(ids);
-        return 2;
-    }
-    if (a.mtp > 0 && a.pp == 1 && a.rank < 0 && a.n_seqs <= 1) {
-        rc = generate_mtp(&a, ids, n);
-        free(ids);
-        return rc;
-    }
-    if (a.pp > 1 && a.rank < 0) {
-        free(ids);
-        return pp_launch_local(argc, argv, a.pp);
-    }
-    if (a.rank >= 0 && a.world > 1) {
-        rc = run_pipeline(&a, argv[0], ids, n);
-        free(ids);
-        return rc;
-    }
-
     Backend *be = NULL;
     Model m = {0};
     KvCache kv = {0};
@@ -700,53 +638,50 @@ int cli_generate(int argc, char **argv)
     Sampler s = {0};
     float *logits = NULL;
     int32_t *history = NULL;  // prompt then generated ids, for the penalties
-    rc = 1;
-    if (a.n_seqs > 1) {
+    int rc = 1;
+    if (a->n_seqs > 1) {
         // Through the scheduler on one stage: the cache holds every sequence at once.
         PpStage *st = NULL;
         KvCacheParams p;
-        const ModelOptions opts = {.load_mtp = a.mtp > 0};
-        if (backend_open(&a, &be) || model_load(&m, a.model_dir, &opts, be)) goto done;
+        const ModelOptions opts = {.load_mtp = a->mtp > 0};
+        if (backend_open(a, &be) || model_load(&m, a->model_dir, &opts, be)) goto done;
         const int block = KV_DEFAULT_BLOCK_SIZE;
-        p = model_kv_params(&m, a.n_seqs * ((n + a.max_tokens + a.mtp + block - 1) / block),
+        p = model_kv_params(&m, a->n_seqs * ((n + a->max_tokens + a->mtp + block - 1) / block),
                             block);
-        p.dtype = a.kv_dtype;
+        p.dtype = a->kv_dtype;
         if (kv_init(&kv, &p) == ERR_OK && pp_stage_create(&m, &kv, 0, 1, NULL, 0, &st) == ERR_OK)
-            rc = drive_scheduler(&a, st, &m, &kv, ids, n);
+            rc = drive_scheduler(a, st, &m, &kv, ids, n);
         pp_stage_destroy(st);
         goto done;
     }
-    if (open_model(&a, n + a.max_tokens, &be, &m, &kv)) goto done;
-    if (sampler_init(&s, m.cfg.vocab_size, a.sampling)) goto done;
+    if (open_model(a, n + a->max_tokens, &be, &m, &kv)) goto done;
+    if (sampler_init(&s, m.cfg.vocab_size, a->sampling)) goto done;
     logits = malloc((size_t) m.cfg.vocab_size * sizeof *logits);
-    history = malloc(((size_t) n + a.max_tokens) * sizeof *history);
+    history = malloc(((size_t) n + a->max_tokens) * sizeof *history);
     if (!logits || !history) goto done;
     for (int i = 0; i < n; i++)
         history[i] = ids[i];
 
-    double t0 = now_s(), c0 = cpu_s();
+    double t0 = cli_now_s(), c0 = cpu_s();
     if (model_forward(&m, &kv, &seq, ids, n, logits, false)) goto done;
-    const double prefill_s = now_s() - t0, prefill_cpu_s = cpu_s() - c0;
-    t0 = now_s();
+    const double prefill_s = cli_now_s() - t0, prefill_cpu_s = cpu_s() - c0;
+    t0 = cli_now_s();
     c0 = cpu_s();
     int n_out = 0;
-    for (; n_out < a.max_tokens; n_out++) {
+    for (; n_out < a->max_tokens; n_out++) {
         sampler_apply_penalties(&s, logits, history, n + n_out);  // prompt and output
         const int next = sampler_sample(&s, logits);
         history[n + n_out] = next;
         printf(n_out ? " %d" : "%d", next);
-        bool is_eos = false;
-        for (int e = 0; e < m.cfg.n_eos_ids; e++)
-            is_eos |= next == m.cfg.eos_ids[e];
-        if (is_eos && !a.ignore_eos) {
+        if (is_eos(&m, next) && !a->ignore_eos) {
             n_out++;
             break;
         }
-        if (n_out + 1 < a.max_tokens && model_forward(&m, &kv, &seq, &next, 1, logits, false))
+        if (n_out + 1 < a->max_tokens && model_forward(&m, &kv, &seq, &next, 1, logits, false))
             goto done;
     }
     printf("\n");
-    const double decode_s = now_s() - t0, decode_cpu_s = cpu_s() - c0;
+    const double decode_s = cli_now_s() - t0, decode_cpu_s = cpu_s() - c0;
     // The first generated token comes from the prefill's logits: decode ran n_out - 1 steps.
     LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s, %.3f s cpu); decode: %d tokens in "
              "%.3f s (%.2f tok/s, %.3f s cpu)",
@@ -758,9 +693,46 @@ done:
     fflush(stdout);
     free(logits);
     free(history);
-    free(ids);
     sampler_free(&s);
     kv_seq_free(&kv, &seq);
     close_model(be, &m, &kv);
     return rc;
+}
+
+// ---------------------------------------------------------------------------
+// The commands
+
+// What `logits` and `generate` share: parse the options and the tokens, then run as the
+// local launcher of --pp N ranks, as one of world pipeline ranks, or alone (generate --mtp
+// K on one rank has its own loop). Returns the exit status.
+static int run_command(int argc, char **argv, int (*run_alone)(const ModelArgs *, const int *, int))
+{
+    ModelArgs a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc) return rc;
+    int *ids = NULL, n = 0;
+    if (!parse_tokens(argv[0], a.tokens_arg, &ids, &n)) return 2;
+    const bool is_generate = strcmp(argv[0], "generate") == 0;
+    if (is_generate && a.mtp > 0 && mtp_check_params(&a.sampling))
+        rc = 2;
+    else if (is_generate && a.mtp > 0 && a.pp == 1 && a.rank < 0 && a.n_seqs <= 1)
+        rc = generate_mtp(&a, ids, n);
+    else if (a.pp > 1 && a.rank < 0)
+        rc = pp_launch_local(argc, argv, a.pp);
+    else if (a.rank >= 0 && a.world > 1)
+        rc = run_pipeline(&a, argv[0], ids, n);
+    else
+        rc = run_alone(&a, ids, n);
+    free(ids);
+    return rc;
+}
+
+int cli_logits(int argc, char **argv)
+{
+    return run_command(argc, argv, logits_alone);
+}
+
+int cli_generate(int argc, char **argv)
+{
+    return run_command(argc, argv, generate_alone);
 }
