@@ -25,15 +25,11 @@
  *     mtp_k 2: the second generated token (the first a verify step emits) follows its exact
  *     marginal sum_y1 p(y1) p(y2 | y1) (chi-square, p = 1e-4), with drafts accepted.
  */
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include "engine/model/backend.h"
 #include "engine/model/kv_cache.h"
@@ -47,19 +43,12 @@
 #include "tests/check.h"
 #include "tests/engine/pipeline/mtp_test_util.h"
 #include "tests/engine/pipeline/pp_test_util.h"
+#include "tests/engine/pipeline/sched_test_util.h"
 
-enum { N_REQ = 4, MAX_TOK = 12, TRUTH = MAX_TOK + MTP_MAX_DRAFTS + 2, MAX_OUT = 64, BLOCKS = 40 };
+enum { N_REQ = SCHED_TEST_N_REQ, MAX_TOK = 12, TRUTH = MAX_TOK + MTP_MAX_DRAFTS + 2, BLOCKS = 40 };
 
 static char src_dir[1024];
 static char tmp_root[512];
-
-static const int32_t prompts[N_REQ][20] = {
-    {88, 64, 203, 76, 229, 208, 179},
-    {112, 14, 190},
-    {203, 165, 70, 26, 224, 72, 181, 124, 88, 113, 17, 5, 9, 33, 47, 51, 60, 2, 7, 99},
-    {42},
-};
-static const int prompt_len[N_REQ] = {7, 3, 20, 1};
 
 // truth[i]: prompt i, then its first TRUTH greedy tokens (model_forward alone).
 static int32_t truth[N_REQ][20 + TRUTH];
@@ -69,24 +58,11 @@ static void make_truth(Model *m)
     const KvCacheParams p = model_kv_params(m, 16, 8);
     KvCache kv;
     ASSERT(kv_init(&kv, &p) == ERR_OK);
-    Sampler s;
-    ASSERT(sampler_init(&s, m->cfg.vocab_size, sampler_default_params()) == ERR_OK);
-    float *logits = malloc((size_t) m->cfg.vocab_size * sizeof *logits);
-    ASSERT(logits);
     for (int i = 0; i < N_REQ; i++) {
-        const int n = prompt_len[i];
-        memcpy(truth[i], prompts[i], (size_t) n * sizeof(int32_t));
-        KvSeq seq = {0};
-        ASSERT(model_forward(m, &kv, &seq, prompts[i], n, logits, false) == ERR_OK);
-        for (int t = 0; t < TRUTH; t++) {
-            truth[i][n + t] = sampler_sample(&s, logits);
-            if (t + 1 < TRUTH)
-                ASSERT(model_forward(m, &kv, &seq, &truth[i][n + t], 1, logits, false) == ERR_OK);
-        }
-        kv_seq_free(&kv, &seq);
+        const int n = sched_test_prompt_len[i];
+        memcpy(truth[i], sched_test_prompts[i], (size_t) n * sizeof(int32_t));
+        sched_test_greedy(m, &kv, sched_test_prompts[i], n, TRUTH, truth[i] + n);
     }
-    free(logits);
-    sampler_free(&s);
     kv_free(&kv);
 }
 
@@ -117,87 +93,40 @@ static int oracle_draft(void *user, int slot, int i, const float *mtp_logits)
     // The main cache still holds the rejected positions (the next op drops them).
     if (pp_slot_positions(o->stage, slot) - sl->expect_rollback != sl->mseq.n_tokens - i) o->bad++;
     const int pos = sl->mseq.n_tokens + 1;
-    if (pos >= prompt_len[slot] + TRUTH) return 0;
+    if (pos >= sched_test_prompt_len[slot] + TRUTH) return 0;
     const int t = truth[slot][pos];
     return (pos * 7 + slot * 3 + i) % 5 == 0 ? (t + 1) % o->V : t;
 }
 
-// ---------------------------------------------------------------------------
-// Events
-
-typedef struct Collected {
-    int32_t tokens[N_REQ][MAX_OUT];
-    int n[N_REQ];
-    SchedFinish finish[N_REQ];
-} Collected;
-
-static void on_event(void *user, const SchedEvent *ev)
-{
-    Collected *c = user;
-    ASSERT(ev->id < N_REQ);
-    const int i = (int) ev->id;
-    CHECK(c->finish[i] == SCHED_FINISH_NONE);  // nothing after the last event
-    if (ev->token >= 0) {
-        ASSERT(c->n[i] < MAX_OUT);
-        c->tokens[i][c->n[i]++] = ev->token;
-        CHECK(ev->n_generated == c->n[i]);
-    }
-    c->finish[i] = ev->finish;
-}
-
-static SchedRequest request(int i, int max_tokens)
-{
-    SchedRequest r = {.id = (uint64_t) i,
-                      .prompt = prompts[i],
-                      .n_prompt = prompt_len[i],
-                      .max_tokens = max_tokens,
-                      .ignore_eos = true,
-                      .n_top_logprobs = -1};
-    r.sampling = sampler_default_params();
-    return r;
-}
-
-static void run_until_idle(Scheduler *s)
-{
-    int guard = 0;
-    while (sched_has_work(s) && guard++ < 10000) {
-        const Err e = sched_step(s);
-        if (e) fprintf(stderr, "sched_step: %s\n", err_name(e));
-        CHECK(e == ERR_OK);
-    }
-    CHECK(!sched_has_work(s));
-}
-
 // Every request's tokens are its reference.
-static bool matches_truth(const Collected *c, int n_tok)
+static bool matches_truth(const SchedTestEvents *c, int n_tok)
 {
     bool ok = true;
     for (int i = 0; i < N_REQ; i++) {
         ok &= c->n[i] == n_tok && c->finish[i] == SCHED_FINISH_LENGTH;
         for (int t = 0; ok && t < n_tok; t++)
-            ok &= c->tokens[i][t] == truth[i][prompt_len[i] + t];
+            ok &= c->tokens[i][t] == truth[i][sched_test_prompt_len[i] + t];
     }
     return ok;
 }
 
-// All requests at once through a scheduler on stage; returns the scheduler's counters.
-static SchedStats run_all(PpStage *stage, Model *m, KvCache *kv, int k, int budget, Collected *c)
+// All requests at once through a scheduler on stage; returns the scheduler's counters and
+// in *is_truth whether every request got its reference tokens.
+static SchedStats run_all(PpStage *stage, Model *m, KvCache *kv, int k, int budget, bool *is_truth)
 {
-    Scheduler *s;
-    const SchedParams sp = {.max_num_seqs = 8,
-                            .max_num_batched_tokens = budget,
-                            .mtp_k = k,
-                            .on_event = on_event,
-                            .user = c};
-    ASSERT(sched_create(stage, m, kv, &sp, &s) == ERR_OK);
+    SchedTestEvents *c;
+    Scheduler *s = sched_test_open(
+        stage, m, kv,
+        (SchedParams){.max_num_seqs = 8, .max_num_batched_tokens = budget, .mtp_k = k}, &c);
     for (int i = 0; i < N_REQ; i++) {
-        SchedRequest r = request(i, MAX_TOK);
+        SchedRequest r = sched_test_request(i, MAX_TOK);
         CHECK(sched_submit(s, &r) == ERR_OK);
     }
-    run_until_idle(s);
+    sched_test_run(s, NULL);
     SchedStats st;
     sched_stats(s, &st);
-    sched_destroy(s);
+    *is_truth = matches_truth(c, MAX_TOK);
+    sched_test_close(s, c);
     return st;
 }
 
@@ -228,10 +157,9 @@ static void test_one_stage(const char *name, const char *dir)
             ms->draft_hook = hooked ? oracle_draft : NULL;
             ms->hook_user = &o;
             const MtpStats before = ms->stats;
-            Collected *c = calloc(1, sizeof *c);
-            ASSERT(c);
-            const SchedStats st = run_all(stage, &m, &kv, k, 4, c);
-            CHECK(matches_truth(c, MAX_TOK));
+            bool is_truth;
+            const SchedStats st = run_all(stage, &m, &kv, k, 4, &is_truth);
+            CHECK(is_truth);
             CHECK(kv_n_free_blocks(&kv) == BLOCKS && kv_n_free_blocks(&ms->mkv) == BLOCKS);
             // The scheduler's counters and the last stage's agree.
             CHECK(st.mtp_drafted == (uint64_t) (ms->stats.drafted - before.drafted));
@@ -243,31 +171,28 @@ static void test_one_stage(const char *name, const char *dir)
                    name, k, hooked ? "hooked" : "own", (unsigned long long) st.mtp_steps,
                    (unsigned long long) st.mtp_accepted, (unsigned long long) st.mtp_drafted,
                    (unsigned long long) st.n_microbatches, N_REQ * MAX_TOK);
-            free(c);
         }
     CHECK(o.bad == 0 && o.calls > 0);
 
     // max_tokens, a stop id and cancel with drafts in flight (always-right hook).
     {
         ms->draft_hook = oracle_draft;
-        Collected *c = calloc(1, sizeof *c);
-        ASSERT(c);
-        Scheduler *s;
-        const SchedParams sp = {.max_num_seqs = 8, .mtp_k = 3, .on_event = on_event, .user = c};
-        ASSERT(sched_create(stage, &m, &kv, &sp, &s) == ERR_OK);
-        SchedRequest r = request(0, 5);
+        SchedTestEvents *c;
+        Scheduler *s =
+            sched_test_open(stage, &m, &kv, (SchedParams){.max_num_seqs = 8, .mtp_k = 3}, &c);
+        SchedRequest r = sched_test_request(0, 5);
         CHECK(sched_submit(s, &r) == ERR_OK);
-        r = request(1, MAX_TOK);
-        const int32_t stop = truth[1][prompt_len[1] + 6];
+        r = sched_test_request(1, MAX_TOK);
+        const int32_t stop = truth[1][sched_test_prompt_len[1] + 6];
         int first_stop = 0;
-        while (truth[1][prompt_len[1] + first_stop] != stop)
+        while (truth[1][sched_test_prompt_len[1] + first_stop] != stop)
             first_stop++;
         r.stop_ids[0] = stop;
         r.n_stop_ids = 1;
         CHECK(sched_submit(s, &r) == ERR_OK);
-        r = request(2, MAX_TOK);
+        r = sched_test_request(2, MAX_TOK);
         CHECK(sched_submit(s, &r) == ERR_OK);
-        r = request(3, MAX_TOK);
+        r = sched_test_request(3, MAX_TOK);
         CHECK(sched_submit(s, &r) == ERR_OK);
         CHECK(sched_step(s) == ERR_OK);  // prefills, first tokens
         CHECK(sched_step(s) == ERR_OK);
@@ -275,68 +200,55 @@ static void test_one_stage(const char *name, const char *dir)
         // Force request 3's next two outputs; the rest follows from them.
         const int32_t forced[2] = {5, 9};
         sched_force(s, 3, forced, 2);
-        run_until_idle(s);
+        sched_test_run(s, NULL);
         CHECK(c->finish[0] == SCHED_FINISH_LENGTH && c->n[0] == 5);
         CHECK(c->finish[1] == SCHED_FINISH_STOP && c->n[1] == first_stop + 1);
         CHECK(c->finish[2] == SCHED_FINISH_CANCELLED && c->n[2] < MAX_TOK);
         CHECK(c->finish[3] == SCHED_FINISH_LENGTH && c->n[3] == MAX_TOK);
         for (int i = 0; i < 3; i++)
             for (int t = 0; t < c->n[i]; t++)
-                CHECK(c->tokens[i][t] == truth[i][prompt_len[i] + t]);
+                CHECK(c->tokens[i][t] == truth[i][sched_test_prompt_len[i] + t]);
         // Request 3 against a plain greedy run over its prompt and the forced tokens.
         int forced_at = 0;
         while (forced_at < c->n[3] && c->tokens[3][forced_at] != 5)
             forced_at++;
         CHECK(forced_at < c->n[3] - 1 && c->tokens[3][forced_at + 1] == 9);
         for (int t = 0; t < forced_at; t++)
-            CHECK(c->tokens[3][t] == truth[3][prompt_len[3] + t]);
+            CHECK(c->tokens[3][t] == truth[3][sched_test_prompt_len[3] + t]);
         {
             int32_t ctx[64];
-            const int n_ctx = prompt_len[3] + forced_at + 2;
-            memcpy(ctx, prompts[3], (size_t) prompt_len[3] * sizeof *ctx);
-            memcpy(ctx + prompt_len[3], c->tokens[3], (size_t) (forced_at + 2) * sizeof *ctx);
+            const int n_ctx = sched_test_prompt_len[3] + forced_at + 2;
+            memcpy(ctx, sched_test_prompts[3], (size_t) sched_test_prompt_len[3] * sizeof *ctx);
+            memcpy(ctx + sched_test_prompt_len[3], c->tokens[3],
+                   (size_t) (forced_at + 2) * sizeof *ctx);
             const KvCacheParams lp = model_kv_params(&m, 8, 8);
             KvCache lkv;
             ASSERT(kv_init(&lkv, &lp) == ERR_OK);
-            KvSeq seq = {0};
-            float *logits = malloc((size_t) m.cfg.vocab_size * sizeof *logits);
-            ASSERT(logits);
-            ASSERT(model_forward(&m, &lkv, &seq, ctx, n_ctx, logits, false) == ERR_OK);
-            for (int t = forced_at + 2; t < c->n[3]; t++) {
-                int best = 0;
-                for (int v = 1; v < m.cfg.vocab_size; v++)
-                    if (logits[v] > logits[best]) best = v;
-                CHECK(c->tokens[3][t] == best);
-                ASSERT(model_forward(&m, &lkv, &seq, &c->tokens[3][t], 1, logits, false)
-                       == ERR_OK);
-            }
-            free(logits);
-            kv_seq_free(&lkv, &seq);
+            int32_t cont[SCHED_TEST_MAX_OUT];
+            const int n_cont = c->n[3] - (forced_at + 2);
+            sched_test_greedy(&m, &lkv, ctx, n_ctx, n_cont, cont);
+            for (int t = 0; t < n_cont; t++)
+                CHECK(c->tokens[3][forced_at + 2 + t] == cont[t]);
             kv_free(&lkv);
         }
         CHECK(kv_n_free_blocks(&kv) == BLOCKS && kv_n_free_blocks(&ms->mkv) == BLOCKS);
-        sched_destroy(s);
-        free(c);
+        sched_test_close(s, c);
         ms->draft_hook = NULL;
     }
 
     // Temperature 0.8: reproducible for a seed, tokens in range.
     {
-        Collected *c[2];
+        SchedTestEvents *c[2];
         for (int run = 0; run < 2; run++) {
-            c[run] = calloc(1, sizeof *c[run]);
-            ASSERT(c[run]);
-            Scheduler *s;
-            const SchedParams sp = {.mtp_k = 2, .on_event = on_event, .user = c[run]};
-            ASSERT(sched_create(stage, &m, &kv, &sp, &s) == ERR_OK);
+            Scheduler *s = sched_test_open(stage, &m, &kv, (SchedParams){.mtp_k = 2}, &c[run]);
             for (int i = 0; i < N_REQ; i++) {
-                SchedRequest r = request(i, MAX_TOK);
+                SchedRequest r = sched_test_request(i, MAX_TOK);
                 r.sampling.temperature = 0.8f;
                 r.sampling.seed = 100 + (uint64_t) i;
                 CHECK(sched_submit(s, &r) == ERR_OK);
             }
-            run_until_idle(s);
-            sched_destroy(s);
+            sched_test_run(s, NULL);
+            sched_destroy(s);  // the events stay for the comparison below
         }
         for (int i = 0; i < N_REQ; i++) {
             CHECK(c[0]->n[i] == MAX_TOK && c[1]->n[i] == MAX_TOK);
@@ -404,7 +316,7 @@ static void test_sampling(const char *dir)
         q.sampling.seed = 5000 + (uint64_t) r;
         CHECK(sched_submit(s, &q) == ERR_OK);
     }
-    run_until_idle(s);
+    sched_test_run(s, NULL);
     SchedStats st;
     sched_stats(s, &st);
     int dof;
@@ -450,8 +362,9 @@ static void test_ops(const char *dir)
                   .flags = PP_SEQ_START | PP_SEQ_SAMPLE,
                   .mtp_k = 2,
                   .params = sampler_default_params()};
-    CHECK(pp_submit(no_mtp, &op, 1, prompts[0]) == ERR_INVAL);  // no MTP layer there
-    CHECK(pp_submit(stage, &op, 1, prompts[0]) == ERR_OK && pp_collect(stage, &res) == ERR_OK);
+    CHECK(pp_submit(no_mtp, &op, 1, sched_test_prompts[0]) == ERR_INVAL);  // no MTP layer there
+    CHECK(pp_submit(stage, &op, 1, sched_test_prompts[0]) == ERR_OK
+          && pp_collect(stage, &res) == ERR_OK);
     CHECK(res.mtp && res.mtp[0].n_emit == 1 && res.mtp[0].n_drafts == 2);
     CHECK(res.tokens[0] == truth[0][7] && res.mtp[0].emit[0] == truth[0][7]);
     CHECK(pp_slot_positions(stage, 3) == 7);
@@ -481,18 +394,24 @@ static void test_ops(const char *dir)
     CHECK(pp_slot_positions(stage, 3) == 10 - rejected + 1);
     CHECK(res.tokens[0] == truth[0][7 + n_emit + 1]);
     // Drafts on a slot without MTP.
-    op = (PpSeqOp){.slot = 4, .n_new = 3, .flags = PP_SEQ_START | PP_SEQ_SAMPLE,
+    op = (PpSeqOp){.slot = 4,
+                   .n_new = 3,
+                   .flags = PP_SEQ_START | PP_SEQ_SAMPLE,
                    .params = sampler_default_params()};
-    CHECK(pp_submit(stage, &op, 1, prompts[1]) == ERR_OK && pp_collect(stage, &res) == ERR_OK);
+    CHECK(pp_submit(stage, &op, 1, sched_test_prompts[1]) == ERR_OK
+          && pp_collect(stage, &res) == ERR_OK);
     CHECK(!res.mtp && res.tokens[0] == truth[1][3]);  // no MTP op in the batch
     op = (PpSeqOp){.slot = 4, .n_new = 2, .flags = PP_SEQ_SAMPLE, .n_draft = 1};
     CHECK(pp_submit(stage, &op, 1, toks) == ERR_FORMAT);
     // MTP with a sampling filter is refused at the start.
-    op = (PpSeqOp){.slot = 5, .n_new = 1, .flags = PP_SEQ_START | PP_SEQ_SAMPLE, .mtp_k = 1,
+    op = (PpSeqOp){.slot = 5,
+                   .n_new = 1,
+                   .flags = PP_SEQ_START | PP_SEQ_SAMPLE,
+                   .mtp_k = 1,
                    .params = sampler_default_params()};
     op.params.temperature = 0.7f;
     op.params.top_p = 0.9f;
-    CHECK(pp_submit(stage, &op, 1, prompts[3]) == ERR_INVAL);
+    CHECK(pp_submit(stage, &op, 1, sched_test_prompts[3]) == ERR_INVAL);
 
     pp_stage_destroy(stage);
     pp_stage_destroy(no_mtp);
@@ -508,41 +427,13 @@ static void test_ops(const char *dir)
 
 static const int split[4] = {0, 1, 2, 3};
 
-typedef struct RankArgs {
-    int rank;
-    const char *dir;
-    const char *master;
-    Oracle *oracle;  // rank 2: the draft hook's state
-    Err result;
-} RankArgs;
-
-static void *rank_main(void *arg)
+// Rank 2 holds the MTP layer and drafts through the hook.
+static void hook_last_rank(PpStage *st, void *user)
 {
-    RankArgs *a = arg;
-    Backend *be = NULL;
-    Model m;
-    KvCache kv = {0};
-    PpStage *st = NULL;
-    a->result = ERR_IO;
-    const ModelOptions o = {.load_mtp = a->rank == 2,
-                            .first_layer = split[a->rank],
-                            .last_layer = split[a->rank + 1]};
-    if (backend_cpu_create(1, &be) || model_load(&m, a->dir, &o, be)) return NULL;
-    const KvCacheParams p = model_kv_params(&m, BLOCKS, 4);
-    if (kv_init(&kv, &p) == ERR_OK
-        && pp_stage_create(&m, &kv, a->rank, 3, a->master, 0x3a7, &st) == ERR_OK) {
-        if (a->rank == 2) {
-            a->oracle->stage = st;
-            pp_mtp(st)->draft_hook = oracle_draft;
-            pp_mtp(st)->hook_user = a->oracle;
-        }
-        a->result = pp_serve(st);
-    }
-    pp_stage_destroy(st);
-    kv_free(&kv);
-    model_free(&m);
-    be->destroy(be);
-    return NULL;
+    Oracle *o = user;
+    o->stage = st;
+    pp_mtp(st)->draft_hook = oracle_draft;
+    pp_mtp(st)->hook_user = o;
 }
 
 static void test_pipeline(const char *dir)
@@ -557,10 +448,20 @@ static void test_pipeline(const char *dir)
 
     char master[64];
     snprintf(master, sizeof master, "127.0.0.1:%d", pp_test_free_port());
-    RankArgs args[3] = {{0}, {1, dir, master, NULL, ERR_OK}, {2, dir, master, &o, ERR_OK}};
+    SchedTestRank ranks[3];
+    for (int r = 0; r < 3; r++)
+        ranks[r] = (SchedTestRank){.rank = r,
+                                   .world = 3,
+                                   .dir = dir,
+                                   .master = master,
+                                   .split = split,
+                                   .n_blocks = BLOCKS,
+                                   .hash = 0x3a7,
+                                   .load_mtp = r == 2,
+                                   .on_stage = r == 2 ? hook_last_rank : NULL,
+                                   .user = &o};
     pthread_t th[3];
-    for (int r = 1; r < 3; r++)
-        ASSERT(pthread_create(&th[r], NULL, rank_main, &args[r]) == 0);
+    sched_test_start_ranks(ranks, th);
     Model m;
     const ModelOptions mo = {.first_layer = 0, .last_layer = 1};
     ASSERT(model_load(&m, dir, &mo, be) == ERR_OK);
@@ -572,10 +473,9 @@ static void test_pipeline(const char *dir)
     if (stage) {
         CHECK(pp_mtp(stage) == NULL);  // rank 0 holds no MTP layer
         for (int k = 2; k <= 3; k++) {
-            Collected *c = calloc(1, sizeof *c);
-            ASSERT(c);
-            const SchedStats st = run_all(stage, &m, &kv, k, 5, c);
-            CHECK(matches_truth(c, MAX_TOK));
+            bool is_truth;
+            const SchedStats st = run_all(stage, &m, &kv, k, 5, &is_truth);
+            CHECK(is_truth);
             CHECK(st.mtp_accepted > 0 && st.mtp_accepted < st.mtp_drafted);
             CHECK(kv_n_free_blocks(&kv) == BLOCKS);
             printf("pipeline of 3, mtp %d, hooked drafts: %llu verify steps, %llu of %llu drafts "
@@ -583,15 +483,11 @@ static void test_pipeline(const char *dir)
                    k, (unsigned long long) st.mtp_steps, (unsigned long long) st.mtp_accepted,
                    (unsigned long long) st.mtp_drafted, (unsigned long long) st.n_microbatches,
                    N_REQ * MAX_TOK);
-            free(c);
         }
         CHECK(pp_end(stage) == ERR_OK);
     }
     pp_stage_destroy(stage);
-    for (int r = 1; r < 3; r++) {
-        pthread_join(th[r], NULL);
-        CHECK(args[r].result == ERR_OK);
-    }
+    sched_test_join_ranks(ranks, th);
     CHECK(o.bad == 0 && o.calls > 0);
     kv_free(&kv);
     model_free(&m);

@@ -170,16 +170,22 @@ static void test_parse_bytes(void)
     CHECK(!pp_comm_parse_addr(":80", addr, sizeof addr, &port));
 }
 
-// Rank and world from each launcher's variables; a bad pair is refused.
-static void test_rank_env(void)
+// Every launcher's rank and world variables unset.
+static void unset_rank_env(void)
 {
-    int rank = -1, world = -1;
     unsetenv("OMPI_COMM_WORLD_RANK");
     unsetenv("OMPI_COMM_WORLD_SIZE");
     unsetenv("PMI_RANK");
     unsetenv("PMI_SIZE");
     unsetenv("SLURM_PROCID");
     unsetenv("SLURM_NTASKS");
+}
+
+// Rank and world from each launcher's variables; a bad pair is refused.
+static void test_rank_env(void)
+{
+    int rank = -1, world = -1;
+    unset_rank_env();
     CHECK(!pp_rank_from_env(&rank, &world));
     setenv("SLURM_PROCID", "2", 1);
     setenv("SLURM_NTASKS", "3", 1);
@@ -194,12 +200,7 @@ static void test_rank_env(void)
     CHECK(!pp_rank_from_env(&rank, &world));
     setenv("OMPI_COMM_WORLD_RANK", "x", 1);
     CHECK(!pp_rank_from_env(&rank, &world));
-    unsetenv("OMPI_COMM_WORLD_RANK");
-    unsetenv("OMPI_COMM_WORLD_SIZE");
-    unsetenv("PMI_RANK");
-    unsetenv("PMI_SIZE");
-    unsetenv("SLURM_PROCID");
-    unsetenv("SLURM_NTASKS");
+    unset_rank_env();
 }
 
 // ---------------------------------------------------------------------------

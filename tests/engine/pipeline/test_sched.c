@@ -17,15 +17,11 @@
  *
  * The model is tests/golden/models/dsa_modelopt (found through GLMSPARK_SOURCE_DIR).
  */
-#include <arpa/inet.h>
 #include <math.h>
-#include <netinet/in.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include "engine/model/backend.h"
 #include "engine/model/kv_cache.h"
@@ -36,86 +32,13 @@
 #include "engine/shared/err.h"
 #include "tests/check.h"
 #include "tests/engine/pipeline/pp_test_util.h"
+#include "tests/engine/pipeline/sched_test_util.h"
 
-enum { N_REQ = 4, MAX_TOK = 10, MAX_OUT = 64 };
+enum { N_REQ = SCHED_TEST_N_REQ, MAX_TOK = 10 };
 
 static char model_dir[1024];
 
-static const int32_t prompts[N_REQ][20] = {
-    {88, 64, 203, 76, 229, 208, 179},
-    {112, 14, 190},
-    {203, 165, 70, 26, 224, 72, 181, 124, 88, 113, 17, 5, 9, 33, 47, 51, 60, 2, 7, 99},
-    {42},
-};
-static const int prompt_len[N_REQ] = {7, 3, 20, 1};
 static int32_t reference[N_REQ][MAX_TOK];
-
-// Greedy decoding of prompt alone.
-static void generate_alone(Model *m, KvCache *kv, const int32_t *prompt, int n, int32_t *out)
-{
-    Sampler s;
-    ASSERT(sampler_init(&s, m->cfg.vocab_size, sampler_default_params()) == ERR_OK);
-    float *logits = malloc((size_t) m->cfg.vocab_size * sizeof *logits);
-    ASSERT(logits);
-    KvSeq seq = {0};
-    ASSERT(model_forward(m, kv, &seq, prompt, n, logits, false) == ERR_OK);
-    for (int i = 0; i < MAX_TOK; i++) {
-        out[i] = sampler_sample(&s, logits);
-        if (i + 1 < MAX_TOK)
-            ASSERT(model_forward(m, kv, &seq, &out[i], 1, logits, false) == ERR_OK);
-    }
-    kv_seq_free(kv, &seq);
-    free(logits);
-    sampler_free(&s);
-}
-
-// ---------------------------------------------------------------------------
-// Event collection
-
-typedef struct Collected {
-    int32_t tokens[N_REQ][MAX_OUT];
-    int n[N_REQ];
-    SchedFinish finish[N_REQ];
-    int n_events;
-    int order[512];  // request id of each event, in order
-    float logprob[N_REQ][MAX_OUT];
-    int n_top[N_REQ][MAX_OUT];
-    int32_t top_ids[N_REQ][MAX_OUT][SCHED_MAX_TOP_LOGPROBS];
-    float top_logprobs[N_REQ][MAX_OUT][SCHED_MAX_TOP_LOGPROBS];
-} Collected;
-
-static void on_event(void *user, const SchedEvent *ev)
-{
-    Collected *c = user;
-    ASSERT(ev->id < N_REQ);
-    const int i = (int) ev->id;
-    if (ev->token >= 0) {
-        ASSERT(c->n[i] < MAX_OUT);
-        ASSERT(ev->n_top >= 0 && ev->n_top <= SCHED_MAX_TOP_LOGPROBS);
-        c->logprob[i][c->n[i]] = ev->logprob;
-        c->n_top[i][c->n[i]] = ev->n_top;
-        memcpy(c->top_ids[i][c->n[i]], ev->top_ids, sizeof ev->top_ids);
-        memcpy(c->top_logprobs[i][c->n[i]], ev->top_logprobs, sizeof ev->top_logprobs);
-        c->tokens[i][c->n[i]++] = ev->token;
-        CHECK(ev->n_generated == c->n[i]);
-    }
-    CHECK(c->finish[i] == SCHED_FINISH_NONE);  // nothing after the last event
-    c->finish[i] = ev->finish;
-    if (c->n_events < 512) c->order[c->n_events] = i;
-    c->n_events++;
-}
-
-static SchedRequest request(int i, int max_tokens)
-{
-    SchedRequest r = {.id = (uint64_t) i,
-                      .prompt = prompts[i],
-                      .n_prompt = prompt_len[i],
-                      .max_tokens = max_tokens,
-                      .ignore_eos = true,
-                      .n_top_logprobs = -1};
-    r.sampling = sampler_default_params();
-    return r;
-}
 
 // ---------------------------------------------------------------------------
 // Logprobs reference: model_forward over the prompt and then each output token; at every
@@ -131,8 +54,8 @@ static int by_logit_desc(const void *a, const void *b)
 
 // Check c's events of request i (tokens out[0..n) after prompt) against the reference;
 // n_top is what the request asked for. Returns the number of positions checked.
-static int check_logprobs(Model *m, const Collected *c, int i, const int32_t *prompt, int n_prompt,
-                          int n_top)
+static int check_logprobs(Model *m, const SchedTestEvents *c, int i, const int32_t *prompt,
+                          int n_prompt, int n_top)
 {
     const int V = m->cfg.vocab_size, n = c->n[i];
     const KvCacheParams p = model_kv_params(m, 32, 4);
@@ -146,14 +69,17 @@ static int check_logprobs(Model *m, const Collected *c, int i, const int32_t *pr
     int n_checked = 0;
     for (int t = 0; t < n; t++) {
         double mx = logits[0], sum = 0;
-        for (int v = 1; v < V; v++) mx = logits[v] > mx ? logits[v] : mx;
-        for (int v = 0; v < V; v++) sum += exp((double) logits[v] - mx);
+        for (int v = 1; v < V; v++)
+            mx = logits[v] > mx ? logits[v] : mx;
+        for (int v = 0; v < V; v++)
+            sum += exp((double) logits[v] - mx);
         const double lse = mx + log(sum);
         const int32_t tok = c->tokens[i][t];
         CHECK(fabs(c->logprob[i][t] - ((double) logits[tok] - lse)) < 1e-4);
         CHECK(c->logprob[i][t] <= 0);
         CHECK(c->n_top[i][t] == n_top);
-        for (int v = 0; v < V; v++) order[v] = v;
+        for (int v = 0; v < V; v++)
+            order[v] = v;
         sort_row = logits;
         qsort(order, (size_t) V, sizeof *order, by_logit_desc);
         for (int k = 0; k < c->n_top[i][t]; k++) {
@@ -170,19 +96,7 @@ static int check_logprobs(Model *m, const Collected *c, int i, const int32_t *pr
     return n_checked;
 }
 
-static void run_until_idle(Scheduler *s, int *max_inflight)
-{
-    int guard = 0;
-    while (sched_has_work(s) && guard++ < 10000) {
-        CHECK(sched_step(s) == ERR_OK);
-        SchedStats st;
-        sched_stats(s, &st);
-        if (max_inflight && st.n_inflight + 1 > *max_inflight) *max_inflight = st.n_inflight + 1;
-    }
-    CHECK(!sched_has_work(s));
-}
-
-static void check_reference(const Collected *c)
+static void check_reference(const SchedTestEvents *c)
 {
     for (int i = 0; i < N_REQ; i++) {
         CHECK(c->n[i] == MAX_TOK);
@@ -205,18 +119,15 @@ static void test_single_stage(Model *m)
     // Concurrent, generous budget; then a 3-token budget (chunked prefill).
     const int budgets[2] = {512, 3};
     for (int k = 0; k < 2; k++) {
-        Collected *c = calloc(1, sizeof *c);
-        Scheduler *s;
-        const SchedParams sp = {.max_num_seqs = 8,
-                                .max_num_batched_tokens = budgets[k],
-                                .on_event = on_event,
-                                .user = c};
-        ASSERT(sched_create(stage, m, &kv, &sp, &s) == ERR_OK);
+        SchedTestEvents *c;
+        Scheduler *s = sched_test_open(
+            stage, m, &kv, (SchedParams){.max_num_seqs = 8, .max_num_batched_tokens = budgets[k]},
+            &c);
         for (int i = 0; i < N_REQ; i++) {
-            const SchedRequest r = request(i, MAX_TOK);
+            const SchedRequest r = sched_test_request(i, MAX_TOK);
             CHECK(sched_submit(s, &r) == ERR_OK);
         }
-        run_until_idle(s, NULL);
+        sched_test_run(s, NULL);
         check_reference(c);
         SchedStats st;
         sched_stats(s, &st);
@@ -225,23 +136,20 @@ static void test_single_stage(Model *m)
         printf("budget %d: %llu micro-batches, %llu tokens, largest %d\n", budgets[k],
                (unsigned long long) st.n_microbatches, (unsigned long long) st.n_tokens,
                st.max_batch_tokens);
-        sched_destroy(s);
-        free(c);
+        sched_test_close(s, c);
     }
 
     // A long prefill (20 tokens, budget 4) next to a decoding sequence: the decoding one
     // gets a token from every micro-batch (delayed by at most one chunk).
     {
-        Collected *c = calloc(1, sizeof *c);
-        Scheduler *s;
-        const SchedParams sp = {
-            .max_num_seqs = 8, .max_num_batched_tokens = 4, .on_event = on_event, .user = c};
-        ASSERT(sched_create(stage, m, &kv, &sp, &s) == ERR_OK);
-        SchedRequest r = request(3, 30);
+        SchedTestEvents *c;
+        Scheduler *s = sched_test_open(
+            stage, m, &kv, (SchedParams){.max_num_seqs = 8, .max_num_batched_tokens = 4}, &c);
+        SchedRequest r = sched_test_request(3, 30);
         CHECK(sched_submit(s, &r) == ERR_OK);
         CHECK(sched_step(s) == ERR_OK);  // prefill of the 1-token prompt: first token
         CHECK(c->n[3] == 1);
-        r = request(2, 2);
+        r = sched_test_request(2, 2);
         CHECK(sched_submit(s, &r) == ERR_OK);
         for (int step = 0; step < 8; step++) {
             const int before = c->n[3];
@@ -252,37 +160,34 @@ static void test_single_stage(Model *m)
         // Cancel the long one mid-decode: its last event says so and its blocks come back.
         const int free_before = kv_n_free_blocks(&kv);
         sched_cancel(s, 3);
-        run_until_idle(s, NULL);
+        sched_test_run(s, NULL);
         CHECK(c->finish[3] == SCHED_FINISH_CANCELLED);
         CHECK(c->n[3] < 30);
         CHECK(c->finish[2] == SCHED_FINISH_LENGTH && c->n[2] == 2);
         CHECK(kv_n_free_blocks(&kv) == 24 && kv_n_free_blocks(&kv) > free_before);
-        sched_destroy(s);
-        free(c);
+        sched_test_close(s, c);
     }
 
     // Stop ids, a cancelled queued request, bad requests, a request larger than the cache.
     {
-        Collected *c = calloc(1, sizeof *c);
-        Scheduler *s;
-        const SchedParams sp = {.max_num_seqs = 1, .on_event = on_event, .user = c};
-        ASSERT(sched_create(stage, m, &kv, &sp, &s) == ERR_OK);
-        SchedRequest r = request(0, MAX_TOK);
+        SchedTestEvents *c;
+        Scheduler *s = sched_test_open(stage, m, &kv, (SchedParams){.max_num_seqs = 1}, &c);
+        SchedRequest r = sched_test_request(0, MAX_TOK);
         r.stop_ids[0] = reference[0][2];
         r.n_stop_ids = 1;
         CHECK(sched_submit(s, &r) == ERR_OK);
-        r = request(1, MAX_TOK);
+        r = sched_test_request(1, MAX_TOK);
         CHECK(sched_submit(s, &r) == ERR_OK);
-        sched_cancel(s, 1);    // still queued behind request 0 (max_num_seqs 1)
-        r = request(2, 1000);  // 1020 positions > 24 blocks of 4
+        sched_cancel(s, 1);               // still queued behind request 0 (max_num_seqs 1)
+        r = sched_test_request(2, 1000);  // 1020 positions > 24 blocks of 4
         CHECK(sched_submit(s, &r) == ERR_OK);
-        SchedRequest bad = request(3, 0);
+        SchedRequest bad = sched_test_request(3, 0);
         CHECK(sched_submit(s, &bad) == ERR_INVAL);
-        bad = request(3, 5);
+        bad = sched_test_request(3, 5);
         const int32_t oov[1] = {100000};
         bad.prompt = oov;
         CHECK(sched_submit(s, &bad) == ERR_INVAL);
-        run_until_idle(s, NULL);
+        sched_test_run(s, NULL);
         int first_stop = 0;
         while (reference[0][first_stop] != reference[0][2])
             first_stop++;
@@ -290,8 +195,7 @@ static void test_single_stage(Model *m)
         CHECK(c->finish[1] == SCHED_FINISH_CANCELLED && c->n[1] == 0);
         CHECK(c->finish[2] == SCHED_FINISH_ERROR && c->n[2] == 0);
         CHECK(kv_n_free_blocks(&kv) == 24);
-        sched_destroy(s);
-        free(c);
+        sched_test_close(s, c);
     }
     pp_stage_destroy(stage);
     kv_free(&kv);
@@ -311,14 +215,12 @@ static void test_logprobs_and_force(Model *m)
     // Greedy with 5 alternatives, sampled with penalties with 20, the token only, none;
     // a 4-token budget, so prompts are prefilled in chunks.
     {
-        Collected *c = calloc(1, sizeof *c);
-        Scheduler *s;
-        const SchedParams sp = {
-            .max_num_seqs = 8, .max_num_batched_tokens = 4, .on_event = on_event, .user = c};
-        ASSERT(sched_create(stage, m, &kv, &sp, &s) == ERR_OK);
+        SchedTestEvents *c;
+        Scheduler *s = sched_test_open(
+            stage, m, &kv, (SchedParams){.max_num_seqs = 8, .max_num_batched_tokens = 4}, &c);
         const int n_top[N_REQ] = {5, SCHED_MAX_TOP_LOGPROBS, 0, -1};
         for (int i = 0; i < N_REQ; i++) {
-            SchedRequest r = request(i, MAX_TOK);
+            SchedRequest r = sched_test_request(i, MAX_TOK);
             r.n_top_logprobs = n_top[i];
             if (i == 1) {
                 r.sampling.temperature = 0.9f;
@@ -328,50 +230,51 @@ static void test_logprobs_and_force(Model *m)
             }
             CHECK(sched_submit(s, &r) == ERR_OK);
         }
-        SchedRequest bad = request(3, 5);
+        SchedRequest bad = sched_test_request(3, 5);
         bad.n_top_logprobs = SCHED_MAX_TOP_LOGPROBS + 1;
         CHECK(sched_submit(s, &bad) == ERR_INVAL);
         bad.n_top_logprobs = -2;
         CHECK(sched_submit(s, &bad) == ERR_INVAL);
-        run_until_idle(s, NULL);
-        for (int i = 0; i < N_REQ; i++) CHECK(c->n[i] == MAX_TOK);
+        sched_test_run(s, NULL);
+        for (int i = 0; i < N_REQ; i++)
+            CHECK(c->n[i] == MAX_TOK);
         CHECK(memcmp(c->tokens[0], reference[0], sizeof reference[0]) == 0);
         CHECK(memcmp(c->tokens[2], reference[2], sizeof reference[2]) == 0);
         CHECK(memcmp(c->tokens[3], reference[3], sizeof reference[3]) == 0);
         for (int i = 0; i < 3; i++)
-            CHECK(check_logprobs(m, c, i, prompts[i], prompt_len[i], n_top[i]) == MAX_TOK);
-        for (int t = 0; t < MAX_TOK; t++) CHECK(c->n_top[3][t] == 0 && c->logprob[3][t] == 0);
+            CHECK(check_logprobs(m, c, i, sched_test_prompts[i], sched_test_prompt_len[i], n_top[i])
+                  == MAX_TOK);
+        for (int t = 0; t < MAX_TOK; t++)
+            CHECK(c->n_top[3][t] == 0 && c->logprob[3][t] == 0);
         // The sampled request's tokens are not greedy ones somewhere (else the penalties
         // and temperature were not exercised); its logprobs stay those of the raw logits.
         CHECK(memcmp(c->tokens[1], reference[1], sizeof reference[1]) != 0);
         CHECK(kv_n_free_blocks(&kv) == 24);
-        sched_destroy(s);
-        free(c);
+        sched_test_close(s, c);
     }
 
     // Forced ids: before the first output (an eos id among them, which must not end the
     // sequence), and mid-sequence.
     {
-        Collected *c = calloc(1, sizeof *c);
-        Scheduler *s;
-        const SchedParams sp = {.max_num_seqs = 8, .on_event = on_event, .user = c};
-        ASSERT(sched_create(stage, m, &kv, &sp, &s) == ERR_OK);
+        SchedTestEvents *c;
+        Scheduler *s = sched_test_open(stage, m, &kv, (SchedParams){.max_num_seqs = 8}, &c);
         const int V = m->cfg.vocab_size;
         const int32_t forced[3] = {m->cfg.n_eos_ids > 0 ? m->cfg.eos_ids[0] : 5, 17, 23};
-        SchedRequest r = request(0, 6);
+        SchedRequest r = sched_test_request(0, 6);
         r.ignore_eos = false;
         r.n_top_logprobs = 2;
         CHECK(sched_submit(s, &r) == ERR_OK);
-        r = request(1, MAX_TOK);
+        r = sched_test_request(1, MAX_TOK);
         CHECK(sched_submit(s, &r) == ERR_OK);
         sched_force(s, 0, forced, 3);
-        sched_force(s, 99, forced, 3);                           // unknown: ignored
-        sched_force(s, 1, (const int32_t[]){V, -1}, 2);         // outside the vocabulary
-        while (c->n[1] < 2) CHECK(sched_step(s) == ERR_OK);
+        sched_force(s, 99, forced, 3);                   // unknown: ignored
+        sched_force(s, 1, (const int32_t[]){V, -1}, 2);  // outside the vocabulary
+        while (c->n[1] < 2)
+            CHECK(sched_step(s) == ERR_OK);
         CHECK(memcmp(c->tokens[1], reference[1], 2 * sizeof(int32_t)) == 0);
         const int32_t mid = reference[1][2] == 31 ? 32 : 31;
         sched_force(s, 1, &mid, 1);
-        run_until_idle(s, NULL);
+        sched_test_run(s, NULL);
 
         // Request 0: the forced ids, then greedy decoding of prompt + forced ids until an
         // eos id or 6 tokens.
@@ -387,12 +290,15 @@ static void test_logprobs_and_force(Model *m)
             ASSERT(sampler_init(&smp, V, sampler_default_params()) == ERR_OK);
             float *logits = malloc((size_t) V * sizeof *logits);
             ASSERT(logits);
-            ASSERT(model_forward(m, &kv2, &seq, prompts[0], prompt_len[0], logits, false) == ERR_OK);
+            ASSERT(model_forward(m, &kv2, &seq, sched_test_prompts[0], sched_test_prompt_len[0],
+                                 logits, false)
+                   == ERR_OK);
             while (n_want < 6) {
                 const int32_t t = n_want < 3 ? forced[n_want] : sampler_sample(&smp, logits);
                 want[n_want++] = t;
                 bool is_eos = false;
-                for (int e = 0; e < m->cfg.n_eos_ids; e++) is_eos |= t == m->cfg.eos_ids[e];
+                for (int e = 0; e < m->cfg.n_eos_ids; e++)
+                    is_eos |= t == m->cfg.eos_ids[e];
                 if (n_want > 3 && is_eos) {
                     want_fin = SCHED_FINISH_STOP;
                     break;
@@ -406,20 +312,20 @@ static void test_logprobs_and_force(Model *m)
         }
         CHECK(c->n[0] == n_want && c->finish[0] == want_fin);
         CHECK(memcmp(c->tokens[0], want, (size_t) n_want * sizeof(int32_t)) == 0);
-        CHECK(check_logprobs(m, c, 0, prompts[0], prompt_len[0], 2) == n_want);
+        CHECK(check_logprobs(m, c, 0, sched_test_prompts[0], sched_test_prompt_len[0], 2)
+              == n_want);
         // Request 1: two greedy tokens, the forced one, then greedy from there on.
         CHECK(c->n[1] == MAX_TOK && c->finish[1] == SCHED_FINISH_LENGTH && c->tokens[1][2] == mid);
         {
             int32_t ctx[20 + MAX_TOK];
-            memcpy(ctx, prompts[1], (size_t) prompt_len[1] * sizeof(int32_t));
-            memcpy(ctx + prompt_len[1], c->tokens[1], 3 * sizeof(int32_t));
+            memcpy(ctx, sched_test_prompts[1], (size_t) sched_test_prompt_len[1] * sizeof(int32_t));
+            memcpy(ctx + sched_test_prompt_len[1], c->tokens[1], 3 * sizeof(int32_t));
             int32_t cont[MAX_TOK];
-            generate_alone(m, &kv, ctx, prompt_len[1] + 3, cont);
+            sched_test_greedy(m, &kv, ctx, sched_test_prompt_len[1] + 3, MAX_TOK, cont);
             CHECK(memcmp(c->tokens[1] + 3, cont, (MAX_TOK - 3) * sizeof(int32_t)) == 0);
         }
         CHECK(kv_n_free_blocks(&kv) == 24);
-        sched_destroy(s);
-        free(c);
+        sched_test_close(s, c);
     }
     pp_stage_destroy(stage);
     kv_free(&kv);
@@ -437,36 +343,22 @@ typedef struct RankArgs {
 
 static const int split[4] = {0, 1, 3, 5};
 
-static void *rank_main(void *arg)
-{
-    RankArgs *a = arg;
-    Backend *be = NULL;
-    Model m;
-    KvCache kv = {0};
-    PpStage *st = NULL;
-    a->result = ERR_IO;
-    const ModelOptions o = {.first_layer = split[a->rank], .last_layer = split[a->rank + 1]};
-    if (backend_cpu_create(1, &be) || model_load(&m, model_dir, &o, be)) return NULL;
-    const KvCacheParams p = model_kv_params(&m, 24, 4);
-    if (kv_init(&kv, &p) == ERR_OK
-        && pp_stage_create(&m, &kv, a->rank, 3, a->master, a->hash, &st) == ERR_OK)
-        a->result = pp_serve(st);
-    pp_stage_destroy(st);
-    kv_free(&kv);
-    model_free(&m);
-    be->destroy(be);
-    return NULL;
-}
-
 static void test_pipeline(Model *full, Backend *be)
 {
     char master[64];
     snprintf(master, sizeof master, "127.0.0.1:%d", pp_test_free_port());
     const uint64_t hash = 0x5eed;
-    RankArgs args[3] = {{0}, {1, master, hash, ERR_OK}, {2, master, hash, ERR_OK}};
+    SchedTestRank ranks[3];
+    for (int r = 0; r < 3; r++)
+        ranks[r] = (SchedTestRank){.rank = r,
+                                   .world = 3,
+                                   .dir = model_dir,
+                                   .master = master,
+                                   .split = split,
+                                   .n_blocks = 24,
+                                   .hash = hash};
     pthread_t th[3];
-    for (int r = 1; r < 3; r++)
-        ASSERT(pthread_create(&th[r], NULL, rank_main, &args[r]) == 0);
+    sched_test_start_ranks(ranks, th);
 
     Model m;
     KvCache kv;
@@ -477,32 +369,27 @@ static void test_pipeline(Model *full, Backend *be)
     PpStage *stage;
     CHECK(pp_stage_create(&m, &kv, 0, 3, master, hash, &stage) == ERR_OK);
     if (stage) {
-        Collected *c = calloc(1, sizeof *c);
-        Scheduler *s;
-        const SchedParams sp = {
-            .max_num_seqs = 8, .max_num_batched_tokens = 5, .on_event = on_event, .user = c};
-        ASSERT(sched_create(stage, &m, &kv, &sp, &s) == ERR_OK);
+        SchedTestEvents *c;
+        Scheduler *s = sched_test_open(
+            stage, &m, &kv, (SchedParams){.max_num_seqs = 8, .max_num_batched_tokens = 5}, &c);
         for (int i = 0; i < N_REQ; i++) {
-            SchedRequest r = request(i, MAX_TOK);
+            SchedRequest r = sched_test_request(i, MAX_TOK);
             if (i == 2) r.n_top_logprobs = 3;  // logits rows come back over TCP
             CHECK(sched_submit(s, &r) == ERR_OK);
         }
         int max_inflight = 0;
-        run_until_idle(s, &max_inflight);
+        sched_test_run(s, &max_inflight);
         check_reference(c);
-        CHECK(check_logprobs(full, c, 2, prompts[2], prompt_len[2], 3) == MAX_TOK);
+        CHECK(check_logprobs(full, c, 2, sched_test_prompts[2], sched_test_prompt_len[2], 3)
+              == MAX_TOK);
         CHECK(max_inflight == 3);  // one micro-batch per stage
         CHECK(kv_n_free_blocks(&kv) == 24);
         printf("pipeline of 3: up to %d micro-batches in flight\n", max_inflight);
-        sched_destroy(s);
-        free(c);
+        sched_test_close(s, c);
         CHECK(pp_end(stage) == ERR_OK);
     }
     pp_stage_destroy(stage);
-    for (int r = 1; r < 3; r++) {
-        pthread_join(th[r], NULL);
-        CHECK(args[r].result == ERR_OK);
-    }
+    sched_test_join_ranks(ranks, th);
     kv_free(&kv);
     model_free(&m);
 }
@@ -564,7 +451,8 @@ int main(void)
         KvCache kv;
         ASSERT(kv_init(&kv, &p) == ERR_OK);
         for (int i = 0; i < N_REQ; i++)
-            generate_alone(&m, &kv, prompts[i], prompt_len[i], reference[i]);
+            sched_test_greedy(&m, &kv, sched_test_prompts[i], sched_test_prompt_len[i], MAX_TOK,
+                              reference[i]);
         kv_free(&kv);
     }
     test_single_stage(&m);
