@@ -666,6 +666,19 @@ typedef struct Vocab {
     int special_ids[N_SPECIALS];  // id of specials[i]
 } Vocab;
 
+void mkmodel_add_special_token(json_object *added, int id, const char *content)
+{
+    json_object *a = json_object_new_object();
+    json_object_object_add(a, "id", json_object_new_int(id));
+    json_object_object_add(a, "content", json_object_new_string(content));
+    json_object_object_add(a, "single_word", json_object_new_boolean(0));
+    json_object_object_add(a, "lstrip", json_object_new_boolean(0));
+    json_object_object_add(a, "rstrip", json_object_new_boolean(0));
+    json_object_object_add(a, "normalized", json_object_new_boolean(0));
+    json_object_object_add(a, "special", json_object_new_boolean(1));
+    json_object_array_add(added, a);
+}
+
 // Copy tokenizer.json into dir, appending GLM's special tokens when missing.
 static Err write_tokenizer(const char *src, const char *dir, Vocab *voc)
 {
@@ -728,16 +741,8 @@ static Err write_tokenizer(const char *src, const char *dir, Vocab *voc)
     }
     for (int s = 0; s < N_SPECIALS; s++) {
         if (voc->special_ids[s] >= 0) continue;
-        json_object *a = json_object_new_object();
         voc->special_ids[s] = ++max_id;
-        json_object_object_add(a, "id", json_object_new_int(max_id));
-        json_object_object_add(a, "content", json_object_new_string(specials[s]));
-        json_object_object_add(a, "single_word", json_object_new_boolean(0));
-        json_object_object_add(a, "lstrip", json_object_new_boolean(0));
-        json_object_object_add(a, "rstrip", json_object_new_boolean(0));
-        json_object_object_add(a, "normalized", json_object_new_boolean(0));
-        json_object_object_add(a, "special", json_object_new_boolean(1));
-        json_object_array_add(added, a);
+        mkmodel_add_special_token(added, max_id, specials[s]);
     }
     voc->size = (max_id + 1 + 63) / 64 * 64;
     err = write_json(dir, "tokenizer.json", root);

@@ -54,6 +54,12 @@ void mkmodel_quantize_nvfp4(const float *w, int rows, int cols, uint8_t *codes, 
 // Round x to the nearest E4M3 ("fn") code, ties to even, saturating at 448.
 uint8_t mkmodel_float_to_e4m3(float x);
 
+struct json_object;
+
+// Append to added (a json-c array, tokenizer.json's "added_tokens") the entry of special
+// token content with id: not single_word, lstrip, rstrip or normalized; special.
+void mkmodel_add_special_token(struct json_object *added, int id, const char *content);
+
 #ifdef __cplusplus
 }
 #endif

@@ -17,6 +17,7 @@
 #include "engine/cli/cli.h"
 #include "engine/shared/chat.h"
 #include "engine/shared/tokenizer.h"
+#include "engine/tools/mkmodel.h"
 #include "tests/check.h"
 
 static char tmp_dir[] = "/tmp/test_chat_cli.XXXXXX";
@@ -157,17 +158,8 @@ static void test_ids(void)
     }
     json_object *added = NULL;
     CHECK(json_object_object_get_ex(tj, "added_tokens", &added));
-    for (int i = 0; i < N_SPECIALS; i++) {
-        json_object *t = json_object_new_object();
-        json_object_object_add(t, "id", json_object_new_int(SPECIAL_BASE + i));
-        json_object_object_add(t, "content", json_object_new_string(SPECIALS[i]));
-        json_object_object_add(t, "single_word", json_object_new_boolean(0));
-        json_object_object_add(t, "lstrip", json_object_new_boolean(0));
-        json_object_object_add(t, "rstrip", json_object_new_boolean(0));
-        json_object_object_add(t, "normalized", json_object_new_boolean(0));
-        json_object_object_add(t, "special", json_object_new_boolean(1));
-        json_object_array_add(added, t);
-    }
+    for (int i = 0; i < N_SPECIALS; i++)
+        mkmodel_add_special_token(added, SPECIAL_BASE + i, SPECIALS[i]);
     snprintf(dst, sizeof dst, "%s/tokenizer.json", tmp_dir);
     CHECK(json_object_to_file_ext(dst, tj, JSON_C_TO_STRING_PLAIN) == 0);
     json_object_put(tj);
