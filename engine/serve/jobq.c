@@ -23,6 +23,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/shared/buf.h"
+
 // The queue's advisory lock: one active exclusive engine per database.
 #define JOBQ_LOCK_KEY "7406135331560110082"
 
@@ -90,34 +92,8 @@ static Err parse_int_array(const char *s, int32_t **out, int *n_out)
     return ERR_FORMAT;
 }
 
-// A growing heap string with sticky allocation failure (statement parameters).
-typedef struct StrBuf {
-    char *s;
-    size_t len, cap;
-    bool is_oom;
-} StrBuf;
-
-static void buf_add(StrBuf *b, const char *s, size_t n)
-{
-    if (b->is_oom) return;
-    if (b->len + n + 1 > b->cap) {
-        size_t c = b->cap ? b->cap : 256;
-        while (c < b->len + n + 1) c *= 2;
-        char *p = realloc(b->s, c);
-        if (!p) {
-            b->is_oom = true;
-            return;
-        }
-        b->s = p;
-        b->cap = c;
-    }
-    memcpy(b->s + b->len, s, n);
-    b->len += n;
-    b->s[b->len] = '\0';
-}
-
 // Append "{a,b,c}" for ids[0..n) to b.
-static void buf_add_int_array(StrBuf *b, const int32_t *ids, int n)
+static void add_int_array(Buf *b, const int32_t *ids, int n)
 {
     char t[16];
     buf_add(b, "{", 1);
@@ -360,15 +336,15 @@ Err jobq_append(JobQueue *q, JobqJob *job, const JobqChunk *chunks, int n, bool 
     const char *params[N_FIXED + PER_CHUNK * 64];
     char id_text[24], seq_text[16], n_text[16], n_tok_text[16], attempt_text[16];
     char *sql = NULL;
-    StrBuf arrays = {0};
+    Buf arrays = {0};
     size_t offsets[64];
     PGresult *res = NULL;
     Err err = ERR_NOMEM;
 
     int n_tokens = 0;
     for (int i = 0; i < n; i++) {
-        offsets[i] = arrays.len;
-        buf_add_int_array(&arrays, chunks[i].token_ids, chunks[i].n_tokens);
+        offsets[i] = arrays.n;
+        add_int_array(&arrays, chunks[i].token_ids, chunks[i].n_tokens);
         buf_add(&arrays, "", 1);  // keep the NUL: each array is its own parameter string
         n_tokens += chunks[i].n_tokens;
     }
@@ -403,7 +379,7 @@ Err jobq_append(JobQueue *q, JobqJob *job, const JobqChunk *chunks, int n, bool 
         const int p = N_FIXED + PER_CHUNK * i;
         params[p] = kind_names[chunks[i].kind];
         params[p + 1] = chunks[i].text ? chunks[i].text : "";
-        params[p + 2] = arrays.s + offsets[i];
+        params[p + 2] = arrays.p + offsets[i];
         params[p + 3] = chunks[i].logprobs_json;  // NULL: SQL NULL
         len += snprintf(sql + len, sql_cap - (size_t) len,
                         "%s($%d::text, $%d::text, $%d::int[], $%d::jsonb, %d)", i ? ", " : "", p + 1,
@@ -428,7 +404,7 @@ Err jobq_append(JobQueue *q, JobqJob *job, const JobqChunk *chunks, int n, bool 
 done:
     PQclear(res);
     free(sql);
-    free(arrays.s);
+    buf_free(&arrays);
     return err;
 }
 
@@ -527,16 +503,16 @@ lost:
 
 // Append one element to a PostgreSQL array literal being built in b ("{" first, "}" at
 // the end): a number, or a string quoted with \ and " escaped, or NULL for s == NULL.
-static void buf_add_number(StrBuf *b, long long x)
+static void add_array_number(Buf *b, long long x)
 {
     char t[24];
-    const int n = snprintf(t, sizeof t, "%s%lld", b->len > 1 ? "," : "", x);
+    const int n = snprintf(t, sizeof t, "%s%lld", b->n > 1 ? "," : "", x);
     buf_add(b, t, (size_t) n);
 }
 
-static void buf_add_string(StrBuf *b, const char *s)
+static void add_array_string(Buf *b, const char *s)
 {
-    if (b->len > 1) buf_add(b, ",", 1);
+    if (b->n > 1) buf_add(b, ",", 1);
     if (!s) {
         buf_add(b, "NULL", 4);
         return;
@@ -595,9 +571,9 @@ enum {
 };
 
 // Fill the 12 array parameters for items[0..n).
-static Err build_batch_arrays(const JobqAppend *items, int n, StrBuf a[N_BATCH_ARRAYS])
+static Err build_batch_arrays(const JobqAppend *items, int n, Buf a[N_BATCH_ARRAYS])
 {
-    StrBuf ids = {0};
+    Buf ids = {0};
     for (int k = 0; k < N_BATCH_ARRAYS; k++) buf_add(&a[k], "{", 1);
     for (int i = 0; i < n; i++) {
         const JobqAppend *it = &items[i];
@@ -605,23 +581,23 @@ static Err build_batch_arrays(const JobqAppend *items, int n, StrBuf a[N_BATCH_A
         for (int k = 0; k < it->n_chunks; k++) {
             const JobqChunk *ch = &it->chunks[k];
             n_tok += ch->n_tokens;
-            ids.len = 0;
-            buf_add_int_array(&ids, ch->token_ids, ch->n_tokens);
-            buf_add_number(&a[C_JOB], (long long) it->job->id);
-            buf_add_number(&a[C_SEQ], it->job->next_seq + k);
-            buf_add_string(&a[C_KIND], kind_names[ch->kind]);
-            buf_add_string(&a[C_TEXT], ch->text ? ch->text : "");
-            buf_add_string(&a[C_IDS], ids.is_oom ? NULL : ids.s);
-            buf_add_string(&a[C_LP], ch->logprobs_json);
+            buf_clear(&ids);
+            add_int_array(&ids, ch->token_ids, ch->n_tokens);
+            add_array_number(&a[C_JOB], (long long) it->job->id);
+            add_array_number(&a[C_SEQ], it->job->next_seq + k);
+            add_array_string(&a[C_KIND], kind_names[ch->kind]);
+            add_array_string(&a[C_TEXT], ch->text ? ch->text : "");
+            add_array_string(&a[C_IDS], ids.is_oom ? NULL : ids.p);
+            add_array_string(&a[C_LP], ch->logprobs_json);
         }
-        buf_add_number(&a[B_ID], (long long) it->job->id);
-        buf_add_number(&a[B_SEQ], it->job->next_seq);
-        buf_add_number(&a[B_N], it->n_chunks);
-        buf_add_number(&a[B_NTOK], n_tok);
-        buf_add_string(&a[B_FIN], it->error ? NULL : it->finish_reason);
-        buf_add_string(&a[B_ERR], it->error);
+        add_array_number(&a[B_ID], (long long) it->job->id);
+        add_array_number(&a[B_SEQ], it->job->next_seq);
+        add_array_number(&a[B_N], it->n_chunks);
+        add_array_number(&a[B_NTOK], n_tok);
+        add_array_string(&a[B_FIN], it->error ? NULL : it->finish_reason);
+        add_array_string(&a[B_ERR], it->error);
     }
-    free(ids.s);
+    buf_free(&ids);
     bool is_oom = ids.is_oom;
     for (int k = 0; k < N_BATCH_ARRAYS; k++) {
         buf_add(&a[k], "}", 1);
@@ -656,7 +632,7 @@ Err jobq_append_batch(JobQueue *q, JobqAppend *items, int n)
     if (n <= 0) return ERR_OK;
     Err err = check_batch(items, n);
     if (err) return err;
-    StrBuf a[N_BATCH_ARRAYS] = {{0}};
+    Buf a[N_BATCH_ARRAYS] = {{0}};
     PGresult *res = NULL;
     if ((err = build_batch_arrays(items, n, a))) goto done;
     err = ERR_DB;
@@ -672,7 +648,7 @@ Err jobq_append_batch(JobQueue *q, JobqAppend *items, int n)
         q->is_batch_prepared = true;
     }
     const char *params[2 + N_BATCH_ARRAYS] = {q->epoch_text, q->lease_text};
-    for (int k = 0; k < N_BATCH_ARRAYS; k++) params[2 + k] = a[k].s;
+    for (int k = 0; k < N_BATCH_ARRAYS; k++) params[2 + k] = a[k].p;
     res = PQexecPrepared(q->conn, BATCH_STMT, 2 + N_BATCH_ARRAYS, params, NULL, NULL, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
         LOG_ERROR("jobq: appending a batch of %d jobs failed: %s", n, PQerrorMessage(q->conn));
@@ -700,7 +676,7 @@ Err jobq_append_batch(JobQueue *q, JobqAppend *items, int n)
     err = ERR_OK;
 done:
     PQclear(res);
-    for (int k = 0; k < N_BATCH_ARRAYS; k++) free(a[k].s);
+    for (int k = 0; k < N_BATCH_ARRAYS; k++) buf_free(&a[k]);
     return err;
 }
 

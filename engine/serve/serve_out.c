@@ -35,31 +35,20 @@ static void out_push(ServeOut *o, JobqChunkKind kind, const char *text, size_t n
 {
     if (o->is_replay || n == 0) return;
     // Merge with the previous chunk of the same kind within the step.
-    if (o->n_chunks > 0 && o->chunks[o->n_chunks - 1].kind == kind && kind != JOBQ_CHUNK_TOOL) {
-        ServeChunk *c = &o->chunks[o->n_chunks - 1];
-        const size_t old = strlen(c->text);
-        char *t = realloc(c->text, old + n + 1);
-        if (!t) {
-            o->err = ERR_NOMEM;
-            return;
-        }
-        memcpy(t + old, text, n);
-        t[old + n] = '\0';
-        c->text = t;
-        return;
-    }
-    if (o->n_chunks == SERVE_MAX_STEP_CHUNKS) {
+    const bool is_merge =
+        o->n_chunks > 0 && o->chunks[o->n_chunks - 1].kind == kind && kind != JOBQ_CHUNK_TOOL;
+    if (!is_merge && o->n_chunks == SERVE_MAX_STEP_CHUNKS) {
         o->err = ERR_NOMEM;
         return;
     }
-    char *t = malloc(n + 1);
-    if (!t) {
+    ServeChunk *c = &o->chunks[is_merge ? o->n_chunks - 1 : o->n_chunks];
+    if (!is_merge) *c = (ServeChunk){.kind = kind};
+    if (buf_add(&c->text, text, n)) {
         o->err = ERR_NOMEM;
+        if (!is_merge) buf_free(&c->text);  // the slot stays unused
         return;
     }
-    memcpy(t, text, n);
-    t[n] = '\0';
-    o->chunks[o->n_chunks++] = (ServeChunk){kind, t};
+    if (!is_merge) o->n_chunks++;
 }
 
 // Content goes through the stop-string filter.
@@ -70,29 +59,19 @@ static void out_content(ServeOut *o, const char *text, size_t n)
         out_push(o, JOBQ_CHUNK_CONTENT, text, n);
         return;
     }
-    if (o->n_hold + n + 1 > o->cap_hold) {
-        size_t cap = o->cap_hold ? o->cap_hold : 64;
-        while (cap < o->n_hold + n + 1) cap *= 2;
-        char *h = realloc(o->hold, cap);
-        if (!h) {
-            o->err = ERR_NOMEM;
-            return;
-        }
-        o->hold = h;
-        o->cap_hold = cap;
+    if (buf_add(&o->hold, text, n)) {
+        o->err = ERR_NOMEM;
+        return;
     }
-    memcpy(o->hold + o->n_hold, text, n);
-    o->n_hold += n;
-    o->hold[o->n_hold] = '\0';
     // A complete stop string: emit what precedes it and stop.
-    size_t cut = o->n_hold;
+    size_t cut = o->hold.n;
     for (int i = 0; i < o->n_stop; i++) {
-        const char *hit = strstr(o->hold, o->stop[i]);
-        if (hit && (size_t) (hit - o->hold) < cut) cut = (size_t) (hit - o->hold);
+        const char *hit = strstr(o->hold.p, o->stop[i]);
+        if (hit && (size_t) (hit - o->hold.p) < cut) cut = (size_t) (hit - o->hold.p);
     }
-    if (cut < o->n_hold) {
-        out_push(o, JOBQ_CHUNK_CONTENT, o->hold, cut);
-        o->n_hold = 0;
+    if (cut < o->hold.n) {
+        out_push(o, JOBQ_CHUNK_CONTENT, o->hold.p, cut);
+        buf_clear(&o->hold);
         o->is_stopped = true;
         return;
     }
@@ -101,14 +80,13 @@ static void out_content(ServeOut *o, const char *text, size_t n)
     for (int i = 0; i < o->n_stop; i++) {
         const size_t ls = strlen(o->stop[i]);
         for (size_t k = ls - 1; k > keep; k--)
-            if (k <= o->n_hold && !memcmp(o->hold + o->n_hold - k, o->stop[i], k)) {
+            if (k <= o->hold.n && !memcmp(o->hold.p + o->hold.n - k, o->stop[i], k)) {
                 keep = k;
                 break;
             }
     }
-    out_push(o, JOBQ_CHUNK_CONTENT, o->hold, o->n_hold - keep);
-    memmove(o->hold, o->hold + o->n_hold - keep, keep);
-    o->n_hold = keep;
+    out_push(o, JOBQ_CHUNK_CONTENT, o->hold.p, o->hold.n - keep);
+    buf_consume(&o->hold, o->hold.n - keep);
 }
 
 static Err on_chat_event(void *user, const ChatEvent *ev)
@@ -344,9 +322,9 @@ Err serve_out_end(ServeOut *o)
         chat_parser_free(&o->parser);
         o->has_parser = false;
     }
-    if (!o->is_stopped && o->n_hold) {
-        out_push(o, JOBQ_CHUNK_CONTENT, o->hold, o->n_hold);
-        o->n_hold = 0;
+    if (!o->is_stopped && o->hold.n) {
+        out_push(o, JOBQ_CHUNK_CONTENT, o->hold.p, o->hold.n);
+        buf_clear(&o->hold);
     }
     return o->err;
 }
@@ -368,7 +346,7 @@ const JobqChunk *serve_out_chunks(ServeOut *o, int *n)
     if (o->lp && !(o->lp_text = strdup(json_object_to_json_string_ext(o->lp, JSON_C_TO_STRING_PLAIN))))
         return NULL;
     for (int i = 0; i < o->n_chunks; i++)
-        o->out[i] = (JobqChunk){o->chunks[i].kind, o->chunks[i].text, i == 0 ? o->ids : NULL,
+        o->out[i] = (JobqChunk){o->chunks[i].kind, o->chunks[i].text.p, i == 0 ? o->ids : NULL,
                                 i == 0 ? o->n_ids : 0, i == 0 ? o->lp_text : NULL};
     *n = o->n_chunks;
     if (*n == 0 && o->n_ids > 0) {
@@ -380,7 +358,7 @@ const JobqChunk *serve_out_chunks(ServeOut *o, int *n)
 
 void serve_out_clear_step(ServeOut *o)
 {
-    for (int i = 0; i < o->n_chunks; i++) free(o->chunks[i].text);
+    for (int i = 0; i < o->n_chunks; i++) buf_free(&o->chunks[i].text);
     o->n_chunks = 0;
     o->n_ids = 0;
     json_object_put(o->lp);
@@ -391,7 +369,7 @@ void serve_out_free(ServeOut *o)
 {
     serve_out_clear_step(o);
     for (int i = 0; i < o->n_stop; i++) free(o->stop[i]);
-    free(o->hold);
+    buf_free(&o->hold);
     free(o->ids);
     free(o->lp_text);
     if (o->has_parser) chat_parser_free(&o->parser);

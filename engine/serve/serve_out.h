@@ -39,6 +39,7 @@
 
 #include "engine/model/sampler.h"
 #include "engine/serve/jobq.h"
+#include "engine/shared/buf.h"
 #include "engine/shared/chat.h"
 #include "engine/shared/err.h"
 #include "engine/shared/tokenizer.h"
@@ -57,7 +58,7 @@ enum {
 
 typedef struct ServeChunk {
     JobqChunkKind kind;
-    char *text;  // owned
+    Buf text;  // owned; text.p is what the chunk says
 } ServeChunk;
 
 typedef enum ServeForce {
@@ -73,8 +74,7 @@ typedef struct ServeOut {
     bool is_stopped;  // a stop string matched: the output is complete
     char *stop[SERVE_MAX_STOP];
     int n_stop;
-    char *hold;  // content held back while it could become a stop string
-    size_t n_hold, cap_hold;
+    Buf hold;  // content held back while it could become a stop string
     ChatParser parser;
     bool has_parser;
     TokStream *ts;
