@@ -1,6 +1,7 @@
 /*
  * dsa.h - DeepSeek sparse attention's indexer for decode: key cache append, scores over every
- * cached position, and top-k selection (notes/model.md §2.2, "DSA indexer").
+ * cached position, and top-k selection (transformers 5.17 modeling_glm_moe_dsa.py, the
+ * indexer of GlmMoeDsaAttention).
  *
  * Key cache, one page per DSA_BLOCK positions (DSA_BLOCK_BYTES per page):
  *   bytes [0, 128*128)              128 keys of 128 fp8-e4m3 values, row = position % 128

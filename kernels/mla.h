@@ -1,8 +1,9 @@
 /*
  * mla.h - multi-head latent attention for decode, in absorbed form, over a paged latent cache.
  *
- * Per token the cache holds the 576-wide MLA latent of notes/model.md §2.2: c_kv (512, after
- * kv_a_layernorm) and k_pe (64, after RoPE). Cache layout, one page per MLA_BLOCK tokens:
+ * Per token the cache holds GLM-5's 576-wide MLA latent (config.json kv_lora_rank 512 +
+ * qk_rope_head_dim 64): c_kv (512, after kv_a_layernorm) and k_pe (64, after RoPE). Cache
+ * layout, one page per MLA_BLOCK tokens:
  *
  *   MLA_CACHE_FP8  (vLLM's fp8_ds_mla, MLA_FP8_TOKEN_BYTES = 656 per token):
  *                  bytes [0, 512)    c_kv in fp8-e4m3, divided by its chunk scale

@@ -1,7 +1,8 @@
 /*
  * moe.h - mixture-of-experts decode: the fused router and the routed experts in NVFP4.
  *
- * Router (GLM-5 / DeepSeek-V3 "noaux_tc", notes/model.md §2.2), per token t, E experts:
+ * Router (GLM-5 / DeepSeek-V3 "noaux_tc", transformers 5.17 GlmMoeDsaTopkRouter), per token
+ * t, E experts (kernels/moe_router.h is the double-precision one the backends run):
  *
  *   s[e]      = sigmoid(logits[t, e])                     fp32
  *   choice[e] = s[e] + bias[e]

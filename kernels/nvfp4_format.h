@@ -2,7 +2,7 @@
  * nvfp4_format.h - decode one E2M1 weight code and one E4M3 group scale.
  *
  * Shared by the CUDA kernels, the C references and the CPU backend so that all of them read
- * the format identically; tests/kernels/test_nvfp4_format.c pins the values. NVFP4 as
+ * the format identically; tests/kernels/test_kern_ref.c pins the values. NVFP4 as
  * ModelOpt writes it: W[r, c] = e2m1(code(r, c)) * e4m3(scale[r, c / 16]) * global_scale,
  * with element 2j in the low nibble of byte j and 2j+1 in the high nibble. The checkpoint
  * loader rejects NaN scale encodings (0x7f, 0xff), so the decoders do not handle them.

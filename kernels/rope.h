@@ -8,7 +8,8 @@
  *   y[2i]   = x[2i] cos a - x[2i+1] sin a
  *   y[2i+1] = x[2i+1] cos a + x[2i] sin a
  *
- * This is GLM-5's layout for MLA and for the DSA indexer (notes/model.md §2.2). The angle and
+ * This is GLM-5's layout for MLA and for the DSA indexer (transformers 5.17
+ * modeling_glm_moe_dsa.py, rope_interleave). The angle and
  * its sine/cosine are computed in double so that positions up to 2^20 keep full fp32 accuracy;
  * the rotation itself is fp32.
  *

@@ -2,7 +2,7 @@
  * bench_stage.cu - decode and prefill throughput of one GLM-5.2-REAP pipeline stage on one GPU,
  * with synthetic weights generated on the device.
  *
- * Model dimensions (notes/model.md §0): hidden 6144, 64 heads, q_lora 2048, kv_lora 512,
+ * Model dimensions (GLM-5.2-NVFP4-REAP-469B's config.json): hidden 6144, 64 heads, q_lora 2048, kv_lora 512,
  * rope 64, nope 192, v 256, 156 routed experts x 2048 (top-8) + 1 shared expert, dense MLP
  * 12288. A stage is 26 layers, the first 3 dense. Precision mix of the real checkpoint:
  * routed experts NVFP4; attention, router, shared expert and dense MLP bf16; fp8 MLA cache.

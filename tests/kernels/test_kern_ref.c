@@ -1,7 +1,7 @@
 /*
  * test_kern_ref.c - the number-format helpers and the small references that CPU tests can pin
- * to hand-computed values: bf16 and e4m3 rounding, the router's selection and weights, the
- * top-k tie rule, and RoPE's pair rotation.
+ * to hand-computed values: the NVFP4 decoders of kernels/nvfp4_format.h, bf16 and e4m3
+ * rounding, the router's selection and weights, the top-k tie rule, and RoPE's pair rotation.
  */
 #include <math.h>
 #include <stdint.h>
@@ -120,6 +120,24 @@ static void test_norms(void)
     CHECK_NEAR(act[0], 3.0 / (1.0 + exp(-1.0)), 1e-6);
 }
 
+static void test_nvfp4_format(void)
+{
+    // E2M1: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign.
+    const float e2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    for (int c = 0; c < 8; c++) {
+        CHECK(nvfp4_e2m1_to_float((uint8_t) c) == e2m1[c]);
+        CHECK(nvfp4_e2m1_to_float((uint8_t) (c | 8)) == -e2m1[c]);
+    }
+    // E4M3 (bias 7, subnormals below 2^-6, 448 the largest finite value).
+    CHECK(nvfp4_e4m3_to_float(0x38) == 1.0f);
+    CHECK(nvfp4_e4m3_to_float(0x40) == 2.0f);
+    CHECK(nvfp4_e4m3_to_float(0x7e) == 448.0f);
+    CHECK(nvfp4_e4m3_to_float(0xfe) == -448.0f);
+    CHECK(nvfp4_e4m3_to_float(0x08) == 0x1p-6f);  // the smallest normal
+    CHECK(nvfp4_e4m3_to_float(0x01) == 0x1p-9f);  // the smallest subnormal
+    CHECK(nvfp4_e4m3_to_float(0x00) == 0.0f);
+}
+
 static void test_nvfp4_weight(void)
 {
     // One row of 32 weights: byte 0 = 0x21 -> codes 1 (0.5) then 2 (1.0); byte 8 = 0x9f ->
@@ -156,6 +174,7 @@ static void test_mla_one_position(void)
 
 int main(void)
 {
+    test_nvfp4_format();
     test_nvfp4_weight();
     test_mla_one_position();
     test_bf16();

@@ -5,7 +5,7 @@
  * Expected values come from that file: its defaults, its indexer_types rule
  * (full iff max(i - offset + 1, 0) % freq == 0, defaults offset 2 / freq 1), its
  * mlp_layer_types rule (first_k_dense_replace dense layers), and from the GLM-5.2 config
- * published by zai-org (notes/model.md §1.1: 21 full layers {0,1,2,6,10,...,74}).
+ * published by zai-org (zai-org/GLM-5.2 config.json: 21 full layers {0,1,2,6,10,...,74}).
  */
 #include <stdio.h>
 #include <stdlib.h>

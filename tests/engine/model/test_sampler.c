@@ -30,6 +30,18 @@ static int draw(Sampler *s)
     return sampler_sample(s, logits);
 }
 
+// count[V]: how often each token came out of n draws from fill()'s logits by a fresh sampler
+// with params p.
+static void draw_counts(SamplerParams p, int n, int *count)
+{
+    Sampler s;
+    CHECK(sampler_init(&s, V, p) == ERR_OK);
+    memset(count, 0, V * sizeof *count);
+    for (int i = 0; i < n; i++)
+        count[draw(&s)]++;
+    sampler_free(&s);
+}
+
 static void test_greedy(void)
 {
     Sampler s;
@@ -87,16 +99,12 @@ static void test_distribution(void)
     SamplerParams p = sampler_default_params();
     p.temperature = 0.8f;
     p.seed = 7;
-    Sampler s;
-    CHECK(sampler_init(&s, V, p) == ERR_OK);
-    int count[V] = {0};
-    for (int i = 0; i < N; i++)
-        count[draw(&s)]++;
+    int count[V];
+    draw_counts(p, N, count);
     double prob[V];
     softmax_ref(0.8, prob);
     for (int i = 0; i < V; i++)
         CHECK_NEAR(count[i], N * prob[i], 6.0 * sqrt(N * prob[i] * (1 - prob[i])) + 1.0);
-    sampler_free(&s);
 }
 
 static void test_masks(void)
@@ -120,14 +128,10 @@ static void test_masks(void)
     SamplerParams p = sampler_default_params();
     p.temperature = 1.0f;
     p.top_k = 3;
-    Sampler s;
-    CHECK(sampler_init(&s, V, p) == ERR_OK);
-    int count[V] = {0};
-    for (int i = 0; i < N; i++)
-        count[draw(&s)]++;
+    int count[V];
+    draw_counts(p, N, count);
     for (int r = 0; r < V; r++)
         CHECK(r < 3 ? count[order[r]] > 0 : count[order[r]] == 0);
-    sampler_free(&s);
 
     // top-p: the smallest prefix whose mass reaches p.
     p = sampler_default_params();
@@ -136,25 +140,17 @@ static void test_masks(void)
     int keep = 0;
     for (double cum = 0.0; cum < 0.7; keep++)
         cum += prob[order[keep]];
-    CHECK(sampler_init(&s, V, p) == ERR_OK);
-    memset(count, 0, sizeof count);
-    for (int i = 0; i < N; i++)
-        count[draw(&s)]++;
+    draw_counts(p, N, count);
     for (int r = 0; r < V; r++)
         CHECK(r < keep ? count[order[r]] > 0 : count[order[r]] == 0);
-    sampler_free(&s);
 
     // min-p: tokens with p >= min_p * p_max.
     p = sampler_default_params();
     p.temperature = 1.0f;
     p.min_p = 0.3f;
-    CHECK(sampler_init(&s, V, p) == ERR_OK);
-    memset(count, 0, sizeof count);
-    for (int i = 0; i < N; i++)
-        count[draw(&s)]++;
+    draw_counts(p, N, count);
     for (int i = 0; i < V; i++)
         CHECK(prob[i] >= 0.3 * prob[order[0]] ? count[i] > 0 : count[i] == 0);
-    sampler_free(&s);
 
     // min-p 1 keeps only the most likely token, alone or after top-p.
     for (int with_top_p = 0; with_top_p < 2; with_top_p++) {
@@ -162,18 +158,15 @@ static void test_masks(void)
         p.temperature = 1.3f;
         p.min_p = 1.0f;
         p.top_p = with_top_p ? 0.9f : 1.0f;
-        CHECK(sampler_init(&s, V, p) == ERR_OK);
-        int only_best = 1;
-        for (int i = 0; i < 100; i++)
-            only_best &= draw(&s) == order[0];
-        CHECK(only_best);
-        sampler_free(&s);
+        draw_counts(p, 100, count);
+        CHECK(count[order[0]] == 100);
     }
 
     // top-k over tied logits keeps the lowest ids.
     p = sampler_default_params();
     p.temperature = 1.0f;
     p.top_k = 3;
+    Sampler s;
     CHECK(sampler_init(&s, V, p) == ERR_OK);
     int low_ids = 1;
     for (int i = 0; i < 200; i++) {
@@ -189,12 +182,8 @@ static void test_masks(void)
     p = sampler_default_params();
     p.temperature = 5.0f;
     p.top_k = 1;
-    CHECK(sampler_init(&s, V, p) == ERR_OK);
-    int all_best = 1;
-    for (int i = 0; i < 100; i++)
-        all_best &= draw(&s) == order[0];
-    CHECK(all_best);
-    sampler_free(&s);
+    draw_counts(p, 100, count);
+    CHECK(count[order[0]] == 100);
 }
 
 static void test_penalties(void)
