@@ -148,15 +148,17 @@ static inline void sched_test_run(Scheduler *s, int *max_inflight)
 // Pipeline ranks in threads
 
 // One rank other than 0: its layers [split[rank], split[rank + 1]) of dir on a one-thread
-// CPU backend, a cache of n_blocks blocks of 4, served until rank 0 ends the pipeline.
+// CPU backend, a cache of n_blocks blocks of 4, served until rank 0 ends the pipeline. The
+// last rank loads the MTP layer when is_mtp_last, and on_last_stage (NULL: none) sees its
+// stage before it serves.
 typedef struct SchedTestRank {
     int rank, world;
     const char *dir, *master;
     const int *split;  // [world + 1] layer bounds; borrowed
     int n_blocks;
     uint64_t hash;
-    bool load_mtp;
-    void (*on_stage)(PpStage *st, void *user);  // before pp_serve (NULL: none)
+    bool is_mtp_last;
+    void (*on_last_stage)(PpStage *st, void *user);
     void *user;
     Err result;  // pp_serve's, or ERR_IO when the rank could not start
 } SchedTestRank;
@@ -164,19 +166,20 @@ typedef struct SchedTestRank {
 static inline void *sched_test_rank_main(void *arg)
 {
     SchedTestRank *a = arg;
+    const bool is_last = a->rank == a->world - 1;
     Backend *be = NULL;
     Model m;
     KvCache kv = {0};
     PpStage *st = NULL;
     a->result = ERR_IO;
-    const ModelOptions o = {.load_mtp = a->load_mtp,
+    const ModelOptions o = {.load_mtp = is_last && a->is_mtp_last,
                             .first_layer = a->split[a->rank],
                             .last_layer = a->split[a->rank + 1]};
     if (backend_cpu_create(1, &be) || model_load(&m, a->dir, &o, be)) return NULL;
     const KvCacheParams p = model_kv_params(&m, a->n_blocks, 4);
     if (kv_init(&kv, &p) == ERR_OK
         && pp_stage_create(&m, &kv, a->rank, a->world, a->master, a->hash, &st) == ERR_OK) {
-        if (a->on_stage) a->on_stage(st, a->user);
+        if (is_last && a->on_last_stage) a->on_last_stage(st, a->user);
         a->result = pp_serve(st);
     }
     pp_stage_destroy(st);
@@ -186,10 +189,17 @@ static inline void *sched_test_rank_main(void *arg)
     return NULL;
 }
 
-// Ranks 1 .. r[0].world - 1 of r in threads th[1..].
-static inline void sched_test_start_ranks(SchedTestRank *r, pthread_t *th)
+// Ranks 1 .. proto->world - 1 in threads th[1..]: r[i] is proto as rank i (r and th have
+// room for world entries and must outlive sched_test_join_ranks).
+static inline void sched_test_start_ranks(const SchedTestRank *proto, SchedTestRank *r,
+                                          pthread_t *th)
 {
-    for (int i = 1; i < r[0].world; i++)
+    for (int i = 0; i < proto->world; i++) {
+        r[i] = *proto;
+        r[i].rank = i;
+        r[i].result = ERR_OK;
+    }
+    for (int i = 1; i < proto->world; i++)
         ASSERT(pthread_create(&th[i], NULL, sched_test_rank_main, &r[i]) == 0);
 }
 

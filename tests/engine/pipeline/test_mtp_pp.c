@@ -448,20 +448,18 @@ static void test_pipeline(const char *dir)
 
     char master[64];
     snprintf(master, sizeof master, "127.0.0.1:%d", pp_test_free_port());
+    const SchedTestRank proto = {.world = 3,
+                                 .dir = dir,
+                                 .master = master,
+                                 .split = split,
+                                 .n_blocks = BLOCKS,
+                                 .hash = 0x3a7,
+                                 .is_mtp_last = true,
+                                 .on_last_stage = hook_last_rank,
+                                 .user = &o};
     SchedTestRank ranks[3];
-    for (int r = 0; r < 3; r++)
-        ranks[r] = (SchedTestRank){.rank = r,
-                                   .world = 3,
-                                   .dir = dir,
-                                   .master = master,
-                                   .split = split,
-                                   .n_blocks = BLOCKS,
-                                   .hash = 0x3a7,
-                                   .load_mtp = r == 2,
-                                   .on_stage = r == 2 ? hook_last_rank : NULL,
-                                   .user = &o};
     pthread_t th[3];
-    sched_test_start_ranks(ranks, th);
+    sched_test_start_ranks(&proto, ranks, th);
     Model m;
     const ModelOptions mo = {.first_layer = 0, .last_layer = 1};
     ASSERT(model_load(&m, dir, &mo, be) == ERR_OK);

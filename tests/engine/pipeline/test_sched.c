@@ -108,13 +108,20 @@ static void check_reference(const SchedTestEvents *c)
 // ---------------------------------------------------------------------------
 // One stage
 
+// A pipeline of one stage over m, with a cache of 24 blocks of 4 in kv.
+static PpStage *one_stage(Model *m, KvCache *kv)
+{
+    const KvCacheParams p = model_kv_params(m, 24, 4);
+    ASSERT(kv_init(kv, &p) == ERR_OK);
+    PpStage *stage;
+    ASSERT(pp_stage_create(m, kv, 0, 1, NULL, 0, &stage) == ERR_OK);
+    return stage;
+}
+
 static void test_single_stage(Model *m)
 {
-    KvCacheParams p = model_kv_params(m, 24, 4);
     KvCache kv;
-    ASSERT(kv_init(&kv, &p) == ERR_OK);
-    PpStage *stage;
-    ASSERT(pp_stage_create(m, &kv, 0, 1, NULL, 0, &stage) == ERR_OK);
+    PpStage *stage = one_stage(m, &kv);
 
     // Concurrent, generous budget; then a 3-token budget (chunked prefill).
     const int budgets[2] = {512, 3};
@@ -206,11 +213,8 @@ static void test_single_stage(Model *m)
 
 static void test_logprobs_and_force(Model *m)
 {
-    KvCacheParams p = model_kv_params(m, 24, 4);
     KvCache kv;
-    ASSERT(kv_init(&kv, &p) == ERR_OK);
-    PpStage *stage;
-    ASSERT(pp_stage_create(m, &kv, 0, 1, NULL, 0, &stage) == ERR_OK);
+    PpStage *stage = one_stage(m, &kv);
 
     // Greedy with 5 alternatives, sampled with penalties with 20, the token only, none;
     // a 4-token budget, so prompts are prefilled in chunks.
@@ -348,17 +352,15 @@ static void test_pipeline(Model *full, Backend *be)
     char master[64];
     snprintf(master, sizeof master, "127.0.0.1:%d", pp_test_free_port());
     const uint64_t hash = 0x5eed;
+    const SchedTestRank proto = {.world = 3,
+                                 .dir = model_dir,
+                                 .master = master,
+                                 .split = split,
+                                 .n_blocks = 24,
+                                 .hash = hash};
     SchedTestRank ranks[3];
-    for (int r = 0; r < 3; r++)
-        ranks[r] = (SchedTestRank){.rank = r,
-                                   .world = 3,
-                                   .dir = model_dir,
-                                   .master = master,
-                                   .split = split,
-                                   .n_blocks = 24,
-                                   .hash = hash};
     pthread_t th[3];
-    sched_test_start_ranks(ranks, th);
+    sched_test_start_ranks(&proto, ranks, th);
 
     Model m;
     KvCache kv;
