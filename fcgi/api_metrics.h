@@ -6,7 +6,7 @@
  *                     inter-token latency histograms, engine boots (glmspark_rank_up,
  *                     glmspark_engine_up);
  *   engines.stats     the engine internals that rank 0 of the newest running boot publishes
- *                     (contract C2, engine/shared/stats.h): step time (avg and max over the
+ *                     (engine/shared/stats.h): step time (avg and max over the
  *                     engine's window), batch sequences and tokens, KV blocks used and
  *                     capacity (a gauge, so not named _total) and their ratio,
  *                     running and waiting sequences, tokens/s, per-rank up/loading/weights

@@ -2,7 +2,7 @@
  * cli_status.c - `glmspark status`: is the engine up, and what is it doing.
  *
  * Reads the newest engine boot that has not stopped (engines row) with the status JSON
- * that its rank 0 publishes every heartbeat (engines.stats, contract C2, engine/shared/stats.h),
+ * that its rank 0 publishes every heartbeat (engines.stats, engine/shared/stats.h),
  * and the job queue's counts, in one query (STATS_SQL_LATEST). Prints the verdict, the
  * backend and model, one line per pipeline rank (host, pid, state, layers as an inclusive
  * range, weights, load progress; "?" for what the engine does not know), KV cache use,
@@ -135,7 +135,7 @@ static void judge(Status *st, double stale_s)
                  s->world > s->n_ranks ? s->world : s->n_ranks);
         return;
     }
-    if (s->n_ranks > 0 && s->n_ranks < s->world) {  // no ranks at all: not known yet (C2)
+    if (s->n_ranks > 0 && s->n_ranks < s->world) {  // no ranks at all: not known yet (stats.h)
         st->verdict = VERDICT_DEGRADED;
         snprintf(st->why, sizeof st->why, "%d of %d ranks reported", s->n_ranks, s->world);
         return;
@@ -226,7 +226,7 @@ static void print_text(const Status *st)
     printf("boot %lld \"%s\", pid %s, model \"%s\", heartbeat %.1f s ago\n", st->id, st->name,
            st->pid[0] ? st->pid : "?", st->model, st->heartbeat_age_s);
     if (!st->has_stats) {
-        printf("no stats published (an engine without contract C2)\n");
+        printf("no stats published (an engine older than the status JSON)\n");
         printf("jobs: %lld queued, %lld running\n", st->jobs_queued, st->jobs_running);
         return;
     }

@@ -142,8 +142,8 @@ Err jobq_append_batch(JobQueue *q, JobqAppend *items, int n);
 // chunks stay, so the next claim resumes it). ERR_NOTFOUND when it is no longer ours.
 Err jobq_release(JobQueue *q, const JobqJob *job);
 
-// Publish the engine's status JSON (schema C2) into engines.stats of this boot and renew
-// the engine heartbeat (what /health reads), in one statement.
+// Publish the engine's status JSON (engine/shared/stats.h) into engines.stats of this boot
+// and renew the engine heartbeat (what /health reads), in one statement.
 Err jobq_set_stats(JobQueue *q, const char *stats_json);
 
 // Wait up to timeout_ms for a new-job notification. ERR_OK on a wake-up or timeout.

@@ -1,5 +1,5 @@
 /*
- * serve_stats.h - glmspark-engine's status JSON (contract C2 of session 13): what the
+ * serve_stats.h - glmspark-engine's status JSON (version 1, engine/shared/stats.h): what the
  * engine publishes with jobq_set_stats() every heartbeat and `glmspark status` / /metrics
  * read back from engines.stats.
  *
@@ -7,8 +7,8 @@
  * that got a token, the tokens it put through the model, the tokens it generated) and
  * every admitted prompt; serve_stats_json() turns the last window_s seconds of steps
  * into averages (step_ms_avg/max, batch_seqs_avg, batch_tokens_avg, tokens_per_s) next to
- * the totals, the KV cache occupancy and the pipeline's ranks. Every key of C2 is always
- * present.
+ * the totals, the KV cache occupancy and the pipeline's ranks. Every key of version 1 is
+ * always present.
  *
  * Ownership: ServeStats is plain data plus a fixed ring; serve_stats_json returns a
  *            malloc'd string the caller frees.
@@ -68,7 +68,7 @@ void serve_stats_step(ServeStats *s, const ServeStep *step);
 // Count an admitted prompt of n tokens.
 void serve_stats_prompt(ServeStats *s, int n);
 
-// The C2 JSON as of now (monotonic now_mono, wall clock now_unix); malloc'd.
+// The status JSON as of now (monotonic now_mono, wall clock now_unix); malloc'd.
 char *serve_stats_json(const ServeStats *s, double now_mono, double now_unix);
 
 #ifdef __cplusplus

@@ -1,5 +1,5 @@
 /*
- * stats.h - the engine's status JSON (engines.stats, contract C2), read back.
+ * stats.h - the engine's status JSON (engines.stats, version 1), read back.
  *
  * Rank 0 of glmspark-engine writes a JSON object into engines.stats of its boot at every
  * heartbeat (jobq_set_stats, at least every 2 s while it runs); `glmspark status`
@@ -57,7 +57,7 @@ typedef struct StatsRank {
     int pid;
     char state[16];       // "up", "down" or "loading"
     int first_layer;      // the decoder layers this rank holds: [first_layer, last_layer)
-    int last_layer;       // (the contract's example: 0 and 26 for the first of 79 layers)
+    int last_layer;       // (e.g. 0 and 26 for the first of 79 layers)
     double weight_bytes;  // bytes of weights loaded on this rank (a double: 2^53 is ample)
     double load_fraction; // 0..1 while loading, 1 when loaded
 } StatsRank;
@@ -89,7 +89,7 @@ typedef struct EngineStats {
     double window_s;
 } EngineStats;
 
-// Parse the C2 JSON text into *out (zeroed first). ERR_FORMAT when json is not a JSON
+// Parse the status JSON text into *out (zeroed first). ERR_FORMAT when json is not a JSON
 // object or a known key has the wrong type; then err_key (may be NULL) gets the key's name
 // (static storage) and *out is zeroed.
 Err stats_parse(const char *json, EngineStats *out, const char **err_key);

@@ -18,10 +18,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "api_key_util.h"
 #include "engine/cli/cli.h"
 #include "fcgi/api_db.h"
 #include "tests/check.h"
+#include "tests/db/api_key_util.h"
 
 static PGconn *admin;
 

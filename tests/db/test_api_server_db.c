@@ -19,10 +19,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "../fcgi/fcgi_capture.h"
-#include "api_key_util.h"
 #include "engine/cli/cli.h"
 #include "engine/shared/tokenizer.h"
+#include "tests/db/api_key_util.h"
+#include "tests/fcgi/fcgi_capture.h"
 
 static PGconn *admin;
 static ApiDb db;

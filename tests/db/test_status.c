@@ -1,6 +1,7 @@
 /*
  * test_status.c - `glmspark status` and /metrics' engine internals against a real
- * PostgreSQL (run by with_pg.sh) with seeded engines rows carrying contract-C2 stats.
+ * PostgreSQL (run by with_pg.sh) with seeded engines rows carrying status JSON
+ * (engine/shared/stats.h).
  *
  * Status: no engine (down, exit 1), a ready three-rank engine (up, exit 0; every printed
  * figure checked: ranks, hosts, layers, GiB, load %, KV use, jobs, tokens/s, step time,
@@ -387,7 +388,7 @@ static void test_checker(void)
 
 // ---------------------------------------------------------------------------
 
-// The example of contract C2 with three ranks, state and rank 2's state as given.
+// A version-1 status object with three ranks, state and rank 2's state as given.
 static void seed_engine(const char *state, const char *rank2_state, double rank2_load)
 {
     char text[4096], *esc;
@@ -575,7 +576,7 @@ static void test_ready(void)
     sql("UPDATE engines SET heartbeat_at = now(), stats = '{\"kv_blocks_used\":\"many\"}' WHERE name = 'obs-test'");
     CHECK(run_status(out, sizeof out, "--db", conninfo, NULL) == 1);
     check_health("ok", -1, 0);  // /health does not judge what it cannot read: the heartbeat is fresh
-    // No stats at all (an engine without C2): the heartbeat decides.
+    // No stats at all (an engine older than the status JSON): the heartbeat decides.
     sql("UPDATE engines SET stats = NULL WHERE name = 'obs-test'");
     CHECK(run_status(out, sizeof out, "--db", conninfo, NULL) == 0);
     CHECK(has(out, "no stats published"));

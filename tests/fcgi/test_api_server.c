@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fcgi_capture.h"
+#include "tests/fcgi/fcgi_capture.h"
 
 static ApiDb db;
 static ApiConfig cfg = CAPTURE_CONFIG;

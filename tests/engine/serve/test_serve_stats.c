@@ -1,7 +1,7 @@
 /*
- * test_serve_stats.c - the engine's status JSON (engine/serve/serve_stats.h, contract C2): every
- * key present, window averages over the last 10 s only, totals over everything, the ring
- * wrapping.
+ * test_serve_stats.c - the engine's status JSON (engine/serve/serve_stats.h; its keys are
+ * engine/shared/stats.h's): every key present, window averages over the last 10 s only,
+ * totals over everything, the ring wrapping.
  */
 #include <json-c/json.h>
 #include <math.h>

@@ -7,7 +7,7 @@
  * machine (transformers 5.17 apply_chat_template with the GLM-4.7-Flash template); each
  * line's "request" is rendered with CHAT_TEMPLATE_GLM47 and must equal "expected" byte for
  * byte. The GLM-5.2 expectations are written out by hand from the template plus the
- * documented first line (shared/notes/model.md §4 example, reference README).
+ * documented first line (the example in GLM-5.2's reference README).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -131,7 +131,7 @@ static void test_goldens(void)
 
 static void test_glm52(void)
 {
-    // model.md §4's example, verbatim.
+    // The reference README's example, verbatim.
     check_render("{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}", CHAT_TEMPLATE_GLM52,
                  "[gMASK]<sop><|system|>Reasoning Effort: High<|user|>Hello<|assistant|><think>");
     check_render("{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],"

@@ -1,7 +1,7 @@
 /*
- * test_stats.c - reading the engine's status JSON (engine/shared/stats.h, contract C2).
+ * test_stats.c - reading the engine's status JSON (engine/shared/stats.h).
  *
- * The example object of the contract parses into every field; a missing key reads as zero;
+ * A full version-1 object parses into every field; a missing key reads as zero;
  * integers are accepted where doubles are and the reverse; a wrong type, a rank that is
  * not an object, non-JSON text, a JSON array or NULL is ERR_FORMAT naming the key, with the
  * output zeroed; more ranks than STATS_MAX_RANKS keep the first ones; long hosts are cut.
