@@ -13,58 +13,44 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/shared/buf.h"
 #include "engine/shared/err.h"
 #include "engine/shared/tok_internal.h"
 #include "engine/shared/tokenizer.h"
 #include "engine/shared/utf8.h"
+#include "tests/engine/shared/tok_json.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static Tokenizer *build(int kind)
 {
-    size_t cap = 1 << 16, n = 0;
-    char *json = malloc(cap);
-    if (!json) abort();
+    Buf json = {0};
     if (kind == 0) {
-        n += (size_t) snprintf(
-            json + n, cap - n,
-            "{\"added_tokens\":[{\"id\":300,\"content\":\"<|end|>\",\"special\":"
-            "true,\"normalized\":false}],\"normalizer\":{\"type\":\"NFC\"},"
-            "\"pre_tokenizer\":{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":"
-            "\"Digits\",\"individual_digits\":true},{\"type\":\"ByteLevel\","
-            "\"add_prefix_space\":false,\"use_regex\":true}]},\"decoder\":"
-            "{\"type\":\"ByteLevel\"},\"model\":{\"type\":\"BPE\",\"vocab\":{");
-        for (int b = 0; b < 256; b++) {
-            char ch[5] = {0};
-            utf8_encode(tok_bytelevel_char((uint8_t) b), ch);
-            const bool esc = ch[0] == '"' || ch[0] == '\\';
-            n += (size_t) snprintf(json + n, cap - n, "\"%s%s\":%d,", esc ? "\\" : "", ch, b);
-        }
-        n += (size_t) snprintf(
-            json + n, cap - n,
-            "\"\\u0120t\":256,\"he\":257,\"\\u0120the\":258,\"\\u00e4\\u00b8\":259},"
-            "\"merges\":[\"\\u0120 t\",\"h e\",\"\\u0120t he\",\"\\u00e4 \\u00b8\"]}}");
+        buf_adds(&json, "{\"added_tokens\":[{\"id\":300,\"content\":\"<|end|>\",\"special\":"
+                        "true,\"normalized\":false}],\"normalizer\":{\"type\":\"NFC\"},"
+                        "\"pre_tokenizer\":{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":"
+                        "\"Digits\",\"individual_digits\":true},{\"type\":\"ByteLevel\","
+                        "\"add_prefix_space\":false,\"use_regex\":true}]},\"decoder\":"
+                        "{\"type\":\"ByteLevel\"},");
+        tok_json_bytelevel_model(&json);
     } else {
-        n += (size_t) snprintf(
-            json + n, cap - n,
-            "{\"normalizer\":{\"type\":\"Sequence\",\"normalizers\":[{\"type\":"
-            "\"Prepend\",\"prepend\":\"\\u2581\"},{\"type\":\"Replace\",\"pattern\":"
-            "{\"String\":\" \"},\"content\":\"\\u2581\"}]},\"decoder\":{\"type\":"
-            "\"Sequence\",\"decoders\":[{\"type\":\"Replace\",\"pattern\":{\"String\":"
-            "\"\\u2581\"},\"content\":\" \"},{\"type\":\"ByteFallback\"},{\"type\":"
-            "\"Fuse\"},{\"type\":\"Strip\",\"content\":\" \",\"start\":1,\"stop\":0}]},"
-            "\"model\":{\"type\":\"BPE\",\"byte_fallback\":true,\"unk_token\":\"<unk>\","
-            "\"fuse_unk\":true,\"vocab\":{\"<unk>\":0,");
-        for (int b = 0; b < 256; b++) {
-            n += (size_t) snprintf(json + n, cap - n, "\"<0x%02X>\":%d,", b, b + 1);
-        }
-        n += (size_t) snprintf(json + n, cap - n,
-                               "\"\\u2581\":257,\"a\":258,\"b\":259,\"\\u2581a\":260,\"ab\":261,"
-                               "\"\\u4e2d\":262},\"merges\":[\"\\u2581 a\",\"a b\"]}}");
+        buf_adds(&json,
+                 "{\"normalizer\":{\"type\":\"Sequence\",\"normalizers\":[{\"type\":"
+                 "\"Prepend\",\"prepend\":\"\\u2581\"},{\"type\":\"Replace\",\"pattern\":"
+                 "{\"String\":\" \"},\"content\":\"\\u2581\"}]},\"decoder\":{\"type\":"
+                 "\"Sequence\",\"decoders\":[{\"type\":\"Replace\",\"pattern\":{\"String\":"
+                 "\"\\u2581\"},\"content\":\" \"},{\"type\":\"ByteFallback\"},{\"type\":"
+                 "\"Fuse\"},{\"type\":\"Strip\",\"content\":\" \",\"start\":1,\"stop\":0}]},"
+                 "\"model\":{\"type\":\"BPE\",\"byte_fallback\":true,\"unk_token\":\"<unk>\","
+                 "\"fuse_unk\":true,\"vocab\":{\"<unk>\":0,");
+        for (int b = 0; b < 256; b++)
+            buf_addf(&json, "\"<0x%02X>\":%d,", b, b + 1);
+        buf_adds(&json, "\"\\u2581\":257,\"a\":258,\"b\":259,\"\\u2581a\":260,\"ab\":261,"
+                        "\"\\u4e2d\":262},\"merges\":[\"\\u2581 a\",\"a b\"]}}");
     }
     Tokenizer *tok = NULL;
-    if (tok_load_json(&tok, json, n)) abort();
-    free(json);
+    if (json.is_oom || tok_load_json(&tok, json.p, json.n)) abort();
+    buf_free(&json);
     return tok;
 }
 

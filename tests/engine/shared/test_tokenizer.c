@@ -11,10 +11,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/shared/buf.h"
 #include "engine/shared/tok_internal.h"
 #include "engine/shared/tokenizer.h"
 #include "engine/shared/utf8.h"
 #include "tests/check.h"
+#include "tests/engine/shared/tok_json.h"
 
 #define VOCAB                                                                                  \
     "{\"<unk>\":0,\"a\":1,\"b\":2,\"-\":3,\"a-\":4,\"-b\":5,\"--\":6,\"1\":7,\"2\":8,\"3\":9," \
@@ -303,28 +305,15 @@ static void test_errors(void)
 // A byte-level tokenizer over all 256 bytes with a few merges and one special token.
 static Tokenizer *bytelevel_tok(void)
 {
-    size_t cap = 1 << 16, n = 0;
-    char *json = malloc(cap);
-    n +=
-        (size_t) snprintf(json + n, cap - n,
-                          "{\"added_tokens\":[{\"id\":260,\"content\":\"<|end|>\",\"special\":true,"
-                          "\"normalized\":false}],\"pre_tokenizer\":{\"type\":\"ByteLevel\","
-                          "\"add_prefix_space\":false,\"use_regex\":true},\"decoder\":{\"type\":"
-                          "\"ByteLevel\"},\"model\":{\"type\":\"BPE\",\"vocab\":{");
-    for (int b = 0; b < 256; b++) {
-        char ch[5] = {0};
-        utf8_encode(tok_bytelevel_char((uint8_t) b), ch);
-        const bool esc = ch[0] == '"' || ch[0] == '\\';
-        n += (size_t) snprintf(json + n, cap - n, "\"%s%s\":%d,", esc ? "\\" : "", ch, b);
-    }
-    // U+0120 is the byte-level char for ' '; 0xE4 0xB8 0xAD is U+4E2D.
-    n += (size_t) snprintf(
-        json + n, cap - n,
-        "\"\\u0120t\":256,\"he\":257,\"\\u0120the\":258,\"\\u00e4\\u00b8\":259},"
-        "\"merges\":[\"\\u0120 t\",\"h e\",\"\\u0120t he\",\"\\u00e4 \\u00b8\"]}}");
+    Buf json = {0};
+    buf_adds(&json, "{\"added_tokens\":[{\"id\":260,\"content\":\"<|end|>\",\"special\":true,"
+                    "\"normalized\":false}],\"pre_tokenizer\":{\"type\":\"ByteLevel\","
+                    "\"add_prefix_space\":false,\"use_regex\":true},\"decoder\":{\"type\":"
+                    "\"ByteLevel\"},");
+    tok_json_bytelevel_model(&json);
     Tokenizer *t = NULL;
-    CHECK(tok_load_json(&t, json, n) == ERR_OK);
-    free(json);
+    CHECK(!json.is_oom && tok_load_json(&t, json.p, json.n) == ERR_OK);
+    buf_free(&json);
     return t;
 }
 
