@@ -16,6 +16,7 @@
 
 #include "engine/shared/chat.h"
 #include "tests/check.h"
+#include "tests/engine/shared/source_file.h"
 
 static json_object *parse(const char *text)
 {
@@ -71,15 +72,9 @@ static void check_error(const char *request, const char *field)
 
 static void test_goldens(void)
 {
-    const char *src = getenv("GLMSPARK_SOURCE_DIR");
-    char path[4096];
-    snprintf(path, sizeof path, "%s/tests/golden/chat/cases.jsonl", src ? src : ".");
-    FILE *f = fopen(path, "rb");
+    FILE *f = source_fopen("tests/golden/chat/cases.jsonl");
     CHECK(f != NULL);
-    if (!f) {
-        fprintf(stderr, "  could not open %s\n", path);
-        return;
-    }
+    if (!f) return;
     char *line = NULL;
     size_t cap = 0;
     ssize_t len;

@@ -16,6 +16,7 @@
 
 #include "engine/shared/chat.h"
 #include "tests/check.h"
+#include "tests/engine/shared/source_file.h"
 
 typedef struct Transcript {
     char *p;
@@ -282,10 +283,7 @@ static Err collect(void *user, const ChatEvent *ev)
 
 static void test_round_trip(void)
 {
-    const char *src = getenv("GLMSPARK_SOURCE_DIR");
-    char path[4096];
-    snprintf(path, sizeof path, "%s/tests/golden/chat/cases.jsonl", src ? src : ".");
-    FILE *f = fopen(path, "rb");
+    FILE *f = source_fopen("tests/golden/chat/cases.jsonl");
     CHECK(f != NULL);
     if (!f) return;
     json_object *all = json_object_new_array();
