@@ -236,19 +236,9 @@ static void test_revoked(void)
 
 int main(void)
 {
-    const char *conninfo = getenv("GLMSPARK_DB");
-    if (!conninfo) {
-        fprintf(stderr, "test_api_server_db: GLMSPARK_DB is not set (run through with_pg.sh)\n");
-        return 1;
-    }
     log_set_level(LOG_LEVEL_ERROR);
-    char *migrate[] = {"db", "migrate", "--db", (char *) conninfo, NULL};
-    CHECK(cli_db(4, migrate) == 0);
-    admin = PQconnectdb(conninfo);
-    if (PQstatus(admin) != CONNECTION_OK) {
-        fprintf(stderr, "test_api_server_db: %s", PQerrorMessage(admin));
-        return 1;
-    }
+    const char *conninfo = NULL;
+    if (!(admin = db_open_migrated("test_api_server_db", &conninfo))) return 1;
     // A one-token-per-character tokenizer is all enqueue needs (unknown characters: <unk>).
     const char *tok_json =
         "{\"version\":\"1.0\",\"added_tokens\":[],\"normalizer\":null,"

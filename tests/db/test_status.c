@@ -29,18 +29,10 @@
 #include "engine/shared/stats.h"
 #include "fcgi/api_metrics.h"
 #include "tests/check.h"
+#include "tests/db/api_key_util.h"
 
 static PGconn *conn;
 static const char *conninfo;
-
-static void sql(const char *text)
-{
-    PGresult *res = PQexec(conn, text);
-    const ExecStatusType st = PQresultStatus(res);
-    if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) fprintf(stderr, "sql failed: %s: %s", text, PQerrorMessage(conn));
-    CHECK(st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK);
-    PQclear(res);
-}
 
 // Run `glmspark status ARGS...` (NULL-terminated); its stdout into out[n]; its exit status.
 static int run_status(char *out, size_t n, ...)
@@ -412,7 +404,7 @@ static void seed_engine(const char *state, const char *rank2_state, double rank2
     char q[8192];
     snprintf(q, sizeof q, "UPDATE engines SET stats = %s::jsonb, heartbeat_at = now() WHERE name = 'obs-test'", esc);
     PQfreemem(esc);
-    sql(q);
+    db_sql(conn, q);
 }
 
 // GET /health's verdict now: status, and ranks_up/world when the engine publishes stats.
@@ -456,7 +448,7 @@ static void test_no_engine(void)
 static void test_ready(void)
 {
     char out[8192];
-    sql("INSERT INTO engines (name, model, pid) VALUES ('obs-test', 'glm-test', 1234)");
+    db_sql(conn, "INSERT INTO engines (name, model, pid) VALUES ('obs-test', 'glm-test', 1234)");
     seed_engine("ready", "up", 1.0);
     CHECK(run_status(out, sizeof out, "--db", conninfo, NULL) == 0);
     check_health("ok", 3, 3);
@@ -556,7 +548,7 @@ static void test_ready(void)
 
     // A stale heartbeat (5 minutes): stale, exit 1; a limit of 10 minutes: up again.
     seed_engine("ready", "up", 1.0);
-    sql("UPDATE engines SET heartbeat_at = now() - interval '5 minutes' WHERE name = 'obs-test'");
+    db_sql(conn, "UPDATE engines SET heartbeat_at = now() - interval '5 minutes' WHERE name = 'obs-test'");
     CHECK(run_status(out, sizeof out, "--db", conninfo, NULL) == 1);
     CHECK(has(out, "engine: stale: last heartbeat 300 s ago (more than 30 s)"));
     check_health("unavailable", -1, 0);
@@ -573,17 +565,17 @@ static void test_ready(void)
     api_db_free(&db);
 
     // Unreadable stats: exit 1 with the key named.
-    sql("UPDATE engines SET heartbeat_at = now(), stats = '{\"kv_blocks_used\":\"many\"}' WHERE name = 'obs-test'");
+    db_sql(conn, "UPDATE engines SET heartbeat_at = now(), stats = '{\"kv_blocks_used\":\"many\"}' WHERE name = 'obs-test'");
     CHECK(run_status(out, sizeof out, "--db", conninfo, NULL) == 1);
     check_health("ok", -1, 0);  // /health does not judge what it cannot read: the heartbeat is fresh
     // No stats at all (an engine older than the status JSON): the heartbeat decides.
-    sql("UPDATE engines SET stats = NULL WHERE name = 'obs-test'");
+    db_sql(conn, "UPDATE engines SET stats = NULL WHERE name = 'obs-test'");
     CHECK(run_status(out, sizeof out, "--db", conninfo, NULL) == 0);
     CHECK(has(out, "no stats published"));
     check_health("ok", -1, 0);
 
     // The boot stopped: down.
-    sql("UPDATE engines SET stopped_at = now() WHERE name = 'obs-test'");
+    db_sql(conn, "UPDATE engines SET stopped_at = now() WHERE name = 'obs-test'");
     CHECK(run_status(out, sizeof out, "--db", conninfo, NULL) == 1);
     CHECK(has(out, "engine: down"));
 }
@@ -619,24 +611,13 @@ static void test_usage(void)
 
 int main(void)
 {
-    conninfo = getenv("GLMSPARK_DB");
-    if (!conninfo) {
-        fprintf(stderr, "test_status: GLMSPARK_DB is not set (run through with_pg.sh)\n");
-        return 1;
-    }
-    char *migrate[] = {"db", "migrate", "--db", (char *) conninfo, NULL};
-    CHECK(cli_db(4, migrate) == 0);
-    conn = PQconnectdb(conninfo);
-    if (PQstatus(conn) != CONNECTION_OK) {
-        fprintf(stderr, "test_status: %s", PQerrorMessage(conn));
-        return 1;
-    }
+    if (!(conn = db_open_migrated("test_status", &conninfo))) return 1;
     PQsetNoticeProcessor(conn, NULL, NULL);
-    sql("ALTER TABLE engines ADD COLUMN IF NOT EXISTS stats jsonb");  // sql/005 (no-op once it is there)
-    sql("INSERT INTO api_keys (prefix, key_hash, name) VALUES ('gsk_obs00000001', sha256('o'), 'obs')");
-    sql("INSERT INTO jobs (api_key_id, kind, model, request, prompt_ids, n_prompt_tokens, max_tokens)"
+    db_sql(conn, "ALTER TABLE engines ADD COLUMN IF NOT EXISTS stats jsonb");  // sql/005 (no-op once it is there)
+    db_sql(conn, "INSERT INTO api_keys (prefix, key_hash, name) VALUES ('gsk_obs00000001', sha256('o'), 'obs')");
+    db_sql(conn, "INSERT INTO jobs (api_key_id, kind, model, request, prompt_ids, n_prompt_tokens, max_tokens)"
         " SELECT (SELECT id FROM api_keys WHERE prefix = 'gsk_obs00000001'), 'chat', 'glm-test', '{}', '{1,2}', 2, 8 FROM generate_series(1, 3)");
-    sql("UPDATE jobs SET state = 'running', claimed_at = now() WHERE id = (SELECT max(id) FROM jobs)");
+    db_sql(conn, "UPDATE jobs SET state = 'running', claimed_at = now() WHERE id = (SELECT max(id) FROM jobs)");
     test_checker();
     test_no_engine();
     test_ready();
