@@ -96,40 +96,52 @@ static void test_bad_inputs(void)
 {
     const char *msg = ",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]";
     char buf[512];
-    // Not JSON, not an object, bad encodings, too deep.
-    expect_bad(API_KIND_CHAT, "", "");
-    expect_bad(API_KIND_CHAT, "{\"model\":", "");
-    expect_bad(API_KIND_CHAT, "[1]", "");
-    expect_bad(API_KIND_CHAT, "{\"model\":\"m\"} x", "");
-    expect_bad(API_KIND_CHAT, "{\"model\":\"m\",}", "");
-    expect_bad(API_KIND_CHAT, "{\"model\":\"\xc3\x28\"}", "");            // invalid UTF-8
-    expect_bad(API_KIND_CHAT, "{\"model\":\"\xe0\x80\xaf\"}", "");         // overlong
-    expect_bad(API_KIND_CHAT, "{\"model\":\"a\\u0000b\"}", "");             // U+0000
-    // Unpaired surrogate escapes (json-c would turn them into U+FFFD; found by
-    // tests/reliability): a lone high, a lone low, a high followed by a non-low escape or at
-    // the end, a reversed pair, one in a key.
-    expect_bad(API_KIND_CHAT, "{\"model\":\"\\ud800\"}", "");
-    expect_bad(API_KIND_CHAT, "{\"model\":\"\\uDC00x\"}", "");
-    expect_bad(API_KIND_CHAT, "{\"model\":\"a\\ud83d\\u0041\"}", "");
-    expect_bad(API_KIND_CHAT, "{\"model\":\"a\\ud83d\\n\"}", "");
-    expect_bad(API_KIND_CHAT, "{\"model\":\"\\ude00\\ud83d\"}", "");
-    expect_bad(API_KIND_CHAT, "{\"\\ud800\":1,\"model\":\"m\"}", "");
-    expect_bad(API_KIND_CHAT, "{\"model\":\"m\",\"temperature\":NaN}", "");
-    expect_bad(API_KIND_CHAT, "{\"model\":\"m\",\"temperature\":Infinity}", "");
+    // Not JSON, not an object, bad encodings.
+    static const char *const not_json[] = {
+        "",
+        "{\"model\":",
+        "[1]",
+        "{\"model\":\"m\"} x",
+        "{\"model\":\"m\",}",
+        "{\"model\":\"\xc3\x28\"}",      // invalid UTF-8
+        "{\"model\":\"\xe0\x80\xaf\"}",  // overlong
+        "{\"model\":\"a\\u0000b\"}",     // U+0000
+        // Unpaired surrogate escapes (json-c would turn them into U+FFFD; found by
+        // tests/reliability): a lone high, a lone low, a high followed by a non-low escape
+        // or at the end, a reversed pair, one in a key.
+        "{\"model\":\"\\ud800\"}",
+        "{\"model\":\"\\uDC00x\"}",
+        "{\"model\":\"a\\ud83d\\u0041\"}",
+        "{\"model\":\"a\\ud83d\\n\"}",
+        "{\"model\":\"\\ude00\\ud83d\"}",
+        "{\"\\ud800\":1,\"model\":\"m\"}",
+        "{\"model\":\"m\",\"temperature\":NaN}",
+        "{\"model\":\"m\",\"temperature\":Infinity}",
+    };
+    for (size_t i = 0; i < sizeof not_json / sizeof *not_json; i++)
+        expect_bad(API_KIND_CHAT, not_json[i], "");
+    // Too deep.
     char deep[300] = "";
     for (int i = 0; i < 100; i++) strcat(deep, "[");
     for (int i = 0; i < 100; i++) strcat(deep, "]");
     snprintf(buf, sizeof buf, "{\"model\":\"m\",\"x\":%s}", deep);
     expect_bad(API_KIND_CHAT, buf, "");
     // Fields.
-    expect_bad(API_KIND_CHAT, "{\"messages\":[{\"role\":\"user\"}]}", "model");
-    expect_bad(API_KIND_CHAT, "{\"model\":7}", "model");
-    expect_bad(API_KIND_CHAT, "{\"model\":\"m\"}", "messages");
-    expect_bad(API_KIND_CHAT, "{\"model\":\"m\",\"messages\":[]}", "messages");
-    expect_bad(API_KIND_CHAT, "{\"model\":\"m\",\"messages\":[{\"content\":\"x\"}]}", "messages[0]");
-    expect_bad(API_KIND_CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\"},3]}", "messages[1]");
-    expect_bad(API_KIND_COMPLETION, "{\"model\":\"m\"}", "prompt");
-    expect_bad(API_KIND_COMPLETION, "{\"model\":\"m\",\"prompt\":[1,2]}", "prompt");
+    static const struct {
+        ApiKind kind;
+        const char *json, *param;
+    } fields[] = {
+        {API_KIND_CHAT, "{\"messages\":[{\"role\":\"user\"}]}", "model"},
+        {API_KIND_CHAT, "{\"model\":7}", "model"},
+        {API_KIND_CHAT, "{\"model\":\"m\"}", "messages"},
+        {API_KIND_CHAT, "{\"model\":\"m\",\"messages\":[]}", "messages"},
+        {API_KIND_CHAT, "{\"model\":\"m\",\"messages\":[{\"content\":\"x\"}]}", "messages[0]"},
+        {API_KIND_CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\"},3]}", "messages[1]"},
+        {API_KIND_COMPLETION, "{\"model\":\"m\"}", "prompt"},
+        {API_KIND_COMPLETION, "{\"model\":\"m\",\"prompt\":[1,2]}", "prompt"},
+    };
+    for (size_t i = 0; i < sizeof fields / sizeof *fields; i++)
+        expect_bad(fields[i].kind, fields[i].json, fields[i].param);
     struct { const char *field, *param; } cases[] = {
         {"\"temperature\":2.5", "temperature"}, {"\"temperature\":\"hot\"", "temperature"},
         {"\"top_p\":0", "top_p"}, {"\"top_p\":1.5", "top_p"}, {"\"top_k\":-2", "top_k"},
