@@ -6,8 +6,8 @@
 #                           need to DEST/lib, except glibc and the compiler runtime (the
 #                           image's are newer) and NCCL (218 MB; the image has its own)
 #   carry_env DEST          on the GPU machine: LD_LIBRARY_PATH for DEST/lib, the image's
-#                           NCCL and the driver, and NVLink multicast off (KINDS.md: it can
-#                           take the host's GPUs out of service). The binaries run through
+#                           NCCL and the driver, and NVLink multicast off (on the lent GPU
+#                           hosts it can take the host's GPUs out of service). The binaries run through
 #                           the image's own loader, so `--pp` can re-execute itself.
 carry_pack() {
     dest=$1

@@ -15,7 +15,8 @@
  * in double and keeps the top k (random data: no ties).
  *
  * Matmul: dot products evaluated in fp32 are within (cols + 8) * FLT_EPSILON * sum |terms|
- * of the exact value (as in STYLE.md's Example 7), whatever the format decoded.
+ * of the exact value (the forward error bound of a sum of cols products, with slack for the
+ * 8 partial sums), whatever the format decoded.
  */
 #include <float.h>
 #include <math.h>
