@@ -1,5 +1,6 @@
 /*
- * test_router.c - the CPU backend's MoE routing against a brute-force reference of
+ * test_router.c - the CPU backend's MoE routing (kernels/moe_router.h, which the CUDA backend
+ * and the kernels' reference run too) against a brute-force reference of
  * transformers' GlmMoeDsaTopkRouter: sigmoid scores; the correction bias only for choosing;
  * group score = sum of the two best biased scores of the group; keep topk_group groups;
  * top-k experts among them; weights from the unbiased sigmoid, renormalised (+1e-20) when
