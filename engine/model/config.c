@@ -190,6 +190,28 @@ static Err parse_indexer_entry(const Ctx *c, const char *field, int i, const cha
     return ERR_OK;
 }
 
+// A per-layer field has one entry per layer, the MTP layers' entries optional.
+static Err check_layer_count(const Ctx *c, const char *field, size_t len, const ModelConfig *cfg)
+{
+    const int n = cfg->n_layers;
+    if (len != (size_t) n && len != (size_t) (n + cfg->n_mtp_layers)) {
+        LOG_ERROR("%s: field \"%s\" has %zu entries for %d layers", c->origin, field, len, n);
+        return ERR_INVAL;
+    }
+    return ERR_OK;
+}
+
+// A per-layer field given as a list: a JSON array with one entry per layer.
+static Err check_layer_list(const Ctx *c, const char *field, json_object *types,
+                            const ModelConfig *cfg)
+{
+    if (!json_object_is_type(types, json_type_array)) {
+        LOG_ERROR("%s: field \"%s\" must be a list of strings", c->origin, field);
+        return ERR_FORMAT;
+    }
+    return check_layer_count(c, field, json_object_array_length(types), cfg);
+}
+
 static Err resolve_indexer(const Ctx *c, json_object *root, ModelConfig *cfg)
 {
     Err err = ERR_OK;
@@ -202,25 +224,13 @@ static Err resolve_indexer(const Ctx *c, json_object *root, ModelConfig *cfg)
     }
     if (types && json_object_is_type(types, json_type_string)) {
         const char *s = json_object_get_string(types);
-        const size_t len = strlen(s);
-        if (len != (size_t) n && len != (size_t) (n + cfg->n_mtp_layers)) {
-            LOG_ERROR("%s: field \"%s\" has %zu entries for %d layers", c->origin, field, len, n);
-            return ERR_INVAL;
-        }
+        if ((err = check_layer_count(c, field, strlen(s), cfg))) return err;
         for (int i = 0; i < n; i++) {
             const char one[2] = {s[i], 0};
             if ((err = parse_indexer_entry(c, field, i, one, &cfg->indexer[i]))) return err;
         }
     } else if (types) {
-        if (!json_object_is_type(types, json_type_array)) {
-            LOG_ERROR("%s: field \"%s\" must be a list of strings", c->origin, field);
-            return ERR_FORMAT;
-        }
-        const size_t len = json_object_array_length(types);
-        if (len != (size_t) n && len != (size_t) (n + cfg->n_mtp_layers)) {
-            LOG_ERROR("%s: field \"%s\" has %zu entries for %d layers", c->origin, field, len, n);
-            return ERR_INVAL;
-        }
+        if ((err = check_layer_list(c, field, types, cfg))) return err;
         for (int i = 0; i < n; i++) {
             json_object *e = json_object_array_get_idx(types, (size_t) i);
             if (!json_object_is_type(e, json_type_string)) {
@@ -266,16 +276,7 @@ static Err resolve_mlp(const Ctx *c, json_object *root, ModelConfig *cfg)
     const int n = cfg->n_layers;
     json_object *types = member(root, "mlp_layer_types");
     if (types) {
-        if (!json_object_is_type(types, json_type_array)) {
-            LOG_ERROR("%s: field \"mlp_layer_types\" must be a list of strings", c->origin);
-            return ERR_FORMAT;
-        }
-        const size_t len = json_object_array_length(types);
-        if (len != (size_t) n && len != (size_t) (n + cfg->n_mtp_layers)) {
-            LOG_ERROR("%s: field \"mlp_layer_types\" has %zu entries for %d layers", c->origin, len,
-                      n);
-            return ERR_INVAL;
-        }
+        if ((err = check_layer_list(c, "mlp_layer_types", types, cfg))) return err;
         for (int i = 0; i < n; i++) {
             json_object *e = json_object_array_get_idx(types, (size_t) i);
             const char *s =

@@ -103,6 +103,14 @@ bool recipe_is_set(const Recipe *r, const char *key)
     return k >= 0 && (r->set_mask & (UINT64_C(1) << k));
 }
 
+// Index of s among names[0..n), or -1.
+static int name_index(const char *const *names, int n, const char *s)
+{
+    for (int i = 0; i < n; i++)
+        if (!strcmp(s, names[i])) return i;
+    return -1;
+}
+
 // Set key k from value[0..n). where: "origin:line" or "origin" for messages.
 static Err set_value(Recipe *r, int k, const char *value, size_t n, const char *where)
 {
@@ -130,25 +138,22 @@ static Err set_value(Recipe *r, int k, const char *value, size_t n, const char *
     }
     memcpy(buf, value, n);
     buf[n] = '\0';
-    if (d->kind == KIND_KV_DTYPE) {
-        for (int i = 0; i < 3; i++)
-            if (!strcmp(buf, KV_DTYPES[i])) {
-                const RecipeKvDtype t = (RecipeKvDtype) i;
-                memcpy(field, &t, sizeof t);
-                return ERR_OK;
-            }
-        LOG_ERROR("%s: %s: \"%s\" is not one of fp8, bf16, f32", where, d->name, buf);
-        return ERR_INVAL;
-    }
-    if (d->kind == KIND_BACKEND) {
-        for (int i = 0; i < 2; i++)
-            if (!strcmp(buf, BACKENDS[i])) {
-                const RecipeBackend t = (RecipeBackend) i;
-                memcpy(field, &t, sizeof t);
-                return ERR_OK;
-            }
-        LOG_ERROR("%s: %s: \"%s\" is not one of cpu, cuda", where, d->name, buf);
-        return ERR_INVAL;
+    if (d->kind == KIND_KV_DTYPE || d->kind == KIND_BACKEND) {
+        const bool is_kv = d->kind == KIND_KV_DTYPE;
+        const int i = is_kv ? name_index(KV_DTYPES, 3, buf) : name_index(BACKENDS, 2, buf);
+        if (i < 0) {
+            LOG_ERROR("%s: %s: \"%s\" is not one of %s", where, d->name, buf,
+                      is_kv ? "fp8, bf16, f32" : "cpu, cuda");
+            return ERR_INVAL;
+        }
+        if (is_kv) {
+            const RecipeKvDtype t = (RecipeKvDtype) i;
+            memcpy(field, &t, sizeof t);
+        } else {
+            const RecipeBackend t = (RecipeBackend) i;
+            memcpy(field, &t, sizeof t);
+        }
+        return ERR_OK;
     }
     char *end;
     errno = 0;
