@@ -18,7 +18,7 @@
  * recipe, prints every key's effective value (`key = value`) and exits 0, or 2 naming the
  * bad key. A kv_cache_dtype the backend cannot store is an error naming the key.
  *
- * Ranks (contract C3): --pp N (or pipeline_parallel = N) starts N local ranks of this
+ * Ranks: --pp N (or pipeline_parallel = N) starts N local ranks of this
  * command (pp_launch_local); --rank/--world/--master (or OMPI_COMM_WORLD_RANK/SIZE,
  * PMI_RANK/SIZE, SLURM_PROCID/NTASKS with --master or GLMSPARK_MASTER) make this process
  * one rank of a pipeline spread over hosts. Every rank plans the same split

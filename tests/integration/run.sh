@@ -11,35 +11,21 @@ bin=${GLMSPARK_BIN_DIR:?}
 command -v node >/dev/null || { echo "run.sh: node is required" >&2; exit 1; }
 [ -d "$src/tests/node_modules/openai" ] || (cd "$src/tests" && npm install --no-audit --no-fund >&2)
 
-free_port() { node -e "const s=require('net').createServer().listen(0,'127.0.0.1',()=>{console.log(s.address().port);s.close()})"; }
-var=$(mktemp -d /tmp/glmspark-it.XXXXXX)
-chmod 755 "$var"
-export GLMSPARK_VAR=$var GLMSPARK_BUILD=$(dirname "$bin") GLMSPARK_SKIP_DEPS=1 GLMSPARK_SKIP_BUILD=1
-export GLMSPARK_HTTPS_PORT=$(free_port) GLMSPARK_HTTP_PORT=$(free_port)
-# One sequence at a time: the scenarios here count on a second job waiting in the queue
-# (continuous batching is tested by tests/integration/test_engine_serve.sh).
-export GLMSPARK_MAX_NUM_SEQS=${GLMSPARK_MAX_NUM_SEQS:-1}
+# shellcheck source=tests/integration/stack.sh
+. "$src/tests/integration/stack.sh"
+stack_env it
 export GLMSPARK_ENGINE_ARGS="--step-delay-ms ${GLMSPARK_STEP_DELAY_MS:-25}"
 # A small queue, so that the queue-full test can fill it (no other test queues this many).
 export GLMSPARK_MAX_QUEUE=${GLMSPARK_MAX_QUEUE:-6}
-devstack=$src/ops/devstack
 cleanup() {
     local rc=${1:-$?}
     rm -f "$src/tests/.test_api.run.mjs"
-    if [ $rc -ne 0 ]; then
-        for c in engine fcgi nginx; do echo "== $c log" >&2; "$devstack" logs $c 2>/dev/null | tail -30 >&2 || true; done
-    fi
-    "$devstack" down >/dev/null 2>&1 || true
-    rm -rf "$var"
-    exit $rc
+    stack_down "$rc" 30
+    exit "$rc"
 }
 trap cleanup EXIT
 
-out=$("$devstack" up)
-url=$(echo "$out" | sed -n 's/^URL=//p')
-admin=$(echo "$out" | sed -n 's/^API_KEY=//p')
-db="host=$var/pg/run dbname=glmspark user=postgres"
-key() { "$bin/glmspark" keys create --db "$db" "$@" 2>/dev/null; }
+stack_up
 user=$(key --name it-user)
 other=$(key --name it-other)
 revoked=$(key --name it-revoked)

@@ -6,7 +6,7 @@
 #   batch    six greedy completion jobs, first one at a time (--max-num-seqs 1), then all
 #            submitted together to an engine with --max-num-seqs 8: each job's output
 #            (token ids and text) equals its one-at-a-time output, and the engine's status
-#            JSON (engines.stats, contract C2) shows batch_seqs_avg > 1;
+#            JSON (engines.stats, engine/shared/stats.h) shows batch_seqs_avg > 1;
 #   pp       the same six jobs through `glmspark-engine --pp 2` (two CPU ranks): outputs
 #            equal the --pp 1 outputs;
 #   killrank a long greedy job on --pp 2; kill -9 of rank 1 mid-generation: every engine
@@ -119,6 +119,15 @@ batch_ids() {  # submit the six prompts; ids in ${ids[@]}
     ids=()
     for p in "${prompts[@]}"; do ids+=("$(submit completion "$greedy" "$p" 24)"); done
 }
+# expect_alone WHAT: the jobs ${ids[@]} (the six prompts, in order) end, each with its
+# one-at-a-time output ${alone[@]}; a failure names WHAT ran them.
+expect_alone() {
+    wait_jobs "${ids[@]}"
+    for i in "${!prompts[@]}"; do
+        [ "$(output "${ids[$i]}")" = "${alone[$i]}" ] \
+            || fail "$1 job $i: $(output "${ids[$i]}") != one at a time: ${alone[$i]}"
+    done
+}
 
 if [[ " $scenarios " =~ " batch " || " $scenarios " =~ " pp " || " $scenarios " =~ " killrank " || " $scenarios " =~ " mtp " ]]; then
     start_engine --max-num-seqs 1
@@ -140,11 +149,7 @@ if [[ " $scenarios " =~ " batch " ]]; then
     vals=$(for p in "${prompts[@]}"; do printf "($key_id, 'completion', 'm', '%s', '{%s}', cardinality('{%s}'::int[]), 24)," "$greedy" "$p" "$p"; done)
     mapfile -t ids < <(sql "INSERT INTO jobs (api_key_id, kind, model, request, prompt_ids, n_prompt_tokens, max_tokens)
         VALUES ${vals%,} RETURNING id; NOTIFY jobs_new")
-    wait_jobs "${ids[@]}"
-    for i in "${!prompts[@]}"; do
-        [ "$(output "${ids[$i]}")" = "${alone[$i]}" ] \
-            || fail "batched job $i: $(output "${ids[$i]}") != alone: ${alone[$i]}"
-    done
+    expect_alone batched
     sleep 1.5  # the next status publication covers the run (10 s window)
     stats=$(sql "SELECT stats FROM engines WHERE stopped_at IS NULL ORDER BY id DESC LIMIT 1")
     echo "status JSON: $stats"
@@ -167,11 +172,7 @@ fi
 if [[ " $scenarios " =~ " pp " ]]; then
     start_engine --pp 2 --max-num-seqs 4
     batch_ids
-    wait_jobs "${ids[@]}"
-    for i in "${!prompts[@]}"; do
-        [ "$(output "${ids[$i]}")" = "${alone[$i]}" ] \
-            || fail "--pp 2 job $i: $(output "${ids[$i]}") != --pp 1: ${alone[$i]}"
-    done
+    expect_alone "--pp 2"
     stop_engine
     echo "ok: --pp 2 serves the same outputs as --pp 1"
 fi
@@ -180,11 +181,7 @@ if [[ " $scenarios " =~ " mtp " ]]; then
     start_engine --pp 2 --max-num-seqs 4 --mtp 2
     grep -q "mtp_tokens 2" "$tmp/engine$n_engine.log" || fail "the engine does not report mtp_tokens 2"
     batch_ids
-    wait_jobs "${ids[@]}"
-    for i in "${!prompts[@]}"; do
-        [ "$(output "${ids[$i]}")" = "${alone[$i]}" ] \
-            || fail "--pp 2 --mtp 2 job $i: $(output "${ids[$i]}") != without MTP: ${alone[$i]}"
-    done
+    expect_alone "--pp 2 --mtp 2"
     ranks=$(ps -o pid= --ppid "$engine_pid" | tr -d ' ' | tr '\n' ' ')
     kill -TERM "$engine_pid"
     st=0

@@ -9,12 +9,8 @@
 #   2. `--n-seqs 3 --mtp 2 --pp 3` (the scheduler, three sequences at once): every line is
 #      the --pp 1 output; without --ignore-eos the output stops where --pp 1's does;
 #   3. refusals: --mtp on a model without an MTP layer, --mtp with top-p.
-set -eu
-bin=$1/glmspark
-src=$2
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fail() { echo "FAIL: $*"; exit 1; }
+# shellcheck source=tests/integration/cli_test.sh
+. "$(dirname "$0")/cli_test.sh"
 
 "$bin" mkmodel --out "$tmp/default" --preset default 2>/dev/null
 theta=$src/tests/golden/models/mtp_theta

@@ -5,12 +5,8 @@
 #   2. `generate --pp 2/3` prints the same ids as `--pp 1` (sampling with penalties);
 #   3. killing rank 1 mid-run makes the whole command exit non-zero within 10 s, rank 0
 #      names the failed rank, and no process of the pipeline is left.
-set -eu
-bin=$1/glmspark
-src=$2
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fail() { echo "FAIL: $*"; exit 1; }
+# shellcheck source=tests/integration/cli_test.sh
+. "$(dirname "$0")/cli_test.sh"
 
 golden=$src/tests/golden/models/dsa_modelopt
 "$bin" mkmodel --out "$tmp/tiny" --preset tiny 2>/dev/null
@@ -52,78 +48,64 @@ for i in 0 1 2; do
 done
 echo "ok: generate --n-seqs 3 (scheduler) equals each sequence alone, --pp 1 and 3"
 
-# 3. Kill rank 1 of a long run.
-"$bin" generate --model "$tmp/default" --tokens 1,5,7,9 --max-tokens 30000 --ignore-eos \
-    --threads 1 --pp 3 >/dev/null 2>"$tmp/kill.log" &
-launcher=$!
-rank1=""
-i=0
-while [ -z "$rank1" ] && [ $i -lt 100 ]; do
-    sleep 0.1
-    i=$((i + 1))
-    for p in $(ps -o pid= --ppid $launcher 2>/dev/null); do
-        if tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q -- "--rank 1 "; then rank1=$p; fi
+# long_run R LOG: a long `generate --pp 3` in the background (stderr into LOG), waited for
+# until every rank has loaded and then 1.5 s into decoding; sets launcher (its pid), rank
+# (rank R's pid) and pgid (the pipeline's process group).
+long_run() {
+    "$bin" generate --model "$tmp/default" --tokens 1,5,7,9 --max-tokens 30000 --ignore-eos \
+        --threads 1 --pp 3 >/dev/null 2>"$2" &
+    launcher=$!
+    rank=""
+    i=0
+    while [ -z "$rank" ] && [ $i -lt 100 ]; do
+        sleep 0.1
+        i=$((i + 1))
+        for p in $(ps -o pid= --ppid $launcher 2>/dev/null); do
+            if tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q -- "--rank $1 "; then rank=$p; fi
+        done
     done
-done
-[ -n "$rank1" ] || { kill $launcher; fail "rank 1 never started"; }
-# Past loading and the handshake (slow under sanitizers): every rank has logged its layers.
-i=0
-while [ "$(grep -c "pipeline rank . of 3: layers" "$tmp/kill.log")" -lt 3 ] && [ $i -lt 600 ]; do
-    sleep 0.1
-    i=$((i + 1))
-done
+    [ -n "$rank" ] || { kill $launcher; fail "rank $1 never started"; }
+    # Past loading and the handshake (slow under sanitizers): every rank has logged its layers.
+    i=0
+    while [ "$(grep -c "pipeline rank . of 3: layers" "$2")" -lt 3 ] && [ $i -lt 600 ]; do
+        sleep 0.1
+        i=$((i + 1))
+    done
+    pgid=$(ps -o pgid= -p "$rank" | tr -d ' ')
+    sleep 1.5  # well into decoding
+}
+
+# expect_stopped WHAT LOG PATTERN: after WHAT happened to a rank at $t0, the launcher exits
+# non-zero within 10 s, LOG has a line matching PATTERN (the rank named), and no process of
+# the pipeline's group is left.
+expect_stopped() {
+    status=0
+    wait $launcher || status=$?
+    elapsed=$(awk "BEGIN { print $(date +%s.%N) - $t0 }")
+    echo "pipeline exited with status $status $elapsed s after $1"
+    [ $status -ne 0 ] || fail "the pipeline exited 0 after $1"
+    awk "BEGIN { exit !($elapsed < 10) }" || fail "took $elapsed s (limit 10 s)"
+    grep -q "$3" "$2" || { cat "$2"; fail "no message naming the rank: $3"; }
+    left=$(ps -o pid= -g "$pgid" 2>/dev/null || true)
+    [ -z "$left" ] || fail "processes left in the pipeline's group: $left"
+}
+
+# 3. Kill rank 1 of a long run.
+long_run 1 "$tmp/kill.log"
 rank0=$(ps -o pid= --ppid $launcher | head -1 | tr -d ' ')
-pgid=$(ps -o pgid= -p "$rank1" | tr -d ' ')
-sleep 1.5  # well into decoding
-kill -KILL "$rank1"
+kill -KILL "$rank"
 t0=$(date +%s.%N)
-status=0
-wait $launcher || status=$?
-t1=$(date +%s.%N)
-elapsed=$(awk "BEGIN { print $t1 - $t0 }")
-echo "pipeline exited with status $status $elapsed s after rank 1 was killed"
-[ $status -ne 0 ] || fail "the pipeline exited 0 after losing a rank"
-awk "BEGIN { exit !($elapsed < 10) }" || fail "took $elapsed s (limit 10 s)"
-grep -q "rank 1 (.*) failed" "$tmp/kill.log" || { cat "$tmp/kill.log"; fail "no message naming rank 1"; }
-left=$(ps -o pid= -g "$pgid" 2>/dev/null || true)
-[ -z "$left" ] || fail "processes left in the pipeline's group: $left"
+expect_stopped "rank 1 was killed" "$tmp/kill.log" "rank 1 (.*) failed"
 echo "ok: killing rank 1 stopped every rank (group $pgid, rank 0 pid $rank0) with:"
 grep "failed" "$tmp/kill.log" | head -3
 
 # 4. A hung rank (SIGSTOP: alive, silent) once the pipeline runs: the heartbeat timeout
 # catches it. (A rank that hangs before the handshake is caught by the 60 s join timeout,
 # PP_COMM_CONNECT_MS, which has to allow for loading a large model.)
-"$bin" generate --model "$tmp/default" --tokens 1,5,7,9 --max-tokens 30000 --ignore-eos \
-    --threads 1 --pp 3 >/dev/null 2>"$tmp/hang.log" &
-launcher=$!
-rank2=""
-i=0
-while [ -z "$rank2" ] && [ $i -lt 100 ]; do
-    sleep 0.1
-    i=$((i + 1))
-    for p in $(ps -o pid= --ppid $launcher 2>/dev/null); do
-        if tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q -- "--rank 2 "; then rank2=$p; fi
-    done
-done
-[ -n "$rank2" ] || { kill $launcher; fail "rank 2 never started"; }
-i=0
-while [ "$(grep -c "pipeline rank . of 3: layers" "$tmp/hang.log")" -lt 3 ] && [ $i -lt 600 ]; do
-    sleep 0.1
-    i=$((i + 1))
-done
-pgid=$(ps -o pgid= -p "$rank2" | tr -d ' ')
-sleep 1.5
-kill -STOP "$rank2"
+long_run 2 "$tmp/hang.log"
+kill -STOP "$rank"
 t0=$(date +%s.%N)
-status=0
-wait $launcher || status=$?
-elapsed=$(awk "BEGIN { print $(date +%s.%N) - $t0 }")
-echo "pipeline exited with status $status $elapsed s after rank 2 was stopped"
-[ $status -ne 0 ] || fail "the pipeline exited 0 with a hung rank"
-awk "BEGIN { exit !($elapsed < 10) }" || fail "took $elapsed s (limit 10 s)"
-grep -q "rank 2 (.*) failed: no heartbeat" "$tmp/hang.log" || { cat "$tmp/hang.log"; fail "no message naming rank 2"; }
-left=$(ps -o pid= -g "$pgid" 2>/dev/null || true)
-[ -z "$left" ] || fail "processes left in the pipeline's group: $left"
+expect_stopped "rank 2 was stopped" "$tmp/hang.log" "rank 2 (.*) failed: no heartbeat"
 echo "ok: a hung rank 2 was detected and every rank stopped:"
 grep "failed" "$tmp/hang.log" | head -3
 echo "all pipeline CLI checks passed"

@@ -28,16 +28,9 @@ block_size = 64
 threads = 1
 load_timeout_s = 60
 EOF2
-cat >"$tmp/local-rsh" <<'EOF2'
-#!/bin/bash
-[ "$1" = here ] || { echo "ssh: connect to host $1: Connection refused" >&2; exit 255; }
-shift
-exec env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin bash -c "$*"
-EOF2
-chmod +x "$tmp/local-rsh"
 cat >"$tmp/env" <<EOF2
 GLMSPARK_NODES=here
-GLMSPARK_RSH=$tmp/local-rsh
+GLMSPARK_RSH=$src/tests/ops/local-rsh.sh
 GLMSPARK_RUN_DIR=$tmp/run
 GLMSPARK_BIN=$bin
 GLMSPARK_MODEL=$tmp/model

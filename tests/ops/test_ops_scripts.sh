@@ -139,19 +139,12 @@ grep -q "SIGTERM to rank pid $victim" <<<"$out" || fail "no message: $out"
 echo "ok: oom-guard sets +500 on the engine, stops a rank below the floor, ignores stale pid files"
 
 # 6. launch-cluster.sh --check-only with a local transport (ssh's contract).
-cat >"$tmp/local-rsh" <<'EOS'
-#!/bin/bash
-[ "$1" = here ] || { echo "ssh: connect to host $1: Connection refused" >&2; exit 255; }
-shift
-exec env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin bash -c "$*"
-EOS
-chmod +x "$tmp/local-rsh"
 "$bin/glmspark" mkmodel --out "$tmp/model" --preset tiny 2>/dev/null
 check() {  # check NODES RECIPE [VAR=VALUE...] -> output, status in $st
     local nodes=$1 recipe=$2
     shift 2
     st=0
-    out=$(env GLMSPARK_NODES="$nodes" GLMSPARK_RSH="$tmp/local-rsh" GLMSPARK_RUN_DIR="$tmp/lrun" \
+    out=$(env GLMSPARK_NODES="$nodes" GLMSPARK_RSH="$src/tests/ops/local-rsh.sh" GLMSPARK_RUN_DIR="$tmp/lrun" \
         GLMSPARK_BIN="$bin" GLMSPARK_MODEL="$tmp/model" GLMSPARK_RECIPE="$recipe" "$@" \
         GLMSPARK_ENV=/nonexistent-glmspark-env "$src/ops/launch-cluster.sh" --check-only 2>&1) || st=$?
 }

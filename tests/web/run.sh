@@ -26,33 +26,20 @@ if [ "$mode" = --mock ]; then
 fi
 
 bin=${GLMSPARK_BIN_DIR:?set GLMSPARK_BIN_DIR to the bin/ folder of a build (ctest does)}
-free_port() { node -e "const s=require('net').createServer().listen(0,'127.0.0.1',()=>{console.log(s.address().port);s.close()})"; }
-var=$(mktemp -d /tmp/glmspark-web.XXXXXX)
-chmod 755 "$var"
-export GLMSPARK_VAR=$var GLMSPARK_BUILD=$(dirname "$bin") GLMSPARK_SKIP_DEPS=1 GLMSPARK_SKIP_BUILD=1
-export GLMSPARK_HTTPS_PORT=$(free_port) GLMSPARK_HTTP_PORT=$(free_port)
+# shellcheck source=tests/integration/stack.sh
+. "$src/tests/integration/stack.sh"
+stack_env web
 # A steady pace, so that a test can reload or cut the connection while a job streams.
-# One sequence at a time: the scenarios here count on a second job waiting in the queue
-# (continuous batching is tested by tests/integration/test_engine_serve.sh).
-export GLMSPARK_MAX_NUM_SEQS=${GLMSPARK_MAX_NUM_SEQS:-1}
 export GLMSPARK_ENGINE_ARGS="--step-delay-ms ${GLMSPARK_STEP_DELAY_MS:-25}"
-devstack=$src/ops/devstack
 cleanup() {
     local rc=$?
-    if [ $rc -ne 0 ]; then
-        for c in engine fcgi nginx; do echo "== $c log" >&2; "$devstack" logs $c 2>/dev/null | tail -30 >&2 || true; done
-    fi
-    "$devstack" down >/dev/null 2>&1 || true
-    rm -rf "$var"
-    exit $rc
+    stack_down "$rc" 30
+    exit "$rc"
 }
 trap cleanup EXIT
 
-out=$("$devstack" up)
-db="host=$var/pg/run dbname=glmspark user=postgres"
-key() { "$bin/glmspark" keys create --db "$db" "$@" 2>/dev/null; }
-export GLMSPARK_WEB_URL=$(echo "$out" | sed -n 's/^URL=//p')
-export GLMSPARK_WEB_ADMIN_KEY=$(echo "$out" | sed -n 's/^API_KEY=//p')
+stack_up
+export GLMSPARK_WEB_URL=$url GLMSPARK_WEB_ADMIN_KEY=$admin
 export GLMSPARK_WEB_KEY=$(key --name web-user)
 export GLMSPARK_WEB_RPM_KEY=$(key --name web-rpm1 --rpm 1)
 # Restarting fcgi cuts every open event stream: the "dropped connection" test.
