@@ -62,7 +62,8 @@ typedef struct MoeExperts {
 
 // idx int32 [n_tok, k], w fp32 [n_tok, k], logits fp32 [n_tok, n_experts], bias fp32
 // [n_experts]. n_experts % n_group == 0; 1 <= topk_group <= n_group; k <= experts in the
-// kept groups.
+// kept groups; with n_group > 1, at least two experts a group (transformers takes each
+// group's top 2; kernels/moe_router.h also scores one-expert groups, this kernel does not).
 void moe_route(int32_t *idx, float *w, const float *logits, const float *bias, int n_tok,
                int n_experts, int k, int n_group, int topk_group, float scale,
                cudaStream_t stream);
