@@ -9,8 +9,9 @@
  * returns ERR_IO) and arms a watchdog that ends the process PP_COMM_GRACE_MS later if the
  * main thread has not: a rank must never outlive its pipeline, and a main thread deep in a
  * long computation cannot be interrupted any other way. The watchdog's _exit() is the one
- * deliberate exception to "no exit outside main" (STYLE.md 2.4.3: collective faults are
- * fatal; the supervisor restarts).
+ * deliberate exception to "no exit outside main": collective faults are fatal by design (a
+ * failed collective poisons its communicator), and the supervisor restarts the engine while
+ * the job queue re-delivers its jobs.
  */
 #define _DEFAULT_SOURCE  // gethostname, NI_MAXHOST
 #include "engine/pipeline/pp_comm.h"

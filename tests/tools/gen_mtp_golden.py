@@ -2,7 +2,8 @@
 """gen_mtp_golden.py - float64 numpy reference of the MTP (next-token prediction) layer's logits.
 
 transformers has no MTP implementation, so the reference is built here from the layer's
-definition (shared/notes/model.md section 2.3, as vLLM's DeepSeekMultiTokenPredictorLayer runs it):
+definition, as vLLM's DeepSeekMultiTokenPredictorLayer runs it (the engine's version:
+model_mtp_forward in engine/model/model.c):
 
     e      = RMSNorm(embed_tokens[token_{p+1}], enorm)     (embedding zeroed at position p == 0)
     hh     = RMSNorm(h_main[p], hnorm)
@@ -12,9 +13,8 @@ definition (shared/notes/model.md section 2.3, as vLLM's DeepSeekMultiTokenPredi
 
 h_main[p] is the main model's hidden state AFTER its final norm (model.norm): vLLM's
 DeepseekV2Model.forward returns `hidden_states, _ = self.norm(hidden_states, residual)`, and that
-is what the MTP proposer receives as previous_hidden_states (model.md section 2.3 [S44]). The MTP
-layer attends over its own cache of the earlier positions' MTP inputs, with the same RoPE
-positions p as the main model.
+is what vLLM's MTP proposer receives as previous_hidden_states. The MTP layer attends over its
+own cache of the earlier positions' MTP inputs, with the same RoPE positions p as the main model.
 
 Usage:
   gen_mtp_golden.py --model tests/golden/models/mtp_theta --out tests/golden/mtp
