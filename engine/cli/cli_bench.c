@@ -216,18 +216,6 @@ static double step_bytes(const Model *m, int B)
     return dense + experts;
 }
 
-static Err open_backend(const BenchArgs *a, Backend **be)
-{
-    if (!a->cuda) return backend_cpu_create(a->n_threads, be);
-#ifdef GLMSPARK_HAVE_CUDA
-    return backend_cuda_create(0, be);
-#else
-    *be = NULL;
-    LOG_ERROR("--backend cuda: this glmspark was built without CUDA");
-    return ERR_INVAL;
-#endif
-}
-
 // One batch size: prefill B sequences, then time decode steps. Returns false on failure.
 static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int B)
 {
@@ -482,7 +470,7 @@ int cli_bench(int argc, char **argv)
     Backend *be = NULL;
     Model m = {0};
     int rc = 1;
-    if (open_backend(&a, &be)) goto done;
+    if (cli_backend_open(a.cuda, a.n_threads, 0, &be)) goto done;
 #ifdef GLMSPARK_HAVE_CUDA
     if (a.cuda) {
         a.copy_gbs = backend_cuda_copy_gbs(be, (size_t) 1 << 30);

@@ -47,9 +47,6 @@
 #include <unistd.h>
 
 #include "engine/model/backend.h"
-#ifdef GLMSPARK_HAVE_CUDA
-#include "engine/backend/backend_cuda.h"
-#endif
 #include "engine/model/kv_cache.h"
 #include "engine/model/model.h"
 #include "engine/model/sampler.h"
@@ -263,17 +260,10 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
     return 0;
 }
 
-// The backend --backend chose (cpu by default).
+// The backend --backend chose (cpu by default), on GPU --local-rank.
 static Err backend_open(const ModelArgs *a, Backend **be)
 {
-    if (!a->cuda) return backend_cpu_create(a->n_threads, be);
-#ifdef GLMSPARK_HAVE_CUDA
-    return backend_cuda_create(a->local_rank, be);
-#else
-    *be = NULL;
-    LOG_ERROR("--backend cuda: this glmspark was built without CUDA");
-    return ERR_INVAL;
-#endif
+    return cli_backend_open(a->cuda, a->n_threads, a->local_rank, be);
 }
 
 // Backend, model and a KV cache with room for n_positions, or an error message.
