@@ -135,28 +135,8 @@ static Err replace_all(const TokDec *d, pcre2_match_data *md, const char *s, siz
 {
     // Build the result in out's buffer directly, then close it as out's next string.
     const size_t start = out->bytes.n;
-    size_t prev = 0, pos = 0;
-    while (pos <= n) {
-        const int rc = pcre2_match(d->re, (PCRE2_SPTR) s, n, pos, PCRE2_NO_UTF_CHECK, md, NULL);
-        if (rc == PCRE2_ERROR_NOMATCH) break;
-        if (rc < 0) {
-            LOG_ERROR("could not match a decoder regex over %zu bytes", n);
-            return ERR_INVAL;
-        }
-        const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
-        const size_t ms = ov[0], me = ov[1];
-        buf_add(&out->bytes, s + prev, ms - prev);
-        buf_add(&out->bytes, d->content, d->content_n);
-        prev = me;
-        if (me > ms) {
-            pos = me;
-        } else {
-            const size_t len = me < n ? utf8_char_len((const uint8_t *) s + me, n - me) : 1;
-            pos = me + (len ? len : 1);
-        }
-    }
-    buf_add(&out->bytes, s + prev, n - prev);
-    return list_close(out, start);
+    const Err err = tok_regex_replace(d->re, md, s, n, d->content, d->content_n, &out->bytes);
+    return err ? err : list_close(out, start);
 }
 
 // Decode ids; first: ids[0..] start the sequence (first-token rules apply). *n_kept receives

@@ -176,30 +176,6 @@ static uint32_t char_before(const char *s, size_t i, size_t *len)
 // ---------------------------------------------------------------------------
 // Regex search
 
-// Next match of re in s[0..n) at or after start. Returns 1 with [*ms, *me), 0 for none,
-// or -1 on a matching error (logged).
-static int regex_next(Enc *e, const pcre2_code *re, const char *s, size_t n, size_t start,
-                      size_t *ms, size_t *me)
-{
-    int rc = pcre2_match(re, (PCRE2_SPTR) s, n, start, PCRE2_NO_UTF_CHECK, e->md, NULL);
-    if (rc == PCRE2_ERROR_JIT_STACKLIMIT) {
-        // The interpreter keeps its backtracking on the heap: slower, never out of stack.
-        rc = pcre2_match(re, (PCRE2_SPTR) s, n, start, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, e->md,
-                         NULL);
-    }
-    if (rc == PCRE2_ERROR_NOMATCH) return 0;
-    if (rc < 0) {
-        PCRE2_UCHAR msg[256];
-        pcre2_get_error_message(rc, msg, sizeof msg);
-        LOG_ERROR("could not match a tokenizer regex over %zu bytes: %s", n, (const char *) msg);
-        return -1;
-    }
-    const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(e->md);
-    *ms = ov[0];
-    *me = ov[1];
-    return 1;
-}
-
 static Err add_mark(Enc *e, size_t start, size_t end, bool is_match)
 {
     const Err err = grow((void **) &e->marks, &e->cap_marks, e->n_marks + 1, sizeof *e->marks);
@@ -213,27 +189,16 @@ static Err regex_marks(Enc *e, const pcre2_code *re, const char *s, size_t n)
 {
     e->n_marks = 0;
     if (n == 0) return add_mark(e, 0, 0, false);
-    size_t prev = 0, pos = 0;
-    while (pos <= n) {
-        size_t ms, me;
-        const int rc = regex_next(e, re, s, n, pos, &ms, &me);
-        if (rc < 0) return ERR_INVAL;
-        if (rc == 0) break;
+    size_t prev = 0, pos = 0, ms, me;
+    int rc;
+    while ((rc = tok_regex_next(re, e->md, s, n, &pos, &ms, &me)) > 0) {
         Err err = ERR_OK;
         if (prev != ms) err = add_mark(e, prev, ms, false);
         if (!err) err = add_mark(e, ms, me, true);
         if (err) return err;
         prev = me;
-        if (me > ms) {
-            pos = me;
-        } else {
-            // An empty match: step over one character so the search moves on.
-            if (me >= n) break;
-            size_t len;
-            char_at(s, n, me, &len);
-            pos = me + len;
-        }
     }
+    if (rc < 0) return ERR_INVAL;
     if (prev != n) return add_mark(e, prev, n, false);
     return ERR_OK;
 }
@@ -778,29 +743,10 @@ static Err norm_replace(Enc *e, const TokNorm *nm, const char *s, size_t n, char
                         size_t *out_n)
 {
     Buf d = {0};
-    size_t pos = 0, prev = 0;
-    for (;;) {
-        size_t ms, me;
-        const int rc = pos <= n ? regex_next(e, nm->re, s, n, pos, &ms, &me) : 0;
-        if (rc < 0) {
-            buf_free(&d);
-            return ERR_INVAL;
-        }
-        buf_add(&d, s + prev, (rc ? ms : n) - prev);
-        if (!rc) break;
-        buf_add(&d, nm->content, nm->content_n);
-        prev = me;
-        if (me > ms) {
-            pos = me;
-        } else {
-            if (me >= n) {
-                pos = n + 1;
-                continue;
-            }
-            size_t len;
-            char_at(s, n, me, &len);
-            pos = me + len;
-        }
+    const Err err = tok_regex_replace(nm->re, e->md, s, n, nm->content, nm->content_n, &d);
+    if (err) {
+        buf_free(&d);
+        return err;
     }
     size_t w;
     char *res = buf_take(&d, &w);

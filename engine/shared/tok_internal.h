@@ -235,6 +235,19 @@ int tok_bytelevel_byte(uint32_t cp);
 Err tok_regex_compile(const char *pattern, size_t n, bool literal, const char *path,
                       pcre2_code **out);
 
+// The next match of re (compiled by tok_regex_compile) in s[0..n) at or after *pos, as HF's
+// find_matches walks them: 1 with the match in [*ms, *me), 0 when there is none (or *pos is
+// past n), -1 when matching fails (logged). *pos moves past the match, or one character
+// past an empty one, so the next call finds the next match. md: room for one match.
+int tok_regex_next(const pcre2_code *re, pcre2_match_data *md, const char *s, size_t n, size_t *pos,
+                   size_t *ms, size_t *me);
+
+// Append s[0..n) to out with every match of re replaced by content[0..content_n) (HF's
+// Replace normalizer and decoder). ERR_INVAL when matching fails (logged), ERR_NOMEM (out's
+// sticky failure).
+Err tok_regex_replace(const pcre2_code *re, pcre2_match_data *md, const char *s, size_t n,
+                      const char *content, size_t content_n, Buf *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -236,6 +236,51 @@ Err tok_regex_compile(const char *pattern, size_t n, bool literal, const char *p
     return ERR_OK;
 }
 
+int tok_regex_next(const pcre2_code *re, pcre2_match_data *md, const char *s, size_t n, size_t *pos,
+                   size_t *ms, size_t *me)
+{
+    if (*pos > n) return 0;
+    int rc = pcre2_match(re, (PCRE2_SPTR) s, n, *pos, PCRE2_NO_UTF_CHECK, md, NULL);
+    if (rc == PCRE2_ERROR_JIT_STACKLIMIT) {
+        // The interpreter keeps its backtracking on the heap: slower, never out of stack.
+        rc = pcre2_match(re, (PCRE2_SPTR) s, n, *pos, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md, NULL);
+    }
+    if (rc == PCRE2_ERROR_NOMATCH) return 0;
+    if (rc < 0) {
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(rc, msg, sizeof msg);
+        LOG_ERROR("could not match a tokenizer regex over %zu bytes: %s", n, (const char *) msg);
+        return -1;
+    }
+    const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+    *ms = ov[0];
+    *me = ov[1];
+    if (*me > *ms) {
+        *pos = *me;
+    } else if (*me >= n) {
+        *pos = n + 1;  // an empty match at the end: nothing follows
+    } else {
+        // An empty match: step over one character so the search moves on.
+        const size_t len = utf8_char_len((const uint8_t *) s + *me, n - *me);
+        *pos = *me + (len ? len : 1);  // 0: unreachable on repaired input; keeps loops finite
+    }
+    return 1;
+}
+
+Err tok_regex_replace(const pcre2_code *re, pcre2_match_data *md, const char *s, size_t n,
+                      const char *content, size_t content_n, Buf *out)
+{
+    size_t pos = 0, prev = 0, ms, me;
+    int rc;
+    while ((rc = tok_regex_next(re, md, s, n, &pos, &ms, &me)) > 0) {
+        buf_add(out, s + prev, ms - prev);
+        buf_add(out, content, content_n);
+        prev = me;
+    }
+    if (rc < 0) return ERR_INVAL;
+    return buf_add(out, s + prev, n - prev);
+}
+
 // ---------------------------------------------------------------------------
 // JSON helpers. Each takes the path of the object for messages.
 
