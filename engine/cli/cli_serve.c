@@ -19,6 +19,7 @@
 
 #include "engine/cli/cli.h"
 #include "engine/shared/apikey.h"
+#include "engine/shared/buf.h"
 #include "engine/shared/err.h"
 
 // Any fixed 64-bit number; shared by every `glmspark db migrate`.
@@ -125,25 +126,16 @@ static int cmp_migration(const void *a, const void *b)
 static char *read_text(const char *path)
 {
     FILE *f = fopen(path, "rb");
-    char *buf = NULL;
     if (!f) {
         fprintf(stderr, "glmspark: could not open \"%s\"\n", path);
         return NULL;
     }
-    if (fseek(f, 0, SEEK_END) == 0) {
-        const long n = ftell(f);
-        if (n >= 0 && fseek(f, 0, SEEK_SET) == 0 && (buf = malloc((size_t) n + 1))) {
-            if (fread(buf, 1, (size_t) n, f) != (size_t) n) {
-                free(buf);
-                buf = NULL;
-            } else {
-                buf[n] = '\0';
-            }
-        }
-    }
-    if (!buf) fprintf(stderr, "glmspark: could not read \"%s\"\n", path);
+    Buf b = {0};
+    char *text = buf_add_file(&b, f) ? NULL : buf_take(&b, NULL);
+    buf_free(&b);
+    if (!text) fprintf(stderr, "glmspark: could not read \"%s\"\n", path);
     fclose(f);
-    return buf;
+    return text;
 }
 
 // List dir's NNN_*.sql files sorted by version; returns the count or -1 (reported).
