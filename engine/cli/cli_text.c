@@ -20,7 +20,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "engine/shared/buf.h"
 #include "engine/shared/tokenizer.h"
@@ -208,13 +207,6 @@ done:
     return rc;
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec + 1e-9 * (double) ts.tv_nsec;
-}
-
 int cli_bench_tokenize(int argc, char **argv)
 {
     const char *path = NULL, *file = NULL;
@@ -236,9 +228,9 @@ int cli_bench_tokenize(int argc, char **argv)
     TokIds ids = {0};
     FILE *f = NULL;
     int rc = 1;
-    const double t_load0 = now_s();
+    const double t_load0 = cli_now_s();
     if (tok_load(&tok, path)) goto done;
-    const double t_load = now_s() - t_load0;
+    const double t_load = cli_now_s() - t_load0;
     f = fopen(file, "rb");
     size_t n = 0;
     if (f) text = read_all(f, &n);
@@ -248,11 +240,11 @@ int cli_bench_tokenize(int argc, char **argv)
     }
     // Cold cache for the whole-text run: a fresh tokenizer state is what a server sees at
     // first, and the line-by-line run after it measures the warm case.
-    double t0 = now_s();
+    double t0 = cli_now_s();
     if (tok_encode(tok, text, n, false, &ids)) goto done;
-    const double t_whole = now_s() - t0;
+    const double t_whole = cli_now_s() - t0;
     const size_t n_ids = ids.n;
-    t0 = now_s();
+    t0 = cli_now_s();
     size_t n_line_ids = 0;
     for (char *line = text; line < text + n;) {
         char *end = memchr(line, '\n', (size_t) (text + n - line));
@@ -262,7 +254,7 @@ int cli_bench_tokenize(int argc, char **argv)
         n_line_ids += ids.n;
         line = end + 1;
     }
-    const double t_lines = now_s() - t0;
+    const double t_lines = cli_now_s() - t0;
     // The shortest prefix of whole lines that holds prompt_tokens tokens.
     size_t cut = 0, have = 0;
     for (char *line = text; line < text + n && have < (size_t) prompt_tokens;) {
@@ -275,9 +267,9 @@ int cli_bench_tokenize(int argc, char **argv)
         line = end + 1;
     }
     ids.n = 0;
-    t0 = now_s();
+    t0 = cli_now_s();
     if (tok_encode(tok, text, cut, false, &ids)) goto done;
-    const double t_prompt = now_s() - t0;
+    const double t_prompt = cli_now_s() - t0;
     const double mb = (double) n / 1e6;
     printf("{\"bench\": \"glmspark\", \"bytes\": %zu, \"ids\": %zu, \"load_s\": %.4f, "
            "\"whole_s\": %.4f, \"whole_MBps\": %.2f, \"lines_s\": %.4f, \"lines_MBps\": %.2f, "
