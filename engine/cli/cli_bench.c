@@ -76,14 +76,6 @@ static int bench_usage(void)
     return 2;
 }
 
-static bool parse_int(const char *s, long lo, long hi, int *out)
-{
-    long v;
-    if (!cli_parse_long(s, lo, hi, &v)) return false;
-    *out = (int) v;
-    return true;
-}
-
 // "1,8,16" -> batches; false on a bad list.
 static bool parse_batches(const char *s, BenchArgs *a)
 {
@@ -130,6 +122,7 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
             return bench_usage();
         }
         const char *val = argv[++i];
+        long v;
         bool ok = true;
         if (strcmp(opt, "--model") == 0)
             a->model_dir = val;
@@ -144,11 +137,11 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
         else if (strcmp(opt, "--batch") == 0)
             ok = parse_batches(val, a);
         else if (strcmp(opt, "--ctx") == 0)
-            ok = parse_int(val, 1, 1 << 20, &a->ctx);
+            ok = cli_parse_long(val, 1, 1 << 20, &v) && ((a->ctx = (int) v), true);
         else if (strcmp(opt, "--steps") == 0)
-            ok = parse_int(val, 1, 1 << 20, &a->steps);
+            ok = cli_parse_long(val, 1, 1 << 20, &v) && ((a->steps = (int) v), true);
         else if (strcmp(opt, "--threads") == 0)
-            ok = parse_int(val, 1, 64, &a->n_threads);
+            ok = cli_parse_long(val, 1, 64, &v) && ((a->n_threads = (int) v), true);
         else if (strcmp(opt, "--kv-dtype") == 0)
             ok = cli_parse_kv_dtype(val, &a->kv_dtype);
         else {
