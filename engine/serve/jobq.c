@@ -335,8 +335,7 @@ Err jobq_append(JobQueue *q, JobqJob *job, const JobqChunk *chunks, int n, bool 
     enum { N_FIXED = 6, PER_CHUNK = 4 };
     const char *params[N_FIXED + PER_CHUNK * 64];
     char id_text[24], seq_text[16], n_text[16], n_tok_text[16], attempt_text[16];
-    char *sql = NULL;
-    Buf arrays = {0};
+    Buf sql = {0}, arrays = {0};
     size_t offsets[64];
     PGresult *res = NULL;
     Err err = ERR_NOMEM;
@@ -362,34 +361,31 @@ Err jobq_append(JobQueue *q, JobqJob *job, const JobqChunk *chunks, int n, bool 
     params[5] = attempt_text;
 
     // VALUES ($7, $8, $9::int[], 0), ... : kind, text, token ids, position in the batch.
-    const size_t sql_cap = 1024 + (size_t) n * 96;
-    if (!(sql = malloc(sql_cap))) goto done;
-    int len = snprintf(sql, sql_cap,
-                       "WITH j AS (UPDATE jobs SET n_chunks = n_chunks + $4::int,"
-                       " n_completion_tokens = n_completion_tokens + $5::int,"
-                       " first_token_at = coalesce(first_token_at, now()), heartbeat_at = now(),"
-                       " lease_until = now() + %d * interval '1 second'"
-                       " WHERE id = $1::bigint AND state = 'running' AND lease_epoch = $2::bigint"
-                       " AND n_chunks = $3::int RETURNING id, public_id, cancel_requested),"
-                       " ins AS (INSERT INTO job_chunks (job_id, seq, attempt, kind, text, token_ids,"
-                       " logprobs) SELECT j.id, $3::int + v.k, $6::int, v.kind, v.text, v.ids, v.lp"
-                       " FROM j, (VALUES ",
-                       q->opt.lease_s);
+    buf_addf(&sql,
+             "WITH j AS (UPDATE jobs SET n_chunks = n_chunks + $4::int,"
+             " n_completion_tokens = n_completion_tokens + $5::int,"
+             " first_token_at = coalesce(first_token_at, now()), heartbeat_at = now(),"
+             " lease_until = now() + %d * interval '1 second'"
+             " WHERE id = $1::bigint AND state = 'running' AND lease_epoch = $2::bigint"
+             " AND n_chunks = $3::int RETURNING id, public_id, cancel_requested),"
+             " ins AS (INSERT INTO job_chunks (job_id, seq, attempt, kind, text, token_ids,"
+             " logprobs) SELECT j.id, $3::int + v.k, $6::int, v.kind, v.text, v.ids, v.lp"
+             " FROM j, (VALUES ",
+             q->opt.lease_s);
     for (int i = 0; i < n; i++) {
         const int p = N_FIXED + PER_CHUNK * i;
         params[p] = kind_names[chunks[i].kind];
         params[p + 1] = chunks[i].text ? chunks[i].text : "";
         params[p + 2] = arrays.p + offsets[i];
         params[p + 3] = chunks[i].logprobs_json;  // NULL: SQL NULL
-        len += snprintf(sql + len, sql_cap - (size_t) len,
-                        "%s($%d::text, $%d::text, $%d::int[], $%d::jsonb, %d)", i ? ", " : "", p + 1,
-                        p + 2, p + 3, p + 4, i);
+        buf_addf(&sql, "%s($%d::text, $%d::text, $%d::int[], $%d::jsonb, %d)", i ? ", " : "", p + 1,
+                 p + 2, p + 3, p + 4, i);
     }
-    snprintf(sql + len, sql_cap - (size_t) len,
-             ") AS v (kind, text, ids, lp, k))"
-             " SELECT cancel_requested, pg_notify('job_chunks', public_id) FROM j");
+    buf_adds(&sql, ") AS v (kind, text, ids, lp, k))"
+                   " SELECT cancel_requested, pg_notify('job_chunks', public_id) FROM j");
+    if (sql.is_oom) goto done;
     err = ERR_DB;
-    if (!(res = exec_params(q, "appending chunks", sql, N_FIXED + PER_CHUNK * n, params,
+    if (!(res = exec_params(q, "appending chunks", sql.p, N_FIXED + PER_CHUNK * n, params,
                             PGRES_TUPLES_OK)))
         goto done;
     if (PQntuples(res) == 0) {
@@ -403,7 +399,7 @@ Err jobq_append(JobQueue *q, JobqJob *job, const JobqChunk *chunks, int n, bool 
     err = ERR_OK;
 done:
     PQclear(res);
-    free(sql);
+    buf_free(&sql);
     buf_free(&arrays);
     return err;
 }
@@ -505,9 +501,7 @@ lost:
 // the end): a number, or a string quoted with \ and " escaped, or NULL for s == NULL.
 static void add_array_number(Buf *b, long long x)
 {
-    char t[24];
-    const int n = snprintf(t, sizeof t, "%s%lld", b->n > 1 ? "," : "", x);
-    buf_add(b, t, (size_t) n);
+    buf_addf(b, "%s%lld", b->n > 1 ? "," : "", x);
 }
 
 static void add_array_string(Buf *b, const char *s)
