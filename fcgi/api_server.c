@@ -256,7 +256,8 @@ static Err find_idem_job(Ctx *c, const char *key_id, const char *idem, NewJob *j
 static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
 {
     const ApiConfig *cfg = c->cfg;
-    char *prompt = NULL, *ids_text = NULL;
+    char *prompt = NULL;
+    Buf ids_text = {0};
     size_t n_prompt_bytes = 0;
     TokIds ids = {0};
     json_object *params = NULL;
@@ -305,12 +306,7 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
     job->max_tokens = r->max_tokens ? r->max_tokens : cfg->context_len - (int) ids.n;
 
     // Prompt ids as a PostgreSQL array literal.
-    if (!(ids_text = malloc(ids.n * 12 + 3))) goto oom;
-    char *p = ids_text;
-    *p++ = '{';
-    for (size_t i = 0; i < ids.n; i++) p += sprintf(p, i ? ",%d" : "%d", (int) ids.ids[i]);
-    *p++ = '}';
-    *p = '\0';
+    if (buf_add_ids(&ids_text, ids.ids, ids.n)) goto oom;
     if (!(params = api_request_params(r))) goto oom;
     json_object_object_add(params, "stream", json_object_new_boolean(r->stream));
     json_object_object_add(params, "in_reasoning", json_object_new_boolean(in_reasoning));
@@ -418,7 +414,7 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
              " RETURNING id, public_id, extract(epoch FROM created_at)::bigint",
              9,
              (const char *const[]){key_id, r->kind == API_KIND_CHAT ? "chat" : "completion",
-                                   cfg->model_name, json_text(params), ids_text, n_prompt_text,
+                                   cfg->model_name, json_text(params), ids_text.p, n_prompt_text,
                                    max_tokens_text, idem, input_text},
              PGRES_TUPLES_OK);
     free(input_text);
@@ -473,7 +469,7 @@ done:
     }
     if (!ok) send_error(c, &e, retry_after);
     json_object_put(params);
-    free(ids_text);
+    buf_free(&ids_text);
     free(prompt);
     tok_ids_free(&ids);
     return ok;

@@ -92,16 +92,6 @@ static Err parse_int_array(const char *s, int32_t **out, int *n_out)
     return ERR_FORMAT;
 }
 
-// Append "{a,b,c}" for ids[0..n) to b.
-static void add_int_array(Buf *b, const int32_t *ids, int n)
-{
-    char t[16];
-    buf_add(b, "{", 1);
-    for (int i = 0; i < n; i++)
-        buf_add(b, t, (size_t) snprintf(t, sizeof t, i ? ",%d" : "%d", (int) ids[i]));
-    buf_add(b, "}", 1);
-}
-
 // Open the connection, LISTEN, take the lock when exclusive. ERR_AGAIN when the lock is
 // held elsewhere, ERR_DB on a connection failure.
 static Err open_session(JobQueue *q)
@@ -343,7 +333,7 @@ Err jobq_append(JobQueue *q, JobqJob *job, const JobqChunk *chunks, int n, bool 
     int n_tokens = 0;
     for (int i = 0; i < n; i++) {
         offsets[i] = arrays.n;
-        add_int_array(&arrays, chunks[i].token_ids, chunks[i].n_tokens);
+        buf_add_ids(&arrays, chunks[i].token_ids, (size_t) chunks[i].n_tokens);
         buf_add(&arrays, "", 1);  // keep the NUL: each array is its own parameter string
         n_tokens += chunks[i].n_tokens;
     }
@@ -576,7 +566,7 @@ static Err build_batch_arrays(const JobqAppend *items, int n, Buf a[N_BATCH_ARRA
             const JobqChunk *ch = &it->chunks[k];
             n_tok += ch->n_tokens;
             buf_clear(&ids);
-            add_int_array(&ids, ch->token_ids, ch->n_tokens);
+            buf_add_ids(&ids, ch->token_ids, (size_t) ch->n_tokens);
             add_array_number(&a[C_JOB], (long long) it->job->id);
             add_array_number(&a[C_SEQ], it->job->next_seq + k);
             add_array_string(&a[C_KIND], kind_names[ch->kind]);

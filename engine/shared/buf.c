@@ -68,6 +68,16 @@ Err buf_addf(Buf *b, const char *fmt, ...)
     return err;
 }
 
+Err buf_add_ids(Buf *b, const int32_t *ids, size_t n)
+{
+    // Formatted on the stack: buf_addf would run vsnprintf twice per id.
+    char t[16];
+    buf_add(b, "{", 1);
+    for (size_t i = 0; i < n; i++)
+        buf_add(b, t, (size_t) snprintf(t, sizeof t, i ? ",%d" : "%d", (int) ids[i]));
+    return buf_add(b, "}", 1);
+}
+
 Err buf_add_file(Buf *b, FILE *f)
 {
     for (;;) {

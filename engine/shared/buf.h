@@ -22,6 +22,7 @@
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "engine/shared/err.h"
@@ -53,6 +54,10 @@ Err buf_addf(Buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)))
 
 // buf_addf with a va_list (consumed).
 Err buf_vaddf(Buf *b, const char *fmt, va_list ap) __attribute__((format(printf, 2, 0)));
+
+// Append ids[0..n) as "{a,b,c}", a PostgreSQL int[] literal (how both sides of the job
+// queue write token ids). ERR_NOMEM (sticky).
+Err buf_add_ids(Buf *b, const int32_t *ids, size_t n);
 
 // Append what f holds from its position to its end. ERR_NOMEM (sticky); ERR_IO when a read
 // fails (ferror(f), errno as the read left it; the bytes read so far stay).

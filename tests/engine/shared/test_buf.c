@@ -1,7 +1,8 @@
 /*
  * test_buf.c - the growable byte buffer (engine/shared/buf.h): NUL termination from the first
- * append, growth past any fixed size, printf-style appends, whole files, consume/clear/take,
- * and the sticky allocation failure (forced through the size check: no allocator hook).
+ * append, growth past any fixed size, printf-style appends, id arrays, whole files,
+ * consume/clear/take, and the sticky allocation failure (forced through the size check: no
+ * allocator hook).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -64,6 +65,16 @@ static void test_consume_clear_take(void)
     free(s);
     buf_clear(&b);  // a zeroed buffer is fine
     CHECK(b.p == NULL && b.n == 0);
+}
+
+static void test_ids(void)
+{
+    Buf b = {0};
+    CHECK(buf_add_ids(&b, NULL, 0) == ERR_OK && !strcmp(b.p, "{}"));
+    const int32_t ids[] = {0, -1, 2147483647, (int32_t) -2147483647 - 1, 42};
+    CHECK(buf_add_ids(&b, ids, 5) == ERR_OK);
+    CHECK(!strcmp(b.p, "{}{0,-1,2147483647,-2147483648,42}"));
+    buf_free(&b);
 }
 
 static void test_file(void)
@@ -131,6 +142,7 @@ int main(void)
 {
     test_append();
     test_consume_clear_take();
+    test_ids();
     test_file();
     test_sticky_failure();
     return check_exit();
