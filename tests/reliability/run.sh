@@ -28,14 +28,9 @@ if [ -z "$report" ]; then
     if [ "$profile" = full ]; then report=$src/docs/reliability.md; else report=$(dirname "$bin")/reliability.md; fi
 fi
 
-free_port() { node -e "const s=require('net').createServer().listen(0,'127.0.0.1',()=>{console.log(s.address().port);s.close()})"; }
-var=$(mktemp -d /tmp/glmspark-rel.XXXXXX)
-chmod 755 "$var"
-export GLMSPARK_VAR=$var GLMSPARK_BUILD=$(dirname "$bin") GLMSPARK_SKIP_DEPS=1 GLMSPARK_SKIP_BUILD=1
-export GLMSPARK_HTTPS_PORT=$(free_port) GLMSPARK_HTTP_PORT=$(free_port)
-# One sequence at a time: the scenarios here count on a second job waiting in the queue
-# (continuous batching is tested by tests/integration/test_engine_serve.sh).
-export GLMSPARK_MAX_NUM_SEQS=${GLMSPARK_MAX_NUM_SEQS:-1}
+# shellcheck source=tests/integration/stack.sh
+. "$src/tests/integration/stack.sh"
+stack_env rel
 export GLMSPARK_ENGINE_ARGS="--step-delay-ms ${GLMSPARK_STEP_DELAY_MS:-20} --lease-s 30"
 export GLMSPARK_FCGI_ARGS="--max-queue 1000000"
 if [ "$profile" = full ]; then
@@ -44,26 +39,17 @@ if [ "$profile" = full ]; then
 else
     export GLMSPARK_FCGI_THREADS=24
 fi
-devstack=$src/ops/devstack
 results=$var/results.json
 cleanup() {
     local rc=${1:-$?}
-    if [ $rc -ne 0 ]; then
-        for c in engine fcgi nginx; do echo "== $c log" >&2; "$devstack" logs $c 2>/dev/null | tail -20 >&2 || true; done
-    fi
-    "$devstack" down >/dev/null 2>&1 || true
     rm -f "$src/tests/.reliability.$$.run.mjs"
-    rm -rf "$var"
-    exit $rc
+    stack_down "$rc" 20
+    exit "$rc"
 }
 trap cleanup EXIT
 
 t0=$(date +%s)
-out=$("$devstack" up)
-url=$(echo "$out" | sed -n 's/^URL=//p')
-admin=$(echo "$out" | sed -n 's/^API_KEY=//p')
-db="host=$var/pg/run dbname=glmspark user=postgres"
-key() { "$bin/glmspark" keys create --db "$db" "$@" 2>/dev/null; }
+stack_up
 user=$(key --name rel-user)
 other=$(key --name rel-other)
 revoked=$(key --name rel-revoked)
