@@ -9,6 +9,11 @@
 #                           NCCL and the driver, and NVLink multicast off (on the lent GPU
 #                           hosts it can take the host's GPUs out of service). The binaries run through
 #                           the image's own loader, so `--pp` can re-execute itself.
+#   carry_start DEST "BIN..." ARGS...  a carried script's opening, called with the script's
+#                           arguments: `--pack BUILD` packs BUILD/bin/BIN... into DEST and
+#                           exits; otherwise c (the carried folder: the first argument, or
+#                           DEST), out ($OUT or ./gpu-out, created), tmp (removed at exit) and
+#                           carry_env.
 carry_pack() {
     dest=$1
     shift
@@ -32,4 +37,23 @@ carry_env() {
     done
     [ -n "$nccl_dir" ] || nccl_dir=$(dirname "$(find /usr /opt -name 'libnccl.so.2' 2>/dev/null | head -1)" 2>/dev/null)
     export LD_LIBRARY_PATH="$1/lib:${nccl_dir:-.}:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}"
+}
+
+carry_start() {
+    dest=$1
+    bins=$2
+    shift 2
+    if [ "${1:-}" = "--pack" ]; then
+        build=$2
+        set --
+        for b in $bins; do set -- "$@" "$build/bin/$b"; done
+        carry_pack "$dest" "$@"
+        exit
+    fi
+    c=${1:-$dest}
+    out=${OUT:-$(pwd)/gpu-out}
+    mkdir -p "$out"
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    carry_env "$c"
 }

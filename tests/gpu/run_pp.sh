@@ -1,5 +1,5 @@
 #!/bin/sh
-# run_pp.sh [CARRY_DIR] - the pipeline on two GPUs (issue 5), on the nvidia-h200-x2 machine:
+# run_pp.sh [CARRY_DIR] - the pipeline on two GPUs, on the nvidia-h200-x2 machine:
 #   1. activation hop latency (pp_hop): NCCL over NVLink, NCCL over sockets
 #      (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1), and the TCP data plane (GLMSPARK_PP_DATA=tcp);
 #   2. `glmspark logits --backend cuda --pp 2` against `--pp 1` (max abs difference) on a
@@ -23,16 +23,7 @@
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 . tests/gpu/carry.sh
-if [ "${1:-}" = "--pack" ]; then
-    carry_pack .carry/ppgpu "$2/bin/glmspark" "$2/bin/pp_hop"
-    exit
-fi
-c=${1:-.carry/ppgpu}
-out=${OUT:-$(pwd)/gpu-out}
-mkdir -p "$out"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-carry_env "$c"
+carry_start .carry/ppgpu "glmspark pp_hop" "$@"
 g=$c/bin/glmspark
 be=${PP_BACKEND:-cuda}
 steps=${PP_STEPS:-1234}  # which of the four parts to run
