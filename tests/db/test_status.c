@@ -28,6 +28,7 @@
 #include "engine/cli/cli.h"
 #include "engine/shared/stats.h"
 #include "fcgi/api_metrics.h"
+#include "tests/capture.h"
 #include "tests/check.h"
 #include "tests/db/api_key_util.h"
 
@@ -44,18 +45,10 @@ static int run_status(char *out, size_t n, ...)
     for (char *a; argc < 15 && (a = va_arg(ap, char *));) argv[argc++] = a;
     va_end(ap);
     argv[argc] = NULL;
-    fflush(stdout);
-    FILE *tmp = tmpfile();
-    const int saved = dup(1);
-    dup2(fileno(tmp), 1);
+    Capture cap;
+    capture_begin(&cap, STDOUT_FILENO);
     const int rc = cli_status(argc, argv);
-    fflush(stdout);
-    dup2(saved, 1);
-    close(saved);
-    rewind(tmp);
-    const size_t got = fread(out, 1, n - 1, tmp);
-    out[got] = '\0';
-    fclose(tmp);
+    capture_end(&cap, out, n);
     return rc;
 }
 

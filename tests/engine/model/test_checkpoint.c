@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "engine/model/checkpoint.h"
+#include "tests/capture.h"
 #include "tests/check.h"
 
 // ---------------------------------------------------------------------------
@@ -101,30 +102,16 @@ static void write_text(const char *path, const char *text)
 
 // Capture everything written to fd 2 while the callback runs.
 static char captured[8192];
-static int saved_fd = -1;
+static Capture stderr_capture;
 
-static void capture_begin(void)
+static void stderr_begin(void)
 {
-    char path[300];
-    snprintf(path, sizeof path, "%s/stderr.txt", tmp_root);
-    fflush(stderr);
-    saved_fd = dup(2);
-    const int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(fd, 2);
-    close(fd);
+    capture_begin(&stderr_capture, STDERR_FILENO);
 }
 
-static const char *capture_end(void)
+static const char *stderr_end(void)
 {
-    char path[300];
-    fflush(stderr);
-    dup2(saved_fd, 2);
-    close(saved_fd);
-    snprintf(path, sizeof path, "%s/stderr.txt", tmp_root);
-    FILE *f = fopen(path, "rb");
-    const size_t n = fread(captured, 1, sizeof captured - 1, f);
-    fclose(f);
-    captured[n] = 0;
+    capture_end(&stderr_capture, captured, sizeof captured);
     return captured;
 }
 
@@ -270,18 +257,18 @@ static void test_open_single(void)
     const CkptTensor *got = NULL;
     CHECK(ckpt_get(&ck, "w.weight", 2, good, CKPT_DTYPE_BIT(CKPT_DTYPE_BF16), &got) == ERR_OK);
     CHECK(got == w);
-    capture_begin();
+    stderr_begin();
     Err err = ckpt_get(&ck, "w.weight", 2, bad, CKPT_DTYPE_ANY, &got);
-    const char *msg = capture_end();
+    const char *msg = stderr_end();
     CHECK(err == ERR_FORMAT);
     CHECK(strstr(msg, "w.weight") && strstr(msg, path));
-    capture_begin();
+    stderr_begin();
     err = ckpt_get(&ck, "w.weight", 2, good, CKPT_DTYPE_BIT(CKPT_DTYPE_F32), &got);
-    msg = capture_end();
+    msg = stderr_end();
     CHECK(err == ERR_FORMAT && strstr(msg, "BF16"));
-    capture_begin();
+    stderr_begin();
     err = ckpt_get(&ck, "missing.weight", 2, good, CKPT_DTYPE_ANY, &got);
-    msg = capture_end();
+    msg = stderr_end();
     CHECK(err == ERR_NOTFOUND);
     CHECK(strstr(msg, "missing.weight") && strstr(msg, dir));
 
@@ -310,9 +297,9 @@ static void test_open_single(void)
 
     // Truncated by 3 bytes: the message names the tensor whose bytes are cut and the file.
     write_st(path, t, 2, 3);
-    capture_begin();
+    stderr_begin();
     err = ckpt_open(&ck, dir);
-    msg = capture_end();
+    msg = stderr_end();
     CHECK(err == ERR_FORMAT);
     CHECK(strstr(msg, path) && (strstr(msg, "\"ids\"") || strstr(msg, "\"w.weight\"")));
     CHECK(ck.tensors == NULL && ck.dir == NULL);
@@ -320,9 +307,9 @@ static void test_open_single(void)
     // No checkpoint at all.
     char empty[300];
     make_dir(empty, sizeof empty, "empty");
-    capture_begin();
+    stderr_begin();
     err = ckpt_open(&ck, empty);
-    msg = capture_end();
+    msg = stderr_end();
     CHECK(err == ERR_IO && strstr(msg, empty));
 }
 
@@ -372,17 +359,17 @@ static void test_open_sharded(void)
                     "\"model.layers.0.x.weight\":\"model-00001-of-00002.safetensors\","
                     "\"model.layers.0.z.weight\":\"model-00001-of-00002.safetensors\","
                     "\"model.layers.1.x.weight\":\"model-00002-of-00002.safetensors\"}}");
-    capture_begin();
+    stderr_begin();
     Err err = ckpt_open(&ck, dir);
-    const char *msg = capture_end();
+    const char *msg = stderr_end();
     CHECK(err == ERR_NOTFOUND);
     CHECK(strstr(msg, "model.layers.0.z.weight") && strstr(msg, p1));
 
     // A shard name that escapes the directory is refused.
     write_text(idx, "{\"weight_map\":{\"model.layers.0.x.weight\":\"../model.safetensors\"}}");
-    capture_begin();
+    stderr_begin();
     err = ckpt_open(&ck, dir);
-    capture_end();
+    stderr_end();
     CHECK(err == ERR_FORMAT);
 
     // The same tensor in two shards.
@@ -391,9 +378,9 @@ static void test_open_sharded(void)
     write_text(idx, "{\"weight_map\":{"
                     "\"model.layers.1.x.weight\":\"model-00001-of-00002.safetensors\","
                     "\"model.layers.1.y.weight\":\"model-00002-of-00002.safetensors\"}}");
-    capture_begin();
+    stderr_begin();
     err = ckpt_open(&ck, dir);
-    msg = capture_end();
+    msg = stderr_end();
     CHECK(err == ERR_FORMAT && strstr(msg, "model.layers.1.x.weight"));
     CHECK(ck.n_tensors == 0);
 }
@@ -459,9 +446,9 @@ static void test_nvfp4(void)
     CHECK_NEAR(w.global_scale, 0.25, 0);
     check_nvfp4_rows(&w, 0.25);
     // Wrong logical shape: the message names the tensor and the file.
-    capture_begin();
+    stderr_begin();
     Err err = ckpt_linear(&ck, "l", 2, 64, &w);
-    const char *msg = capture_end();
+    const char *msg = stderr_end();
     CHECK(err == ERR_FORMAT && strstr(msg, "l.weight") && strstr(msg, path));
     ckpt_close(&ck);
 
@@ -480,9 +467,9 @@ static void test_nvfp4(void)
     path_in(path, sizeof path, dir, "model.safetensors");
     write_st(path, t, 2, 0);
     CHECK(ckpt_open(&ck, dir) == ERR_OK);
-    capture_begin();
+    stderr_begin();
     err = ckpt_linear(&ck, "l", 2, 32, &w);
-    msg = capture_end();
+    msg = stderr_end();
     CHECK(err == ERR_NOTFOUND && strstr(msg, "l.weight_scale_2"));
     ckpt_close(&ck);
 
@@ -513,9 +500,9 @@ static void test_nvfp4(void)
         tb[1].data = bad;
         write_st(path, tb, 3, 0);
         CHECK(ckpt_open(&ck, dir) == ERR_OK);
-        capture_begin();
+        stderr_begin();
         err = ckpt_linear(&ck, "l", 2, 32, &w);
-        msg = capture_end();
+        msg = stderr_end();
         CHECK(err == ERR_FORMAT && strstr(msg, "l.weight_scale") && strstr(msg, path));
         ckpt_close(&ck);
     }
@@ -528,9 +515,9 @@ static void test_nvfp4(void)
     tz[2].data = &zero;
     write_st(path, tz, 3, 0);
     CHECK(ckpt_open(&ck, dir) == ERR_OK);
-    capture_begin();
+    stderr_begin();
     err = ckpt_linear(&ck, "l", 2, 32, &w);
-    capture_end();
+    stderr_end();
     CHECK(err == ERR_FORMAT);
     ckpt_close(&ck);
 }
@@ -589,9 +576,9 @@ static void test_plain_and_fp8(void)
     CHECK_NEAR(w.global_scale, 0.125, 0);
     ckpt_linear_row(&w, 129, row);
     CHECK_NEAR(row[0], -0.25, 0);
-    capture_begin();
+    stderr_begin();
     CHECK(ckpt_linear(&ck, "nothing", 2, 2, &w) == ERR_NOTFOUND);
-    const char *msg = capture_end();
+    const char *msg = stderr_end();
     CHECK(strstr(msg, "nothing.weight") && strstr(msg, dir));
     ckpt_close(&ck);
     CHECK(!strcmp(ckpt_linear_format_name(CKPT_LINEAR_NVFP4), "NVFP4"));

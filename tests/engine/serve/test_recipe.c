@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "engine/serve/recipe.h"
+#include "tests/capture.h"
 #include "tests/check.h"
 
 static Err parse(Recipe *r, const char *text)
@@ -22,17 +23,10 @@ static Err parse(Recipe *r, const char *text)
 static Err parse_msg(const char *text, char *msg, size_t n)
 {
     Recipe r;
-    FILE *tmp = tmpfile();
-    if (!tmp) return ERR_IO;
-    const int saved = dup(STDERR_FILENO);
-    dup2(fileno(tmp), STDERR_FILENO);
+    Capture cap;
+    if (!capture_begin(&cap, STDERR_FILENO)) return ERR_IO;
     const Err err = parse(&r, text);
-    dup2(saved, STDERR_FILENO);
-    close(saved);
-    rewind(tmp);
-    const size_t got = fread(msg, 1, n - 1, tmp);
-    msg[got] = '\0';
-    fclose(tmp);
+    capture_end(&cap, msg, n);
     return err;
 }
 
