@@ -21,6 +21,7 @@
 
 #include "engine/shared/apikey.h"
 #include "engine/shared/buf.h"
+#include "engine/shared/clock.h"
 #include "fcgi/api_http.h"
 #include "fcgi/api_metrics.h"
 #include "fcgi/api_request.h"
@@ -35,13 +36,6 @@ typedef struct Ctx {
     ApiKey key;
     bool is_broken;  // a write failed: the client is gone
 } Ctx;
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec + (double) ts.tv_nsec * 1e-9;
-}
 
 // ---------------------------------------------------------------------------
 // Output
@@ -87,7 +81,8 @@ static void flush(Ctx *c)
 
 static const char *json_text(json_object *o)
 {
-    return json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN | JSON_C_TO_STRING_NOSLASHESCAPE);
+    return json_object_to_json_string_ext(o,
+                                          JSON_C_TO_STRING_PLAIN | JSON_C_TO_STRING_NOSLASHESCAPE);
 }
 
 // Send status + JSON body; takes ownership of body. extra: more header lines (made with
@@ -106,7 +101,8 @@ static json_object *error_object(const ApiError *e)
 {
     json_object *o = json_object_new_object(), *inner = json_object_new_object();
     json_object_object_add(inner, "message", json_object_new_string(e->message));
-    json_object_object_add(inner, "type", json_object_new_string(e->type ? e->type : "invalid_request_error"));
+    json_object_object_add(inner, "type",
+                           json_object_new_string(e->type ? e->type : "invalid_request_error"));
     json_object_object_add(inner, "param", e->param[0] ? json_object_new_string(e->param) : NULL);
     json_object_object_add(inner, "code", e->code ? json_object_new_string(e->code) : NULL);
     json_object_object_add(o, "error", inner);
@@ -119,7 +115,8 @@ static void send_error(Ctx *c, const ApiError *e, int retry_after_s)
     Err err = ERR_OK;
     if (retry_after_s > 0) err = buf_addf(&extra, "Retry-After: %d\r\n", retry_after_s);
     if (!err && e->status == 401) err = api_http_add_header(&extra, "WWW-Authenticate", "Bearer");
-    if (err) LOG_ERROR("api: could not add the headers of a %d answer: %s", e->status, err_name(err));
+    if (err)
+        LOG_ERROR("api: could not add the headers of a %d answer: %s", e->status, err_name(err));
     send_json(c, e->status, error_object(e), &extra);
     buf_free(&extra);
 }
@@ -192,7 +189,8 @@ static char *read_body(Ctx *c, size_t *n_out)
 // this is a hit in the process's auth cache. false after answering 401/503.
 static bool authenticate(Ctx *c)
 {
-    const char *key = api_http_bearer_key(param(c, "HTTP_AUTHORIZATION"), param(c, "HTTP_X_API_KEY"));
+    const char *key =
+        api_http_bearer_key(param(c, "HTTP_AUTHORIZATION"), param(c, "HTTP_X_API_KEY"));
     if (!key) {
         fail(c, 401, "invalid_request_error", "missing_api_key", NULL,
              "no API key: send it as \"Authorization: Bearer <key>\"");
@@ -204,7 +202,8 @@ static bool authenticate(Ctx *c)
         return false;
     }
     if (err) {
-        fail(c, 401, "invalid_request_error", "invalid_api_key", NULL, "invalid or revoked API key");
+        fail(c, 401, "invalid_request_error", "invalid_api_key", NULL,
+             "invalid or revoked API key");
         return false;
     }
     return true;
@@ -221,7 +220,8 @@ typedef struct NewJob {
     int max_tokens;
 } NewJob;
 
-static PGresult *tx(ApiDb *db, const char *sql, int n, const char *const *params, ExecStatusType want)
+static PGresult *tx(ApiDb *db, const char *sql, int n, const char *const *params,
+                    ExecStatusType want)
 {
     PGresult *res = PQexecParams(db->conn, sql, n, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(res) == want) return res;
@@ -235,9 +235,10 @@ static PGresult *tx(ApiDb *db, const char *sql, int n, const char *const *params
 // ERR_NOTFOUND when there is none, ERR_DB when the statement failed (logged by tx).
 static Err find_idem_job(Ctx *c, const char *key_id, const char *idem, NewJob *job)
 {
-    PGresult *res = tx(c->db, "SELECT id, public_id, extract(epoch FROM created_at)::bigint,"
-                              " n_prompt_tokens, max_tokens FROM jobs"
-                              " WHERE api_key_id = $1::bigint AND idem_key = $2",
+    PGresult *res = tx(c->db,
+                       "SELECT id, public_id, extract(epoch FROM created_at)::bigint,"
+                       " n_prompt_tokens, max_tokens FROM jobs"
+                       " WHERE api_key_id = $1::bigint AND idem_key = $2",
                        2, (const char *const[]){key_id, idem}, PGRES_TUPLES_OK);
     if (!res) return ERR_DB;
     const Err err = PQntuples(res) == 1 ? ERR_OK : ERR_NOTFOUND;
@@ -331,10 +332,11 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
     // With limits, lock the key's row: it serializes this key's enqueues so that the counts
     // below are exact. Without, a share lock only keeps the key from being revoked under us.
     const bool has_limits = c->key.max_concurrent > 0 || c->key.rpm > 0;
-    if (!(res = tx(c->db, has_limits ? "SELECT 1 FROM api_keys WHERE id = $1::bigint"
-                                       " AND revoked_at IS NULL FOR UPDATE"
-                                     : "SELECT 1 FROM api_keys WHERE id = $1::bigint"
-                                       " AND revoked_at IS NULL FOR SHARE",
+    if (!(res = tx(c->db,
+                   has_limits ? "SELECT 1 FROM api_keys WHERE id = $1::bigint"
+                                " AND revoked_at IS NULL FOR UPDATE"
+                              : "SELECT 1 FROM api_keys WHERE id = $1::bigint"
+                                " AND revoked_at IS NULL FOR SHARE",
                    1, (const char *const[]){key_id}, PGRES_TUPLES_OK)))
         goto db_down;
     const bool active = PQntuples(res) == 1;
@@ -349,8 +351,9 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
         if (!err) goto commit;
     }
     if (c->key.max_concurrent > 0) {
-        if (!(res = tx(c->db, "SELECT count(*) FROM jobs WHERE api_key_id = $1::bigint"
-                              " AND finished_at IS NULL",
+        if (!(res = tx(c->db,
+                       "SELECT count(*) FROM jobs WHERE api_key_id = $1::bigint"
+                       " AND finished_at IS NULL",
                        1, (const char *const[]){key_id}, PGRES_TUPLES_OK)))
             goto db_down;
         const int n = atoi(PQgetvalue(res, 0, 0));
@@ -364,9 +367,10 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
         }
     }
     if (c->key.rpm > 0) {
-        if (!(res = tx(c->db, "SELECT count(*), coalesce(ceil(extract(epoch FROM"
-                              " min(at) + interval '1 minute' - now())), 1)::int FROM key_requests"
-                              " WHERE api_key_id = $1::bigint AND at > now() - interval '1 minute'",
+        if (!(res = tx(c->db,
+                       "SELECT count(*), coalesce(ceil(extract(epoch FROM"
+                       " min(at) + interval '1 minute' - now())), 1)::int FROM key_requests"
+                       " WHERE api_key_id = $1::bigint AND at > now() - interval '1 minute'",
                        1, (const char *const[]){key_id}, PGRES_TUPLES_OK)))
             goto db_down;
         const int n = atoi(PQgetvalue(res, 0, 0)), wait_s = atoi(PQgetvalue(res, 0, 1));
@@ -377,17 +381,19 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
             retry_after = wait_s > 0 ? wait_s : 1;
             goto done;
         }
-        if (!(res = tx(c->db, "WITH d AS (DELETE FROM key_requests WHERE api_key_id = $1::bigint"
-                              " AND at < now() - interval '2 minutes')"
-                              " INSERT INTO key_requests (api_key_id) VALUES ($1::bigint)",
+        if (!(res = tx(c->db,
+                       "WITH d AS (DELETE FROM key_requests WHERE api_key_id = $1::bigint"
+                       " AND at < now() - interval '2 minutes')"
+                       " INSERT INTO key_requests (api_key_id) VALUES ($1::bigint)",
                        1, (const char *const[]){key_id}, PGRES_COMMAND_OK)))
             goto db_down;
         PQclear(res);
     }
     if (c->cfg->max_queue > 0) {
         snprintf(limit_text, sizeof limit_text, "%d", c->cfg->max_queue);
-        if (!(res = tx(c->db, "SELECT count(*) >= $1::int FROM (SELECT 1 FROM jobs"
-                              " WHERE state = 'queued' LIMIT $1::int) q",
+        if (!(res = tx(c->db,
+                       "SELECT count(*) >= $1::int FROM (SELECT 1 FROM jobs"
+                       " WHERE state = 'queued' LIMIT $1::int) q",
                        1, (const char *const[]){limit_text}, PGRES_TUPLES_OK)))
             goto db_down;
         const bool full = PQgetvalue(res, 0, 0)[0] == 't';
@@ -448,8 +454,8 @@ commit:
         LOG_WARN("api: could not notify jobs_new for job %s: %s", job->public_id,
                  PQerrorMessage(c->db->conn));
     PQclear(res);
-    LOG_INFO("api: key %s queued job %s (%d prompt tokens, max %d)", c->key.prefix,
-             job->public_id, job->n_prompt, job->max_tokens);
+    LOG_INFO("api: key %s queued job %s (%d prompt tokens, max %d)", c->key.prefix, job->public_id,
+             job->n_prompt, job->max_tokens);
     ok = true;
     goto done;
 oom:
@@ -507,8 +513,8 @@ static Err read_state(Ctx *c, int64_t id, JobState *st)
     st->n_prompt = atoi(PQgetvalue(res, 0, 3));
     st->n_completion = atoi(PQgetvalue(res, 0, 4));
     st->n_chunks = atoi(PQgetvalue(res, 0, 5));
-    st->is_terminal = !strcmp(st->state, "succeeded") || !strcmp(st->state, "failed") ||
-                      !strcmp(st->state, "cancelled");
+    st->is_terminal = !strcmp(st->state, "succeeded") || !strcmp(st->state, "failed")
+                      || !strcmp(st->state, "cancelled");
     PQclear(res);
     return ERR_OK;
 }
@@ -553,7 +559,8 @@ static json_object *legacy_logprobs(json_object *entries, int *offset)
                 *lps = json_object_new_array(), *tops = json_object_new_array(),
                 *offs = json_object_new_array();
     for (size_t i = 0; entries && i < json_object_array_length(entries); i++) {
-        json_object *en = json_object_array_get_idx(entries, i), *tok = NULL, *lp = NULL, *top = NULL;
+        json_object *en = json_object_array_get_idx(entries, i), *tok = NULL, *lp = NULL,
+                    *top = NULL;
         json_object_object_get_ex(en, "token", &tok);
         json_object_object_get_ex(en, "logprob", &lp);
         json_object_object_get_ex(en, "top_logprobs", &top);
@@ -598,7 +605,8 @@ static json_object *usage_object(const JobState *st)
 }
 
 // A tool chunk's text is {"name": ..., "arguments": ...}; build the OpenAI tool call.
-static json_object *tool_call_object(const char *job_id, int index, const char *text, bool with_index)
+static json_object *tool_call_object(const char *job_id, int index, const char *text,
+                                     bool with_index)
 {
     json_object *src = json_tokener_parse(text), *name = NULL, *args = NULL;
     if (src) {
@@ -611,7 +619,8 @@ static json_object *tool_call_object(const char *job_id, int index, const char *
     if (with_index) json_object_object_add(call, "index", json_object_new_int(index));
     json_object_object_add(call, "id", json_object_new_string(id));
     json_object_object_add(call, "type", json_object_new_string("function"));
-    json_object_object_add(fn, "name", json_object_new_string(name ? json_object_get_string(name) : ""));
+    json_object_object_add(fn, "name",
+                           json_object_new_string(name ? json_object_get_string(name) : ""));
     json_object_object_add(fn, "arguments",
                            json_object_new_string(!args ? "{}"
                                                   : json_object_is_type(args, json_type_string)
@@ -622,12 +631,13 @@ static json_object *tool_call_object(const char *job_id, int index, const char *
     return call;
 }
 
-static json_object *chunk_envelope(const Ctx *c, const char *job_id, long long created, bool is_chat)
+static json_object *chunk_envelope(const Ctx *c, const char *job_id, long long created,
+                                   bool is_chat)
 {
     json_object *o = json_object_new_object();
     json_object_object_add(o, "id", json_object_new_string(job_id));
-    json_object_object_add(o, "object", json_object_new_string(is_chat ? "chat.completion.chunk"
-                                                                        : "text_completion"));
+    json_object_object_add(
+        o, "object", json_object_new_string(is_chat ? "chat.completion.chunk" : "text_completion"));
     json_object_object_add(o, "created", json_object_new_int64(created));
     json_object_object_add(o, "model", json_object_new_string(c->cfg->model_name));
     return o;
@@ -646,8 +656,8 @@ static void sse_data(Ctx *c, json_object *o)
 static void sse_delta(Ctx *c, const char *job_id, long long created, bool is_chat,
                       json_object *delta_or_text, const char *finish_reason, json_object *logprobs)
 {
-    json_object *o = chunk_envelope(c, job_id, created, is_chat), *choices = json_object_new_array(),
-                *ch = json_object_new_object();
+    json_object *o = chunk_envelope(c, job_id, created, is_chat),
+                *choices = json_object_new_array(), *ch = json_object_new_object();
     json_object_object_add(ch, "index", json_object_new_int(0));
     json_object_object_add(ch, is_chat ? "delta" : "text", delta_or_text);
     json_object_object_add(ch, "logprobs", logprobs);
@@ -721,7 +731,8 @@ static Err stream_chunk(Ctx *c, Stream *s, PGresult *res, int i)
     if (s->mode == MODE_COLLECT) {
         if (is_tool) {
             if (!col->tool_calls) col->tool_calls = json_object_new_array();
-            json_object_array_add(col->tool_calls, tool_call_object(s->job_id, s->n_tools, text, false));
+            json_object_array_add(col->tool_calls,
+                                  tool_call_object(s->job_id, s->n_tools, text, false));
         } else if ((err = buf_add(is_reasoning ? &col->reasoning : &col->content, text, n_text))) {
             LOG_ERROR("api: out of memory collecting the output of job %s (%zu bytes so far)",
                       s->job_id, col->content.n + col->reasoning.n);
@@ -733,15 +744,16 @@ static Err stream_chunk(Ctx *c, Stream *s, PGresult *res, int i)
             json_object_array_add(calls, tool_call_object(s->job_id, s->n_tools, text, true));
             json_object_object_add(d, "tool_calls", calls);
         } else if (is_reasoning) {
-            json_object_object_add(d, "reasoning_content", json_object_new_string_len(text, (int) n_text));
+            json_object_object_add(d, "reasoning_content",
+                                   json_object_new_string_len(text, (int) n_text));
             json_object_object_add(d, "reasoning", json_object_new_string_len(text, (int) n_text));
         } else {
             json_object_object_add(d, "content", json_object_new_string_len(text, (int) n_text));
         }
         sse_delta(c, s->job_id, s->created, true, d, NULL, choice_logprobs(lp, true, NULL));
     } else if (!is_reasoning && !is_tool) {
-        sse_delta(c, s->job_id, s->created, false, json_object_new_string_len(text, (int) n_text), NULL,
-                  choice_logprobs(lp, false, &s->lp_offset));
+        sse_delta(c, s->job_id, s->created, false, json_object_new_string_len(text, (int) n_text),
+                  NULL, choice_logprobs(lp, false, &s->lp_offset));
     }
     json_object_put(lp);
     s->n_tools += is_tool;
@@ -752,10 +764,10 @@ static Err stream_chunk(Ctx *c, Stream *s, PGresult *res, int i)
 // when the client is gone.
 static bool stream_keepalive(Ctx *c, Stream *s)
 {
-    if (s->mode != MODE_COLLECT && now_s() - s->last_write >= c->cfg->keepalive_s) {
+    if (s->mode != MODE_COLLECT && clock_now_s() - s->last_write >= c->cfg->keepalive_s) {
         put(c, ": keep-alive\n\n", 14);
         flush(c);
-        s->last_write = now_s();
+        s->last_write = clock_now_s();
     }
     return !c->is_broken;
 }
@@ -765,7 +777,7 @@ static bool stream_keepalive(Ctx *c, Stream *s)
 // once the outage has lasted stream_outage_s (logged).
 static Err stream_outage(Ctx *c, Stream *s)
 {
-    const double t = now_s();
+    const double t = clock_now_s();
     if (s->outage_since == 0) {
         s->outage_since = t;
         LOG_WARN("api: stream of job %s: the database is unavailable; retrying", s->job_id);
@@ -784,7 +796,8 @@ static Err stream_outage(Ctx *c, Stream *s)
 
 // The events after the last chunk: the end event, usage, [DONE]; for a stream that gave up
 // on the database (gave_up), an error event and [DONE] instead.
-static void stream_end(Ctx *c, const Stream *s, const ApiRequest *r, const JobState *st, bool gave_up)
+static void stream_end(Ctx *c, const Stream *s, const ApiRequest *r, const JobState *st,
+                       bool gave_up)
 {
     const char *fr = client_finish_reason(st, s->n_tools);
     if (s->mode == MODE_COLLECT) return;
@@ -798,7 +811,8 @@ static void stream_end(Ctx *c, const Stream *s, const ApiRequest *r, const JobSt
     } else if (s->mode == MODE_EVENTS_SSE) {
         json_object *o = json_object_new_object();
         json_object_object_add(o, "state", json_object_new_string(st->state));
-        json_object_object_add(o, "finish_reason", st->finish_reason[0] ? json_object_new_string(fr) : NULL);
+        json_object_object_add(o, "finish_reason",
+                               st->finish_reason[0] ? json_object_new_string(fr) : NULL);
         json_object_object_add(o, "usage", usage_object(st));
         json_object_object_add(o, "error", st->error[0] ? json_object_new_string(st->error) : NULL);
         sse_data(c, o);
@@ -832,9 +846,14 @@ static Err stream_job(Ctx *c, int64_t id, const char *job_id, long long created,
                       StreamMode mode, const ApiRequest *r, Collected *col, JobState *st)
 {
     char id_text[24], seq_text[16];
-    Stream s = {.mode = mode, .job_id = job_id, .created = created, .col = col, .last = after,
-                .is_chat = mode != MODE_COMPLETION_SSE, .want_lp = r && r->logprobs,
-                .last_write = now_s()};
+    Stream s = {.mode = mode,
+                .job_id = job_id,
+                .created = created,
+                .col = col,
+                .last = after,
+                .is_chat = mode != MODE_COMPLETION_SSE,
+                .want_lp = r && r->logprobs,
+                .last_write = clock_now_s()};
     Err err = ERR_OK;
     memset(st, 0, sizeof *st);
     snprintf(id_text, sizeof id_text, "%lld", (long long) id);
@@ -858,12 +877,13 @@ static Err stream_job(Ctx *c, int64_t id, const char *job_id, long long created,
             continue;
         }
         const int n = PQntuples(res);
-        for (int i = 0; i < n && !err; i++) err = stream_chunk(c, &s, res, i);
+        for (int i = 0; i < n && !err; i++)
+            err = stream_chunk(c, &s, res, i);
         PQclear(res);
         if (err) break;
         if (mode != MODE_COLLECT && n > 0) {
             flush(c);
-            s.last_write = now_s();
+            s.last_write = clock_now_s();
         }
         if (c->is_broken) {
             err = ERR_IO;
@@ -878,7 +898,7 @@ static Err stream_job(Ctx *c, int64_t id, const char *job_id, long long created,
         if (err) break;
         if (s.outage_since != 0) {
             LOG_INFO("api: stream of job %s: the database is back after %.1f s", job_id,
-                     now_s() - s.outage_since);
+                     clock_now_s() - s.outage_since);
             s.outage_since = 0;
         }
         if (st->is_terminal && s.last + 1 >= st->n_chunks) break;
@@ -938,7 +958,8 @@ static json_object *message_object(const Collected *col, const char *job_id)
     (void) job_id;
     json_object *m = json_object_new_object();
     json_object_object_add(m, "role", json_object_new_string("assistant"));
-    json_object_object_add(m, "content", json_object_new_string(col->content.p ? col->content.p : ""));
+    json_object_object_add(m, "content",
+                           json_object_new_string(col->content.p ? col->content.p : ""));
     if (col->reasoning.n) {
         json_object_object_add(m, "reasoning_content", json_object_new_string(col->reasoning.p));
         json_object_object_add(m, "reasoning", json_object_new_string(col->reasoning.p));
@@ -996,9 +1017,9 @@ static void handle_generate(Ctx *c, ApiKind kind, bool is_job)
     JobState st = {0};
     if (r.stream) {
         sse_headers(c);
-        const Err err = stream_job(c, job.id, job.public_id, job.created, -1,
-                                   kind == API_KIND_CHAT ? MODE_CHAT_SSE : MODE_COMPLETION_SSE,
-                                   &r, NULL, &st);
+        const Err err =
+            stream_job(c, job.id, job.public_id, job.created, -1,
+                       kind == API_KIND_CHAT ? MODE_CHAT_SSE : MODE_COMPLETION_SSE, &r, NULL, &st);
         if (err == ERR_IO) {
             // The client left a chat/completions stream: nobody can read the rest.
             LOG_INFO("api: client left the stream of job %s; cancelling it", job.public_id);
@@ -1007,11 +1028,13 @@ static void handle_generate(Ctx *c, ApiKind kind, bool is_job)
         }
         goto done;
     }
-    const Err err = stream_job(c, job.id, job.public_id, job.created, -1, MODE_COLLECT, &r, &col, &st);
+    const Err err =
+        stream_job(c, job.id, job.public_id, job.created, -1, MODE_COLLECT, &r, &col, &st);
     if (err == ERR_DB) {
         api_error_set(&e, 503, "server_error", "database_unavailable", NULL,
                       "the job database was unavailable for %d s; job %s goes on: read it with "
-                      "GET /v1/jobs/%s", c->cfg->stream_outage_s, job.public_id, job.public_id);
+                      "GET /v1/jobs/%s",
+                      c->cfg->stream_outage_s, job.public_id, job.public_id);
         send_error(c, &e, 1);
         goto done;
     }
@@ -1032,20 +1055,24 @@ static void handle_generate(Ctx *c, ApiKind kind, bool is_job)
     json_object *o = json_object_new_object(), *choices = json_object_new_array(),
                 *ch = json_object_new_object();
     json_object_object_add(o, "id", json_object_new_string(job.public_id));
-    json_object_object_add(o, "object", json_object_new_string(kind == API_KIND_CHAT ? "chat.completion"
-                                                                                    : "text_completion"));
+    json_object_object_add(
+        o, "object",
+        json_object_new_string(kind == API_KIND_CHAT ? "chat.completion" : "text_completion"));
     json_object_object_add(o, "created", json_object_new_int64(job.created));
     json_object_object_add(o, "model", json_object_new_string(c->cfg->model_name));
     json_object_object_add(ch, "index", json_object_new_int(0));
     if (kind == API_KIND_CHAT)
         json_object_object_add(ch, "message", message_object(&col, job.public_id));
     else
-        json_object_object_add(ch, "text", json_object_new_string(col.content.p ? col.content.p : ""));
+        json_object_object_add(ch, "text",
+                               json_object_new_string(col.content.p ? col.content.p : ""));
     int lp_offset = 0;
     if (r.logprobs && !col.logprobs) col.logprobs = json_object_new_array();
-    json_object_object_add(ch, "logprobs",
-                           r.logprobs ? choice_logprobs(col.logprobs, kind == API_KIND_CHAT, &lp_offset) : NULL);
-    json_object_object_add(ch, "finish_reason", json_object_new_string(client_finish_reason(&st, n_tools)));
+    json_object_object_add(
+        ch, "logprobs",
+        r.logprobs ? choice_logprobs(col.logprobs, kind == API_KIND_CHAT, &lp_offset) : NULL);
+    json_object_object_add(ch, "finish_reason",
+                           json_object_new_string(client_finish_reason(&st, n_tools)));
     json_object_array_add(choices, ch);
     json_object_object_add(o, "choices", choices);
     json_object_object_add(o, "usage", usage_object(&st));
@@ -1074,31 +1101,36 @@ static json_object *job_object(PGresult *res, int i, bool with_output)
 {
     json_object *o = json_object_new_object(), *t = json_object_new_object(),
                 *u = json_object_new_object();
-#define COL_STR(k, col)                                                                     \
-    json_object_object_add(o, k, PQgetisnull(res, i, col) ? NULL                            \
-                                                          : json_object_new_string(PQgetvalue(res, i, col)))
-#define COL_NUM(obj, k, col)                                                                \
-    json_object_object_add(obj, k, PQgetisnull(res, i, col) ? NULL                          \
-                                                            : json_object_new_double(atof(PQgetvalue(res, i, col))))
+#define COL_STR(k, col)     \
+    json_object_object_add( \
+        o, k, PQgetisnull(res, i, col) ? NULL : json_object_new_string(PQgetvalue(res, i, col)))
+#define COL_NUM(obj, k, col) \
+    json_object_object_add(  \
+        obj, k,              \
+        PQgetisnull(res, i, col) ? NULL : json_object_new_double(atof(PQgetvalue(res, i, col))))
     COL_STR("id", 1);
     json_object_object_add(o, "object", json_object_new_string("job"));
     COL_STR("state", 2);
     COL_STR("kind", 3);
     COL_STR("model", 4);
     json_object_object_add(o, "attempts", json_object_new_int(atoi(PQgetvalue(res, i, 5))));
-    json_object_object_add(o, "queue_position",
-                           PQgetisnull(res, i, 15) ? NULL : json_object_new_int(atoi(PQgetvalue(res, i, 15))));
-    json_object_object_add(o, "created_at", json_object_new_int64((int64_t) atof(PQgetvalue(res, i, 6))));
+    json_object_object_add(
+        o, "queue_position",
+        PQgetisnull(res, i, 15) ? NULL : json_object_new_int(atoi(PQgetvalue(res, i, 15))));
+    json_object_object_add(o, "created_at",
+                           json_object_new_int64((int64_t) atof(PQgetvalue(res, i, 6))));
     COL_NUM(t, "created_at", 6);
     COL_NUM(t, "claimed_at", 7);
     COL_NUM(t, "first_token_at", 8);
     COL_NUM(t, "finished_at", 9);
     if (!PQgetisnull(res, i, 7))
-        json_object_object_add(t, "queue_wait_s", json_object_new_double(atof(PQgetvalue(res, i, 7)) -
-                                                                        atof(PQgetvalue(res, i, 6))));
+        json_object_object_add(
+            t, "queue_wait_s",
+            json_object_new_double(atof(PQgetvalue(res, i, 7)) - atof(PQgetvalue(res, i, 6))));
     if (!PQgetisnull(res, i, 8))
-        json_object_object_add(t, "ttft_s", json_object_new_double(atof(PQgetvalue(res, i, 8)) -
-                                                                  atof(PQgetvalue(res, i, 7))));
+        json_object_object_add(
+            t, "ttft_s",
+            json_object_new_double(atof(PQgetvalue(res, i, 8)) - atof(PQgetvalue(res, i, 7))));
     json_object_object_add(o, "timings", t);
     const int np = atoi(PQgetvalue(res, i, 10)), nc = atoi(PQgetvalue(res, i, 11));
     json_object_object_add(u, "prompt_tokens", json_object_new_int(np));
@@ -1117,21 +1149,26 @@ static json_object *job_object(PGresult *res, int i, bool with_output)
         const int k0 = N_JOB_COLUMNS;
         json_object *out = json_object_new_object();
         json_object_object_add(out, "content", json_object_new_string(PQgetvalue(res, i, k0)));
-        json_object_object_add(out, "reasoning_content", json_object_new_string(PQgetvalue(res, i, k0 + 1)));
-        json_object *tools = json_tokener_parse(PQgetvalue(res, i, k0 + 2)), *calls = json_object_new_array();
+        json_object_object_add(out, "reasoning_content",
+                               json_object_new_string(PQgetvalue(res, i, k0 + 1)));
+        json_object *tools = json_tokener_parse(PQgetvalue(res, i, k0 + 2)),
+                    *calls = json_object_new_array();
         for (size_t k = 0; tools && k < json_object_array_length(tools); k++)
-            json_object_array_add(calls, tool_call_object(PQgetvalue(res, i, 1), (int) k,
-                                                          json_object_get_string(json_object_array_get_idx(tools, k)),
-                                                          false));
+            json_object_array_add(
+                calls, tool_call_object(PQgetvalue(res, i, 1), (int) k,
+                                        json_object_get_string(json_object_array_get_idx(tools, k)),
+                                        false));
         json_object_put(tools);
         json_object_object_add(out, "tool_calls", calls);
         json_object_object_add(o, "output", out);
         // What the caller sent: {"messages": [...]} for chat, {"prompt": "..."} for completions.
-        json_object *input = PQgetisnull(res, i, k0 + 3) ? NULL : json_tokener_parse(PQgetvalue(res, i, k0 + 3));
+        json_object *input =
+            PQgetisnull(res, i, k0 + 3) ? NULL : json_tokener_parse(PQgetvalue(res, i, k0 + 3));
         if (input) {
             json_object *request = json_object_new_object();
-            json_object_object_add(request, json_object_is_type(input, json_type_string) ? "prompt" : "messages",
-                                   input);
+            json_object_object_add(
+                request, json_object_is_type(input, json_type_string) ? "prompt" : "messages",
+                input);
             json_object_object_add(o, "request", request);
         }
     }
@@ -1145,11 +1182,11 @@ static int64_t find_job(Ctx *c, const char *public_id, long long *created)
 {
     char key_id[24];
     snprintf(key_id, sizeof key_id, "%lld", (long long) c->key.id);
-    PGresult *res = api_db_exec(c->db,
-                                "SELECT id, extract(epoch FROM created_at)::bigint FROM jobs"
-                                " WHERE public_id = $1 AND (api_key_id = $2::bigint OR $3::bool)",
-                                3, (const char *const[]){public_id, key_id, c->key.is_admin ? "t" : "f"},
-                                PGRES_TUPLES_OK);
+    PGresult *res = api_db_exec(
+        c->db,
+        "SELECT id, extract(epoch FROM created_at)::bigint FROM jobs"
+        " WHERE public_id = $1 AND (api_key_id = $2::bigint OR $3::bool)",
+        3, (const char *const[]){public_id, key_id, c->key.is_admin ? "t" : "f"}, PGRES_TUPLES_OK);
     if (!res) {
         fail_db(c);
         return 0;
@@ -1169,17 +1206,18 @@ static void handle_job_get(Ctx *c, const char *public_id)
 {
     if (!find_job(c, public_id, NULL)) return;
     char sql[2048];
-    snprintf(sql, sizeof sql,
-             "SELECT %s,"
-             " coalesce((SELECT string_agg(text, '' ORDER BY seq) FROM job_chunks WHERE job_id = j.id"
-             "  AND kind = 'content'), ''),"
-             " coalesce((SELECT string_agg(text, '' ORDER BY seq) FROM job_chunks WHERE job_id = j.id"
-             "  AND kind = 'reasoning'), ''),"
-             " coalesce((SELECT json_agg(text ORDER BY seq) FROM job_chunks WHERE job_id = j.id"
-             "  AND kind = 'tool'), '[]')::text,"
-             " j.input::text"
-             " FROM jobs j WHERE j.public_id = $1",
-             job_columns);
+    snprintf(
+        sql, sizeof sql,
+        "SELECT %s,"
+        " coalesce((SELECT string_agg(text, '' ORDER BY seq) FROM job_chunks WHERE job_id = j.id"
+        "  AND kind = 'content'), ''),"
+        " coalesce((SELECT string_agg(text, '' ORDER BY seq) FROM job_chunks WHERE job_id = j.id"
+        "  AND kind = 'reasoning'), ''),"
+        " coalesce((SELECT json_agg(text ORDER BY seq) FROM job_chunks WHERE job_id = j.id"
+        "  AND kind = 'tool'), '[]')::text,"
+        " j.input::text"
+        " FROM jobs j WHERE j.public_id = $1",
+        job_columns);
     PGresult *res = api_db_exec(c->db, sql, 1, (const char *const[]){public_id}, PGRES_TUPLES_OK);
     if (!res || PQntuples(res) != 1) {
         PQclear(res);
@@ -1210,16 +1248,18 @@ static void handle_job_list(Ctx *c)
              " AND ($3 = '' OR j.id < (SELECT id FROM jobs WHERE public_id = $3))"
              " ORDER BY j.id DESC LIMIT $4::int",
              job_columns);
-    PGresult *res = api_db_exec(c->db, sql, 4,
-                                (const char *const[]){key_id, c->key.is_admin ? "t" : "f", after, limit_text},
-                                PGRES_TUPLES_OK);
+    PGresult *res =
+        api_db_exec(c->db, sql, 4,
+                    (const char *const[]){key_id, c->key.is_admin ? "t" : "f", after, limit_text},
+                    PGRES_TUPLES_OK);
     if (!res) {
         fail_db(c);
         return;
     }
     const int n = PQntuples(res);
     json_object *o = json_object_new_object(), *data = json_object_new_array();
-    for (int i = 0; i < n && i < limit; i++) json_object_array_add(data, job_object(res, i, false));
+    for (int i = 0; i < n && i < limit; i++)
+        json_object_array_add(data, job_object(res, i, false));
     json_object_object_add(o, "object", json_object_new_string("list"));
     json_object_object_add(o, "data", data);
     json_object_object_add(o, "has_more", json_object_new_boolean(n > limit));
@@ -1239,7 +1279,8 @@ static void handle_job_events(Ctx *c, const char *public_id)
     char qafter[16];
     if (last && *last) {
         if (api_http_parse_event_id(last, &after)) {
-            fail(c, 400, NULL, NULL, "Last-Event-ID", "Last-Event-ID must be a chunk sequence number");
+            fail(c, 400, NULL, NULL, "Last-Event-ID",
+                 "Last-Event-ID must be a chunk sequence number");
             return;
         }
     } else {
@@ -1290,7 +1331,8 @@ static void handle_metrics(Ctx *c)
         fail_db(c);
         return;
     }
-    putf(c, "Status: 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nCache-Control: no-store\r\n\r\n");
+    putf(c, "Status: 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nCache-Control: "
+            "no-store\r\n\r\n");
     put(c, text, n);
     free(text);
 }
@@ -1299,7 +1341,8 @@ static void handle_metrics(Ctx *c)
 // operators; the app never reads them back), or 401.
 static void handle_auth(Ctx *c)
 {
-    const char *key = api_http_bearer_key(param(c, "HTTP_AUTHORIZATION"), param(c, "HTTP_X_API_KEY"));
+    const char *key =
+        api_http_bearer_key(param(c, "HTTP_AUTHORIZATION"), param(c, "HTTP_X_API_KEY"));
     ApiKey k;
     Buf h = {0};
     char num[24];
@@ -1316,8 +1359,10 @@ static void handle_auth(Ctx *c)
     if (!herr) herr = api_http_add_header(&h, "X-Key-Rpm", num);
     snprintf(num, sizeof num, "%d", k.max_concurrent);
     if (!herr) herr = api_http_add_header(&h, "X-Key-Max-Concurrent", num);
-    if (herr) putf(c, "Status: 500\r\nContent-Type: text/plain\r\n\r\n");
-    else putf(c, "Status: 200 OK\r\n%sContent-Type: text/plain\r\n\r\n", h.p);
+    if (herr)
+        putf(c, "Status: 500\r\nContent-Type: text/plain\r\n\r\n");
+    else
+        putf(c, "Status: 200 OK\r\n%sContent-Type: text/plain\r\n\r\n", h.p);
     buf_free(&h);
 }
 
@@ -1365,27 +1410,49 @@ void api_server_handle(FCGX_Request *req, ApiDb *db, const ApiConfig *cfg)
     switch (route) {
     case API_ROUTE_METRICS:
         if (!c->key.is_admin) {
-            fail(c, 403, "permission_error", "insufficient_scope", NULL, "this endpoint needs an admin key");
+            fail(c, 403, "permission_error", "insufficient_scope", NULL,
+                 "this endpoint needs an admin key");
             return;
         }
         handle_metrics(c);
         return;
-    case API_ROUTE_MODELS: handle_models(c, NULL); return;
-    case API_ROUTE_MODEL: handle_models(c, arg); return;
-    case API_ROUTE_CHAT: handle_generate(c, API_KIND_CHAT, false); return;
-    case API_ROUTE_COMPLETIONS: handle_generate(c, API_KIND_COMPLETION, false); return;
-    case API_ROUTE_JOB_SUBMIT: handle_generate(c, API_KIND_CHAT, true); return;
-    case API_ROUTE_JOB_LIST: handle_job_list(c); return;
-    case API_ROUTE_JOB_GET: handle_job_get(c, public_id); return;
-    case API_ROUTE_JOB_EVENTS: handle_job_events(c, public_id); return;
-    case API_ROUTE_JOB_CANCEL: handle_job_cancel(c, public_id); return;
-    case API_ROUTE_BAD_JOB: fail(c, 404, NULL, "job_not_found", NULL, "no such job"); return;
+    case API_ROUTE_MODELS:
+        handle_models(c, NULL);
+        return;
+    case API_ROUTE_MODEL:
+        handle_models(c, arg);
+        return;
+    case API_ROUTE_CHAT:
+        handle_generate(c, API_KIND_CHAT, false);
+        return;
+    case API_ROUTE_COMPLETIONS:
+        handle_generate(c, API_KIND_COMPLETION, false);
+        return;
+    case API_ROUTE_JOB_SUBMIT:
+        handle_generate(c, API_KIND_CHAT, true);
+        return;
+    case API_ROUTE_JOB_LIST:
+        handle_job_list(c);
+        return;
+    case API_ROUTE_JOB_GET:
+        handle_job_get(c, public_id);
+        return;
+    case API_ROUTE_JOB_EVENTS:
+        handle_job_events(c, public_id);
+        return;
+    case API_ROUTE_JOB_CANCEL:
+        handle_job_cancel(c, public_id);
+        return;
+    case API_ROUTE_BAD_JOB:
+        fail(c, 404, NULL, "job_not_found", NULL, "no such job");
+        return;
     case API_ROUTE_METHOD:
         fail(c, 405, NULL, "method_not_allowed", NULL, "method not allowed on this endpoint");
         return;
     case API_ROUTE_NONE:
     case API_ROUTE_HEALTH:
-    case API_ROUTE_AUTH: break;
+    case API_ROUTE_AUTH:
+        break;
     }
     fail(c, 404, NULL, "not_found", NULL, "no such endpoint");
 }

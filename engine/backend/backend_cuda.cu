@@ -54,6 +54,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "engine/shared/clock.h"
 #include "engine/shared/cuda_check.h"
 #include "kernels/moe_router.h"
 #include "kernels/nvfp4_format.h"
@@ -537,8 +538,8 @@ static __global__ void k_route(int *idx, float *wts, const float *logits, const 
     if (threadIdx.x != 0) return;
     const int E = p.n_experts, K = p.top_k, t = blockIdx.x;
     moe_router_token(idx + (size_t) t * K, wts + (size_t) t * K, NULL, logits + (size_t) t * E,
-                     bias, E, K, p.n_group, p.topk_group, p.norm_topk_prob,
-                     p.routed_scaling_factor, true, sm);
+                     bias, E, K, p.n_group, p.topk_group, p.norm_topk_prob, p.routed_scaling_factor,
+                     true, sm);
 }
 
 static __device__ __forceinline__ double warp_sum_double(double v)
@@ -1033,27 +1034,20 @@ static void no_capture(const CudaImpl *impl, const char *what)
         log_fatal(__FILE__, __LINE__, "CUDA backend: %s while capturing a graph", what);
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 // Profiling (GLMSPARK_CUDA_PROFILE=1): the GPU is idle at prof_begin, and prof_end waits
 // for the op, so each op's wall time is its own (plus one launch and sync).
 static void prof_begin(CudaImpl *impl)
 {
     if (!impl->profile) return;
     CUDA_CHECK(cudaStreamSynchronize(impl->stream));
-    impl->prof_t0 = now_s();
+    impl->prof_t0 = clock_now_s();
 }
 
 static void prof_end(CudaImpl *impl, int op, double weight_bytes)
 {
     if (!impl->profile) return;
     CUDA_CHECK(cudaStreamSynchronize(impl->stream));
-    impl->prof_s[op] += now_s() - impl->prof_t0;
+    impl->prof_s[op] += clock_now_s() - impl->prof_t0;
     impl->prof_bytes[op] += weight_bytes;
     impl->prof_calls[op]++;
 }
@@ -1149,7 +1143,8 @@ static const int *dev_blocks(CudaImpl *impl, const KvSeq *seq)
     }
     if (n) {
         memcpy(slot->host, seq->blocks, (size_t) n * sizeof(int));
-        CUDA_CHECK(cudaMemcpy(slot->dev, slot->host, (size_t) n * sizeof(int), cudaMemcpyHostToDevice));
+        CUDA_CHECK(
+            cudaMemcpy(slot->dev, slot->host, (size_t) n * sizeof(int), cudaMemcpyHostToDevice));
     }
     slot->n_blocks = n;
     return slot->dev;
@@ -1499,7 +1494,8 @@ static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int
         host[i] = dev_lin(&experts[i]);
     void *dev = NULL;
     CUDA_CHECK(cudaMalloc(&dev, (size_t) 3 * n_experts * sizeof *host));
-    CUDA_CHECK(cudaMemcpy(dev, host, (size_t) 3 * n_experts * sizeof *host, cudaMemcpyHostToDevice));
+    CUDA_CHECK(
+        cudaMemcpy(dev, host, (size_t) 3 * n_experts * sizeof *host, cudaMemcpyHostToDevice));
     free(host);
     impl->tables[impl->n_tables++] = (ExpertTable){experts, n_experts, dev};
     return (const DevLin *) dev;

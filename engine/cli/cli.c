@@ -38,13 +38,6 @@ const CliCommand *cli_commands(void)
     return commands;
 }
 
-double cli_now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec + (double) ts.tv_nsec * 1e-9;
-}
-
 bool cli_parse_long(const char *s, long lo, long hi, long *out)
 {
     char *end;

@@ -36,9 +36,6 @@ typedef struct CliCommand {
 // The table of commands, terminated by an entry with name == NULL. Static storage.
 const CliCommand *cli_commands(void);
 
-// Seconds on CLOCK_MONOTONIC, for timing a phase.
-double cli_now_s(void);
-
 // Option values, shared by the command files: each returns false on a malformed or
 // out-of-range value and then leaves *out unchanged. A decimal integer in [lo, hi].
 bool cli_parse_long(const char *s, long lo, long hi, long *out);

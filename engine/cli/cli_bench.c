@@ -45,6 +45,7 @@
 #endif
 #include "engine/model/kv_cache.h"
 #include "engine/model/model.h"
+#include "engine/shared/clock.h"
 #include "engine/tools/mkmodel.h"
 
 enum { BENCH_MAX_BATCHES = 16 };
@@ -231,7 +232,7 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
         ptrs[i] = &seqs[i];
 
     // Prefill, one sequence per call.
-    double t0 = cli_now_s();
+    double t0 = clock_now_s();
     for (int i = 0; i < B; i++) {
         for (int t = 0; t < a->ctx; t++)
             ids[t] = (int) ((1103515245u * (unsigned) (t + 7919 * i) + 12345u)
@@ -240,7 +241,7 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
         const ModelBatch b = {1, &ptrs[i], n_new};
         if (model_forward_batch(m, &kv, &b, ids, NULL, NULL, logits, MODEL_LOGITS_LAST)) goto done;
     }
-    const double prefill_s = cli_now_s() - t0;
+    const double prefill_s = clock_now_s() - t0;
 
     // Decode: one warm-up step, then the timed steps.
     for (int i = 0; i < B; i++)
@@ -253,9 +254,9 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
     for (int s = 0; s <= a->steps; s++) {
         for (int i = 0; i < B; i++)
             ids[i] = (int) ((unsigned) (s * 31 + i * 17 + 5) % (unsigned) c->vocab_size);
-        const double t1 = cli_now_s();
+        const double t1 = clock_now_s();
         if (model_forward_batch(m, &kv, &b, ids, NULL, NULL, logits, MODEL_LOGITS_LAST)) goto done;
-        if (s > 0) decode_s += cli_now_s() - t1;
+        if (s > 0) decode_s += clock_now_s() - t1;
     }
     const double step_s = decode_s / a->steps;
 #ifdef GLMSPARK_HAVE_CUDA
@@ -308,11 +309,11 @@ static double time_op(Backend *be, void (*op)(Backend *, void *), void *ctx, int
     for (int i = 0; i < 2; i++)
         op(be, ctx);
     be->download(be, &probe, sync_buf, sizeof probe);
-    const double t0 = cli_now_s();
+    const double t0 = clock_now_s();
     for (int i = 0; i < reps; i++)
         op(be, ctx);
     be->download(be, &probe, sync_buf, sizeof probe);
-    return (cli_now_s() - t0) / reps;
+    return (clock_now_s() - t0) / reps;
 }
 
 typedef struct ReapOp {

@@ -23,6 +23,7 @@
 #include "engine/model/config.h"
 #include "engine/model/model.h"
 #include "engine/pipeline/pp.h"
+#include "engine/shared/clock.h"
 #include "engine/tools/mkmodel.h"
 
 // ---------------------------------------------------------------------------
@@ -321,13 +322,13 @@ int cli_inspect(int argc, char **argv)
         fprintf(stderr, "glmspark inspect: bad config in \"%s\" (see the message above)\n", dir);
         goto done;
     }
-    const double t0 = cli_now_s();
+    const double t0 = clock_now_s();
     if (ckpt_open(&ck, dir)) {
         fprintf(stderr, "glmspark inspect: bad checkpoint \"%s\" (see the message above)\n", dir);
         goto done;
     }
     model_resolve_indexers(cfg, &ck, dir);  // layers without indexer tensors: dense attention
-    const double t_open = cli_now_s() - t0;
+    const double t_open = clock_now_s() - t0;
     const int n_layers = cfg->n_layers + cfg->n_mtp_layers;
     ClassStats classes[N_CLASSES] = {{0}};
     if (!(layer_bytes = calloc((size_t) n_layers + 1, sizeof *layer_bytes))) goto done;

@@ -53,6 +53,7 @@
 #include "engine/pipeline/mtp.h"
 #include "engine/pipeline/pp.h"
 #include "engine/pipeline/scheduler.h"
+#include "engine/shared/clock.h"
 
 typedef struct ModelArgs {
     const char *model_dir;
@@ -269,7 +270,7 @@ static Err backend_open(const ModelArgs *a, Backend **be)
 // Backend, model and a KV cache with room for n_positions, or an error message.
 static Err open_model(const ModelArgs *a, int n_positions, Backend **be, Model *m, KvCache *kv)
 {
-    const double t0 = cli_now_s();
+    const double t0 = clock_now_s();
     Err err = backend_open(a, be);
     if (err) return err;
     if ((err = model_load(m, a->model_dir, NULL, *be))) return err;
@@ -278,7 +279,8 @@ static Err open_model(const ModelArgs *a, int n_positions, Backend **be, Model *
     KvCacheParams p = model_kv_params(m, 2 * ((n_positions + block - 1) / block), block);
     p.dtype = a->kv_dtype;
     if ((err = kv_init(kv, &p))) return err;
-    LOG_INFO("loaded \"%s\" in %.3f s (%d threads)", a->model_dir, cli_now_s() - t0, a->n_threads);
+    LOG_INFO("loaded \"%s\" in %.3f s (%d threads)", a->model_dir, clock_now_s() - t0,
+             a->n_threads);
     return ERR_OK;
 }
 
@@ -329,10 +331,10 @@ static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, cons
         r.sampling.seed += (uint64_t) i;
         if (sched_submit(s, &r)) goto done;
     }
-    const double t0 = cli_now_s(), c0 = cpu_s();
+    const double t0 = clock_now_s(), c0 = cpu_s();
     while (sched_has_work(s))
         if (sched_step(s)) goto done;
-    const double dt = cli_now_s() - t0, dc = cpu_s() - c0;
+    const double dt = clock_now_s() - t0, dc = cpu_s() - c0;
     int total = 0;
     for (int i = 0; i < K; i++) {
         for (int j = 0; j < out.n[i]; j++)
@@ -415,7 +417,7 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
                       a->kv_dtype == KV_DTYPE_BF16 ? 2 : 4, &plan))
         goto done;
     const PpRankPlan *mine = &plan.ranks[a->rank];
-    const double t0 = cli_now_s();
+    const double t0 = clock_now_s();
     const ModelOptions opts = {.load_mtp = a->mtp > 0 && !is_logits,
                                .first_layer = mine->first_layer,
                                .last_layer = mine->last_layer};
@@ -432,7 +434,7 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
              "loaded in %.3f s (%.2f GB/s)",
              a->rank, a->world, mine->first_layer, mine->last_layer,
              m.has_embed ? " + embeddings" : "", m.has_head ? " + head" : "",
-             mine->weight_bytes / 1e9, m.ckpt.n_shards, cli_now_s() - t0, touch.gb_per_s);
+             mine->weight_bytes / 1e9, m.ckpt.n_shards, clock_now_s() - t0, touch.gb_per_s);
     const uint64_t extra =
         (uint64_t) a->mtp << 48 | (uint64_t) positions << 8 | (uint64_t) a->kv_dtype;
     if (pp_stage_create(&m, &kv, a->rank, a->world, a->master, pp_plan_hash(cfg, &plan, extra),
@@ -448,18 +450,18 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
     if (is_logits) {
         if (a->decode_check) LOG_WARN("--decode-check is not available with pipeline ranks");
         op.flags |= PP_SEQ_LOGITS | PP_SEQ_FREE;
-        const double t1 = cli_now_s();
+        const double t1 = clock_now_s();
         if (pp_submit(st, &op, 1, ids) || pp_collect(st, &res)) goto done;
-        LOG_INFO("prefill: %d tokens in %.3f s over %d ranks", n, cli_now_s() - t1, a->world);
+        LOG_INFO("prefill: %d tokens in %.3f s over %d ranks", n, clock_now_s() - t1, a->world);
         if (write_logits(a->out_path, res.logits, (size_t) n * (size_t) cfg->vocab_size)) goto done;
     } else if (a->n_seqs > 1 || a->mtp > 0) {
         if (drive_scheduler(a, st, &m, &kv, ids, n)) goto done;
     } else {
         op.flags |= PP_SEQ_SAMPLE;
-        double t1 = cli_now_s();
+        double t1 = clock_now_s();
         if (pp_submit(st, &op, 1, ids) || pp_collect(st, &res)) goto done;
-        const double prefill_s = cli_now_s() - t1;
-        t1 = cli_now_s();
+        const double prefill_s = clock_now_s() - t1;
+        t1 = clock_now_s();
         int n_out = 0;
         for (; n_out < a->max_tokens; n_out++) {
             const int32_t next = res.tokens[0];
@@ -475,7 +477,7 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
         }
         printf("\n");
         fflush(stdout);
-        const double decode_s = cli_now_s() - t1;
+        const double decode_s = clock_now_s() - t1;
         const PpSeqOp fin = {.slot = 0, .n_new = 0, .flags = PP_SEQ_FREE};
         if (pp_submit(st, &fin, 1, NULL) || pp_collect(st, &res)) goto done;
         LOG_INFO("prefill: %d tokens in %.3f s; decode: %d tokens in %.3f s (%.2f tok/s) over %d "
@@ -512,10 +514,10 @@ static int logits_alone(const ModelArgs *a, const int *ids, int n)
     logits = malloc((size_t) n * V * sizeof *logits);
     row = malloc(V * sizeof *row);
     if (!logits || !row) goto done;
-    const double t0 = cli_now_s();
+    const double t0 = clock_now_s();
     if (model_forward(&m, &kv, &seq, ids, n, logits, true)) goto done;
-    LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s)", n, cli_now_s() - t0,
-             n / (cli_now_s() - t0));
+    LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s)", n, clock_now_s() - t0,
+             n / (clock_now_s() - t0));
 
     if (write_logits(a->out_path, logits, (size_t) n * V)) goto done;
 
@@ -556,7 +558,7 @@ static int generate_mtp(const ModelArgs *a, const int *ids, int n)
     int *out = NULL;
     int rc = 1;
     if (mtp_check_params(&a->sampling)) return 2;
-    const double t0 = cli_now_s();
+    const double t0 = clock_now_s();
     const ModelOptions opts = {.load_mtp = true};
     if (backend_open(a, &be) || model_load(&m, a->model_dir, &opts, be)) goto done;
     const int block = KV_DEFAULT_BLOCK_SIZE;
@@ -572,13 +574,13 @@ static int generate_mtp(const ModelArgs *a, const int *ids, int n)
     out = malloc((size_t) (a->mtp + 1) * sizeof *out);
     if (!out) goto done;
     LOG_INFO("loaded \"%s\" with its MTP layer in %.3f s (%d threads)", a->model_dir,
-             cli_now_s() - t0, a->n_threads);
+             clock_now_s() - t0, a->n_threads);
 
-    double t1 = cli_now_s();
+    double t1 = clock_now_s();
     int n_out = 0, first = 0;
     if (a->max_tokens > 0 && mtp_gen_prefill(&g, ids, n, &first)) goto done;
-    const double prefill_s = cli_now_s() - t1;
-    t1 = cli_now_s();
+    const double prefill_s = clock_now_s() - t1;
+    t1 = clock_now_s();
     bool stop = a->max_tokens == 0;
     if (!stop) {
         printf("%d", first);
@@ -595,7 +597,7 @@ static int generate_mtp(const ModelArgs *a, const int *ids, int n)
         }
     }
     printf("\n");
-    const double decode_s = cli_now_s() - t1;
+    const double decode_s = clock_now_s() - t1;
     const MtpStats *st = &g.stats;
     LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s); decode: %d tokens in %.3f s (%.2f "
              "tok/s)",
@@ -652,10 +654,10 @@ static int generate_alone(const ModelArgs *a, const int *ids, int n)
     for (int i = 0; i < n; i++)
         history[i] = ids[i];
 
-    double t0 = cli_now_s(), c0 = cpu_s();
+    double t0 = clock_now_s(), c0 = cpu_s();
     if (model_forward(&m, &kv, &seq, ids, n, logits, false)) goto done;
-    const double prefill_s = cli_now_s() - t0, prefill_cpu_s = cpu_s() - c0;
-    t0 = cli_now_s();
+    const double prefill_s = clock_now_s() - t0, prefill_cpu_s = cpu_s() - c0;
+    t0 = clock_now_s();
     c0 = cpu_s();
     int n_out = 0;
     for (; n_out < a->max_tokens; n_out++) {
@@ -671,7 +673,7 @@ static int generate_alone(const ModelArgs *a, const int *ids, int n)
             goto done;
     }
     printf("\n");
-    const double decode_s = cli_now_s() - t0, decode_cpu_s = cpu_s() - c0;
+    const double decode_s = clock_now_s() - t0, decode_cpu_s = cpu_s() - c0;
     // The first generated token comes from the prefill's logits: decode ran n_out - 1 steps.
     LOG_INFO("prefill: %d tokens in %.3f s (%.1f tok/s, %.3f s cpu); decode: %d tokens in "
              "%.3f s (%.2f tok/s, %.3f s cpu)",

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "engine/shared/buf.h"
+#include "engine/shared/clock.h"
 #include "engine/shared/tokenizer.h"
 
 static int usage(const char *cmd)
@@ -228,9 +229,9 @@ int cli_bench_tokenize(int argc, char **argv)
     TokIds ids = {0};
     FILE *f = NULL;
     int rc = 1;
-    const double t_load0 = cli_now_s();
+    const double t_load0 = clock_now_s();
     if (tok_load(&tok, path)) goto done;
-    const double t_load = cli_now_s() - t_load0;
+    const double t_load = clock_now_s() - t_load0;
     f = fopen(file, "rb");
     size_t n = 0;
     if (f) text = read_all(f, &n);
@@ -240,11 +241,11 @@ int cli_bench_tokenize(int argc, char **argv)
     }
     // Cold cache for the whole-text run: a fresh tokenizer state is what a server sees at
     // first, and the line-by-line run after it measures the warm case.
-    double t0 = cli_now_s();
+    double t0 = clock_now_s();
     if (tok_encode(tok, text, n, false, &ids)) goto done;
-    const double t_whole = cli_now_s() - t0;
+    const double t_whole = clock_now_s() - t0;
     const size_t n_ids = ids.n;
-    t0 = cli_now_s();
+    t0 = clock_now_s();
     size_t n_line_ids = 0;
     for (char *line = text; line < text + n;) {
         char *end = memchr(line, '\n', (size_t) (text + n - line));
@@ -254,7 +255,7 @@ int cli_bench_tokenize(int argc, char **argv)
         n_line_ids += ids.n;
         line = end + 1;
     }
-    const double t_lines = cli_now_s() - t0;
+    const double t_lines = clock_now_s() - t0;
     // The shortest prefix of whole lines that holds prompt_tokens tokens.
     size_t cut = 0, have = 0;
     for (char *line = text; line < text + n && have < (size_t) prompt_tokens;) {
@@ -267,9 +268,9 @@ int cli_bench_tokenize(int argc, char **argv)
         line = end + 1;
     }
     ids.n = 0;
-    t0 = cli_now_s();
+    t0 = clock_now_s();
     if (tok_encode(tok, text, cut, false, &ids)) goto done;
-    const double t_prompt = cli_now_s() - t0;
+    const double t_prompt = clock_now_s() - t0;
     const double mb = (double) n / 1e6;
     printf("{\"bench\": \"glmspark\", \"bytes\": %zu, \"ids\": %zu, \"load_s\": %.4f, "
            "\"whole_s\": %.4f, \"whole_MBps\": %.2f, \"lines_s\": %.4f, \"lines_MBps\": %.2f, "

@@ -36,6 +36,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/shared/clock.h"
 #include "kernels/nvfp4_format.h"
 
 // safetensors' own limit on the header (MAX_HEADER_SIZE in the reference implementation).
@@ -321,13 +322,6 @@ done:
 // ---------------------------------------------------------------------------
 // Opening
 
-static double now_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec + (double) ts.tv_nsec * 1e-9;
-}
-
 static int tensor_cmp(const void *a, const void *b)
 {
     return strcmp(((const CkptTensor *) a)->name, ((const CkptTensor *) b)->name);
@@ -509,7 +503,7 @@ Err ckpt_open_filtered(Ckpt *ck, const char *model_dir, CkptFilter keep, void *u
     const char **files = NULL;
     int n_entries = 0, n_files = 0;
     char path[4096], index_path[4096];
-    const double t0 = now_seconds();
+    const double t0 = clock_now_s();
     memset(ck, 0, sizeof *ck);
     if (!(ck->dir = dup_string(model_dir))) {
         err = ERR_NOMEM;
@@ -577,7 +571,7 @@ Err ckpt_open_filtered(Ckpt *ck, const char *model_dir, CkptFilter keep, void *u
         }
     }
     LOG_INFO("opened checkpoint \"%s\": %d shards, %d tensors, %.3f GB mapped in %.3f s", model_dir,
-             ck->n_shards, ck->n_tensors, (double) ck->n_bytes_mapped / 1e9, now_seconds() - t0);
+             ck->n_shards, ck->n_tensors, (double) ck->n_bytes_mapped / 1e9, clock_now_s() - t0);
 done:
     json_object_put(index);
     free(entries);
@@ -626,7 +620,7 @@ void ckpt_touch(const Ckpt *ck, CkptTouchStats *stats)
     for (int i = 0; i < ck->n_tensors; i++) {
         total += ck->tensors[i].n_bytes;
     }
-    const double t0 = now_seconds();
+    const double t0 = clock_now_s();
     double last_log = t0;
     // Fault each shard's span of wanted tensors in with one call where the kernel can
     // (Linux >= 5.14): page-by-page faults of a cached file cost more than reading it.
@@ -663,7 +657,7 @@ void ckpt_touch(const Ckpt *ck, CkptTouchStats *stats)
             sum += p[j];
         }
         done_bytes += t->n_bytes;
-        const double now = now_seconds();
+        const double now = clock_now_s();
         if (now - last_log >= 2.0) {
             const double rate = (double) done_bytes / (now - t0);
             LOG_INFO("loading \"%s\": %.2f / %.2f GB, %.2f GB/s, ETA %.0f s", ck->dir,
@@ -672,7 +666,7 @@ void ckpt_touch(const Ckpt *ck, CkptTouchStats *stats)
             last_log = now;
         }
     }
-    const double seconds = now_seconds() - t0;
+    const double seconds = clock_now_s() - t0;
     const double gbps = seconds > 0 ? (double) done_bytes / seconds / 1e9 : 0.0;
     LOG_INFO("loaded \"%s\": %.3f GB in %.3f s, %.2f GB/s", ck->dir, (double) done_bytes / 1e9,
              seconds, gbps);

@@ -38,6 +38,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/shared/clock.h"
+
 // ---------------------------------------------------------------------------
 // Planner
 
@@ -291,13 +293,6 @@ static int free_port(void)
     return port;
 }
 
-static double mono_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 int pp_launch_local(int argc, char **argv, int world)
 {
     ASSERT(world >= 1 && world <= PP_MAX_WORLD);
@@ -369,14 +364,14 @@ int pp_launch_local(int argc, char **argv, int world)
     int alive = 0, rank0_status = 0;
     for (int r = 0; r < world; r++)
         alive += pids[r] > 0;
-    double kill_at = status ? mono_s() : 0;
+    double kill_at = status ? clock_now_s() : 0;
     bool is_stopping = false;
     while (alive > 0) {
         if (launch_n_signals > 0 && !is_stopping) {
             is_stopping = true;
             LOG_INFO("stopping the pipeline: rank 0 was asked to stop (killed after %d s)",
                      LAUNCH_STOP_MS / 1000);
-            const double stop_at = mono_s() + LAUNCH_STOP_MS / 1e3;
+            const double stop_at = clock_now_s() + LAUNCH_STOP_MS / 1e3;
             if (kill_at == 0 || stop_at < kill_at) kill_at = stop_at;
         }
         int st;
@@ -395,14 +390,14 @@ int pp_launch_local(int argc, char **argv, int world)
                 if (!status) status = code;
                 if (r == 0) rank0_status = code;
                 if (kill_at == 0 || (is_stopping && r == 0))
-                    kill_at = mono_s() + LAUNCH_GRACE_MS / 1e3;
+                    kill_at = clock_now_s() + LAUNCH_GRACE_MS / 1e3;
             }
             continue;
         }
         if (pid < 0 && errno != EINTR) break;
-        if (kill_at > 0 && mono_s() >= kill_at && pgid > 0) {
+        if (kill_at > 0 && clock_now_s() >= kill_at && pgid > 0) {
             kill(-pgid, SIGKILL);
-            kill_at = mono_s() + 3600;  // once
+            kill_at = clock_now_s() + 3600;  // once
         }
         const struct timespec ts = {0, 10 * 1000 * 1000};
         nanosleep(&ts, NULL);
@@ -649,9 +644,9 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
             if (s->is_last && (err = sampler_init(&st->sampler, m->cfg.vocab_size, ops[i].params)))
                 return err;
             if (s->is_last && st->mtp_k > 0
-                && (err = s->has_mtp ? mtp_slot_start(&s->mtp, ops[i].slot, st->mtp_k,
-                                                      &ops[i].params)
-                                     : ERR_INVAL)) {
+                && (err = s->has_mtp
+                              ? mtp_slot_start(&s->mtp, ops[i].slot, st->mtp_k, &ops[i].params)
+                              : ERR_INVAL)) {
                 if (!s->has_mtp)
                     LOG_ERROR("pipeline slot %d asks for MTP drafts; the last rank has no MTP "
                               "layer loaded",
@@ -841,8 +836,8 @@ Err pp_collect(PpStage *s, PpResult *out)
                 && (err = pp_comm_recv(&s->comm, s->res_logits,
                                        (size_t) h.n_rows * V * sizeof(float))))
             || (h.has_mtp
-                && ((err = grow_int((void **) &s->res_mtp, &s->cap_res_mtp, h.n_ops,
-                                    sizeof(MtpOut)))
+                && ((err =
+                         grow_int((void **) &s->res_mtp, &s->cap_res_mtp, h.n_ops, sizeof(MtpOut)))
                     || (err = pp_comm_recv(&s->comm, s->res_mtp,
                                            (size_t) h.n_ops * sizeof(MtpOut))))))
             return err;

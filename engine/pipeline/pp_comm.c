@@ -36,6 +36,8 @@
 #include <nccl.h>
 #endif
 
+#include "engine/shared/clock.h"
+
 enum {
     CTRL_MAGIC = 0x47504354,  // "GPCT"
     HELLO_MAGIC = 0x47504848,
@@ -75,9 +77,7 @@ typedef struct Welcome {
 
 static double now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+    return clock_now_s() * 1e3;
 }
 
 static void sleep_ms(int ms)
@@ -385,8 +385,7 @@ Err pp_comm_init(PpComm *c, int rank, int world, const char *master, uint64_t co
         snprintf(wel->addrs[0], sizeof wel->addrs[0], "%s",
                  strcmp(addr, "0.0.0.0") == 0 ? "127.0.0.1" : addr);
         wel->ports[0] = data_port;
-        for (int r = 0; r < world; r++)
-        {
+        for (int r = 0; r < world; r++) {
             snprintf(wel->hosts[r], sizeof wel->hosts[r], "%s", c->hosts[r]);
             wel->pids[r] = c->pids[r];
         }
@@ -420,8 +419,7 @@ Err pp_comm_init(PpComm *c, int rank, int world, const char *master, uint64_t co
             LOG_ERROR("rank %d: truncated handshake from rank 0", rank);
             goto done;
         }
-        for (int r = 0; r < world; r++)
-        {
+        for (int r = 0; r < world; r++) {
             memcpy(c->hosts[r], wel->hosts[r], sizeof c->hosts[r]);
             c->pids[r] = wel->pids[r];
         }
@@ -605,7 +603,7 @@ Err pp_comm_recv_act(PpComm *c, void *buf, size_t n)
     return pp_comm_recv(c, buf, n);
 }
 
-#else  // GLMSPARK_HAVE_NCCL
+#else   // GLMSPARK_HAVE_NCCL
 
 // One rank's NCCL state: the communicator, its stream and device staging buffers for
 // activations that come from host memory.
@@ -749,8 +747,8 @@ Err pp_comm_data_start(PpComm *c, bool gpu)
         nccl_free(c);
         return err;
     }
-    LOG_INFO("pipeline rank %d: NCCL data plane on GPU %d (%s), joined in %.0f ms", c->rank,
-             device, c->hosts[c->rank], now_ms() - t0);
+    LOG_INFO("pipeline rank %d: NCCL data plane on GPU %d (%s), joined in %.0f ms", c->rank, device,
+             c->hosts[c->rank], now_ms() - t0);
     return ERR_OK;
 }
 

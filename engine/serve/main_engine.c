@@ -65,6 +65,7 @@
 #include "engine/serve/serve_out.h"
 #include "engine/serve/serve_stage.h"
 #include "engine/serve/serve_stats.h"
+#include "engine/shared/clock.h"
 #include "engine/shared/err.h"
 #include "engine/shared/tokenizer.h"
 
@@ -156,14 +157,22 @@ static int parse_opts(int argc, char **argv, Opts *o)
             }
         if (!strcmp(a, "--pp")) o->is_pp_flag = true;
         if (known) continue;
-        if (!strcmp(a, "--db")) o->conninfo = v;
-        else if (!strcmp(a, "--name")) o->name = v;
-        else if (!strcmp(a, "--master")) o->master = v;
-        else if (!strcmp(a, "--step-delay-ms")) ok = parse_int(v, 0, 600000, &o->step_delay_ms);
-        else if (!strcmp(a, "--rank")) ok = parse_int(v, 0, PP_MAX_WORLD - 1, &o->rank);
-        else if (!strcmp(a, "--world")) ok = parse_int(v, 1, PP_MAX_WORLD, &o->world);
-        else if (!strcmp(a, "--local-rank")) ok = parse_int(v, 0, 1023, &o->local_rank);
-        else if (strcmp(a, "--recipe") != 0) return usage();
+        if (!strcmp(a, "--db"))
+            o->conninfo = v;
+        else if (!strcmp(a, "--name"))
+            o->name = v;
+        else if (!strcmp(a, "--master"))
+            o->master = v;
+        else if (!strcmp(a, "--step-delay-ms"))
+            ok = parse_int(v, 0, 600000, &o->step_delay_ms);
+        else if (!strcmp(a, "--rank"))
+            ok = parse_int(v, 0, PP_MAX_WORLD - 1, &o->rank);
+        else if (!strcmp(a, "--world"))
+            ok = parse_int(v, 1, PP_MAX_WORLD, &o->world);
+        else if (!strcmp(a, "--local-rank"))
+            ok = parse_int(v, 0, 1023, &o->local_rank);
+        else if (strcmp(a, "--recipe") != 0)
+            return usage();
         if (!ok) {
             fprintf(stderr, "glmspark-engine: bad value for %s: \"%s\"\n", a, v);
             return usage();
@@ -229,7 +238,8 @@ static Job *find_job(Engine *e, uint64_t id)
 static int n_live(const Engine *e)
 {
     int n = 0;
-    for (int i = 0; i < e->n_slots; i++) n += e->jobs[i].is_live;
+    for (int i = 0; i < e->n_slots; i++)
+        n += e->jobs[i].is_live;
     return n;
 }
 
@@ -403,8 +413,8 @@ static Err commit(Engine *e, double now)
             LOG_ERROR("engine: job %s failed: %s", j->job.public_id, j->error);
             job_drop(j);
         } else if (j->finish) {
-            LOG_INFO("engine: job %s %s after %d tokens (attempt %d)", j->job.public_id,
-                     j->finish, j->job.n_committed + j->n_gen, j->job.attempt);
+            LOG_INFO("engine: job %s %s after %d tokens (attempt %d)", j->job.public_id, j->finish,
+                     j->job.n_committed + j->n_gen, j->job.attempt);
             job_drop(j);
         } else if (items[i].is_cancelled) {
             sched_cancel(e->sched, id);
@@ -420,7 +430,8 @@ static Err drain(Engine *e)
     for (int i = 0; i < e->n_slots; i++)
         if (e->jobs[i].is_live) sched_cancel(e->sched, (uint64_t) e->jobs[i].job.id);
     Err err = ERR_OK;
-    while (!err && sched_has_work(e->sched)) err = sched_step(e->sched);
+    while (!err && sched_has_work(e->sched))
+        err = sched_step(e->sched);
     return err;
 }
 
@@ -462,7 +473,7 @@ static Err serve(Engine *e)
 {
     double last_empty_claim = -1;
     for (;;) {
-        double now = serve_stats_now();
+        double now = clock_now_s();
         Err err = ERR_OK;
         // Claim at once when the last claim found a job, else at most every 100 ms while
         // busy (each claim is a round trip).
@@ -476,10 +487,10 @@ static Err serve(Engine *e)
             SchedStats a, b;
             sched_stats(e->sched, &a);
             e->step_seqs = e->step_gen = 0;
-            now = serve_stats_now();
+            now = clock_now_s();
             if ((err = sched_step(e->sched))) return ERR_IO;
             sched_stats(e->sched, &b);
-            const double t = serve_stats_now();
+            const double t = clock_now_s();
             const ServeStep step = {t, (float) ((t - now) * 1e3), e->step_seqs,
                                     (int) (b.n_tokens - a.n_tokens), e->step_gen};
             serve_stats_step(&e->stats, &step);
@@ -523,8 +534,8 @@ static int run_stage_rank(Opts *o)
     signal(SIGTERM, SIG_IGN);
     signal(SIGINT, SIG_IGN);
     int rc = 1;
-    if (!serve_stage_load(&e.st, &o->r, o->model_dir, o->local_rank, o->rank, o->world) &&
-        !serve_stage_connect(&e.st, o->rank, o->world, o->master))
+    if (!serve_stage_load(&e.st, &o->r, o->model_dir, o->local_rank, o->rank, o->world)
+        && !serve_stage_connect(&e.st, o->rank, o->world, o->master))
         rc = pp_serve(e.st.stage) ? 1 : 0;
     engine_free(&e);
     return rc;
@@ -544,9 +555,11 @@ static int run_engine(Opts *o)
     }
     if (!o->model_name) {
         size_t n = strlen(o->model_dir);
-        while (n > 1 && o->model_dir[n - 1] == '/') n--;
+        while (n > 1 && o->model_dir[n - 1] == '/')
+            n--;
         size_t start = n;
-        while (start > 0 && o->model_dir[start - 1] != '/') start--;
+        while (start > 0 && o->model_dir[start - 1] != '/')
+            start--;
         snprintf(name_buf, sizeof name_buf, "%.*s", (int) (n - start), o->model_dir + start);
         o->model_name = name_buf;
     }
@@ -582,8 +595,11 @@ static int run_engine(Opts *o)
     st->kv_block_size = e.st.kv.params.block_size;
     st->max_num_seqs = e.n_slots;
 
-    JobqOptions qo = {.conninfo = o->conninfo, .engine_name = o->name, .model = o->model_name,
-                      .is_exclusive = true, .lease_s = o->r.lease_s};
+    JobqOptions qo = {.conninfo = o->conninfo,
+                      .engine_name = o->name,
+                      .model = o->model_name,
+                      .is_exclusive = true,
+                      .lease_s = o->r.lease_s};
     for (int delay = 100;;) {
         const Err err = jobq_create(&qo, &e.q);
         if (err == ERR_AGAIN) {
@@ -596,13 +612,14 @@ static int run_engine(Opts *o)
         sleep_ms(delay);
         delay = delay * 2 > 5000 ? 5000 : delay * 2;
     }
-    publish_stats(&e, "loading", serve_stats_now());
+    publish_stats(&e, "loading", clock_now_s());
     if (serve_stage_connect(&e.st, 0, world, o->master)) goto done;
     for (int r = 0; r < world; r++) {
         st->ranks[r].state = "up";
         st->ranks[r].load_fraction = 1.0;
         if (r > 0) {
-            snprintf(st->ranks[r].host, sizeof st->ranks[r].host, "%s", pp_rank_host(e.st.stage, r));
+            snprintf(st->ranks[r].host, sizeof st->ranks[r].host, "%s",
+                     pp_rank_host(e.st.stage, r));
             st->ranks[r].pid = pp_rank_pid(e.st.stage, r);
         }
     }
@@ -627,9 +644,10 @@ static int run_engine(Opts *o)
             LOG_ERROR("engine: the pipeline failed (the rank and host are named above); handing "
                       "%d jobs back and exiting",
                       n_live(&e));
-            for (int r = 1; r < world; r++) st->ranks[r].state = "down";
+            for (int r = 1; r < world; r++)
+                st->ranks[r].state = "down";
             release_all(&e);
-            publish_stats(&e, "stopping", serve_stats_now());
+            publish_stats(&e, "stopping", clock_now_s());
             goto done;
         }
         if (err == ERR_AGAIN) {
@@ -643,7 +661,8 @@ static int run_engine(Opts *o)
         for (int i = 0; i < e.n_slots; i++)
             if (e.jobs[i].is_live) job_drop(&e.jobs[i]);
         Err rerr = ERR_DB;
-        while (rerr == ERR_DB && !is_stopping) rerr = jobq_reconnect(e.q, 2000);
+        while (rerr == ERR_DB && !is_stopping)
+            rerr = jobq_reconnect(e.q, 2000);
         if (rerr == ERR_AGAIN) {
             fprintf(stderr, "glmspark-engine: lost the queue to another engine; exiting\n");
             rc = 3;
@@ -655,7 +674,7 @@ static int run_engine(Opts *o)
     LOG_INFO("engine: stopping");
     const Err derr = drain(&e);
     release_all(&e);
-    publish_stats(&e, "stopping", serve_stats_now());
+    publish_stats(&e, "stopping", clock_now_s());
     if (derr || pp_end(e.st.stage)) goto done;
     rc = 0;
 done:
@@ -671,7 +690,8 @@ int main(int argc, char **argv)
         if (recipe_load(&recipe, argv[2])) return 2;
         for (int k = 0; k < recipe_n_keys(); k++) {
             char val[RECIPE_MAX_STR + 8];
-            printf("%s = %s\n", recipe_key_name(k), recipe_format_value(&recipe, k, val, sizeof val));
+            printf("%s = %s\n", recipe_key_name(k),
+                   recipe_format_value(&recipe, k, val, sizeof val));
         }
         return 0;
     }

@@ -13,12 +13,7 @@
 #include "engine/backend/backend_cuda.h"
 #endif
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec + ts.tv_nsec / 1e9;
-}
+#include "engine/shared/clock.h"
 
 static Err open_backend(const Recipe *r, int local_rank, Backend **be)
 {
@@ -71,8 +66,9 @@ Err serve_stage_load(ServeStage *e, const Recipe *r, const char *model_dir, int 
     const ModelOptions mo = {.load_mtp = r->mtp_tokens > 0,
                              .first_layer = mine->first_layer,
                              .last_layer = mine->last_layer};
-    const double t0 = now_s();
-    if ((err = open_backend(r, local_rank, &e->be)) || (err = model_load(&e->model, model_dir, &mo, e->be))) {
+    const double t0 = clock_now_s();
+    if ((err = open_backend(r, local_rank, &e->be))
+        || (err = model_load(&e->model, model_dir, &mo, e->be))) {
         fprintf(stderr, "glmspark-engine: could not load the model in \"%s\"\n", model_dir);
         return err;
     }
@@ -81,20 +77,22 @@ Err serve_stage_load(ServeStage *e, const Recipe *r, const char *model_dir, int 
     KvCacheParams kp = model_kv_params(&e->model, kv_blocks, block);
     kp.dtype = dtype;
     if ((err = kv_init(&e->kv, &kp))) {
-        fprintf(stderr, "glmspark-engine: could not allocate the KV cache (%d blocks)\n", kv_blocks);
+        fprintf(stderr, "glmspark-engine: could not allocate the KV cache (%d blocks)\n",
+                kv_blocks);
         return err;
     }
     LOG_INFO("engine rank %d of %d: layers [%d, %d), %.3f GB of weights, %d KV blocks of %d (%s), "
              "loaded in %.3f s",
              rank, world, mine->first_layer, mine->last_layer, mine->weight_bytes / 1e9, kv_blocks,
-             block, dtype == KV_DTYPE_BF16 ? "bf16" : "f32", now_s() - t0);
+             block, dtype == KV_DTYPE_BF16 ? "bf16" : "f32", clock_now_s() - t0);
     return ERR_OK;
 }
 
 Err serve_stage_connect(ServeStage *e, int rank, int world, const char *master)
 {
-    const uint64_t extra = (uint64_t) e->mtp_tokens << 56 ^ (uint64_t) e->kv.params.n_blocks << 24 ^
-                           (uint64_t) e->kv.params.block_size << 4 ^ (uint64_t) e->kv.params.dtype;
+    const uint64_t extra = (uint64_t) e->mtp_tokens << 56 ^ (uint64_t) e->kv.params.n_blocks << 24
+                           ^ (uint64_t) e->kv.params.block_size << 4
+                           ^ (uint64_t) e->kv.params.dtype;
     return pp_stage_create(&e->model, &e->kv, rank, world, world > 1 ? master : NULL,
                            pp_plan_hash(e->cfg, &e->plan, extra), &e->stage);
 }

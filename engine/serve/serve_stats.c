@@ -8,13 +8,6 @@
 #include <string.h>
 #include <time.h>
 
-double serve_stats_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
 void serve_stats_step(ServeStats *s, const ServeStep *step)
 {
     s->steps_total++;

@@ -30,10 +30,10 @@ extern "C" {
 enum { SERVE_STATS_RING = 4096, SERVE_STATS_WINDOW_S = 10 };
 
 typedef struct ServeStep {
-    double t;        // monotonic seconds at the step's end
-    float ms;        // its duration
-    int n_seqs;      // sequences that got a token
-    int n_tokens;    // tokens through the model (prefill + decode)
+    double t;      // monotonic seconds at the step's end
+    float ms;      // its duration
+    int n_seqs;    // sequences that got a token
+    int n_tokens;  // tokens through the model (prefill + decode)
     int n_generated;
 } ServeStep;
 
@@ -59,10 +59,7 @@ typedef struct ServeStats {
     int head, n;  // oldest at head
 } ServeStats;
 
-// Monotonic seconds (CLOCK_MONOTONIC).
-double serve_stats_now(void);
-
-// Record one scheduler step that ended at `t` (serve_stats_now()).
+// Record one scheduler step that ended at `t` (clock_now_s(), engine/shared/clock.h).
 void serve_stats_step(ServeStats *s, const ServeStep *step);
 
 // Count an admitted prompt of n tokens.
