@@ -11,11 +11,6 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-
-#ifdef GLMSPARK_HAVE_CUDA
-#include "engine/backend/backend_cuda.h"
-#endif
 
 static const CliCommand commands[] = {
     {"logits", cli_logits, "run one forward pass over token ids and write f32 logits"},
@@ -64,17 +59,4 @@ bool cli_parse_kv_dtype(const char *s, KvDtype *out)
     else
         return false;
     return true;
-}
-
-Err cli_backend_open(bool is_cuda, int n_threads, int gpu, Backend **be)
-{
-    if (!is_cuda) return backend_cpu_create(n_threads, be);
-#ifdef GLMSPARK_HAVE_CUDA
-    return backend_cuda_create(gpu, be);
-#else
-    (void) gpu;
-    *be = NULL;
-    LOG_ERROR("--backend cuda: this glmspark was built without CUDA");
-    return ERR_INVAL;
-#endif
 }

@@ -44,10 +44,6 @@ bool cli_parse_backend(const char *s, bool *is_cuda);
 // --kv-dtype f32|bf16.
 bool cli_parse_kv_dtype(const char *s, KvDtype *out);
 
-// The backend --backend chose: the CPU one with n_threads, or (is_cuda) the CUDA one on GPU
-// gpu; ERR_INVAL (logged) for cuda in a build without CUDA. *be: the caller destroys it.
-Err cli_backend_open(bool is_cuda, int n_threads, int gpu, Backend **be);
-
 int cli_logits(int argc, char **argv);
 int cli_generate(int argc, char **argv);
 int cli_inspect(int argc, char **argv);

@@ -39,6 +39,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "engine/backend/backends.h"
 #include "engine/model/backend.h"
 #ifdef GLMSPARK_HAVE_CUDA
 #include "engine/backend/backend_cuda.h"
@@ -464,7 +465,7 @@ int cli_bench(int argc, char **argv)
     Backend *be = NULL;
     Model m = {0};
     int rc = 1;
-    if (cli_backend_open(a.cuda, a.n_threads, 0, &be)) goto done;
+    if (backend_open(a.cuda, a.n_threads, 0, &be)) goto done;
 #ifdef GLMSPARK_HAVE_CUDA
     if (a.cuda) {
         a.copy_gbs = backend_cuda_copy_gbs(be, (size_t) 1 << 30);

@@ -46,6 +46,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/backend/backends.h"
 #include "engine/model/backend.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/model.h"
@@ -262,16 +263,16 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
 }
 
 // The backend --backend chose (cpu by default), on GPU --local-rank.
-static Err backend_open(const ModelArgs *a, Backend **be)
+static Err open_backend(const ModelArgs *a, Backend **be)
 {
-    return cli_backend_open(a->cuda, a->n_threads, a->local_rank, be);
+    return backend_open(a->cuda, a->n_threads, a->local_rank, be);
 }
 
 // Backend, model and a KV cache with room for n_positions, or an error message.
 static Err open_model(const ModelArgs *a, int n_positions, Backend **be, Model *m, KvCache *kv)
 {
     const double t0 = clock_now_s();
-    Err err = backend_open(a, be);
+    Err err = open_backend(a, be);
     if (err) return err;
     if ((err = model_load(m, a->model_dir, NULL, *be))) return err;
     const int block = KV_DEFAULT_BLOCK_SIZE;
@@ -421,7 +422,7 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
     const ModelOptions opts = {.load_mtp = a->mtp > 0 && !is_logits,
                                .first_layer = mine->first_layer,
                                .last_layer = mine->last_layer};
-    if (backend_open(a, &be) || model_load(&m, a->model_dir, &opts, be)) goto done;
+    if (open_backend(a, &be) || model_load(&m, a->model_dir, &opts, be)) goto done;
     // Read this rank's weights once now, with progress (bytes, GB/s, ETA) in the log, rather
     // than page-faulting them in during the first forward pass.
     CkptTouchStats touch;
@@ -560,7 +561,7 @@ static int generate_mtp(const ModelArgs *a, const int *ids, int n)
     if (mtp_check_params(&a->sampling)) return 2;
     const double t0 = clock_now_s();
     const ModelOptions opts = {.load_mtp = true};
-    if (backend_open(a, &be) || model_load(&m, a->model_dir, &opts, be)) goto done;
+    if (open_backend(a, &be) || model_load(&m, a->model_dir, &opts, be)) goto done;
     const int block = KV_DEFAULT_BLOCK_SIZE;
     // Room for the prompt, the output and one step's drafts past the end.
     const int blocks = (n + a->max_tokens + a->mtp + 1 + block - 1) / block;
@@ -636,7 +637,7 @@ static int generate_alone(const ModelArgs *a, const int *ids, int n)
         PpStage *st = NULL;
         KvCacheParams p;
         const ModelOptions opts = {.load_mtp = a->mtp > 0};
-        if (backend_open(a, &be) || model_load(&m, a->model_dir, &opts, be)) goto done;
+        if (open_backend(a, &be) || model_load(&m, a->model_dir, &opts, be)) goto done;
         const int block = KV_DEFAULT_BLOCK_SIZE;
         p = model_kv_params(&m, a->n_seqs * ((n + a->max_tokens + a->mtp + block - 1) / block),
                             block);

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/shared/buf.h"
+
 // Bounds on single dimensions: a generous ceiling above every GLM/DeepSeek model, low enough
 // that products of two of them fit comfortably in int64 and derived sizes in int.
 enum {
@@ -834,50 +836,23 @@ done:
 // (not logged: the caller decides whether that is an error), ERR_IO otherwise.
 static Err read_file(const char *path, char **out, size_t *len_out)
 {
-    Err err = ERR_OK;
-    char *buf = NULL;
     FILE *f = fopen(path, "rb");
     if (!f) {
         if (errno == ENOENT) return ERR_NOTFOUND;
         LOG_ERROR("could not open \"%s\": %s", path, strerror(errno));
         return ERR_IO;
     }
-    size_t cap = 1 << 16, len = 0;
-    if (!(buf = malloc(cap + 1))) {
-        err = ERR_NOMEM;
-        goto done;
-    }
-    for (;;) {
-        if (len == cap) {
-            if (cap >= ((size_t) 1 << 30)) {
-                LOG_ERROR("could not read \"%s\": larger than 1 GiB", path);
-                err = ERR_INVAL;
-                goto done;
-            }
-            char *bigger = realloc(buf, cap * 2 + 1);
-            if (!bigger) {
-                err = ERR_NOMEM;
-                goto done;
-            }
-            buf = bigger;
-            cap *= 2;
-        }
-        const size_t got = fread(buf + len, 1, cap - len, f);
-        if (got == 0) break;
-        len += got;
-    }
-    if (ferror(f)) {
+    Buf b = {0};
+    Err err = buf_add_file(&b, f);
+    if (err == ERR_IO) {
         LOG_ERROR("could not read \"%s\": %s", path, strerror(errno));
-        err = ERR_IO;
-        goto done;
+    } else if (!err && b.n > ((size_t) 1 << 30)) {
+        LOG_ERROR("could not read \"%s\": larger than 1 GiB", path);
+        err = ERR_INVAL;
     }
-    buf[len] = 0;
-    *out = buf;
-    *len_out = len;
-    buf = NULL;  // ownership moved to *out
-done:
     fclose(f);
-    free(buf);
+    if (!err && !(*out = buf_take(&b, len_out))) err = ERR_NOMEM;
+    buf_free(&b);
     return err;
 }
 

@@ -9,24 +9,8 @@
 #include <string.h>
 #include <time.h>
 
-#ifdef GLMSPARK_HAVE_CUDA
-#include "engine/backend/backend_cuda.h"
-#endif
-
+#include "engine/backend/backends.h"
 #include "engine/shared/clock.h"
-
-static Err open_backend(const Recipe *r, int local_rank, Backend **be)
-{
-    if (r->backend == RECIPE_BACKEND_CPU) return backend_cpu_create(r->threads, be);
-#ifdef GLMSPARK_HAVE_CUDA
-    return backend_cuda_create(local_rank, be);
-#else
-    (void) local_rank;
-    *be = NULL;
-    LOG_ERROR("backend = cuda: this glmspark-engine was built without CUDA");
-    return ERR_INVAL;
-#endif
-}
 
 Err serve_stage_load(ServeStage *e, const Recipe *r, const char *model_dir, int local_rank,
                      int rank, int world)
@@ -67,7 +51,7 @@ Err serve_stage_load(ServeStage *e, const Recipe *r, const char *model_dir, int 
                              .first_layer = mine->first_layer,
                              .last_layer = mine->last_layer};
     const double t0 = clock_now_s();
-    if ((err = open_backend(r, local_rank, &e->be))
+    if ((err = backend_open(r->backend == RECIPE_BACKEND_CUDA, r->threads, local_rank, &e->be))
         || (err = model_load(&e->model, model_dir, &mo, e->be))) {
         fprintf(stderr, "glmspark-engine: could not load the model in \"%s\"\n", model_dir);
         return err;
