@@ -1,5 +1,5 @@
 #!/bin/bash
-# run.sh BUILD_BIN_DIR - the serving benchmark of issue 6 on this machine (not a test: it
+# run.sh BUILD_BIN_DIR - the serving benchmark on this machine (not a test: it
 # prints numbers for docs/perf.md). Starts a private stack (ops/devstack) with the engine
 # stopped, then measures through nginx over HTTPS:
 #   1. wrk, authenticated GET /v1/models        (12 connections, 2 threads, 10 s)

@@ -5,7 +5,7 @@
  * answering 503; a real SQL error is reported and not mistaken for a lost connection.
  * Regression test for the failure found by tests/reliability (listener terminated).
  *
- * Revocation (issue 21): with the revocation watcher running, a key revoked between the
+ * Revocation: with the revocation watcher running, a key revoked between the
  * moment a lookup read its row and the moment the lookup cached it (api_db_auth_hook
  * revokes it exactly there and waits for the watcher to empty the cache) is not put back
  * into the cache: the next request is refused at once instead of for the cache's 10 s.

@@ -1,4 +1,4 @@
-// scenarios.mjs - the fault, security, input-hardening and load scenarios of issue 9.
+// scenarios.mjs - the fault, security, input-hardening and load scenarios.
 //
 // run.sh starts a throwaway serving stack (ops/devstack, loopback only) and passes its URL,
 // keys and paths in the environment; REL_PROFILE is "short" (CI) or "full". Every scenario
@@ -27,7 +27,7 @@ const FULL = env.REL_PROFILE === 'full';
 const N = FULL
     ? { engineKill: 50, fcgiKill: 20, pgRestart: 2, resume: 1000, cancel: 10, notify: 3, revoke: 20 }
     : { engineKill: 10, fcgiKill: 5, pgRestart: 1, resume: 100, cancel: 3, notify: 1, revoke: 5 };
-// The database outage with open streams (issue 21): REL_OUTAGE_S seconds (60), REL_STREAMS
+// The database outage with open streams: REL_OUTAGE_S seconds (60), REL_STREAMS
 // streams (100), keep-alives every REL_KEEPALIVE_S (5) seconds.
 const OUTAGE = {
     seconds: Number(env.REL_OUTAGE_S || 60), streams: Number(env.REL_STREAMS || 100),
@@ -239,7 +239,7 @@ async function engineKillLoop() {
     };
 }
 
-// Pipeline rank killed (issue 5): the engine runs as two local CPU ranks (--pp 2); kill -9
+// Pipeline rank killed: the engine runs as two local CPU ranks (--pp 2); kill -9
 // of rank 1 mid-generation makes every engine process exit non-zero within 10 s (rank 0
 // names the rank and hands its job back: state queued at once, no lease to wait for); a
 // restarted engine finishes the job with a contiguous stream equal to the stored output.
@@ -533,7 +533,7 @@ async function security() {
 }
 
 // ---------------------------------------------------------------------------
-// Serving hardening (issue 21): forged identity on the socket, Idempotency-Key races,
+// Serving hardening: forged identity on the socket, Idempotency-Key races,
 // revocation latency, streams across a database outage.
 
 const execFileP = promisify(execFile);

@@ -1,7 +1,7 @@
 // mock_api.mjs - a stand-in for nginx + glmspark-fcgi that the browser tests can use offline.
 //
 // Serves web/ with the security headers nginx sends (a strict Content-Security-Policy, so an
-// inline script or style in the UI fails the test) and implements the jobs API of issue 6
+// inline script or style in the UI fails the test) and implements the jobs API
 // item 2 the way the UI reads it: POST /v1/jobs (202 + id), GET /v1/jobs (own jobs; admin:
 // all; paging with limit/after), GET /v1/jobs/{id}, GET /v1/jobs/{id}/events (SSE, id: = chunk
 // seq from 0, resumable with Last-Event-ID, ": keep-alive" comments, ends with data: [DONE]),
