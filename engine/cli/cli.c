@@ -7,7 +7,6 @@
  */
 #include "engine/cli/cli.h"
 
-#include <errno.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,16 +30,6 @@ static const CliCommand commands[] = {
 const CliCommand *cli_commands(void)
 {
     return commands;
-}
-
-bool cli_parse_long(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    const long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return false;
-    *out = v;
-    return true;
 }
 
 bool cli_parse_backend(const char *s, bool *is_cuda)

@@ -36,9 +36,8 @@ typedef struct CliCommand {
 // The table of commands, terminated by an entry with name == NULL. Static storage.
 const CliCommand *cli_commands(void);
 
-// Option values, shared by the command files: each returns false on a malformed or
-// out-of-range value and then leaves *out unchanged. A decimal integer in [lo, hi].
-bool cli_parse_long(const char *s, long lo, long hi, long *out);
+// Option values, shared by the command files (integers: engine/shared/num.h): each returns
+// false on a malformed or out-of-range value and then leaves *out unchanged.
 // --backend cpu|cuda: *is_cuda.
 bool cli_parse_backend(const char *s, bool *is_cuda);
 // --kv-dtype f32|bf16.

@@ -47,6 +47,7 @@
 #include "engine/model/kv_cache.h"
 #include "engine/model/model.h"
 #include "engine/shared/clock.h"
+#include "engine/shared/num.h"
 #include "engine/tools/mkmodel.h"
 
 enum { BENCH_MAX_BATCHES = 16 };
@@ -124,7 +125,6 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
             return bench_usage();
         }
         const char *val = argv[++i];
-        long v;
         bool ok = true;
         if (strcmp(opt, "--model") == 0)
             a->model_dir = val;
@@ -139,11 +139,11 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
         else if (strcmp(opt, "--batch") == 0)
             ok = parse_batches(val, a);
         else if (strcmp(opt, "--ctx") == 0)
-            ok = cli_parse_long(val, 1, 1 << 20, &v) && ((a->ctx = (int) v), true);
+            ok = num_parse_int(val, 1, 1 << 20, &a->ctx);
         else if (strcmp(opt, "--steps") == 0)
-            ok = cli_parse_long(val, 1, 1 << 20, &v) && ((a->steps = (int) v), true);
+            ok = num_parse_int(val, 1, 1 << 20, &a->steps);
         else if (strcmp(opt, "--threads") == 0)
-            ok = cli_parse_long(val, 1, 64, &v) && ((a->n_threads = (int) v), true);
+            ok = num_parse_int(val, 1, 64, &a->n_threads);
         else if (strcmp(opt, "--kv-dtype") == 0)
             ok = cli_parse_kv_dtype(val, &a->kv_dtype);
         else {

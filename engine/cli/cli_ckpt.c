@@ -14,6 +14,7 @@
  */
 #include "engine/cli/cli.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,7 @@
 #include "engine/model/model.h"
 #include "engine/pipeline/pp.h"
 #include "engine/shared/clock.h"
+#include "engine/shared/num.h"
 #include "engine/tools/mkmodel.h"
 
 // ---------------------------------------------------------------------------
@@ -295,14 +297,11 @@ int cli_inspect(int argc, char **argv)
         } else if (!strcmp(argv[i], "--touch")) {
             touch = true;
         } else if (!strcmp(argv[i], "--pp") && i + 1 < argc) {
-            pp = (int) strtol(argv[++i], &end, 10);
-            if (*end || pp < 1 || pp > PP_MAX_WORLD) return usage_inspect();
+            if (!num_parse_int(argv[++i], 1, PP_MAX_WORLD, &pp)) return usage_inspect();
         } else if (!strcmp(argv[i], "--context") && i + 1 < argc) {
-            context = (int) strtol(argv[++i], &end, 10);
-            if (*end || context < 1) return usage_inspect();
+            if (!num_parse_int(argv[++i], 1, INT_MAX, &context)) return usage_inspect();
         } else if (!strcmp(argv[i], "--kv-bytes") && i + 1 < argc) {
-            kv_bytes = (int) strtol(argv[++i], &end, 10);
-            if (*end || (kv_bytes != 1 && kv_bytes != 2 && kv_bytes != 4)) return usage_inspect();
+            if (!num_parse_int(argv[++i], 1, 4, &kv_bytes) || kv_bytes == 3) return usage_inspect();
         } else if (!strcmp(argv[i], "--mem") && i + 1 < argc) {
             if (!pp_parse_bytes(argv[++i], &mem)) return usage_inspect();
         } else if (!strcmp(argv[i], "--mem-util") && i + 1 < argc) {

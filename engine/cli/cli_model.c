@@ -55,6 +55,7 @@
 #include "engine/pipeline/pp.h"
 #include "engine/pipeline/scheduler.h"
 #include "engine/shared/clock.h"
+#include "engine/shared/num.h"
 
 typedef struct ModelArgs {
     const char *model_dir;
@@ -187,27 +188,27 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
         else if (strcmp(opt, "--out") == 0)
             a->out_path = val;
         else if (strcmp(opt, "--max-tokens") == 0)
-            ok = cli_parse_long(val, 0, 1 << 24, &v) && ((a->max_tokens = (int) v), true);
+            ok = num_parse_int(val, 0, 1 << 24, &a->max_tokens);
         else if (strcmp(opt, "--pp") == 0)
-            ok = cli_parse_long(val, 1, PP_MAX_WORLD, &v) && ((a->pp = (int) v), true);
+            ok = num_parse_int(val, 1, PP_MAX_WORLD, &a->pp);
         else if (strcmp(opt, "--rank") == 0)
-            ok = cli_parse_long(val, 0, PP_MAX_WORLD - 1, &v) && ((a->rank = (int) v), true);
+            ok = num_parse_int(val, 0, PP_MAX_WORLD - 1, &a->rank);
         else if (strcmp(opt, "--world") == 0)
-            ok = cli_parse_long(val, 1, PP_MAX_WORLD, &v) && ((a->world = (int) v), true);
+            ok = num_parse_int(val, 1, PP_MAX_WORLD, &a->world);
         else if (strcmp(opt, "--master") == 0)
             a->master = val;
         else if (strcmp(opt, "--local-rank") == 0)
-            ok = cli_parse_long(val, 0, 1023, &v) && ((a->local_rank = (int) v), true);
+            ok = num_parse_int(val, 0, 1023, &a->local_rank);
         else if (strcmp(opt, "--mtp") == 0)
-            ok = cli_parse_long(val, 1, MTP_MAX_DRAFTS, &v) && ((a->mtp = (int) v), true);
+            ok = num_parse_int(val, 1, MTP_MAX_DRAFTS, &a->mtp);
         else if (strcmp(opt, "--n-seqs") == 0)
-            ok = cli_parse_long(val, 1, PP_MAX_SLOTS, &v) && ((a->n_seqs = (int) v), true);
+            ok = num_parse_int(val, 1, PP_MAX_SLOTS, &a->n_seqs);
         else if (strcmp(opt, "--threads") == 0)
-            ok = cli_parse_long(val, 1, 64, &v) && ((a->n_threads = (int) v), true);
+            ok = num_parse_int(val, 1, 64, &a->n_threads);
         else if (strcmp(opt, "--top-k") == 0)
-            ok = cli_parse_long(val, 0, 1 << 30, &v) && ((a->sampling.top_k = (int) v), true);
+            ok = num_parse_int(val, 0, 1 << 30, &a->sampling.top_k);
         else if (strcmp(opt, "--seed") == 0)
-            ok = cli_parse_long(val, 0, 0x7fffffffffffffffL, &v)
+            ok = num_parse_long(val, 0, 0x7fffffffffffffffL, &v)
                  && ((a->sampling.seed = (uint64_t) v), true);
         else if (strcmp(opt, "--temperature") == 0)
             ok = parse_float(val, &a->sampling.temperature) && a->sampling.temperature >= 0.0f;

@@ -21,6 +21,7 @@
 #include "engine/shared/apikey.h"
 #include "engine/shared/buf.h"
 #include "engine/shared/err.h"
+#include "engine/shared/num.h"
 
 // Any fixed 64-bit number; shared by every `glmspark db migrate`.
 #define MIGRATE_LOCK_KEY "7406135331560110081"
@@ -40,13 +41,12 @@ typedef struct ServeArgs {
 
 static void usage(void)
 {
-    fprintf(stderr,
-            "usage: glmspark db migrate [--db CONNINFO] [--sql DIR]\n"
-            "       glmspark keys create --name N [--scope user|admin] [--rpm R] "
-            "[--max-concurrent C] [--db CONNINFO]\n"
-            "       glmspark keys list [--db CONNINFO]\n"
-            "       glmspark keys revoke PREFIX|NAME [--db CONNINFO]\n"
-            "CONNINFO defaults to $GLMSPARK_DB.\n");
+    fprintf(stderr, "usage: glmspark db migrate [--db CONNINFO] [--sql DIR]\n"
+                    "       glmspark keys create --name N [--scope user|admin] [--rpm R] "
+                    "[--max-concurrent C] [--db CONNINFO]\n"
+                    "       glmspark keys list [--db CONNINFO]\n"
+                    "       glmspark keys revoke PREFIX|NAME [--db CONNINFO]\n"
+                    "CONNINFO defaults to $GLMSPARK_DB.\n");
 }
 
 // Parse argv[2..] into a; 0 on success, 2 on a usage error (already reported).
@@ -59,12 +59,18 @@ static int parse_args(int argc, char **argv, ServeArgs *a)
     a->scope = "user";
     for (int i = 2; i < argc; i++) {
         const char **slot = NULL;
-        if (!strcmp(argv[i], "--db")) slot = &a->db;
-        else if (!strcmp(argv[i], "--sql")) slot = &a->sql_dir;
-        else if (!strcmp(argv[i], "--name")) slot = &a->name;
-        else if (!strcmp(argv[i], "--scope")) slot = &a->scope;
-        else if (!strcmp(argv[i], "--rpm")) slot = &a->rpm;
-        else if (!strcmp(argv[i], "--max-concurrent")) slot = &a->max_concurrent;
+        if (!strcmp(argv[i], "--db"))
+            slot = &a->db;
+        else if (!strcmp(argv[i], "--sql"))
+            slot = &a->sql_dir;
+        else if (!strcmp(argv[i], "--name"))
+            slot = &a->name;
+        else if (!strcmp(argv[i], "--scope"))
+            slot = &a->scope;
+        else if (!strcmp(argv[i], "--rpm"))
+            slot = &a->rpm;
+        else if (!strcmp(argv[i], "--max-concurrent"))
+            slot = &a->max_concurrent;
         if (slot) {
             if (i + 1 >= argc) {
                 fprintf(stderr, "glmspark: option %s needs a value\n", argv[i]);
@@ -90,8 +96,7 @@ static PGconn *connect_db(const char *conninfo)
 {
     PGconn *conn = PQconnectdb(conninfo);
     if (PQstatus(conn) != CONNECTION_OK) {
-        fprintf(stderr, "glmspark: could not connect to the database: %s",
-                PQerrorMessage(conn));
+        fprintf(stderr, "glmspark: could not connect to the database: %s", PQerrorMessage(conn));
         PQfinish(conn);
         return NULL;
     }
@@ -151,9 +156,9 @@ static int list_migrations(const char *dir, Migration *out, int cap)
     while ((e = readdir(d))) {
         const char *s = e->d_name;
         const size_t len = strlen(s);
-        if (len < 9 || len >= sizeof out[0].file || s[0] < '0' || s[0] > '9' ||
-            s[1] < '0' || s[1] > '9' || s[2] < '0' || s[2] > '9' || s[3] != '_' ||
-            strcmp(s + len - 4, ".sql") != 0)
+        if (len < 9 || len >= sizeof out[0].file || s[0] < '0' || s[0] > '9' || s[1] < '0'
+            || s[1] > '9' || s[2] < '0' || s[2] > '9' || s[3] != '_'
+            || strcmp(s + len - 4, ".sql") != 0)
             continue;
         if (n == cap) {
             fprintf(stderr, "glmspark: more than %d migrations in \"%s\"\n", cap, dir);
@@ -191,8 +196,8 @@ static int db_migrate(const ServeArgs *a)
     const int n = list_migrations(a->sql_dir, migs, 256);
     if (n < 0) goto done;
     if (!(conn = connect_db(a->db))) goto done;
-    if (!exec_ok(conn, "taking the migration lock",
-                 "SELECT pg_advisory_lock(" MIGRATE_LOCK_KEY ")", PGRES_TUPLES_OK))
+    if (!exec_ok(conn, "taking the migration lock", "SELECT pg_advisory_lock(" MIGRATE_LOCK_KEY ")",
+                 PGRES_TUPLES_OK))
         goto done;
     if (!exec_ok(conn, "creating schema_migrations",
                  "CREATE TABLE IF NOT EXISTS schema_migrations ("
@@ -215,11 +220,10 @@ static int db_migrate(const ServeArgs *a)
         PQclear(hres);
 
         PQclear(res);
-        res = PQexecParams(conn, "SELECT sha256 FROM schema_migrations WHERE version = $1::int",
-                           1, NULL, (const char *const[]){version}, NULL, NULL, 0);
+        res = PQexecParams(conn, "SELECT sha256 FROM schema_migrations WHERE version = $1::int", 1,
+                           NULL, (const char *const[]){version}, NULL, NULL, 0);
         if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-            fprintf(stderr, "glmspark: reading schema_migrations failed: %s",
-                    PQerrorMessage(conn));
+            fprintf(stderr, "glmspark: reading schema_migrations failed: %s", PQerrorMessage(conn));
             goto done;
         }
         if (PQntuples(res) == 1) {
@@ -280,10 +284,8 @@ int cli_db(int argc, char **argv)
 // Parse a positive integer option; NULL stays NULL (unlimited). false on a bad value.
 static bool check_positive(const char *opt, const char *s)
 {
-    if (!s) return true;
-    char *end = NULL;
-    const long v = strtol(s, &end, 10);
-    if (*s && !*end && v > 0 && v <= 1000000000) return true;
+    long v;
+    if (!s || num_parse_long(s, 1, 1000000000, &v)) return true;
     fprintf(stderr, "glmspark: %s must be a positive integer, got \"%s\"\n", opt, s);
     return false;
 }
@@ -311,15 +313,16 @@ static int keys_create(const ServeArgs *a)
     apikey_hash(key, APIKEY_LEN, digest);
     hash_hex[0] = '\\';
     hash_hex[1] = 'x';
-    for (int i = 0; i < APIKEY_HASH_LEN; i++) snprintf(hash_hex + 2 + 2 * i, 3, "%02x", digest[i]);
+    for (int i = 0; i < APIKEY_HASH_LEN; i++)
+        snprintf(hash_hex + 2 + 2 * i, 3, "%02x", digest[i]);
     if (!(conn = connect_db(a->db))) goto done;
-    res = PQexecParams(conn,
-                       "INSERT INTO api_keys (prefix, key_hash, name, scope, rpm, max_concurrent)"
-                       " VALUES ($1, $2::bytea, $3, $4, $5::int, $6::int)",
-                       6, NULL,
-                       (const char *const[]){prefix, hash_hex, a->name, a->scope, a->rpm,
-                                             a->max_concurrent},
-                       NULL, NULL, 0);
+    res = PQexecParams(
+        conn,
+        "INSERT INTO api_keys (prefix, key_hash, name, scope, rpm, max_concurrent)"
+        " VALUES ($1, $2::bytea, $3, $4, $5::int, $6::int)",
+        6, NULL,
+        (const char *const[]){prefix, hash_hex, a->name, a->scope, a->rpm, a->max_concurrent}, NULL,
+        NULL, 0);
     if (PQresultStatus(res) != PGRES_COMMAND_OK) {
         fprintf(stderr, "glmspark: could not store the key: %s", PQerrorMessage(conn));
         goto done;
@@ -342,14 +345,13 @@ static int keys_list(const ServeArgs *a)
     PGconn *conn = connect_db(a->db);
     PGresult *res = NULL;
     if (!conn) goto done;
-    res = PQexec(conn,
-                 "SELECT prefix, name, scope, coalesce(rpm::text, '-'),"
-                 " coalesce(max_concurrent::text, '-'),"
-                 " to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),"
-                 " CASE WHEN revoked_at IS NULL THEN 'active' ELSE 'revoked' END,"
-                 " coalesce(to_char(last_used_at AT TIME ZONE 'UTC',"
-                 " 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), '-')"
-                 " FROM api_keys ORDER BY id");
+    res = PQexec(conn, "SELECT prefix, name, scope, coalesce(rpm::text, '-'),"
+                       " coalesce(max_concurrent::text, '-'),"
+                       " to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),"
+                       " CASE WHEN revoked_at IS NULL THEN 'active' ELSE 'revoked' END,"
+                       " coalesce(to_char(last_used_at AT TIME ZONE 'UTC',"
+                       " 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), '-')"
+                       " FROM api_keys ORDER BY id");
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
         fprintf(stderr, "glmspark: could not list keys: %s", PQerrorMessage(conn));
         goto done;
@@ -390,7 +392,8 @@ static int keys_revoke(const ServeArgs *a)
         fprintf(stderr, "glmspark: no active key with prefix or name \"%s\"\n", a->positional);
         goto done;
     }
-    for (int i = 0; i < PQntuples(res); i++) printf("revoked %s\n", PQgetvalue(res, i, 0));
+    for (int i = 0; i < PQntuples(res); i++)
+        printf("revoked %s\n", PQgetvalue(res, i, 0));
     status = 0;
 done:
     PQclear(res);

@@ -67,6 +67,7 @@
 #include "engine/serve/serve_stats.h"
 #include "engine/shared/clock.h"
 #include "engine/shared/err.h"
+#include "engine/shared/num.h"
 #include "engine/shared/tokenizer.h"
 
 static volatile sig_atomic_t is_stopping;
@@ -128,15 +129,6 @@ static int usage(void)
     return 2;
 }
 
-static bool parse_int(const char *s, int lo, int hi, int *out)
-{
-    char *end;
-    const long v = strtol(s, &end, 10);
-    if (end == s || *end || v < lo || v > hi) return false;
-    *out = (int) v;
-    return true;
-}
-
 // Recipe first (wherever --recipe appears), then flags. Returns 0 or main's exit status.
 static int parse_opts(int argc, char **argv, Opts *o)
 {
@@ -164,13 +156,13 @@ static int parse_opts(int argc, char **argv, Opts *o)
         else if (!strcmp(a, "--master"))
             o->master = v;
         else if (!strcmp(a, "--step-delay-ms"))
-            ok = parse_int(v, 0, 600000, &o->step_delay_ms);
+            ok = num_parse_int(v, 0, 600000, &o->step_delay_ms);
         else if (!strcmp(a, "--rank"))
-            ok = parse_int(v, 0, PP_MAX_WORLD - 1, &o->rank);
+            ok = num_parse_int(v, 0, PP_MAX_WORLD - 1, &o->rank);
         else if (!strcmp(a, "--world"))
-            ok = parse_int(v, 1, PP_MAX_WORLD, &o->world);
+            ok = num_parse_int(v, 1, PP_MAX_WORLD, &o->world);
         else if (!strcmp(a, "--local-rank"))
-            ok = parse_int(v, 0, 1023, &o->local_rank);
+            ok = num_parse_int(v, 0, 1023, &o->local_rank);
         else if (strcmp(a, "--recipe") != 0)
             return usage();
         if (!ok) {
