@@ -351,6 +351,11 @@ static Err get_str(json_object *obj, const Path *path, const char *key, bool req
     if (err) return err;
     *s = v ? json_object_get_string(v) : NULL;
     *n = v ? (size_t) json_object_get_string_len(v) : 0;
+    // An escape can still make invalid UTF-8 (an escaped lone surrogate such as U+D800).
+    if (*s && utf8_valid_prefix((const uint8_t *) *s, *n) != *n) {
+        LOG_ERROR("tokenizer.json: %s is not valid UTF-8", path_join(path, key).s);
+        return ERR_FORMAT;
+    }
     return ERR_OK;
 }
 
@@ -1180,6 +1185,14 @@ Err tok_load_json(Tokenizer **out, const char *json, size_t n_bytes)
         goto done;
     }
     pthread_mutex_init(&tok->cache_mu, NULL);
+    // JSON text is UTF-8 (RFC 8259; Hugging Face's loader refuses anything else), and the
+    // strings it holds reach the regexes, which are run on valid UTF-8 only.
+    const size_t n_valid = utf8_valid_prefix((const uint8_t *) json, n_bytes);
+    if (n_valid != n_bytes) {
+        LOG_ERROR("tokenizer.json: not valid UTF-8 at byte %zu", n_valid);
+        err = ERR_FORMAT;
+        goto done;
+    }
     root = json_tokener_parse_ex(jt, json, (int) n_bytes);
     enum json_tokener_error jerr = json_tokener_get_error(jt);
     if (jerr == json_tokener_continue) jerr = json_tokener_error_parse_eof;

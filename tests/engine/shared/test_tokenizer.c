@@ -290,6 +290,12 @@ static void test_errors(void)
          "\"content\":\"x\"}]}",
          ERR_FORMAT},
         {"{\"model\":{\"type\":\"BPE\",\"vocab\":{},\"merges\":[]},\"truncation\":{}}", ERR_INVAL},
+        // Not UTF-8: a Prepend whose bytes would reach the regexes invalid (found by fuzzing:
+        // PCRE2 runs without its own check, on text the loader must have validated).
+        {"{\"model\":{\"type\":\"BPE\",\"vocab\":{},\"merges\":[]},\"normalizer\":{\"type\":"
+         "\"Prepend\",\"prepend\":\"\x8f\xff\"}}",
+         ERR_FORMAT},
+        {"{\"model\":{\"type\":\"BPE\",\"vocab\":{\"\xc3\":0},\"merges\":[]}}", ERR_FORMAT},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         Tokenizer *t = (Tokenizer *) 1;
