@@ -133,9 +133,20 @@ static int byte_token(const char *s, size_t n)
 
 static Err replace_all(const TokDec *d, pcre2_match_data *md, const char *s, size_t n, StrList *out)
 {
+    // Every step of HF's decoder chain holds a Rust String (valid UTF-8); an earlier ByteLevel
+    // step can leave invalid bytes here, which PCRE2 (run without its own check) must not see.
+    char *fixed = NULL;
+    if (utf8_valid_prefix((const uint8_t *) s, n) != n) {
+        size_t n_fixed;
+        const Err err = utf8_lossy((const uint8_t *) s, n, &fixed, &n_fixed);
+        if (err) return err;
+        s = fixed;
+        n = n_fixed;
+    }
     // Build the result in out's buffer directly, then close it as out's next string.
     const size_t start = out->bytes.n;
     const Err err = tok_regex_replace(d->re, md, s, n, d->content, d->content_n, &out->bytes);
+    free(fixed);
     return err ? err : list_close(out, start);
 }
 
