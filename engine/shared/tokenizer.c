@@ -351,11 +351,6 @@ static Err get_str(json_object *obj, const Path *path, const char *key, bool req
     if (err) return err;
     *s = v ? json_object_get_string(v) : NULL;
     *n = v ? (size_t) json_object_get_string_len(v) : 0;
-    // An escape can still make invalid UTF-8 (an escaped lone surrogate such as U+D800).
-    if (*s && utf8_valid_prefix((const uint8_t *) *s, *n) != *n) {
-        LOG_ERROR("tokenizer.json: %s is not valid UTF-8", path_join(path, key).s);
-        return ERR_FORMAT;
-    }
     return ERR_OK;
 }
 
@@ -1186,7 +1181,8 @@ Err tok_load_json(Tokenizer **out, const char *json, size_t n_bytes)
     }
     pthread_mutex_init(&tok->cache_mu, NULL);
     // JSON text is UTF-8 (RFC 8259; Hugging Face's loader refuses anything else), and the
-    // strings it holds reach the regexes, which are run on valid UTF-8 only.
+    // strings it holds reach the regexes, which are run on valid UTF-8 only. Checking the raw
+    // bytes is enough: json-c decodes escapes to valid UTF-8 (a lone surrogate becomes U+FFFD).
     const size_t n_valid = utf8_valid_prefix((const uint8_t *) json, n_bytes);
     if (n_valid != n_bytes) {
         LOG_ERROR("tokenizer.json: not valid UTF-8 at byte %zu", n_valid);
