@@ -12,6 +12,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __CUDACC__
 #define NVFP4_FN static inline __host__ __device__
@@ -39,6 +40,34 @@ NVFP4_FN float nvfp4_e4m3_to_float(uint8_t bits)
     const float magnitude = exponent ? ldexpf(1.0f + mantissa / 8.0f, exponent - 7)
                                      : ldexpf(mantissa / 8.0f, -6);  // subnormal
     return (bits & 0x80) ? -magnitude : magnitude;
+}
+
+// float -> E4M3 code, round to nearest even, saturating at +-448 (the "satfinite" rule of
+// CUDA's __nv_cvt_float_to_fp8); NaN -> 0x7f with the sign. The one encoder of plain C code:
+// the kernels' references (kernels/ref/kern_ref.c) and the fp8 KV cache of the CPU and CUDA
+// backends (engine/model/kv_cache.h), so that the two backends store identical bytes.
+// tests/kernels/test_kern_ref.c checks it against a walk over every code.
+NVFP4_FN uint8_t nvfp4_float_to_e4m3(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint8_t sign = (uint8_t) ((u >> 24) & 0x80);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint8_t) (sign | 0x7f);  // NaN
+    if (a >= 0x43e00000u) return (uint8_t) (sign | 0x7e);  // >= 448 (and inf): saturate
+    if (a < 0x3c800000u) {  // below 2^-6: multiples of 2^-9, code = the multiple (8 = 2^-6)
+        float m;
+        memcpy(&m, &a, sizeof m);
+        return (uint8_t) (sign | (uint8_t) rintf(m * 512.0f));
+    }
+    // Normal: keep 3 of the 23 mantissa bits, nearest even; a carry moves into the exponent.
+    const uint32_t exp8 = (a >> 23) - 127 + 7;  // 1 .. 15
+    const uint32_t mant = a & 0x7fffffu;
+    uint32_t code = (exp8 << 3) | (mant >> 20);
+    const uint32_t rest = mant & 0xfffffu;
+    if (rest > 0x80000u || (rest == 0x80000u && (code & 1))) code++;
+    if (code > 0x7e) code = 0x7e;  // 448 < |f| < 464 rounds to 480, beyond the format: saturate
+    return (uint8_t) (sign | code);
 }
 
 #endif  // KERNELS_NVFP4_FORMAT_H

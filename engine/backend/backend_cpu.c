@@ -460,7 +460,8 @@ static void cpu_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, cons
     CpuImpl *impl = be->impl;
     ASSERT(kv->params.has_index[layer] && kv->params.index_dim == p->head_dim && p->top_k > 0);
     ensure_scratch(impl,
-                   (size_t) p->top_k * sizeof(TopkEntry) + kv->entry_floats[layer] * sizeof(float));
+                   (size_t) p->top_k * sizeof(TopkEntry)
+                             + (size_t) kv_entry_values(kv, layer) * sizeof(float));
     DsaJob job = {impl, sel, n_sel, q, w, kv, seq, layer, pos, p};
     double work = 0.0;
     for (int t = 0; t < n; t++)
@@ -498,7 +499,7 @@ static void mla_task(void *ctx, int task, int thread)
     const int *keys = job->sel ? job->sel + (size_t) t * job->sel_stride : NULL;
 
     // Scratch: q_lat, o_lat (double [L]); probabilities (double [visible]); row (float [L]);
-    // a widened cache entry (float [entry_floats]).
+    // a widened cache entry (float [kv_entry_values]).
     double *q_lat = thread_scratch(job->impl, thread);
     double *o_lat = q_lat + L;
     double *prob = o_lat + L;
@@ -568,7 +569,7 @@ static void cpu_mla_attention(Backend *be, float *out, const float *q, const Ckp
     for (int t = 0; t < n; t++)
         if (pos[t] + 1 > max_visible) max_visible = pos[t] + 1;
     ensure_scratch(impl, ((size_t) 2 * p->kv_lora + max_visible) * sizeof(double)
-                             + ((size_t) p->kv_lora + kv->entry_floats[layer]) * sizeof(float));
+                             + ((size_t) p->kv_lora + (size_t) kv_entry_values(kv, layer)) * sizeof(float));
     MlaJob job = {impl, out, q, kv_b, kv, seq, layer, pos, sel, n_sel, sel_stride, p};
     double work = 0.0;
     for (int t = 0; t < n; t++)

@@ -175,11 +175,10 @@ typedef struct DevLin {
 typedef struct DevKv {
     const unsigned char *pool;
     const int *blocks;
-    size_t block_floats;
-    size_t layer_offset;
-    size_t entry_floats;
+    size_t block_bytes;
+    size_t layer_offset;  // bytes
     int block_size;
-    int bf16;
+    KvEntryLayout lo;  // the layer's entry (kv_cache.h)
 } DevKv;
 
 // Elements of format f in one 16-byte vector.
@@ -271,15 +270,14 @@ static __device__ double block_reduce(double v, int op, double *buf)
 static __device__ __forceinline__ const unsigned char *kv_at(const DevKv &k, int pos)
 {
     const int block = k.blocks[pos / k.block_size];
-    const size_t value = (size_t) block * k.block_floats + k.layer_offset
-                         + (size_t) (pos % k.block_size) * k.entry_floats;
-    return k.pool + value * (k.bf16 ? 2 : 4);
+    return k.pool + (size_t) block * k.block_bytes + k.layer_offset
+           + (size_t) (pos % k.block_size) * (size_t) k.lo.bytes;
 }
 
-static __device__ __forceinline__ float kv_val(const unsigned char *e, int bf16, int i)
+// Value i of a cache entry as fp32 (kv_cache.h's decoding, for every storage type).
+static __device__ __forceinline__ float kv_val(const unsigned char *e, const DevKv &k, int i)
 {
-    if (bf16) return __uint_as_float((uint32_t) ((const uint16_t *) e)[i] << 16);
-    return ((const float *) e)[i];
+    return kv_entry_value(&k.lo, e, i);
 }
 
 // ---------------------------------------------------------------------------
@@ -569,7 +567,7 @@ static __global__ void k_dsa_scores(double *score, int cap, const float *q, cons
         const float *qh = qt + (size_t) h * p.head_dim;
         double d = 0.0;
         for (int i = lane; i < p.head_dim; i += 32)
-            d += (double) qh[i] * kv_val(e, kv.bf16, key_offset + i);
+            d += (double) qh[i] * kv_val(e, kv, key_offset + i);
         d = warp_sum_double(d) * dot_scale;
         if (d > 0.0) total += (double) wt[h] * head_scale * d;
     }
@@ -733,9 +731,9 @@ static __global__ void k_mla_scores(double *prob, int cap, const double *q_lat, 
     const float *qr = q + ((size_t) t * p.n_heads + h) * qk + p.qk_nope;
     double d = 0.0;
     for (int c = lane; c < L; c += 32)
-        d += ql[c] * kv_val(e, kv.bf16, c);
+        d += ql[c] * kv_val(e, kv, c);
     for (int i = lane; i < p.qk_rope; i += 32)
-        d += (double) qr[i] * kv_val(e, kv.bf16, L + i);
+        d += (double) qr[i] * kv_val(e, kv, L + i);
     for (int o = 16; o > 0; o >>= 1)
         d += __shfl_xor_sync(0xffffffffu, d, o);
     if (lane == 0) prob[((size_t) t * p.n_heads + h) * cap + j] = d * p.scale;
@@ -787,7 +785,7 @@ static __global__ void k_mla_pv(double *part, int n_split, const double *prob, i
         double acc = 0.0;
 #pragma unroll 8
         for (int j = 0; j < nj; j++)
-            acc += pn[j] * kv_val(rows[j], kv.bf16, c);
+            acc += pn[j] * kv_val(rows[j], kv, c);
         pt[c] = acc;
     }
 }
@@ -819,27 +817,20 @@ static __global__ void k_mla_out(float *out, const double *part, int n_split, De
     }
 }
 
-static __global__ void k_kv_write(unsigned char *pool, const int *blocks, size_t block_floats,
-                                  size_t layer_offset, size_t entry_floats, int block_size,
-                                  int bf16, const int *pos, int offset, const float *src, int width)
+// Values offset .. offset + width of token t's entry, stored by kv_cache.h's kv_entry_store
+// (the CPU backend's code, so both store the same bytes): block t; f32 and bf16 values one
+// per thread, an fp8 write by one thread (its groups share scales).
+static __global__ void k_kv_write(DevKv kv, const int *pos, int offset, const float *src, int width)
 {
-    const int t = blockIdx.x, p = pos[t];
-    const size_t value = (size_t) blocks[p / block_size] * block_floats + layer_offset
-                         + (size_t) (p % block_size) * entry_floats + (size_t) offset;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        const float v = src[(size_t) t * width + i];
-        if (!bf16) {
-            ((float *) (void *) pool)[value + i] = v;
-            continue;
-        }
-        const uint32_t bits = __float_as_uint(v);
-        uint16_t hb;
-        if ((bits & 0x7fffffffu) > 0x7f800000u)
-            hb = (uint16_t) ((bits >> 16) | 0x40);
-        else
-            hb = (uint16_t) ((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
-        ((uint16_t *) (void *) pool)[value + i] = hb;
+    const int t = blockIdx.x;
+    unsigned char *e = (unsigned char *) kv_at(kv, pos[t]);
+    const float *st = src + (size_t) t * width;
+    if (kv.lo.dtype == KV_DTYPE_FP8) {
+        if (threadIdx.x == 0) kv_entry_store(&kv.lo, e, offset, st, width);
+        return;
     }
+    for (int i = threadIdx.x; i < width; i += blockDim.x)
+        kv_entry_store(&kv.lo, e, offset + i, st + i, 1);
 }
 
 // Group the slots (t, k) by expert: meta = offsets [E + 1] | n_active [1] | active [E] |
@@ -1085,7 +1076,7 @@ static void *scratch(CudaImpl *impl, int slot, size_t bytes)
 // The device pool mirroring kv's (created zeroed on first use).
 static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
 {
-    const size_t bytes = kv->block_floats * (size_t) kv->params.n_blocks * kv->value_bytes;
+    const size_t bytes = kv->block_bytes * (size_t) kv->params.n_blocks;
     DevPool *free_slot = NULL;
     for (int i = 0; i < MAX_POOLS; i++) {
         DevPool *d = &impl->pools[i];
@@ -1153,13 +1144,8 @@ static const int *dev_blocks(CudaImpl *impl, const KvSeq *seq)
 static DevKv dev_kv(CudaImpl *impl, const KvCache *kv, const KvSeq *seq, int layer)
 {
     const int *blocks = dev_blocks(impl, seq);
-    DevKv d = {dev_pool(impl, kv),
-               blocks,
-               kv->block_floats,
-               kv->layer_offset[layer],
-               kv->entry_floats[layer],
-               kv->params.block_size,
-               kv->params.dtype == KV_DTYPE_BF16};
+    DevKv d = {dev_pool(impl, kv), blocks,           kv->block_bytes, kv->layer_offset[layer],
+               kv->params.block_size, kv->entry[layer]};
     return d;
 }
 
@@ -1386,14 +1372,13 @@ static void cuda_kv_write(Backend *be, KvCache *kv, const KvSeq *seq, int layer,
                           int n, int offset, const float *src, int width)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
-    ASSERT(offset >= 0 && width >= 0
-           && (size_t) offset + (size_t) width <= kv->entry_floats[layer]);
+    const KvEntryLayout *lo = &kv->entry[layer];
+    ASSERT(kv_write_ok(lo, offset, width));
     if (n == 0 || width == 0) return;
     const DevKv d = dev_kv(impl, kv, seq, layer);
     prof_begin(impl);
-    k_kv_write<<<n, THREADS, 0, impl->stream>>>((unsigned char *) d.pool, d.blocks, d.block_floats,
-                                                d.layer_offset, d.entry_floats, d.block_size,
-                                                d.bf16, pos, offset, src, width);
+    k_kv_write<<<n, lo->dtype == KV_DTYPE_FP8 ? 32 : THREADS, 0, impl->stream>>>(d, pos, offset,
+                                                                                 src, width);
     check_launch("kv_write");
     prof_end(impl, PROF_KV_WRITE, 0.0);
 }
@@ -1622,6 +1607,16 @@ static void cuda_graph_end(Backend *be)
     }
     impl->mode = GRAPH_NONE;
     impl->graph_cur = NULL;
+}
+
+void backend_cuda_kv_download(Backend *be, const KvCache *kv, void *dst)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    no_capture(impl, "a KV pool download");
+    const unsigned char *pool = dev_pool(impl, kv);
+    CUDA_CHECK(cudaMemcpyAsync(dst, pool, kv->block_bytes * (size_t) kv->params.n_blocks,
+                               cudaMemcpyDeviceToHost, impl->stream));
+    CUDA_CHECK(cudaStreamSynchronize(impl->stream));
 }
 
 // `bytes` synthetic bytes of k_random_fill's `kind` (0 any, 1 bf16, 2 e4m3), remembered

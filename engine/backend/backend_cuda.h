@@ -43,6 +43,11 @@ void backend_cuda_profile_report(Backend *be, const char *title);
 Err backend_cuda_random_linear(Backend *be, CkptLinear *w, CkptLinearFormat format, int rows,
                                int cols, unsigned long long seed);
 
+// Copy the device copy of kv's pool (kv->block_bytes * n_blocks bytes; zeros if the backend
+// has not used kv yet) into host memory at dst: for tests that compare the bytes the two
+// backends store. Synchronous.
+void backend_cuda_kv_download(Backend *be, const KvCache *kv, void *dst);
+
 #ifdef __cplusplus
 }
 #endif

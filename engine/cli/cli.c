@@ -41,11 +41,5 @@ bool cli_parse_backend(const char *s, bool *is_cuda)
 
 bool cli_parse_kv_dtype(const char *s, KvDtype *out)
 {
-    if (strcmp(s, "f32") == 0)
-        *out = KV_DTYPE_F32;
-    else if (strcmp(s, "bf16") == 0)
-        *out = KV_DTYPE_BF16;
-    else
-        return false;
-    return true;
+    return kv_dtype_parse(s, out);
 }

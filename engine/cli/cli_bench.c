@@ -3,7 +3,7 @@
  * (model.c's forward pass on a backend), on a checkpoint or a synthetic one.
  *
  *   glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] [--seed S])
- *     [--batch 1,8] [--ctx 1024] [--steps 32] [--threads N] [--kv-dtype f32|bf16] [--json]
+ *     [--batch 1,8] [--ctx 1024] [--steps 32] [--threads N] [--kv-dtype f32|bf16|fp8] [--json]
  *   glmspark bench --backend cuda --reap-ops [--batch 1,8] [--steps 32]
  *
  * For each batch size B: B sequences are prefilled with --ctx deterministic token ids each
@@ -74,7 +74,7 @@ static int bench_usage(void)
     fprintf(stderr,
             "usage: glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] "
             "[--seed S]) [--batch 1,8] [--ctx 1024] [--steps 32] [--threads N] "
-            "[--kv-dtype f32|bf16] [--json]\n"
+            "[--kv-dtype f32|bf16|fp8] [--json]\n"
             "       glmspark bench --backend cuda --reap-ops [--batch 1,8] [--steps 32]\n");
     return 2;
 }

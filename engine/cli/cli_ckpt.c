@@ -9,8 +9,8 @@
  * every byte once and reports the load rate (ckpt_open + touch). With --pp N it prints the
  * pipeline split (pp.h): layers, weight bytes, KV room and the longest context per rank,
  * for --mem bytes per rank (default 121G) at --mem-util (default 0.9), the KV cache at
- * --context positions (default max_position_embeddings) in --kv-bytes bytes per value
- * (default 1: fp8). Exit status 1 with the reason on stderr when anything is wrong.
+ * --context positions (default max_position_embeddings) stored as --kv-dtype (default fp8,
+ * the layout of engine/model/kv_cache.h). Exit status 1 with the reason on stderr when anything is wrong.
  */
 #include "engine/cli/cli.h"
 
@@ -278,7 +278,7 @@ static void print_config(const ModelConfig *c)
 static int usage_inspect(void)
 {
     fprintf(stderr, "usage: glmspark inspect --model DIR [--touch] [--pp N [--mem 121G] "
-                    "[--mem-util 0.9] [--context N] [--kv-bytes 1]]\n"
+                    "[--mem-util 0.9] [--context N] [--kv-dtype fp8|bf16|f32]]\n"
                     "  --touch  read every tensor byte once and report the load rate\n");
     return 2;
 }
@@ -287,7 +287,8 @@ int cli_inspect(int argc, char **argv)
 {
     const char *dir = NULL;
     bool touch = false;
-    int pp = 0, context = 0, kv_bytes = 1;
+    int pp = 0, context = 0;
+    KvDtype kv_dtype = KV_DTYPE_FP8;
     uint64_t mem = 121ull << 30;
     double mem_util = 0.9;
     for (int i = 1; i < argc; i++) {
@@ -300,8 +301,8 @@ int cli_inspect(int argc, char **argv)
             if (!num_parse_int(argv[++i], 1, PP_MAX_WORLD, &pp)) return usage_inspect();
         } else if (!strcmp(argv[i], "--context") && i + 1 < argc) {
             if (!num_parse_int(argv[++i], 1, INT_MAX, &context)) return usage_inspect();
-        } else if (!strcmp(argv[i], "--kv-bytes") && i + 1 < argc) {
-            if (!num_parse_int(argv[++i], 1, 4, &kv_bytes) || kv_bytes == 3) return usage_inspect();
+        } else if (!strcmp(argv[i], "--kv-dtype") && i + 1 < argc) {
+            if (!kv_dtype_parse(argv[++i], &kv_dtype)) return usage_inspect();
         } else if (!strcmp(argv[i], "--mem") && i + 1 < argc) {
             if (!pp_parse_bytes(argv[++i], &mem)) return usage_inspect();
         } else if (!strcmp(argv[i], "--mem-util") && i + 1 < argc) {
@@ -394,7 +395,7 @@ int cli_inspect(int argc, char **argv)
         if (!context)
             context = cfg->max_position_embeddings > 0 ? cfg->max_position_embeddings : 4096;
         PpPlan plan;
-        if (pp_plan_model(dir, cfg, pp, mem, mem_util, context, kv_bytes, &plan)) {
+        if (pp_plan_model(dir, cfg, pp, mem, mem_util, context, kv_dtype, &plan)) {
             fprintf(stderr,
                     "glmspark inspect: cannot split \"%s\" over %d ranks (see the message "
                     "above)\n",
@@ -402,8 +403,9 @@ int cli_inspect(int argc, char **argv)
             goto done;
         }
         printf("\npipeline       %d ranks, %.1f GiB each at %.2f, KV cache for %d positions "
-               "(%d byte values)\n",
-               pp, mem / 1073741824.0, mem_util, context, kv_bytes);
+               "(%s, %llu bytes per token per layer)\n",
+               pp, mem / 1073741824.0, mem_util, context, kv_dtype_name(kv_dtype),
+               (unsigned long long) pp_kv_bytes_per_token_layer(cfg, kv_dtype));
         printf("rank  layers        n   weights (GiB)  kv room (GiB)  longest context\n");
         for (int r = 0; r < pp; r++) {
             const PpRankPlan *p = &plan.ranks[r];

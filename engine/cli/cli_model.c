@@ -3,15 +3,16 @@
  * from token ids.
  *
  *   glmspark logits --model DIR --tokens 5,17,42 --out FILE [--threads N] [--decode-check]
- *     [--kv-dtype f32|bf16]
+ *     [--kv-dtype f32|bf16|fp8]
  *     One forward pass over the tokens; FILE gets float32 little-endian logits
  *     [n_tokens, vocab_size]. --decode-check also runs the tokens one at a time through a
  *     second sequence and reports the largest relative L2 difference per row (stderr).
  *   glmspark generate --model DIR --tokens 5,17,42 --max-tokens N [--temperature T]
  *     [--top-p P] [--top-k K] [--min-p P] [--seed S] [--ignore-eos] [--threads N]
  *     [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]
- *     [--kv-dtype f32|bf16]
- * --kv-dtype chooses the KV cache storage (default f32, exact; bf16 halves it).
+ *     [--kv-dtype f32|bf16|fp8]
+ * --kv-dtype chooses the KV cache storage (default f32, exact; bf16 halves it; fp8 is the
+ * reference deployment's layout, engine/model/kv_cache.h).
  * --backend cuda runs the ops on GPU --local-rank (default 0; backend_cuda.h; builds with
  * CUDA only), cpu is the default.
  *     Prefill, then decode token by token; prints the generated ids space-separated on one
@@ -136,7 +137,7 @@ static int usage(const char *cmd)
 {
     if (strcmp(cmd, "logits") == 0)
         fprintf(stderr, "usage: glmspark logits --model DIR --tokens 5,17,42 --out FILE "
-                        "[--threads N] [--backend cpu|cuda] [--decode-check] [--kv-dtype f32|bf16] "
+                        "[--threads N] [--backend cpu|cuda] [--decode-check] [--kv-dtype f32|bf16|fp8] "
                         "[--pp N | --rank R "
                         "--world N --master ADDR:PORT]\n");
     else
@@ -144,7 +145,7 @@ static int usage(const char *cmd)
                 "usage: glmspark generate --model DIR --tokens 5,17,42 --max-tokens N "
                 "[--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S] "
                 "[--ignore-eos] [--threads N] [--backend cpu|cuda] [--repetition-penalty R] "
-                "[--presence-penalty P] [--frequency-penalty F] [--kv-dtype f32|bf16] "
+                "[--presence-penalty P] [--frequency-penalty F] [--kv-dtype f32|bf16|fp8] "
                 "[--mtp K] [--pp N | --rank R --world N --master ADDR:PORT]\n");
     return 2;
 }
@@ -416,7 +417,7 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
     PpPlan plan;
     // Memory is not the constraint on the CPU: balance bytes (weights + KV at the context).
     if (pp_plan_model(a->model_dir, cfg, a->world, UINT64_C(1) << 60, 1.0, positions,
-                      a->kv_dtype == KV_DTYPE_BF16 ? 2 : 4, &plan))
+                      a->kv_dtype, &plan))
         goto done;
     const PpRankPlan *mine = &plan.ranks[a->rank];
     const double t0 = clock_now_s();

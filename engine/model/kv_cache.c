@@ -10,6 +10,48 @@
 #include <stdlib.h>
 #include <string.h>
 
+static int align4(int n)
+{
+    return (n + 3) & ~3;
+}
+
+KvEntryLayout kv_entry_layout(KvDtype dtype, int kv_lora, int rope_dim, int index_dim)
+{
+    KvEntryLayout e = {.dtype = (int) dtype, .kv_lora = kv_lora, .rope_dim = rope_dim,
+                       .index_dim = index_dim};
+    if (dtype != KV_DTYPE_FP8) {
+        e.value_bytes = dtype == KV_DTYPE_BF16 ? 2 : 4;
+        e.pe = kv_lora * e.value_bytes;
+        e.idx = (kv_lora + rope_dim) * e.value_bytes;
+        e.bytes = (kv_lora + rope_dim + index_dim) * e.value_bytes;
+        return e;
+    }
+    const int groups = (kv_lora + KV_FP8_GROUP - 1) / KV_FP8_GROUP;
+    e.lat_scale = align4(kv_lora);
+    e.pe = e.lat_scale + 4 * groups;
+    e.idx = align4(e.pe + 2 * rope_dim);
+    e.idx_scale = index_dim > 0 ? align4(e.idx + index_dim) : e.idx;
+    e.bytes = index_dim > 0 ? e.idx_scale + 4 : e.idx;
+    return e;
+}
+
+static const char *const dtype_names[] = {"f32", "bf16", "fp8"};
+
+const char *kv_dtype_name(KvDtype dtype)
+{
+    return (unsigned) dtype < 3 ? dtype_names[dtype] : "?";
+}
+
+bool kv_dtype_parse(const char *s, KvDtype *out)
+{
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(s, dtype_names[i])) {
+            *out = (KvDtype) i;
+            return true;
+        }
+    return false;
+}
+
 Err kv_init(KvCache *kv, const KvCacheParams *p)
 {
     memset(kv, 0, sizeof *kv);
@@ -22,29 +64,28 @@ Err kv_init(KvCache *kv, const KvCacheParams *p)
                   params.n_layers, params.block_size, params.n_blocks, params.kv_lora);
         return ERR_INVAL;
     }
+    if (params.dtype != KV_DTYPE_F32 && params.dtype != KV_DTYPE_BF16
+        && params.dtype != KV_DTYPE_FP8) {
+        LOG_ERROR("bad kv cache dtype %d", (int) params.dtype);
+        return ERR_INVAL;
+    }
     kv->params = params;
     size_t offset = 0;
     for (int l = 0; l < params.n_layers; l++) {
         kv->layer_offset[l] = offset;
-        kv->entry_floats[l] = (size_t) params.kv_lora + (size_t) params.rope_dim
-                              + (params.has_index[l] ? (size_t) params.index_dim : 0);
-        offset += kv->entry_floats[l] * (size_t) params.block_size;
+        kv->entry[l] = kv_entry_layout(params.dtype, params.kv_lora, params.rope_dim,
+                                       params.has_index[l] ? params.index_dim : 0);
+        offset += (size_t) kv->entry[l].bytes * (size_t) params.block_size;
     }
-    kv->block_floats = offset;
+    kv->block_bytes = offset;
 
-    if (params.dtype != KV_DTYPE_F32 && params.dtype != KV_DTYPE_BF16) {
-        LOG_ERROR("bad kv cache dtype %d", (int) params.dtype);
-        memset(kv, 0, sizeof *kv);
-        return ERR_INVAL;
-    }
-    kv->value_bytes = params.dtype == KV_DTYPE_BF16 ? 2 : 4;
-    const size_t n_floats = kv->block_floats * (size_t) params.n_blocks;
-    if (n_floats > SIZE_MAX / kv->value_bytes) return ERR_NOMEM;
-    kv->pool = calloc(n_floats, kv->value_bytes);
+    if (kv->block_bytes > SIZE_MAX / (size_t) params.n_blocks) return ERR_NOMEM;
+    const size_t bytes = kv->block_bytes * (size_t) params.n_blocks;
+    kv->pool = calloc(bytes, 1);
     kv->free_blocks = malloc((size_t) params.n_blocks * sizeof *kv->free_blocks);
     if (!kv->pool || !kv->free_blocks) {
-        LOG_ERROR("could not allocate a kv cache of %zu bytes (%d blocks of %d positions)",
-                  n_floats * kv->value_bytes, params.n_blocks, params.block_size);
+        LOG_ERROR("could not allocate a kv cache of %zu bytes (%d blocks of %d positions)", bytes,
+                  params.n_blocks, params.block_size);
         kv_free(kv);
         return ERR_NOMEM;
     }
@@ -101,22 +142,7 @@ int kv_n_free_blocks(const KvCache *kv)
 void kv_store(KvCache *kv, const KvSeq *seq, int layer, int pos, int offset, const float *src,
               int width)
 {
-    ASSERT(offset >= 0 && width >= 0
-           && (size_t) offset + (size_t) width <= kv->entry_floats[layer]);
-    unsigned char *e = kv_entry_bytes(kv, seq, layer, pos) + (size_t) offset * kv->value_bytes;
-    if (kv->params.dtype == KV_DTYPE_F32) {
-        memcpy(e, src, (size_t) width * sizeof(float));
-        return;
-    }
-    for (int i = 0; i < width; i++) {
-        uint32_t bits;
-        memcpy(&bits, src + i, sizeof bits);
-        uint16_t h;
-        if ((bits & 0x7fffffffu) > 0x7f800000u)
-            h = (uint16_t) ((bits >> 16) | 0x40);  // NaN stays a (quiet) NaN
-        else
-            h = (uint16_t) ((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);  // nearest even
-        e[2 * i] = (unsigned char) (h & 0xff);
-        e[2 * i + 1] = (unsigned char) (h >> 8);
-    }
+    const KvEntryLayout *lo = &kv->entry[layer];
+    ASSERT(kv_write_ok(lo, offset, width));
+    kv_entry_store(lo, kv_entry_bytes(kv, seq, layer, pos), offset, src, width);
 }

@@ -43,11 +43,11 @@
 // ---------------------------------------------------------------------------
 // Planner
 
-uint64_t pp_kv_bytes_per_token_layer(const ModelConfig *cfg, int value_bytes)
+uint64_t pp_kv_bytes_per_token_layer(const ModelConfig *cfg, KvDtype dtype)
 {
-    return (uint64_t) (cfg->kv_lora_rank + cfg->qk_rope_head_dim
-                       + (cfg->index_topk > 0 ? cfg->index_head_dim : 0))
-           * (uint64_t) value_bytes;
+    return (uint64_t) kv_entry_layout(dtype, cfg->kv_lora_rank, cfg->qk_rope_head_dim,
+                                      cfg->index_topk > 0 ? cfg->index_head_dim : 0)
+        .bytes;
 }
 
 // Bytes of a [rows, cols] linear weight stored as NVFP4 (4-bit codes + e4m3 scale per 16)
@@ -922,7 +922,7 @@ Err pp_end(PpStage *s)
 // Planning from a checkpoint
 
 Err pp_plan_model(const char *dir, const ModelConfig *cfg, int world, uint64_t mem_bytes,
-                  double mem_utilization, int context, int kv_value_bytes, PpPlan *plan)
+                  double mem_utilization, int context, KvDtype kv_dtype, PpPlan *plan)
 {
     Ckpt ck = {0};
     uint64_t *layer_bytes = calloc((size_t) cfg->n_layers, sizeof *layer_bytes);
@@ -955,7 +955,7 @@ Err pp_plan_model(const char *dir, const ModelConfig *cfg, int world, uint64_t m
         .layer_bytes = layer_bytes,
         .first_bytes = first,
         .last_bytes = last,
-        .kv_bytes_per_token_layer = pp_kv_bytes_per_token_layer(cfg, kv_value_bytes),
+        .kv_bytes_per_token_layer = pp_kv_bytes_per_token_layer(cfg, kv_dtype),
         .context = context,
         .mem_bytes = mem_bytes,
         .mem_utilization = mem_utilization,

@@ -85,13 +85,15 @@ Err pp_plan(const PpPlanInput *in, PpPlan *out);
 // when cfg->quant is NVFP4, BF16 elsewhere, as NVIDIA's GLM-5 NVFP4 exports store them.
 uint64_t pp_estimate_layer_bytes(const ModelConfig *cfg, int l);
 uint64_t pp_estimate_embed_bytes(const ModelConfig *cfg);
-// KV bytes per token per layer: latent + rope key (+ indexer key) at value_bytes each.
-uint64_t pp_kv_bytes_per_token_layer(const ModelConfig *cfg, int value_bytes);
+// KV bytes per token per layer in a cache of this type: the entry of kv_cache.h with the
+// indexer key counted on every layer when the model has an indexer (an upper bound: only
+// the layers that own an indexer store one).
+uint64_t pp_kv_bytes_per_token_layer(const ModelConfig *cfg, KvDtype dtype);
 
 // pp_plan() with the per-layer bytes of the checkpoint in dir (its headers only; MTP
 // layers, the final norm and lm_head count for the last rank, the embeddings for rank 0).
 Err pp_plan_model(const char *dir, const ModelConfig *cfg, int world, uint64_t mem_bytes,
-                  double mem_utilization, int context, int kv_value_bytes, PpPlan *plan);
+                  double mem_utilization, int context, KvDtype kv_dtype, PpPlan *plan);
 
 // A stable hash of the config and the plan's split, for the handshake.
 uint64_t pp_plan_hash(const ModelConfig *cfg, const PpPlan *plan, uint64_t extra);

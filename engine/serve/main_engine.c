@@ -5,7 +5,7 @@
  *   glmspark-engine --model DIR --db CONNINFO [--tokenizer FILE] [--model-name NAME]
  *                   [--threads N] [--kv-blocks N] [--name NAME] [--lease-s S]
  *                   [--max-num-seqs N] [--max-num-batched-tokens N] [--prefill-slice N]
- *                   [--backend cpu|cuda] [--kv-cache-dtype f32|bf16] [--step-delay-ms MS]
+ *                   [--backend cpu|cuda] [--kv-dtype fp8|bf16|f32] [--step-delay-ms MS]
  *                   [--pp N | --rank R --world N --master HOST:PORT [--local-rank L]]
  *                   [--recipe FILE]
  *   glmspark-engine --check-recipe FILE
@@ -14,9 +14,10 @@
  * threads, kv_blocks (or max_model_len / block_size), lease_s, max_num_seqs,
  * max_num_batched_tokens, pipeline_parallel, backend and kv_cache_dtype; flags given on the
  * command line override it wherever they appear (--prefill-slice is another name for
- * --max-num-batched-tokens, the scheduler's prefill chunk). --check-recipe validates a
+ * --max-num-batched-tokens, the scheduler's prefill chunk; --kv-dtype, the other commands'
+ * name, for --kv-cache-dtype). --check-recipe validates a
  * recipe, prints every key's effective value (`key = value`) and exits 0, or 2 naming the
- * bad key. A kv_cache_dtype the backend cannot store is an error naming the key.
+ * bad key.
  *
  * Ranks: --pp N (or pipeline_parallel = N) starts N local ranks of this
  * command (pp_launch_local); --rank/--world/--master (or OMPI_COMM_WORLD_RANK/SIZE,
@@ -111,6 +112,7 @@ static const struct {
     {"--pp", "pipeline_parallel"},
     {"--backend", "backend"},
     {"--kv-cache-dtype", "kv_cache_dtype"},
+    {"--kv-dtype", "kv_cache_dtype"},
     {"--mtp", "mtp_tokens"},
     {"--max-model-len", "max_model_len"},
     {"--block-size", "block_size"},
@@ -122,7 +124,7 @@ static int usage(void)
             "usage: glmspark-engine --model DIR --db CONNINFO [--tokenizer FILE]\n"
             "       [--model-name NAME] [--threads N] [--kv-blocks N] [--name NAME] [--lease-s S]\n"
             "       [--max-num-seqs N] [--max-num-batched-tokens N] [--prefill-slice N]\n"
-            "       [--backend cpu|cuda] [--kv-cache-dtype f32|bf16] [--max-model-len N]\n"
+            "       [--backend cpu|cuda] [--kv-dtype fp8|bf16|f32] [--max-model-len N]\n"
             "       [--block-size N] [--step-delay-ms MS] [--recipe FILE]\n"
             "       [--pp N | --rank R --world N --master HOST:PORT [--local-rank L]]\n"
             "       glmspark-engine --check-recipe FILE\n");

@@ -35,8 +35,8 @@
  * lease_s, max_model_len and block_size (the KV cache size), pipeline_parallel (ranks;
  * --pp/--world override), max_num_seqs,
  * max_num_batched_tokens and mtp_tokens (the scheduler; mtp_tokens > 0 loads the model's MTP
- * layer on the last rank and is an error for a model without one), backend and kv_cache_dtype (an explicit value
- * the backend cannot store, fp8 today, is an error naming the key; unset: f32);
+ * layer on the last rank and is an error for a model without one), backend and kv_cache_dtype
+ * (engine/model/kv_cache.h's storage types, on either backend; unset: f32);
  * ops/launch-cluster.sh uses pipeline_parallel (must equal the node count), master_port,
  * load_timeout_s, min_free_memory_gb and model. tensor_parallel (1) and
  * gpu_memory_utilization are validated only: the engine sizes its KV cache from kv_blocks

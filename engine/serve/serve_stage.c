@@ -19,14 +19,10 @@ Err serve_stage_load(ServeStage *e, const Recipe *r, const char *model_dir, int 
     if (!(e->cfg = malloc(sizeof *e->cfg))) return err;
     if ((err = config_load(e->cfg, model_dir))) return err;
     KvDtype dtype = KV_DTYPE_F32;
-    if (recipe_is_set(r, "kv_cache_dtype")) {
-        if (r->kv_cache_dtype == RECIPE_KV_FP8) {
-            LOG_ERROR("kv_cache_dtype = fp8: the %s backend stores the KV cache as f32 or bf16",
-                      recipe_backend_name(r->backend));
-            return ERR_INVAL;
-        }
-        dtype = r->kv_cache_dtype == RECIPE_KV_BF16 ? KV_DTYPE_BF16 : KV_DTYPE_F32;
-    }
+    if (recipe_is_set(r, "kv_cache_dtype"))
+        dtype = r->kv_cache_dtype == RECIPE_KV_FP8    ? KV_DTYPE_FP8
+                : r->kv_cache_dtype == RECIPE_KV_BF16 ? KV_DTYPE_BF16
+                                                      : KV_DTYPE_F32;
     const int block = recipe_is_set(r, "block_size") ? r->block_size : KV_DEFAULT_BLOCK_SIZE;
     int kv_blocks = r->kv_blocks;
     if (kv_blocks <= 0) {
@@ -37,7 +33,7 @@ Err serve_stage_load(ServeStage *e, const Recipe *r, const char *model_dir, int 
     }
     // Memory is not the constraint on the CPU: balance bytes (weights + KV at the context).
     if ((err = pp_plan_model(model_dir, e->cfg, world, UINT64_C(1) << 60, 1.0, kv_blocks * block,
-                             dtype == KV_DTYPE_BF16 ? 2 : 4, &e->plan)))
+                             dtype, &e->plan)))
         return err;
     const PpRankPlan *mine = &e->plan.ranks[rank];
     if (r->mtp_tokens > 0 && e->cfg->n_mtp_layers < 1) {
@@ -68,7 +64,7 @@ Err serve_stage_load(ServeStage *e, const Recipe *r, const char *model_dir, int 
     LOG_INFO("engine rank %d of %d: layers [%d, %d), %.3f GB of weights, %d KV blocks of %d (%s), "
              "loaded in %.3f s",
              rank, world, mine->first_layer, mine->last_layer, mine->weight_bytes / 1e9, kv_blocks,
-             block, dtype == KV_DTYPE_BF16 ? "bf16" : "f32", clock_now_s() - t0);
+             block, kv_dtype_name(dtype), clock_now_s() - t0);
     return ERR_OK;
 }
 

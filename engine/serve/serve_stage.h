@@ -8,8 +8,8 @@
  * with progress in the log), sizes its KV cache identically (kv_blocks, or max_model_len /
  * block_size, else the model's context capped at 32768) and connects (pp_stage_create)
  * with a handshake hash over the config, the split and the cache's shape, so ranks started
- * with different settings refuse each other. kv_cache_dtype: unset is f32; fp8 is an error
- * naming the key (no backend stores an fp8 cache yet); backend cuda needs a CUDA build.
+ * with different settings refuse each other. kv_cache_dtype: unset is f32 (fp8 and bf16 on
+ * either backend, engine/model/kv_cache.h); backend cuda needs a CUDA build.
  *
  * Ownership: ServeStage owns everything in it; serve_stage_free releases it.
  * Threads:   one thread.

@@ -325,11 +325,13 @@ static void test_route_moe(void)
     }
 }
 
-// kv_write, dsa_topk and mla_attention over a 45-token sequence in blocks of 16, for an fp32
-// and a bf16 cache; the two backends use separate caches of the same layout.
+// kv_write, dsa_topk and mla_attention over a 45-token sequence in blocks of 16, for an fp32,
+// a bf16 and an fp8 cache; the two backends use separate caches of the same layout, and
+// store the same bytes (kv_cache.h's one store routine; latent 144: a whole fp8 scale group
+// and a partial one).
 static void test_attention(KvDtype dtype)
 {
-    const int T = 45, L = 48, R = 16, Di = 32, Hi = 4, H = 3, nope = 24, vd = 20, topk = 8;
+    const int T = 45, L = 144, R = 16, Di = 32, Hi = 4, H = 3, nope = 24, vd = 20, topk = 8;
     KvCacheParams p = {.n_layers = 2,
                        .block_size = 16,
                        .n_blocks = 4,
@@ -355,6 +357,20 @@ static void test_attention(KvDtype dtype)
     }
     cpu->kv_write(cpu, &kc, &sc, 1, pos, T, L + R, key, Di);
     gpu->kv_write(gpu, &kg, &sg, 1, dpos, T, L + R, dkey, Di);
+    {
+        const size_t bytes = kg.block_bytes * (size_t) p.n_blocks;
+        unsigned char *got = malloc(bytes);
+        ASSERT(got && sc.n_blocks == sg.n_blocks);
+        backend_cuda_kv_download(gpu, &kg, got);
+        size_t differ = 0;
+        for (int b = 0; b < sc.n_blocks; b++)
+            differ += memcmp((const unsigned char *) kc.pool + (size_t) sc.blocks[b] * kc.block_bytes,
+                             got + (size_t) sg.blocks[b] * kg.block_bytes, kc.block_bytes)
+                      != 0;
+        printf("kv_write (%s cache)            %zu blocks differ\n", kv_dtype_name(dtype), differ);
+        CHECK(differ == 0);
+        free(got);
+    }
 
     // DSA: the last 12 queries (positions 33..44 > top_k) and the first 3 (all visible).
     const BackendDsa dp = {Hi, Di, topk};
@@ -384,7 +400,7 @@ static void test_attention(KvDtype dtype)
             for (int k = 0; k < n_sel[t] && k < topk; k++)
                 sel_bad += gsel[(size_t) t * topk + k] != sel[(size_t) t * topk + k];
         }
-        printf("dsa_topk (%s cache%s)        %d differences\n", dtype ? "bf16" : "f32",
+        printf("dsa_topk (%s cache%s)        %d differences\n", kv_dtype_name(dtype),
                ties ? ", ties" : "", sel_bad);
         CHECK(sel_bad == 0);
         free(gsel);
@@ -406,7 +422,7 @@ static void test_attention(KvDtype dtype)
                            sparse ? dn_sel : NULL, topk, &mp);
         char what[64];
         snprintf(what, sizeof what, "mla_attention %s (%s cache)", sparse ? "sparse" : "dense",
-                 dtype ? "bf16" : "f32");
+                 kv_dtype_name(dtype));
         expect_close(what, dout, want, (size_t) T * H * vd, 1e-5);
     }
     free_linear(&kv_b);
@@ -445,6 +461,7 @@ int main(void)
     test_route_moe();
     test_attention(KV_DTYPE_F32);
     test_attention(KV_DTYPE_BF16);
+    test_attention(KV_DTYPE_FP8);
     gpu->destroy(gpu);
     cpu->destroy(cpu);
     return check_exit();

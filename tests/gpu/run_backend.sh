@@ -15,7 +15,8 @@
 # instead and start the device command with `tar xJf .carry/cudabe.tar.xz -C .carry`.)
 # Runs: every op against the CPU backend; each golden model end to end (in-process, and the
 # `glmspark logits --backend cuda` file against the reference); `glmspark generate
-# --backend cuda` greedy output against golden.json (CUDA graphs on, the default); greedy
+# --backend cuda` greedy output against golden.json (CUDA graphs on, the default), and with
+# `--kv-dtype fp8` against the CPU backend's with the same cache; greedy
 # `--mtp K` (K = 1..3) against the output without MTP on every golden model with an MTP layer. With
 # BENCH="PRESET:BATCHES:CTX ..." (e.g. "default:1,8:1024 small:1,8:1024") it then runs
 # `glmspark bench --synthetic --backend cuda` for each, with graphs on and off
@@ -62,7 +63,13 @@ for d in tests/golden/models/*/; do
     got=$(run "$c/bin/glmspark" generate --backend cuda --model "$d" --tokens "$prompt" \
         --max-tokens "$n" --temperature 0 --ignore-eos 2>"$out/$m.gen.log" | tr -s ' ' | sed 's/ *$//')
     if [ "$got" = "$want" ]; then g=PASS; else g="FAIL (got '$got', want '$want')"; status=1; fi
-    echo "$m: golden $r, generate --backend cuda $g"
+    # fp8 KV cache: the CUDA backend's greedy output equals the CPU reference's with the same cache.
+    g8=$(run "$c/bin/glmspark" generate --backend cuda --kv-dtype fp8 --model "$d" --tokens "$prompt" \
+        --max-tokens "$n" --temperature 0 --ignore-eos 2>>"$out/$m.gen.log")
+    c8=$(run "$c/bin/glmspark" generate --backend cpu --kv-dtype fp8 --model "$d" --tokens "$prompt" \
+        --max-tokens "$n" --temperature 0 --ignore-eos 2>>"$out/$m.gen.log")
+    if [ -n "$c8" ] && [ "$g8" = "$c8" ]; then f=PASS; else f="FAIL (cuda '$g8', cpu '$c8')"; status=1; fi
+    echo "$m: golden $r, generate --backend cuda $g, fp8 cache cuda = cpu $f"
 done
 
 echo "== MTP on every golden model with an MTP layer (with and without MTP indexer tensors)"

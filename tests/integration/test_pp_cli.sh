@@ -1,7 +1,8 @@
 #!/bin/sh
 # test_pp_cli.sh BIN_DIR SOURCE_DIR - the CPU pipeline end to end through `glmspark`:
 #   1. `logits --pp 2/3` writes the same file as `--pp 1` (byte for byte) on a golden model
-#      (DSA, MoE, NVFP4) and on the mkmodel "tiny" preset;
+#      (DSA, MoE, NVFP4) and on the mkmodel "tiny" preset; with `--kv-dtype fp8` too, where
+#      decode also equals prefill;
 #   2. `generate --pp 2/3` prints the same ids as `--pp 1` (sampling with penalties);
 #   3. killing rank 1 mid-run makes the whole command exit non-zero within 10 s, rank 0
 #      names the failed rank, and no process of the pipeline is left.
@@ -21,6 +22,20 @@ for model in "$golden" "$tmp/tiny"; do
     cmp "$tmp/l1.f32" "$tmp/l3.f32" || fail "logits --pp 3 differs from --pp 1 on $model"
     echo "ok: logits --pp 1/2/3 identical on $(basename "$model")"
 done
+
+# 1b. An fp8 KV cache (engine/model/kv_cache.h): --pp 3 writes the same logits as --pp 1,
+# decoding token by token equals the prefill (--decode-check), and the logits are not the
+# f32 cache's (the cache really is quantized).
+for pp in 1 3; do
+    "$bin" logits --model "$golden" --tokens 1,5,7,9,11,3,2,8 --out "$tmp/f8_$pp.f32" \
+        --threads 1 --pp $pp --kv-dtype fp8 --decode-check 2>"$tmp/log" \
+        || { cat "$tmp/log"; fail "logits --kv-dtype fp8 --pp $pp"; }
+done
+cmp "$tmp/f8_1.f32" "$tmp/f8_3.f32" || fail "logits --kv-dtype fp8: --pp 3 differs from --pp 1"
+"$bin" logits --model "$golden" --tokens 1,5,7,9,11,3,2,8 --out "$tmp/f32.f32" --threads 1 \
+    2>/dev/null || fail "logits (f32 cache)"
+! cmp -s "$tmp/f8_1.f32" "$tmp/f32.f32" || fail "logits --kv-dtype fp8 equal the f32 cache's"
+echo "ok: logits --kv-dtype fp8: --pp 1/3 identical, decode equals prefill"
 
 for pp in 1 2 3; do
     "$bin" generate --model "$tmp/default" --tokens 1,5,7,9 --max-tokens 24 --temperature 0.8 \

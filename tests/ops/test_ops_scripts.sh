@@ -26,7 +26,7 @@ fail() { echo "FAIL: $*"; exit 1; }
 # 1. Recipes through the engine.
 out=$("$bin/glmspark-engine" --check-recipe "$src/ops/recipes/glm-5.2-nvfp4-reap-469b.conf")
 for kv in "pipeline_parallel = 3" "tensor_parallel = 1" "gpu_memory_utilization = 0.85" \
-    "max_model_len = 262144" "kv_cache_dtype = bf16" "block_size = 128" "max_num_seqs = 1" \
+    "max_model_len = 262144" "kv_cache_dtype = fp8" "block_size = 128" "max_num_seqs = 1" \
     "max_num_batched_tokens = 2048" "backend = cuda"; do
     grep -qx "$kv" <<<"$out" || fail "the GLM-5.2 recipe lacks \"$kv\": $out"
 done

@@ -75,10 +75,10 @@ static void mla_setup(Mla *m, int H, int nope, int rope, int v, int L, int T, in
     float e[1024];
     for (int l = 0; l < 2; l++)
         for (int t = 0; t < T; t++) {
-            ASSERT(m->kv.entry_floats[l] <= 1024);
-            for (size_t i = 0; i < m->kv.entry_floats[l]; i++)
+            ASSERT((size_t) kv_entry_values(&m->kv, l) <= 1024);
+            for (size_t i = 0; i < (size_t) kv_entry_values(&m->kv, l); i++)
                 e[i] = frand();
-            kv_store(&m->kv, &m->seq, l, t, 0, e, (int) m->kv.entry_floats[l]);
+            kv_store(&m->kv, &m->seq, l, t, 0, e, (int) (size_t) kv_entry_values(&m->kv, l));
         }
 }
 
@@ -96,7 +96,7 @@ static void mla_ref(const Mla *m, int t, const int *keys, int n_keys, double *ou
     const BackendMla *p = &m->p;
     const int qk = p->qk_nope + p->qk_rope, L = p->kv_lora;
     double *score = malloc((size_t) n_keys * sizeof *score);
-    float *tmp = malloc(m->kv.entry_floats[0] * sizeof *tmp);
+    float *tmp = malloc((size_t) kv_entry_values(&m->kv, 0) * sizeof *tmp);
     ASSERT(score && tmp);
     for (int h = 0; h < p->n_heads; h++) {
         const float *qh = m->q + ((size_t) t * p->n_heads + h) * qk;
@@ -383,6 +383,12 @@ int main(void)
         // tolerances stay those of the fp32 cache.
         kv_dtype = KV_DTYPE_BF16;
         test_mla(be, 3, 16, 8, 16, 32, 20, 6);
+        test_dsa(be, 4, 16, 6, 30);
+        // An fp8 cache (E4M3 with group scales): the same; latent 200 spans a whole and a
+        // partial scale group.
+        kv_dtype = KV_DTYPE_FP8;
+        test_mla(be, 3, 16, 8, 16, 32, 20, 6);
+        test_mla(be, 2, 8, 4, 8, 200, 12, 5);
         test_dsa(be, 4, 16, 6, 30);
         kv_dtype = KV_DTYPE_F32;
         test_mla(be, 2, 4, 2, 3, 8, 9, 3);

@@ -1,8 +1,10 @@
 /*
  * test_kv_cache.c - kv_cache.c: block accounting (reserve, exhaustion, free, reuse) and the
  * entry layout (every (layer, position) entry is its own memory, index keys only on layers
- * that have them), and bf16 storage (rounding on store, exact widening on read).
+ * that have them), bf16 storage (rounding on store, exact widening on read) and fp8 storage
+ * (the byte layout, group scales, E4M3 codes, partial writes).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,8 +27,9 @@ static void test_accounting(void)
     KvCache kv;
     CHECK(kv_init(&kv, &p) == ERR_OK);
     CHECK(kv_n_free_blocks(&kv) == 5);
-    CHECK(kv.entry_floats[0] == 11 && kv.entry_floats[1] == 8 && kv.entry_floats[2] == 11);
-    CHECK(kv.block_floats == 4 * (11 + 8 + 11));
+    CHECK(kv_entry_values(&kv, 0) == 11 && kv_entry_values(&kv, 1) == 8
+          && kv_entry_values(&kv, 2) == 11);
+    CHECK(kv.block_bytes == 4 * 4 * (11 + 8 + 11));
 
     KvSeq a = {0}, b = {0};
     CHECK(kv_seq_reserve(&kv, &a, 0) == ERR_OK && a.n_blocks == 0);
@@ -77,9 +80,10 @@ static void test_layout(void)
         for (int l = 0; l < p.n_layers; l++)
             for (int t = 0; t < n_pos[q]; t++) {
                 float *e = kv_entry(&kv, &s[q], l, t);
-                const float *pool = kv.pool;
-                CHECK(e >= pool && e + kv.entry_floats[l] <= pool + kv.block_floats * 5);
-                for (size_t i = 0; i < kv.entry_floats[l]; i++)
+                const unsigned char *pool = kv.pool;
+                CHECK((unsigned char *) e >= pool
+                      && (unsigned char *) (e + kv_entry_values(&kv, l)) <= pool + kv.block_bytes * 5);
+                for (int i = 0; i < kv_entry_values(&kv, l); i++)
                     e[i] = v++;
             }
     v = 1.0f;
@@ -88,7 +92,7 @@ static void test_layout(void)
         for (int l = 0; l < p.n_layers; l++)
             for (int t = 0; t < n_pos[q]; t++) {
                 const float *e = kv_entry(&kv, &s[q], l, t);
-                for (size_t i = 0; i < kv.entry_floats[l]; i++)
+                for (int i = 0; i < kv_entry_values(&kv, l); i++)
                     bad += e[i] != v++;
             }
     CHECK(bad == 0);
@@ -119,7 +123,7 @@ static void test_bf16(void)
     p.dtype = KV_DTYPE_BF16;
     KvCache kv;
     CHECK(kv_init(&kv, &p) == ERR_OK);
-    CHECK(kv.value_bytes == 2);
+    CHECK(kv.entry[0].value_bytes == 2 && kv.entry[0].bytes == 22);
     KvSeq s = {0};
     CHECK(kv_seq_reserve(&kv, &s, 6) == ERR_OK);
     // 1 + 2^-8 is a tie between 1 and 1 + 2^-7: even mantissa wins (1). 1 + 3 * 2^-8 ties
@@ -159,11 +163,96 @@ static void test_bf16(void)
     kv_free(&kv);
 }
 
+// fp8: the byte layout (GLM-5's widths give fp8_ds_mla's 656 bytes, + 132 for the index key),
+// the group scales (amax / 448), codes against the E4M3 encoder, the read-back, a k_pe
+// write alone, and an all-zero group.
+static void test_fp8(void)
+{
+    const KvEntryLayout glm = kv_entry_layout(KV_DTYPE_FP8, 512, 64, 0);
+    CHECK(glm.lat_scale == 512 && glm.pe == 528 && glm.bytes == 656);
+    const KvEntryLayout glm_idx = kv_entry_layout(KV_DTYPE_FP8, 512, 64, 128);
+    CHECK(glm_idx.idx == 656 && glm_idx.idx_scale == 784 && glm_idx.bytes == 788);
+    CHECK(kv_entry_layout(KV_DTYPE_BF16, 512, 64, 128).bytes == 1408);
+
+    // Latent 130 (a group of 128 and one of 2), rope 2, index 3.
+    KvCacheParams p = {.n_layers = 2, .block_size = 4, .n_blocks = 3, .kv_lora = 130,
+                       .rope_dim = 2, .index_dim = 3, .dtype = KV_DTYPE_FP8};
+    p.has_index[1] = true;
+    KvCache kv;
+    CHECK(kv_init(&kv, &p) == ERR_OK);
+    const KvEntryLayout *lo = &kv.entry[1];
+    CHECK(lo->lat_scale == 132 && lo->pe == 140 && lo->idx == 144 && lo->idx_scale == 148
+          && lo->bytes == 152);
+    CHECK(kv.entry[0].bytes == 144 && kv.block_bytes == 4 * (144 + 152));
+    KvSeq s = {0};
+    CHECK(kv_seq_reserve(&kv, &s, 6) == ERR_OK);
+    float in[135];
+    for (int i = 0; i < 128; i++)
+        in[i] = (float) (i - 60) * 0.37f;  // amax 67 * 0.37 at i = 127
+    in[128] = 0.0f;
+    in[129] = 0.0f;  // an all-zero group: scale 1, codes 0
+    in[130] = 1.0f + 0x1p-8f;  // k_pe: bf16, nearest even -> 1
+    in[131] = -3.0f;
+    in[132] = 0.5f;
+    in[133] = -2.0f;
+    in[134] = 1.0f;
+    kv_store(&kv, &s, 1, 5, 0, in, 135);
+    const unsigned char *e = kv_entry_bytes(&kv, &s, 1, 5);
+    float sc[3];
+    memcpy(sc, e + lo->lat_scale, 8);
+    memcpy(sc + 2, e + lo->idx_scale, 4);
+    CHECK(sc[0] == (67 * 0.37f) / 448.0f && sc[1] == 1.0f && sc[2] == 2.0f / 448.0f);
+    int bad = 0;
+    for (int i = 0; i < 128; i++)
+        bad += e[i] != nvfp4_float_to_e4m3(in[i] / sc[0]);
+    CHECK(bad == 0);
+    CHECK(e[128] == 0 && e[129] == 0);
+    CHECK(e[127] == 0x7e);  // the largest value is 448 times its scale
+    for (int i = 0; i < 3; i++)
+        CHECK(e[lo->idx + i] == nvfp4_float_to_e4m3(in[132 + i] / sc[2]));
+    float tmp[135];
+    const float *got = kv_read(&kv, &s, 1, 5, tmp);
+    double worst = 0.0;
+    for (int i = 0; i < 128; i++) {
+        CHECK(got[i] == nvfp4_e4m3_to_float(e[i]) * sc[0]);
+        const double rel = fabs(got[i] - in[i]) / (67 * 0.37);
+        if (rel > worst) worst = rel;
+    }
+    // E4M3 keeps 3 mantissa bits: within half an ulp, 2^-4 of the value, so at most 2^-4
+    // of the group's largest value.
+    CHECK(worst > 0.0 && worst <= 0x1p-4);
+    CHECK(got[128] == 0.0f && got[129] == 0.0f && got[130] == 1.0f && got[131] == -3.0f);
+    for (int i = 132; i < 135; i++)
+        CHECK_NEAR(got[i], in[i], 2.0 * 0x1p-4);
+    // k_pe written alone; the latent and the index key keep their bytes.
+    unsigned char before[152];
+    memcpy(before, e, sizeof before);
+    const float pe[2] = {7.0f, 0.25f};
+    kv_store(&kv, &s, 1, 5, 130, pe, 2);
+    got = kv_read(&kv, &s, 1, 5, tmp);
+    CHECK(got[130] == 7.0f && got[131] == 0.25f);
+    CHECK(memcmp(e, before, (size_t) lo->pe) == 0 && memcmp(e + lo->idx, before + lo->idx, 8) == 0);
+    // The index key written alone (model.c writes it after the latent and k_pe).
+    const float key[3] = {-448.0f, 1.0f, 0.0f};
+    kv_store(&kv, &s, 1, 5, 132, key, 3);
+    got = kv_read(&kv, &s, 1, 5, tmp);
+    CHECK(got[132] == -448.0f && got[133] == 1.0f && got[134] == 0.0f && got[130] == 7.0f);
+    kv_seq_free(&kv, &s);
+    kv_free(&kv);
+
+    KvDtype d;
+    CHECK(kv_dtype_parse("fp8", &d) && d == KV_DTYPE_FP8 && !strcmp(kv_dtype_name(d), "fp8"));
+    CHECK(kv_dtype_parse("bf16", &d) && d == KV_DTYPE_BF16);
+    CHECK(kv_dtype_parse("f32", &d) && d == KV_DTYPE_F32);
+    CHECK(!kv_dtype_parse("fp16", &d) && !kv_dtype_parse("", &d));
+}
+
 int main(void)
 {
     test_accounting();
     test_layout();
     test_bad_params();
     test_bf16();
+    test_fp8();
     return check_exit();
 }

@@ -135,7 +135,7 @@ static void test_golden_logits(void)
     bool same = ms2.n_tokens == R;
     for (int p = 0; same && p < R; p++)
         same = memcmp(kv_entry_bytes(&e.mkv, &ms, 0, p), kv_entry_bytes(&e.mkv, &ms2, 0, p),
-                      e.mkv.entry_floats[0] * e.mkv.value_bytes)
+                      (size_t) e.mkv.entry[0].bytes)
                == 0;
     CHECK(same);
 
@@ -234,11 +234,11 @@ static bool caches_match_fresh(Env *e, const MtpGen *g, const int *committed)
     for (int l = 0; l < e->kv.params.n_layers; l++)
         for (int p = 0; same && p < P; p++)
             same = memcmp(kv_entry_bytes(&e->kv, &seq, l, p), kv_entry_bytes(&e->kv, &g->seq, l, p),
-                          e->kv.entry_floats[l] * e->kv.value_bytes)
+                          (size_t) e->kv.entry[l].bytes)
                    == 0;
     for (int p = 0; same && p < PM; p++)
         same = memcmp(kv_entry_bytes(&e->mkv, &ms, 0, p), kv_entry_bytes(&e->mkv, &g->mseq, 0, p),
-                      e->mkv.entry_floats[0] * e->mkv.value_bytes)
+                      (size_t) e->mkv.entry[0].bytes)
                == 0;
     kv_seq_free(&e->kv, &seq);
     kv_seq_free(&e->mkv, &ms);

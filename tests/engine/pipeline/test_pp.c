@@ -114,13 +114,16 @@ static void test_plan_reap(void)
     CHECK(total > 270e9 && total < 300e9);
     uint64_t mem;
     CHECK(pp_parse_bytes("121G", &mem) && mem == 121ull << 30);
+    // fp8_ds_mla's 656 bytes (512 E4M3 + 4 fp32 scales + 64 bf16) + the indexer key's 132.
+    CHECK(pp_kv_bytes_per_token_layer(&c, KV_DTYPE_FP8) == 656 + 132);
+    CHECK(pp_kv_bytes_per_token_layer(&c, KV_DTYPE_BF16) == 2 * (512 + 64 + 128));
     const PpPlanInput in = {
         .world = 3,
         .n_layers = 78,
         .layer_bytes = layers,
         .first_bytes = embed,
         .last_bytes = head,
-        .kv_bytes_per_token_layer = pp_kv_bytes_per_token_layer(&c, 1),  // fp8 cache
+        .kv_bytes_per_token_layer = pp_kv_bytes_per_token_layer(&c, KV_DTYPE_FP8),
         .context = 202752,
         .mem_bytes = mem,
         .mem_utilization = 0.9,

@@ -43,7 +43,7 @@ static void test_shipped_recipe(void)
     CHECK(r.tensor_parallel == 1);
     CHECK_NEAR(r.gpu_memory_utilization, 0.85, 0);
     CHECK(r.max_model_len == 262144);
-    CHECK(r.kv_cache_dtype == RECIPE_KV_BF16);  // the reference's fp8: no backend stores it yet
+    CHECK(r.kv_cache_dtype == RECIPE_KV_FP8);
     CHECK(r.backend == RECIPE_BACKEND_CUDA && r.mtp_tokens == 0);
     CHECK(r.block_size == 128);
     CHECK(r.max_num_seqs == 1);
