@@ -455,7 +455,7 @@ done:
 static int usage_mkmodel(void)
 {
     fprintf(stderr, "usage: glmspark mkmodel --out DIR [--preset NAME] [--seed S] "
-                    "[--tokenizer FILE]\n  presets:");
+                    "[--tokenizer FILE] [--layers N] [--dense N] [--threads N]\n  presets:");
     for (const char *const *p = mkmodel_presets(); *p; p++) {
         fprintf(stderr, " %s", *p);
     }
@@ -478,6 +478,13 @@ int cli_mkmodel(int argc, char **argv)
             char *end = NULL;
             opt.seed = strtoull(argv[++i], &end, 0);
             if (!*argv[i] || *end) return usage_mkmodel();
+        } else if (!strcmp(argv[i], "--layers")) {
+            if (!num_parse_int(argv[++i], 1, 256, &opt.layers)) return usage_mkmodel();
+        } else if (!strcmp(argv[i], "--dense")) {
+            if (!num_parse_int(argv[++i], 0, 256, &opt.dense)) return usage_mkmodel();
+            opt.set_dense = true;
+        } else if (!strcmp(argv[i], "--threads")) {
+            if (!num_parse_int(argv[++i], 1, 1024, &opt.threads)) return usage_mkmodel();
         } else {
             return usage_mkmodel();
         }

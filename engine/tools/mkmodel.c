@@ -23,9 +23,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "engine/model/checkpoint.h"
+#include "engine/shared/clock.h"
 #include "kernels/nvfp4_format.h"
 
 // ---------------------------------------------------------------------------
@@ -117,9 +121,37 @@ static const Preset presets[] = {
      .mtp = 1,
      .rope_theta = 8e6f,
      .max_pos = 65536},
+    // GLM-5.2-NVFP4-REAP-469B's dimensions (config.json of the release, 156 experts after
+    // REAP) for benchmarks of one pipeline stage: 26 layers (the first rank's), no MTP layer
+    // (its BF16 experts alone would be 11.8 GB). About 88 GB at 26 layers; --layers and
+    // --dense give shorter models (3 layers, 1 dense: 8.9 GB).
+    {.name = "reap",
+     .vocab = 154880,
+     .hidden = 6144,
+     .layers = 26,
+     .first_dense = 3,
+     .heads = 64,
+     .q_lora = 2048,
+     .kv_lora = 512,
+     .nope = 192,
+     .rope = 64,
+     .v = 256,
+     .index_heads = 32,
+     .index_dim = 128,
+     .index_topk = 2048,
+     .index_freq = 4,
+     .index_offset = 3,
+     .inter = 12288,
+     .moe_inter = 2048,
+     .experts = 156,
+     .top_k = 8,
+     .shared = 1,
+     .mtp = 0,
+     .rope_theta = 8e6f,
+     .max_pos = 1048576},
 };
 
-static const char *const preset_names[] = {"tiny", "default", "small", NULL};
+static const char *const preset_names[] = {"tiny", "default", "small", "reap", NULL};
 
 const char *const *mkmodel_presets(void)
 {
@@ -171,18 +203,24 @@ static float bf16_round(float x)
     return y;
 }
 
-// out[i] = bf16(mean + std * N(0, 1)), drawn from (seed, name).
-static void gen_normal(uint64_t seed, const char *name, size_t n, float mean, float std, float *out)
+// out[i - begin] = bf16(mean + std * N(0, 1)) for i in [begin, end) of the stream drawn from
+// (seed, name), where end is the stream's length or an even index; begin is even. Pair j
+// (values 2j, 2j + 1) takes splitmix64 outputs 2j and 2j + 1, so any range starts in O(1)
+// and a stream cut into ranges equals the stream drawn whole.
+static void gen_normal(uint64_t seed, const char *name, size_t begin, size_t end, float mean,
+                       float std, float *out)
 {
-    uint64_t state = seed ^ fnv1a(name);
-    for (size_t i = 0; i < n; i += 2) {
+    ASSERT(begin % 2 == 0);
+    uint64_t state = (seed ^ fnv1a(name)) + (uint64_t) begin * 0x9e3779b97f4a7c15ull;
+    out -= begin;
+    for (size_t i = begin; i < end; i += 2) {
         // 53-bit uniforms in (0, 1]; Box-Muller gives two normals per pair.
         const double u1 = ((double) (splitmix64(&state) >> 11) + 1.0) / 9007199254740992.0;
         const double u2 = (double) (splitmix64(&state) >> 11) / 9007199254740992.0;
         const float r = sqrtf(-2.0f * logf((float) u1));
         const float a = (float) (6.283185307179586 * u2);
         out[i] = bf16_round(mean + std * r * cosf(a));
-        if (i + 1 < n) out[i + 1] = bf16_round(mean + std * r * sinf(a));
+        if (i + 1 < end) out[i + 1] = bf16_round(mean + std * r * sinf(a));
     }
 }
 
@@ -190,40 +228,21 @@ void mkmodel_reference(uint64_t seed, const char *base, int rows, int cols, floa
 {
     char name[512];
     snprintf(name, sizeof name, "%s.weight", base);
-    gen_normal(seed, name, (size_t) rows * (size_t) cols, 0.0f, 1.0f / sqrtf((float) cols), out);
+    gen_normal(seed, name, 0, (size_t) rows * (size_t) cols, 0.0f, 1.0f / sqrtf((float) cols), out);
 }
 
 // ---------------------------------------------------------------------------
 // NVFP4 quantization (ModelOpt recipe)
 
-uint8_t mkmodel_float_to_e4m3(float x)
-{
-    const uint8_t sign = x < 0 ? 0x80 : 0;
-    const float a = fabsf(x);
-    if (!(a < 448.0f)) return sign | 0x7e;  // saturate (and NaN, which never reaches here)
-    if (a < 0.015625f) {
-        // Subnormals are multiples of 2^-9; m == 8 is code 0x08 = 2^-6, the first normal.
-        return sign | (uint8_t) nearbyintf(a * 512.0f);  // round half to even
-    }
-    int k;
-    frexpf(a, &k);  // a = f * 2^k, f in [0.5, 1): the binade is 2^(k-1)
-    int e = k - 1;
-    int m = (int) nearbyintf(ldexpf(a, -e) * 8.0f) - 8;  // 3 mantissa bits, half to even
-    if (m == 8) e++, m = 0;
-    const int code = (e + 7) << 3 | m;
-    return sign | (uint8_t) (code > 0x7e ? 0x7e : code);
-}
-
 // ModelOpt's _cast_fp4: searchsorted over the bounds, ties at odd-indexed bounds round up.
+// Bounds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5: the index is the count of bounds below |x|,
+// plus one at the odd-indexed ties (0.75, 1.75, 3.5). Branch-free (random weights make every
+// branch a coin toss).
 static uint8_t float_to_e2m1(float x)
 {
-    static const float bounds[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
     const float a = fabsf(x);
-    uint8_t ord = 0;
-    while (ord < 7 && bounds[ord] < a) {
-        ord++;
-    }
-    if (ord < 7 && a == bounds[ord] && (ord & 1)) ord++;
+    const int ord = (a > 0.25f) + (a > 0.75f) + (a > 1.25f) + (a > 1.75f) + (a > 2.5f)
+                    + (a > 3.5f) + (a > 5.0f) + ((a == 0.75f) | (a == 1.75f) | (a == 3.5f));
     return (uint8_t) ((x < 0 ? 8 : 0) | ord);
 }
 
@@ -247,7 +266,7 @@ void mkmodel_quantize_nvfp4(const float *w, int rows, int cols, uint8_t *codes, 
             // ModelOpt: (bmax / 6) / s2, zero blocks get 1.0. We also keep the scale at or
             // above the smallest subnormal (2^-9) so that no block divides by zero.
             float q = bmax > 0.0f ? bmax / 6.0f / s2 : 1.0f;
-            uint8_t code = mkmodel_float_to_e4m3(q);
+            uint8_t code = nvfp4_float_to_e4m3(q);
             if ((code & 0x7f) == 0) code = 1;
             scale[(size_t) r * (size_t) groups + (size_t) g] = code;
             const float denom = nvfp4_e4m3_to_float(code) * s2;
@@ -286,6 +305,7 @@ typedef struct Spec {
     int64_t shape[2];
     int rows, cols;  // logical weight shape
     int group;       // 0 = globals, 1 + layer
+    bool direct;     // NVFP4 parts drawn directly (fp4_direct), not quantized
     int shard;
     size_t n_bytes;
     size_t offset;  // within the shard's data region
@@ -295,6 +315,7 @@ typedef struct Specs {
     Spec *v;
     int n, cap;
     int group;
+    bool fp4_direct;  // routed experts' NVFP4 parts drawn directly
 } Specs;
 
 static Spec *spec_add(Specs *s, Gen gen, CkptDtype dtype, int n_dims, int64_t d0, int64_t d1,
@@ -345,6 +366,8 @@ static bool add_linear(Specs *s, const char *base, int rows, int cols, int forma
         if (!(t = spec_add(s, GEN_FP4_INPUT, CKPT_DTYPE_F32, 0, 0, 0, base, ".input_scale"))) {
             return false;
         }
+        for (int k = 1; k <= 4; k++)
+            s->v[s->n - k].direct = s->fp4_direct;
         return true;
     }
     const CkptDtype dt = format == CKPT_LINEAR_F32 ? CKPT_DTYPE_F32 : CKPT_DTYPE_BF16;
@@ -502,16 +525,42 @@ static Err fp4_quantized(Fp4Cache *c, uint64_t seed, const Spec *t)
     return ERR_OK;
 }
 
-// Fill out[0..t->n_bytes) with t's bytes.
-static Err gen_tensor(const Spec *t, uint64_t seed, Fp4Cache *cache, uint8_t *out)
+// The NVFP4 part t drawn directly (MkmodelOptions.fp4_direct): codes uniform over the 16 E2M1
+// codes, block scales uniform over the E4M3 values 0.875 .. 1.5 (codes 0x36 .. 0x3c), and
+// scale_2 such that the weights' RMS is about 1/sqrt(cols), as the quantized path's
+// N(0, 1/cols) draws (the codes' RMS is sqrt(68.5 / 8), the scales' mean 1.15).
+static void fp4_direct(const Spec *t, uint64_t seed, uint8_t *out)
 {
-    const size_t n_elems = t->n_bytes / ckpt_dtype_size(t->dtype);
+    uint64_t state = seed ^ fnv1a(t->name);
+    if (t->gen == GEN_FP4_SCALE2) {
+        const float s2 = (float) (1.0 / (sqrt((double) t->cols) * sqrt(68.5 / 8.0) * 1.15));
+        memcpy(out, &s2, 4);
+        return;
+    }
+    for (size_t i = 0; i < t->n_bytes; i += 8) {
+        uint64_t r = splitmix64(&state);
+        const size_t n = t->n_bytes - i < 8 ? t->n_bytes - i : 8;
+        for (size_t k = 0; k < n; k++, r >>= 8)
+            out[i + k] = t->gen == GEN_FP4_CODES ? (uint8_t) r : (uint8_t) (0x36 + (r & 0xff) % 7);
+    }
+}
+
+// Fill out with t's bytes: elements [begin, end) (begin even), or the whole tensor for the
+// NVFP4 parts and input_scale (begin 0, end its element count).
+static Err gen_tensor(const Spec *t, uint64_t seed, Fp4Cache *cache, size_t begin, size_t end,
+                      uint8_t *out)
+{
+    const size_t n = end - begin;
     float *f = NULL;
     Err err = ERR_OK;
     switch (t->gen) {
     case GEN_FP4_CODES:
     case GEN_FP4_SCALE:
     case GEN_FP4_SCALE2:
+        if (t->direct) {
+            fp4_direct(t, seed, out);
+            return ERR_OK;
+        }
         if ((err = fp4_quantized(cache, seed, t))) return err;
         if (t->gen == GEN_FP4_CODES) memcpy(out, cache->codes, t->n_bytes);
         if (t->gen == GEN_FP4_SCALE) memcpy(out, cache->scale, t->n_bytes);
@@ -525,31 +574,31 @@ static Err gen_tensor(const Spec *t, uint64_t seed, Fp4Cache *cache, uint8_t *ou
     default:
         break;
     }
-    if (!(f = malloc((n_elems ? n_elems : 1) * sizeof *f))) return ERR_NOMEM;
+    if (!(f = malloc((n ? n : 1) * sizeof *f))) return ERR_NOMEM;
     switch (t->gen) {
-    case GEN_LINEAR:
-        mkmodel_reference(seed, t->base, t->rows, t->cols, f);
+    case GEN_LINEAR:  // mkmodel_reference's values (t->name is base + ".weight")
+        gen_normal(seed, t->name, begin, end, 0.0f, 1.0f / sqrtf((float) t->cols), f);
         break;
     case GEN_EMBED:
-        gen_normal(seed, t->name, n_elems, 0.0f, 1.0f, f);
+        gen_normal(seed, t->name, begin, end, 0.0f, 1.0f, f);
         break;
     case GEN_NORM:
-        gen_normal(seed, t->name, n_elems, 1.0f, 0.1f, f);
+        gen_normal(seed, t->name, begin, end, 1.0f, 0.1f, f);
         break;
     case GEN_BIAS:
-        gen_normal(seed, t->name, n_elems, 0.0f, 0.1f, f);
+        gen_normal(seed, t->name, begin, end, 0.0f, 0.1f, f);
         break;
     case GEN_ROUTER_BIAS:
-        gen_normal(seed, t->name, n_elems, 0.0f, 0.05f, f);
+        gen_normal(seed, t->name, begin, end, 0.0f, 0.05f, f);
         break;
     default:
         ASSERT(0);
     }
     if (t->dtype == CKPT_DTYPE_F32) {
-        memcpy(out, f, n_elems * 4);
+        memcpy(out, f, n * 4);
     } else {
         ASSERT(t->dtype == CKPT_DTYPE_BF16);
-        for (size_t i = 0; i < n_elems; i++) {
+        for (size_t i = 0; i < n; i++) {
             const uint16_t h = float_to_bf16(f[i]);
             out[2 * i] = (uint8_t) h, out[2 * i + 1] = (uint8_t) (h >> 8);
         }
@@ -583,15 +632,37 @@ static int spec_order(const void *a, const void *b)
     return strcmp(x->name, y->name);
 }
 
-static Err write_shard(const char *dir, const char *file, Spec **list, int n, uint64_t seed)
+// One shard file: its descriptor and where its data region starts.
+typedef struct ShardFile {
+    int fd;
+    size_t data_start;  // 8 + the padded header
+    char path[4096];
+} ShardFile;
+
+static Err write_at(const ShardFile *sf, const void *data, size_t n, size_t offset)
+{
+    const uint8_t *p = data;
+    while (n > 0) {
+        const ssize_t w = pwrite(sf->fd, p, n, (off_t) offset);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+            LOG_ERROR("could not write \"%s\": %s", sf->path, w < 0 ? strerror(errno) : "no space");
+            return ERR_IO;
+        }
+        p += w, n -= (size_t) w, offset += (size_t) w;
+    }
+    return ERR_OK;
+}
+
+// Create the shard file, order its tensors (list is sorted in place), give each its offset
+// in the data region and write the header as safetensors does.
+static Err open_shard(const char *dir, const char *file, Spec **list, int n, ShardFile *sf)
 {
     Err err = ERR_OK;
     json_object *hdr = json_object_new_object(), *meta = json_object_new_object();
     uint8_t *buf = NULL;
-    FILE *f = NULL;
-    Fp4Cache cache = {{0}, NULL, NULL, 0.0f};
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, file);
+    snprintf(sf->path, sizeof sf->path, "%s/%s", dir, file);
+    sf->fd = -1;
     if (!hdr || !meta) {
         json_object_put(meta);
         err = ERR_NOMEM;
@@ -600,7 +671,7 @@ static Err write_shard(const char *dir, const char *file, Spec **list, int n, ui
     json_object_object_add(meta, "format", json_object_new_string("pt"));
     json_object_object_add(hdr, "__metadata__", meta);
     qsort(list, (size_t) n, sizeof *list, spec_order);
-    size_t offset = 0, max_bytes = 1;
+    size_t offset = 0;
     for (int i = 0; i < n; i++) {
         Spec *t = list[i];
         json_object *e = json_object_new_object(), *shape = json_object_new_array(),
@@ -616,46 +687,169 @@ static Err write_shard(const char *dir, const char *file, Spec **list, int n, ui
         json_object_object_add(e, "data_offsets", offs);
         json_object_object_add(hdr, t->name, e);
         offset += t->n_bytes;
-        if (t->n_bytes > max_bytes) max_bytes = t->n_bytes;
     }
     size_t hlen = 0;
     const char *text = json_object_to_json_string_length(hdr, JSON_C_TO_STRING_PLAIN, &hlen);
     const size_t padded = (hlen + 7) / 8 * 8;
-    if (!(buf = malloc(max_bytes > padded ? max_bytes : padded))) {
+    if (!(buf = malloc(8 + padded))) {
         err = ERR_NOMEM;
         goto done;
     }
-    if (!(f = fopen(path, "wb"))) {
-        LOG_ERROR("could not create \"%s\": %s", path, strerror(errno));
+    if ((sf->fd = open(sf->path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)) < 0) {
+        LOG_ERROR("could not create \"%s\": %s", sf->path, strerror(errno));
         err = ERR_IO;
         goto done;
     }
-    uint8_t len8[8];
     for (int i = 0; i < 8; i++) {
-        len8[i] = (uint8_t) ((uint64_t) padded >> (8 * i));
+        buf[i] = (uint8_t) ((uint64_t) padded >> (8 * i));
     }
-    memcpy(buf, text, hlen);
-    memset(buf + hlen, ' ', padded - hlen);
-    bool ok = fwrite(len8, 1, 8, f) == 8 && fwrite(buf, 1, padded, f) == padded;
-    for (int i = 0; ok && i < n; i++) {
-        if ((err = gen_tensor(list[i], seed, &cache, buf))) goto done;
-        ok = fwrite(buf, 1, list[i]->n_bytes, f) == list[i]->n_bytes;
-    }
-    if (!ok || fflush(f) != 0) {
-        LOG_ERROR("could not write \"%s\": %s", path, strerror(errno));
-        err = ERR_IO;
-        goto done;
-    }
+    memcpy(buf + 8, text, hlen);
+    memset(buf + 8 + hlen, ' ', padded - hlen);
+    sf->data_start = 8 + padded;
+    err = write_at(sf, buf, 8 + padded, 0);
 done:
-    if (f && fclose(f) != 0 && !err) {
-        LOG_ERROR("could not write \"%s\": %s", path, strerror(errno));
-        err = ERR_IO;
-    }
-    free(cache.codes);
-    free(cache.scale);
     free(buf);
     json_object_put(hdr);
     return err;
+}
+
+// The tensors of every shard, generated by a pool of threads and written in place with
+// pwrite. Work items are whole tensors, or ranges of GEN_CHUNK values of a large non-NVFP4
+// one (the embeddings and lm_head are ~1e9 values: a stream draws any range in O(1)), largest
+// first. An NVFP4 weight's codes item also writes its scales (the next two specs), so each
+// weight is quantized once, from its whole bf16 matrix (scale_2 is the tensor's amax).
+enum { GEN_CHUNK = 1 << 24 };
+
+typedef struct GenItem {
+    const Spec *t;
+    size_t begin, end;  // elements
+} GenItem;
+
+typedef struct GenWork {
+    GenItem *items;
+    int n;
+    const ShardFile *shards;
+    uint64_t seed;
+    int next;  // atomic: the next item
+    pthread_mutex_t mu;
+    Err err;  // the first failure (under mu)
+    size_t done_bytes, total_bytes;
+    double t0, last_log;
+} GenWork;
+
+static int item_larger(const void *a, const void *b)
+{
+    const GenItem *x = a, *y = b;
+    const size_t sx = (x->end - x->begin) * ckpt_dtype_size(x->t->dtype);
+    const size_t sy = (y->end - y->begin) * ckpt_dtype_size(y->t->dtype);
+    if (sx != sy) return sx > sy ? -1 : 1;
+    const int c = strcmp(x->t->name, y->t->name);
+    return c ? c : (x->begin > y->begin) - (x->begin < y->begin);
+}
+
+// Generate one item (and an NVFP4 weight's scales) into *buf (grown as needed) and write it.
+static Err gen_item(GenWork *w, const GenItem *it, Fp4Cache *cache, uint8_t **buf, size_t *cap,
+                    size_t *bytes)
+{
+    const Spec *t = it->t;
+    const int parts = t->gen == GEN_FP4_CODES ? 3 : 1;
+    *bytes = 0;
+    for (int k = 0; k < parts; k++) {
+        const Spec *u = t + k;  // an NVFP4 weight's codes, scale, scale_2 are consecutive
+        ASSERT(k == 0 || !strcmp(u->base, t->base));
+        const size_t esz = ckpt_dtype_size(u->dtype);
+        const size_t begin = k ? 0 : it->begin, end = k ? u->n_bytes / esz : it->end;
+        const size_t n = (end - begin) * esz;
+        if (n > *cap) {
+            free(*buf);
+            *cap = 0;
+            if (!(*buf = malloc(n))) return ERR_NOMEM;
+            *cap = n;
+        }
+        Err err = gen_tensor(u, w->seed, cache, begin, end, *buf);
+        if (!err)
+            err = write_at(&w->shards[u->shard], *buf, n,
+                           w->shards[u->shard].data_start + u->offset + begin * esz);
+        if (err) return err;
+        *bytes += n;
+    }
+    return ERR_OK;
+}
+
+static void *gen_worker(void *arg)
+{
+    GenWork *w = arg;
+    uint8_t *buf = NULL;
+    size_t cap = 0;
+    Fp4Cache cache = {{0}, NULL, NULL, 0.0f};
+    for (;;) {
+        const int i = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
+        if (i >= w->n || __atomic_load_n(&w->err, __ATOMIC_RELAXED)) break;
+        size_t bytes = 0;
+        const Err err = gen_item(w, &w->items[i], &cache, &buf, &cap, &bytes);
+        pthread_mutex_lock(&w->mu);
+        if (err && !w->err) w->err = err;
+        w->done_bytes += bytes;
+        const double now = clock_now_s();
+        if (!err && now - w->last_log >= 5.0 && w->done_bytes < w->total_bytes) {
+            const double rate = (double) w->done_bytes / (now - w->t0);
+            LOG_INFO("mkmodel: %.2f of %.2f GB written, %.0f MB/s, about %.0f s left",
+                     (double) w->done_bytes / 1e9, (double) w->total_bytes / 1e9, rate / 1e6,
+                     (double) (w->total_bytes - w->done_bytes) / rate);
+            w->last_log = now;
+        }
+        pthread_mutex_unlock(&w->mu);
+        if (err) break;
+    }
+    free(buf);
+    free(cache.codes);
+    free(cache.scale);
+    return NULL;
+}
+
+static Err generate_all(const Specs *specs, const ShardFile *shards, uint64_t seed, int n_threads)
+{
+    GenWork w = {.shards = shards, .seed = seed, .t0 = clock_now_s()};
+    w.last_log = w.t0;
+    int cap = 0;
+    for (int i = 0; i < specs->n; i++) {
+        const Spec *t = &specs->v[i];
+        w.total_bytes += t->n_bytes;
+        if (t->gen == GEN_FP4_SCALE || t->gen == GEN_FP4_SCALE2) continue;
+        const size_t n = t->n_bytes / ckpt_dtype_size(t->dtype);
+        const bool split = t->gen != GEN_FP4_CODES && t->gen != GEN_FP4_INPUT;
+        for (size_t b = 0; b < n || b == 0; b += GEN_CHUNK) {
+            if (w.n == cap) {
+                cap = cap ? 2 * cap : 1024;
+                GenItem *v = realloc(w.items, (size_t) cap * sizeof *v);
+                if (!v) {
+                    free(w.items);
+                    return ERR_NOMEM;
+                }
+                w.items = v;
+            }
+            const size_t e = split && n - b > GEN_CHUNK ? b + GEN_CHUNK : n;
+            w.items[w.n++] = (GenItem){t, b, e};
+            if (e == n) break;
+        }
+    }
+    qsort(w.items, (size_t) w.n, sizeof *w.items, item_larger);
+    pthread_mutex_init(&w.mu, NULL);
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > w.n) n_threads = w.n > 0 ? w.n : 1;
+    pthread_t *tid = malloc((size_t) n_threads * sizeof *tid);
+    int started = 0;
+    if (tid) {
+        for (; started < n_threads; started++)
+            if (pthread_create(&tid[started], NULL, gen_worker, &w) != 0) break;
+    }
+    if (started == 0) gen_worker(&w);  // no thread could start: do the work here
+    for (int i = 0; i < started; i++)
+        pthread_join(tid[i], NULL);
+    pthread_mutex_destroy(&w.mu);
+    free(tid);
+    free(w.items);
+    return w.err;
 }
 
 // ---------------------------------------------------------------------------
@@ -920,15 +1114,29 @@ Err mkmodel_write(const MkmodelOptions *opt)
     Spec **list = NULL;
     json_object *cfg = NULL, *quant = NULL, *gen = NULL, *index = NULL;
     const char *pname = opt->preset ? opt->preset : "default";
+    Preset preset;
     const Preset *p = NULL;
     Vocab voc = {0};
+    ShardFile *shards = NULL;
+    int n_shards = 0;
+    const double t0 = clock_now_s();
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
         if (!strcmp(presets[i].name, pname)) p = &presets[i];
     }
     if (!p) {
-        LOG_ERROR("unknown mkmodel preset \"%s\" (tiny, default, small)", pname);
+        LOG_ERROR("unknown mkmodel preset \"%s\" (tiny, default, small, reap)", pname);
         return ERR_INVAL;
     }
+    preset = *p;
+    if (opt->layers > 0) preset.layers = opt->layers;
+    if (opt->set_dense) preset.first_dense = opt->dense;
+    if (preset.layers > 256 || preset.first_dense < 0 || preset.first_dense > preset.layers) {
+        LOG_ERROR("mkmodel: %d layers with %d dense ones: at most 256 layers, and no more dense "
+                  "layers than layers",
+                  preset.layers, preset.first_dense);
+        return ERR_INVAL;
+    }
+    p = &preset;
     if ((err = make_dirs(opt->out_dir))) return err;
     if (opt->tokenizer) {
         if ((err = write_tokenizer(opt->tokenizer, opt->out_dir, &voc))) goto done;
@@ -939,6 +1147,7 @@ Err mkmodel_write(const MkmodelOptions *opt)
             voc.special_ids[i] = p->vocab - N_SPECIALS + i;
         }
     }
+    specs.fp4_direct = opt->fp4_direct || !strcmp(pname, "reap");
     if (!build_specs(&specs, p, voc.size)) {
         err = ERR_NOMEM;
         goto done;
@@ -949,7 +1158,7 @@ Err mkmodel_write(const MkmodelOptions *opt)
         total += specs.v[i].n_bytes;
     }
     const size_t shard_target = (size_t) 64 << 20;
-    int n_shards = (int) ((total + shard_target - 1) / shard_target);
+    n_shards = (int) ((total + shard_target - 1) / shard_target);
     if (n_shards < 2) n_shards = 2;
     {
         size_t running = 0;
@@ -965,12 +1174,22 @@ Err mkmodel_write(const MkmodelOptions *opt)
             specs.v[i].shard = shard;
             running += specs.v[i].n_bytes;
         }
-        n_shards = shard + 1;  // a preset too small to fill them all
+        // Number the shards that received tensors 0, 1, ... (a group larger than the target
+        // skips the shards it spans).
+        int used = -1, last = -1;
+        for (int i = 0; i < specs.n; i++) {
+            if (specs.v[i].shard != last) last = specs.v[i].shard, used++;
+            specs.v[i].shard = used;
+        }
+        n_shards = used + 1;
     }
-    if (!(list = malloc((size_t) specs.n * sizeof *list))) {
+    if (!(list = malloc((size_t) specs.n * sizeof *list))
+        || !(shards = calloc((size_t) n_shards, sizeof *shards))) {
         err = ERR_NOMEM;
         goto done;
     }
+    for (int s = 0; s < n_shards; s++)
+        shards[s].fd = -1;
     index = json_object_new_object();
     json_object *meta = json_object_new_object(), *map = json_object_new_object();
     json_object_object_add(meta, "total_size", json_object_new_int64((int64_t) total));
@@ -985,7 +1204,19 @@ Err mkmodel_write(const MkmodelOptions *opt)
             list[n++] = &specs.v[i];
             json_object_object_add(map, specs.v[i].name, json_object_new_string(file));
         }
-        if ((err = write_shard(opt->out_dir, file, list, n, opt->seed))) goto done;
+        if ((err = open_shard(opt->out_dir, file, list, n, &shards[s]))) goto done;
+    }
+    if ((err = generate_all(&specs, shards, opt->seed,
+                            opt->threads > 0 ? opt->threads : (int) sysconf(_SC_NPROCESSORS_ONLN))))
+        goto done;
+    for (int s = 0; s < n_shards; s++) {
+        const int fd = shards[s].fd;
+        shards[s].fd = -1;
+        if (close(fd) != 0) {
+            LOG_ERROR("could not write \"%s\": %s", shards[s].path, strerror(errno));
+            err = ERR_IO;
+            goto done;
+        }
     }
     cfg = make_config(p, &voc);
     quant = make_quant_config(p);
@@ -994,9 +1225,14 @@ Err mkmodel_write(const MkmodelOptions *opt)
     if ((err = write_json(opt->out_dir, "config.json", cfg))) goto done;
     if ((err = write_json(opt->out_dir, "hf_quant_config.json", quant))) goto done;
     if ((err = write_json(opt->out_dir, "generation_config.json", gen))) goto done;
-    LOG_INFO("wrote preset \"%s\" (seed %llu) to \"%s\": %d tensors, %.1f MB in %d shards", pname,
-             (unsigned long long) opt->seed, opt->out_dir, specs.n, (double) total / 1e6, n_shards);
+    LOG_INFO("wrote preset \"%s\" (seed %llu, %d layers, %d dense) to \"%s\": %d tensors, %.1f MB "
+             "in %d shards in %.1f s",
+             pname, (unsigned long long) opt->seed, p->layers, p->first_dense, opt->out_dir, specs.n,
+             (double) total / 1e6, n_shards, clock_now_s() - t0);
 done:
+    for (int s = 0; shards && s < n_shards; s++)
+        if (shards[s].fd >= 0) close(shards[s].fd);
+    free(shards);
     json_object_put(cfg);
     json_object_put(quant);
     json_object_put(gen);

@@ -216,39 +216,7 @@ static void test_determinism(void)
 
 static void test_quantizer(void)
 {
-    CHECK(mkmodel_float_to_e4m3(1.0f) == 0x38);
-    CHECK(mkmodel_float_to_e4m3(-2.0f) == 0xc0);
-    CHECK(mkmodel_float_to_e4m3(448.0f) == 0x7e);
-    CHECK(mkmodel_float_to_e4m3(1000.0f) == 0x7e);       // saturates, never NaN
-    CHECK(mkmodel_float_to_e4m3(0.001953125f) == 0x01);  // 2^-9, smallest subnormal
-    CHECK(mkmodel_float_to_e4m3(1.0625f) == 0x38);       // tie 1.0 / 1.125 -> even
-    CHECK(mkmodel_float_to_e4m3(1.1875f) == 0x3a);       // tie 1.125 / 1.25 -> even
-    // Against the definition: the nearest of the 127 finite magnitudes, ties to the even
-    // code, on values spread over the whole range including the midpoints.
-    uint64_t state = 99;
-    for (int i = 0; i < 200000; i++) {
-        state = state * 6364136223846793005ull + 1442695040888963407ull;
-        float x = ldexpf((float) (state >> 40) / 16777216.0f, (int) (state >> 20 & 31) - 16);
-        if (i < 127 * 2) {  // every midpoint between neighbouring codes
-            const int c = i / 2;
-            x = 0.5f * (nvfp4_e4m3_to_float((uint8_t) c) + nvfp4_e4m3_to_float((uint8_t) (c + 1)));
-        }
-        uint8_t best = 0;
-        float best_err = INFINITY;
-        for (int code = 0; code <= 0x7e; code++) {
-            const float err = fabsf(nvfp4_e4m3_to_float((uint8_t) code) - x);
-            if (err < best_err || (err == best_err && !(code & 1))) {
-                best = (uint8_t) code;
-                best_err = err;
-            }
-        }
-        if (x >= 448.0f) best = 0x7e;
-        const uint8_t got = mkmodel_float_to_e4m3(x);
-        CHECK(got == best);
-        if (got != best) fprintf(stderr, "  x = %.9g: got 0x%02x, want 0x%02x\n", x, got, best);
-        CHECK(mkmodel_float_to_e4m3(-x) == (best | 0x80));
-    }
-
+    // The E4M3 encoder itself (kernels/nvfp4_format.h) is checked in test_kern_ref.
     // By hand, with exact arithmetic: row 1 holds the tensor amax 10.5, so scale_2 =
     // 10.5 / 2688 = 2^-8; row 0's block amax 6 gives q = 1 / 2^-8 = 256 (e4m3 0x78) and
     // x = w / (256 * 2^-8) = w. ModelOpt rounds ties at 0.75 / 1.75 / 3.5 up, others down.
@@ -379,6 +347,60 @@ static void test_golden_models(void)
     printf("inspected %d golden models\n", n);
 }
 
+// --layers / --dense, NVFP4 experts drawn directly (the reap preset's path) and the
+// threaded writer: the same files from 1 and 3 threads; the experts load as NVFP4 with the
+// drawn scale codes and an RMS near 1/sqrt(cols); more dense layers than layers is refused.
+static void test_direct_layers_threads(void)
+{
+    char a[300], b[300], pa[400], pb[400];
+    snprintf(a, sizeof a, "%s/direct_a", tmp_root);
+    snprintf(b, sizeof b, "%s/direct_b", tmp_root);
+    MkmodelOptions opt = {.out_dir = a, .preset = "tiny", .seed = 3, .layers = 2, .set_dense = true,
+                          .dense = 0, .threads = 1, .fp4_direct = true};
+    CHECK(mkmodel_write(&opt) == ERR_OK);
+    opt.out_dir = b, opt.threads = 3;
+    CHECK(mkmodel_write(&opt) == ERR_OK);
+    const char *files[] = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                           "config.json", "model.safetensors.index.json"};
+    for (int i = 0; i < 4; i++) {
+        snprintf(pa, sizeof pa, "%s/%s", a, files[i]);
+        snprintf(pb, sizeof pb, "%s/%s", b, files[i]);
+        CHECK(files_equal(pa, pb));
+    }
+    ModelConfig *cfg = malloc(sizeof *cfg);
+    ASSERT(cfg);
+    CHECK(config_load(cfg, a) == ERR_OK);
+    CHECK(cfg->n_layers == 2 && cfg->mlp[0] == CONFIG_MLP_MOE && cfg->mlp[1] == CONFIG_MLP_MOE);
+    Ckpt ck;
+    CHECK(ckpt_open(&ck, a) == ERR_OK);
+    const int H = cfg->hidden_size, MI = cfg->moe_intermediate_size;
+    CkptLinear w;
+    CHECK(ckpt_linear(&ck, "model.layers.1.mlp.experts.5.gate_proj", MI, H, &w) == ERR_OK);
+    CHECK(w.format == CKPT_LINEAR_NVFP4);
+    int bad_scale = 0;
+    for (int i = 0; i < MI * H / 16; i++)
+        bad_scale += w.scale[i] < 0x36 || w.scale[i] > 0x3c;
+    CHECK(bad_scale == 0);
+    float *row = malloc((size_t) H * sizeof *row);
+    ASSERT(row);
+    double sum2 = 0.0;
+    for (int r = 0; r < MI; r++) {
+        ckpt_linear_row(&w, r, row);
+        for (int c = 0; c < H; c++)
+            sum2 += (double) row[c] * row[c];
+    }
+    const double rms = sqrt(sum2 / ((double) MI * H)) * sqrt((double) H);
+    printf("direct NVFP4 experts: RMS x sqrt(cols) = %.3f\n", rms);
+    CHECK(rms > 0.8 && rms < 1.25);  // 2,048 values: a few percent of sampling noise
+    free(row);
+    ckpt_close(&ck);
+    free(cfg);
+    opt.layers = 2, opt.dense = 3;
+    log_set_level((LogLevel) (LOG_LEVEL_ERROR + 1));
+    CHECK(mkmodel_write(&opt) == ERR_INVAL);
+    log_set_level(LOG_LEVEL_WARN);
+}
+
 int main(void)
 {
     const char *base = getenv("TMPDIR");
@@ -391,6 +413,7 @@ int main(void)
     test_quantizer();
     test_round_trip();
     test_determinism();
+    test_direct_layers_threads();
     test_tokenizer();
     test_golden_models();
     char cmd[400];
