@@ -38,7 +38,7 @@
  *   (stream capture) and launched; later calls with the key replay the graph, the caller
  *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
  *   buffers the caller uploads before. GLMSPARK_CUDA_GRAPHS=0 turns graphs off.
- * Not yet: bf16 activations, the fp8 paged MLA cache and tensor-core prefill of kernels/.
+ * Not yet: bf16 activations, kernels/' MLA decode over the fp8 cache and tensor-core prefill.
  * Host syncs: uploads and downloads (cudaMemcpy semantics), scratch growth, block-table
  * uploads when a sequence gains a block, and the first use of a cache or experts array;
  * none inside a decode step's layer loop once its graph exists.

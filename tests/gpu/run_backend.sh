@@ -20,7 +20,8 @@
 # `--mtp K` (K = 1..3) against the output without MTP on every golden model with an MTP layer. With
 # BENCH="PRESET:BATCHES:CTX ..." (e.g. "default:1,8:1024 small:1,8:1024") it then runs
 # `glmspark bench --synthetic --backend cuda` for each, with graphs on and off
-# (GLMSPARK_CUDA_GRAPHS=0), into bench.log. Logs go to $OUT (or ./gpu-out).
+# (GLMSPARK_CUDA_GRAPHS=0), into bench.log; REAP (below) benchmarks checkpoints at GLM-5.2-REAP
+# dimensions. Logs go to $OUT (or ./gpu-out).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 if [ "${1:-}" = "--pack" ]; then
@@ -99,5 +100,30 @@ for cfg in ${BENCH:-}; do
             >>"$out/bench.log" 2>&1 || { echo "bench $preset failed"; status=1; }
     done
 done
+# REAP="LAYERS:DENSE ..." (e.g. "3:1 5:1"): write `mkmodel --preset reap` checkpoints of those
+# sizes into ${REAP_DIR:-/tmp} (timed), then `glmspark bench --model` on each (batches
+# ${REAP_BATCH:-1,8}, context 1024) with the fp8 and the f32 KV cache, and one profiled
+# (GLMSPARK_CUDA_PROFILE=1) batch-1 fp8 run; into reap.log. Per MoE layer = the difference of
+# two sizes with the same dense count over their MoE-layer difference.
+for cfg in ${REAP:-}; do
+    layers=${cfg%%:*}; dense=${cfg#*:}
+    dir=${REAP_DIR:-/tmp}/reap-$layers-$dense
+    echo "== mkmodel reap --layers $layers --dense $dense ($(nproc) cores)" | tee -a "$out/reap.log"
+    t0=$(date +%s.%N)
+    run "$c/bin/glmspark" mkmodel --preset reap --layers "$layers" --dense "$dense" --out "$dir" \
+        >>"$out/reap.log" 2>&1 || { echo "mkmodel reap $cfg failed"; status=1; continue; }
+    echo "mkmodel reap $cfg: $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s, $(du -sh "$dir" | cut -f1)" | tee -a "$out/reap.log"
+    for kv in fp8 f32; do
+        echo "== bench reap $cfg kv $kv" | tee -a "$out/reap.log"
+        run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
+            --ctx 1024 --steps "${STEPS:-16}" --kv-dtype $kv >>"$out/reap.log" 2>&1 \
+            || { echo "bench reap $cfg $kv failed"; status=1; }
+    done
+    echo "== profile reap $cfg kv fp8 batch 1" | tee -a "$out/reap.log"
+    GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 \
+        --ctx 1024 --steps 8 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
+    rm -rf "$dir"
+done
 [ -f "$out/bench.log" ] && grep -v "^\[\|INFO" "$out/bench.log"
+[ -f "$out/reap.log" ] && grep -v "INFO" "$out/reap.log"
 exit $status
