@@ -22,23 +22,29 @@
 
 #define NVFP4_GROUP 16  // consecutive weights that share one E4M3 scale
 
-// E2M1: sign, 2 exponent bits (bias 1), 1 mantissa bit. Magnitudes 0 .. 6.
-NVFP4_FN float nvfp4_e2m1_to_float(uint8_t code)
+NVFP4_FN float nvfp4_bits_to_float(uint32_t u)
 {
-    const int exponent = (code >> 1) & 3;
-    const int mantissa = code & 1;
-    const float magnitude =
-        exponent ? ldexpf(1.0f + 0.5f * mantissa, exponent - 1) : 0.5f * mantissa;
-    return (code & 8) ? -magnitude : magnitude;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
-// E4M3 ("fn": no infinities): sign, 4 exponent bits (bias 7), 3 mantissa bits.
+// E2M1: sign, 2 exponent bits (bias 1), 1 mantissa bit. Magnitudes 0 .. 6: 2^(e-1) (1 + m/2),
+// or m / 2 when e = 0, built as fp32 bits (exact; no libm call, so cheap on a GPU too).
+NVFP4_FN float nvfp4_e2m1_to_float(uint8_t code)
+{
+    const uint32_t e = (code >> 1) & 3u, m = code & 1u;
+    const uint32_t bits = e ? ((e + 126u) << 23) | (m << 22) : (m ? 0x3f000000u : 0u);
+    return nvfp4_bits_to_float(bits | ((uint32_t) (code & 8u) << 28));
+}
+
+// E4M3 ("fn": no infinities): sign, 4 exponent bits (bias 7), 3 mantissa bits:
+// 2^(e-7) (1 + m/8), or m 2^-9 when e = 0 (subnormal), built as fp32 bits (exact).
 NVFP4_FN float nvfp4_e4m3_to_float(uint8_t bits)
 {
-    const int exponent = (bits >> 3) & 15;
-    const int mantissa = bits & 7;
-    const float magnitude = exponent ? ldexpf(1.0f + mantissa / 8.0f, exponent - 7)
-                                     : ldexpf(mantissa / 8.0f, -6);  // subnormal
+    const uint32_t e = (bits >> 3) & 15u, m = bits & 7u;
+    const float magnitude =
+        e ? nvfp4_bits_to_float(((e + 120u) << 23) | (m << 20)) : (float) m * 0.001953125f;
     return (bits & 0x80) ? -magnitude : magnitude;
 }
 

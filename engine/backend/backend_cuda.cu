@@ -283,22 +283,6 @@ static __device__ __forceinline__ float kv_val(const unsigned char *e, const Dev
 // ---------------------------------------------------------------------------
 // Kernels
 
-// E2M1 and E4M3 by bit manipulation: the exact values of nvfp4_format.h's decoders.
-static __device__ __forceinline__ float e2m1_fast(uint32_t code)
-{
-    const uint32_t e = (code >> 1) & 3u, m = code & 1u;
-    const uint32_t bits = e ? ((e + 126u) << 23) | (m << 22) : (m ? 0x3f000000u : 0u);
-    return __uint_as_float(bits | ((code & 8u) << 28));
-}
-
-static __device__ __forceinline__ float e4m3_fast(uint32_t b)
-{
-    const uint32_t e = (b >> 3) & 15u, m = b & 7u;
-    const float mag =
-        e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float) m * 0.001953125f;
-    return (b & 0x80u) ? -mag : mag;
-}
-
 // One 16-byte weight vector as read from memory, with what its decoding needs: the two
 // NVFP4 group-scale bytes or the fp8 scale.
 typedef struct RawVec {
@@ -341,11 +325,11 @@ static __device__ __forceinline__ float vec_at(const RawVec &v, float global, in
         return __half2float(__ushort_as_half((unsigned short) ((i & 1) ? wd >> 16 : wd & 0xffffu)));
     }
     if (F == CKPT_LINEAR_FP8)
-        return e4m3_fast((words[i / 4] >> (8 * (i % 4))) & 255u) * __uint_as_float(v.s);
+        return nvfp4_e4m3_to_float((uint8_t) (words[i / 4] >> (8 * (i % 4))) & 255u) * __uint_as_float(v.s);
     // NVFP4: code i is nibble i of the 16 bytes (low nibble first); codes 0..15 take scale
     // byte 0, 16..31 byte 1.
     const uint32_t code = (words[i / 8] >> (4 * (i % 8))) & 15u;
-    return e2m1_fast(code) * e4m3_fast((v.s >> (8 * (i / 16))) & 255u) * global;
+    return nvfp4_e2m1_to_float((uint8_t) code) * nvfp4_e4m3_to_float((uint8_t) (v.s >> (8 * (i / 16))) & 255u) * global;
 }
 
 // acc[j] += W[r, :] . xs[j][:] for j < nt, vector path: lane owns vectors lane, lane + 32,
@@ -817,20 +801,17 @@ static __global__ void k_mla_out(float *out, const double *part, int n_split, De
     }
 }
 
-// Values offset .. offset + width of token t's entry, stored by kv_cache.h's kv_entry_store
-// (the CPU backend's code, so both store the same bytes): block t; f32 and bf16 values one
-// per thread, an fp8 write by one thread (its groups share scales).
+// Values offset .. offset + width of token t's entry, stored by kv_cache.h's kv_store_part
+// (the parts of the CPU backend's kv_entry_store, so both store the same bytes): block t, a
+// thread per part (a value of an f32 or bf16 entry; an fp8 scale group, k_pe, the index key).
 static __global__ void k_kv_write(DevKv kv, const int *pos, int offset, const float *src, int width)
 {
     const int t = blockIdx.x;
     unsigned char *e = (unsigned char *) kv_at(kv, pos[t]);
     const float *st = src + (size_t) t * width;
-    if (kv.lo.dtype == KV_DTYPE_FP8) {
-        if (threadIdx.x == 0) kv_entry_store(&kv.lo, e, offset, st, width);
-        return;
-    }
-    for (int i = threadIdx.x; i < width; i += blockDim.x)
-        kv_entry_store(&kv.lo, e, offset + i, st + i, 1);
+    const int parts = kv_store_parts(&kv.lo, width);
+    for (int p = threadIdx.x; p < parts; p += blockDim.x)
+        kv_store_part(&kv.lo, e, offset, st, width, p);
 }
 
 // Group the slots (t, k) by expert: meta = offsets [E + 1] | n_active [1] | active [E] |

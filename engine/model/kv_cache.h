@@ -235,33 +235,51 @@ static inline bool kv_write_ok(const KvEntryLayout *lo, int offset, int width)
                && (end <= idx0 || (offset <= idx0 && end == n)));
 }
 
-// Store src[0 .. width) as values offset .. offset + width of the entry at e (kv_write_ok).
-KV_FN void kv_entry_store(const KvEntryLayout *lo, unsigned char *e, int offset, const float *src,
-                          int width)
+// A store of values offset .. offset + width (kv_write_ok) is made of independent parts, so
+// that a device can run them on parallel threads: f32 and bf16, one part per value; fp8, one
+// per latent group (its values share a scale), then k_pe, then the index key (a part the
+// write does not touch does nothing).
+KV_FN int kv_store_parts(const KvEntryLayout *lo, int width)
+{
+    return lo->dtype == KV_DTYPE_FP8 ? (lo->kv_lora + KV_FP8_GROUP - 1) / KV_FP8_GROUP + 2 : width;
+}
+
+// Part `part` (< kv_store_parts) of storing src[0 .. width) as values offset .. offset + width
+// of the entry at e.
+KV_FN void kv_store_part(const KvEntryLayout *lo, unsigned char *e, int offset, const float *src,
+                         int width, int part)
 {
     if (lo->dtype == KV_DTYPE_F32) {
-        memcpy(e + (size_t) 4 * offset, src, (size_t) width * sizeof(float));
+        memcpy(e + (size_t) 4 * (offset + part), src + part, sizeof(float));
         return;
     }
     if (lo->dtype == KV_DTYPE_BF16) {
-        for (int i = 0; i < width; i++)
-            kv_bf16_store(e + (size_t) 2 * (offset + i), src[i]);
+        kv_bf16_store(e + (size_t) 2 * (offset + part), src[part]);
         return;
     }
     const int end = offset + width, pe0 = lo->kv_lora, idx0 = lo->kv_lora + lo->rope_dim;
-    if (offset < pe0) {  // the latent, whole, group by group
-        for (int g = 0; g * KV_FP8_GROUP < lo->kv_lora; g++) {
-            const int n = lo->kv_lora - g * KV_FP8_GROUP < KV_FP8_GROUP
-                              ? lo->kv_lora - g * KV_FP8_GROUP
-                              : KV_FP8_GROUP;
-            kv_fp8_group_store(e + g * KV_FP8_GROUP, e + lo->lat_scale + 4 * g,
-                               src + g * KV_FP8_GROUP - offset, n);
-        }
-    }
-    for (int i = offset > pe0 ? offset : pe0; i < end && i < idx0; i++)
-        kv_bf16_store(e + lo->pe + 2 * (i - pe0), src[i - offset]);
-    if (end > idx0)  // the index key, whole
+    const int groups = (lo->kv_lora + KV_FP8_GROUP - 1) / KV_FP8_GROUP;
+    if (part < groups) {  // latent group `part`: the write covers the whole latent
+        if (offset >= pe0) return;
+        const int g0 = part * KV_FP8_GROUP;
+        const int n = lo->kv_lora - g0 < KV_FP8_GROUP ? lo->kv_lora - g0 : KV_FP8_GROUP;
+        kv_fp8_group_store(e + g0, e + lo->lat_scale + 4 * part, src + g0 - offset, n);
+    } else if (part == groups) {  // k_pe values in the write
+        for (int i = offset > pe0 ? offset : pe0; i < end && i < idx0; i++)
+            kv_bf16_store(e + lo->pe + 2 * (i - pe0), src[i - offset]);
+    } else if (end > idx0) {  // the index key, whole
         kv_fp8_group_store(e + lo->idx, e + lo->idx_scale, src + idx0 - offset, lo->index_dim);
+    }
+}
+
+// Store src[0 .. width) as values offset .. offset + width of the entry at e (kv_write_ok):
+// every part in order.
+KV_FN void kv_entry_store(const KvEntryLayout *lo, unsigned char *e, int offset, const float *src,
+                          int width)
+{
+    const int parts = kv_store_parts(lo, width);
+    for (int p = 0; p < parts; p++)
+        kv_store_part(lo, e, offset, src, width, p);
 }
 
 // The entry as fp32 whatever the storage: the entry itself (fp32 cache) or tmp (float

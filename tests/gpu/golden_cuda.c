@@ -17,9 +17,14 @@
  * bound) fails a fivefold regression. Decode and prefill: 1e-5.
  *
  * With an fp8 KV cache (kv_cache.h) both backends store the same bytes for the same inputs
- * (one store routine), so CUDA-fp8 against CPU-fp8 is held to TOL_FP8_VS_CPU = 1e-3 relative L2
- * with the same argmax: what remains is the fp32 arithmetic above plus the rare cached value
- * whose input differs across an E4M3 rounding boundary (one step, 2^-4 of the value). The
+ * (one store routine). After the prefill the two caches are compared byte for byte: when they
+ * are equal, CUDA-fp8 against CPU-fp8 is held to TOL_FP8_VS_CPU = 1e-3 relative L2 with the
+ * same argmax (what remains is the fp32 arithmetic above). When some bytes differ, the two
+ * backends' fp32 inputs to a cached value straddled an E4M3 rounding midpoint (their inputs
+ * differ by up to ~3e-5 relative at 4K tokens, measured, so about 1e-5 of the values fall that
+ * close to a midpoint): that value differs by one E4M3 step (2^-3 of its binade), later rows'
+ * attention and DSA choices follow, as the fragile rows of the f32 comparison do, and the
+ * bound is theirs (GOLDEN_TOL_FRAGILE, 1e-2) with the same argmax. The
  * fp8 logits against the float64 reference are reported (relative L2, argmax agreement):
  * the bound for those is test_model's (0.64, the bf16 bound scaled by the step ratio), which
  * a model whose routing sits near a tie may exceed, so it is printed, not checked here.
@@ -42,9 +47,12 @@
 #define TOL_REFERENCE 2e-5
 #define TOL_DECODE 1e-5
 #define TOL_FP8_VS_CPU 1e-3
+#define TOL_FP8_CODES_DIFFER GOLDEN_TOL_FRAGILE
 
-// Prefill logits [n_tokens, V] of the golden tokens on backend be, or NULL.
-static float *prefill(Backend *be, const char *dir, const Golden *g, KvDtype dtype)
+// Prefill logits [n_tokens, V] of the golden tokens on backend be, or NULL. With pool, also
+// a copy of the cache's bytes afterwards (*pool, *pool_bytes; the caller frees it).
+static float *prefill(Backend *be, const char *dir, const Golden *g, KvDtype dtype,
+                      unsigned char **pool, size_t *pool_bytes)
 {
     Model m;
     if (model_load(&m, dir, NULL, be) != ERR_OK) return NULL;
@@ -56,6 +64,15 @@ static float *prefill(Backend *be, const char *dir, const Golden *g, KvDtype dty
     ASSERT(got);
     KvSeq seq = {0};
     const Err err = model_forward(&m, &kv, &seq, g->tokens, g->n_tokens, got, true);
+    if (pool) {
+        *pool_bytes = kv.block_bytes * (size_t) kv.params.n_blocks;
+        *pool = malloc(*pool_bytes);
+        ASSERT(*pool);
+        if (!strcmp(be->name, "cuda"))
+            backend_cuda_kv_download(be, &kv, *pool);
+        else
+            memcpy(*pool, kv.pool, *pool_bytes);
+    }
     kv_seq_free(&kv, &seq);
     kv_free(&kv);
     model_free(&m);
@@ -86,7 +103,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "no CUDA device\n");
         return 1;
     }
-    float *ref_cpu = prefill(cpu, dir, &g, KV_DTYPE_F32);
+    float *ref_cpu = prefill(cpu, dir, &g, KV_DTYPE_F32, NULL, NULL);
     CHECK(ref_cpu != NULL);
 
     float *got = golden_check_model(be, "cuda", dir, &g, want, TOL_REFERENCE, TOL_DECODE);
@@ -99,12 +116,22 @@ int main(int argc, char **argv)
     }
 
     // fp8 cache: CUDA against the CPU reference with the same cache, and both against float64.
-    float *cpu8 = prefill(cpu, dir, &g, KV_DTYPE_FP8), *gpu8 = prefill(be, dir, &g, KV_DTYPE_FP8);
-    CHECK(cpu8 && gpu8);
-    if (cpu8 && gpu8) {
+    unsigned char *pool_cpu = NULL, *pool_gpu = NULL;
+    size_t bytes_cpu = 0, bytes_gpu = 0;
+    float *cpu8 = prefill(cpu, dir, &g, KV_DTYPE_FP8, &pool_cpu, &bytes_cpu);
+    float *gpu8 = prefill(be, dir, &g, KV_DTYPE_FP8, &pool_gpu, &bytes_gpu);
+    CHECK(cpu8 && gpu8 && bytes_cpu == bytes_gpu);
+    if (cpu8 && gpu8 && bytes_cpu == bytes_gpu) {
+        // Both caches hold one sequence in the same blocks: compare them byte for byte.
+        size_t differ = 0;
+        for (size_t i = 0; i < bytes_cpu; i++)
+            differ += pool_cpu[i] != pool_gpu[i];
+        const double tol = differ ? TOL_FP8_CODES_DIFFER : TOL_FP8_VS_CPU;
+        printf("cuda fp8 cache vs cpu fp8 cache: %zu of %zu cache bytes differ\n", differ,
+               bytes_cpu);
         Golden all = g;
         all.logits_first = 0;
-        golden_compare("cuda fp8 cache vs cpu fp8 cache", gpu8, cpu8, &all, TOL_FP8_VS_CPU);
+        golden_compare("cuda fp8 cache vs cpu fp8 cache", gpu8, cpu8, &all, tol);
         double worst = 0.0;
         int agree = 0;
         for (int t = g.logits_first; t < g.n_tokens; t++) {
@@ -119,6 +146,8 @@ int main(int argc, char **argv)
     }
     free(cpu8);
     free(gpu8);
+    free(pool_cpu);
+    free(pool_gpu);
 
     // 4. the command line's output, when given
     if (argc == 3) {
