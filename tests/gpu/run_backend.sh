@@ -73,6 +73,13 @@ for d in tests/golden/models/*/; do
     echo "$m: golden $r, generate --backend cuda $g, fp8 cache cuda = cpu $f"
 done
 
+# The fp8 comparison is checked on the models whose two caches hold equal E4M3 codes
+# (tests/gpu/golden_cuda.c); it must not go vacuous: at least half the golden models.
+n_models=$(ls -d tests/golden/models/*/ | wc -l)
+n_fp8=$(cat "$out"/*.log 2>/dev/null | grep -c "^fp8 cache: codes equal, checked")
+if [ $((2 * n_fp8)) -ge "$n_models" ]; then r=PASS; else r=FAIL; status=1; fi
+echo "fp8 cache cuda vs cpu checked (equal codes) on $n_fp8 of $n_models golden models: $r"
+
 echo "== MTP on every golden model with an MTP layer (with and without MTP indexer tensors)"
 toks=1,5,7,9,11,3
 for cfgf in $(grep -l '"num_nextn_predict_layers": [1-9]' tests/golden/models/*/config.json); do
