@@ -408,9 +408,8 @@ typedef struct DsaJob {
     const float *q;
     const float *w;
     const KvCache *kv;
-    const KvSeq *seq;
+    const BackendSeqs *s;
     int layer;
-    const int *pos;
     const BackendDsa *p;
 } DsaJob;
 
@@ -418,7 +417,8 @@ static void dsa_task(void *ctx, int t, int thread)
 {
     const DsaJob *job = ctx;
     const BackendDsa *p = job->p;
-    const int visible = job->pos[t] + 1;
+    const int visible = job->s->pos[t] + 1;
+    const KvSeq *seq = job->s->seqs[job->s->seq_of[t]];
     int *sel = job->sel + (size_t) t * p->top_k;
     if (visible <= p->top_k) {
         for (int s = 0; s < visible; s++)
@@ -435,7 +435,7 @@ static void dsa_task(void *ctx, int t, int thread)
     const double head_scale = 1.0 / sqrt((double) p->n_heads);
     const double dot_scale = 1.0 / sqrt((double) p->head_dim);
     for (int s = 0; s < visible; s++) {
-        const float *k = kv_read(job->kv, job->seq, job->layer, s, entry_buf) + key_offset;
+        const float *k = kv_read(job->kv, seq, job->layer, s, entry_buf) + key_offset;
         double total = 0.0;
         for (int h = 0; h < p->n_heads; h++) {
             const float *qh = qt + (size_t) h * p->head_dim;
@@ -454,18 +454,18 @@ static void dsa_task(void *ctx, int t, int thread)
 }
 
 static void cpu_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, const float *w,
-                         const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
-                         const BackendDsa *p)
+                         const KvCache *kv, const BackendSeqs *s, int layer, const BackendDsa *p)
 {
+    const int n = s->n;
     CpuImpl *impl = be->impl;
     ASSERT(kv->params.has_index[layer] && kv->params.index_dim == p->head_dim && p->top_k > 0);
     ensure_scratch(impl,
                    (size_t) p->top_k * sizeof(TopkEntry)
                              + (size_t) kv_entry_values(kv, layer) * sizeof(float));
-    DsaJob job = {impl, sel, n_sel, q, w, kv, seq, layer, pos, p};
+    DsaJob job = {impl, sel, n_sel, q, w, kv, s, layer, p};
     double work = 0.0;
     for (int t = 0; t < n; t++)
-        work += (double) (pos[t] + 1) * p->n_heads * p->head_dim;
+        work += (double) (s->pos[t] + 1) * p->n_heads * p->head_dim;
     run_tasks(impl, n, dsa_task, &job, work);
 }
 
@@ -478,9 +478,8 @@ typedef struct MlaJob {
     const float *q;
     const CkptLinear *kv_b;
     const KvCache *kv;
-    const KvSeq *seq;
+    const BackendSeqs *s;
     int layer;
-    const int *pos;
     const int *sel;
     const int *n_sel;
     int sel_stride;
@@ -494,7 +493,8 @@ static void mla_task(void *ctx, int task, int thread)
     const int H = p->n_heads, L = p->kv_lora;
     const int t = task / H, h = task % H;
     const int qk = p->qk_nope + p->qk_rope;
-    const int visible = job->pos[t] + 1;
+    const int visible = job->s->pos[t] + 1;
+    const KvSeq *seq = job->s->seqs[job->s->seq_of[t]];
     const int n_keys = job->sel ? job->n_sel[t] : visible;
     const int *keys = job->sel ? job->sel + (size_t) t * job->sel_stride : NULL;
 
@@ -523,7 +523,7 @@ static void mla_task(void *ctx, int task, int thread)
     for (int j = 0; j < n_keys; j++) {
         const int s = keys ? keys[j] : j;
         DASSERT(s >= 0 && s < visible);
-        const float *e = kv_read(job->kv, job->seq, job->layer, s, entry_buf);
+        const float *e = kv_read(job->kv, seq, job->layer, s, entry_buf);
         double d = 0.0;
         for (int c = 0; c < L; c++)
             d += q_lat[c] * e[c];
@@ -541,7 +541,7 @@ static void mla_task(void *ctx, int task, int thread)
         o_lat[c] = 0.0;
     for (int j = 0; j < n_keys; j++) {
         const int s = keys ? keys[j] : j;
-        const float *e = kv_read(job->kv, job->seq, job->layer, s, entry_buf);
+        const float *e = kv_read(job->kv, seq, job->layer, s, entry_buf);
         const double pj = prob[j] / sum;
         for (int c = 0; c < L; c++)
             o_lat[c] += pj * e[c];
@@ -559,9 +559,11 @@ static void mla_task(void *ctx, int task, int thread)
 }
 
 static void cpu_mla_attention(Backend *be, float *out, const float *q, const CkptLinear *kv_b,
-                              const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
-                              const int *sel, const int *n_sel, int sel_stride, const BackendMla *p)
+                              const KvCache *kv, const BackendSeqs *s, int layer, const int *sel,
+                              const int *n_sel, int sel_stride, const BackendMla *p)
 {
+    const int n = s->n;
+    const int *pos = s->pos;
     CpuImpl *impl = be->impl;
     ASSERT(kv_b->cols == p->kv_lora && kv_b->rows == p->n_heads * (p->qk_nope + p->v_dim));
     ASSERT(kv->params.kv_lora == p->kv_lora && kv->params.rope_dim == p->qk_rope);
@@ -570,7 +572,7 @@ static void cpu_mla_attention(Backend *be, float *out, const float *q, const Ckp
         if (pos[t] + 1 > max_visible) max_visible = pos[t] + 1;
     ensure_scratch(impl, ((size_t) 2 * p->kv_lora + max_visible) * sizeof(double)
                              + ((size_t) p->kv_lora + (size_t) kv_entry_values(kv, layer)) * sizeof(float));
-    MlaJob job = {impl, out, q, kv_b, kv, seq, layer, pos, sel, n_sel, sel_stride, p};
+    MlaJob job = {impl, out, q, kv_b, kv, s, layer, sel, n_sel, sel_stride, p};
     double work = 0.0;
     for (int t = 0; t < n; t++)
         work += (double) p->n_heads * p->kv_lora
@@ -581,12 +583,13 @@ static void cpu_mla_attention(Backend *be, float *out, const float *q, const Ckp
 // ---------------------------------------------------------------------------
 // KV cache writes and routed experts
 
-static void cpu_kv_write(Backend *be, KvCache *kv, const KvSeq *seq, int layer, const int *pos,
-                         int n, int offset, const float *src, int width)
+static void cpu_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int layer, int offset,
+                         const float *src, int width)
 {
     (void) be;
-    for (int t = 0; t < n; t++)
-        kv_store(kv, seq, layer, pos[t], offset, src + (size_t) t * width, width);
+    for (int t = 0; t < s->n; t++)
+        kv_store(kv, s->seqs[s->seq_of[t]], layer, s->pos[t], offset, src + (size_t) t * width,
+                 width);
 }
 
 // Tokens are grouped by expert (as transformers' eager experts loop does), so each expert's

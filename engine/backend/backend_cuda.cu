@@ -67,7 +67,7 @@ enum {
     SCRATCH_E,  // MoE slot grouping
     N_SCRATCH,
     MAX_POOLS = 16,
-    MAX_TABLES = 256,
+    MAX_STEPS = 16,  // step block tables kept (the main cache's, the MTP layer's, ...)
     MAX_EXPERT_TABLES = 512,
     MAX_GRAPHS = 16,
     MAX_GRAPH_KEY = 256,  // key words (caller's and backend's) a graph can be recorded under
@@ -84,15 +84,17 @@ typedef struct DevPool {
     void *dev;
 } DevPool;
 
-// A sequence's block table on the device, re-uploaded only when it changed.
-typedef struct DevTable {
-    const KvSeq *seq;
-    int n_blocks;
+// The block tables of one step's sequences on the device, one row of `stride` ints per
+// sequence (rows padded with 0), re-uploaded only when a table changed.
+typedef struct DevStep {
+    const KvSeq **seqs;       // [n_seqs] the step's sequences, in order (the key), owned
+    int n_seqs;
+    int stride;               // ints per row: the longest table (at least 1)
     int cap;                  // ints allocated in host and dev
-    int *host;                // the table as last uploaded, owned
+    int *host;                // the tables as last uploaded, owned
     int *dev;                 // device copy, owned
     unsigned long long used;  // last use (for eviction)
-} DevTable;
+} DevStep;
 
 // A device copy of an experts array's descriptors (DevLin [3 E]).
 typedef struct ExpertTable {
@@ -153,7 +155,9 @@ typedef struct CudaImpl {
     void *scratch[N_SCRATCH];
     size_t scratch_bytes[N_SCRATCH];
     DevPool pools[MAX_POOLS];
-    DevTable seq_tables[MAX_TABLES];
+    DevStep steps[MAX_STEPS];
+    int *step_tmp;  // host staging for a step's tables, owned
+    int step_tmp_cap;
     unsigned long long clock;
     ExpertTable tables[MAX_EXPERT_TABLES];
     int n_tables;
@@ -171,10 +175,13 @@ typedef struct DevLin {
     int vec;  // rows are whole 16-byte vectors: k_gemv's vector path
 } DevLin;
 
-// One layer of a cache as the kernels see it.
+// One layer of a cache, for the tokens of a step, as the kernels see it: token t's position
+// p lives in block tables[seq_of[t] * stride + p / block_size].
 typedef struct DevKv {
     const unsigned char *pool;
-    const int *blocks;
+    const int *tables;  // [n_seqs, stride] (DevStep)
+    int stride;
+    const int *seq_of;  // [n] each token's row
     size_t block_bytes;
     size_t layer_offset;  // bytes
     int block_size;
@@ -267,9 +274,10 @@ static __device__ double block_reduce(double v, int op, double *buf)
     return r;
 }
 
-static __device__ __forceinline__ const unsigned char *kv_at(const DevKv &k, int pos)
+// The entry of token t's sequence at position pos.
+static __device__ __forceinline__ const unsigned char *kv_at(const DevKv &k, int t, int pos)
 {
-    const int block = k.blocks[pos / k.block_size];
+    const int block = k.tables[(size_t) k.seq_of[t] * k.stride + pos / k.block_size];
     return k.pool + (size_t) block * k.block_bytes + k.layer_offset
            + (size_t) (pos % k.block_size) * (size_t) k.lo.bytes;
 }
@@ -541,7 +549,7 @@ static __global__ void k_dsa_scores(double *score, int cap, const float *q, cons
     const int s = blockIdx.y * (THREADS / 32) + threadIdx.x / 32;
     const int visible = pos[t] + 1;
     if (s >= visible || visible <= p.top_k) return;
-    const unsigned char *e = kv_at(kv, s);
+    const unsigned char *e = kv_at(kv, t, s);
     const float *qt = q + (size_t) t * p.n_heads * p.head_dim;
     const float *wt = w + (size_t) t * p.n_heads;
     const double head_scale = 1.0 / sqrt((double) p.n_heads);
@@ -710,7 +718,7 @@ static __global__ void k_mla_scores(double *prob, int cap, const double *q_lat, 
     if (j >= mla_n_keys(pos, n_sel, t)) return;
     const int L = p.kv_lora, qk = p.qk_nope + p.qk_rope;
     const int s = sel ? sel[(size_t) t * sel_stride + j] : j;
-    const unsigned char *e = kv_at(kv, s);
+    const unsigned char *e = kv_at(kv, t, s);
     const double *ql = q_lat + ((size_t) t * p.n_heads + h) * L;
     const float *qr = q + ((size_t) t * p.n_heads + h) * qk + p.qk_nope;
     double d = 0.0;
@@ -760,7 +768,7 @@ static __global__ void k_mla_pv(double *part, int n_split, const double *prob, i
     const int j1 = j0 + MLA_SPLIT < n_keys ? j0 + MLA_SPLIT : n_keys, nj = j1 - j0;
     const double *pr = prob + ((size_t) t * p.n_heads + h) * cap;
     for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-        rows[j - j0] = kv_at(kv, sel ? sel[(size_t) t * sel_stride + j] : j);
+        rows[j - j0] = kv_at(kv, t, sel ? sel[(size_t) t * sel_stride + j] : j);
         pn[j - j0] = pr[j];
     }
     __syncthreads();
@@ -807,7 +815,7 @@ static __global__ void k_mla_out(float *out, const double *part, int n_split, De
 static __global__ void k_kv_write(DevKv kv, const int *pos, int offset, const float *src, int width)
 {
     const int t = blockIdx.x;
-    unsigned char *e = (unsigned char *) kv_at(kv, pos[t]);
+    unsigned char *e = (unsigned char *) kv_at(kv, t, pos[t]);
     const float *st = src + (size_t) t * width;
     const int parts = kv_store_parts(&kv.lo, width);
     for (int p = threadIdx.x; p < parts; p += blockDim.x)
@@ -1079,33 +1087,54 @@ static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
     return (unsigned char *) p;
 }
 
-// seq's block table in device memory. Tables are kept per KvSeq address and compared with
-// the host table on every call (a few ints), so a decode step uploads nothing unless a block
-// was added or the sequence was replaced; the least recently used slot is recycled.
-static const int *dev_blocks(CudaImpl *impl, const KvSeq *seq)
+// The block tables of a step's sequences in device memory (DevStep). Kept per ordered list
+// of sequences and compared with the host tables on every call (a few ints per sequence), so
+// a decode step uploads nothing unless a sequence gained a block or the batch changed; the
+// least recently used slot is recycled.
+static const DevStep *dev_step(CudaImpl *impl, KvSeq *const *seqs, int n_seqs)
 {
-    DevTable *slot = NULL, *lru = &impl->seq_tables[0];
-    for (int i = 0; i < MAX_TABLES && !slot; i++) {
-        DevTable *d = &impl->seq_tables[i];
-        if (d->seq == seq)
+    ASSERT(n_seqs > 0);
+    int stride = 1;
+    for (int i = 0; i < n_seqs; i++)
+        if (seqs[i]->n_blocks > stride) stride = seqs[i]->n_blocks;
+    const int need = n_seqs * stride;
+    if (need > impl->step_tmp_cap) {
+        free(impl->step_tmp);
+        impl->step_tmp_cap = 2 * need > 1024 ? 2 * need : 1024;
+        impl->step_tmp = (int *) malloc((size_t) impl->step_tmp_cap * sizeof(int));
+        if (!impl->step_tmp) log_fatal(__FILE__, __LINE__, "out of memory");
+    }
+    int *tmp = impl->step_tmp;
+    for (int i = 0; i < n_seqs; i++) {
+        const KvSeq *q = seqs[i];
+        if (q->n_blocks) memcpy(tmp + (size_t) i * stride, q->blocks, (size_t) q->n_blocks * sizeof(int));
+        memset(tmp + (size_t) i * stride + q->n_blocks, 0,
+               (size_t) (stride - q->n_blocks) * sizeof(int));
+    }
+    DevStep *slot = NULL, *lru = &impl->steps[0];
+    for (int i = 0; i < MAX_STEPS && !slot; i++) {
+        DevStep *d = &impl->steps[i];
+        if (d->n_seqs == n_seqs && memcmp(d->seqs, seqs, (size_t) n_seqs * sizeof *seqs) == 0)
             slot = d;
         else if (d->used < lru->used)
             lru = d;
     }
     if (!slot) {
         slot = lru;
-        slot->seq = seq;
-        slot->n_blocks = -1;
+        free(slot->seqs);
+        slot->seqs = (const KvSeq **) malloc((size_t) n_seqs * sizeof *slot->seqs);
+        if (!slot->seqs) log_fatal(__FILE__, __LINE__, "out of memory");
+        memcpy(slot->seqs, seqs, (size_t) n_seqs * sizeof *seqs);
+        slot->n_seqs = n_seqs;
+        slot->stride = 0;  // forces the upload below
     }
     slot->used = ++impl->clock;
-    const int n = seq->n_blocks;
-    if (slot->n_blocks == n
-        && (n == 0 || memcmp(slot->host, seq->blocks, (size_t) n * sizeof(int)) == 0))
-        return slot->dev;
+    if (slot->stride == stride && memcmp(slot->host, tmp, (size_t) need * sizeof(int)) == 0)
+        return slot;
     no_capture(impl, "a block-table upload");
-    impl->gen++;  // graphs captured the table's pointer and length
-    if (n + 1 > slot->cap) {
-        const int cap = 2 * (n + 1) > 64 ? 2 * (n + 1) : 64;
+    impl->gen++;  // graphs captured the tables' pointer and stride
+    if (need > slot->cap) {
+        const int cap = 2 * need > 64 ? 2 * need : 64;
         free(slot->host);
         if (slot->dev) CUDA_CHECK(cudaFree(slot->dev));
         slot->host = (int *) malloc((size_t) cap * sizeof(int));
@@ -1113,19 +1142,17 @@ static const int *dev_blocks(CudaImpl *impl, const KvSeq *seq)
         CUDA_CHECK(cudaMalloc(&slot->dev, (size_t) cap * sizeof(int)));
         slot->cap = cap;
     }
-    if (n) {
-        memcpy(slot->host, seq->blocks, (size_t) n * sizeof(int));
-        CUDA_CHECK(
-            cudaMemcpy(slot->dev, slot->host, (size_t) n * sizeof(int), cudaMemcpyHostToDevice));
-    }
-    slot->n_blocks = n;
-    return slot->dev;
+    memcpy(slot->host, tmp, (size_t) need * sizeof(int));
+    CUDA_CHECK(cudaMemcpy(slot->dev, slot->host, (size_t) need * sizeof(int), cudaMemcpyHostToDevice));
+    slot->stride = stride;
+    return slot;
 }
 
-static DevKv dev_kv(CudaImpl *impl, const KvCache *kv, const KvSeq *seq, int layer)
+static DevKv dev_kv(CudaImpl *impl, const KvCache *kv, const BackendSeqs *s, int layer)
 {
-    const int *blocks = dev_blocks(impl, seq);
-    DevKv d = {dev_pool(impl, kv), blocks,           kv->block_bytes, kv->layer_offset[layer],
+    const DevStep *st = dev_step(impl, s->seqs, s->n_seqs);
+    DevKv d = {dev_pool(impl, kv),   st->dev,          st->stride,
+               s->seq_of,            kv->block_bytes,  kv->layer_offset[layer],
                kv->params.block_size, kv->entry[layer]};
     return d;
 }
@@ -1349,38 +1376,43 @@ static void cuda_route(Backend *be, int *idx, float *wts, const float *logits, c
     prof_end(impl, PROF_ROUTE, 0.0);
 }
 
-static void cuda_kv_write(Backend *be, KvCache *kv, const KvSeq *seq, int layer, const int *pos,
-                          int n, int offset, const float *src, int width)
+static void cuda_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int layer, int offset,
+                          const float *src, int width)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
+    const int n = s->n;
     const KvEntryLayout *lo = &kv->entry[layer];
     ASSERT(kv_write_ok(lo, offset, width));
     if (n == 0 || width == 0) return;
-    const DevKv d = dev_kv(impl, kv, seq, layer);
+    const DevKv d = dev_kv(impl, kv, s, layer);
     prof_begin(impl);
-    k_kv_write<<<n, lo->dtype == KV_DTYPE_FP8 ? 32 : THREADS, 0, impl->stream>>>(d, pos, offset,
+    k_kv_write<<<n, lo->dtype == KV_DTYPE_FP8 ? 32 : THREADS, 0, impl->stream>>>(d, s->pos, offset,
                                                                                  src, width);
     check_launch("kv_write");
     prof_end(impl, PROF_KV_WRITE, 0.0);
 }
 
-// Positions the sequence can hold: a bound on pos[t] + 1 known on the host (model.c
-// reserves before running the layers).
-static int seq_capacity(const KvCache *kv, const KvSeq *seq)
+// Positions the step's longest sequence can hold: a bound on pos[t] + 1 known on the host
+// (model.c reserves before running the layers).
+static int seq_capacity(const KvCache *kv, const BackendSeqs *s)
 {
-    const int cap = seq->n_blocks * kv->params.block_size;
+    int blocks = 0;
+    for (int i = 0; i < s->n_seqs; i++)
+        if (s->seqs[i]->n_blocks > blocks) blocks = s->seqs[i]->n_blocks;
+    const int cap = blocks * kv->params.block_size;
     return cap > 0 ? cap : 1;
 }
 
 static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, const float *w,
-                          const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
-                          const BackendDsa *p)
+                          const KvCache *kv, const BackendSeqs *s, int layer, const BackendDsa *p)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     ASSERT(kv->params.has_index[layer] && kv->params.index_dim == p->head_dim && p->top_k > 0);
+    const int n = s->n;
+    const int *pos = s->pos;
     if (n == 0) return;
-    const int cap = seq_capacity(kv, seq);
-    const DevKv d = dev_kv(impl, kv, seq, layer);
+    const int cap = seq_capacity(kv, s);
+    const DevKv d = dev_kv(impl, kv, s, layer);
     double *score = (double *) scratch(impl, SCRATCH_A, (size_t) n * cap * sizeof(double));
     const int key_offset = kv->params.kv_lora + kv->params.rope_dim;
     prof_begin(impl);
@@ -1395,17 +1427,18 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
 }
 
 static void cuda_mla_attention(Backend *be, float *out, const float *q, const CkptLinear *kv_b,
-                               const KvCache *kv, const KvSeq *seq, int layer, const int *pos,
-                               int n, const int *sel, const int *n_sel, int sel_stride,
-                               const BackendMla *p)
+                               const KvCache *kv, const BackendSeqs *s, int layer, const int *sel,
+                               const int *n_sel, int sel_stride, const BackendMla *p)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     ASSERT(kv_b->cols == p->kv_lora && kv_b->rows == p->n_heads * (p->qk_nope + p->v_dim));
     ASSERT(kv->params.kv_lora == p->kv_lora && kv->params.rope_dim == p->qk_rope);
+    const int n = s->n;
+    const int *pos = s->pos;
     if (n == 0) return;
-    const int cap = sel ? (sel_stride > 0 ? sel_stride : 1) : seq_capacity(kv, seq);
+    const int cap = sel ? (sel_stride > 0 ? sel_stride : 1) : seq_capacity(kv, s);
     const int n_split = (cap + MLA_SPLIT - 1) / MLA_SPLIT;
-    const DevKv d = dev_kv(impl, kv, seq, layer);
+    const DevKv d = dev_kv(impl, kv, s, layer);
     const DevLin w = dev_lin(kv_b);
     const size_t H = (size_t) p->n_heads, L = (size_t) p->kv_lora;
     ASSERT(L * sizeof(double) <= 40 * 1024 && (cap + THREADS / 32 - 1) / (THREADS / 32) <= 65535);
@@ -1425,6 +1458,8 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
         const int nc = n - t0 < chunk ? n - t0 : chunk;
         const float *qc = q + (size_t) t0 * H * (p->qk_nope + p->qk_rope);
         const int *pc = pos + t0;
+        DevKv dc = d;  // the chunk's tokens
+        dc.seq_of += t0;
         const int *sc = sel ? sel + (size_t) t0 * sel_stride : NULL;
         const int *nsc = sel ? n_sel + t0 : NULL;
         const dim3 th((unsigned) nc, (unsigned) H);
@@ -1432,11 +1467,11 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
                      impl->stream>>>(q_lat, qc, w, *p);
         k_mla_scores<<<dim3((unsigned) nc, (unsigned) H,
                             (unsigned) ((cap + THREADS / 32 - 1) / (THREADS / 32))),
-                       THREADS, 0, impl->stream>>>(prob, cap, q_lat, qc, d, pc, sc, nsc, sel_stride,
+                       THREADS, 0, impl->stream>>>(prob, cap, q_lat, qc, dc, pc, sc, nsc, sel_stride,
                                                    *p);
         k_mla_softmax<<<th, THREADS, 0, impl->stream>>>(prob, stat, cap, pc, nsc, p->n_heads);
         k_mla_pv<<<dim3((unsigned) nc, (unsigned) H, (unsigned) n_split), THREADS, 0,
-                   impl->stream>>>(part, n_split, prob, cap, d, pc, sc, nsc, sel_stride, *p);
+                   impl->stream>>>(part, n_split, prob, cap, dc, pc, sc, nsc, sel_stride, *p);
         k_mla_out<<<th, THREADS, L * sizeof(double), impl->stream>>>(
             out + (size_t) t0 * H * p->v_dim, part, n_split, w, pc, nsc, *p);
     }
@@ -1523,8 +1558,7 @@ static bool cuda_graph_begin(Backend *be, const KvCache *kv, KvSeq *const *seqs,
     // The pool and block tables up to date now (a change bumps gen), so that a replay reads
     // them.
     (void) dev_pool(impl, kv);
-    for (int i = 0; i < n_seqs; i++)
-        (void) dev_blocks(impl, seqs[i]);
+    if (n_seqs > 0) (void) dev_step(impl, seqs, n_seqs);
     unsigned long long *k = impl->key;
     int nk = 0;
     for (int i = 0; i < n_key; i++)
@@ -1720,10 +1754,12 @@ static void cuda_destroy(Backend *be)
             cudaFree(impl->scratch[i]);
         for (int i = 0; i < MAX_POOLS; i++)
             cudaFree(impl->pools[i].dev);
-        for (int i = 0; i < MAX_TABLES; i++) {
-            free(impl->seq_tables[i].host);
-            cudaFree(impl->seq_tables[i].dev);
+        for (int i = 0; i < MAX_STEPS; i++) {
+            free(impl->steps[i].seqs);
+            free(impl->steps[i].host);
+            cudaFree(impl->steps[i].dev);
         }
+        free(impl->step_tmp);
         for (int i = 0; i < impl->n_tables; i++)
             cudaFree(impl->tables[i].dev);
         for (int i = 0; i < MAX_GRAPHS; i++)

@@ -68,6 +68,18 @@ typedef struct BackendDsa {
     int top_k;     // index_topk
 } BackendDsa;
 
+// The sequences of one step and where their tokens are, for the ops that read or write the
+// KV cache: each runs once for all tokens of all sequences (one launch on a GPU), whatever
+// mix of prefill chunks and decode tokens the step holds. Token t (t < n) is at position
+// pos[t] of sequence seqs[seq_of[t]]; a sequence sees its own cache only.
+typedef struct BackendSeqs {
+    KvSeq *const *seqs;  // [n_seqs], host memory: the block tables
+    int n_seqs;
+    const int *pos;     // [n], backend memory
+    const int *seq_of;  // [n], backend memory: indices into seqs
+    int n;              // tokens
+} BackendSeqs;
+
 typedef struct Backend Backend;
 
 struct Backend {
@@ -118,10 +130,11 @@ struct Backend {
     // y[i] += x[i] for i < n_elems.
     void (*add)(Backend *be, float *y, const float *x, int n_elems);
 
-    // Write src [n, width] into the cache entries of `layer` at positions pos[t] of seq,
-    // floats offset .. offset+width of each entry (see kv_cache.h for the entry layout).
-    void (*kv_write)(Backend *be, KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
-                     int offset, const float *src, int width);
+    // Write src [s->n, width] into the cache entries of `layer` of every token of s (token t
+    // at its position in its sequence), values offset .. offset+width of each entry
+    // (kv_cache.h: the entry layout; kv_write_ok holds).
+    void (*kv_write)(Backend *be, KvCache *kv, const BackendSeqs *s, int layer, int offset,
+                     const float *src, int width);
 
     // Routed experts: out[t] = sum_k wts[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) with
     // e = idx[t, k]; experts[3 e + 0/1/2] are expert e's gate [I, hidden], up [I, hidden]
@@ -135,21 +148,20 @@ struct Backend {
     void (*route)(Backend *be, int *idx, float *wts, const float *logits, const float *bias, int n,
                   const BackendRoute *p);
 
-    // DSA top-k for n queries at positions pos[t] of seq, over keys in layer `layer` of the
-    // cache (positions 0 .. pos[t]). q: [n, Hi, Di] (rope applied), w: [n, Hi] (weights_proj
-    // output). Writes sel [n, top_k] (positions ascending) and n_sel [n] = min(top_k,
-    // pos[t] + 1).
+    // DSA top-k for the s->n queries of s over keys in layer `layer` of the cache: token t
+    // sees positions 0 .. pos[t] of its own sequence. q: [n, Hi, Di] (rope applied), w:
+    // [n, Hi] (weights_proj output). Writes sel [n, top_k] (positions ascending) and n_sel
+    // [n] = min(top_k, pos[t] + 1).
     void (*dsa_topk)(Backend *be, int *sel, int *n_sel, const float *q, const float *w,
-                     const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
-                     const BackendDsa *p);
+                     const KvCache *kv, const BackendSeqs *s, int layer, const BackendDsa *p);
 
-    // MLA attention for n queries at positions pos[t], from the latents cached in `layer`.
-    // q: [n, H, qk_nope + qk_rope] (rope part rotated); kv_b: kv_b_proj, [H * (qk_nope +
-    // v_dim), kv_lora]; out: [n, H, v_dim]. With sel == NULL every position 0 .. pos[t] is
-    // attended; otherwise only sel[t, 0 .. n_sel[t]) (rows sel_stride apart).
+    // MLA attention for the s->n queries of s, from the latents cached in `layer` of each
+    // token's own sequence. q: [n, H, qk_nope + qk_rope] (rope part rotated); kv_b: kv_b_proj,
+    // [H * (qk_nope + v_dim), kv_lora]; out: [n, H, v_dim]. With sel == NULL every position
+    // 0 .. pos[t] is attended; otherwise only sel[t, 0 .. n_sel[t]) (rows sel_stride apart).
     void (*mla_attention)(Backend *be, float *out, const float *q, const CkptLinear *kv_b,
-                          const KvCache *kv, const KvSeq *seq, int layer, const int *pos, int n,
-                          const int *sel, const int *n_sel, int sel_stride, const BackendMla *p);
+                          const KvCache *kv, const BackendSeqs *s, int layer, const int *sel,
+                          const int *n_sel, int sel_stride, const BackendMla *p);
 
     // Optional (NULL when the backend has none, as the CPU one): record the ops called
     // between graph_begin and graph_end once and replay them (a CUDA graph). key [n_key]

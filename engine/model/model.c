@@ -38,13 +38,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-// The forward pass's buffers. The struct is host memory; every pointer but pos_host is
-// backend memory (Backend.alloc).
+// The forward pass's buffers. The struct is host memory; every pointer but the *_host ones
+// is backend memory (Backend.alloc).
 struct ModelWork {
-    int n_cap;      // tokens the buffers hold
-    int *pos_host;  // [n] positions, host copy
-    int *act_host;  // [n * (2 + topk) + 1] DSA state staging for stage hand-off, host
-    int *pos;       // [n]
+    int n_cap;         // tokens the buffers hold
+    int *pos_host;     // [2 n] positions, then each token's sequence index, host copy
+    int *act_host;     // [n * (2 + topk) + 1] DSA state staging for stage hand-off, host
+    int *pos;          // [n]
+    int *seq_of;       // [n] each token's sequence (index into the batch's seqs)
     int *tok;       // [n] token ids
     float *logits;  // [n, vocab]
     float *x;       // [n, hidden] residual stream
@@ -491,6 +492,7 @@ static void work_free(Backend *be, ModelWork *w)
     free(w->pos_host);
     free(w->act_host);
     be->free_mem(be, w->pos);
+    be->free_mem(be, w->seq_of);
     be->free_mem(be, w->tok);
     be->free_mem(be, w->logits);
     be->free_mem(be, w->x);
@@ -577,9 +579,10 @@ static Err work_ensure(Model *m, int n)
     const size_t Hi = c->index_n_heads > 0 ? (size_t) c->index_n_heads : 1;
     const size_t Di = c->index_head_dim > 0 ? (size_t) c->index_head_dim : 1;
     w->n_cap = n;
-    w->pos_host = malloc(N * sizeof *w->pos_host);
+    w->pos_host = malloc(2 * N * sizeof *w->pos_host);
     w->act_host = malloc((N * (1 + topk) + 1) * sizeof *w->act_host);
     w->pos = be->alloc(be, N * sizeof(int));
+    w->seq_of = be->alloc(be, N * sizeof(int));
     w->tok = be->alloc(be, N * sizeof(int));
     w->logits = be->alloc(be, N * (size_t) c->vocab_size * sizeof(float));
     w->x = be->alloc(be, N * hidden * sizeof(float));
@@ -602,7 +605,7 @@ static Err work_ensure(Model *m, int n)
     w->rl = be->alloc(be, N * E * sizeof(float));
     w->ridx = be->alloc(be, N * K * sizeof(int));
     w->rw = be->alloc(be, N * K * sizeof(float));
-    if (!w->pos_host || !w->act_host || !w->pos || !w->tok || !w->logits || !w->x || !w->h || !w->qa
+    if (!w->pos_host || !w->act_host || !w->pos || !w->seq_of || !w->tok || !w->logits || !w->x || !w->h || !w->qa
         || !w->q || !w->kva || !w->attn || !w->tmp || !w->tmp2 || !w->iq || !w->ik || !w->iw
         || !w->sel || !w->n_sel || !w->g || !w->u || !w->rl || !w->ridx || !w->rw) {
         LOG_ERROR("could not allocate the forward workspace for %d tokens", n);
@@ -616,10 +619,27 @@ static Err work_ensure(Model *m, int n)
 // ---------------------------------------------------------------------------
 // Forward
 
-// Attention for layer l over a batch: projections over all n tokens at once; cache writes,
-// DSA selection and attention per sequence (segment off .. off + n_new of the batch).
-static void attention_block(Model *m, KvCache *kv, const ModelBatch *b, int l, int n, bool *has_sel)
+// Positions and sequence indices of the batch's tokens (sequence i's n_new[i] rows follow
+// sequence i-1's), uploaded; the ops' view of them.
+static BackendSeqs upload_positions(Model *m, const ModelBatch *b, int n)
 {
+    ModelWork *w = m->work;
+    int *seq_of = w->pos_host + n;
+    for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++])
+        for (int t = 0; t < b->n_new[i]; t++) {
+            w->pos_host[off + t] = b->seqs[i]->n_tokens + t;
+            seq_of[off + t] = i;
+        }
+    m->be->upload(m->be, w->pos, w->pos_host, (size_t) n * sizeof(int));
+    m->be->upload(m->be, w->seq_of, seq_of, (size_t) n * sizeof(int));
+    return (BackendSeqs){b->seqs, b->n_seqs, w->pos, w->seq_of, n};
+}
+
+// Attention for layer l over a batch: projections, cache writes, DSA selection and attention,
+// each over all n tokens of all sequences at once.
+static void attention_block(Model *m, KvCache *kv, const BackendSeqs *s, int l, bool *has_sel)
+{
+    const int n = s->n;
     const ModelConfig *c = &m->cfg;
     const ModelLayer *L = &m->layers[l];
     ModelWork *w = m->work;
@@ -645,9 +665,7 @@ static void attention_block(Model *m, KvCache *kv, const ModelBatch *b, int l, i
     // The stage's cache holds its own layers only; the MTP layer has a cache of its own.
     const int kl = l >= c->n_layers ? l - c->n_layers : l - m->first_layer;
     const int topk = c->index_topk > 0 ? c->index_topk : 1;
-    for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++])
-        be->kv_write(be, kv, b->seqs[i], kl, w->pos + off, b->n_new[i], 0,
-                     w->kva + (size_t) off * kv_width, kv_width);
+    be->kv_write(be, kv, s, kl, 0, w->kva, kv_width);
 
     if (L->has_indexer) {
         const int Hi = c->index_n_heads, Di = c->index_head_dim;
@@ -658,13 +676,8 @@ static void attention_block(Model *m, KvCache *kv, const ModelBatch *b, int l, i
         be->layernorm(be, w->ik, w->ik, L->idx_k_norm, L->idx_k_bias, n, Di, 1e-6f);
         be->rope(be, w->ik, n, 1, Di, 0, 0, c->qk_rope_head_dim, w->pos, c->rope_theta);
         be->matmul(be, w->iw, &L->idx_weights, w->h, n);
-        for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++]) {
-            be->kv_write(be, kv, b->seqs[i], kl, w->pos + off, b->n_new[i], kv_width,
-                         w->ik + (size_t) off * Di, Di);
-            be->dsa_topk(be, w->sel + (size_t) off * topk, w->n_sel + off,
-                         w->iq + (size_t) off * Hi * Di, w->iw + (size_t) off * Hi, kv, b->seqs[i],
-                         kl, w->pos + off, b->n_new[i], &dsa);
-        }
+        be->kv_write(be, kv, s, kl, kv_width, w->ik, Di);
+        be->dsa_topk(be, w->sel, w->n_sel, w->iq, w->iw, kv, s, kl, &dsa);
         *has_sel = true;
     }
     const bool use_sel = c->indexer[l] != CONFIG_INDEXER_NONE;
@@ -680,12 +693,8 @@ static void attention_block(Model *m, KvCache *kv, const ModelBatch *b, int l, i
         // "default" (GLM-5's), so the plain 1/sqrt(qk_head_dim) is the whole story.
         .scale = (float) (1.0 / sqrt((double) qk)),
     };
-    const size_t q_row = (size_t) H * qk, o_row = (size_t) H * c->v_head_dim;
-    for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++])
-        be->mla_attention(be, w->attn + off * o_row, w->q + off * q_row, &L->kv_b, kv, b->seqs[i],
-                          kl, w->pos + off, b->n_new[i],
-                          use_sel ? w->sel + (size_t) off * topk : NULL,
-                          use_sel ? w->n_sel + off : NULL, topk, &mla);
+    be->mla_attention(be, w->attn, w->q, &L->kv_b, kv, s, kl, use_sel ? w->sel : NULL,
+                      use_sel ? w->n_sel : NULL, topk, &mla);
     be->matmul(be, w->tmp, &L->o_proj, w->attn, n);
     be->add(be, w->x, w->tmp, n * hidden);
 }
@@ -768,10 +777,7 @@ Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *t
     const int hidden = c->hidden_size;
     const size_t topk = c->index_topk > 0 ? (size_t) c->index_topk : 1;
     const size_t x_bytes = (size_t) n * hidden * sizeof(float);
-    for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++])
-        for (int t = 0; t < b->n_new[i]; t++)
-            w->pos_host[off + t] = b->seqs[i]->n_tokens + t;
-    be->upload(be, w->pos, w->pos_host, (size_t) n * sizeof(int));
+    const BackendSeqs seqs = upload_positions(m, b, n);
 
     bool has_sel = false;
     if (m->has_embed) {
@@ -813,7 +819,7 @@ Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *t
             if (m->layers[l].has_indexer) has_sel = true;  // as attention_block sets it
     } else {
         for (int l = m->first_layer; l < m->last_layer; l++) {
-            attention_block(m, kv, b, l, n, &has_sel);
+            attention_block(m, kv, &seqs, l, &has_sel);
             mlp_block(m, l, n);
         }
         // One row per sequence (its last token) into row i of w->logits; each is normed and
@@ -946,9 +952,9 @@ Err model_mtp_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, cons
         }
         mt->cat_cap = n;
     }
-    for (int t = 0; t < n; t++)
-        w->pos_host[t] = seq->n_tokens + t;
-    be->upload(be, w->pos, w->pos_host, (size_t) n * sizeof(int));
+    KvSeq *seqs[1] = {seq};
+    const ModelBatch b = {1, seqs, &n};
+    const BackendSeqs s = upload_positions(m, &b, n);
     be->upload(be, w->tok, tokens, (size_t) n * sizeof(int));
     be->embed(be, w->tmp, &m->embed, w->tok, n);
     if (seq->n_tokens == 0) {
@@ -970,10 +976,8 @@ Err model_mtp_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, cons
     }
     be->matmul(be, w->x, &mt->eh_proj, mt->cat, n);
 
-    KvSeq *seqs[1] = {seq};
-    const ModelBatch b = {1, seqs, &n};
     bool has_sel = false;
-    attention_block(m, kv, &b, c->n_layers, n, &has_sel);
+    attention_block(m, kv, &s, c->n_layers, &has_sel);
     mlp_block(m, c->n_layers, n);
     seq->n_tokens += n;
 

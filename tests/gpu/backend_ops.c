@@ -325,16 +325,17 @@ static void test_route_moe(void)
     }
 }
 
-// kv_write, dsa_topk and mla_attention over a 45-token sequence in blocks of 16, for an fp32,
-// a bf16 and an fp8 cache; the two backends use separate caches of the same layout, and
-// store the same bytes (kv_cache.h's one store routine; latent 144: a whole fp8 scale group
-// and a partial one).
+// kv_write, dsa_topk and mla_attention over two sequences in one call each (45 and 30
+// tokens, blocks of 16: the batched ops of one step), for an fp32, a bf16 and an fp8 cache;
+// the two backends use separate caches of the same layout, and store the same bytes
+// (kv_cache.h's one store routine; latent 144: a whole fp8 scale group and a partial one).
 static void test_attention(KvDtype dtype)
 {
-    const int T = 45, L = 144, R = 16, Di = 32, Hi = 4, H = 3, nope = 24, vd = 20, topk = 8;
+    enum { TA = 45, TB = 30, T = TA + TB };
+    const int L = 144, R = 16, Di = 32, Hi = 4, H = 3, nope = 24, vd = 20, topk = 8;
     KvCacheParams p = {.n_layers = 2,
                        .block_size = 16,
-                       .n_blocks = 4,
+                       .n_blocks = 6,
                        .kv_lora = L,
                        .rope_dim = R,
                        .index_dim = Di,
@@ -342,37 +343,47 @@ static void test_attention(KvDtype dtype)
     p.has_index[1] = true;
     KvCache kc, kg;
     ASSERT(kv_init(&kc, &p) == ERR_OK && kv_init(&kg, &p) == ERR_OK);
-    KvSeq sc = {0}, sg = {0};
-    ASSERT(kv_seq_reserve(&kc, &sc, T) == ERR_OK && kv_seq_reserve(&kg, &sg, T) == ERR_OK);
-    int pos[45];
-    for (int t = 0; t < T; t++)
-        pos[t] = t;
-    int *dpos = dev(pos, sizeof pos);
+    KvSeq sc[2] = {{0}, {0}}, sg[2] = {{0}, {0}};
+    for (int i = 0; i < 2; i++)
+        ASSERT(kv_seq_reserve(&kc, &sc[i], i ? TB : TA) == ERR_OK
+               && kv_seq_reserve(&kg, &sg[i], i ? TB : TA) == ERR_OK);
+    int pos[T], seq_of[T];
+    for (int t = 0; t < T; t++) {
+        pos[t] = t < TA ? t : t - TA;
+        seq_of[t] = t >= TA;
+    }
+    int *dpos = dev(pos, sizeof pos), *dseq_of = dev(seq_of, sizeof seq_of);
+    KvSeq *cseqs[2] = {&sc[0], &sc[1]}, *gseqs[2] = {&sg[0], &sg[1]};
+    const BackendSeqs cs = {cseqs, 2, pos, seq_of, T}, gs = {gseqs, 2, dpos, dseq_of, T};
     float *lat = rand_floats((size_t) T * (L + R), 1.0f), *key = rand_floats((size_t) T * Di, 1.0f);
     float *dlat = dev(lat, (size_t) T * (L + R) * sizeof(float));
     float *dkey = dev(key, (size_t) T * Di * sizeof(float));
     for (int layer = 0; layer < 2; layer++) {
-        cpu->kv_write(cpu, &kc, &sc, layer, pos, T, 0, lat, L + R);
-        gpu->kv_write(gpu, &kg, &sg, layer, dpos, T, 0, dlat, L + R);
+        cpu->kv_write(cpu, &kc, &cs, layer, 0, lat, L + R);
+        gpu->kv_write(gpu, &kg, &gs, layer, 0, dlat, L + R);
     }
-    cpu->kv_write(cpu, &kc, &sc, 1, pos, T, L + R, key, Di);
-    gpu->kv_write(gpu, &kg, &sg, 1, dpos, T, L + R, dkey, Di);
+    cpu->kv_write(cpu, &kc, &cs, 1, L + R, key, Di);
+    gpu->kv_write(gpu, &kg, &gs, 1, L + R, dkey, Di);
     {
         const size_t bytes = kg.block_bytes * (size_t) p.n_blocks;
         unsigned char *got = malloc(bytes);
-        ASSERT(got && sc.n_blocks == sg.n_blocks);
+        ASSERT(got);
         backend_cuda_kv_download(gpu, &kg, got);
         size_t differ = 0;
-        for (int b = 0; b < sc.n_blocks; b++)
-            differ += memcmp((const unsigned char *) kc.pool + (size_t) sc.blocks[b] * kc.block_bytes,
-                             got + (size_t) sg.blocks[b] * kg.block_bytes, kc.block_bytes)
-                      != 0;
+        for (int i = 0; i < 2; i++) {
+            ASSERT(sc[i].n_blocks == sg[i].n_blocks);
+            for (int b = 0; b < sc[i].n_blocks; b++)
+                differ += memcmp((const unsigned char *) kc.pool
+                                     + (size_t) sc[i].blocks[b] * kc.block_bytes,
+                                 got + (size_t) sg[i].blocks[b] * kg.block_bytes, kc.block_bytes)
+                          != 0;
+        }
         printf("kv_write (%s cache)            %zu blocks differ\n", kv_dtype_name(dtype), differ);
         CHECK(differ == 0);
         free(got);
     }
 
-    // DSA: the last 12 queries (positions 33..44 > top_k) and the first 3 (all visible).
+    // DSA over both sequences: positions below top_k see every key, the rest select.
     const BackendDsa dp = {Hi, Di, topk};
     float *q = rand_floats((size_t) T * Hi * Di, 1.0f), *w = rand_floats((size_t) T * Hi, 1.0f);
     float *dq = dev(q, (size_t) T * Hi * Di * sizeof(float)),
@@ -390,8 +401,8 @@ static void test_attention(KvDtype dtype)
         for (int i = 0; i < T * Hi; i++)
             wp[i] = ties && (i % Hi != 0 || (i / Hi) % 2 == 0) ? 0.0f : w[i];
         gpu->upload(gpu, dw, wp, (size_t) T * Hi * sizeof(float));
-        cpu->dsa_topk(cpu, sel, n_sel, q, wp, &kc, &sc, 1, pos, T, &dp);
-        gpu->dsa_topk(gpu, dsel, dn_sel, dq, dw, &kg, &sg, 1, dpos, T, &dp);
+        cpu->dsa_topk(cpu, sel, n_sel, q, wp, &kc, &cs, 1, &dp);
+        gpu->dsa_topk(gpu, dsel, dn_sel, dq, dw, &kg, &gs, 1, &dp);
         int *gsel = down(dsel, (size_t) T * topk * sizeof(int)),
             *gn = down(dn_sel, (size_t) T * sizeof(int));
         int sel_bad = 0;
@@ -416,9 +427,9 @@ static void test_attention(KvDtype dtype)
     float *want = malloc((size_t) T * H * vd * sizeof *want);
     float *dout = gpu->alloc(gpu, (size_t) T * H * vd * sizeof(float));
     for (int sparse = 0; sparse < 2; sparse++) {
-        cpu->mla_attention(cpu, want, qa, &kv_b, &kc, &sc, 0, pos, T, sparse ? sel : NULL,
+        cpu->mla_attention(cpu, want, qa, &kv_b, &kc, &cs, 0, sparse ? sel : NULL,
                            sparse ? n_sel : NULL, topk, &mp);
-        gpu->mla_attention(gpu, dout, dqa, &kv_bg, &kg, &sg, 0, dpos, T, sparse ? dsel : NULL,
+        gpu->mla_attention(gpu, dout, dqa, &kv_bg, &kg, &gs, 0, sparse ? dsel : NULL,
                            sparse ? dn_sel : NULL, topk, &mp);
         char what[64];
         snprintf(what, sizeof what, "mla_attention %s (%s cache)", sparse ? "sparse" : "dense",
@@ -427,6 +438,7 @@ static void test_attention(KvDtype dtype)
     }
     free_linear(&kv_b);
     gpu->free_mem(gpu, dpos);
+    gpu->free_mem(gpu, dseq_of);
     gpu->free_mem(gpu, dlat);
     gpu->free_mem(gpu, dkey);
     gpu->free_mem(gpu, dq);
@@ -443,8 +455,10 @@ static void test_attention(KvDtype dtype)
     free(n_sel);
     free(qa);
     free(want);
-    kv_seq_free(&kc, &sc);
-    kv_seq_free(&kg, &sg);
+    for (int i = 0; i < 2; i++) {
+        kv_seq_free(&kc, &sc[i]);
+        kv_seq_free(&kg, &sg[i]);
+    }
     kv_free(&kc);
     kv_free(&kg);
 }

@@ -45,7 +45,16 @@ typedef struct Mla {
     float *q;     // [T, H, nope + rope]
     KvCache kv;
     KvSeq seq;
+    KvSeq *seqs[1];  // {&seq}
+    int *zeros;      // [T] every token's sequence index
 } Mla;
+
+// The ops' view of n tokens of m's one sequence at positions pos.
+static BackendSeqs one_seq(Mla *m, const int *pos, int n)
+{
+    m->seqs[0] = &m->seq;
+    return (BackendSeqs){m->seqs, 1, pos, m->zeros, n};
+}
 
 static KvDtype kv_dtype;  // the cache storage under test
 
@@ -57,7 +66,8 @@ static void mla_setup(Mla *m, int H, int nope, int rope, int v, int L, int T, in
     const size_t rows = (size_t) H * (nope + v);
     m->kv_b = malloc(rows * L * sizeof(float));
     m->q = malloc((size_t) T * H * (nope + rope) * sizeof(float));
-    ASSERT(m->kv_b && m->q);
+    m->zeros = calloc((size_t) T, sizeof *m->zeros);
+    ASSERT(m->kv_b && m->q && m->zeros);
     for (size_t i = 0; i < rows * L; i++)
         m->kv_b[i] = frand() * 0.3f;
     for (size_t i = 0; i < (size_t) T * H * (nope + rope); i++)
@@ -88,6 +98,7 @@ static void mla_teardown(Mla *m)
     kv_free(&m->kv);
     free(m->kv_b);
     free(m->q);
+    free(m->zeros);
 }
 
 // Expanded-form reference for query t (position t) over keys[0..n_keys) of layer 0.
@@ -170,8 +181,8 @@ static void test_mla(Backend *be, int H, int nope, int rope, int v, int L, int T
 
     for (int pass = 0; pass < 2; pass++) {
         const int *use_sel = pass ? sel : NULL;
-        be->mla_attention(be, full, m.q, &kv_b, &m.kv, &m.seq, 0, pos, T, use_sel, n_sel, top_k,
-                          &m.p);
+        const BackendSeqs all = one_seq(&m, pos, T);
+        be->mla_attention(be, full, m.q, &kv_b, &m.kv, &all, 0, use_sel, n_sel, top_k, &m.p);
         int same = 1;
         for (int t = 0; t < T; t++) {
             int n_keys = 0;
@@ -187,9 +198,10 @@ static void test_mla(Backend *be, int H, int nope, int rope, int v, int L, int T
                     CHECK_NEAR(full[((size_t) t * H + h) * v + d], ref[(size_t) h * v + d],
                                4.0 * FLT_EPSILON * vmax[h]);
             // the same query alone (decode) equals its row of the batch (prefill)
-            be->mla_attention(be, one, m.q + (size_t) t * H * (nope + rope), &kv_b, &m.kv, &m.seq,
-                              0, pos + t, 1, use_sel ? sel + (size_t) t * top_k : NULL, n_sel + t,
-                              top_k, &m.p);
+            const BackendSeqs alone = one_seq(&m, pos + t, 1);
+            be->mla_attention(be, one, m.q + (size_t) t * H * (nope + rope), &kv_b, &m.kv, &alone,
+                              0, use_sel ? sel + (size_t) t * top_k : NULL, n_sel + t, top_k,
+                              &m.p);
             same &= memcmp(one, full + (size_t) t * H * v, (size_t) H * v * sizeof *one) == 0;
         }
         CHECK(same);
@@ -227,10 +239,11 @@ static void test_dsa(Backend *be, int Hi, int Di, int top_k, int T)
     for (int t = 0; t < T; t++)
         pos[t] = t;
     const BackendDsa p = {Hi, Di, top_k};
+    const BackendSeqs all = one_seq(&m, pos, T);
 
     // All weights zero: every score ties at 0 and the latest positions win (the tie rule).
     memset(w, 0, (size_t) T * Hi * sizeof *w);
-    be->dsa_topk(be, sel, n_sel, q, w, &m.kv, &m.seq, 1, pos, T, &p);
+    be->dsa_topk(be, sel, n_sel, q, w, &m.kv, &all, 1, &p);
     int latest = 1;
     for (int t = 0; t < T; t++)
         for (int k = 0; k < n_sel[t]; k++)
@@ -238,7 +251,7 @@ static void test_dsa(Backend *be, int Hi, int Di, int top_k, int T)
     CHECK(latest);
     for (int i = 0; i < T * Hi; i++)
         w[i] = frand();
-    be->dsa_topk(be, sel, n_sel, q, w, &m.kv, &m.seq, 1, pos, T, &p);
+    be->dsa_topk(be, sel, n_sel, q, w, &m.kv, &all, 1, &p);
 
     for (int t = 0; t < T; t++) {
         const int visible = t + 1;
