@@ -431,11 +431,10 @@ static void dsa_task(void *ctx, int t, int thread)
     int n_heap = 0;
     const float *qt = job->q + (size_t) t * p->n_heads * p->head_dim;
     const float *wt = job->w + (size_t) t * p->n_heads;
-    const size_t key_offset = (size_t) job->kv->params.kv_lora + job->kv->params.rope_dim;
     const double head_scale = 1.0 / sqrt((double) p->n_heads);
     const double dot_scale = 1.0 / sqrt((double) p->head_dim);
     for (int s = 0; s < visible; s++) {
-        const float *k = kv_read(job->kv, seq, job->layer, s, entry_buf) + key_offset;
+        const float *k = kv_read_key(job->kv, seq, job->layer, s, entry_buf);
         double total = 0.0;
         for (int h = 0; h < p->n_heads; h++) {
             const float *qh = qt + (size_t) h * p->head_dim;
@@ -523,7 +522,7 @@ static void mla_task(void *ctx, int task, int thread)
     for (int j = 0; j < n_keys; j++) {
         const int s = keys ? keys[j] : j;
         DASSERT(s >= 0 && s < visible);
-        const float *e = kv_read(job->kv, seq, job->layer, s, entry_buf);
+        const float *e = kv_read_entry(job->kv, seq, job->layer, s, entry_buf);
         double d = 0.0;
         for (int c = 0; c < L; c++)
             d += q_lat[c] * e[c];
@@ -541,7 +540,7 @@ static void mla_task(void *ctx, int task, int thread)
         o_lat[c] = 0.0;
     for (int j = 0; j < n_keys; j++) {
         const int s = keys ? keys[j] : j;
-        const float *e = kv_read(job->kv, seq, job->layer, s, entry_buf);
+        const float *e = kv_read_entry(job->kv, seq, job->layer, s, entry_buf);
         const double pj = prob[j] / sum;
         for (int c = 0; c < L; c++)
             o_lat[c] += pj * e[c];

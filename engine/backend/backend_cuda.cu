@@ -176,16 +176,14 @@ typedef struct DevLin {
 } DevLin;
 
 // One layer of a cache, for the tokens of a step, as the kernels see it: token t's position
-// p lives in block tables[seq_of[t] * stride + p / block_size].
+// p lives in block tables[seq_of[t] * stride + p / block_size] (kv_cache.h's layout).
 typedef struct DevKv {
-    const unsigned char *pool;
-    const int *tables;  // [n_seqs, stride] (DevStep)
+    const unsigned char *mla;   // the layer's MLA pages
+    const unsigned char *keys;  // its key pages (layers with an indexer key)
+    const int *tables;          // [n_seqs, stride] (DevStep)
     int stride;
     const int *seq_of;  // [n] each token's row
-    size_t block_bytes;
-    size_t layer_offset;  // bytes
-    int block_size;
-    KvEntryLayout lo;  // the layer's entry (kv_cache.h)
+    KvEntryLayout lo;   // the layer's storage
 } DevKv;
 
 // Elements of format f in one 16-byte vector.
@@ -274,15 +272,26 @@ static __device__ double block_reduce(double v, int op, double *buf)
     return r;
 }
 
-// The entry of token t's sequence at position pos.
-static __device__ __forceinline__ const unsigned char *kv_at(const DevKv &k, int t, int pos)
+static __device__ __forceinline__ int kv_block(const DevKv &k, int t, int pos)
 {
-    const int block = k.tables[(size_t) k.seq_of[t] * k.stride + pos / k.block_size];
-    return k.pool + (size_t) block * k.block_bytes + k.layer_offset
-           + (size_t) (pos % k.block_size) * (size_t) k.lo.bytes;
+    return k.tables[(size_t) k.seq_of[t] * k.stride + pos / k.lo.block_size];
 }
 
-// Value i of a cache entry as fp32 (kv_cache.h's decoding, for every storage type).
+// The MLA entry of token t's sequence at position pos.
+static __device__ __forceinline__ const unsigned char *kv_at(const DevKv &k, int t, int pos)
+{
+    const size_t row = (size_t) kv_block(k, t, pos) * k.lo.block_size + pos % k.lo.block_size;
+    return k.mla + row * (size_t) k.lo.bytes;
+}
+
+// The key page holding the index key of token t's sequence at position pos (its row there:
+// pos % block_size).
+static __device__ __forceinline__ const unsigned char *kv_key_page(const DevKv &k, int t, int pos)
+{
+    return k.keys + (size_t) kv_block(k, t, pos) * (size_t) k.lo.key_page;
+}
+
+// Value i of an MLA entry as fp32 (kv_cache.h's decoding, for every storage type).
 static __device__ __forceinline__ float kv_val(const unsigned char *e, const DevKv &k, int i)
 {
     return kv_entry_value(&k.lo, e, i);
@@ -541,15 +550,16 @@ static __device__ __forceinline__ double warp_sum_double(double v)
 
 // DSA scores: block (t, chunk of THREADS / 32 positions), one warp per position s < pos[t] +
 // 1; score[t, s] in double, each head's dot product lane-strided then summed across the
-// warp, heads added in order. key_offset: values before the index key in an entry.
+// warp, heads added in order.
 static __global__ void k_dsa_scores(double *score, int cap, const float *q, const float *w,
-                                    DevKv kv, int key_offset, const int *pos, BackendDsa p)
+                                    DevKv kv, const int *pos, BackendDsa p)
 {
     const int t = blockIdx.x, lane = threadIdx.x % 32;
     const int s = blockIdx.y * (THREADS / 32) + threadIdx.x / 32;
     const int visible = pos[t] + 1;
     if (s >= visible || visible <= p.top_k) return;
-    const unsigned char *e = kv_at(kv, t, s);
+    const unsigned char *page = kv_key_page(kv, t, s);
+    const int row = s % kv.lo.block_size;
     const float *qt = q + (size_t) t * p.n_heads * p.head_dim;
     const float *wt = w + (size_t) t * p.n_heads;
     const double head_scale = 1.0 / sqrt((double) p.n_heads);
@@ -559,7 +569,7 @@ static __global__ void k_dsa_scores(double *score, int cap, const float *q, cons
         const float *qh = qt + (size_t) h * p.head_dim;
         double d = 0.0;
         for (int i = lane; i < p.head_dim; i += 32)
-            d += (double) qh[i] * kv_val(e, kv, key_offset + i);
+            d += (double) qh[i] * kv_key_value(&kv.lo, page, row, i);
         d = warp_sum_double(d) * dot_scale;
         if (d > 0.0) total += (double) wt[h] * head_scale * d;
     }
@@ -809,17 +819,18 @@ static __global__ void k_mla_out(float *out, const double *part, int n_split, De
     }
 }
 
-// Values offset .. offset + width of token t's entry, stored by kv_cache.h's kv_store_part
-// (the parts of the CPU backend's kv_entry_store, so both store the same bytes): block t, a
-// thread per part (a value of an f32 or bf16 entry; an fp8 scale group, k_pe, the index key).
+// Values offset .. offset + width of token t, stored by kv_cache.h's kv_store_part (the CPU
+// backend's kv_store runs the same parts, so both store the same bytes): block t, a thread
+// per part (a value of an f32 or bf16 cache; an fp8 scale group, k_pe, the index key).
 static __global__ void k_kv_write(DevKv kv, const int *pos, int offset, const float *src, int width)
 {
     const int t = blockIdx.x;
     unsigned char *e = (unsigned char *) kv_at(kv, t, pos[t]);
+    unsigned char *page = kv.lo.key_page ? (unsigned char *) kv_key_page(kv, t, pos[t]) : NULL;
     const float *st = src + (size_t) t * width;
     const int parts = kv_store_parts(&kv.lo, width);
     for (int p = threadIdx.x; p < parts; p += blockDim.x)
-        kv_store_part(&kv.lo, e, offset, st, width, p);
+        kv_store_part(&kv.lo, e, page, pos[t] % kv.lo.block_size, offset, st, width, p);
 }
 
 // Group the slots (t, k) by expert: meta = offsets [E + 1] | n_active [1] | active [E] |
@@ -1151,9 +1162,9 @@ static const DevStep *dev_step(CudaImpl *impl, KvSeq *const *seqs, int n_seqs)
 static DevKv dev_kv(CudaImpl *impl, const KvCache *kv, const BackendSeqs *s, int layer)
 {
     const DevStep *st = dev_step(impl, s->seqs, s->n_seqs);
-    DevKv d = {dev_pool(impl, kv),   st->dev,          st->stride,
-               s->seq_of,            kv->block_bytes,  kv->layer_offset[layer],
-               kv->params.block_size, kv->entry[layer]};
+    const unsigned char *pool = dev_pool(impl, kv);
+    DevKv d = {pool + kv->mla_offset[layer], pool + kv->key_offset[layer], st->dev, st->stride,
+               s->seq_of, kv->entry[layer]};
     return d;
 }
 
@@ -1414,12 +1425,11 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
     const int cap = seq_capacity(kv, s);
     const DevKv d = dev_kv(impl, kv, s, layer);
     double *score = (double *) scratch(impl, SCRATCH_A, (size_t) n * cap * sizeof(double));
-    const int key_offset = kv->params.kv_lora + kv->params.rope_dim;
     prof_begin(impl);
     const int key_blocks = (cap + THREADS / 32 - 1) / (THREADS / 32);  // a warp per key
     ASSERT(key_blocks <= 65535);
     k_dsa_scores<<<dim3((unsigned) n, (unsigned) key_blocks), THREADS, 0, impl->stream>>>(
-        score, cap, q, w, d, key_offset, pos, *p);
+        score, cap, q, w, d, pos, *p);
     check_launch("dsa_scores");
     k_dsa_select<<<n, THREADS, 0, impl->stream>>>(sel, n_sel, score, cap, pos, p->top_k);
     check_launch("dsa_select");

@@ -15,23 +15,28 @@ static int align4(int n)
     return (n + 3) & ~3;
 }
 
-KvEntryLayout kv_entry_layout(KvDtype dtype, int kv_lora, int rope_dim, int index_dim)
+KvEntryLayout kv_entry_layout(KvDtype dtype, int kv_lora, int rope_dim, int index_dim,
+                              int block_size)
 {
     KvEntryLayout e = {.dtype = (int) dtype, .kv_lora = kv_lora, .rope_dim = rope_dim,
-                       .index_dim = index_dim};
+                       .index_dim = index_dim, .block_size = block_size};
     if (dtype != KV_DTYPE_FP8) {
         e.value_bytes = dtype == KV_DTYPE_BF16 ? 2 : 4;
         e.pe = kv_lora * e.value_bytes;
-        e.idx = (kv_lora + rope_dim) * e.value_bytes;
-        e.bytes = (kv_lora + rope_dim + index_dim) * e.value_bytes;
+        e.bytes = (kv_lora + rope_dim) * e.value_bytes;
+        e.key_bytes = index_dim * e.value_bytes;
+        e.key_page = block_size * e.key_bytes;
         return e;
     }
     const int groups = (kv_lora + KV_FP8_GROUP - 1) / KV_FP8_GROUP;
     e.lat_scale = align4(kv_lora);
     e.pe = e.lat_scale + 4 * groups;
-    e.idx = align4(e.pe + 2 * rope_dim);
-    e.idx_scale = index_dim > 0 ? align4(e.idx + index_dim) : e.idx;
-    e.bytes = index_dim > 0 ? e.idx_scale + 4 : e.idx;
+    e.bytes = align4(e.pe + 2 * rope_dim);
+    if (index_dim > 0) {
+        e.key_bytes = align4(index_dim);
+        e.key_scales = block_size * e.key_bytes;
+        e.key_page = e.key_scales + 4 * block_size;
+    }
     return e;
 }
 
@@ -70,17 +75,24 @@ Err kv_init(KvCache *kv, const KvCacheParams *p)
         return ERR_INVAL;
     }
     kv->params = params;
-    size_t offset = 0;
+    size_t per_block = 0;
     for (int l = 0; l < params.n_layers; l++) {
-        kv->layer_offset[l] = offset;
         kv->entry[l] = kv_entry_layout(params.dtype, params.kv_lora, params.rope_dim,
-                                       params.has_index[l] ? params.index_dim : 0);
-        offset += (size_t) kv->entry[l].bytes * (size_t) params.block_size;
+                                       params.has_index[l] ? params.index_dim : 0, params.block_size);
+        per_block += (size_t) kv->entry[l].bytes * (size_t) params.block_size
+                     + (size_t) kv->entry[l].key_page;
     }
-    kv->block_bytes = offset;
-
+    kv->block_bytes = per_block;
     if (kv->block_bytes > SIZE_MAX / (size_t) params.n_blocks) return ERR_NOMEM;
     const size_t bytes = kv->block_bytes * (size_t) params.n_blocks;
+    // Layer by layer: the MLA pages of every block, then the key pages.
+    size_t offset = 0;
+    for (int l = 0; l < params.n_layers; l++) {
+        kv->mla_offset[l] = offset;
+        offset += (size_t) kv->entry[l].bytes * (size_t) params.block_size * (size_t) params.n_blocks;
+        kv->key_offset[l] = offset;
+        offset += (size_t) kv->entry[l].key_page * (size_t) params.n_blocks;
+    }
     kv->pool = calloc(bytes, 1);
     kv->free_blocks = malloc((size_t) params.n_blocks * sizeof *kv->free_blocks);
     if (!kv->pool || !kv->free_blocks) {
@@ -144,5 +156,10 @@ void kv_store(KvCache *kv, const KvSeq *seq, int layer, int pos, int offset, con
 {
     const KvEntryLayout *lo = &kv->entry[layer];
     ASSERT(kv_write_ok(lo, offset, width));
-    kv_entry_store(lo, kv_entry_bytes(kv, seq, layer, pos), offset, src, width);
+    unsigned char *e = kv_entry_bytes(kv, seq, layer, pos);
+    unsigned char *page =
+        lo->index_dim > 0 ? (unsigned char *) kv->pool + kv_key_page_offset(kv, seq, layer, pos) : NULL;
+    const int parts = kv_store_parts(lo, width);
+    for (int p = 0; p < parts; p++)
+        kv_store_part(lo, e, page, pos % kv->params.block_size, offset, src, width, p);
 }

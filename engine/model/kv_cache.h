@@ -2,32 +2,37 @@
  * kv_cache.h - the paged KV cache: per layer, per token, the MLA latent and (on full DSA
  * layers) the indexer key, in fixed-size blocks drawn from one pool.
  *
- * What one token stores for layer l (its "entry"), as values:
+ * What one token stores for layer l, as values (kv_read widens them in this order):
  *   latent     [kv_lora]     kv_a_layernorm(kv_a_proj_with_mqa(x)[:kv_lora]), the MLA latent
  *   k_pe       [rope]        the shared rope key, rotated already (layout as model.c's RoPE)
  *   index_key  [index_dim]   indexer key after LayerNorm and RoPE; only layers with has_index
  * Attention is computed from the latent (absorbed form, backend_cpu.c), so nothing per head
- * is stored. A block holds block_size consecutive positions of one sequence for every layer:
- *   pool = [n_blocks][layer][block_size][entry(layer)]
- * so one layer's entries within a block are contiguous. A sequence owns a block table;
- * position p lives in block blocks[p / block_size] at row p % block_size.
+ * is stored. A sequence owns a block table; position p lives in block blocks[p / block_size]
+ * at row p % block_size. The pool is laid out layer by layer, as the GPU kernels read it
+ * (kernels/mla.h's MlaCache pages, kernels/dsa.h's key pages):
+ *   pool = for each layer: MLA pages [n_blocks][block_size][entry]
+ *                          then, with an indexer key, key pages [n_blocks][key page]
+ *   entry    = latent, then k_pe (KvEntryLayout: lat_scale, pe, bytes)
+ *   key page = block_size keys of key_bytes, then (fp8) block_size fp32 scales
+ * A block's id indexes every layer's pages, so a block costs block_bytes of the pool.
  *
- * Storage types (KvDtype) and the bytes of an entry (KvEntryLayout):
- *   f32   every value fp32, in the order above.
+ * Storage types (KvDtype):
+ *   f32   every value fp32.
  *   bf16  every value bf16 (nearest even on store, exact widening on read): half of f32.
- *   fp8   vLLM's fp8_ds_mla layout generalised to any width, and DeepSeek's fp8 indexer keys:
+ *   fp8   vLLM's fp8_ds_mla entry generalised to any width, and DeepSeek's fp8 indexer keys:
  *           latent codes   kv_lora bytes of E4M3, value / scale of its group
  *           latent scales  ceil(kv_lora / KV_FP8_GROUP) fp32 (4-byte aligned), one per group
  *                          of KV_FP8_GROUP consecutive latent values: scale = amax / 448
  *           k_pe           rope bf16 (the rotary key keeps bf16, as fp8_ds_mla does)
- *           index codes    index_dim bytes of E4M3 (4-byte aligned start), value / scale
- *           index scale    one fp32 (4-byte aligned): amax of the key / 448
- *         At GLM-5's widths (latent 512, rope 64, index 128) an entry is 656 bytes (exactly
- *         fp8_ds_mla's) plus 132 on layers with an indexer key, against 2,304 + 512 in f32.
- *         A group whose values are all 0 gets scale 1. Codes are kernels/nvfp4_format.h's
- *         nvfp4_float_to_e4m3 (nearest even, saturating) of the fp32 quotient value / scale,
- *         and a value reads back as e4m3(code) * scale in fp32. kv_entry_store and
- *         kv_entry_value below are compiled for the host and for CUDA devices, so the CPU
+ *           key            index_dim bytes of E4M3 (rows 4-byte aligned), value / scale,
+ *                          its fp32 scale (amax of the key / 448) in the page's scale array
+ *         At GLM-5's widths (latent 512, rope 64, index 128) and block 128 an entry is 656
+ *         bytes (fp8_ds_mla, kernels/mla.h MLA_CACHE_FP8) and a key page 16,896 bytes
+ *         (kernels/dsa.h DSA_BLOCK_BYTES): 788 bytes per token on an indexer layer, against
+ *         2,816 in f32. A group whose values are all 0 gets scale 1. Codes are
+ *         kernels/nvfp4_format.h's nvfp4_float_to_e4m3 (nearest even, saturating) of the fp32
+ *         quotient value / scale; a value reads back as e4m3(code) * scale in fp32. The store
+ *         and read routines below are compiled for the host and for CUDA devices, so the CPU
  *         reference and the CUDA backend store identical bytes for identical inputs.
  *
  * Ownership: kv_init() allocates the whole pool once (startup tier); KvSeq block tables are
@@ -68,17 +73,19 @@ typedef enum KvDtype {
     KV_DTYPE_FP8,   // the reference deployment's cache: E4M3 with fp32 group scales (above)
 } KvDtype;
 
-// Where the parts of one entry lie, in bytes from the entry's start (f32 and bf16: the values
-// in order, value_bytes each; the fp8 offsets are those of the layout above).
+// One layer's storage, in bytes (f32 and bf16: values in order, value_bytes each; fp8: the
+// offsets of the layout above).
 typedef struct KvEntryLayout {
     int dtype;  // KvDtype
     int kv_lora, rope_dim, index_dim;  // index_dim 0 on a layer without an indexer key
+    int block_size;
     int value_bytes;  // f32 4, bf16 2; fp8 0 (mixed)
-    int lat_scale;    // fp8: the latent's group scales
-    int pe;           // k_pe
-    int idx;          // index key
-    int idx_scale;    // fp8: its scale
-    int bytes;        // the whole entry
+    int lat_scale;    // fp8: the latent's group scales, in the entry
+    int pe;           // k_pe, in the entry
+    int bytes;        // the entry (latent and k_pe)
+    int key_bytes;    // one index key's row in a key page
+    int key_scales;   // fp8: the page's scale array (block_size fp32), from the page's start
+    int key_page;     // a key page; 0 without an indexer key
 } KvEntryLayout;
 
 typedef struct KvCacheParams {
@@ -94,10 +101,11 @@ typedef struct KvCacheParams {
 
 typedef struct KvCache {
     KvCacheParams params;
-    KvEntryLayout entry[KV_MAX_LAYERS];  // the entry of each layer
-    size_t layer_offset[KV_MAX_LAYERS];  // bytes from a block's start to the layer's rows
-    size_t block_bytes;                  // bytes per block (all layers)
-    void *pool;                          // [n_blocks, block_bytes], owned
+    KvEntryLayout entry[KV_MAX_LAYERS];  // the storage of each layer
+    size_t mla_offset[KV_MAX_LAYERS];    // bytes from the pool's start to the layer's MLA pages
+    size_t key_offset[KV_MAX_LAYERS];    // ... to its key pages (layers with an indexer key)
+    size_t block_bytes;                  // bytes a block takes over all layers
+    void *pool;                          // n_blocks * block_bytes bytes, owned
     int *free_blocks;                    // stack of free block ids, owned
     int n_free;
 } KvCache;
@@ -108,9 +116,17 @@ typedef struct KvSeq {
     int n_tokens;  // positions written so far (the model's forward advances it)
 } KvSeq;
 
-// The entry of a layer with these widths (index_dim 0: no indexer key) in this storage type.
-// ERR-free: widths must be >= 0 and dtype one of KvDtype.
-KvEntryLayout kv_entry_layout(KvDtype dtype, int kv_lora, int rope_dim, int index_dim);
+// The storage of a layer with these widths (index_dim 0: no indexer key) in this type and
+// block size. Widths must be >= 0, block_size >= 1 and dtype one of KvDtype.
+KvEntryLayout kv_entry_layout(KvDtype dtype, int kv_lora, int rope_dim, int index_dim,
+                              int block_size);
+
+// Bytes one token takes in a layer of this storage (its entry and, with an indexer key, its
+// share of a key page).
+static inline size_t kv_token_bytes(const KvEntryLayout *lo)
+{
+    return (size_t) lo->bytes + (size_t) lo->key_page / (size_t) lo->block_size;
+}
 
 // Name of a storage type: "f32", "bf16", "fp8".
 const char *kv_dtype_name(KvDtype dtype);
@@ -141,17 +157,29 @@ static inline int kv_entry_values(const KvCache *kv, int layer)
     return e->kv_lora + e->rope_dim + e->index_dim;
 }
 
-// Byte address of the entry of `layer` at position pos of seq (pos < reserved capacity).
-static inline unsigned char *kv_entry_bytes(const KvCache *kv, const KvSeq *seq, int layer, int pos)
+// Offset in the pool of the MLA entry of `layer` at position pos of seq (pos < reserved
+// capacity), and of the key page holding its index key (row pos % block_size).
+static inline size_t kv_entry_offset(const KvCache *kv, const KvSeq *seq, int layer, int pos)
 {
     const int bs = kv->params.block_size;
-    const int block = seq->blocks[pos / bs];
-    return (unsigned char *) kv->pool + (size_t) block * kv->block_bytes + kv->layer_offset[layer]
-           + (size_t) (pos % bs) * (size_t) kv->entry[layer].bytes;
+    const KvEntryLayout *lo = &kv->entry[layer];
+    return kv->mla_offset[layer]
+           + ((size_t) seq->blocks[pos / bs] * (size_t) bs + (size_t) (pos % bs)) * (size_t) lo->bytes;
 }
 
-// The entry of `layer` at position pos of seq in an fp32 cache: latent, then k_pe, then the
-// index key if the layer has one. Valid until the sequence is freed.
+static inline size_t kv_key_page_offset(const KvCache *kv, const KvSeq *seq, int layer, int pos)
+{
+    return kv->key_offset[layer]
+           + (size_t) seq->blocks[pos / kv->params.block_size] * (size_t) kv->entry[layer].key_page;
+}
+
+// Byte address of the MLA entry of `layer` at position pos of seq.
+static inline unsigned char *kv_entry_bytes(const KvCache *kv, const KvSeq *seq, int layer, int pos)
+{
+    return (unsigned char *) kv->pool + kv_entry_offset(kv, seq, layer, pos);
+}
+
+// The MLA entry of `layer` at position pos of seq in an fp32 cache: latent, then k_pe.
 static inline float *kv_entry(const KvCache *kv, const KvSeq *seq, int layer, int pos)
 {
     return (float *) (void *) kv_entry_bytes(kv, seq, layer, pos);
@@ -183,17 +211,23 @@ KV_FN float kv_f32_load(const unsigned char *p)
 #endif
 }
 
-// Value i (0 <= i < kv_lora + rope_dim + index_dim) of the entry at e, as fp32.
+// Value i (0 <= i < kv_lora + rope_dim) of the MLA entry at e, as fp32.
 KV_FN float kv_entry_value(const KvEntryLayout *lo, const unsigned char *e, int i)
 {
     if (lo->dtype == KV_DTYPE_F32) return kv_f32_load(e + (size_t) 4 * i);
     if (lo->dtype == KV_DTYPE_BF16) return kv_bf16_load(e + (size_t) 2 * i);
     if (i < lo->kv_lora)
         return nvfp4_e4m3_to_float(e[i]) * kv_f32_load(e + lo->lat_scale + 4 * (i / KV_FP8_GROUP));
-    i -= lo->kv_lora;
-    if (i < lo->rope_dim) return kv_bf16_load(e + lo->pe + 2 * i);
-    i -= lo->rope_dim;
-    return nvfp4_e4m3_to_float(e[lo->idx + i]) * kv_f32_load(e + lo->idx_scale);
+    return kv_bf16_load(e + lo->pe + 2 * (i - lo->kv_lora));
+}
+
+// Value i (< index_dim) of the index key in row `row` of the key page at page, as fp32.
+KV_FN float kv_key_value(const KvEntryLayout *lo, const unsigned char *page, int row, int i)
+{
+    const unsigned char *k = page + (size_t) row * (size_t) lo->key_bytes;
+    if (lo->dtype == KV_DTYPE_F32) return kv_f32_load(k + (size_t) 4 * i);
+    if (lo->dtype == KV_DTYPE_BF16) return kv_bf16_load(k + (size_t) 2 * i);
+    return nvfp4_e4m3_to_float(k[i]) * kv_f32_load(page + lo->key_scales + 4 * row);
 }
 
 KV_FN void kv_bf16_store(unsigned char *p, float f)
@@ -222,9 +256,10 @@ KV_FN void kv_fp8_group_store(unsigned char *codes, unsigned char *scale_at, con
     memcpy(scale_at, &scale, sizeof scale);
 }
 
-// Whether a write of values offset .. offset + width fits the entry, and in an fp8 entry
-// covers each scaled part it touches whole (the latent, or the index key: their values share
-// scales); k_pe may be written alone. Every caller of kv_entry_store checks it.
+// Whether a write of values offset .. offset + width (of latent, k_pe, index key) fits the
+// layer, and in fp8 covers each scaled part it touches whole (the latent, or the index key:
+// their values share scales); k_pe may be written alone. Every caller of kv_store_part checks
+// it.
 static inline bool kv_write_ok(const KvEntryLayout *lo, int offset, int width)
 {
     const int end = offset + width, idx0 = lo->kv_lora + lo->rope_dim;
@@ -245,19 +280,23 @@ KV_FN int kv_store_parts(const KvEntryLayout *lo, int width)
 }
 
 // Part `part` (< kv_store_parts) of storing src[0 .. width) as values offset .. offset + width
-// of the entry at e.
-KV_FN void kv_store_part(const KvEntryLayout *lo, unsigned char *e, int offset, const float *src,
-                         int width, int part)
+// of a token: e is its MLA entry, page its key page (NULL without an indexer key) and row its
+// row there.
+KV_FN void kv_store_part(const KvEntryLayout *lo, unsigned char *e, unsigned char *page, int row,
+                         int offset, const float *src, int width, int part)
 {
-    if (lo->dtype == KV_DTYPE_F32) {
-        memcpy(e + (size_t) 4 * (offset + part), src + part, sizeof(float));
+    const int pe0 = lo->kv_lora, idx0 = lo->kv_lora + lo->rope_dim, end = offset + width;
+    if (lo->dtype != KV_DTYPE_FP8) {
+        const int j = offset + part;
+        unsigned char *at = j < idx0 ? e + (size_t) lo->value_bytes * j
+                                     : page + (size_t) row * lo->key_bytes
+                                           + (size_t) lo->value_bytes * (j - idx0);
+        if (lo->dtype == KV_DTYPE_F32)
+            memcpy(at, src + part, sizeof(float));
+        else
+            kv_bf16_store(at, src[part]);
         return;
     }
-    if (lo->dtype == KV_DTYPE_BF16) {
-        kv_bf16_store(e + (size_t) 2 * (offset + part), src[part]);
-        return;
-    }
-    const int end = offset + width, pe0 = lo->kv_lora, idx0 = lo->kv_lora + lo->rope_dim;
     const int groups = (lo->kv_lora + KV_FP8_GROUP - 1) / KV_FP8_GROUP;
     if (part < groups) {  // latent group `part`: the write covers the whole latent
         if (offset >= pe0) return;
@@ -268,36 +307,58 @@ KV_FN void kv_store_part(const KvEntryLayout *lo, unsigned char *e, int offset, 
         for (int i = offset > pe0 ? offset : pe0; i < end && i < idx0; i++)
             kv_bf16_store(e + lo->pe + 2 * (i - pe0), src[i - offset]);
     } else if (end > idx0) {  // the index key, whole
-        kv_fp8_group_store(e + lo->idx, e + lo->idx_scale, src + idx0 - offset, lo->index_dim);
+        kv_fp8_group_store(page + (size_t) row * lo->key_bytes, page + lo->key_scales + 4 * row,
+                           src + idx0 - offset, lo->index_dim);
     }
 }
 
-// Store src[0 .. width) as values offset .. offset + width of the entry at e (kv_write_ok):
-// every part in order.
-KV_FN void kv_entry_store(const KvEntryLayout *lo, unsigned char *e, int offset, const float *src,
-                          int width)
+// A token's latent and k_pe in `layer` as fp32: the entry itself in an fp32 cache, else tmp
+// (float [kv_lora + rope_dim]) filled by widening.
+static inline const float *kv_read_entry(const KvCache *kv, const KvSeq *seq, int layer, int pos,
+                                         float *tmp)
 {
-    const int parts = kv_store_parts(lo, width);
-    for (int p = 0; p < parts; p++)
-        kv_store_part(lo, e, offset, src, width, p);
-}
-
-// The entry as fp32 whatever the storage: the entry itself (fp32 cache) or tmp (float
-// [kv_entry_values(kv, layer)]) filled by widening.
-static inline const float *kv_read(const KvCache *kv, const KvSeq *seq, int layer, int pos,
-                                   float *tmp)
-{
-    const unsigned char *e = kv_entry_bytes(kv, seq, layer, pos);
-    if (kv->params.dtype == KV_DTYPE_F32) return (const float *) (const void *) e;
     const KvEntryLayout *lo = &kv->entry[layer];
-    const int n = kv_entry_values(kv, layer);
-    for (int i = 0; i < n; i++)
+    const unsigned char *e = kv_entry_bytes(kv, seq, layer, pos);
+    if (lo->dtype == KV_DTYPE_F32) return (const float *) (const void *) e;
+    for (int i = 0; i < lo->kv_lora + lo->rope_dim; i++)
         tmp[i] = kv_entry_value(lo, e, i);
     return tmp;
 }
 
+// A token's index key in `layer` (a layer with one) as fp32: the key itself in an fp32
+// cache, else tmp (float [index_dim]) filled by widening.
+static inline const float *kv_read_key(const KvCache *kv, const KvSeq *seq, int layer, int pos,
+                                       float *tmp)
+{
+    const KvEntryLayout *lo = &kv->entry[layer];
+    const unsigned char *page =
+        (const unsigned char *) kv->pool + kv_key_page_offset(kv, seq, layer, pos);
+    const int row = pos % kv->params.block_size;
+    if (lo->dtype == KV_DTYPE_F32)
+        return (const float *) (const void *) (page + (size_t) row * (size_t) lo->key_bytes);
+    for (int i = 0; i < lo->index_dim; i++)
+        tmp[i] = kv_key_value(lo, page, row, i);
+    return tmp;
+}
+
+// A token's values of `layer` as fp32 in the order latent, k_pe, index key, into tmp (float
+// [kv_entry_values(kv, layer)]). Returns tmp.
+static inline const float *kv_read(const KvCache *kv, const KvSeq *seq, int layer, int pos,
+                                   float *tmp)
+{
+    const KvEntryLayout *lo = &kv->entry[layer];
+    const int n = lo->kv_lora + lo->rope_dim;
+    const float *e = kv_read_entry(kv, seq, layer, pos, tmp);
+    if (e != tmp) memcpy(tmp, e, (size_t) n * sizeof *tmp);
+    if (lo->index_dim > 0) {
+        const float *k = kv_read_key(kv, seq, layer, pos, tmp + n);
+        if (k != tmp + n) memcpy(tmp + n, k, (size_t) lo->index_dim * sizeof *tmp);
+    }
+    return tmp;
+}
+
 // Store src[0..width) into values offset .. offset+width of the entry (layer, pos), rounding
-// to the cache's dtype (kv_entry_store's rules).
+// to the cache's dtype (kv_store_part's rules; kv_write_ok holds).
 void kv_store(KvCache *kv, const KvSeq *seq, int layer, int pos, int offset, const float *src,
               int width);
 

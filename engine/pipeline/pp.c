@@ -45,9 +45,10 @@
 
 uint64_t pp_kv_bytes_per_token_layer(const ModelConfig *cfg, KvDtype dtype)
 {
-    return (uint64_t) kv_entry_layout(dtype, cfg->kv_lora_rank, cfg->qk_rope_head_dim,
-                                      cfg->index_topk > 0 ? cfg->index_head_dim : 0)
-        .bytes;
+    const KvEntryLayout lo =
+        kv_entry_layout(dtype, cfg->kv_lora_rank, cfg->qk_rope_head_dim,
+                        cfg->index_topk > 0 ? cfg->index_head_dim : 0, KV_DEFAULT_BLOCK_SIZE);
+    return (uint64_t) kv_token_bytes(&lo);
 }
 
 // Bytes of a [rows, cols] linear weight stored as NVFP4 (4-bit codes + e4m3 scale per 16)

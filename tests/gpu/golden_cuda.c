@@ -134,18 +134,25 @@ int main(int argc, char **argv)
         size_t codes = 0, codes_differ = 0, bytes_differ = 0;
         for (size_t i = 0; i < bytes_cpu; i++)
             bytes_differ += pool_cpu[i] != pool_gpu[i];
+        // A fresh cache hands a sequence blocks 0, 1, 2, ... (kv_init).
+        int *ids = malloc((size_t) meta.params.n_blocks * sizeof *ids);
+        ASSERT(ids);
+        for (int i = 0; i < meta.params.n_blocks; i++)
+            ids[i] = i;
+        const KvSeq seq = {ids, meta.params.n_blocks, g.n_tokens};
         for (int p = 0; p < g.n_tokens; p++)
             for (int l = 0; l < meta.params.n_layers; l++) {
                 const KvEntryLayout *lo = &meta.entry[l];
-                const size_t at = (size_t) (p / meta.params.block_size) * meta.block_bytes
-                                  + meta.layer_offset[l]
-                                  + (size_t) (p % meta.params.block_size) * (size_t) lo->bytes;
-                for (int i = 0; i < lo->kv_lora + lo->index_dim; i++) {
-                    const size_t b = at + (size_t) (i < lo->kv_lora ? i : lo->idx + i - lo->kv_lora);
-                    codes++;
-                    codes_differ += pool_cpu[b] != pool_gpu[b];
-                }
+                const size_t e = kv_entry_offset(&meta, &seq, l, p);
+                for (int i = 0; i < lo->kv_lora; i++, codes++)
+                    codes_differ += pool_cpu[e + (size_t) i] != pool_gpu[e + (size_t) i];
+                if (!lo->index_dim) continue;
+                const size_t k = kv_key_page_offset(&meta, &seq, l, p)
+                                 + (size_t) (p % meta.params.block_size) * (size_t) lo->key_bytes;
+                for (int i = 0; i < lo->index_dim; i++, codes++)
+                    codes_differ += pool_cpu[k + (size_t) i] != pool_gpu[k + (size_t) i];
             }
+        free(ids);
         printf("cuda fp8 cache vs cpu fp8 cache: %zu of %zu E4M3 codes differ (%zu of %zu bytes)\n",
                codes_differ, codes, bytes_differ, bytes_cpu);
         Golden all = g;

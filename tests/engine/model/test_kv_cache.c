@@ -29,7 +29,12 @@ static void test_accounting(void)
     CHECK(kv_n_free_blocks(&kv) == 5);
     CHECK(kv_entry_values(&kv, 0) == 11 && kv_entry_values(&kv, 1) == 8
           && kv_entry_values(&kv, 2) == 11);
-    CHECK(kv.block_bytes == 4 * 4 * (11 + 8 + 11));
+    // Per block: 4 positions x 8 floats of MLA entry on each layer, 4 x 3 of keys on two.
+    CHECK(kv.block_bytes == 4 * 4 * (8 + 8 + 8 + 3 + 3));
+    CHECK(kv.mla_offset[0] == 0 && kv.key_offset[0] == 5 * 4 * 4 * 8
+          && kv.mla_offset[1] == kv.key_offset[0] + 5 * 4 * 4 * 3
+          && kv.key_offset[1] == kv.mla_offset[1] + 5 * 4 * 4 * 8
+          && kv.mla_offset[2] == kv.key_offset[1]);
 
     KvSeq a = {0}, b = {0};
     CHECK(kv_seq_reserve(&kv, &a, 0) == ERR_OK && a.n_blocks == 0);
@@ -64,8 +69,9 @@ static void test_accounting(void)
     kv_free(&kv);
 }
 
-// Write a distinct value into every float of every entry of two sequences, then read all
-// of them back: any overlap between entries (or blocks) would overwrite something.
+// Store a distinct value into every value of every (sequence, layer, position) of two
+// sequences, then read all of them back: any overlap between entries, key rows or blocks
+// would overwrite something. Every byte stays inside the pool.
 static void test_layout(void)
 {
     KvCacheParams p = small_params();
@@ -75,25 +81,29 @@ static void test_layout(void)
     const int n_pos[2] = {7, 9};
     CHECK(kv_seq_reserve(&kv, &s[0], n_pos[0]) == ERR_OK);
     CHECK(kv_seq_reserve(&kv, &s[1], n_pos[1]) == ERR_OK);
-    float v = 1.0f;
+    const size_t pool_bytes = kv.block_bytes * 5;
+    float v = 1.0f, vals[11];
     for (int q = 0; q < 2; q++)
         for (int l = 0; l < p.n_layers; l++)
             for (int t = 0; t < n_pos[q]; t++) {
-                float *e = kv_entry(&kv, &s[q], l, t);
-                const unsigned char *pool = kv.pool;
-                CHECK((unsigned char *) e >= pool
-                      && (unsigned char *) (e + kv_entry_values(&kv, l)) <= pool + kv.block_bytes * 5);
+                CHECK(kv_entry_offset(&kv, &s[q], l, t) + (size_t) kv.entry[l].bytes <= pool_bytes);
+                if (kv.entry[l].index_dim)
+                    CHECK(kv_key_page_offset(&kv, &s[q], l, t) + (size_t) kv.entry[l].key_page
+                          <= pool_bytes);
                 for (int i = 0; i < kv_entry_values(&kv, l); i++)
-                    e[i] = v++;
+                    vals[i] = v++;
+                kv_store(&kv, &s[q], l, t, 0, vals, kv_entry_values(&kv, l));
             }
     v = 1.0f;
     int bad = 0;
     for (int q = 0; q < 2; q++)
         for (int l = 0; l < p.n_layers; l++)
             for (int t = 0; t < n_pos[q]; t++) {
-                const float *e = kv_entry(&kv, &s[q], l, t);
+                const float *e = kv_read(&kv, &s[q], l, t, vals);
                 for (int i = 0; i < kv_entry_values(&kv, l); i++)
                     bad += e[i] != v++;
+                // fp32: the entry is read in place
+                bad += kv_read_entry(&kv, &s[q], l, t, vals) != kv_entry(&kv, &s[q], l, t);
             }
     CHECK(bad == 0);
     kv_seq_free(&kv, &s[0]);
@@ -123,7 +133,7 @@ static void test_bf16(void)
     p.dtype = KV_DTYPE_BF16;
     KvCache kv;
     CHECK(kv_init(&kv, &p) == ERR_OK);
-    CHECK(kv.entry[0].value_bytes == 2 && kv.entry[0].bytes == 22);
+    CHECK(kv.entry[0].value_bytes == 2 && kv.entry[0].bytes == 16 && kv.entry[0].key_bytes == 6);
     KvSeq s = {0};
     CHECK(kv_seq_reserve(&kv, &s, 6) == ERR_OK);
     // 1 + 2^-8 is a tie between 1 and 1 + 2^-7: even mantissa wins (1). 1 + 3 * 2^-8 ties
@@ -163,16 +173,17 @@ static void test_bf16(void)
     kv_free(&kv);
 }
 
-// fp8: the byte layout (GLM-5's widths give fp8_ds_mla's 656 bytes, + 132 for the index key),
-// the group scales (amax / 448), codes against the E4M3 encoder, the read-back, a k_pe
-// write alone, and an all-zero group.
+// fp8: the byte layout (GLM-5's widths give fp8_ds_mla's 656-byte entry and kernels/dsa.h's
+// 16,896-byte key page of 128 keys), the group scales (amax / 448), codes against the E4M3
+// encoder, the read-back, a k_pe write alone, and an all-zero group.
 static void test_fp8(void)
 {
-    const KvEntryLayout glm = kv_entry_layout(KV_DTYPE_FP8, 512, 64, 0);
+    const KvEntryLayout glm = kv_entry_layout(KV_DTYPE_FP8, 512, 64, 128, 128);
     CHECK(glm.lat_scale == 512 && glm.pe == 528 && glm.bytes == 656);
-    const KvEntryLayout glm_idx = kv_entry_layout(KV_DTYPE_FP8, 512, 64, 128);
-    CHECK(glm_idx.idx == 656 && glm_idx.idx_scale == 784 && glm_idx.bytes == 788);
-    CHECK(kv_entry_layout(KV_DTYPE_BF16, 512, 64, 128).bytes == 1408);
+    CHECK(glm.key_bytes == 128 && glm.key_scales == 128 * 128 && glm.key_page == 16896);
+    CHECK(kv_token_bytes(&glm) == 788);
+    const KvEntryLayout bf = kv_entry_layout(KV_DTYPE_BF16, 512, 64, 128, 128);
+    CHECK(bf.bytes == 1152 && kv_token_bytes(&bf) == 1408);
 
     // Latent 130 (a group of 128 and one of 2), rope 2, index 3.
     KvCacheParams p = {.n_layers = 2, .block_size = 4, .n_blocks = 3, .kv_lora = 130,
@@ -181,9 +192,10 @@ static void test_fp8(void)
     KvCache kv;
     CHECK(kv_init(&kv, &p) == ERR_OK);
     const KvEntryLayout *lo = &kv.entry[1];
-    CHECK(lo->lat_scale == 132 && lo->pe == 140 && lo->idx == 144 && lo->idx_scale == 148
-          && lo->bytes == 152);
-    CHECK(kv.entry[0].bytes == 144 && kv.block_bytes == 4 * (144 + 152));
+    CHECK(lo->lat_scale == 132 && lo->pe == 140 && lo->bytes == 144 && lo->key_bytes == 4
+          && lo->key_scales == 16 && lo->key_page == 32);
+    CHECK(kv.entry[0].bytes == 144 && kv.entry[0].key_page == 0
+          && kv.block_bytes == 4 * 144 + 4 * 144 + 32);
     KvSeq s = {0};
     CHECK(kv_seq_reserve(&kv, &s, 6) == ERR_OK);
     float in[135];
@@ -198,9 +210,11 @@ static void test_fp8(void)
     in[134] = 1.0f;
     kv_store(&kv, &s, 1, 5, 0, in, 135);
     const unsigned char *e = kv_entry_bytes(&kv, &s, 1, 5);
+    const unsigned char *page = (const unsigned char *) kv.pool + kv_key_page_offset(&kv, &s, 1, 5);
+    const unsigned char *key = page + 1 * lo->key_bytes;  // position 5: row 1 of its block
     float sc[3];
     memcpy(sc, e + lo->lat_scale, 8);
-    memcpy(sc + 2, e + lo->idx_scale, 4);
+    memcpy(sc + 2, page + lo->key_scales + 4 * 1, 4);
     CHECK(sc[0] == (67 * 0.37f) / 448.0f && sc[1] == 1.0f && sc[2] == 2.0f / 448.0f);
     int bad = 0;
     for (int i = 0; i < 128; i++)
@@ -209,7 +223,7 @@ static void test_fp8(void)
     CHECK(e[128] == 0 && e[129] == 0);
     CHECK(e[127] == 0x7e);  // the largest value is 448 times its scale
     for (int i = 0; i < 3; i++)
-        CHECK(e[lo->idx + i] == nvfp4_float_to_e4m3(in[132 + i] / sc[2]));
+        CHECK(key[i] == nvfp4_float_to_e4m3(in[132 + i] / sc[2]));
     float tmp[135];
     const float *got = kv_read(&kv, &s, 1, 5, tmp);
     double worst = 0.0;
@@ -225,16 +239,17 @@ static void test_fp8(void)
     for (int i = 132; i < 135; i++)
         CHECK_NEAR(got[i], in[i], 2.0 * 0x1p-4);
     // k_pe written alone; the latent and the index key keep their bytes.
-    unsigned char before[152];
+    unsigned char before[144], key_before[4];
     memcpy(before, e, sizeof before);
+    memcpy(key_before, key, sizeof key_before);
     const float pe[2] = {7.0f, 0.25f};
     kv_store(&kv, &s, 1, 5, 130, pe, 2);
     got = kv_read(&kv, &s, 1, 5, tmp);
     CHECK(got[130] == 7.0f && got[131] == 0.25f);
-    CHECK(memcmp(e, before, (size_t) lo->pe) == 0 && memcmp(e + lo->idx, before + lo->idx, 8) == 0);
+    CHECK(memcmp(e, before, (size_t) lo->pe) == 0 && memcmp(key, key_before, 4) == 0);
     // The index key written alone (model.c writes it after the latent and k_pe).
-    const float key[3] = {-448.0f, 1.0f, 0.0f};
-    kv_store(&kv, &s, 1, 5, 132, key, 3);
+    const float key3[3] = {-448.0f, 1.0f, 0.0f};
+    kv_store(&kv, &s, 1, 5, 132, key3, 3);
     got = kv_read(&kv, &s, 1, 5, tmp);
     CHECK(got[132] == -448.0f && got[133] == 1.0f && got[134] == 0.0f && got[130] == 7.0f);
     kv_seq_free(&kv, &s);
