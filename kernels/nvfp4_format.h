@@ -59,7 +59,7 @@ NVFP4_FN uint8_t nvfp4_float_to_e4m3(float f)
     memcpy(&u, &f, sizeof u);
     const uint8_t sign = (uint8_t) ((u >> 24) & 0x80);
     const uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint8_t) (sign | 0x7f);  // NaN
+    if (a > 0x7f800000u) return (uint8_t) (sign | 0x7f);   // NaN
     if (a >= 0x43e00000u) return (uint8_t) (sign | 0x7e);  // >= 448 (and inf): saturate
     if (a < 0x3c800000u) {  // below 2^-6: multiples of 2^-9, code = the multiple (8 = 2^-6)
         float m;

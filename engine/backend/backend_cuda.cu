@@ -87,7 +87,7 @@ typedef struct DevPool {
 // The block tables of one step's sequences on the device, one row of `stride` ints per
 // sequence (rows padded with 0), re-uploaded only when a table changed.
 typedef struct DevStep {
-    const KvSeq **seqs;       // [n_seqs] the step's sequences, in order (the key), owned
+    const KvSeq **seqs;  // [n_seqs] the step's sequences, in order (the key), owned
     int n_seqs;
     int stride;               // ints per row: the longest table (at least 1)
     int cap;                  // ints allocated in host and dev
@@ -342,11 +342,13 @@ static __device__ __forceinline__ float vec_at(const RawVec &v, float global, in
         return __half2float(__ushort_as_half((unsigned short) ((i & 1) ? wd >> 16 : wd & 0xffffu)));
     }
     if (F == CKPT_LINEAR_FP8)
-        return nvfp4_e4m3_to_float((uint8_t) (words[i / 4] >> (8 * (i % 4))) & 255u) * __uint_as_float(v.s);
+        return nvfp4_e4m3_to_float((uint8_t) (words[i / 4] >> (8 * (i % 4))) & 255u)
+               * __uint_as_float(v.s);
     // NVFP4: code i is nibble i of the 16 bytes (low nibble first); codes 0..15 take scale
     // byte 0, 16..31 byte 1.
     const uint32_t code = (words[i / 8] >> (4 * (i % 8))) & 15u;
-    return nvfp4_e2m1_to_float((uint8_t) code) * nvfp4_e4m3_to_float((uint8_t) (v.s >> (8 * (i / 16))) & 255u) * global;
+    return nvfp4_e2m1_to_float((uint8_t) code)
+           * nvfp4_e4m3_to_float((uint8_t) (v.s >> (8 * (i / 16))) & 255u) * global;
 }
 
 // acc[j] += W[r, :] . xs[j][:] for j < nt, vector path: lane owns vectors lane, lane + 32,
@@ -1118,7 +1120,8 @@ static const DevStep *dev_step(CudaImpl *impl, KvSeq *const *seqs, int n_seqs)
     int *tmp = impl->step_tmp;
     for (int i = 0; i < n_seqs; i++) {
         const KvSeq *q = seqs[i];
-        if (q->n_blocks) memcpy(tmp + (size_t) i * stride, q->blocks, (size_t) q->n_blocks * sizeof(int));
+        if (q->n_blocks)
+            memcpy(tmp + (size_t) i * stride, q->blocks, (size_t) q->n_blocks * sizeof(int));
         memset(tmp + (size_t) i * stride + q->n_blocks, 0,
                (size_t) (stride - q->n_blocks) * sizeof(int));
     }
@@ -1154,7 +1157,8 @@ static const DevStep *dev_step(CudaImpl *impl, KvSeq *const *seqs, int n_seqs)
         slot->cap = cap;
     }
     memcpy(slot->host, tmp, (size_t) need * sizeof(int));
-    CUDA_CHECK(cudaMemcpy(slot->dev, slot->host, (size_t) need * sizeof(int), cudaMemcpyHostToDevice));
+    CUDA_CHECK(
+        cudaMemcpy(slot->dev, slot->host, (size_t) need * sizeof(int), cudaMemcpyHostToDevice));
     slot->stride = stride;
     return slot;
 }
@@ -1163,8 +1167,12 @@ static DevKv dev_kv(CudaImpl *impl, const KvCache *kv, const BackendSeqs *s, int
 {
     const DevStep *st = dev_step(impl, s->seqs, s->n_seqs);
     const unsigned char *pool = dev_pool(impl, kv);
-    DevKv d = {pool + kv->mla_offset[layer], pool + kv->key_offset[layer], st->dev, st->stride,
-               s->seq_of, kv->entry[layer]};
+    DevKv d = {pool + kv->mla_offset[layer],
+               pool + kv->key_offset[layer],
+               st->dev,
+               st->stride,
+               s->seq_of,
+               kv->entry[layer]};
     return d;
 }
 
@@ -1477,8 +1485,8 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
                      impl->stream>>>(q_lat, qc, w, *p);
         k_mla_scores<<<dim3((unsigned) nc, (unsigned) H,
                             (unsigned) ((cap + THREADS / 32 - 1) / (THREADS / 32))),
-                       THREADS, 0, impl->stream>>>(prob, cap, q_lat, qc, dc, pc, sc, nsc, sel_stride,
-                                                   *p);
+                       THREADS, 0, impl->stream>>>(prob, cap, q_lat, qc, dc, pc, sc, nsc,
+                                                   sel_stride, *p);
         k_mla_softmax<<<th, THREADS, 0, impl->stream>>>(prob, stat, cap, pc, nsc, p->n_heads);
         k_mla_pv<<<dim3((unsigned) nc, (unsigned) H, (unsigned) n_split), THREADS, 0,
                    impl->stream>>>(part, n_split, prob, cap, dc, pc, sc, nsc, sel_stride, *p);

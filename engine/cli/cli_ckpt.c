@@ -10,7 +10,8 @@
  * pipeline split (pp.h): layers, weight bytes, KV room and the longest context per rank,
  * for --mem bytes per rank (default 121G) at --mem-util (default 0.9), the KV cache at
  * --context positions (default max_position_embeddings) stored as --kv-dtype (default fp8,
- * the layout of engine/model/kv_cache.h). Exit status 1 with the reason on stderr when anything is wrong.
+ * the layout of engine/model/kv_cache.h). Exit status 1 with the reason on stderr when anything is
+ * wrong.
  */
 #include "engine/cli/cli.h"
 

@@ -136,10 +136,11 @@ static bool parse_tokens(const char *cmd, const char *s, int **ids_out, int *n_o
 static int usage(const char *cmd)
 {
     if (strcmp(cmd, "logits") == 0)
-        fprintf(stderr, "usage: glmspark logits --model DIR --tokens 5,17,42 --out FILE "
-                        "[--threads N] [--backend cpu|cuda] [--decode-check] [--kv-dtype f32|bf16|fp8] "
-                        "[--pp N | --rank R "
-                        "--world N --master ADDR:PORT]\n");
+        fprintf(stderr,
+                "usage: glmspark logits --model DIR --tokens 5,17,42 --out FILE "
+                "[--threads N] [--backend cpu|cuda] [--decode-check] [--kv-dtype f32|bf16|fp8] "
+                "[--pp N | --rank R "
+                "--world N --master ADDR:PORT]\n");
     else
         fprintf(stderr,
                 "usage: glmspark generate --model DIR --tokens 5,17,42 --max-tokens N "
@@ -416,8 +417,8 @@ static int run_pipeline(const ModelArgs *a, const char *cmd, const int *ids, int
     }
     PpPlan plan;
     // Memory is not the constraint on the CPU: balance bytes (weights + KV at the context).
-    if (pp_plan_model(a->model_dir, cfg, a->world, UINT64_C(1) << 60, 1.0, positions,
-                      a->kv_dtype, &plan))
+    if (pp_plan_model(a->model_dir, cfg, a->world, UINT64_C(1) << 60, 1.0, positions, a->kv_dtype,
+                      &plan))
         goto done;
     const PpRankPlan *mine = &plan.ranks[a->rank];
     const double t0 = clock_now_s();

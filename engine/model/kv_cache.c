@@ -18,8 +18,11 @@ static int align4(int n)
 KvEntryLayout kv_entry_layout(KvDtype dtype, int kv_lora, int rope_dim, int index_dim,
                               int block_size)
 {
-    KvEntryLayout e = {.dtype = (int) dtype, .kv_lora = kv_lora, .rope_dim = rope_dim,
-                       .index_dim = index_dim, .block_size = block_size};
+    KvEntryLayout e = {.dtype = (int) dtype,
+                       .kv_lora = kv_lora,
+                       .rope_dim = rope_dim,
+                       .index_dim = index_dim,
+                       .block_size = block_size};
     if (dtype != KV_DTYPE_FP8) {
         e.value_bytes = dtype == KV_DTYPE_BF16 ? 2 : 4;
         e.pe = kv_lora * e.value_bytes;
@@ -77,8 +80,9 @@ Err kv_init(KvCache *kv, const KvCacheParams *p)
     kv->params = params;
     size_t per_block = 0;
     for (int l = 0; l < params.n_layers; l++) {
-        kv->entry[l] = kv_entry_layout(params.dtype, params.kv_lora, params.rope_dim,
-                                       params.has_index[l] ? params.index_dim : 0, params.block_size);
+        kv->entry[l] =
+            kv_entry_layout(params.dtype, params.kv_lora, params.rope_dim,
+                            params.has_index[l] ? params.index_dim : 0, params.block_size);
         per_block += (size_t) kv->entry[l].bytes * (size_t) params.block_size
                      + (size_t) kv->entry[l].key_page;
     }
@@ -89,7 +93,8 @@ Err kv_init(KvCache *kv, const KvCacheParams *p)
     size_t offset = 0;
     for (int l = 0; l < params.n_layers; l++) {
         kv->mla_offset[l] = offset;
-        offset += (size_t) kv->entry[l].bytes * (size_t) params.block_size * (size_t) params.n_blocks;
+        offset +=
+            (size_t) kv->entry[l].bytes * (size_t) params.block_size * (size_t) params.n_blocks;
         kv->key_offset[l] = offset;
         offset += (size_t) kv->entry[l].key_page * (size_t) params.n_blocks;
     }
@@ -157,8 +162,9 @@ void kv_store(KvCache *kv, const KvSeq *seq, int layer, int pos, int offset, con
     const KvEntryLayout *lo = &kv->entry[layer];
     ASSERT(kv_write_ok(lo, offset, width));
     unsigned char *e = kv_entry_bytes(kv, seq, layer, pos);
-    unsigned char *page =
-        lo->index_dim > 0 ? (unsigned char *) kv->pool + kv_key_page_offset(kv, seq, layer, pos) : NULL;
+    unsigned char *page = lo->index_dim > 0
+                              ? (unsigned char *) kv->pool + kv_key_page_offset(kv, seq, layer, pos)
+                              : NULL;
     const int parts = kv_store_parts(lo, width);
     for (int p = 0; p < parts; p++)
         kv_store_part(lo, e, page, pos % kv->params.block_size, offset, src, width, p);

@@ -46,8 +46,8 @@
 #ifndef ENGINE_MODEL_KV_CACHE_H
 #define ENGINE_MODEL_KV_CACHE_H
 
-#include <stdbool.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -76,7 +76,7 @@ typedef enum KvDtype {
 // One layer's storage, in bytes (f32 and bf16: values in order, value_bytes each; fp8: the
 // offsets of the layout above).
 typedef struct KvEntryLayout {
-    int dtype;  // KvDtype
+    int dtype;                         // KvDtype
     int kv_lora, rope_dim, index_dim;  // index_dim 0 on a layer without an indexer key
     int block_size;
     int value_bytes;  // f32 4, bf16 2; fp8 0 (mixed)
@@ -164,7 +164,8 @@ static inline size_t kv_entry_offset(const KvCache *kv, const KvSeq *seq, int la
     const int bs = kv->params.block_size;
     const KvEntryLayout *lo = &kv->entry[layer];
     return kv->mla_offset[layer]
-           + ((size_t) seq->blocks[pos / bs] * (size_t) bs + (size_t) (pos % bs)) * (size_t) lo->bytes;
+           + ((size_t) seq->blocks[pos / bs] * (size_t) bs + (size_t) (pos % bs))
+                 * (size_t) lo->bytes;
 }
 
 static inline size_t kv_key_page_offset(const KvCache *kv, const KvSeq *seq, int layer, int pos)
@@ -245,7 +246,8 @@ KV_FN void kv_bf16_store(unsigned char *p, float f)
 
 // n values as E4M3 codes of one fp32 scale (amax / 448, or 1 when all are 0), stored at
 // scale_at.
-KV_FN void kv_fp8_group_store(unsigned char *codes, unsigned char *scale_at, const float *src, int n)
+KV_FN void kv_fp8_group_store(unsigned char *codes, unsigned char *scale_at, const float *src,
+                              int n)
 {
     float amax = 0.0f;
     for (int i = 0; i < n; i++)
@@ -288,9 +290,9 @@ KV_FN void kv_store_part(const KvEntryLayout *lo, unsigned char *e, unsigned cha
     const int pe0 = lo->kv_lora, idx0 = lo->kv_lora + lo->rope_dim, end = offset + width;
     if (lo->dtype != KV_DTYPE_FP8) {
         const int j = offset + part;
-        unsigned char *at = j < idx0 ? e + (size_t) lo->value_bytes * j
-                                     : page + (size_t) row * lo->key_bytes
-                                           + (size_t) lo->value_bytes * (j - idx0);
+        unsigned char *at =
+            j < idx0 ? e + (size_t) lo->value_bytes * j
+                     : page + (size_t) row * lo->key_bytes + (size_t) lo->value_bytes * (j - idx0);
         if (lo->dtype == KV_DTYPE_F32)
             memcpy(at, src + part, sizeof(float));
         else

@@ -41,11 +41,11 @@
 // The forward pass's buffers. The struct is host memory; every pointer but the *_host ones
 // is backend memory (Backend.alloc).
 struct ModelWork {
-    int n_cap;         // tokens the buffers hold
-    int *pos_host;     // [2 n] positions, then each token's sequence index, host copy
-    int *act_host;     // [n * (2 + topk) + 1] DSA state staging for stage hand-off, host
-    int *pos;          // [n]
-    int *seq_of;       // [n] each token's sequence (index into the batch's seqs)
+    int n_cap;      // tokens the buffers hold
+    int *pos_host;  // [2 n] positions, then each token's sequence index, host copy
+    int *act_host;  // [n * (2 + topk) + 1] DSA state staging for stage hand-off, host
+    int *pos;       // [n]
+    int *seq_of;    // [n] each token's sequence (index into the batch's seqs)
     int *tok;       // [n] token ids
     float *logits;  // [n, vocab]
     float *x;       // [n, hidden] residual stream
@@ -605,9 +605,10 @@ static Err work_ensure(Model *m, int n)
     w->rl = be->alloc(be, N * E * sizeof(float));
     w->ridx = be->alloc(be, N * K * sizeof(int));
     w->rw = be->alloc(be, N * K * sizeof(float));
-    if (!w->pos_host || !w->act_host || !w->pos || !w->seq_of || !w->tok || !w->logits || !w->x || !w->h || !w->qa
-        || !w->q || !w->kva || !w->attn || !w->tmp || !w->tmp2 || !w->iq || !w->ik || !w->iw
-        || !w->sel || !w->n_sel || !w->g || !w->u || !w->rl || !w->ridx || !w->rw) {
+    if (!w->pos_host || !w->act_host || !w->pos || !w->seq_of || !w->tok || !w->logits || !w->x
+        || !w->h || !w->qa || !w->q || !w->kva || !w->attn || !w->tmp || !w->tmp2 || !w->iq
+        || !w->ik || !w->iw || !w->sel || !w->n_sel || !w->g || !w->u || !w->rl || !w->ridx
+        || !w->rw) {
         LOG_ERROR("could not allocate the forward workspace for %d tokens", n);
         work_free(be, w);
         return ERR_NOMEM;

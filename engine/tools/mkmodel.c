@@ -17,14 +17,14 @@
 #include "engine/tools/mkmodel.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <json-c/json.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <fcntl.h>
-#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -241,8 +241,8 @@ void mkmodel_reference(uint64_t seed, const char *base, int rows, int cols, floa
 static uint8_t float_to_e2m1(float x)
 {
     const float a = fabsf(x);
-    const int ord = (a > 0.25f) + (a > 0.75f) + (a > 1.25f) + (a > 1.75f) + (a > 2.5f)
-                    + (a > 3.5f) + (a > 5.0f) + ((a == 0.75f) | (a == 1.75f) | (a == 3.5f));
+    const int ord = (a > 0.25f) + (a > 0.75f) + (a > 1.25f) + (a > 1.75f) + (a > 2.5f) + (a > 3.5f)
+                    + (a > 5.0f) + ((a == 0.75f) | (a == 1.75f) | (a == 3.5f));
     return (uint8_t) ((x < 0 ? 8 : 0) | ord);
 }
 
@@ -1227,8 +1227,8 @@ Err mkmodel_write(const MkmodelOptions *opt)
     if ((err = write_json(opt->out_dir, "generation_config.json", gen))) goto done;
     LOG_INFO("wrote preset \"%s\" (seed %llu, %d layers, %d dense) to \"%s\": %d tensors, %.1f MB "
              "in %d shards in %.1f s",
-             pname, (unsigned long long) opt->seed, p->layers, p->first_dense, opt->out_dir, specs.n,
-             (double) total / 1e6, n_shards, clock_now_s() - t0);
+             pname, (unsigned long long) opt->seed, p->layers, p->first_dense, opt->out_dir,
+             specs.n, (double) total / 1e6, n_shards, clock_now_s() - t0);
 done:
     for (int s = 0; shards && s < n_shards; s++)
         if (shards[s].fd >= 0) close(shards[s].fd);

@@ -58,8 +58,9 @@ void mkmodel_reference(uint64_t seed, const char *base, int rows, int cols, floa
 
 // Quantize w (float [rows, cols], cols % 16 == 0) with ModelOpt's NVFP4 recipe:
 // scale_2 = amax / (6 * 448); scale[r, g] = e4m3(block_amax / (6 * scale_2)) (zero blocks
-// 1.0; kernels/nvfp4_format.h's nvfp4_float_to_e4m3); codes = E2M1 round-to-nearest-even of w / (scale * scale_2), element 2j in the low
-// nibble. codes: u8 [rows, cols / 2]; scale: e4m3 [rows, cols / 16].
+// 1.0; kernels/nvfp4_format.h's nvfp4_float_to_e4m3); codes = E2M1 round-to-nearest-even of w /
+// (scale * scale_2), element 2j in the low nibble. codes: u8 [rows, cols / 2]; scale: e4m3 [rows,
+// cols / 16].
 void mkmodel_quantize_nvfp4(const float *w, int rows, int cols, uint8_t *codes, uint8_t *scale,
                             float *scale_2);
 

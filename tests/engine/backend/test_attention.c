@@ -200,8 +200,7 @@ static void test_mla(Backend *be, int H, int nope, int rope, int v, int L, int T
             // the same query alone (decode) equals its row of the batch (prefill)
             const BackendSeqs alone = one_seq(&m, pos + t, 1);
             be->mla_attention(be, one, m.q + (size_t) t * H * (nope + rope), &kv_b, &m.kv, &alone,
-                              0, use_sel ? sel + (size_t) t * top_k : NULL, n_sel + t, top_k,
-                              &m.p);
+                              0, use_sel ? sel + (size_t) t * top_k : NULL, n_sel + t, top_k, &m.p);
             same &= memcmp(one, full + (size_t) t * H * v, (size_t) H * v * sizeof *one) == 0;
         }
         CHECK(same);

@@ -186,8 +186,13 @@ static void test_fp8(void)
     CHECK(bf.bytes == 1152 && kv_token_bytes(&bf) == 1408);
 
     // Latent 130 (a group of 128 and one of 2), rope 2, index 3.
-    KvCacheParams p = {.n_layers = 2, .block_size = 4, .n_blocks = 3, .kv_lora = 130,
-                       .rope_dim = 2, .index_dim = 3, .dtype = KV_DTYPE_FP8};
+    KvCacheParams p = {.n_layers = 2,
+                       .block_size = 4,
+                       .n_blocks = 3,
+                       .kv_lora = 130,
+                       .rope_dim = 2,
+                       .index_dim = 3,
+                       .dtype = KV_DTYPE_FP8};
     p.has_index[1] = true;
     KvCache kv;
     CHECK(kv_init(&kv, &p) == ERR_OK);
@@ -202,7 +207,7 @@ static void test_fp8(void)
     for (int i = 0; i < 128; i++)
         in[i] = (float) (i - 60) * 0.37f;  // amax 67 * 0.37 at i = 127
     in[128] = 0.0f;
-    in[129] = 0.0f;  // an all-zero group: scale 1, codes 0
+    in[129] = 0.0f;            // an all-zero group: scale 1, codes 0
     in[130] = 1.0f + 0x1p-8f;  // k_pe: bf16, nearest even -> 1
     in[131] = -3.0f;
     in[132] = 0.5f;
