@@ -25,6 +25,9 @@
 #            layer, the next micro-batch verifies): outputs equal the one-at-a-time outputs
 #            without MTP; then SIGTERM to the --pp launcher itself stops every rank in order
 #            (exit 0, no rank left).
+#   fp8      the six jobs with the fp8 KV cache (`--kv-dtype fp8`, engine/model/kv_cache.h):
+#            one at a time, then through `--pp 2` with --max-num-seqs 4: the engine logs an
+#            fp8 cache and the batched pipeline serves the one-at-a-time fp8 outputs.
 #   bench    (not a test, not run by default) aggregate generated tok/s on the mkmodel
 #            "default" preset with 1, 4 and 8 concurrent jobs of BENCH_TOKENS (64) tokens,
 #            --max-num-seqs equal to the job count, from claim of the first to end of the
@@ -33,7 +36,7 @@ set -euo pipefail
 bin=$(cd "$1" && pwd)
 src=$(cd "$2" && pwd)
 shift 2
-scenarios=${*:-batch pp killrank sigterm tool logprobs mtp}
+scenarios=${*:-batch pp killrank sigterm tool logprobs mtp fp8}
 : "${GLMSPARK_DB:?run me through tests/db/with_pg.sh}"
 tmp=$(mktemp -d)
 pids=()
@@ -190,6 +193,27 @@ if [[ " $scenarios " =~ " mtp " ]]; then
     [ $st -eq 0 ] || fail "the --pp launcher exited $st after SIGTERM"
     for p in $ranks; do kill -0 "$p" 2>/dev/null && fail "rank pid $p still runs after SIGTERM"; done
     echo "ok: --pp 2 --mtp 2 serves the outputs of the run without MTP; SIGTERM to the launcher stops it in order"
+fi
+
+if [[ " $scenarios " =~ " fp8 " ]]; then
+    start_engine --max-num-seqs 1 --kv-dtype fp8
+    grep -q "KV blocks of 16 (fp8)" "$tmp/engine$n_engine.log" || fail "the engine does not report an fp8 cache"
+    alone8=()
+    for p in "${prompts[@]}"; do
+        id=$(submit completion "$greedy" "$p" 24)
+        wait_jobs "$id"
+        alone8+=("$(output "$id")")
+    done
+    stop_engine
+    start_engine --pp 2 --max-num-seqs 4 --kv-dtype fp8
+    batch_ids
+    wait_jobs "${ids[@]}"
+    for i in "${!prompts[@]}"; do
+        [ "$(output "${ids[$i]}")" = "${alone8[$i]}" ] \
+            || fail "fp8 --pp 2 job $i: $(output "${ids[$i]}") != one at a time: ${alone8[$i]}"
+    done
+    stop_engine
+    echo "ok: --kv-dtype fp8: --pp 2 with 4 sequences serves the one-at-a-time fp8 outputs"
 fi
 
 if [[ " $scenarios " =~ " killrank " ]]; then
