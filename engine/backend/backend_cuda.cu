@@ -22,8 +22,11 @@
  *   head); scores with a warp per key; softmax statistics; partial o_lat per split of 256
  *   keys; the splits summed in order and projected. Long contexts spread over the GPU.
  * - KV cache: kv_cache.c owns a host pool; this backend keeps a device pool of the same
- *   layout per KvCache (found by address, created zeroed on first use) and a device copy
- *   of each sequence's block table, uploaded again only when the table changed. Only this
+ *   layout per KvCache (found by address, created zeroed on first use), writes and reads its
+ *   entries through kv_cache.h's host/device routines (f32, bf16, fp8), and keeps one device
+ *   block table per step ([sequences, longest table], DevStep), uploaded again only when a
+ *   table changed. The cache ops (kv_write, dsa_topk, mla_attention) run once per step for
+ *   every sequence: a token finds its table row through BackendSeqs.seq_of. Only this
  *   backend reads or writes the device pool, so the host pool of a cache used with CUDA
  *   stays zero.
  * - MoE: four launches whatever the expert count: the (token, slot) pairs grouped by expert
