@@ -752,6 +752,7 @@ const restartFcgi = (extraEnv) => execFileSync(DEVSTACK, ['restart', 'fcgi'],
 // ends with an error event and [DONE]. No thread or connection is left behind.
 async function outageStreams() {
     const ka = OUTAGE.keepalive;
+    let enginePaused = 0;  // the engine's pid while it is held with SIGSTOP
     const fcgiEnv = { GLMSPARK_FCGI_THREADS: String(OUTAGE.streams + 40), GLMSPARK_SSE_KEEPALIVE_S: String(ka) };
     restartFcgi(fcgiEnv);
     const figures = [];
@@ -761,9 +762,16 @@ async function outageStreams() {
         let conns0 = fcgiConnections();
         for (let t = 0; t < 100 && conns0 > 0; t++) { await sleep(100); conns0 = fcgiConnections(); }
         const threads0 = fcgiThreads(), app0 = appConnections();
-        // Two jobs long enough to outlast the outage; max_num_seqs 1, so one runs, one waits.
+        // The engine is held (SIGSTOP, once it runs nothing) while the two jobs are queued and
+        // the readers connect, so that neither job can run, let alone finish, before every
+        // stream is open, however slow the machine (a loaded 2-core CI machine once took over
+        // 20 s to open the 100 streams, longer than the 600-token job); SIGCONT below.
+        for (let t = 0; t < 300 && Number(psql("SELECT count(*) FROM jobs WHERE state = 'running'")) > 0; t++)
+            await sleep(100);
+        enginePaused = pidOf('engine');
+        process.kill(enginePaused, 'SIGSTOP');
+        // Two jobs long enough to outlast the outage.
         const jobs = [await submit({ max_tokens: 600, seed: 21 }), await submit({ max_tokens: 200, seed: 22 })];
-        await waitJob(jobs[0], (j) => j.state === 'running' && j.usage.completion_tokens >= 3);
         const nLeave = Math.round(OUTAGE.streams / 5);
         const leave = new AbortController();
         setMaxListeners(OUTAGE.streams, leave.signal);
@@ -784,6 +792,9 @@ async function outageStreams() {
         await sleep(500);
         const streaming = fcgiConnections() - conns0;
         assert.ok(streaming >= OUTAGE.streams, `${streaming} of ${OUTAGE.streams} streams reached fcgi (baseline ${conns0})`);
+        process.kill(enginePaused, 'SIGCONT');
+        enginePaused = 0;
+        await waitJob(jobs[0], (j) => j.state === 'running' && j.usage.completion_tokens >= 3);
         const chunksOf = (id) => Number(psql(`SELECT count(*) FROM job_chunks c JOIN jobs j ON j.id = c.job_id WHERE j.public_id = '${id}'`));
         const before = jobs.map(chunksOf);
         faultWindow = true;
@@ -865,6 +876,7 @@ async function outageStreams() {
             'error event (database_unavailable) and [DONE]; resumed with Last-Event-ID to the end');
     } finally {
         faultWindow = false;
+        if (enginePaused) process.kill(enginePaused, 'SIGCONT');
         restartFcgi({});
     }
     return { iterations: OUTAGE.streams + 2, figures: figures.join('; ') };
