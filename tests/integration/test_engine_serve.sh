@@ -132,8 +132,10 @@ expect_alone() {
     done
 }
 
-if [[ " $scenarios " =~ " batch " || " $scenarios " =~ " pp " || " $scenarios " =~ " killrank " || " $scenarios " =~ " mtp " ]]; then
-    start_engine --max-num-seqs 1
+# one_at_a_time [ENGINE FLAG...]: the six prompts, one job at a time, on an engine with
+# --max-num-seqs 1 and the flags; their outputs in ${alone[@]}.
+one_at_a_time() {
+    start_engine --max-num-seqs 1 "$@"
     alone=()
     for p in "${prompts[@]}"; do
         id=$(submit completion "$greedy" "$p" 24)
@@ -141,6 +143,10 @@ if [[ " $scenarios " =~ " batch " || " $scenarios " =~ " pp " || " $scenarios " 
         alone+=("$(output "$id")")
     done
     stop_engine
+}
+
+if [[ " $scenarios " =~ " batch " || " $scenarios " =~ " pp " || " $scenarios " =~ " killrank " || " $scenarios " =~ " mtp " ]]; then
+    one_at_a_time
     [ -n "${alone[0]}" ] || fail "no output"
     echo "ok: six jobs one at a time"
 fi
@@ -196,23 +202,14 @@ if [[ " $scenarios " =~ " mtp " ]]; then
 fi
 
 if [[ " $scenarios " =~ " fp8 " ]]; then
-    start_engine --max-num-seqs 1 --kv-dtype fp8
+    alone_f32=("${alone[@]}")
+    one_at_a_time --kv-dtype fp8
     grep -q "KV blocks of 16 (fp8)" "$tmp/engine$n_engine.log" || fail "the engine does not report an fp8 cache"
-    alone8=()
-    for p in "${prompts[@]}"; do
-        id=$(submit completion "$greedy" "$p" 24)
-        wait_jobs "$id"
-        alone8+=("$(output "$id")")
-    done
-    stop_engine
     start_engine --pp 2 --max-num-seqs 4 --kv-dtype fp8
     batch_ids
-    wait_jobs "${ids[@]}"
-    for i in "${!prompts[@]}"; do
-        [ "$(output "${ids[$i]}")" = "${alone8[$i]}" ] \
-            || fail "fp8 --pp 2 job $i: $(output "${ids[$i]}") != one at a time: ${alone8[$i]}"
-    done
+    expect_alone "--kv-dtype fp8 --pp 2"
     stop_engine
+    alone=("${alone_f32[@]}")
     echo "ok: --kv-dtype fp8: --pp 2 with 4 sequences serves the one-at-a-time fp8 outputs"
 fi
 
