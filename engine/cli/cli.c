@@ -38,8 +38,3 @@ bool cli_parse_backend(const char *s, bool *is_cuda)
     *is_cuda = strcmp(s, "cuda") == 0;
     return true;
 }
-
-bool cli_parse_kv_dtype(const char *s, KvDtype *out)
-{
-    return kv_dtype_parse(s, out);
-}

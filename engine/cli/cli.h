@@ -19,7 +19,6 @@
 #include <stdbool.h>
 
 #include "engine/model/backend.h"
-#include "engine/model/kv_cache.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -40,8 +39,6 @@ const CliCommand *cli_commands(void);
 // false on a malformed or out-of-range value and then leaves *out unchanged.
 // --backend cpu|cuda: *is_cuda.
 bool cli_parse_backend(const char *s, bool *is_cuda);
-// --kv-dtype f32|bf16.
-bool cli_parse_kv_dtype(const char *s, KvDtype *out);
 
 int cli_logits(int argc, char **argv);
 int cli_generate(int argc, char **argv);

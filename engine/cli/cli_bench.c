@@ -145,7 +145,7 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
         else if (strcmp(opt, "--threads") == 0)
             ok = num_parse_int(val, 1, 64, &a->n_threads);
         else if (strcmp(opt, "--kv-dtype") == 0)
-            ok = cli_parse_kv_dtype(val, &a->kv_dtype);
+            ok = kv_dtype_parse(val, &a->kv_dtype);
         else {
             fprintf(stderr, "glmspark bench: unknown option %s\n", opt);
             return bench_usage();

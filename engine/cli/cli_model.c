@@ -182,7 +182,7 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
         if (strcmp(opt, "--model") == 0)
             a->model_dir = val;
         else if (strcmp(opt, "--kv-dtype") == 0)
-            ok = cli_parse_kv_dtype(val, &a->kv_dtype);
+            ok = kv_dtype_parse(val, &a->kv_dtype);
         else if (strcmp(opt, "--backend") == 0)
             ok = cli_parse_backend(val, &a->cuda);
         else if (strcmp(opt, "--tokens") == 0)

@@ -48,7 +48,6 @@ static const KeyDef KEYS[] = {
 enum { N_KEYS = (int) (sizeof KEYS / sizeof KEYS[0]) };
 _Static_assert(N_KEYS <= 64, "set_mask holds 64 keys");
 
-static const char *const KV_DTYPES[] = {"fp8", "bf16", "f32"};
 static const char *const BACKENDS[] = {"cpu", "cuda"};
 
 void recipe_defaults(Recipe *r)
@@ -58,7 +57,7 @@ void recipe_defaults(Recipe *r)
     r->tensor_parallel = 1;
     r->gpu_memory_utilization = 0.85;
     r->max_model_len = 262144;
-    r->kv_cache_dtype = RECIPE_KV_FP8;
+    r->kv_cache_dtype = KV_DTYPE_FP8;
     r->block_size = 128;
     r->max_num_seqs = 1;
     r->max_num_batched_tokens = 2048;
@@ -78,11 +77,6 @@ int recipe_n_keys(void)
 const char *recipe_key_name(int i)
 {
     return i >= 0 && i < N_KEYS ? KEYS[i].name : NULL;
-}
-
-const char *recipe_kv_dtype_name(RecipeKvDtype d)
-{
-    return (unsigned) d < 3 ? KV_DTYPES[d] : "?";
 }
 
 const char *recipe_backend_name(RecipeBackend b)
@@ -140,15 +134,16 @@ static Err set_value(Recipe *r, int k, const char *value, size_t n, const char *
     buf[n] = '\0';
     if (d->kind == KIND_KV_DTYPE || d->kind == KIND_BACKEND) {
         const bool is_kv = d->kind == KIND_KV_DTYPE;
-        const int i = is_kv ? name_index(KV_DTYPES, 3, buf) : name_index(BACKENDS, 2, buf);
+        KvDtype kv_dtype = KV_DTYPE_F32;
+        const int i =
+            is_kv ? (kv_dtype_parse(buf, &kv_dtype) ? 0 : -1) : name_index(BACKENDS, 2, buf);
         if (i < 0) {
             LOG_ERROR("%s: %s: \"%s\" is not one of %s", where, d->name, buf,
                       is_kv ? "fp8, bf16, f32" : "cpu, cuda");
             return ERR_INVAL;
         }
         if (is_kv) {
-            const RecipeKvDtype t = (RecipeKvDtype) i;
-            memcpy(field, &t, sizeof t);
+            memcpy(field, &kv_dtype, sizeof kv_dtype);
         } else {
             const RecipeBackend t = (RecipeBackend) i;
             memcpy(field, &t, sizeof t);
@@ -342,9 +337,9 @@ char *recipe_format_value(const Recipe *r, int i, char *buf, size_t n)
         break;
     }
     case KIND_KV_DTYPE: {
-        RecipeKvDtype v;
+        KvDtype v;
         memcpy(&v, field, sizeof v);
-        snprintf(buf, n, "%s", recipe_kv_dtype_name(v));
+        snprintf(buf, n, "%s", kv_dtype_name(v));
         break;
     }
     case KIND_BACKEND: {

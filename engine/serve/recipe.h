@@ -54,6 +54,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "engine/model/kv_cache.h"
 #include "engine/shared/err.h"
 
 #ifdef __cplusplus
@@ -64,12 +65,6 @@ enum {
     RECIPE_MAX_STR = 1024,  // longest string value, NUL included
     RECIPE_MAX_WORLD = 8,
 };
-
-typedef enum RecipeKvDtype {
-    RECIPE_KV_FP8,
-    RECIPE_KV_BF16,
-    RECIPE_KV_F32,
-} RecipeKvDtype;
 
 typedef enum RecipeBackend {
     RECIPE_BACKEND_CPU,
@@ -84,7 +79,7 @@ typedef struct Recipe {
     int tensor_parallel;
     double gpu_memory_utilization;
     int max_model_len;
-    RecipeKvDtype kv_cache_dtype;
+    KvDtype kv_cache_dtype;  // engine/model/kv_cache.h's storage types
     int block_size;
     int max_num_seqs;
     int max_num_batched_tokens;
@@ -124,9 +119,6 @@ char *recipe_format_value(const Recipe *r, int i, char *buf, size_t n);
 
 // Whether key was set by a file or recipe_set() (false for unknown keys).
 bool recipe_is_set(const Recipe *r, const char *key);
-
-// The kv_cache_dtype's name ("fp8", "bf16", "f32").
-const char *recipe_kv_dtype_name(RecipeKvDtype d);
 
 // The backend's name ("cpu", "cuda").
 const char *recipe_backend_name(RecipeBackend b);

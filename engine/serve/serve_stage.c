@@ -19,10 +19,7 @@ Err serve_stage_load(ServeStage *e, const Recipe *r, const char *model_dir, int 
     if (!(e->cfg = malloc(sizeof *e->cfg))) return err;
     if ((err = config_load(e->cfg, model_dir))) return err;
     KvDtype dtype = KV_DTYPE_F32;
-    if (recipe_is_set(r, "kv_cache_dtype"))
-        dtype = r->kv_cache_dtype == RECIPE_KV_FP8    ? KV_DTYPE_FP8
-                : r->kv_cache_dtype == RECIPE_KV_BF16 ? KV_DTYPE_BF16
-                                                      : KV_DTYPE_F32;
+    if (recipe_is_set(r, "kv_cache_dtype")) dtype = r->kv_cache_dtype;
     const int block = recipe_is_set(r, "block_size") ? r->block_size : KV_DEFAULT_BLOCK_SIZE;
     int kv_blocks = r->kv_blocks;
     if (kv_blocks <= 0) {

@@ -37,7 +37,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     ASSERT(r->block_size >= 1 && (r->block_size & (r->block_size - 1)) == 0);
     ASSERT(r->threads >= 1 && r->kv_blocks >= 0 && r->lease_s >= 1);
     ASSERT(r->master_port >= 1 && r->master_port <= 65535);
-    ASSERT(r->kv_cache_dtype >= RECIPE_KV_FP8 && r->kv_cache_dtype <= RECIPE_KV_F32);
+    ASSERT(r->kv_cache_dtype >= KV_DTYPE_F32 && r->kv_cache_dtype <= KV_DTYPE_FP8);
     ASSERT(r->backend == RECIPE_BACKEND_CPU || r->backend == RECIPE_BACKEND_CUDA);
     ASSERT(r->min_free_memory_gb >= 0);
     check_str(r->model);

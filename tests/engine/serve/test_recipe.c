@@ -43,7 +43,7 @@ static void test_shipped_recipe(void)
     CHECK(r.tensor_parallel == 1);
     CHECK_NEAR(r.gpu_memory_utilization, 0.85, 0);
     CHECK(r.max_model_len == 262144);
-    CHECK(r.kv_cache_dtype == RECIPE_KV_FP8);
+    CHECK(r.kv_cache_dtype == KV_DTYPE_FP8);
     CHECK(r.backend == RECIPE_BACKEND_CUDA && r.mtp_tokens == 0);
     CHECK(r.block_size == 128);
     CHECK(r.max_num_seqs == 1);
@@ -55,7 +55,7 @@ static void test_shipped_recipe(void)
     snprintf(path, sizeof path, "%s/ops/recipes/devstack-tiny-cpu.conf", src ? src : ".");
     recipe_defaults(&r);
     CHECK(recipe_load(&r, path) == ERR_OK);
-    CHECK(r.pipeline_parallel == 3 && r.kv_cache_dtype == RECIPE_KV_F32 && r.threads == 1);
+    CHECK(r.pipeline_parallel == 3 && r.kv_cache_dtype == KV_DTYPE_F32 && r.threads == 1);
 
     recipe_defaults(&r);
     CHECK(recipe_load(&r, "/nonexistent/recipe.conf") == ERR_IO);
@@ -74,7 +74,7 @@ static void test_syntax(void)
     CHECK(parse(&r, "model = /x#y\n") == ERR_OK);  // # without a space before is text
     CHECK(!strcmp(r.model, "/x#y"));
     CHECK(parse(&r, "kv_cache_dtype = bf16\n") == ERR_OK);
-    CHECK(r.kv_cache_dtype == RECIPE_KV_BF16);
+    CHECK(r.kv_cache_dtype == KV_DTYPE_BF16);
     CHECK(r.backend == RECIPE_BACKEND_CPU);  // the default
     CHECK(parse(&r, "backend = cuda\n") == ERR_OK);
     CHECK(r.backend == RECIPE_BACKEND_CUDA && !strcmp(recipe_backend_name(r.backend), "cuda"));
