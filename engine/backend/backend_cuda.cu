@@ -294,12 +294,6 @@ static __device__ __forceinline__ const unsigned char *kv_key_page(const DevKv &
     return k.keys + (size_t) kv_block(k, t, pos) * (size_t) k.lo.key_page;
 }
 
-// Value i of an MLA entry as fp32 (kv_cache.h's decoding, for every storage type).
-static __device__ __forceinline__ float kv_val(const unsigned char *e, const DevKv &k, int i)
-{
-    return kv_entry_value(&k.lo, e, i);
-}
-
 // ---------------------------------------------------------------------------
 // Kernels
 
@@ -738,9 +732,9 @@ static __global__ void k_mla_scores(double *prob, int cap, const double *q_lat, 
     const float *qr = q + ((size_t) t * p.n_heads + h) * qk + p.qk_nope;
     double d = 0.0;
     for (int c = lane; c < L; c += 32)
-        d += ql[c] * kv_val(e, kv, c);
+        d += ql[c] * kv_entry_value(&kv.lo, e, c);
     for (int i = lane; i < p.qk_rope; i += 32)
-        d += (double) qr[i] * kv_val(e, kv, L + i);
+        d += (double) qr[i] * kv_entry_value(&kv.lo, e, L + i);
     for (int o = 16; o > 0; o >>= 1)
         d += __shfl_xor_sync(0xffffffffu, d, o);
     if (lane == 0) prob[((size_t) t * p.n_heads + h) * cap + j] = d * p.scale;
@@ -792,7 +786,7 @@ static __global__ void k_mla_pv(double *part, int n_split, const double *prob, i
         double acc = 0.0;
 #pragma unroll 8
         for (int j = 0; j < nj; j++)
-            acc += pn[j] * kv_val(rows[j], kv, c);
+            acc += pn[j] * kv_entry_value(&kv.lo, rows[j], c);
         pt[c] = acc;
     }
 }
@@ -1103,6 +1097,15 @@ static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
     return (unsigned char *) p;
 }
 
+// Blocks held by the longest of the sequences.
+static int longest_table(KvSeq *const *seqs, int n_seqs)
+{
+    int blocks = 0;
+    for (int i = 0; i < n_seqs; i++)
+        if (seqs[i]->n_blocks > blocks) blocks = seqs[i]->n_blocks;
+    return blocks;
+}
+
 // The block tables of a step's sequences in device memory (DevStep). Kept per ordered list
 // of sequences and compared with the host tables on every call (a few ints per sequence), so
 // a decode step uploads nothing unless a sequence gained a block or the batch changed; the
@@ -1110,9 +1113,7 @@ static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
 static const DevStep *dev_step(CudaImpl *impl, KvSeq *const *seqs, int n_seqs)
 {
     ASSERT(n_seqs > 0);
-    int stride = 1;
-    for (int i = 0; i < n_seqs; i++)
-        if (seqs[i]->n_blocks > stride) stride = seqs[i]->n_blocks;
+    const int longest = longest_table(seqs, n_seqs), stride = longest > 1 ? longest : 1;
     const int need = n_seqs * stride;
     if (need > impl->step_tmp_cap) {
         free(impl->step_tmp);
@@ -1418,10 +1419,7 @@ static void cuda_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int la
 // (model.c reserves before running the layers).
 static int seq_capacity(const KvCache *kv, const BackendSeqs *s)
 {
-    int blocks = 0;
-    for (int i = 0; i < s->n_seqs; i++)
-        if (s->seqs[i]->n_blocks > blocks) blocks = s->seqs[i]->n_blocks;
-    const int cap = blocks * kv->params.block_size;
+    const int cap = longest_table(s->seqs, s->n_seqs) * kv->params.block_size;
     return cap > 0 ? cap : 1;
 }
 

@@ -43,6 +43,7 @@ typedef struct Preset {
     int inter, moe_inter, experts, top_k, shared, mtp;
     float rope_theta;
     int max_pos;
+    bool fp4_direct;  // routed experts' NVFP4 codes and scales drawn directly (fp4_direct)
 } Preset;
 
 static const Preset presets[] = {
@@ -148,7 +149,8 @@ static const Preset presets[] = {
      .shared = 1,
      .mtp = 0,
      .rope_theta = 8e6f,
-     .max_pos = 1048576},
+     .max_pos = 1048576,
+     .fp4_direct = true},
 };
 
 static const char *const preset_names[] = {"tiny", "default", "small", "reap", NULL};
@@ -818,7 +820,8 @@ static Err generate_all(const Specs *specs, const ShardFile *shards, uint64_t se
         if (t->gen == GEN_FP4_SCALE || t->gen == GEN_FP4_SCALE2) continue;
         const size_t n = t->n_bytes / ckpt_dtype_size(t->dtype);
         const bool split = t->gen != GEN_FP4_CODES && t->gen != GEN_FP4_INPUT;
-        for (size_t b = 0; b < n || b == 0; b += GEN_CHUNK) {
+        size_t b = 0;  // one item for an empty or unsplit tensor, else ranges of GEN_CHUNK
+        do {
             if (w.n == cap) {
                 cap = cap ? 2 * cap : 1024;
                 GenItem *v = realloc(w.items, (size_t) cap * sizeof *v);
@@ -830,8 +833,8 @@ static Err generate_all(const Specs *specs, const ShardFile *shards, uint64_t se
             }
             const size_t e = split && n - b > GEN_CHUNK ? b + GEN_CHUNK : n;
             w.items[w.n++] = (GenItem){t, b, e};
-            if (e == n) break;
-        }
+            b = e;
+        } while (b < n);
     }
     qsort(w.items, (size_t) w.n, sizeof *w.items, item_larger);
     pthread_mutex_init(&w.mu, NULL);
@@ -1147,7 +1150,7 @@ Err mkmodel_write(const MkmodelOptions *opt)
             voc.special_ids[i] = p->vocab - N_SPECIALS + i;
         }
     }
-    specs.fp4_direct = opt->fp4_direct || !strcmp(pname, "reap");
+    specs.fp4_direct = opt->fp4_direct || p->fp4_direct;
     if (!build_specs(&specs, p, voc.size)) {
         err = ERR_NOMEM;
         goto done;
