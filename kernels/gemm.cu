@@ -25,6 +25,26 @@ enum { GEMV_WARPS = 8 };
 // ---------------------------------------------------------------------------
 // GEMV kernel
 
+// Inputs: 8 consecutive values (16-byte chunk ch of a bf16 row) as 8 bf16; an fp32 row is
+// read as two float4 and rounded to bf16 on the way (nearest even), so the products are those
+// of the bf16-rounded input.
+static __device__ __forceinline__ uint4 load_x8(const uint16_t *row, int ch)
+{
+    return __ldg((const uint4 *) row + ch);
+}
+
+static __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi)
+{
+    return (uint32_t) f32_to_bf16_bits(lo) | (uint32_t) f32_to_bf16_bits(hi) << 16;
+}
+
+static __device__ __forceinline__ uint4 load_x8(const float *row, int ch)
+{
+    const float4 a = __ldg((const float4 *) row + 2 * ch), b = __ldg((const float4 *) row + 2 * ch + 1);
+    return make_uint4(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w), pack_bf16x2(b.x, b.y),
+                      pack_bf16x2(b.z, b.w));
+}
+
 template <typename OutT> static __device__ __forceinline__ void store_out(OutT *p, float v);
 template <> __device__ __forceinline__ void store_out<float>(float *p, float v)
 {
@@ -35,10 +55,10 @@ template <> __device__ __forceinline__ void store_out<uint16_t>(uint16_t *p, flo
     *p = f32_to_bf16_bits(v);
 }
 
-template <int R, int NT, typename OutT>
+template <int R, int NT, typename OutT, typename XT>
 static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
     gemm_bf16_gemv_kernel(OutT *__restrict__ y, const uint16_t *__restrict__ w,
-                          const uint16_t *__restrict__ x, const float *residual, int rows,
+                          const XT *__restrict__ x, const float *residual, int rows,
                           int cols, int n_mat, int n_tok)
 {
     const int lane = threadIdx.x % WARP_SIZE;
@@ -89,7 +109,7 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
 #pragma unroll
             for (int t = 0; t < NT; t++) {
                 if (t < n_tok) {
-                    const uint4 xv = __ldg((const uint4 *) (x + ((size_t) t * n_mat + m) * cols) + cc);
+                    const uint4 xv = load_x8(x + ((size_t) t * n_mat + m) * cols, cc);
                     const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
                     float xf[8];
 #pragma unroll
@@ -147,10 +167,10 @@ static __device__ __forceinline__ void mma_bf16_16816(float *d, uint32_t a0, uin
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <typename OutT>
+template <typename OutT, typename XT>
 static __global__ void __launch_bounds__(MMA_WARPS *WARP_SIZE)
     gemm_bf16_gemv_tc_kernel(OutT *__restrict__ y, const uint16_t *__restrict__ w,
-                             const uint16_t *__restrict__ x, const float *residual, int rows,
+                             const XT *__restrict__ x, const float *residual, int rows,
                              int cols, int n_mat, int n_tok)
 {
     __shared__ float4 red[MMA_WARPS][WARP_SIZE];
@@ -163,8 +183,8 @@ static __global__ void __launch_bounds__(MMA_WARPS *WARP_SIZE)
     // Rows past the end are clamped (their sums are not stored); so are absent tokens' inputs
     // (not loaded: zeros).
     const uint16_t *wr = w + ((size_t) m * rows + min(r0 + g, rows - 1)) * cols;
-    const uint4 *x0 = (const uint4 *) (x + ((size_t) min(g, n_tok - 1) * n_mat + m) * cols);
-    const uint4 *x1 = (const uint4 *) (x + ((size_t) min(g + 8, n_tok - 1) * n_mat + m) * cols);
+    const XT *x0 = x + ((size_t) min(g, n_tok - 1) * n_mat + m) * cols;
+    const XT *x1 = x + ((size_t) min(g + 8, n_tok - 1) * n_mat + m) * cols;
     const bool has0 = g < n_tok, has1 = g + 8 < n_tok;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 
@@ -176,8 +196,8 @@ static __global__ void __launch_bounds__(MMA_WARPS *WARP_SIZE)
             const int ch = (t0 + u * MMA_WARPS) * 4 + c;
             const bool ok = ch < n_chunks;
             wv[u] = ok ? ld_stream_u4(wr + (size_t) ch * 8) : zero;
-            xa[u] = ok && has0 ? __ldg(x0 + ch) : zero;
-            xb[u] = ok && has1 ? __ldg(x1 + ch) : zero;
+            xa[u] = ok && has0 ? load_x8(x0, ch) : zero;
+            xb[u] = ok && has1 ? load_x8(x1, ch) : zero;
         }
 #pragma unroll
         for (int u = 0; u < MMA_TILES_IN_FLIGHT; u++) {
@@ -212,8 +232,8 @@ static __global__ void __launch_bounds__(MMA_WARPS *WARP_SIZE)
 // ---------------------------------------------------------------------------
 // Launchers
 
-template <int R, int NT>
-static void launch_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
+template <int R, int NT, typename XT>
+static void launch_gemv(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
                         const float *residual, int rows, int cols, int n_mat, int n_tok,
                         cudaStream_t stream)
 {
@@ -221,16 +241,16 @@ static void launch_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16
     const dim3 grid((unsigned) CEIL_DIV(n_warps, GEMV_WARPS));
     const dim3 block(GEMV_WARPS * WARP_SIZE);
     if (y_type == GEMM_OUT_F32)
-        gemm_bf16_gemv_kernel<R, NT, float>
+        gemm_bf16_gemv_kernel<R, NT, float, XT>
             <<<grid, block, 0, stream>>>((float *) y, w, x, residual, rows, cols, n_mat, n_tok);
     else
-        gemm_bf16_gemv_kernel<R, NT, uint16_t>
+        gemm_bf16_gemv_kernel<R, NT, uint16_t, XT>
             <<<grid, block, 0, stream>>>((uint16_t *) y, w, x, residual, rows, cols, n_mat, n_tok);
     CUDA_CHECK(cudaGetLastError());
 }
 
-template <int R>
-static void launch_gemv_r(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
+template <int R, typename XT>
+static void launch_gemv_r(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
                           const float *residual, int rows, int cols, int n_mat, int n_tok,
                           cudaStream_t stream)
 {
@@ -247,7 +267,7 @@ static void launch_gemv_r(void *y, GemmOut y_type, const uint16_t *w, const uint
 }
 
 // The preconditions both GEMVs share (gemm.h).
-static void check_gemv(GemmOut y_type, const uint16_t *w, const uint16_t *x, const float *residual,
+static void check_gemv(GemmOut y_type, const uint16_t *w, const void *x, const float *residual,
                        int rows, int cols, int n_mat, int n_tok)
 {
     ASSERT(rows > 0 && cols > 0 && n_mat > 0 && cols % 8 == 0);
@@ -256,9 +276,10 @@ static void check_gemv(GemmOut y_type, const uint16_t *w, const uint16_t *x, con
     ASSERT(residual == NULL || y_type == GEMM_OUT_F32);
 }
 
-void gemm_bf16_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
-                    const float *residual, int rows, int cols, int n_mat, int n_tok,
-                    cudaStream_t stream)
+template <typename XT>
+static void gemv_any(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
+                     const float *residual, int rows, int cols, int n_mat, int n_tok,
+                     cudaStream_t stream)
 {
     check_gemv(y_type, w, x, residual, rows, cols, n_mat, n_tok);
     // Four rows per warp reuse each input load four times, but only when that still leaves
@@ -269,21 +290,50 @@ void gemm_bf16_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *
         launch_gemv_r<1>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
 }
 
-void gemm_bf16_gemv_tc(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
-                       const float *residual, int rows, int cols, int n_mat, int n_tok,
-                       cudaStream_t stream)
+template <typename XT>
+static void gemv_tc_any(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
+                        const float *residual, int rows, int cols, int n_mat, int n_tok,
+                        cudaStream_t stream)
 {
     check_gemv(y_type, w, x, residual, rows, cols, n_mat, n_tok);
     const long n_blocks = (long) n_mat * CEIL_DIV(rows, 8);
     ASSERT(n_blocks <= 0x7fffffffL);
     const dim3 grid((unsigned) n_blocks), block(MMA_WARPS * WARP_SIZE);
     if (y_type == GEMM_OUT_F32)
-        gemm_bf16_gemv_tc_kernel<float>
+        gemm_bf16_gemv_tc_kernel<float, XT>
             <<<grid, block, 0, stream>>>((float *) y, w, x, residual, rows, cols, n_mat, n_tok);
     else
-        gemm_bf16_gemv_tc_kernel<uint16_t>
+        gemm_bf16_gemv_tc_kernel<uint16_t, XT>
             <<<grid, block, 0, stream>>>((uint16_t *) y, w, x, residual, rows, cols, n_mat, n_tok);
     CUDA_CHECK(cudaGetLastError());
+}
+
+void gemm_bf16_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
+                    const float *residual, int rows, int cols, int n_mat, int n_tok,
+                    cudaStream_t stream)
+{
+    gemv_any(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+}
+
+void gemm_bf16_gemv_tc(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
+                       const float *residual, int rows, int cols, int n_mat, int n_tok,
+                       cudaStream_t stream)
+{
+    gemv_tc_any(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+}
+
+void gemm_bf16_gemv_f32x(void *y, GemmOut y_type, const uint16_t *w, const float *x,
+                         const float *residual, int rows, int cols, int n_mat, int n_tok,
+                         cudaStream_t stream)
+{
+    gemv_any(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+}
+
+void gemm_bf16_gemv_tc_f32x(void *y, GemmOut y_type, const uint16_t *w, const float *x,
+                            const float *residual, int rows, int cols, int n_mat, int n_tok,
+                            cudaStream_t stream)
+{
+    gemv_tc_any(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
 }
 
 // ---------------------------------------------------------------------------

@@ -57,6 +57,16 @@ void gemm_bf16_gemv_tc(void *y, GemmOut y_type, const uint16_t *w, const uint16_
                        const float *residual, int rows, int cols, int n_mat, int n_tok,
                        cudaStream_t stream);
 
+// The two GEMVs with fp32 inputs x [n_tok, n_mat, cols] rounded to bf16 (nearest even) as
+// they are read: the same products as on act_to_bf16(x) (kernels/act.h), without the extra
+// launch and buffer. Same preconditions (x 16-byte aligned).
+void gemm_bf16_gemv_f32x(void *y, GemmOut y_type, const uint16_t *w, const float *x,
+                         const float *residual, int rows, int cols, int n_mat, int n_tok,
+                         cudaStream_t stream);
+void gemm_bf16_gemv_tc_f32x(void *y, GemmOut y_type, const uint16_t *w, const float *x,
+                            const float *residual, int rows, int cols, int n_mat, int n_tok,
+                            cudaStream_t stream);
+
 typedef struct GemmLt {
     void *handle;     // cublasLtHandle_t
     void *workspace;  // device memory, workspace_bytes

@@ -105,6 +105,8 @@ static __global__ void mla_q_split_kernel(uint16_t *__restrict__ q_nope, float *
     const float *qh = q + ((size_t) t * n_heads + h) * 256;
     if (tid < 192) {
         q_nope[((size_t) t * n_heads + h) * 192 + tid] = f32_to_bf16_bits(qh[tid]);
+    } else if (!pos) {  // q_pe already rotated
+        q_pe[((size_t) t * n_heads + h) * MLA_ROPE + tid - 192] = qh[tid];
     } else if (tid < 192 + MLA_ROPE / 2) {
         const int i = tid - 192;
         const double inv_freq = pow((double) theta, -2.0 * i / MLA_ROPE);
@@ -349,7 +351,7 @@ void mla_cache_append(const MlaCache *cache, const float *ckv, int ckv_stride,
 void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, const int32_t *pos, int n_tok,
                  int n_heads, float theta, cudaStream_t stream)
 {
-    ASSERT(n_tok > 0 && n_heads > 0 && theta > 0.0f);
+    ASSERT(n_tok > 0 && n_heads > 0 && (!pos || theta > 0.0f));
     mla_q_split_kernel<<<dim3(n_heads, n_tok), 256, 0, stream>>>(q_nope, q_pe, q, pos, n_heads,
                                                                  theta);
     CUDA_CHECK(cudaGetLastError());

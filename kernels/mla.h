@@ -72,7 +72,8 @@ void mla_cache_append(const MlaCache *cache, const float *ckv, int ckv_stride,
                       cudaStream_t stream);
 
 // q fp32 [n_tok, H, 256] = [q_nope(192) | q_pe(64)] per head (the q_b projection output) ->
-// q_nope bf16 [n_tok, H, 192] and q_pe fp32 [n_tok, H, 64] rotated at pos[t].
+// q_nope bf16 [n_tok, H, 192] and q_pe fp32 [n_tok, H, 64] rotated at pos[t]; with pos NULL,
+// q_pe is taken as already rotated and copied (the engine rotates q itself).
 void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, const int32_t *pos, int n_tok,
                  int n_heads, float theta, cudaStream_t stream);
 

@@ -1,9 +1,10 @@
 /*
  * moe.cu - fused router and NVFP4 routed experts for decode.
  *
- * Router: one warp per token. Lane l holds experts l, l+32, ... (at most 16 per lane); group
- * scores and the k selections are warp argmax reductions (value, then lower index), so the
- * result does not depend on timing. Any expert count up to MOE_MAX_EXPERTS works, incl. 156.
+ * Router: kernels/moe_router.h's arithmetic (double) with one warp per token. Lane l holds
+ * experts l, l+32, ... (at most 16 per lane); group scores and the k selections are warp
+ * argmax reductions (value, then lower index), so the result equals the serial code's bit for
+ * bit and does not depend on timing. Any expert count up to MOE_MAX_EXPERTS works, incl. 156.
  *
  * w13 (gate+up, SwiGLU fused): grid (inter/16, n_tok*k); a block is 8 warps, each warp owns
  * two output features i, i+1 and reads four rows (gate i, gate i+1, up i, up i+1) of its
@@ -38,118 +39,136 @@ enum { MOE_WARPS = 8 };
 // ---------------------------------------------------------------------------
 // Router kernel
 
-// Warp-wide argmax over (v, i): larger v wins, then smaller i.
-static __device__ void warp_argmax(float *v, int *i)
+enum { ROUTE_NONE = 0x7fffffff, ROUTE_PER_LANE = MOE_MAX_EXPERTS / WARP_SIZE };
+
+// (v, i) beats (bv, bi) as moe_router_argmax() ranks them: any candidate beats none, then the
+// larger value, then the lower index.
+static __device__ __forceinline__ bool route_beats(double v, int i, double bv, int bi)
+{
+    return bi == ROUTE_NONE || v > bv || (v == bv && i < bi);
+}
+
+// Warp-wide argmax of each lane's best (v, i); every lane gets the winner.
+static __device__ void route_argmax(double *v, int *i)
 {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, *v, o);
+        const double ov = __shfl_xor_sync(0xffffffffu, *v, o);
         const int oi = __shfl_xor_sync(0xffffffffu, *i, o);
-        if (ov > *v || (ov == *v && oi < *i)) {
+        if (oi != ROUTE_NONE && route_beats(ov, oi, *v, *i)) {
             *v = ov;
             *i = oi;
         }
     }
 }
 
+// The best expert of group g (g < 0: of all) among those not in `skip` (a bit per j) and not
+// `except`; ROUTE_NONE when none. Lane l holds experts l, l + 32, ...
+static __device__ int route_best(const double *v, unsigned skip, int except, int g,
+                                 int per_group, int n_experts, double *best)
+{
+    const int lane = threadIdx.x % WARP_SIZE;
+    double bv = 0.0;
+    int bi = ROUTE_NONE;
+#pragma unroll
+    for (int j = 0; j < ROUTE_PER_LANE; j++) {
+        const int e = lane + WARP_SIZE * j;
+        if (e < n_experts && !(skip >> j & 1) && e != except && (g < 0 || e / per_group == g)
+            && route_beats(v[j], e, bv, bi)) {
+            bv = v[j];
+            bi = e;
+        }
+    }
+    route_argmax(&bv, &bi);
+    *best = bv;
+    return bi;
+}
+
+// moe_router_token() (kernels/moe_router.h) for one token a warp: the same double arithmetic
+// in the same order, with the argmax scans split over the lanes (exact: a max and the lowest
+// index among equals do not depend on the order of the comparisons).
 static __global__ void moe_route_kernel(int32_t *__restrict__ idx, float *__restrict__ w,
                                         const float *__restrict__ logits,
                                         const float *__restrict__ bias, int n_tok, int n_experts,
-                                        int k, int n_group, int topk_group, float scale)
+                                        int k, int n_group, int topk_group, bool norm_topk_prob,
+                                        float scale, bool is_ascending)
 {
-    enum { PER_LANE = MOE_MAX_EXPERTS / WARP_SIZE };
     const int lane = threadIdx.x % WARP_SIZE;
     const int t = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     if (t >= n_tok) return;
     const float *lg = logits + (size_t) t * n_experts;
+    const int per_group = n_experts / n_group;
 
-    float s[PER_LANE], choice[PER_LANE];
+    double s[ROUTE_PER_LANE], choice[ROUTE_PER_LANE];
 #pragma unroll
-    for (int j = 0; j < PER_LANE; j++) {
+    for (int j = 0; j < ROUTE_PER_LANE; j++) {
         const int e = lane + WARP_SIZE * j;
-        s[j] = 0.0f;
-        choice[j] = -INFINITY;
+        s[j] = 0.0;
+        choice[j] = 0.0;
         if (e < n_experts) {
-            s[j] = 1.0f / (1.0f + expf(-lg[e]));
-            choice[j] = s[j] + bias[e];
-            if (isnan(choice[j])) {  // never select through a NaN; keeps idx in range
-                s[j] = 0.0f;
-                choice[j] = -INFINITY;
-            }
+            s[j] = 1.0 / (1.0 + exp(-(double) lg[e]));
+            choice[j] = s[j] + (bias ? bias[e] : 0.0f);
         }
     }
-
-    if (n_group > 1) {
-        const int per_group = n_experts / n_group;
-        float gscore[MOE_MAX_GROUPS];
+    if (topk_group < n_group) {  // else every group stays and the group scores do not matter
+        double gscore = 0.0;     // lane g holds group g's
         for (int g = 0; g < n_group; g++) {
-            float top2 = 0.0f;
-            int taken = -1;
-            for (int r = 0; r < 2; r++) {
-                float bv = -INFINITY;
-                int bi = 0x7fffffff;
-#pragma unroll
-                for (int j = 0; j < PER_LANE; j++) {
-                    const int e = lane + WARP_SIZE * j;
-                    if (e < n_experts && e / per_group == g && e != taken && choice[j] > bv) {
-                        bv = choice[j];
-                        bi = e;
-                    }
-                }
-                warp_argmax(&bv, &bi);
-                top2 += bv;
-                taken = bi;
-            }
-            gscore[g] = top2;
+            double a, b;
+            const int ia = route_best(choice, 0u, -1, g, per_group, n_experts, &a);
+            const int ib = route_best(choice, 0u, ia, g, per_group, n_experts, &b);
+            if (lane == g) gscore = a + (ib != ROUTE_NONE ? b : 0.0);
         }
-        // Keep the topk_group best groups (ties to the lower group), mask the rest.
         unsigned keep = 0;
         for (int r = 0; r < topk_group; r++) {
-            int best = -1;
-            for (int g = 0; g < n_group; g++)
-                if (!(keep >> g & 1) && (best < 0 || gscore[g] > gscore[best])) best = g;
-            keep |= 1u << best;
+            double bv = gscore;
+            int bi = lane < n_group && !(keep >> lane & 1) ? lane : ROUTE_NONE;
+            route_argmax(&bv, &bi);
+            keep |= 1u << bi;
         }
 #pragma unroll
-        for (int j = 0; j < PER_LANE; j++) {
+        for (int j = 0; j < ROUTE_PER_LANE; j++) {
             const int e = lane + WARP_SIZE * j;
             if (e < n_experts && !(keep >> (e / per_group) & 1)) choice[j] = -INFINITY;
         }
     }
 
-    float picked_s = 0.0f, sum = 0.0f;
-    int picked_e = 0;
+    int chosen[MOE_MAX_K];
+    double chosen_s[MOE_MAX_K];
+    unsigned taken = 0;
     for (int r = 0; r < k; r++) {
-        float bv = -INFINITY;
-        int bi = 0x7fffffff;
+        double bv;
+        const int bi = route_best(choice, taken, -1, -1, 1, n_experts, &bv);
+        double sv = 0.0;
 #pragma unroll
-        for (int j = 0; j < PER_LANE; j++) {
-            const int e = lane + WARP_SIZE * j;
-            if (e < n_experts && (choice[j] > bv || (choice[j] == bv && e < bi))) {
-                bv = choice[j];
-                bi = e;
-            }
-        }
-        warp_argmax(&bv, &bi);
-        // The owner lane removes the winner and broadcasts its sigmoid score.
-        float sv = 0.0f;
-#pragma unroll
-        for (int j = 0; j < PER_LANE; j++) {
+        for (int j = 0; j < ROUTE_PER_LANE; j++)
             if (lane + WARP_SIZE * j == bi) {
                 sv = s[j];
-                choice[j] = -INFINITY;
+                taken |= 1u << j;
             }
-        }
-        sv = __shfl_sync(0xffffffffu, sv, bi % WARP_SIZE);
-        sum += sv;
-        if (lane == r) {
-            picked_s = sv;
-            picked_e = bi;
-        }
+        chosen[r] = bi;
+        chosen_s[r] = __shfl_sync(0xffffffffu, sv, bi % WARP_SIZE);
     }
+    // The sum runs over the chosen experts in ascending order, as moe_router_token's does.
+    int order[MOE_MAX_K];
+    for (int r = 0; r < k; r++) {
+        int i = r;
+        for (; i > 0 && chosen[order[i - 1]] > chosen[r]; i--) order[i] = order[i - 1];
+        order[i] = r;
+    }
+    double sum = 0.0;
+    for (int r = 0; r < k; r++) sum += chosen_s[order[r]];
     if (lane < k) {
-        idx[(size_t) t * k + lane] = picked_e;
-        w[(size_t) t * k + lane] = picked_s / (sum + 1e-20f) * scale;
+        double v = 0.0;
+        int e = 0;
+        for (int r = 0; r < k; r++)  // registers, not a dynamically indexed array
+            if (r == lane) {
+                const int c = is_ascending ? order[r] : r;
+                e = chosen[c];
+                v = chosen_s[c];
+            }
+        if (norm_topk_prob) v /= sum + 1e-20;
+        idx[(size_t) t * k + lane] = e;
+        w[(size_t) t * k + lane] = (float) (v * scale);
     }
 }
 
@@ -309,17 +328,17 @@ static __global__ void __launch_bounds__(MOE_WARPS *WARP_SIZE)
 // Launchers
 
 void moe_route(int32_t *idx, float *w, const float *logits, const float *bias, int n_tok,
-               int n_experts, int k, int n_group, int topk_group, float scale,
-               cudaStream_t stream)
+               int n_experts, int k, int n_group, int topk_group, bool norm_topk_prob,
+               float scale, bool is_ascending, cudaStream_t stream)
 {
     ASSERT(n_tok > 0 && n_experts > 0 && n_experts <= MOE_MAX_EXPERTS);
-    ASSERT(k >= 1 && k <= MOE_MAX_K && k <= WARP_SIZE);
+    ASSERT(k >= 1 && k <= MOE_MAX_K && k <= n_experts);
     ASSERT(n_group >= 1 && n_group <= MOE_MAX_GROUPS && n_experts % n_group == 0);
     ASSERT(topk_group >= 1 && topk_group <= n_group);
-    ASSERT(k <= topk_group * (n_experts / n_group));
     const int warps = 4;
     moe_route_kernel<<<CEIL_DIV(n_tok, warps), warps * WARP_SIZE, 0, stream>>>(
-        idx, w, logits, bias, n_tok, n_experts, k, n_group, topk_group, scale);
+        idx, w, logits, bias, n_tok, n_experts, k, n_group, topk_group, norm_topk_prob, scale,
+        is_ascending);
     CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,20 +1,12 @@
 /*
  * moe.h - mixture-of-experts decode: the fused router and the routed experts in NVFP4.
  *
- * Router (GLM-5 / DeepSeek-V3 "noaux_tc", transformers 5.17 GlmMoeDsaTopkRouter), per token
- * t, E experts (kernels/moe_router.h is the double-precision one the backends run):
- *
- *   s[e]      = sigmoid(logits[t, e])                     fp32
- *   choice[e] = s[e] + bias[e]
- *   groups:   E/n_group experts per group; a group's score is the sum of its two largest
- *             choices; the topk_group best groups stay, the rest are masked to -inf
- *   idx[t, :] = the k experts with the largest choice, in descending order of choice,
- *               ties to the lower expert index
- *   w[t, j]   = s[idx[t, j]] / (sum_j s[idx[t, j]] + 1e-20) * scale    (norm_topk_prob)
- *
- * logits come from gemm_bf16_gemv over the router weight (fp32 accumulation of bf16 weights
- * and bf16 inputs, i.e. the checkpoint's weight upcast exactly).
- *
+ * Router (GLM-5 / DeepSeek-V3 "noaux_tc", transformers 5.17 GlmMoeDsaTopkRouter): exactly
+ * kernels/moe_router.h's moe_router_token() for each token (sigmoid, biased choice, group
+ * scores, ties to the lower expert index, the weight sum in ascending expert order, all in
+ * double), so the GPU and the CPU backend choose the same experts with the same weights bit
+ * for bit. logits come from the router weight's GEMV (fp32).
+
  * Experts, stacked, as the checkpoint stores them per expert (layout of nvfp4.h):
  *
  *   q13    uint8 [E, 2*inter, hidden/2]   rows [0, inter) = gate_proj, [inter, 2 inter) = up_proj
@@ -40,6 +32,7 @@
 #define KERNELS_MOE_H
 
 #include <cuda_runtime_api.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -61,12 +54,11 @@ typedef struct MoeExperts {
 } MoeExperts;
 
 // idx int32 [n_tok, k], w fp32 [n_tok, k], logits fp32 [n_tok, n_experts], bias fp32
-// [n_experts]. n_experts % n_group == 0; 1 <= topk_group <= n_group; k <= experts in the
-// kept groups; with n_group > 1, at least two experts a group (transformers takes each
-// group's top 2; kernels/moe_router.h also scores one-expert groups, this kernel does not).
+// [n_experts] or NULL. n_experts % n_group == 0; 1 <= topk_group <= n_group; k <= n_experts.
+// is_ascending: each token's experts in ascending id order, else in the order chosen.
 void moe_route(int32_t *idx, float *w, const float *logits, const float *bias, int n_tok,
-               int n_experts, int k, int n_group, int topk_group, float scale,
-               cudaStream_t stream);
+               int n_experts, int k, int n_group, int topk_group, bool norm_topk_prob,
+               float scale, bool is_ascending, cudaStream_t stream);
 
 // act bf16 [n_tok*k, inter]; x bf16 [n_tok, hidden]; idx int32 [n_tok, k].
 void moe_experts_w13(uint16_t *act, const MoeExperts *ex, const uint16_t *x, const int32_t *idx,

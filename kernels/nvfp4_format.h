@@ -1,5 +1,6 @@
 /*
- * nvfp4_format.h - decode one E2M1 weight code and one E4M3 group scale.
+ * nvfp4_format.h - decode one E2M1 weight code and one E4M3 group scale; the E4M3 and bf16
+ * encoders of plain C code.
  *
  * Shared by the CUDA kernels, the C references and the CPU backend so that all of them read
  * the format identically; tests/kernels/test_kern_ref.c pins the values. NVFP4 as
@@ -74,6 +75,29 @@ NVFP4_FN uint8_t nvfp4_float_to_e4m3(float f)
     if (rest > 0x80000u || (rest == 0x80000u && (code & 1))) code++;
     if (code > 0x7e) code = 0x7e;  // 448 < |f| < 464 rounds to 480, beyond the format: saturate
     return (uint8_t) (sign | code);
+}
+
+// bf16 bits -> float (exact).
+NVFP4_FN float nvfp4_bf16_to_float(uint16_t b)
+{
+    return nvfp4_bits_to_float((uint32_t) b << 16);
+}
+
+// float -> bf16 bits, round to nearest even; NaN stays NaN (quiet). The rounding of the bf16
+// precision recipe (engine/model/backend.h) on the CPU, equal to CUDA's __float2bfloat16_rn.
+NVFP4_FN uint16_t nvfp4_float_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t) ((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t) (u >> 16);
+}
+
+// f rounded to bf16 and back.
+NVFP4_FN float nvfp4_round_bf16(float f)
+{
+    return nvfp4_bf16_to_float(nvfp4_float_to_bf16(f));
 }
 
 #endif  // KERNELS_NVFP4_FORMAT_H

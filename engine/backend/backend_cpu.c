@@ -44,6 +44,8 @@ typedef struct CpuImpl {
     size_t route_cap;   // bytes
     float *moe_buf;  // gathered tokens and expert activations for moe(), owned
     size_t moe_cap;  // floats
+    float *round_buf;  // matmul inputs rounded to bf16 (the BF16 recipe), owned
+    size_t round_cap;  // floats
 } CpuImpl;
 
 // ---------------------------------------------------------------------------
@@ -241,6 +243,26 @@ static void cpu_matmul(Backend *be, float *y, const CkptLinear *w, const float *
     MatmulJob job = {impl, y, w, x, n, rows_per_task};
     run_tasks(impl, (w->rows + rows_per_task - 1) / rows_per_task, matmul_task, &job,
               (double) w->rows * w->cols * n);
+}
+
+// The matmul op: under the BF16 recipe a tuned weight's input is rounded to bf16 first.
+static void cpu_matmul_op(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+{
+    CpuImpl *impl = be->impl;
+    if (be->precision != BACKEND_PRECISION_BF16 || !backend_matmul_tuned(w) || n == 0) {
+        cpu_matmul(be, y, w, x, n);
+        return;
+    }
+    const size_t need = (size_t) n * (size_t) w->cols;
+    if (impl->round_cap < need) {
+        free(impl->round_buf);
+        impl->round_buf = malloc(need * sizeof(float));
+        if (!impl->round_buf) log_fatal(__FILE__, __LINE__, "out of memory (%zu floats)", need);
+        impl->round_cap = need;
+    }
+    for (size_t i = 0; i < need; i++)
+        impl->round_buf[i] = nvfp4_round_bf16(x[i]);
+    cpu_matmul(be, y, w, impl->round_buf, n);
 }
 
 static void cpu_embed(Backend *be, float *y, const CkptLinear *table, const int *ids, int n)
@@ -483,7 +505,18 @@ typedef struct MlaJob {
     const int *n_sel;
     int sel_stride;
     const BackendMla *p;
+    bool bf16;  // BACKEND_PRECISION_BF16 on a tuned shape (backend.h)
 } MlaJob;
+
+// Row r of kv_b as fp32, rounded to bf16 under the BF16 recipe.
+static const float *kv_b_row(const CkptLinear *kv_b, int r, float *buf, bool bf16)
+{
+    const float *row = linear_row(kv_b, r, buf);
+    if (!bf16) return row;
+    for (int c = 0; c < kv_b->cols; c++)
+        buf[c] = nvfp4_round_bf16(row[c]);
+    return buf;
+}
 
 static void mla_task(void *ctx, int task, int thread)
 {
@@ -507,13 +540,14 @@ static void mla_task(void *ctx, int task, int thread)
 
     const float *qt = job->q + ((size_t) t * H + h) * qk;
     const int row0 = h * (p->qk_nope + p->v_dim);
+    const bool bf16 = job->bf16;
 
     // q_lat = W_uk[h]^T q_nope
     for (int c = 0; c < L; c++)
         q_lat[c] = 0.0;
     for (int i = 0; i < p->qk_nope; i++) {
-        const float *w = linear_row(job->kv_b, row0 + i, row_buf);
-        const double qi = qt[i];
+        const float *w = kv_b_row(job->kv_b, row0 + i, row_buf, bf16);
+        const double qi = bf16 ? nvfp4_round_bf16(qt[i]) : qt[i];
         for (int c = 0; c < L; c++)
             q_lat[c] += qi * w[c];
     }
@@ -545,11 +579,14 @@ static void mla_task(void *ctx, int task, int thread)
         for (int c = 0; c < L; c++)
             o_lat[c] += pj * e[c];
     }
+    if (bf16)
+        for (int c = 0; c < L; c++)
+            o_lat[c] = nvfp4_round_bf16((float) o_lat[c]);
 
     // out = W_uv[h] o_lat
     float *ot = job->out + ((size_t) t * H + h) * p->v_dim;
     for (int j = 0; j < p->v_dim; j++) {
-        const float *w = linear_row(job->kv_b, row0 + p->qk_nope + j, row_buf);
+        const float *w = kv_b_row(job->kv_b, row0 + p->qk_nope + j, row_buf, bf16);
         double d = 0.0;
         for (int c = 0; c < L; c++)
             d += w[c] * o_lat[c];
@@ -571,7 +608,9 @@ static void cpu_mla_attention(Backend *be, float *out, const float *q, const Ckp
         if (pos[t] + 1 > max_visible) max_visible = pos[t] + 1;
     ensure_scratch(impl, ((size_t) 2 * p->kv_lora + max_visible) * sizeof(double)
                              + ((size_t) p->kv_lora + (size_t) kv_entry_values(kv, layer)) * sizeof(float));
-    MlaJob job = {impl, out, q, kv_b, kv, s, layer, sel, n_sel, sel_stride, p};
+    const bool bf16 =
+        be->precision == BACKEND_PRECISION_BF16 && backend_mla_tuned(p, &kv->entry[layer]);
+    MlaJob job = {impl, out, q, kv_b, kv, s, layer, sel, n_sel, sel_stride, p, bf16};
     double work = 0.0;
     for (int t = 0; t < n; t++)
         work += (double) p->n_heads * p->kv_lora
@@ -612,14 +651,19 @@ static void cpu_moe(Backend *be, float *out, const float *x, int n, const int *i
     float *we = u + (size_t) n * inter;    // [n] routing weights
     int *tok = (int *) (we + n);           // [n] token of each row
 
+    const bool bf16 = be->precision == BACKEND_PRECISION_BF16
+                      && backend_moe_tuned(experts, n_experts, top_k);
     memset(out, 0, (size_t) n * hidden * sizeof(float));
     for (int e = 0; e < n_experts; e++) {
         int cnt = 0;
         for (int t = 0; t < n; t++)
             for (int k = 0; k < top_k; k++)
                 if (idx[(size_t) t * top_k + k] == e) {
-                    memcpy(xe + (size_t) cnt * hidden, x + (size_t) t * hidden,
-                           (size_t) hidden * sizeof(float));
+                    float *row = xe + (size_t) cnt * hidden;
+                    memcpy(row, x + (size_t) t * hidden, (size_t) hidden * sizeof(float));
+                    if (bf16)
+                        for (int c = 0; c < hidden; c++)
+                            row[c] = nvfp4_round_bf16(row[c]);
                     we[cnt] = wts[(size_t) t * top_k + k];
                     tok[cnt++] = t;
                 }
@@ -630,6 +674,9 @@ static void cpu_moe(Backend *be, float *out, const float *x, int n, const int *i
         cpu_matmul(be, g, &w[0], xe, cnt);
         cpu_matmul(be, u, &w[1], xe, cnt);
         cpu_silu_mul(be, g, g, u, cnt * inter);
+        if (bf16)
+            for (size_t i = 0; i < (size_t) cnt * inter; i++)
+                g[i] = nvfp4_round_bf16(g[i]);
         cpu_matmul(be, ye, &w[2], g, cnt);
         for (int i = 0; i < cnt; i++) {
             float *o = out + (size_t) tok[i] * hidden;
@@ -668,6 +715,22 @@ static Err cpu_bind_linear(Backend *be, CkptLinear *w)
     return ERR_OK;
 }
 
+static Err cpu_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
+{
+    (void) be;
+    (void) experts;  // read in place, as bind_linear
+    (void) n_experts;
+    return ERR_OK;
+}
+
+static Err cpu_bind_kv_b(Backend *be, const CkptLinear *kv_b, const BackendMla *p)
+{
+    (void) be;
+    (void) kv_b;  // mla_attention reads kv_b itself
+    (void) p;
+    return ERR_OK;
+}
+
 static void cpu_destroy(Backend *be)
 {
     if (!be) return;
@@ -678,6 +741,7 @@ static void cpu_destroy(Backend *be)
             free(impl->scratch[t]);
         free(impl->route_buf);
         free(impl->moe_buf);
+        free(impl->round_buf);
         free(impl);
     }
     free(be);
@@ -708,7 +772,9 @@ Err backend_cpu_create(int n_threads, Backend **out)
     be->upload = cpu_copy;
     be->download = cpu_copy;
     be->bind_linear = cpu_bind_linear;
-    be->matmul = cpu_matmul;
+    be->bind_experts = cpu_bind_experts;
+    be->bind_kv_b = cpu_bind_kv_b;
+    be->matmul = cpu_matmul_op;
     be->embed = cpu_embed;
     be->rmsnorm = cpu_rmsnorm;
     be->layernorm = cpu_layernorm;

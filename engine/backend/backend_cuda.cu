@@ -59,7 +59,10 @@
 
 #include "engine/shared/clock.h"
 #include "engine/shared/cuda_check.h"
-#include "kernels/moe_router.h"
+#include "kernels/act.h"
+#include "kernels/gemm.h"
+#include "kernels/mla.h"
+#include "kernels/moe.h"
 #include "kernels/nvfp4_format.h"
 
 enum {
@@ -68,10 +71,15 @@ enum {
     SCRATCH_C,
     SCRATCH_D,
     SCRATCH_E,  // MoE slot grouping
+    SCRATCH_X,  // bf16 inputs of the tuned kernels (x, q_nope)
+    SCRATCH_Y,  // their intermediates (expert activations, q_pe, o_lat)
+    SCRATCH_Z,  // q_lat, mla_decode's split workspace
     N_SCRATCH,
     MAX_POOLS = 16,
     MAX_STEPS = 16,  // step block tables kept (the main cache's, the MTP layer's, ...)
     MAX_EXPERT_TABLES = 512,
+    MAX_KV_B = 512,
+    MOE_CHUNK = 2048,  // tokens per launch of the tuned expert kernels (grid rows <= 65535)
     MAX_GRAPHS = 16,
     MAX_GRAPH_KEY = 256,  // key words (caller's and backend's) a graph can be recorded under
     THREADS = 256,
@@ -106,6 +114,20 @@ typedef struct ExpertTable {
     void *dev;
 } ExpertTable;
 
+// A MoE layer's NVFP4 experts stacked as kernels/moe.h reads them (bind_experts); each
+// expert's CkptLinear points into the stack.
+typedef struct ExpertStack {
+    const CkptLinear *experts;
+    MoeExperts ex;
+} ExpertStack;
+
+// A kv_b_proj repacked for the tuned MLA path (bind_kv_b): bf16 W_UK^T [H, kv_lora, qk_nope]
+// and W_UV [H, v_dim, kv_lora].
+typedef struct KvBPack {
+    const CkptLinear *kv_b;
+    uint16_t *uk, *uv;
+} KvBPack;
+
 // A recorded decode step: the key it was captured under and its executable graph.
 typedef struct GraphEntry {
     unsigned long long key[MAX_GRAPH_KEY];
@@ -137,6 +159,7 @@ static const char *const prof_names[N_PROF] = {
 
 typedef struct CudaImpl {
     int device;
+    int n_sm;  // streaming multiprocessors
     cudaStream_t stream;     // every launch and copy
     unsigned long long gen;  // bumped by every device (re)allocation and block-table upload
     bool graphs;             // GLMSPARK_CUDA_GRAPHS != 0
@@ -164,6 +187,11 @@ typedef struct CudaImpl {
     unsigned long long clock;
     ExpertTable tables[MAX_EXPERT_TABLES];
     int n_tables;
+    ExpertStack stacks[MAX_EXPERT_TABLES];
+    int n_stacks;
+    KvBPack kv_bs[MAX_KV_B];
+    int n_kv_b;
+    GemmLt lt;  // cuBLASLt for tuned matmuls of more than GEMM_MAX_TOK tokens
 } CudaImpl;
 
 // A weight as the kernels see it (pointers into device memory).
@@ -525,19 +553,6 @@ static __global__ void k_add(float *y, const float *x, size_t n)
     for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
          i += (size_t) gridDim.x * blockDim.x)
         y[i] = __fadd_rn(y[i], x[i]);
-}
-
-// One block per token; thread 0 runs the router of kernels/moe_router.h (E is small), the
-// CPU backend's code, in the shared work buffer (moe_router_work_bytes(E, G)).
-static __global__ void k_route(int *idx, float *wts, const float *logits, const float *bias,
-                               BackendRoute p)
-{
-    extern __shared__ double sm[];
-    if (threadIdx.x != 0) return;
-    const int E = p.n_experts, K = p.top_k, t = blockIdx.x;
-    moe_router_token(idx + (size_t) t * K, wts + (size_t) t * K, NULL, logits + (size_t) t * E,
-                     bias, E, K, p.n_group, p.topk_group, p.norm_topk_prob, p.routed_scaling_factor,
-                     true, sm);
 }
 
 static __device__ __forceinline__ double warp_sum_double(double v)
@@ -1290,6 +1305,128 @@ static Err cuda_bind_linear(Backend *be, CkptLinear *w)
     return ERR_OK;
 }
 
+// Experts the tuned kernels take (backend_moe_tuned with any top_k they allow) are stacked
+// in one allocation per array as kernels/moe.h lays them out, each CkptLinear rewritten to
+// point into it (so every op can still read them one by one); others are bound one by one.
+static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    // A model loaded after another may reuse a freed experts array's address: forget what
+    // was kept for that address (the device memory stays until destroy, as every weight's).
+    for (int i = 0; i < impl->n_stacks; i++)
+        if (impl->stacks[i].experts == experts) impl->stacks[i--] = impl->stacks[--impl->n_stacks];
+    for (int i = 0; i < impl->n_tables; i++)
+        if (impl->tables[i].host == experts) {
+            impl->gen++;  // graphs may hold the table
+            CUDA_CHECK(cudaFree(impl->tables[i].dev));
+            impl->tables[i--] = impl->tables[--impl->n_tables];
+        }
+    if (!backend_moe_tuned(experts, n_experts, 1) || impl->n_stacks == MAX_EXPERT_TABLES) {
+        for (int i = 0; i < 3 * n_experts; i++) {
+            const Err err = cuda_bind_linear(be, &experts[i]);
+            if (err) return err;
+        }
+        return ERR_OK;
+    }
+    const size_t E = (size_t) n_experts, hidden = (size_t) experts[0].cols,
+                 inter = (size_t) experts[0].rows;
+    for (size_t i = 0; i < 3 * E; i++) {
+        const CkptLinear *w = &experts[i];
+        const bool down = i % 3 == 2;
+        if ((size_t) w->rows != (down ? hidden : inter) || (size_t) w->cols != (down ? inter : hidden)) {
+            LOG_ERROR("%s: expert shape [%d, %d] differs from the layer's", w->name, w->rows,
+                      w->cols);
+            return ERR_INVAL;
+        }
+    }
+    const size_t q13 = E * 2 * inter * hidden / 2, s13 = E * 2 * inter * hidden / NVFP4_GROUP;
+    const size_t q2 = E * hidden * inter / 2, s2 = E * hidden * inter / NVFP4_GROUP;
+    uint8_t *dq13 = (uint8_t *) keep_alloc(impl, q13), *ds13 = (uint8_t *) keep_alloc(impl, s13);
+    uint8_t *dq2 = (uint8_t *) keep_alloc(impl, q2), *ds2 = (uint8_t *) keep_alloc(impl, s2);
+    float *dg13 = (float *) keep_alloc(impl, E * 2 * sizeof(float));
+    float *dg2 = (float *) keep_alloc(impl, E * sizeof(float));
+    float *g = (float *) malloc(E * 3 * sizeof(float));
+    if (!dq13 || !ds13 || !dq2 || !ds2 || !dg13 || !dg2 || !g) {
+        free(g);
+        LOG_ERROR("out of GPU memory binding the %d experts of %s", n_experts, experts[0].name);
+        return ERR_NOMEM;
+    }
+    for (size_t e = 0; e < E; e++)
+        for (int k = 0; k < 3; k++) {
+            CkptLinear *w = &experts[3 * e + k];
+            const size_t nq = (size_t) w->rows * w->cols / 2, ns = (size_t) w->rows * w->cols / NVFP4_GROUP;
+            uint8_t *q = k < 2 ? dq13 + (2 * e + k) * nq : dq2 + e * nq;
+            uint8_t *sc = k < 2 ? ds13 + (2 * e + k) * ns : ds2 + e * ns;
+            CUDA_CHECK(cudaMemcpy(q, w->data, nq, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(sc, w->scale, ns, cudaMemcpyHostToDevice));
+            g[k < 2 ? 2 * e + k : 2 * E + e] = w->global_scale;
+            w->data = q;
+            w->scale = sc;
+        }
+    CUDA_CHECK(cudaMemcpy(dg13, g, E * 2 * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dg2, g + 2 * E, E * sizeof(float), cudaMemcpyHostToDevice));
+    free(g);
+    impl->stacks[impl->n_stacks++] =
+        (ExpertStack){experts, {dq13, ds13, dg13, dq2, ds2, dg2, n_experts, (int) hidden, (int) inter}};
+    return ERR_OK;
+}
+
+// The stack of experts (bind_experts), or NULL.
+static const MoeExperts *expert_stack(const CudaImpl *impl, const CkptLinear *experts)
+{
+    for (int i = 0; i < impl->n_stacks; i++)
+        if (impl->stacks[i].experts == experts) return &impl->stacks[i].ex;
+    return NULL;
+}
+
+// kv_b_proj of a layer the tuned MLA path can take, repacked into bf16 W_UK^T and W_UV per
+// head (rounded to nearest even: exact for a bf16 checkpoint, the recipe's rounding for
+// others). Nothing for other shapes or under the F32 recipe.
+static Err cuda_bind_kv_b(Backend *be, const CkptLinear *kv_b, const BackendMla *p)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    for (int i = 0; i < impl->n_kv_b; i++)  // as in cuda_bind_experts
+        if (impl->kv_bs[i].kv_b == kv_b) impl->kv_bs[i--] = impl->kv_bs[--impl->n_kv_b];
+    if (be->precision != BACKEND_PRECISION_BF16 || !backend_mla_shape_tuned(p)
+        || impl->n_kv_b == MAX_KV_B)
+        return ERR_OK;
+    const size_t H = (size_t) p->n_heads, L = (size_t) p->kv_lora, D = (size_t) p->qk_nope,
+                 V = (size_t) p->v_dim;
+    uint16_t *uk = (uint16_t *) malloc(H * L * D * 2), *uv = (uint16_t *) malloc(H * V * L * 2);
+    float *row = (float *) malloc(L * sizeof(float));
+    if (!uk || !uv || !row) {
+        free(uk), free(uv), free(row);
+        return ERR_NOMEM;
+    }
+    for (size_t h = 0; h < H; h++)
+        for (size_t r = 0; r < D + V; r++) {
+            ckpt_linear_row(kv_b, (int) (h * (D + V) + r), row);
+            for (size_t c = 0; c < L; c++) {
+                const uint16_t b = nvfp4_float_to_bf16(row[c]);
+                if (r < D)
+                    uk[(h * L + c) * D + r] = b;  // transposed: [h][c][r]
+                else
+                    uv[(h * V + (r - D)) * L + c] = b;
+            }
+        }
+    free(row);
+    void *duk = keep_copy(impl, uk, H * L * D * 2), *duv = keep_copy(impl, uv, H * V * L * 2);
+    free(uk), free(uv);
+    if (!duk || !duv) {
+        LOG_ERROR("out of GPU memory repacking %s", kv_b->name ? kv_b->name : "kv_b_proj");
+        return ERR_NOMEM;
+    }
+    impl->kv_bs[impl->n_kv_b++] = (KvBPack){kv_b, (uint16_t *) duk, (uint16_t *) duv};
+    return ERR_OK;
+}
+
+static const KvBPack *kv_b_pack(const CudaImpl *impl, const CkptLinear *kv_b)
+{
+    for (int i = 0; i < impl->n_kv_b; i++)
+        if (impl->kv_bs[i].kv_b == kv_b) return &impl->kv_bs[i];
+    return NULL;
+}
+
 // Launch k_gemv: one token per chunk when n is 1 (decode), else MATMUL_TOK.
 static void launch_gemv(CudaImpl *impl, float *y, DevLin w, const float *x, int n)
 {
@@ -1305,13 +1442,59 @@ static void launch_gemv(CudaImpl *impl, float *y, DevLin w, const float *x, int 
     check_launch("matmul");
 }
 
+// A bf16 weight under the BF16 recipe (backend_matmul_tuned) through kernels/gemm.h: up to
+// GEMM_MAX_TOK tokens a launch with the fp32 input rounded as it is read (tensor cores from 2
+// tokens when the rows fill the chip twice, as tests/bench/bench_stage.cu chooses); more
+// tokens through cuBLASLt on a bf16 copy of the input (rows in 8s).
+static void matmul_tuned(CudaImpl *impl, float *y, const CkptLinear *w, const float *x, int n)
+{
+    const uint16_t *wd = (const uint16_t *) w->data;
+    const int rows = w->rows, cols = w->cols;
+    if (n > GEMM_MAX_TOK && rows % 8 == 0) {
+        uint16_t *xb = (uint16_t *) scratch(impl, SCRATCH_X, (size_t) n * cols * 2);
+        act_to_bf16(xb, x, (size_t) n * cols, impl->stream);
+        gemm_bf16_lt(y, GEMM_OUT_F32, xb, wd, n, rows, cols, &impl->lt, impl->stream);
+        return;
+    }
+    const bool tc = (long) (rows + 7) / 8 >= 2L * impl->n_sm;
+    const bool aligned = (uintptr_t) x % 16 == 0;
+    uint16_t *xb = NULL;
+    if (!aligned) {
+        xb = (uint16_t *) scratch(impl, SCRATCH_X, (size_t) n * cols * 2);
+        act_to_bf16(xb, x, (size_t) n * cols, impl->stream);
+    }
+    for (int t0 = 0; t0 < n; t0 += GEMM_MAX_TOK) {
+        const int nt = n - t0 < GEMM_MAX_TOK ? n - t0 : GEMM_MAX_TOK;
+        float *yt = y + (size_t) t0 * rows;
+        if (xb) {
+            const uint16_t *xt = xb + (size_t) t0 * cols;
+            if (tc && nt >= 2)
+                gemm_bf16_gemv_tc(yt, GEMM_OUT_F32, wd, xt, NULL, rows, cols, 1, nt, impl->stream);
+            else
+                gemm_bf16_gemv(yt, GEMM_OUT_F32, wd, xt, NULL, rows, cols, 1, nt, impl->stream);
+        } else {
+            const float *xt = x + (size_t) t0 * cols;
+            if (tc && nt >= 2)
+                gemm_bf16_gemv_tc_f32x(yt, GEMM_OUT_F32, wd, xt, NULL, rows, cols, 1, nt,
+                                       impl->stream);
+            else
+                gemm_bf16_gemv_f32x(yt, GEMM_OUT_F32, wd, xt, NULL, rows, cols, 1, nt,
+                                    impl->stream);
+        }
+    }
+}
+
 static void cuda_matmul(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
 {
     ASSERT(w->rows > 0 && w->cols > 0 && n >= 0);
     if (n == 0) return;
     CudaImpl *impl = (CudaImpl *) be->impl;
     prof_begin(impl);
-    launch_gemv(impl, y, dev_lin(w), x, n);
+    if (be->precision == BACKEND_PRECISION_BF16 && backend_matmul_tuned(w)
+        && (uintptr_t) w->data % 16 == 0)
+        matmul_tuned(impl, y, w, x, n);
+    else
+        launch_gemv(impl, y, dev_lin(w), x, n);
     prof_end(impl, PROF_MATMUL, lin_bytes(w));
 }
 
@@ -1391,11 +1574,9 @@ static void cuda_route(Backend *be, int *idx, float *wts, const float *logits, c
     ASSERT(E > 0 && p->top_k > 0 && p->top_k <= E && G > 0 && E % G == 0 && p->topk_group > 0
            && p->topk_group <= G);
     if (n == 0) return;
-    const size_t shared = moe_router_work_bytes(E, G);
-    ASSERT(shared <= 48 * 1024);
     prof_begin(impl);
-    k_route<<<n, 32, shared, impl->stream>>>(idx, wts, logits, bias, *p);
-    check_launch("route");
+    moe_route(idx, wts, logits, bias, n, E, p->top_k, G, p->topk_group, p->norm_topk_prob,
+              p->routed_scaling_factor, true, impl->stream);
     prof_end(impl, PROF_ROUTE, 0.0);
 }
 
@@ -1445,6 +1626,76 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
     prof_end(impl, PROF_DSA, 0.0);
 }
 
+static size_t align256(size_t n)
+{
+    return (n + 255) & ~(size_t) 255;
+}
+
+// Per-head products of the tuned MLA path (kernels/gemm.h): y [n, H, rows] fp32 = w [H, rows,
+// cols] x [n, H, cols], GEMM_MAX_TOK tokens a launch, through tensor cores from 2 tokens on
+// (as tests/bench/bench_stage.cu chooses).
+static void head_gemv(CudaImpl *impl, float *y, const uint16_t *w, const uint16_t *x, int rows,
+                      int cols, int n_heads, int n)
+{
+    for (int t0 = 0; t0 < n; t0 += GEMM_MAX_TOK) {
+        const int nt = n - t0 < GEMM_MAX_TOK ? n - t0 : GEMM_MAX_TOK;
+        float *yt = y + (size_t) t0 * n_heads * rows;
+        const uint16_t *xt = x + (size_t) t0 * n_heads * cols;
+        if (nt >= 2)
+            gemm_bf16_gemv_tc(yt, GEMM_OUT_F32, w, xt, NULL, rows, cols, n_heads, nt, impl->stream);
+        else
+            gemm_bf16_gemv(yt, GEMM_OUT_F32, w, xt, NULL, rows, cols, n_heads, nt, impl->stream);
+    }
+}
+
+// MLA attention through kernels/mla.h (backend_mla_tuned layers under the BF16 recipe): q
+// split into bf16 q_nope and fp32 q_pe (already rotated by the model), q_lat = W_UK^T q_nope,
+// split-KV decode over the layer's own pages (kv_cache.h's layout is mla.h's), out = W_UV
+// o_lat. Tokens in chunks of 256 so the workspace stays bounded.
+static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack *pk,
+                      const KvCache *kv, const BackendSeqs *s, int layer, const int *sel,
+                      const int *n_sel, int sel_stride, const BackendMla *p)
+{
+    const int n = s->n, H = p->n_heads, V = p->v_dim, L = MLA_KV_LORA;
+    const KvEntryLayout *lo = &kv->entry[layer];
+    const DevStep *st = dev_step(impl, s->seqs, s->n_seqs);
+    unsigned char *pool = dev_pool(impl, kv);
+    const MlaCache cache = {pool + kv->mla_offset[layer],
+                            lo->dtype == KV_DTYPE_FP8 ? MLA_CACHE_FP8 : MLA_CACHE_BF16,
+                            kv->params.n_blocks};
+    const int cap = seq_capacity(kv, s);
+    const int attended = sel && sel_stride < cap ? sel_stride : cap;
+    const int chunk = n < 256 ? n : 256;
+    // About four CTAs per SM (H / 16 CTAs per token and split), at least 16 positions a split.
+    int n_split = (4 * impl->n_sm + (H / 16) * chunk - 1) / ((H / 16) * chunk);
+    if (n_split > (attended + 15) / 16) n_split = (attended + 15) / 16;
+    if (n_split > MLA_MAX_SPLIT) n_split = MLA_MAX_SPLIT;
+    if (n_split < 1) n_split = 1;
+    const size_t c = (size_t) chunk, h = (size_t) H;
+    const size_t b_nope = align256(c * h * 192 * 2), b_pe = align256(c * h * MLA_ROPE * 4);
+    const size_t b_lat = align256(c * h * L * 4), b_ws = align256(c * n_split * h * L * 4);
+    unsigned char *x = (unsigned char *) scratch(impl, SCRATCH_X, b_nope + b_pe);
+    uint16_t *o_lat = (uint16_t *) scratch(impl, SCRATCH_Y, c * h * L * 2);
+    unsigned char *z = (unsigned char *) scratch(impl, SCRATCH_Z,
+                                                 b_lat + b_ws + c * n_split * h * 2 * 4);
+    uint16_t *q_nope = (uint16_t *) x;
+    float *q_pe = (float *) (x + b_nope), *q_lat = (float *) z, *ws_o = (float *) (z + b_lat);
+    float *ws_ml = (float *) (z + b_lat + b_ws);
+    const int *len = sel ? n_sel : s->len;
+    prof_begin(impl);
+    for (int t0 = 0; t0 < n; t0 += chunk) {
+        const int nc = n - t0 < chunk ? n - t0 : chunk;
+        mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (192 + MLA_ROPE), NULL, nc, H, 0.0f,
+                    impl->stream);
+        head_gemv(impl, q_lat, pk->uk, q_nope, L, 192, H, nc);
+        mla_decode(o_lat, q_lat, q_pe, &cache, st->dev, st->stride, s->seq_of + t0, len + t0,
+                   sel ? sel + (size_t) t0 * sel_stride : NULL, sel_stride, nc, H, p->scale,
+                   n_split, ws_o, ws_ml, impl->stream);
+        head_gemv(impl, out + (size_t) t0 * H * V, pk->uv, o_lat, V, L, H, nc);
+    }
+    prof_end(impl, PROF_MLA, 0.0);
+}
+
 static void cuda_mla_attention(Backend *be, float *out, const float *q, const CkptLinear *kv_b,
                                const KvCache *kv, const BackendSeqs *s, int layer, const int *sel,
                                const int *n_sel, int sel_stride, const BackendMla *p)
@@ -1455,6 +1706,14 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
     const int n = s->n;
     const int *pos = s->pos;
     if (n == 0) return;
+    const KvBPack *pk = be->precision == BACKEND_PRECISION_BF16
+                                && backend_mla_tuned(p, &kv->entry[layer])
+                            ? kv_b_pack(impl, kv_b)
+                            : NULL;
+    if (pk) {
+        mla_tuned(impl, out, q, pk, kv, s, layer, sel, n_sel, sel_stride, p);
+        return;
+    }
     const int cap = sel ? (sel_stride > 0 ? sel_stride : 1) : seq_capacity(kv, s);
     const int n_split = (cap + MLA_SPLIT - 1) / MLA_SPLIT;
     const DevKv d = dev_kv(impl, kv, s, layer);
@@ -1521,6 +1780,27 @@ static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int
     return (const DevLin *) dev;
 }
 
+// Routed experts through kernels/moe.h (stacked NVFP4 experts under the BF16 recipe): x
+// rounded to bf16, gate/up with SwiGLU into bf16 activations, down with the weighted sum.
+static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const int *idx,
+                      const float *wts, int top_k, const MoeExperts *ex)
+{
+    const int chunk = n < MOE_CHUNK ? n : MOE_CHUNK;
+    const size_t hidden = (size_t) ex->hidden, inter = (size_t) ex->inter;
+    uint16_t *xb = (uint16_t *) scratch(impl, SCRATCH_X, (size_t) chunk * hidden * 2);
+    uint16_t *act = (uint16_t *) scratch(impl, SCRATCH_Y, (size_t) chunk * top_k * inter * 2);
+    prof_begin(impl);
+    for (int t0 = 0; t0 < n; t0 += chunk) {
+        const int nc = n - t0 < chunk ? n - t0 : chunk;
+        const size_t k0 = (size_t) t0 * top_k;
+        act_to_bf16(xb, x + (size_t) t0 * hidden, (size_t) nc * hidden, impl->stream);
+        moe_experts_w13(act, ex, xb, idx + k0, nc, top_k, impl->stream);
+        moe_experts_w2(out + (size_t) t0 * hidden, ex, act, idx + k0, wts + k0, NULL, nc, top_k,
+                       impl->stream);
+    }
+    prof_end(impl, PROF_MOE, 0.0);
+}
+
 static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *idx,
                      const float *wts, int top_k, const CkptLinear *experts, int n_experts)
 {
@@ -1532,6 +1812,13 @@ static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *
                && w[1].rows == inter && w[2].rows == hidden && w[2].cols == inter);
     }
     if (n == 0) return;
+    const MoeExperts *ex = be->precision == BACKEND_PRECISION_BF16 && top_k <= MOE_MAX_K
+                               ? expert_stack(impl, experts)
+                               : NULL;
+    if (ex) {
+        moe_tuned(impl, out, x, n, idx, wts, top_k, ex);
+        return;
+    }
     const DevLin *table = expert_table(impl, experts, n_experts);
     const int slots = n * top_k;
     float *hs = (float *) scratch(impl, SCRATCH_A, (size_t) slots * inter * sizeof(float));
@@ -1783,6 +2070,7 @@ static void cuda_destroy(Backend *be)
             cudaFree(impl->tables[i].dev);
         for (int i = 0; i < MAX_GRAPHS; i++)
             if (impl->graph_cache[i].n_key) cudaGraphExecDestroy(impl->graph_cache[i].exec);
+        gemm_lt_free(&impl->lt);
         if (impl->stream) cudaStreamDestroy(impl->stream);
         free(impl);
     }
@@ -1812,6 +2100,7 @@ Err backend_cuda_create(int device, Backend **out)
         return ERR_NOMEM;
     }
     impl->device = device;
+    CUDA_CHECK(cudaDeviceGetAttribute(&impl->n_sm, cudaDevAttrMultiProcessorCount, device));
     if ((e = cudaStreamCreate(&impl->stream)) != cudaSuccess) {  // blocking: ordered with
         LOG_ERROR("cannot create a CUDA stream: %s", cudaGetErrorString(e));  // cudaMemcpy
         free(be);
@@ -1820,6 +2109,7 @@ Err backend_cuda_create(int device, Backend **out)
     }
     const char *graphs = getenv("GLMSPARK_CUDA_GRAPHS"), *prof = getenv("GLMSPARK_CUDA_PROFILE");
     impl->profile = prof && strcmp(prof, "0") != 0;
+    gemm_lt_init(&impl->lt);
     impl->graphs = !impl->profile && (!graphs || strcmp(graphs, "0") != 0);
     be->impl = impl;
     be->name = "cuda";
@@ -1829,6 +2119,9 @@ Err backend_cuda_create(int device, Backend **out)
     be->upload = cuda_upload;
     be->download = cuda_download;
     be->bind_linear = cuda_bind_linear;
+    be->bind_experts = cuda_bind_experts;
+    be->bind_kv_b = cuda_bind_kv_b;
+    be->precision = BACKEND_PRECISION_BF16;
     be->matmul = cuda_matmul;
     be->embed = cuda_embed;
     be->rmsnorm = cuda_rmsnorm;

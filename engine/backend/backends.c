@@ -4,17 +4,44 @@
 #include "engine/backend/backends.h"
 
 #include <stddef.h>
+#include <string.h>
 
 #ifdef GLMSPARK_HAVE_CUDA
 #include "engine/backend/backend_cuda.h"
 #endif
 
-Err backend_open(bool is_cuda, int n_threads, int gpu, Backend **be)
+bool backend_precision_parse(const char *s, int *out)
 {
-    if (!is_cuda) return backend_cpu_create(n_threads, be);
+    if (strcmp(s, "f32") == 0)
+        *out = BACKEND_PRECISION_F32;
+    else if (strcmp(s, "bf16") == 0)
+        *out = BACKEND_PRECISION_BF16;
+    else
+        return false;
+    return true;
+}
+
+const char *backend_precision_name(BackendPrecision p)
+{
+    return p == BACKEND_PRECISION_BF16 ? "bf16" : "f32";
+}
+
+Err backend_open(bool is_cuda, int n_threads, int gpu, int precision, Backend **be)
+{
+    Err err;
+    if (!is_cuda) {
+        err = backend_cpu_create(n_threads, be);
+        if (!err && precision != BACKEND_PRECISION_DEFAULT)
+            (*be)->precision = (BackendPrecision) precision;
+        return err;
+    }
 #ifdef GLMSPARK_HAVE_CUDA
-    return backend_cuda_create(gpu, be);
+    err = backend_cuda_create(gpu, be);
+    if (!err && precision != BACKEND_PRECISION_DEFAULT)
+        (*be)->precision = (BackendPrecision) precision;
+    return err;
 #else
+    (void) precision;
     (void) gpu;
     *be = NULL;
     LOG_ERROR("backend cuda: this build has no CUDA (nvcc was not found when it was configured)");

@@ -1,6 +1,6 @@
 /*
- * backends.h - open a backend by kind: what `glmspark --backend cpu|cuda` and the recipe's
- * `backend = cpu|cuda` both choose.
+ * backends.h - open a backend by kind: what `glmspark --backend cpu|cuda [--precision
+ * f32|bf16]` and the recipe's `backend = cpu|cuda` choose.
  *
  * Ownership: *be is the caller's (destroy it with its destroy op).
  * Errors:    ERR_INVAL (logged) for cuda in a build without CUDA; the constructors' errors.
@@ -17,9 +17,17 @@
 extern "C" {
 #endif
 
-// The CPU backend with n_threads threads, or (is_cuda) the CUDA backend on device gpu.
+// Keep the backend's own precision recipe (backend.h: the CPU's f32, the CUDA one's bf16).
+#define BACKEND_PRECISION_DEFAULT (-1)
+
+// The CPU backend with n_threads threads, or (is_cuda) the CUDA backend on device gpu, with
+// the precision recipe `precision` (a BackendPrecision, or BACKEND_PRECISION_DEFAULT).
 // *be is NULL on failure.
-Err backend_open(bool is_cuda, int n_threads, int gpu, Backend **be);
+Err backend_open(bool is_cuda, int n_threads, int gpu, int precision, Backend **be);
+
+// "f32" / "bf16" -> *out (false for anything else), and back.
+bool backend_precision_parse(const char *s, int *out);
+const char *backend_precision_name(BackendPrecision p);
 
 #ifdef __cplusplus
 }

@@ -3,7 +3,8 @@
  * (model.c's forward pass on a backend), on a checkpoint or a synthetic one.
  *
  *   glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] [--seed S])
- *     [--batch 1,8] [--ctx 1024] [--steps 32] [--threads N] [--kv-dtype f32|bf16|fp8] [--json]
+ *     [--batch 1,8] [--ctx 1024] [--steps 32] [--threads N] [--kv-dtype f32|bf16|fp8]
+ *     [--precision f32|bf16] [--json]
  *   glmspark bench --backend cuda --reap-ops [--batch 1,8] [--steps 32]
  *
  * For each batch size B: B sequences are prefilled with --ctx deterministic token ids each
@@ -63,6 +64,7 @@ typedef struct BenchArgs {
     int ctx;
     int steps;
     int n_threads;
+    int precision;  // --precision f32|bf16 (backends.h), or the backend's own
     KvDtype kv_dtype;
     bool json;
     bool reap_ops;
@@ -74,7 +76,7 @@ static int bench_usage(void)
     fprintf(stderr,
             "usage: glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] "
             "[--seed S]) [--batch 1,8] [--ctx 1024] [--steps 32] [--threads N] "
-            "[--kv-dtype f32|bf16|fp8] [--json]\n"
+            "[--kv-dtype f32|bf16|fp8] [--precision f32|bf16] [--json]\n"
             "       glmspark bench --backend cuda --reap-ops [--batch 1,8] [--steps 32]\n");
     return 2;
 }
@@ -101,6 +103,7 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
 {
     const long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
     *a = (BenchArgs){.preset = "default",
+                     .precision = BACKEND_PRECISION_DEFAULT,
                      .ctx = 1024,
                      .steps = 32,
                      .n_threads = n_cpu > 0 ? (n_cpu > 64 ? 64 : (int) n_cpu) : 1};
@@ -146,6 +149,8 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
             ok = num_parse_int(val, 1, 64, &a->n_threads);
         else if (strcmp(opt, "--kv-dtype") == 0)
             ok = kv_dtype_parse(val, &a->kv_dtype);
+        else if (strcmp(opt, "--precision") == 0)
+            ok = backend_precision_parse(val, &a->precision);
         else {
             fprintf(stderr, "glmspark bench: unknown option %s\n", opt);
             return bench_usage();
@@ -269,22 +274,24 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
 #endif
     const double bytes = step_bytes(m, B), gbs = bytes / step_s * 1e-9;
     const double pct = a->copy_gbs > 0.0 ? 100.0 * gbs / a->copy_gbs : 0.0;
+    const char *prec = backend_precision_name(m->be->precision);
     if (a->json)
-        printf("{\"model\":\"%s\",\"backend\":\"%s\",\"layers\":%d,\"batch\":%d,\"ctx\":%d,"
+        printf("{\"model\":\"%s\",\"backend\":\"%s\",\"precision\":\"%s\",\"layers\":%d,"
+               "\"batch\":%d,\"ctx\":%d,"
                "\"steps\":%d,\"prefill_tok_s\":%.2f,\"decode_ms_step\":%.4f,\"decode_tok_s\":%.2f,"
                "\"weight_bytes_step\":%.0f,\"weight_gb_s\":%.3f,\"copy_gb_s\":%.1f,"
                "\"pct_copy\":%.2f}\n",
-               model_dir, m->be->name, m->last_layer - m->first_layer, B, a->ctx, a->steps,
+               model_dir, m->be->name, prec, m->last_layer - m->first_layer, B, a->ctx, a->steps,
                B * a->ctx / prefill_s, step_s * 1e3, B / step_s, bytes, gbs, a->copy_gbs, pct);
     else if (a->copy_gbs > 0.0)
-        printf("%-5s batch %3d ctx %6d: prefill %10.1f tok/s | decode %9.3f ms/step %10.1f tok/s"
-               " | ~%.3f GB weights/step, %8.1f GB/s = %5.2f%% of copy\n",
-               m->be->name, B, a->ctx, B * a->ctx / prefill_s, step_s * 1e3, B / step_s,
+        printf("%s/%-4s batch %3d ctx %6d: prefill %10.1f tok/s | decode %9.3f ms/step %10.1f "
+               "tok/s | ~%.3f GB weights/step, %8.1f GB/s = %5.2f%% of copy\n",
+               m->be->name, prec, B, a->ctx, B * a->ctx / prefill_s, step_s * 1e3, B / step_s,
                bytes * 1e-9, gbs, pct);
     else
-        printf("%-5s batch %3d ctx %6d: prefill %10.1f tok/s | decode %9.3f ms/step %10.1f tok/s"
-               " | ~%.3f GB weights/step, %8.1f GB/s\n",
-               m->be->name, B, a->ctx, B * a->ctx / prefill_s, step_s * 1e3, B / step_s,
+        printf("%s/%-4s batch %3d ctx %6d: prefill %10.1f tok/s | decode %9.3f ms/step %10.1f "
+               "tok/s | ~%.3f GB weights/step, %8.1f GB/s\n",
+               m->be->name, prec, B, a->ctx, B * a->ctx / prefill_s, step_s * 1e3, B / step_s,
                bytes * 1e-9, gbs);
     ok = true;
 done:
@@ -465,7 +472,7 @@ int cli_bench(int argc, char **argv)
     Backend *be = NULL;
     Model m = {0};
     int rc = 1;
-    if (backend_open(a.cuda, a.n_threads, 0, &be)) goto done;
+    if (backend_open(a.cuda, a.n_threads, 0, a.precision, &be)) goto done;
 #ifdef GLMSPARK_HAVE_CUDA
     if (a.cuda) {
         a.copy_gbs = backend_cuda_copy_gbs(be, (size_t) 1 << 30);

@@ -14,7 +14,9 @@
  * --kv-dtype chooses the KV cache storage (default f32, exact; bf16 halves it; fp8 is the
  * reference deployment's layout, engine/model/kv_cache.h).
  * --backend cuda runs the ops on GPU --local-rank (default 0; backend_cuda.h; builds with
- * CUDA only), cpu is the default.
+ * CUDA only), cpu is the default. --precision f32|bf16 chooses the precision recipe
+ * (engine/model/backend.h; default: f32 on the CPU, bf16, the tuned kernels', on CUDA);
+ * the CPU backend follows bf16 so the two can be compared.
  *     Prefill, then decode token by token; prints the generated ids space-separated on one
  *     line and stops at an eos id unless --ignore-eos. Load time, prefill and decode tok/s
  *     go to stderr at info level.
@@ -69,6 +71,7 @@ typedef struct ModelArgs {
     bool ignore_eos;
     bool decode_check;
     bool cuda;  // --backend cuda
+    int precision;  // --precision f32|bf16 (backends.h), or the backend's own
     KvDtype kv_dtype;
     SamplerParams sampling;
     int pp;    // --pp N: launch N local ranks
@@ -138,14 +141,16 @@ static int usage(const char *cmd)
     if (strcmp(cmd, "logits") == 0)
         fprintf(stderr,
                 "usage: glmspark logits --model DIR --tokens 5,17,42 --out FILE "
-                "[--threads N] [--backend cpu|cuda] [--decode-check] [--kv-dtype f32|bf16|fp8] "
+                "[--threads N] [--backend cpu|cuda] [--precision f32|bf16] [--decode-check] "
+                "[--kv-dtype f32|bf16|fp8] "
                 "[--pp N | --rank R "
                 "--world N --master ADDR:PORT]\n");
     else
         fprintf(stderr,
                 "usage: glmspark generate --model DIR --tokens 5,17,42 --max-tokens N "
                 "[--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S] "
-                "[--ignore-eos] [--threads N] [--backend cpu|cuda] [--repetition-penalty R] "
+                "[--ignore-eos] [--threads N] [--backend cpu|cuda] [--precision f32|bf16] "
+                "[--repetition-penalty R] "
                 "[--presence-penalty P] [--frequency-penalty F] [--kv-dtype f32|bf16|fp8] "
                 "[--mtp K] [--pp N | --rank R --world N --master ADDR:PORT]\n");
     return 2;
@@ -160,7 +165,8 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
                      .pp = 1,
                      .rank = -1,
                      .world = 1,
-                     .n_seqs = 1};
+                     .n_seqs = 1,
+                     .precision = BACKEND_PRECISION_DEFAULT};
     a->sampling = sampler_default_params();
     for (int i = 1; i < argc; i++) {
         const char *opt = argv[i];
@@ -185,6 +191,8 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
             ok = kv_dtype_parse(val, &a->kv_dtype);
         else if (strcmp(opt, "--backend") == 0)
             ok = cli_parse_backend(val, &a->cuda);
+        else if (strcmp(opt, "--precision") == 0)
+            ok = backend_precision_parse(val, &a->precision);
         else if (strcmp(opt, "--tokens") == 0)
             a->tokens_arg = val;
         else if (strcmp(opt, "--out") == 0)
@@ -268,7 +276,7 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
 // The backend --backend chose (cpu by default), on GPU --local-rank.
 static Err open_backend(const ModelArgs *a, Backend **be)
 {
-    return backend_open(a->cuda, a->n_threads, a->local_rank, be);
+    return backend_open(a->cuda, a->n_threads, a->local_rank, a->precision, be);
 }
 
 // Backend, model and a KV cache with room for n_positions, or an error message.

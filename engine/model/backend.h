@@ -21,6 +21,22 @@
  *   RoPE        angles pos * inv_freq with inv_freq = 1 / theta^(2i/d) computed in fp32,
  *               as transformers does even for a float64 model
  *
+ * The precision recipe (Backend.precision, chosen before the model binds its weights):
+ *   BACKEND_PRECISION_F32   the above throughout: fp32 activations into and out of every op.
+ *   BACKEND_PRECISION_BF16  the recipe of the GPU's tuned kernels (kernels/): as F32, except
+ *               that these values are rounded to bf16 (nearest even) where an op reads them:
+ *               matmul         x (bf16 weights);
+ *               moe            x, and silu(gate) * up before down_proj (NVFP4 experts);
+ *               mla_attention  q_nope, kv_b's weights and the attention's output latent
+ *                              (before W_UV), when the CUDA backend's tuned kernels can take
+ *                              the layer (kv_lora 512, rope 64, qk_nope 192, H % 16 == 0, an
+ *                              fp8 or bf16 cache of 128-position blocks: GLM-5's shapes).
+ *               Scores, softmax, sums and the residual stream stay fp32 or wider; the router
+ *               is exact (kernels/moe_router.h) under both. The CPU backend follows it
+ *               (ops it names round where the CUDA backend does, for the same shapes), so the
+ *               two can be compared closely; the rounding bound against float64 is in
+ *               docs/precision.md.
+ *
  * Ownership: a Backend is created by its constructor (backend_cpu_create) and released
  *            with its destroy op; ops keep no pointer past the call.
  * Threads:   one thread calls the ops of a Backend (the backend may fan out internally).
@@ -77,14 +93,23 @@ typedef struct BackendSeqs {
     int n_seqs;
     const int *pos;     // [n], backend memory
     const int *seq_of;  // [n], backend memory: indices into seqs
+    const int *len;     // [n], backend memory: pos[t] + 1, the positions token t sees
     int n;              // tokens
 } BackendSeqs;
+
+typedef enum BackendPrecision {
+    BACKEND_PRECISION_F32 = 0,
+    BACKEND_PRECISION_BF16 = 1,
+} BackendPrecision;
 
 typedef struct Backend Backend;
 
 struct Backend {
     const char *name;  // "cpu", "cuda"
     void *impl;        // the implementation's private state
+    // The recipe above; the constructors set F32 (CPU) and BF16 (CUDA). Set it before any
+    // weight is bound; it does not change afterwards.
+    BackendPrecision precision;
 
     void (*destroy)(Backend *be);
 
@@ -100,6 +125,16 @@ struct Backend {
     // Make weight w usable by the ops (upload or repack it, rewriting w's pointers). Called
     // once per weight at load; the CPU backend uses the mapping as it is. ERR_NOMEM.
     Err (*bind_linear)(Backend *be, CkptLinear *w);
+
+    // The same for the routed experts of one MoE layer, as moe() takes them (experts[3 e +
+    // 0/1/2]: gate, up, down of expert e), instead of bind_linear on each: a device backend
+    // may stack them as its expert kernels read them. ERR_NOMEM.
+    Err (*bind_experts)(Backend *be, CkptLinear *experts, int n_experts);
+
+    // Called once per attention layer at load with its kv_b_proj before bind_linear binds it
+    // (its data is still host memory): a device backend may keep a repacked copy for
+    // mla_attention (the CUDA one: W_UK^T and W_UV per head in bf16). ERR_NOMEM.
+    Err (*bind_kv_b)(Backend *be, const CkptLinear *kv_b, const BackendMla *p);
 
     // y[t, r] = sum_c W[r, c] x[t, c] for t < n. y: [n, w->rows], x: [n, w->cols].
     void (*matmul)(Backend *be, float *y, const CkptLinear *w, const float *x, int n);
@@ -174,6 +209,38 @@ struct Backend {
                         const unsigned long long *key, int n_key);
     void (*graph_end)(Backend *be);
 };
+
+// Whether matmul() on this weight / moe() on these experts / mla_attention() on a layer of
+// this shape and cache entry run the tuned kernels on the CUDA backend, and so round under
+// BACKEND_PRECISION_BF16 (on both backends): the limits of kernels/gemm.h (bf16 weights,
+// columns in 8s), kernels/moe.h (NVFP4 experts, hidden and inter multiples of 32, top_k <= 16)
+// and kernels/mla.h (GLM-5's latent 512 + 64, qk_nope 192, heads in 16s,
+// blocks of 128 positions, an fp8 entry of 656 bytes or a bf16 one of 1,152).
+static inline bool backend_matmul_tuned(const CkptLinear *w)
+{
+    return w->format == CKPT_LINEAR_BF16 && w->cols % 8 == 0;
+}
+
+static inline bool backend_moe_tuned(const CkptLinear *experts, int n_experts, int top_k)
+{
+    if (n_experts < 1 || top_k > 16 || experts[0].cols % 32 || experts[0].rows % 32) return false;
+    for (int i = 0; i < 3 * n_experts; i++)
+        if (experts[i].format != CKPT_LINEAR_NVFP4) return false;
+    return true;
+}
+
+static inline bool backend_mla_shape_tuned(const BackendMla *p)
+{
+    return p->kv_lora == 512 && p->qk_rope == 64 && p->qk_nope == 192 && p->n_heads % 16 == 0
+           && p->v_dim % 8 == 0;
+}
+
+static inline bool backend_mla_tuned(const BackendMla *p, const KvEntryLayout *lo)
+{
+    return backend_mla_shape_tuned(p) && lo->block_size == 128
+           && ((lo->dtype == KV_DTYPE_FP8 && lo->bytes == 656)
+               || (lo->dtype == KV_DTYPE_BF16 && lo->bytes == 1152));
+}
 
 // The plain-C11 reference backend: fp32 math (double where a reduction needs it), split
 // over n_threads threads (>= 1) with a thread pool. *out is NULL on failure.

@@ -42,10 +42,11 @@
 // is backend memory (Backend.alloc).
 struct ModelWork {
     int n_cap;      // tokens the buffers hold
-    int *pos_host;  // [2 n] positions, then each token's sequence index, host copy
+    int *pos_host;  // [3 n] positions, each token's sequence index, lengths: host copy
     int *act_host;  // [n * (2 + topk) + 1] DSA state staging for stage hand-off, host
     int *pos;       // [n]
     int *seq_of;    // [n] each token's sequence (index into the batch's seqs)
+    int *len;       // [n] pos + 1
     int *tok;       // [n] token ids
     float *logits;  // [n, vocab]
     float *x;       // [n, hidden] residual stream
@@ -127,32 +128,84 @@ static Err load_vec(Model *m, const char *name, int n, float **out)
     return ERR_OK;
 }
 
-// Resolve linear weight `base` and hand it to the backend.
-// Resolve linear weight `base` and hand it to the backend. When the backend took its own
-// copy (a device backend rewrites the pointers), drop the file's pages from this process
-// and the page cache: on unified memory (DGX Spark) they would compete with the GPU. The
-// CPU backend computes from the mapping itself, so nothing is dropped there.
-static Err load_linear(Model *m, const char *base, int rows, int cols, CkptLinear *out)
+// After the backend bound linear `base` (out): when it took its own copy (a device backend
+// rewrites the pointers away from `mapped`), drop the file's pages from this process and the
+// page cache: on unified memory (DGX Spark) they would compete with the GPU. The CPU backend
+// computes from the mapping itself, so nothing is dropped there.
+static void release_bound(Model *m, const char *base, const CkptLinear *out, const void *mapped)
+{
+    if (out->data == mapped) return;
+    static const char *const parts[] = {".weight",         ".weight_packed",
+                                        ".weight_scale",   ".weight_scale_2",
+                                        ".weight_global_scale", ".weight_scale_inv"};
+    char name[NAME_MAX_LEN];
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
+        snprintf(name, sizeof name, "%s%s", base, parts[i]);
+        const CkptTensor *t = ckpt_find(&m->ckpt, name);
+        if (t) ckpt_release(&m->ckpt, t);
+    }
+}
+
+// Resolve linear weight `base` and hand it to the backend; with mla, it is a kv_b_proj, shown
+// to bind_kv_b first.
+static Err load_linear_as(Model *m, const char *base, int rows, int cols, const BackendMla *mla,
+                          CkptLinear *out)
 {
     Err err = ckpt_linear(&m->ckpt, base, rows, cols, out);
     if (err) return err;
     const void *mapped = out->data;
+    if (mla && (err = m->be->bind_kv_b(m->be, out, mla))) return err;
     if ((err = m->be->bind_linear(m->be, out))) return err;
-    if (out->data != mapped) {
-        static const char *const parts[] = {
-            ".weight",         ".weight_packed",       ".weight_scale",
-            ".weight_scale_2", ".weight_global_scale", ".weight_scale_inv"};
-        char name[NAME_MAX_LEN];
-        for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
-            snprintf(name, sizeof name, "%s%s", base, parts[i]);
-            const CkptTensor *t = ckpt_find(&m->ckpt, name);
-            if (t) ckpt_release(&m->ckpt, t);
-        }
-    }
+    release_bound(m, base, out, mapped);
     return ERR_OK;
 }
 
+static Err load_linear(Model *m, const char *base, int rows, int cols, CkptLinear *out)
+{
+    return load_linear_as(m, base, rows, cols, NULL, out);
+}
+
+// The routed experts of layer l: resolved one by one, bound together (bind_experts).
+static Err load_experts(Model *m, int l, CkptLinear *experts)
+{
+    const ModelConfig *c = &m->cfg;
+    const int E = c->n_routed_experts, I = c->moe_intermediate_size, hidden = c->hidden_size;
+    static const char *const parts[3] = {"gate_proj", "up_proj", "down_proj"};
+    char name[NAME_MAX_LEN];
+    const void **mapped = malloc((size_t) 3 * E * sizeof *mapped);
+    if (!mapped) return ERR_NOMEM;
+    Err err = ERR_OK;
+    for (int i = 0; i < 3 * E && !err; i++) {
+        const int k = i % 3, rows = k == 2 ? hidden : I, cols = k == 2 ? I : hidden;
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s", l, i / 3, parts[k]);
+        err = ckpt_linear(&m->ckpt, name, rows, cols, &experts[i]);
+        mapped[i] = experts[i].data;
+    }
+    if (!err) err = m->be->bind_experts(m->be, experts, E);
+    for (int i = 0; i < 3 * E && !err; i++) {
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s", l, i / 3, parts[i % 3]);
+        release_bound(m, name, &experts[i], mapped[i]);
+    }
+    free(mapped);
+    return err;
+}
+
 #define NAME(...) (snprintf(name, sizeof name, __VA_ARGS__), name)
+
+// The MLA shapes of every attention layer.
+static BackendMla layer_mla(const ModelConfig *c)
+{
+    return (BackendMla){
+        .n_heads = c->n_heads,
+        .qk_nope = c->qk_nope_head_dim,
+        .qk_rope = c->qk_rope_head_dim,
+        .v_dim = c->v_head_dim,
+        .kv_lora = c->kv_lora_rank,
+        // YaRN's mscale^2 would multiply this; config_load() refuses every rope_type but
+        // "default" (GLM-5's), so the plain 1/sqrt(qk_head_dim) is the whole story.
+        .scale = (float) (1.0 / sqrt((double) config_qk_head_dim(c))),
+    };
+}
 
 static Err load_layer(Model *m, int l, ModelLayer *L)
 {
@@ -161,6 +214,7 @@ static Err load_layer(Model *m, int l, ModelLayer *L)
     Err err = ERR_OK;
     const int hidden = c->hidden_size, H = c->n_heads, qk = config_qk_head_dim(c);
     const char *p = "model.layers";
+    const BackendMla mla = layer_mla(c);
 
     if ((err = load_vec(m, NAME("%s.%d.input_layernorm.weight", p, l), hidden, &L->input_norm)))
         return err;
@@ -184,8 +238,9 @@ static Err load_layer(Model *m, int l, ModelLayer *L)
                            c->kv_lora_rank + c->qk_rope_head_dim, hidden, &L->kv_a))
         || (err = load_vec(m, NAME("%s.%d.self_attn.kv_a_layernorm.weight", p, l), c->kv_lora_rank,
                            &L->kv_a_norm))
-        || (err = load_linear(m, NAME("%s.%d.self_attn.kv_b_proj", p, l),
-                              H * (c->qk_nope_head_dim + c->v_head_dim), c->kv_lora_rank, &L->kv_b))
+        || (err = load_linear_as(m, NAME("%s.%d.self_attn.kv_b_proj", p, l),
+                                 H * (c->qk_nope_head_dim + c->v_head_dim), c->kv_lora_rank, &mla,
+                                 &L->kv_b))
         || (err = load_linear(m, NAME("%s.%d.self_attn.o_proj", p, l), hidden, H * c->v_head_dim,
                               &L->o_proj)))
         return err;
@@ -222,14 +277,7 @@ static Err load_layer(Model *m, int l, ModelLayer *L)
         return err;
     L->experts = calloc((size_t) E * 3, sizeof *L->experts);
     if (!L->experts) return ERR_NOMEM;
-    static const char *const parts[3] = {"gate_proj", "up_proj", "down_proj"};
-    for (int e = 0; e < E; e++)
-        for (int k = 0; k < 3; k++) {
-            const int rows = k == 2 ? hidden : I, cols = k == 2 ? I : hidden;
-            if ((err = load_linear(m, NAME("%s.%d.mlp.experts.%d.%s", p, l, e, parts[k]), rows,
-                                   cols, &L->experts[3 * e + k])))
-                return err;
-        }
+    if ((err = load_experts(m, l, L->experts))) return err;
     if (c->n_shared_experts > 0) {
         const int S = I * c->n_shared_experts;
         if ((err = load_linear(m, NAME("%s.%d.mlp.shared_experts.gate_proj", p, l), S, hidden,
@@ -493,6 +541,7 @@ static void work_free(Backend *be, ModelWork *w)
     free(w->act_host);
     be->free_mem(be, w->pos);
     be->free_mem(be, w->seq_of);
+    be->free_mem(be, w->len);
     be->free_mem(be, w->tok);
     be->free_mem(be, w->logits);
     be->free_mem(be, w->x);
@@ -579,10 +628,11 @@ static Err work_ensure(Model *m, int n)
     const size_t Hi = c->index_n_heads > 0 ? (size_t) c->index_n_heads : 1;
     const size_t Di = c->index_head_dim > 0 ? (size_t) c->index_head_dim : 1;
     w->n_cap = n;
-    w->pos_host = malloc(2 * N * sizeof *w->pos_host);
+    w->pos_host = malloc(3 * N * sizeof *w->pos_host);
     w->act_host = malloc((N * (1 + topk) + 1) * sizeof *w->act_host);
     w->pos = be->alloc(be, N * sizeof(int));
     w->seq_of = be->alloc(be, N * sizeof(int));
+    w->len = be->alloc(be, N * sizeof(int));
     w->tok = be->alloc(be, N * sizeof(int));
     w->logits = be->alloc(be, N * (size_t) c->vocab_size * sizeof(float));
     w->x = be->alloc(be, N * hidden * sizeof(float));
@@ -605,7 +655,7 @@ static Err work_ensure(Model *m, int n)
     w->rl = be->alloc(be, N * E * sizeof(float));
     w->ridx = be->alloc(be, N * K * sizeof(int));
     w->rw = be->alloc(be, N * K * sizeof(float));
-    if (!w->pos_host || !w->act_host || !w->pos || !w->seq_of || !w->tok || !w->logits || !w->x
+    if (!w->pos_host || !w->act_host || !w->pos || !w->seq_of || !w->len || !w->tok || !w->logits || !w->x
         || !w->h || !w->qa || !w->q || !w->kva || !w->attn || !w->tmp || !w->tmp2 || !w->iq
         || !w->ik || !w->iw || !w->sel || !w->n_sel || !w->g || !w->u || !w->rl || !w->ridx
         || !w->rw) {
@@ -625,15 +675,17 @@ static Err work_ensure(Model *m, int n)
 static BackendSeqs upload_positions(Model *m, const ModelBatch *b, int n)
 {
     ModelWork *w = m->work;
-    int *seq_of = w->pos_host + n;
+    int *seq_of = w->pos_host + n, *len = seq_of + n;
     for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++])
         for (int t = 0; t < b->n_new[i]; t++) {
             w->pos_host[off + t] = b->seqs[i]->n_tokens + t;
             seq_of[off + t] = i;
+            len[off + t] = b->seqs[i]->n_tokens + t + 1;
         }
     m->be->upload(m->be, w->pos, w->pos_host, (size_t) n * sizeof(int));
     m->be->upload(m->be, w->seq_of, seq_of, (size_t) n * sizeof(int));
-    return (BackendSeqs){b->seqs, b->n_seqs, w->pos, w->seq_of, n};
+    m->be->upload(m->be, w->len, len, (size_t) n * sizeof(int));
+    return (BackendSeqs){b->seqs, b->n_seqs, w->pos, w->seq_of, w->len, n};
 }
 
 // Attention for layer l over a batch: projections, cache writes, DSA selection and attention,
@@ -684,16 +736,7 @@ static void attention_block(Model *m, KvCache *kv, const BackendSeqs *s, int l, 
     const bool use_sel = c->indexer[l] != CONFIG_INDEXER_NONE;
     ASSERT(!use_sel || *has_sel);  // check_config: no shared layer before a full one
 
-    const BackendMla mla = {
-        .n_heads = H,
-        .qk_nope = c->qk_nope_head_dim,
-        .qk_rope = c->qk_rope_head_dim,
-        .v_dim = c->v_head_dim,
-        .kv_lora = c->kv_lora_rank,
-        // YaRN's mscale^2 would multiply this; config_load() refuses every rope_type but
-        // "default" (GLM-5's), so the plain 1/sqrt(qk_head_dim) is the whole story.
-        .scale = (float) (1.0 / sqrt((double) qk)),
-    };
+    const BackendMla mla = layer_mla(c);
     be->mla_attention(be, w->attn, w->q, &L->kv_b, kv, s, kl, use_sel ? w->sel : NULL,
                       use_sel ? w->n_sel : NULL, topk, &mla);
     be->matmul(be, w->tmp, &L->o_proj, w->attn, n);

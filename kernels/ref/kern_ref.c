@@ -1,37 +1,27 @@
 /*
  * kern_ref.c - bf16 / e4m3 rounding and a seeded generator for the kernel references.
  *
- * The e4m3 codec is kernels/nvfp4_format.h's (tests/kernels/test_kern_ref.c checks its
+ * The bf16 and e4m3 codecs are kernels/nvfp4_format.h's (tests/kernels/test_kern_ref.c checks its
  * encoder against a walk over every representable magnitude).
  */
 #include "kernels/ref/kern_ref.h"
 
-#include <math.h>
-#include <string.h>
 
 #include "kernels/nvfp4_format.h"
 
 float kern_bf16_to_f32(uint16_t b)
 {
-    const uint32_t u = (uint32_t) b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+    return nvfp4_bf16_to_float(b);
 }
 
 uint16_t kern_f32_to_bf16(float f)
 {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if (isnan(f)) return (uint16_t) ((u >> 16) | 0x40);
-    const uint32_t lsb = (u >> 16) & 1;
-    u += 0x7fff + lsb;
-    return (uint16_t) (u >> 16);
+    return nvfp4_float_to_bf16(f);
 }
 
 float kern_round_bf16(float f)
 {
-    return kern_bf16_to_f32(kern_f32_to_bf16(f));
+    return nvfp4_round_bf16(f);
 }
 
 float kern_e4m3_to_f32(uint8_t b)

@@ -293,7 +293,7 @@ static void run_op(Op op, Layer *L, Work *w, int B, cudaStream_t s)
     case OP_O_PROJ: gemv(w, w->h, GEMM_OUT_F32, L->o_proj, w->ov, w->h, HID, NH * VDIM, 1, B, s); break;
     case OP_NORM_POST: norm_rms(w->xb, w->h, L->norm_post, EPS, B, HID, HID, HID, s); break;
     case OP_ROUTER: gemv(w, w->logits, GEMM_OUT_F32, L->router, w->xb, NULL, NEXP, HID, 1, B, s); break;
-    case OP_ROUTE: moe_route(L->idx, L->wts, w->logits, L->bias, B, NEXP, TOPK, 1, 1, ROUTE_SCALE, s); break;
+    case OP_ROUTE: moe_route(L->idx, L->wts, w->logits, L->bias, B, NEXP, TOPK, 1, 1, true, ROUTE_SCALE, false, s); break;
     case OP_ROUTE_SHARE:
         route_share_kernel<<<1, 1, 0, s>>>(L->idx, B, TOPK, (uint64_t) L->id);
         CUDA_CHECK(cudaGetLastError());

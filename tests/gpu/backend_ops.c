@@ -8,7 +8,8 @@
  * sequences crossing block boundaries) and every weight format is covered, on both matmul
  * paths (rows of whole 16-byte vectors, and rows that are not). Decode equals prefill at the
  * op level: a token's matmul and MoE output is bit for bit the same whether it runs alone
- * (n = 1) or first in a batch. Seeded, so a failure reproduces.
+ * (n = 1) or first in a batch. test_tuned: the tuned kernels (kernels/) under the BF16
+ * recipe against the CPU following it, 1e-3. Seeded, so a failure reproduces.
  */
 #include <math.h>
 #include <stdint.h>
@@ -354,7 +355,11 @@ static void test_attention(KvDtype dtype)
     }
     int *dpos = dev(pos, sizeof pos), *dseq_of = dev(seq_of, sizeof seq_of);
     KvSeq *cseqs[2] = {&sc[0], &sc[1]}, *gseqs[2] = {&sg[0], &sg[1]};
-    const BackendSeqs cs = {cseqs, 2, pos, seq_of, T}, gs = {gseqs, 2, dpos, dseq_of, T};
+    int len[T];
+    for (int t = 0; t < T; t++)
+        len[t] = pos[t] + 1;
+    int *dlen = dev(len, sizeof len);
+    const BackendSeqs cs = {cseqs, 2, pos, seq_of, len, T}, gs = {gseqs, 2, dpos, dseq_of, dlen, T};
     float *lat = rand_floats((size_t) T * (L + R), 1.0f), *key = rand_floats((size_t) T * Di, 1.0f);
     float *dlat = dev(lat, (size_t) T * (L + R) * sizeof(float));
     float *dkey = dev(key, (size_t) T * Di * sizeof(float));
@@ -438,6 +443,7 @@ static void test_attention(KvDtype dtype)
     free_linear(&kv_b);
     gpu->free_mem(gpu, dpos);
     gpu->free_mem(gpu, dseq_of);
+    gpu->free_mem(gpu, dlen);
     gpu->free_mem(gpu, dlat);
     gpu->free_mem(gpu, dkey);
     gpu->free_mem(gpu, dq);
@@ -462,6 +468,143 @@ static void test_attention(KvDtype dtype)
     kv_free(&kg);
 }
 
+// The tuned kernels under the BF16 recipe (backend.h), both backends following it: routed
+// NVFP4 experts stacked by bind_experts, and MLA at GLM-5's latent and head widths over fp8
+// and bf16 caches of 128-position blocks (two sequences, one crossing a block boundary;
+// dense, and over a selection). Bound: 1e-3 relative L2 (the GPU-vs-recipe bound;
+// the two differ by fp32 summation order and the bf16 roundings that it flips).
+static void test_tuned(void)
+{
+    cpu->precision = gpu->precision = BACKEND_PRECISION_BF16;
+    {
+        // bf16 weights: 1 token (CUDA cores), 5 (tensor cores: 2,304 rows fill the chip
+        // twice), 40 (cuBLASLt), and 3 from a misaligned input (rounded into a copy first).
+        const int rows = 2304, cols = 520;
+        CkptLinear w = make_linear(CKPT_LINEAR_BF16, rows, cols), wg = w;
+        CHECK(gpu->bind_linear(gpu, &wg) == ERR_OK);
+        const int ns[4] = {1, 5, 40, 3};
+        for (int i = 0; i < 4; i++) {
+            const int n = ns[i], off = i == 3 ? 1 : 0;
+            float *x = rand_floats((size_t) n * cols + 1, 1.0f);
+            float *want = malloc((size_t) n * rows * sizeof *want);
+            cpu->matmul(cpu, want, &w, x + off, n);
+            float *dx = dev(x, ((size_t) n * cols + 1) * sizeof *x);
+            float *dy = gpu->alloc(gpu, (size_t) n * rows * sizeof(float));
+            gpu->matmul(gpu, dy, &wg, dx + off, n);
+            char what[64];
+            snprintf(what, sizeof what, "matmul tuned bf16 n=%d%s", n, off ? " (misaligned x)" : "");
+            expect_close(what, dy, want, (size_t) n * rows, 1e-3);
+            free(x), free(want);
+            gpu->free_mem(gpu, dx), gpu->free_mem(gpu, dy);
+        }
+        free_linear(&w);
+    }
+    {
+        const BackendRoute rp = {24, 8, 1, 1, true, 2.5f};
+        const int E = rp.n_experts, K = rp.top_k, hidden = 256, inter = 128, n = 5;
+        float *logits = rand_floats((size_t) n * E, 4.0f);
+        int *idx = malloc((size_t) n * K * sizeof *idx);
+        float *wts = malloc((size_t) n * K * sizeof *wts);
+        cpu->route(cpu, idx, wts, logits, NULL, n, &rp);
+        CkptLinear *ex = calloc((size_t) 3 * E, sizeof *ex), *exg = calloc((size_t) 3 * E, sizeof *exg);
+        ASSERT(ex && exg && idx && wts);
+        for (int i = 0; i < 3 * E; i++) {
+            ex[i] = make_linear(CKPT_LINEAR_NVFP4, i % 3 == 2 ? hidden : inter,
+                                i % 3 == 2 ? inter : hidden);
+            exg[i] = ex[i];
+        }
+        CHECK(cpu->bind_experts(cpu, ex, E) == ERR_OK && gpu->bind_experts(gpu, exg, E) == ERR_OK);
+        float *x = rand_floats((size_t) n * hidden, 1.0f);
+        float *want = malloc((size_t) n * hidden * sizeof *want);
+        cpu->moe(cpu, want, x, n, idx, wts, K, ex, E);
+        float *dx = dev(x, (size_t) n * hidden * sizeof *x);
+        int *didx = dev(idx, (size_t) n * K * sizeof *idx);
+        float *dwts = dev(wts, (size_t) n * K * sizeof *wts);
+        float *dout = gpu->alloc(gpu, (size_t) n * hidden * sizeof(float));
+        gpu->moe(gpu, dout, dx, n, didx, dwts, K, exg, E);
+        expect_close("moe tuned (bf16 recipe, nvfp4)", dout, want, (size_t) n * hidden, 1e-3);
+        float *batch = down(dout, (size_t) hidden * sizeof *batch);
+        gpu->moe(gpu, dout, dx, 1, didx, dwts, K, exg, E);
+        float *alone = down(dout, (size_t) hidden * sizeof *alone);
+        const bool same = memcmp(alone, batch, (size_t) hidden * sizeof *alone) == 0;
+        printf("moe tuned token 0 alone vs in batch: %s\n", same ? "identical" : "DIFFERENT");
+        CHECK(same);
+        for (int i = 0; i < 3 * E; i++)
+            free_linear(&ex[i]);
+        free(ex), free(exg), free(logits), free(idx), free(wts), free(x), free(want), free(batch);
+        free(alone);
+        gpu->free_mem(gpu, dx), gpu->free_mem(gpu, didx), gpu->free_mem(gpu, dwts);
+        gpu->free_mem(gpu, dout);
+    }
+    enum { TA = 150, TB = 40, T = TA + TB, KSEL = 48 };
+    const int L = 512, R = 64, H = 16, nope = 192, vd = 128;
+    const BackendMla mp = {H, nope, R, vd, L, 1.0f / 16.0f};
+    CkptLinear kv_b = make_linear(CKPT_LINEAR_BF16, H * (nope + vd), L), kv_bg = kv_b;
+    CHECK(cpu->bind_kv_b(cpu, &kv_b, &mp) == ERR_OK && gpu->bind_kv_b(gpu, &kv_bg, &mp) == ERR_OK);
+    CHECK(gpu->bind_linear(gpu, &kv_bg) == ERR_OK);
+    int pos[T], seq_of[T], len[T], *sel = malloc((size_t) T * KSEL * sizeof *sel), n_sel[T];
+    ASSERT(sel);
+    for (int t = 0; t < T; t++) {
+        pos[t] = t < TA ? t : t - TA;
+        seq_of[t] = t >= TA;
+        len[t] = pos[t] + 1;
+        // A selection: every third position from the newest down, ascending.
+        n_sel[t] = 0;
+        for (int p = pos[t] % 3; p <= pos[t] && n_sel[t] < KSEL; p += 3)
+            sel[(size_t) t * KSEL + n_sel[t]++] = p;
+    }
+    int *dpos = dev(pos, sizeof pos), *dseq_of = dev(seq_of, sizeof seq_of), *dlen = dev(len, sizeof len);
+    int *dsel = dev(sel, (size_t) T * KSEL * sizeof *sel), *dn_sel = dev(n_sel, sizeof n_sel);
+    float *lat = rand_floats((size_t) T * (L + R), 1.0f), *qa = rand_floats((size_t) T * H * (nope + R), 1.0f);
+    float *dlat = dev(lat, (size_t) T * (L + R) * sizeof(float));
+    float *dqa = dev(qa, (size_t) T * H * (nope + R) * sizeof(float));
+    float *want = malloc((size_t) T * H * vd * sizeof *want);
+    float *dout = gpu->alloc(gpu, (size_t) T * H * vd * sizeof(float));
+    const KvDtype dtypes[2] = {KV_DTYPE_FP8, KV_DTYPE_BF16};
+    for (int di = 0; di < 2; di++) {
+        const KvCacheParams p = {.n_layers = 1,
+                                 .block_size = 128,
+                                 .n_blocks = 4,
+                                 .kv_lora = L,
+                                 .rope_dim = R,
+                                 .dtype = dtypes[di]};
+        KvCache kc, kg;
+        ASSERT(kv_init(&kc, &p) == ERR_OK && kv_init(&kg, &p) == ERR_OK);
+        CHECK(backend_mla_tuned(&mp, &kc.entry[0]));
+        KvSeq sc[2] = {{0}, {0}}, sg[2] = {{0}, {0}};
+        for (int i = 0; i < 2; i++)
+            ASSERT(kv_seq_reserve(&kc, &sc[i], i ? TB : TA) == ERR_OK
+                   && kv_seq_reserve(&kg, &sg[i], i ? TB : TA) == ERR_OK);
+        KvSeq *cseqs[2] = {&sc[0], &sc[1]}, *gseqs[2] = {&sg[0], &sg[1]};
+        const BackendSeqs cs = {cseqs, 2, pos, seq_of, len, T},
+                          gs = {gseqs, 2, dpos, dseq_of, dlen, T};
+        cpu->kv_write(cpu, &kc, &cs, 0, 0, lat, L + R);
+        gpu->kv_write(gpu, &kg, &gs, 0, 0, dlat, L + R);
+        for (int sparse = 0; sparse < 2; sparse++) {
+            cpu->mla_attention(cpu, want, qa, &kv_b, &kc, &cs, 0, sparse ? sel : NULL,
+                               sparse ? n_sel : NULL, KSEL, &mp);
+            gpu->mla_attention(gpu, dout, dqa, &kv_bg, &kg, &gs, 0, sparse ? dsel : NULL,
+                               sparse ? dn_sel : NULL, KSEL, &mp);
+            char what[64];
+            snprintf(what, sizeof what, "mla tuned %s (%s cache)", sparse ? "sparse" : "dense",
+                     kv_dtype_name(dtypes[di]));
+            expect_close(what, dout, want, (size_t) T * H * vd, 1e-3);
+        }
+        for (int i = 0; i < 2; i++) {
+            kv_seq_free(&kc, &sc[i]);
+            kv_seq_free(&kg, &sg[i]);
+        }
+        kv_free(&kc);
+        kv_free(&kg);
+    }
+    free_linear(&kv_b);
+    free(sel), free(lat), free(qa), free(want);
+    gpu->free_mem(gpu, dpos), gpu->free_mem(gpu, dseq_of), gpu->free_mem(gpu, dlen);
+    gpu->free_mem(gpu, dsel), gpu->free_mem(gpu, dn_sel), gpu->free_mem(gpu, dlat);
+    gpu->free_mem(gpu, dqa), gpu->free_mem(gpu, dout);
+    cpu->precision = gpu->precision = BACKEND_PRECISION_F32;
+}
+
 int main(void)
 {
     ASSERT(backend_cpu_create(2, &cpu) == ERR_OK);
@@ -469,12 +612,14 @@ int main(void)
         fprintf(stderr, "no CUDA device\n");
         return 1;
     }
+    gpu->precision = BACKEND_PRECISION_F32;  // the fp32 ops first, against the reference
     test_matmul();
     test_elementwise();
     test_route_moe();
     test_attention(KV_DTYPE_F32);
     test_attention(KV_DTYPE_BF16);
     test_attention(KV_DTYPE_FP8);
+    test_tuned();
     gpu->destroy(gpu);
     cpu->destroy(cpu);
     return check_exit();

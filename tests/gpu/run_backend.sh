@@ -21,7 +21,7 @@
 # BENCH="PRESET:BATCHES:CTX ..." (e.g. "default:1,8:1024 small:1,8:1024") it then runs
 # `glmspark bench --synthetic --backend cuda` for each, with graphs on and off
 # (GLMSPARK_CUDA_GRAPHS=0), into bench.log; REAP (below) benchmarks checkpoints at GLM-5.2-REAP
-# dimensions. Logs go to $OUT (or ./gpu-out).
+# dimensions. GOLDEN=0 skips the golden models and MTP. Logs go to $OUT (or ./gpu-out).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 if [ "${1:-}" = "--pack" ]; then
@@ -29,7 +29,13 @@ if [ "${1:-}" = "--pack" ]; then
     c=.carry/cudabackend
     rm -rf "$c" && mkdir -p "$c/bin" "$c/lib"
     cp "$bld/bin/glmspark" "$bld/bin/gpu_backend_ops" "$bld/bin/gpu_golden_cuda" "$c/bin/"
+    for t in gpu_test_moe gpu_test_mla gpu_test_gemm; do  # the kernel tests of what the backend runs, if built
+        [ -x "$bld/bin/$t" ] && cp "$bld/bin/$t" "$c/bin/"
+    done
+    # cuBLAS (kernels/gemm.cu's cuBLASLt, ~0.5 GB) is not carried: the GPU image has its own
+    # (the nvidia-cublas wheel), found below.
     for b in "$c"/bin/*; do ldd "$b" | awk '/=>/ {print $3}'; done | sort -u | while read -r l; do
+        case "$l" in */libcublas*) continue ;; esac
         [ -n "$l" ] && cp -L "$l" "$c/lib/"
     done
     cp -L /lib64/ld-linux-x86-64.so.2 "$c/lib/"
@@ -40,33 +46,47 @@ fi
 c=${1:-.carry/cudabackend}
 out=${OUT:-$(pwd)/gpu-out}
 mkdir -p "$out"
-libpath="$c/lib:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+cublas=$(find /usr /opt -name 'libcublasLt.so.1[0-9]*' -path '*nvidia*' 2>/dev/null | head -1)
+[ -n "$cublas" ] || cublas=$(find /usr /opt -name 'libcublasLt.so.1[0-9]*' 2>/dev/null | head -1)
+[ -n "$cublas" ] || { echo "no libcublasLt on this machine"; exit 1; }
+libpath="$c/lib:$(dirname "$cublas"):/usr/local/nvidia/lib64:/usr/local/nvidia/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 run() { "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$@"; }
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+for t in gpu_test_moe gpu_test_mla gpu_test_gemm; do
+    [ -x "$c/bin/$t" ] || continue
+    echo "== $t (kernels/ against kernels/ref)"
+    if run "$c/bin/$t" >"$out/$t.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
+    tail -15 "$out/$t.log"
+    echo "$t $r"
+done
 
 echo "== op tests (CUDA vs CPU backend)"
 if run "$c/bin/gpu_backend_ops" >"$out/backend_ops.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
 tail -40 "$out/backend_ops.log"
 echo "backend_ops $r"
 
+# GOLDEN=0 skips the golden models and MTP (to spend a run on REAP alone).
+if [ "${GOLDEN:-1}" != 0 ]; then
 echo "== golden models"
 for d in tests/golden/models/*/; do
     m=$(basename "$d")
     toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('$d/golden.json'))['tokens'])))")
-    run "$c/bin/glmspark" logits --backend cuda --model "$d" --tokens "$toks" --out "$out/$m.f32" \
-        --decode-check >"$out/$m.cli.log" 2>&1 || { echo "$m: glmspark logits failed"; status=1; }
+    run "$c/bin/glmspark" logits --backend cuda --precision f32 --model "$d" --tokens "$toks" \
+        --out "$out/$m.f32" --decode-check >"$out/$m.cli.log" 2>&1 || { echo "$m: glmspark logits failed"; status=1; }
     if run "$c/bin/gpu_golden_cuda" "$d" "$out/$m.f32" >"$out/$m.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
     cat "$out/$m.log"; grep -i "decode\|error" "$out/$m.cli.log" | head -3
     prompt=$(python3 -c "import json;print(','.join(map(str,json.load(open('$d/golden.json'))['greedy']['prompt'])))")
     want=$(python3 -c "import json;g=json.load(open('$d/golden.json'))['greedy'];print(' '.join(map(str,g['output'])))")
     n=$(python3 -c "import json;print(json.load(open('$d/golden.json'))['greedy']['max_tokens'])")
-    got=$(run "$c/bin/glmspark" generate --backend cuda --model "$d" --tokens "$prompt" \
-        --max-tokens "$n" --temperature 0 --ignore-eos 2>"$out/$m.gen.log" | tr -s ' ' | sed 's/ *$//')
+    got=$(run "$c/bin/glmspark" generate --backend cuda --precision f32 --model "$d" \
+        --tokens "$prompt" --max-tokens "$n" --temperature 0 --ignore-eos 2>"$out/$m.gen.log" \
+        | tr -s ' ' | sed 's/ *$//')
     if [ "$got" = "$want" ]; then g=PASS; else g="FAIL (got '$got', want '$want')"; status=1; fi
     # fp8 KV cache: the CUDA backend's greedy output equals the CPU reference's with the same cache.
-    g8=$(run "$c/bin/glmspark" generate --backend cuda --kv-dtype fp8 --model "$d" --tokens "$prompt" \
-        --max-tokens "$n" --temperature 0 --ignore-eos 2>>"$out/$m.gen.log")
+    g8=$(run "$c/bin/glmspark" generate --backend cuda --precision f32 --kv-dtype fp8 --model "$d" \
+        --tokens "$prompt" --max-tokens "$n" --temperature 0 --ignore-eos 2>>"$out/$m.gen.log")
     c8=$(run "$c/bin/glmspark" generate --backend cpu --kv-dtype fp8 --model "$d" --tokens "$prompt" \
         --max-tokens "$n" --temperature 0 --ignore-eos 2>>"$out/$m.gen.log")
     if [ -n "$c8" ] && [ "$g8" = "$c8" ]; then f=PASS; else f="FAIL (cuda '$g8', cpu '$c8')"; status=1; fi
@@ -97,6 +117,7 @@ for cfgf in $(grep -l '"num_nextn_predict_layers": [1-9]' tests/golden/models/*/
         echo "$m --mtp $k: $r$dense; $(grep -o "mtp $k: .*" "$out/$m.mtp$k.log" | tail -1)"
     done
 done
+fi
 
 for cfg in ${BENCH:-}; do
     preset=${cfg%%:*}; rest=${cfg#*:}; batches=${rest%%:*}; ctx=${rest#*:}
@@ -109,9 +130,48 @@ for cfg in ${BENCH:-}; do
 done
 # REAP="LAYERS:DENSE ..." (e.g. "3:1 5:1"): write `mkmodel --preset reap` checkpoints of those
 # sizes into ${REAP_DIR:-/tmp} (timed), then `glmspark bench --model` on each (batches
-# ${REAP_BATCH:-1,8}, context 1024) with the fp8 and the f32 KV cache, and one profiled
+# ${REAP_BATCH:-1,8}, context 1024) with the fp8 and the bf16 KV cache under the bf16 recipe
+# (the tuned kernels) and fp8 under the f32 one, on the first size the logits against the CPU
+# backend (reap_compare), and one profiled
 # (GLMSPARK_CUDA_PROFILE=1) batch-1 fp8 run; into reap.log. Per MoE layer = the difference of
 # two sizes with the same dense count over their MoE-layer difference.
+# reap_compare DIR KV PRECISION check|report: `glmspark logits` of a 40-token prompt on the
+# CUDA backend and on the CPU backend under the same precision recipe (the CPU following the
+# bf16 one), relative L2 per row; "check" fails above 1e-3 (the GPU-vs-recipe bound).
+reap_compare() {
+    toks=$(python3 -c "print(','.join(str((i * 7919) % 150000 + 5) for i in range(40)))")
+    if ! run "$c/bin/glmspark" logits --backend cuda --precision "$3" --model "$1" --tokens "$toks" \
+            --kv-dtype "$2" --out "$out/reap.cuda" 2>>"$out/reap.log" \
+        || ! run "$c/bin/glmspark" logits --backend cpu --precision "$3" --model "$1" \
+            --tokens "$toks" --kv-dtype "$2" --out "$out/reap.cpu" 2>>"$out/reap.log"; then
+        echo "reap logits $1 $2 $3 failed" | tee -a "$out/reap.log"; status=1; return
+    fi
+    python3 - "$out/reap.cuda" "$out/reap.cpu" "$(basename "$1") $2 cache, $3 recipe" "$4" \
+        >"$out/reap.cmp" <<'PY' || status=1
+import sys, numpy as np
+g = np.fromfile(sys.argv[1], dtype=np.float32).reshape(40, -1).astype(np.float64)
+c = np.fromfile(sys.argv[2], dtype=np.float32).reshape(40, -1).astype(np.float64)
+e = np.linalg.norm(g - c, axis=1) / np.linalg.norm(c, axis=1)
+agree = int((g.argmax(1) == c.argmax(1)).sum())
+ok = bool(np.isfinite(e).all() and e.max() <= 1e-3)
+verdict = ("PASS" if ok else "FAIL") if sys.argv[4] == "check" else "reported"
+print(f"reap logits cuda vs cpu ({sys.argv[3]}): rel L2 max {e.max():.3g} median "
+      f"{np.median(e):.3g}, argmax agrees {agree}/40: {verdict}")
+sys.exit(0 if ok or sys.argv[4] != "check" else 1)
+PY
+    cat "$out/reap.cmp" | tee -a "$out/reap.log"
+    rm -f "$out/reap.cuda" "$out/reap.cpu"
+}
+if [ -n "${REAP:-}" ]; then
+    # GLM-5.2's attention and dense MLP shapes with no routing (two dense layers): the tuned
+    # kernels against the CPU following the bf16 recipe, checked.
+    dir=${REAP_DIR:-/tmp}/reap-2-2
+    run "$c/bin/glmspark" mkmodel --preset reap --layers 2 --dense 2 --out "$dir" >>"$out/reap.log" 2>&1 \
+        || { echo "mkmodel reap 2:2 failed"; status=1; }
+    reap_compare "$dir" fp8 bf16 check
+    reap_compare "$dir" bf16 bf16 check
+    rm -rf "$dir"
+fi
 for cfg in ${REAP:-}; do
     layers=${cfg%%:*}; dense=${cfg#*:}
     dir=${REAP_DIR:-/tmp}/reap-$layers-$dense
@@ -120,12 +180,19 @@ for cfg in ${REAP:-}; do
     run "$c/bin/glmspark" mkmodel --preset reap --layers "$layers" --dense "$dense" --out "$dir" \
         >>"$out/reap.log" 2>&1 || { echo "mkmodel reap $cfg failed"; status=1; continue; }
     echo "mkmodel reap $cfg: $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s, $(du -sh "$dir" | cut -f1)" | tee -a "$out/reap.log"
-    for kv in fp8 f32; do
-        echo "== bench reap $cfg kv $kv" | tee -a "$out/reap.log"
+    for run_cfg in fp8:bf16 bf16:bf16 fp8:f32; do
+        kv=${run_cfg%%:*}; prec=${run_cfg#*:}
+        echo "== bench reap $cfg kv $kv precision $prec" | tee -a "$out/reap.log"
         run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
-            --ctx 1024 --steps "${STEPS:-16}" --kv-dtype $kv >>"$out/reap.log" 2>&1 \
-            || { echo "bench reap $cfg $kv failed"; status=1; }
+            --ctx 1024 --steps "${STEPS:-16}" --kv-dtype $kv --precision $prec >>"$out/reap.log" 2>&1 \
+            || { echo "bench reap $cfg $kv $prec failed"; status=1; }
     done
+    # The first size: logits against the CPU backend under each recipe, reported (random
+    # routing has no margin: a 1e-5 difference can flip an expert, see reap_compare below).
+    if [ "$cfg" = "${REAP%% *}" ]; then
+        reap_compare "$dir" fp8 bf16 report
+        reap_compare "$dir" fp8 f32 report
+    fi
     echo "== profile reap $cfg kv fp8 batch 1" | tee -a "$out/reap.log"
     GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 \
         --ctx 1024 --steps 8 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1

@@ -2,12 +2,10 @@
  * test_moe.c - kernels/moe.cu (fused router, NVFP4 expert gate/up + SwiGLU, expert down +
  * weighted sum + residual) against kernels/ref/moe_ref.c.
  *
- * Router: the GPU computes sigmoid in fp32, the reference in double, so selections may differ
- * only between experts whose choice scores are within 1e-6; the test accepts the GPU's choice
- * iff it is a valid top-k of the reference scores up to that slack, in descending order, and
- * its weights match the reference formula on the GPU's own selection (1e-5 relative).
- * Shapes: GLM's 156 experts top-8 (one group), 256 experts with 8 groups keeping 4 (DeepSeek),
- * and a 1-expert edge case.
+ * Router: moe.h promises moe_router_token()'s results bit for bit, so experts and weights
+ * must be identical, with exact ties among logits, with and without norm_topk_prob, in both
+ * output orders. Shapes: GLM's 156 experts top-8 (one group), 256 experts with 8 groups
+ * keeping 4 (DeepSeek), one-expert groups, and a 1-expert edge case.
  *
  * Experts: w13 is checked per output against a bound derived from the fp32 error of the gate
  * and up sums ((hidden + 64) * FLT_EPSILON * sum|terms| each) pushed through SiLU(g) * u, plus
@@ -20,67 +18,55 @@
 #include <string.h>
 
 #include "kernels/moe.h"
+#include "kernels/moe_router.h"
 #include "kernels/ref/moe_ref.h"
 #include "tests/gpu/gpu_util.h"
 
 static uint64_t rng = 11;
 
-static void test_route(int n_tok, int n_experts, int k, int n_group, int topk_group)
+// The GPU router against moe_router_token() (kernels/moe_router.h) token by token: the same
+// experts in the same order and the same weight bits.
+static void test_route(int n_tok, int n_experts, int k, int n_group, int topk_group, bool norm,
+                       bool ascending)
 {
     const float scale = 2.5f;
     float *logits = xmalloc((size_t) n_tok * n_experts * 4), *bias = xmalloc(n_experts * 4);
     fill_f32(logits, (size_t) n_tok * n_experts, &rng, -4.0f, 4.0f);
     fill_f32(bias, n_experts, &rng, -0.1f, 0.1f);
+    // Exact ties: every third token repeats its first half of experts in its second half (so
+    // groups tie too), and the bias is zero.
+    for (int t = 1; t < n_tok; t += 3) {
+        float *row = logits + (size_t) t * n_experts;
+        memcpy(row + n_experts / 2, row, (size_t) (n_experts / 2) * 4);
+    }
+    if (n_tok > 2) memset(bias, 0, (size_t) n_experts * 4);
     int32_t *idx_ref = xmalloc((size_t) n_tok * k * 4), *idx = xmalloc((size_t) n_tok * k * 4);
     float *w_ref = xmalloc((size_t) n_tok * k * 4), *w = xmalloc((size_t) n_tok * k * 4);
-    double *choice = xmalloc((size_t) n_tok * n_experts * 8);
-    moe_route_ref(idx_ref, w_ref, choice, logits, bias, n_tok, n_experts, k, n_group, topk_group,
-                  scale);
+    void *work = xmalloc(moe_router_work_bytes(n_experts, n_group));
+    for (int t = 0; t < n_tok; t++)
+        moe_router_token(idx_ref + (size_t) t * k, w_ref + (size_t) t * k, NULL,
+                         logits + (size_t) t * n_experts, bias, n_experts, k, n_group, topk_group,
+                         norm, scale, ascending, work);
     float *d_logits = gpu_upload(logits, (size_t) n_tok * n_experts * 4);
     float *d_bias = gpu_upload(bias, n_experts * 4);
     int32_t *d_idx = gpu_alloc_poisoned((size_t) n_tok * k * 4);
     float *d_w = gpu_alloc_poisoned((size_t) n_tok * k * 4);
-    moe_route(d_idx, d_w, d_logits, d_bias, n_tok, n_experts, k, n_group, topk_group, scale, 0);
+    moe_route(d_idx, d_w, d_logits, d_bias, n_tok, n_experts, k, n_group, topk_group, norm, scale,
+              ascending, 0);
     gpu_download(idx, d_idx, (size_t) n_tok * k * 4);
     gpu_download(w, d_w, (size_t) n_tok * k * 4);
 
-    int bad = 0, same = 0;
-    for (int t = 0; t < n_tok && bad < 5; t++) {
-        const double *c = choice + (size_t) t * n_experts;
-        const int32_t *sel = idx + (size_t) t * k;
-        char *picked = calloc((size_t) n_experts, 1);
-        double sum = 0.0, min_sel = INFINITY, max_rest = -INFINITY;
-        int ok = 1;
-        for (int j = 0; j < k; j++) {
-            if (sel[j] < 0 || sel[j] >= n_experts || picked[sel[j]] || c[sel[j]] == -INFINITY) {
-                ok = 0;
-                break;
-            }
-            picked[sel[j]] = 1;
-            if (j > 0 && c[sel[j]] > c[sel[j - 1]] + 1e-6) ok = 0;
-            sum += 1.0 / (1.0 + exp(-(double) logits[(size_t) t * n_experts + sel[j]]));
-            if (c[sel[j]] < min_sel) min_sel = c[sel[j]];
+    int bad = 0;
+    for (int t = 0; t < n_tok; t++)
+        if (memcmp(idx + (size_t) t * k, idx_ref + (size_t) t * k, (size_t) k * 4)
+            || memcmp(w + (size_t) t * k, w_ref + (size_t) t * k, (size_t) k * 4)) {
+            if (bad++ < 5) fprintf(stderr, "route token %d differs from moe_router_token\n", t);
         }
-        for (int e = 0; ok && e < n_experts; e++)
-            if (!picked[e] && c[e] > max_rest) max_rest = c[e];
-        if (ok && min_sel < max_rest - 1e-6) ok = 0;
-        for (int j = 0; ok && j < k; j++) {
-            const double s = 1.0 / (1.0 + exp(-(double) logits[(size_t) t * n_experts + sel[j]]));
-            const double want = s / (sum + 1e-20) * scale;
-            if (!(fabs(w[(size_t) t * k + j] - want) <= 1e-5 * want + 1e-7)) ok = 0;
-        }
-        same += !memcmp(sel, idx_ref + (size_t) t * k, (size_t) k * 4);
-        if (!ok) {
-            fprintf(stderr, "route token %d: invalid selection or weights\n", t);
-            bad++;
-        }
-        free(picked);
-    }
-    printf("route n_tok=%d E=%d k=%d groups=%d/%d: %d invalid, %d/%d identical to reference\n",
-           n_tok, n_experts, k, topk_group, n_group, bad, same, n_tok);
+    printf("route n_tok=%d E=%d k=%d groups=%d/%d norm=%d ascending=%d: %d/%d tokens differ\n",
+           n_tok, n_experts, k, topk_group, n_group, norm, ascending, bad, n_tok);
     CHECK(bad == 0);
     cudaFree(d_logits), cudaFree(d_bias), cudaFree(d_idx), cudaFree(d_w);
-    free(logits), free(bias), free(idx_ref), free(idx), free(w_ref), free(w), free(choice);
+    free(logits), free(bias), free(idx_ref), free(idx), free(w_ref), free(w), free(work);
 }
 
 static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
@@ -166,10 +152,13 @@ static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
 
 int main(void)
 {
-    test_route(1, 1, 1, 1, 1);
-    test_route(37, 156, 8, 1, 1);   // GLM-5.2-REAP
-    test_route(16, 256, 8, 8, 4);   // DeepSeek-V3 style group limit
-    test_route(5, 33, 3, 1, 1);
+    test_route(1, 1, 1, 1, 1, true, false);
+    test_route(37, 156, 8, 1, 1, true, true);    // GLM-5.2-REAP, as the backends ask
+    test_route(37, 156, 8, 1, 1, true, false);   // moe.h's order
+    test_route(16, 256, 8, 8, 4, true, true);    // DeepSeek-V3 style group limit
+    test_route(16, 256, 8, 8, 4, false, false);  // without norm_topk_prob
+    test_route(9, 8, 3, 8, 2, true, true);       // one-expert groups
+    test_route(5, 33, 3, 1, 1, true, true);
     test_experts(5, 64, 64, 3, 2);
     test_experts(9, 96, 160, 4, 3);
     test_experts(12, 6144, 2048, 2, 8);  // GLM shapes, 12 experts in memory

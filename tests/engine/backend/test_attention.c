@@ -47,13 +47,16 @@ typedef struct Mla {
     KvSeq seq;
     KvSeq *seqs[1];  // {&seq}
     int *zeros;      // [T] every token's sequence index
+    int *lens;       // [T] pos + 1 of the tokens of the last one_seq()
 } Mla;
 
 // The ops' view of n tokens of m's one sequence at positions pos.
 static BackendSeqs one_seq(Mla *m, const int *pos, int n)
 {
     m->seqs[0] = &m->seq;
-    return (BackendSeqs){m->seqs, 1, pos, m->zeros, n};
+    for (int t = 0; t < n; t++)
+        m->lens[t] = pos[t] + 1;
+    return (BackendSeqs){m->seqs, 1, pos, m->zeros, m->lens, n};
 }
 
 static KvDtype kv_dtype;  // the cache storage under test
@@ -67,7 +70,8 @@ static void mla_setup(Mla *m, int H, int nope, int rope, int v, int L, int T, in
     m->kv_b = malloc(rows * L * sizeof(float));
     m->q = malloc((size_t) T * H * (nope + rope) * sizeof(float));
     m->zeros = calloc((size_t) T, sizeof *m->zeros);
-    ASSERT(m->kv_b && m->q && m->zeros);
+    m->lens = calloc((size_t) T, sizeof *m->lens);
+    ASSERT(m->kv_b && m->q && m->zeros && m->lens);
     for (size_t i = 0; i < rows * L; i++)
         m->kv_b[i] = frand() * 0.3f;
     for (size_t i = 0; i < (size_t) T * H * (nope + rope); i++)
@@ -99,6 +103,7 @@ static void mla_teardown(Mla *m)
     free(m->kv_b);
     free(m->q);
     free(m->zeros);
+    free(m->lens);
 }
 
 // Expanded-form reference for query t (position t) over keys[0..n_keys) of layer 0.
