@@ -34,8 +34,8 @@
  *
  * The float64 checks run the CUDA backend under the f32 precision recipe. Last, both backends
  * run the bf16 recipe (backend.h; the CUDA backend's default: tuned kernels where the shapes
- * allow): GPU against the CPU following it within 1e-3 relative L2, and the GPU against
- * float64 reported.
+ * allow): the GPU's largest and mean distance from float64 over the positions at most 1.25x
+ * the CPU-following-it one's (+2e-5), and the GPU against the CPU following it reported.
  */
 #include <json-c/json.h>
 #include <math.h>
@@ -55,7 +55,7 @@
 #define TOL_REFERENCE 2e-5
 #define TOL_DECODE 1e-5
 #define TOL_FP8_VS_CPU 1e-3
-#define TOL_RECIPE_VS_CPU 1e-3
+#define TOL_RECIPE_RATIO 1.25
 
 // Prefill logits [n_tokens, V] of the golden tokens on backend be, or NULL. With pool, also
 // a copy of the cache's bytes afterwards (*pool, *pool_bytes; the caller frees it) and the
@@ -197,29 +197,44 @@ int main(int argc, char **argv)
     free(pool_cpu);
     free(pool_gpu);
 
-    // The bf16 recipe (backend.h): the CUDA backend's default, with the CPU following it.
-    // Held to TOL_RECIPE_VS_CPU; against float64 reported (the recipe's bound is in
-    // docs/precision.md). Where no op of the model is tuned the recipe is the f32 one.
+    // The bf16 recipe (backend.h): the CUDA backend's default, with the CPU following it. The
+    // largest and the mean distance from float64 over the positions at most TOL_RECIPE_RATIO
+    // times the CPU's (plus the f32 floor TOL_REFERENCE): the GPU is as exact as the recipe
+    // allows. (Per position the two errors are independent draws of one size, so a per-position
+    // ratio is not a bound: measured up to 1.6 on 3 of ~1,000 positions.) The GPU-vs-CPU distance
+    // is reported: a rounding that a 1e-7 difference flips differs between the two, so it is of
+    // the recipe's own size (docs/precision.md). Where no op of a model is tuned the recipe is
+    // the f32 one.
     cpu->precision = be->precision = BACKEND_PRECISION_BF16;
     float *cpu16 = prefill(cpu, dir, &g, KV_DTYPE_F32, NULL, NULL, NULL);
     float *gpu16 = prefill(be, dir, &g, KV_DTYPE_F32, NULL, NULL, NULL);
     CHECK(cpu16 && gpu16);
     if (cpu16 && gpu16) {
-        Golden all = g;
-        all.logits_first = 0;
-        golden_compare("cuda bf16 recipe vs cpu following it", gpu16, cpu16, &all,
-                       TOL_RECIPE_VS_CPU);
-        double worst = 0.0;
+        double worst_pair = 0.0, worst_gpu = 0.0, worst_cpu = 0.0, sum_gpu = 0.0, sum_cpu = 0.0;
         int agree = 0;
-        for (int t = g.logits_first; t < g.n_tokens; t++) {
-            const float *w = want + (size_t) (t - g.logits_first) * V, *r = gpu16 + (size_t) t * V;
-            const double e = golden_rel_l2(r, w, V);
-            if (e > worst) worst = e;
+        for (int t = 0; t < g.n_tokens; t++) {
+            const float *r = gpu16 + (size_t) t * V, *c = cpu16 + (size_t) t * V;
+            const double e = golden_rel_l2(r, c, V);
+            if (e > worst_pair) worst_pair = e;
+            if (t < g.logits_first) continue;
+            const float *w = want + (size_t) (t - g.logits_first) * V;
+            const double eg = golden_rel_l2(r, w, V), ec = golden_rel_l2(c, w, V);
+            worst_gpu = eg > worst_gpu ? eg : worst_gpu;
+            worst_cpu = ec > worst_cpu ? ec : worst_cpu;
+            sum_gpu += eg;
+            sum_cpu += ec;
             agree += golden_argmax(r, V) == golden_argmax(w, V);
         }
-        printf("cuda bf16 recipe vs float64 reference: max relative L2 %.3g, argmax agrees at %d "
-               "of %d positions\n",
-               worst, agree, g.n_tokens - g.logits_first);
+        const int n_pos = g.n_tokens - g.logits_first;
+        const double mean_gpu = sum_gpu / n_pos, mean_cpu = sum_cpu / n_pos;
+        const bool ok = worst_gpu <= TOL_RECIPE_RATIO * worst_cpu + TOL_REFERENCE
+                        && mean_gpu <= TOL_RECIPE_RATIO * mean_cpu + TOL_REFERENCE;
+        printf("cuda bf16 recipe vs float64 reference: relative L2 max %.3g mean %.3g (cpu "
+               "following it: max %.3g mean %.3g), argmax agrees at %d of %d positions: %s\n",
+               worst_gpu, mean_gpu, worst_cpu, mean_cpu, agree, n_pos, ok ? "ok" : "FAIL");
+        CHECK(ok);
+        printf("cuda bf16 recipe vs cpu following it (reported): max relative L2 %.3g\n",
+               worst_pair);
     }
     free(cpu16);
     free(gpu16);

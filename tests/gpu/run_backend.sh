@@ -131,45 +131,58 @@ done
 # REAP="LAYERS:DENSE ..." (e.g. "3:1 5:1"): write `mkmodel --preset reap` checkpoints of those
 # sizes into ${REAP_DIR:-/tmp} (timed), then `glmspark bench --model` on each (batches
 # ${REAP_BATCH:-1,8}, context 1024) with the fp8 and the bf16 KV cache under the bf16 recipe
-# (the tuned kernels) and fp8 under the f32 one, on the first size the logits against the CPU
-# backend (reap_compare), and one profiled
+# (the tuned kernels) and fp8 under the f32 one, batch 1 at context $REAP_LONG if set, and one
+# profiled
 # (GLMSPARK_CUDA_PROFILE=1) batch-1 fp8 run; into reap.log. Per MoE layer = the difference of
 # two sizes with the same dense count over their MoE-layer difference.
-# reap_compare DIR KV PRECISION check|report: `glmspark logits` of a 40-token prompt on the
-# CUDA backend and on the CPU backend under the same precision recipe (the CPU following the
-# bf16 one), relative L2 per row; "check" fails above 1e-3 (the GPU-vs-recipe bound).
+# reap_compare DIR KV: `glmspark logits` of a 40-token prompt on the CUDA and the CPU backend
+# under both precision recipes, relative L2 per row. Checked: f32, CUDA against CPU within
+# 1e-3; bf16, the CUDA backend's largest and mean distance from the CPU's f32 result at most
+# 1.25x (+1e-4) the CPU-following-bf16 one's: the GPU is as close to the exact computation as
+# the recipe itself. Reported: CUDA bf16 against CPU bf16 (roundings that a 1e-7 difference flips
+# differ between the two; at REAP size they add up to the recipe's own size, docs/precision.md).
 reap_compare() {
     toks=$(python3 -c "print(','.join(str((i * 7919) % 150000 + 5) for i in range(40)))")
-    if ! run "$c/bin/glmspark" logits --backend cuda --precision "$3" --model "$1" --tokens "$toks" \
-            --kv-dtype "$2" --out "$out/reap.cuda" 2>>"$out/reap.log" \
-        || ! run "$c/bin/glmspark" logits --backend cpu --precision "$3" --model "$1" \
-            --tokens "$toks" --kv-dtype "$2" --out "$out/reap.cpu" 2>>"$out/reap.log"; then
-        echo "reap logits $1 $2 $3 failed" | tee -a "$out/reap.log"; status=1; return
-    fi
-    python3 - "$out/reap.cuda" "$out/reap.cpu" "$(basename "$1") $2 cache, $3 recipe" "$4" \
-        >"$out/reap.cmp" <<'PY' || status=1
+    for cfg in cuda:bf16 cuda:f32 cpu:bf16 cpu:f32; do
+        b=${cfg%%:*}; p=${cfg#*:}
+        if ! run "$c/bin/glmspark" logits --backend "$b" --precision "$p" --model "$1" \
+                --tokens "$toks" --kv-dtype "$2" --out "$out/reap.$b.$p" 2>>"$out/reap.log"; then
+            echo "reap logits $1 $2 $cfg failed" | tee -a "$out/reap.log"; status=1; return
+        fi
+    done
+    python3 - "$out/reap" "$(basename "$1") $2 cache" >"$out/reap.cmp" <<'PY' || status=1
 import sys, numpy as np
-g = np.fromfile(sys.argv[1], dtype=np.float32).reshape(40, -1).astype(np.float64)
-c = np.fromfile(sys.argv[2], dtype=np.float32).reshape(40, -1).astype(np.float64)
-e = np.linalg.norm(g - c, axis=1) / np.linalg.norm(c, axis=1)
-agree = int((g.argmax(1) == c.argmax(1)).sum())
-ok = bool(np.isfinite(e).all() and e.max() <= 1e-3)
-verdict = ("PASS" if ok else "FAIL") if sys.argv[4] == "check" else "reported"
-print(f"reap logits cuda vs cpu ({sys.argv[3]}): rel L2 max {e.max():.3g} median "
-      f"{np.median(e):.3g}, argmax agrees {agree}/40: {verdict}")
-sys.exit(0 if ok or sys.argv[4] != "check" else 1)
+L = lambda n: np.fromfile(f"{sys.argv[1]}.{n}", dtype=np.float32).reshape(40, -1).astype(np.float64)
+def rel(a, b):
+    x, y = L(a), L(b)
+    return np.linalg.norm(x - y, axis=1) / np.linalg.norm(y, axis=1), int((x.argmax(1) == y.argmax(1)).sum())
+f32, f32_agree = rel("cuda.f32", "cpu.f32")
+gpu16, gpu16_agree = rel("cuda.bf16", "cpu.f32")
+cpu16, _ = rel("cpu.bf16", "cpu.f32")
+both16, both16_agree = rel("cuda.bf16", "cpu.bf16")
+ok_f32 = bool(np.isfinite(f32).all() and f32.max() <= 1e-3)
+ok_16 = bool(np.isfinite(gpu16).all() and gpu16.max() <= 1.25 * cpu16.max() + 1e-4
+             and gpu16.mean() <= 1.25 * cpu16.mean() + 1e-4)
+tag = sys.argv[2]
+print(f"reap {tag}: f32 recipe, cuda vs cpu: rel L2 max {f32.max():.3g} median {np.median(f32):.3g}, "
+      f"argmax {f32_agree}/40: {'PASS' if ok_f32 else 'FAIL'}")
+print(f"reap {tag}: bf16 recipe vs exact (cpu f32): cuda max {gpu16.max():.3g} mean "
+      f"{gpu16.mean():.3g}, cpu following it max {cpu16.max():.3g} mean {cpu16.mean():.3g}, "
+      f"argmax {gpu16_agree}/40: {'PASS' if ok_16 else 'FAIL'}")
+print(f"reap {tag}: bf16 recipe, cuda vs cpu following it (reported): max {both16.max():.3g} median "
+      f"{np.median(both16):.3g}, argmax {both16_agree}/40")
+sys.exit(0 if ok_f32 and ok_16 else 1)
 PY
     cat "$out/reap.cmp" | tee -a "$out/reap.log"
-    rm -f "$out/reap.cuda" "$out/reap.cpu"
+    rm -f "$out"/reap.cuda.* "$out"/reap.cpu.*
 }
 if [ -n "${REAP:-}" ]; then
-    # GLM-5.2's attention and dense MLP shapes with no routing (two dense layers): the tuned
-    # kernels against the CPU following the bf16 recipe, checked.
+    # GLM-5.2's attention and dense MLP shapes with no routing (two dense layers).
     dir=${REAP_DIR:-/tmp}/reap-2-2
     run "$c/bin/glmspark" mkmodel --preset reap --layers 2 --dense 2 --out "$dir" >>"$out/reap.log" 2>&1 \
         || { echo "mkmodel reap 2:2 failed"; status=1; }
-    reap_compare "$dir" fp8 bf16 check
-    reap_compare "$dir" bf16 bf16 check
+    reap_compare "$dir" fp8
+    reap_compare "$dir" bf16
     rm -rf "$dir"
 fi
 for cfg in ${REAP:-}; do
@@ -183,15 +196,17 @@ for cfg in ${REAP:-}; do
     for run_cfg in fp8:bf16 bf16:bf16 fp8:f32; do
         kv=${run_cfg%%:*}; prec=${run_cfg#*:}
         echo "== bench reap $cfg kv $kv precision $prec" | tee -a "$out/reap.log"
-        run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
+        batches=${REAP_BATCH:-1,8}
+        [ "$prec" = f32 ] && batches=1,8  # the reference recipe's figures, for comparison
+        run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch "$batches" \
             --ctx 1024 --steps "${STEPS:-16}" --kv-dtype $kv --precision $prec >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg $kv $prec failed"; status=1; }
     done
-    # The first size: logits against the CPU backend under each recipe, reported (random
-    # routing has no margin: a 1e-5 difference can flip an expert, see reap_compare below).
-    if [ "$cfg" = "${REAP%% *}" ]; then
-        reap_compare "$dir" fp8 bf16 report
-        reap_compare "$dir" fp8 f32 report
+    if [ -n "${REAP_LONG:-}" ]; then  # e.g. 32768: batch 1 at that context (DSA on), fp8
+        echo "== bench reap $cfg kv fp8 precision bf16 ctx $REAP_LONG" | tee -a "$out/reap.log"
+        run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$REAP_LONG" \
+            --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
+            || { echo "bench reap $cfg ctx $REAP_LONG failed"; status=1; }
     fi
     echo "== profile reap $cfg kv fp8 batch 1" | tee -a "$out/reap.log"
     GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 \
