@@ -57,8 +57,8 @@ typedef struct MoeExperts {
 // [n_experts] or NULL. n_experts % n_group == 0; 1 <= topk_group <= n_group; k <= n_experts.
 // is_ascending: each token's experts in ascending id order, else in the order chosen.
 void moe_route(int32_t *idx, float *w, const float *logits, const float *bias, int n_tok,
-               int n_experts, int k, int n_group, int topk_group, bool norm_topk_prob,
-               float scale, bool is_ascending, cudaStream_t stream);
+               int n_experts, int k, int n_group, int topk_group, bool norm_topk_prob, float scale,
+               bool is_ascending, cudaStream_t stream);
 
 // act bf16 [n_tok*k, inter]; x bf16 [n_tok, hidden]; idx int32 [n_tok, k].
 void moe_experts_w13(uint16_t *act, const MoeExperts *ex, const uint16_t *x, const int32_t *idx,

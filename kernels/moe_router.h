@@ -12,12 +12,12 @@
  *   w         = s[idx] / (sum of the K s[idx] + 1e-20) * scale   (s[idx] * scale without
  *               norm_topk_prob); the sum runs over the chosen experts in ascending order
  *
- * One piece of code for every caller that wants these exact numbers: the CPU backend
- * (engine/backend/backend_cpu.c), the CUDA backend's routing kernel (one thread per token,
- * so the two backends choose alike bit for bit) and the kernels' reference
- * (kernels/ref/moe_ref.c). kernels/moe.cu's fused router is a different, warp-parallel fp32
- * decomposition with its own contract (moe.h) and is checked against this one.
- * tests/engine/backend/test_router.c checks it against a brute-force enumeration of ranks.
+ * The exact numbers every router gives: the CPU backend (engine/backend/backend_cpu.c) and
+ * the kernels' reference (kernels/ref/moe_ref.c) call it; kernels/moe.cu's warp-per-token
+ * router, which the CUDA backend runs, is this arithmetic with the argmax scans split over
+ * the lanes, so the two backends choose alike bit for bit (tests/gpu/test_moe.c checks it
+ * equal). tests/engine/backend/test_router.c checks this against a brute-force enumeration of
+ * ranks.
  *
  * Ownership: none; every pointer borrowed for the call. Threads: pure. Errors: none; the
  * callers assert the shapes (K <= E, E % G == 0, 1 <= topk_group <= G).

@@ -651,8 +651,8 @@ static void cpu_moe(Backend *be, float *out, const float *x, int n, const int *i
     float *we = u + (size_t) n * inter;    // [n] routing weights
     int *tok = (int *) (we + n);           // [n] token of each row
 
-    const bool bf16 = be->precision == BACKEND_PRECISION_BF16
-                      && backend_moe_tuned(experts, n_experts, top_k);
+    const bool bf16 =
+        be->precision == BACKEND_PRECISION_BF16 && backend_moe_tuned(experts, n_experts, top_k);
     memset(out, 0, (size_t) n * hidden * sizeof(float));
     for (int e = 0; e < n_experts; e++) {
         int cnt = 0;

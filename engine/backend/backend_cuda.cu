@@ -1,8 +1,15 @@
 /*
- * backend_cuda.cu - the CUDA backend (backend_cuda.h): every op of backend.h as fp32 CUDA
- * kernels on one stream of the backend's own, with the decode step replayable as a CUDA graph.
+ * backend_cuda.cu - the CUDA backend (backend_cuda.h): every op of backend.h on one stream of
+ * the backend's own, with the decode step replayable as a CUDA graph.
  *
  * Design:
+ * - Under the bf16 precision recipe (engine/model/backend.h, the default here) the tuned
+ *   kernels of kernels/ run what they can take (backend_*_tuned): bf16 linears through
+ *   kernels/gemm.h (matmul_tuned), routed NVFP4 experts stacked at bind_experts as
+ *   kernels/moe.h reads them (moe_tuned), MLA at GLM-5's widths through kernels/mla.h over
+ *   the engine's own pages with kv_b repacked at bind_kv_b (mla_tuned). The router is
+ *   kernels/moe.cu's under both recipes. The rest of this file is the backend's own fp32
+ *   kernels (what --precision f32 runs everywhere):
  * - Weights: bind_linear() copies data, NVFP4 group scales and FP8 block scales to device
  *   memory unchanged and rewrites the CkptLinear's pointers; kernels decode each element as
  *   they read it with the same values as the CPU backend (kernels/nvfp4_format.h, by bit
@@ -15,8 +22,8 @@
  *   summed per lane in vector order, then across the warp. Which path a weight takes depends
  *   on the weight alone, and each token's sum on nothing but its own row, so decode equals
  *   prefill bit for bit, as on the CPU.
- * - Reductions that decide something (norm statistics, router, DSA scores, attention
- *   scores and softmax) run in double, in the CPU backend's order where one thread owns a
+ * - Reductions that decide something (norm statistics, DSA scores, attention scores and
+ *   softmax) run in double, in the CPU backend's order where one thread owns a
  *   sum (a router token, a DSA score, q_lat channels) and in a fixed tree order otherwise.
  * - MLA attention (absorbed form, as the CPU backend) is five launches: q_lat per (token,
  *   head); scores with a warp per key; softmax statistics; partial o_lat per split of 256
@@ -41,7 +48,7 @@
  *   (stream capture) and launched; later calls with the key replay the graph, the caller
  *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
  *   buffers the caller uploads before. GLMSPARK_CUDA_GRAPHS=0 turns graphs off.
- * Not yet: bf16 activations, kernels/' MLA decode over the fp8 cache and tensor-core prefill.
+ * Not yet: norms, RoPE, adds, the KV write and the DSA indexer through kernels/.
  * Host syncs: uploads and downloads (cudaMemcpy semantics), scratch growth, block-table
  * uploads when a sequence gains a block, and the first use of a cache or experts array;
  * none inside a decode step's layer loop once its graph exists.
@@ -159,7 +166,7 @@ static const char *const prof_names[N_PROF] = {
 
 typedef struct CudaImpl {
     int device;
-    int n_sm;  // streaming multiprocessors
+    int n_sm;                // streaming multiprocessors
     cudaStream_t stream;     // every launch and copy
     unsigned long long gen;  // bumped by every device (re)allocation and block-table upload
     bool graphs;             // GLMSPARK_CUDA_GRAPHS != 0
@@ -1333,7 +1340,8 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     for (size_t i = 0; i < 3 * E; i++) {
         const CkptLinear *w = &experts[i];
         const bool down = i % 3 == 2;
-        if ((size_t) w->rows != (down ? hidden : inter) || (size_t) w->cols != (down ? inter : hidden)) {
+        if ((size_t) w->rows != (down ? hidden : inter)
+            || (size_t) w->cols != (down ? inter : hidden)) {
             LOG_ERROR("%s: expert shape [%d, %d] differs from the layer's", w->name, w->rows,
                       w->cols);
             return ERR_INVAL;
@@ -1354,7 +1362,8 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     for (size_t e = 0; e < E; e++)
         for (int k = 0; k < 3; k++) {
             CkptLinear *w = &experts[3 * e + k];
-            const size_t nq = (size_t) w->rows * w->cols / 2, ns = (size_t) w->rows * w->cols / NVFP4_GROUP;
+            const size_t nq = (size_t) w->rows * w->cols / 2,
+                         ns = (size_t) w->rows * w->cols / NVFP4_GROUP;
             uint8_t *q = k < 2 ? dq13 + (2 * e + k) * nq : dq2 + e * nq;
             uint8_t *sc = k < 2 ? ds13 + (2 * e + k) * ns : ds2 + e * ns;
             CUDA_CHECK(cudaMemcpy(q, w->data, nq, cudaMemcpyHostToDevice));
@@ -1366,8 +1375,8 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     CUDA_CHECK(cudaMemcpy(dg13, g, E * 2 * sizeof(float), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(dg2, g + 2 * E, E * sizeof(float), cudaMemcpyHostToDevice));
     free(g);
-    impl->stacks[impl->n_stacks++] =
-        (ExpertStack){experts, {dq13, ds13, dg13, dq2, ds2, dg2, n_experts, (int) hidden, (int) inter}};
+    impl->stacks[impl->n_stacks++] = (ExpertStack){
+        experts, {dq13, ds13, dg13, dq2, ds2, dg2, n_experts, (int) hidden, (int) inter}};
     return ERR_OK;
 }
 
@@ -1676,8 +1685,8 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
     const size_t b_lat = align256(c * h * L * 4), b_ws = align256(c * n_split * h * L * 4);
     unsigned char *x = (unsigned char *) scratch(impl, SCRATCH_X, b_nope + b_pe);
     uint16_t *o_lat = (uint16_t *) scratch(impl, SCRATCH_Y, c * h * L * 2);
-    unsigned char *z = (unsigned char *) scratch(impl, SCRATCH_Z,
-                                                 b_lat + b_ws + c * n_split * h * 2 * 4);
+    unsigned char *z =
+        (unsigned char *) scratch(impl, SCRATCH_Z, b_lat + b_ws + c * n_split * h * 2 * 4);
     uint16_t *q_nope = (uint16_t *) x;
     float *q_pe = (float *) (x + b_nope), *q_lat = (float *) z, *ws_o = (float *) (z + b_lat);
     float *ws_ml = (float *) (z + b_lat + b_ws);
@@ -1706,10 +1715,10 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
     const int n = s->n;
     const int *pos = s->pos;
     if (n == 0) return;
-    const KvBPack *pk = be->precision == BACKEND_PRECISION_BF16
-                                && backend_mla_tuned(p, &kv->entry[layer])
-                            ? kv_b_pack(impl, kv_b)
-                            : NULL;
+    const KvBPack *pk =
+        be->precision == BACKEND_PRECISION_BF16 && backend_mla_tuned(p, &kv->entry[layer])
+            ? kv_b_pack(impl, kv_b)
+            : NULL;
     if (pk) {
         mla_tuned(impl, out, q, pk, kv, s, layer, sel, n_sel, sel_stride, p);
         return;

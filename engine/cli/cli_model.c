@@ -146,13 +146,12 @@ static int usage(const char *cmd)
                 "[--pp N | --rank R "
                 "--world N --master ADDR:PORT]\n");
     else
-        fprintf(stderr,
-                "usage: glmspark generate --model DIR --tokens 5,17,42 --max-tokens N "
-                "[--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S] "
-                "[--ignore-eos] [--threads N] [--backend cpu|cuda] [--precision f32|bf16] "
-                "[--repetition-penalty R] "
-                "[--presence-penalty P] [--frequency-penalty F] [--kv-dtype f32|bf16|fp8] "
-                "[--mtp K] [--pp N | --rank R --world N --master ADDR:PORT]\n");
+        fprintf(stderr, "usage: glmspark generate --model DIR --tokens 5,17,42 --max-tokens N "
+                        "[--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S] "
+                        "[--ignore-eos] [--threads N] [--backend cpu|cuda] [--precision f32|bf16] "
+                        "[--repetition-penalty R] "
+                        "[--presence-penalty P] [--frequency-penalty F] [--kv-dtype f32|bf16|fp8] "
+                        "[--mtp K] [--pp N | --rank R --world N --master ADDR:PORT]\n");
     return 2;
 }
 

@@ -135,9 +135,9 @@ static Err load_vec(Model *m, const char *name, int n, float **out)
 static void release_bound(Model *m, const char *base, const CkptLinear *out, const void *mapped)
 {
     if (out->data == mapped) return;
-    static const char *const parts[] = {".weight",         ".weight_packed",
-                                        ".weight_scale",   ".weight_scale_2",
-                                        ".weight_global_scale", ".weight_scale_inv"};
+    static const char *const parts[] = {
+        ".weight",         ".weight_packed",       ".weight_scale",
+        ".weight_scale_2", ".weight_global_scale", ".weight_scale_inv"};
     char name[NAME_MAX_LEN];
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
         snprintf(name, sizeof name, "%s%s", base, parts[i]);
@@ -655,8 +655,8 @@ static Err work_ensure(Model *m, int n)
     w->rl = be->alloc(be, N * E * sizeof(float));
     w->ridx = be->alloc(be, N * K * sizeof(int));
     w->rw = be->alloc(be, N * K * sizeof(float));
-    if (!w->pos_host || !w->act_host || !w->pos || !w->seq_of || !w->len || !w->tok || !w->logits || !w->x
-        || !w->h || !w->qa || !w->q || !w->kva || !w->attn || !w->tmp || !w->tmp2 || !w->iq
+    if (!w->pos_host || !w->act_host || !w->pos || !w->seq_of || !w->len || !w->tok || !w->logits
+        || !w->x || !w->h || !w->qa || !w->q || !w->kva || !w->attn || !w->tmp || !w->tmp2 || !w->iq
         || !w->ik || !w->iw || !w->sel || !w->n_sel || !w->g || !w->u || !w->rl || !w->ridx
         || !w->rw) {
         LOG_ERROR("could not allocate the forward workspace for %d tokens", n);

@@ -45,7 +45,7 @@ Err serve_stage_load(ServeStage *e, const Recipe *r, const char *model_dir, int 
                              .last_layer = mine->last_layer};
     const double t0 = clock_now_s();
     if ((err = backend_open(r->backend == RECIPE_BACKEND_CUDA, r->threads, local_rank,
-                           BACKEND_PRECISION_DEFAULT, &e->be))
+                            BACKEND_PRECISION_DEFAULT, &e->be))
         || (err = model_load(&e->model, model_dir, &mo, e->be))) {
         fprintf(stderr, "glmspark-engine: could not load the model in \"%s\"\n", model_dir);
         return err;

@@ -6,7 +6,6 @@
  */
 #include "kernels/ref/kern_ref.h"
 
-
 #include "kernels/nvfp4_format.h"
 
 float kern_bf16_to_f32(uint16_t b)

@@ -492,7 +492,8 @@ static void test_tuned(void)
             float *dy = gpu->alloc(gpu, (size_t) n * rows * sizeof(float));
             gpu->matmul(gpu, dy, &wg, dx + off, n);
             char what[64];
-            snprintf(what, sizeof what, "matmul tuned bf16 n=%d%s", n, off ? " (misaligned x)" : "");
+            snprintf(what, sizeof what, "matmul tuned bf16 n=%d%s", n,
+                     off ? " (misaligned x)" : "");
             expect_close(what, dy, want, (size_t) n * rows, 1e-3);
             free(x), free(want);
             gpu->free_mem(gpu, dx), gpu->free_mem(gpu, dy);
@@ -506,7 +507,8 @@ static void test_tuned(void)
         int *idx = malloc((size_t) n * K * sizeof *idx);
         float *wts = malloc((size_t) n * K * sizeof *wts);
         cpu->route(cpu, idx, wts, logits, NULL, n, &rp);
-        CkptLinear *ex = calloc((size_t) 3 * E, sizeof *ex), *exg = calloc((size_t) 3 * E, sizeof *exg);
+        CkptLinear *ex = calloc((size_t) 3 * E, sizeof *ex),
+                   *exg = calloc((size_t) 3 * E, sizeof *exg);
         ASSERT(ex && exg && idx && wts);
         for (int i = 0; i < 3 * E; i++) {
             ex[i] = make_linear(CKPT_LINEAR_NVFP4, i % 3 == 2 ? hidden : inter,
@@ -553,9 +555,11 @@ static void test_tuned(void)
         for (int p = pos[t] % 3; p <= pos[t] && n_sel[t] < KSEL; p += 3)
             sel[(size_t) t * KSEL + n_sel[t]++] = p;
     }
-    int *dpos = dev(pos, sizeof pos), *dseq_of = dev(seq_of, sizeof seq_of), *dlen = dev(len, sizeof len);
+    int *dpos = dev(pos, sizeof pos), *dseq_of = dev(seq_of, sizeof seq_of),
+        *dlen = dev(len, sizeof len);
     int *dsel = dev(sel, (size_t) T * KSEL * sizeof *sel), *dn_sel = dev(n_sel, sizeof n_sel);
-    float *lat = rand_floats((size_t) T * (L + R), 1.0f), *qa = rand_floats((size_t) T * H * (nope + R), 1.0f);
+    float *lat = rand_floats((size_t) T * (L + R), 1.0f),
+          *qa = rand_floats((size_t) T * H * (nope + R), 1.0f);
     float *dlat = dev(lat, (size_t) T * (L + R) * sizeof(float));
     float *dqa = dev(qa, (size_t) T * H * (nope + R) * sizeof(float));
     float *want = malloc((size_t) T * H * vd * sizeof *want);
