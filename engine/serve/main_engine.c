@@ -5,14 +5,16 @@
  *   glmspark-engine --model DIR --db CONNINFO [--tokenizer FILE] [--model-name NAME]
  *                   [--threads N] [--kv-blocks N] [--name NAME] [--lease-s S]
  *                   [--max-num-seqs N] [--max-num-batched-tokens N] [--prefill-slice N]
- *                   [--backend cpu|cuda] [--kv-dtype fp8|bf16|f32] [--step-delay-ms MS]
+ *                   [--backend cpu|cuda] [--precision f32|bf16] [--kv-dtype fp8|bf16|f32]
+ *                   [--step-delay-ms MS]
  *                   [--pp N | --rank R --world N --master HOST:PORT [--local-rank L]]
  *                   [--recipe FILE]
  *   glmspark-engine --check-recipe FILE
  *
  * --recipe FILE (engine/serve/recipe.h, ops/recipes/) supplies model, model_name, tokenizer,
  * threads, kv_blocks (or max_model_len / block_size), lease_s, max_num_seqs,
- * max_num_batched_tokens, pipeline_parallel, backend and kv_cache_dtype; flags given on the
+ * max_num_batched_tokens, pipeline_parallel, backend, precision and kv_cache_dtype; flags
+ * given on the
  * command line override it wherever they appear (--prefill-slice is another name for
  * --max-num-batched-tokens, the scheduler's prefill chunk; --kv-dtype, the other commands'
  * name, for --kv-cache-dtype). --check-recipe validates a
@@ -111,6 +113,7 @@ static const struct {
     {"--prefill-slice", "max_num_batched_tokens"},
     {"--pp", "pipeline_parallel"},
     {"--backend", "backend"},
+    {"--precision", "precision"},
     {"--kv-cache-dtype", "kv_cache_dtype"},
     {"--kv-dtype", "kv_cache_dtype"},
     {"--mtp", "mtp_tokens"},
@@ -124,7 +127,8 @@ static int usage(void)
             "usage: glmspark-engine --model DIR --db CONNINFO [--tokenizer FILE]\n"
             "       [--model-name NAME] [--threads N] [--kv-blocks N] [--name NAME] [--lease-s S]\n"
             "       [--max-num-seqs N] [--max-num-batched-tokens N] [--prefill-slice N]\n"
-            "       [--backend cpu|cuda] [--kv-dtype fp8|bf16|f32] [--max-model-len N]\n"
+            "       [--backend cpu|cuda] [--precision f32|bf16] [--kv-dtype fp8|bf16|f32]\n"
+            "       [--max-model-len N]\n"
             "       [--block-size N] [--step-delay-ms MS] [--recipe FILE]\n"
             "       [--pp N | --rank R --world N --master HOST:PORT [--local-rank L]]\n"
             "       glmspark-engine --check-recipe FILE\n");

@@ -11,7 +11,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef enum KeyKind { KIND_STR, KIND_INT, KIND_REAL, KIND_KV_DTYPE, KIND_BACKEND } KeyKind;
+typedef enum KeyKind {
+    KIND_STR,
+    KIND_INT,
+    KIND_REAL,
+    KIND_KV_DTYPE,
+    KIND_BACKEND,
+    KIND_PRECISION
+} KeyKind;
 
 typedef struct KeyDef {
     const char *name;
@@ -42,6 +49,7 @@ static const KeyDef KEYS[] = {
     {"load_timeout_s", KIND_INT, F(load_timeout_s), 1, 604800, false, false},
     {"min_free_memory_gb", KIND_REAL, F(min_free_memory_gb), 0, 1e6, false, false},
     {"backend", KIND_BACKEND, F(backend), 0, 0, false, false},
+    {"precision", KIND_PRECISION, F(precision), 0, 0, false, false},
     {"mtp_tokens", KIND_INT, F(mtp_tokens), 0, 8, false, false},
 };
 #undef F
@@ -49,6 +57,7 @@ enum { N_KEYS = (int) (sizeof KEYS / sizeof KEYS[0]) };
 _Static_assert(N_KEYS <= 64, "set_mask holds 64 keys");
 
 static const char *const BACKENDS[] = {"cpu", "cuda"};
+static const char *const PRECISIONS[] = {"default", "f32", "bf16"};
 
 void recipe_defaults(Recipe *r)
 {
@@ -82,6 +91,11 @@ const char *recipe_key_name(int i)
 const char *recipe_backend_name(RecipeBackend b)
 {
     return (unsigned) b < 2 ? BACKENDS[b] : "?";
+}
+
+const char *recipe_precision_name(RecipePrecision p)
+{
+    return (unsigned) p < 3 ? PRECISIONS[p] : "?";
 }
 
 static int find_key(const char *key, size_t n)
@@ -132,20 +146,25 @@ static Err set_value(Recipe *r, int k, const char *value, size_t n, const char *
     }
     memcpy(buf, value, n);
     buf[n] = '\0';
-    if (d->kind == KIND_KV_DTYPE || d->kind == KIND_BACKEND) {
-        const bool is_kv = d->kind == KIND_KV_DTYPE;
+    if (d->kind == KIND_KV_DTYPE || d->kind == KIND_BACKEND || d->kind == KIND_PRECISION) {
         KvDtype kv_dtype = KV_DTYPE_F32;
-        const int i =
-            is_kv ? (kv_dtype_parse(buf, &kv_dtype) ? 0 : -1) : name_index(BACKENDS, 2, buf);
+        const int i = d->kind == KIND_KV_DTYPE  ? (kv_dtype_parse(buf, &kv_dtype) ? 0 : -1)
+                      : d->kind == KIND_BACKEND ? name_index(BACKENDS, 2, buf)
+                                                : name_index(PRECISIONS, 3, buf);
         if (i < 0) {
             LOG_ERROR("%s: %s: \"%s\" is not one of %s", where, d->name, buf,
-                      is_kv ? "fp8, bf16, f32" : "cpu, cuda");
+                      d->kind == KIND_KV_DTYPE  ? "fp8, bf16, f32"
+                      : d->kind == KIND_BACKEND ? "cpu, cuda"
+                                                : "default, f32, bf16");
             return ERR_INVAL;
         }
-        if (is_kv) {
+        if (d->kind == KIND_KV_DTYPE) {
             memcpy(field, &kv_dtype, sizeof kv_dtype);
-        } else {
+        } else if (d->kind == KIND_BACKEND) {
             const RecipeBackend t = (RecipeBackend) i;
+            memcpy(field, &t, sizeof t);
+        } else {
+            const RecipePrecision t = (RecipePrecision) i;
             memcpy(field, &t, sizeof t);
         }
         return ERR_OK;
@@ -346,6 +365,12 @@ char *recipe_format_value(const Recipe *r, int i, char *buf, size_t n)
         RecipeBackend v;
         memcpy(&v, field, sizeof v);
         snprintf(buf, n, "%s", recipe_backend_name(v));
+        break;
+    }
+    case KIND_PRECISION: {
+        RecipePrecision v;
+        memcpy(&v, field, sizeof v);
+        snprintf(buf, n, "%s", recipe_precision_name(v));
         break;
     }
     }

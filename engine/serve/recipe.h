@@ -29,14 +29,15 @@
  *   load_timeout_s            launcher's readiness limit, >= 1      3600
  *   min_free_memory_gb        launcher's per-node check, >= 0       0
  *   backend                   cpu | cuda (ops of every rank)        cpu
+ *   precision                 default | f32 | bf16 (docs/precision.md) default
  *   mtp_tokens                MTP drafts per step, 0..8 (0: off)    0
  *
  * Who reads what: glmspark-engine applies model, model_name, tokenizer, threads, kv_blocks,
  * lease_s, max_model_len and block_size (the KV cache size), pipeline_parallel (ranks;
  * --pp/--world override), max_num_seqs,
  * max_num_batched_tokens and mtp_tokens (the scheduler; mtp_tokens > 0 loads the model's MTP
- * layer on the last rank and is an error for a model without one), backend and kv_cache_dtype
- * (engine/model/kv_cache.h's storage types, on either backend; unset: f32);
+ * layer on the last rank and is an error for a model without one), backend, precision and
+ * kv_cache_dtype (engine/model/kv_cache.h's storage types, on either backend; unset: f32);
  * ops/launch-cluster.sh uses pipeline_parallel (must equal the node count), master_port,
  * load_timeout_s, min_free_memory_gb and model. tensor_parallel (1) and
  * gpu_memory_utilization are validated only: the engine sizes its KV cache from kv_blocks
@@ -71,6 +72,13 @@ typedef enum RecipeBackend {
     RECIPE_BACKEND_CUDA,
 } RecipeBackend;
 
+// The backend's precision recipe (engine/model/backend.h, docs/precision.md).
+typedef enum RecipePrecision {
+    RECIPE_PRECISION_DEFAULT,  // the backend's own: f32 on the CPU, bf16 on CUDA
+    RECIPE_PRECISION_F32,
+    RECIPE_PRECISION_BF16,
+} RecipePrecision;
+
 typedef struct Recipe {
     char model[RECIPE_MAX_STR];       // "" when unset
     char model_name[RECIPE_MAX_STR];  // "" when unset
@@ -91,6 +99,7 @@ typedef struct Recipe {
     int load_timeout_s;
     double min_free_memory_gb;
     RecipeBackend backend;
+    RecipePrecision precision;
     uint64_t set_mask;  // bit i: key i of recipe_key_name() was set (by a file or a flag)
 } Recipe;
 
@@ -122,6 +131,9 @@ bool recipe_is_set(const Recipe *r, const char *key);
 
 // The backend's name ("cpu", "cuda").
 const char *recipe_backend_name(RecipeBackend b);
+
+// The precision's name ("default", "f32", "bf16").
+const char *recipe_precision_name(RecipePrecision p);
 
 #ifdef __cplusplus
 }

@@ -78,6 +78,11 @@ static void test_syntax(void)
     CHECK(r.backend == RECIPE_BACKEND_CPU);  // the default
     CHECK(parse(&r, "backend = cuda\n") == ERR_OK);
     CHECK(r.backend == RECIPE_BACKEND_CUDA && !strcmp(recipe_backend_name(r.backend), "cuda"));
+    CHECK(r.precision == RECIPE_PRECISION_DEFAULT);  // the backend's own
+    CHECK(parse(&r, "precision = f32\n") == ERR_OK);
+    CHECK(r.precision == RECIPE_PRECISION_F32
+          && !strcmp(recipe_precision_name(r.precision), "f32"));
+    CHECK(parse(&r, "precision = bf16\n") == ERR_OK && r.precision == RECIPE_PRECISION_BF16);
     CHECK(parse(&r, "gpu_memory_utilization = 1\nmin_free_memory_gb = 0\n") == ERR_OK);
     CHECK_NEAR(r.gpu_memory_utilization, 1.0, 0);
     CHECK(parse(&r, "block_size = 64") == ERR_OK);  // no final newline
@@ -112,6 +117,7 @@ static void test_errors_name_the_key(void)
         {"block_size = 100\n", ERR_INVAL, "block_size: 100 is not a power of two"},
         {"kv_cache_dtype = int4\n", ERR_INVAL, "kv_cache_dtype: \"int4\" is not one of"},
         {"backend = tpu\n", ERR_INVAL, "backend: \"tpu\" is not one of cpu, cuda"},
+        {"precision = fp16\n", ERR_INVAL, "precision: \"fp16\" is not one of default, f32, bf16"},
         {"model = \"/unterminated\n", ERR_FORMAT, "model: unterminated"},
         {"model = \"/a\" extra\n", ERR_FORMAT, "model: text after"},
         {"model = \"\"\n", ERR_INVAL, "model: empty value"},

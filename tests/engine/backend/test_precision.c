@@ -1,0 +1,190 @@
+/*
+ * test_precision.c - the CPU backend following the bf16 precision recipe (engine/model/
+ * backend.h, docs/precision.md), which the GPU is checked against: it must round exactly the
+ * values the recipe names, where it names them, and nothing else.
+ *
+ *   matmul: with a bf16 weight whose columns come in 8s, bf16(x) is the input: the output
+ *           equals the f32 recipe's on the rounded x bit for bit, and differs on x; other
+ *           weights (f32, columns not in 8s) are untouched.
+ *   moe:    NVFP4 experts (hidden and inter in 32s): x and silu(gate) * up are rounded, so
+ *           moe(x) equals moe(bf16(x)) bit for bit and differs from the f32 recipe; f32
+ *           experts are untouched.
+ *   the tuned-shape predicates: GLM-5's MLA widths with fp8 (656-byte) and bf16 (1,152-byte)
+ *           entries of 128-position blocks, and nothing else.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/model/backend.h"
+#include "engine/model/kv_cache.h"
+#include "engine/shared/err.h"
+#include "kernels/nvfp4_format.h"
+#include "tests/check.h"
+
+static unsigned rng = 7;
+
+static float frand(void)
+{
+    rng = rng * 1103515245u + 12345u;
+    return (float) ((rng >> 8) & 0xffff) / 32768.0f - 1.0f;
+}
+
+static float *rand_vec(size_t n)
+{
+    float *v = malloc(n * sizeof *v);
+    ASSERT(v);
+    for (size_t i = 0; i < n; i++)
+        v[i] = frand() * (1.0f + (float) (i % 7));  // not bf16 values
+    return v;
+}
+
+static float *rounded(const float *x, size_t n)
+{
+    float *r = malloc(n * sizeof *r);
+    ASSERT(r);
+    for (size_t i = 0; i < n; i++)
+        r[i] = nvfp4_round_bf16(x[i]);
+    return r;
+}
+
+// y under each recipe for weight w and input x (n tokens).
+static void matmul_both(Backend *be, const CkptLinear *w, const float *x, int n, float *y32,
+                        float *y16)
+{
+    be->precision = BACKEND_PRECISION_F32;
+    be->matmul(be, y32, w, x, n);
+    be->precision = BACKEND_PRECISION_BF16;
+    be->matmul(be, y16, w, x, n);
+    be->precision = BACKEND_PRECISION_F32;
+}
+
+static void test_matmul(Backend *be)
+{
+    enum { ROWS = 12, N = 3 };
+    const int col_cases[2] = {40, 36};  // tuned (columns in 8s), and not
+    for (int ci = 0; ci < 2; ci++) {
+        const int cols = col_cases[ci];
+        uint16_t *wb = malloc((size_t) ROWS * cols * 2);
+        ASSERT(wb);
+        for (int i = 0; i < ROWS * cols; i++)
+            wb[i] = nvfp4_float_to_bf16(frand() * 0.1f);
+        const CkptLinear w = {.format = CKPT_LINEAR_BF16,
+                              .rows = ROWS,
+                              .cols = cols,
+                              .data = wb,
+                              .global_scale = 1.0f,
+                              .name = "w"};
+        CHECK(backend_matmul_tuned(&w) == (cols % 8 == 0));
+        float *x = rand_vec((size_t) N * cols), *xr = rounded(x, (size_t) N * cols);
+        float y32[ROWS * N], y16[ROWS * N], yr32[ROWS * N], yr16[ROWS * N];
+        matmul_both(be, &w, x, N, y32, y16);
+        matmul_both(be, &w, xr, N, yr32, yr16);
+        if (ci == 0) {
+            CHECK(memcmp(y16, yr32, sizeof y16) == 0);  // bf16(x) was the input
+            CHECK(memcmp(y16, y32, sizeof y16) != 0);   // and x was not one already
+        } else {
+            CHECK(memcmp(y16, y32, sizeof y16) == 0);  // untouched
+        }
+        CHECK(memcmp(yr16, yr32, sizeof yr16) == 0);  // rounding a bf16 value changes nothing
+        free(x), free(xr), free(wb);
+    }
+    // An f32 weight is never rounded, nor its input.
+    float *wf = rand_vec((size_t) ROWS * 16), *x = rand_vec((size_t) N * 16);
+    const CkptLinear w = {.format = CKPT_LINEAR_F32,
+                          .rows = ROWS,
+                          .cols = 16,
+                          .data = wf,
+                          .global_scale = 1.0f,
+                          .name = "w"};
+    CHECK(!backend_matmul_tuned(&w));
+    float y32[ROWS * N], y16[ROWS * N];
+    matmul_both(be, &w, x, N, y32, y16);
+    CHECK(memcmp(y16, y32, sizeof y16) == 0);
+    free(wf), free(x);
+}
+
+// Random NVFP4 [rows, cols] (host memory, released with free_nvfp4).
+static CkptLinear nvfp4(int rows, int cols)
+{
+    uint8_t *q = malloc((size_t) rows * cols / 2), *s = malloc((size_t) rows * cols / 16);
+    ASSERT(q && s);
+    for (int i = 0; i < rows * cols / 2; i++)
+        q[i] = (uint8_t) (rand() & 0xff);
+    for (int i = 0; i < rows * cols / 16; i++)
+        s[i] = (uint8_t) (0x28 + rand() % 0x18);
+    return (CkptLinear){.format = CKPT_LINEAR_NVFP4,
+                        .rows = rows,
+                        .cols = cols,
+                        .data = q,
+                        .scale = s,
+                        .global_scale = 0.0123f,
+                        .name = "expert"};
+}
+
+static void test_moe(Backend *be)
+{
+    enum { E = 4, K = 2, HID = 64, INTER = 32, N = 3 };
+    CkptLinear ex[3 * E];
+    for (int e = 0; e < E; e++) {
+        ex[3 * e] = nvfp4(INTER, HID);
+        ex[3 * e + 1] = nvfp4(INTER, HID);
+        ex[3 * e + 2] = nvfp4(HID, INTER);
+    }
+    CHECK(backend_moe_tuned(ex, E, K) && !backend_moe_tuned(ex, E, 17));
+    const int idx[N * K] = {0, 2, 1, 3, 0, 3};
+    const float wts[N * K] = {0.6f, 0.4f, 0.7f, 0.3f, 0.5f, 0.5f};
+    float *x = rand_vec((size_t) N * HID), *xr = rounded(x, (size_t) N * HID);
+    float o32[N * HID], o16[N * HID], or16[N * HID];
+    be->moe(be, o32, x, N, idx, wts, K, ex, E);
+    be->precision = BACKEND_PRECISION_BF16;
+    be->moe(be, o16, x, N, idx, wts, K, ex, E);
+    be->moe(be, or16, xr, N, idx, wts, K, ex, E);
+    be->precision = BACKEND_PRECISION_F32;
+    CHECK(memcmp(o16, or16, sizeof o16) == 0);  // x entered as bf16(x)
+    CHECK(memcmp(o16, o32, sizeof o16) != 0);
+    // The activations are rounded too: the f32 recipe on bf16(x) differs from the bf16 one.
+    float or32[N * HID];
+    be->moe(be, or32, xr, N, idx, wts, K, ex, E);
+    CHECK(memcmp(or16, or32, sizeof or16) != 0);
+    for (int i = 0; i < 3 * E; i++) {
+        free((void *) ex[i].data);
+        free((void *) ex[i].scale);
+    }
+    free(x), free(xr);
+}
+
+static void test_mla_predicate(void)
+{
+    const BackendMla glm = {64, 192, 64, 256, 512, 0.0625f};
+    const BackendMla small = {4, 24, 16, 20, 144, 0.2f};
+    CHECK(backend_mla_shape_tuned(&glm) && !backend_mla_shape_tuned(&small));
+    const KvDtype dtypes[3] = {KV_DTYPE_FP8, KV_DTYPE_BF16, KV_DTYPE_F32};
+    const int blocks[2] = {128, 16};
+    for (int d = 0; d < 3; d++)
+        for (int b = 0; b < 2; b++) {
+            const KvCacheParams p = {.n_layers = 1,
+                                     .block_size = blocks[b],
+                                     .n_blocks = 1,
+                                     .kv_lora = 512,
+                                     .rope_dim = 64,
+                                     .dtype = dtypes[d]};
+            KvCache kv;
+            ASSERT(kv_init(&kv, &p) == ERR_OK);
+            const bool want = dtypes[d] != KV_DTYPE_F32 && blocks[b] == 128;
+            CHECK(backend_mla_tuned(&glm, &kv.entry[0]) == want);
+            CHECK(!backend_mla_tuned(&small, &kv.entry[0]));
+            kv_free(&kv);
+        }
+}
+
+int main(void)
+{
+    Backend *be = NULL;
+    ASSERT(backend_cpu_create(2, &be) == ERR_OK);
+    CHECK(be->precision == BACKEND_PRECISION_F32);  // the CPU's default: the reference
+    test_matmul(be);
+    test_moe(be);
+    test_mla_predicate();
+    be->destroy(be);
+    return check_exit();
+}
