@@ -27,7 +27,7 @@ fail() { echo "FAIL: $*"; exit 1; }
 out=$("$bin/glmspark-engine" --check-recipe "$src/ops/recipes/glm-5.2-nvfp4-reap-469b.conf")
 for kv in "pipeline_parallel = 3" "tensor_parallel = 1" "gpu_memory_utilization = 0.85" \
     "max_model_len = 262144" "kv_cache_dtype = fp8" "block_size = 128" "max_num_seqs = 1" \
-    "max_num_batched_tokens = 2048" "backend = cuda"; do
+    "max_num_batched_tokens = 2048" "backend = cuda" "precision = bf16"; do
     grep -qx "$kv" <<<"$out" || fail "the GLM-5.2 recipe lacks \"$kv\": $out"
 done
 "$bin/glmspark-engine" --check-recipe "$src/ops/recipes/devstack-tiny-cpu.conf" >/dev/null \
@@ -41,6 +41,7 @@ bad() {  # bad TEXT EXPECTED_MESSAGE
 }
 bad 'threads = 2\npipline_parallel = 3\n' 'bad.conf:2: unknown recipe key "pipline_parallel"'
 bad 'kv_cache_dtype = fp4\n' 'bad.conf:1: kv_cache_dtype: "fp4" is not one of'
+bad 'precision = fp16\n' 'bad.conf:1: precision: "fp16" is not one of default, f32, bf16'
 bad 'max_model_len = 1\nmax_model_len = 2\n' 'bad.conf:2: max_model_len is set twice'
 bad 'gpu_memory_utilization = 85%\n' 'gpu_memory_utilization: "85%" is not a number'
 st=0
