@@ -9,6 +9,8 @@
  *   moe:    NVFP4 experts (hidden and inter in 32s): x and silu(gate) * up are rounded, so
  *           moe(x) equals moe(bf16(x)) bit for bit and differs from the f32 recipe; f32
  *           experts are untouched.
+ *   mla:    at GLM-5's widths over a bf16 cache: q_nope (not q_pe), kv_b and the output latent
+ *           are rounded.
  *   the tuned-shape predicates: GLM-5's MLA widths with fp8 (656-byte) and bf16 (1,152-byte)
  *           entries of 128-position blocks, and nothing else.
  */
@@ -153,6 +155,78 @@ static void test_moe(Backend *be)
     free(x), free(xr);
 }
 
+// MLA at GLM-5's widths (16 heads) over a bf16 cache of 3 positions: under the bf16 recipe
+// q_nope is rounded (q_pe is not), kv_b is read rounded, and the output latent is rounded.
+static void test_mla(Backend *be)
+{
+    enum { H = 16, NOPE = 192, ROPE = 64, V = 32, L = 512, T = 3, QK = NOPE + ROPE };
+    const BackendMla p = {H, NOPE, ROPE, V, L, 0.0625f};
+    const KvCacheParams kp = {.n_layers = 1,
+                              .block_size = 128,
+                              .n_blocks = 1,
+                              .kv_lora = L,
+                              .rope_dim = ROPE,
+                              .dtype = KV_DTYPE_BF16};
+    KvCache kv;
+    KvSeq seq = {0};
+    ASSERT(kv_init(&kv, &kp) == ERR_OK && kv_seq_reserve(&kv, &seq, T) == ERR_OK);
+    CHECK(backend_mla_tuned(&p, &kv.entry[0]));
+    KvSeq *seqs[1] = {&seq};
+    const int pos[T] = {0, 1, 2}, seq_of[T] = {0, 0, 0}, len[T] = {1, 2, 3};
+    const BackendSeqs s = {seqs, 1, pos, seq_of, len, T};
+    float *lat = rand_vec((size_t) T * (L + ROPE));
+    be->kv_write(be, &kv, &s, 0, 0, lat, L + ROPE);
+
+    const size_t nq = (size_t) T * H * QK, nw = (size_t) H * (NOPE + V) * L;
+    float *q = rand_vec(nq), *q_nope_r = malloc(nq * sizeof *q), *q_pe_r = malloc(nq * sizeof *q);
+    ASSERT(q_nope_r && q_pe_r);
+    for (size_t i = 0; i < nq; i++) {
+        const bool is_nope = i % QK < NOPE;
+        q_nope_r[i] = is_nope ? nvfp4_round_bf16(q[i]) : q[i];
+        q_pe_r[i] = is_nope ? q[i] : nvfp4_round_bf16(q[i]);
+    }
+    float *w = rand_vec(nw), *w_r = malloc(nw * sizeof *w_r);
+    ASSERT(w_r);
+    for (size_t i = 0; i < nw; i++) {
+        w[i] *= 0.05f;
+        w_r[i] = nvfp4_round_bf16(w[i]);
+    }
+    const CkptLinear kv_b = {.format = CKPT_LINEAR_F32,
+                             .rows = H * (NOPE + V),
+                             .cols = L,
+                             .data = w,
+                             .global_scale = 1.0f,
+                             .name = "kv_b"};
+    CkptLinear kv_b_r = kv_b;
+    kv_b_r.data = w_r;
+    const size_t no = (size_t) T * H * V;
+    float *o16 = malloc(no * 4), *o_nope = malloc(no * 4), *o_pe = malloc(no * 4),
+          *o_w = malloc(no * 4), *o32 = malloc(no * 4), *o32_r = malloc(no * 4);
+    ASSERT(o16 && o_nope && o_pe && o_w && o32 && o32_r);
+    be->precision = BACKEND_PRECISION_BF16;
+    be->mla_attention(be, o16, q, &kv_b, &kv, &s, 0, NULL, NULL, 1, &p);
+    be->mla_attention(be, o_nope, q_nope_r, &kv_b, &kv, &s, 0, NULL, NULL, 1, &p);
+    be->mla_attention(be, o_pe, q_pe_r, &kv_b, &kv, &s, 0, NULL, NULL, 1, &p);
+    be->mla_attention(be, o_w, q, &kv_b_r, &kv, &s, 0, NULL, NULL, 1, &p);
+    be->precision = BACKEND_PRECISION_F32;
+    be->mla_attention(be, o32, q, &kv_b, &kv, &s, 0, NULL, NULL, 1, &p);
+    be->mla_attention(be, o32_r, q_nope_r, &kv_b_r, &kv, &s, 0, NULL, NULL, 1, &p);
+    CHECK(memcmp(o16, o_nope, no * 4) == 0);  // q_nope entered rounded
+    CHECK(memcmp(o16, o_pe, no * 4) != 0);    // q_pe did not
+    CHECK(memcmp(o16, o_w, no * 4) == 0);     // kv_b read rounded
+    CHECK(memcmp(o16, o32, no * 4) != 0);
+    // The same bf16 inputs through the f32 recipe: position 0 attends to itself alone, so
+    // its latent is a cached bf16 row and rounds to itself (equal); later positions mix rows
+    // and their rounded latent differs.
+    const size_t head0 = (size_t) H * V;
+    CHECK(memcmp(o16, o32_r, head0 * 4) == 0);
+    CHECK(memcmp(o16 + head0, o32_r + head0, (no - head0) * 4) != 0);
+    free(lat), free(q), free(q_nope_r), free(q_pe_r), free(w), free(w_r);
+    free(o16), free(o_nope), free(o_pe), free(o_w), free(o32), free(o32_r);
+    kv_seq_free(&kv, &seq);
+    kv_free(&kv);
+}
+
 static void test_mla_predicate(void)
 {
     const BackendMla glm = {64, 192, 64, 256, 512, 0.0625f};
@@ -184,6 +258,7 @@ int main(void)
     CHECK(be->precision == BACKEND_PRECISION_F32);  // the CPU's default: the reference
     test_matmul(be);
     test_moe(be);
+    test_mla(be);
     test_mla_predicate();
     be->destroy(be);
     return check_exit();
