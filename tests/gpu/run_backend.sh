@@ -131,7 +131,8 @@ done
 # REAP="LAYERS:DENSE ..." (e.g. "3:1 5:1"): write `mkmodel --preset reap` checkpoints of those
 # sizes into ${REAP_DIR:-/tmp} (timed), then `glmspark bench --model` on each (batches
 # ${REAP_BATCH:-1,8}, context 1024) with the fp8 and the bf16 KV cache under the bf16 recipe
-# (the tuned kernels) and fp8 under the f32 one, batch 1 at context $REAP_LONG if set, and one
+# (the tuned kernels) and fp8 under the f32 one, batch 1 at context $REAP_LONG if set,
+# `glmspark generate` on 1 and 8 sequences (the serving path against the bench), and one
 # profiled
 # (GLMSPARK_CUDA_PROFILE=1) batch-1 fp8 run; into reap.log. Per MoE layer = the difference of
 # two sizes with the same dense count over their MoE-layer difference.
@@ -208,6 +209,17 @@ for cfg in ${REAP:-}; do
             --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg ctx $REAP_LONG failed"; status=1; }
     fi
+    # The serving path against the bench (issue 18: within 5%): `glmspark generate` on one
+    # sequence of a 1,024-token prompt (its decode tok/s), and 8 sequences of a 16-token prompt
+    # through the scheduler (aggregate tok/s over 128 tokens each, prefill included).
+    toks=$(python3 -c "print(','.join(str((i * 7919) % 150000 + 5) for i in range(1024)))")
+    run "$c/bin/glmspark" generate --backend cuda --kv-dtype fp8 --model "$dir" --tokens "$toks" \
+        --max-tokens 64 --ignore-eos 2>&1 >/dev/null | grep -o "decode: .*" \
+        | sed "s/^/generate reap $cfg, 1 sequence, 1K prompt: /" | tee -a "$out/reap.log"
+    run "$c/bin/glmspark" generate --backend cuda --kv-dtype fp8 --model "$dir" \
+        --tokens "$(python3 -c "print(','.join(str(i * 31 + 7) for i in range(16)))")" \
+        --max-tokens 128 --ignore-eos --n-seqs 8 2>&1 >/dev/null | grep -o "[0-9]* sequences x .*" \
+        | sed "s/^/generate reap $cfg: /" | tee -a "$out/reap.log"
     echo "== profile reap $cfg kv fp8 batch 1" | tee -a "$out/reap.log"
     GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 \
         --ctx 1024 --steps 8 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
