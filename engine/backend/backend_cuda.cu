@@ -1451,46 +1451,53 @@ static void launch_gemv(CudaImpl *impl, float *y, DevLin w, const float *x, int 
     check_launch("matmul");
 }
 
+// y fp32 [n, n_mat, rows] = w bf16 [n_mat, rows, cols] x [n, n_mat, cols] through
+// kernels/gemm.h, GEMM_MAX_TOK tokens a launch: x bf16, or (x_f32) fp32 rounded to bf16 as it
+// is read; tensor cores from 2 tokens when tc.
+static void gemv_chunks(CudaImpl *impl, float *y, const uint16_t *w, const void *x, bool x_f32,
+                        int rows, int cols, int n_mat, int n, bool tc)
+{
+    const size_t x_elem = x_f32 ? sizeof(float) : sizeof(uint16_t);
+    for (int t0 = 0; t0 < n; t0 += GEMM_MAX_TOK) {
+        const int nt = n - t0 < GEMM_MAX_TOK ? n - t0 : GEMM_MAX_TOK;
+        float *yt = y + (size_t) t0 * n_mat * rows;
+        const void *xt = (const char *) x + (size_t) t0 * n_mat * cols * x_elem;
+        const bool use_tc = tc && nt >= 2;
+        if (x_f32 && use_tc)
+            gemm_bf16_gemv_tc_f32x(yt, GEMM_OUT_F32, w, (const float *) xt, NULL, rows, cols,
+                                   n_mat, nt, impl->stream);
+        else if (x_f32)
+            gemm_bf16_gemv_f32x(yt, GEMM_OUT_F32, w, (const float *) xt, NULL, rows, cols, n_mat,
+                                nt, impl->stream);
+        else if (use_tc)
+            gemm_bf16_gemv_tc(yt, GEMM_OUT_F32, w, (const uint16_t *) xt, NULL, rows, cols, n_mat,
+                              nt, impl->stream);
+        else
+            gemm_bf16_gemv(yt, GEMM_OUT_F32, w, (const uint16_t *) xt, NULL, rows, cols, n_mat,
+                           nt, impl->stream);
+    }
+}
+
 // A bf16 weight under the BF16 recipe (backend_matmul_tuned) through kernels/gemm.h: up to
-// GEMM_MAX_TOK tokens a launch with the fp32 input rounded as it is read (tensor cores from 2
-// tokens when the rows fill the chip twice, as tests/bench/bench_stage.cu chooses); more
-// tokens through cuBLASLt on a bf16 copy of the input (rows in 8s).
+// GEMM_MAX_TOK tokens a launch with the fp32 input rounded as it is read (a bf16 copy first
+// when x is not 16-byte aligned; tensor cores from 2 tokens when the rows fill the chip twice,
+// as tests/bench/bench_stage.cu chooses); more tokens through cuBLASLt on a bf16 copy of the
+// input (rows in 8s).
 static void matmul_tuned(CudaImpl *impl, float *y, const CkptLinear *w, const float *x, int n)
 {
     const uint16_t *wd = (const uint16_t *) w->data;
     const int rows = w->rows, cols = w->cols;
-    if (n > GEMM_MAX_TOK && rows % 8 == 0) {
-        uint16_t *xb = (uint16_t *) scratch(impl, SCRATCH_X, (size_t) n * cols * 2);
-        act_to_bf16(xb, x, (size_t) n * cols, impl->stream);
-        gemm_bf16_lt(y, GEMM_OUT_F32, xb, wd, n, rows, cols, &impl->lt, impl->stream);
-        return;
-    }
-    const bool tc = (long) (rows + 7) / 8 >= 2L * impl->n_sm;
-    const bool aligned = (uintptr_t) x % 16 == 0;
+    const bool lt = n > GEMM_MAX_TOK && rows % 8 == 0, aligned = (uintptr_t) x % 16 == 0;
     uint16_t *xb = NULL;
-    if (!aligned) {
+    if (lt || !aligned) {
         xb = (uint16_t *) scratch(impl, SCRATCH_X, (size_t) n * cols * 2);
         act_to_bf16(xb, x, (size_t) n * cols, impl->stream);
     }
-    for (int t0 = 0; t0 < n; t0 += GEMM_MAX_TOK) {
-        const int nt = n - t0 < GEMM_MAX_TOK ? n - t0 : GEMM_MAX_TOK;
-        float *yt = y + (size_t) t0 * rows;
-        if (xb) {
-            const uint16_t *xt = xb + (size_t) t0 * cols;
-            if (tc && nt >= 2)
-                gemm_bf16_gemv_tc(yt, GEMM_OUT_F32, wd, xt, NULL, rows, cols, 1, nt, impl->stream);
-            else
-                gemm_bf16_gemv(yt, GEMM_OUT_F32, wd, xt, NULL, rows, cols, 1, nt, impl->stream);
-        } else {
-            const float *xt = x + (size_t) t0 * cols;
-            if (tc && nt >= 2)
-                gemm_bf16_gemv_tc_f32x(yt, GEMM_OUT_F32, wd, xt, NULL, rows, cols, 1, nt,
-                                       impl->stream);
-            else
-                gemm_bf16_gemv_f32x(yt, GEMM_OUT_F32, wd, xt, NULL, rows, cols, 1, nt,
-                                    impl->stream);
-        }
-    }
+    if (lt)
+        gemm_bf16_lt(y, GEMM_OUT_F32, xb, wd, n, rows, cols, &impl->lt, impl->stream);
+    else
+        gemv_chunks(impl, y, wd, xb ? (const void *) xb : (const void *) x, !xb, rows, cols, 1, n,
+                    (long) (rows + 7) / 8 >= 2L * impl->n_sm);
 }
 
 static void cuda_matmul(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
@@ -1640,23 +1647,6 @@ static size_t align256(size_t n)
     return (n + 255) & ~(size_t) 255;
 }
 
-// Per-head products of the tuned MLA path (kernels/gemm.h): y [n, H, rows] fp32 = w [H, rows,
-// cols] x [n, H, cols], GEMM_MAX_TOK tokens a launch, through tensor cores from 2 tokens on
-// (as tests/bench/bench_stage.cu chooses).
-static void head_gemv(CudaImpl *impl, float *y, const uint16_t *w, const uint16_t *x, int rows,
-                      int cols, int n_heads, int n)
-{
-    for (int t0 = 0; t0 < n; t0 += GEMM_MAX_TOK) {
-        const int nt = n - t0 < GEMM_MAX_TOK ? n - t0 : GEMM_MAX_TOK;
-        float *yt = y + (size_t) t0 * n_heads * rows;
-        const uint16_t *xt = x + (size_t) t0 * n_heads * cols;
-        if (nt >= 2)
-            gemm_bf16_gemv_tc(yt, GEMM_OUT_F32, w, xt, NULL, rows, cols, n_heads, nt, impl->stream);
-        else
-            gemm_bf16_gemv(yt, GEMM_OUT_F32, w, xt, NULL, rows, cols, n_heads, nt, impl->stream);
-    }
-}
-
 // MLA attention through kernels/mla.h (backend_mla_tuned layers under the BF16 recipe): q
 // split into bf16 q_nope and fp32 q_pe (already rotated by the model), q_lat = W_UK^T q_nope,
 // split-KV decode over the layer's own pages (kv_cache.h's layout is mla.h's), out = W_UV
@@ -1696,11 +1686,11 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
         const int nc = n - t0 < chunk ? n - t0 : chunk;
         mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (192 + MLA_ROPE), NULL, nc, H, 0.0f,
                     impl->stream);
-        head_gemv(impl, q_lat, pk->uk, q_nope, L, 192, H, nc);
+        gemv_chunks(impl, q_lat, pk->uk, q_nope, false, L, 192, H, nc, true);
         mla_decode(o_lat, q_lat, q_pe, &cache, st->dev, st->stride, s->seq_of + t0, len + t0,
                    sel ? sel + (size_t) t0 * sel_stride : NULL, sel_stride, nc, H, p->scale,
                    n_split, ws_o, ws_ml, impl->stream);
-        head_gemv(impl, out + (size_t) t0 * H * V, pk->uv, o_lat, V, L, H, nc);
+        gemv_chunks(impl, out + (size_t) t0 * H * V, pk->uv, o_lat, false, V, L, H, nc, true);
     }
     prof_end(impl, PROF_MLA, 0.0);
 }

@@ -25,9 +25,11 @@ extern "C" {
 // *be is NULL on failure.
 Err backend_open(bool is_cuda, int n_threads, int gpu, int precision, Backend **be);
 
-// "f32" / "bf16" -> *out (false for anything else), and back.
+// "default" / "f32" / "bf16" -> BACKEND_PRECISION_DEFAULT / _F32 / _BF16 in *out (false for
+// anything else), and back: the one spelling of the commands' --precision and the recipe's
+// precision key.
 bool backend_precision_parse(const char *s, int *out);
-const char *backend_precision_name(BackendPrecision p);
+const char *backend_precision_name(int precision);
 
 #ifdef __cplusplus
 }

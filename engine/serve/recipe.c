@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/backend/backends.h"
+
 typedef enum KeyKind {
     KIND_STR,
     KIND_INT,
@@ -57,7 +59,6 @@ enum { N_KEYS = (int) (sizeof KEYS / sizeof KEYS[0]) };
 _Static_assert(N_KEYS <= 64, "set_mask holds 64 keys");
 
 static const char *const BACKENDS[] = {"cpu", "cuda"};
-static const char *const PRECISIONS[] = {"default", "f32", "bf16"};
 
 void recipe_defaults(Recipe *r)
 {
@@ -76,6 +77,7 @@ void recipe_defaults(Recipe *r)
     r->master_port = 29500;
     r->load_timeout_s = 3600;
     r->min_free_memory_gb = 0;
+    r->precision = BACKEND_PRECISION_DEFAULT;
 }
 
 int recipe_n_keys(void)
@@ -91,11 +93,6 @@ const char *recipe_key_name(int i)
 const char *recipe_backend_name(RecipeBackend b)
 {
     return (unsigned) b < 2 ? BACKENDS[b] : "?";
-}
-
-const char *recipe_precision_name(RecipePrecision p)
-{
-    return (unsigned) p < 3 ? PRECISIONS[p] : "?";
 }
 
 static int find_key(const char *key, size_t n)
@@ -148,9 +145,11 @@ static Err set_value(Recipe *r, int k, const char *value, size_t n, const char *
     buf[n] = '\0';
     if (d->kind == KIND_KV_DTYPE || d->kind == KIND_BACKEND || d->kind == KIND_PRECISION) {
         KvDtype kv_dtype = KV_DTYPE_F32;
-        const int i = d->kind == KIND_KV_DTYPE  ? (kv_dtype_parse(buf, &kv_dtype) ? 0 : -1)
-                      : d->kind == KIND_BACKEND ? name_index(BACKENDS, 2, buf)
-                                                : name_index(PRECISIONS, 3, buf);
+        int precision = BACKEND_PRECISION_DEFAULT;
+        const int i = d->kind == KIND_KV_DTYPE ? (kv_dtype_parse(buf, &kv_dtype) ? 0 : -1)
+                      : d->kind == KIND_BACKEND
+                          ? name_index(BACKENDS, 2, buf)
+                          : (backend_precision_parse(buf, &precision) ? 0 : -1);
         if (i < 0) {
             LOG_ERROR("%s: %s: \"%s\" is not one of %s", where, d->name, buf,
                       d->kind == KIND_KV_DTYPE  ? "fp8, bf16, f32"
@@ -164,8 +163,7 @@ static Err set_value(Recipe *r, int k, const char *value, size_t n, const char *
             const RecipeBackend t = (RecipeBackend) i;
             memcpy(field, &t, sizeof t);
         } else {
-            const RecipePrecision t = (RecipePrecision) i;
-            memcpy(field, &t, sizeof t);
+            memcpy(field, &precision, sizeof precision);
         }
         return ERR_OK;
     }
@@ -368,9 +366,9 @@ char *recipe_format_value(const Recipe *r, int i, char *buf, size_t n)
         break;
     }
     case KIND_PRECISION: {
-        RecipePrecision v;
+        int v;
         memcpy(&v, field, sizeof v);
-        snprintf(buf, n, "%s", recipe_precision_name(v));
+        snprintf(buf, n, "%s", backend_precision_name(v));
         break;
     }
     }

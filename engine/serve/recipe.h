@@ -72,13 +72,6 @@ typedef enum RecipeBackend {
     RECIPE_BACKEND_CUDA,
 } RecipeBackend;
 
-// The backend's precision recipe (engine/model/backend.h, docs/precision.md).
-typedef enum RecipePrecision {
-    RECIPE_PRECISION_DEFAULT,  // the backend's own: f32 on the CPU, bf16 on CUDA
-    RECIPE_PRECISION_F32,
-    RECIPE_PRECISION_BF16,
-} RecipePrecision;
-
 typedef struct Recipe {
     char model[RECIPE_MAX_STR];       // "" when unset
     char model_name[RECIPE_MAX_STR];  // "" when unset
@@ -99,7 +92,7 @@ typedef struct Recipe {
     int load_timeout_s;
     double min_free_memory_gb;
     RecipeBackend backend;
-    RecipePrecision precision;
+    int precision;      // BACKEND_PRECISION_DEFAULT, _F32 or _BF16 (backends.h, docs/precision.md)
     uint64_t set_mask;  // bit i: key i of recipe_key_name() was set (by a file or a flag)
 } Recipe;
 
@@ -131,9 +124,6 @@ bool recipe_is_set(const Recipe *r, const char *key);
 
 // The backend's name ("cpu", "cuda").
 const char *recipe_backend_name(RecipeBackend b);
-
-// The precision's name ("default", "f32", "bf16").
-const char *recipe_precision_name(RecipePrecision p);
 
 #ifdef __cplusplus
 }

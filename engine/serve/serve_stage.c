@@ -44,10 +44,7 @@ Err serve_stage_load(ServeStage *e, const Recipe *r, const char *model_dir, int 
                              .first_layer = mine->first_layer,
                              .last_layer = mine->last_layer};
     const double t0 = clock_now_s();
-    const int precision = r->precision == RECIPE_PRECISION_F32    ? BACKEND_PRECISION_F32
-                          : r->precision == RECIPE_PRECISION_BF16 ? BACKEND_PRECISION_BF16
-                                                                  : BACKEND_PRECISION_DEFAULT;
-    if ((err = backend_open(r->backend == RECIPE_BACKEND_CUDA, r->threads, local_rank, precision,
+    if ((err = backend_open(r->backend == RECIPE_BACKEND_CUDA, r->threads, local_rank, r->precision,
                             &e->be))
         || (err = model_load(&e->model, model_dir, &mo, e->be))) {
         fprintf(stderr, "glmspark-engine: could not load the model in \"%s\"\n", model_dir);

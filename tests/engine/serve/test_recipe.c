@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "engine/backend/backends.h"
 #include "engine/serve/recipe.h"
 #include "tests/capture.h"
 #include "tests/check.h"
@@ -78,11 +79,11 @@ static void test_syntax(void)
     CHECK(r.backend == RECIPE_BACKEND_CPU);  // the default
     CHECK(parse(&r, "backend = cuda\n") == ERR_OK);
     CHECK(r.backend == RECIPE_BACKEND_CUDA && !strcmp(recipe_backend_name(r.backend), "cuda"));
-    CHECK(r.precision == RECIPE_PRECISION_DEFAULT);  // the backend's own
+    CHECK(r.precision == BACKEND_PRECISION_DEFAULT);  // the backend's own
     CHECK(parse(&r, "precision = f32\n") == ERR_OK);
-    CHECK(r.precision == RECIPE_PRECISION_F32
-          && !strcmp(recipe_precision_name(r.precision), "f32"));
-    CHECK(parse(&r, "precision = bf16\n") == ERR_OK && r.precision == RECIPE_PRECISION_BF16);
+    CHECK(r.precision == BACKEND_PRECISION_F32
+          && !strcmp(backend_precision_name(r.precision), "f32"));
+    CHECK(parse(&r, "precision = bf16\n") == ERR_OK && r.precision == BACKEND_PRECISION_BF16);
     CHECK(parse(&r, "gpu_memory_utilization = 1\nmin_free_memory_gb = 0\n") == ERR_OK);
     CHECK_NEAR(r.gpu_memory_utilization, 1.0, 0);
     CHECK(parse(&r, "block_size = 64") == ERR_OK);  // no final newline
