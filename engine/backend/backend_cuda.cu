@@ -1464,8 +1464,8 @@ static void gemv_chunks(CudaImpl *impl, float *y, const uint16_t *w, const void 
         const void *xt = (const char *) x + (size_t) t0 * n_mat * cols * x_elem;
         const bool use_tc = tc && nt >= 2;
         if (x_f32 && use_tc)
-            gemm_bf16_gemv_tc_f32x(yt, GEMM_OUT_F32, w, (const float *) xt, NULL, rows, cols,
-                                   n_mat, nt, impl->stream);
+            gemm_bf16_gemv_tc_f32x(yt, GEMM_OUT_F32, w, (const float *) xt, NULL, rows, cols, n_mat,
+                                   nt, impl->stream);
         else if (x_f32)
             gemm_bf16_gemv_f32x(yt, GEMM_OUT_F32, w, (const float *) xt, NULL, rows, cols, n_mat,
                                 nt, impl->stream);
@@ -1473,8 +1473,8 @@ static void gemv_chunks(CudaImpl *impl, float *y, const uint16_t *w, const void 
             gemm_bf16_gemv_tc(yt, GEMM_OUT_F32, w, (const uint16_t *) xt, NULL, rows, cols, n_mat,
                               nt, impl->stream);
         else
-            gemm_bf16_gemv(yt, GEMM_OUT_F32, w, (const uint16_t *) xt, NULL, rows, cols, n_mat,
-                           nt, impl->stream);
+            gemm_bf16_gemv(yt, GEMM_OUT_F32, w, (const uint16_t *) xt, NULL, rows, cols, n_mat, nt,
+                           impl->stream);
     }
 }
 
