@@ -2,7 +2,8 @@
  * gemm.cu - bf16-weight GEMV (decode) and the cuBLASLt GEMM wrapper (prefill).
  *
  * GEMV decomposition. A block is 8 warps; each warp owns R consecutive rows of one matrix
- * (R = 4 when there are enough rows to fill the chip, else 1). Lane l reads 16-byte chunks
+ * (R = 4 when there are enough rows to fill the chip, else 1; matrices of at most 4,096 rows
+ * take the split-K kernel below instead, whose 8 warps share R rows). Lane l reads 16-byte chunks
  * l, l+32, ... of each of its rows (8 bf16 weights per chunk), two chunks per row in flight,
  * so a warp streams 512 contiguous bytes per row per step. The 8 matching inputs of every
  * token are loaded once per chunk (through L1: every warp of the block reads the same x) and
@@ -142,6 +143,92 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
 }
 
 // ---------------------------------------------------------------------------
+// Split-K GEMV, for matrices with too few rows to fill the chip a warp per row (the router's
+// 156 rows, kv_a's 576, q_a's and the shared expert's 2048): a block of 8 warps owns R rows
+// and its warps split the columns. Warp w's lane l takes 16-byte chunks (k * 8 + w) * 32 + l,
+// so the block reads 4 KB of a row contiguously per step, SK_IN_FLIGHT steps' loads in flight
+// per lane; the inputs of each chunk are loaded once for the R rows. The 8 warps' sums meet
+// in shared memory and are added in warp order: reproducible, no atomics.
+
+enum { SK_IN_FLIGHT = 4 };
+
+template <int R, int NT, typename OutT, typename XT>
+static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
+    gemm_bf16_gemv_sk_kernel(OutT *__restrict__ y, const uint16_t *__restrict__ w,
+                             const XT *__restrict__ x, const float *residual, int rows, int cols,
+                             int n_mat, int n_tok)
+{
+    __shared__ float red[GEMV_WARPS][R * NT];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int blocks_per_mat = CEIL_DIV(rows, R);
+    const int m = blockIdx.x / blocks_per_mat, r0 = (blockIdx.x % blocks_per_mat) * R;
+    const int n_chunks = cols / 8, step = GEMV_WARPS * WARP_SIZE;
+    const uint16_t *w_rows[R];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+        w_rows[i] = w + ((size_t) m * rows + min(r0 + i, rows - 1)) * cols;  // clamped: not stored
+
+    float acc[R][NT];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            acc[i][t] = 0.0f;
+
+    for (int c0 = warp * WARP_SIZE + lane; c0 < n_chunks; c0 += SK_IN_FLIGHT * step) {
+        uint4 wv[SK_IN_FLIGHT][R];
+#pragma unroll
+        for (int u = 0; u < SK_IN_FLIGHT; u++) {
+            const int c = c0 + u * step;
+#pragma unroll
+            for (int i = 0; i < R; i++)
+                wv[u][i] = c < n_chunks ? ld_stream_u4(w_rows[i] + (size_t) c * 8)
+                                        : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < SK_IN_FLIGHT; u++) {
+            const int c = c0 + u * step;
+            if (c >= n_chunks) break;
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (t >= n_tok) break;
+                const uint4 xv = load_x8(x + ((size_t) t * n_mat + m) * cols, c);
+                const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    const uint32_t ws[4] = {wv[u][i].x, wv[u][i].y, wv[u][i].z, wv[u][i].w};
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const float2 wf = bf16x2_bits_to_f32(ws[j]), xf = bf16x2_bits_to_f32(xs[j]);
+                        acc[i][t] = fmaf(wf.x, xf.x, acc[i][t]);
+                        acc[i][t] = fmaf(wf.y, xf.y, acc[i][t]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const float v = warp_sum(acc[i][t]);
+            if (lane == 0) red[warp][i * NT + t] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < R * NT) {
+        const int i = threadIdx.x / NT, t = threadIdx.x % NT, r = r0 + i;
+        if (t < n_tok && r < rows) {
+            float v = 0.0f;
+#pragma unroll
+            for (int k = 0; k < GEMV_WARPS; k++)
+                v += red[k][threadIdx.x];
+            const size_t o = ((size_t) t * n_mat + m) * rows + r;
+            store_out<OutT>(y + o, residual ? v + residual[o] : v);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Tensor-core GEMV: mma.sync m16n8k16 (bf16 in, fp32 accumulate)
 //
 // The tokens are the MMA's M (rows 0..15 = tokens, unused ones zero) and 8 weight rows its N,
@@ -249,21 +336,43 @@ static void launch_gemv(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
     CUDA_CHECK(cudaGetLastError());
 }
 
-template <int R, typename XT>
+template <int R, int NT, typename XT>
+static void launch_gemv_sk(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
+                           const float *residual, int rows, int cols, int n_mat, int n_tok,
+                           cudaStream_t stream)
+{
+    const long n_blocks = (long) n_mat * CEIL_DIV(rows, R);
+    ASSERT(n_blocks <= 0x7fffffffL);
+    const dim3 grid((unsigned) n_blocks), block(GEMV_WARPS * WARP_SIZE);
+    if (y_type == GEMM_OUT_F32)
+        gemm_bf16_gemv_sk_kernel<R, NT, float, XT>
+            <<<grid, block, 0, stream>>>((float *) y, w, x, residual, rows, cols, n_mat, n_tok);
+    else
+        gemm_bf16_gemv_sk_kernel<R, NT, uint16_t, XT>
+            <<<grid, block, 0, stream>>>((uint16_t *) y, w, x, residual, rows, cols, n_mat, n_tok);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+// The token count picks the instantiation: 1, 2, 4, 8 or 16 accumulators per row.
+template <int R, bool SK, typename XT>
 static void launch_gemv_r(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
                           const float *residual, int rows, int cols, int n_mat, int n_tok,
                           cudaStream_t stream)
 {
+#define GEMV_NT(NT)                                                                          \
+    (SK ? launch_gemv_sk<R, NT>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream) \
+        : launch_gemv<R, NT>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream))
     if (n_tok <= 1)
-        launch_gemv<R, 1>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+        GEMV_NT(1);
     else if (n_tok <= 2)
-        launch_gemv<R, 2>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+        GEMV_NT(2);
     else if (n_tok <= 4)
-        launch_gemv<R, 4>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+        GEMV_NT(4);
     else if (n_tok <= 8)
-        launch_gemv<R, 8>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+        GEMV_NT(8);
     else
-        launch_gemv<R, 16>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+        GEMV_NT(16);
+#undef GEMV_NT
 }
 
 // The preconditions both GEMVs share (gemm.h).
@@ -284,10 +393,20 @@ static void gemv_any(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
     check_gemv(y_type, w, x, residual, rows, cols, n_mat, n_tok);
     // Four rows per warp reuse each input load four times, but only when that still leaves
     // a few warps per multiprocessor to keep loads in flight (132 SMs on H200, 48 on GB10).
-    if ((long) rows * n_mat >= 4L * 32 * 132 && rows % 4 == 0)
-        launch_gemv_r<4>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+    // Up to 4,096 rows in all a warp per row leaves the chip half idle (256 rows of 2048 columns
+    // measured 1.8 TB/s): the split-K kernel, with as many rows per block (4, 2, 1) as still
+    // give two blocks per multiprocessor.
+    const long total = (long) rows * n_mat;
+    if (total >= 4L * 32 * 132 && rows % 4 == 0)
+        launch_gemv_r<4, false>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+    else if (total > 4096)
+        launch_gemv_r<1, false>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+    else if (total >= 4L * 2 * 132)
+        launch_gemv_r<4, true>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+    else if (total >= 2L * 2 * 132)
+        launch_gemv_r<2, true>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
     else
-        launch_gemv_r<1>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+        launch_gemv_r<1, true>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
 }
 
 template <typename XT>

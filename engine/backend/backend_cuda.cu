@@ -70,6 +70,7 @@
 #include "kernels/gemm.h"
 #include "kernels/mla.h"
 #include "kernels/moe.h"
+#include "kernels/norm.h"
 #include "kernels/nvfp4_format.h"
 
 enum {
@@ -489,41 +490,6 @@ static __global__ void k_embed(float *y, DevLin w, const int *ids)
         y[(size_t) t * w.cols + c] = lin_at(w, id, c);
 }
 
-static __global__ void k_rmsnorm(float *y, const float *x, const float *w, int dim, int stride,
-                                 float eps)
-{
-    __shared__ double buf[THREADS / 32];
-    const float *xt = x + (size_t) blockIdx.x * stride;
-    float *yt = y + (size_t) blockIdx.x * stride;
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        ss += (double) xt[i] * xt[i];
-    ss = block_reduce(ss, 0, buf);
-    const double inv = 1.0 / sqrt(ss / dim + eps);
-    __syncthreads();  // every thread has read x before y (may alias) is written
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        yt[i] = (float) (w[i] * (xt[i] * inv));
-}
-
-static __global__ void k_layernorm(float *y, const float *x, const float *w, const float *b,
-                                   int dim, float eps)
-{
-    __shared__ double buf[THREADS / 32];
-    const float *xt = x + (size_t) blockIdx.x * dim;
-    float *yt = y + (size_t) blockIdx.x * dim;
-    double s = 0.0;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        s += xt[i];
-    const double mean = block_reduce(s, 0, buf) / dim;
-    double v = 0.0;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        v += (xt[i] - mean) * (xt[i] - mean);
-    const double inv = 1.0 / sqrt(block_reduce(v, 0, buf) / dim + eps);
-    __syncthreads();
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        yt[i] = (float) ((xt[i] - mean) * inv * w[i] + b[i]);
-}
-
 // Block (t, h), thread i < rope_dim / 2.
 static __global__ void k_rope(float *x, int stride, int head_stride, int offset, int rope_dim,
                               const int *pos, float theta)
@@ -840,18 +806,57 @@ static __global__ void k_mla_out(float *out, const double *part, int n_split, De
     }
 }
 
-// Values offset .. offset + width of token t, stored by kv_cache.h's kv_store_part (the CPU
-// backend's kv_store runs the same parts, so both store the same bytes): block t, a thread
-// per part (a value of an f32 or bf16 cache; an fp8 scale group, k_pe, the index key).
+// Values offset .. offset + width of token t, stored as kv_cache.h's kv_store_part stores them
+// (the CPU backend's kv_store runs the same parts, so both store the same bytes): block t.
+// f32 and bf16: a thread per value (kv_store_part). fp8: a warp per part (a latent scale
+// group, k_pe, the index key), its lanes over the part's values (kv_fp8_group_store_warp).
+static __device__ void kv_fp8_group_store_warp(unsigned char *codes, unsigned char *scale_at,
+                                               const float *src, int n, int lane)
+{
+    // kv_fp8_group_store with the amax split over the lanes: a maximum does not depend on the
+    // order of the comparisons, so the scale and every code are the same.
+    float amax = 0.0f;
+    for (int i = lane; i < n; i += 32)
+        amax = fmaxf(amax, fabsf(src[i]));
+    for (int o = 16; o > 0; o >>= 1)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+    for (int i = lane; i < n; i += 32)
+        codes[i] = nvfp4_float_to_e4m3(src[i] / scale);
+    if (lane == 0) memcpy(scale_at, &scale, sizeof scale);
+}
+
 static __global__ void k_kv_write(DevKv kv, const int *pos, int offset, const float *src, int width)
 {
-    const int t = blockIdx.x;
+    const int t = blockIdx.x, row = pos[t] % kv.lo.block_size;
     unsigned char *e = (unsigned char *) kv_at(kv, t, pos[t]);
     unsigned char *page = kv.lo.key_page ? (unsigned char *) kv_key_page(kv, t, pos[t]) : NULL;
     const float *st = src + (size_t) t * width;
-    const int parts = kv_store_parts(&kv.lo, width);
-    for (int p = threadIdx.x; p < parts; p += blockDim.x)
-        kv_store_part(&kv.lo, e, page, pos[t] % kv.lo.block_size, offset, st, width, p);
+    const KvEntryLayout &lo = kv.lo;
+    if (lo.dtype != KV_DTYPE_FP8) {
+        for (int p = threadIdx.x; p < width; p += blockDim.x)
+            kv_store_part(&lo, e, page, row, offset, st, width, p);
+        return;
+    }
+    // The parts of kv_store_part's fp8 branch, in its order: latent groups, k_pe, index key.
+    const int lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+    const int pe0 = lo.kv_lora, idx0 = lo.kv_lora + lo.rope_dim, end = offset + width;
+    const int groups = (lo.kv_lora + KV_FP8_GROUP - 1) / KV_FP8_GROUP;
+    for (int part = threadIdx.x / 32; part < groups + 2; part += n_warps) {
+        if (part < groups) {
+            if (offset >= pe0) continue;
+            const int g0 = part * KV_FP8_GROUP;
+            const int n = lo.kv_lora - g0 < KV_FP8_GROUP ? lo.kv_lora - g0 : KV_FP8_GROUP;
+            kv_fp8_group_store_warp(e + g0, e + lo.lat_scale + 4 * part, st + g0 - offset, n, lane);
+        } else if (part == groups) {
+            for (int i = (offset > pe0 ? offset : pe0) + lane; i < end && i < idx0; i += 32)
+                kv_bf16_store(e + lo.pe + 2 * (i - pe0), st[i - offset]);
+        } else if (end > idx0) {
+            kv_fp8_group_store_warp(page + (size_t) row * lo.key_bytes,
+                                    page + lo.key_scales + 4 * row, st + idx0 - offset,
+                                    lo.index_dim, lane);
+        }
+    }
 }
 
 // Group the slots (t, k) by expert: meta = offsets [E + 1] | n_active [1] | active [E] |
@@ -1531,8 +1536,7 @@ static void cuda_rmsnorm(Backend *be, float *y, const float *x, const float *w, 
     ASSERT(dim > 0 && stride >= dim);
     if (n == 0) return;
     prof_begin(impl);
-    k_rmsnorm<<<n, THREADS, 0, impl->stream>>>(y, x, w, dim, stride, eps);
-    check_launch("rmsnorm");
+    norm_rms_f32(y, x, w, eps, n, dim, stride, stride, impl->stream);
     prof_end(impl, PROF_NORM, 0.0);
 }
 
@@ -1542,8 +1546,7 @@ static void cuda_layernorm(Backend *be, float *y, const float *x, const float *w
     CudaImpl *impl = (CudaImpl *) be->impl;
     if (n == 0) return;
     prof_begin(impl);
-    k_layernorm<<<n, THREADS, 0, impl->stream>>>(y, x, w, b, dim, eps);
-    check_launch("layernorm");
+    norm_layer_f32(y, x, w, b, eps, n, dim, dim, dim, impl->stream);
     prof_end(impl, PROF_NORM, 0.0);
 }
 
@@ -1606,8 +1609,7 @@ static void cuda_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int la
     if (n == 0 || width == 0) return;
     const DevKv d = dev_kv(impl, kv, s, layer);
     prof_begin(impl);
-    k_kv_write<<<n, lo->dtype == KV_DTYPE_FP8 ? 32 : THREADS, 0, impl->stream>>>(d, s->pos, offset,
-                                                                                 src, width);
+    k_kv_write<<<n, THREADS, 0, impl->stream>>>(d, s->pos, offset, src, width);
     check_launch("kv_write");
     prof_end(impl, PROF_KV_WRITE, 0.0);
 }

@@ -29,7 +29,7 @@ if [ "${1:-}" = "--pack" ]; then
     c=.carry/cudabackend
     rm -rf "$c" && mkdir -p "$c/bin" "$c/lib"
     cp "$bld/bin/glmspark" "$bld/bin/gpu_backend_ops" "$bld/bin/gpu_golden_cuda" "$c/bin/"
-    for t in gpu_test_moe gpu_test_mla gpu_test_gemm; do  # the kernel tests of what the backend runs, if built
+    for t in gpu_test_moe gpu_test_mla gpu_test_gemm gpu_test_norm; do  # the kernel tests of what the backend runs, if built
         [ -x "$bld/bin/$t" ] && cp "$bld/bin/$t" "$c/bin/"
     done
     # cuBLAS (kernels/gemm.cu's cuBLASLt, ~0.5 GB) is not carried: the GPU image has its own
@@ -54,7 +54,7 @@ run() { "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$@"; }
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
-for t in gpu_test_moe gpu_test_mla gpu_test_gemm; do
+for t in gpu_test_moe gpu_test_mla gpu_test_gemm gpu_test_norm; do
     [ -x "$c/bin/$t" ] || continue
     echo "== $t (kernels/ against kernels/ref)"
     if run "$c/bin/$t" >"$out/$t.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
