@@ -87,15 +87,12 @@ static __device__ int route_best(const double *v, unsigned skip, int except, int
 // moe_router_token() (kernels/moe_router.h) for one token a warp: the same double arithmetic
 // in the same order, with the argmax scans split over the lanes (exact: a max and the lowest
 // index among equals do not depend on the order of the comparisons).
-static __global__ void moe_route_kernel(int32_t *__restrict__ idx, float *__restrict__ w,
-                                        const float *__restrict__ logits,
-                                        const float *__restrict__ bias, int n_tok, int n_experts,
-                                        int k, int n_group, int topk_group, bool norm_topk_prob,
-                                        float scale, bool is_ascending)
+static __device__ void route_warp(int t, int32_t *__restrict__ idx, float *__restrict__ w,
+                                  const float *__restrict__ logits, const float *__restrict__ bias,
+                                  int n_experts, int k, int n_group, int topk_group,
+                                  bool norm_topk_prob, float scale, bool is_ascending)
 {
     const int lane = threadIdx.x % WARP_SIZE;
-    const int t = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-    if (t >= n_tok) return;
     const float *lg = logits + (size_t) t * n_experts;
     const int per_group = n_experts / n_group;
 
@@ -169,6 +166,80 @@ static __global__ void moe_route_kernel(int32_t *__restrict__ idx, float *__rest
         if (norm_topk_prob) v /= sum + 1e-20;
         idx[(size_t) t * k + lane] = e;
         w[(size_t) t * k + lane] = (float) (v * scale);
+    }
+}
+
+static __global__ void moe_route_kernel(int32_t *__restrict__ idx, float *__restrict__ w,
+                                        const float *__restrict__ logits,
+                                        const float *__restrict__ bias, int n_tok, int n_experts,
+                                        int k, int n_group, int topk_group, bool norm_topk_prob,
+                                        float scale, bool is_ascending)
+{
+    const int t = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    if (t < n_tok)
+        route_warp(t, idx, w, logits, bias, n_experts, k, n_group, topk_group, norm_topk_prob,
+                   scale, is_ascending);
+}
+
+// Without group limits (every group kept: GLM-5's n_group = 1) the same choice by rank, a
+// block per token: thread e counts the experts that moe_router_argmax() takes before e
+// (larger biased score, or equal and a lower index: a total order without NaNs), so the
+// experts of rank < K are exactly the K it takes, rank r the r-th. One pass of E comparisons
+// per thread from shared memory instead of K dependent warp-wide argmax rounds. The weights
+// sum the chosen experts' scores in ascending expert order, as moe_router_token() does. A
+// token with a NaN score (which argmax handles by position) takes route_warp() instead.
+enum { ROUTE_RANK_THREADS = 256 };
+
+static __global__ void __launch_bounds__(ROUTE_RANK_THREADS)
+    moe_route_rank_kernel(int32_t *__restrict__ idx, float *__restrict__ w,
+                          const float *__restrict__ logits, const float *__restrict__ bias,
+                          int n_experts, int k, bool norm_topk_prob, float scale, bool is_ascending)
+{
+    __shared__ double score[MOE_MAX_EXPERTS], choice[MOE_MAX_EXPERTS];
+    __shared__ int chosen[MOE_MAX_K];
+    const int t = blockIdx.x, tid = threadIdx.x;
+    const float *lg = logits + (size_t) t * n_experts;
+    bool nan = false;
+    for (int e = tid; e < n_experts; e += ROUTE_RANK_THREADS) {
+        const double sc = 1.0 / (1.0 + exp(-(double) lg[e]));
+        score[e] = sc;
+        choice[e] = sc + (bias ? bias[e] : 0.0f);
+        nan |= choice[e] != choice[e];
+    }
+    if (__syncthreads_or(nan)) {
+        if (tid < WARP_SIZE)
+            route_warp(t, idx, w, logits, bias, n_experts, k, 1, 1, norm_topk_prob, scale,
+                       is_ascending);
+        return;
+    }
+    for (int e = tid; e < n_experts; e += ROUTE_RANK_THREADS) {
+        const double v = choice[e];
+        int rank = 0;
+        for (int j = 0; j < n_experts && rank < k; j++) {
+            const double u = choice[j];
+            rank += u > v || (u == v && j < e);
+        }
+        if (rank < k) chosen[rank] = e;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int asc[MOE_MAX_K];
+        for (int r = 0; r < k; r++) {  // insertion sort of K ids
+            int i = r;
+            for (; i > 0 && asc[i - 1] > chosen[r]; i--)
+                asc[i] = asc[i - 1];
+            asc[i] = chosen[r];
+        }
+        double sum = 0.0;
+        for (int r = 0; r < k; r++)
+            sum += score[asc[r]];
+        for (int r = 0; r < k; r++) {
+            const int e = is_ascending ? asc[r] : chosen[r];
+            double v = score[e];
+            if (norm_topk_prob) v /= sum + 1e-20;
+            idx[(size_t) t * k + r] = e;
+            w[(size_t) t * k + r] = (float) (v * scale);
+        }
     }
 }
 
@@ -336,9 +407,13 @@ void moe_route(int32_t *idx, float *w, const float *logits, const float *bias, i
     ASSERT(n_group >= 1 && n_group <= MOE_MAX_GROUPS && n_experts % n_group == 0);
     ASSERT(topk_group >= 1 && topk_group <= n_group);
     const int warps = 4;
-    moe_route_kernel<<<CEIL_DIV(n_tok, warps), warps * WARP_SIZE, 0, stream>>>(
-        idx, w, logits, bias, n_tok, n_experts, k, n_group, topk_group, norm_topk_prob, scale,
-        is_ascending);
+    if (topk_group == n_group)
+        moe_route_rank_kernel<<<n_tok, ROUTE_RANK_THREADS, 0, stream>>>(
+            idx, w, logits, bias, n_experts, k, norm_topk_prob, scale, is_ascending);
+    else
+        moe_route_kernel<<<CEIL_DIV(n_tok, warps), warps * WARP_SIZE, 0, stream>>>(
+            idx, w, logits, bias, n_tok, n_experts, k, n_group, topk_group, norm_topk_prob, scale,
+            is_ascending);
     CUDA_CHECK(cudaGetLastError());
 }
 

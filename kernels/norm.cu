@@ -2,7 +2,8 @@
  * norm.cu - RMSNorm and LayerNorm: one block of 256 threads per row.
  *
  * Each thread strides over the row (16-byte loads when the row allows, unrolled so that all
- * of a thread's loads are in flight at once), accumulating double partial sums; a warp
+ * of a thread's loads are in flight at once; RMSNorm rows of up to 8,192 aligned values are
+ * held in registers between the passes), accumulating double partial sums; a warp
  * butterfly and a shared-memory pass over the 8 warp sums give the row statistic, the same in
  * every thread. LayerNorm takes two passes (mean, then centred squares). Rows are at most a
  * few thousand elements, so they stay in L1 between passes. The statistics and the scaling
@@ -63,6 +64,58 @@ static __device__ __forceinline__ double row_sum(const float *xr, int d, bool ve
     return s;
 }
 
+// A row of at most NORM_REG_MAX values in 16-byte pieces (d % 4 == 0, x 16-byte aligned):
+// each thread loads its pieces of x and w at once into registers, so the row costs one
+// round trip to memory before the statistic instead of one per pass (a decode step's norms
+// are one row each: latency, not bandwidth).
+enum { NORM_REG = 8, NORM_REG_MAX = NORM_REG * 4 * NORM_THREADS };
+
+static __device__ __forceinline__ void store_norm4(float *p, double a, double b, double c, double d)
+{
+    *(float4 *) p = make_float4((float) a, (float) b, (float) c, (float) d);
+}
+
+static __device__ __forceinline__ void store_norm4(uint16_t *p, double a, double b, double c,
+                                                   double d)
+{
+    p[0] = f32_to_bf16_bits((float) a);
+    p[1] = f32_to_bf16_bits((float) b);
+    p[2] = f32_to_bf16_bits((float) c);
+    p[3] = f32_to_bf16_bits((float) d);
+}
+
+template <typename OutT>
+static __global__ void norm_rms_reg_kernel(OutT *out, const float *x, const float *__restrict__ w,
+                                           float eps, int d, int x_stride, int out_stride)
+{
+    __shared__ double red[NORM_THREADS / WARP_SIZE];
+    const float4 *xr = (const float4 *) (x + (size_t) blockIdx.x * x_stride);
+    OutT *o = out + (size_t) blockIdx.x * out_stride;
+    float4 xv[NORM_REG], wv[NORM_REG];
+    double ss = 0.0;
+#pragma unroll
+    for (int j = 0; j < NORM_REG; j++) {
+        const int i = threadIdx.x + j * NORM_THREADS;
+        if (i < d / 4) {
+            xv[j] = xr[i];
+            wv[j] = ((const float4 *) w)[i];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NORM_REG; j++)
+        if (threadIdx.x + j * NORM_THREADS < d / 4)
+            ss += (double) xv[j].x * xv[j].x + (double) xv[j].y * xv[j].y
+                  + (double) xv[j].z * xv[j].z + (double) xv[j].w * xv[j].w;
+    const double inv = 1.0 / sqrt(block_sum(ss, red) / d + eps);
+#pragma unroll
+    for (int j = 0; j < NORM_REG; j++) {
+        const int i = threadIdx.x + j * NORM_THREADS;
+        if (i < d / 4)
+            store_norm4(o + 4 * i, wv[j].x * (xv[j].x * inv), wv[j].y * (xv[j].y * inv),
+                        wv[j].z * (xv[j].z * inv), wv[j].w * (xv[j].w * inv));
+    }
+}
+
 // out may alias x (in place): every thread has read the whole row it needs before block_sum's
 // barrier, and afterwards reads only the elements it writes.
 template <typename OutT>
@@ -107,8 +160,14 @@ static void launch_rms(OutT *out, const float *x, const float *w, float eps, int
                        int x_stride, int out_stride, cudaStream_t stream)
 {
     ASSERT(n > 0 && d > 0 && x_stride >= d && out_stride >= d && eps >= 0.0f);
-    norm_rms_kernel<OutT><<<n, NORM_THREADS, 0, stream>>>(out, x, w, eps, d, x_stride, out_stride,
-                                                          vec_rows(x, d, x_stride));
+    const bool vec = vec_rows(x, d, x_stride) && out_stride % 4 == 0 && (uintptr_t) out % 16 == 0
+                     && (uintptr_t) w % 16 == 0;
+    if (vec && d <= NORM_REG_MAX)
+        norm_rms_reg_kernel<OutT>
+            <<<n, NORM_THREADS, 0, stream>>>(out, x, w, eps, d, x_stride, out_stride);
+    else
+        norm_rms_kernel<OutT><<<n, NORM_THREADS, 0, stream>>>(out, x, w, eps, d, x_stride,
+                                                              out_stride, vec_rows(x, d, x_stride));
     CUDA_CHECK(cudaGetLastError());
 }
 

@@ -215,6 +215,7 @@ typedef struct MatmulJob {
     const float *x;
     int n;
     int rows_per_task;
+    bool acc;  // y += instead of y =
 } MatmulJob;
 
 static void matmul_task(void *ctx, int task, int thread)
@@ -226,12 +227,15 @@ static void matmul_task(void *ctx, int task, int thread)
     const int r1 = r0 + job->rows_per_task < w->rows ? r0 + job->rows_per_task : w->rows;
     for (int r = r0; r < r1; r++) {
         const float *row = linear_row(w, r, buf);
-        for (int t = 0; t < job->n; t++)
-            job->y[(size_t) t * w->rows + r] = dot_f32(row, job->x + (size_t) t * w->cols, w->cols);
+        for (int t = 0; t < job->n; t++) {
+            const float d = dot_f32(row, job->x + (size_t) t * w->cols, w->cols);
+            float *yo = job->y + (size_t) t * w->rows + r;
+            *yo = job->acc ? *yo + d : d;
+        }
     }
 }
 
-static void cpu_matmul(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+static void matmul_run(Backend *be, float *y, const CkptLinear *w, const float *x, int n, bool acc)
 {
     CpuImpl *impl = be->impl;
     ASSERT(w->rows > 0 && w->cols > 0 && n >= 0);
@@ -240,17 +244,23 @@ static void cpu_matmul(Backend *be, float *y, const CkptLinear *w, const float *
     // About 8 tasks per thread, at least 4 rows each, to even out the tail.
     int rows_per_task = w->rows / (8 * impl->n_threads);
     if (rows_per_task < 4) rows_per_task = 4;
-    MatmulJob job = {impl, y, w, x, n, rows_per_task};
+    MatmulJob job = {impl, y, w, x, n, rows_per_task, acc};
     run_tasks(impl, (w->rows + rows_per_task - 1) / rows_per_task, matmul_task, &job,
               (double) w->rows * w->cols * n);
 }
 
-// The matmul op: under the BF16 recipe a tuned weight's input is rounded to bf16 first.
-static void cpu_matmul_op(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+static void cpu_matmul(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+{
+    matmul_run(be, y, w, x, n, false);
+}
+
+// The matmul and matmul_add ops: under the BF16 recipe a tuned weight's input is rounded to
+// bf16 first.
+static void matmul_op(Backend *be, float *y, const CkptLinear *w, const float *x, int n, bool acc)
 {
     CpuImpl *impl = be->impl;
     if (be->precision != BACKEND_PRECISION_BF16 || !backend_matmul_tuned(w) || n == 0) {
-        cpu_matmul(be, y, w, x, n);
+        matmul_run(be, y, w, x, n, acc);
         return;
     }
     const size_t need = (size_t) n * (size_t) w->cols;
@@ -262,7 +272,17 @@ static void cpu_matmul_op(Backend *be, float *y, const CkptLinear *w, const floa
     }
     for (size_t i = 0; i < need; i++)
         impl->round_buf[i] = nvfp4_round_bf16(x[i]);
-    cpu_matmul(be, y, w, impl->round_buf, n);
+    matmul_run(be, y, w, impl->round_buf, n, acc);
+}
+
+static void cpu_matmul_op(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+{
+    matmul_op(be, y, w, x, n, false);
+}
+
+static void cpu_matmul_add(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+{
+    matmul_op(be, y, w, x, n, true);
 }
 
 static void cpu_embed(Backend *be, float *y, const CkptLinear *table, const int *ids, int n)
@@ -775,6 +795,7 @@ Err backend_cpu_create(int n_threads, Backend **out)
     be->bind_experts = cpu_bind_experts;
     be->bind_kv_b = cpu_bind_kv_b;
     be->matmul = cpu_matmul_op;
+    be->matmul_add = cpu_matmul_add;
     be->embed = cpu_embed;
     be->rmsnorm = cpu_rmsnorm;
     be->layernorm = cpu_layernorm;

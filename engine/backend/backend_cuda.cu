@@ -1124,23 +1124,35 @@ static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
     return (unsigned char *) p;
 }
 
-// Blocks held by the longest of the sequences.
-static int longest_table(KvSeq *const *seqs, int n_seqs)
+// The row length of a step's device block tables: the longest sequence's block count, and
+// between graph_begin and graph_end that count rounded up to a power of two (at least 8).
+// Kernels take it, and bounds derived from it (seq_capacity), as launch arguments, so a
+// recorded graph stays valid while the sequences grow inside it: a decode step is
+// re-recorded when the longest sequence passes 8, 16, 32 ... blocks (1K, 2K, 4K ... positions
+// of 128), not at every block. Ungraphed calls (prefill) keep the exact count, which sizes
+// their per-position buffers.
+static int table_stride(const CudaImpl *impl, KvSeq *const *seqs, int n_seqs)
 {
-    int blocks = 0;
+    int blocks = 1;
     for (int i = 0; i < n_seqs; i++)
         if (seqs[i]->n_blocks > blocks) blocks = seqs[i]->n_blocks;
-    return blocks;
+    if (impl->mode == GRAPH_NONE) return blocks;
+    int stride = 8;
+    while (stride < blocks)
+        stride *= 2;
+    return stride;
 }
 
 // The block tables of a step's sequences in device memory (DevStep). Kept per ordered list
 // of sequences and compared with the host tables on every call (a few ints per sequence), so
 // a decode step uploads nothing unless a sequence gained a block or the batch changed; the
-// least recently used slot is recycled.
+// least recently used slot is recycled. A new block is uploaded into the same device rows:
+// graphs recorded with them read the new tables when replayed (graph_begin calls this first).
+// Only a new slot, a larger allocation or a new stride (table_stride) invalidates graphs.
 static const DevStep *dev_step(CudaImpl *impl, KvSeq *const *seqs, int n_seqs)
 {
     ASSERT(n_seqs > 0);
-    const int longest = longest_table(seqs, n_seqs), stride = longest > 1 ? longest : 1;
+    const int stride = table_stride(impl, seqs, n_seqs);
     const int need = n_seqs * stride;
     if (need > impl->step_tmp_cap) {
         free(impl->step_tmp);
@@ -1177,7 +1189,8 @@ static const DevStep *dev_step(CudaImpl *impl, KvSeq *const *seqs, int n_seqs)
     if (slot->stride == stride && memcmp(slot->host, tmp, (size_t) need * sizeof(int)) == 0)
         return slot;
     no_capture(impl, "a block-table upload");
-    impl->gen++;  // graphs captured the tables' pointer and stride
+    if (slot->stride != stride || need > slot->cap)
+        impl->gen++;  // graphs captured the tables' pointer and stride
     if (need > slot->cap) {
         const int cap = 2 * need > 64 ? 2 * need : 64;
         free(slot->host);
@@ -1442,6 +1455,13 @@ static const KvBPack *kv_b_pack(const CudaImpl *impl, const CkptLinear *kv_b)
 }
 
 // Launch k_gemv: one token per chunk when n is 1 (decode), else MATMUL_TOK.
+// y += x over n floats (k_add: the add op's kernel).
+static void add_f32(CudaImpl *impl, float *y, const float *x, size_t n)
+{
+    k_add<<<grid_1d(n), THREADS, 0, impl->stream>>>(y, x, n);
+    check_launch("add");
+}
+
 static void launch_gemv(CudaImpl *impl, float *y, DevLin w, const float *x, int n)
 {
     w.vec &= ((uintptr_t) x & 15) == 0;  // float4 activation loads
@@ -1456,11 +1476,11 @@ static void launch_gemv(CudaImpl *impl, float *y, DevLin w, const float *x, int 
     check_launch("matmul");
 }
 
-// y fp32 [n, n_mat, rows] = w bf16 [n_mat, rows, cols] x [n, n_mat, cols] through
+// y fp32 [n, n_mat, rows] = w bf16 [n_mat, rows, cols] x [n, n_mat, cols] (acc: y +=) through
 // kernels/gemm.h, GEMM_MAX_TOK tokens a launch: x bf16, or (x_f32) fp32 rounded to bf16 as it
 // is read; tensor cores from 2 tokens when tc.
 static void gemv_chunks(CudaImpl *impl, float *y, const uint16_t *w, const void *x, bool x_f32,
-                        int rows, int cols, int n_mat, int n, bool tc)
+                        int rows, int cols, int n_mat, int n, bool tc, bool acc)
 {
     const size_t x_elem = x_f32 ? sizeof(float) : sizeof(uint16_t);
     for (int t0 = 0; t0 < n; t0 += GEMM_MAX_TOK) {
@@ -1468,17 +1488,19 @@ static void gemv_chunks(CudaImpl *impl, float *y, const uint16_t *w, const void 
         float *yt = y + (size_t) t0 * n_mat * rows;
         const void *xt = (const char *) x + (size_t) t0 * n_mat * cols * x_elem;
         const bool use_tc = tc && nt >= 2;
+        const float *res =
+            acc ? yt : NULL;  // y += w x: each output read, then written, by one thread
         if (x_f32 && use_tc)
-            gemm_bf16_gemv_tc_f32x(yt, GEMM_OUT_F32, w, (const float *) xt, NULL, rows, cols, n_mat,
+            gemm_bf16_gemv_tc_f32x(yt, GEMM_OUT_F32, w, (const float *) xt, res, rows, cols, n_mat,
                                    nt, impl->stream);
         else if (x_f32)
-            gemm_bf16_gemv_f32x(yt, GEMM_OUT_F32, w, (const float *) xt, NULL, rows, cols, n_mat,
-                                nt, impl->stream);
+            gemm_bf16_gemv_f32x(yt, GEMM_OUT_F32, w, (const float *) xt, res, rows, cols, n_mat, nt,
+                                impl->stream);
         else if (use_tc)
-            gemm_bf16_gemv_tc(yt, GEMM_OUT_F32, w, (const uint16_t *) xt, NULL, rows, cols, n_mat,
+            gemm_bf16_gemv_tc(yt, GEMM_OUT_F32, w, (const uint16_t *) xt, res, rows, cols, n_mat,
                               nt, impl->stream);
         else
-            gemm_bf16_gemv(yt, GEMM_OUT_F32, w, (const uint16_t *) xt, NULL, rows, cols, n_mat, nt,
+            gemm_bf16_gemv(yt, GEMM_OUT_F32, w, (const uint16_t *) xt, res, rows, cols, n_mat, nt,
                            impl->stream);
     }
 }
@@ -1488,7 +1510,8 @@ static void gemv_chunks(CudaImpl *impl, float *y, const uint16_t *w, const void 
 // when x is not 16-byte aligned; tensor cores from 2 tokens when the rows fill the chip twice,
 // as tests/bench/bench_stage.cu chooses); more tokens through cuBLASLt on a bf16 copy of the
 // input (rows in 8s).
-static void matmul_tuned(CudaImpl *impl, float *y, const CkptLinear *w, const float *x, int n)
+static void matmul_tuned(CudaImpl *impl, float *y, const CkptLinear *w, const float *x, int n,
+                         bool acc)
 {
     const uint16_t *wd = (const uint16_t *) w->data;
     const int rows = w->rows, cols = w->cols;
@@ -1498,25 +1521,43 @@ static void matmul_tuned(CudaImpl *impl, float *y, const CkptLinear *w, const fl
         xb = (uint16_t *) scratch(impl, SCRATCH_X, (size_t) n * cols * 2);
         act_to_bf16(xb, x, (size_t) n * cols, impl->stream);
     }
-    if (lt)
-        gemm_bf16_lt(y, GEMM_OUT_F32, xb, wd, n, rows, cols, &impl->lt, impl->stream);
-    else
+    if (lt) {
+        float *yt = acc ? (float *) scratch(impl, SCRATCH_Y, (size_t) n * rows * sizeof(float)) : y;
+        gemm_bf16_lt(yt, GEMM_OUT_F32, xb, wd, n, rows, cols, &impl->lt, impl->stream);
+        if (acc) add_f32(impl, y, yt, (size_t) n * rows);
+    } else {
         gemv_chunks(impl, y, wd, xb ? (const void *) xb : (const void *) x, !xb, rows, cols, 1, n,
-                    (long) (rows + 7) / 8 >= 2L * impl->n_sm);
+                    (long) (rows + 7) / 8 >= 2L * impl->n_sm, acc);
+    }
 }
 
-static void cuda_matmul(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+// y = w x, or (acc) y += w x: the same sums, each rounded to fp32 and then added to y.
+static void matmul_any(Backend *be, float *y, const CkptLinear *w, const float *x, int n, bool acc)
 {
     ASSERT(w->rows > 0 && w->cols > 0 && n >= 0);
     if (n == 0) return;
     CudaImpl *impl = (CudaImpl *) be->impl;
     prof_begin(impl);
     if (be->precision == BACKEND_PRECISION_BF16 && backend_matmul_tuned(w)
-        && (uintptr_t) w->data % 16 == 0)
-        matmul_tuned(impl, y, w, x, n);
-    else
-        launch_gemv(impl, y, dev_lin(w), x, n);
+        && (uintptr_t) w->data % 16 == 0) {
+        matmul_tuned(impl, y, w, x, n, acc);
+    } else {
+        float *yt =
+            acc ? (float *) scratch(impl, SCRATCH_Y, (size_t) n * w->rows * sizeof(float)) : y;
+        launch_gemv(impl, yt, dev_lin(w), x, n);
+        if (acc) add_f32(impl, y, yt, (size_t) n * w->rows);
+    }
     prof_end(impl, PROF_MATMUL, lin_bytes(w));
+}
+
+static void cuda_matmul(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+{
+    matmul_any(be, y, w, x, n, false);
+}
+
+static void cuda_matmul_add(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+{
+    matmul_any(be, y, w, x, n, true);
 }
 
 static void cuda_embed(Backend *be, float *y, const CkptLinear *table, const int *ids, int n)
@@ -1580,8 +1621,7 @@ static void cuda_add(Backend *be, float *y, const float *x, int n_elems)
     CudaImpl *impl = (CudaImpl *) be->impl;
     if (n_elems <= 0) return;
     prof_begin(impl);
-    k_add<<<grid_1d((size_t) n_elems), THREADS, 0, impl->stream>>>(y, x, (size_t) n_elems);
-    check_launch("add");
+    add_f32(impl, y, x, (size_t) n_elems);
     prof_end(impl, PROF_ELEMENTWISE, 0.0);
 }
 
@@ -1614,12 +1654,11 @@ static void cuda_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int la
     prof_end(impl, PROF_KV_WRITE, 0.0);
 }
 
-// Positions the step's longest sequence can hold: a bound on pos[t] + 1 known on the host
-// (model.c reserves before running the layers).
-static int seq_capacity(const KvCache *kv, const BackendSeqs *s)
+// A bound on pos[t] + 1 known on the host (model.c reserves before running the layers): the
+// positions a device table row can address, so that it changes with the tables' stride only.
+static int seq_capacity(const CudaImpl *impl, const KvCache *kv, const BackendSeqs *s)
 {
-    const int cap = longest_table(s->seqs, s->n_seqs) * kv->params.block_size;
-    return cap > 0 ? cap : 1;
+    return table_stride(impl, s->seqs, s->n_seqs) * kv->params.block_size;
 }
 
 static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, const float *w,
@@ -1630,7 +1669,7 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
     const int n = s->n;
     const int *pos = s->pos;
     if (n == 0) return;
-    const int cap = seq_capacity(kv, s);
+    const int cap = seq_capacity(impl, kv, s);
     const DevKv d = dev_kv(impl, kv, s, layer);
     double *score = (double *) scratch(impl, SCRATCH_A, (size_t) n * cap * sizeof(double));
     prof_begin(impl);
@@ -1664,7 +1703,7 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
     const MlaCache cache = {pool + kv->mla_offset[layer],
                             lo->dtype == KV_DTYPE_FP8 ? MLA_CACHE_FP8 : MLA_CACHE_BF16,
                             kv->params.n_blocks};
-    const int cap = seq_capacity(kv, s);
+    const int cap = seq_capacity(impl, kv, s);
     const int attended = sel && sel_stride < cap ? sel_stride : cap;
     const int chunk = n < 256 ? n : 256;
     // About four CTAs per SM (H / 16 CTAs per token and split), at least 16 positions a split.
@@ -1688,11 +1727,12 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
         const int nc = n - t0 < chunk ? n - t0 : chunk;
         mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (192 + MLA_ROPE), NULL, nc, H, 0.0f,
                     impl->stream);
-        gemv_chunks(impl, q_lat, pk->uk, q_nope, false, L, 192, H, nc, true);
+        gemv_chunks(impl, q_lat, pk->uk, q_nope, false, L, 192, H, nc, true, false);
         mla_decode(o_lat, q_lat, q_pe, &cache, st->dev, st->stride, s->seq_of + t0, len + t0,
                    sel ? sel + (size_t) t0 * sel_stride : NULL, sel_stride, nc, H, p->scale,
                    n_split, ws_o, ws_ml, impl->stream);
-        gemv_chunks(impl, out + (size_t) t0 * H * V, pk->uv, o_lat, false, V, L, H, nc, true);
+        gemv_chunks(impl, out + (size_t) t0 * H * V, pk->uv, o_lat, false, V, L, H, nc, true,
+                    false);
     }
     prof_end(impl, PROF_MLA, 0.0);
 }
@@ -1715,7 +1755,7 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
         mla_tuned(impl, out, q, pk, kv, s, layer, sel, n_sel, sel_stride, p);
         return;
     }
-    const int cap = sel ? (sel_stride > 0 ? sel_stride : 1) : seq_capacity(kv, s);
+    const int cap = sel ? (sel_stride > 0 ? sel_stride : 1) : seq_capacity(impl, kv, s);
     const int n_split = (cap + MLA_SPLIT - 1) / MLA_SPLIT;
     const DevKv d = dev_kv(impl, kv, s, layer);
     const DevLin w = dev_lin(kv_b);
@@ -1861,7 +1901,7 @@ static bool cuda_graph_begin(Backend *be, const KvCache *kv, KvSeq *const *seqs,
     ASSERT(impl->mode == GRAPH_NONE && n_key >= 0 && n_seqs >= 0);
     impl->mode = GRAPH_EAGER;
     impl->n_key = 0;
-    if (!impl->graphs || n_key + 1 + 2 * n_seqs > MAX_GRAPH_KEY) return false;
+    if (!impl->graphs || n_key + 2 + n_seqs > MAX_GRAPH_KEY) return false;
     // The pool and block tables up to date now (a change bumps gen), so that a replay reads
     // them.
     (void) dev_pool(impl, kv);
@@ -1871,10 +1911,9 @@ static bool cuda_graph_begin(Backend *be, const KvCache *kv, KvSeq *const *seqs,
     for (int i = 0; i < n_key; i++)
         k[nk++] = key[i];
     k[nk++] = (unsigned long long) (uintptr_t) kv;
-    for (int i = 0; i < n_seqs; i++) {
+    for (int i = 0; i < n_seqs; i++)
         k[nk++] = (unsigned long long) (uintptr_t) seqs[i];
-        k[nk++] = (unsigned long long) seqs[i]->n_blocks;
-    }
+    if (n_seqs > 0) k[nk++] = (unsigned long long) table_stride(impl, seqs, n_seqs);
     impl->n_key = nk;
     const size_t kb = (size_t) nk * sizeof *k;
     for (int i = 0; i < MAX_GRAPHS; i++) {
@@ -2124,6 +2163,7 @@ Err backend_cuda_create(int device, Backend **out)
     be->bind_kv_b = cuda_bind_kv_b;
     be->precision = BACKEND_PRECISION_BF16;
     be->matmul = cuda_matmul;
+    be->matmul_add = cuda_matmul_add;
     be->embed = cuda_embed;
     be->rmsnorm = cuda_rmsnorm;
     be->layernorm = cuda_layernorm;

@@ -139,6 +139,11 @@ struct Backend {
     // y[t, r] = sum_c W[r, c] x[t, c] for t < n. y: [n, w->rows], x: [n, w->cols].
     void (*matmul)(Backend *be, float *y, const CkptLinear *w, const float *x, int n);
 
+    // y[t, r] += sum_c W[r, c] x[t, c]: the numbers of matmul into a temporary and add (each
+    // sum rounded to fp32, then added), without the temporary (the CUDA backend adds in the
+    // GEMV's store: the residual adds after o_proj and the shared expert).
+    void (*matmul_add)(Backend *be, float *y, const CkptLinear *w, const float *x, int n);
+
     // y[t] = table row ids[t]; y: [n, table->cols]. ids must be < table->rows.
     void (*embed)(Backend *be, float *y, const CkptLinear *table, const int *ids, int n);
 

@@ -739,8 +739,7 @@ static void attention_block(Model *m, KvCache *kv, const BackendSeqs *s, int l, 
     const BackendMla mla = layer_mla(c);
     be->mla_attention(be, w->attn, w->q, &L->kv_b, kv, s, kl, use_sel ? w->sel : NULL,
                       use_sel ? w->n_sel : NULL, topk, &mla);
-    be->matmul(be, w->tmp, &L->o_proj, w->attn, n);
-    be->add(be, w->x, w->tmp, n * hidden);
+    be->matmul_add(be, w->x, &L->o_proj, w->attn, n);
 }
 
 static void mlp_block(Model *m, int l, int n)
@@ -756,8 +755,7 @@ static void mlp_block(Model *m, int l, int n)
         be->matmul(be, w->g, &L->gate, w->h, n);
         be->matmul(be, w->u, &L->up, w->h, n);
         be->silu_mul(be, w->g, w->g, w->u, n * c->intermediate_size);
-        be->matmul(be, w->tmp, &L->down, w->g, n);
-        be->add(be, w->x, w->tmp, n * hidden);
+        be->matmul_add(be, w->x, &L->down, w->g, n);
         return;
     }
     const BackendRoute route = {
@@ -777,8 +775,7 @@ static void mlp_block(Model *m, int l, int n)
         be->matmul(be, w->g, &L->sh_gate, w->h, n);
         be->matmul(be, w->u, &L->sh_up, w->h, n);
         be->silu_mul(be, w->g, w->g, w->u, n * S);
-        be->matmul(be, w->tmp, &L->sh_down, w->g, n);
-        be->add(be, w->tmp2, w->tmp, n * hidden);
+        be->matmul_add(be, w->tmp2, &L->sh_down, w->g, n);
     }
     be->add(be, w->x, w->tmp2, n * hidden);
 }

@@ -213,6 +213,18 @@ static void test_elementwise(void)
     cpu->rmsnorm(cpu, want, want, w, n, dim, stride, 1e-5f);
     gpu->rmsnorm(gpu, dx, dx, dw, n, dim, stride, 1e-5f);
     expect_close("rmsnorm in place, strided", dx, want, (size_t) n * stride, 1e-6);
+    {  // aligned rows (kv_a's c_kv: 512 of 576): the kernel that holds the row in registers
+        const int d2 = 512, s2 = 576;
+        float *x2 = rand_floats((size_t) n * s2, 3.0f), *w2 = rand_floats(d2, 1.0f);
+        float *dx2 = dev(x2, (size_t) n * s2 * sizeof *x2), *dw2 = dev(w2, d2 * sizeof *w2);
+        cpu->rmsnorm(cpu, x2, x2, w2, n, d2, s2, 1e-6f);
+        gpu->rmsnorm(gpu, dx2, dx2, dw2, n, d2, s2, 1e-6f);
+        expect_close("rmsnorm in place, aligned rows", dx2, x2, (size_t) n * s2, 1e-6);
+        gpu->free_mem(gpu, dx2);
+        gpu->free_mem(gpu, dw2);
+        free(x2);
+        free(w2);
+    }
 
     gpu->upload(gpu, dx, x, (size_t) n * stride * sizeof *x);
     memcpy(want, x, (size_t) n * stride * sizeof *want);
@@ -609,6 +621,36 @@ static void test_tuned(void)
     cpu->precision = gpu->precision = BACKEND_PRECISION_F32;
 }
 
+// matmul_add (y += w x, the residual adds) against the CPU backend's, under both recipes: the
+// f32 kernel (then an add), the tuned GEMV (the add in its store; CUDA cores at 1 token,
+// tensor cores at 5) and cuBLASLt (then an add) at 40.
+static void test_matmul_add(void)
+{
+    const int rows = 2304, cols = 520;
+    CkptLinear w = make_linear(CKPT_LINEAR_BF16, rows, cols), wg = w;
+    CHECK(gpu->bind_linear(gpu, &wg) == ERR_OK);
+    for (int prec = 0; prec < 2; prec++) {
+        cpu->precision = gpu->precision = prec ? BACKEND_PRECISION_BF16 : BACKEND_PRECISION_F32;
+        const int ns[3] = {1, 5, 40};
+        for (int i = 0; i < 3; i++) {
+            const int n = ns[i];
+            float *x = rand_floats((size_t) n * cols, 1.0f);
+            float *y = rand_floats((size_t) n * rows, 1.0f);
+            float *dx = dev(x, (size_t) n * cols * sizeof *x);
+            float *dy = dev(y, (size_t) n * rows * sizeof *y);
+            cpu->matmul_add(cpu, y, &w, x, n);
+            gpu->matmul_add(gpu, dy, &wg, dx, n);
+            char what[64];
+            snprintf(what, sizeof what, "matmul_add %s n=%d", prec ? "bf16" : "f32", n);
+            expect_close(what, dy, y, (size_t) n * rows, prec ? 1e-3 : 1e-5);  // as matmul
+            free(x), free(y);
+            gpu->free_mem(gpu, dx), gpu->free_mem(gpu, dy);
+        }
+    }
+    cpu->precision = gpu->precision = BACKEND_PRECISION_F32;
+    free_linear(&w);
+}
+
 int main(void)
 {
     ASSERT(backend_cpu_create(2, &cpu) == ERR_OK);
@@ -618,6 +660,7 @@ int main(void)
     }
     gpu->precision = BACKEND_PRECISION_F32;  // the fp32 ops first, against the reference
     test_matmul();
+    test_matmul_add();
     test_elementwise();
     test_route_moe();
     test_attention(KV_DTYPE_F32);

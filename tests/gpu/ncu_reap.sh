@@ -17,7 +17,7 @@ for s in 2 6; do
         --backend cuda --model "$dir" --batch "$batch" --ctx "$ctx" --steps $s --kv-dtype fp8 \
         ${BENCH_ARGS:-} >"$out/ncu-b$batch-s$s.log" 2>&1 || { echo "ncu run failed"; tail "$out/ncu-b$batch-s$s.log"; }
 done
-"$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$c/bin/glmspark" bench --backend cuda \
+[ -n "${NO_BENCH:-}" ] || "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$c/bin/glmspark" bench --backend cuda \
     --model "$dir" --batch "$batch" --ctx "$ctx" --steps 16 --kv-dtype fp8 ${BENCH_ARGS:-} 2>&1 | grep -v INFO
 python3 - "$out/ncu-b$batch-s2.csv" "$out/ncu-b$batch-s6.csv" <<'PY'
 import csv, sys, collections

@@ -133,9 +133,11 @@ done
 # ${REAP_BATCH:-1,8}, context 1024) with the fp8 and the bf16 KV cache under the bf16 recipe
 # (the tuned kernels) and fp8 under the f32 one, batch 1 at context $REAP_LONG if set,
 # `glmspark generate` on 1 and 8 sequences (the serving path against the bench), and one
-# profiled
-# (GLMSPARK_CUDA_PROFILE=1) batch-1 fp8 run; into reap.log. Per MoE layer = the difference of
-# two sizes with the same dense count over their MoE-layer difference.
+# profiled (GLMSPARK_CUDA_PROFILE=1) batch-1 fp8 run; into reap.log. Per MoE layer = the
+# difference of two sizes with the same dense count over their MoE-layer difference. To spend
+# less device time: REAP_CFGS (kv:precision pairs, default "fp8:bf16 bf16:bf16 fp8:f32"),
+# REAP_PROFILE=0 (no profiled run), REAP_COMPARE=0 (no reap_compare below), GEN_TOKENS
+# (generate's length, 64).
 # reap_compare DIR KV: `glmspark logits` of a 40-token prompt on the CUDA and the CPU backend
 # under both precision recipes, relative L2 per row. Checked: f32, CUDA against CPU within
 # 1e-3; bf16, the CUDA backend's largest and mean distance from the CPU's f32 result at most
@@ -177,7 +179,7 @@ PY
     cat "$out/reap.cmp" | tee -a "$out/reap.log"
     rm -f "$out"/reap.cuda.* "$out"/reap.cpu.*
 }
-if [ -n "${REAP:-}" ]; then
+if [ -n "${REAP:-}" ] && [ "${REAP_COMPARE:-1}" = 1 ]; then
     # GLM-5.2's attention and dense MLP shapes with no routing (two dense layers).
     dir=${REAP_DIR:-/tmp}/reap-2-2
     run "$c/bin/glmspark" mkmodel --preset reap --layers 2 --dense 2 --out "$dir" >>"$out/reap.log" 2>&1 \
@@ -194,7 +196,7 @@ for cfg in ${REAP:-}; do
     run "$c/bin/glmspark" mkmodel --preset reap --layers "$layers" --dense "$dense" --out "$dir" \
         >>"$out/reap.log" 2>&1 || { echo "mkmodel reap $cfg failed"; status=1; continue; }
     echo "mkmodel reap $cfg: $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s, $(du -sh "$dir" | cut -f1)" | tee -a "$out/reap.log"
-    for run_cfg in fp8:bf16 bf16:bf16 fp8:f32; do
+    for run_cfg in ${REAP_CFGS:-fp8:bf16 bf16:bf16 fp8:f32}; do  # kv:precision
         kv=${run_cfg%%:*}; prec=${run_cfg#*:}
         echo "== bench reap $cfg kv $kv precision $prec" | tee -a "$out/reap.log"
         batches=${REAP_BATCH:-1,8}
@@ -214,15 +216,17 @@ for cfg in ${REAP:-}; do
     # through the scheduler (aggregate tok/s over 128 tokens each, prefill included).
     toks=$(python3 -c "print(','.join(str((i * 7919) % 150000 + 5) for i in range(1024)))")
     run "$c/bin/glmspark" generate --backend cuda --kv-dtype fp8 --model "$dir" --tokens "$toks" \
-        --max-tokens 64 --ignore-eos 2>&1 >/dev/null | grep -o "decode: .*" \
+        --max-tokens "${GEN_TOKENS:-64}" --ignore-eos 2>&1 >/dev/null | grep -o "decode: .*" \
         | sed "s/^/generate reap $cfg, 1 sequence, 1K prompt: /" | tee -a "$out/reap.log"
     run "$c/bin/glmspark" generate --backend cuda --kv-dtype fp8 --model "$dir" \
         --tokens "$(python3 -c "print(','.join(str(i * 31 + 7) for i in range(16)))")" \
         --max-tokens 128 --ignore-eos --n-seqs 8 2>&1 >/dev/null | grep -o "[0-9]* sequences x .*" \
         | sed "s/^/generate reap $cfg: /" | tee -a "$out/reap.log"
-    echo "== profile reap $cfg kv fp8 batch 1" | tee -a "$out/reap.log"
-    GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 \
-        --ctx 1024 --steps 8 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
+    if [ "${REAP_PROFILE:-1}" = 1 ]; then
+        echo "== profile reap $cfg kv fp8 batch 1" | tee -a "$out/reap.log"
+        GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 \
+            --ctx 1024 --steps 8 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
+    fi
     rm -rf "$dir"
 done
 [ -f "$out/bench.log" ] && grep -v "^\[\|INFO" "$out/bench.log"

@@ -5,7 +5,8 @@
  * Router: moe.h promises moe_router_token()'s results bit for bit, so experts and weights
  * must be identical, with exact ties among logits, with and without norm_topk_prob, in both
  * output orders. Shapes: GLM's 156 experts top-8 (one group), 256 experts with 8 groups
- * keeping 4 (DeepSeek), one-expert groups, and a 1-expert edge case.
+ * keeping 4 (DeepSeek), one-expert groups, a 1-expert edge case, the largest E and K, and
+ * groups that are all kept (the rank kernel, as with one group).
  *
  * Experts: w13 is checked per output against a bound derived from the fp32 error of the gate
  * and up sums ((hidden + 64) * FLT_EPSILON * sum|terms| each) pushed through SiLU(g) * u, plus
@@ -159,6 +160,8 @@ int main(void)
     test_route(16, 256, 8, 8, 4, false, false);  // without norm_topk_prob
     test_route(9, 8, 3, 8, 2, true, true);       // one-expert groups
     test_route(5, 33, 3, 1, 1, true, true);
+    test_route(7, 512, 16, 1, 1, false, true);  // the largest E and K (by rank)
+    test_route(6, 64, 8, 4, 4, true, false);    // groups, all kept: by rank
     test_experts(5, 64, 64, 3, 2);
     test_experts(9, 96, 160, 4, 3);
     test_experts(12, 6144, 2048, 2, 8);  // GLM shapes, 12 experts in memory

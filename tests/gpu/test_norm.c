@@ -105,6 +105,9 @@ int main(void)
     test_norm(3, 300, 301, 305, 0);
     test_norm(16, 6144, 6144, 6144, 0);
     test_norm(5, 2048, 2048 + 576, 2048, 0);  // q_a slice of the fused q_a + kv_a output
+    test_norm(3, 512, 576, 576, 0);           // the c_kv slice of kv_a, in registers
+    test_norm(2, 8192, 8192, 8192, 0);        // the longest row held in registers
+    test_norm(2, 8196, 8196, 8196, 0);        // one piece past it: the looping kernel
     test_norm(7, 128, 128, 128, 1);          // the indexer's k_norm
     test_norm(2, 1000, 1003, 1000, 1);
     test_rope(1, 1, 2, 0, 2, 10000.0f);

@@ -384,6 +384,19 @@ static void test_matmul(Backend *be, CkptLinearFormat format, int rows, int cols
             }
             CHECK_NEAR(y[(size_t) t * rows + r], sum, (cols + 8) * FLT_EPSILON * sum_abs);
         }
+    // matmul_add: the same sums added to y, bit for bit y + matmul's result.
+    float *acc = malloc((size_t) n * rows * sizeof *acc);
+    ASSERT(acc);
+    for (int i = 0; i < n * rows; i++)
+        acc[i] = frand();
+    float *want = malloc((size_t) n * rows * sizeof *want);
+    ASSERT(want);
+    for (int i = 0; i < n * rows; i++)
+        want[i] = acc[i] + y[i];
+    be->matmul_add(be, acc, &w, x, n);
+    CHECK(memcmp(acc, want, (size_t) n * rows * sizeof *acc) == 0);
+    free(acc);
+    free(want);
     free(data);
     free(scale);
     free(x);

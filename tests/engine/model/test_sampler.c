@@ -58,6 +58,36 @@ static void test_greedy(void)
     sampler_free(&s);
 }
 
+// Greedy over vocabularies of every size mod 8 up to a real one's (the argmax runs in 8
+// lanes): the first index of the maximum as a plain scan finds it, with ties planted in other
+// lanes and before the maximum, and NaNs (never chosen unless at 0, as the plain scan does).
+static void test_greedy_lanes(void)
+{
+    const int sizes[] = {1, 2, 15, 16, 17, 23, 64, 1001, 154880};
+    uint64_t r = 12345;
+    for (size_t k = 0; k < sizeof sizes / sizeof *sizes; k++) {
+        const int n = sizes[k];
+        Sampler s;
+        CHECK(sampler_init(&s, n, sampler_default_params()) == ERR_OK);
+        float *l = malloc((size_t) n * sizeof *l);
+        for (int trial = 0; trial < 40; trial++) {
+            for (int i = 0; i < n; i++) {
+                r = r * 6364136223846793005ull + 1442695040888963407ull;
+                l[i] = (float) ((r >> 33) % 50);  // many ties
+            }
+            if (trial % 4 == 1 && n > 3) l[n / 3] = NAN;
+            if (trial % 4 == 2) l[0] = NAN;
+            if (trial % 4 == 3) l[n - 1] = 60.0f;
+            int want = 0;
+            for (int i = 1; i < n; i++)
+                if (l[i] > l[want]) want = i;
+            CHECK(sampler_sample(&s, l) == want);
+        }
+        free(l);
+        sampler_free(&s);
+    }
+}
+
 static void test_determinism(void)
 {
     SamplerParams p = sampler_default_params();
@@ -216,6 +246,7 @@ static void test_penalties(void)
 int main(void)
 {
     test_greedy();
+    test_greedy_lanes();
     test_determinism();
     test_distribution();
     test_masks();
