@@ -67,10 +67,12 @@ if run "$c/bin/gpu_backend_ops" >"$out/backend_ops.log" 2>&1; then r=PASS; else 
 tail -40 "$out/backend_ops.log"
 echo "backend_ops $r"
 
-# GOLDEN=0 skips the golden models and MTP (to spend a run on REAP alone).
+# GOLDEN=0 skips the golden models and MTP (to spend a run on REAP alone); GOLDEN_MODELS
+# (directories) runs those instead of every one.
+golden_dirs=${GOLDEN_MODELS:-$(ls -d tests/golden/models/*/)}
 if [ "${GOLDEN:-1}" != 0 ]; then
 echo "== golden models"
-for d in tests/golden/models/*/; do
+for d in $golden_dirs; do
     m=$(basename "$d")
     toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('$d/golden.json'))['tokens'])))")
     run "$c/bin/glmspark" logits --backend cuda --precision f32 --model "$d" --tokens "$toks" \
@@ -95,14 +97,14 @@ done
 
 # The fp8 comparison is checked on the models whose two caches hold equal E4M3 codes
 # (tests/gpu/golden_cuda.c); it must not go vacuous: at least half the golden models.
-n_models=$(ls -d tests/golden/models/*/ | wc -l)
+n_models=$(echo $golden_dirs | wc -w)
 n_fp8=$(cat "$out"/*.log 2>/dev/null | grep -c "^fp8 cache: codes equal, checked")
 if [ $((2 * n_fp8)) -ge "$n_models" ]; then r=PASS; else r=FAIL; status=1; fi
 echo "fp8 cache cuda vs cpu checked (equal codes) on $n_fp8 of $n_models golden models: $r"
 
 echo "== MTP on every golden model with an MTP layer (with and without MTP indexer tensors)"
 toks=1,5,7,9,11,3
-for cfgf in $(grep -l '"num_nextn_predict_layers": [1-9]' tests/golden/models/*/config.json); do
+for cfgf in $(for d in $golden_dirs; do grep -l '"num_nextn_predict_layers": [1-9]' "$d/config.json"; done); do
     d=$(dirname "$cfgf")
     m=$(basename "$d")
     ref=$(run "$c/bin/glmspark" generate --backend cuda --model "$d" --tokens $toks --max-tokens 24 \
