@@ -15,8 +15,10 @@
  */
 #include "engine/serve/jobq.h"
 
+#include <errno.h>
 #include <libpq-fe.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,9 +26,6 @@
 #include <unistd.h>
 
 #include "engine/shared/buf.h"
-
-// The queue's advisory lock: one active exclusive engine per database.
-#define JOBQ_LOCK_KEY "7406135331560110082"
 
 struct JobQueue {
     PGconn *conn;
@@ -92,8 +91,7 @@ static Err parse_int_array(const char *s, int32_t **out, int *n_out)
     return ERR_FORMAT;
 }
 
-// Open the connection, LISTEN, take the lock when exclusive. ERR_AGAIN when the lock is
-// held elsewhere, ERR_DB on a connection failure.
+// Open the connection and LISTEN. ERR_DB on a connection failure.
 static Err open_session(JobQueue *q)
 {
     PQfinish(q->conn);
@@ -110,21 +108,50 @@ static Err open_session(JobQueue *q)
         LOG_WARN("jobq: LISTEN failed: %s", PQerrorMessage(q->conn));
         return ERR_DB;
     }
-    if (!q->opt.is_exclusive) return ERR_OK;
-    res = PQexec(q->conn, "SELECT pg_try_advisory_lock(" JOBQ_LOCK_KEY ")");
-    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        LOG_WARN("jobq: could not take the queue lock: %s", PQerrorMessage(q->conn));
-        PQclear(res);
-        return ERR_DB;
-    }
-    const bool locked = PQgetvalue(res, 0, 0)[0] == 't';
-    PQclear(res);
-    if (!locked) {
-        LOG_ERROR("jobq: another engine holds the queue lock; only one engine cluster may "
-                  "serve a queue");
-        return ERR_AGAIN;
-    }
     return ERR_OK;
+}
+
+// Whether process pid runs on this host (a boot's pid, which engines registers; our own
+// pid is an earlier boot of this very process, so not a live other engine). A zombie (killed,
+// not yet reaped by its parent) does not run.
+static bool pid_alive(long pid)
+{
+    if (pid <= 0 || pid == (long) getpid()) return false;
+    if (kill((pid_t) pid, 0) != 0 && errno != EPERM) return false;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return true;  // no /proc: the signal test alone
+    const size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *paren = strrchr(buf, ')');  // "pid (comm) S ...": comm may hold spaces
+    return !(paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X'));
+}
+
+// After registering: no other live boot may carry our name, since jobq_recover() takes the
+// jobs of earlier boots of this name back at once. A boot of our name that has not stopped,
+// has beaten within the lease and whose pid runs on this host is live: ERR_AGAIN. The others
+// (crashed, or a pid gone from this host) are earlier lives of this engine.
+static Err check_name(JobQueue *q)
+{
+    PGresult *res = exec_params(
+        q, "checking the engine name",
+        "SELECT id, pid FROM engines WHERE name = $1 AND id <> $2::bigint AND stopped_at IS NULL"
+        " AND heartbeat_at > now() - $3::int * interval '1 second'",
+        3, (const char *const[]){q->engine_name, q->epoch_text, q->lease_text}, PGRES_TUPLES_OK);
+    if (!res) return ERR_DB;
+    Err err = ERR_OK;
+    for (int i = 0; i < PQntuples(res) && !err; i++) {
+        const long pid = PQgetisnull(res, i, 1) ? 0 : strtol(PQgetvalue(res, i, 1), NULL, 10);
+        if (!pid_alive(pid)) continue;
+        LOG_ERROR("jobq: engine name \"%s\" is in use by boot %s (pid %ld, alive); give each "
+                  "engine cluster its own name (--name)",
+                  q->engine_name, PQgetvalue(res, i, 0), pid);
+        err = ERR_AGAIN;
+    }
+    PQclear(res);
+    return err;
 }
 
 // ---------------------------------------------------------------------------
@@ -158,8 +185,9 @@ Err jobq_create(const JobqOptions *opt, JobQueue **out)
     if (!res) goto done;
     q->epoch = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
     snprintf(q->epoch_text, sizeof q->epoch_text, "%lld", (long long) q->epoch);
-    LOG_INFO("jobq: engine \"%s\" registered with epoch %lld%s", q->engine_name,
-             (long long) q->epoch, q->opt.is_exclusive ? " (exclusive)" : "");
+    if ((err = check_name(q))) goto done;  // jobq_destroy marks this boot stopped
+    LOG_INFO("jobq: engine \"%s\" registered with epoch %lld", q->engine_name,
+             (long long) q->epoch);
     *out = q;
     q = NULL;  // ownership moved to *out
     err = ERR_OK;
@@ -208,14 +236,20 @@ Err jobq_reconnect(JobQueue *q, int max_wait_ms)
 // ---------------------------------------------------------------------------
 // Claim and recovery
 
+// Our own jobs and those of earlier boots of our name (check_name: none of them is live),
+// which are marked stopped on the way; other engines' jobs are theirs until their leases
+// run out.
 Err jobq_recover(JobQueue *q, int *n_requeued)
 {
-    ASSERT(q->opt.is_exclusive);
     PGresult *res = exec_params(
         q, "recovering running jobs",
-        "UPDATE jobs SET state = 'queued', lease_epoch = NULL, lease_until = NULL"
-        " WHERE state = 'running' RETURNING public_id",
-        0, NULL, PGRES_TUPLES_OK);
+        "WITH dead AS (UPDATE engines SET stopped_at = now() WHERE name = $1 AND id < $2::bigint"
+        "   AND stopped_at IS NULL RETURNING id)"
+        " UPDATE jobs SET state = 'queued', lease_epoch = NULL, lease_until = NULL"
+        " WHERE state = 'running' AND (lease_epoch = $2::bigint"
+        "   OR lease_epoch IN (SELECT id FROM engines WHERE name = $1 AND id < $2::bigint))"
+        " RETURNING public_id",
+        2, (const char *const[]){q->engine_name, q->epoch_text}, PGRES_TUPLES_OK);
     if (!res) return ERR_DB;
     const int n = PQntuples(res);
     for (int i = 0; i < n; i++)

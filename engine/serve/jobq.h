@@ -8,9 +8,11 @@
  *   - each JobQueue registers one engine boot (a row in engines) whose id is its fencing
  *     epoch. Every write is conditioned on jobs.lease_epoch = epoch, so an engine that
  *     stalled while another took its jobs over writes nothing (its calls get ERR_NOTFOUND);
- *   - an exclusive queue (the real engine) also holds a session advisory lock: one active
- *     engine cluster per queue. Holding it, jobq_recover() hands every job still marked
- *     running back to the queue at once, with no lease timeout to wait for;
+ *   - any number of engine clusters claim from one queue, each boot under its engine name
+ *     (unique among live engines: jobq_create refuses a name that a live boot on this host
+ *     holds). jobq_recover() hands back at once the running jobs of this boot and of earlier
+ *     boots of the same name (a restart after a crash waits for no lease); another engine's
+ *     jobs come back when their leases run out, which fencing makes safe;
  *   - output goes to job_chunks in order (seq 0, 1, 2, ... with no gap, whatever the
  *     attempt), one statement per append, which also extends the lease and NOTIFYs readers
  *     (a doorbell only: readers always re-read by seq). A re-claimed job resumes: the claim
@@ -26,8 +28,8 @@
  * Errors:    ERR_DB when the connection failed (call jobq_reconnect) or the server refused;
  *            ERR_NOTFOUND from claim when nothing is runnable, and from append, heartbeat,
  *            finish and fail when the job is no longer this engine's (fenced, or finished by
- *            someone else): stop working on it. ERR_AGAIN from create/reconnect when another
- *            exclusive engine holds the queue.
+ *            someone else): stop working on it. ERR_AGAIN from create when a live engine
+ *            holds the name.
  */
 #ifndef ENGINE_SERVE_JOBQ_H
 #define ENGINE_SERVE_JOBQ_H
@@ -47,7 +49,6 @@ typedef struct JobqOptions {
     const char *conninfo;     // libpq connection string
     const char *engine_name;  // shown in admin.running, e.g. host name
     const char *model;        // served model name
-    bool is_exclusive;        // take the queue's advisory lock (the real engine does)
     int lease_s;              // lease length; appends and heartbeats extend it (default 30)
 } JobqOptions;
 
@@ -79,8 +80,9 @@ typedef struct JobqJob {
     int next_seq;               // seq of the next chunk to append
 } JobqJob;
 
-// Connect, register an engine boot and (if exclusive) take the queue lock. On success *out
-// owns a connection; ERR_AGAIN when another exclusive engine is active.
+// Connect and register an engine boot. On success *out owns a connection; ERR_AGAIN when a
+// live boot (not stopped, beating within the lease, its pid running on this host) has the
+// same engine name.
 Err jobq_create(const JobqOptions *opt, JobQueue **out);
 
 // Mark the engine boot stopped (best effort) and close. Accepts NULL.
@@ -89,9 +91,10 @@ void jobq_destroy(JobQueue *q);
 // This boot's fencing epoch (its engines.id).
 int64_t jobq_epoch(const JobQueue *q);
 
-// Exclusive queues only, while this engine works on no job (at start, after a reconnect):
-// requeue every running job, whoever ran it; claims resume them from their committed
-// output. *n_requeued gets the count (may be NULL).
+// While this engine works on no job (at start, after a reconnect): requeue the running jobs
+// of this boot and of earlier boots of its name (marking those stopped); claims resume them
+// from their committed output. Other engines' jobs are left to their leases. *n_requeued
+// gets the count (may be NULL).
 Err jobq_recover(JobQueue *q, int *n_requeued);
 
 // Claim the next runnable job into *job (zeroed on failure). Jobs past max_attempts are
@@ -150,8 +153,7 @@ Err jobq_set_stats(JobQueue *q, const char *stats_json);
 Err jobq_wait(JobQueue *q, int timeout_ms);
 
 // Re-establish a lost connection, retrying with exponential backoff (100 ms .. 5 s) for up
-// to max_wait_ms (< 0: forever). Re-takes the queue lock when exclusive (ERR_AGAIN if
-// another engine took it meanwhile).
+// to max_wait_ms (< 0: forever).
 Err jobq_reconnect(JobQueue *q, int max_wait_ms);
 
 #ifdef __cplusplus

@@ -46,11 +46,13 @@
  * through the output state without emitting, so the stream continues at the next seq
  * with no gap and no duplicate.
  *
- * The engine holds the queue's advisory lock (one engine cluster per queue); a second one
- * exits with status 3. When PostgreSQL goes away it drops every sequence (nothing
- * uncommitted is lost: jobs resume from their committed output), reconnects with
- * backoff, requeues the jobs and claims again. SIGTERM and SIGINT stop it after the
- * current step and its commit: running jobs are handed back at once (jobq_release).
+ * Any number of engines (clusters) serve one queue, each under its own --name (default the
+ * host name); one started under the name of a live engine on this host exits with status 3.
+ * At start it requeues the jobs that earlier boots of its name left running (jobq_recover);
+ * another engine's jobs come back when their leases run out. When PostgreSQL goes away it
+ * drops every sequence (nothing uncommitted is lost: jobs resume from their committed
+ * output), reconnects with backoff, requeues its own jobs and claims again. SIGTERM and SIGINT stop
+ * it after the current step and its commit: running jobs are handed back at once (jobq_release).
  * --step-delay-ms sleeps after each step (demos and the kill tests).
  */
 #include <signal.h>
@@ -465,8 +467,7 @@ static void publish_stats(Engine *e, const char *state, double now)
 }
 
 // The serving loop. Returns ERR_OK when stopped by a signal, ERR_DB when the database
-// went away (the caller reconnects), ERR_IO when the pipeline failed, ERR_AGAIN when
-// another engine took the queue.
+// went away (the caller reconnects), ERR_IO when the pipeline failed.
 static Err serve(Engine *e)
 {
     double last_empty_claim = -1;
@@ -596,12 +597,14 @@ static int run_engine(Opts *o)
     JobqOptions qo = {.conninfo = o->conninfo,
                       .engine_name = o->name,
                       .model = o->model_name,
-                      .is_exclusive = true,
                       .lease_s = o->r.lease_s};
     for (int delay = 100;;) {
         const Err err = jobq_create(&qo, &e.q);
         if (err == ERR_AGAIN) {
-            fprintf(stderr, "glmspark-engine: another engine is serving this queue; exiting\n");
+            fprintf(stderr,
+                    "glmspark-engine: a live engine on this host is named \"%s\"; give each "
+                    "engine its own --name; exiting\n",
+                    o->name);
             rc = 3;
             goto done;
         }
@@ -648,11 +651,6 @@ static int run_engine(Opts *o)
             publish_stats(&e, "stopping", clock_now_s());
             goto done;
         }
-        if (err == ERR_AGAIN) {
-            fprintf(stderr, "glmspark-engine: lost the queue to another engine; exiting\n");
-            rc = 3;
-            goto done;
-        }
         // ERR_DB: drop every sequence (their output resumes from what was committed),
         // reconnect, requeue our jobs, claim again.
         if (drain(&e)) goto done;
@@ -661,11 +659,6 @@ static int run_engine(Opts *o)
         Err rerr = ERR_DB;
         while (rerr == ERR_DB && !is_stopping)
             rerr = jobq_reconnect(e.q, 2000);
-        if (rerr == ERR_AGAIN) {
-            fprintf(stderr, "glmspark-engine: lost the queue to another engine; exiting\n");
-            rc = 3;
-            goto done;
-        }
         if (rerr) break;  // stopping while the database is away: the leases run out
         if (jobq_recover(e.q, NULL) == ERR_DB) continue;
     }

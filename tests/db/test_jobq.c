@@ -4,10 +4,11 @@
  * Covers: migrations apply once and are idempotent; the app role can run the queue and
  * the admin role can only read admin views; many concurrent claimers take every job
  * exactly once; an expired lease re-delivers a job that resumes from its committed tokens
- * while the old owner is fenced off; one exclusive engine per queue and recovery of a dead
- * engine's jobs; cancel of queued and running jobs; max_attempts; batched appends (one
- * fenced item does not abort the others, finish in the batch, cancel flags, one NOTIFY per
- * job with output), release and resume, engine stats through admin.engines.
+ * while the old owner is fenced off; several engines on one queue: a restarted engine
+ * recovers its crashed boot's jobs (not another engine's) and a live engine's name is
+ * refused; cancel of queued and running jobs; max_attempts; batched appends (one fenced item
+ * does not abort the others, finish in the batch, cancel flags, one NOTIFY per job with
+ * output), release and resume, engine stats through admin.engines.
  * Lease expiry is simulated by moving lease_until into the past, never by sleeping.
  */
 #include <libpq-fe.h>
@@ -76,10 +77,12 @@ static long long insert_jobs(PGconn *c, int n, int max_attempts)
     return v ? atoll(v) : -1;
 }
 
-static JobQueue *open_queue(bool is_exclusive, Err *err_out)
+// An engine boot named name (NULL: "test"; this process's boots of one name count as
+// earlier lives of one engine, never as live rivals).
+static JobQueue *open_queue(const char *name, Err *err_out)
 {
-    JobqOptions o = {.conninfo = conn_app, .engine_name = "test", .model = "m",
-                     .is_exclusive = is_exclusive, .lease_s = 30};
+    JobqOptions o = {
+        .conninfo = conn_app, .engine_name = name ? name : "test", .model = "m", .lease_s = 30};
     JobQueue *q = NULL;
     const Err err = jobq_create(&o, &q);
     if (err_out) *err_out = err;
@@ -201,7 +204,7 @@ static void *claimer(void *arg)
 {
     (void) arg;
     Err err;
-    JobQueue *q = open_queue(false, &err);
+    JobQueue *q = open_queue(NULL, &err);
     if (!q) {
         pthread_mutex_lock(&claim_mutex);
         claim_errors++;
@@ -257,7 +260,7 @@ static void test_lease_expiry_and_fencing(void)
 {
     PGconn *c = connect_or_die(conn_super);
     const long long id = insert_jobs(c, 1, 3);
-    JobQueue *qa = open_queue(false, NULL), *qb = open_queue(false, NULL);
+    JobQueue *qa = open_queue(NULL, NULL), *qb = open_queue(NULL, NULL);
     CHECK(qa && qb);
     if (!qa || !qb) return;
     JobqJob ja, jb;
@@ -313,50 +316,73 @@ static void test_lease_expiry_and_fencing(void)
     PQfinish(c);
 }
 
-static void test_exclusive_and_recovery(void)
+// Two engines (clusters) on one queue. A restarted engine (a new boot of its name) takes its
+// crashed boot's job back at once and leaves the other engine's; the name of a live engine on
+// this host is refused; a reconnect keeps the boot and its fencing.
+static void test_engines_and_recovery(void)
 {
     PGconn *c = connect_or_die(conn_super);
-    Err err;
-    JobQueue *e1 = open_queue(true, &err);
-    CHECK(e1 && err == ERR_OK);
-    JobQueue *e2 = open_queue(true, &err);
-    CHECK(!e2 && err == ERR_AGAIN);  // a second engine refuses to start
-    const long long id = insert_jobs(c, 1, 3);
-    JobqJob j1, j2;
-    CHECK(jobq_claim(e1, &j1) == ERR_OK && j1.id == id);
+    Err err_a, err_b;
+    JobQueue *a = open_queue("a", &err_a), *b = open_queue("b", &err_b);
+    CHECK(a && b && err_a == ERR_OK && err_b == ERR_OK);
+    const long long id = insert_jobs(c, 2, 3);
+    JobqJob ja, jb, ja2, jb2;
+    CHECK(a && jobq_claim(a, &ja) == ERR_OK && ja.id == id);
+    CHECK(b && jobq_claim(b, &jb) == ERR_OK && jb.id == id + 1);
     const int32_t t[] = {7};
     JobqChunk ch = {JOBQ_CHUNK_CONTENT, "seven", t, 1, NULL};
-    CHECK(jobq_append(e1, &j1, &ch, 1, NULL) == ERR_OK);
+    CHECK(jobq_append(a, &ja, &ch, 1, NULL) == ERR_OK);
+    CHECK(jobq_append(b, &jb, &ch, 1, NULL) == ERR_OK);
 
-    // e1's session dies (network, server restart): its lock goes with it. The timeout makes
-    // pg_terminate_backend wait until the backend has exited (and so released the lock);
-    // without it the signal is only sent, and the next open can still find the lock held.
-    CHECK(qint(c, "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 5000)) FROM pg_locks"
-                  " WHERE locktype = 'advisory' AND granted") == 1);
-    e2 = open_queue(true, &err);
-    CHECK(e2 && err == ERR_OK);
+    // a "crashes" (never stops) and starts again: its old boot runs no more (this process's
+    // pid), so the new boot registers and recovers a's job only.
+    Err err;
+    JobQueue *a2 = open_queue("a", &err);
+    CHECK(a2 && err == ERR_OK);
     int n_requeued = -1;
-    CHECK(e2 && jobq_recover(e2, &n_requeued) == ERR_OK && n_requeued == 1);
-    CHECK(e2 && jobq_claim(e2, &j2) == ERR_OK && j2.id == id && j2.attempt == 2 &&
-          j2.next_seq == 1 && j2.n_committed == 1);
-    CHECK(jobq_append(e1, &j1, &ch, 1, NULL) == ERR_DB);   // its connection is gone
-    CHECK(jobq_reconnect(e1, 500) == ERR_AGAIN);           // and e2 holds the queue now
-    CHECK(jobq_append(e1, &j1, &ch, 1, NULL) == ERR_NOTFOUND);  // fenced even if it tries
-    CHECK(e2 && jobq_finish(e2, &j2, "stop") == ERR_OK);
+    CHECK(a2 && jobq_recover(a2, &n_requeued) == ERR_OK && n_requeued == 1);
+    CHECK(a2 && jobq_claim(a2, &ja2) == ERR_OK && ja2.id == id && ja2.attempt == 2
+          && ja2.next_seq == 1 && ja2.n_committed == 1);
+    CHECK(jobq_append(a, &ja, &ch, 1, NULL) == ERR_NOTFOUND);  // the old boot is fenced
+    CHECK(jobq_append(b, &jb, &ch, 1, NULL) == ERR_OK);        // b's job stayed b's
+    CHECK(qint(c, "SELECT count(*) FROM engines WHERE name = 'a' AND stopped_at IS NULL") == 1);
+
+    // A live engine elsewhere on this host holds "b" (pid 1 always runs): a second "b" is
+    // refused, and its own boot is marked stopped.
     char sql[256];
-    snprintf(sql, sizeof sql, "SELECT count(*) FROM job_chunks WHERE job_id = %lld", id);
-    CHECK(qint(c, sql) == 1);
-    jobq_job_free(&j1);
-    jobq_job_free(&j2);
-    jobq_destroy(e1);
-    jobq_destroy(e2);
+    snprintf(sql, sizeof sql, "UPDATE engines SET pid = 1 WHERE id = %lld",
+             (long long) jobq_epoch(b));
+    PQclear(PQexec(c, sql));
+    JobQueue *b2 = open_queue("b", &err);
+    CHECK(!b2 && err == ERR_AGAIN);
+    jobq_destroy(b2);
+    CHECK(qint(c, "SELECT count(*) FROM engines WHERE name = 'b' AND stopped_at IS NULL") == 1);
+
+    // b reconnects (a database restart, say): same boot, same fencing; its recovery hands its
+    // own job back and it resumes it.
+    CHECK(jobq_reconnect(b, 500) == ERR_OK);
+    CHECK(jobq_recover(b, &n_requeued) == ERR_OK && n_requeued == 1);
+    CHECK(jobq_claim(b, &jb2) == ERR_OK && jb2.id == id + 1 && jb2.attempt == 2 && jb2.next_seq == 2
+          && jb2.n_committed == 2);
+    CHECK(jobq_finish(a2, &ja2, "stop") == ERR_OK);
+    CHECK(jobq_finish(b, &jb2, "stop") == ERR_OK);
+    snprintf(sql, sizeof sql, "SELECT count(*) FROM job_chunks WHERE job_id IN (%lld, %lld)", id,
+             id + 1);
+    CHECK(qint(c, sql) == 3);
+    jobq_job_free(&ja);
+    jobq_job_free(&jb);
+    jobq_job_free(&ja2);
+    jobq_job_free(&jb2);
+    jobq_destroy(a);
+    jobq_destroy(a2);
+    jobq_destroy(b);
     PQfinish(c);
 }
 
 static void test_cancel_and_attempts(void)
 {
     PGconn *c = connect_or_die(conn_super);
-    JobQueue *q = open_queue(false, NULL);
+    JobQueue *q = open_queue(NULL, NULL);
     CHECK(q != NULL);
     if (!q) return;
     char sql[256];
@@ -427,7 +453,7 @@ static const char *job_state(PGconn *c, long long id)
 static void test_append_batch(void)
 {
     PGconn *c = connect_or_die(conn_super);
-    JobQueue *qa = open_queue(false, NULL), *qb = open_queue(false, NULL);
+    JobQueue *qa = open_queue(NULL, NULL), *qb = open_queue(NULL, NULL);
     CHECK(qa && qb);
     if (!qa || !qb) return;
     const long long first = insert_jobs(c, 4, 3);
@@ -570,7 +596,7 @@ static void test_append_batch(void)
 static void test_stats(void)
 {
     PGconn *c = connect_or_die(conn_super), *admin = connect_or_die(conn_admin);
-    JobQueue *q = open_queue(false, NULL);
+    JobQueue *q = open_queue(NULL, NULL);
     CHECK(q != NULL);
     if (!q) return;
     char sql[256];
@@ -610,7 +636,7 @@ int main(void)
     test_keys();
     test_concurrent_claims();
     test_lease_expiry_and_fencing();
-    test_exclusive_and_recovery();
+    test_engines_and_recovery();
     test_cancel_and_attempts();
     test_append_batch();
     test_stats();

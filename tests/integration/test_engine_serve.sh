@@ -28,6 +28,11 @@
 #   fp8      the six jobs with the fp8 KV cache (`--kv-dtype fp8`, engine/model/kv_cache.h):
 #            one at a time, then through `--pp 2` with --max-num-seqs 4: the engine logs an
 #            fp8 cache and the batched pipeline serves the one-at-a-time fp8 outputs.
+#   two      two engines (--name a, --name b) on one queue: twelve greedy jobs all succeed on
+#            their first claim with the one-at-a-time outputs, both engines claiming some; a
+#            third engine under a live one's name exits 3; kill -9 of the engine streaming a
+#            long job: the job finishes on the other once its lease (6 s) runs out, chunks
+#            contiguous, output equal to an uninterrupted run's;
 #   bench    (not a test, not run by default) aggregate generated tok/s on the mkmodel
 #            "default" preset with 1, 4 and 8 concurrent jobs of BENCH_TOKENS (64) tokens,
 #            --max-num-seqs equal to the job count, from claim of the first to end of the
@@ -36,7 +41,7 @@ set -euo pipefail
 bin=$(cd "$1" && pwd)
 src=$(cd "$2" && pwd)
 shift 2
-scenarios=${*:-batch pp killrank sigterm tool logprobs mtp fp8}
+scenarios=${*:-batch pp killrank sigterm tool logprobs mtp fp8 two}
 : "${GLMSPARK_DB:?run me through tests/db/with_pg.sh}"
 tmp=$(mktemp -d)
 pids=()
@@ -115,6 +120,19 @@ output() {
                 string_agg(text, '' ORDER BY seq)
          FROM job_chunks WHERE job_id = $1"
 }
+# expect_resumed ID REF: job ID, claimed a second time after an interruption, ended with its
+# chunks' seqs 0..n-1 (no gap, no duplicate) and the token ids and text of job REF, an
+# uninterrupted run of the same request; n in $n_chunks.
+expect_resumed() {
+    local out seqs ref_out
+    out=$(output "$1")
+    seqs=${out%%|*}
+    n_chunks=$(echo "$seqs" | tr ',' '\n' | wc -l)
+    [ "$seqs" = "$(seq -s, 0 $((n_chunks - 1)))" ] || fail "job $1: seqs not contiguous: $seqs"
+    [ "$(sql "SELECT attempt FROM jobs WHERE id = $1")" = 2 ] || fail "job $1: attempts"
+    ref_out=$(output "$2")
+    [ "${out#*|}" = "${ref_out#*|}" ] || fail "job $1: resumed output differs from an uninterrupted run"
+}
 prompts=("1,2,3,4" "10,20,30" "7,7,7,7,7,7" "100,5" "42" "3,1,4,1,5,9,2,6")
 greedy='{"temperature":0}'
 
@@ -145,7 +163,7 @@ one_at_a_time() {
     stop_engine
 }
 
-if [[ " $scenarios " =~ " batch " || " $scenarios " =~ " pp " || " $scenarios " =~ " killrank " || " $scenarios " =~ " mtp " ]]; then
+if [[ " $scenarios " =~ " batch " || " $scenarios " =~ " pp " || " $scenarios " =~ " killrank " || " $scenarios " =~ " mtp " || " $scenarios " =~ " two " ]]; then
     one_at_a_time
     [ -n "${alone[0]}" ] || fail "no output"
     echo "ok: six jobs one at a time"
@@ -243,15 +261,9 @@ if [[ " $scenarios " =~ " killrank " ]]; then
     grep -E "ERROR" "$tmp/engine$n_engine.log" | sed 's/^/      /' | head -4
     start_engine --pp 2
     wait_jobs "$id"
-    out=$(output "$id")
-    seqs=${out%%|*}
-    n=$(echo "$seqs" | tr ',' '\n' | wc -l)
-    [ "$seqs" = "$(seq -s, 0 $((n - 1)))" ] || fail "seqs not contiguous: $seqs"
-    [ "$(sql "SELECT attempt FROM jobs WHERE id = $id")" = 2 ] || fail "attempts"
-    ref_out=$(output "$ref")
-    [ "${out#*|}" = "${ref_out#*|}" ] || fail "resumed output differs from an uninterrupted run"
+    expect_resumed "$id" "$ref"
     stop_engine
-    echo "ok: the restarted engine resumed the job: $n chunks, contiguous, output equal to an uninterrupted run"
+    echo "ok: the restarted engine resumed the job: $n_chunks chunks, contiguous, output equal to an uninterrupted run"
 fi
 
 if [[ " $scenarios " =~ " sigterm " ]]; then
@@ -314,6 +326,57 @@ if [[ " $scenarios " =~ " logprobs " ]]; then
     stop_engine
     echo "ok: logprobs: one entry per token, greedy = best alternative, sorted"
 fi
+if [[ " $scenarios " =~ " two " ]]; then
+    start_engine --name a --max-num-seqs 4 --step-delay-ms 20
+    pid_a=$engine_pid log_a=$tmp/engine$n_engine.log
+    start_engine --name b --max-num-seqs 4 --step-delay-ms 20
+    pid_b=$engine_pid log_b=$tmp/engine$n_engine.log
+    ids=()
+    for _ in 1 2; do
+        for p in "${prompts[@]}"; do ids+=("$(submit completion "$greedy" "$p" 24)"); done
+    done
+    wait_jobs "${ids[@]}"
+    for i in "${!ids[@]}"; do
+        [ "$(output "${ids[$i]}")" = "${alone[$((i % 6))]}" ] \
+            || fail "two engines, job $i: $(output "${ids[$i]}") != one at a time: ${alone[$((i % 6))]}"
+    done
+    list=$(IFS=,; echo "${ids[*]}")
+    [ "$(sql "SELECT max(attempt) FROM jobs WHERE id IN ($list)")" = 1 ] || fail "a job was claimed twice"
+    n_a=$(grep -c "engine: job .* claimed" "$log_a" || true)
+    n_b=$(grep -c "engine: job .* claimed" "$log_b" || true)
+    [ "$n_a" -gt 0 ] && [ "$n_b" -gt 0 ] || fail "claims: engine a $n_a, engine b $n_b"
+    echo "ok: two engines on one queue: 12 jobs, each claimed once (a $n_a, b $n_b), outputs equal one at a time"
+    st=0
+    "$bin/glmspark-engine" --model "$tmp/model" --db "$GLMSPARK_DB" --threads 1 --kv-blocks 64 \
+        --block-size 16 --name a >"$tmp/engine_dup.log" 2>&1 || st=$?
+    [ $st -eq 3 ] || fail "an engine under a live engine's name exited $st, not 3"
+    grep -q 'is named "a"' "$tmp/engine_dup.log" || fail "no message naming the taken name"
+    ref=$(submit completion "$greedy" "1,2,3,4" 200)
+    wait_jobs "$ref"
+    id=$(submit completion "$greedy" "1,2,3,4" 200)
+    for _ in $(seq 600); do
+        [ "$(sql "SELECT n_completion_tokens >= 5 FROM jobs WHERE id = $id")" = t ] && break
+        sleep 0.05
+    done
+    owner=$(sql "SELECT e.name FROM jobs j JOIN engines e ON e.id = j.lease_epoch WHERE j.id = $id")
+    case $owner in
+    a) victim=$pid_a survivor=$pid_b ;;
+    b) victim=$pid_b survivor=$pid_a ;;
+    *) fail "job $id is owned by '$owner'" ;;
+    esac
+    t0=$(date +%s.%N)
+    kill -9 "$victim"
+    wait "$victim" 2>/dev/null || true
+    wait_jobs "$id"
+    dt=$(awk "BEGIN { print $(date +%s.%N) - $t0 }")
+    expect_resumed "$id" "$ref"
+    kill -TERM "$survivor"
+    st=0
+    wait "$survivor" || st=$?
+    [ $st -eq 0 ] || fail "the surviving engine exited $st after SIGTERM"
+    echo "ok: engine $owner killed mid-stream: the other finished its job $dt s later ($n_chunks chunks, contiguous, equal to an uninterrupted run)"
+fi
+
 if [[ " $scenarios " =~ " bench " ]]; then
     "$bin/glmspark" mkmodel --out "$tmp/default" --preset default --tokenizer "$tok" 2>/dev/null || fail "mkmodel default"
     model=$tmp/default
