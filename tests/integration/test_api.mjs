@@ -309,16 +309,21 @@ test('a client leaving a chat stream cancels its job', async () => {
     assert.ok(job.usage.completion_tokens < 400);
 });
 
-test('a second engine refuses to serve the same queue', async () => {
-    let status = 0;
+// Engines under other names share the queue (tests/integration/test_engine_serve.sh, scenario
+// "two"); a second one under the name of the live devstack engine is refused.
+test('a second engine under a live engine\'s name refuses to start', async () => {
+    let status = 0, stderr = '';
     try {
         execFileSync(`${process.env.GLMSPARK_BIN}/glmspark-engine`,
-            ['--model', `${VAR}/model/${MODEL}`, '--db', process.env.GLMSPARK_DB_APP],
+            ['--model', `${VAR}/model/${MODEL}`, '--db', process.env.GLMSPARK_DB_APP,
+                '--name', 'devstack'],
             { stdio: 'pipe', timeout: 60000 });
     } catch (e) {
         status = e.status;
+        stderr = String(e.stderr);
     }
     assert.equal(status, 3);
+    assert.match(stderr, /is named "devstack"/);
     const h = await fetch(`${URL_}/health`);
     assert.equal(h.status, 200);
 });
