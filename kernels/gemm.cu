@@ -319,49 +319,37 @@ static __global__ void __launch_bounds__(MMA_WARPS *WARP_SIZE)
 // ---------------------------------------------------------------------------
 // Launchers
 
-template <int R, int NT, typename XT>
-static void launch_gemv(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
-                        const float *residual, int rows, int cols, int n_mat, int n_tok,
-                        cudaStream_t stream)
+// One launch: the warp-per-row kernel (a block of 8 warps, each on R rows) or (SK) the
+// split-K one (a block on R rows).
+template <int R, int NT, bool SK, typename OutT, typename XT>
+static void launch_gemv_kernel(OutT *y, const uint16_t *w, const XT *x, const float *residual,
+                               int rows, int cols, int n_mat, int n_tok, cudaStream_t stream)
 {
-    const long n_warps = (long) n_mat * CEIL_DIV(rows, R);
-    const dim3 grid((unsigned) CEIL_DIV(n_warps, GEMV_WARPS));
-    const dim3 block(GEMV_WARPS * WARP_SIZE);
-    if (y_type == GEMM_OUT_F32)
-        gemm_bf16_gemv_kernel<R, NT, float, XT>
-            <<<grid, block, 0, stream>>>((float *) y, w, x, residual, rows, cols, n_mat, n_tok);
-    else
-        gemm_bf16_gemv_kernel<R, NT, uint16_t, XT>
-            <<<grid, block, 0, stream>>>((uint16_t *) y, w, x, residual, rows, cols, n_mat, n_tok);
-    CUDA_CHECK(cudaGetLastError());
-}
-
-template <int R, int NT, typename XT>
-static void launch_gemv_sk(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
-                           const float *residual, int rows, int cols, int n_mat, int n_tok,
-                           cudaStream_t stream)
-{
-    const long n_blocks = (long) n_mat * CEIL_DIV(rows, R);
+    const long units = (long) n_mat * CEIL_DIV(rows, R);  // warps, or (SK) blocks
+    const long n_blocks = SK ? units : CEIL_DIV(units, GEMV_WARPS);
     ASSERT(n_blocks <= 0x7fffffffL);
     const dim3 grid((unsigned) n_blocks), block(GEMV_WARPS * WARP_SIZE);
-    if (y_type == GEMM_OUT_F32)
-        gemm_bf16_gemv_sk_kernel<R, NT, float, XT>
-            <<<grid, block, 0, stream>>>((float *) y, w, x, residual, rows, cols, n_mat, n_tok);
+    if constexpr (SK)
+        gemm_bf16_gemv_sk_kernel<R, NT, OutT, XT>
+            <<<grid, block, 0, stream>>>(y, w, x, residual, rows, cols, n_mat, n_tok);
     else
-        gemm_bf16_gemv_sk_kernel<R, NT, uint16_t, XT>
-            <<<grid, block, 0, stream>>>((uint16_t *) y, w, x, residual, rows, cols, n_mat, n_tok);
+        gemm_bf16_gemv_kernel<R, NT, OutT, XT>
+            <<<grid, block, 0, stream>>>(y, w, x, residual, rows, cols, n_mat, n_tok);
     CUDA_CHECK(cudaGetLastError());
 }
 
-// The token count picks the instantiation: 1, 2, 4, 8 or 16 accumulators per row.
+// The token count picks the instantiation (1, 2, 4, 8 or 16 accumulators per row), y_type the
+// output type.
 template <int R, bool SK, typename XT>
 static void launch_gemv_r(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
                           const float *residual, int rows, int cols, int n_mat, int n_tok,
                           cudaStream_t stream)
 {
-#define GEMV_NT(NT)                                                                          \
-    (SK ? launch_gemv_sk<R, NT>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream) \
-        : launch_gemv<R, NT>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream))
+#define GEMV_NT(NT)                                                                               \
+    (y_type == GEMM_OUT_F32 ? launch_gemv_kernel<R, NT, SK>((float *) y, w, x, residual, rows,    \
+                                                            cols, n_mat, n_tok, stream)           \
+                            : launch_gemv_kernel<R, NT, SK>((uint16_t *) y, w, x, residual, rows, \
+                                                            cols, n_mat, n_tok, stream))
     if (n_tok <= 1)
         GEMV_NT(1);
     else if (n_tok <= 2)
