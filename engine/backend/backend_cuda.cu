@@ -1454,7 +1454,6 @@ static const KvBPack *kv_b_pack(const CudaImpl *impl, const CkptLinear *kv_b)
     return NULL;
 }
 
-// Launch k_gemv: one token per chunk when n is 1 (decode), else MATMUL_TOK.
 // y += x over n floats (k_add: the add op's kernel).
 static void add_f32(CudaImpl *impl, float *y, const float *x, size_t n)
 {
@@ -1462,6 +1461,7 @@ static void add_f32(CudaImpl *impl, float *y, const float *x, size_t n)
     check_launch("add");
 }
 
+// Launch k_gemv: one token per chunk when n is 1 (decode), else MATMUL_TOK.
 static void launch_gemv(CudaImpl *impl, float *y, DevLin w, const float *x, int n)
 {
     w.vec &= ((uintptr_t) x & 15) == 0;  // float4 activation loads
@@ -1505,48 +1505,54 @@ static void gemv_chunks(CudaImpl *impl, float *y, const uint16_t *w, const void 
     }
 }
 
+// Whether matmul_tuned runs cuBLASLt: more than GEMM_MAX_TOK tokens, rows in 8s.
+static bool matmul_lt(const CkptLinear *w, int n)
+{
+    return n > GEMM_MAX_TOK && w->rows % 8 == 0;
+}
+
 // A bf16 weight under the BF16 recipe (backend_matmul_tuned) through kernels/gemm.h: up to
 // GEMM_MAX_TOK tokens a launch with the fp32 input rounded as it is read (a bf16 copy first
 // when x is not 16-byte aligned; tensor cores from 2 tokens when the rows fill the chip twice,
-// as tests/bench/bench_stage.cu chooses); more tokens through cuBLASLt on a bf16 copy of the
-// input (rows in 8s).
+// as tests/bench/bench_stage.cu chooses), acc adding into y in the GEMV's store; more tokens
+// (matmul_lt) through cuBLASLt on a bf16 copy of the input, which cannot add (acc false).
 static void matmul_tuned(CudaImpl *impl, float *y, const CkptLinear *w, const float *x, int n,
                          bool acc)
 {
     const uint16_t *wd = (const uint16_t *) w->data;
     const int rows = w->rows, cols = w->cols;
-    const bool lt = n > GEMM_MAX_TOK && rows % 8 == 0, aligned = (uintptr_t) x % 16 == 0;
+    const bool lt = matmul_lt(w, n), aligned = (uintptr_t) x % 16 == 0;
+    ASSERT(!(lt && acc));
     uint16_t *xb = NULL;
     if (lt || !aligned) {
         xb = (uint16_t *) scratch(impl, SCRATCH_X, (size_t) n * cols * 2);
         act_to_bf16(xb, x, (size_t) n * cols, impl->stream);
     }
-    if (lt) {
-        float *yt = acc ? (float *) scratch(impl, SCRATCH_Y, (size_t) n * rows * sizeof(float)) : y;
-        gemm_bf16_lt(yt, GEMM_OUT_F32, xb, wd, n, rows, cols, &impl->lt, impl->stream);
-        if (acc) add_f32(impl, y, yt, (size_t) n * rows);
-    } else {
+    if (lt)
+        gemm_bf16_lt(y, GEMM_OUT_F32, xb, wd, n, rows, cols, &impl->lt, impl->stream);
+    else
         gemv_chunks(impl, y, wd, xb ? (const void *) xb : (const void *) x, !xb, rows, cols, 1, n,
                     (long) (rows + 7) / 8 >= 2L * impl->n_sm, acc);
-    }
 }
 
-// y = w x, or (acc) y += w x: the same sums, each rounded to fp32 and then added to y.
+// y = w x, or (acc) y += w x: the same sums, each rounded to fp32 and then added to y (in the
+// tuned GEMV's store; elsewhere into a temporary, then add_f32).
 static void matmul_any(Backend *be, float *y, const CkptLinear *w, const float *x, int n, bool acc)
 {
     ASSERT(w->rows > 0 && w->cols > 0 && n >= 0);
     if (n == 0) return;
     CudaImpl *impl = (CudaImpl *) be->impl;
     prof_begin(impl);
-    if (be->precision == BACKEND_PRECISION_BF16 && backend_matmul_tuned(w)
-        && (uintptr_t) w->data % 16 == 0) {
-        matmul_tuned(impl, y, w, x, n, acc);
-    } else {
-        float *yt =
-            acc ? (float *) scratch(impl, SCRATCH_Y, (size_t) n * w->rows * sizeof(float)) : y;
+    const bool tuned = be->precision == BACKEND_PRECISION_BF16 && backend_matmul_tuned(w)
+                       && (uintptr_t) w->data % 16 == 0;
+    const bool via_tmp = acc && (!tuned || matmul_lt(w, n));
+    float *yt =
+        via_tmp ? (float *) scratch(impl, SCRATCH_Y, (size_t) n * w->rows * sizeof(float)) : y;
+    if (tuned)
+        matmul_tuned(impl, yt, w, x, n, acc && !via_tmp);
+    else
         launch_gemv(impl, yt, dev_lin(w), x, n);
-        if (acc) add_f32(impl, y, yt, (size_t) n * w->rows);
-    }
+    if (via_tmp) add_f32(impl, y, yt, (size_t) n * w->rows);
     prof_end(impl, PROF_MATMUL, lin_bytes(w));
 }
 
