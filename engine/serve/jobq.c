@@ -266,7 +266,7 @@ Err jobq_recover(JobQueue *q, int *n_requeued)
 static const char claim_sql[] =
     "WITH c AS MATERIALIZED ("
     "  SELECT id FROM jobs"
-    "  WHERE state = 'queued' OR (state = 'running' AND lease_until < now())"
+    "  WHERE model = $3 AND (state = 'queued' OR (state = 'running' AND lease_until < now()))"
     "  ORDER BY priority DESC, id LIMIT 1 FOR UPDATE SKIP LOCKED)"
     " UPDATE jobs j SET state = 'running', attempt = j.attempt + 1, lease_epoch = $1::bigint,"
     "   lease_until = now() + $2::int * interval '1 second',"
@@ -282,8 +282,8 @@ Err jobq_claim(JobQueue *q, JobqJob *job)
         Err err = ERR_DB;
         JobqJob j = {0};
         PGresult *chunks = NULL;
-        PGresult *res = exec_params(q, "claiming a job", claim_sql, 2,
-                                    (const char *const[]){q->epoch_text, q->lease_text},
+        PGresult *res = exec_params(q, "claiming a job", claim_sql, 3,
+                                    (const char *const[]){q->epoch_text, q->lease_text, q->model},
                                     PGRES_TUPLES_OK);
         if (!res) return ERR_DB;
         if (PQntuples(res) == 0) {

@@ -20,7 +20,9 @@
  *     that for every running job of an engine step in one statement (one commit);
  *   - engines.stats holds the engine's status JSON (jobq_set_stats, read through
  *     admin.engines and by glmspark-fcgi);
- *   - a job whose lease ran out (no append or heartbeat for lease_s) can be claimed again.
+ *   - a job whose lease ran out (no append or heartbeat for lease_s) can be claimed again;
+ *   - an engine claims only the jobs of the model it serves (jobs.model = its served name),
+ *     so engines of several models share one queue.
  *
  * Ownership: JobQueue is opaque (create/destroy). A JobqJob filled by jobq_claim owns its
  *            arrays until jobq_job_free.
@@ -48,7 +50,7 @@ typedef struct JobQueue JobQueue;
 typedef struct JobqOptions {
     const char *conninfo;     // libpq connection string
     const char *engine_name;  // shown in admin.running, e.g. host name
-    const char *model;        // served model name
+    const char *model;        // served model name: only jobs with this jobs.model are claimed
     int lease_s;              // lease length; appends and heartbeats extend it (default 30)
 } JobqOptions;
 

@@ -97,7 +97,7 @@ static void test_migrate(void)
     CHECK(cli_db(4, argv) == 0);
     CHECK(cli_db(4, argv) == 0);  // idempotent: applies nothing the second time
     PGconn *c = connect_or_die(conn_super);
-    CHECK(qint(c, "SELECT count(*) FROM schema_migrations") == 5);
+    CHECK(qint(c, "SELECT count(*) FROM schema_migrations") == 6);
     // 004: revoking a key (by any means) rings api_keys_revoked with its prefix, once.
     PQclear(PQexec(c, "LISTEN api_keys_revoked"));
     PQclear(PQexec(c, "INSERT INTO api_keys (prefix, key_hash, name) VALUES"
@@ -120,7 +120,7 @@ static void test_migrate(void)
     PQclear(PQexec(c, "UNLISTEN *"));
     PQclear(PQexec(c, "DELETE FROM api_keys WHERE prefix = 'gsk_trigger01'"));
     CHECK(qint(c, "SELECT count(*) FROM information_schema.views WHERE table_schema = 'admin'")
-          == 6);
+          == 7);
     char *bad[] = {"db", "migrate", "--db", conn_super, "--sql", "/nonexistent", NULL};
     CHECK(cli_db(6, bad) == 1);
     PQfinish(c);
@@ -621,6 +621,57 @@ static void test_stats(void)
     PQfinish(c);
 }
 
+// Engines claim only the jobs of the model they serve; admin.models and admin.running count
+// per model.
+static void test_models(void)
+{
+    PGconn *c = connect_or_die(conn_super), *admin = connect_or_die(conn_admin);
+    const long long first_m = insert_jobs(c, 2, 3);  // model "m": no engine below serves it
+    CHECK(first_m > 0);
+    char sql[512];
+    snprintf(sql, sizeof sql,
+             "INSERT INTO jobs (api_key_id, kind, model, request, prompt_ids, n_prompt_tokens,"
+             " max_tokens) SELECT %lld, 'chat', 'm2', '{}', '{1,2}', 2, 8"
+             " FROM generate_series(1, 3) RETURNING id", key_id);
+    CHECK(q1(c, sql) != NULL);
+    const JobqOptions o = {
+        .conninfo = conn_app, .engine_name = "model-two", .model = "m2", .lease_s = 30};
+    JobQueue *q = NULL;
+    CHECK(jobq_create(&o, &q) == ERR_OK);
+    if (!q) return;
+    JobqJob j[4];
+    int n = 0;
+    while (n < 4 && jobq_claim(q, &j[n]) == ERR_OK)
+        n++;
+    CHECK(n == 3);  // the "m" jobs stay queued
+    for (int i = 0; i < n; i++) {
+        snprintf(sql, sizeof sql, "SELECT model FROM jobs WHERE id = %lld", (long long) j[i].id);
+        const char *m = q1(c, sql);
+        CHECK(m && !strcmp(m, "m2"));
+    }
+    snprintf(sql, sizeof sql, "SELECT state FROM jobs WHERE id = %lld", first_m);
+    const char *st = q1(c, sql);
+    CHECK(st && !strcmp(st, "queued"));
+    const char *v = q1(admin, "SELECT engines_live || ' ' || queued || ' ' || running"
+                              " FROM admin.models WHERE model = 'm2'");
+    CHECK(v && !strcmp(v, "1 0 3"));
+    CHECK(qint(admin, "SELECT count(*) FROM admin.running WHERE model = 'm2'") == 3);
+    CHECK(qint(admin, "SELECT queued FROM admin.models WHERE model = 'm'") >= 2);
+    for (int i = 0; i < n; i++) {
+        CHECK(jobq_finish(q, &j[i], "stop") == ERR_OK);
+        jobq_job_free(&j[i]);
+    }
+    v = q1(admin, "SELECT engines_live || ' ' || queued || ' ' || running"
+                  " FROM admin.models WHERE model = 'm2'");
+    CHECK(v && !strcmp(v, "1 0 0"));
+    jobq_destroy(q);  // stopped, and no unfinished job: the model leaves the view
+    CHECK(qint(admin, "SELECT count(*) FROM admin.models WHERE model = 'm2'") == 0);
+    snprintf(sql, sizeof sql, "DELETE FROM jobs WHERE model = 'm' AND id >= %lld", first_m);
+    PQclear(PQexec(c, sql));
+    PQfinish(admin);
+    PQfinish(c);
+}
+
 int main(void)
 {
     const char *host = getenv("GLMSPARK_PGHOST"), *db = getenv("GLMSPARK_DB");
@@ -640,5 +691,6 @@ int main(void)
     test_cancel_and_attempts();
     test_append_batch();
     test_stats();
+    test_models();
     return check_exit();
 }

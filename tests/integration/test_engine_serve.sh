@@ -68,7 +68,7 @@ key_id=$(sql "SELECT id FROM api_keys WHERE name = 'engine-test'")
 n_engine=0
 start_engine() {
     n_engine=$((n_engine + 1))
-    "$bin/glmspark-engine" --model "${model:-$tmp/model}" --db "$GLMSPARK_DB" --threads 1 --kv-blocks 64 \
+    "$bin/glmspark-engine" --model "${model:-$tmp/model}" --model-name m --db "$GLMSPARK_DB" --threads 1 --kv-blocks 64 \
         --block-size 16 --lease-s 6 "$@" >"$tmp/engine$n_engine.log" 2>&1 &
     engine_pid=$!
     pids+=("$engine_pid")
@@ -347,7 +347,7 @@ if [[ " $scenarios " =~ " two " ]]; then
     [ "$n_a" -gt 0 ] && [ "$n_b" -gt 0 ] || fail "claims: engine a $n_a, engine b $n_b"
     echo "ok: two engines on one queue: 12 jobs, each claimed once (a $n_a, b $n_b), outputs equal one at a time"
     st=0
-    "$bin/glmspark-engine" --model "$tmp/model" --db "$GLMSPARK_DB" --threads 1 --kv-blocks 64 \
+    "$bin/glmspark-engine" --model "$tmp/model" --model-name m --db "$GLMSPARK_DB" --threads 1 --kv-blocks 64 \
         --block-size 16 --name a >"$tmp/engine_dup.log" 2>&1 || st=$?
     [ $st -eq 3 ] || fail "an engine under a live engine's name exited $st, not 3"
     grep -q 'is named "a"' "$tmp/engine_dup.log" || fail "no message naming the taken name"
