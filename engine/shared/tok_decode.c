@@ -13,7 +13,8 @@
  * token could still turn an invalid run into a character or the reverse). Every decoder we
  * support is per token apart from these two and from rules about the very first token
  * (Metaspace drops its replacement chars, Strip after Fuse cuts the leading chars), which
- * the stream applies only to the first window that holds a token. So the pieces concatenate
+ * the stream applies only to the first window that holds a token (for Strip, the first
+ * whose text is not empty: the window stays open until then). So the pieces concatenate
  * to exactly tok_decode() of everything fed, and each piece is whole UTF-8 characters.
  */
 #include "engine/shared/tokenizer.h"
@@ -344,19 +345,44 @@ void tok_stream_destroy(TokStream *s)
     free(s);
 }
 
+// How many leading chars the Strips after a Fuse may cut from the start of the sequence
+// (their starts summed), or -1 when one cuts the end (that sees every later token).
+static int fused_strip_start(const Tokenizer *tok)
+{
+    bool fused = false;
+    int start = 0;
+    for (size_t k = 0; k < tok->n_decs; k++) {
+        const TokDec *d = &tok->decs[k];
+        if (d->kind == TOK_DEC_FUSE) fused = true;
+        if (d->kind != TOK_DEC_STRIP || !fused) continue;
+        if (d->stop > 0) return -1;
+        start += (int) (d->start < 2 ? d->start : 2);
+    }
+    return start;
+}
+
 // True when a later id could still change the window's text.
 static bool window_open(const TokStream *s)
 {
     const Tokenizer *tok = s->tok;
-    bool has_bytelevel = false, has_fallback = false, fused = false;
+    // Strips after a Fuse cut the start of the whole text. One of at most one char is
+    // applied to the first window whose text is not empty (below); more than one char, or
+    // the end, sees across windows: hold everything (no real tokenizer does this).
+    const int strip_start = fused_strip_start(tok);
+    if (strip_start < 0 || strip_start > 1) return true;
+    if (strip_start == 1 && s->first) {
+        // Until the text is not empty, the next token's leading char is still the start.
+        char *text = NULL;
+        size_t n = 0, kept = 0;
+        if (decode_impl(tok, s->win, s->n_win, s->skip_special, true, &kept, &text, &n)) return true;
+        free(text);
+        if (n == 0) return true;
+    }
+    bool has_bytelevel = false, has_fallback = false;
     for (size_t k = 0; k < tok->n_decs; k++) {
         const TokDec *d = &tok->decs[k];
         has_bytelevel |= d->kind == TOK_DEC_BYTELEVEL;
         has_fallback |= d->kind == TOK_DEC_BYTEFALLBACK;
-        // Strip of more than the first char, or of the end, after a Fuse sees across
-        // windows: hold everything (no real tokenizer does this).
-        if (d->kind == TOK_DEC_FUSE) fused = true;
-        if (d->kind == TOK_DEC_STRIP && fused && (d->stop > 0 || d->start > 1)) return true;
     }
     // Walk back over the surviving tokens.
     uint8_t tail[4];

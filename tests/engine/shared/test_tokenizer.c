@@ -395,7 +395,9 @@ static bool stream_matches(const Tokenizer *t, const int32_t *ids, size_t n, boo
 }
 
 // Decoders whose first-token rules the stream must honour: none (join by spaces), Metaspace
-// (drops the replacement chars of the first token) and Strip after Fuse.
+// (drops the replacement chars of the first token), Strip after Fuse, two Strips after Fuse
+// (they cut two chars of the start: the stream holds everything), and Strip after Fuse where
+// a first token decodes to nothing ("a" is replaced by "": the start is still ahead).
 static void test_stream_first_token_rules(void)
 {
     Tokenizer *t = word_tok(NULL, NULL, "[{\"id\":20,\"content\":\"<x>\",\"special\":true}]");
@@ -412,6 +414,13 @@ static void test_stream_first_token_rules(void)
         "{\"type\":\"Sequence\",\"decoders\":[{\"type\":\"Replace\",\"pattern\":{\"String\":"
         "\"\\u2581\"},\"content\":\" \"},{\"type\":\"Fuse\"},{\"type\":\"Strip\",\"content\":"
         "\" \",\"start\":1,\"stop\":0}]}",
+        "{\"type\":\"Sequence\",\"decoders\":[{\"type\":\"Replace\",\"pattern\":{\"String\":"
+        "\"\\u2581\"},\"content\":\" \"},{\"type\":\"Fuse\"},{\"type\":\"Strip\",\"content\":"
+        "\" \",\"start\":1,\"stop\":0},{\"type\":\"Strip\",\"content\":\" \",\"start\":1,\"stop\":0}]}",
+        "{\"type\":\"Sequence\",\"decoders\":[{\"type\":\"Replace\",\"pattern\":{\"String\":"
+        "\"a\"},\"content\":\"\"},{\"type\":\"Replace\",\"pattern\":{\"String\":"
+        "\"\\u2581\"},\"content\":\" \"},{\"type\":\"Fuse\"},{\"type\":\"Strip\",\"content\":"
+        "\" \",\"start\":1,\"stop\":0}]}",
     };
     for (size_t k = 0; k < sizeof decoders / sizeof *decoders; k++) {
         char json[4096];
@@ -426,7 +435,7 @@ static void test_stream_first_token_rules(void)
         CHECK(tok_decode(t, first, 3, false, &text, &n) == ERR_OK);
         static const char *const want[] = {("\xe2\x96\x81"
                                             "a \xe2\x96\x81 a"),
-                                           "a a", "a a"};
+                                           "a a", "a a", "a a", " "};
         CHECK(strcmp(text, want[k]) == 0);
         free(text);
         uint64_t rng = 12345;
