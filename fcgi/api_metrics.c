@@ -66,6 +66,46 @@ static const char boots_sql[] =
     "SELECT id, name, (stopped_at IS NULL AND heartbeat_at > now() - interval '30 seconds')::int"
     " FROM engines ORDER BY id DESC LIMIT 8";
 
+// Per model (every model with jobs or a live engine boot): queued, running, completion and
+// prompt tokens, live boots, and the live boots' own tokens/s (engines.stats) summed.
+static const char models_sql[] =
+    "WITH live AS (SELECT model, stats FROM engines WHERE stopped_at IS NULL"
+    "   AND heartbeat_at > now() - interval '30 seconds'),"
+    " j AS (SELECT model, count(*) FILTER (WHERE state = 'queued') AS q,"
+    "   count(*) FILTER (WHERE state = 'running') AS r, sum(n_completion_tokens) AS ct,"
+    "   sum(n_prompt_tokens) AS pt FROM jobs GROUP BY model),"
+    " e AS (SELECT model, count(*) AS n, sum((stats ->> 'tokens_per_s')::float8)"
+    "   FILTER (WHERE jsonb_typeof(stats -> 'tokens_per_s') = 'number') AS tps"
+    "   FROM live GROUP BY model)"
+    " SELECT coalesce(j.model, e.model), coalesce(j.q, 0), coalesce(j.r, 0), coalesce(j.ct, 0),"
+    "   coalesce(j.pt, 0), coalesce(e.n, 0), coalesce(e.tps, 0)"
+    " FROM j FULL JOIN e ON e.model = j.model ORDER BY 1";
+
+static void put_models(FILE *f, PGresult *m)
+{
+    static const struct {
+        const char *name, *type, *help;
+    } fams[] = {
+        {"glmspark_model_queue_depth", "gauge", "Jobs of the model waiting in the queue."},
+        {"glmspark_model_jobs_running", "gauge", "Jobs of the model an engine is generating."},
+        {"glmspark_model_completion_tokens_total", "counter",
+         "Tokens generated for the model's jobs in the database."},
+        {"glmspark_model_prompt_tokens_total", "counter", "Prompt tokens of the model's jobs in the database."},
+        {"glmspark_model_engines_up", "gauge",
+         "Engine boots serving the model whose heartbeat is under 30 s old."},
+        {"glmspark_model_tokens_per_second", "gauge",
+         "Generated tokens per second of the model's live engines (their own windows, summed)."},
+    };
+    for (int k = 0; k < (int) (sizeof fams / sizeof *fams); k++) {
+        family(f, fams[k].name, fams[k].type, fams[k].help);
+        for (int i = 0; i < PQntuples(m); i++) {
+            fprintf(f, "%s{model=\"", fams[k].name);
+            put_label_value(f, PQgetvalue(m, i, 0));
+            fprintf(f, "\"} %s\n", PQgetvalue(m, i, 1 + k));
+        }
+    }
+}
+
 static void put_queue(FILE *f, PGresult *q, PGresult *lat, PGresult *boots)
 {
     family(f, "glmspark_queue_depth", "gauge", "Jobs waiting in the queue.");
@@ -199,10 +239,12 @@ Err api_metrics_render(ApiDb *db, char **text, size_t *n_text)
     PGresult *lat = q ? api_db_exec(db, latency_sql, 0, NULL, PGRES_TUPLES_OK) : NULL;
     PGresult *boots = lat ? api_db_exec(db, boots_sql, 0, NULL, PGRES_TUPLES_OK) : NULL;
     PGresult *latest = boots ? api_db_exec(db, STATS_SQL_LATEST, 0, NULL, PGRES_TUPLES_OK) : NULL;
-    if (!latest) goto done;
+    PGresult *models = latest ? api_db_exec(db, models_sql, 0, NULL, PGRES_TUPLES_OK) : NULL;
+    if (!models) goto done;
     err = ERR_NOMEM;
     if (!(f = open_memstream(&buf, &n))) goto done;
     put_queue(f, q, lat, boots);
+    put_models(f, models);
     put_engine(f, latest);
     if (fclose(f) != 0) {
         f = NULL;
@@ -220,6 +262,7 @@ done:
     PQclear(lat);
     PQclear(boots);
     PQclear(latest);
+    PQclear(models);
     return err;
 }
 

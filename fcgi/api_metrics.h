@@ -4,7 +4,9 @@
  * Two sources, read in one call:
  *   the job queue     queue depth, jobs by state, prompt/completion tokens, TTFT and
  *                     inter-token latency histograms, engine boots (glmspark_rank_up,
- *                     glmspark_engine_up);
+ *                     glmspark_engine_up); per model (label model, glmspark_model_*): queue
+ *                     depth, running jobs, completion and prompt tokens, live engine boots
+ *                     and the sum of their tokens/s;
  *   engines.stats     the engine internals that rank 0 of the newest running boot publishes
  *                     (engine/shared/stats.h): step time (avg and max over the
  *                     engine's window), batch sequences and tokens, KV blocks used and

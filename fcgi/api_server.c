@@ -30,6 +30,8 @@ typedef struct Ctx {
     FCGX_Request *req;
     ApiDb *db;
     const ApiConfig *cfg;
+    const ApiModel *model;  // the request's model (generate routes)
+    char model_name[128];   // the model named in output envelopes (the request's or job's)
     const char *method;
     char path[256];
     const char *query;
@@ -256,7 +258,7 @@ static Err find_idem_job(Ctx *c, const char *key_id, const char *idem, NewJob *j
 // Render, tokenize, check the context, insert. false after answering the client.
 static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
 {
-    const ApiConfig *cfg = c->cfg;
+    const ApiModel *model = c->model;
     char *prompt = NULL;
     Buf ids_text = {0};
     size_t n_prompt_bytes = 0;
@@ -271,7 +273,7 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
     if (r->kind == API_KIND_CHAT) {
         ChatError cerr;
         ChatOptions opts;
-        const Err err = chat_render_request(r->root, cfg->chat_template, &prompt, &n_prompt_bytes,
+        const Err err = chat_render_request(r->root, model->chat_template, &prompt, &n_prompt_bytes,
                                             &opts, &cerr);
         if (err == ERR_INVAL) {
             api_error_set(&e, 400, NULL, NULL, NULL, "%s", cerr.msg);
@@ -282,11 +284,11 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
             goto done;
         }
         in_reasoning = chat_prompt_opens_reasoning(prompt, n_prompt_bytes);
-        if (tok_encode(cfg->tok, prompt, n_prompt_bytes, false, &ids)) {
+        if (tok_encode(model->tok, prompt, n_prompt_bytes, false, &ids)) {
             api_error_set(&e, 500, "server_error", NULL, NULL, "could not tokenize the prompt");
             goto done;
         }
-    } else if (tok_encode(cfg->tok, r->prompt, r->n_prompt, true, &ids)) {
+    } else if (tok_encode(model->tok, r->prompt, r->n_prompt, true, &ids)) {
         api_error_set(&e, 500, "server_error", NULL, NULL, "could not tokenize the prompt");
         goto done;
     }
@@ -295,16 +297,16 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
         goto done;
     }
     job->n_prompt = (int) ids.n;
-    if ((long long) ids.n + (r->max_tokens ? r->max_tokens : 1) > cfg->context_len) {
+    if ((long long) ids.n + (r->max_tokens ? r->max_tokens : 1) > model->context_len) {
         api_error_set(&e, 400, NULL, "context_length_exceeded",
                       r->kind == API_KIND_CHAT ? "messages" : "prompt",
                       "This model's maximum context length is %d tokens. However, you requested "
                       "%lld tokens (%zu in the prompt, %d for the completion).",
-                      cfg->context_len, (long long) ids.n + (r->max_tokens ? r->max_tokens : 0),
+                      model->context_len, (long long) ids.n + (r->max_tokens ? r->max_tokens : 0),
                       ids.n, r->max_tokens);
         goto done;
     }
-    job->max_tokens = r->max_tokens ? r->max_tokens : cfg->context_len - (int) ids.n;
+    job->max_tokens = r->max_tokens ? r->max_tokens : model->context_len - (int) ids.n;
 
     // Prompt ids as a PostgreSQL array literal.
     if (buf_add_ids(&ids_text, ids.ids, ids.n)) goto oom;
@@ -420,7 +422,7 @@ static bool enqueue(Ctx *c, const ApiRequest *r, NewJob *job)
              " RETURNING id, public_id, extract(epoch FROM created_at)::bigint",
              9,
              (const char *const[]){key_id, r->kind == API_KIND_CHAT ? "chat" : "completion",
-                                   cfg->model_name, json_text(params), ids_text.p, n_prompt_text,
+                                   model->name, json_text(params), ids_text.p, n_prompt_text,
                                    max_tokens_text, idem, input_text},
              PGRES_TUPLES_OK);
     free(input_text);
@@ -639,7 +641,7 @@ static json_object *chunk_envelope(const Ctx *c, const char *job_id, long long c
     json_object_object_add(
         o, "object", json_object_new_string(is_chat ? "chat.completion.chunk" : "text_completion"));
     json_object_object_add(o, "created", json_object_new_int64(created));
-    json_object_object_add(o, "model", json_object_new_string(c->cfg->model_name));
+    json_object_object_add(o, "model", json_object_new_string(c->model_name));
     return o;
 }
 
@@ -925,29 +927,58 @@ static void sse_headers(Ctx *c)
 // ---------------------------------------------------------------------------
 // Handlers
 
-static json_object *model_object(const Ctx *c)
+static json_object *model_object(const ApiModel *m)
 {
-    json_object *m = json_object_new_object();
-    json_object_object_add(m, "id", json_object_new_string(c->cfg->model_name));
-    json_object_object_add(m, "object", json_object_new_string("model"));
-    json_object_object_add(m, "created", json_object_new_int64(0));
-    json_object_object_add(m, "owned_by", json_object_new_string("glmspark"));
-    json_object_object_add(m, "max_model_len", json_object_new_int(c->cfg->context_len));
-    return m;
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "id", json_object_new_string(m->name));
+    json_object_object_add(o, "object", json_object_new_string("model"));
+    json_object_object_add(o, "created", json_object_new_int64(0));
+    json_object_object_add(o, "owned_by", json_object_new_string("glmspark"));
+    json_object_object_add(o, "max_model_len", json_object_new_int(m->context_len));
+    return o;
 }
 
-static void handle_models(Ctx *c, const char *name)
+// The configured model named name[0..n) (not NUL-terminated), or NULL.
+static const ApiModel *find_model(const ApiConfig *cfg, const char *name, size_t n)
 {
+    for (int i = 0; i < cfg->n_models; i++)
+        if (strlen(cfg->models[i].name) == n && !memcmp(cfg->models[i].name, name, n))
+            return &cfg->models[i];
+    return NULL;
+}
+
+// GET /v1/models and /v1/models/{name}: the configured models that a live engine serves
+// (api_server.h), in configuration order.
+static void handle_models(Ctx *c, const char *name, size_t n_name)
+{
+    PGresult *res = api_db_exec(c->db,
+                                "SELECT DISTINCT model FROM engines WHERE stopped_at IS NULL"
+                                " AND heartbeat_at > now() - interval '30 seconds'",
+                                0, NULL, PGRES_TUPLES_OK);
+    if (!res) {
+        fail_db(c);
+        return;
+    }
+    bool live[API_MAX_MODELS] = {false};
+    for (int i = 0; i < PQntuples(res); i++) {
+        const char *m = PQgetvalue(res, i, 0);
+        const ApiModel *found = find_model(c->cfg, m, strlen(m));
+        if (found) live[found - c->cfg->models] = true;
+    }
+    PQclear(res);
     if (name) {
-        if (strcmp(name, c->cfg->model_name) != 0) {
-            fail(c, 404, NULL, "model_not_found", "model", "no such model");
+        const ApiModel *m = find_model(c->cfg, name, n_name);
+        if (!m || !live[m - c->cfg->models]) {
+            fail(c, 404, NULL, "model_not_found", "model",
+                 m ? "no engine serves this model now" : "no such model");
             return;
         }
-        send_json(c, 200, model_object(c), NULL);
+        send_json(c, 200, model_object(m), NULL);
         return;
     }
     json_object *o = json_object_new_object(), *data = json_object_new_array();
-    json_object_array_add(data, model_object(c));
+    for (int i = 0; i < c->cfg->n_models; i++)
+        if (live[i]) json_object_array_add(data, model_object(&c->cfg->models[i]));
     json_object_object_add(o, "object", json_object_new_string("list"));
     json_object_object_add(o, "data", data);
     send_json(c, 200, o, NULL);
@@ -983,13 +1014,14 @@ static void handle_generate(Ctx *c, ApiKind kind, bool is_job)
         return;
     }
     free(body);
-    if (strcmp(r.model, c->cfg->model_name) != 0) {
+    if (!(c->model = find_model(c->cfg, r.model, strlen(r.model)))) {
         api_error_set(&e, 404, NULL, "model_not_found", "model",
-                      "the model '%.100s' does not exist; this server serves '%.100s'", r.model,
-                      c->cfg->model_name);
+                      "the model '%.100s' does not exist (GET /v1/models lists the models served)",
+                      r.model);
         send_error(c, &e, 0);
         goto done;
     }
+    snprintf(c->model_name, sizeof c->model_name, "%s", c->model->name);
     NewJob job = {0};
     if (!enqueue(c, &r, &job)) goto done;
 
@@ -999,7 +1031,7 @@ static void handle_generate(Ctx *c, ApiKind kind, bool is_job)
         json_object_object_add(o, "object", json_object_new_string("job"));
         json_object_object_add(o, "state", json_object_new_string("queued"));
         json_object_object_add(o, "created_at", json_object_new_int64(job.created));
-        json_object_object_add(o, "model", json_object_new_string(c->cfg->model_name));
+        json_object_object_add(o, "model", json_object_new_string(c->model_name));
         json_object_object_add(o, "prompt_tokens", json_object_new_int(job.n_prompt));
         json_object_object_add(o, "max_tokens", json_object_new_int(job.max_tokens));
         char loc[128];
@@ -1059,7 +1091,7 @@ static void handle_generate(Ctx *c, ApiKind kind, bool is_job)
         o, "object",
         json_object_new_string(kind == API_KIND_CHAT ? "chat.completion" : "text_completion"));
     json_object_object_add(o, "created", json_object_new_int64(job.created));
-    json_object_object_add(o, "model", json_object_new_string(c->cfg->model_name));
+    json_object_object_add(o, "model", json_object_new_string(c->model_name));
     json_object_object_add(ch, "index", json_object_new_int(0));
     if (kind == API_KIND_CHAT)
         json_object_object_add(ch, "message", message_object(&col, job.public_id));
@@ -1184,7 +1216,7 @@ static int64_t find_job(Ctx *c, const char *public_id, long long *created)
     snprintf(key_id, sizeof key_id, "%lld", (long long) c->key.id);
     PGresult *res = api_db_exec(
         c->db,
-        "SELECT id, extract(epoch FROM created_at)::bigint FROM jobs"
+        "SELECT id, extract(epoch FROM created_at)::bigint, model FROM jobs"
         " WHERE public_id = $1 AND (api_key_id = $2::bigint OR $3::bool)",
         3, (const char *const[]){public_id, key_id, c->key.is_admin ? "t" : "f"}, PGRES_TUPLES_OK);
     if (!res) {
@@ -1195,6 +1227,7 @@ static int64_t find_job(Ctx *c, const char *public_id, long long *created)
     if (PQntuples(res) == 1) {
         id = atoll(PQgetvalue(res, 0, 0));
         if (created) *created = atoll(PQgetvalue(res, 0, 1));
+        snprintf(c->model_name, sizeof c->model_name, "%s", PQgetvalue(res, 0, 2));
     } else {
         fail(c, 404, NULL, "job_not_found", NULL, "no such job");
     }
@@ -1417,10 +1450,10 @@ void api_server_handle(FCGX_Request *req, ApiDb *db, const ApiConfig *cfg)
         handle_metrics(c);
         return;
     case API_ROUTE_MODELS:
-        handle_models(c, NULL);
+        handle_models(c, NULL, 0);
         return;
     case API_ROUTE_MODEL:
-        handle_models(c, arg);
+        handle_models(c, arg, n_arg);
         return;
     case API_ROUTE_CHAT:
         handle_generate(c, API_KIND_CHAT, false);

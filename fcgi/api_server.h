@@ -2,7 +2,8 @@
  * api_server.h - the HTTP API of glmspark-fcgi: routes one FastCGI request to its handler.
  *
  * Routes (all JSON; errors are OpenAI error objects):
- *   GET  /v1/models, /v1/models/{name}     the one served model
+ *   GET  /v1/models, /v1/models/{name}     the configured models that a live engine serves
+ *                                          (engines: not stopped, heartbeat under 30 s)
  *   POST /v1/chat/completions, /v1/completions   a job, answered when done or streamed (SSE)
  *   POST /v1/jobs                          a job, answered at once with 202 and its id
  *   GET  /v1/jobs, /v1/jobs/{id}           own jobs (admin keys: all), paged with ?limit&after
@@ -22,7 +23,14 @@
  * is noticed at the next keep-alive, and after stream_outage_s without the database the
  * stream ends with an error event and [DONE] (resumable with Last-Event-ID).
  *
- * Ownership: ApiConfig and its tokenizer are borrowed and must outlive every call.
+ * Models: the process knows each model it accepts (ApiModel: served name, tokenizer, chat
+ * template, context); a request names one, or gets 404 model_not_found. A job of a known
+ * model is queued even while no engine of it is live (nothing accepted is lost: an engine of
+ * that model claims it when it comes), but /v1/models lists only the models some live engine
+ * serves, so clients see what answers now.
+ *
+ * Ownership: ApiConfig, its models and their tokenizers are borrowed and must outlive every
+ *            call.
  * Threads:   api_server_handle may run on many threads at once, each with its own ApiDb.
  * Errors:    reported to the client; nothing is returned.
  */
@@ -41,11 +49,18 @@
 extern "C" {
 #endif
 
-typedef struct ApiConfig {
-    const char *model_name;    // served model id, e.g. "GLM-5.2-NVFP4-REAP-469B"
-    const Tokenizer *tok;      // borrowed
+enum { API_MAX_MODELS = 16 };  // models one process accepts
+
+typedef struct ApiModel {
+    const char *name;  // served model id, e.g. "GLM-5.2-NVFP4-REAP-469B" (jobs.model)
+    const Tokenizer *tok;  // borrowed
     ChatTemplate chat_template;
-    int context_len;           // prompt + completion tokens per sequence
+    int context_len;  // prompt + completion tokens per sequence
+} ApiModel;
+
+typedef struct ApiConfig {
+    const ApiModel *models;    // [n_models], distinct names; borrowed
+    int n_models;              // 1 .. API_MAX_MODELS
     int max_queue;             // queued jobs before 503; 0 = unlimited
     size_t max_body_bytes;     // larger bodies get 413
     int keepalive_s;           // SSE keep-alive comment interval (15)

@@ -1,9 +1,10 @@
 /*
  * main.c - glmspark-fcgi: the FastCGI application behind nginx.
  *
- *   glmspark-fcgi --socket PATH --db CONNINFO --model DIR [--tokenizer FILE]
- *                 [--model-name NAME] [--threads N] [--max-queue N] [--context N]
- *                 [--chat-template glm47|glm52] [--max-body-mb N] [--socket-mode OCTAL]
+ *   glmspark-fcgi --socket PATH --db CONNINFO
+ *                 --model DIR [--tokenizer FILE] [--model-name NAME] [--context N]
+ *                 [--chat-template glm47|glm52]   (--model and its options, once per model)
+ *                 [--threads N] [--max-queue N] [--max-body-mb N] [--socket-mode OCTAL]
  *                 [--socket-group NAME] [--stream-outage-s N]
  *
  * A pool of threads, each with its own FCGX_Request and PostgreSQL connection, accepts on
@@ -11,7 +12,10 @@
  * stays pinned to an idle connection). Without --socket the socket is fd 0, as systemd
  * socket activation and spawn-fcgi hand it over. The model directory gives the tokenizer
  * (tokenizer.json), the context length (config.json max_position_embeddings) and, by
- * default, the served model name (the directory's name). The socket is created 0660 (or
+ * default, the served model name (the directory's name). Several --model options accept
+ * several models (each engine serves one; api_server.h): --tokenizer, --model-name, --context
+ * and --chat-template apply to the --model before them. Several processes may serve one
+ * nginx upstream (stateless: everything lives in PostgreSQL). The socket is created 0660 (or
  * --socket-mode, which may not let others write) and handed to --socket-group, the group
  * nginx's workers run in; authentication does not rest on it (api_server.h: every request
  * is verified from its key), it only keeps other local users off. SIGTERM/SIGINT stop
@@ -63,9 +67,10 @@ static void *worker(void *arg)
 
 static int usage(void)
 {
-    fprintf(stderr, "usage: glmspark-fcgi [--socket PATH] --db CONNINFO --model DIR [--tokenizer FILE]\n"
-                    "       [--model-name NAME] [--threads N] [--max-queue N] [--context N]\n"
-                    "       [--chat-template glm47|glm52] [--max-body-mb N] [--socket-mode OCTAL]\n"
+    fprintf(stderr, "usage: glmspark-fcgi [--socket PATH] --db CONNINFO\n"
+                    "       --model DIR [--tokenizer FILE] [--model-name NAME] [--context N]\n"
+                    "       [--chat-template glm47|glm52]   (once per model; options follow their --model)\n"
+                    "       [--threads N] [--max-queue N] [--max-body-mb N] [--socket-mode OCTAL]\n"
                     "       [--socket-group NAME] [--stream-outage-s N]\n");
     return 2;
 }
@@ -86,26 +91,88 @@ static int read_context(const char *dir)
     return n;
 }
 
+// One --model and the options that follow it.
+typedef struct ModelArgs {
+    const char *dir, *tok_path, *name, *tmpl;
+    int context;
+    char name_buf[256];
+} ModelArgs;
+
+// Fill in a model's defaults, load its tokenizer and describe it in *out. false after a
+// message.
+static bool load_model(ModelArgs *a, ApiModel *out)
+{
+    char tok_default[4096];
+    if (strcmp(a->tmpl, "glm47") != 0 && strcmp(a->tmpl, "glm52") != 0) {
+        fprintf(stderr, "glmspark-fcgi: --chat-template must be glm47 or glm52, not \"%s\"\n", a->tmpl);
+        return false;
+    }
+    if (!a->tok_path) {
+        snprintf(tok_default, sizeof tok_default, "%s/tokenizer.json", a->dir);
+        a->tok_path = tok_default;
+    }
+    if (!a->name) {
+        size_t n = strlen(a->dir);
+        while (n > 1 && a->dir[n - 1] == '/') n--;
+        size_t start = n;
+        while (start > 0 && a->dir[start - 1] != '/') start--;
+        snprintf(a->name_buf, sizeof a->name_buf, "%.*s", (int) (n - start), a->dir + start);
+        a->name = a->name_buf;
+    }
+    if (!a->context) a->context = read_context(a->dir);
+    if (a->context <= 0) {
+        fprintf(stderr, "glmspark-fcgi: model \"%s\": no context length: config.json lacks "
+                        "max_position_embeddings; pass --context N after its --model\n", a->name);
+        return false;
+    }
+    Tokenizer *tok = NULL;
+    if (tok_load(&tok, a->tok_path)) {
+        fprintf(stderr, "glmspark-fcgi: could not load the tokenizer \"%s\"\n", a->tok_path);
+        return false;
+    }
+    a->tok_path = NULL;  // tok_default goes out of scope
+    *out = (ApiModel){
+        .name = a->name,
+        .tok = tok,
+        .chat_template = strcmp(a->tmpl, "glm47") ? CHAT_TEMPLATE_GLM52 : CHAT_TEMPLATE_GLM47,
+        .context_len = a->context,
+    };
+    return true;
+}
+
 int main(int argc, char **argv)
 {
-    const char *socket_path = NULL, *model_dir = NULL, *tok_path = NULL, *model_name = NULL;
-    const char *tmpl = "glm52", *socket_group = NULL;
-    int n_threads = 16, max_queue = 1000, context = 0, max_body_mb = 32, socket_mode = 0660;
-    int stream_outage_s = 300;
+    const char *socket_path = NULL, *socket_group = NULL;
+    int n_threads = 16, max_queue = 1000, max_body_mb = 32, socket_mode = 0660;
+    int stream_outage_s = 300, n_models = 0;
+    static ModelArgs margs[API_MAX_MODELS];
+    static ApiModel models[API_MAX_MODELS];
     conninfo = getenv("GLMSPARK_DB");
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) return usage();
         i++;
+        ModelArgs *m = n_models ? &margs[n_models - 1] : NULL;
+        const bool is_model_opt = !strcmp(a, "--tokenizer") || !strcmp(a, "--model-name")
+                                  || !strcmp(a, "--context") || !strcmp(a, "--chat-template");
+        if (is_model_opt && !m) {
+            fprintf(stderr, "glmspark-fcgi: %s applies to the --model before it\n", a);
+            return 2;
+        }
         if (!strcmp(a, "--socket")) socket_path = v;
         else if (!strcmp(a, "--db")) conninfo = v;
-        else if (!strcmp(a, "--model")) model_dir = v;
-        else if (!strcmp(a, "--tokenizer")) tok_path = v;
-        else if (!strcmp(a, "--model-name")) model_name = v;
+        else if (!strcmp(a, "--model")) {
+            if (n_models == API_MAX_MODELS) {
+                fprintf(stderr, "glmspark-fcgi: at most %d models\n", API_MAX_MODELS);
+                return 2;
+            }
+            margs[n_models++] = (ModelArgs){.dir = v, .tmpl = "glm52"};
+        } else if (!strcmp(a, "--tokenizer")) m->tok_path = v;
+        else if (!strcmp(a, "--model-name")) m->name = v;
         else if (!strcmp(a, "--threads")) n_threads = atoi(v);
         else if (!strcmp(a, "--max-queue")) max_queue = atoi(v);
-        else if (!strcmp(a, "--context")) context = atoi(v);
-        else if (!strcmp(a, "--chat-template")) tmpl = v;
+        else if (!strcmp(a, "--context")) m->context = atoi(v);
+        else if (!strcmp(a, "--chat-template")) m->tmpl = v;
         else if (!strcmp(a, "--max-body-mb")) max_body_mb = atoi(v);
         else if (!strcmp(a, "--socket-mode")) socket_mode = (int) strtol(v, NULL, 8);
         else if (!strcmp(a, "--socket-group")) socket_group = v;
@@ -122,38 +189,19 @@ int main(int argc, char **argv)
         return 2;
     }
     if (stream_outage_s < 1) return usage();
-    if (!conninfo || !model_dir || n_threads < 1 || n_threads > 1024 || max_body_mb < 1) return usage();
-    if (strcmp(tmpl, "glm47") != 0 && strcmp(tmpl, "glm52") != 0) return usage();
-
-    char tok_default[4096], name_buf[256];
-    if (!tok_path) {
-        snprintf(tok_default, sizeof tok_default, "%s/tokenizer.json", model_dir);
-        tok_path = tok_default;
-    }
-    if (!model_name) {
-        size_t n = strlen(model_dir);
-        while (n > 1 && model_dir[n - 1] == '/') n--;
-        size_t start = n;
-        while (start > 0 && model_dir[start - 1] != '/') start--;
-        snprintf(name_buf, sizeof name_buf, "%.*s", (int) (n - start), model_dir + start);
-        model_name = name_buf;
-    }
-    if (!context) context = read_context(model_dir);
-    if (context <= 0) {
-        fprintf(stderr, "glmspark-fcgi: no context length: config.json lacks max_position_embeddings; "
-                        "pass --context N\n");
-        return 1;
-    }
-    Tokenizer *tok = NULL;
-    if (tok_load(&tok, tok_path)) {
-        fprintf(stderr, "glmspark-fcgi: could not load the tokenizer \"%s\"\n", tok_path);
-        return 1;
+    if (!conninfo || !n_models || n_threads < 1 || n_threads > 1024 || max_body_mb < 1) return usage();
+    for (int i = 0; i < n_models; i++) {
+        if (!load_model(&margs[i], &models[i])) return 1;
+        for (int j = 0; j < i; j++)
+            if (!strcmp(models[j].name, models[i].name)) {
+                fprintf(stderr, "glmspark-fcgi: two models are named \"%s\" (--model-name)\n",
+                        models[i].name);
+                return 2;
+            }
     }
     config = (ApiConfig){
-        .model_name = model_name,
-        .tok = tok,
-        .chat_template = strcmp(tmpl, "glm47") ? CHAT_TEMPLATE_GLM52 : CHAT_TEMPLATE_GLM47,
-        .context_len = context,
+        .models = models,
+        .n_models = n_models,
         .max_queue = max_queue,
         .max_body_bytes = (size_t) max_body_mb << 20,
         .keepalive_s = 15,
@@ -206,8 +254,10 @@ int main(int argc, char **argv)
     pthread_t *threads = calloc((size_t) n_threads, sizeof *threads);
     if (!threads) return 1;
     for (int i = 0; i < n_threads; i++) pthread_create(&threads[i], NULL, worker, NULL);
-    LOG_INFO("glmspark-fcgi: serving model \"%s\" (context %d) with %d threads on %s", model_name,
-             context, n_threads, socket_path ? socket_path : "fd 0");
+    for (int i = 0; i < n_models; i++)
+        LOG_INFO("glmspark-fcgi: accepting model \"%s\" (context %d)", models[i].name,
+                 models[i].context_len);
+    LOG_INFO("glmspark-fcgi: %d threads on %s", n_threads, socket_path ? socket_path : "fd 0");
 
     int sig = 0;
     sigwait(&set, &sig);
@@ -219,6 +269,7 @@ int main(int argc, char **argv)
     // Give in-flight requests a moment; streams that are cut resume from the database.
     struct timespec ts = {1, 0};
     nanosleep(&ts, NULL);
-    tok_destroy(tok);
+    for (int i = 0; i < n_models; i++)
+        tok_destroy((Tokenizer *) models[i].tok);
     return 0;
 }

@@ -52,3 +52,7 @@ LEFT JOIN engines e ON e.id = j.lease_epoch
 WHERE j.state = 'running';
 
 GRANT SELECT ON admin.models TO glmspark_admin;
+-- `glmspark status` reads admin.models under the app role too (a view of what that role reads
+-- anyway).
+GRANT USAGE ON SCHEMA admin TO glmspark_app;
+GRANT SELECT ON admin.models TO glmspark_app;

@@ -7,7 +7,11 @@
  * backend and model, one line per pipeline rank (host, pid, state, layers as an inclusive
  * range, weights, load progress; "?" for what the engine does not know), KV cache use,
  * jobs, tokens/s, step time and batch size; --json prints the same as one JSON object (the
- * stats object as the engine wrote it, plus the verdict).
+ * stats object as the engine wrote it, plus the verdict). Then, for clusters and models
+ * beside it (any number of engine clusters, of one or several models, share the queue):
+ * every live boot (not stopped, heartbeat under --stale-s) with its model, pid and tokens/s,
+ * and per model its live engines, queued and running jobs and tokens/s (admin.models,
+ * sql/006); --json adds them as "engines" and "models".
  *
  * Verdict and exit status:
  *   up        heartbeat younger than --stale-s (30 s), state "ready", every rank of the
@@ -51,6 +55,9 @@ typedef struct Status {
     long long jobs_running;
     char *stats_text;  // engines.stats as stored (heap), NULL when none
     EngineStats stats;
+    bool is_admin;     // read through the admin views
+    PGresult *live;    // live boots: id, name, model, pid, heartbeat age, tokens/s ('' if none)
+    PGresult *models;  // admin.models: model, engines_live, queued, running, tokens/s
     Verdict verdict;
     char why[256];     // the reason for a verdict other than up
 } Status;
@@ -165,6 +172,7 @@ static int read_status(PGconn *conn, Status *st)
         res = PQexec(conn, STATS_SQL_LATEST_ADMIN);
         is_admin = true;
     }
+    st->is_admin = is_admin;
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
         fprintf(stderr, "glmspark: could not read the engine's state: %s", PQerrorMessage(conn));
         goto done;
@@ -206,8 +214,52 @@ done:
     return status;
 }
 
+// The live boots and the per-model view into st->live and st->models; 0, or 2 after
+// reporting a database error.
+static int read_fleet(PGconn *conn, Status *st, double stale_s)
+{
+    char sql[640], age[32];
+    snprintf(age, sizeof age, "%.3f", stale_s);
+    snprintf(sql, sizeof sql,
+             "SELECT id, name, model, coalesce(pid::text, ''),"
+             " extract(epoch FROM now() - heartbeat_at)::float8,"
+             " CASE WHEN jsonb_typeof(stats -> 'tokens_per_s') = 'number'"
+             "   THEN (stats ->> 'tokens_per_s') ELSE '' END"
+             " FROM %s WHERE stopped_at IS NULL AND heartbeat_at > now() - $1::float8 * interval '1 second'"
+             " ORDER BY model, id",
+             st->is_admin ? "admin.engines" : "engines");
+    st->live = PQexecParams(conn, sql, 1, NULL, (const char *const[]){age}, NULL, NULL, 0);
+    st->models = PQexec(conn, "SELECT model, engines_live, queued, running, engine_tokens_per_s"
+                              " FROM admin.models");
+    if (PQresultStatus(st->live) != PGRES_TUPLES_OK || PQresultStatus(st->models) != PGRES_TUPLES_OK) {
+        fprintf(stderr, "glmspark: could not read the engines and models: %s", PQerrorMessage(conn));
+        return 2;
+    }
+    return 0;
+}
+
 // ---------------------------------------------------------------------------
 // Printing
+
+static void print_fleet(const Status *st)
+{
+    const int n = PQntuples(st->live), m = PQntuples(st->models);
+    printf("live engines: %d\n", n);
+    if (n) printf("  %-8s %-20s %-28s %-8s %-10s %s\n", "BOOT", "NAME", "MODEL", "PID", "HEARTBEAT", "TOKENS/S");
+    for (int i = 0; i < n; i++) {
+        const char *tps = PQgetvalue(st->live, i, 5);
+        printf("  %-8s %-20s %-28s %-8s %-10.1f %s\n", PQgetvalue(st->live, i, 0),
+               PQgetvalue(st->live, i, 1), PQgetvalue(st->live, i, 2),
+               *PQgetvalue(st->live, i, 3) ? PQgetvalue(st->live, i, 3) : "?",
+               atof(PQgetvalue(st->live, i, 4)), *tps ? tps : "?");
+    }
+    printf("models: %d\n", m);
+    if (m) printf("  %-28s %-8s %-8s %-8s %s\n", "MODEL", "ENGINES", "QUEUED", "RUNNING", "TOKENS/S");
+    for (int i = 0; i < m; i++)
+        printf("  %-28s %-8s %-8s %-8s %.1f\n", PQgetvalue(st->models, i, 0),
+               PQgetvalue(st->models, i, 1), PQgetvalue(st->models, i, 2),
+               PQgetvalue(st->models, i, 3), atof(PQgetvalue(st->models, i, 4)));
+}
 
 static double percent(int64_t part, int64_t whole)
 {
@@ -290,6 +342,29 @@ static bool print_json(const Status *st)
     json_object_object_add(o, "kv_used_percent",
                            json_object_new_double(percent(st->stats.kv_blocks_used, st->stats.kv_blocks_total)));
     json_object_object_add(o, "stats", st->stats_text ? json_tokener_parse(st->stats_text) : NULL);
+    json_object *live = json_object_new_array(), *models = json_object_new_array();
+    for (int i = 0; i < PQntuples(st->live); i++) {
+        json_object *e = json_object_new_object();
+        const char *pid = PQgetvalue(st->live, i, 3), *tps = PQgetvalue(st->live, i, 5);
+        json_object_object_add(e, "id", json_object_new_int64(atoll(PQgetvalue(st->live, i, 0))));
+        json_object_object_add(e, "name", json_object_new_string(PQgetvalue(st->live, i, 1)));
+        json_object_object_add(e, "model", json_object_new_string(PQgetvalue(st->live, i, 2)));
+        json_object_object_add(e, "pid", *pid ? json_object_new_int(atoi(pid)) : NULL);
+        json_object_object_add(e, "heartbeat_age_s", json_object_new_double(atof(PQgetvalue(st->live, i, 4))));
+        json_object_object_add(e, "tokens_per_s", *tps ? json_object_new_double(atof(tps)) : NULL);
+        json_object_array_add(live, e);
+    }
+    for (int i = 0; i < PQntuples(st->models); i++) {
+        json_object *e = json_object_new_object();
+        json_object_object_add(e, "model", json_object_new_string(PQgetvalue(st->models, i, 0)));
+        json_object_object_add(e, "engines_live", json_object_new_int64(atoll(PQgetvalue(st->models, i, 1))));
+        json_object_object_add(e, "queued", json_object_new_int64(atoll(PQgetvalue(st->models, i, 2))));
+        json_object_object_add(e, "running", json_object_new_int64(atoll(PQgetvalue(st->models, i, 3))));
+        json_object_object_add(e, "tokens_per_s", json_object_new_double(atof(PQgetvalue(st->models, i, 4))));
+        json_object_array_add(models, e);
+    }
+    json_object_object_add(o, "engines", live);
+    json_object_object_add(o, "models", models);
     puts(json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN));
     json_object_put(o);
     return true;
@@ -362,6 +437,7 @@ int cli_status(int argc, char **argv)
         goto done;
     }
     status = read_status(conn, &st);
+    if (!status) status = read_fleet(conn, &st, stale_s);
     if (status) goto done;
     judge(&st, stale_s);
     if (is_json) {
@@ -372,11 +448,14 @@ int cli_status(int argc, char **argv)
         }
     } else {
         print_text(&st);
+        print_fleet(&st);
     }
     status = st.verdict == VERDICT_UP ? 0 : 1;
 done:
     fflush(stdout);
     free(st.stats_text);
+    PQclear(st.live);
+    PQclear(st.models);
     PQfinish(conn);
     return status;
 }

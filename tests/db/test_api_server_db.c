@@ -70,7 +70,6 @@ static void test_key_and_forged_scope(void)
 {
     char *text = NULL;
     CHECK(request("GET", "/v1/models", NULL, NULL, NULL, &text) == 200);
-    CHECK(strstr(text, "\"id\":\"glmspark-demo\"") != NULL);
     free(text);
     char *forged[] = {"GLMSPARK_KEY_ID=1", "GLMSPARK_KEY_SCOPE=admin", NULL};
     CHECK(request("GET", "/metrics", NULL, forged, NULL, &text) == 403);
@@ -98,6 +97,62 @@ static void *submit_main(void *arg)
         "\"max_tokens\":4}";
     s->status = request("POST", "/v1/jobs", NULL, idem, body, &s->text);
     return NULL;
+}
+
+// /v1/models lists the configured models that a live engine serves; a request picks its
+// model (its tokenizer and context), an unknown one is a 404; jobs carry their model.
+static void test_models(void)
+{
+    char *text = NULL;
+    CHECK(request("GET", "/v1/models", NULL, NULL, NULL, &text) == 200);
+    CHECK(text && strstr(text, "\"data\":[]") != NULL);  // no live engine yet
+    free(text);
+    CHECK(request("GET", "/v1/models/glmspark-demo-b", NULL, NULL, NULL, &text) == 404);
+    CHECK(text && strstr(text, "model_not_found") != NULL);
+    free(text);
+    // A live engine of glmspark-demo-b, a stopped one of glmspark-demo, a live one of a model
+    // this process does not accept.
+    PQclear(PQexec(admin, "INSERT INTO engines (name, model) VALUES ('t-b', 'glmspark-demo-b'),"
+                          " ('t-x', 'not-configured')"));
+    PQclear(PQexec(admin, "INSERT INTO engines (name, model, stopped_at) VALUES"
+                          " ('t-a', 'glmspark-demo', now())"));
+    CHECK(request("GET", "/v1/models", NULL, NULL, NULL, &text) == 200);
+    CHECK(text && strstr(text, "\"id\":\"glmspark-demo-b\"") && strstr(text, "\"max_model_len\":64")
+          && !strstr(text, "\"id\":\"glmspark-demo\"") && !strstr(text, "not-configured"));
+    free(text);
+    CHECK(request("GET", "/v1/models/glmspark-demo-b", NULL, NULL, NULL, &text) == 200);
+    free(text);
+    CHECK(request("GET", "/v1/models/glmspark-demo", NULL, NULL, NULL, &text) == 404);
+    free(text);
+    CHECK(request("POST", "/v1/jobs", NULL, NULL,
+                  "{\"model\":\"nope\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}",
+                  &text) == 404);
+    CHECK(text && strstr(text, "model_not_found") != NULL);
+    free(text);
+    // glmspark-demo-b's context is 64 tokens: 70 one-character tokens do not fit it ...
+    char body[512];
+    snprintf(body, sizeof body, "{\"model\":\"glmspark-demo-b\",\"prompt\":\"%070d\",\"max_tokens\":4}", 0);
+    CHECK(request("POST", "/v1/completions", NULL, NULL, body, &text) == 400);
+    CHECK(text && strstr(text, "context_length_exceeded") != NULL);
+    free(text);
+    // ... but they fit glmspark-demo's 4096; a queued job of a model without a live engine
+    // is accepted (an engine of that model claims it when one comes).
+    snprintf(body, sizeof body,
+             "{\"model\":\"glmspark-demo\",\"messages\":[{\"role\":\"user\",\"content\":\"%070d\"}]}", 0);
+    CHECK(request("POST", "/v1/jobs", NULL, NULL, body, &text) == 202);
+    CHECK(text && strstr(text, "\"model\":\"glmspark-demo\"") != NULL);
+    free(text);
+    CHECK(request("POST", "/v1/jobs", NULL, NULL,
+                  "{\"model\":\"glmspark-demo-b\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+                  "\"max_tokens\":4}",
+                  &text) == 202);
+    CHECK(text && strstr(text, "\"model\":\"glmspark-demo-b\"") != NULL);
+    free(text);
+    CHECK(!strcmp(value("SELECT string_agg(model, ',' ORDER BY id)"
+                        " FROM (SELECT * FROM jobs ORDER BY id DESC LIMIT 2) j"),
+                  "glmspark-demo,glmspark-demo-b"));
+    PQclear(PQexec(admin, "DELETE FROM jobs WHERE state = 'queued'"));
+    PQclear(PQexec(admin, "DELETE FROM engines WHERE name IN ('t-a', 't-b', 't-x')"));
 }
 
 static void test_idempotency_race(void)
@@ -246,7 +301,7 @@ int main(void)
         "\"h\":1,\"i\":2},\"merges\":[],\"unk_token\":\"<unk>\"}}";
     Tokenizer *tok = NULL;
     CHECK(tok_load_json(&tok, tok_json, strlen(tok_json)) == ERR_OK);
-    cfg.tok = tok;
+    capture_models[0].tok = capture_models[1].tok = tok;
     db_make_key(admin, key, "server", "user");
     snprintf(auth_header, sizeof auth_header, "HTTP_AUTHORIZATION=Bearer %s", key);
     CHECK(api_db_init(&db, conninfo) == ERR_OK);
@@ -256,6 +311,7 @@ int main(void)
     CHECK(is_listening());
 
     test_key_and_forged_scope();
+    test_models();
     test_idempotency_race();
     test_events();
     test_job_list();

@@ -419,6 +419,8 @@ static void test_no_engine(void)
     CHECK(run_status(out, sizeof out, "--db", conninfo, NULL) == 1);
     CHECK(has(out, "engine: down: no engine is running"));
     CHECK(has(out, "jobs: 2 queued, 1 running"));
+    CHECK(has(out, "live engines: 0\nmodels: 1\n"));
+    CHECK(has(out, "  glm-test                     0        2        1        0.0\n"));
     check_health("unavailable", -1, 0);
     char *text = NULL;
     size_t n = 0;
@@ -431,6 +433,9 @@ static void test_no_engine(void)
         CHECK(series_value(text, "glmspark_queue_depth") == 2);
         CHECK(series_value(text, "glmspark_jobs_running") == 1);
         CHECK(series_value(text, "glmspark_engine_up") == 0);
+        CHECK(series_value(text, "glmspark_model_queue_depth{model=\"glm-test\"}") == 2);
+        CHECK(series_value(text, "glmspark_model_jobs_running{model=\"glm-test\"}") == 1);
+        CHECK(series_value(text, "glmspark_model_engines_up{model=\"glm-test\"}") == 0);
         CHECK(strstr(text, "\nglmspark_engine_kv_blocks_used ") == NULL);  // no engine, no sample
         CHECK(strstr(text, "# TYPE glmspark_engine_kv_blocks_used gauge\n") != NULL);
     }
@@ -457,6 +462,9 @@ static void test_ready(void)
     CHECK(has(out, "throughput: 75.3 tokens/s over the last 10 s; step 41.5 ms avg, 80.1 ms max; "
                    "batch 3.2 sequences, 5.1 tokens"));
     CHECK(has(out, "totals: 12345 steps, 1000 prompt tokens, 5000 generated tokens"));
+    CHECK(has(out, "live engines: 1\n"));
+    CHECK(has(out, "obs-test             glm-test                     1234"));
+    CHECK(has(out, "  glm-test                     1        2        1        75.3\n"));
     // The admin role reads the same through its views.
     char admin[600], same[8192];
     snprintf(admin, sizeof admin, "%s user=glmspark_admin", conninfo);
@@ -476,6 +484,13 @@ static void test_ready(void)
           json_object_get_int(v) == 2);
     CHECK(json_object_object_get_ex(o, "stats", &stats) && json_object_object_get_ex(stats, "kv_blocks_used", &v) &&
           json_object_get_int(v) == 17);
+    json_object *arr = NULL;
+    CHECK(json_object_object_get_ex(o, "engines", &arr) && json_object_array_length(arr) == 1
+          && json_object_object_get_ex(json_object_array_get_idx(arr, 0), "model", &v)
+          && !strcmp(json_object_get_string(v), "glm-test"));
+    CHECK(json_object_object_get_ex(o, "models", &arr) && json_object_array_length(arr) == 1
+          && json_object_object_get_ex(json_object_array_get_idx(arr, 0), "queued", &v)
+          && json_object_get_int(v) == 2);
     json_object_put(o);
 
     // /metrics.
@@ -507,6 +522,9 @@ static void test_ready(void)
         CHECK(series_value(text, "glmspark_engine_info{backend=\"cpu\",model=\"glm-test\",state=\"ready\",world=\"3\"}") == 1);
         CHECK(series_value(text, "glmspark_engine_heartbeat_age_seconds") < STATS_STALE_S);
         CHECK(series_value(text, "glmspark_queue_depth") == 2);
+        CHECK(series_value(text, "glmspark_model_engines_up{model=\"glm-test\"}") == 1);
+        CHECK_NEAR(series_value(text, "glmspark_model_tokens_per_second{model=\"glm-test\"}"), 75.3, 1e-12);
+        CHECK(series_value(text, "glmspark_model_prompt_tokens_total{model=\"glm-test\"}") == 6);
     }
     free(text);
 

@@ -19,11 +19,16 @@
 #include "fcgi/api_server.h"
 #include "tests/check.h"
 
-// The configuration both tests serve with (the tokenizer is set by the test that needs one).
+// The configuration both tests serve with: two models (their tokenizer is set by the test
+// that needs one).
+static ApiModel capture_models[2] = {
+    {.name = "glmspark-demo", .context_len = 4096},
+    {.name = "glmspark-demo-b", .context_len = 64},
+};
 #define CAPTURE_CONFIG                                                                          \
     {                                                                                           \
-        .model_name = "glmspark-demo", .context_len = 4096, .max_body_bytes = 1 << 20,          \
-        .keepalive_s = 15, .poll_ms = 100, .stream_outage_s = 2,                                \
+        .models = capture_models, .n_models = 2, .max_body_bytes = 1 << 20, .keepalive_s = 15,  \
+        .poll_ms = 100, .stream_outage_s = 2,                                                   \
     }
 
 typedef struct Capture {
