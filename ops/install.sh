@@ -94,7 +94,7 @@ if [ "$role" = head ]; then
     site=$root/etc/nginx/conf.d/glmspark.conf
     if [ ! -f "$site" ]; then
         mkdir -p "$(dirname "$site")"
-        sed -e "s|@FCGI_SOCKET@|/run/glmspark/fcgi.sock|g" -e "s|@LISTEN_ADDR@|0.0.0.0|g" \
+        sed -e "s|@FCGI_SERVERS@|server unix:/run/glmspark/fcgi.sock;|g" -e "s|@LISTEN_ADDR@|0.0.0.0|g" \
             -e "s|@HTTP_PORT@|80|g" -e "s|@HTTPS_PORT@|443|g" \
             -e "s|@SERVER_NAME@|$(hostname -f 2>/dev/null || hostname)|g" \
             -e "s|@ACCESS_LOG@|/var/log/nginx/glmspark-access.log|g" \

@@ -23,7 +23,7 @@ trap '"$src/ops/devstack" down >/dev/null 2>&1 || true; rm -rf "$var"' EXIT
 out=$("$src/ops/devstack" up)
 url=$(echo "$out" | sed -n 's/^URL=//p')
 key=$(echo "$out" | sed -n 's/^API_KEY=//p')
-kill "$(cat "$var/run/engine.pid")"  # the writer below plays the engine
+"$src/ops/devstack" stop engine  # the writer below plays the engine
 sleep 1
 echo "machine: $(nproc) cores, $(uname -m), $(date -u +%Y-%m-%dT%H:%MZ)"
 echo "load average (1 min): $(cut -d' ' -f1 /proc/loadavg)"

@@ -278,7 +278,7 @@ test('engine kill -9 mid-generation: the job completes with a contiguous stream'
     const job = await api('/v1/jobs', { method: 'POST', body: chatBody({ max_tokens: 60, seed: 3 }) });
     const id = job.json.id;
     await waitJob(id, (j) => j.state === 'running' && j.usage.completion_tokens >= 5);
-    const pid = Number(readFileSync(`${VAR}/run/engine.pid`, 'utf8'));
+    const pid = Number(readFileSync(`${VAR}/run/engine-1.pid`, 'utf8'));
     process.kill(pid, 'SIGKILL');
     await sleep(200);
     const mid = await api(`/v1/jobs/${id}`);

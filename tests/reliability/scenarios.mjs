@@ -271,7 +271,7 @@ async function pipelineRankKilled() {
             const dt = now() - t0;
             assert.ok(![launcher, ...ranks].some(alive), 'engine processes still run 15 s after rank 1 died');
             assert.ok(dt < 10000, `the engine took ${dt} ms to exit`);
-            const log = readFileSync(`${VAR}/log/engine.log`, 'utf8');
+            const log = readFileSync(`${VAR}/log/engine-1.log`, 'utf8');
             assert.match(log, /pipeline failed .* handing 1 jobs back/);
             assert.equal(psql(`SELECT state FROM jobs WHERE public_id = '${id}'`), 'queued');
             exits.push(dt);
@@ -538,7 +538,7 @@ async function security() {
 
 const execFileP = promisify(execFile);
 const BIN = env.GLMSPARK_BIN_DIR;
-const SOCK = `${VAR}/run/fcgi.sock`;
+const SOCK = `${VAR}/run/fcgi-1.sock`;
 const newKey = (name, ...args) => execFileSync(`${BIN}/glmspark`, ['keys', 'create', '--db', env.GLMSPARK_DB_OWNER,
     '--name', name, ...args], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'ignore'] }).trim();
 
