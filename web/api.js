@@ -130,7 +130,11 @@ export function describeError(err, what = 'The request') {
       return `${what} was refused as invalid${err.param ? ` (field ${err.param})` : ''}${detail}.`;
     case 401: return 'The API key was not accepted. Check the key and sign in again.';
     case 403: return `This API key is not allowed to do that${detail}.`;
-    case 404: return `Not found: it does not exist or belongs to another key${detail}.`;
+    case 404:
+      if (err.code === 'model_not_found') {
+        return `${what} failed: no engine serves that model now${detail}. Pick another model.`;
+      }
+      return `Not found: it does not exist or belongs to another key${detail}.`;
     case 413: return `The request is too large${detail}.`;
     case 429:
       if (err.code === 'concurrency_limit_exceeded') {

@@ -6,10 +6,14 @@
 // connection it shows what it had and asks for the rest with Last-Event-ID = the last applied
 // seq, skipping any event whose id is not above it, so no text is lost or shown twice. State
 // and figures come from polling GET /v1/jobs/{id} (every 2 s while the job is not final) and
-// GET /v1/jobs (every 3 s on the home view). All text from the server is set with textContent.
+// GET /v1/jobs (every 3 s on the home view). The model picker in the header lists GET /v1/models
+// (read at sign-in and page load, when the tab is shown again, and after a model_not_found
+// answer); the pick is kept in localStorage (models.js). All text from the server is set with
+// textContent.
 
 import { Api, ApiError, clearKey, describeError, loadKey, saveKey } from './api.js';
 import { StreamHttpError, openEventStream } from './sse.js';
+import { MODEL_SLOT, contextHint, modelList, pickModel } from './models.js';
 import { applyChunk, fmtMs, fmtNum, fmtRate, fmtTime, isFinal, metricSum, newStreamState,
          parseMetrics, summarize } from './jobs.js';
 
@@ -25,7 +29,8 @@ const store = window.sessionStorage;
 
 let apiKey = loadKey(store);
 const api = new Api({ getKey: () => apiKey });
-let modelId = '';
+let models = [];  // [{id, contextLen}] from the last GET /v1/models
+let modelId = ''; // the picked model, sent as the "model" of every request
 
 // ---------------------------------------------------------------------------
 // Small helpers
@@ -57,6 +62,16 @@ function storeGet(k) {
 
 function storeSet(k, v) {
   try { store.setItem(k, JSON.stringify(v)); return true; } catch (_) { return false; }
+}
+
+// Preferences outlive the tab (localStorage), unlike the key and the streams; touching
+// localStorage may throw (storage disabled), which only costs the preference.
+function prefGet(k) {
+  try { return window.localStorage.getItem(k) || ''; } catch (_) { return ''; }
+}
+
+function prefSet(k, v) {
+  try { window.localStorage.setItem(k, v); } catch (_) { /* storage disabled */ }
 }
 
 // A poller that runs fn every ms while started, waiting for each run to finish.
@@ -132,11 +147,14 @@ function signOut(message) {
   leaveJob();
   jobsPoll.stop();
   metricsPoll.stop();
+  models = [];
   modelId = '';
   metricsOk = false;
   lastTokens = null;
   jobsShown = PAGE;
-  $('model-name').textContent = '';
+  $('model-select').replaceChildren();
+  show($('model-box'), false);
+  setModelNote('');
   $('jobs-body').textContent = '';
   show($('queue-stats'), false);
   show($('jobs-scope'), false);
@@ -151,18 +169,66 @@ function signOut(message) {
   if (!message) announce('Signed out.');
 }
 
-function setModels(models) {
-  const list = (models && models.data) || [];
-  modelId = list.length ? String(list[0].id) : '';
-  $('model-name').textContent = modelId;
+// ---------------------------------------------------------------------------
+// Models
+
+// The note above the compose form: why the picked model is not the one picked before, or that
+// none is served. Spoken once when it changes, not at every refresh of the list.
+function setModelNote(msg) {
+  const el = $('model-note');
+  const changed = el.textContent !== msg;
+  setError(el, msg);
+  if (changed && msg) announce(msg);
+}
+
+function showContext() {
+  const hint = contextHint(models.find((m) => m.id === modelId));
+  setError($('context-hint'), hint);
+}
+
+// Fills the picker from a GET /v1/models response: the remembered pick while it is listed
+// (the current one when nothing is remembered), else the first model, said in the note.
+function setModels(resp) {
+  models = modelList(resp);
+  const pick = pickModel(models, prefGet(MODEL_SLOT) || modelId);
+  modelId = pick.id;
+  const sel = $('model-select');
+  sel.replaceChildren(...models.map((m) => {
+    const o = document.createElement('option');
+    o.value = m.id;
+    o.textContent = m.id;
+    return o;
+  }));
+  sel.value = modelId;
+  sel.disabled = models.length === 0;
+  show($('model-box'), true);
+  showContext();
+  if (!models.length) {
+    setModelNote('No model is being served right now: a job cannot be submitted until an ' +
+                 'engine serves one.');
+  } else if (pick.missing) {
+    setModelNote(`The model picked before, ${pick.missing}, is not being served now; ` +
+                 `using ${modelId}.`);
+  } else {
+    setModelNote('');
+  }
 }
 
 async function loadModels() {
   try {
     setModels(await api.models());
+    return true;
   } catch (err) {
     if (!handleAuthError(err)) banner(describeError(err, 'Loading the model list'));
+    return false;
   }
+}
+
+function pickFromSelect() {
+  modelId = $('model-select').value;
+  prefSet(MODEL_SLOT, modelId);
+  setModelNote('');
+  showContext();
 }
 
 function enterApp() {
@@ -235,6 +301,12 @@ async function submitJob(ev) {
   const btn = $('submit-job');
   btn.disabled = true;
   try {
+    if (!body.model) {
+      // The list has not arrived yet (page load) or was empty: ask once more.
+      await loadModels();
+      if (!modelId) throw new Error('no model is being served right now');
+      body.model = modelId;
+    }
     const job = await api.createJob(body);
     if (!job || !job.id) throw new Error('the server returned no job id');
     storeSet(PROMPT_PREFIX + job.id, body.messages);
@@ -242,7 +314,15 @@ async function submitJob(ev) {
     announce('Job submitted.');
     location.hash = `#/jobs/${encodeURIComponent(job.id)}`;
   } catch (err) {
-    if (!handleAuthError(err)) {
+    if (err instanceof ApiError && err.code === 'model_not_found') {
+      // The engine serving it went away since the list was read: read it again.
+      const ok = await loadModels();
+      if (!apiKey) return; // the key went bad meanwhile: signed out
+      const now = ok && modelId && modelId !== body.model ? `; ${modelId} is picked now` : '';
+      setError($('compose-error'),
+               `The model ${body.model} is not being served now, so the job was not submitted. ` +
+               `The list of models was refreshed${now}: check the model and submit again.`);
+    } else if (!handleAuthError(err)) {
       setError($('compose-error'), describeError(err, 'Submitting the job'));
     }
   } finally {
@@ -265,7 +345,7 @@ function cell(tr, text, label, cls) {
   return td;
 }
 
-function renderJobs(jobs, showOwner) {
+function renderJobs(jobs, showOwner, showModel) {
   const body = $('jobs-body');
   const now = Date.now();
   const rows = [];
@@ -288,6 +368,8 @@ function renderJobs(jobs, showOwner) {
     const badge = document.createElement('span');
     stateBadge(badge, s.state);
     st.appendChild(badge);
+    const model = cell(tr, s.model || '–', 'Model', 'model-col');
+    model.hidden = !showModel;
     cell(tr, s.state === 'queued' ? fmtNum(s.queuePosition) : '–', 'Queue');
     cell(tr, fmtMs(s.ttftMs), 'TTFT');
     cell(tr, fmtRate(s.tokPerS), 'Tokens/s');
@@ -300,6 +382,7 @@ function renderJobs(jobs, showOwner) {
   show($('jobs-table'), jobs.length > 0);
   show($('jobs-empty'), jobs.length === 0);
   for (const th of document.querySelectorAll('th.owner-col')) th.hidden = !showOwner;
+  for (const th of document.querySelectorAll('th.model-col')) th.hidden = !showModel;
   show($('jobs-more'), jobsHasMore);
 }
 
@@ -319,10 +402,13 @@ async function refreshJobs() {
     const owners = new Set(jobs.map((j) => summarize(j).owner).filter(Boolean));
     // The owner column only when the API names owners and there is more than one to tell apart.
     const showOwner = owners.size > 0 && (admin || owners.size > 1);
+    // Likewise the model column: when there is a choice of models, or jobs of several.
+    const jobModels = new Set(jobs.map((j) => j.model).filter(Boolean));
+    const showModel = models.length > 1 || jobModels.size > 1;
     const scope = $('jobs-scope');
     scope.textContent = admin ? 'all keys (admin)' : '';
     show(scope, admin);
-    renderJobs(jobs, showOwner);
+    renderJobs(jobs, showOwner, showModel);
     setError($('jobs-error'), '');
   } catch (err) {
     if (!handleAuthError(err)) setError($('jobs-error'), describeError(err, 'Loading the jobs'));
@@ -406,6 +492,7 @@ function renderJobMeta(v, job) {
   const s = summarize(job);
   v.state = s.state;
   stateBadge($('job-state'), s.state);
+  $('job-model').textContent = s.model || '–';
   $('job-queue').textContent = s.state === 'queued' ? fmtNum(s.queuePosition) : '–';
   $('job-wait').textContent = fmtMs(s.waitMs);
   $('job-ttft').textContent = fmtMs(s.ttftMs);
@@ -585,7 +672,8 @@ async function openJob(id) {
   view = v;
   $('job-id').textContent = id;
   stateBadge($('job-state'), '…');
-  for (const k of ['job-queue', 'job-wait', 'job-ttft', 'job-rate', 'job-tokens', 'job-attempts', 'job-finish']) {
+  for (const k of ['job-model', 'job-queue', 'job-wait', 'job-ttft', 'job-rate', 'job-tokens',
+                   'job-attempts', 'job-finish']) {
     $(k).textContent = '–';
   }
   setError($('job-error'), '');
@@ -653,6 +741,7 @@ function init() {
   $('signin-form').addEventListener('submit', signIn);
   $('sign-out').addEventListener('click', () => signOut(''));
   $('compose-form').addEventListener('submit', submitJob);
+  $('model-select').addEventListener('change', pickFromSelect);
   $('jobs-more').addEventListener('click', loadMore);
   $('cancel-job').addEventListener('click', cancelJob);
   window.addEventListener('hashchange', route);
@@ -667,6 +756,7 @@ function init() {
   });
   document.addEventListener('visibilitychange', () => {
     if (document.hidden) { jobsPoll.stop(); metricsPoll.stop(); return; }
+    if (apiKey) loadModels(); // engines may have come or gone while the tab was hidden
     if (apiKey && !$('home').hidden) { jobsPoll.start(); metricsPoll.start(); }
   });
   if (apiKey) {

@@ -5,13 +5,17 @@
 // item 2 the way the UI reads it: POST /v1/jobs (202 + id), GET /v1/jobs (own jobs; admin:
 // all; paging with limit/after), GET /v1/jobs/{id}, GET /v1/jobs/{id}/events (SSE, id: = chunk
 // seq from 0, resumable with Last-Event-ID, ": keep-alive" comments, ends with data: [DONE]),
-// POST /v1/jobs/{id}/cancel, GET /v1/models, GET /metrics (admin only), OpenAI error objects
-// with 401/403/404/429/503. Each job "generates" a fixed script of chunks, one every tickMs,
-// so a test knows the exact text to expect (expectedText()).
+// POST /v1/jobs/{id}/cancel, GET /v1/models (two models, each with its max_model_len; a job for
+// a model not listed is a 404 model_not_found, as with no live engine serving it), GET /metrics
+// (admin only), OpenAI error objects with 401/403/404/429/503. Each job "generates" a fixed
+// script of chunks, one every tickMs, so a test knows the exact text to expect
+// (expectedText()).
 //
 // Test controls (not part of the API): POST /__mock/queue_full {on}, POST /__mock/drop (close
 // every open event stream mid-flight), GET /__mock/log (the Last-Event-ID of each events
-// request), POST /__mock/pause {on} (stop generating). Usage:
+// request), POST /__mock/pause {on} (stop generating), POST /__mock/models {ids} (serve only
+// those of MODELS; {} restores all), GET /__mock/last_job_request (the body of the last
+// POST /v1/jobs). Usage:
 //   node tests/web/mock_api.mjs [--port N]       prints URL=http://127.0.0.1:N and key lines
 // or import { startMock } from it.
 
@@ -23,6 +27,11 @@ import { fileURLToPath } from 'node:url';
 const HERE = path.dirname(fileURLToPath(import.meta.url));
 const WEB = path.resolve(HERE, '../../web');
 export const MODEL = 'glmspark-demo';
+// What GET /v1/models lists, in this order (the UI picks the first by default).
+export const MODELS = [
+  { id: MODEL, max_model_len: 4096 },
+  { id: 'glmspark-demo-b', max_model_len: 2048 },
+];
 export const KEYS = {
   'gsk_user_0123456789abcdef': { name: 'alice', scope: 'user' },
   'gsk_other_0123456789abcdef': { name: 'bob', scope: 'user' },
@@ -70,7 +79,8 @@ export function startMock({ port = 0, tickMs = 40 } = {}) {
   const order = [];       // ids, oldest first
   const streams = new Set();
   const log = [];
-  const ctl = { queueFull: false, paused: false };
+  const ctl = { queueFull: false, paused: false, served: MODELS.map((m) => m.id),
+                lastJobRequest: null };
   let nextId = 1;
   let tokensTotal = 0;
 
@@ -79,7 +89,7 @@ export function startMock({ port = 0, tickMs = 40 } = {}) {
     const queued = order.filter((id) => jobs.get(id).state === 'queued');
     const s = (ms) => (ms ? ms / 1000 : null);
     const o = {
-      id: j.id, object: 'job', state: j.state, kind: 'chat', model: MODEL,
+      id: j.id, object: 'job', state: j.state, kind: 'chat', model: j.model,
       attempts: j.attempts,
       queue_position: j.state === 'queued' ? queued.indexOf(j.id) + 1 : null,
       created_at: Math.floor(j.created / 1000),
@@ -223,9 +233,15 @@ export function startMock({ port = 0, tickMs = 40 } = {}) {
     const p = url.pathname;
     if (p.startsWith('/__mock/')) {
       if (p === '/__mock/log') return sendJson(res, 200, log);
+      if (p === '/__mock/last_job_request') return sendJson(res, 200, ctl.lastJobRequest);
       const body = req.method === 'POST' ? JSON.parse((await readBody(req)) || '{}') : {};
       if (p === '/__mock/queue_full') { ctl.queueFull = Boolean(body.on); return sendJson(res, 200, ctl); }
       if (p === '/__mock/pause') { ctl.paused = Boolean(body.on); return sendJson(res, 200, ctl); }
+      if (p === '/__mock/models') {
+        const all = MODELS.map((m) => m.id);
+        ctl.served = Array.isArray(body.ids) ? all.filter((id) => body.ids.includes(id)) : all;
+        return sendJson(res, 200, ctl);
+      }
       if (p === '/__mock/drop') {
         const n = streams.size;
         for (const s of [...streams]) { s.done = true; streams.delete(s); s.res.socket.destroy(); }
@@ -243,7 +259,10 @@ export function startMock({ port = 0, tickMs = 40 } = {}) {
     const key = auth(req, res);
     if (!key) return;
     if (p === '/v1/models' && req.method === 'GET') {
-      return sendJson(res, 200, { object: 'list', data: [{ id: MODEL, object: 'model', created: 0, owned_by: 'glmspark' }] });
+      const data = MODELS.filter((m) => ctl.served.includes(m.id))
+        .map((m) => ({ id: m.id, object: 'model', created: 0, owned_by: 'glmspark',
+                       max_model_len: m.max_model_len }));
+      return sendJson(res, 200, { object: 'list', data });
     }
     if (p === '/metrics') {
       if (key.scope !== 'admin') return sendError(res, 403, 'permission_error', 'insufficient_scope', 'Admin scope required.');
@@ -270,11 +289,13 @@ export function startMock({ port = 0, tickMs = 40 } = {}) {
       if (!Array.isArray(body.messages) || body.messages.length === 0) {
         return sendError(res, 400, 'invalid_request_error', 'invalid_value', "'messages' must be a non-empty array.");
       }
+      ctl.lastJobRequest = body;
       if (typeof body.model !== 'string') {
         return sendError(res, 400, 'invalid_request_error', null, "'model' is required and must be a string");
       }
-      if (body.model !== MODEL) {
-        return sendError(res, 404, 'invalid_request_error', 'model_not_found', `The model '${body.model}' does not exist.`);
+      if (!ctl.served.includes(body.model)) {
+        return sendError(res, 404, 'invalid_request_error', 'model_not_found',
+                         `the model '${body.model}' is not served by any live engine`);
       }
       if (key.rpm === 0) {
         return sendError(res, 429, 'rate_limit_error', 'rate_limit_exceeded',
@@ -286,15 +307,15 @@ export function startMock({ port = 0, tickMs = 40 } = {}) {
       const text = body.messages.map((m) => m.content).join(' ');
       const maxTokens = body.max_tokens || 64;
       const id = `job-${String(nextId++).padStart(32, '0')}`;
-      const j = { id, owner: key.name, state: 'queued', created: Date.now(), started: 0, firstTok: 0,
-                  finished: 0, attempts: 0, produced: [],
+      const j = { id, owner: key.name, model: body.model, state: 'queued', created: Date.now(),
+                  started: 0, firstTok: 0, finished: 0, attempts: 0, produced: [],
                   script: script(maxTokens, !(body.thinking && body.thinking.type === 'disabled')),
                   promptTokens: text.split(/\s+/).length, finishReason: null, error: null, maxTokens,
                   cancel: false, request: body, failAt: /\bFAIL\b/.test(text) ? 3 : null };
       jobs.set(id, j);
       order.push(id);
       return sendJson(res, 202, { id, object: 'job', state: 'queued', created_at: Math.floor(j.created / 1000),
-                                  model: MODEL, prompt_tokens: j.promptTokens, max_tokens: maxTokens });
+                                  model: body.model, prompt_tokens: j.promptTokens, max_tokens: maxTokens });
     }
     if (p === '/v1/jobs' && req.method === 'GET') {
       const limit = Math.max(1, Math.min(100, Number(url.searchParams.get('limit')) || 20));

@@ -1,6 +1,7 @@
 // test_sse.mjs - unit tests (node, no browser) of the UI's modules that touch no DOM:
 // web/sse.js (the SSE parser and fetch-based stream reader), web/jobs.js (chunk folding,
-// job figures, Prometheus parsing) and web/api.js (errors and their messages).
+// job figures, Prometheus parsing), web/api.js (errors and their messages) and web/models.js
+// (the model list and which model is picked).
 //
 // The SSE cases follow the WHATWG HTML "event stream interpretation" rules; the stream
 // reader is fed by a real node:http server on loopback, split at awkward byte boundaries
@@ -16,6 +17,7 @@ import { SseParser, StreamHttpError, openEventStream } from '../../web/sse.js';
 import { applyChunk, fmtMs, metricSum, newStreamState, parseMetrics, summarize, toMs }
   from '../../web/jobs.js';
 import { Api, ApiError, describeError, errorFromResponse } from '../../web/api.js';
+import { contextHint, modelList, pickModel } from '../../web/models.js';
 
 function parseAll(chunks) {
   const p = new SseParser();
@@ -202,6 +204,10 @@ test('api: error bodies become ApiError and clear sentences', async () => {
   assert.match(describeError(new ApiError(400, { param: 'top_p', message: 'bad' }), 'Submitting'),
                /^Submitting was refused as invalid \(field top_p\)/);
   assert.match(describeError(new ApiError(0, {})), /could not be reached/);
+  assert.match(describeError(new ApiError(404, { code: 'model_not_found', message: 'no such model' }),
+                             'Submitting the job'),
+               /^Submitting the job failed: no engine serves that model now \(no such model\)/);
+  assert.match(describeError(new ApiError(404, { code: 'job_not_found' })), /^Not found/);
 
   // The key goes only in the Authorization header.
   let got = null;
@@ -213,4 +219,35 @@ test('api: error bodies become ApiError and clear sentences', async () => {
   assert.equal(got.url, '/v1/jobs?limit=5&after=job-9');
   assert.equal(got.init.headers.Authorization, 'Bearer gsk_secret');
   assert.ok(!got.url.includes('gsk_secret'));
+});
+
+test('models: the /v1/models list, and the remembered model picked while it is listed', () => {
+  const resp = { object: 'list', data: [
+    { id: 'glmspark-demo', object: 'model', owned_by: 'glmspark', max_model_len: 4096 },
+    { id: 'glmspark-demo-b', object: 'model', owned_by: 'glmspark' },
+    { id: 'glmspark-demo', object: 'model', max_model_len: 4096 }, // listed twice: once is kept
+    { object: 'model' }, { id: '' }, null,                             // no id: skipped
+    { id: 'odd', max_model_len: -1 }, { id: 'odder', max_model_len: '8192' },
+  ] };
+  const list = modelList(resp);
+  assert.deepEqual(list, [{ id: 'glmspark-demo', contextLen: 4096 },
+                          { id: 'glmspark-demo-b', contextLen: null },
+                          { id: 'odd', contextLen: null }, { id: 'odder', contextLen: null }]);
+  assert.deepEqual(modelList(null), []);
+  assert.deepEqual(modelList({ object: 'list' }), []);
+
+  // Nothing remembered: the first. Remembered and listed: that one.
+  assert.deepEqual(pickModel(list, ''), { id: 'glmspark-demo', missing: '' });
+  assert.deepEqual(pickModel(list, 'glmspark-demo-b'), { id: 'glmspark-demo-b', missing: '' });
+  // Remembered but gone: the first, and which one is gone.
+  assert.deepEqual(pickModel(list.slice(0, 1), 'glmspark-demo-b'),
+                   { id: 'glmspark-demo', missing: 'glmspark-demo-b' });
+  // Nothing served at all.
+  assert.deepEqual(pickModel([], 'glmspark-demo'), { id: '', missing: 'glmspark-demo' });
+  assert.deepEqual(pickModel([], ''), { id: '', missing: '' });
+
+  assert.equal(contextHint(list[0]),
+               'glmspark-demo reads at most 4096 tokens: the prompt and the answer together.');
+  assert.equal(contextHint(list[1]), '');
+  assert.equal(contextHint(undefined), '');
 });

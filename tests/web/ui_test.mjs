@@ -10,7 +10,8 @@
 // What is compared is real: the text the page shows after streaming, reloading and
 // reconnecting must equal the job's stored output from GET /v1/jobs/{id} (and, on the mock,
 // the exact script the mock generated), and after a reload the events request must carry
-// Last-Event-ID. Screenshots go to tests/web/screenshots/{stack,mock}/ (git-ignored).
+// Last-Event-ID, and the model picked in the header must be the "model" of the request body.
+// Screenshots go to tests/web/screenshots/{stack,mock}/ (git-ignored).
 //
 //   node --test --test-concurrency=1 tests/web/ui_test.mjs
 
@@ -41,7 +42,7 @@ const rpmKey = REAL ? process.env.GLMSPARK_WEB_RPM_KEY || '' : mockKey('limited'
 let ctx = null;
 let userDir = '';
 let page = null;
-const requests = [];   // {url, headers} of every request the page made
+const requests = [];   // {url, method, headers, postData} of every request the page made
 const userJobs = [];   // ids of the jobs submitted through the form, oldest first
 const problems = [];   // console errors, page errors, failed static assets
 
@@ -56,7 +57,8 @@ function watch(p) {
     if (m.type() === 'error' && !/Failed to load resource/.test(m.text())) problems.push(`console: ${m.text()}`);
   });
   p.on('pageerror', (e) => problems.push(`pageerror: ${e.message}`));
-  p.on('request', (r) => requests.push({ url: r.url(), headers: r.headers() }));
+  p.on('request', (r) => requests.push({ url: r.url(), method: r.method(), headers: r.headers(),
+                                          postData: r.postData() }));
   p.on('response', (r) => {
     const u = new URL(r.url());
     if (!u.pathname.startsWith('/v1/') && u.pathname !== '/metrics' && r.status() >= 400) {
@@ -75,8 +77,9 @@ async function apiCall(method, p, key, body) {
   }, { method, p, key, body });
 }
 
+// The model picked in the header, which the form sends.
 async function modelName() {
-  return (await page.textContent('#model-name')).trim();
+  return page.inputValue('#model-select');
 }
 
 async function signIn(key) {
@@ -209,7 +212,8 @@ test('a bad key gets a clear message and is not kept', async () => {
 test('sign in keeps the key in sessionStorage and sends it only as a header', async () => {
   await signedIn(userKey);
   assert.equal(await page.evaluate(() => sessionStorage.getItem('glmspark.apiKey')), userKey);
-  assert.notEqual((await page.textContent('#model-name')).trim(), '');
+  await page.waitForFunction(() => document.getElementById('model-select').value !== '', null,
+                             { timeout: T });
   const api = requests.filter((r) => r.url.includes('/v1/'));
   assert.ok(api.length > 0);
   assert.ok(api.some((r) => r.headers.authorization === `Bearer ${userKey}`));
@@ -458,5 +462,81 @@ test('a long job list pages with Load more', async () => {
                              Math.min(all.length, 40), { timeout: T });
   const shown = await page.$$eval('#jobs-body tr', (rows) => rows.map((r) => r.dataset.jobId));
   assert.deepEqual(shown, all.slice(0, shown.length));
+  assert.deepEqual(problems, []);
+});
+
+test('the model picker lists every served model, sends the pick and keeps it', async () => {
+  if (await page.isVisible('#job')) await page.click('#back-link');
+  await page.waitForSelector('#home:not([hidden])', { timeout: T });
+  const served = (await apiCall('GET', '/v1/models', userKey)).body.data.map((m) => m.id);
+  assert.ok(served.length >= 1); // the real stack serves one model or more
+  if (mock) assert.deepEqual(served, mockMod.MODELS.map((m) => m.id));
+  await page.waitForFunction(() => document.getElementById('model-select').options.length > 0,
+                             null, { timeout: T });
+  assert.deepEqual(await page.$$eval('#model-select option', (os) => os.map((o) => o.value)), served);
+  assert.equal((await page.$eval('#model-select', (el) => el.labels[0].textContent)).trim(), 'Model');
+
+  // The second model when there is one: the next job asks for it, and shows it.
+  const pick = served[served.length > 1 ? 1 : 0];
+  await page.selectOption('#model-select', pick);
+  assert.equal(await page.evaluate(() => localStorage.getItem('glmspark.model')), pick);
+  if (mock) assert.match(await page.textContent('#context-hint'), /^glmspark-demo-b reads at most 2048 tokens/);
+  const mark = requests.length;
+  const job = await submit('Which model answers?', 8);
+  const post = requests.slice(mark).find((r) => r.method === 'POST' && new URL(r.url).pathname === '/v1/jobs');
+  assert.ok(post, 'the form posted the job');
+  assert.equal(JSON.parse(post.postData).model, pick);
+  if (mock) assert.equal(mock.ctl.lastJobRequest.model, 'glmspark-demo-b');
+  await page.waitForFunction((m) => document.getElementById('job-model').textContent === m, pick,
+                             { timeout: T });
+  await waitState('succeeded');
+  await page.click('#back-link');
+  // The list's model column is shown when there is a choice of models (or jobs of several).
+  const cellOf = page.locator(`#jobs-body tr[data-job-id="${job.id}"] td[data-label="Model"]`);
+  await cellOf.waitFor({ state: 'attached', timeout: T });
+  assert.equal(await cellOf.textContent(), pick);
+  if (served.length > 1) assert.ok(await cellOf.isVisible());
+
+  // The pick survives a reload.
+  await page.reload();
+  await page.waitForSelector('#home:not([hidden])', { timeout: T });
+  await page.waitForFunction((m) => document.getElementById('model-select').options.length > 0 &&
+                                    document.getElementById('model-select').value === m, pick,
+                             { timeout: T });
+  assert.equal(await page.isVisible('#model-note'), false);
+  await shot('desktop-model-picked');
+
+  if (mock) {
+    // The picked model goes away before a submit: the 404 model_not_found names it, the list
+    // is read again and the first model is picked, saying so; the form keeps the message.
+    await fetch(`${base}/__mock/models`, { method: 'POST', body: JSON.stringify({ ids: [mockMod.MODEL] }) });
+    await page.fill('#user-message', 'Is model b still there?');
+    await page.click('#submit-job');
+    await page.waitForSelector('#compose-error:not([hidden])', { timeout: T });
+    assert.equal(await page.textContent('#compose-error'),
+                 'The model glmspark-demo-b is not being served now, so the job was not submitted. ' +
+                 'The list of models was refreshed; glmspark-demo is picked now: check the model and submit again.');
+    assert.equal(mock.ctl.lastJobRequest.model, 'glmspark-demo-b');
+    assert.deepEqual(await page.$$eval('#model-select option', (os) => os.map((o) => o.value)),
+                     [mockMod.MODEL]);
+    assert.equal(await modelName(), mockMod.MODEL);
+    assert.match(await page.textContent('#model-note'),
+                 /glmspark-demo-b, is not being served now; using glmspark-demo\./);
+    assert.match(await page.textContent('#context-hint'), /^glmspark-demo reads at most 4096 tokens/);
+    assert.equal(await page.inputValue('#user-message'), 'Is model b still there?');
+    await shot('desktop-model-gone');
+
+    // A reload while it is gone falls back the same way; once it is back, it is picked again
+    // (the fallback is not remembered as a choice).
+    await page.reload();
+    await page.waitForSelector('#model-note:not([hidden])', { timeout: T });
+    assert.equal(await modelName(), mockMod.MODEL);
+    assert.equal(await page.evaluate(() => localStorage.getItem('glmspark.model')), 'glmspark-demo-b');
+    await fetch(`${base}/__mock/models`, { method: 'POST', body: '{}' });
+    await page.reload();
+    await page.waitForFunction(() => document.getElementById('model-select').value === 'glmspark-demo-b',
+                               null, { timeout: T });
+    assert.equal(await page.isVisible('#model-note'), false);
+  }
   assert.deepEqual(problems, []);
 });
