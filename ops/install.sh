@@ -4,8 +4,11 @@
 # head node the nginx site. Idempotent: run it again after every build or upgrade.
 #
 #   ops/install.sh [--role head|worker] [--build DIR] [--prefix DIR] [--root DIR]
+#                  [--fcgi-procs N]
 #
 # --role     head (default): everything; worker: no nginx site, no fcgi socket
+# --fcgi-procs  glmspark-fcgi instances behind nginx on the head (default 2): units
+#            glmspark-fcgi@1..N.socket enabled, their sockets the nginx site's upstream
 # --build    the build directory with bin/ (default build/)
 # --prefix   /usr/local by default: bin/, lib/glmspark/ (scripts), share/glmspark/
 #            (recipes, sql, web, README.md)
@@ -19,16 +22,19 @@ role="head"
 build=$src/build
 prefix=/usr/local
 root=""
+fcgi_procs=2
 while [ $# -gt 0 ]; do
     case $1 in
     --role) [ $# -ge 2 ] || exit 2; role=$2; shift 2 ;;
     --build) [ $# -ge 2 ] || exit 2; build=$2; shift 2 ;;
     --prefix) [ $# -ge 2 ] || exit 2; prefix=$2; shift 2 ;;
     --root) [ $# -ge 2 ] || exit 2; root=$(mkdir -p "$2" && cd "$2" && pwd); shift 2 ;;
-    *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+    --fcgi-procs) [ $# -ge 2 ] || exit 2; fcgi_procs=$2; shift 2 ;;
+    *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
     esac
 done
 case $role in head | worker) ;; *) echo "install: --role is head or worker" >&2; exit 2 ;; esac
+case $fcgi_procs in [1-9] | [1-9][0-9]) ;; *) echo "install: --fcgi-procs is 1 to 99" >&2; exit 2 ;; esac
 say() { echo "install: $*" >&2; }
 bindir=$prefix/bin
 libexecdir=$prefix/lib/glmspark
@@ -86,15 +92,24 @@ render "$src/ops/systemd/glmspark-oom-guard.service" "$units/glmspark-oom-guard.
 render "$src/ops/systemd/glmspark-pagecache-dropper.service" "$units/glmspark-pagecache-dropper.service"
 render "$src/ops/systemd/ssh-oom.conf" "$units/ssh.service.d/glmspark-oom.conf"
 if [ "$role" = head ]; then
-    render "$src/ops/systemd/glmspark-fcgi.socket" "$units/glmspark-fcgi.socket"
-    render "$src/ops/systemd/glmspark-fcgi.service" "$units/glmspark-fcgi.service"
+    render "$src/ops/systemd/glmspark-fcgi@.socket" "$units/glmspark-fcgi@.socket"
+    render "$src/ops/systemd/glmspark-fcgi@.service" "$units/glmspark-fcgi@.service"
+    # Units of releases before the instances (one socket, /run/glmspark/fcgi.sock).
+    for old in glmspark-fcgi.socket glmspark-fcgi.service; do
+        [ -f "$units/$old" ] || continue
+        [ -n "$root" ] || systemctl disable --now "$old" 2>/dev/null || true
+        rm -f "$units/$old"
+        say "removed $units/$old (now glmspark-fcgi@N)"
+    done
     render "$src/ops/systemd/nginx-glmspark.conf" "$units/nginx.service.d/glmspark.conf"
     # The web UI and the nginx site (created once; the TLS files are the operator's).
     for f in "$src"/web/*; do [ -f "$f" ] && install_file 644 "$f" "$root$sharedir/web/${f##*/}"; done
     site=$root/etc/nginx/conf.d/glmspark.conf
     if [ ! -f "$site" ]; then
         mkdir -p "$(dirname "$site")"
-        sed -e "s|@FCGI_SERVERS@|server unix:/run/glmspark/fcgi.sock;|g" -e "s|@LISTEN_ADDR@|0.0.0.0|g" \
+        servers=""
+        for k in $(seq "$fcgi_procs"); do servers+="server unix:/run/glmspark/fcgi-$k.sock; "; done
+        sed -e "s|@FCGI_SERVERS@|$servers|g" -e "s|@LISTEN_ADDR@|0.0.0.0|g" \
             -e "s|@HTTP_PORT@|80|g" -e "s|@HTTPS_PORT@|443|g" \
             -e "s|@SERVER_NAME@|$(hostname -f 2>/dev/null || hostname)|g" \
             -e "s|@ACCESS_LOG@|/var/log/nginx/glmspark-access.log|g" \
@@ -120,8 +135,11 @@ systemctl daemon-reload
 systemctl enable --now glmspark-oom-guard.service glmspark-pagecache-dropper.service
 systemctl try-restart ssh.service 2>/dev/null || true
 if [ "$role" = head ]; then
-    systemctl enable glmspark-fcgi.socket
-    say "head: after editing /etc/glmspark/env, start: systemctl start glmspark-fcgi.socket nginx"
+    sockets=()
+    for k in $(seq "$fcgi_procs"); do sockets+=("glmspark-fcgi@$k.socket"); done
+    systemctl enable "${sockets[@]}"
+    say "head: after editing /etc/glmspark/env, start: systemctl start ${sockets[*]} nginx"
+    say "(the nginx site, created once, lists fcgi-1..$fcgi_procs.sock: edit its upstream when N changes)"
 fi
 say "done ($changed file(s) changed). Engine ranks: ops/launch-cluster.sh, or per node"
 say "/etc/glmspark/rank + systemctl enable --now glmspark-engine (README: Operations guide)"

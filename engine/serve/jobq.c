@@ -229,7 +229,7 @@ Err jobq_reconnect(JobQueue *q, int max_wait_ms)
         if (max_wait_ms >= 0 && waited >= max_wait_ms) return ERR_DB;
         sleep_ms(delay);
         waited += delay;
-        delay = delay * 2 > 5000 ? 5000 : delay * 2;
+        delay = delay * 2 > 1000 ? 1000 : delay * 2;  // a failover takes seconds: keep looking
     }
 }
 

@@ -154,7 +154,7 @@ Err jobq_set_stats(JobQueue *q, const char *stats_json);
 // Wait up to timeout_ms for a new-job notification. ERR_OK on a wake-up or timeout.
 Err jobq_wait(JobQueue *q, int timeout_ms);
 
-// Re-establish a lost connection, retrying with exponential backoff (100 ms .. 5 s) for up
+// Re-establish a lost connection, retrying with exponential backoff (100 ms .. 1 s) for up
 // to max_wait_ms (< 0: forever).
 Err jobq_reconnect(JobQueue *q, int max_wait_ms);
 

@@ -58,7 +58,7 @@ for f in "$p/bin/glmspark-engine" "$p/bin/glmspark-fcgi" "$p/lib/glmspark/launch
     "$p/lib/glmspark/oom-guard.sh" "$p/share/glmspark/recipes/glm-5.2-nvfp4-reap-469b.conf"; do
     [ -x "$r$f" ] || [ -f "$r$f" ] || fail "install.sh did not install $f"
 done
-for f in glmspark-engine.service glmspark-fcgi.socket glmspark-fcgi.service \
+for f in glmspark-engine.service glmspark-fcgi@.socket glmspark-fcgi@.service \
     glmspark-oom-guard.service glmspark-pagecache-dropper.service ssh.service.d/glmspark-oom.conf \
     nginx.service.d/glmspark.conf; do
     [ -f "$r/etc/systemd/system/$f" ] || fail "no unit $f"
@@ -66,14 +66,21 @@ for f in glmspark-engine.service glmspark-fcgi.socket glmspark-fcgi.service \
 done
 [ -f "$r/etc/glmspark/env" ] && [ -f "$r/etc/glmspark/recipe.conf" ] || fail "no /etc/glmspark"
 ! grep -v '^#' "$r/etc/nginx/conf.d/glmspark.conf" | grep -q '@[A-Z_]*@' || fail "the nginx site has placeholders"
+for k in 1 2; do  # --fcgi-procs 2 (the default): both instances' sockets in the upstream
+    grep -q "server unix:/run/glmspark/fcgi-$k.sock;" "$r/etc/nginx/conf.d/glmspark.conf" \
+        || fail "the nginx site's upstream lacks fcgi-$k.sock"
+done
 echo "edited" >>"$r/etc/glmspark/env"
 "$src/ops/install.sh" --root "$r" --prefix "$p" --build "$bin/.." >"$tmp/i2.log" 2>&1 || fail "install.sh again"
 grep -q "(0 file(s) changed)" "$tmp/i2.log" || { cat "$tmp/i2.log"; fail "a second install changed files"; }
 tail -1 "$r/etc/glmspark/env" | grep -qx edited || fail "install.sh overwrote the operator's env"
 if command -v systemd-analyze >/dev/null; then
     ln -s "$r$p" "$p"  # ExecStart paths must exist for verify
+    # Templates verify as an instance (a link named like one).
+    (cd "$r/etc/systemd/system" && ln -sf glmspark-fcgi@.socket glmspark-fcgi@1.socket \
+        && ln -sf glmspark-fcgi@.service glmspark-fcgi@1.service)
     out=$(cd "$r/etc/systemd/system" && systemd-analyze verify --man=no glmspark-engine.service \
-        glmspark-fcgi.socket glmspark-fcgi.service glmspark-oom-guard.service \
+        glmspark-fcgi@1.socket glmspark-fcgi@1.service glmspark-oom-guard.service \
         glmspark-pagecache-dropper.service 2>&1) || fail "systemd-analyze verify: $out"
     [ -z "$out" ] || fail "systemd-analyze verify warns: $out"
     echo "ok: install.sh --root, idempotent; units verified by systemd-analyze"
