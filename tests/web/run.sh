@@ -31,6 +31,8 @@ bin=${GLMSPARK_BIN_DIR:?set GLMSPARK_BIN_DIR to the bin/ folder of a build (ctes
 stack_env web
 # A steady pace, so that a test can reload or cut the connection while a job streams.
 export GLMSPARK_ENGINE_ARGS="--step-delay-ms ${GLMSPARK_STEP_DELAY_MS:-25}"
+# Two models, an engine each: the model picker lists both and a job of the second runs on it.
+export GLMSPARK_MODELS="glmspark-demo glmspark-demo-b" GLMSPARK_ENGINES="glmspark-demo glmspark-demo-b"
 cleanup() {
     local rc=$?
     stack_down "$rc" 30
