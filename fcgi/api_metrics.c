@@ -4,8 +4,9 @@
  * Written into an open_memstream, family by family: family() prints the HELP and TYPE
  * lines, then the samples follow. The queue figures are SQL aggregates over jobs and
  * engines; the engine internals are the newest running boot's engines.stats parsed by
- * stats_parse (a boot whose stats are missing or unreadable contributes only its heartbeat
- * age; unreadable stats are logged).
+ * stats_parse, for every engine (the newest boot of each name), labelled engine and model (a
+ * boot whose stats are missing or unreadable contributes only its heartbeat age; unreadable
+ * stats are logged).
  */
 #include "fcgi/api_metrics.h"
 
@@ -147,82 +148,140 @@ static void put_queue(FILE *f, PGresult *q, PGresult *lat, PGresult *boots)
 // ---------------------------------------------------------------------------
 // Engine internals (engines.stats)
 
-// One sample per rank of a per-rank family; what: 0 up, 1 load fraction, 2 weight bytes.
-static void put_ranks(FILE *f, const EngineStats *s, const char *name, const char *help, int what)
+// The newest boot of each engine name that has not stopped and beat its heartbeat in the
+// last 10 minutes (a killed engine shows, stale, for that long): id, name, model, heartbeat
+// age in seconds, stats ('' when NULL). One series per engine name, so a restart continues
+// its series.
+static const char engines_sql[] =
+    "SELECT DISTINCT ON (name) id, name, model,"
+    " extract(epoch FROM now() - heartbeat_at)::float8, coalesce(stats::text, '')"
+    " FROM engines WHERE stopped_at IS NULL AND heartbeat_at > now() - interval '10 minutes'"
+    " ORDER BY name, id DESC LIMIT 64";
+
+// One engine's labels (engine, model), then more (", ..."-less: the caller adds its own).
+static void put_engine_labels(FILE *f, PGresult *e, int i)
+{
+    fputs("engine=\"", f);
+    put_label_value(f, PQgetvalue(e, i, 1));
+    fputs("\",model=\"", f);
+    put_label_value(f, PQgetvalue(e, i, 2));
+    fputc('"', f);
+}
+
+// One sample per rank of every engine of a per-rank family; what: 0 up, 1 load fraction,
+// 2 weight bytes.
+static void put_ranks(FILE *f, PGresult *e, const EngineStats *st, const bool *has, const char *name,
+                      const char *help, int what)
 {
     family(f, name, "gauge", help);
-    for (int i = 0; i < s->n_ranks; i++) {
-        const StatsRank *r = &s->ranks[i];
-        const double v = what == 0 ? !strcmp(r->state, "up") : what == 1 ? r->load_fraction : r->weight_bytes;
-        fprintf(f, "%s{rank=\"%d\",host=\"", name, r->rank);
-        put_label_value(f, r->host);
-        fprintf(f, "\"} %.15g\n", v);
+    for (int k = 0; k < PQntuples(e); k++) {
+        if (!has[k]) continue;
+        const EngineStats *s = &st[k];
+        for (int i = 0; i < s->n_ranks; i++) {
+            const StatsRank *r = &s->ranks[i];
+            const double v = what == 0 ? !strcmp(r->state, "up") : what == 1 ? r->load_fraction : r->weight_bytes;
+            fprintf(f, "%s{", name);
+            put_engine_labels(f, e, k);
+            fprintf(f, ",rank=\"%d\",host=\"", r->rank);
+            put_label_value(f, r->host);
+            fprintf(f, "\"} %.15g\n", v);
+        }
     }
 }
 
-static void put_engine(FILE *f, PGresult *latest)
+// The internals of every engine of engines_sql, labelled by engine and model. A boot whose
+// stats are missing or unreadable (logged) contributes only its heartbeat age.
+static Err put_engines(FILE *f, PGresult *e)
 {
-    EngineStats s;
-    const bool has_engine = PQntuples(latest) == 1;
-    bool has_stats = false;
-    if (has_engine && *PQgetvalue(latest, 0, 5)) {
+    const int n = PQntuples(e);
+    EngineStats *st = calloc((size_t) (n ? n : 1), sizeof *st);
+    bool *has = calloc((size_t) (n ? n : 1), sizeof *has);
+    if (!st || !has) {
+        free(st);
+        free(has);
+        return ERR_NOMEM;
+    }
+    for (int k = 0; k < n; k++) {
+        if (!*PQgetvalue(e, k, 4)) continue;
         const char *bad = NULL;
-        has_stats = stats_parse(PQgetvalue(latest, 0, 5), &s, &bad) == ERR_OK;
-        if (!has_stats)
-            LOG_WARN("api: engine %s published unreadable stats (key \"%s\")", PQgetvalue(latest, 0, 0), bad);
+        has[k] = stats_parse(PQgetvalue(e, k, 4), &st[k], &bad) == ERR_OK;
+        if (!has[k]) LOG_WARN("api: engine %s published unreadable stats (key \"%s\")", PQgetvalue(e, k, 0), bad);
     }
     family(f, "glmspark_engine_heartbeat_age_seconds", "gauge",
-           "Seconds since the newest running engine boot's last heartbeat.");
-    if (has_engine) fprintf(f, "glmspark_engine_heartbeat_age_seconds %s\n", PQgetvalue(latest, 0, 4));
-    if (!has_stats) memset(&s, 0, sizeof s);
-    family(f, "glmspark_engine_info", "gauge", "The running engine: backend, model and state (value 1).");
-    if (has_stats) {
-        fputs("glmspark_engine_info{backend=\"", f);
-        put_label_value(f, s.backend);
-        fputs("\",model=\"", f);
-        put_label_value(f, s.model);
-        fputs("\",state=\"", f);
-        put_label_value(f, s.state);
-        fprintf(f, "\",world=\"%d\"} 1\n", s.world);
+           "Seconds since the engine's newest running boot beat its heartbeat.");
+    for (int k = 0; k < n; k++) {
+        fputs("glmspark_engine_heartbeat_age_seconds{", f);
+        put_engine_labels(f, e, k);
+        fprintf(f, "} %s\n", PQgetvalue(e, k, 3));
     }
-    put_ranks(f, &s, "glmspark_engine_rank_up", "1 when the pipeline rank is up, 0 when down or loading.", 0);
-    put_ranks(f, &s, "glmspark_engine_rank_load_fraction", "Fraction of the rank's weights loaded.", 1);
-    put_ranks(f, &s, "glmspark_engine_rank_weight_bytes", "Bytes of weights loaded on the rank.", 2);
+    family(f, "glmspark_engine_info", "gauge", "The running engine: backend, model and state (value 1).");
+    for (int k = 0; k < n; k++) {
+        if (!has[k]) continue;
+        fputs("glmspark_engine_info{engine=\"", f);
+        put_label_value(f, PQgetvalue(e, k, 1));
+        fputs("\",backend=\"", f);
+        put_label_value(f, st[k].backend);
+        fputs("\",model=\"", f);
+        put_label_value(f, st[k].model);
+        fputs("\",state=\"", f);
+        put_label_value(f, st[k].state);
+        fprintf(f, "\",world=\"%d\"} 1\n", st[k].world);
+    }
+    put_ranks(f, e, st, has, "glmspark_engine_rank_up", "1 when the pipeline rank is up, 0 when down or loading.", 0);
+    put_ranks(f, e, st, has, "glmspark_engine_rank_load_fraction", "Fraction of the rank's weights loaded.", 1);
+    put_ranks(f, e, st, has, "glmspark_engine_rank_weight_bytes", "Bytes of weights loaded on the rank.", 2);
     family(f, "glmspark_engine_step_seconds", "gauge",
            "Engine step time over the engine's last window: stat=\"avg\" or \"max\".");
-    if (has_stats) {
-        fprintf(f, "glmspark_engine_step_seconds{stat=\"avg\"} %.15g\n", s.step_ms_avg / 1000.0);
-        fprintf(f, "glmspark_engine_step_seconds{stat=\"max\"} %.15g\n", s.step_ms_max / 1000.0);
+    for (int k = 0; k < n; k++) {
+        if (!has[k]) continue;
+        for (int j = 0; j < 2; j++) {
+            fputs("glmspark_engine_step_seconds{", f);
+            put_engine_labels(f, e, k);
+            fprintf(f, ",stat=\"%s\"} %.15g\n", j ? "max" : "avg",
+                    (j ? st[k].step_ms_max : st[k].step_ms_avg) / 1000.0);
+        }
     }
-    const struct {
+    static const struct {
         const char *name, *type, *help;
-        double v;
     } scalars[] = {
-        {"glmspark_engine_batch_sequences", "gauge", "Mean sequences per step over the last window.",
-         s.batch_seqs_avg},
-        {"glmspark_engine_batch_tokens", "gauge", "Mean tokens per step over the last window.",
-         s.batch_tokens_avg},
-        {"glmspark_engine_kv_blocks_used", "gauge", "KV cache blocks in use.", (double) s.kv_blocks_used},
-        {"glmspark_engine_kv_blocks_capacity", "gauge", "KV cache blocks in all (not _total: a gauge).",
-         (double) s.kv_blocks_total},
-        {"glmspark_engine_kv_usage_ratio", "gauge", "KV cache blocks used / blocks in all.",
-         s.kv_blocks_total > 0 ? (double) s.kv_blocks_used / (double) s.kv_blocks_total : 0.0},
-        {"glmspark_engine_running_sequences", "gauge", "Sequences the scheduler is running.",
-         (double) s.running},
-        {"glmspark_engine_waiting_sequences", "gauge", "Sequences waiting for a scheduler slot.",
-         (double) s.waiting},
-        {"glmspark_engine_tokens_per_second", "gauge", "Generated tokens per second over the last window.",
-         s.tokens_per_s},
-        {"glmspark_engine_steps_total", "counter", "Engine steps since the boot.", (double) s.steps_total},
-        {"glmspark_engine_prompt_tokens_total", "counter", "Prompt tokens processed since the boot.",
-         (double) s.prompt_tokens_total},
-        {"glmspark_engine_generated_tokens_total", "counter", "Tokens generated since the boot.",
-         (double) s.generated_tokens_total},
+        {"glmspark_engine_batch_sequences", "gauge", "Mean sequences per step over the last window."},
+        {"glmspark_engine_batch_tokens", "gauge", "Mean tokens per step over the last window."},
+        {"glmspark_engine_kv_blocks_used", "gauge", "KV cache blocks in use."},
+        {"glmspark_engine_kv_blocks_capacity", "gauge", "KV cache blocks in all (not _total: a gauge)."},
+        {"glmspark_engine_kv_usage_ratio", "gauge", "KV cache blocks used / blocks in all."},
+        {"glmspark_engine_running_sequences", "gauge", "Sequences the scheduler is running."},
+        {"glmspark_engine_waiting_sequences", "gauge", "Sequences waiting for a scheduler slot."},
+        {"glmspark_engine_tokens_per_second", "gauge", "Generated tokens per second over the last window."},
+        {"glmspark_engine_steps_total", "counter", "Engine steps since the boot."},
+        {"glmspark_engine_prompt_tokens_total", "counter", "Prompt tokens processed since the boot."},
+        {"glmspark_engine_generated_tokens_total", "counter", "Tokens generated since the boot."},
     };
-    for (size_t i = 0; i < sizeof scalars / sizeof *scalars; i++) {
-        family(f, scalars[i].name, scalars[i].type, scalars[i].help);
-        if (has_stats) fprintf(f, "%s %.15g\n", scalars[i].name, scalars[i].v);
+    for (size_t j = 0; j < sizeof scalars / sizeof *scalars; j++) {
+        family(f, scalars[j].name, scalars[j].type, scalars[j].help);
+        for (int k = 0; k < n; k++) {
+            if (!has[k]) continue;
+            const EngineStats *s = &st[k];
+            const double v[] = {
+                s->batch_seqs_avg,
+                s->batch_tokens_avg,
+                (double) s->kv_blocks_used,
+                (double) s->kv_blocks_total,
+                s->kv_blocks_total > 0 ? (double) s->kv_blocks_used / (double) s->kv_blocks_total : 0.0,
+                (double) s->running,
+                (double) s->waiting,
+                s->tokens_per_s,
+                (double) s->steps_total,
+                (double) s->prompt_tokens_total,
+                (double) s->generated_tokens_total,
+            };
+            fprintf(f, "%s{", scalars[j].name);
+            put_engine_labels(f, e, k);
+            fprintf(f, "} %.15g\n", v[j]);
+        }
     }
+    free(st);
+    free(has);
+    return ERR_OK;
 }
 
 // ---------------------------------------------------------------------------
@@ -238,14 +297,15 @@ Err api_metrics_render(ApiDb *db, char **text, size_t *n_text)
     PGresult *q = api_db_exec(db, queue_sql, 0, NULL, PGRES_TUPLES_OK);
     PGresult *lat = q ? api_db_exec(db, latency_sql, 0, NULL, PGRES_TUPLES_OK) : NULL;
     PGresult *boots = lat ? api_db_exec(db, boots_sql, 0, NULL, PGRES_TUPLES_OK) : NULL;
-    PGresult *latest = boots ? api_db_exec(db, STATS_SQL_LATEST, 0, NULL, PGRES_TUPLES_OK) : NULL;
-    PGresult *models = latest ? api_db_exec(db, models_sql, 0, NULL, PGRES_TUPLES_OK) : NULL;
+    PGresult *engines = boots ? api_db_exec(db, engines_sql, 0, NULL, PGRES_TUPLES_OK) : NULL;
+    PGresult *models = engines ? api_db_exec(db, models_sql, 0, NULL, PGRES_TUPLES_OK) : NULL;
     if (!models) goto done;
     err = ERR_NOMEM;
     if (!(f = open_memstream(&buf, &n))) goto done;
     put_queue(f, q, lat, boots);
     put_models(f, models);
-    put_engine(f, latest);
+    if ((err = put_engines(f, engines))) goto done;
+    err = ERR_NOMEM;
     if (fclose(f) != 0) {
         f = NULL;
         goto done;
@@ -261,7 +321,7 @@ done:
     PQclear(q);
     PQclear(lat);
     PQclear(boots);
-    PQclear(latest);
+    PQclear(engines);
     PQclear(models);
     return err;
 }

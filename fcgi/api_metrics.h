@@ -7,7 +7,9 @@
  *                     glmspark_engine_up); per model (label model, glmspark_model_*): queue
  *                     depth, running jobs, completion and prompt tokens, live engine boots
  *                     and the sum of their tokens/s;
- *   engines.stats     the engine internals that rank 0 of the newest running boot publishes
+ *   engines.stats     the engine internals that rank 0 of each engine publishes (the newest
+ *                     boot of each engine name that has not stopped and beat its heartbeat
+ *                     in the last 10 minutes; every sample labelled engine and model)
  *                     (engine/shared/stats.h): step time (avg and max over the
  *                     engine's window), batch sequences and tokens, KV blocks used and
  *                     capacity (a gauge, so not named _total) and their ratio,

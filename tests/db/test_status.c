@@ -436,7 +436,7 @@ static void test_no_engine(void)
         CHECK(series_value(text, "glmspark_model_queue_depth{model=\"glm-test\"}") == 2);
         CHECK(series_value(text, "glmspark_model_jobs_running{model=\"glm-test\"}") == 1);
         CHECK(series_value(text, "glmspark_model_engines_up{model=\"glm-test\"}") == 0);
-        CHECK(strstr(text, "\nglmspark_engine_kv_blocks_used ") == NULL);  // no engine, no sample
+        CHECK(strstr(text, "\nglmspark_engine_kv_blocks_used{") == NULL);  // no engine, no sample
         CHECK(strstr(text, "# TYPE glmspark_engine_kv_blocks_used gauge\n") != NULL);
     }
     free(text);
@@ -502,31 +502,45 @@ static void test_ready(void)
     if (text) {
         CHECK(expo_check(text) == 0);
         CHECK(series_value(text, "glmspark_engine_up") == 1);
-        CHECK_NEAR(series_value(text, "glmspark_engine_step_seconds{stat=\"avg\"}"), 0.0415, 1e-12);
-        CHECK_NEAR(series_value(text, "glmspark_engine_step_seconds{stat=\"max\"}"), 0.0801, 1e-12);
-        CHECK_NEAR(series_value(text, "glmspark_engine_batch_sequences"), 3.2, 1e-12);
-        CHECK_NEAR(series_value(text, "glmspark_engine_batch_tokens"), 5.1, 1e-12);
-        CHECK(series_value(text, "glmspark_engine_kv_blocks_used") == 17);
-        CHECK(series_value(text, "glmspark_engine_kv_blocks_capacity") == 1024);
-        CHECK_NEAR(series_value(text, "glmspark_engine_kv_usage_ratio"), 17.0 / 1024, 1e-12);
-        CHECK(series_value(text, "glmspark_engine_running_sequences") == 3);
-        CHECK(series_value(text, "glmspark_engine_waiting_sequences") == 1);
-        CHECK_NEAR(series_value(text, "glmspark_engine_tokens_per_second"), 75.3, 1e-12);
-        CHECK(series_value(text, "glmspark_engine_generated_tokens_total") == 5000);
-        CHECK(series_value(text, "glmspark_engine_prompt_tokens_total") == 1000);
-        CHECK(series_value(text, "glmspark_engine_steps_total") == 12345);
-        CHECK(series_value(text, "glmspark_engine_rank_up{rank=\"0\",host=\"node1\"}") == 1);
-        CHECK(series_value(text, "glmspark_engine_rank_up{rank=\"1\",host=\"node\\\"2\"}") == 1);  // escaped
-        CHECK(series_value(text, "glmspark_engine_rank_up{rank=\"2\",host=\"node3\"}") == 1);
-        CHECK(series_value(text, "glmspark_engine_rank_weight_bytes{rank=\"1\",host=\"node\\\"2\"}") == 96963468083.0);
-        CHECK(series_value(text, "glmspark_engine_info{backend=\"cpu\",model=\"glm-test\",state=\"ready\",world=\"3\"}") == 1);
-        CHECK(series_value(text, "glmspark_engine_heartbeat_age_seconds") < STATS_STALE_S);
+        CHECK_NEAR(series_value(text, "glmspark_engine_step_seconds{engine=\"obs-test\",model=\"glm-test\",stat=\"avg\"}"), 0.0415, 1e-12);
+        CHECK_NEAR(series_value(text, "glmspark_engine_step_seconds{engine=\"obs-test\",model=\"glm-test\",stat=\"max\"}"), 0.0801, 1e-12);
+        CHECK_NEAR(series_value(text, "glmspark_engine_batch_sequences{engine=\"obs-test\",model=\"glm-test\"}"), 3.2, 1e-12);
+        CHECK_NEAR(series_value(text, "glmspark_engine_batch_tokens{engine=\"obs-test\",model=\"glm-test\"}"), 5.1, 1e-12);
+        CHECK(series_value(text, "glmspark_engine_kv_blocks_used{engine=\"obs-test\",model=\"glm-test\"}") == 17);
+        CHECK(series_value(text, "glmspark_engine_kv_blocks_capacity{engine=\"obs-test\",model=\"glm-test\"}") == 1024);
+        CHECK_NEAR(series_value(text, "glmspark_engine_kv_usage_ratio{engine=\"obs-test\",model=\"glm-test\"}"), 17.0 / 1024, 1e-12);
+        CHECK(series_value(text, "glmspark_engine_running_sequences{engine=\"obs-test\",model=\"glm-test\"}") == 3);
+        CHECK(series_value(text, "glmspark_engine_waiting_sequences{engine=\"obs-test\",model=\"glm-test\"}") == 1);
+        CHECK_NEAR(series_value(text, "glmspark_engine_tokens_per_second{engine=\"obs-test\",model=\"glm-test\"}"), 75.3, 1e-12);
+        CHECK(series_value(text, "glmspark_engine_generated_tokens_total{engine=\"obs-test\",model=\"glm-test\"}") == 5000);
+        CHECK(series_value(text, "glmspark_engine_prompt_tokens_total{engine=\"obs-test\",model=\"glm-test\"}") == 1000);
+        CHECK(series_value(text, "glmspark_engine_steps_total{engine=\"obs-test\",model=\"glm-test\"}") == 12345);
+        CHECK(series_value(text, "glmspark_engine_rank_up{engine=\"obs-test\",model=\"glm-test\",rank=\"0\",host=\"node1\"}") == 1);
+        CHECK(series_value(text, "glmspark_engine_rank_up{engine=\"obs-test\",model=\"glm-test\",rank=\"1\",host=\"node\\\"2\"}") == 1);  // escaped
+        CHECK(series_value(text, "glmspark_engine_rank_up{engine=\"obs-test\",model=\"glm-test\",rank=\"2\",host=\"node3\"}") == 1);
+        CHECK(series_value(text, "glmspark_engine_rank_weight_bytes{engine=\"obs-test\",model=\"glm-test\",rank=\"1\",host=\"node\\\"2\"}") == 96963468083.0);
+        CHECK(series_value(text, "glmspark_engine_info{engine=\"obs-test\",backend=\"cpu\",model=\"glm-test\",state=\"ready\",world=\"3\"}") == 1);
+        CHECK(series_value(text, "glmspark_engine_heartbeat_age_seconds{engine=\"obs-test\",model=\"glm-test\"}") < STATS_STALE_S);
         CHECK(series_value(text, "glmspark_queue_depth") == 2);
         CHECK(series_value(text, "glmspark_model_engines_up{model=\"glm-test\"}") == 1);
         CHECK_NEAR(series_value(text, "glmspark_model_tokens_per_second{model=\"glm-test\"}"), 75.3, 1e-12);
         CHECK(series_value(text, "glmspark_model_prompt_tokens_total{model=\"glm-test\"}") == 6);
     }
     free(text);
+    // A second engine (another model): its own series beside the first's, and per model.
+    db_sql(conn, "INSERT INTO engines (name, model, pid, stats) SELECT 'obs-two', 'glm-b', 4321, stats"
+                 " FROM engines WHERE name = 'obs-test'");
+    CHECK(api_metrics_render(&db, &text, &n) == ERR_OK);
+    if (text) {
+        CHECK(expo_check(text) == 0);
+        CHECK_NEAR(series_value(text, "glmspark_engine_tokens_per_second{engine=\"obs-two\",model=\"glm-b\"}"), 75.3, 1e-12);
+        CHECK_NEAR(series_value(text, "glmspark_engine_tokens_per_second{engine=\"obs-test\",model=\"glm-test\"}"), 75.3, 1e-12);
+        CHECK(series_value(text, "glmspark_model_engines_up{model=\"glm-b\"}") == 1);
+    }
+    free(text);
+    CHECK(run_status(out, sizeof out, "--db", conninfo, NULL) == 0);
+    CHECK(has(out, "live engines: 2\n"));
+    db_sql(conn, "UPDATE engines SET stopped_at = now() WHERE name = 'obs-two'");
 
     // A rank down: degraded, and /metrics says which.
     seed_engine("ready", "down", 1.0);
@@ -536,8 +550,8 @@ static void test_ready(void)
     CHECK(api_metrics_render(&db, &text, &n) == ERR_OK);
     if (text) {
         CHECK(expo_check(text) == 0);
-        CHECK(series_value(text, "glmspark_engine_rank_up{rank=\"2\",host=\"node3\"}") == 0);
-        CHECK(series_value(text, "glmspark_engine_rank_up{rank=\"0\",host=\"node1\"}") == 1);
+        CHECK(series_value(text, "glmspark_engine_rank_up{engine=\"obs-test\",model=\"glm-test\",rank=\"2\",host=\"node3\"}") == 0);
+        CHECK(series_value(text, "glmspark_engine_rank_up{engine=\"obs-test\",model=\"glm-test\",rank=\"0\",host=\"node1\"}") == 1);
     }
     free(text);
     api_db_free(&db);
@@ -570,7 +584,7 @@ static void test_ready(void)
     if (text) {
         CHECK(expo_check(text) == 0);
         CHECK(series_value(text, "glmspark_engine_up") == 0);
-        CHECK_NEAR(series_value(text, "glmspark_engine_heartbeat_age_seconds"), 300, 5);
+        CHECK_NEAR(series_value(text, "glmspark_engine_heartbeat_age_seconds{engine=\"obs-test\",model=\"glm-test\"}"), 300, 5);
     }
     free(text);
     api_db_free(&db);
