@@ -318,7 +318,7 @@ static void on_batch_event(void *user, const SchedEvent *ev)
 
 // Rank 0 (or the only rank): K copies of the prompt, sequence i seeded with seed + i, all
 // running at once; prints one line of ids per sequence and the aggregate decode rate.
-static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, const KvCache *kv,
+static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, KvCache *kv,
                            const int *ids, int n)
 {
     const int K = a->n_seqs;

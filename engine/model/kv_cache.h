@@ -35,6 +35,15 @@
  *         and read routines below are compiled for the host and for CUDA devices, so the CPU
  *         reference and the CUDA backend store identical bytes for identical inputs.
  *
+ * Prefix caching: a block may be shared by several sequences (kv_seq_attach) and counts its
+ * references. A published block holds KV that a later sequence with the same token prefix
+ * may reuse; when its last reference goes it is kept, in an LRU list, instead of freed, and
+ * kv_seq_reserve evicts the least recently used of them when no block is free (a chain's
+ * last blocks first: kv_seq_free releases a sequence's blocks from its end). Rank 0 (which
+ * sees the tokens) also keeps an index from a prefix's hash to its block (kv_prefix_find,
+ * kv_prefix_insert); eviction removes the block's entry. Every rank of a pipeline applies the
+ * same reserve, attach, publish and free calls in the same order, so their blocks agree.
+ *
  * Ownership: kv_init() allocates the whole pool once (startup tier); KvSeq block tables are
  *            allocated by kv_seq_reserve() and released by kv_seq_free(). Entry pointers
  *            stay valid until the sequence is freed.
@@ -108,6 +117,17 @@ typedef struct KvCache {
     void *pool;                          // n_blocks * block_bytes bytes, owned
     int *free_blocks;                    // stack of free block ids, owned
     int n_free;
+    // Prefix caching (all [n_blocks], owned): references, published flag, the index hash
+    // (0: not in the index), the LRU list of published blocks without references (-1 ends).
+    int *refs;
+    unsigned char *published;
+    uint64_t *hash;
+    int *lru_prev, *lru_next;
+    int lru_head, lru_tail, n_lru, n_published;
+    uint64_t *index_keys;  // [index_cap] open addressing: 0 empty, 1 deleted, else a hash
+    int *index_vals;       // [index_cap] the block of index_keys[i]
+    int index_cap;
+    uint64_t n_evicted;  // published blocks evicted so far
 } KvCache;
 
 typedef struct KvSeq {
@@ -147,8 +167,35 @@ Err kv_seq_reserve(KvCache *kv, KvSeq *seq, int n_tokens);
 // Return seq's blocks to the pool and zero *seq. Safe on a zeroed KvSeq.
 void kv_seq_free(KvCache *kv, KvSeq *seq);
 
-// Blocks available in the pool.
+// Blocks available in the pool: free ones and cached ones no sequence references (which a
+// reservation evicts).
 int kv_n_free_blocks(const KvCache *kv);
+
+// Give the empty seq the n blocks[] (a cached prefix: published blocks, or blocks other
+// sequences hold) as its first n_blocks, holding n * block_size positions; each gains a
+// reference (an unreferenced one leaves the LRU list). ERR_INVAL (logged, nothing changed)
+// when seq is not empty or a block is out of range, free, or listed twice.
+Err kv_seq_attach(KvCache *kv, KvSeq *seq, const int *blocks, int n);
+
+// Publish seq's blocks first .. last-1 (kept, cached, when their last reference goes).
+void kv_seq_publish(KvCache *kv, const KvSeq *seq, int first, int last);
+
+// Rank 0's index: the block published under hash h (not 0), or -1.
+int kv_prefix_find(const KvCache *kv, uint64_t h);
+
+// Publish block b under hash h (not 0) in the index; false (nothing changed) when h is
+// there already or b is indexed under another hash.
+bool kv_prefix_insert(KvCache *kv, uint64_t h, int b);
+
+// Published blocks (referenced or cached) and those of them no sequence references.
+static inline int kv_n_published(const KvCache *kv)
+{
+    return kv->n_published;
+}
+static inline int kv_n_cached_idle(const KvCache *kv)
+{
+    return kv->n_lru;
+}
 
 // Values in an entry of `layer` (the width kv_read widens to).
 static inline int kv_entry_values(const KvCache *kv, int layer)

@@ -418,6 +418,7 @@ enum { PPMSG_MAGIC = 0x47505042, PPMSG_BATCH = 1, PPMSG_RESULT = 2, PPMSG_END = 
 typedef struct MsgHeader {
     uint32_t magic, kind;
     int32_t n_ops, n_tokens, n_rows, has_mtp;
+    int32_t n_extra;  // PPMSG_BATCH: extra ids after the tokens (cached prefixes, pp.h)
 } MsgHeader;
 
 typedef struct SlotState {
@@ -592,15 +593,32 @@ MtpStage *pp_mtp(PpStage *s)
     return s->has_mtp ? &s->mtp : NULL;
 }
 
+const KvSeq *pp_slot_seq(const PpStage *s, int slot)
+{
+    return slot >= 0 && slot < PP_MAX_SLOTS ? &s->slots[slot].seq : NULL;
+}
+
 int pp_slot_positions(const PpStage *s, int slot)
 {
     return slot >= 0 && slot < PP_MAX_SLOTS ? s->slots[slot].seq.n_tokens : 0;
 }
 
-static Err check_ops(const PpSeqOp *ops, int n_ops, int n_tokens)
+// Checks a batch; *n_extra gets the extra ids its cached prefixes carry (block_size bs).
+static Err check_ops(const PpSeqOp *ops, int n_ops, int n_tokens, int bs, int *n_extra)
 {
     int sum = 0;
+    long long extra = 0;
     for (int i = 0; i < n_ops; i++) {
+        if (ops[i].n_cached < 0 || ops[i].n_cached > (1 << 20) / bs
+            || (ops[i].n_cached > 0 && (!(ops[i].flags & PP_SEQ_START) || ops[i].mtp_k > 0))
+            || ops[i].publish_first < 0 || ops[i].publish_last < ops[i].publish_first
+            || (ops[i].publish_last > 0 && !(ops[i].flags & PP_SEQ_FREE))) {
+            LOG_ERROR("bad pipeline op %d: slot %d, %d cached blocks, publish %d..%d, flags %#x", i,
+                      ops[i].slot, ops[i].n_cached, ops[i].publish_first, ops[i].publish_last,
+                      ops[i].flags);
+            return ERR_FORMAT;
+        }
+        extra += (long long) ops[i].n_cached * (1 + bs);
         if (ops[i].slot < 0 || ops[i].slot >= PP_MAX_SLOTS || ops[i].n_new < 0
             || (ops[i].n_new == 0 && !(ops[i].flags & PP_SEQ_FREE)) || ops[i].mtp_k < 0
             || ops[i].mtp_k > MTP_MAX_DRAFTS || ops[i].n_draft < 0
@@ -623,6 +641,11 @@ static Err check_ops(const PpSeqOp *ops, int n_ops, int n_tokens)
         LOG_ERROR("pipeline batch has %d tokens but its ops add up to %d", n_tokens, sum);
         return ERR_FORMAT;
     }
+    if (extra > (1 << 24)) {
+        LOG_ERROR("pipeline batch carries %lld cached-prefix ids", extra);
+        return ERR_FORMAT;
+    }
+    *n_extra = (int) extra;
     return ERR_OK;
 }
 
@@ -633,6 +656,8 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
 {
     Model *m = s->m;
     const size_t V = (size_t) m->cfg.vocab_size;
+    const int bs = s->kv->params.block_size;
+    const int32_t *extra = tokens + n_tokens;  // cached prefixes: block ids, then tokens
     Err err = ERR_OK;
     int n_batch = 0, n_rows = 0, n_mtp = 0, off0 = 0;
     bool all = false;
@@ -644,6 +669,23 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
             st->mtp_k = ops[i].mtp_k;
             if (s->is_last && (err = sampler_init(&st->sampler, m->cfg.vocab_size, ops[i].params)))
                 return err;
+            if (ops[i].n_cached > 0) {
+                const int n_pos = ops[i].n_cached * bs;
+                if ((err = kv_seq_attach(s->kv, &st->seq, extra, ops[i].n_cached))) {
+                    LOG_ERROR("pipeline rank %d: slot %d's cached prefix does not match this rank's "
+                              "cache",
+                              s->rank, ops[i].slot);
+                    return err;
+                }
+                if (s->is_last) {  // the prefix's tokens are the history's start
+                    if ((err = grow_int((void **) &st->history, &st->cap_history, n_pos * 2,
+                                        sizeof(int32_t))))
+                        return err;
+                    memcpy(st->history, extra + ops[i].n_cached, (size_t) n_pos * sizeof(int32_t));
+                    st->n_history = n_pos;
+                }
+                extra += ops[i].n_cached + n_pos;
+            }
             if (s->is_last && st->mtp_k > 0
                 && (err = s->has_mtp
                               ? mtp_slot_start(&s->mtp, ops[i].slot, st->mtp_k, &ops[i].params)
@@ -662,6 +704,7 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
         if ((ops[i].flags & PP_SEQ_FREE) && ops[i].n_new == 0) {
             // Free-only ops release their blocks before the forward: a sequence the
             // scheduler admitted into this micro-batch may have been promised them.
+            kv_seq_publish(s->kv, &st->seq, ops[i].publish_first, ops[i].publish_last);
             slot_free(s, st);
             continue;
         }
@@ -766,7 +809,11 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
         }
     }
     for (int i = 0; i < n_ops; i++)
-        if (ops[i].flags & PP_SEQ_FREE) slot_free(s, &s->slots[ops[i].slot]);
+        if ((ops[i].flags & PP_SEQ_FREE) && s->slots[ops[i].slot].active) {
+            SlotState *st = &s->slots[ops[i].slot];
+            kv_seq_publish(s->kv, &st->seq, ops[i].publish_first, ops[i].publish_last);
+            slot_free(s, st);
+        }
     *n_rows_out = n_rows;
     return ERR_OK;
 }
@@ -774,7 +821,7 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
 // Last rank: send the result of the batch just run to rank 0.
 static Err send_result(PpStage *s, int n_ops, int n_rows)
 {
-    const MsgHeader h = {PPMSG_MAGIC, PPMSG_RESULT, n_ops, 0, n_rows, s->res_has_mtp};
+    const MsgHeader h = {PPMSG_MAGIC, PPMSG_RESULT, n_ops, 0, n_rows, s->res_has_mtp, 0};
     const size_t V = (size_t) s->m->cfg.vocab_size;
     Err err = pp_comm_send(&s->comm, &h, sizeof h);
     if (!err) err = pp_comm_send(&s->comm, s->res_tokens, (size_t) n_ops * sizeof(int32_t));
@@ -786,12 +833,13 @@ static Err send_result(PpStage *s, int n_ops, int n_rows)
 }
 
 static Err send_batch(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tokens,
-                      int n_tokens)
+                      int n_tokens, int n_extra)
 {
-    const MsgHeader h = {PPMSG_MAGIC, PPMSG_BATCH, n_ops, n_tokens, 0, 0};
+    const MsgHeader h = {PPMSG_MAGIC, PPMSG_BATCH, n_ops, n_tokens, 0, 0, n_extra};
     Err err = pp_comm_send(&s->comm, &h, sizeof h);
     if (!err) err = pp_comm_send(&s->comm, ops, (size_t) n_ops * sizeof *ops);
-    if (!err) err = pp_comm_send(&s->comm, tokens, (size_t) n_tokens * sizeof(int32_t));
+    if (!err)
+        err = pp_comm_send(&s->comm, tokens, (size_t) (n_tokens + n_extra) * sizeof(int32_t));
     if (!err) err = pp_comm_send_act(&s->comm, s->act_out, model_act_bytes(s->m, n_tokens));
     return err;
 }
@@ -802,14 +850,15 @@ Err pp_submit(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tokens)
     int n_tokens = 0;
     for (int i = 0; i < n_ops; i++)
         n_tokens += ops[i].n_new;
-    Err err = check_ops(ops, n_ops, n_tokens);
+    int n_extra = 0;
+    Err err = check_ops(ops, n_ops, n_tokens, s->kv->params.block_size, &n_extra);
     if (err) return err;
     int n_rows = 0;
     if ((err = run_ops(s, ops, n_ops, tokens, n_tokens, NULL, &n_rows))) return err;
     if (s->world == 1) {
         s->local_n_ops = n_ops;
         s->local_n_rows = n_rows;
-    } else if ((err = send_batch(s, ops, n_ops, tokens, n_tokens))) {
+    } else if ((err = send_batch(s, ops, n_ops, tokens, n_tokens, n_extra))) {
         return err;
     }
     s->n_inflight++;
@@ -862,6 +911,7 @@ Err pp_serve(PpStage *s)
     uint64_t n_batches = 0;
     for (;;) {
         MsgHeader h;
+        int n_extra = 0;
         if ((err = pp_comm_recv(&s->comm, &h, sizeof h))) break;
         if (h.magic != PPMSG_MAGIC || (h.kind != PPMSG_BATCH && h.kind != PPMSG_END)) {
             LOG_ERROR("rank %d: malformed message from rank %d", s->rank, s->rank - 1);
@@ -872,27 +922,34 @@ Err pp_serve(PpStage *s)
             err = pp_comm_send(&s->comm, &h, sizeof h);  // on around the ring to rank 0
             break;
         }
-        if (h.n_ops < 1 || h.n_ops > PP_MAX_SLOTS || h.n_tokens < 0 || h.n_tokens > (1 << 24)) {
+        if (h.n_ops < 1 || h.n_ops > PP_MAX_SLOTS || h.n_tokens < 0 || h.n_tokens > (1 << 24)
+            || h.n_extra < 0 || h.n_extra > (1 << 24)) {
             LOG_ERROR("rank %d: batch with %d ops and %d tokens is out of range", s->rank, h.n_ops,
                       h.n_tokens);
             err = ERR_FORMAT;
             break;
         }
         if ((err = grow_int((void **) &s->ops, &s->cap_ops, h.n_ops, sizeof *s->ops))
-            || (err =
-                    grow_int((void **) &s->tokens, &s->cap_tokens, h.n_tokens + 1, sizeof(int32_t)))
+            || (err = grow_int((void **) &s->tokens, &s->cap_tokens, h.n_tokens + h.n_extra + 1,
+                               sizeof(int32_t)))
             || (err = grow((void **) &s->act_in, &s->cap_act_in, model_act_bytes(s->m, h.n_tokens),
                            1)))
             break;
         if ((err = pp_comm_recv(&s->comm, s->ops, (size_t) h.n_ops * sizeof *s->ops))
-            || (err = pp_comm_recv(&s->comm, s->tokens, (size_t) h.n_tokens * sizeof(int32_t)))
+            || (err = pp_comm_recv(&s->comm, s->tokens,
+                                   (size_t) (h.n_tokens + h.n_extra) * sizeof(int32_t)))
             || (err = pp_comm_recv_act(&s->comm, s->act_in, model_act_bytes(s->m, h.n_tokens)))
-            || (err = check_ops(s->ops, h.n_ops, h.n_tokens)))
+            || (err = check_ops(s->ops, h.n_ops, h.n_tokens, s->kv->params.block_size, &n_extra)))
             break;
+        if (n_extra != h.n_extra) {
+            LOG_ERROR("rank %d: batch carries %d extra ids, its ops %d", s->rank, h.n_extra, n_extra);
+            err = ERR_FORMAT;
+            break;
+        }
         int n_rows = 0;
         if ((err = run_ops(s, s->ops, h.n_ops, s->tokens, h.n_tokens, s->act_in, &n_rows))) break;
         err = s->is_last ? send_result(s, h.n_ops, n_rows)
-                         : send_batch(s, s->ops, h.n_ops, s->tokens, h.n_tokens);
+                         : send_batch(s, s->ops, h.n_ops, s->tokens, h.n_tokens, h.n_extra);
         if (err) break;
         n_batches++;
     }
@@ -908,7 +965,7 @@ Err pp_end(PpStage *s)
 {
     ASSERT(s->rank == 0 && s->n_inflight == 0);
     if (s->world == 1) return ERR_OK;
-    MsgHeader h = {PPMSG_MAGIC, PPMSG_END, 0, 0, 0, 0};
+    MsgHeader h = {PPMSG_MAGIC, PPMSG_END, 0, 0, 0, 0, 0};
     Err err = pp_comm_send(&s->comm, &h, sizeof h);
     if (!err) err = pp_comm_recv(&s->comm, &h, sizeof h);
     if (!err && (h.magic != PPMSG_MAGIC || h.kind != PPMSG_END)) {

@@ -144,6 +144,13 @@ typedef struct PpSeqOp {
     int32_t mtp_k;
     int32_t n_draft;
     int32_t n_rollback;
+    // Prefix caching (kv_cache.h). With PP_SEQ_START: the slot starts with n_cached blocks of
+    // cached prefix (n_cached * block_size positions; slots without MTP only); the batch's
+    // extra ids carry their block ids, then their tokens (the last rank's sampler history).
+    // With PP_SEQ_FREE: the slot's blocks publish_first .. publish_last-1 are published
+    // (kept as cached prefix) before the slot is freed.
+    int32_t n_cached;
+    int32_t publish_first, publish_last;
     SamplerParams params;  // with PP_SEQ_START
 } PpSeqOp;
 
@@ -166,8 +173,10 @@ typedef struct PpStage PpStage;
 Err pp_stage_create(Model *m, KvCache *kv, int rank, int world, const char *master,
                     uint64_t config_hash, PpStage **out);
 
-// Rank 0: run one micro-batch (ops[0..n_ops), tokens = concatenation of their new tokens).
-// At most `world` submits may be outstanding.
+// Rank 0: run one micro-batch (ops[0..n_ops), tokens = concatenation of their new tokens,
+// then the extra ids of their n_cached prefixes in op order: for each such op its n_cached
+// block ids, then its n_cached * block_size prefix tokens). At most `world` submits may be
+// outstanding.
 Err pp_submit(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tokens);
 
 // Rank 0: the result of the oldest outstanding submit. out's arrays are valid until the
@@ -198,6 +207,9 @@ MtpStage *pp_mtp(PpStage *s);
 
 // Positions slot holds in this rank's cache (0 when free), for tests.
 int pp_slot_positions(const PpStage *s, int slot);
+
+// The KV sequence of slot in this rank's cache (rank 0's scheduler publishes its blocks).
+const KvSeq *pp_slot_seq(const PpStage *s, int slot);
 
 // Release everything; closes the connections (a rank that has not ended sees a failure).
 void pp_stage_destroy(PpStage *s);

@@ -20,10 +20,20 @@
  * own: one row instead of a whole prefill chunk of vocabulary-sized rows.
  * Forcing: sched_force() queues ids that replace the next sampled tokens; they are fed
  * back like sampled ones (the last rank's sampler history is the tokens fed).
+ * Prefix caching: at admission a request hashes its prompt's full blocks (SHA-256 chained
+ * from block to block, so a key names the whole prefix) and takes the longest run rank 0's
+ * index holds, leaving at least its last prompt token to compute; its START op carries the
+ * blocks (every rank attaches the same ids: their caches move in step) and their tokens (the
+ * last rank's penalty history). When its prefill has been submitted its own full prompt
+ * blocks enter rank 0's index (a contiguous run: where another sequence already published a
+ * prefix the run stops), and its FREE op tells every rank to publish that run, so all ranks
+ * keep the same blocks cached. Commitments stay whole (a hit commits as many blocks as a
+ * miss): reuse never lets admission overcommit.
  */
 #include "engine/pipeline/scheduler.h"
 
 #include <math.h>
+#include <openssl/sha.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -54,6 +64,13 @@ typedef struct Seq {
     int mtp_k, n_drafts, n_rollback, n_draft_sent;
     int32_t drafts[MTP_MAX_DRAFTS];
     bool started, inflight, cancelled;
+    // Prefix caching: the blocks reused (their ids on rank 0, every rank's too), the prompt
+    // blocks' keys, and the run of own blocks published in rank 0's index
+    int *cached_blocks;
+    int n_cached_blocks;
+    uint64_t *keys;  // [n_prompt / block_size]
+    int publish_first, publish_last;
+    bool is_published;
 } Seq;
 
 typedef struct MicroBatch {
@@ -75,7 +92,12 @@ struct Scheduler {
     MicroBatch *ring;  // [n_microbatches] in-flight micro-batches, oldest at head
     int head, n_inflight;
     PpSeqOp *ops;     // [max_num_seqs] scratch for building
-    int32_t *tokens;  // [max_num_batched_tokens] scratch
+    int32_t *tokens;  // [max_num_batched_tokens + extra] scratch
+    int cap_tokens;
+    int32_t *extra;   // the batch's cached-prefix ids (pp.h), copied after the tokens
+    int n_extra, cap_extra;
+    KvCache *kv;      // rank 0's, borrowed: the prefix index
+    uint64_t prefix_query_tokens, prefix_hit_tokens;
     uint64_t n_mb_total, n_tok_total;
     uint64_t mtp_steps, mtp_drafted, mtp_accepted;
     int max_batch_tokens;
@@ -85,6 +107,8 @@ static void seq_destroy(Seq *q)
 {
     if (!q) return;
     free(q->prompt);
+    free(q->cached_blocks);
+    free(q->keys);
     free(q);
 }
 
@@ -105,10 +129,11 @@ void sched_destroy(Scheduler *s)
     free(s->running);
     free(s->ops);
     free(s->tokens);
+    free(s->extra);
     free(s);
 }
 
-Err sched_create(PpStage *stage, const Model *model, const KvCache *kv, const SchedParams *p,
+Err sched_create(PpStage *stage, const Model *model, KvCache *kv, const SchedParams *p,
                  Scheduler **out)
 {
     *out = NULL;
@@ -134,6 +159,7 @@ Err sched_create(PpStage *stage, const Model *model, const KvCache *kv, const Sc
     }
     s->stage = stage;
     s->model = model;
+    s->kv = kv;
     s->n_blocks_total = kv->params.n_blocks;
     s->block_size = kv->params.block_size;
     s->waiting = calloc((size_t) s->p.max_waiting, sizeof *s->waiting);
@@ -143,7 +169,8 @@ Err sched_create(PpStage *stage, const Model *model, const KvCache *kv, const Sc
     // finished since the last one (their slots differ): up to twice max_num_seqs ops.
     const size_t max_ops = 2 * (size_t) s->p.max_num_seqs;
     s->ops = calloc(max_ops, sizeof *s->ops);
-    s->tokens = calloc((size_t) s->p.max_num_batched_tokens + 1, sizeof *s->tokens);
+    s->cap_tokens = s->p.max_num_batched_tokens + 1;
+    s->tokens = calloc((size_t) s->cap_tokens, sizeof *s->tokens);
     bool ok = s->waiting && s->running && s->ring && s->ops && s->tokens;
     for (int i = 0; ok && i < s->p.n_microbatches; i++) {
         s->ring[i].seqs = calloc(max_ops, sizeof(Seq *));
@@ -255,6 +282,10 @@ void sched_stats(const Scheduler *s, SchedStats *out)
         .mtp_steps = s->mtp_steps,
         .mtp_drafted = s->mtp_drafted,
         .mtp_accepted = s->mtp_accepted,
+        .prefix_query_tokens = s->prefix_query_tokens,
+        .prefix_hit_tokens = s->prefix_hit_tokens,
+        .prefix_blocks = s->kv ? kv_n_published(s->kv) : 0,
+        .prefix_blocks_idle = s->kv ? kv_n_cached_idle(s->kv) : 0,
     };
 }
 
@@ -287,7 +318,11 @@ static void fill_logprobs(SchedEvent *ev, const float *row, int V, int n_top)
 // Deliver an event; row (V logits) fills its logprob fields when the request asked.
 static void emit_row(Scheduler *s, Seq *q, int32_t token, SchedFinish finish, const float *row)
 {
-    SchedEvent ev = {.id = q->id, .token = token, .n_generated = q->n_generated, .finish = finish};
+    SchedEvent ev = {.id = q->id,
+                     .token = token,
+                     .n_generated = q->n_generated,
+                     .n_cached = q->n_cached_blocks * s->block_size,
+                     .finish = finish};
     if (row && token >= 0 && q->n_top_logprobs >= 0)
         fill_logprobs(&ev, row, s->model->cfg.vocab_size, q->n_top_logprobs);
     if (finish != SCHED_FINISH_NONE) q->state = SEQ_FINISHED;
@@ -317,6 +352,85 @@ static void running_remove(Scheduler *s, int i)
 }
 
 // ---------------------------------------------------------------------------
+// Prefix caching
+
+// The keys of q's full prompt blocks: key j names tokens [0, (j + 1) * block_size), the
+// first 8 bytes of a SHA-256 over block j's tokens chained to block j - 1's digest.
+static Err prefix_keys(Scheduler *s, Seq *q)
+{
+    const int bs = s->block_size, n = q->n_prompt / bs;
+    if (q->keys || n == 0) return ERR_OK;
+    if (!(q->keys = malloc((size_t) n * sizeof *q->keys))) return ERR_NOMEM;
+    // buf = the previous block's digest (zeros for block 0), the block size (part of what a
+    // key names), the block's tokens; the digest replaces its start for the next block.
+    const size_t n_buf = SHA256_DIGEST_LENGTH + sizeof bs + (size_t) bs * sizeof(int32_t);
+    unsigned char *buf = calloc(n_buf, 1);
+    if (!buf) return ERR_NOMEM;
+    memcpy(buf + SHA256_DIGEST_LENGTH, &bs, sizeof bs);
+    for (int j = 0; j < n; j++) {
+        memcpy(buf + SHA256_DIGEST_LENGTH + sizeof bs, q->prompt + (size_t) j * bs,
+               (size_t) bs * sizeof(int32_t));
+        unsigned char digest[SHA256_DIGEST_LENGTH];
+        SHA256(buf, n_buf, digest);
+        memcpy(buf, digest, sizeof digest);
+        memcpy(&q->keys[j], digest, sizeof q->keys[j]);
+    }
+    free(buf);
+    return ERR_OK;
+}
+
+// Make room in s->extra for n more ids.
+static Err extra_room(Scheduler *s, int n)
+{
+    if (s->n_extra + n <= s->cap_extra) return ERR_OK;
+    const int cap = (s->n_extra + n) * 2;
+    int32_t *e = realloc(s->extra, (size_t) cap * sizeof *e);
+    if (!e) return ERR_NOMEM;
+    s->extra = e;
+    s->cap_extra = cap;
+    return ERR_OK;
+}
+
+// At admission: the longest run of q's prompt blocks in rank 0's index, leaving at least
+// the last prompt token to compute. Sets n_cached_blocks, cached_blocks and n_prefilled.
+static Err prefix_lookup(Scheduler *s, Seq *q)
+{
+    Err err = prefix_keys(s, q);
+    if (err) return err;
+    const int bs = s->block_size, max = (q->n_prompt - 1) / bs;
+    int n = 0;
+    while (n < max && kv_prefix_find(s->kv, q->keys[n]) >= 0)
+        n++;
+    s->prefix_query_tokens += (uint64_t) q->n_prompt;
+    if (n == 0) return ERR_OK;
+    if (!(q->cached_blocks = malloc((size_t) n * sizeof *q->cached_blocks))) return ERR_NOMEM;
+    if ((err = extra_room(s, n * (1 + bs)))) return err;
+    for (int j = 0; j < n; j++)
+        q->cached_blocks[j] = kv_prefix_find(s->kv, q->keys[j]);
+    q->n_cached_blocks = n;
+    q->n_prefilled = n * bs;
+    s->prefix_hit_tokens += (uint64_t) n * (uint64_t) bs;
+    return ERR_OK;
+}
+
+// Once q's prefill has been submitted (rank 0 has written its blocks): its own full prompt
+// blocks enter the index, a contiguous run from the first one not there yet.
+static void prefix_publish(Scheduler *s, Seq *q)
+{
+    q->is_published = true;
+    const KvSeq *kq = pp_slot_seq(s->stage, q->slot);
+    const int n = q->keys ? q->n_prompt / s->block_size : 0;
+    if (!kq || kq->n_blocks < n) return;
+    int j = q->n_cached_blocks;
+    while (j < n && kv_prefix_find(s->kv, q->keys[j]) >= 0)
+        j++;
+    q->publish_first = q->publish_last = j;
+    while (j < n && kv_prefix_insert(s->kv, q->keys[j], kq->blocks[j]))
+        j++;
+    q->publish_last = j;
+}
+
+// ---------------------------------------------------------------------------
 // Building a micro-batch
 
 typedef struct Builder {
@@ -333,6 +447,17 @@ static void add_op(Scheduler *s, Builder *b, Seq *q, int n_new, uint32_t flags, 
     if (flags & PP_SEQ_START) {
         op->params = q->sampling;
         op->mtp_k = q->mtp_k;
+        op->n_cached = q->n_cached_blocks;
+        // Its blocks, then their tokens (room made at admission: extra_room).
+        memcpy(s->extra + s->n_extra, q->cached_blocks, (size_t) q->n_cached_blocks * sizeof(int32_t));
+        s->n_extra += q->n_cached_blocks;
+        memcpy(s->extra + s->n_extra, q->prompt,
+               (size_t) q->n_cached_blocks * s->block_size * sizeof(int32_t));
+        s->n_extra += q->n_cached_blocks * s->block_size;
+    }
+    if (flags & PP_SEQ_FREE) {
+        op->publish_first = q->publish_first;
+        op->publish_last = q->publish_last;
     }
     if (n_new > 0) memcpy(s->tokens + b->n_tokens, toks, (size_t) n_new * sizeof(int32_t));
     b->n_rows[b->n_ops] = (flags & PP_SEQ_LOGITS) ? n_new : 0;
@@ -467,6 +592,11 @@ static void build(Scheduler *s, Builder *b)
             seq_destroy(q);
             continue;
         }
+        if (s->p.prefix_caching && q->mtp_k == 0 && prefix_lookup(s, q)) {
+            // Out of memory: the request runs without the cache.
+            q->n_cached_blocks = 0;
+            q->n_prefilled = 0;
+        }
         s->slot_used[slot] = true;
         q->slot = slot;
         q->n_blocks = need;
@@ -488,9 +618,23 @@ Err sched_step(Scheduler *s)
     while (s->n_inflight < s->p.n_microbatches) {
         MicroBatch *mb = &s->ring[(s->head + s->n_inflight) % s->p.n_microbatches];
         Builder b = {0, 0, s->p.max_num_batched_tokens, mb->seqs, mb->n_rows};
+        s->n_extra = 0;
         build(s, &b);
         if (b.n_ops == 0) break;
+        if (b.n_tokens + s->n_extra > s->cap_tokens) {
+            int32_t *t = realloc(s->tokens, (size_t) (b.n_tokens + s->n_extra) * sizeof *t);
+            if (!t) return ERR_NOMEM;
+            s->tokens = t;
+            s->cap_tokens = b.n_tokens + s->n_extra;
+        }
+        memcpy(s->tokens + b.n_tokens, s->extra, (size_t) s->n_extra * sizeof(int32_t));
         if ((err = pp_submit(s->stage, s->ops, b.n_ops, s->tokens))) return err;
+        if (s->p.prefix_caching)
+            for (int i = 0; i < b.n_ops; i++) {
+                Seq *q = mb->seqs[i];
+                if (q && q->mtp_k == 0 && !q->is_published && q->n_prefilled == q->n_prompt)
+                    prefix_publish(s, q);
+            }
         mb->n_ops = b.n_ops;
         s->n_inflight++;
         s->n_mb_total++;

@@ -59,6 +59,7 @@ typedef struct SchedEvent {
     uint64_t id;         // the request's id
     int32_t token;       // the sampled id, -1 when none (cancelled, error)
     int n_generated;     // tokens generated so far, this one included
+    int n_cached;        // prompt tokens whose KV came from the prefix cache
     SchedFinish finish;  // SCHED_FINISH_NONE until the sequence's last event
     // With n_top_logprobs >= 0 (and token >= 0): the token's log-probability under the raw
     // logits (log-softmax before temperature and penalties) and the n_top most likely ids,
@@ -82,6 +83,12 @@ typedef struct SchedParams {
     // (load_mtp). Requests whose sampling mtp_params_ok() refuses (filters, penalties) run
     // without drafts.
     int mtp_k;
+    // Prefix caching (kv_cache.h): a request reuses the cached KV blocks of the longest run
+    // of full blocks its prompt shares with an earlier one (keyed by a SHA-256 chain over
+    // the blocks' tokens), at least one prompt token is always computed; its own full prompt
+    // blocks are published once prefilled. Outputs are the same with it or without. MTP
+    // requests neither reuse nor publish (their draft cache is not kept per block).
+    bool prefix_caching;
     SchedEventFn on_event;  // required
     void *user;
 } SchedParams;
@@ -103,8 +110,9 @@ typedef struct SchedRequest {
 typedef struct Scheduler Scheduler;
 
 // A scheduler driving stage (rank 0 of its pipeline). model: for the eos ids and the
-// vocabulary; kv: rank 0's cache (its block count bounds admission). *out NULL on failure.
-Err sched_create(PpStage *stage, const Model *model, const KvCache *kv, const SchedParams *p,
+// vocabulary; kv: rank 0's cache (its block count bounds admission; its prefix index is
+// the scheduler's to keep). *out NULL on failure.
+Err sched_create(PpStage *stage, const Model *model, KvCache *kv, const SchedParams *p,
                  Scheduler **out);
 
 // Queue a request. ERR_INVAL (logged) for an empty prompt, max_tokens < 1 or token ids
@@ -137,6 +145,10 @@ typedef struct SchedStats {
     int max_batch_tokens;     // the largest micro-batch seen
     // MTP: verify ops (ops carrying drafts), drafts they carried, drafts accepted
     uint64_t mtp_steps, mtp_drafted, mtp_accepted;
+    // Prefix caching: prompt tokens of the requests that looked the cache up, and of those
+    // the tokens it served; blocks published (in use or cached) and cached without a user.
+    uint64_t prefix_query_tokens, prefix_hit_tokens;
+    int prefix_blocks, prefix_blocks_idle;
 } SchedStats;
 void sched_stats(const Scheduler *s, SchedStats *out);
 

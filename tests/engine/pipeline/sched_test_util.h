@@ -110,7 +110,7 @@ static inline void sched_test_on_event(void *user, const SchedEvent *ev)
 
 // A scheduler on stage with sp (its on_event and user replaced) whose events go to a fresh
 // SchedTestEvents in *events (calloc'd; sched_test_close frees both).
-static inline Scheduler *sched_test_open(PpStage *stage, const Model *m, const KvCache *kv,
+static inline Scheduler *sched_test_open(PpStage *stage, const Model *m, KvCache *kv,
                                          SchedParams sp, SchedTestEvents **events)
 {
     *events = calloc(1, sizeof **events);

@@ -13,7 +13,12 @@
  * penalties) equal the log-softmax of model_forward()'s raw logits at each position of the
  * sequence the scheduler produced, top alternatives in order; forced ids replace the
  * sampled ones, never end the sequence (even an eos id), count towards max_tokens, and the
- * continuation is greedy decoding of prompt + forced ids.
+ * continuation is greedy decoding of prompt + forced ids. Prefix caching (one stage and a
+ * two-stage pipeline): requests that share prompt prefixes with an earlier one reuse its
+ * blocks (the counts of tokens served from the cache are exact) and give the tokens of the
+ * same requests without the cache, greedy and sampled with a seed and penalties (whose
+ * history includes the cached tokens); under eviction pressure (a cache of 12 blocks) too;
+ * every block is back (free or cached) at the end.
  *
  * The model is tests/golden/models/dsa_modelopt (found through GLMSPARK_SOURCE_DIR).
  */
@@ -396,6 +401,155 @@ static void test_pipeline(Model *full, Backend *be)
     model_free(&m);
 }
 
+// ---------------------------------------------------------------------------
+// Prefix caching
+
+enum { PC_N = 4, PC_LEN = 20 };
+static int32_t pc_prompt[PC_N][PC_LEN];  // built in prefix_prompts()
+static int pc_cached[PC_N];               // the n_cached of each request's events
+
+static void pc_on_event(void *user, const SchedEvent *ev)
+{
+    sched_test_on_event(user, ev);
+    if (ev->id < PC_N) pc_cached[ev->id] = ev->n_cached;
+}
+
+// 0: prompt 2 of sched_test_util (20 tokens, 5 blocks of 4); 1: its first 13 tokens and 7
+// others; 2: prompt 2 again; 3: prompt 2 reversed (nothing shared).
+static void prefix_prompts(void)
+{
+    const int32_t *p = sched_test_prompts[2];
+    for (int t = 0; t < PC_LEN; t++) {
+        pc_prompt[0][t] = pc_prompt[2][t] = p[t];
+        pc_prompt[1][t] = t < 13 ? p[t] : 100 + t;
+        pc_prompt[3][t] = p[PC_LEN - 1 - t];
+    }
+}
+
+// Request i of pc_prompt, MAX_TOK tokens; sampled with a seed and penalties when is_sampled.
+static SchedRequest pc_request(int i, bool is_sampled)
+{
+    SchedRequest r = sched_test_request(0, MAX_TOK);
+    r.id = (uint64_t) i;
+    r.prompt = pc_prompt[i];
+    r.n_prompt = PC_LEN;
+    if (is_sampled) {
+        r.sampling.temperature = 0.9f;
+        r.sampling.seed = 11 + (uint64_t) i;
+        r.sampling.repetition_penalty = 1.3f;
+        r.sampling.presence_penalty = 0.4f;
+    }
+    return r;
+}
+
+// Runs requests first .. last of pc_prompt together on a scheduler over stage/kv (a 5-token
+// budget: prompts are prefilled in chunks), their tokens into out[i].
+static void pc_run(PpStage *stage, const Model *m, KvCache *kv, bool is_cached, bool is_sampled,
+                   int first, int last, int32_t out[PC_N][MAX_TOK])
+{
+    SchedTestEvents *c = calloc(1, sizeof *c);
+    ASSERT(c);
+    const SchedParams sp = {.max_num_seqs = 4,
+                            .max_num_batched_tokens = 5,
+                            .prefix_caching = is_cached,
+                            .on_event = pc_on_event,
+                            .user = c};
+    Scheduler *s;
+    ASSERT(sched_create(stage, m, kv, &sp, &s) == ERR_OK);
+    for (int i = first; i <= last; i++) {
+        const SchedRequest r = pc_request(i, is_sampled);
+        pc_cached[i] = -1;
+        CHECK(sched_submit(s, &r) == ERR_OK);
+    }
+    sched_test_run(s, NULL);
+    for (int i = first; i <= last; i++) {
+        CHECK(c->n[i] == MAX_TOK && c->finish[i] == SCHED_FINISH_LENGTH);
+        memcpy(out[i], c->tokens[i], sizeof out[i]);
+    }
+    sched_destroy(s);
+    free(c);
+}
+
+// The whole prefix-caching check on a stage whose cache kv (blocks of 4) is empty:
+// reference tokens without the cache, then request 0 alone, then 1-3 (together when the
+// cache holds them all, else one after another, evicting), with it.
+static void pc_check(PpStage *stage, const Model *m, KvCache *kv, bool sampled, const char *what)
+{
+    const int n_blocks = kv->params.n_blocks;
+    int32_t want[PC_N][MAX_TOK], got[PC_N][MAX_TOK];
+    for (int i = 0; i < PC_N; i++)
+        pc_run(stage, m, kv, false, sampled, i, i, want);
+    CHECK(kv_n_published(kv) == 0 && kv_n_free_blocks(kv) == n_blocks);
+    pc_run(stage, m, kv, true, sampled, 0, 0, got);
+    CHECK(pc_cached[0] == 0);
+    CHECK(kv_n_published(kv) == 5);  // its five full prompt blocks, now cached
+    CHECK(kv_n_free_blocks(kv) == n_blocks);
+    if (n_blocks >= 24) {
+        pc_run(stage, m, kv, true, sampled, 1, 3, got);
+        CHECK(pc_cached[1] == 12 && pc_cached[2] == 16 && pc_cached[3] == 0);
+    } else {
+        for (int i = 1; i < PC_N; i++)
+            pc_run(stage, m, kv, true, sampled, i, i, got);
+        CHECK(kv->n_evicted > 0);
+        CHECK(pc_cached[1] == 12 && pc_cached[3] == 0);
+    }
+    for (int i = 0; i < PC_N; i++)
+        CHECK(memcmp(got[i], want[i], sizeof want[i]) == 0);
+    CHECK(kv_n_free_blocks(kv) == n_blocks);
+    printf("prefix caching, %s, %s, %d blocks: hits %d/%d/%d tokens, %d blocks cached, %llu "
+           "evicted\n",
+           what, sampled ? "sampled" : "greedy", n_blocks, pc_cached[1], pc_cached[2], pc_cached[3],
+           kv_n_published(kv), (unsigned long long) kv->n_evicted);
+}
+
+static void test_prefix_caching(Model *m)
+{
+    prefix_prompts();
+    for (int k = 0; k < 4; k++) {
+        KvCache kv;
+        const KvCacheParams p = model_kv_params(m, k & 1 ? 12 : 24, 4);
+        ASSERT(kv_init(&kv, &p) == ERR_OK);
+        PpStage *stage;
+        ASSERT(pp_stage_create(m, &kv, 0, 1, NULL, 0, &stage) == ERR_OK);
+        pc_check(stage, m, &kv, k >= 2, "one stage");
+        pp_stage_destroy(stage);
+        kv_free(&kv);
+    }
+}
+
+// The same over two stages (rank 1 in a thread), with eviction: every rank attaches,
+// publishes and evicts the same blocks, or rank 1 refuses the START op.
+static const int pc_split[3] = {0, 2, 5};
+
+static void test_prefix_caching_pipeline(Backend *be)
+{
+    for (int k = 0; k < 2; k++) {
+        char master[64];
+        snprintf(master, sizeof master, "127.0.0.1:%d", pp_test_free_port());
+        const SchedTestRank proto = {
+            .world = 2, .dir = model_dir, .master = master, .split = pc_split, .n_blocks = 12, .hash = 0x9c};
+        SchedTestRank ranks[2];
+        pthread_t th[2];
+        sched_test_start_ranks(&proto, ranks, th);
+        Model m;
+        KvCache kv;
+        const ModelOptions o = {.first_layer = pc_split[0], .last_layer = pc_split[1]};
+        ASSERT(model_load(&m, model_dir, &o, be) == ERR_OK);
+        const KvCacheParams p = model_kv_params(&m, 12, 4);
+        ASSERT(kv_init(&kv, &p) == ERR_OK);
+        PpStage *stage;
+        CHECK(pp_stage_create(&m, &kv, 0, 2, master, 0x9c, &stage) == ERR_OK);
+        if (stage) {
+            pc_check(stage, &m, &kv, k == 1, "two stages");
+            CHECK(pp_end(stage) == ERR_OK);
+        }
+        pp_stage_destroy(stage);
+        sched_test_join_ranks(ranks, th);
+        kv_free(&kv);
+        model_free(&m);
+    }
+}
+
 // A rank whose config/split hash differs is refused by rank 0, and both sides fail fast.
 static const int split2[3] = {0, 3, 5};
 
@@ -459,6 +613,8 @@ int main(void)
     }
     test_single_stage(&m);
     test_logprobs_and_force(&m);
+    test_prefix_caching(&m);
+    test_prefix_caching_pipeline(be);
     test_pipeline(&m, be);
     test_handshake_mismatch(be);
     model_free(&m);
