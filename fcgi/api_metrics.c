@@ -255,6 +255,15 @@ static Err put_engines(FILE *f, PGresult *e)
         {"glmspark_engine_steps_total", "counter", "Engine steps since the boot."},
         {"glmspark_engine_prompt_tokens_total", "counter", "Prompt tokens processed since the boot."},
         {"glmspark_engine_generated_tokens_total", "counter", "Tokens generated since the boot."},
+        {"glmspark_engine_prefix_cache_query_tokens_total", "counter",
+         "Prompt tokens of the requests that looked the prefix cache up, since the boot."},
+        {"glmspark_engine_prefix_cache_hit_tokens_total", "counter",
+         "Prompt tokens served from the prefix cache since the boot."},
+        {"glmspark_engine_prefix_cache_hit_ratio", "gauge",
+         "Prompt tokens served from the prefix cache / looked up, since the boot."},
+        {"glmspark_engine_prefix_cache_blocks", "gauge", "KV blocks holding cached prompt prefixes."},
+        {"glmspark_engine_prefix_cache_idle_blocks", "gauge",
+         "KV blocks holding cached prefixes that no sequence uses (evicted first when room is needed)."},
     };
     for (size_t j = 0; j < sizeof scalars / sizeof *scalars; j++) {
         family(f, scalars[j].name, scalars[j].type, scalars[j].help);
@@ -273,6 +282,13 @@ static Err put_engines(FILE *f, PGresult *e)
                 (double) s->steps_total,
                 (double) s->prompt_tokens_total,
                 (double) s->generated_tokens_total,
+                (double) s->prefix_query_tokens_total,
+                (double) s->prefix_hit_tokens_total,
+                s->prefix_query_tokens_total > 0
+                    ? (double) s->prefix_hit_tokens_total / (double) s->prefix_query_tokens_total
+                    : 0.0,
+                (double) s->prefix_cached_blocks,
+                (double) s->prefix_idle_blocks,
             };
             fprintf(f, "%s{", scalars[j].name);
             put_engine_labels(f, e, k);

@@ -490,7 +490,7 @@ typedef struct JobState {
     char state[16];
     char finish_reason[32];
     char error[512];
-    int n_prompt, n_completion, n_chunks;
+    int n_prompt, n_completion, n_chunks, n_cached;
     bool is_terminal;
 } JobState;
 
@@ -501,7 +501,7 @@ static Err read_state(Ctx *c, int64_t id, JobState *st)
     snprintf(id_text, sizeof id_text, "%lld", (long long) id);
     PGresult *res = api_db_exec(c->db,
                                 "SELECT state, coalesce(finish_reason, ''), coalesce(error, ''),"
-                                " n_prompt_tokens, n_completion_tokens, n_chunks"
+                                " n_prompt_tokens, n_completion_tokens, n_chunks, n_cached_tokens"
                                 " FROM jobs WHERE id = $1::bigint",
                                 1, (const char *const[]){id_text}, PGRES_TUPLES_OK);
     if (!res) return ERR_DB;
@@ -515,6 +515,7 @@ static Err read_state(Ctx *c, int64_t id, JobState *st)
     st->n_prompt = atoi(PQgetvalue(res, 0, 3));
     st->n_completion = atoi(PQgetvalue(res, 0, 4));
     st->n_chunks = atoi(PQgetvalue(res, 0, 5));
+    st->n_cached = atoi(PQgetvalue(res, 0, 6));
     st->is_terminal = !strcmp(st->state, "succeeded") || !strcmp(st->state, "failed")
                       || !strcmp(st->state, "cancelled");
     PQclear(res);
@@ -603,6 +604,10 @@ static json_object *usage_object(const JobState *st)
     json_object_object_add(u, "prompt_tokens", json_object_new_int(st->n_prompt));
     json_object_object_add(u, "completion_tokens", json_object_new_int(st->n_completion));
     json_object_object_add(u, "total_tokens", json_object_new_int(st->n_prompt + st->n_completion));
+    // Prompt tokens whose KV the engine reused from its prefix cache (OpenAI's field).
+    json_object *d = json_object_new_object();
+    json_object_object_add(d, "cached_tokens", json_object_new_int(st->n_cached));
+    json_object_object_add(u, "prompt_tokens_details", d);
     return u;
 }
 
@@ -1125,8 +1130,8 @@ static const char job_columns[] =
     " CASE WHEN j.state = 'queued' THEN (SELECT count(*) FROM jobs q WHERE q.state = 'queued'"
     "   AND (q.priority > j.priority OR (q.priority = j.priority AND q.id <= j.id))) END,"
     " (SELECT k.name FROM api_keys k WHERE k.id = j.api_key_id),"
-    " (SELECT k.prefix FROM api_keys k WHERE k.id = j.api_key_id)";
-enum { N_JOB_COLUMNS = 18 };  // handle_job_get's output columns follow
+    " (SELECT k.prefix FROM api_keys k WHERE k.id = j.api_key_id), j.n_cached_tokens";
+enum { N_JOB_COLUMNS = 19 };  // handle_job_get's output columns follow
 
 // The job object for row i of res (columns as job_columns, then optionally outputs).
 static json_object *job_object(PGresult *res, int i, bool with_output)
@@ -1168,6 +1173,9 @@ static json_object *job_object(PGresult *res, int i, bool with_output)
     json_object_object_add(u, "prompt_tokens", json_object_new_int(np));
     json_object_object_add(u, "completion_tokens", json_object_new_int(nc));
     json_object_object_add(u, "total_tokens", json_object_new_int(np + nc));
+    json_object *d = json_object_new_object();
+    json_object_object_add(d, "cached_tokens", json_object_new_int(atoi(PQgetvalue(res, i, 18))));
+    json_object_object_add(u, "prompt_tokens_details", d);
     json_object_object_add(o, "usage", u);
     json_object_object_add(o, "max_tokens", json_object_new_int(atoi(PQgetvalue(res, i, 14))));
     COL_STR("finish_reason", 12);

@@ -313,6 +313,11 @@ static void print_text(const Status *st)
            s->batch_tokens_avg);
     printf("totals: %lld steps, %lld prompt tokens, %lld generated tokens\n", (long long) s->steps_total,
            (long long) s->prompt_tokens_total, (long long) s->generated_tokens_total);
+    printf("prefix cache: %lld of %lld prompt tokens served from it (%.1f%%); %lld blocks cached, "
+           "%lld of them idle\n",
+           (long long) s->prefix_hit_tokens_total, (long long) s->prefix_query_tokens_total,
+           percent(s->prefix_hit_tokens_total, s->prefix_query_tokens_total),
+           (long long) s->prefix_cached_blocks, (long long) s->prefix_idle_blocks);
 }
 
 // One JSON object on stdout; false when out of memory.

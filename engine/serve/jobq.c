@@ -556,8 +556,9 @@ static void add_array_string(Buf *b, const char *s)
 #define BATCH_STMT "jobq_append_batch"
 static const char batch_sql[] =
     "WITH v AS (SELECT * FROM unnest($3::bigint[], $4::int[], $5::int[], $6::int[], $7::text[],"
-    "   $8::text[]) AS v (id, seq, n, ntok, fin, err)),"
+    "   $8::text[], $15::int[]) AS v (id, seq, n, ntok, fin, err, nc)),"
     " j AS (UPDATE jobs SET n_chunks = jobs.n_chunks + v.n,"
+    "   n_cached_tokens = CASE WHEN v.nc >= 0 THEN v.nc ELSE jobs.n_cached_tokens END,"
     "   n_completion_tokens = jobs.n_completion_tokens + v.ntok,"
     "   first_token_at = CASE WHEN v.n > 0 THEN coalesce(jobs.first_token_at, now())"
     "     ELSE jobs.first_token_at END,"
@@ -585,10 +586,11 @@ static const char batch_sql[] =
 enum {
     B_ID, B_SEQ, B_N, B_NTOK, B_FIN, B_ERR,           // per item
     C_JOB, C_SEQ, C_KIND, C_TEXT, C_IDS, C_LP,        // per chunk
+    B_NCACHED,                                        // per item ($15)
     N_BATCH_ARRAYS
 };
 
-// Fill the 12 array parameters for items[0..n).
+// Fill the 13 array parameters for items[0..n).
 static Err build_batch_arrays(const JobqAppend *items, int n, Buf a[N_BATCH_ARRAYS])
 {
     Buf ids = {0};
@@ -614,6 +616,7 @@ static Err build_batch_arrays(const JobqAppend *items, int n, Buf a[N_BATCH_ARRA
         add_array_number(&a[B_NTOK], n_tok);
         add_array_string(&a[B_FIN], it->error ? NULL : it->finish_reason);
         add_array_string(&a[B_ERR], it->error);
+        add_array_number(&a[B_NCACHED], it->n_cached);
     }
     buf_free(&ids);
     bool is_oom = ids.is_oom;

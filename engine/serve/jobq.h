@@ -126,6 +126,8 @@ typedef struct JobqAppend {
     const char *finish_reason;  // non-NULL: finish the job in the same transaction
                                 // ("stop", "length", "tool_calls", "cancelled", ...)
     const char *error;          // non-NULL: fail the job with this client message instead
+    int n_cached;               // >= 0: this attempt's prompt tokens served from the prefix
+                                // cache (jobs.n_cached_tokens); < 0: leave it
     bool is_cancelled;          // out: a cancel was requested for this job
     Err result;                 // out: ERR_OK, or ERR_NOTFOUND when the job is no longer
                                 // this engine's (fenced / finished elsewhere); the other

@@ -53,6 +53,7 @@ static const KeyDef KEYS[] = {
     {"backend", KIND_BACKEND, F(backend), 0, 0, false, false},
     {"precision", KIND_PRECISION, F(precision), 0, 0, false, false},
     {"mtp_tokens", KIND_INT, F(mtp_tokens), 0, 8, false, false},
+    {"prefix_caching", KIND_INT, F(prefix_caching), 0, 1, false, false},
 };
 #undef F
 enum { N_KEYS = (int) (sizeof KEYS / sizeof KEYS[0]) };
@@ -78,6 +79,7 @@ void recipe_defaults(Recipe *r)
     r->load_timeout_s = 3600;
     r->min_free_memory_gb = 0;
     r->precision = BACKEND_PRECISION_DEFAULT;
+    r->prefix_caching = 1;
 }
 
 int recipe_n_keys(void)

@@ -96,6 +96,10 @@ char *serve_stats_json(const ServeStats *s, double now_mono, double now_unix)
     add_int(o, "prompt_tokens_total", (int64_t) s->prompt_tokens_total);
     add_int(o, "generated_tokens_total", (int64_t) s->generated_tokens_total);
     add_num(o, "tokens_per_s", (double) n_gen / SERVE_STATS_WINDOW_S);
+    add_int(o, "prefix_query_tokens_total", (int64_t) s->prefix_query_tokens);
+    add_int(o, "prefix_hit_tokens_total", (int64_t) s->prefix_hit_tokens);
+    add_int(o, "prefix_cached_blocks", s->prefix_blocks);
+    add_int(o, "prefix_idle_blocks", s->prefix_blocks_idle);
     add_int(o, "window_s", SERVE_STATS_WINDOW_S);
     const char *t = json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN);
     char *out = t ? strdup(t) : NULL;

@@ -53,6 +53,9 @@ typedef struct ServeStats {
     ServeRank ranks[PP_MAX_WORLD];
     int kv_blocks_total, kv_blocks_used, kv_block_size;
     int max_num_seqs, running, waiting, inflight;
+    // Prefix caching (SchedStats): prompt tokens looked up and served, blocks cached
+    uint64_t prefix_query_tokens, prefix_hit_tokens;
+    int prefix_blocks, prefix_blocks_idle;
     // Kept by serve_stats_step / serve_stats_prompt
     uint64_t steps_total, prompt_tokens_total, generated_tokens_total;
     ServeStep ring[SERVE_STATS_RING];

@@ -46,6 +46,10 @@ static const Field engine_fields[] = {
     F(EngineStats, FIELD_I64, generated_tokens_total),
     F(EngineStats, FIELD_DOUBLE, tokens_per_s),
     F(EngineStats, FIELD_DOUBLE, window_s),
+    F(EngineStats, FIELD_I64, prefix_query_tokens_total),
+    F(EngineStats, FIELD_I64, prefix_hit_tokens_total),
+    F(EngineStats, FIELD_I64, prefix_cached_blocks),
+    F(EngineStats, FIELD_I64, prefix_idle_blocks),
 };
 
 static const Field rank_fields[] = {

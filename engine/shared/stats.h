@@ -87,6 +87,10 @@ typedef struct EngineStats {
     int64_t generated_tokens_total;
     double tokens_per_s;     // generated tokens per second over the last window
     double window_s;
+    // Prefix caching: prompt tokens looked up and served from the cache since the boot;
+    // KV blocks holding cached prefixes, and those of them no sequence uses (evictable)
+    int64_t prefix_query_tokens_total, prefix_hit_tokens_total;
+    int64_t prefix_cached_blocks, prefix_idle_blocks;
 } EngineStats;
 
 // Parse the status JSON text into *out (zeroed first). ERR_FORMAT when json is not a JSON

@@ -97,7 +97,7 @@ static void test_migrate(void)
     CHECK(cli_db(4, argv) == 0);
     CHECK(cli_db(4, argv) == 0);  // idempotent: applies nothing the second time
     PGconn *c = connect_or_die(conn_super);
-    CHECK(qint(c, "SELECT count(*) FROM schema_migrations") == 6);
+    CHECK(qint(c, "SELECT count(*) FROM schema_migrations") == 7);
     // 004: revoking a key (by any means) rings api_keys_revoked with its prefix, once.
     PQclear(PQexec(c, "LISTEN api_keys_revoked"));
     PQclear(PQexec(c, "INSERT INTO api_keys (prefix, key_hash, name) VALUES"
@@ -478,11 +478,11 @@ static void test_append_batch(void)
     const JobqChunk c1 = {JOBQ_CHUNK_CONTENT, "zombie", t1, 1, NULL};
     const JobqChunk c2 = {JOBQ_CHUNK_TOOL, "{\"a\":1}", t2, 3, NULL};
     JobqAppend items[4] = {
-        {.job = &j[0], .chunks = c0, .n_chunks = 2, .result = ERR_DB},
+        {.job = &j[0], .chunks = c0, .n_chunks = 2, .n_cached = 128, .result = ERR_DB},
         {.job = &j[1], .chunks = &c1, .n_chunks = 1, .result = ERR_DB},  // fenced
         {.job = &j[2], .chunks = &c2, .n_chunks = 1, .finish_reason = "tool_calls",
          .result = ERR_DB},
-        {.job = &j[3], .result = ERR_DB},  // lease renewal only
+        {.job = &j[3], .n_cached = -1, .result = ERR_DB},  // lease renewal only
     };
     CHECK(jobq_append_batch(qa, items, 4) == ERR_OK);
     CHECK(items[0].result == ERR_OK && items[0].is_cancelled && j[0].next_seq == 2);
@@ -509,6 +509,11 @@ static void test_append_batch(void)
              " AND first_token_at IS NULL FROM jobs WHERE id = %lld", first + 3);
     v = q1(c, sql);
     CHECK(v && !strcmp(v, "t"));  // renewed, and no output means no first token
+    // Prompt tokens served from the prefix cache: set by item 0, left alone by item 3 (-1).
+    snprintf(sql, sizeof sql, "SELECT string_agg(n_cached_tokens::text, ' ' ORDER BY id) FROM jobs"
+             " WHERE id IN (%lld, %lld)", first, first + 3);
+    v = q1(c, sql);
+    CHECK(v && !strcmp(v, "128 0"));
     // One doorbell per job that got output or ended: jobs 0 and 2.
     PQconsumeInput(c);
     char rung[4] = {0};

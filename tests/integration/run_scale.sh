@@ -13,12 +13,12 @@ command -v node >/dev/null || { echo "run_scale.sh: node is required" >&2; exit 
 
 # shellcheck source=tests/integration/stack.sh
 . "$src/tests/integration/stack.sh"
-export GLMSPARK_MAX_NUM_SEQS=4
+export GLMSPARK_MAX_NUM_SEQS=8
 stack_env scale
 export GLMSPARK_MODELS="glmspark-demo glmspark-demo-b"
 export GLMSPARK_ENGINES="glmspark-demo glmspark-demo glmspark-demo-b"
 export GLMSPARK_FCGI_PROCS=2 GLMSPARK_MAX_QUEUE=1000
-export GLMSPARK_ENGINE_ARGS="--step-delay-ms ${GLMSPARK_STEP_DELAY_MS:-80} --lease-s 5"
+export GLMSPARK_ENGINE_ARGS="--step-delay-ms ${GLMSPARK_STEP_DELAY_MS:-200} --lease-s 5"
 cleanup() {
     local rc=${1:-$?}
     rm -f "$src/tests/.test_scale.run.mjs"

@@ -97,6 +97,32 @@ test('models: list and retrieve', async () => {
     assert.equal(m.id, MODEL);
 });
 
+test('prefix caching: a repeated long prompt reuses cached blocks, same answer', async () => {
+    // A system prompt of a few hundred tokens (the engine's blocks hold 128), asked twice.
+    const system = Array.from({ length: 60 }, (_, i) => `Rule ${i}: answer briefly and politely.`).join(' ');
+    const body = chatBody({ temperature: 0, max_tokens: 6,
+        messages: [{ role: 'system', content: system }, { role: 'user', content: 'Hello there' }] });
+    const first = await client().chat.completions.create(body);
+    const second = await client().chat.completions.create(body);
+    assert.ok(first.usage.prompt_tokens > 300, `prompt of ${first.usage.prompt_tokens} tokens`);
+    assert.equal(first.usage.prompt_tokens_details.cached_tokens, 0);
+    const cached = second.usage.prompt_tokens_details.cached_tokens;
+    assert.ok(cached >= 256 && cached % 128 === 0 && cached < second.usage.prompt_tokens,
+        `cached_tokens ${cached} of ${second.usage.prompt_tokens}`);
+    assert.equal(second.choices[0].message.content, first.choices[0].message.content);
+    // Streamed with include_usage: the same figure in the last chunk; and in GET /v1/jobs.
+    const stream = await client().chat.completions.create({ ...body, stream: true,
+        stream_options: { include_usage: true } });
+    let usage = null;
+    for await (const ev of stream) if (ev.usage) usage = ev.usage;
+    assert.ok(usage && usage.prompt_tokens_details.cached_tokens >= cached);
+    const job = await api(`/v1/jobs/${second.id}`);
+    assert.equal(job.json.usage.prompt_tokens_details.cached_tokens, cached);
+    const m = await api('/metrics', { key: ADMIN });
+    const hits = m.text.match(/^glmspark_engine_prefix_cache_hit_tokens_total\{[^}]*\} (\d+)$/m);
+    assert.ok(hits && Number(hits[1]) >= cached, 'the engine counts the hits in /metrics');
+});
+
 test('chat: non-streamed answer with usage', async () => {
     const r = await client().chat.completions.create(chatBody({ temperature: 0 }));
     assert.match(r.id, /^job-[0-9a-f]{32}$/);

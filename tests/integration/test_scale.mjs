@@ -12,7 +12,7 @@
 //   3. kill -9 of the second glmspark-demo engine while it streams: its jobs finish on the
 //      first, every stream contiguous and equal to an uninterrupted run;
 //   4. steady-state tokens/s of glmspark-demo with one engine, then two (engine 2 restarted),
-//      eight clients submitting back to back: two give at least 1.8x.
+//      sixteen clients submitting back to back: two give at least 1.8x.
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
@@ -198,7 +198,7 @@ test('aggregate tokens/s grows with the engines of a model (>= 1.8x from one to 
     const pid = Number(readFileSync(`${VAR}/run/engine-2.pid`, 'utf8'));
     assert.throws(() => process.kill(pid, 0), 'engine 2 still runs');
     const last2 = psql("SELECT max(id) FROM engines WHERE name = 'devstack-2'");
-    const one = await rate(8, 10);
+    const one = await rate(16, 10);
     execFileSync(DEVSTACK, ['start', 'engine-2'], { stdio: 'inherit' });
     const t0 = Date.now();
     while (psql(`SELECT count(*) FROM engines WHERE name = 'devstack-2' AND id > ${last2}
@@ -206,7 +206,7 @@ test('aggregate tokens/s grows with the engines of a model (>= 1.8x from one to 
         assert.ok(Date.now() - t0 < 60000, 'engine 2 did not come back');
         await sleep(200);
     }
-    const two = await rate(8, 10);
+    const two = await rate(16, 10);
     const ratio = two.perS / one.perS;
     console.log(`scaling: one engine ${one.perS.toFixed(1)} tokens/s (${one.tokens} in ${one.seconds.toFixed(2)} s), ` +
         `two ${two.perS.toFixed(1)} tokens/s (${two.tokens} in ${two.seconds.toFixed(2)} s): ${ratio.toFixed(2)}x`);
