@@ -33,6 +33,9 @@ fi
 stack_env rel
 export GLMSPARK_ENGINE_ARGS="--step-delay-ms ${GLMSPARK_STEP_DELAY_MS:-20} --lease-s 30"
 export GLMSPARK_FCGI_ARGS="--max-queue 1000000"
+# One fcgi process: the scenarios kill, restart and count the threads of "the" fcgi process
+# (several behind nginx are tested by integration_api, web_ui and integration_scale).
+export GLMSPARK_FCGI_PROCS=1
 if [ "$profile" = full ]; then
     # 200 SSE readers each hold an fcgi thread and its PostgreSQL connection.
     export GLMSPARK_FCGI_THREADS=256 GLMSPARK_PG_MAX_CONNECTIONS=400

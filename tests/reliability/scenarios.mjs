@@ -58,7 +58,8 @@ function psql(sql) {
         { encoding: 'utf8' }).trim();
 }
 const devstack = (...args) => execFileSync(DEVSTACK, args, { stdio: ['ignore', 'ignore', 'inherit'] });
-const pidOf = (name) => Number(readFileSync(`${VAR}/run/${name}.pid`, 'utf8'));
+// devstack's first engine and first (here only) fcgi process.
+const pidOf = (name) => Number(readFileSync(`${VAR}/run/${name}-1.pid`, 'utf8'));
 const alive = (pid) => { try { process.kill(pid, 0); return true; } catch { return false; } };
 
 async function api(path, { key = K.user, method = 'GET', body, headers = {}, auth = true } = {}) {
