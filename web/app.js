@@ -498,6 +498,9 @@ function renderJobMeta(v, job) {
   $('job-ttft').textContent = fmtMs(s.ttftMs);
   $('job-rate').textContent = fmtRate(s.tokPerS);
   $('job-tokens').textContent = fmtNum(s.tokens);
+  // Prompt tokens, and how many of them the engine's prefix cache served.
+  $('job-prompt').textContent = s.promptTokens === null ? '–'
+    : `${fmtNum(s.promptTokens)}${s.cachedTokens ? ` (${fmtNum(s.cachedTokens)} cached)` : ''}`;
   $('job-attempts').textContent = fmtNum(s.attempts);
   $('job-finish').textContent = s.finishReason || '–';
   show($('cancel-job'), !isFinal(s.state));

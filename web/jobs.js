@@ -27,8 +27,9 @@ function first(...vals) {
   return null;
 }
 
-// {id, state, model, owner, queuePosition, attempts, createdMs, ttftMs, tokens, tokPerS,
-//  finishReason, errorMessage} for one job object; now: Date.now() for running jobs.
+// {id, state, model, owner, queuePosition, attempts, createdMs, ttftMs, tokens, promptTokens,
+//  cachedTokens, tokPerS, finishReason, errorMessage} for one job object; now: Date.now() for
+//  running jobs.
 export function summarize(job, now = Date.now()) {
   const t = job.timings || {};
   const u = job.usage || {};
@@ -69,6 +70,8 @@ export function summarize(job, now = Date.now()) {
     ttftMs,
     tokens,
     promptTokens: first(u.prompt_tokens, job.prompt_tokens),
+    // Prompt tokens the engine reused from its prefix cache (OpenAI's usage field).
+    cachedTokens: first(u.prompt_tokens_details && u.prompt_tokens_details.cached_tokens),
     tokPerS,
     finishReason: job.finish_reason || '',
     errorMessage: err || '',

@@ -1,5 +1,5 @@
 // fcgi_call.mjs SOCKET METHOD PATH [BODY] - one request straight on glmspark-fcgi's FastCGI
-// socket, without nginx (the record framing of tests/reliability/scenarios.mjs's fcgiRequest).
+// socket, without nginx (records: tests/tools/fcgi_records.mjs).
 //
 // Prints the HTTP status on the first line ("Status:" header, 200 when absent), then the
 // body as it arrives, so an SSE stream can be followed in a file while it runs. The key in
@@ -9,6 +9,8 @@
 // be reached, the time runs out or the connection ends before the response does.
 import net from 'node:net';
 import { argv, env, exit, stdout } from 'node:process';
+
+import { fcgiRequestBytes } from '../tools/fcgi_records.mjs';
 
 const [sock, method, path, body = ''] = argv.slice(2);
 if (!sock || !method || !path) {
@@ -24,31 +26,13 @@ const params = {
 };
 if (env.GLMSPARK_KEY) params.HTTP_AUTHORIZATION = `Bearer ${env.GLMSPARK_KEY}`;
 
-// A record: version 1, type, request id 1, content length, padding to 8 bytes.
-const record = (type, content) => {
-    const pad = (8 - (content.length % 8)) % 8;
-    const h = Buffer.from([1, type, 0, 1, content.length >> 8, content.length & 255, pad, 0]);
-    return Buffer.concat([h, content, Buffer.alloc(pad)]);
-};
-const len = (n) => n < 128 ? Buffer.from([n])
-    : Buffer.from([(n >>> 24) | 0x80, (n >>> 16) & 255, (n >>> 8) & 255, n & 255]);
-const nv = Buffer.concat(Object.entries(params).flatMap(([k, v]) => {
-    const kb = Buffer.from(k), vb = Buffer.from(v);
-    return [len(kb.length), len(vb.length), kb, vb];
-}));
-const out = [record(1, Buffer.from([0, 1, 0, 0, 0, 0, 0, 0]))];  // BEGIN_REQUEST, responder
-for (let i = 0; i < nv.length; i += 65535) out.push(record(4, nv.subarray(i, i + 65535)));
-out.push(record(4, Buffer.alloc(0)));
-for (let i = 0; i < stdin.length; i += 65535) out.push(record(5, stdin.subarray(i, i + 65535)));
-out.push(record(5, Buffer.alloc(0)));
-
 const c = net.createConnection(sock);
 const timer = setTimeout(() => {
     console.error(`fcgi_call: ${method} ${path}: no complete response in time`);
     exit(1);
 }, Number(env.FCGI_TIMEOUT_MS || 30000));
 let buf = Buffer.alloc(0), head = Buffer.alloc(0), isBody = false, isEnded = false;
-c.on('connect', () => c.write(Buffer.concat(out)));
+c.on('connect', () => c.write(fcgiRequestBytes(params, stdin)));
 c.on('data', (d) => {
     buf = Buffer.concat([buf, d]);
     while (buf.length >= 8) {

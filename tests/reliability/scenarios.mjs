@@ -537,6 +537,8 @@ async function security() {
 // Serving hardening: forged identity on the socket, Idempotency-Key races,
 // revocation latency, streams across a database outage.
 
+// run.sh runs a copy of this file from tests/: the records module is tests/tools/.
+const { fcgiRequestBytes } = await import(new URL('./tools/fcgi_records.mjs', import.meta.url));
 const execFileP = promisify(execFile);
 const BIN = env.GLMSPARK_BIN_DIR;
 const SOCK = `${VAR}/run/fcgi-1.sock`;
@@ -547,28 +549,11 @@ const newKey = (name, ...args) => execFileSync(`${BIN}/glmspark`, ['keys', 'crea
 // FastCGI params (whatever we like, identity included), body the stdin. Resolves to the
 // status and the response text.
 function fcgiRequest(params, body = '', timeoutMs = 10000) {
-    const record = (type, content) => {
-        const pad = (8 - (content.length % 8)) % 8;
-        const h = Buffer.from([1, type, 0, 1, content.length >> 8, content.length & 255, pad, 0]);
-        return Buffer.concat([h, content, Buffer.alloc(pad)]);
-    };
-    const len = (n) => n < 128 ? Buffer.from([n])
-        : Buffer.from([(n >>> 24) | 0x80, (n >>> 16) & 255, (n >>> 8) & 255, n & 255]);
-    const nv = Buffer.concat(Object.entries(params).flatMap(([k, v]) => {
-        const kb = Buffer.from(k), vb = Buffer.from(String(v));
-        return [len(kb.length), len(vb.length), kb, vb];
-    }));
-    const stdin = Buffer.from(body);
-    const out = [record(1, Buffer.from([0, 1, 0, 0, 0, 0, 0, 0]))];  // BEGIN_REQUEST, responder
-    for (let i = 0; i < nv.length; i += 65535) out.push(record(4, nv.subarray(i, i + 65535)));
-    out.push(record(4, Buffer.alloc(0)));
-    for (let i = 0; i < stdin.length; i += 65535) out.push(record(5, stdin.subarray(i, i + 65535)));
-    out.push(record(5, Buffer.alloc(0)));
     return new Promise((resolve, reject) => {
         const c = net.createConnection(SOCK);
         const timer = setTimeout(() => { c.destroy(); reject(new Error('FastCGI request timed out')); }, timeoutMs);
         let buf = Buffer.alloc(0), text = Buffer.alloc(0);
-        c.on('connect', () => c.write(Buffer.concat(out)));
+        c.on('connect', () => c.write(fcgiRequestBytes(params, body)));
         c.on('data', (d) => {
             buf = Buffer.concat([buf, d]);
             while (buf.length >= 8) {

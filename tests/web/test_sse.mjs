@@ -159,6 +159,9 @@ test('summarize: the figures of a job as fcgi returns it', () => {
   assert.equal(s.tokPerS, 20); // 40 tokens after the first, in 2 s
   assert.equal(s.attempts, 2);
   assert.equal(s.createdMs, 1000000);
+  assert.deepEqual([s.promptTokens, s.cachedTokens], [10, null]);  // no prefix-cache figure
+  const cached = summarize({ ...job, usage: { ...job.usage, prompt_tokens_details: { cached_tokens: 8 } } });
+  assert.deepEqual([cached.promptTokens, cached.cachedTokens], [10, 8]);
   // Running: tokens/s up to now; queued: position; no timings yet: nulls.
   const run = summarize({ ...job, state: 'running', timings: { ...job.timings, finished_at: null } }, 1005000);
   assert.equal(run.tokPerS, 10);
