@@ -448,12 +448,15 @@ static void add_op(Scheduler *s, Builder *b, Seq *q, int n_new, uint32_t flags, 
         op->params = q->sampling;
         op->mtp_k = q->mtp_k;
         op->n_cached = q->n_cached_blocks;
-        // Its blocks, then their tokens (room made at admission: extra_room).
-        memcpy(s->extra + s->n_extra, q->cached_blocks, (size_t) q->n_cached_blocks * sizeof(int32_t));
-        s->n_extra += q->n_cached_blocks;
-        memcpy(s->extra + s->n_extra, q->prompt,
-               (size_t) q->n_cached_blocks * s->block_size * sizeof(int32_t));
-        s->n_extra += q->n_cached_blocks * s->block_size;
+        if (q->n_cached_blocks > 0) {
+            // Its blocks, then their tokens (room made at admission: extra_room).
+            memcpy(s->extra + s->n_extra, q->cached_blocks,
+                   (size_t) q->n_cached_blocks * sizeof(int32_t));
+            s->n_extra += q->n_cached_blocks;
+            memcpy(s->extra + s->n_extra, q->prompt,
+                   (size_t) q->n_cached_blocks * s->block_size * sizeof(int32_t));
+            s->n_extra += q->n_cached_blocks * s->block_size;
+        }
     }
     if (flags & PP_SEQ_FREE) {
         op->publish_first = q->publish_first;
@@ -627,7 +630,8 @@ Err sched_step(Scheduler *s)
             s->tokens = t;
             s->cap_tokens = b.n_tokens + s->n_extra;
         }
-        memcpy(s->tokens + b.n_tokens, s->extra, (size_t) s->n_extra * sizeof(int32_t));
+        if (s->n_extra > 0)
+            memcpy(s->tokens + b.n_tokens, s->extra, (size_t) s->n_extra * sizeof(int32_t));
         if ((err = pp_submit(s->stage, s->ops, b.n_ops, s->tokens))) return err;
         if (s->p.prefix_caching)
             for (int i = 0; i < b.n_ops; i++) {
