@@ -118,9 +118,16 @@ test('prefix caching: a repeated long prompt reuses cached blocks, same answer',
     assert.ok(usage && usage.prompt_tokens_details.cached_tokens >= cached);
     const job = await api(`/v1/jobs/${second.id}`);
     assert.equal(job.json.usage.prompt_tokens_details.cached_tokens, cached);
-    const m = await api('/metrics', { key: ADMIN });
-    const hits = m.text.match(/^glmspark_engine_prefix_cache_hit_tokens_total\{[^}]*\} (\d+)$/m);
-    assert.ok(hits && Number(hits[1]) >= cached, 'the engine counts the hits in /metrics');
+    // The engine publishes its counters with its heartbeat (every second): wait for one.
+    let hits = null;
+    for (const deadline = Date.now() + 10000; Date.now() < deadline;) {
+        const m = await api('/metrics', { key: ADMIN });
+        hits = m.text.match(/^glmspark_engine_prefix_cache_hit_tokens_total\{[^}]*\} (\d+)$/m);
+        if (hits && Number(hits[1]) >= cached) break;
+        await sleep(250);
+    }
+    assert.ok(hits && Number(hits[1]) >= cached,
+        `the engine counts the hits in /metrics (${hits ? hits[1] : 'no series'}, want >= ${cached})`);
 });
 
 test('chat: non-streamed answer with usage', async () => {

@@ -19,11 +19,11 @@ check() {  # check LIBNAME REGEX
         fail=1
     fi
 }
-check glmspark_shared '^(err_|log_|buf_|tok_|chat_|utf8_|apikey_|stats_)'
+check glmspark_shared '^(err_|log_|buf_|tok_|chat_|utf8_|apikey_|stats_|jgram_)'
 check engine_model '^(ckpt_|config_|model_|kv_|sampler_)'
 check engine_backend '^(backend_|thread_pool_)'
 check engine_pipeline '^(pp_|sched_|mtp_)'
-check engine_serve '^(serve_|jobq_|recipe_)'
+check engine_serve '^(serve_|jobq_|recipe_|constrain_)'
 check engine_tools '^(mkmodel_)'
 check engine_cli '^(cli_)'
 check kernels '^(nvfp4_|mla_|moe_|dsa_|norm_|rope_|sample_|kern_|cuda_backend_|gemm_|attn_|embed_|act_)'

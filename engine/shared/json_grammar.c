@@ -1,0 +1,1212 @@
+/*
+ * json_grammar.c - JSON / JSON-Schema subset automaton (json_grammar.h).
+ *
+ * Compiling: every schema object becomes a node (an index into g->nodes): the JSON types it
+ * allows, or a list of literal texts (enum, const: their compact serialisation), or a union
+ * of other nodes (anyOf, flattened). Node 0 is "any value". $ref is inlined (a reference
+ * to itself, directly or not, is refused). Each node also gets the shortest text that is
+ * a valid value of it (node->min), which jgram_completion() stitches together.
+ *
+ * Matching: a thread is a stack of frames, one per value being read (ROOT at the bottom,
+ * then objects, arrays, and on top a key, string, number or literal). A byte goes to the
+ * top frame; numbers and literals end when a byte does not continue them (greedy: no
+ * JSON value is a proper prefix of another except by digits, letters, '.', '+', '-', which
+ * never follow a value), and the byte then goes to the frame below. Where a value of a
+ * union starts, the thread splits into one per alternative; threads that reject a byte
+ * die, equal ones merge.
+ *
+ * Frame fields, per kind (a, b, c, set):
+ *   ROOT  st 0 waiting for the value (a: whitespace bytes seen), 1 done
+ *   OBJ   st OB_*; set: declared properties seen; a: keys read; b: a space may come;
+ *         c: the node of the value after the key being read
+ *   KEY   set: declared names still matching; a: bytes read while some match; st, b:
+ *         string escape state and UTF-8 bytes pending
+ *   STR   a: code points (saturating at minLength without maxLength); st, b as KEY
+ *   NUM   st N_*; a: digits in the current part; c: 1 for integers
+ *   LIT   set: literals still matching; a: bytes read; b: 1 for true/false/null
+ *   ARR   st AR_*; a: items begun; b: a space may come
+ */
+#include "engine/shared/json_grammar.h"
+
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { T_NULL = 1, T_BOOL = 2, T_INT = 4, T_NUM = 8, T_STR = 16, T_ARR = 32, T_OBJ = 64, T_ALL = 127 };
+enum { K_ROOT = 1, K_OBJ, K_KEY, K_STR, K_NUM, K_LIT, K_ARR };
+enum { OB_FIRST, OB_INKEY, OB_COLON, OB_VALUE, OB_INVAL, OB_NEXT, OB_KEY };
+enum { AR_FIRST, AR_INVAL, AR_NEXT, AR_VALUE };
+enum { N_SIGN, N_ZERO, N_INT, N_DOT, N_FRAC, N_E, N_ESIGN, N_EXP };
+enum {
+    MAX_ALTS = 8,
+    MAX_PROPS = 64,
+    MAX_LITS = 64,
+    MAX_NODES = 4096,
+    MAX_TEXT = 1 << 16,
+    MAX_SCHEMA_DEPTH = 32,
+    MAX_REFS = 32,
+    NONE = UINT32_MAX,
+};
+
+typedef struct Node {
+    uint8_t types;  // T_* (with no literals and no alternatives)
+    int n_lits, lit0;          // literals g->lits[lit0 ..]
+    int n_alts;                // union of alts[] (leaf nodes)
+    uint16_t alts[MAX_ALTS];
+    uint32_t min_len, max_len;      // strings, code points (max NONE: unbounded)
+    uint32_t min_items, max_items;  // arrays (max NONE: unbounded)
+    int items;                      // node of the items
+    int n_props, prop0;             // properties g->props[prop0 ..]
+    uint64_t required;              // bit i: property prop0 + i
+    int addl;                       // node of additional properties' values, -1: none
+    char *min;                      // shortest valid text (owned)
+    int n_min;
+} Node;
+
+typedef struct Text {  // bytes in g->text
+    int off, len;
+} Text;
+
+typedef struct Prop {
+    Text name;  // JSON-escaped, without quotes
+    int node;
+} Prop;
+
+struct JgramGrammar {
+    Node *nodes;
+    int n_nodes, cap_nodes;
+    Text *lits;
+    int n_lits, cap_lits;
+    Prop *props;
+    int n_props, cap_props;
+    char *text;
+    int n_text, cap_text;
+    int root;
+};
+
+static const char *const BUILTIN[3] = {"true", "false", "null"};
+
+// ---------------------------------------------------------------------------
+// Compiling
+
+typedef struct Compiler {
+    JgramGrammar *g;
+    json_object *root_schema;
+    const char *refs[MAX_REFS];  // $refs being inlined (cycle check)
+    int n_refs;
+    char *msg;
+    size_t cap;
+    Err err;
+} Compiler;
+
+static int fail(Compiler *c, Err err, const char *path, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+// Record the first error (message "<detail> at <JSON pointer>"); returns -1.
+static int fail(Compiler *c, Err err, const char *path, const char *fmt, ...)
+{
+    if (c->err == ERR_OK) {
+        c->err = err;
+        char detail[160];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(detail, sizeof detail, fmt, ap);
+        va_end(ap);
+        snprintf(c->msg, c->cap, "%s at %s", detail, *path ? path : "/");
+    }
+    return -1;
+}
+
+static bool grow(void **p, int *cap, int need, size_t size)
+{
+    if (need <= *cap) return true;
+    int n = *cap ? *cap : 16;
+    while (n < need) n *= 2;
+    void *q = realloc(*p, (size_t) n * size);
+    if (!q) return false;
+    *p = q;
+    *cap = n;
+    return true;
+}
+
+static bool add_text(JgramGrammar *g, const char *s, int n, Text *out)
+{
+    if (g->n_text + n > MAX_TEXT) return false;
+    if (!grow((void **) &g->text, &g->cap_text, g->n_text + n + 1, 1)) return false;
+    memcpy(g->text + g->n_text, s, (size_t) n);
+    out->off = g->n_text;
+    out->len = n;
+    g->n_text += n;
+    return true;
+}
+
+static int new_node(Compiler *c, const char *path)
+{
+    JgramGrammar *g = c->g;
+    if (g->n_nodes == MAX_NODES) return fail(c, ERR_INVAL, path, "schema has too many nodes");
+    if (!grow((void **) &g->nodes, &g->cap_nodes, g->n_nodes + 1, sizeof(Node)))
+        return fail(c, ERR_NOMEM, path, "out of memory");
+    Node *n = &g->nodes[g->n_nodes];
+    memset(n, 0, sizeof *n);
+    n->max_len = n->max_items = NONE;
+    n->addl = -1;
+    return g->n_nodes++;
+}
+
+// Append text to a growing min string (NULL when over the limit).
+typedef struct Sb {
+    char *p;
+    int n, cap;
+    bool bad;
+} Sb;
+
+static void sb_add(Sb *s, const char *t, int n)
+{
+    if (s->bad) return;
+    if (s->n + n > MAX_TEXT || !grow((void **) &s->p, &s->cap, s->n + n + 1, 1)) {
+        s->bad = true;
+        return;
+    }
+    memcpy(s->p + s->n, t, (size_t) n);
+    s->n += n;
+}
+
+// Fill node->min: the shortest valid text of a value of node k.
+static int set_min(Compiler *c, int k, const char *path)
+{
+    JgramGrammar *g = c->g;
+    Node *n = &g->nodes[k];
+    Sb best = {0};
+    int best_len = INT_MAX;
+    Sb s = {0};
+#define TAKE()                                                \
+    do {                                                      \
+        if (!s.bad && s.n < best_len) {                       \
+            free(best.p);                                     \
+            best = s;                                         \
+            best_len = s.n;                                   \
+        } else {                                              \
+            free(s.p);                                        \
+        }                                                     \
+        s = (Sb){0};                                          \
+    } while (0)
+    if (n->n_lits > 0) {
+        for (int i = 0; i < n->n_lits; i++) {
+            const Text *t = &g->lits[n->lit0 + i];
+            sb_add(&s, g->text + t->off, t->len);
+            TAKE();
+        }
+    } else if (n->n_alts > 0) {
+        for (int i = 0; i < n->n_alts; i++) {
+            const Node *a = &g->nodes[n->alts[i]];
+            sb_add(&s, a->min, a->n_min);
+            TAKE();
+        }
+    } else {
+        if (n->types & T_NULL) {
+            sb_add(&s, "null", 4);
+            TAKE();
+        }
+        if (n->types & T_BOOL) {
+            sb_add(&s, "true", 4);
+            TAKE();
+        }
+        if (n->types & (T_INT | T_NUM)) {
+            sb_add(&s, "0", 1);
+            TAKE();
+        }
+        if (n->types & T_STR) {
+            sb_add(&s, "\"", 1);
+            for (uint32_t i = 0; i < n->min_len && !s.bad; i++) sb_add(&s, "a", 1);
+            sb_add(&s, "\"", 1);
+            TAKE();
+        }
+        if (n->types & T_ARR) {
+            const Node *it = &g->nodes[n->items];
+            sb_add(&s, "[", 1);
+            for (uint32_t i = 0; i < n->min_items && !s.bad; i++) {
+                if (i) sb_add(&s, ",", 1);
+                sb_add(&s, it->min, it->n_min);
+            }
+            sb_add(&s, "]", 1);
+            TAKE();
+        }
+        if (n->types & T_OBJ) {
+            sb_add(&s, "{", 1);
+            bool first = true;
+            for (int i = 0; i < n->n_props; i++) {
+                if (!(n->required >> i & 1)) continue;
+                const Prop *p = &g->props[n->prop0 + i];
+                const Node *v = &g->nodes[p->node];
+                if (!first) sb_add(&s, ",", 1);
+                first = false;
+                sb_add(&s, "\"", 1);
+                sb_add(&s, g->text + p->name.off, p->name.len);
+                sb_add(&s, "\":", 2);
+                sb_add(&s, v->min, v->n_min);
+            }
+            sb_add(&s, "}", 1);
+            TAKE();
+        }
+    }
+#undef TAKE
+    if (!best.p) return fail(c, ERR_INVAL, path, "no value satisfies the schema (or its smallest one exceeds 64 KiB)");
+    n = &g->nodes[k];
+    n->min = best.p;
+    n->n_min = best.n;
+    return k;
+}
+
+static bool is_annotation(const char *key)
+{
+    static const char *const ann[] = {"title",      "description", "default",  "examples",
+                                      "$schema",    "$id",         "$comment", "deprecated",
+                                      "readOnly",   "writeOnly",   "strict",   "$defs",
+                                      "definitions", NULL};
+    for (int i = 0; ann[i]; i++)
+        if (!strcmp(key, ann[i])) return true;
+    return false;
+}
+
+static int compile_node(Compiler *c, json_object *s, const char *path, int depth);
+
+static bool get_count(Compiler *c, json_object *s, const char *key, uint32_t *out, const char *path)
+{
+    json_object *v;
+    if (!json_object_object_get_ex(s, key, &v)) return true;
+    if (!json_object_is_type(v, json_type_int) || json_object_get_int64(v) < 0 ||
+        json_object_get_int64(v) > 65535) {
+        fail(c, ERR_INVAL, path, "'%s' must be an integer from 0 to 65535", key);
+        return false;
+    }
+    *out = (uint32_t) json_object_get_int64(v);
+    return true;
+}
+
+static int type_bit(const char *t)
+{
+    static const char *const names[] = {"null", "boolean", "integer", "number", "string", "array", "object"};
+    for (int i = 0; i < 7; i++)
+        if (!strcmp(t, names[i])) return 1 << i;
+    return 0;
+}
+
+static int compile_ref(Compiler *c, const char *ref, const char *path, int depth)
+{
+    const char *name = NULL;
+    const char *box = NULL;
+    if (!strncmp(ref, "#/$defs/", 8)) name = ref + 8, box = "$defs";
+    else if (!strncmp(ref, "#/definitions/", 14)) name = ref + 14, box = "definitions";
+    json_object *defs, *target;
+    if (!name || !json_object_object_get_ex(c->root_schema, box, &defs) ||
+        !json_object_is_type(defs, json_type_object) ||
+        !json_object_object_get_ex(defs, name, &target))
+        return fail(c, ERR_INVAL, path, "'$ref' \"%.80s\" does not name an entry of $defs", ref);
+    for (int i = 0; i < c->n_refs; i++)
+        if (!strcmp(c->refs[i], ref))
+            return fail(c, ERR_INVAL, path, "recursive '$ref' \"%.80s\" is not supported", ref);
+    if (c->n_refs == MAX_REFS) return fail(c, ERR_INVAL, path, "'$ref' nested too deep");
+    c->refs[c->n_refs++] = ref;
+    const int k = compile_node(c, target, path, depth + 1);
+    c->n_refs--;
+    return k;
+}
+
+static int compile_node(Compiler *c, json_object *s, const char *path, int depth)
+{
+    JgramGrammar *g = c->g;
+    if (depth > MAX_SCHEMA_DEPTH) return fail(c, ERR_INVAL, path, "schema nested too deep");
+    if (json_object_is_type(s, json_type_boolean)) {
+        if (json_object_get_boolean(s)) return 0;
+        return fail(c, ERR_INVAL, path, "the schema false accepts nothing");
+    }
+    if (!json_object_is_type(s, json_type_object))
+        return fail(c, ERR_INVAL, path, "a schema must be an object");
+    // Every keyword must be one we honour (or an annotation).
+    static const char *const known[] = {"type",  "enum",      "const",     "properties",
+                                        "required", "additionalProperties", "items", "minItems",
+                                        "maxItems", "minLength", "maxLength", "anyOf", "$ref", NULL};
+    json_object_object_foreach(s, key, val) {
+        (void) val;
+        bool ok = is_annotation(key);
+        for (int i = 0; known[i] && !ok; i++) ok = !strcmp(key, known[i]);
+        if (!ok) return fail(c, ERR_INVAL, path, "unsupported keyword '%.64s'", key);
+    }
+    json_object *v;
+    char sub[256];
+    if (json_object_object_get_ex(s, "$ref", &v)) {
+        if (!json_object_is_type(v, json_type_string))
+            return fail(c, ERR_INVAL, path, "'$ref' must be a string");
+        json_object_object_foreach(s, k2, v2) {
+            (void) v2;
+            if (strcmp(k2, "$ref") && !is_annotation(k2))
+                return fail(c, ERR_INVAL, path, "'%.64s' alongside '$ref' is not supported", k2);
+        }
+        return compile_ref(c, json_object_get_string(v), path, depth);
+    }
+    if (json_object_object_get_ex(s, "anyOf", &v)) {
+        json_object_object_foreach(s, k2, v2) {
+            (void) v2;
+            if (strcmp(k2, "anyOf") && !is_annotation(k2))
+                return fail(c, ERR_INVAL, path, "'%.64s' alongside 'anyOf' is not supported", k2);
+        }
+        if (!json_object_is_type(v, json_type_array) || json_object_array_length(v) == 0)
+            return fail(c, ERR_INVAL, path, "'anyOf' must be a non-empty array");
+        uint16_t alts[MAX_ALTS];
+        int n_alts = 0;
+        for (size_t i = 0; i < json_object_array_length(v); i++) {
+            snprintf(sub, sizeof sub, "%s/anyOf/%zu", path, i);
+            const int a = compile_node(c, json_object_array_get_idx(v, i), sub, depth + 1);
+            if (a < 0) return -1;
+            const Node *an = &g->nodes[a];
+            const int n_add = an->n_alts ? an->n_alts : 1;
+            if (n_alts + n_add > MAX_ALTS)
+                return fail(c, ERR_INVAL, path, "'anyOf' with more than 8 alternatives");
+            if (an->n_alts) memcpy(alts + n_alts, an->alts, (size_t) an->n_alts * sizeof *alts);
+            else alts[n_alts] = (uint16_t) a;
+            n_alts += n_add;
+        }
+        const int k = new_node(c, path);
+        if (k < 0) return -1;
+        memcpy(g->nodes[k].alts, alts, sizeof alts);
+        g->nodes[k].n_alts = n_alts;
+        return set_min(c, k, path);
+    }
+    const int k = new_node(c, path);
+    if (k < 0) return -1;
+    // enum / const: the literal texts.
+    json_object *e = NULL, *cst = NULL;
+    json_object_object_get_ex(s, "enum", &e);
+    json_object_object_get_ex(s, "const", &cst);
+    if (e || cst) {
+        if (e && cst) return fail(c, ERR_INVAL, path, "'enum' alongside 'const' is not supported");
+        if (e && (!json_object_is_type(e, json_type_array) || json_object_array_length(e) == 0))
+            return fail(c, ERR_INVAL, path, "'enum' must be a non-empty array");
+        const int n = e ? (int) json_object_array_length(e) : 1;
+        if (n > MAX_LITS) return fail(c, ERR_INVAL, path, "'enum' with more than 64 values");
+        g->nodes[k].lit0 = g->n_lits;
+        for (int i = 0; i < n; i++) {
+            json_object *x = e ? json_object_array_get_idx(e, (size_t) i) : cst;
+            const char *t = x ? json_object_to_json_string_ext(
+                                    x, JSON_C_TO_STRING_PLAIN | JSON_C_TO_STRING_NOSLASHESCAPE)
+                              : "null";
+            if (!grow((void **) &g->lits, &g->cap_lits, g->n_lits + 1, sizeof(Text)) ||
+                !add_text(g, t, (int) strlen(t), &g->lits[g->n_lits]))
+                return fail(c, ERR_INVAL, path, "the schema's literals exceed 64 KiB");
+            g->n_lits++;
+        }
+        g->nodes[k].n_lits = n;
+        return set_min(c, k, path);
+    }
+    // type
+    int types = 0;
+    if (json_object_object_get_ex(s, "type", &v)) {
+        if (json_object_is_type(v, json_type_string)) {
+            types = type_bit(json_object_get_string(v));
+        } else if (json_object_is_type(v, json_type_array) && json_object_array_length(v) > 0) {
+            for (size_t i = 0; i < json_object_array_length(v); i++) {
+                json_object *t = json_object_array_get_idx(v, i);
+                const int b = json_object_is_type(t, json_type_string) ? type_bit(json_object_get_string(t)) : 0;
+                if (!b) {
+                    types = 0;
+                    break;
+                }
+                types |= b;
+            }
+        }
+        if (!types)
+            return fail(c, ERR_INVAL, path, "%s",
+                        "'type' must be null, boolean, integer, number, string, array, object or an array of them");
+    } else if (json_object_object_get_ex(s, "properties", &v) ||
+               json_object_object_get_ex(s, "required", &v) ||
+               json_object_object_get_ex(s, "additionalProperties", &v)) {
+        types = T_OBJ;
+    } else if (json_object_object_get_ex(s, "items", &v) ||
+               json_object_object_get_ex(s, "minItems", &v) ||
+               json_object_object_get_ex(s, "maxItems", &v)) {
+        types = T_ARR;
+    } else if (json_object_object_get_ex(s, "minLength", &v) ||
+               json_object_object_get_ex(s, "maxLength", &v)) {
+        types = T_STR;
+    } else {
+        types = T_ALL;
+    }
+    g->nodes[k].types = (uint8_t) types;
+    // strings
+    uint32_t lo = 0, hi = NONE;
+    if (!get_count(c, s, "minLength", &lo, path) || !get_count(c, s, "maxLength", &hi, path)) return -1;
+    if (hi != NONE && hi < lo) return fail(c, ERR_INVAL, path, "'maxLength' is below 'minLength'");
+    g->nodes[k].min_len = lo;
+    g->nodes[k].max_len = hi;
+    // arrays
+    lo = 0, hi = NONE;
+    if (!get_count(c, s, "minItems", &lo, path) || !get_count(c, s, "maxItems", &hi, path)) return -1;
+    if (hi != NONE && hi < lo) return fail(c, ERR_INVAL, path, "'maxItems' is below 'minItems'");
+    g->nodes[k].min_items = lo;
+    g->nodes[k].max_items = hi;
+    int items = 0;
+    if (json_object_object_get_ex(s, "items", &v)) {
+        snprintf(sub, sizeof sub, "%s/items", path);
+        if ((items = compile_node(c, v, sub, depth + 1)) < 0) return -1;
+    }
+    g->nodes[k].items = items;
+    // objects
+    json_object *props = NULL, *req = NULL, *addl = NULL;
+    json_object_object_get_ex(s, "properties", &props);
+    json_object_object_get_ex(s, "required", &req);
+    json_object_object_get_ex(s, "additionalProperties", &addl);
+    if (props && !json_object_is_type(props, json_type_object))
+        return fail(c, ERR_INVAL, path, "'properties' must be an object");
+    const int n_props = props ? json_object_object_length(props) : 0;
+    if (n_props > MAX_PROPS) return fail(c, ERR_INVAL, path, "more than 64 'properties'");
+    // Reserve the property slots first: compiling a property's schema adds others.
+    const int prop0 = g->n_props;
+    if (!grow((void **) &g->props, &g->cap_props, g->n_props + n_props, sizeof(Prop)))
+        return fail(c, ERR_NOMEM, path, "out of memory");
+    g->n_props += n_props;
+    g->nodes[k].prop0 = prop0;
+    g->nodes[k].n_props = n_props;
+    int i = 0;
+    if (props) {
+        json_object_object_foreach(props, name, ps) {
+            json_object *js = json_object_new_string(name);
+            const char *esc = js ? json_object_to_json_string_ext(
+                                       js, JSON_C_TO_STRING_PLAIN | JSON_C_TO_STRING_NOSLASHESCAPE)
+                                 : NULL;
+            Text t = {0};
+            const bool ok = esc && add_text(g, esc + 1, (int) strlen(esc) - 2, &t);
+            json_object_put(js);
+            if (!ok) return fail(c, ERR_INVAL, path, "the schema's names exceed 64 KiB");
+            snprintf(sub, sizeof sub, "%s/properties/%.64s", path, name);
+            const int pn = compile_node(c, ps, sub, depth + 1);
+            if (pn < 0) return -1;
+            g->props[prop0 + i].name = t;
+            g->props[prop0 + i].node = pn;
+            i++;
+        }
+    }
+    if (req) {
+        if (!json_object_is_type(req, json_type_array))
+            return fail(c, ERR_INVAL, path, "'required' must be an array of property names");
+        for (size_t r = 0; r < json_object_array_length(req); r++) {
+            json_object *x = json_object_array_get_idx(req, r);
+            int found = -1;
+            if (json_object_is_type(x, json_type_string) && props) {
+                int j = 0;
+                json_object_object_foreach(props, name, ps) {
+                    (void) ps;
+                    if (!strcmp(name, json_object_get_string(x))) found = j;
+                    j++;
+                }
+            }
+            if (found < 0)
+                return fail(c, ERR_INVAL, path, "'required' names \"%.64s\", which is not in 'properties'",
+                            json_object_is_type(x, json_type_string) ? json_object_get_string(x) : "?");
+            g->nodes[k].required |= 1ull << found;
+        }
+    }
+    if (addl) {
+        if (json_object_is_type(addl, json_type_boolean)) {
+            g->nodes[k].addl = json_object_get_boolean(addl) ? 0 : -1;
+        } else {
+            snprintf(sub, sizeof sub, "%s/additionalProperties", path);
+            const int a = compile_node(c, addl, sub, depth + 1);
+            if (a < 0) return -1;
+            g->nodes[k].addl = a;
+        }
+    } else {
+        g->nodes[k].addl = n_props > 0 ? -1 : 0;
+    }
+    return set_min(c, k, path);
+}
+
+Err jgram_compile(json_object *schema, JgramGrammar **out, char *msg, size_t cap)
+{
+    *out = NULL;
+    if (cap) msg[0] = 0;
+    JgramGrammar *g = calloc(1, sizeof *g);
+    if (!g) return ERR_NOMEM;
+    Compiler c = {g, schema, {0}, 0, msg, cap, ERR_OK};
+    // Node 0: any value (any properties, any items).
+    int k = new_node(&c, "");
+    if (k == 0) {
+        g->nodes[0].types = T_ALL;
+        g->nodes[0].addl = 0;
+        g->nodes[0].items = 0;
+        k = set_min(&c, 0, "");
+    }
+    if (k == 0 && !schema) {  // {"type": "json_object"}: an object of any values
+        if ((k = new_node(&c, "")) > 0) {
+            g->nodes[k].types = T_OBJ;
+            g->nodes[k].addl = 0;
+            k = set_min(&c, k, "");
+        }
+    } else if (k == 0) {
+        k = compile_node(&c, schema, "", 0);
+    }
+    if (k < 0) {
+        jgram_free(g);
+        return c.err ? c.err : ERR_INVAL;
+    }
+    g->root = k;
+    *out = g;
+    return ERR_OK;
+}
+
+void jgram_free(JgramGrammar *g)
+{
+    if (!g) return;
+    for (int i = 0; i < g->n_nodes; i++) free(g->nodes[i].min);
+    free(g->nodes);
+    free(g->lits);
+    free(g->props);
+    free(g->text);
+    free(g);
+}
+
+// ---------------------------------------------------------------------------
+// Matching
+
+static JgramFrame *top(JgramThread *t) { return &t->f[t->depth - 1]; }
+
+static bool push(JgramThread *t, int kind, int node)
+{
+    if (t->depth == JGRAM_MAX_DEPTH) return false;
+    JgramFrame *f = &t->f[t->depth++];
+    memset(f, 0, sizeof *f);
+    f->kind = (uint8_t) kind;
+    f->node = (uint16_t) node;
+    return true;
+}
+
+// The top value is complete: pop it and move its container on.
+static void pop_value(JgramThread *t)
+{
+    t->depth--;
+    JgramFrame *p = top(t);
+    if (p->kind == K_ROOT) p->st = 1;
+    else if (p->kind == K_OBJ) p->st = OB_NEXT;
+    else if (p->kind == K_ARR) p->st = AR_NEXT;
+}
+
+// A byte of a string (or key): -1 invalid, 0 inside a character or escape, 1 a new
+// character starts, 2 the closing quote.
+static int str_byte(JgramFrame *f, uint8_t c)
+{
+    if (f->st == 1) {
+        if (c == 'u') {
+            f->st = 2;
+            return 0;
+        }
+        if (!strchr("\"\\/bfnrt", c) || !c) return -1;
+        f->st = 0;
+        return 0;
+    }
+    if (f->st >= 2) {
+        const bool hex = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+        if (!hex) return -1;
+        f->st = f->st == 5 ? 0 : (uint8_t) (f->st + 1);
+        return 0;
+    }
+    if (f->b > 0) {  // low bits: bytes pending; high bits: the first one's range (UTF-8)
+        const uint32_t r = f->b >> 4;
+        const int lo = r == 1 ? 0xA0 : r == 3 ? 0x90 : 0x80, hi = r == 2 ? 0x9F : r == 4 ? 0x8F : 0xBF;
+        if (c < lo || c > hi) return -1;
+        f->b = (f->b & 0xF) - 1;
+        return 0;
+    }
+    if (c == '"') return 2;
+    if (c == '\\') {
+        f->st = 1;
+        return 1;
+    }
+    if (c < 0x20) return -1;
+    if (c < 0x80) return 1;
+    if (c >= 0xC2 && c <= 0xDF) f->b = 1;
+    else if (c == 0xE0) f->b = 2 | 1 << 4;  // A0..BF next (no overlong forms)
+    else if (c == 0xED) f->b = 2 | 2 << 4;  // 80..9F next (no surrogates)
+    else if (c >= 0xE1 && c <= 0xEF) f->b = 2;
+    else if (c == 0xF0) f->b = 3 | 3 << 4;  // 90..BF next
+    else if (c == 0xF4) f->b = 3 | 4 << 4;  // 80..8F next (up to U+10FFFF)
+    else if (c >= 0xF1 && c <= 0xF3) f->b = 3;
+    else return -1;
+    return 1;
+}
+
+static int lit_len(const JgramGrammar *g, const JgramFrame *f, int i)
+{
+    return f->b ? (int) strlen(BUILTIN[i]) : g->lits[g->nodes[f->node].lit0 + i].len;
+}
+
+static const char *lit_text(const JgramGrammar *g, const JgramFrame *f, int i)
+{
+    return f->b ? BUILTIN[i] : g->text + g->lits[g->nodes[f->node].lit0 + i].off;
+}
+
+static bool num_complete(const JgramFrame *f)
+{
+    return f->st == N_ZERO || f->st == N_INT || f->st == N_FRAC || f->st == N_EXP;
+}
+
+static bool lit_complete(const JgramGrammar *g, const JgramFrame *f)
+{
+    for (int i = 0; i < 64; i++)
+        if ((f->set >> i & 1) && lit_len(g, f, i) == (int) f->a) return true;
+    return false;
+}
+
+typedef struct Out {
+    JgramThread *t;
+    int n, cap;
+} Out;
+
+static void emit(Out *o, const JgramThread *t)
+{
+    if (o->n < o->cap) {
+        JgramThread *d = &o->t[o->n++];
+        d->depth = t->depth;
+        memcpy(d->f, t->f, (size_t) t->depth * sizeof *t->f);
+    }
+}
+
+static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o);
+
+// Push the value of leaf node k that byte c starts, then feed c to it.
+static void begin_value(const JgramGrammar *g, JgramThread *t, int k, uint8_t c, Out *o)
+{
+    const Node *n = &g->nodes[k];
+    if (n->n_lits > 0) {
+        if (!push(t, K_LIT, k)) return;
+        top(t)->set = n->n_lits == 64 ? ~0ull : (1ull << n->n_lits) - 1;
+        feed_thread(g, t, c, o);
+        return;
+    }
+    int kind = 0;
+    uint64_t set = 0;
+    if (c == '"' && (n->types & T_STR)) kind = K_STR;
+    else if (c == '{' && (n->types & T_OBJ)) kind = K_OBJ;
+    else if (c == '[' && (n->types & T_ARR)) kind = K_ARR;
+    else if ((c == '-' || (c >= '0' && c <= '9')) && (n->types & (T_INT | T_NUM))) kind = K_NUM;
+    else if ((c == 't' || c == 'f') && (n->types & T_BOOL)) kind = K_LIT, set = 3;
+    else if (c == 'n' && (n->types & T_NULL)) kind = K_LIT, set = 4;
+    if (!kind || !push(t, kind, k)) return;
+    JgramFrame *f = top(t);
+    switch (kind) {
+    case K_STR:
+        break;  // the opening quote
+    case K_OBJ:
+        f->st = OB_FIRST;
+        break;
+    case K_ARR:
+        f->st = AR_FIRST;
+        break;
+    case K_NUM:
+        f->c = !(n->types & T_NUM);
+        f->st = c == '-' ? N_SIGN : c == '0' ? N_ZERO : N_INT;
+        f->a = c >= '1' && c <= '9';
+        break;
+    case K_LIT:
+        f->b = 1;
+        f->set = set;
+        feed_thread(g, t, c, o);
+        return;
+    }
+    emit(o, t);
+}
+
+// A value of node k starts with byte c: one thread per alternative.
+static void start_value(const JgramGrammar *g, JgramThread *t, int k, uint8_t c, Out *o)
+{
+    const Node *n = &g->nodes[k];
+    if (n->n_alts == 0) {
+        begin_value(g, t, k, c, o);
+        return;
+    }
+    for (int i = 0; i < n->n_alts; i++) {
+        JgramThread copy;
+        copy.depth = t->depth;
+        memcpy(copy.f, t->f, (size_t) t->depth * sizeof *t->f);
+        begin_value(g, &copy, n->alts[i], c, o);
+    }
+}
+
+static bool more_keys(const JgramGrammar *g, const JgramFrame *f)
+{
+    const Node *n = &g->nodes[f->node];
+    const uint64_t all = n->n_props == 64 ? ~0ull : (1ull << n->n_props) - 1;
+    return n->addl >= 0 || (f->set & all) != all;
+}
+
+// The declared names a new key may still become: all of them where additional keys are
+// allowed (a key equal to a seen name is then caught as a duplicate when it closes), else
+// the unseen ones.
+static uint64_t key_candidates(const Node *n, uint64_t seen)
+{
+    const uint64_t all = n->n_props == 64 ? ~0ull : (1ull << n->n_props) - 1;
+    return n->addl >= 0 ? all : all & ~seen;
+}
+
+static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o)
+{
+    for (;;) {
+        JgramFrame *f = top(t);
+        const Node *n = &g->nodes[f->node];
+        switch (f->kind) {
+        case K_ROOT:
+            if (f->st != 0) return;
+            if ((c == ' ' || c == '\n') && f->a < 2) {
+                f->a++;
+                emit(o, t);
+                return;
+            }
+            start_value(g, t, g->root, c, o);
+            return;
+        case K_OBJ:
+            switch (f->st) {
+            case OB_FIRST:
+            case OB_NEXT:
+                if (c == '}' && (f->set & n->required) == n->required) {
+                    pop_value(t);
+                    emit(o, t);
+                } else if (c == '"' && f->st == OB_FIRST && more_keys(g, f)) {
+                    f->st = OB_INKEY;
+                    const uint64_t seen = f->set;
+                    if (!push(t, K_KEY, f->node)) return;
+                    top(t)->set = key_candidates(n, seen);
+                    emit(o, t);
+                } else if (c == ',' && f->st == OB_NEXT && more_keys(g, f)) {
+                    f->st = OB_KEY;
+                    f->b = 1;
+                    emit(o, t);
+                }
+                return;
+            case OB_KEY:
+                if (c == ' ' && f->b) {
+                    f->b = 0;
+                    emit(o, t);
+                } else if (c == '"') {
+                    f->st = OB_INKEY;
+                    f->b = 0;
+                    const uint64_t seen = f->set;
+                    if (!push(t, K_KEY, f->node)) return;
+                    top(t)->set = key_candidates(n, seen);
+                    emit(o, t);
+                }
+                return;
+            case OB_COLON:
+                if (c == ':') {
+                    f->st = OB_VALUE;
+                    f->b = 1;
+                    emit(o, t);
+                }
+                return;
+            case OB_VALUE:
+                if (c == ' ' && f->b) {
+                    f->b = 0;
+                    emit(o, t);
+                    return;
+                }
+                f->st = OB_INVAL;
+                f->b = 0;
+                start_value(g, t, (int) f->c, c, o);
+                return;
+            default:
+                return;
+            }
+        case K_KEY: {
+            if (f->st == 0 && f->b == 0 && c == '"') {
+                int prop = -1;
+                for (int i = 0; i < n->n_props; i++)
+                    if ((f->set >> i & 1) && g->props[n->prop0 + i].name.len == (int) f->a) prop = i;
+                t->depth--;
+                JgramFrame *p = top(t);
+                if (prop >= 0) {
+                    if (p->set >> prop & 1) return;  // a duplicate key
+                    p->set |= 1ull << prop;
+                    p->c = (uint32_t) g->props[n->prop0 + prop].node;
+                } else if (n->addl >= 0) {
+                    p->c = (uint32_t) n->addl;
+                } else {
+                    return;
+                }
+                p->st = OB_COLON;
+                p->a++;
+                emit(o, t);
+                return;
+            }
+            uint64_t keep = 0;
+            for (int i = 0; i < n->n_props; i++) {
+                const Text *nm = &g->props[n->prop0 + i].name;
+                if ((f->set >> i & 1) && (int) f->a < nm->len && (uint8_t) g->text[nm->off + (int) f->a] == c)
+                    keep |= 1ull << i;
+            }
+            if (str_byte(f, c) < 0) return;  // (a closing quote here was handled above)
+            if (!keep && n->addl < 0) return;
+            f->set = keep;
+            if (keep) f->a++;
+            else f->a = 0;  // no declared name matches: the count no longer matters
+            emit(o, t);
+            return;
+        }
+        case K_STR: {
+            const int r = str_byte(f, c);
+            if (r < 0) return;
+            if (r == 2) {
+                if (f->a < n->min_len) return;
+                pop_value(t);
+            } else if (r == 1) {
+                if (n->max_len != NONE) {
+                    if (f->a >= n->max_len) return;
+                    f->a++;
+                } else if (f->a < n->min_len) {
+                    f->a++;
+                }
+            }
+            emit(o, t);
+            return;
+        }
+        case K_NUM: {
+            const bool digit = c >= '0' && c <= '9';
+            int next = -1;
+            switch (f->st) {
+            case N_SIGN:
+                if (digit) next = c == '0' ? N_ZERO : N_INT;
+                break;
+            case N_ZERO:
+            case N_INT:
+                if (digit && f->st == N_INT && f->a < 16) next = N_INT;
+                else if (c == '.' && !f->c) next = N_DOT;
+                else if ((c == 'e' || c == 'E') && !f->c) next = N_E;
+                break;
+            case N_DOT:
+                if (digit) next = N_FRAC;
+                break;
+            case N_FRAC:
+                if (digit && f->a < 16) next = N_FRAC;
+                else if (c == 'e' || c == 'E') next = N_E;
+                break;
+            case N_E:
+                if (c == '+' || c == '-') next = N_ESIGN;
+                else if (digit) next = N_EXP;
+                break;
+            case N_ESIGN:
+                if (digit) next = N_EXP;
+                break;
+            case N_EXP:
+                if (digit && f->a < 3) next = N_EXP;
+                break;
+            }
+            if (next >= 0) {
+                f->a = next == f->st ? f->a + 1 : digit ? 1 : 0;
+                f->st = (uint8_t) next;
+                emit(o, t);
+                return;
+            }
+            if (!num_complete(f)) return;
+            pop_value(t);
+            continue;  // the byte goes to the container
+        }
+        case K_LIT: {
+            uint64_t keep = 0;
+            for (int i = 0; i < 64; i++)
+                if ((f->set >> i & 1) && lit_len(g, f, i) > (int) f->a &&
+                    (uint8_t) lit_text(g, f, i)[f->a] == c)
+                    keep |= 1ull << i;
+            if (keep) {
+                f->set = keep;
+                f->a++;
+                emit(o, t);
+                return;
+            }
+            if (!lit_complete(g, f)) return;
+            pop_value(t);
+            continue;
+        }
+        case K_ARR:
+            switch (f->st) {
+            case AR_FIRST:
+            case AR_NEXT:
+                if (c == ']' && f->a >= n->min_items) {
+                    pop_value(t);
+                    emit(o, t);
+                } else if (c == ',' && f->st == AR_NEXT && f->a < n->max_items) {
+                    f->st = AR_VALUE;
+                    f->b = 1;
+                    emit(o, t);
+                } else if (f->st == AR_FIRST && c != ']' && f->a < n->max_items) {
+                    f->st = AR_INVAL;
+                    f->a++;
+                    start_value(g, t, n->items, c, o);
+                }
+                return;
+            case AR_VALUE:
+                if (c == ' ' && f->b) {
+                    f->b = 0;
+                    emit(o, t);
+                    return;
+                }
+                f->st = AR_INVAL;
+                f->b = 0;
+                f->a++;
+                start_value(g, t, n->items, c, o);
+                return;
+            default:
+                return;
+            }
+        default:
+            return;
+        }
+    }
+}
+
+static bool thread_equal(const JgramThread *a, const JgramThread *b)
+{
+    return a->depth == b->depth && !memcmp(a->f, b->f, (size_t) a->depth * sizeof *a->f);
+}
+
+void jgram_start(const JgramGrammar *g, JgramState *st)
+{
+    st->n = 1;
+    st->t[0].depth = 0;
+    push(&st->t[0], K_ROOT, g->root);
+}
+
+bool jgram_feed(const JgramGrammar *g, JgramState *st, uint8_t byte)
+{
+    JgramThread out[JGRAM_MAX_THREADS * MAX_ALTS];
+    Out o = {out, 0, JGRAM_MAX_THREADS * MAX_ALTS};
+    for (int i = 0; i < st->n; i++) feed_thread(g, &st->t[i], byte, &o);
+    // Merge equal threads; keep at most JGRAM_MAX_THREADS (the first ones).
+    int n = 0;
+    for (int i = 0; i < o.n && n < JGRAM_MAX_THREADS; i++) {
+        bool dup = false;
+        for (int j = 0; j < n && !dup; j++) dup = thread_equal(&st->t[j], &out[i]);
+        if (!dup) {
+            st->t[n].depth = out[i].depth;
+            memcpy(st->t[n].f, out[i].f, (size_t) out[i].depth * sizeof *out[i].f);
+            n++;
+        }
+    }
+    st->n = n;
+    return n > 0;
+}
+
+bool jgram_feed_bytes(const JgramGrammar *g, JgramState *st, const void *bytes, size_t n)
+{
+    const uint8_t *b = bytes;
+    for (size_t i = 0; i < n && st->n > 0; i++) jgram_feed(g, st, b[i]);
+    return st->n > 0;
+}
+
+static bool thread_can_end(const JgramGrammar *g, const JgramThread *t)
+{
+    const JgramFrame *f = &t->f[t->depth - 1];
+    if (f->kind == K_ROOT) return f->st == 1;
+    if (t->depth != 2) return false;
+    return (f->kind == K_NUM && num_complete(f)) || (f->kind == K_LIT && lit_complete(g, f));
+}
+
+bool jgram_can_end(const JgramGrammar *g, const JgramState *st)
+{
+    for (int i = 0; i < st->n; i++)
+        if (thread_can_end(g, &st->t[i])) return true;
+    return false;
+}
+
+// ---------------------------------------------------------------------------
+// Completion
+
+static void put(Sb *s, const char *t, int n) { sb_add(s, t, n); }
+
+static void put_min(const JgramGrammar *g, Sb *s, int k) { put(s, g->nodes[k].min, g->nodes[k].n_min); }
+
+// Close object frame f (its pending value written): the required properties not yet
+// seen, then '}'.
+static void close_obj(const JgramGrammar *g, Sb *s, const Node *n, uint64_t seen, bool any_key)
+{
+    for (int i = 0; i < n->n_props; i++) {
+        if (!(n->required >> i & 1) || (seen >> i & 1)) continue;
+        const Prop *p = &g->props[n->prop0 + i];
+        if (any_key) put(s, ",", 1);
+        any_key = true;
+        put(s, "\"", 1);
+        put(s, g->text + p->name.off, p->name.len);
+        put(s, "\":", 2);
+        put_min(g, s, p->node);
+    }
+    put(s, "}", 1);
+}
+
+// A key for object node n (after '"' has been written when open): the first unseen
+// required property, else the first unseen one, else an additional key "".
+static int pick_key(const JgramGrammar *g, const Node *n, uint64_t seen, int *value)
+{
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < n->n_props; i++)
+            if (!(seen >> i & 1) && (pass || (n->required >> i & 1))) {
+                *value = g->props[n->prop0 + i].node;
+                return i;
+            }
+    *value = n->addl;
+    return -1;
+}
+
+static void thread_completion(const JgramGrammar *g, const JgramThread *t, Sb *s)
+{
+    uint64_t seen_add = 0;  // a property the completed key on top chose
+    for (int d = t->depth - 1; d >= 0; d--) {
+        const JgramFrame *f = &t->f[d];
+        const Node *n = &g->nodes[f->node];
+        const bool is_top = d == t->depth - 1;
+        switch (f->kind) {
+        case K_ROOT:
+            if (is_top && f->st == 0) put_min(g, s, g->root);
+            break;
+        case K_STR:
+        case K_KEY: {
+            if (f->st == 1) put(s, "n", 1);
+            for (int i = f->st >= 2 ? f->st : 6; i < 6; i++) put(s, "0", 1);
+            if (f->b) {  // finish the UTF-8 character: a first byte its lead allows
+                const uint32_t r = f->b >> 4;
+                put(s, r == 1 || r == 3 ? "\xA0" : "\x80", 1);
+                for (uint32_t i = 1; i < (f->b & 0xF); i++) put(s, "\x80", 1);
+            }
+            if (f->kind == K_STR) {
+                for (uint32_t i = f->a; i < n->min_len; i++) put(s, "a", 1);
+                put(s, "\"", 1);
+                break;
+            }
+            // A key: finish a declared name still matching (unseen, required first), else
+            // close it as an additional key.
+            const uint64_t seen = t->f[d - 1].set;
+            int best = -1;
+            for (int pass = 0; pass < 2 && best < 0; pass++)
+                for (int i = 0; i < n->n_props && best < 0; i++)
+                    if ((f->set >> i & 1) && !(seen >> i & 1) && (pass || (n->required >> i & 1)))
+                        best = i;
+            int value = n->addl;
+            if (best >= 0 && f->st == 0 && f->b == 0) {
+                const Prop *p = &g->props[n->prop0 + best];
+                put(s, g->text + p->name.off + f->a, p->name.len - (int) f->a);
+                value = p->node;
+                seen_add = 1ull << best;
+            }
+            put(s, "\":", 2);
+            put_min(g, s, value);
+            break;
+        }
+        case K_NUM:
+            if (f->st == N_SIGN || f->st == N_DOT || f->st == N_E || f->st == N_ESIGN) put(s, "0", 1);
+            break;
+        case K_LIT: {
+            int best = -1;
+            for (int i = 0; i < 64; i++)
+                if ((f->set >> i & 1) && lit_len(g, f, i) >= (int) f->a &&
+                    (best < 0 || lit_len(g, f, i) < lit_len(g, f, best)))
+                    best = i;
+            if (best >= 0) put(s, lit_text(g, f, best) + f->a, lit_len(g, f, best) - (int) f->a);
+            break;
+        }
+        case K_OBJ: {
+            uint64_t seen = f->set | seen_add;
+            seen_add = 0;
+            int st = is_top ? f->st : OB_NEXT;
+            int value;
+            if (st == OB_KEY) {
+                const int i = pick_key(g, n, seen, &value);
+                put(s, "\"", 1);
+                if (i >= 0) {
+                    const Prop *p = &g->props[n->prop0 + i];
+                    put(s, g->text + p->name.off, p->name.len);
+                    seen |= 1ull << i;
+                }
+                put(s, "\":", 2);
+                put_min(g, s, value);
+            } else if (st == OB_COLON) {
+                put(s, ":", 1);
+                put_min(g, s, (int) f->c);
+            } else if (st == OB_VALUE) {
+                put_min(g, s, (int) f->c);
+            }
+            close_obj(g, s, n, seen, st != OB_FIRST);
+            break;
+        }
+        case K_ARR: {
+            uint32_t count = f->a;
+            const int st = is_top ? f->st : AR_NEXT;
+            if (st == AR_VALUE) {
+                put_min(g, s, n->items);
+                count++;
+            }
+            for (; count < n->min_items; count++) {
+                if (count > 0) put(s, ",", 1);
+                put_min(g, s, n->items);
+            }
+            put(s, "]", 1);
+            break;
+        }
+        }
+    }
+}
+
+int jgram_completion(const JgramGrammar *g, const JgramState *st, char *out, int cap)
+{
+    int best = -1;
+    if (jgram_can_end(g, st)) return 0;
+    for (int i = 0; i < st->n; i++) {
+        Sb s = {0};
+        thread_completion(g, &st->t[i], &s);
+        if (!s.bad && s.n <= cap && (best < 0 || s.n < best)) {
+            memcpy(out, s.p, (size_t) s.n);
+            best = s.n;
+        }
+        free(s.p);
+    }
+    return best;
+}
+
+// ---------------------------------------------------------------------------
+// State helpers
+
+void jgram_copy(JgramState *dst, const JgramState *src)
+{
+    dst->n = src->n;
+    for (int i = 0; i < src->n; i++) {
+        dst->t[i].depth = src->t[i].depth;
+        memcpy(dst->t[i].f, src->t[i].f, (size_t) src->t[i].depth * sizeof *src->t[i].f);
+    }
+}
+
+uint64_t jgram_hash(const JgramState *st)
+{
+    uint64_t h = 0xcbf29ce484222325ull ^ (uint64_t) st->n;
+    for (int i = 0; i < st->n; i++) {
+        const uint8_t *p = (const uint8_t *) st->t[i].f;
+        const size_t n = (size_t) st->t[i].depth * sizeof *st->t[i].f;
+        h = (h ^ (uint64_t) st->t[i].depth) * 0x100000001b3ull;
+        for (size_t k = 0; k < n; k++) h = (h ^ p[k]) * 0x100000001b3ull;
+    }
+    return h;
+}
+
+bool jgram_equal(const JgramState *a, const JgramState *b)
+{
+    if (a->n != b->n) return false;
+    for (int i = 0; i < a->n; i++)
+        if (!thread_equal(&a->t[i], &b->t[i])) return false;
+    return true;
+}
+
+int32_t jgram_plain_room(const JgramGrammar *g, const JgramState *st)
+{
+    if (st->n != 1) return -1;
+    const JgramThread *t = &st->t[0];
+    const JgramFrame *f = &t->f[t->depth - 1];
+    if (f->st != 0 || f->b != 0) return -1;
+    const Node *n = &g->nodes[f->node];
+    if (f->kind == K_STR) return n->max_len == NONE ? INT32_MAX : (int32_t) (n->max_len - f->a);
+    if (f->kind == K_KEY && f->set == 0 && n->addl >= 0) return INT32_MAX;
+    return -1;
+}

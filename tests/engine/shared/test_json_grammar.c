@@ -1,0 +1,188 @@
+/*
+ * test_json_grammar.c - the JSON / JSON-Schema automaton (engine/shared/json_grammar.h):
+ * schema errors name their keyword, documents are accepted or refused byte by byte, and
+ * from random valid prefixes (random walks over the bytes the automaton allows) the
+ * completion always yields a document that json-c parses and that satisfies the schema's
+ * required keys, enums, lengths and item counts.
+ */
+#include <json-c/json.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/shared/json_grammar.h"
+#include "tests/check.h"
+
+static JgramGrammar *compile(const char *schema)
+{
+    json_object *s = schema ? json_tokener_parse(schema) : NULL;
+    JgramGrammar *g = NULL;
+    char msg[256];
+    const Err err = jgram_compile(s, &g, msg, sizeof msg);
+    if (err) fprintf(stderr, "compile failed: %s\n", msg);
+    json_object_put(s);
+    return g;
+}
+
+static bool accepts(const JgramGrammar *g, const char *doc)
+{
+    JgramState st;
+    jgram_start(g, &st);
+    return jgram_feed_bytes(g, &st, doc, strlen(doc)) && jgram_can_end(g, &st);
+}
+
+static bool prefix_ok(const JgramGrammar *g, const char *doc)
+{
+    JgramState st;
+    jgram_start(g, &st);
+    return jgram_feed_bytes(g, &st, doc, strlen(doc));
+}
+
+static void test_errors(void)
+{
+    static const struct {
+        const char *schema, *want;
+    } cases[] = {
+        {"{\"type\":\"string\",\"pattern\":\"^a\"}", "unsupported keyword 'pattern' at /"},
+        {"{\"properties\":{\"x\":{\"type\":\"integer\",\"minimum\":3}}}",
+         "unsupported keyword 'minimum' at /properties/x"},
+        {"{\"type\":\"strin\"}", "'type' must be"},
+        {"{\"$defs\":{\"n\":{\"properties\":{\"k\":{\"$ref\":\"#/$defs/n\"}}}},\"$ref\":\"#/$defs/n\"}",
+         "recursive '$ref'"},
+        {"{\"$ref\":\"#/$defs/missing\"}", "does not name an entry"},
+        {"{\"properties\":{\"a\":{}},\"required\":[\"b\"]}", "\"b\", which is not in 'properties'"},
+        {"{\"type\":\"string\",\"minLength\":5,\"maxLength\":2}", "'maxLength' is below 'minLength'"},
+        {"{\"type\":\"array\",\"maxItems\":-1}", "'maxItems' must be an integer"},
+        {"{\"oneOf\":[{\"type\":\"string\"}]}", "unsupported keyword 'oneOf'"},
+        {"{\"anyOf\":[]}", "'anyOf' must be a non-empty array"},
+        {"false", "accepts nothing"},
+        {"[1]", "a schema must be an object"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        json_object *s = json_tokener_parse(cases[i].schema);
+        JgramGrammar *g = NULL;
+        char msg[256];
+        CHECK(jgram_compile(s, &g, msg, sizeof msg) == ERR_INVAL);
+        CHECK(g == NULL);
+        if (!strstr(msg, cases[i].want)) fprintf(stderr, "case %zu: got \"%s\"\n", i, msg);
+        CHECK(strstr(msg, cases[i].want) != NULL);
+        json_object_put(s);
+    }
+}
+
+static void test_documents(void)
+{
+    JgramGrammar *obj = compile(NULL);  // json_object
+    CHECK(accepts(obj, "{}"));
+    CHECK(accepts(obj, "{\"a\": [1, -2.5e+3, true, null, \"x\\u00e9\\n\"], \"b\":{\"c\":{}}}"));
+    CHECK(accepts(obj, "\n{\"\xc3\xa9\":0}"));
+    CHECK(!prefix_ok(obj, "[1]"));           // the document must be an object
+    CHECK(!prefix_ok(obj, "{\"a\":01"));     // no leading zeros
+    CHECK(!prefix_ok(obj, "{\"a\":1,}"));    // no trailing comma
+    CHECK(!prefix_ok(obj, "{\"a\":\"\x01"));  // no raw control characters
+    CHECK(!prefix_ok(obj, "{\"a\":\"\xe0\x80"));  // an overlong UTF-8 form
+    CHECK(!prefix_ok(obj, "{\"a\":\"\xed\xa0"));  // a UTF-16 surrogate in UTF-8
+    CHECK(!prefix_ok(obj, "{\"a\":  1"));    // one space after ':' at most
+    CHECK(!accepts(obj, "{\"a\":1} "));      // nothing after the document
+    CHECK(prefix_ok(obj, "{\"a\":1"));
+    CHECK(!accepts(obj, "{\"a\":1"));
+    jgram_free(obj);
+
+    JgramGrammar *g = compile(
+        "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"minLength\":2,"
+        "\"maxLength\":4},\"age\":{\"type\":\"integer\"},\"tags\":{\"type\":\"array\",\"items\":"
+        "{\"enum\":[\"x\",\"yy\",3]},\"minItems\":1,\"maxItems\":2},\"opt\":{\"anyOf\":[{\"type\":"
+        "\"null\"},{\"$ref\":\"#/$defs/p\"}]}},\"required\":[\"name\",\"age\"],\"$defs\":{\"p\":"
+        "{\"type\":\"object\",\"properties\":{\"q\":{\"type\":\"boolean\"}},\"required\":[\"q\"]}}}");
+    CHECK(g != NULL);
+    CHECK(accepts(g, "{\"name\":\"ab\",\"age\":-3}"));
+    CHECK(accepts(g, "{\"age\": 7, \"name\": \"abcd\", \"tags\": [\"yy\", 3], \"opt\": {\"q\":false}}"));
+    CHECK(accepts(g, "{\"name\":\"\xc3\xa9\xc3\xa9\",\"age\":0,\"opt\":null}"));
+    CHECK(!prefix_ok(g, "{\"name\":\"abcde"));        // maxLength
+    CHECK(!prefix_ok(g, "{\"name\":\"a\""));          // minLength
+    CHECK(!prefix_ok(g, "{\"age\":1.5"));             // an integer
+    CHECK(!prefix_ok(g, "{\"agee"));                  // not a declared name
+    CHECK(!prefix_ok(g, "{\"age\":1,\"age\""));       // a duplicate key
+    CHECK(!prefix_ok(g, "{\"tags\":[]"));             // minItems
+    CHECK(!prefix_ok(g, "{\"tags\":[3,3,"));          // maxItems
+    CHECK(!prefix_ok(g, "{\"tags\":[\"z"));           // enum
+    CHECK(!prefix_ok(g, "{\"opt\":{}"));              // the object alternative needs q
+    CHECK(!accepts(g, "{\"name\":\"ab\"}"));           // age is required
+    jgram_free(g);
+
+    JgramGrammar *num = compile("{\"type\":\"number\"}");
+    CHECK(accepts(num, "12") && accepts(num, "-0.5E-12") && accepts(num, "0"));
+    CHECK(!prefix_ok(num, "1.") || !accepts(num, "1."));
+    CHECK(!prefix_ok(num, "12345678901234567"));  // 16 integer digits at most
+    jgram_free(num);
+}
+
+// From a random valid prefix of each schema, the completion finishes a document.
+static void test_completion(void)
+{
+    static const char *const schemas[] = {
+        NULL,
+        "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"minLength\":3},"
+        "\"n\":{\"type\":\"number\"},\"list\":{\"type\":\"array\",\"items\":{\"type\":\"integer\"},"
+        "\"minItems\":2},\"kind\":{\"enum\":[\"alpha\",\"beta\",null]},\"sub\":{\"type\":\"object\","
+        "\"properties\":{\"z\":{\"type\":\"boolean\"}},\"required\":[\"z\"]}},\"required\":[\"name\","
+        "\"list\",\"kind\",\"sub\"]}",
+        "{\"anyOf\":[{\"type\":\"object\",\"properties\":{\"a\":{\"const\":1}},\"required\":[\"a\"]},"
+        "{\"type\":\"array\",\"items\":{\"type\":\"string\",\"maxLength\":3},\"minItems\":1},"
+        "{\"type\":[\"string\",\"null\"]}]}",
+    };
+    uint64_t rng = 42;
+    for (size_t si = 0; si < sizeof schemas / sizeof schemas[0]; si++) {
+        JgramGrammar *g = compile(schemas[si]);
+        CHECK(g != NULL);
+        if (!g) continue;
+        for (int trial = 0; trial < 300; trial++) {
+            JgramState st, probe;
+            jgram_start(g, &st);
+            char doc[4096];
+            int n = 0;
+            const int len = trial % 60;
+            for (int k = 0; k < len; k++) {
+                uint8_t ok[256];
+                int n_ok = 0;
+                for (int c = 1; c < 256; c++) {
+                    jgram_copy(&probe, &st);
+                    if (jgram_feed(g, &probe, (uint8_t) c)) ok[n_ok++] = (uint8_t) c;
+                }
+                if (n_ok == 0) break;
+                rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+                const uint8_t c = ok[rng % (uint64_t) n_ok];
+                jgram_feed(g, &st, c);
+                doc[n++] = (char) c;
+            }
+            const int m = jgram_completion(g, &st, doc + n, (int) sizeof doc - n - 1);
+            CHECK(m >= 0);
+            if (m < 0) continue;
+            const bool fed = jgram_feed_bytes(g, &st, doc + n, (size_t) m);
+            if (!fed) fprintf(stderr, "schema %zu: prefix [%.*s] completion [%.*s] refused\n", si, n, doc, m, doc + n);
+            CHECK(fed);
+            CHECK(jgram_can_end(g, &st));
+            doc[n + m] = 0;
+            enum json_tokener_error jerr;
+            json_object *v = json_tokener_parse_verbose(doc, &jerr);  // NULL also for "null"
+            if (jerr != json_tokener_success) fprintf(stderr, "schema %zu: completion does not parse: [%s]\n", si, doc);
+            CHECK(jerr == json_tokener_success);
+            if (si == 1 && v) {
+                json_object *x;
+                CHECK(json_object_object_get_ex(v, "name", &x) && json_object_get_string_len(x) >= 3);
+                CHECK(json_object_object_get_ex(v, "list", &x) && json_object_array_length(x) >= 2);
+                CHECK(json_object_object_get_ex(v, "sub", &x) && json_object_object_get_ex(x, "z", NULL));
+                CHECK(json_object_object_get_ex(v, "kind", &x));
+            }
+            json_object_put(v);
+        }
+        jgram_free(g);
+    }
+}
+
+int main(void)
+{
+    test_errors();
+    test_documents();
+    test_completion();
+    return check_exit();
+}
