@@ -15,6 +15,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "engine/shared/json_grammar.h"
+
 void api_error_set(ApiError *err, int status, const char *type, const char *code,
                    const char *param, const char *fmt, ...)
 {
@@ -288,6 +290,80 @@ static bool get_tool_choice(ApiRequest *r, ApiError *err)
     return false;
 }
 
+// "response_format": {"type": "text"} | {"type": "json_object"} | {"type": "json_schema",
+// "json_schema": {"name", "schema", "strict", "description"}}. The schema must compile
+// (the supported subset: engine/shared/json_grammar.h); the error names the keyword.
+static bool get_response_format(ApiRequest *r, ApiError *err)
+{
+    json_object *rf, *v;
+    if (!json_object_object_get_ex(r->root, "response_format", &rf) || json_object_is_type(rf, json_type_null))
+        return true;
+    if (!json_object_is_type(rf, json_type_object) || !json_object_object_get_ex(rf, "type", &v) ||
+        !json_object_is_type(v, json_type_string)) {
+        api_error_set(err, 400, NULL, NULL, "response_format",
+                      "'response_format' must be an object with a string 'type'");
+        return false;
+    }
+    const char *type = json_object_get_string(v);
+    if (!strcmp(type, "text")) return true;
+    if (!strcmp(type, "json_object")) {
+        r->format = API_FORMAT_JSON_OBJECT;
+    } else if (!strcmp(type, "json_schema")) {
+        json_object *js, *name;
+        if (!json_object_object_get_ex(rf, "json_schema", &js) || !json_object_is_type(js, json_type_object)) {
+            api_error_set(err, 400, NULL, NULL, "response_format.json_schema",
+                          "'response_format.json_schema' must be an object with 'name' and 'schema'");
+            return false;
+        }
+        if (!json_object_object_get_ex(js, "name", &name) || !json_object_is_type(name, json_type_string) ||
+            json_object_get_string_len(name) == 0 || json_object_get_string_len(name) > 64) {
+            api_error_set(err, 400, NULL, NULL, "response_format.json_schema.name",
+                          "'response_format.json_schema.name' must be a string of 1 to 64 characters");
+            return false;
+        }
+        if (json_object_object_get_ex(js, "strict", &v) && !json_object_is_type(v, json_type_null) &&
+            !json_object_is_type(v, json_type_boolean)) {
+            api_error_set(err, 400, NULL, NULL, "response_format.json_schema.strict",
+                          "'response_format.json_schema.strict' must be a boolean");
+            return false;
+        }
+        r->format = API_FORMAT_JSON_SCHEMA;
+        if (json_object_object_get_ex(js, "schema", &v) && !json_object_is_type(v, json_type_null)) {
+            if (!json_object_is_type(v, json_type_object)) {
+                api_error_set(err, 400, NULL, NULL, "response_format.json_schema.schema",
+                              "'response_format.json_schema.schema' must be an object");
+                return false;
+            }
+            r->schema = v;
+        }
+    } else {
+        api_error_set(err, 400, NULL, NULL, "response_format.type",
+                      "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\"");
+        return false;
+    }
+    if (r->tool_choice == API_TOOL_CHOICE_REQUIRED || r->tool_choice == API_TOOL_CHOICE_FUNCTION) {
+        api_error_set(err, 400, NULL, NULL, "response_format",
+                      "'response_format' cannot be combined with a required or named 'tool_choice'");
+        return false;
+    }
+    if (r->format == API_FORMAT_JSON_SCHEMA && r->schema) {
+        JgramGrammar *g = NULL;
+        char msg[200];
+        const Err e = jgram_compile(r->schema, &g, msg, sizeof msg);
+        jgram_free(g);
+        if (e == ERR_NOMEM) {
+            api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
+            return false;
+        }
+        if (e) {
+            api_error_set(err, 400, NULL, NULL, "response_format.json_schema.schema",
+                          "'response_format.json_schema.schema': %s", msg);
+            return false;
+        }
+    }
+    return true;
+}
+
 // ---------------------------------------------------------------------------
 
 static bool parse_fields(ApiRequest *r, ApiError *err)
@@ -399,7 +475,7 @@ static bool parse_fields(ApiRequest *r, ApiError *err)
         api_error_set(err, 400, NULL, NULL, "top_p", "'top_p' must be greater than 0");
         return false;
     }
-    return get_stop(r, err);
+    return get_stop(r, err) && get_response_format(r, err);
 }
 
 Err api_request_parse(ApiRequest *r, ApiKind kind, const char *body, size_t n, ApiError *err)
@@ -493,6 +569,16 @@ json_object *api_request_params(const ApiRequest *r)
     json_object_object_add(o, "tool_choice", json_object_new_string(choices[r->tool_choice]));
     if (r->tool_choice_name)
         json_object_object_add(o, "tool_choice_name", json_object_new_string(r->tool_choice_name));
+    if (r->format != API_FORMAT_TEXT) {
+        json_object *rf = json_object_new_object();
+        json_object_object_add(rf, "type", json_object_new_string(r->format == API_FORMAT_JSON_OBJECT
+                                                                      ? "json_object"
+                                                                      : "json_schema"));
+        if (r->format == API_FORMAT_JSON_SCHEMA)  // no schema: any JSON value
+            json_object_object_add(rf, "schema", r->schema ? json_object_get(r->schema)
+                                                           : json_object_new_boolean(1));
+        json_object_object_add(o, "response_format", rf);
+    }
     return o;
 }
 

@@ -60,6 +60,15 @@ typedef enum ApiToolChoice {
     API_TOOL_CHOICE_FUNCTION,
 } ApiToolChoice;
 
+// response_format. JSON_OBJECT and JSON_SCHEMA constrain the output (the engine masks
+// the vocabulary token by token, engine/serve/constrain.h); the schema is validated here
+// (engine/shared/json_grammar.h's subset).
+typedef enum ApiFormat {
+    API_FORMAT_TEXT,
+    API_FORMAT_JSON_OBJECT,
+    API_FORMAT_JSON_SCHEMA,
+} ApiFormat;
+
 typedef struct ApiRequest {
     ApiKind kind;
     json_object *root;          // owned: the whole body
@@ -85,6 +94,8 @@ typedef struct ApiRequest {
     int top_logprobs;           // alternatives per token, 0..API_MAX_TOP_LOGPROBS
     ApiToolChoice tool_choice;  // chat: "tool_choice"; default auto
     const char *tool_choice_name;  // API_TOOL_CHOICE_FUNCTION: the named function
+    ApiFormat format;              // "response_format"; default text
+    json_object *schema;           // API_FORMAT_JSON_SCHEMA: the schema (NULL: any value)
 } ApiRequest;
 
 // Parse body[0..n) as a request of the given kind. On success *r owns the tree; on failure

@@ -27,6 +27,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
@@ -603,8 +604,12 @@ int pp_slot_positions(const PpStage *s, int slot)
     return slot >= 0 && slot < PP_MAX_SLOTS ? s->slots[slot].seq.n_tokens : 0;
 }
 
-// Checks a batch; *n_extra gets the extra ids its cached prefixes carry (block_size bs).
-static Err check_ops(const PpSeqOp *ops, int n_ops, int n_tokens, int bs, int *n_extra)
+int pp_mask_words(const PpStage *s) { return (s->m->cfg.vocab_size + 31) / 32; }
+
+// Checks a batch; *n_extra gets the extra ids its cached prefixes and masks carry
+// (block_size bs, mask_words per mask).
+static Err check_ops(const PpSeqOp *ops, int n_ops, int n_tokens, int bs, int mask_words,
+                     int *n_extra)
 {
     int sum = 0;
     long long extra = 0;
@@ -619,6 +624,15 @@ static Err check_ops(const PpSeqOp *ops, int n_ops, int n_tokens, int bs, int *n
             return ERR_FORMAT;
         }
         extra += (long long) ops[i].n_cached * (1 + bs);
+        if (ops[i].flags & PP_SEQ_MASK) {
+            if (!(ops[i].flags & PP_SEQ_SAMPLE) || ops[i].n_draft > 0) {
+                LOG_ERROR("bad pipeline op %d: slot %d masks a step that does not sample alone "
+                          "(flags %#x, %d drafts)",
+                          i, ops[i].slot, ops[i].flags, ops[i].n_draft);
+                return ERR_FORMAT;
+            }
+            extra += mask_words;
+        }
         if (ops[i].slot < 0 || ops[i].slot >= PP_MAX_SLOTS || ops[i].n_new < 0
             || (ops[i].n_new == 0 && !(ops[i].flags & PP_SEQ_FREE)) || ops[i].mtp_k < 0
             || ops[i].mtp_k > MTP_MAX_DRAFTS || ops[i].n_draft < 0
@@ -771,6 +785,8 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
     }
     if (s->is_last) {
         int off = 0, bi = 0, row = 0;
+        const int32_t *mask = extra;  // the masks follow the cached prefixes
+        const int mask_words = pp_mask_words(s);
         for (int i = 0; i < n_ops; i++) {
             SlotState *st = &s->slots[ops[i].slot];
             const int k = ops[i].n_new;
@@ -801,6 +817,12 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
                     if (mo->n_emit > 0) s->res_tokens[i] = mo->emit[mo->n_emit - 1];
                 } else if (ops[i].flags & PP_SEQ_SAMPLE) {
                     sampler_apply_penalties(&st->sampler, last, st->history, st->n_history);
+                    if (ops[i].flags & PP_SEQ_MASK) {
+                        const uint32_t *w = (const uint32_t *) mask;
+                        for (size_t id = 0; id < V; id++)
+                            if (!(w[id >> 5] >> (id & 31) & 1)) last[id] = -INFINITY;
+                        mask += mask_words;
+                    }
                     s->res_tokens[i] = sampler_sample(&st->sampler, last);
                 }
                 bi++;
@@ -851,7 +873,7 @@ Err pp_submit(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tokens)
     for (int i = 0; i < n_ops; i++)
         n_tokens += ops[i].n_new;
     int n_extra = 0;
-    Err err = check_ops(ops, n_ops, n_tokens, s->kv->params.block_size, &n_extra);
+    Err err = check_ops(ops, n_ops, n_tokens, s->kv->params.block_size, pp_mask_words(s), &n_extra);
     if (err) return err;
     int n_rows = 0;
     if ((err = run_ops(s, ops, n_ops, tokens, n_tokens, NULL, &n_rows))) return err;
@@ -939,7 +961,8 @@ Err pp_serve(PpStage *s)
             || (err = pp_comm_recv(&s->comm, s->tokens,
                                    (size_t) (h.n_tokens + h.n_extra) * sizeof(int32_t)))
             || (err = pp_comm_recv_act(&s->comm, s->act_in, model_act_bytes(s->m, h.n_tokens)))
-            || (err = check_ops(s->ops, h.n_ops, h.n_tokens, s->kv->params.block_size, &n_extra)))
+            || (err = check_ops(s->ops, h.n_ops, h.n_tokens, s->kv->params.block_size, pp_mask_words(s),
+                                   &n_extra)))
             break;
         if (n_extra != h.n_extra) {
             LOG_ERROR("rank %d: batch carries %d extra ids, its ops %d", s->rank, h.n_extra, n_extra);

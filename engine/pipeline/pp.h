@@ -129,6 +129,10 @@ enum {
     PP_SEQ_SAMPLE = 2,  // sample the next token from the last position's logits
     PP_SEQ_LOGITS = 4,  // return the logits of every new position
     PP_SEQ_FREE = 8,    // free the slot after this step (n_new may be 0: free only)
+    PP_SEQ_MASK = 16,   // sample only among the ids a vocabulary mask allows (with
+                        // PP_SEQ_SAMPLE, no drafts): the batch's extra ids carry
+                        // pp_mask_words() words per such op, after every cached prefix,
+                        // in op order; bit id % 32 of word id / 32 allows id
 };
 
 typedef struct PpSeqOp {
@@ -175,8 +179,8 @@ Err pp_stage_create(Model *m, KvCache *kv, int rank, int world, const char *mast
 
 // Rank 0: run one micro-batch (ops[0..n_ops), tokens = concatenation of their new tokens,
 // then the extra ids of their n_cached prefixes in op order: for each such op its n_cached
-// block ids, then its n_cached * block_size prefix tokens). At most `world` submits may be
-// outstanding.
+// block ids, then its n_cached * block_size prefix tokens; then the masks of PP_SEQ_MASK
+// ops). At most `world` submits may be outstanding.
 Err pp_submit(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tokens);
 
 // Rank 0: the result of the oldest outstanding submit. out's arrays are valid until the
@@ -189,6 +193,9 @@ Err pp_serve(PpStage *s);
 // Rank 0: end the pipeline in order (every rank returns from pp_serve). Nothing may be
 // outstanding.
 Err pp_end(PpStage *s);
+
+// 32-bit words of a PP_SEQ_MASK op's vocabulary mask: ceil(vocab_size / 32).
+int pp_mask_words(const PpStage *s);
 
 // Micro-batches submitted and not yet collected.
 int pp_inflight(const PpStage *s);

@@ -68,6 +68,10 @@ typedef struct Seq {
     // blocks' keys, and the run of own blocks published in rank 0's index
     int *cached_blocks;
     int n_cached_blocks;
+    // Constrained decoding: each sampled token needs the mask sched_set_mask() gave after
+    // the one before (has_mask false: this token is free); the op that samples takes it.
+    bool is_constrained, has_mask, is_mask_fresh;
+    uint32_t *mask;  // [pp_mask_words]
     uint64_t *keys;  // [n_prompt / block_size]
     int publish_first, publish_last;
     bool is_published;
@@ -96,6 +100,9 @@ struct Scheduler {
     int cap_tokens;
     int32_t *extra;   // the batch's cached-prefix ids (pp.h), copied after the tokens
     int n_extra, cap_extra;
+    uint32_t *masks;  // the batch's vocabulary masks (PP_SEQ_MASK), after the extra ids
+    int n_masks, cap_masks;  // masks of mask_words words
+    int mask_words;
     KvCache *kv;      // rank 0's, borrowed: the prefix index
     uint64_t prefix_query_tokens, prefix_hit_tokens;
     uint64_t n_mb_total, n_tok_total;
@@ -109,6 +116,7 @@ static void seq_destroy(Seq *q)
     free(q->prompt);
     free(q->cached_blocks);
     free(q->keys);
+    free(q->mask);
     free(q);
 }
 
@@ -130,6 +138,7 @@ void sched_destroy(Scheduler *s)
     free(s->ops);
     free(s->tokens);
     free(s->extra);
+    free(s->masks);
     free(s);
 }
 
@@ -162,6 +171,7 @@ Err sched_create(PpStage *stage, const Model *model, KvCache *kv, const SchedPar
     s->kv = kv;
     s->n_blocks_total = kv->params.n_blocks;
     s->block_size = kv->params.block_size;
+    s->mask_words = pp_mask_words(stage);
     s->waiting = calloc((size_t) s->p.max_waiting, sizeof *s->waiting);
     s->running = calloc((size_t) s->p.max_num_seqs, sizeof *s->running);
     s->ring = calloc((size_t) s->p.n_microbatches, sizeof *s->ring);
@@ -220,7 +230,8 @@ Err sched_submit(Scheduler *s, const SchedRequest *r)
         .n_stop_ids = r->n_stop_ids,
         .ignore_eos = r->ignore_eos,
         .n_top_logprobs = r->n_top_logprobs,
-        .mtp_k = mtp_params_ok(&r->sampling) ? s->p.mtp_k : 0,
+        .mtp_k = mtp_params_ok(&r->sampling) && !r->constrained ? s->p.mtp_k : 0,
+        .is_constrained = r->constrained,
         .state = SEQ_WAITING,
         .slot = -1,
     };
@@ -246,6 +257,20 @@ static Seq *find_live(Scheduler *s, uint64_t id)
     for (int i = 0; i < s->n_running; i++)
         if (s->running[i]->id == id && s->running[i]->state == SEQ_RUNNING) return s->running[i];
     return NULL;
+}
+
+Err sched_set_mask(Scheduler *s, uint64_t id, const uint32_t *words)
+{
+    Seq *q = find_live(s, id);
+    if (!q || !q->is_constrained) return ERR_OK;
+    if (words) {
+        if (!q->mask && !(q->mask = malloc((size_t) s->mask_words * sizeof *q->mask)))
+            return ERR_NOMEM;
+        memcpy(q->mask, words, (size_t) s->mask_words * sizeof *q->mask);
+    }
+    q->has_mask = words != NULL;
+    q->is_mask_fresh = true;
+    return ERR_OK;
 }
 
 void sched_force(Scheduler *s, uint64_t id, const int32_t *ids, int n)
@@ -442,6 +467,16 @@ typedef struct Builder {
 static void add_op(Scheduler *s, Builder *b, Seq *q, int n_new, uint32_t flags, const int32_t *toks)
 {
     if ((flags & PP_SEQ_SAMPLE) && q->n_top_logprobs >= 0) flags |= PP_SEQ_LOGITS;
+    if ((flags & PP_SEQ_SAMPLE) && q->is_constrained) {
+        // The mask goes with this op (room made by the caller: mask_room).
+        if (q->has_mask) {
+            flags |= PP_SEQ_MASK;
+            memcpy(s->masks + (size_t) s->n_masks * s->mask_words, q->mask,
+                   (size_t) s->mask_words * sizeof *q->mask);
+            s->n_masks++;
+        }
+        q->is_mask_fresh = false;
+    }
     PpSeqOp *op = &s->ops[b->n_ops];
     *op = (PpSeqOp){.slot = q->slot, .n_new = n_new, .flags = flags};
     if (flags & PP_SEQ_START) {
@@ -470,11 +505,31 @@ static void add_op(Scheduler *s, Builder *b, Seq *q, int n_new, uint32_t flags, 
     if (!(flags & PP_SEQ_FREE)) q->inflight = true;
 }
 
+// Room in s->masks for one more mask; false when out of memory.
+static bool mask_room(Scheduler *s)
+{
+    if (s->n_masks < s->cap_masks) return true;
+    const int cap = s->cap_masks ? 2 * s->cap_masks : 8;
+    uint32_t *m = realloc(s->masks, (size_t) cap * (size_t) s->mask_words * sizeof *m);
+    if (!m) return false;
+    s->masks = m;
+    s->cap_masks = cap;
+    return true;
+}
+
+// A constrained sequence samples only with the mask given since its last token.
+static bool may_sample(Scheduler *s, const Seq *q)
+{
+    return !q->is_constrained || (q->is_mask_fresh && mask_room(s));
+}
+
 // The next prefill chunk of q (which is running and not in flight).
 static void add_prefill(Scheduler *s, Builder *b, Seq *q)
 {
     const int rest = q->n_prompt - q->n_prefilled;
     int chunk = rest < b->budget ? rest : b->budget;
+    // Constrained and no mask yet: everything but the sampling token.
+    if (chunk == rest && !may_sample(s, q)) chunk--;
     // With logprobs the sampling op returns a logits row per token: keep it to one token.
     if (q->n_top_logprobs >= 0 && chunk == rest && rest > 1) chunk--;
     if (chunk <= 0) return;
@@ -558,7 +613,8 @@ static void build(Scheduler *s, Builder *b)
     const int cap = mb > 1 ? (n_decoding + mb - 1) / mb : n_decoding;
     for (int i = 0, n = 0; i < s->n_running && b->budget > 0 && n < cap; i++) {
         Seq *q = s->running[i];
-        if (q->state == SEQ_RUNNING && !q->inflight && q->n_prefilled == q->n_prompt) {
+        if (q->state == SEQ_RUNNING && !q->inflight && q->n_prefilled == q->n_prompt
+            && may_sample(s, q)) {
             add_decode(s, b, q);
             n++;
         }
@@ -622,16 +678,21 @@ Err sched_step(Scheduler *s)
         MicroBatch *mb = &s->ring[(s->head + s->n_inflight) % s->p.n_microbatches];
         Builder b = {0, 0, s->p.max_num_batched_tokens, mb->seqs, mb->n_rows};
         s->n_extra = 0;
+        s->n_masks = 0;
         build(s, &b);
         if (b.n_ops == 0) break;
-        if (b.n_tokens + s->n_extra > s->cap_tokens) {
-            int32_t *t = realloc(s->tokens, (size_t) (b.n_tokens + s->n_extra) * sizeof *t);
+        const int n_mask_ids = s->n_masks * s->mask_words;
+        const int n_all = b.n_tokens + s->n_extra + n_mask_ids;
+        if (n_all > s->cap_tokens) {
+            int32_t *t = realloc(s->tokens, (size_t) n_all * sizeof *t);
             if (!t) return ERR_NOMEM;
             s->tokens = t;
-            s->cap_tokens = b.n_tokens + s->n_extra;
+            s->cap_tokens = n_all;
         }
         if (s->n_extra > 0)
             memcpy(s->tokens + b.n_tokens, s->extra, (size_t) s->n_extra * sizeof(int32_t));
+        if (n_mask_ids > 0)
+            memcpy(s->tokens + b.n_tokens + s->n_extra, s->masks, (size_t) n_mask_ids * sizeof(int32_t));
         if ((err = pp_submit(s->stage, s->ops, b.n_ops, s->tokens))) return err;
         if (s->p.prefix_caching)
             for (int i = 0; i < b.n_ops; i++) {

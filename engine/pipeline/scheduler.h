@@ -10,7 +10,8 @@
  * admitted only when the KV cache can hold its prompt plus max_tokens (the block count is
  * the same on every rank), so a running sequence never runs out of cache. Sampling
  * (per-sequence params and seed) happens on the last stage; eos ids (unless ignore_eos),
- * stop ids and max_tokens end a sequence; cancel ends it at the next step. A sequence's
+ * stop ids and max_tokens end a sequence; cancel ends it at the next step. A constrained
+ * request samples under the vocabulary mask its driver sets after each token. A sequence's
  * tokens do not depend on what else runs: the batched forward gives each sequence the
  * logits it would get alone (model.h).
  *
@@ -105,6 +106,10 @@ typedef struct SchedRequest {
     int n_top_logprobs;  // -1: no logprobs; 0..20: the sampled token's logprob
                          // plus that many alternatives (log-softmax of the raw
                          // logits, before temperature/penalties, as OpenAI does)
+    // Constrained decoding (response_format): every sampled token waits for the mask that
+    // sched_set_mask() gives after the token before it (the first one: after submit).
+    // Such requests run without MTP drafts.
+    bool constrained;
 } SchedRequest;
 
 typedef struct Scheduler Scheduler;
@@ -130,6 +135,12 @@ void sched_cancel(Scheduler *s, uint64_t id);
 // most 64 pending per sequence; ids outside the vocabulary are dropped, logged).
 // ERR-free: unknown ids ignored.
 void sched_force(Scheduler *s, uint64_t id, const int32_t *ids, int n);
+
+// The vocabulary mask for constrained request id's next sampled token (words: the
+// stage's pp_mask_words(), copied; bit id % 32 of word id / 32 allows id), or NULL: that
+// token is unconstrained. Until this is called after each of its tokens, the request
+// does not sample. Unknown or unconstrained ids are ignored. ERR_NOMEM.
+Err sched_set_mask(Scheduler *s, uint64_t id, const uint32_t *words);
 
 // True while requests are queued, running or in flight.
 bool sched_has_work(const Scheduler *s);

@@ -209,6 +209,27 @@ Err serve_out_init(ServeOut *o, const Tokenizer *tok, const JobqJob *job, uint64
         }
     const bool in_reasoning = req && json_object_object_get_ex(req, "in_reasoning", &v) &&
                               json_object_get_boolean(v);
+    o->in_reasoning = in_reasoning;
+    // response_format (fcgi stores {"type": "json_object"} or {"type": "json_schema",
+    // "schema": S}); "text" or none: unconstrained.
+    json_object *rf = NULL;
+    if (req && json_object_object_get_ex(req, "response_format", &rf) && rf) {
+        const char *type = jstr(rf, "type");
+        json_object *schema = NULL;
+        if (type && !strcmp(type, "json_schema")) json_object_object_get_ex(rf, "schema", &schema);
+        if (type && (!strcmp(type, "json_object") || schema)) {
+            static char why[200];  // the client message (engine thread only)
+            char detail[160];
+            const Err e = jgram_compile(schema, &o->grammar, detail, sizeof detail);
+            if (e == ERR_INVAL) {
+                snprintf(why, sizeof why, "response_format: %s", detail);
+                *msg = why;
+                err = ERR_INVAL;
+                goto done;
+            }
+            if (e) goto done;
+        }
+    }
     if (req && json_object_object_get_ex(req, "logprobs", &v) && json_object_get_boolean(v)) {
         const int n_top = (int) jnum(req, "top_logprobs", 0);
         o->n_top_logprobs = n_top < 0 ? 0 : n_top > SERVE_MAX_TOP ? SERVE_MAX_TOP : n_top;
@@ -258,6 +279,10 @@ done:
 // A token through the detokenizer, the parser/stop filter and the forcing state.
 static Err out_token(ServeOut *o, int32_t id)
 {
+    if (o->con && !constrain_token(o->con, id) && !o->is_con_broken) {
+        o->is_con_broken = true;
+        LOG_WARN("output token %d leaves the response_format grammar; the rest is unconstrained", id);
+    }
     if (o->force == SERVE_FORCE_DUE) {
         if (id != o->force_ids[o->n_forced]) {
             o->force = SERVE_FORCE_NONE;  // output that is not the opening (a resumed job)
@@ -365,8 +390,23 @@ void serve_out_clear_step(ServeOut *o)
     o->lp = NULL;
 }
 
+Err serve_out_constrain(ServeOut *o, const ConstrainVocab *cv)
+{
+    if (!o->grammar) return ERR_OK;
+    JgramGrammar *g = o->grammar;
+    o->grammar = NULL;  // constrain_create takes it
+    return constrain_create(cv, g, o->in_reasoning, &o->con);
+}
+
+const uint32_t *serve_out_mask(ServeOut *o, int n_left)
+{
+    return o->con ? constrain_mask(o->con, n_left) : NULL;
+}
+
 void serve_out_free(ServeOut *o)
 {
+    jgram_free(o->grammar);
+    constrain_destroy(o->con);
     serve_out_clear_step(o);
     for (int i = 0; i < o->n_stop; i++) free(o->stop[i]);
     buf_free(&o->hold);

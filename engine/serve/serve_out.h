@@ -16,6 +16,11 @@
  * path without emitting anything, which restores the detokenizer, parser, stop-filter
  * and forcing state exactly as they were when those ids were generated.
  *
+ * response_format: the request's schema is compiled by serve_out_init (a bad one is
+ * ERR_INVAL); serve_out_constrain() attaches the vocabulary-mask constraint (constrain.h)
+ * that every output token then goes through, and serve_out_mask() gives the mask for the
+ * next one.
+ *
  * tool_choice "required" / {"function": NAME}: the output must open a tool call. The
  * opening ("<tool_call>" or "<tool_call>NAME", tokenized) is forced where content starts:
  * at once when the prompt does not open a reasoning block, else right after the model's
@@ -38,6 +43,7 @@
 #include <stdint.h>
 
 #include "engine/model/sampler.h"
+#include "engine/serve/constrain.h"
 #include "engine/serve/jobq.h"
 #include "engine/shared/buf.h"
 #include "engine/shared/chat.h"
@@ -100,6 +106,12 @@ typedef struct ServeOut {
     // Chat markup ("<think>", "<tool_call>", "<arg_key>", ...) that the tokenizer marks
     // special: the detokenizer skips special ids, the parser needs their text.
     int32_t markup_ids[SERVE_N_MARKUP];
+    // response_format: the request's grammar (until serve_out_constrain takes it) and the
+    // constraint fed every output token
+    JgramGrammar *grammar;
+    bool in_reasoning;  // the prompt opens a reasoning block
+    Constrain *con;
+    bool is_con_broken;  // an output token left the grammar (logged once)
     Err err;  // first error inside a parser callback
 } ServeOut;
 
@@ -108,6 +120,14 @@ typedef struct ServeOut {
 // sampler when the request has no seed. On ERR_INVAL *msg is a message for the client.
 Err serve_out_init(ServeOut *o, const Tokenizer *tok, const JobqJob *job, uint64_t seed_default,
                    const char **msg);
+
+// response_format: constrain the output (a request with one has o->grammar after
+// serve_out_init). Call before serve_out_replay. ERR_NOMEM.
+Err serve_out_constrain(ServeOut *o, const ConstrainVocab *cv);
+
+// The mask for the next token with n_left tokens to max_tokens (constrain_mask), or NULL
+// when the output is not constrained (now).
+const uint32_t *serve_out_mask(ServeOut *o, int n_left);
 
 // Replay committed output ids[0..n) without emitting.
 Err serve_out_replay(ServeOut *o, const int32_t *ids, int n);

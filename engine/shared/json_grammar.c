@@ -1018,13 +1018,29 @@ bool jgram_can_end(const JgramGrammar *g, const JgramState *st)
 // ---------------------------------------------------------------------------
 // Completion
 
-static void put(Sb *s, const char *t, int n) { sb_add(s, t, n); }
+// The completion under construction: bytes into a caller's buffer of cap bytes; bad once
+// it would overflow (the completion does not fit: no allocation, early exit).
+typedef struct Wb {
+    char *p;
+    int n, cap;
+    bool bad;
+} Wb;
 
-static void put_min(const JgramGrammar *g, Sb *s, int k) { put(s, g->nodes[k].min, g->nodes[k].n_min); }
+static void put(Wb *s, const char *t, int n)
+{
+    if (s->bad || s->n + n > s->cap) {
+        s->bad = true;
+        return;
+    }
+    memcpy(s->p + s->n, t, (size_t) n);
+    s->n += n;
+}
+
+static void put_min(const JgramGrammar *g, Wb *s, int k) { put(s, g->nodes[k].min, g->nodes[k].n_min); }
 
 // Close object frame f (its pending value written): the required properties not yet
 // seen, then '}'.
-static void close_obj(const JgramGrammar *g, Sb *s, const Node *n, uint64_t seen, bool any_key)
+static void close_obj(const JgramGrammar *g, Wb *s, const Node *n, uint64_t seen, bool any_key)
 {
     for (int i = 0; i < n->n_props; i++) {
         if (!(n->required >> i & 1) || (seen >> i & 1)) continue;
@@ -1053,7 +1069,7 @@ static int pick_key(const JgramGrammar *g, const Node *n, uint64_t seen, int *va
     return -1;
 }
 
-static void thread_completion(const JgramGrammar *g, const JgramThread *t, Sb *s)
+static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s)
 {
     uint64_t seen_add = 0;  // a property the completed key on top chose
     for (int d = t->depth - 1; d >= 0; d--) {
@@ -1155,15 +1171,22 @@ int jgram_completion(const JgramGrammar *g, const JgramState *st, char *out, int
 {
     int best = -1;
     if (jgram_can_end(g, st)) return 0;
+    if (st->n == 1) {  // the common case: straight into out
+        Wb s = {out, 0, cap, false};
+        thread_completion(g, &st->t[0], &s);
+        return s.bad ? -1 : s.n;
+    }
+    char *tmp = malloc((size_t) cap + 1);
+    if (!tmp) return -1;
     for (int i = 0; i < st->n; i++) {
-        Sb s = {0};
+        Wb s = {tmp, 0, best < 0 ? cap : best - 1, false};  // only a shorter one is kept
         thread_completion(g, &st->t[i], &s);
-        if (!s.bad && s.n <= cap && (best < 0 || s.n < best)) {
-            memcpy(out, s.p, (size_t) s.n);
+        if (!s.bad) {
+            memcpy(out, tmp, (size_t) s.n);
             best = s.n;
         }
-        free(s.p);
     }
+    free(tmp);
     return best;
 }
 

@@ -98,9 +98,9 @@ bool jgram_equal(const JgramState *a, const JgramState *b);
 
 // With one live thread reading a string whose next byte may be any plain character
 // (not inside an escape or a UTF-8 sequence): how many more code points it may take
-// (INT32_MAX: no maxLength), else -1. Every plain token (no '"', '\\', control byte,
-// whole UTF-8 characters) of at most that many code points is then accepted, and leaves
-// the state equal to this one but for the length (constrain.c's fast path).
+// (INT32_MAX: no maxLength), else -1. Every plain token (no '"', '\\' or control byte;
+// valid UTF-8 starting on a character, its last one possibly cut short) that starts at
+// most that many characters is then accepted (constrain.c's fast path).
 int32_t jgram_plain_room(const JgramGrammar *g, const JgramState *st);
 
 #ifdef __cplusplus

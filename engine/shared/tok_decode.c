@@ -325,6 +325,21 @@ struct TokStream {
     char *piece;  // last returned piece, owned
 };
 
+Err tok_token_bytes(const Tokenizer *tok, int32_t id, char **out_text, size_t *out_n)
+{
+    const char *t = tok_id_to_token(tok, id);
+    if (t && tok->n_decs == 1 && tok->decs[0].kind == TOK_DEC_BYTELEVEL) {
+        const size_t n = strlen(t);
+        char *bytes = malloc(n + 1);
+        if (!bytes) return ERR_NOMEM;
+        *out_n = bytelevel_unmap(t, n, bytes);
+        bytes[*out_n] = 0;
+        *out_text = bytes;
+        return ERR_OK;
+    }
+    return tok_decode(tok, &id, 1, false, out_text, out_n);
+}
+
 Err tok_stream_create(TokStream **out, const Tokenizer *tok, bool skip_special)
 {
     *out = NULL;

@@ -79,6 +79,12 @@ Err tok_encode(const Tokenizer *tok, const char *text, size_t n_bytes, bool add_
 Err tok_decode(const Tokenizer *tok, const int32_t *ids, size_t n_ids, bool skip_special,
                char **out_text, size_t *out_n);
 
+// The bytes token id contributes to decoded text before any UTF-8 repair: with a lone
+// ByteLevel decoder, its unmapped bytes (possibly part of a character, where tok_decode
+// of the id alone gives U+FFFD); otherwise tok_decode of the id alone. *out_text is
+// malloc'd, NUL-terminated, *out_n bytes; the caller frees it.
+Err tok_token_bytes(const Tokenizer *tok, int32_t id, char **out_text, size_t *out_n);
+
 // Release the array of ids and zero *ids; NULL and a zeroed TokIds are allowed.
 void tok_ids_free(TokIds *ids);
 
