@@ -1,0 +1,59 @@
+/*
+ * fuzz_json_grammar.c - jgram_compile on arbitrary schemas, then the automaton on arbitrary
+ * output bytes.
+ *
+ * Bytes up to the first NUL are the schema (JSON; not JSON or a refused schema is fine),
+ * the rest is fed to the automaton byte by byte. Invariants (abort on violation): a refused
+ * schema leaves a message; from every live state the completion exists and, fed back,
+ * makes a whole document json-c parses; a dead state stays dead.
+ */
+#include <json-c/json.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/shared/json_grammar.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    log_set_level((LogLevel) (LOG_LEVEL_ERROR + 1));
+    const uint8_t *nul = memchr(data, 0, size);
+    const size_t len = nul ? (size_t) (nul - data) : size;
+    json_tokener *tk = json_tokener_new_ex(32);
+    if (!tk) return 0;
+    json_object *schema = json_tokener_parse_ex(tk, (const char *) data, (int) len);
+    json_tokener_free(tk);
+    if (!schema && len > 0) return 0;  // not JSON: nothing to compile (empty: json_object)
+    JgramGrammar *g = NULL;
+    char msg[200];
+    const Err err = jgram_compile(schema, &g, msg, sizeof msg);
+    ASSERT((err == ERR_OK) == (g != NULL));
+    if (err == ERR_INVAL) ASSERT(msg[0] != 0);
+    if (g) {
+        JgramState *st = malloc(sizeof *st), *probe = malloc(sizeof *probe);
+        static char comp[1 << 17];
+        if (st && probe) {
+            jgram_start(g, st);
+            const uint8_t *doc = nul ? nul + 1 : data + size;
+            const size_t n_doc = (size_t) (data + size - doc);
+            for (size_t i = 0; i <= n_doc; i++) {
+                if (st->n == 0) break;
+                // From this live state the completion finishes a document.
+                const int m = jgram_completion(g, st, comp, (int) sizeof comp - 1);
+                if (m >= 0) {
+                    jgram_copy(probe, st);
+                    ASSERT(jgram_feed_bytes(g, probe, comp, (size_t) m));
+                    ASSERT(jgram_can_end(g, probe));
+                }
+                if (i < n_doc && !jgram_feed(g, st, doc[i])) ASSERT(st->n == 0 && !jgram_feed(g, st, 'x'));
+            }
+        }
+        free(st);
+        free(probe);
+    }
+    jgram_free(g);
+    json_object_put(schema);
+    return 0;
+}
