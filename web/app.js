@@ -284,6 +284,27 @@ function buildRequest() {
   }
   const thinking = $('thinking').checked;
   body.thinking = { type: thinking ? 'enabled' : 'disabled' };
+  if ($('json-output').checked) {
+    const text = $('json-schema').value.trim();
+    if (!text) {
+      body.response_format = { type: 'json_object' };
+    } else {
+      let schema;
+      try {
+        schema = JSON.parse(text);
+      } catch (err) {
+        const e = new Error(`JSON Schema: not valid JSON (${err.message}).`);
+        e.field = $('json-schema');
+        throw e;
+      }
+      if (!schema || typeof schema !== 'object' || Array.isArray(schema)) {
+        const e = new Error('JSON Schema: must be a JSON object.');
+        e.field = $('json-schema');
+        throw e;
+      }
+      body.response_format = { type: 'json_schema', json_schema: { name: 'web', schema, strict: true } };
+    }
+  }
   return body;
 }
 
@@ -744,6 +765,9 @@ function init() {
   $('signin-form').addEventListener('submit', signIn);
   $('sign-out').addEventListener('click', () => signOut(''));
   $('compose-form').addEventListener('submit', submitJob);
+  const showSchema = () => show($('json-schema-box'), $('json-output').checked);
+  $('json-output').addEventListener('change', showSchema);
+  showSchema(); // a browser may restore the box's state on reload
   $('model-select').addEventListener('change', pickFromSelect);
   $('jobs-more').addEventListener('click', loadMore);
   $('cancel-job').addEventListener('click', cancelJob);

@@ -34,6 +34,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/shared/utf8.h"
+
 enum { T_NULL = 1, T_BOOL = 2, T_INT = 4, T_NUM = 8, T_STR = 16, T_ARR = 32, T_OBJ = 64, T_ALL = 127 };
 enum { K_ROOT = 1, K_OBJ, K_KEY, K_STR, K_NUM, K_LIT, K_ARR };
 enum { OB_FIRST, OB_INKEY, OB_COLON, OB_VALUE, OB_INVAL, OB_NEXT, OB_KEY };
@@ -47,8 +49,8 @@ enum {
     MAX_TEXT = 1 << 16,
     MAX_SCHEMA_DEPTH = 32,
     MAX_REFS = 32,
-    NONE = UINT32_MAX,
 };
+#define NONE UINT32_MAX  // no maxLength / maxItems
 
 typedef struct Node {
     uint8_t types;  // T_* (with no literals and no alternatives)
@@ -259,6 +261,14 @@ static int set_min(Compiler *c, int k, const char *path)
     return k;
 }
 
+// Names and literals the automaton must be able to write: valid UTF-8 (fcgi's parser
+// ensures it for requests; a schema from elsewhere may not).
+static bool is_utf8(const char *s)
+{
+    const size_t n = strlen(s);
+    return utf8_valid_prefix((const uint8_t *) s, n) == n;
+}
+
 static bool is_annotation(const char *key)
 {
     static const char *const ann[] = {"title",      "description", "default",  "examples",
@@ -392,6 +402,7 @@ static int compile_node(Compiler *c, json_object *s, const char *path, int depth
             const char *t = x ? json_object_to_json_string_ext(
                                     x, JSON_C_TO_STRING_PLAIN | JSON_C_TO_STRING_NOSLASHESCAPE)
                               : "null";
+            if (!is_utf8(t)) return fail(c, ERR_INVAL, path, "an 'enum' or 'const' value is not valid UTF-8");
             if (!grow((void **) &g->lits, &g->cap_lits, g->n_lits + 1, sizeof(Text)) ||
                 !add_text(g, t, (int) strlen(t), &g->lits[g->n_lits]))
                 return fail(c, ERR_INVAL, path, "the schema's literals exceed 64 KiB");
@@ -471,6 +482,7 @@ static int compile_node(Compiler *c, json_object *s, const char *path, int depth
     int i = 0;
     if (props) {
         json_object_object_foreach(props, name, ps) {
+            if (!is_utf8(name)) return fail(c, ERR_INVAL, path, "a property name is not valid UTF-8");
             json_object *js = json_object_new_string(name);
             const char *esc = js ? json_object_to_json_string_ext(
                                        js, JSON_C_TO_STRING_PLAIN | JSON_C_TO_STRING_NOSLASHESCAPE)

@@ -251,6 +251,55 @@ test('a submitted job streams its reasoning and answer into the page', async () 
   await shot('desktop-job-done');
 });
 
+test('JSON output: the toggle sends response_format, a schema constrains the answer, bad ones are refused', async () => {
+  if (await page.isVisible('#job')) await page.click('#back-link');
+  await page.waitForSelector('#compose-form', { state: 'visible', timeout: T });
+  assert.equal(await page.isVisible('#json-schema'), false);
+  await page.setChecked('#json-output', true);
+  assert.ok(await page.isVisible('#json-schema'));
+  const posts = () => requests.filter((r) => r.method === 'POST' && new URL(r.url).pathname === '/v1/jobs');
+  // Not JSON: refused in the page, nothing sent, the box focused.
+  const sent = posts().length;
+  await page.fill('#user-message', 'A colour, please.');
+  await page.fill('#json-schema', '{"type": ');
+  await page.click('#submit-job');
+  await page.waitForFunction(() => /JSON Schema: not valid JSON/.test(document.getElementById('compose-error').textContent),
+                             null, { timeout: T });
+  assert.equal(posts().length, sent);
+  assert.equal(await page.evaluate(() => document.activeElement.id), 'json-schema');
+  if (REAL) {  // the server names the keyword it does not support
+    await page.fill('#json-schema', '{"type": "string", "pattern": "^a"}');
+    await page.click('#submit-job');
+    await page.waitForFunction(() => /unsupported keyword 'pattern'/.test(document.getElementById('compose-error').textContent),
+                               null, { timeout: T });
+  }
+  const schema = { type: 'object', properties: { colour: { enum: ['red', 'green', 'blue'] },
+    shade: { type: 'integer' } }, required: ['colour', 'shade'], additionalProperties: false };
+  await page.fill('#json-schema', JSON.stringify(schema));
+  const job = await submit('A colour and a shade, as JSON.', 40);
+  const body = JSON.parse(posts().at(-1).postData);
+  assert.deepEqual(body.response_format, { type: 'json_schema', json_schema: { name: 'web', schema, strict: true } });
+  await waitState('succeeded');
+  if (REAL) {  // the random demo model answers with the schema's document
+    const v = JSON.parse(await page.textContent('#job-output'));
+    assert.ok(['red', 'green', 'blue'].includes(v.colour) && Number.isInteger(v.shade), JSON.stringify(v));
+    await checkFinalOutput(job);
+  }
+  // An empty box: any JSON object; unticked: plain text again.
+  await page.click('#back-link');
+  await page.fill('#json-schema', '');
+  await submit('Anything, as JSON.', 30);
+  assert.deepEqual(JSON.parse(posts().at(-1).postData).response_format, { type: 'json_object' });
+  await waitState('succeeded');
+  if (REAL) assert.equal(typeof JSON.parse(await page.textContent('#job-output')), 'object');
+  await page.click('#back-link');
+  await page.setChecked('#json-output', false);
+  assert.equal(await page.isVisible('#json-schema'), false);
+  await submit('Plain text.', 8);
+  assert.equal(JSON.parse(posts().at(-1).postData).response_format, undefined);
+  await waitState('succeeded');
+});
+
 test('reloading mid-stream resumes with Last-Event-ID and loses or repeats nothing', async () => {
   const job = await submit('A long answer to reload in the middle of.', LONG);
   const id = job.id;

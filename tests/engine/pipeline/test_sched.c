@@ -550,6 +550,98 @@ static void test_prefix_caching_pipeline(Backend *be)
     }
 }
 
+// ---------------------------------------------------------------------------
+// Vocabulary masks (constrained decoding)
+
+// Request 1 greedy under masks that allow one id per step (so its output is exactly those
+// ids), request 0 sampled under masks that allow the ids of one residue mod 7 per step,
+// request 2 unconstrained beside them (its greedy reference). Request 1 gets no mask after
+// its third token until the others are done: it must wait, then go on. Over stage (one
+// rank or the first of a pipeline).
+static int32_t mask_only(int step, int V) { return (int32_t) ((17 + 31 * step) % V); }
+
+static void check_masks(PpStage *stage, const Model *m, KvCache *kv, const char *what)
+{
+    const int V = m->cfg.vocab_size, words = pp_mask_words(stage);
+    uint32_t *mask = calloc((size_t) words, sizeof *mask);
+    ASSERT(mask);
+    SchedTestEvents *c;
+    Scheduler *s = sched_test_open(stage, m, kv, (SchedParams){.max_num_seqs = 4, .max_num_batched_tokens = 8}, &c);
+    SchedRequest r[3] = {sched_test_request(0, MAX_TOK), sched_test_request(1, MAX_TOK), sched_test_request(2, MAX_TOK)};
+    r[0].sampling.temperature = 0.9f;
+    r[0].sampling.seed = 5;
+    r[0].constrained = r[1].constrained = true;
+    int seen[2] = {0, 0};  // events of requests 0 and 1 answered with a mask
+    bool waited = false;
+    for (int i = 0; i < 3; i++) CHECK(sched_submit(s, &r[i]) == ERR_OK);
+    for (int guard = 0; sched_has_work(s) && guard < 10000; guard++) {
+        for (int i = 0; i < 2; i++) {
+            if (seen[i] > c->n[i] || c->finish[i] != SCHED_FINISH_NONE) continue;
+            if (i == 1 && c->n[1] == 3 && c->finish[2] == SCHED_FINISH_NONE) {
+                waited = true;  // no mask yet: request 1 must not move
+                continue;
+            }
+            memset(mask, 0, (size_t) words * sizeof *mask);
+            for (int32_t id = 0; id < V; id++)
+                if (i == 1 ? id == mask_only(c->n[1], V) : id % 7 == c->n[0] % 7) mask[id >> 5] |= 1u << (id & 31);
+            CHECK(sched_set_mask(s, (uint64_t) i, mask) == ERR_OK);
+            seen[i] = c->n[i] + 1;
+        }
+        CHECK(sched_step(s) == ERR_OK);
+        if (waited && c->finish[2] == SCHED_FINISH_NONE) CHECK(c->n[1] == 3);
+    }
+    CHECK(waited);
+    for (int i = 0; i < 3; i++) CHECK(c->n[i] == MAX_TOK && c->finish[i] == SCHED_FINISH_LENGTH);
+    for (int t = 0; t < MAX_TOK; t++) {
+        CHECK(c->tokens[1][t] == mask_only(t, V));
+        CHECK(c->tokens[0][t] % 7 == t % 7);
+    }
+    CHECK(memcmp(c->tokens[2], reference[2], sizeof reference[2]) == 0);
+    printf("masks, %s: request 1 followed its masks, request 0 stayed in its residues, request 2 "
+           "unchanged\n",
+           what);
+    sched_test_close(s, c);
+    free(mask);
+}
+
+static void test_masks(Model *m, Backend *be)
+{
+    {
+        KvCache kv;
+        const KvCacheParams p = model_kv_params(m, 32, 4);
+        ASSERT(kv_init(&kv, &p) == ERR_OK);
+        PpStage *stage;
+        ASSERT(pp_stage_create(m, &kv, 0, 1, NULL, 0, &stage) == ERR_OK);
+        check_masks(stage, m, &kv, "one stage");
+        pp_stage_destroy(stage);
+        kv_free(&kv);
+    }
+    // Two stages: the masks travel with the batch to the last rank, which samples.
+    char master[64];
+    snprintf(master, sizeof master, "127.0.0.1:%d", pp_test_free_port());
+    const SchedTestRank proto = {
+        .world = 2, .dir = model_dir, .master = master, .split = pc_split, .n_blocks = 32, .hash = 0x9d};
+    SchedTestRank ranks[2];
+    pthread_t th[2];
+    sched_test_start_ranks(&proto, ranks, th);
+    Model m0;
+    KvCache kv;
+    const ModelOptions o = {.first_layer = pc_split[0], .last_layer = pc_split[1]};
+    ASSERT(model_load(&m0, model_dir, &o, be) == ERR_OK);
+    const KvCacheParams p = model_kv_params(&m0, 32, 4);
+    ASSERT(kv_init(&kv, &p) == ERR_OK);
+    PpStage *stage;
+    CHECK(pp_stage_create(&m0, &kv, 0, 2, master, 0x9d, &stage) == ERR_OK);
+    if (stage) {
+        check_masks(stage, &m0, &kv, "two stages");
+        CHECK(pp_end(stage) == ERR_OK);
+    }
+    pp_stage_destroy(stage);
+    sched_test_join_ranks(ranks, th);
+    kv_free(&kv);
+    model_free(&m0);
+}
+
 // A rank whose config/split hash differs is refused by rank 0, and both sides fail fast.
 static const int split2[3] = {0, 3, 5};
 
@@ -615,6 +707,7 @@ int main(void)
     test_logprobs_and_force(&m);
     test_prefix_caching(&m);
     test_prefix_caching_pipeline(be);
+    test_masks(&m, be);
     test_pipeline(&m, be);
     test_handshake_mismatch(be);
     model_free(&m);
