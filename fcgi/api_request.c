@@ -405,6 +405,21 @@ static bool parse_fields(ApiRequest *r, ApiError *err)
             r->tools = json_object_array_length(v) ? v : NULL;
         }
         if (!get_tool_choice(r, err)) return false;
+        if (r->tool_choice == API_TOOL_CHOICE_REQUIRED || r->tool_choice == API_TOOL_CHOICE_FUNCTION) {
+            // The engine constrains the call to the tools' parameter schemas: they must compile.
+            JgramGrammar *g = NULL;
+            char msg[200];
+            const Err e = jgram_compile_tools(r->tools, r->tool_choice_name, &g, msg, sizeof msg);
+            jgram_free(g);
+            if (e == ERR_NOMEM) {
+                api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
+                return false;
+            }
+            if (e) {
+                api_error_set(err, 400, NULL, NULL, "tools", "'tools': %s", msg);
+                return false;
+            }
+        }
     } else {
         if (!json_object_object_get_ex(root, "prompt", &v)) v = NULL;
         if (v && json_object_is_type(v, json_type_array) && json_object_array_length(v) == 1)

@@ -22,6 +22,8 @@ enum {
     CONSTRAIN_CACHE = 16,       // cached masks per job
     CONSTRAIN_MAX_COMPLETION = 4096,
     CONSTRAIN_END_ZONE = 256,  // tokens before the end where candidates are checked
+    CONSTRAIN_MAX_WAIT = 2,
+    CONSTRAIN_MAX_WAIT_BYTES = 400,
 };
 
 typedef struct TrieNode {
@@ -45,6 +47,8 @@ struct ConstrainVocab {
     uint32_t *plain_upto;   // [(max_cps + 1) * n_words]: plain tokens of <= r code points
     uint32_t *whole_upto;   // the same without those ending inside a character
     int max_cps;
+    int32_t *specials;  // special tokens but end-of-sequence (tool-call markup may be one)
+    int n_specials;
 };
 
 typedef struct CacheEntry {
@@ -57,8 +61,11 @@ typedef struct CacheEntry {
 struct Constrain {
     const ConstrainVocab *v;
     JgramGrammar *g;
-    bool is_waiting, is_broken;
-    char tail[8];  // last bytes while waiting for "</think>"
+    bool is_broken;
+    // Waiting: the texts still to see before the grammar starts, in order
+    char *wait[CONSTRAIN_MAX_WAIT];
+    int n_wait, i_wait;
+    char tail[CONSTRAIN_MAX_WAIT_BYTES];  // the last bytes seen while waiting
     int n_tail;
     JgramState st;
     JgramState *scratch;  // [CONSTRAIN_MAX_BYTES + 1]
@@ -178,6 +185,10 @@ Err constrain_vocab_create(const Tokenizer *tok, int32_t n_vocab, const int *eos
         free(text);
     }
     v->off[n_tok] = (uint32_t) n_bytes;
+    if (!(v->specials = malloc(((size_t) n_tok + 1) * sizeof *v->specials))) goto done;
+    for (int32_t id = 0; id < n_tok; id++)
+        if (v->is_special[id] && !(v->eos_mask[id >> 5] >> (id & 31) & 1) && v->off[id + 1] > v->off[id])
+            v->specials[v->n_specials++] = id;
     // The trie, and the plain tokens' code points.
     for (int32_t id = 0; id < n_tok; id++) {
         const uint8_t *p = v->bytes + v->off[id];
@@ -230,6 +241,7 @@ void constrain_vocab_destroy(ConstrainVocab *v)
     free(v->eos_mask);
     free(v->plain_upto);
     free(v->whole_upto);
+    free(v->specials);
     free(v);
 }
 
@@ -238,22 +250,28 @@ int constrain_mask_words(const ConstrainVocab *v) { return v->n_words; }
 // ---------------------------------------------------------------------------
 // A job's constraint
 
-Err constrain_create(const ConstrainVocab *v, JgramGrammar *g, bool wait_think, Constrain **out)
+Err constrain_create(const ConstrainVocab *v, JgramGrammar *g, const char *const *wait, int n_wait,
+                     Constrain **out)
 {
     *out = NULL;
     Constrain *c = calloc(1, sizeof *c);
     if (c) {
+        c->v = v;
+        c->g = g;  // freed by constrain_destroy from here on
+    }
+    bool ok = c && n_wait >= 0 && n_wait <= CONSTRAIN_MAX_WAIT;
+    if (ok) {
         c->scratch = malloc((CONSTRAIN_MAX_BYTES + 1) * sizeof *c->scratch);
         c->mask = malloc((size_t) v->n_words * sizeof *c->mask);
+        ok = c->scratch && c->mask;
+        for (int i = 0; i < n_wait && ok; i++)
+            ok = strlen(wait[i]) < CONSTRAIN_MAX_WAIT_BYTES && (c->wait[c->n_wait++] = strdup(wait[i]));
     }
-    if (!c || !c->scratch || !c->mask) {
-        if (c) free(c->scratch), free(c->mask), free(c);
-        jgram_free(g);
+    if (!ok) {
+        if (c) constrain_destroy(c);
+        else jgram_free(g);
         return ERR_NOMEM;
     }
-    c->v = v;
-    c->g = g;
-    c->is_waiting = wait_think;
     jgram_start(g, &c->st);
     *out = c;
     return ERR_OK;
@@ -267,6 +285,7 @@ void constrain_destroy(Constrain *c)
         free(c->cache[i].mask);
     }
     jgram_free(c->g);
+    for (int i = 0; i < c->n_wait; i++) free(c->wait[i]);
     free(c->scratch);
     free(c->mask);
     free(c);
@@ -279,24 +298,28 @@ bool constrain_token(Constrain *c, int32_t id)
     const bool in_vocab = id >= 0 && id < v->n_tok;
     const uint8_t *p = in_vocab ? v->bytes + v->off[id] : NULL;
     const uint32_t n = in_vocab ? v->off[id + 1] - v->off[id] : 0;
-    if (c->is_waiting) {  // look for "</think>" across token boundaries
-        char buf[8 + CONSTRAIN_MAX_BYTES];
+    if (c->i_wait < c->n_wait) {  // look for the awaited text across token boundaries
+        const char *w = c->wait[c->i_wait];
+        const int nw = (int) strlen(w);
+        char buf[CONSTRAIN_MAX_WAIT_BYTES + CONSTRAIN_MAX_BYTES];
         const uint32_t m = n < CONSTRAIN_MAX_BYTES ? n : CONSTRAIN_MAX_BYTES;
         memcpy(buf, c->tail, (size_t) c->n_tail);
         if (m) memcpy(buf + c->n_tail, p + (n - m), m);
         const int len = c->n_tail + (int) m;
-        for (int i = 0; i + 8 <= len; i++)
-            if (!memcmp(buf + i, "</think>", 8)) {
-                c->is_waiting = false;
+        for (int i = 0; i + nw <= len; i++)
+            if (!memcmp(buf + i, w, (size_t) nw)) {  // seen: wait for the next one afresh
+                c->i_wait++;
+                c->n_tail = 0;
                 return true;
             }
-        const int keep = len < 7 ? len : 7;
+        const int keep = len < nw - 1 ? len : nw - 1;
         memmove(c->tail, buf + len - keep, (size_t) keep);
         c->n_tail = keep;
         return true;
     }
     if (id >= 0 && id < v->n_vocab && (v->eos_mask[id >> 5] >> (id & 31) & 1)) return true;
-    if (!in_vocab || v->is_special[id] || !jgram_feed_bytes(c->g, &c->st, p, n)) {
+    if (!in_vocab || (v->is_special[id] && !jgram_wants_markup(c->g)) ||
+        !jgram_feed_bytes(c->g, &c->st, p, n)) {
         c->is_broken = true;
         return false;
     }
@@ -305,7 +328,7 @@ bool constrain_token(Constrain *c, int32_t id)
 
 bool constrain_is_complete(const Constrain *c)
 {
-    return c->is_broken || c->is_waiting ? true : jgram_can_end(c->g, &c->st);
+    return c->is_broken || c->i_wait < c->n_wait ? true : jgram_can_end(c->g, &c->st);
 }
 
 // Allow the tokens under trie node `node` (path state c->scratch[depth]) that the
@@ -335,10 +358,30 @@ static bool mask_empty(const uint32_t *m, int n)
     return true;
 }
 
-// Only the tokens along the shortest completion comp[0..n).
+// Tool-call markup may come as special tokens: those the automaton accepts (and, in the
+// end zone, that leave a completion that fits).
+static void allow_specials(Constrain *c)
+{
+    const ConstrainVocab *v = c->v;
+    JgramState *s = &c->scratch[1];
+    for (int i = 0; i < v->n_specials; i++) {
+        const int32_t id = v->specials[i];
+        jgram_copy(s, &c->st);
+        if (jgram_feed_bytes(c->g, s, v->bytes + v->off[id], v->off[id + 1] - v->off[id]) &&
+            (c->check_left < 0 || jgram_completion(c->g, s, c->comp, c->check_left) >= 0))
+            set_bit(c->mask, id);
+    }
+}
+
+// Only the tokens along the shortest completion comp[0..n) (specials too for tool calls).
 static void force_completion(Constrain *c, int n)
 {
     const ConstrainVocab *v = c->v;
+    for (int i = 0; i < v->n_specials && jgram_wants_markup(c->g); i++) {
+        const int32_t id = v->specials[i];
+        const uint32_t len = v->off[id + 1] - v->off[id];
+        if (len <= (uint32_t) n && !memcmp(v->bytes + v->off[id], c->comp, len)) set_bit(c->mask, id);
+    }
     uint32_t node = 0;
     for (int i = 0; i < n; i++) {
         uint32_t ch = v->nodes[node].child;
@@ -358,7 +401,7 @@ static double now_us(void)
 
 const uint32_t *constrain_mask(Constrain *c, int n_left)
 {
-    if (c->is_waiting || c->is_broken) return NULL;
+    if (c->i_wait < c->n_wait || c->is_broken) return NULL;
     const ConstrainVocab *v = c->v;
     const double t0 = now_us();
     c->stats.n_masks++;
@@ -393,6 +436,7 @@ const uint32_t *constrain_mask(Constrain *c, int n_left)
             c->check_left = in_end_zone ? n_left - 1 : -1;
             jgram_copy(&c->scratch[0], &c->st);
             walk(c, 0, 0, room >= 0);
+            if (jgram_wants_markup(c->g)) allow_specials(c);
             if (!in_end_zone) {
                 if (!victim->st) victim->st = malloc(sizeof *victim->st);
                 if (!victim->mask) victim->mask = malloc(mask_bytes);

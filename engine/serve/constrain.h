@@ -18,7 +18,10 @@
  * every candidate token is also checked to leave a completion that still fits.
  *
  * Reasoning: a job whose prompt opens a reasoning block is unconstrained until the model
- * writes "</think>"; the document starts after it.
+ * writes "</think>"; the document starts after it. Tool calls (tool_choice "required" or
+ * named): the grammar of jgram_compile_tools starts after the forced "<tool_call>" opening,
+ * and its markup may be special tokens (GLM's "<arg_key>" ...), which are then allowed
+ * where the automaton accepts their text.
  *
  * The token bytes assume a byte-level decoder whose output is the concatenation of the
  * tokens' own decodes (GLM's, DeepSeek's, Qwen's and Llama 3's tokenizers are).
@@ -57,8 +60,11 @@ void constrain_vocab_destroy(ConstrainVocab *v);
 int constrain_mask_words(const ConstrainVocab *v);
 
 // A job's constraint over grammar g (taken: freed with the Constrain, also on failure).
-// wait_think: the prompt opens a reasoning block (the document starts after "</think>").
-Err constrain_create(const ConstrainVocab *v, JgramGrammar *g, bool wait_think, Constrain **out);
+// wait[0..n_wait) (at most 2, each under 400 bytes): texts the output shows, in order,
+// before the grammar starts ("</think>" when the prompt opens a reasoning block; a forced
+// tool-call opening); nothing is constrained until then.
+Err constrain_create(const ConstrainVocab *v, JgramGrammar *g, const char *const *wait, int n_wait,
+                     Constrain **out);
 void constrain_destroy(Constrain *c);
 
 // One output token (sampled, forced or replayed). False when it leaves no valid document

@@ -268,6 +268,23 @@ Err serve_out_init(ServeOut *o, const Tokenizer *tok, const JobqJob *job, uint64
         o->n_force = (int) ids.n;
         tok_ids_free(&ids);
         o->force = in_reasoning ? SERVE_FORCE_WAIT_THINK : SERVE_FORCE_DUE;
+        // The call after the opening: a tool's name (required), then its arguments.
+        if (!o->grammar) {
+            static char why[200];  // the client message (engine thread only)
+            char detail[160];
+            const Err e = jgram_compile_tools(tools, is_named ? name : NULL, &o->grammar, detail, sizeof detail);
+            if (e == ERR_INVAL) {
+                snprintf(why, sizeof why, "tools: %s", detail);
+                *msg = why;
+                err = ERR_INVAL;
+                goto done;
+            }
+            if (e) goto done;
+            if (in_reasoning && !(o->wait[o->n_wait++] = strdup("</think>"))) goto done;
+            if (!(o->wait[o->n_wait++] = strdup(opening))) goto done;
+        }
+    } else if (o->grammar && in_reasoning && !(o->wait[o->n_wait++] = strdup("</think>"))) {
+        goto done;
     }
     err = ERR_OK;
 done:
@@ -395,7 +412,7 @@ Err serve_out_constrain(ServeOut *o, const ConstrainVocab *cv)
     if (!o->grammar) return ERR_OK;
     JgramGrammar *g = o->grammar;
     o->grammar = NULL;  // constrain_create takes it
-    return constrain_create(cv, g, o->in_reasoning, &o->con);
+    return constrain_create(cv, g, (const char *const *) o->wait, o->n_wait, &o->con);
 }
 
 const uint32_t *serve_out_mask(ServeOut *o, int n_left)
@@ -407,6 +424,7 @@ void serve_out_free(ServeOut *o)
 {
     jgram_free(o->grammar);
     constrain_destroy(o->con);
+    for (int i = 0; i < o->n_wait; i++) free(o->wait[i]);
     serve_out_clear_step(o);
     for (int i = 0; i < o->n_stop; i++) free(o->stop[i]);
     buf_free(&o->hold);

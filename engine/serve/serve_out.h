@@ -19,7 +19,8 @@
  * response_format: the request's schema is compiled by serve_out_init (a bad one is
  * ERR_INVAL); serve_out_constrain() attaches the vocabulary-mask constraint (constrain.h)
  * that every output token then goes through, and serve_out_mask() gives the mask for the
- * next one.
+ * next one. A forced tool call is constrained the same way after its opening: the name
+ * (for "required") and the arguments follow the tools' parameter schemas.
  *
  * tool_choice "required" / {"function": NAME}: the output must open a tool call. The
  * opening ("<tool_call>" or "<tool_call>NAME", tokenized) is forced where content starts:
@@ -110,6 +111,8 @@ typedef struct ServeOut {
     // constraint fed every output token
     JgramGrammar *grammar;
     bool in_reasoning;  // the prompt opens a reasoning block
+    char *wait[2];      // what the output shows before the grammar starts (constrain.h)
+    int n_wait;
     Constrain *con;
     bool is_con_broken;  // an output token left the grammar (logged once)
     Err err;  // first error inside a parser callback
@@ -121,8 +124,9 @@ typedef struct ServeOut {
 Err serve_out_init(ServeOut *o, const Tokenizer *tok, const JobqJob *job, uint64_t seed_default,
                    const char **msg);
 
-// response_format: constrain the output (a request with one has o->grammar after
-// serve_out_init). Call before serve_out_replay. ERR_NOMEM.
+// Constrain the output (a request with response_format, or with tool_choice "required" or
+// named for the call's name and arguments, has o->grammar after serve_out_init). Call
+// before serve_out_replay. ERR_NOMEM.
 Err serve_out_constrain(ServeOut *o, const ConstrainVocab *cv);
 
 // The mask for the next token with n_left tokens to max_tokens (constrain_mask), or NULL

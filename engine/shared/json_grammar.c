@@ -37,7 +37,13 @@
 #include "engine/shared/utf8.h"
 
 enum { T_NULL = 1, T_BOOL = 2, T_INT = 4, T_NUM = 8, T_STR = 16, T_ARR = 32, T_OBJ = 64, T_ALL = 127 };
-enum { K_ROOT = 1, K_OBJ, K_KEY, K_STR, K_NUM, K_LIT, K_ARR };
+enum { K_ROOT = 1, K_OBJ, K_KEY, K_STR, K_NUM, K_LIT, K_ARR, K_CALL, K_XNAME, K_XKEY, K_XLIT, K_RAW };
+// Tool calls (GLM's "NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>"): the
+// phases of the K_CALL frame and the markup literals.
+enum { CL_NAME, CL_ARGS, CL_INLIT, CL_KEY, CL_KEYEND, CL_VALUE, CL_INVAL, CL_VALEND, CL_DONE };
+enum { XL_ARGKEY, XL_END, XL_KEYEND, XL_VALEND, XL_N };
+static const char *const XLITS[XL_N] = {"<arg_key>", "</tool_call>", "</arg_key><arg_value>",
+                                        "</arg_value>"};
 enum { OB_FIRST, OB_INKEY, OB_COLON, OB_VALUE, OB_INVAL, OB_NEXT, OB_KEY };
 enum { AR_FIRST, AR_INVAL, AR_NEXT, AR_VALUE };
 enum { N_SIGN, N_ZERO, N_INT, N_DOT, N_FRAC, N_E, N_ESIGN, N_EXP };
@@ -73,8 +79,18 @@ typedef struct Text {  // bytes in g->text
 
 typedef struct Prop {
     Text name;  // JSON-escaped, without quotes
+    Text raw;   // as written (a tool call's <arg_key>)
     int node;
+    // Tool calls: the value is raw text when the schema's "type" names "string" (as the
+    // chat parser reads it, engine/shared/chat.c); its enum/const strings as raw texts.
+    bool is_raw;
+    int raw_lit0, n_raw_lits;  // g->lits
 } Prop;
+
+typedef struct Call {  // one tool of a tool-call grammar
+    Text name;
+    int params;  // an object node
+} Call;
 
 struct JgramGrammar {
     Node *nodes;
@@ -86,6 +102,9 @@ struct JgramGrammar {
     char *text;
     int n_text, cap_text;
     int root;
+    Call *calls;  // tool-call grammars: the tools a call may name
+    int n_calls, cap_calls;
+    bool is_tools, is_named;
 };
 
 static const char *const BUILTIN[3] = {"true", "false", "null"};
@@ -267,6 +286,58 @@ static bool is_utf8(const char *s)
 {
     const size_t n = strlen(s);
     return utf8_valid_prefix((const uint8_t *) s, n) == n;
+}
+
+// Tool calls: whether property k's value is written raw (its schema's "type" is "string"
+// or a list naming it: chat.c's param_is_string) and, when raw, its string enum/const values
+// as raw texts (none may hold '<', which ends the value).
+static int set_raw(Compiler *c, int k, json_object *ps, const char *path)
+{
+    JgramGrammar *g = c->g;
+    json_object *type = NULL;
+    bool raw = false;
+    if (json_object_is_type(ps, json_type_object) && json_object_object_get_ex(ps, "type", &type)) {
+        if (json_object_is_type(type, json_type_string)) {
+            raw = !strcmp(json_object_get_string(type), "string");
+        } else if (json_object_is_type(type, json_type_array)) {
+            for (size_t j = 0; j < json_object_array_length(type); j++) {
+                json_object *tj = json_object_array_get_idx(type, j);
+                raw |= json_object_is_type(tj, json_type_string) && !strcmp(json_object_get_string(tj), "string");
+            }
+        }
+    }
+    g->props[k].is_raw = raw;
+    const Node *n = &g->nodes[g->props[k].node];
+    if (!raw || n->n_lits == 0) return 0;
+    const int lit0 = n->lit0, n_lits = n->n_lits;
+    g->props[k].raw_lit0 = g->n_lits;
+    for (int i = 0; i < n_lits; i++) {
+        char lit[512];
+        const Text *t = &g->lits[lit0 + i];
+        if (t->len >= (int) sizeof lit) continue;
+        memcpy(lit, g->text + t->off, (size_t) t->len);
+        lit[t->len] = 0;
+        json_object *v = json_tokener_parse(lit);
+        if (json_object_is_type(v, json_type_string)) {
+            const char *r = json_object_get_string(v);
+            Text out;
+            if (strchr(r, '<')) {
+                json_object_put(v);
+                return fail(c, ERR_INVAL, path, "a string value of a tool parameter's 'enum' holds '<'");
+            }
+            if (!grow((void **) &g->lits, &g->cap_lits, g->n_lits + 1, sizeof(Text)) ||
+                !add_text(g, r, (int) strlen(r), &out)) {
+                json_object_put(v);
+                return fail(c, ERR_INVAL, path, "the schema's literals exceed 64 KiB");
+            }
+            g->lits[g->n_lits++] = out;
+            g->props[k].n_raw_lits++;
+        }
+        json_object_put(v);
+    }
+    if (g->props[k].n_raw_lits == 0)
+        return fail(c, ERR_INVAL, path, "a string tool parameter's 'enum' or 'const' has no string");
+    return 0;
 }
 
 static bool is_annotation(const char *key)
@@ -476,6 +547,7 @@ static int compile_node(Compiler *c, json_object *s, const char *path, int depth
     const int prop0 = g->n_props;
     if (!grow((void **) &g->props, &g->cap_props, g->n_props + n_props, sizeof(Prop)))
         return fail(c, ERR_NOMEM, path, "out of memory");
+    memset(&g->props[prop0], 0, (size_t) n_props * sizeof(Prop));
     g->n_props += n_props;
     g->nodes[k].prop0 = prop0;
     g->nodes[k].n_props = n_props;
@@ -494,8 +566,12 @@ static int compile_node(Compiler *c, json_object *s, const char *path, int depth
             snprintf(sub, sizeof sub, "%s/properties/%.64s", path, name);
             const int pn = compile_node(c, ps, sub, depth + 1);
             if (pn < 0) return -1;
-            g->props[prop0 + i].name = t;
-            g->props[prop0 + i].node = pn;
+            Prop *pr = &g->props[prop0 + i];
+            pr->name = t;
+            pr->node = pn;
+            if (!add_text(g, name, (int) strlen(name), &g->props[prop0 + i].raw))
+                return fail(c, ERR_INVAL, path, "the schema's names exceed 64 KiB");
+            if (set_raw(c, prop0 + i, ps, sub) < 0) return -1;
             i++;
         }
     }
@@ -567,9 +643,83 @@ Err jgram_compile(json_object *schema, JgramGrammar **out, char *msg, size_t cap
     return ERR_OK;
 }
 
+Err jgram_compile_tools(json_object *tools, const char *name, JgramGrammar **out, char *msg,
+                        size_t cap)
+{
+    *out = NULL;
+    if (cap) msg[0] = 0;
+    JgramGrammar *g = calloc(1, sizeof *g);
+    if (!g) return ERR_NOMEM;
+    Compiler c = {g, NULL, {0}, 0, msg, cap, ERR_OK};
+    int k = new_node(&c, "");
+    if (k == 0) {
+        g->nodes[0].types = T_ALL;
+        g->nodes[0].addl = 0;
+        k = set_min(&c, 0, "");
+    }
+    const size_t n = json_object_is_type(tools, json_type_array) ? json_object_array_length(tools) : 0;
+    for (size_t i = 0; i < n && k >= 0; i++) {
+        json_object *fn = NULL, *fname = NULL, *params = NULL;
+        if (!json_object_object_get_ex(json_object_array_get_idx(tools, i), "function", &fn) ||
+            !json_object_object_get_ex(fn, "name", &fname) || !json_object_is_type(fname, json_type_string))
+            continue;
+        const char *nm = json_object_get_string(fname);
+        if (name && strcmp(nm, name)) continue;
+        char path[96];
+        snprintf(path, sizeof path, "/tools/%zu/function/parameters", i);
+        if (g->n_calls == 64) {
+            k = fail(&c, ERR_INVAL, path, "more than 64 tools");
+            break;
+        }
+        if (!*nm || strchr(nm, '<') || !is_utf8(nm)) {
+            k = fail(&c, ERR_INVAL, path, "a tool name must be non-empty UTF-8 without '<'");
+            break;
+        }
+        json_object_object_get_ex(fn, "parameters", &params);
+        if (params && !json_object_is_type(params, json_type_null)) {
+            c.root_schema = params;
+            k = compile_node(&c, params, path, 0);
+        } else if ((k = new_node(&c, path)) >= 0) {
+            g->nodes[k].types = T_OBJ;
+            k = set_min(&c, k, path);
+        }
+        if (k < 0) break;
+        const Node *pn = &g->nodes[k];
+        if (pn->n_lits || pn->n_alts || !(pn->types & T_OBJ)) {
+            k = fail(&c, ERR_INVAL, path, "tool parameters must be an object schema");
+            break;
+        }
+        for (int j = 0; j < pn->n_props && k >= 0; j++) {
+            const Text *r = &g->props[pn->prop0 + j].raw;
+            if (r->len == 0 || memchr(g->text + r->off, '<', (size_t) r->len))
+                k = fail(&c, ERR_INVAL, path, "a tool parameter's name must be non-empty without '<'");
+        }
+        if (k < 0) break;
+        Text t;
+        if (!grow((void **) &g->calls, &g->cap_calls, g->n_calls + 1, sizeof(Call)) ||
+            !add_text(g, nm, (int) strlen(nm), &t)) {
+            k = fail(&c, ERR_NOMEM, path, "out of memory");
+            break;
+        }
+        g->calls[g->n_calls++] = (Call){t, k};
+    }
+    if (k >= 0 && g->n_calls == 0) k = fail(&c, ERR_INVAL, "/tools", "no tool to call");
+    if (k < 0) {
+        jgram_free(g);
+        return c.err ? c.err : ERR_INVAL;
+    }
+    g->is_tools = true;
+    g->is_named = name != NULL;
+    *out = g;
+    return ERR_OK;
+}
+
+bool jgram_wants_markup(const JgramGrammar *g) { return g->is_tools; }
+
 void jgram_free(JgramGrammar *g)
 {
     if (!g) return;
+    free(g->calls);
     for (int i = 0; i < g->n_nodes; i++) free(g->nodes[i].min);
     free(g->nodes);
     free(g->lits);
@@ -601,6 +751,7 @@ static void pop_value(JgramThread *t)
     if (p->kind == K_ROOT) p->st = 1;
     else if (p->kind == K_OBJ) p->st = OB_NEXT;
     else if (p->kind == K_ARR) p->st = AR_NEXT;
+    else if (p->kind == K_CALL) p->st = CL_VALEND;
 }
 
 // A byte of a string (or key): -1 invalid, 0 inside a character or escape, 1 a new
@@ -760,11 +911,206 @@ static uint64_t key_candidates(const Node *n, uint64_t seen)
     return n->addl >= 0 ? all : all & ~seen;
 }
 
+// ---------------------------------------------------------------------------
+// Tool calls
+
+static const Node *call_params(const JgramGrammar *g, const JgramFrame *call)
+{
+    return &g->nodes[g->calls[call->node].params];
+}
+
+static uint64_t all_props(const Node *n) { return n->n_props == 64 ? ~0ull : (1ull << n->n_props) - 1; }
+
+// A byte of a raw tool-call value (any UTF-8 but '<', which ends it; no control bytes
+// but tab, CR and LF): -1 invalid, 0 inside a character, 1 a new character.
+static int raw_byte(JgramFrame *f, uint8_t c)
+{
+    if (f->b > 0) {
+        const uint32_t r = f->b >> 4;
+        const int lo = r == 1 ? 0xA0 : r == 3 ? 0x90 : 0x80, hi = r == 2 ? 0x9F : r == 4 ? 0x8F : 0xBF;
+        if (c < lo || c > hi) return -1;
+        f->b = (f->b & 0xF) - 1;
+        return 0;
+    }
+    if (c == '<' || (c < 0x20 && c != '\t' && c != '\n' && c != '\r')) return -1;
+    if (c < 0x80) return 1;
+    if (c >= 0xC2 && c <= 0xDF) f->b = 1;
+    else if (c == 0xE0) f->b = 2 | 1 << 4;
+    else if (c == 0xED) f->b = 2 | 2 << 4;
+    else if (c >= 0xE1 && c <= 0xEF) f->b = 2;
+    else if (c == 0xF0) f->b = 3 | 3 << 4;
+    else if (c == 0xF4) f->b = 3 | 4 << 4;
+    else if (c >= 0xF1 && c <= 0xF3) f->b = 3;
+    else return -1;
+    return 1;
+}
+
+static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o);
+
+// A byte for the tool-call frames on top (K_CALL and what it pushes). Returns true when
+// the byte is to go to the new top frame (the loop in feed_thread continues), false when
+// it was taken (emitted) or refused.
+static bool feed_call(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o)
+{
+    JgramFrame *f = top(t);
+    switch (f->kind) {
+    case K_CALL: {
+        const Node *pn = call_params(g, f);
+        uint64_t set = 0;
+        switch (f->st) {
+        case CL_ARGS:
+            if ((f->set & all_props(pn)) != all_props(pn)) set |= 1u << XL_ARGKEY;
+            if ((f->set & pn->required) == pn->required) set |= 1u << XL_END;
+            break;
+        case CL_KEYEND:
+            set = 1u << XL_KEYEND;
+            break;
+        case CL_VALEND:
+            set = 1u << XL_VALEND;
+            break;
+        case CL_VALUE: {
+            const Prop *p = &g->props[pn->prop0 + (int) f->c];
+            f->st = CL_INVAL;
+            if (!p->is_raw) {
+                start_value(g, t, p->node, c, o);
+                return false;
+            }
+            if (!push(t, K_RAW, p->node)) return false;
+            top(t)->c = f->c;
+            if (p->n_raw_lits) top(t)->set = p->n_raw_lits >= 64 ? ~0ull : (1ull << p->n_raw_lits) - 1;
+            return true;
+        }
+        default:
+            return false;
+        }
+        if (!set) return false;
+        f->st = CL_INLIT;
+        if (!push(t, K_XLIT, 0)) return false;
+        top(t)->set = set;
+        return true;
+    }
+    case K_XLIT: {
+        if (c == 0) return false;
+        uint64_t keep = 0;
+        int done = -1;
+        for (int i = 0; i < XL_N; i++)
+            if ((f->set >> i & 1) && XLITS[i][f->a] == (char) c) {
+                keep |= 1ull << i;
+                if (XLITS[i][f->a + 1] == 0) done = i;
+            }
+        if (!keep) return false;
+        f->set = keep;
+        f->a++;
+        if (done >= 0) {  // the literals are no prefix of one another: it is this one
+            t->depth--;
+            JgramFrame *call = top(t);
+            if (done == XL_ARGKEY) {
+                const Node *pn = call_params(g, call);
+                call->st = CL_KEY;
+                if (!push(t, K_XKEY, g->calls[call->node].params)) return false;
+                top(t)->set = all_props(pn) & ~call->set;
+            } else {
+                call->st = done == XL_END ? CL_DONE : done == XL_KEYEND ? CL_VALUE : CL_ARGS;
+            }
+        }
+        emit(o, t);
+        return false;
+    }
+    case K_XNAME: {
+        uint64_t keep = 0;
+        int exact = -1;
+        for (int i = 0; i < g->n_calls; i++) {
+            const Text *nm = &g->calls[i].name;
+            if (!(f->set >> i & 1)) continue;
+            if ((int) f->a < nm->len && (uint8_t) g->text[nm->off + (int) f->a] == c) keep |= 1ull << i;
+            if ((int) f->a == nm->len) exact = i;
+        }
+        if (keep) {
+            f->set = keep;
+            f->a++;
+            emit(o, t);
+            return false;
+        }
+        if (c != '<' || exact < 0) return false;
+        t->depth--;
+        top(t)->node = (uint16_t) exact;
+        top(t)->st = CL_ARGS;
+        return true;
+    }
+    case K_XKEY: {
+        const Node *pn = &g->nodes[f->node];
+        uint64_t keep = 0;
+        int exact = -1;
+        for (int i = 0; i < pn->n_props; i++) {
+            const Text *r = &g->props[pn->prop0 + i].raw;
+            if (!(f->set >> i & 1)) continue;
+            if ((int) f->a < r->len && (uint8_t) g->text[r->off + (int) f->a] == c) keep |= 1ull << i;
+            if ((int) f->a == r->len) exact = i;
+        }
+        if (keep) {
+            f->set = keep;
+            f->a++;
+            emit(o, t);
+            return false;
+        }
+        if (c != '<' || exact < 0) return false;
+        t->depth--;
+        JgramFrame *call = top(t);
+        call->set |= 1ull << exact;
+        call->c = (uint32_t) exact;
+        call->st = CL_KEYEND;
+        return true;
+    }
+    case K_RAW: {
+        const Node *n = &g->nodes[f->node];
+        const Prop *p = &g->props[call_params(g, &t->f[t->depth - 2])->prop0 + (int) f->c];
+        if (c == '<' && f->b == 0) {  // the end of the value
+            bool ok = f->a >= n->min_len;
+            if (p->n_raw_lits) {
+                ok = false;
+                for (int i = 0; i < p->n_raw_lits; i++)
+                    ok |= (f->set >> i & 1) && g->lits[p->raw_lit0 + i].len == (int) f->a;
+            }
+            if (!ok) return false;
+            pop_value(t);
+            return true;
+        }
+        if (p->n_raw_lits) {
+            uint64_t keep = 0;
+            for (int i = 0; i < p->n_raw_lits; i++) {
+                const Text *l = &g->lits[p->raw_lit0 + i];
+                if ((f->set >> i & 1) && (int) f->a < l->len && (uint8_t) g->text[l->off + (int) f->a] == c)
+                    keep |= 1ull << i;
+            }
+            if (!keep) return false;
+            f->set = keep;
+            f->a++;
+            emit(o, t);
+            return false;
+        }
+        const int r = raw_byte(f, c);
+        if (r < 0) return false;
+        if (r == 1) {
+            if (n->max_len != NONE) {
+                if (f->a >= n->max_len) return false;
+                f->a++;
+            } else if (f->a < n->min_len) {
+                f->a++;
+            }
+        }
+        emit(o, t);
+        return false;
+    }
+    default:
+        return false;
+    }
+}
+
 static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o)
 {
     for (;;) {
         JgramFrame *f = top(t);
-        const Node *n = &g->nodes[f->node];
+        const Node *n = f->kind == K_CALL ? NULL : &g->nodes[f->node];  // a call's node: its tool
         switch (f->kind) {
         case K_ROOT:
             if (f->st != 0) return;
@@ -967,6 +1313,13 @@ static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o
             default:
                 return;
             }
+        case K_CALL:
+        case K_XNAME:
+        case K_XKEY:
+        case K_XLIT:
+        case K_RAW:
+            if (feed_call(g, t, c, o)) continue;
+            return;
         default:
             return;
         }
@@ -982,7 +1335,19 @@ void jgram_start(const JgramGrammar *g, JgramState *st)
 {
     st->n = 1;
     st->t[0].depth = 0;
-    push(&st->t[0], K_ROOT, g->root);
+    if (!g->is_tools) {
+        push(&st->t[0], K_ROOT, g->root);
+        return;
+    }
+    // A tool call: the arguments of the named tool, or first the name of one of them.
+    push(&st->t[0], K_CALL, 0);
+    if (g->is_named) {
+        st->t[0].f[0].st = CL_ARGS;
+    } else {
+        st->t[0].f[0].st = CL_NAME;
+        push(&st->t[0], K_XNAME, 0);
+        st->t[0].f[1].set = g->n_calls == 64 ? ~0ull : (1ull << g->n_calls) - 1;
+    }
 }
 
 bool jgram_feed(const JgramGrammar *g, JgramState *st, uint8_t byte)
@@ -1016,7 +1381,8 @@ static bool thread_can_end(const JgramGrammar *g, const JgramThread *t)
 {
     const JgramFrame *f = &t->f[t->depth - 1];
     if (f->kind == K_ROOT) return f->st == 1;
-    if (t->depth != 2) return false;
+    if (f->kind == K_CALL) return f->st == CL_DONE;
+    if (t->depth != 2 || t->f[0].kind != K_ROOT) return false;
     return (f->kind == K_NUM && num_complete(f)) || (f->kind == K_LIT && lit_complete(g, f));
 }
 
@@ -1081,14 +1447,160 @@ static int pick_key(const JgramGrammar *g, const Node *n, uint64_t seen, int *va
     return -1;
 }
 
+// The shortest value of tool parameter k as written in a call: raw text (its shortest
+// raw enum value, or minLength letters) or JSON.
+static void put_prop_min(const JgramGrammar *g, Wb *s, int k)
+{
+    const Prop *p = &g->props[k];
+    if (!p->is_raw) {
+        put_min(g, s, p->node);
+        return;
+    }
+    if (p->n_raw_lits) {
+        int best = 0;
+        for (int i = 1; i < p->n_raw_lits; i++)
+            if (g->lits[p->raw_lit0 + i].len < g->lits[p->raw_lit0 + best].len) best = i;
+        put(s, g->text + g->lits[p->raw_lit0 + best].off, g->lits[p->raw_lit0 + best].len);
+        return;
+    }
+    for (uint32_t i = 0; i < g->nodes[p->node].min_len; i++) put(s, "a", 1);
+}
+
+// The rest of call `call` with its arguments `seen` written: the required ones missing,
+// then "</tool_call>".
+static void call_args_rest(const JgramGrammar *g, Wb *s, int call, uint64_t seen)
+{
+    const Node *pn = &g->nodes[g->calls[call].params];
+    for (int i = 0; i < pn->n_props; i++) {
+        if (!(pn->required >> i & 1) || (seen >> i & 1)) continue;
+        const Text *r = &g->props[pn->prop0 + i].raw;
+        put(s, "<arg_key>", 9);
+        put(s, g->text + r->off, r->len);
+        put(s, "</arg_key><arg_value>", 21);
+        put_prop_min(g, s, pn->prop0 + i);
+        put(s, "</arg_value>", 12);
+    }
+    put(s, "</tool_call>", 12);
+}
+
 static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s)
 {
     uint64_t seen_add = 0;  // a property the completed key on top chose
+    int call_st = -1;       // tool calls: the phase the frames above leave the call in
     for (int d = t->depth - 1; d >= 0; d--) {
         const JgramFrame *f = &t->f[d];
-        const Node *n = &g->nodes[f->node];
+        const Node *n = f->kind == K_CALL ? NULL : &g->nodes[f->node];
         const bool is_top = d == t->depth - 1;
         switch (f->kind) {
+        case K_XNAME: {  // finish the shortest name still matching
+            int best = -1;
+            for (int i = 0; i < g->n_calls; i++)
+                if ((f->set >> i & 1) && g->calls[i].name.len >= (int) f->a &&
+                    (best < 0 || g->calls[i].name.len < g->calls[best].name.len))
+                    best = i;
+            if (best < 0) {
+                s->bad = true;
+                return;
+            }
+            const Text *nm = &g->calls[best].name;
+            put(s, g->text + nm->off + f->a, nm->len - (int) f->a);
+            call_args_rest(g, s, best, 0);
+            return;  // the call frame below is done with
+        }
+        case K_XKEY: {  // finish a name still matching (required first), its value
+            const JgramFrame *call = &t->f[d - 1];
+            const Node *pn = call_params(g, call);
+            int best = -1;
+            for (int pass = 0; pass < 2 && best < 0; pass++)
+                for (int i = 0; i < pn->n_props && best < 0; i++)
+                    if ((f->set >> i & 1) && (pass || (pn->required >> i & 1))) best = i;
+            if (best < 0) {
+                s->bad = true;
+                return;
+            }
+            const Text *r = &g->props[pn->prop0 + best].raw;
+            put(s, g->text + r->off + f->a, r->len - (int) f->a);
+            put(s, "</arg_key><arg_value>", 21);
+            put_prop_min(g, s, pn->prop0 + best);
+            put(s, "</arg_value>", 12);
+            call_args_rest(g, s, call->node, call->set | 1ull << best);
+            return;
+        }
+        case K_XLIT: {
+            const JgramFrame *call = &t->f[d - 1];
+            const Node *pn = call_params(g, call);
+            // End the call when its required arguments are there, else write another key.
+            const bool may_end = (f->set >> XL_END & 1) && (call->set & pn->required) == pn->required;
+            int which = -1;
+            for (int i = 0; i < XL_N && which < 0; i++)
+                if ((f->set >> i & 1) && (i != XL_END || may_end) && (i != XL_ARGKEY || !may_end)) which = i;
+            if (which < 0) {
+                s->bad = true;
+                return;
+            }
+            put(s, XLITS[which] + f->a, (int) strlen(XLITS[which]) - (int) f->a);
+            if (which == XL_END) return;
+            if (which == XL_ARGKEY) {
+                int value;
+                const int i = pick_key(g, pn, call->set, &value);
+                if (i < 0) {
+                    s->bad = true;
+                    return;
+                }
+                const Text *r = &g->props[pn->prop0 + i].raw;
+                put(s, g->text + r->off, r->len);
+                put(s, "</arg_key><arg_value>", 21);
+                put_prop_min(g, s, pn->prop0 + i);
+                put(s, "</arg_value>", 12);
+                call_args_rest(g, s, call->node, call->set | 1ull << i);
+                return;
+            }
+            if (which == XL_KEYEND) {
+                put_prop_min(g, s, pn->prop0 + (int) call->c);
+                put(s, "</arg_value>", 12);
+            }
+            call_args_rest(g, s, call->node, call->set);
+            return;
+        }
+        case K_RAW: {
+            const JgramFrame *call = &t->f[d - 1];
+            const Prop *p = &g->props[call_params(g, call)->prop0 + (int) f->c];
+            if (p->n_raw_lits) {
+                int best = -1;
+                for (int i = 0; i < p->n_raw_lits; i++) {
+                    const int len = g->lits[p->raw_lit0 + i].len;
+                    if ((f->set >> i & 1) && len >= (int) f->a &&
+                        (best < 0 || len < g->lits[p->raw_lit0 + best].len))
+                        best = i;
+                }
+                if (best < 0) {
+                    s->bad = true;
+                    return;
+                }
+                const Text *l = &g->lits[p->raw_lit0 + best];
+                put(s, g->text + l->off + f->a, l->len - (int) f->a);
+            } else {
+                if (f->b) {
+                    const uint32_t r = f->b >> 4;
+                    put(s, r == 1 || r == 3 ? "\xA0" : "\x80", 1);
+                    for (uint32_t i = 1; i < (f->b & 0xF); i++) put(s, "\x80", 1);
+                }
+                for (uint32_t i = f->a; i < n->min_len; i++) put(s, "a", 1);
+            }
+            call_st = CL_VALEND;
+            break;
+        }
+        case K_CALL: {
+            const int st = call_st >= 0 ? call_st : is_top ? f->st : CL_VALEND;  // below: a JSON value
+            const Node *pn = call_params(g, f);
+            if (st == CL_DONE) break;
+            if (st == CL_KEYEND) put(s, "</arg_key><arg_value>", 21);
+            if (st == CL_KEYEND || st == CL_VALUE) put_prop_min(g, s, pn->prop0 + (int) f->c);
+            if (st == CL_KEYEND || st == CL_VALUE || st == CL_VALEND || st == CL_INVAL)
+                put(s, "</arg_value>", 12);
+            call_args_rest(g, s, f->node, f->set);
+            break;
+        }
         case K_ROOT:
             if (is_top && f->st == 0) put_min(g, s, g->root);
             break;
@@ -1239,7 +1751,7 @@ int32_t jgram_plain_room(const JgramGrammar *g, const JgramState *st)
     if (st->n != 1) return -1;
     const JgramThread *t = &st->t[0];
     const JgramFrame *f = &t->f[t->depth - 1];
-    if (f->st != 0 || f->b != 0) return -1;
+    if (f->st != 0 || f->b != 0 || (f->kind != K_STR && f->kind != K_KEY)) return -1;
     const Node *n = &g->nodes[f->node];
     if (f->kind == K_STR) return n->max_len == NONE ? INT32_MAX : (int32_t) (n->max_len - f->a);
     if (f->kind == K_KEY && f->set == 0 && n->addl >= 0) return INT32_MAX;

@@ -72,6 +72,19 @@ typedef struct JgramState {
 // reason on ERR_INVAL, e.g. "unsupported keyword 'pattern' at /properties/name".
 Err jgram_compile(json_object *schema, JgramGrammar **out, char *msg, size_t cap);
 
+// A tool call's grammar (tool_choice "required" or named), in GLM's format: for tools (the
+// request's "tools" array) the text after the forced "<tool_call>" (name NULL: one of the
+// tools' names, then its arguments) or after "<tool_call>NAME" (name given: that tool's
+// arguments), i.e. "NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>". Each
+// tool's "parameters" must be an object schema of the subset; a value whose schema's
+// "type" names "string" is raw text without '<' (as the chat parser reads it), others
+// JSON. Errors as jgram_compile, the pointer starting "/tools/I/function/parameters".
+Err jgram_compile_tools(json_object *tools, const char *name, JgramGrammar **out, char *msg,
+                        size_t cap);
+
+// True for tool-call grammars: their markup ("<arg_key>", ...) may come as special tokens.
+bool jgram_wants_markup(const JgramGrammar *g);
+
 // Release a grammar. Safe on NULL.
 void jgram_free(JgramGrammar *g);
 

@@ -566,6 +566,38 @@ test('tool_choice: none renders without tools; required and named validated; bad
         (e) => e instanceof OpenAI.BadRequestError && e.param === 'tool_choice');
 });
 
+test('tool_choice required and named: the call\'s name and arguments follow the tools (ajv)', async () => {
+    const weather = { type: 'object', properties: { city: { type: 'string', maxLength: 30 },
+        unit: { type: 'string', enum: ['celsius', 'fahrenheit'] }, days: { type: 'integer' },
+        opts: { type: 'object', properties: { hourly: { type: 'boolean' } }, required: ['hourly'] } },
+        required: ['city', 'days'] };
+    const tools = [{ type: 'function', function: { name: 'get_weather', parameters: weather } },
+        { type: 'function', function: { name: 'get_time', parameters: { type: 'object',
+            properties: { tz: { type: 'string', maxLength: 40 } }, required: ['tz'] } } }];
+    const ajv = new Ajv({ strict: false });
+    const runs = [[{ type: 'function', function: { name: 'get_weather' } }, 1], [{ type: 'function', function: { name: 'get_weather' } }, 2],
+        ['required', 3], ['required', 4], [{ type: 'function', function: { name: 'get_time' } }, 5]];
+    for (const [tool_choice, seed] of runs) {
+        const r = await client().chat.completions.create(chatBody({ temperature: 1, seed, max_tokens: 80, tools, tool_choice,
+            chat_template_kwargs: { enable_thinking: false } }));
+        assert.equal(r.choices[0].finish_reason, 'tool_calls');
+        const call = r.choices[0].message.tool_calls[0];
+        if (typeof tool_choice === 'object') assert.equal(call.function.name, tool_choice.function.name);
+        const tool = tools.find((t) => t.function.name === call.function.name);
+        assert.ok(tool, call.function.name);
+        const args = JSON.parse(call.function.arguments);
+        assert.ok(ajv.validate(tool.function.parameters, args), `${call.function.arguments}: ${ajv.errorsText()}`);
+    }
+    // A parameter schema outside the supported subset: a 400 naming the keyword.
+    const bad = [{ type: 'function', function: { name: 'f', parameters: { type: 'object',
+        properties: { d: { type: 'string', format: 'date' } } } } }];
+    await assert.rejects(client().chat.completions.create(chatBody({ tools: bad, tool_choice: 'required' })),
+        (e) => e instanceof OpenAI.BadRequestError && e.param === 'tools' && /unsupported keyword 'format'/.test(e.message));
+    // tool_choice auto does not constrain, so its schemas are not checked.
+    const auto = await client().chat.completions.create(chatBody({ tools: bad, max_tokens: 1 }));
+    assert.equal(auto.choices.length, 1);
+});
+
 test('jobs: owner, scope and the caller\'s input', async () => {
     const messages = [{ role: 'system', content: 'Be brief.' }, { role: 'user', content: 'Name a colour' }];
     const job = await api('/v1/jobs', { method: 'POST', body: chatBody({ messages, max_tokens: 2 }) });

@@ -114,7 +114,7 @@ static void run_tokenizer(const char *path)
         for (size_t mi = 0; mi < sizeof MAX_TOKENS / sizeof *MAX_TOKENS; mi++)
             for (int seed = 0; seed < 3; seed++) {
                 Constrain *c = NULL;
-                CHECK(constrain_create(cv, compile(SCHEMAS[si]), false, &c) == ERR_OK);
+                CHECK(constrain_create(cv, compile(SCHEMAS[si]), NULL, 0, &c) == ERR_OK);
                 if (!c) continue;
                 JgramState st, probe;
                 jgram_start(ref, &st);
@@ -178,7 +178,8 @@ static void run_tokenizer(const char *path)
 
     // Reasoning first: unconstrained until "</think>", then a document.
     Constrain *c = NULL;
-    CHECK(constrain_create(cv, compile(NULL), true, &c) == ERR_OK);
+    static const char *const think[] = {"</think>"};
+    CHECK(constrain_create(cv, compile(NULL), think, 1, &c) == ERR_OK);
     if (c) {
         TokIds ids = {0};
         CHECK(tok_encode(tok, "let me think</think>", 20, false, &ids) == ERR_OK);

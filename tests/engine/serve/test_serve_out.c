@@ -218,6 +218,54 @@ static void test_bad_request(const Tokenizer *tok)
     serve_out_free(&o);  // safe after a failed init
 }
 
+// A named tool call constrained after its forced opening: its markup arrives as special
+// tokens (ids 44..47, 41), the argument follows the tool's schema (an enum), the call ends
+// when its required argument is there, then only end-of-sequence (id 27 here) is left.
+static bool allowed(const uint32_t *m, int32_t id) { return m && (m[id >> 5] >> (id & 31) & 1); }
+
+static void test_constrained_tool_call(const Tokenizer *tok)
+{
+    const int eos = 27;
+    ConstrainVocab *cv = NULL;
+    CHECK(constrain_vocab_create(tok, 64, &eos, 1, &cv) == ERR_OK);
+    JobqJob job = {.kind = "chat",
+                   .request_json = "{\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\","
+                                   "\"parameters\":{\"type\":\"object\",\"properties\":{\"a\":{\"type\":"
+                                   "\"string\",\"enum\":[\"xy\",\"z\"]}},\"required\":[\"a\"]}}}],"
+                                   "\"tool_choice\":\"function\",\"tool_choice_name\":\"f\"}"};
+    ServeOut o;
+    const char *msg;
+    CHECK(serve_out_init(&o, tok, &job, 1, &msg) == ERR_OK);
+    CHECK(o.grammar != NULL);
+    CHECK(serve_out_constrain(&o, cv) == ERR_OK);
+    int n = 0;
+    const int32_t *ids = serve_out_force(&o, &n);
+    CHECK(ids && n == 2);
+    for (int i = 0; i < n; i++) {
+        CHECK(serve_out_mask(&o, 50) == NULL);  // the opening is forced, not masked
+        CHECK(serve_out_token(&o, ids[i], 0, NULL, NULL, 0) == ERR_OK);
+    }
+    const int32_t want[] = {44, id_of('a'), 45, 46, id_of('z'), 47, 41};
+    for (int i = 0; i < 7; i++) {
+        const uint32_t *m = serve_out_mask(&o, 50);
+        CHECK(allowed(m, want[i]));
+        if (i == 0) CHECK(!allowed(m, 41) && !allowed(m, id_of('a')) && !allowed(m, eos));  // a is required
+        if (i == 4) CHECK(allowed(m, id_of('x')) && !allowed(m, id_of('y')) && !allowed(m, 47));
+        if (i == 6) CHECK(!allowed(m, 44));  // no argument left to give
+        CHECK(serve_out_token(&o, want[i], 0, NULL, NULL, 0) == ERR_OK);
+    }
+    const uint32_t *m = serve_out_mask(&o, 50);
+    CHECK(allowed(m, eos));
+    for (int32_t id = 0; id < 64; id++) CHECK(id == eos || !allowed(m, id));
+    CHECK(serve_out_end(&o) == ERR_OK);
+    char tool[128] = "";
+    take(&o, JOBQ_CHUNK_TOOL, tool, sizeof tool);
+    CHECK(!strcmp(tool, "{\"name\":\"f\",\"arguments\":\"{\\\"a\\\": \\\"z\\\"}\"}"));
+    CHECK(!o.is_con_broken);
+    serve_out_free(&o);
+    constrain_vocab_destroy(cv);
+}
+
 int main(void)
 {
     Tokenizer *tok = make_tok();
@@ -227,6 +275,7 @@ int main(void)
         test_forced_after_thinking(tok);
         test_logprobs(tok);
         test_bad_request(tok);
+        test_constrained_tool_call(tok);
     }
     tok_destroy(tok);
     return check_exit();

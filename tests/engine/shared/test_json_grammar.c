@@ -179,10 +179,102 @@ static void test_completion(void)
     }
 }
 
+// Random valid prefixes of g, completed: the completion is accepted and ends the output.
+// Returns how many of the finished outputs contain `needle` (NULL: 0).
+static int walk_and_complete(const JgramGrammar *g, int trials, const char *needle)
+{
+    uint64_t rng = 7;
+    int hits = 0;
+    for (int trial = 0; trial < trials; trial++) {
+        JgramState st, probe;
+        jgram_start(g, &st);
+        char doc[4096];
+        int n = 0;
+        for (int k = 0; k < trial % 80; k++) {
+            uint8_t ok[256];
+            int n_ok = 0;
+            for (int c = 1; c < 256; c++) {
+                jgram_copy(&probe, &st);
+                if (jgram_feed(g, &probe, (uint8_t) c)) ok[n_ok++] = (uint8_t) c;
+            }
+            if (n_ok == 0) break;
+            rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+            const uint8_t c = ok[rng % (uint64_t) n_ok];
+            jgram_feed(g, &st, c);
+            doc[n++] = (char) c;
+        }
+        const int m = jgram_completion(g, &st, doc + n, (int) sizeof doc - n - 1);
+        CHECK(m >= 0);
+        if (m < 0) continue;
+        const bool fed = jgram_feed_bytes(g, &st, doc + n, (size_t) m);
+        if (!fed || !jgram_can_end(g, &st)) fprintf(stderr, "tools: prefix [%.*s] completion [%.*s] refused\n", n, doc, m, doc + n);
+        CHECK(fed && jgram_can_end(g, &st));
+        doc[n + m] = 0;
+        hits += needle && strstr(doc, needle) != NULL;
+    }
+    return hits;
+}
+
+// Tool calls in GLM's format: names, raw and JSON arguments, required ones, enums.
+static void test_tool_calls(void)
+{
+    json_object *tools = json_tokener_parse(
+        "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":"
+        "\"object\",\"properties\":{\"city\":{\"type\":\"string\",\"maxLength\":20},\"unit\":"
+        "{\"type\":\"string\",\"enum\":[\"celsius\",\"fahrenheit\"]},\"days\":{\"type\":\"integer\"},"
+        "\"opts\":{\"type\":\"object\",\"properties\":{\"hourly\":{\"type\":\"boolean\"}},"
+        "\"required\":[\"hourly\"]}},\"required\":[\"city\",\"days\"]}}},"
+        "{\"type\":\"function\",\"function\":{\"name\":\"get_time\",\"parameters\":{\"type\":"
+        "\"object\",\"properties\":{\"tz\":{\"type\":\"string\"}}}}},"
+        "{\"type\":\"function\",\"function\":{\"name\":\"get\"}}]");
+    CHECK(tools != NULL);
+    char msg[200];
+    JgramGrammar *any = NULL, *named = NULL, *bad = NULL;
+    CHECK(jgram_compile_tools(tools, NULL, &any, msg, sizeof msg) == ERR_OK);
+    CHECK(jgram_compile_tools(tools, "get_time", &named, msg, sizeof msg) == ERR_OK);
+    CHECK(jgram_compile_tools(tools, "nope", &bad, msg, sizeof msg) == ERR_INVAL && !bad);
+    if (any && named) {
+        CHECK(jgram_wants_markup(any));
+        CHECK(accepts(any, "get_weather<arg_key>city</arg_key><arg_value>Paris, \"FR\"</arg_value>"
+                           "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"));
+        CHECK(accepts(any, "get_weather<arg_key>days</arg_key><arg_value>-1</arg_value><arg_key>unit"
+                           "</arg_key><arg_value>celsius</arg_value><arg_key>opts</arg_key><arg_value>"
+                           "{\"hourly\": true}</arg_value><arg_key>city</arg_key><arg_value></arg_value>"
+                           "</tool_call>"));
+        CHECK(accepts(any, "get</tool_call>"));
+        CHECK(accepts(any, "get_time</tool_call>"));
+        CHECK(!prefix_ok(any, "get_weather</tool_call>"));  // city and days are required
+        CHECK(!prefix_ok(any, "get_w</"));                  // not a whole name
+        CHECK(!prefix_ok(any, "other"));
+        CHECK(!prefix_ok(any, "get_weather<arg_key>unit</arg_key><arg_value>kelvin"));
+        CHECK(!prefix_ok(any, "get_weather<arg_key>days</arg_key><arg_value>\"3\""));  // JSON integer
+        CHECK(!prefix_ok(any, "get_weather<arg_key>city</arg_key><arg_value>a</arg_value><arg_key>city<"));
+        CHECK(!prefix_ok(any, "get_weather<arg_key>zip<"));
+        CHECK(!prefix_ok(any, "get_weather<arg_key>city</arg_key><arg_value>123456789012345678901"));
+        CHECK(!accepts(any, "get</tool_call>x"));
+        CHECK(accepts(named, "</tool_call>"));
+        CHECK(accepts(named, "<arg_key>tz</arg_key><arg_value>Europe/Paris</arg_value></tool_call>"));
+        CHECK(!prefix_ok(named, "get_time"));
+        CHECK(walk_and_complete(any, 400, "get_weather<arg_key>") > 0);
+        walk_and_complete(named, 200, NULL);
+    }
+    // Parameter schemas are checked like response_format's, the error naming the tool.
+    json_object *t2 = json_tokener_parse(
+        "[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"object\","
+        "\"properties\":{\"x\":{\"type\":\"string\",\"format\":\"date\"}}}}}]");
+    CHECK(jgram_compile_tools(t2, NULL, &bad, msg, sizeof msg) == ERR_INVAL);
+    CHECK(strstr(msg, "unsupported keyword 'format' at /tools/0/function/parameters/properties/x") != NULL);
+    json_object_put(t2);
+    jgram_free(any);
+    jgram_free(named);
+    json_object_put(tools);
+}
+
 int main(void)
 {
     test_errors();
     test_documents();
     test_completion();
+    test_tool_calls();
     return check_exit();
 }
