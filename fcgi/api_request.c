@@ -607,6 +607,10 @@ bool api_request_check(const ApiRequest *r)
     if (r->top_logprobs < 0 || r->top_logprobs > API_MAX_TOP_LOGPROBS) return false;
     if (r->tool_choice == API_TOOL_CHOICE_NONE && r->tools) return false;
     if ((r->tool_choice == API_TOOL_CHOICE_FUNCTION) != (r->tool_choice_name != NULL)) return false;
+    if (r->format > API_FORMAT_JSON_SCHEMA || (r->schema && r->format != API_FORMAT_JSON_SCHEMA)) return false;
+    if (r->format != API_FORMAT_TEXT &&
+        (r->tool_choice == API_TOOL_CHOICE_REQUIRED || r->tool_choice == API_TOOL_CHOICE_FUNCTION))
+        return false;
     if (r->max_tokens < 0 || r->n_stop < 0 || r->n_stop > API_MAX_STOP) return false;
     for (int i = 0; i < r->n_stop; i++)
         if (!r->stop[i] || !*r->stop[i]) return false;

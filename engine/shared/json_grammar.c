@@ -547,7 +547,7 @@ static int compile_node(Compiler *c, json_object *s, const char *path, int depth
     const int prop0 = g->n_props;
     if (!grow((void **) &g->props, &g->cap_props, g->n_props + n_props, sizeof(Prop)))
         return fail(c, ERR_NOMEM, path, "out of memory");
-    memset(&g->props[prop0], 0, (size_t) n_props * sizeof(Prop));
+    if (n_props) memset(&g->props[prop0], 0, (size_t) n_props * sizeof(Prop));
     g->n_props += n_props;
     g->nodes[k].prop0 = prop0;
     g->nodes[k].n_props = n_props;
