@@ -73,6 +73,7 @@ struct Constrain {
     CacheEntry cache[CONSTRAIN_CACHE];
     uint64_t clock;
     int check_left;  // end zone: completions must fit in this many bytes (-1: no check)
+    bool check_partial;  // ... and plain tokens that end inside a character are checked too
     char comp[CONSTRAIN_MAX_COMPLETION];
     ConstrainStats stats;
 };
@@ -333,14 +334,15 @@ bool constrain_is_complete(const Constrain *c)
 
 // Allow the tokens under trie node `node` (path state c->scratch[depth]) that the
 // automaton accepts. fast: plain tokens are already allowed, walk only subtrees with
-// others. With c->check_left >= 0 a token must also leave a completion that fits (plain
-// tokens that end inside a character lengthen it: those are walked too).
+// others. With c->check_left >= 0 a token must also leave a completion that fits; plain
+// tokens that end inside a character lengthen it by up to 3 bytes (the rest of the
+// character), so within 4 tokens of the end (check_partial) those are walked too.
 static void walk(Constrain *c, uint32_t node, int depth, bool fast)
 {
     const ConstrainVocab *v = c->v;
     for (uint32_t ch = v->nodes[node].child; ch; ch = v->nodes[ch].sibling) {
         const TrieNode *t = &v->nodes[ch];
-        if (fast && !t->has_other && !(c->check_left >= 0 && t->has_partial)) continue;
+        if (fast && !t->has_other && !(c->check_partial && t->has_partial)) continue;
         JgramState *s = &c->scratch[depth + 1];
         jgram_copy(s, &c->scratch[depth]);
         if (!jgram_feed(c->g, s, t->byte)) continue;
@@ -409,9 +411,11 @@ const uint32_t *constrain_mask(Constrain *c, int n_left)
     const size_t mask_bytes = (size_t) nw * sizeof(uint32_t);
     const int need = jgram_completion(c->g, &c->st, c->comp, CONSTRAIN_MAX_COMPLETION);
     const bool can_end = need == 0;
-    const int n_need = need < 0 ? CONSTRAIN_MAX_COMPLETION + 1 : need;
+    // A completion longer than CONSTRAIN_MAX_COMPLETION: max_tokens cannot hold it anyway,
+    // so any valid continuation is as good (no end zone, no forcing).
+    const int n_need = need < 0 ? -CONSTRAIN_END_ZONE - 1 : need;
     memset(c->mask, 0, mask_bytes);
-    if (n_left <= n_need) {  // only the shortest way to the end still fits (if that)
+    if (need >= 0 && n_left <= need) {  // only the shortest way to the end still fits (if that)
         force_completion(c, need < 0 ? 0 : need);
     } else {
         const bool in_end_zone = n_left <= n_need + CONSTRAIN_END_ZONE;
@@ -428,9 +432,10 @@ const uint32_t *constrain_mask(Constrain *c, int n_left)
             memcpy(c->mask, hit->mask, mask_bytes);
         } else {
             const int32_t room = jgram_plain_room(c->g, &c->st);
+            c->check_partial = n_left <= n_need + 4;
             if (room >= 0) {
                 const int r = room > v->max_cps ? v->max_cps : room;
-                memcpy(c->mask, (in_end_zone ? v->whole_upto : v->plain_upto) + (size_t) r * nw,
+                memcpy(c->mask, (c->check_partial ? v->whole_upto : v->plain_upto) + (size_t) r * nw,
                        mask_bytes);
             }
             c->check_left = in_end_zone ? n_left - 1 : -1;

@@ -11,6 +11,7 @@ src=$(cd "$(dirname "$0")/../.." && pwd)
 # shellcheck source=tests/integration/stack.sh
 . "$src/tests/integration/stack.sh"
 stack_env constrain
+export GLMSPARK_MAX_NUM_SEQS=8  # the 8 requests decode together
 trap 'stack_down $? 20' EXIT
 stack_up
 echo "machine: $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ), load $(cut -d' ' -f1 /proc/loadavg)"
