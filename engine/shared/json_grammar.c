@@ -947,6 +947,32 @@ static int raw_byte(JgramFrame *f, uint8_t c)
 
 static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o);
 
+// Texts a frame matches byte by byte (tool names, argument names, raw enum values).
+typedef const Text *(*TextAt)(const JgramGrammar *g, int base, int i);
+static const Text *call_name(const JgramGrammar *g, int base, int i)
+{
+    (void) base;
+    return &g->calls[i].name;
+}
+static const Text *prop_raw(const JgramGrammar *g, int base, int i) { return &g->props[base + i].raw; }
+static const Text *lit_at(const JgramGrammar *g, int base, int i) { return &g->lits[base + i]; }
+
+// Of the candidates in set (texts at(g, base, 0 .. n-1)) matched up to byte a: those whose
+// next byte is c (returned), and in *exact one that ends at a (-1: none).
+static uint64_t match_texts(const JgramGrammar *g, TextAt at, int base, int n, uint64_t set, uint32_t a,
+                            uint8_t c, int *exact)
+{
+    uint64_t keep = 0;
+    *exact = -1;
+    for (int i = 0; i < n; i++) {
+        const Text *t = at(g, base, i);
+        if (!(set >> i & 1)) continue;
+        if ((int) a < t->len && (uint8_t) g->text[t->off + (int) a] == c) keep |= 1ull << i;
+        if ((int) a == t->len) *exact = i;
+    }
+    return keep;
+}
+
 // A byte for the tool-call frames on top (K_CALL and what it pushes). Returns true when
 // the byte is to go to the new top frame (the loop in feed_thread continues), false when
 // it was taken (emitted) or refused.
@@ -1017,14 +1043,8 @@ static bool feed_call(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o)
         return false;
     }
     case K_XNAME: {
-        uint64_t keep = 0;
-        int exact = -1;
-        for (int i = 0; i < g->n_calls; i++) {
-            const Text *nm = &g->calls[i].name;
-            if (!(f->set >> i & 1)) continue;
-            if ((int) f->a < nm->len && (uint8_t) g->text[nm->off + (int) f->a] == c) keep |= 1ull << i;
-            if ((int) f->a == nm->len) exact = i;
-        }
+        int exact;
+        const uint64_t keep = match_texts(g, call_name, 0, g->n_calls, f->set, f->a, c, &exact);
         if (keep) {
             f->set = keep;
             f->a++;
@@ -1039,14 +1059,8 @@ static bool feed_call(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o)
     }
     case K_XKEY: {
         const Node *pn = &g->nodes[f->node];
-        uint64_t keep = 0;
-        int exact = -1;
-        for (int i = 0; i < pn->n_props; i++) {
-            const Text *r = &g->props[pn->prop0 + i].raw;
-            if (!(f->set >> i & 1)) continue;
-            if ((int) f->a < r->len && (uint8_t) g->text[r->off + (int) f->a] == c) keep |= 1ull << i;
-            if ((int) f->a == r->len) exact = i;
-        }
+        int exact;
+        const uint64_t keep = match_texts(g, prop_raw, pn->prop0, pn->n_props, f->set, f->a, c, &exact);
         if (keep) {
             f->set = keep;
             f->a++;
@@ -1064,24 +1078,15 @@ static bool feed_call(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o)
     case K_RAW: {
         const Node *n = &g->nodes[f->node];
         const Prop *p = &g->props[call_params(g, &t->f[t->depth - 2])->prop0 + (int) f->c];
+        int exact = -1;
+        const uint64_t keep =
+            p->n_raw_lits ? match_texts(g, lit_at, p->raw_lit0, p->n_raw_lits, f->set, f->a, c, &exact) : 0;
         if (c == '<' && f->b == 0) {  // the end of the value
-            bool ok = f->a >= n->min_len;
-            if (p->n_raw_lits) {
-                ok = false;
-                for (int i = 0; i < p->n_raw_lits; i++)
-                    ok |= (f->set >> i & 1) && g->lits[p->raw_lit0 + i].len == (int) f->a;
-            }
-            if (!ok) return false;
+            if (p->n_raw_lits ? exact < 0 : f->a < n->min_len) return false;
             pop_value(t);
             return true;
         }
         if (p->n_raw_lits) {
-            uint64_t keep = 0;
-            for (int i = 0; i < p->n_raw_lits; i++) {
-                const Text *l = &g->lits[p->raw_lit0 + i];
-                if ((f->set >> i & 1) && (int) f->a < l->len && (uint8_t) g->text[l->off + (int) f->a] == c)
-                    keep |= 1ull << i;
-            }
             if (!keep) return false;
             f->set = keep;
             f->a++;

@@ -521,32 +521,46 @@ static void test_prefix_caching(Model *m)
 // publishes and evicts the same blocks, or rank 1 refuses the START op.
 static const int pc_split[3] = {0, 2, 5};
 
+// fn(stage, model, kv, arg) on rank 0 of a two-stage pipeline (split pc_split, rank 1 in a
+// thread), every rank's cache n_blocks blocks of 4; pp_end afterwards.
+static void on_two_stages(Backend *be, int n_blocks, uint64_t hash,
+                          void (*fn)(PpStage *, Model *, KvCache *, void *), void *arg)
+{
+    char master[64];
+    snprintf(master, sizeof master, "127.0.0.1:%d", pp_test_free_port());
+    const SchedTestRank proto = {
+        .world = 2, .dir = model_dir, .master = master, .split = pc_split, .n_blocks = n_blocks, .hash = hash};
+    SchedTestRank ranks[2];
+    pthread_t th[2];
+    sched_test_start_ranks(&proto, ranks, th);
+    Model m;
+    KvCache kv;
+    const ModelOptions o = {.first_layer = pc_split[0], .last_layer = pc_split[1]};
+    ASSERT(model_load(&m, model_dir, &o, be) == ERR_OK);
+    const KvCacheParams p = model_kv_params(&m, n_blocks, 4);
+    ASSERT(kv_init(&kv, &p) == ERR_OK);
+    PpStage *stage;
+    CHECK(pp_stage_create(&m, &kv, 0, 2, master, hash, &stage) == ERR_OK);
+    if (stage) {
+        fn(stage, &m, &kv, arg);
+        CHECK(pp_end(stage) == ERR_OK);
+    }
+    pp_stage_destroy(stage);
+    sched_test_join_ranks(ranks, th);
+    kv_free(&kv);
+    model_free(&m);
+}
+
+static void pc_check_two(PpStage *stage, Model *m, KvCache *kv, void *sampled)
+{
+    pc_check(stage, m, kv, *(const bool *) sampled, "two stages");
+}
+
 static void test_prefix_caching_pipeline(Backend *be)
 {
     for (int k = 0; k < 2; k++) {
-        char master[64];
-        snprintf(master, sizeof master, "127.0.0.1:%d", pp_test_free_port());
-        const SchedTestRank proto = {
-            .world = 2, .dir = model_dir, .master = master, .split = pc_split, .n_blocks = 12, .hash = 0x9c};
-        SchedTestRank ranks[2];
-        pthread_t th[2];
-        sched_test_start_ranks(&proto, ranks, th);
-        Model m;
-        KvCache kv;
-        const ModelOptions o = {.first_layer = pc_split[0], .last_layer = pc_split[1]};
-        ASSERT(model_load(&m, model_dir, &o, be) == ERR_OK);
-        const KvCacheParams p = model_kv_params(&m, 12, 4);
-        ASSERT(kv_init(&kv, &p) == ERR_OK);
-        PpStage *stage;
-        CHECK(pp_stage_create(&m, &kv, 0, 2, master, 0x9c, &stage) == ERR_OK);
-        if (stage) {
-            pc_check(stage, &m, &kv, k == 1, "two stages");
-            CHECK(pp_end(stage) == ERR_OK);
-        }
-        pp_stage_destroy(stage);
-        sched_test_join_ranks(ranks, th);
-        kv_free(&kv);
-        model_free(&m);
+        const bool sampled = k == 1;
+        on_two_stages(be, 12, 0x9c, pc_check_two, (void *) &sampled);
     }
 }
 
@@ -604,6 +618,12 @@ static void check_masks(PpStage *stage, const Model *m, KvCache *kv, const char 
     free(mask);
 }
 
+static void check_masks_two(PpStage *stage, Model *m, KvCache *kv, void *arg)
+{
+    (void) arg;
+    check_masks(stage, m, kv, "two stages");
+}
+
 static void test_masks(Model *m, Backend *be)
 {
     {
@@ -617,29 +637,7 @@ static void test_masks(Model *m, Backend *be)
         kv_free(&kv);
     }
     // Two stages: the masks travel with the batch to the last rank, which samples.
-    char master[64];
-    snprintf(master, sizeof master, "127.0.0.1:%d", pp_test_free_port());
-    const SchedTestRank proto = {
-        .world = 2, .dir = model_dir, .master = master, .split = pc_split, .n_blocks = 32, .hash = 0x9d};
-    SchedTestRank ranks[2];
-    pthread_t th[2];
-    sched_test_start_ranks(&proto, ranks, th);
-    Model m0;
-    KvCache kv;
-    const ModelOptions o = {.first_layer = pc_split[0], .last_layer = pc_split[1]};
-    ASSERT(model_load(&m0, model_dir, &o, be) == ERR_OK);
-    const KvCacheParams p = model_kv_params(&m0, 32, 4);
-    ASSERT(kv_init(&kv, &p) == ERR_OK);
-    PpStage *stage;
-    CHECK(pp_stage_create(&m0, &kv, 0, 2, master, 0x9d, &stage) == ERR_OK);
-    if (stage) {
-        check_masks(stage, &m0, &kv, "two stages");
-        CHECK(pp_end(stage) == ERR_OK);
-    }
-    pp_stage_destroy(stage);
-    sched_test_join_ranks(ranks, th);
-    kv_free(&kv);
-    model_free(&m0);
+    on_two_stages(be, 32, 0x9d, check_masks_two, NULL);
 }
 
 // A rank whose config/split hash differs is refused by rank 0, and both sides fail fast.

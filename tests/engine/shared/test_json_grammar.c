@@ -116,81 +116,19 @@ static void test_documents(void)
     jgram_free(num);
 }
 
-// From a random valid prefix of each schema, the completion finishes a document.
-static void test_completion(void)
+// Random valid prefixes of g (up to max_len bytes, over `trials` walks), each completed:
+// the completion must be accepted and end the output; check(doc, arg) sees each finished
+// output (NULL: none).
+static void walk_and_complete(const JgramGrammar *g, int trials, int max_len,
+                              void (*check)(const char *doc, void *arg), void *arg)
 {
-    static const char *const schemas[] = {
-        NULL,
-        "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"minLength\":3},"
-        "\"n\":{\"type\":\"number\"},\"list\":{\"type\":\"array\",\"items\":{\"type\":\"integer\"},"
-        "\"minItems\":2},\"kind\":{\"enum\":[\"alpha\",\"beta\",null]},\"sub\":{\"type\":\"object\","
-        "\"properties\":{\"z\":{\"type\":\"boolean\"}},\"required\":[\"z\"]}},\"required\":[\"name\","
-        "\"list\",\"kind\",\"sub\"]}",
-        "{\"anyOf\":[{\"type\":\"object\",\"properties\":{\"a\":{\"const\":1}},\"required\":[\"a\"]},"
-        "{\"type\":\"array\",\"items\":{\"type\":\"string\",\"maxLength\":3},\"minItems\":1},"
-        "{\"type\":[\"string\",\"null\"]}]}",
-    };
     uint64_t rng = 42;
-    for (size_t si = 0; si < sizeof schemas / sizeof schemas[0]; si++) {
-        JgramGrammar *g = compile(schemas[si]);
-        CHECK(g != NULL);
-        if (!g) continue;
-        for (int trial = 0; trial < 300; trial++) {
-            JgramState st, probe;
-            jgram_start(g, &st);
-            char doc[4096];
-            int n = 0;
-            const int len = trial % 60;
-            for (int k = 0; k < len; k++) {
-                uint8_t ok[256];
-                int n_ok = 0;
-                for (int c = 1; c < 256; c++) {
-                    jgram_copy(&probe, &st);
-                    if (jgram_feed(g, &probe, (uint8_t) c)) ok[n_ok++] = (uint8_t) c;
-                }
-                if (n_ok == 0) break;
-                rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-                const uint8_t c = ok[rng % (uint64_t) n_ok];
-                jgram_feed(g, &st, c);
-                doc[n++] = (char) c;
-            }
-            const int m = jgram_completion(g, &st, doc + n, (int) sizeof doc - n - 1);
-            CHECK(m >= 0);
-            if (m < 0) continue;
-            const bool fed = jgram_feed_bytes(g, &st, doc + n, (size_t) m);
-            if (!fed) fprintf(stderr, "schema %zu: prefix [%.*s] completion [%.*s] refused\n", si, n, doc, m, doc + n);
-            CHECK(fed);
-            CHECK(jgram_can_end(g, &st));
-            doc[n + m] = 0;
-            enum json_tokener_error jerr;
-            json_object *v = json_tokener_parse_verbose(doc, &jerr);  // NULL also for "null"
-            if (jerr != json_tokener_success) fprintf(stderr, "schema %zu: completion does not parse: [%s]\n", si, doc);
-            CHECK(jerr == json_tokener_success);
-            if (si == 1 && v) {
-                json_object *x;
-                CHECK(json_object_object_get_ex(v, "name", &x) && json_object_get_string_len(x) >= 3);
-                CHECK(json_object_object_get_ex(v, "list", &x) && json_object_array_length(x) >= 2);
-                CHECK(json_object_object_get_ex(v, "sub", &x) && json_object_object_get_ex(x, "z", NULL));
-                CHECK(json_object_object_get_ex(v, "kind", &x));
-            }
-            json_object_put(v);
-        }
-        jgram_free(g);
-    }
-}
-
-// Random valid prefixes of g, completed: the completion is accepted and ends the output.
-// Returns how many of the finished outputs contain `needle` (NULL: 0).
-static int walk_and_complete(const JgramGrammar *g, int trials, const char *needle)
-{
-    uint64_t rng = 7;
-    int hits = 0;
     for (int trial = 0; trial < trials; trial++) {
         JgramState st, probe;
         jgram_start(g, &st);
         char doc[4096];
         int n = 0;
-        for (int k = 0; k < trial % 80; k++) {
+        for (int k = 0; k < trial % max_len; k++) {
             uint8_t ok[256];
             int n_ok = 0;
             for (int c = 1; c < 256; c++) {
@@ -207,12 +145,59 @@ static int walk_and_complete(const JgramGrammar *g, int trials, const char *need
         CHECK(m >= 0);
         if (m < 0) continue;
         const bool fed = jgram_feed_bytes(g, &st, doc + n, (size_t) m);
-        if (!fed || !jgram_can_end(g, &st)) fprintf(stderr, "tools: prefix [%.*s] completion [%.*s] refused\n", n, doc, m, doc + n);
+        if (!fed || !jgram_can_end(g, &st))
+            fprintf(stderr, "prefix [%.*s] completion [%.*s] refused\n", n, doc, m, doc + n);
         CHECK(fed && jgram_can_end(g, &st));
         doc[n + m] = 0;
-        hits += needle && strstr(doc, needle) != NULL;
+        if (check) check(doc, arg);
     }
-    return hits;
+}
+
+// A completed document parses (json-c); for schema 1 its required parts are there.
+static void check_document(const char *doc, void *arg)
+{
+    const size_t si = *(const size_t *) arg;
+    enum json_tokener_error jerr;
+    json_object *v = json_tokener_parse_verbose(doc, &jerr);  // NULL also for "null"
+    if (jerr != json_tokener_success) fprintf(stderr, "schema %zu: completion does not parse: [%s]\n", si, doc);
+    CHECK(jerr == json_tokener_success);
+    if (si == 1 && v) {
+        json_object *x;
+        CHECK(json_object_object_get_ex(v, "name", &x) && json_object_get_string_len(x) >= 3);
+        CHECK(json_object_object_get_ex(v, "list", &x) && json_object_array_length(x) >= 2);
+        CHECK(json_object_object_get_ex(v, "sub", &x) && json_object_object_get_ex(x, "z", NULL));
+        CHECK(json_object_object_get_ex(v, "kind", &x));
+    }
+    json_object_put(v);
+}
+
+// A finished tool call's text counts when it has an argument.
+static void count_args(const char *doc, void *arg)
+{
+    *(int *) arg += strstr(doc, "get_weather<arg_key>") != NULL;
+}
+
+// From a random valid prefix of each schema, the completion finishes a document.
+static void test_completion(void)
+{
+    static const char *const schemas[] = {
+        NULL,
+        "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"minLength\":3},"
+        "\"n\":{\"type\":\"number\"},\"list\":{\"type\":\"array\",\"items\":{\"type\":\"integer\"},"
+        "\"minItems\":2},\"kind\":{\"enum\":[\"alpha\",\"beta\",null]},\"sub\":{\"type\":\"object\","
+        "\"properties\":{\"z\":{\"type\":\"boolean\"}},\"required\":[\"z\"]}},\"required\":[\"name\","
+        "\"list\",\"kind\",\"sub\"]}",
+        "{\"anyOf\":[{\"type\":\"object\",\"properties\":{\"a\":{\"const\":1}},\"required\":[\"a\"]},"
+        "{\"type\":\"array\",\"items\":{\"type\":\"string\",\"maxLength\":3},\"minItems\":1},"
+        "{\"type\":[\"string\",\"null\"]}]}",
+    };
+    for (size_t si = 0; si < sizeof schemas / sizeof schemas[0]; si++) {
+        JgramGrammar *g = compile(schemas[si]);
+        CHECK(g != NULL);
+        if (!g) continue;
+        walk_and_complete(g, 300, 60, check_document, &si);
+        jgram_free(g);
+    }
 }
 
 // Tool calls in GLM's format: names, raw and JSON arguments, required ones, enums.
@@ -255,8 +240,10 @@ static void test_tool_calls(void)
         CHECK(accepts(named, "</tool_call>"));
         CHECK(accepts(named, "<arg_key>tz</arg_key><arg_value>Europe/Paris</arg_value></tool_call>"));
         CHECK(!prefix_ok(named, "get_time"));
-        CHECK(walk_and_complete(any, 400, "get_weather<arg_key>") > 0);
-        walk_and_complete(named, 200, NULL);
+        int with_args = 0;
+        walk_and_complete(any, 400, 80, count_args, &with_args);
+        CHECK(with_args > 0);
+        walk_and_complete(named, 200, 80, NULL, NULL);
     }
     // Parameter schemas are checked like response_format's, the error naming the tool.
     json_object *t2 = json_tokener_parse(
