@@ -610,28 +610,38 @@ static int compile_node(Compiler *c, json_object *s, const char *path, int depth
     return set_min(c, k, path);
 }
 
-Err jgram_compile(json_object *schema, JgramGrammar **out, char *msg, size_t cap)
+// A new grammar whose node 0 is "any value" (any properties, any items), compiled by *c;
+// NULL when out of memory (the compiler then has the error).
+static JgramGrammar *grammar_new(Compiler *c, json_object *root_schema, char *msg, size_t cap)
 {
-    *out = NULL;
     if (cap) msg[0] = 0;
     JgramGrammar *g = calloc(1, sizeof *g);
-    if (!g) return ERR_NOMEM;
-    Compiler c = {g, schema, {0}, 0, msg, cap, ERR_OK};
-    // Node 0: any value (any properties, any items).
-    int k = new_node(&c, "");
-    if (k == 0) {
+    *c = (Compiler){g, root_schema, {0}, 0, msg, cap, g ? ERR_OK : ERR_NOMEM};
+    if (!g) return NULL;
+    if (new_node(c, "") == 0) {
         g->nodes[0].types = T_ALL;
         g->nodes[0].addl = 0;
         g->nodes[0].items = 0;
-        k = set_min(&c, 0, "");
+        if (set_min(c, 0, "") == 0) return g;
     }
-    if (k == 0 && !schema) {  // {"type": "json_object"}: an object of any values
+    jgram_free(g);
+    return NULL;
+}
+
+Err jgram_compile(json_object *schema, JgramGrammar **out, char *msg, size_t cap)
+{
+    *out = NULL;
+    Compiler c;
+    JgramGrammar *g = grammar_new(&c, schema, msg, cap);
+    if (!g) return c.err ? c.err : ERR_NOMEM;
+    int k = 0;
+    if (!schema) {  // {"type": "json_object"}: an object of any values
         if ((k = new_node(&c, "")) > 0) {
             g->nodes[k].types = T_OBJ;
             g->nodes[k].addl = 0;
             k = set_min(&c, k, "");
         }
-    } else if (k == 0) {
+    } else {
         k = compile_node(&c, schema, "", 0);
     }
     if (k < 0) {
@@ -647,16 +657,10 @@ Err jgram_compile_tools(json_object *tools, const char *name, JgramGrammar **out
                         size_t cap)
 {
     *out = NULL;
-    if (cap) msg[0] = 0;
-    JgramGrammar *g = calloc(1, sizeof *g);
-    if (!g) return ERR_NOMEM;
-    Compiler c = {g, NULL, {0}, 0, msg, cap, ERR_OK};
-    int k = new_node(&c, "");
-    if (k == 0) {
-        g->nodes[0].types = T_ALL;
-        g->nodes[0].addl = 0;
-        k = set_min(&c, 0, "");
-    }
+    Compiler c;
+    JgramGrammar *g = grammar_new(&c, NULL, msg, cap);
+    if (!g) return c.err ? c.err : ERR_NOMEM;
+    int k = 0;
     const size_t n = json_object_is_type(tools, json_type_array) ? json_object_array_length(tools) : 0;
     for (size_t i = 0; i < n && k >= 0; i++) {
         json_object *fn = NULL, *fname = NULL, *params = NULL;
@@ -1111,6 +1115,18 @@ static bool feed_call(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o)
     }
 }
 
+// The object on top (node n) starts a key (its '"' read).
+static void open_key(JgramThread *t, const Node *n, Out *o)
+{
+    JgramFrame *f = top(t);
+    f->st = OB_INKEY;
+    f->b = 0;
+    const uint64_t seen = f->set;
+    if (!push(t, K_KEY, f->node)) return;
+    top(t)->set = key_candidates(n, seen);
+    emit(o, t);
+}
+
 static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o)
 {
     for (;;) {
@@ -1134,11 +1150,7 @@ static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o
                     pop_value(t);
                     emit(o, t);
                 } else if (c == '"' && f->st == OB_FIRST && more_keys(g, f)) {
-                    f->st = OB_INKEY;
-                    const uint64_t seen = f->set;
-                    if (!push(t, K_KEY, f->node)) return;
-                    top(t)->set = key_candidates(n, seen);
-                    emit(o, t);
+                    open_key(t, n, o);
                 } else if (c == ',' && f->st == OB_NEXT && more_keys(g, f)) {
                     f->st = OB_KEY;
                     f->b = 1;
@@ -1150,12 +1162,7 @@ static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o
                     f->b = 0;
                     emit(o, t);
                 } else if (c == '"') {
-                    f->st = OB_INKEY;
-                    f->b = 0;
-                    const uint64_t seen = f->set;
-                    if (!push(t, K_KEY, f->node)) return;
-                    top(t)->set = key_candidates(n, seen);
-                    emit(o, t);
+                    open_key(t, n, o);
                 }
                 return;
             case OB_COLON:
