@@ -679,6 +679,10 @@ Err jgram_compile_tools(json_object *tools, const char *name, JgramGrammar **out
             k = fail(&c, ERR_INVAL, path, "a tool name must be non-empty UTF-8 without '<'");
             break;
         }
+        for (int j = 0; j < g->n_calls && k >= 0; j++)
+            if (g->calls[j].name.len == (int) strlen(nm) && !memcmp(g->text + g->calls[j].name.off, nm, strlen(nm)))
+                k = fail(&c, ERR_INVAL, path, "two tools are named \"%.64s\"", nm);
+        if (k < 0) break;
         json_object_object_get_ex(fn, "parameters", &params);
         if (params && !json_object_is_type(params, json_type_null)) {
             c.root_schema = params;
@@ -972,7 +976,7 @@ static uint64_t match_texts(const JgramGrammar *g, TextAt at, int base, int n, u
         const Text *t = at(g, base, i);
         if (!(set >> i & 1)) continue;
         if ((int) a < t->len && (uint8_t) g->text[t->off + (int) a] == c) keep |= 1ull << i;
-        if ((int) a == t->len) *exact = i;
+        if ((int) a == t->len && *exact < 0) *exact = i;
     }
     return keep;
 }

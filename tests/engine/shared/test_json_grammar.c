@@ -252,6 +252,12 @@ static void test_tool_calls(void)
     CHECK(jgram_compile_tools(t2, NULL, &bad, msg, sizeof msg) == ERR_INVAL);
     CHECK(strstr(msg, "unsupported keyword 'format' at /tools/0/function/parameters/properties/x") != NULL);
     json_object_put(t2);
+    // Two tools of one name: which one a call means is unknown.
+    t2 = json_tokener_parse("[{\"type\":\"function\",\"function\":{\"name\":\"g\"}},"
+                            "{\"type\":\"function\",\"function\":{\"name\":\"g\"}}]");
+    CHECK(jgram_compile_tools(t2, NULL, &bad, msg, sizeof msg) == ERR_INVAL);
+    CHECK(strstr(msg, "two tools are named \"g\"") != NULL);
+    json_object_put(t2);
     jgram_free(any);
     jgram_free(named);
     json_object_put(tools);
