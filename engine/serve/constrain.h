@@ -54,6 +54,8 @@ typedef struct Constrain Constrain;
 // exceed the tokenizer's: the extra ids are never allowed); eos ids end a document.
 Err constrain_vocab_create(const Tokenizer *tok, int32_t n_vocab, const int *eos_ids, int n_eos,
                            ConstrainVocab **out);
+
+// Release a vocabulary (its Constrains must be gone). Safe on NULL.
 void constrain_vocab_destroy(ConstrainVocab *v);
 
 // 32-bit words of a mask: bit (id % 32) of word id / 32 allows token id.
@@ -65,6 +67,8 @@ int constrain_mask_words(const ConstrainVocab *v);
 // tool-call opening); nothing is constrained until then.
 Err constrain_create(const ConstrainVocab *v, JgramGrammar *g, const char *const *wait, int n_wait,
                      Constrain **out);
+
+// Release a constraint and its grammar. Safe on NULL.
 void constrain_destroy(Constrain *c);
 
 // One output token (sampled, forced or replayed). False when it leaves no valid document
@@ -83,6 +87,8 @@ typedef struct ConstrainStats {
     uint64_t n_masks, n_cached;
     double us;
 } ConstrainStats;
+
+// The constraint's counters so far into *out.
 void constrain_stats(const Constrain *c, ConstrainStats *out);
 
 #ifdef __cplusplus
