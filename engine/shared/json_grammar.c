@@ -1050,25 +1050,13 @@ static bool feed_call(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o)
         emit(o, t);
         return false;
     }
-    case K_XNAME: {
+    case K_XNAME:  // a tool's name, then '<' starts its arguments
+    case K_XKEY: {  // an argument's name, then '<' starts "</arg_key>"
+        const bool is_name = f->kind == K_XNAME;
+        const Node *pn = &g->nodes[f->node];  // K_XKEY: the tool's parameters
         int exact;
-        const uint64_t keep = match_texts(g, call_name, 0, g->n_calls, f->set, f->a, c, &exact);
-        if (keep) {
-            f->set = keep;
-            f->a++;
-            emit(o, t);
-            return false;
-        }
-        if (c != '<' || exact < 0) return false;
-        t->depth--;
-        top(t)->node = (uint16_t) exact;
-        top(t)->st = CL_ARGS;
-        return true;
-    }
-    case K_XKEY: {
-        const Node *pn = &g->nodes[f->node];
-        int exact;
-        const uint64_t keep = match_texts(g, prop_raw, pn->prop0, pn->n_props, f->set, f->a, c, &exact);
+        const uint64_t keep = is_name ? match_texts(g, call_name, 0, g->n_calls, f->set, f->a, c, &exact)
+                                      : match_texts(g, prop_raw, pn->prop0, pn->n_props, f->set, f->a, c, &exact);
         if (keep) {
             f->set = keep;
             f->a++;
@@ -1078,9 +1066,14 @@ static bool feed_call(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o)
         if (c != '<' || exact < 0) return false;
         t->depth--;
         JgramFrame *call = top(t);
-        call->set |= 1ull << exact;
-        call->c = (uint32_t) exact;
-        call->st = CL_KEYEND;
+        if (is_name) {
+            call->node = (uint16_t) exact;
+            call->st = CL_ARGS;
+        } else {
+            call->set |= 1ull << exact;
+            call->c = (uint32_t) exact;
+            call->st = CL_KEYEND;
+        }
         return true;
     }
     case K_RAW: {
@@ -1117,6 +1110,17 @@ static bool feed_call(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o)
     default:
         return false;
     }
+}
+
+// The one optional space after ':' or ',' (the frame on top allows it while b is set):
+// true when c was that space (taken).
+static bool take_space(JgramThread *t, uint8_t c, Out *o)
+{
+    JgramFrame *f = top(t);
+    if (c != ' ' || !f->b) return false;
+    f->b = 0;
+    emit(o, t);
+    return true;
 }
 
 // The object on top (node n) starts a key (its '"' read).
@@ -1162,12 +1166,7 @@ static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o
                 }
                 return;
             case OB_KEY:
-                if (c == ' ' && f->b) {
-                    f->b = 0;
-                    emit(o, t);
-                } else if (c == '"') {
-                    open_key(t, n, o);
-                }
+                if (!take_space(t, c, o) && c == '"') open_key(t, n, o);
                 return;
             case OB_COLON:
                 if (c == ':') {
@@ -1177,11 +1176,7 @@ static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o
                 }
                 return;
             case OB_VALUE:
-                if (c == ' ' && f->b) {
-                    f->b = 0;
-                    emit(o, t);
-                    return;
-                }
+                if (take_space(t, c, o)) return;
                 f->st = OB_INVAL;
                 f->b = 0;
                 start_value(g, t, (int) f->c, c, o);
@@ -1316,11 +1311,7 @@ static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o
                 }
                 return;
             case AR_VALUE:
-                if (c == ' ' && f->b) {
-                    f->b = 0;
-                    emit(o, t);
-                    return;
-                }
+                if (take_space(t, c, o)) return;
                 f->st = AR_INVAL;
                 f->b = 0;
                 f->a++;
