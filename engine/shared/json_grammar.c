@@ -28,12 +28,12 @@
  */
 #include "engine/shared/json_grammar.h"
 
-#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/shared/buf.h"
 #include "engine/shared/utf8.h"
 
 enum { T_NULL = 1, T_BOOL = 2, T_INT = 4, T_NUM = 8, T_STR = 16, T_ARR = 32, T_OBJ = 64, T_ALL = 127 };
@@ -99,8 +99,7 @@ struct JgramGrammar {
     int n_lits, cap_lits;
     Prop *props;
     int n_props, cap_props;
-    char *text;
-    int n_text, cap_text;
+    Buf text;  // names and literals (Text offsets into it)
     int root;
     Call *calls;  // tool-call grammars: the tools a call may name
     int n_calls, cap_calls;
@@ -154,13 +153,10 @@ static bool grow(void **p, int *cap, int need, size_t size)
 
 static bool add_text(JgramGrammar *g, const char *s, int n, Text *out)
 {
-    if (g->n_text + n > MAX_TEXT) return false;
-    if (!grow((void **) &g->text, &g->cap_text, g->n_text + n + 1, 1)) return false;
-    memcpy(g->text + g->n_text, s, (size_t) n);
-    out->off = g->n_text;
+    if (g->text.n + (size_t) n > MAX_TEXT) return false;
+    out->off = (int) g->text.n;
     out->len = n;
-    g->n_text += n;
-    return true;
+    return buf_add(&g->text, s, (size_t) n) == ERR_OK;
 }
 
 static int new_node(Compiler *c, const char *path)
@@ -176,107 +172,91 @@ static int new_node(Compiler *c, const char *path)
     return g->n_nodes++;
 }
 
-// Append text to a growing min string (NULL when over the limit).
-typedef struct Sb {
-    char *p;
-    int n, cap;
-    bool bad;
-} Sb;
-
-static void sb_add(Sb *s, const char *t, int n)
+// Candidate s becomes best when it is the shortest so far (and within MAX_TEXT bytes);
+// s is emptied for the next one (the two swap memory).
+static void keep_shorter(Buf *s, Buf *best, bool *has_best)
 {
-    if (s->bad) return;
-    if (s->n + n > MAX_TEXT || !grow((void **) &s->p, &s->cap, s->n + n + 1, 1)) {
-        s->bad = true;
-        return;
+    if (!s->is_oom && s->n <= MAX_TEXT && (!*has_best || s->n < best->n)) {
+        const Buf t = *best;
+        *best = *s;
+        *s = t;
+        *has_best = true;
     }
-    memcpy(s->p + s->n, t, (size_t) n);
-    s->n += n;
+    buf_clear(s);
 }
 
-// Fill node->min: the shortest valid text of a value of node k.
+// Fill node->min: the shortest valid text of a value of node k (each kind of value it
+// allows is written in turn, the shortest kept; the loops stop past MAX_TEXT bytes).
 static int set_min(Compiler *c, int k, const char *path)
 {
     JgramGrammar *g = c->g;
-    Node *n = &g->nodes[k];
-    Sb best = {0};
-    int best_len = INT_MAX;
-    Sb s = {0};
-#define TAKE()                                                \
-    do {                                                      \
-        if (!s.bad && s.n < best_len) {                       \
-            free(best.p);                                     \
-            best = s;                                         \
-            best_len = s.n;                                   \
-        } else {                                              \
-            free(s.p);                                        \
-        }                                                     \
-        s = (Sb){0};                                          \
-    } while (0)
+    const Node *n = &g->nodes[k];
+    const char *text = g->text.p;  // nothing is added to g->text here
+    Buf s = {0}, best = {0};
+    bool has_best = false;
     if (n->n_lits > 0) {
         for (int i = 0; i < n->n_lits; i++) {
             const Text *t = &g->lits[n->lit0 + i];
-            sb_add(&s, g->text + t->off, t->len);
-            TAKE();
+            buf_add(&s, text + t->off, (size_t) t->len);
+            keep_shorter(&s, &best, &has_best);
         }
     } else if (n->n_alts > 0) {
         for (int i = 0; i < n->n_alts; i++) {
             const Node *a = &g->nodes[n->alts[i]];
-            sb_add(&s, a->min, a->n_min);
-            TAKE();
+            buf_add(&s, a->min, (size_t) a->n_min);
+            keep_shorter(&s, &best, &has_best);
         }
     } else {
-        if (n->types & T_NULL) {
-            sb_add(&s, "null", 4);
-            TAKE();
-        }
-        if (n->types & T_BOOL) {
-            sb_add(&s, "true", 4);
-            TAKE();
-        }
-        if (n->types & (T_INT | T_NUM)) {
-            sb_add(&s, "0", 1);
-            TAKE();
-        }
+        static const struct {
+            int types;
+            const char *min;
+        } scalars[] = {{T_NULL, "null"}, {T_BOOL, "true"}, {T_INT | T_NUM, "0"}};
+        for (int i = 0; i < 3; i++)
+            if (n->types & scalars[i].types) {
+                buf_adds(&s, scalars[i].min);
+                keep_shorter(&s, &best, &has_best);
+            }
         if (n->types & T_STR) {
-            sb_add(&s, "\"", 1);
-            for (uint32_t i = 0; i < n->min_len && !s.bad; i++) sb_add(&s, "a", 1);
-            sb_add(&s, "\"", 1);
-            TAKE();
+            buf_adds(&s, "\"");
+            for (uint32_t i = 0; i < n->min_len && s.n <= MAX_TEXT; i++) buf_adds(&s, "a");
+            buf_adds(&s, "\"");
+            keep_shorter(&s, &best, &has_best);
         }
         if (n->types & T_ARR) {
             const Node *it = &g->nodes[n->items];
-            sb_add(&s, "[", 1);
-            for (uint32_t i = 0; i < n->min_items && !s.bad; i++) {
-                if (i) sb_add(&s, ",", 1);
-                sb_add(&s, it->min, it->n_min);
+            buf_adds(&s, "[");
+            for (uint32_t i = 0; i < n->min_items && s.n <= MAX_TEXT; i++) {
+                if (i) buf_adds(&s, ",");
+                buf_add(&s, it->min, (size_t) it->n_min);
             }
-            sb_add(&s, "]", 1);
-            TAKE();
+            buf_adds(&s, "]");
+            keep_shorter(&s, &best, &has_best);
         }
         if (n->types & T_OBJ) {
-            sb_add(&s, "{", 1);
+            buf_adds(&s, "{");
             bool first = true;
             for (int i = 0; i < n->n_props; i++) {
                 if (!(n->required >> i & 1)) continue;
                 const Prop *p = &g->props[n->prop0 + i];
                 const Node *v = &g->nodes[p->node];
-                if (!first) sb_add(&s, ",", 1);
+                if (!first) buf_adds(&s, ",");
                 first = false;
-                sb_add(&s, "\"", 1);
-                sb_add(&s, g->text + p->name.off, p->name.len);
-                sb_add(&s, "\":", 2);
-                sb_add(&s, v->min, v->n_min);
+                buf_adds(&s, "\"");
+                buf_add(&s, text + p->name.off, (size_t) p->name.len);
+                buf_adds(&s, "\":");
+                buf_add(&s, v->min, (size_t) v->n_min);
             }
-            sb_add(&s, "}", 1);
-            TAKE();
+            buf_adds(&s, "}");
+            keep_shorter(&s, &best, &has_best);
         }
     }
-#undef TAKE
-    if (!best.p) return fail(c, ERR_INVAL, path, "no value satisfies the schema (or its smallest one exceeds 64 KiB)");
-    n = &g->nodes[k];
-    n->min = best.p;
-    n->n_min = best.n;
+    buf_free(&s);
+    size_t n_best = 0;
+    char *min = has_best ? buf_take(&best, &n_best) : NULL;
+    buf_free(&best);
+    if (!min) return fail(c, ERR_INVAL, path, "no value satisfies the schema (or its smallest one exceeds 64 KiB)");
+    g->nodes[k].min = min;
+    g->nodes[k].n_min = (int) n_best;
     return k;
 }
 
@@ -315,7 +295,7 @@ static int set_raw(Compiler *c, int k, json_object *ps, const char *path)
         char lit[512];
         const Text *t = &g->lits[lit0 + i];
         if (t->len >= (int) sizeof lit) continue;
-        memcpy(lit, g->text + t->off, (size_t) t->len);
+        memcpy(lit, g->text.p + t->off, (size_t) t->len);
         lit[t->len] = 0;
         json_object *v = json_tokener_parse(lit);
         if (json_object_is_type(v, json_type_string)) {
@@ -680,7 +660,7 @@ Err jgram_compile_tools(json_object *tools, const char *name, JgramGrammar **out
             break;
         }
         for (int j = 0; j < g->n_calls && k >= 0; j++)
-            if (g->calls[j].name.len == (int) strlen(nm) && !memcmp(g->text + g->calls[j].name.off, nm, strlen(nm)))
+            if (g->calls[j].name.len == (int) strlen(nm) && !memcmp(g->text.p + g->calls[j].name.off, nm, strlen(nm)))
                 k = fail(&c, ERR_INVAL, path, "two tools are named \"%.64s\"", nm);
         if (k < 0) break;
         json_object_object_get_ex(fn, "parameters", &params);
@@ -699,7 +679,7 @@ Err jgram_compile_tools(json_object *tools, const char *name, JgramGrammar **out
         }
         for (int j = 0; j < pn->n_props && k >= 0; j++) {
             const Text *r = &g->props[pn->prop0 + j].raw;
-            if (r->len == 0 || memchr(g->text + r->off, '<', (size_t) r->len))
+            if (r->len == 0 || memchr(g->text.p + r->off, '<', (size_t) r->len))
                 k = fail(&c, ERR_INVAL, path, "a tool parameter's name must be non-empty without '<'");
         }
         if (k < 0) break;
@@ -732,7 +712,7 @@ void jgram_free(JgramGrammar *g)
     free(g->nodes);
     free(g->lits);
     free(g->props);
-    free(g->text);
+    buf_free(&g->text);
     free(g);
 }
 
@@ -762,6 +742,36 @@ static void pop_value(JgramThread *t)
     else if (p->kind == K_CALL) p->st = CL_VALEND;
 }
 
+// UTF-8 inside strings and raw values, a byte at a time. f->b: low bits the continuation
+// bytes pending, high bits the range the first of them must be in (no overlong forms, no
+// surrogates, nothing past U+10FFFF).
+//
+// A continuation byte while f->b > 0: 0, or -1 when it is not one the character allows.
+static int utf8_cont(JgramFrame *f, uint8_t c)
+{
+    const uint32_t r = f->b >> 4;
+    const int lo = r == 1 ? 0xA0 : r == 3 ? 0x90 : 0x80, hi = r == 2 ? 0x9F : r == 4 ? 0x8F : 0xBF;
+    if (c < lo || c > hi) return -1;
+    f->b = (f->b & 0xF) - 1;
+    return 0;
+}
+
+// The first byte of a character (c >= 0x20, past the caller's own special bytes): 1, or -1
+// when no character starts with it.
+static int utf8_lead(JgramFrame *f, uint8_t c)
+{
+    if (c < 0x80) return 1;
+    if (c >= 0xC2 && c <= 0xDF) f->b = 1;
+    else if (c == 0xE0) f->b = 2 | 1 << 4;  // A0..BF next (no overlong forms)
+    else if (c == 0xED) f->b = 2 | 2 << 4;  // 80..9F next (no surrogates)
+    else if (c >= 0xE1 && c <= 0xEF) f->b = 2;
+    else if (c == 0xF0) f->b = 3 | 3 << 4;  // 90..BF next
+    else if (c == 0xF4) f->b = 3 | 4 << 4;  // 80..8F next (up to U+10FFFF)
+    else if (c >= 0xF1 && c <= 0xF3) f->b = 3;
+    else return -1;
+    return 1;
+}
+
 // A byte of a string (or key): -1 invalid, 0 inside a character or escape, 1 a new
 // character starts, 2 the closing quote.
 static int str_byte(JgramFrame *f, uint8_t c)
@@ -781,29 +791,14 @@ static int str_byte(JgramFrame *f, uint8_t c)
         f->st = f->st == 5 ? 0 : (uint8_t) (f->st + 1);
         return 0;
     }
-    if (f->b > 0) {  // low bits: bytes pending; high bits: the first one's range (UTF-8)
-        const uint32_t r = f->b >> 4;
-        const int lo = r == 1 ? 0xA0 : r == 3 ? 0x90 : 0x80, hi = r == 2 ? 0x9F : r == 4 ? 0x8F : 0xBF;
-        if (c < lo || c > hi) return -1;
-        f->b = (f->b & 0xF) - 1;
-        return 0;
-    }
+    if (f->b > 0) return utf8_cont(f, c);
     if (c == '"') return 2;
     if (c == '\\') {
         f->st = 1;
         return 1;
     }
     if (c < 0x20) return -1;
-    if (c < 0x80) return 1;
-    if (c >= 0xC2 && c <= 0xDF) f->b = 1;
-    else if (c == 0xE0) f->b = 2 | 1 << 4;  // A0..BF next (no overlong forms)
-    else if (c == 0xED) f->b = 2 | 2 << 4;  // 80..9F next (no surrogates)
-    else if (c >= 0xE1 && c <= 0xEF) f->b = 2;
-    else if (c == 0xF0) f->b = 3 | 3 << 4;  // 90..BF next
-    else if (c == 0xF4) f->b = 3 | 4 << 4;  // 80..8F next (up to U+10FFFF)
-    else if (c >= 0xF1 && c <= 0xF3) f->b = 3;
-    else return -1;
-    return 1;
+    return utf8_lead(f, c);
 }
 
 static int lit_len(const JgramGrammar *g, const JgramFrame *f, int i)
@@ -813,7 +808,7 @@ static int lit_len(const JgramGrammar *g, const JgramFrame *f, int i)
 
 static const char *lit_text(const JgramGrammar *g, const JgramFrame *f, int i)
 {
-    return f->b ? BUILTIN[i] : g->text + g->lits[g->nodes[f->node].lit0 + i].off;
+    return f->b ? BUILTIN[i] : g->text.p + g->lits[g->nodes[f->node].lit0 + i].off;
 }
 
 static bool num_complete(const JgramFrame *f)
@@ -933,29 +928,13 @@ static uint64_t all_props(const Node *n) { return n->n_props == 64 ? ~0ull : (1u
 // but tab, CR and LF): -1 invalid, 0 inside a character, 1 a new character.
 static int raw_byte(JgramFrame *f, uint8_t c)
 {
-    if (f->b > 0) {
-        const uint32_t r = f->b >> 4;
-        const int lo = r == 1 ? 0xA0 : r == 3 ? 0x90 : 0x80, hi = r == 2 ? 0x9F : r == 4 ? 0x8F : 0xBF;
-        if (c < lo || c > hi) return -1;
-        f->b = (f->b & 0xF) - 1;
-        return 0;
-    }
+    if (f->b > 0) return utf8_cont(f, c);
     if (c == '<' || (c < 0x20 && c != '\t' && c != '\n' && c != '\r')) return -1;
-    if (c < 0x80) return 1;
-    if (c >= 0xC2 && c <= 0xDF) f->b = 1;
-    else if (c == 0xE0) f->b = 2 | 1 << 4;
-    else if (c == 0xED) f->b = 2 | 2 << 4;
-    else if (c >= 0xE1 && c <= 0xEF) f->b = 2;
-    else if (c == 0xF0) f->b = 3 | 3 << 4;
-    else if (c == 0xF4) f->b = 3 | 4 << 4;
-    else if (c >= 0xF1 && c <= 0xF3) f->b = 3;
-    else return -1;
-    return 1;
+    return utf8_lead(f, c);
 }
 
-static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o);
-
-// Texts a frame matches byte by byte (tool names, argument names, raw enum values).
+// Texts a frame matches byte by byte (JSON keys, tool names, argument names, raw enum
+// values).
 typedef const Text *(*TextAt)(const JgramGrammar *g, int base, int i);
 static const Text *call_name(const JgramGrammar *g, int base, int i)
 {
@@ -963,6 +942,7 @@ static const Text *call_name(const JgramGrammar *g, int base, int i)
     return &g->calls[i].name;
 }
 static const Text *prop_raw(const JgramGrammar *g, int base, int i) { return &g->props[base + i].raw; }
+static const Text *prop_name(const JgramGrammar *g, int base, int i) { return &g->props[base + i].name; }
 static const Text *lit_at(const JgramGrammar *g, int base, int i) { return &g->lits[base + i]; }
 
 // Of the candidates in set (texts at(g, base, 0 .. n-1)) matched up to byte a: those whose
@@ -975,7 +955,7 @@ static uint64_t match_texts(const JgramGrammar *g, TextAt at, int base, int n, u
     for (int i = 0; i < n; i++) {
         const Text *t = at(g, base, i);
         if (!(set >> i & 1)) continue;
-        if ((int) a < t->len && (uint8_t) g->text[t->off + (int) a] == c) keep |= 1ull << i;
+        if ((int) a < t->len && (uint8_t) g->text.p[t->off + (int) a] == c) keep |= 1ull << i;
         if ((int) a == t->len && *exact < 0) *exact = i;
     }
     return keep;
@@ -1185,10 +1165,9 @@ static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o
                 return;
             }
         case K_KEY: {
+            int prop;  // a declared name the key equals so far
+            const uint64_t keep = match_texts(g, prop_name, n->prop0, n->n_props, f->set, f->a, c, &prop);
             if (f->st == 0 && f->b == 0 && c == '"') {
-                int prop = -1;
-                for (int i = 0; i < n->n_props; i++)
-                    if ((f->set >> i & 1) && g->props[n->prop0 + i].name.len == (int) f->a) prop = i;
                 t->depth--;
                 JgramFrame *p = top(t);
                 if (prop >= 0) {
@@ -1204,12 +1183,6 @@ static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o
                 p->a++;
                 emit(o, t);
                 return;
-            }
-            uint64_t keep = 0;
-            for (int i = 0; i < n->n_props; i++) {
-                const Text *nm = &g->props[n->prop0 + i].name;
-                if ((f->set >> i & 1) && (int) f->a < nm->len && (uint8_t) g->text[nm->off + (int) f->a] == c)
-                    keep |= 1ull << i;
             }
             if (str_byte(f, c) < 0) return;  // (a closing quote here was handled above)
             if (!keep && n->addl < 0) return;
@@ -1421,6 +1394,16 @@ static void put(Wb *s, const char *t, int n)
     s->n += n;
 }
 
+// The continuation bytes a character begun with pending state b (utf8_lead) still needs:
+// a first one its lead allows, then 0x80s.
+static void put_utf8_rest(Wb *s, uint32_t b)
+{
+    if (!b) return;
+    const uint32_t r = b >> 4;
+    put(s, r == 1 || r == 3 ? "\xA0" : "\x80", 1);
+    for (uint32_t i = 1; i < (b & 0xF); i++) put(s, "\x80", 1);
+}
+
 static void put_min(const JgramGrammar *g, Wb *s, int k) { put(s, g->nodes[k].min, g->nodes[k].n_min); }
 
 // Close object frame f (its pending value written): the required properties not yet
@@ -1433,7 +1416,7 @@ static void close_obj(const JgramGrammar *g, Wb *s, const Node *n, uint64_t seen
         if (any_key) put(s, ",", 1);
         any_key = true;
         put(s, "\"", 1);
-        put(s, g->text + p->name.off, p->name.len);
+        put(s, g->text.p + p->name.off, p->name.len);
         put(s, "\":", 2);
         put_min(g, s, p->node);
     }
@@ -1467,7 +1450,7 @@ static void put_prop_min(const JgramGrammar *g, Wb *s, int k)
         int best = 0;
         for (int i = 1; i < p->n_raw_lits; i++)
             if (g->lits[p->raw_lit0 + i].len < g->lits[p->raw_lit0 + best].len) best = i;
-        put(s, g->text + g->lits[p->raw_lit0 + best].off, g->lits[p->raw_lit0 + best].len);
+        put(s, g->text.p + g->lits[p->raw_lit0 + best].off, g->lits[p->raw_lit0 + best].len);
         return;
     }
     for (uint32_t i = 0; i < g->nodes[p->node].min_len; i++) put(s, "a", 1);
@@ -1482,7 +1465,7 @@ static void call_args_rest(const JgramGrammar *g, Wb *s, int call, uint64_t seen
         if (!(pn->required >> i & 1) || (seen >> i & 1)) continue;
         const Text *r = &g->props[pn->prop0 + i].raw;
         put(s, "<arg_key>", 9);
-        put(s, g->text + r->off, r->len);
+        put(s, g->text.p + r->off, r->len);
         put(s, "</arg_key><arg_value>", 21);
         put_prop_min(g, s, pn->prop0 + i);
         put(s, "</arg_value>", 12);
@@ -1510,7 +1493,7 @@ static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s
                 return;
             }
             const Text *nm = &g->calls[best].name;
-            put(s, g->text + nm->off + f->a, nm->len - (int) f->a);
+            put(s, g->text.p + nm->off + f->a, nm->len - (int) f->a);
             call_args_rest(g, s, best, 0);
             return;  // the call frame below is done with
         }
@@ -1526,7 +1509,7 @@ static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s
                 return;
             }
             const Text *r = &g->props[pn->prop0 + best].raw;
-            put(s, g->text + r->off + f->a, r->len - (int) f->a);
+            put(s, g->text.p + r->off + f->a, r->len - (int) f->a);
             put(s, "</arg_key><arg_value>", 21);
             put_prop_min(g, s, pn->prop0 + best);
             put(s, "</arg_value>", 12);
@@ -1555,7 +1538,7 @@ static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s
                     return;
                 }
                 const Text *r = &g->props[pn->prop0 + i].raw;
-                put(s, g->text + r->off, r->len);
+                put(s, g->text.p + r->off, r->len);
                 put(s, "</arg_key><arg_value>", 21);
                 put_prop_min(g, s, pn->prop0 + i);
                 put(s, "</arg_value>", 12);
@@ -1585,13 +1568,9 @@ static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s
                     return;
                 }
                 const Text *l = &g->lits[p->raw_lit0 + best];
-                put(s, g->text + l->off + f->a, l->len - (int) f->a);
+                put(s, g->text.p + l->off + f->a, l->len - (int) f->a);
             } else {
-                if (f->b) {
-                    const uint32_t r = f->b >> 4;
-                    put(s, r == 1 || r == 3 ? "\xA0" : "\x80", 1);
-                    for (uint32_t i = 1; i < (f->b & 0xF); i++) put(s, "\x80", 1);
-                }
+                put_utf8_rest(s, f->b);
                 for (uint32_t i = f->a; i < n->min_len; i++) put(s, "a", 1);
             }
             call_st = CL_VALEND;
@@ -1615,11 +1594,7 @@ static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s
         case K_KEY: {
             if (f->st == 1) put(s, "n", 1);
             for (int i = f->st >= 2 ? f->st : 6; i < 6; i++) put(s, "0", 1);
-            if (f->b) {  // finish the UTF-8 character: a first byte its lead allows
-                const uint32_t r = f->b >> 4;
-                put(s, r == 1 || r == 3 ? "\xA0" : "\x80", 1);
-                for (uint32_t i = 1; i < (f->b & 0xF); i++) put(s, "\x80", 1);
-            }
+            put_utf8_rest(s, f->b);
             if (f->kind == K_STR) {
                 for (uint32_t i = f->a; i < n->min_len; i++) put(s, "a", 1);
                 put(s, "\"", 1);
@@ -1636,7 +1611,7 @@ static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s
             int value = n->addl;
             if (best >= 0 && f->st == 0 && f->b == 0) {
                 const Prop *p = &g->props[n->prop0 + best];
-                put(s, g->text + p->name.off + f->a, p->name.len - (int) f->a);
+                put(s, g->text.p + p->name.off + f->a, p->name.len - (int) f->a);
                 value = p->node;
                 seen_add = 1ull << best;
             }
@@ -1666,7 +1641,7 @@ static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s
                 put(s, "\"", 1);
                 if (i >= 0) {
                     const Prop *p = &g->props[n->prop0 + i];
-                    put(s, g->text + p->name.off, p->name.len);
+                    put(s, g->text.p + p->name.off, p->name.len);
                     seen |= 1ull << i;
                 }
                 put(s, "\":", 2);
