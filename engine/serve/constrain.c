@@ -13,9 +13,10 @@
 
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "engine/shared/clock.h"
 #include "engine/shared/err.h"
+#include "engine/shared/utf8.h"
 
 enum {
     CONSTRAIN_MAX_BYTES = 128,  // longest token bytes the trie holds
@@ -88,28 +89,15 @@ struct Constrain {
 // string has room for *cps more code points.
 static bool is_plain(const uint8_t *p, uint32_t n, int *cps, bool *is_partial)
 {
-    *is_partial = false;
     int count = 0;
-    for (uint32_t i = 0; i < n;) {
-        const uint8_t c = p[i];
-        if (c < 0x20 || c == '"' || c == '\\') return false;
-        uint32_t len;
-        int lo = 0x80, hi = 0xBF;
-        if (c < 0x80) len = 1;
-        else if (c >= 0xC2 && c <= 0xDF) len = 2;
-        else if (c >= 0xE0 && c <= 0xEF) len = 3, lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
-        else if (c >= 0xF0 && c <= 0xF4) len = 4, lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
-        else return false;
-        for (uint32_t k = 1; k < len && i + k < n; k++) {
-            const int b = p[i + k];
-            if (b < (k == 1 ? lo : 0x80) || b > (k == 1 ? hi : 0xBF)) return false;
-        }
-        *is_partial = i + len > n;
-        i += len;
-        count++;
+    for (uint32_t i = 0; i < n; i++) {
+        if (p[i] < 0x20 || p[i] == '"' || p[i] == '\\') return false;
+        count += (p[i] & 0xC0) != 0x80;  // the characters it starts
     }
+    const size_t tail = utf8_incomplete_tail(p, n);
     *cps = count;
-    return n > 0;
+    *is_partial = tail > 0;
+    return n > 0 && utf8_valid_prefix(p, n) + tail == n;
 }
 
 static uint32_t trie_child(ConstrainVocab *v, uint32_t node, uint8_t byte, bool add)
@@ -394,18 +382,11 @@ static void force_completion(Constrain *c, int n)
     }
 }
 
-static double now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec * 1e6 + (double) ts.tv_nsec * 1e-3;
-}
-
 const uint32_t *constrain_mask(Constrain *c, int n_left)
 {
     if (c->i_wait < c->n_wait || c->is_broken) return NULL;
     const ConstrainVocab *v = c->v;
-    const double t0 = now_us();
+    const double t0 = clock_now_s();
     c->stats.n_masks++;
     const int nw = v->n_words;
     const size_t mask_bytes = (size_t) nw * sizeof(uint32_t);
@@ -463,7 +444,7 @@ const uint32_t *constrain_mask(Constrain *c, int n_left)
         LOG_WARN("constrained decoding: no token continues the document; ending the output");
         for (int i = 0; i < nw; i++) c->mask[i] = v->eos_mask[i];
     }
-    c->stats.us += now_us() - t0;
+    c->stats.us += (clock_now_s() - t0) * 1e6;
     return c->mask;
 }
 

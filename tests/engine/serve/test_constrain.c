@@ -16,6 +16,7 @@
 
 #include "engine/serve/constrain.h"
 #include "engine/shared/tokenizer.h"
+#include "engine/shared/utf8.h"
 #include "tests/check.h"
 
 static const char *const SCHEMAS[] = {
@@ -57,19 +58,6 @@ static int32_t pick(const uint32_t *mask, int n_words, uint64_t *rng)
         return w * 32 + __builtin_ctz(m);
     }
     return -1;
-}
-
-static bool utf8_valid(const unsigned char *p, size_t n)
-{
-    for (size_t i = 0; i < n;) {
-        const int len = p[i] < 0x80 ? 1 : (p[i] & 0xE0) == 0xC0 ? 2 : (p[i] & 0xF0) == 0xE0 ? 3
-                                          : (p[i] & 0xF8) == 0xF0 ? 4 : 0;
-        if (!len || i + (size_t) len > n) return false;
-        for (int k = 1; k < len; k++)
-            if ((p[i + k] & 0xC0) != 0x80) return false;
-        i += (size_t) len;
-    }
-    return true;
 }
 
 static JgramGrammar *compile(const char *schema)
@@ -165,7 +153,7 @@ static void run_tokenizer(const char *path)
                                 MAX_TOKENS[mi], out);
                     CHECK(jerr == json_tokener_success);
                     CHECK(constrain_is_complete(c));
-                    CHECK(utf8_valid((const unsigned char *) out, n_out));
+                    CHECK(utf8_valid_prefix((const uint8_t *) out, n_out) == n_out);
                     json_object_put(v);
                     n_docs++;
                 }
