@@ -290,6 +290,28 @@ static bool get_tool_choice(ApiRequest *r, ApiError *err)
     return false;
 }
 
+// The grammar the engine will build for the request (engine/shared/json_grammar.h), compiled
+// here and dropped: a schema (or, is_tools, a tools list with tool_name or NULL) it cannot
+// take is the client's 400 naming param and the keyword.
+static bool grammar_ok(json_object *spec, bool is_tools, const char *tool_name, const char *param,
+                       ApiError *err)
+{
+    JgramGrammar *g = NULL;
+    char msg[200];
+    const Err e = is_tools ? jgram_compile_tools(spec, tool_name, &g, msg, sizeof msg)
+                           : jgram_compile(spec, &g, msg, sizeof msg);
+    jgram_free(g);
+    if (e == ERR_NOMEM) {
+        api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
+        return false;
+    }
+    if (e) {
+        api_error_set(err, 400, NULL, NULL, param, "'%s': %s", param, msg);
+        return false;
+    }
+    return true;
+}
+
 // "response_format": {"type": "text"} | {"type": "json_object"} | {"type": "json_schema",
 // "json_schema": {"name", "schema", "strict", "description"}}. The schema must compile
 // (the supported subset: engine/shared/json_grammar.h); the error names the keyword.
@@ -346,22 +368,8 @@ static bool get_response_format(ApiRequest *r, ApiError *err)
                       "'response_format' cannot be combined with a required or named 'tool_choice'");
         return false;
     }
-    if (r->format == API_FORMAT_JSON_SCHEMA && r->schema) {
-        JgramGrammar *g = NULL;
-        char msg[200];
-        const Err e = jgram_compile(r->schema, &g, msg, sizeof msg);
-        jgram_free(g);
-        if (e == ERR_NOMEM) {
-            api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
-            return false;
-        }
-        if (e) {
-            api_error_set(err, 400, NULL, NULL, "response_format.json_schema.schema",
-                          "'response_format.json_schema.schema': %s", msg);
-            return false;
-        }
-    }
-    return true;
+    return r->format != API_FORMAT_JSON_SCHEMA || !r->schema ||
+           grammar_ok(r->schema, false, NULL, "response_format.json_schema.schema", err);
 }
 
 // ---------------------------------------------------------------------------
@@ -407,18 +415,7 @@ static bool parse_fields(ApiRequest *r, ApiError *err)
         if (!get_tool_choice(r, err)) return false;
         if (r->tool_choice == API_TOOL_CHOICE_REQUIRED || r->tool_choice == API_TOOL_CHOICE_FUNCTION) {
             // The engine constrains the call to the tools' parameter schemas: they must compile.
-            JgramGrammar *g = NULL;
-            char msg[200];
-            const Err e = jgram_compile_tools(r->tools, r->tool_choice_name, &g, msg, sizeof msg);
-            jgram_free(g);
-            if (e == ERR_NOMEM) {
-                api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
-                return false;
-            }
-            if (e) {
-                api_error_set(err, 400, NULL, NULL, "tools", "'tools': %s", msg);
-                return false;
-            }
+            if (!grammar_ok(r->tools, true, r->tool_choice_name, "tools", err)) return false;
         }
     } else {
         if (!json_object_object_get_ex(root, "prompt", &v)) v = NULL;

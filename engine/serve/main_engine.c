@@ -302,6 +302,16 @@ static void on_event(void *user, const SchedEvent *ev)
     if (serve_out_end(&j->out)) j->error = "out of memory";
 }
 
+// A constrained job's mask for its next token (n_left tokens to max_tokens) to the
+// scheduler; out of memory fails the job.
+static void job_set_mask(Engine *e, Job *j)
+{
+    if (sched_set_mask(e->sched, (uint64_t) j->job.id, serve_out_mask(&j->out, j->n_left))) {
+        j->error = "out of memory";
+        sched_cancel(e->sched, (uint64_t) j->job.id);
+    }
+}
+
 // Start a claimed job: its output state, the replay of committed output, the request.
 static void job_start(Engine *e, Job *j)
 {
@@ -368,11 +378,8 @@ static void job_start(Engine *e, Job *j)
     }
     serve_stats_prompt(&e->stats, n);
     j->n_left = rest;
-    if (j->out.con && sched_set_mask(e->sched, (uint64_t) job->id, serve_out_mask(&j->out, rest))) {
-        j->error = "out of memory";
-        sched_cancel(e->sched, (uint64_t) job->id);
-        return;
-    }
+    if (j->out.con) job_set_mask(e, j);
+    if (j->error) return;
     int n_force;
     const int32_t *force = serve_out_force(&j->out, &n_force);
     if (force) sched_force(e->sched, (uint64_t) job->id, force, n_force);
@@ -542,10 +549,7 @@ static Err serve(Engine *e)
                 Job *j = &e->jobs[i];
                 if (!j->is_live || !j->needs_mask || j->finish || j->error) continue;
                 j->needs_mask = false;
-                if (sched_set_mask(e->sched, (uint64_t) j->job.id, serve_out_mask(&j->out, j->n_left))) {
-                    j->error = "out of memory";
-                    sched_cancel(e->sched, (uint64_t) j->job.id);
-                }
+                job_set_mask(e, j);
             }
             for (int i = 0; i < e->n_slots; i++) {  // tool-call openings due now
                 Job *j = &e->jobs[i];

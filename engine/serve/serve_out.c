@@ -181,6 +181,18 @@ static json_object *lp_entry(const Tokenizer *tok, int32_t id, double logprob)
 
 // ---------------------------------------------------------------------------
 
+// A grammar that did not compile: e, with *msg the client's message for ERR_INVAL
+// ("<what>: <detail>"; static storage, engine thread only).
+static Err grammar_error(Err e, const char *what, const char *detail, const char **msg)
+{
+    static char why[200];
+    if (e == ERR_INVAL) {
+        snprintf(why, sizeof why, "%s: %s", what, detail);
+        *msg = why;
+    }
+    return e;
+}
+
 Err serve_out_init(ServeOut *o, const Tokenizer *tok, const JobqJob *job, uint64_t seed_default,
                    const char **msg)
 {
@@ -218,16 +230,12 @@ Err serve_out_init(ServeOut *o, const Tokenizer *tok, const JobqJob *job, uint64
         json_object *schema = NULL;
         if (type && !strcmp(type, "json_schema")) json_object_object_get_ex(rf, "schema", &schema);
         if (type && (!strcmp(type, "json_object") || schema)) {
-            static char why[200];  // the client message (engine thread only)
             char detail[160];
             const Err e = jgram_compile(schema, &o->grammar, detail, sizeof detail);
-            if (e == ERR_INVAL) {
-                snprintf(why, sizeof why, "response_format: %s", detail);
-                *msg = why;
-                err = ERR_INVAL;
+            if (e) {
+                err = grammar_error(e, "response_format", detail, msg);
                 goto done;
             }
-            if (e) goto done;
         }
     }
     if (req && json_object_object_get_ex(req, "logprobs", &v) && json_object_get_boolean(v)) {
@@ -252,8 +260,9 @@ Err serve_out_init(ServeOut *o, const Tokenizer *tok, const JobqJob *job, uint64
     // tool_choice "required" or a named function (fcgi stores "function" + tool_choice_name).
     const char *choice = jstr(req, "tool_choice"), *name = jstr(req, "tool_choice_name");
     const bool is_named = choice && !strcmp(choice, "function") && name;
+    char opening[320];  // a forced tool call's opening
+    bool is_tool_grammar = false;
     if (o->is_chat && tools && choice && (is_named || !strcmp(choice, "required"))) {
-        char opening[320];
         const int n_open = snprintf(opening, sizeof opening, "<tool_call>%s", is_named ? name : "");
         TokIds ids = {0};
         if (n_open < 0 || (size_t) n_open >= sizeof opening ||
@@ -270,22 +279,19 @@ Err serve_out_init(ServeOut *o, const Tokenizer *tok, const JobqJob *job, uint64
         o->force = in_reasoning ? SERVE_FORCE_WAIT_THINK : SERVE_FORCE_DUE;
         // The call after the opening: a tool's name (required), then its arguments.
         if (!o->grammar) {
-            static char why[200];  // the client message (engine thread only)
             char detail[160];
             const Err e = jgram_compile_tools(tools, is_named ? name : NULL, &o->grammar, detail, sizeof detail);
-            if (e == ERR_INVAL) {
-                snprintf(why, sizeof why, "tools: %s", detail);
-                *msg = why;
-                err = ERR_INVAL;
+            if (e) {
+                err = grammar_error(e, "tools", detail, msg);
                 goto done;
             }
-            if (e) goto done;
-            if (in_reasoning && !(o->wait[o->n_wait++] = strdup("</think>"))) goto done;
-            if (!(o->wait[o->n_wait++] = strdup(opening))) goto done;
+            is_tool_grammar = true;
         }
-    } else if (o->grammar && in_reasoning && !(o->wait[o->n_wait++] = strdup("</think>"))) {
-        goto done;
     }
+    // What the output shows before its grammar starts: the end of the reasoning, then (a
+    // tool call) the forced opening.
+    if (o->grammar && in_reasoning && !(o->wait[o->n_wait++] = strdup("</think>"))) goto done;
+    if (is_tool_grammar && !(o->wait[o->n_wait++] = strdup(opening))) goto done;
     err = ERR_OK;
 done:
     json_object_put(req);
