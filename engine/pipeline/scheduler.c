@@ -100,8 +100,10 @@ struct Scheduler {
     int cap_tokens;
     int32_t *extra;   // the batch's cached-prefix ids (pp.h), copied after the tokens
     int n_extra, cap_extra;
-    uint32_t *masks;  // the batch's vocabulary masks (PP_SEQ_MASK), after the extra ids
-    int n_masks, cap_masks;  // masks of mask_words words
+    // The batch's vocabulary masks (PP_SEQ_MASK), copied after the extra ids at submit: the
+    // masks of its sampling ops' sequences, in op order (a batch names a slot once).
+    const uint32_t *masks[PP_MAX_SLOTS];
+    int n_masks;
     int mask_words;
     KvCache *kv;      // rank 0's, borrowed: the prefix index
     uint64_t prefix_query_tokens, prefix_hit_tokens;
@@ -138,7 +140,6 @@ void sched_destroy(Scheduler *s)
     free(s->ops);
     free(s->tokens);
     free(s->extra);
-    free(s->masks);
     free(s);
 }
 
@@ -468,12 +469,9 @@ static void add_op(Scheduler *s, Builder *b, Seq *q, int n_new, uint32_t flags, 
 {
     if ((flags & PP_SEQ_SAMPLE) && q->n_top_logprobs >= 0) flags |= PP_SEQ_LOGITS;
     if ((flags & PP_SEQ_SAMPLE) && q->is_constrained) {
-        // The mask goes with this op (room made by the caller: mask_room).
-        if (q->has_mask) {
+        if (q->has_mask) {  // the mask goes with this op
             flags |= PP_SEQ_MASK;
-            memcpy(s->masks + (size_t) s->n_masks * s->mask_words, q->mask,
-                   (size_t) s->mask_words * sizeof *q->mask);
-            s->n_masks++;
+            s->masks[s->n_masks++] = q->mask;
         }
         q->is_mask_fresh = false;
     }
@@ -505,23 +503,8 @@ static void add_op(Scheduler *s, Builder *b, Seq *q, int n_new, uint32_t flags, 
     if (!(flags & PP_SEQ_FREE)) q->inflight = true;
 }
 
-// Room in s->masks for one more mask; false when out of memory.
-static bool mask_room(Scheduler *s)
-{
-    if (s->n_masks < s->cap_masks) return true;
-    const int cap = s->cap_masks ? 2 * s->cap_masks : 8;
-    uint32_t *m = realloc(s->masks, (size_t) cap * (size_t) s->mask_words * sizeof *m);
-    if (!m) return false;
-    s->masks = m;
-    s->cap_masks = cap;
-    return true;
-}
-
 // A constrained sequence samples only with the mask given since its last token.
-static bool may_sample(Scheduler *s, const Seq *q)
-{
-    return !q->is_constrained || (q->is_mask_fresh && mask_room(s));
-}
+static bool may_sample(const Seq *q) { return !q->is_constrained || q->is_mask_fresh; }
 
 // The next prefill chunk of q (which is running and not in flight).
 static void add_prefill(Scheduler *s, Builder *b, Seq *q)
@@ -529,7 +512,7 @@ static void add_prefill(Scheduler *s, Builder *b, Seq *q)
     const int rest = q->n_prompt - q->n_prefilled;
     int chunk = rest < b->budget ? rest : b->budget;
     // Constrained and no mask yet: everything but the sampling token.
-    if (chunk == rest && !may_sample(s, q)) chunk--;
+    if (chunk == rest && !may_sample(q)) chunk--;
     // With logprobs the sampling op returns a logits row per token: keep it to one token.
     if (q->n_top_logprobs >= 0 && chunk == rest && rest > 1) chunk--;
     if (chunk <= 0) return;
@@ -614,7 +597,7 @@ static void build(Scheduler *s, Builder *b)
     for (int i = 0, n = 0; i < s->n_running && b->budget > 0 && n < cap; i++) {
         Seq *q = s->running[i];
         if (q->state == SEQ_RUNNING && !q->inflight && q->n_prefilled == q->n_prompt
-            && may_sample(s, q)) {
+            && may_sample(q)) {
             add_decode(s, b, q);
             n++;
         }
@@ -691,8 +674,9 @@ Err sched_step(Scheduler *s)
         }
         if (s->n_extra > 0)
             memcpy(s->tokens + b.n_tokens, s->extra, (size_t) s->n_extra * sizeof(int32_t));
-        if (n_mask_ids > 0)
-            memcpy(s->tokens + b.n_tokens + s->n_extra, s->masks, (size_t) n_mask_ids * sizeof(int32_t));
+        for (int i = 0; i < s->n_masks; i++)
+            memcpy(s->tokens + b.n_tokens + s->n_extra + (size_t) i * s->mask_words, s->masks[i],
+                   (size_t) s->mask_words * sizeof(int32_t));
         if ((err = pp_submit(s->stage, s->ops, b.n_ops, s->tokens))) return err;
         if (s->p.prefix_caching)
             for (int i = 0; i < b.n_ops; i++) {
