@@ -6,35 +6,31 @@
  * argmax reductions (value, then lower index), so the result equals the serial code's bit for
  * bit and does not depend on timing. Any expert count up to MOE_MAX_EXPERTS works, incl. 156.
  *
- * w13 (gate+up, SwiGLU fused): grid (inter/16, n_tok*k); a block is 8 warps, each warp owns
- * two output features i, i+1 and reads four rows (gate i, gate i+1, up i, up i+1) of its
- * slot's expert: every x chunk loaded from L1 is reused four times. Lane l reads 16-byte
- * chunks l, l+32, ... (32 codes), two chunks per row in flight. The warp finishes with a
- * butterfly and writes SiLU(g)*u in bf16.
+ * Experts on tensor cores (mma.sync m16n8k16, f16 inputs, fp32 accumulation). moe_group
+ * sorts the step's (token, slot) pairs by expert into tiles of up to 8 pairs; each tile's
+ * expert is read once for all of its pairs (the 8 columns of the MMA), so the bytes grow with
+ * the distinct experts of a step, not with its pairs. A block owns one tile and 8 x 16 rows
+ * (a 16-row MMA tile per warp, all of K): it stages the tile's columns in shared memory as
+ * f16 (each column scaled by a power of two into [2^13, 2^14): exact for bf16 values), and
+ * its warps stream their rows' codes as moe_pack_* laid them out: per lane and k-step one
+ * 32-bit word holding exactly the lane's 8 A-fragment codes, four k-steps per 16-byte load.
+ * Decoding is 9 integer ops per 8 weights: a code's bits already sit where an E5M2 byte has
+ * them (sign 7, exponent 3..2, mantissa 1), so a mask and a byte permute give the f16 pair
+ * e2m1 * 2^-14; one f16 multiply per pair applies the E4M3 group scale, exactly (at most 6
+ * significant bits; the smallest product, 2^-24, is f16's smallest subnormal). The previous
+ * kernels, which dequantized to fp32 for CUDA-core FMAs (~4.5 instructions per weight),
+ * were instruction-bound at 1.8 TB/s on H200 and read an expert once per pair.
  *
- * w2 (down + weighted sum + residual): grid (hidden/4, n_tok); a block owns 4 output rows of
- * one token, and its warp j walks the token's slots j, j+8, ..., reading 4 rows x inter/32
- * chunks per expert; the act chunk is reused for the 4 rows. The slot weight is applied per
- * chunk; the 8 warps' sums are added in warp order through shared memory, the residual once,
- * and the result written once: no atomics, no second pass, reproducible. (The first version
- * gave each warp all k slots of its rows: 1,536 warps for a token, too few to keep H200's
- * memory system busy; w2 ran at 36% of copy bandwidth against w13's 49%.)
- *
- * Both expert kernels are software-pipelined: a lane issues the loads of its next chunk (and,
- * in w2, of the next expert) before computing the current one. Without it a warp waits a full
- * memory latency per chunk, and the NVFP4 kernels reached only 1.4-1.7 TB/s on H200 while the
- * bf16 GEMV, with 8x less arithmetic per byte, reached 4.2 TB/s (docs/perf.md).
- *
- * Expert ids are read on the device. Two tokens that pick the same expert read its rows
- * twice; at batch <= 16 most of the second reads hit L2.
+ * w13 tiles interleave 8 gate and 8 up rows of the same features, so a lane ends with gate
+ * and up of one feature and applies SwiGLU in registers. w2 writes each pair's weighted
+ * output; moe_combine adds a token's k outputs in slot order (and the residual): no atomics,
+ * reproducible.
  */
 #include "kernels/moe.h"
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
-#include "kernels/nvfp4_dev.cuh"
-
-enum { MOE_WARPS = 8 };
+#include "kernels/nvfp4_format.h"
 
 // ---------------------------------------------------------------------------
 // Router kernel
@@ -244,155 +240,416 @@ static __global__ void __launch_bounds__(ROUTE_RANK_THREADS)
 }
 
 // ---------------------------------------------------------------------------
-// Expert kernels
+// The work list: pairs grouped by expert into tiles of up to MOE_TILE_COLS
 
-// Four rows' 16-byte code chunks and their scale pairs: one pipeline step of a lane.
-typedef struct Step4 {
-    uint4 q[4];
-    uint16_t s[4];
-} Step4;
+enum { GROUP_THREADS = MOE_MAX_PAIRS, TILE_INTS = 2 + MOE_TILE_COLS };
 
-static __device__ __forceinline__ void load_step4(Step4 *st, const uint8_t *const *qr,
-                                                  const uint16_t *const *sr, int c)
+// One block. Pair p = t*k + j of expert e gets rank = #{p' < p : idx[p'] == e}; expert e's
+// tiles start at the prefix sum of ceil(count / 8) over the experts before it; the pair goes
+// to tile base[e] + rank / 8, column rank % 8. Tiles in ascending expert order, columns in
+// slot order: the list depends on idx alone.
+static __global__ void __launch_bounds__(GROUP_THREADS)
+    moe_group_kernel(int32_t *__restrict__ work, const int32_t *__restrict__ idx, int n_pairs,
+                     int n_experts)
 {
+    __shared__ int32_t ids[MOE_MAX_PAIRS];
+    __shared__ int32_t count[MOE_MAX_EXPERTS], base[MOE_MAX_EXPERTS];  // base: inclusive tile prefix
+    const int tid = threadIdx.x;
+    for (int e = tid; e < n_experts; e += GROUP_THREADS) count[e] = 0;
+    if (tid < n_pairs) ids[tid] = idx[tid];
+    __syncthreads();
+    int e = -1, rank = 0;
+    if (tid < n_pairs) {
+        e = ids[tid];
+        for (int q = 0; q < tid; q++) rank += ids[q] == e;
+        atomicAdd(&count[e], 1);
+    }
+    __syncthreads();
+    // Inclusive scan of the tile counts by warp 0: lane l sums a run of experts, the lanes'
+    // sums are scanned by shuffles, and each lane writes its run's prefix.
+    if (tid < WARP_SIZE) {
+        const int per = CEIL_DIV(n_experts, WARP_SIZE), e0 = tid * per;
+        int sum = 0;
+        for (int i = e0; i < e0 + per && i < n_experts; i++) sum += CEIL_DIV(count[i], MOE_TILE_COLS);
+        int incl = sum;
 #pragma unroll
-    for (int r = 0; r < 4; r++) {
-        st->q[r] = ld_stream_u4(qr[r] + (size_t) c * 16);
-        st->s[r] = __ldg(sr[r] + c);
+        for (int o = 1; o < WARP_SIZE; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (tid >= o) incl += v;
+        }
+        int run = incl - sum;
+        for (int i = e0; i < e0 + per && i < n_experts; i++) {
+            run += CEIL_DIV(count[i], MOE_TILE_COLS);
+            base[i] = run;
+        }
+    }
+    __syncthreads();
+    if (tid == 0) work[0] = base[n_experts - 1];
+    if (e >= 0) {
+        const int tile = base[e] - CEIL_DIV(count[e], MOE_TILE_COLS) + rank / MOE_TILE_COLS;
+        int32_t *t = work + 1 + (size_t) tile * TILE_INTS;
+        const int col = rank % MOE_TILE_COLS;
+        t[2 + col] = tid;
+        if (col == 0) {
+            t[0] = e;
+            t[1] = min(MOE_TILE_COLS, count[e] - (rank - col));
+        }
     }
 }
 
-static __device__ __forceinline__ void dot_step4(float *acc, const Step4 *st, const uint16_t *x32,
-                                                 float wgt)
+// ---------------------------------------------------------------------------
+// Expert kernels (tensor cores)
+
+enum {
+    MMA_WARPS = 8,
+    MMA_THREADS = MMA_WARPS * WARP_SIZE,
+    CHUNK_KS = 4,          // k-steps of 16 per 16-byte lane load
+    CHUNK_BYTES = 512,     // one chunk of a 16-row tile: 32 lanes x 16 bytes
+    CHUNK_SBYTES = 64,     // its scales: 16 rows x 4 groups
+    PIPE = 8,              // chunks in flight per lane (4 left w13 latency-bound at 1.8 TB/s)
+    X_EXP_TOP = 13,        // staged columns are scaled by 2^-e into [2^13, 2^14)
+};
+
+// Words per staged column of K values (f16 pairs): K/2 rounded so that the row stride is 4
+// words past a multiple of 32 banks; the 8 columns' fragment loads then hit 32 banks.
+static __host__ __device__ int stage_words(int K)
 {
-    float xf[32];
-    load_x32(x32, xf);
-#pragma unroll
-    for (int r = 0; r < 4; r++) acc[r] += wgt * nvfp4_chunk_dot(st->q[r], st->s[r], xf);
+    const int w = K / 2;
+    return w + ((4 - w % 32) + 32) % 32;
 }
 
-static __global__ void __launch_bounds__(MOE_WARPS *WARP_SIZE)
+// The column scale exponent: |x| * 2^-e < 2^14 for the largest |x| (exact in f16 from bf16
+// down to 2^-14 of the scaled range).
+static __device__ __forceinline__ int col_exponent(float amax)
+{
+    if (!(amax > 0.0f) || !isfinite(amax)) return 0;
+    return min(max(ilogbf(amax) - X_EXP_TOP, -110), 100);
+}
+
+// 8 codes of one lane and k-step (packed by moe_pack_*) -> 4 f16 pairs A0..A3 of the
+// m16n8k16 A fragment, each code as its E5M2 pattern (= e2m1 * 2^-14 in f16), multiplied
+// by the rows' group scales (exact: the product has at most 6 significant bits, and the
+// smallest, 2^-24, is f16's smallest subnormal). s16: scales of rows r (low byte) and r+8.
+static __device__ __forceinline__ void decode_a(uint32_t a[4], uint32_t w, uint32_t s16)
+{
+    const uint32_t x0 = w & 0x8e8e8e8eu;
+    const uint32_t x1 = ((w << 1) & 0x82828282u) | ((w >> 2) & 0x0c0c0c0cu);
+    const __half2_raw sr = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t) s16, __NV_E4M3);
+    const __half2 s = __half2(sr);
+    const __half2 s_lo = __low2half2(s), s_hi = __high2half2(s);
+    const uint32_t raw[4] = {__byte_perm(x0, 0u, 0x1404), __byte_perm(x0, 0u, 0x3424),
+                             __byte_perm(x1, 0u, 0x1404), __byte_perm(x1, 0u, 0x3424)};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        __half2 h = *(const __half2 *) &raw[i];
+        h = __hmul2(h, i % 2 ? s_hi : s_lo);
+        a[i] = *(const uint32_t *) &h;
+    }
+}
+
+static __device__ __forceinline__ void mma_f16(float c[4], const uint32_t a[4], uint32_t b0,
+                                               uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ uint2 ld_stream_u2(const void *p)
+{
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(v.x), "=r"(v.y)
+                 : "l"(p));
+    return v;
+}
+
+// One warp's 16-row tile over all K: c[0..1] rows r = lane/4, columns 2(lane%4) + {0, 1};
+// c[2..3] row r + 8. qt, st: the tile's packed codes and scales; bs: the staged columns.
+// The first PIPE chunks' loads were issued by the caller (qa, sa), before the staging.
+static __device__ __forceinline__ void tile_mma(float c[4], const uint8_t *qt, const uint8_t *st,
+                                                const uint32_t *bs, int K, uint4 qa[PIPE],
+                                                uint2 sa[PIPE])
+{
+    const int lane = threadIdx.x % WARP_SIZE, r = lane / 4, cq = lane % 4;
+    const int nks = K / 16, nfull = nks / CHUNK_KS, ntail = nks % CHUNK_KS;
+    const uint32_t *bl = bs + cq;
+    for (int ch0 = 0; ch0 < nfull; ch0 += PIPE) {
+#pragma unroll
+        for (int d = 0; d < PIPE; d++) {
+            const int ch = ch0 + d;
+            if (ch < nfull) {
+                const uint4 qv = qa[d];
+                const uint2 sv = sa[d];
+                if (ch + PIPE < nfull) {
+                    qa[d] = ld_stream_u4(qt + (size_t) (ch + PIPE) * CHUNK_BYTES + lane * 16);
+                    sa[d] = ld_stream_u2(st + (size_t) (ch + PIPE) * CHUNK_SBYTES + r * 8);
+                }
+                const uint32_t qw[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+                for (int j = 0; j < CHUNK_KS; j++) {
+                    uint32_t a[4];
+                    decode_a(a, qw[j], ((j < 2 ? sv.x : sv.y) >> (16 * (j % 2))) & 0xffffu);
+                    const uint32_t *b = bl + (ch * CHUNK_KS + j) * 8;
+                    mma_f16(c, a, b[0], b[4]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < ntail; j++) {
+        const uint32_t w =
+            __ldg((const uint32_t *) (qt + (size_t) nfull * CHUNK_BYTES) + lane * ntail + j);
+        const uint32_t s16 =
+            __ldg((const uint16_t *) (st + (size_t) nfull * CHUNK_SBYTES) + r * ntail + j);
+        uint32_t a[4];
+        decode_a(a, w, s16);
+        const uint32_t *b = bl + (nfull * CHUNK_KS + j) * 8;
+        mma_f16(c, a, b[0], b[4]);
+    }
+}
+
+static __device__ __forceinline__ void tile_prefetch(uint4 qa[PIPE], uint2 sa[PIPE],
+                                                     const uint8_t *qt, const uint8_t *st, int K)
+{
+    const int lane = threadIdx.x % WARP_SIZE, nfull = K / 16 / CHUNK_KS;
+#pragma unroll
+    for (int d = 0; d < PIPE; d++)
+        if (d < nfull) {
+            qa[d] = ld_stream_u4(qt + (size_t) d * CHUNK_BYTES + lane * 16);
+            sa[d] = ld_stream_u2(st + (size_t) d * CHUNK_SBYTES + (lane / 4) * 8);
+        }
+}
+
+// Four consecutive inputs of a column as fp32: fp32 rows rounded to bf16 (the recipe's
+// rounding of the experts' input), or bf16 rows (exact).
+static __device__ __forceinline__ float4 load4(const float *p, int i)
+{
+    const float4 f = __ldg((const float4 *) p + i);
+    return make_float4(bf16_bits_to_f32(f32_to_bf16_bits(f.x)), bf16_bits_to_f32(f32_to_bf16_bits(f.y)),
+                       bf16_bits_to_f32(f32_to_bf16_bits(f.z)), bf16_bits_to_f32(f32_to_bf16_bits(f.w)));
+}
+
+static __device__ __forceinline__ float4 load4(const uint16_t *p, int i)
+{
+    const uint2 u = __ldg((const uint2 *) p + i);
+    const float2 a = bf16x2_bits_to_f32(u.x), b = bf16x2_bits_to_f32(u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// Stage the tile's columns in shared memory as f16, column n scaled by 2^-exponent: the
+// block finds each column's largest magnitude (all threads, 4 values a load), then converts.
+template <typename T>
+static __device__ void stage_columns(uint32_t *bs, float *out_mul, const T *src, size_t stride,
+                                     const int *row_of, int ncols, int K)
+{
+    __shared__ unsigned amax_bits[MOE_TILE_COLS];
+    __shared__ float s_in[MOE_TILE_COLS];
+    const int lane = threadIdx.x % WARP_SIZE, q = K / 4, W = stage_words(K);
+    if (threadIdx.x < MOE_TILE_COLS) amax_bits[threadIdx.x] = 0u;
+    __syncthreads();
+    for (int n = 0; n < ncols; n++) {
+        const T *p = src + (size_t) row_of[n] * stride;
+        float m = 0.0f;
+        for (int i = threadIdx.x; i < q; i += MMA_THREADS) {
+            const float4 v = load4(p, i);
+            m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        }
+        m = warp_max(m);
+        if (lane == 0 && m > 0.0f) atomicMax(&amax_bits[n], __float_as_uint(m));  // m >= 0: bits order as values
+    }
+    __syncthreads();
+    if (threadIdx.x < ncols) {
+        const int e = col_exponent(__uint_as_float(amax_bits[threadIdx.x]));
+        s_in[threadIdx.x] = ldexpf(1.0f, -e);
+        out_mul[threadIdx.x] = ldexpf(1.0f, e) * 16384.0f;  // and the 2^-14 of the codes
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ncols * q; i += MMA_THREADS) {
+        const int n = i / q, kk = i % q;
+        const float4 v = load4(src + (size_t) row_of[n] * stride, kk);
+        const float sc = s_in[n];
+        const __half2 h0 = __floats2half2_rn(v.x * sc, v.y * sc), h1 = __floats2half2_rn(v.z * sc, v.w * sc);
+        *(uint2 *) (bs + n * W + 2 * kk) = make_uint2(*(const uint32_t *) &h0, *(const uint32_t *) &h1);
+    }
+    __syncthreads();
+}
+
+// gate/up + SwiGLU. Grid (ceil(inter / 64), max tiles); warp w of block x owns the 16-row
+// tile x*8 + w: gate rows 8*tile + r and up rows of the same features, so that a lane holds
+// gate and up of feature 8*tile + r for its two columns.
+static __global__ void __launch_bounds__(MMA_THREADS)
     moe_w13_kernel(uint16_t *__restrict__ act, const uint8_t *__restrict__ q13,
                    const uint8_t *__restrict__ s13, const float *__restrict__ g13,
-                   const uint16_t *__restrict__ x, const int32_t *__restrict__ idx, int k,
+                   const float *__restrict__ x, const int32_t *__restrict__ work, int k,
                    int hidden, int inter)
 {
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int i0 = (blockIdx.x * MOE_WARPS + threadIdx.x / WARP_SIZE) * 2;
-    const int p = blockIdx.y;  // slot t*k + j
-    const int t = p / k;
-    if (i0 >= inter) return;
-    const int e = idx[p];
-
-    const size_t row_q = hidden / 2, row_s = hidden / NVFP4_GROUP;
-    const size_t base = (size_t) e * 2 * inter;
-    const int rows[4] = {i0, i0 + 1, inter + i0, inter + i0 + 1};
-    const uint8_t *qr[4];
-    const uint16_t *sr[4];
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        qr[r] = q13 + (base + rows[r]) * row_q;
-        sr[r] = (const uint16_t *) (s13 + (base + rows[r]) * row_s);
-    }
-    const uint16_t *xt = x + (size_t) t * hidden;
-
-    // Software pipeline: the next chunk's loads are in flight while this one is computed.
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const int n_chunks = hidden / 32;
-    Step4 a, b;
-    if (lane < n_chunks) load_step4(&a, qr, sr, lane);
-    for (int c = lane; c < n_chunks; c += 2 * WARP_SIZE) {
-        const int c1 = c + WARP_SIZE, c2 = c + 2 * WARP_SIZE;
-        if (c1 < n_chunks) load_step4(&b, qr, sr, c1);
-        dot_step4(acc, &a, xt + (size_t) c * 32, 1.0f);
-        if (c1 < n_chunks) {
-            if (c2 < n_chunks) load_step4(&a, qr, sr, c2);
-            dot_step4(acc, &b, xt + (size_t) c1 * 32, 1.0f);
-        }
-    }
-    float v[4];
-#pragma unroll
-    for (int r = 0; r < 4; r++) v[r] = warp_sum(acc[r]);
-    if (lane < 2) {
-        const float g = (lane ? v[1] : v[0]) * g13[2 * e];
-        const float u = (lane ? v[3] : v[2]) * g13[2 * e + 1];
-        act[(size_t) p * inter + i0 + lane] = f32_to_bf16_bits(g / (1.0f + expf(-g)) * u);
-    }
-}
-
-// Rows r0..r0+3 of expert e's down projection.
-static __device__ __forceinline__ void w2_rows(const uint8_t **qr, const uint16_t **sr,
-                                               const uint8_t *q2, const uint8_t *s2, int e,
-                                               int r0, int hidden, int inter)
-{
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        const size_t row = (size_t) e * hidden + r0 + r;
-        qr[r] = q2 + row * (inter / 2);
-        sr[r] = (const uint16_t *) (s2 + row * (inter / NVFP4_GROUP));
-    }
-}
-
-static __global__ void __launch_bounds__(MOE_WARPS *WARP_SIZE)
-    moe_w2_kernel(float *out, const uint8_t *__restrict__ q2, const uint8_t *__restrict__ s2,
-                  const float *__restrict__ g2, const uint16_t *__restrict__ act,
-                  const int32_t *__restrict__ idx, const float *__restrict__ w,
-                  const float *residual, int k, int hidden, int inter)
-{
-    __shared__ float part[MOE_WARPS][4];
+    extern __shared__ uint32_t bs[];
+    __shared__ float out_mul[MOE_TILE_COLS];
+    __shared__ int row_of[MOE_TILE_COLS], pair_of[MOE_TILE_COLS];
+    if ((int) blockIdx.y >= work[0]) return;
+    const int32_t *tl = work + 1 + (size_t) blockIdx.y * TILE_INTS;
+    const int e = tl[0], ncols = tl[1];
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int r0 = blockIdx.x * 4;
-    const int t = blockIdx.y;
-    const int n_chunks = inter / 32;
-    // Warp `warp` takes slots warp, warp + MOE_WARPS, ... of the block's 4 rows; this lane's
-    // chunks of one expert are lane, lane+32, ...; steps run over (slot, chunk) so that the
-    // next slot's loads are already in flight while the last chunk of a slot is computed. The
-    // slot weight is applied per chunk (the sum is linear), so one warp reduction at the end
-    // serves all of the warp's slots.
-    const int per = lane < n_chunks ? (n_chunks - lane + WARP_SIZE - 1) / WARP_SIZE : 0;
-    const int my_k = warp < k ? (k - warp + MOE_WARPS - 1) / MOE_WARPS : 0;
-    const int n_steps = per * my_k;
-
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const uint8_t *qr[4];
-    const uint16_t *sr[4];
-    Step4 a, b;
-    if (n_steps > 0) {
-        w2_rows(qr, sr, q2, s2, idx[t * k + warp], r0, hidden, inter);
-        load_step4(&a, qr, sr, lane);
+    const int n_tiles = inter / 8, rt = blockIdx.x * MMA_WARPS + warp;
+    const size_t K = (size_t) hidden;
+    const uint8_t *qt = q13 + ((size_t) e * n_tiles + rt) * (8 * K);
+    const uint8_t *st = s13 + ((size_t) e * n_tiles + rt) * K;
+    uint4 qa[PIPE];
+    uint2 sa[PIPE];
+    if (rt < n_tiles) tile_prefetch(qa, sa, qt, st, hidden);
+    if (threadIdx.x < MOE_TILE_COLS) {
+        const int p = threadIdx.x < ncols ? tl[2 + threadIdx.x] : 0;
+        pair_of[threadIdx.x] = p;
+        row_of[threadIdx.x] = p / k;
     }
-    for (int st = 0; st < n_steps; st += 2) {
-        const int j0 = warp + (st / per) * MOE_WARPS, c0 = lane + (st % per) * WARP_SIZE;
-        const int j1 = warp + ((st + 1) / per) * MOE_WARPS, c1 = lane + ((st + 1) % per) * WARP_SIZE;
-        const int j2 = warp + ((st + 2) / per) * MOE_WARPS, c2 = lane + ((st + 2) % per) * WARP_SIZE;
-        if (st + 1 < n_steps) {
-            w2_rows(qr, sr, q2, s2, idx[t * k + j1], r0, hidden, inter);
-            load_step4(&b, qr, sr, c1);
-        }
-        const int p0 = t * k + j0;
-        dot_step4(acc, &a, act + (size_t) p0 * inter + (size_t) c0 * 32, w[p0] * g2[idx[p0]]);
-        if (st + 1 < n_steps) {
-            if (st + 2 < n_steps) {
-                w2_rows(qr, sr, q2, s2, idx[t * k + j2], r0, hidden, inter);
-                load_step4(&a, qr, sr, c2);
-            }
-            const int p1 = t * k + j1;
-            dot_step4(acc, &b, act + (size_t) p1 * inter + (size_t) c1 * 32, w[p1] * g2[idx[p1]]);
-        }
-    }
-    float v[4];
-#pragma unroll
-    for (int r = 0; r < 4; r++) v[r] = warp_sum(acc[r]);
-    if (lane < 4) part[warp][lane] = lane == 0 ? v[0] : lane == 1 ? v[1] : lane == 2 ? v[2] : v[3];
     __syncthreads();
-    if (warp == 0 && lane < 4) {
-        // Fixed order over the warps: the result does not depend on timing.
-        float sum = 0.0f;
+    stage_columns<float>(bs, out_mul, x, K, row_of, ncols, hidden);
+    if (rt >= n_tiles) return;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int n_lane = lane / 4 < ncols ? lane / 4 : 0;  // columns past ncols read column 0
+    tile_mma(c, qt, st, bs + n_lane * stage_words(hidden), hidden, qa, sa);
+    const int feat = rt * 8 + lane / 4;
+    const float gg = g13[2 * e], gu = g13[2 * e + 1];
 #pragma unroll
-        for (int i = 0; i < MOE_WARPS; i++) sum += part[i][lane];
-        const size_t o = (size_t) t * hidden + r0 + lane;
-        out[o] = residual ? residual[o] + sum : sum;
+    for (int h = 0; h < 2; h++) {
+        const int n = 2 * (lane % 4) + h;
+        if (n < ncols) {
+            const float g = c[h] * out_mul[n] * gg, u = c[2 + h] * out_mul[n] * gu;
+            act[(size_t) pair_of[n] * inter + feat] = f32_to_bf16_bits(g / (1.0f + expf(-g)) * u);
+        }
     }
+}
+
+// down: y[p, row] = w[p] * down_e(act[p])[row]. Grid (ceil(hidden / 128), max tiles).
+static __global__ void __launch_bounds__(MMA_THREADS)
+    moe_w2_kernel(float *__restrict__ y, const uint8_t *__restrict__ q2,
+                  const uint8_t *__restrict__ s2, const float *__restrict__ g2,
+                  const uint16_t *__restrict__ act, const int32_t *__restrict__ work,
+                  const float *__restrict__ w, int hidden, int inter)
+{
+    extern __shared__ uint32_t bs[];
+    __shared__ float out_mul[MOE_TILE_COLS];
+    __shared__ int pair_of[MOE_TILE_COLS];
+    if ((int) blockIdx.y >= work[0]) return;
+    const int32_t *tl = work + 1 + (size_t) blockIdx.y * TILE_INTS;
+    const int e = tl[0], ncols = tl[1];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int n_tiles = hidden / 16, rt = blockIdx.x * MMA_WARPS + warp;
+    const size_t K = (size_t) inter;
+    const uint8_t *qt = q2 + ((size_t) e * n_tiles + rt) * (8 * K);
+    const uint8_t *st = s2 + ((size_t) e * n_tiles + rt) * K;
+    uint4 qa[PIPE];
+    uint2 sa[PIPE];
+    if (rt < n_tiles) tile_prefetch(qa, sa, qt, st, inter);
+    if (threadIdx.x < MOE_TILE_COLS) pair_of[threadIdx.x] = threadIdx.x < ncols ? tl[2 + threadIdx.x] : 0;
+    __syncthreads();
+    stage_columns<uint16_t>(bs, out_mul, act, K, pair_of, ncols, inter);
+    if (rt >= n_tiles) return;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int n_lane = lane / 4 < ncols ? lane / 4 : 0;
+    tile_mma(c, qt, st, bs + n_lane * stage_words(inter), inter, qa, sa);
+    const float ge = g2[e];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int n = 2 * (lane % 4) + h;
+        if (n < ncols) {
+            const int p = pair_of[n];
+            const float m = out_mul[n] * ge * w[p];
+            float *yp = y + (size_t) p * hidden + rt * 16 + lane / 4;
+            yp[0] = c[h] * m;
+            yp[8] = c[2 + h] * m;
+        }
+    }
+}
+
+// out[t] = residual[t] + sum over j in slot order of y[t*k + j].
+static __global__ void moe_combine_kernel(float *out, const float *__restrict__ y,
+                                          const float *residual, int n_tok, int k, int hidden)
+{
+    const size_t i = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t) n_tok * hidden) return;
+    const size_t t = i / hidden, c = i % hidden;
+    float s = 0.0f;
+    for (int j = 0; j < k; j++) s += y[(t * k + j) * hidden + c];
+    out[i] = residual ? residual[i] + s : s;
+}
+
+// ---------------------------------------------------------------------------
+// Packing
+
+// Code c of an E2M1 nibble (sign, e1, e0, m) in the two bit placements decode_a reads: the
+// first four codes of a word at bits 7, 3, 2, 1 of their byte (E5M2), the last four at bits
+// 6, 5, 4, 0.
+static __device__ uint32_t place_first(uint32_t c, int byte)
+{
+    return (((c & 8u) << 4) | ((c & 7u) << 1)) << (8 * byte);
+}
+
+static __device__ uint32_t place_second(uint32_t c, int byte)
+{
+    return (((c & 0xeu) << 3) | (c & 1u)) << (8 * byte);
+}
+
+// One thread per (tile, k-step, lane) of n_tiles 16-row tiles of a K-column NVFP4 matrix:
+// the lane's word, and (lanes 0, 4, ..) its rows' two scales. Tile row i of tile rt is source
+// row 16*rt + i, or (split != 0) 8*rt + i for i < 8 and split + 8*rt + i - 8 for the rest
+// (gate and up of the same features).
+static __global__ void moe_pack_kernel(uint8_t *__restrict__ qo, uint8_t *__restrict__ so,
+                                       const uint8_t *__restrict__ q,
+                                       const uint8_t *__restrict__ s, int n_tiles, int K,
+                                       int split)
+{
+    const int nks = K / 16, nfull = nks / CHUNK_KS, ntail = nks % CHUNK_KS;
+    const size_t i = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t) n_tiles * nks * WARP_SIZE) return;
+    const int lane = (int) (i % WARP_SIZE), ks = (int) (i / WARP_SIZE % nks);
+    const int rt = (int) (i / WARP_SIZE / nks);
+    const int ch = ks / CHUNK_KS, j = ks % CHUNK_KS, nk = ch < nfull ? CHUNK_KS : ntail;
+    const int r = lane / 4, cq = lane % 4;
+    const size_t rq = (size_t) K / 2, rs = (size_t) K / NVFP4_GROUP;
+    const size_t r0 = split ? (size_t) 8 * rt + r : (size_t) 16 * rt + r;
+    const size_t r1 = split ? (size_t) split + 8 * rt + r : r0 + 8;
+    const int k0 = 16 * ks + 2 * cq;
+    uint32_t word = 0;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {  // columns k0.. (codes 0-3) and k0 + 8.. (codes 4-7)
+        const int kc = k0 + 8 * h;
+        const uint32_t b0 = q[r0 * rq + kc / 2], b1 = q[r1 * rq + kc / 2];  // kc even
+        const uint32_t c[4] = {b0 & 15u, b0 >> 4, b1 & 15u, b1 >> 4};
+#pragma unroll
+        for (int m = 0; m < 4; m++) word |= h ? place_second(c[m], m) : place_first(c[m], m);
+    }
+    uint8_t *qt = qo + (size_t) rt * 8 * K, *st = so + (size_t) rt * K;
+    *(uint32_t *) (qt + (size_t) ch * CHUNK_BYTES + ((size_t) lane * nk + j) * 4) = word;
+    if (cq == 0) {
+        uint8_t *sp = st + (size_t) ch * CHUNK_SBYTES + ((size_t) r * nk + j) * 2;
+        sp[0] = s[r0 * rs + ks];
+        sp[1] = s[r1 * rs + ks];
+    }
+}
+
+static void pack(uint8_t *qo, uint8_t *so, const uint8_t *q, const uint8_t *s, int n_tiles,
+                 int K, int split, cudaStream_t stream)
+{
+    const size_t n = (size_t) n_tiles * (K / 16) * WARP_SIZE;
+    moe_pack_kernel<<<(unsigned) CEIL_DIV(n, 256), 256, 0, stream>>>(qo, so, q, s, n_tiles, K,
+                                                                      split);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+void moe_pack_w13(uint8_t *q_out, uint8_t *s_out, const uint8_t *q, const uint8_t *s, int inter,
+                  int hidden, cudaStream_t stream)
+{
+    ASSERT(inter > 0 && inter % 8 == 0 && hidden > 0 && hidden % 16 == 0);
+    pack(q_out, s_out, q, s, inter / 8, hidden, inter, stream);
+}
+
+void moe_pack_w2(uint8_t *q_out, uint8_t *s_out, const uint8_t *q, const uint8_t *s, int hidden,
+                 int inter, cudaStream_t stream)
+{
+    ASSERT(hidden > 0 && hidden % 16 == 0 && inter > 0 && inter % 16 == 0);
+    pack(q_out, s_out, q, s, hidden / 16, inter, 0, stream);
 }
 
 // ---------------------------------------------------------------------------
@@ -417,35 +674,78 @@ void moe_route(int32_t *idx, float *w, const float *logits, const float *bias, i
     CUDA_CHECK(cudaGetLastError());
 }
 
-static void check_experts(const MoeExperts *ex)
+
+static int max_tiles(int n_pairs, int n_experts)
 {
-    ASSERT(ex->n_experts > 0 && ex->hidden > 0 && ex->inter > 0);
-    ASSERT(ex->hidden % 32 == 0 && ex->inter % 32 == 0 && ex->hidden % 4 == 0);
-    ASSERT((uintptr_t) ex->q13 % 16 == 0 && (uintptr_t) ex->q2 % 16 == 0);
-    ASSERT((uintptr_t) ex->s13 % 2 == 0 && (uintptr_t) ex->s2 % 2 == 0);
+    return (n_pairs < n_experts ? n_pairs : n_experts) + n_pairs / MOE_TILE_COLS;
 }
 
-void moe_experts_w13(uint16_t *act, const MoeExperts *ex, const uint16_t *x, const int32_t *idx,
-                     int n_tok, int k, cudaStream_t stream)
+size_t moe_work_ints(int n_pairs, int n_experts)
 {
-    check_experts(ex);
-    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (uintptr_t) x % 16 == 0);
-    ASSERT(ex->inter % 2 == 0);
-    const dim3 grid((unsigned) CEIL_DIV(ex->inter, 2 * MOE_WARPS), (unsigned) (n_tok * k));
-    moe_w13_kernel<<<grid, MOE_WARPS * WARP_SIZE, 0, stream>>>(act, ex->q13, ex->s13, ex->g13, x,
-                                                               idx, k, ex->hidden, ex->inter);
+    return 1 + (size_t) max_tiles(n_pairs, n_experts) * TILE_INTS;
+}
+
+void moe_group(int32_t *work, const int32_t *idx, int n_tok, int k, int n_experts,
+               cudaStream_t stream)
+{
+    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && n_tok * k <= MOE_MAX_PAIRS);
+    ASSERT(n_experts > 0 && n_experts <= MOE_MAX_EXPERTS);
+    moe_group_kernel<<<1, GROUP_THREADS, 0, stream>>>(work, idx, n_tok * k, n_experts);
     CUDA_CHECK(cudaGetLastError());
 }
 
-void moe_experts_w2(float *out, const MoeExperts *ex, const uint16_t *act, const int32_t *idx,
-                    const float *w, const float *residual, int n_tok, int k,
-                    cudaStream_t stream)
+static void check_experts(const MoeExperts *ex)
+{
+    ASSERT(ex->n_experts > 0 && ex->n_experts <= MOE_MAX_EXPERTS);
+    ASSERT(ex->hidden > 0 && ex->hidden % 16 == 0 && ex->inter > 0 && ex->inter % 16 == 0);
+    ASSERT((uintptr_t) ex->q13 % 16 == 0 && (uintptr_t) ex->q2 % 16 == 0);
+    ASSERT((uintptr_t) ex->s13 % 8 == 0 && (uintptr_t) ex->s2 % 8 == 0);
+}
+
+// Staged columns of one launch: a tile holds distinct tokens, so at most min(n_tok, 8).
+static size_t stage_bytes(int n_tok, int K)
+{
+    return (size_t) (n_tok < MOE_TILE_COLS ? n_tok : MOE_TILE_COLS) * stage_words(K) * 4;
+}
+
+void moe_experts_w13(uint16_t *act, const MoeExperts *ex, const float *x, const int32_t *work,
+                     int n_tok, int k, cudaStream_t stream)
 {
     check_experts(ex);
-    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (uintptr_t) act % 16 == 0);
-    const dim3 grid((unsigned) (ex->hidden / 4), (unsigned) n_tok);
-    moe_w2_kernel<<<grid, MOE_WARPS * WARP_SIZE, 0, stream>>>(out, ex->q2, ex->s2, ex->g2, act,
-                                                              idx, w, residual, k, ex->hidden,
-                                                              ex->inter);
+    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && n_tok * k <= MOE_MAX_PAIRS);
+    ASSERT((uintptr_t) x % 16 == 0);
+    const size_t smem = stage_bytes(n_tok, ex->hidden);
+    CUDA_CHECK(cudaFuncSetAttribute(moe_w13_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int) smem));
+    const dim3 grid((unsigned) CEIL_DIV(ex->inter / 8, MMA_WARPS),
+                    (unsigned) max_tiles(n_tok * k, ex->n_experts));
+    moe_w13_kernel<<<grid, MMA_THREADS, smem, stream>>>(act, ex->q13, ex->s13, ex->g13, x, work,
+                                                        k, ex->hidden, ex->inter);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const int32_t *work,
+                    const float *w, int n_tok, int k, cudaStream_t stream)
+{
+    check_experts(ex);
+    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && n_tok * k <= MOE_MAX_PAIRS);
+    ASSERT((uintptr_t) act % 8 == 0);
+    const size_t smem = stage_bytes(n_tok, ex->inter);
+    CUDA_CHECK(cudaFuncSetAttribute(moe_w2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int) smem));
+    const dim3 grid((unsigned) CEIL_DIV(ex->hidden / 16, MMA_WARPS),
+                    (unsigned) max_tiles(n_tok * k, ex->n_experts));
+    moe_w2_kernel<<<grid, MMA_THREADS, smem, stream>>>(y, ex->q2, ex->s2, ex->g2, act, work, w,
+                                                       ex->hidden, ex->inter);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+void moe_combine(float *out, const float *y, const float *residual, int n_tok, int k, int hidden,
+                 cudaStream_t stream)
+{
+    ASSERT(n_tok > 0 && k >= 1 && hidden > 0);
+    const size_t n = (size_t) n_tok * hidden;
+    moe_combine_kernel<<<(unsigned) CEIL_DIV(n, 256), 256, 0, stream>>>(out, y, residual, n_tok,
+                                                                        k, hidden);
     CUDA_CHECK(cudaGetLastError());
 }

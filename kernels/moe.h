@@ -7,22 +7,30 @@
  * double), so the GPU and the CPU backend choose the same experts with the same weights bit
  * for bit. logits come from the router weight's GEMV (fp32).
 
- * Experts, stacked, as the checkpoint stores them per expert (layout of nvfp4.h):
+ * Experts, stacked (E experts of one layer) and packed at load by moe_pack_w13/moe_pack_w2
+ * from the checkpoint's layout (nvfp4.h: codes [rows, K/2], scales [rows, K/16]) into 16-row
+ * tiles for the tensor-core kernels (moe.cu); the packed arrays have the same sizes:
  *
- *   q13    uint8 [E, 2*inter, hidden/2]   rows [0, inter) = gate_proj, [inter, 2 inter) = up_proj
- *   s13    uint8 [E, 2*inter, hidden/16]
- *   g13    fp32  [E, 2]                   weight_scale_2 of gate and of up (kept separate)
- *   q2     uint8 [E, hidden, inter/2]     down_proj
- *   s2     uint8 [E, hidden, inter/16]
- *   g2     fp32  [E]
+ *   q13, s13  expert e's gate (rows [0, inter)) and up ([inter, 2 inter)), hidden columns:
+ *             inter/8 tiles, each 8 gate + 8 up rows of the same features
+ *   g13       fp32 [E, 2]   weight_scale_2 of gate and of up
+ *   q2, s2    down, hidden rows of inter columns: hidden/16 tiles
+ *   g2        fp32 [E]
+ *   A tile of K columns: 8*K code bytes then K scale bytes per tile, tiles in order.
  *
- * moe_experts_w13: for each (token t, slot j), expert e = idx[t, j]:
- *   act[t*k + j, i] = bf16( SiLU(gate_e(x_t)[i]) * up_e(x_t)[i] )         bf16 [n_tok*k, inter]
- * moe_experts_w2: out[t, :] = residual[t, :] + sum_j w[t, j] * down_{idx[t,j]}(act[t*k + j])
- *   out, residual fp32 [n_tok, hidden]; out may alias residual. The weighted sum and the
- *   residual add are fused; slots are added in a fixed order, so results are reproducible.
+ * A step (n_tok tokens, k slots, n_tok * k <= MOE_MAX_PAIRS):
+ *   moe_group: work int32 [moe_work_ints] = the pairs p = t*k + j grouped by expert idx[p]
+ *     into tiles of <= MOE_TILE_COLS, ascending expert, slot order within.
+ *   moe_experts_w13: act[p, i] = bf16( SiLU(gate_e(x_t)[i]) * up_e(x_t)[i] ), x fp32
+ *     [n_tok, hidden] rounded to bf16 as read; act bf16 [n_tok*k, inter].
+ *   moe_experts_w2: y[p, :] = w[p] * down_e(act[p]), y fp32 [n_tok*k, hidden].
+ *   moe_combine: out[t, :] = residual[t, :] + sum_j y[t*k + j, :] (j ascending); out may
+ *     alias residual; residual may be NULL.
  *
- * Numerics of the products: as nvfp4.h (exact dequantization, fp32 accumulation per group).
+ * Numerics of the products: the weights and the bf16 inputs are exact on the tensor cores
+ * (inputs scaled per column by a power of two; only magnitudes below 2^-27 of a column's
+ * largest lose bits), fp32 accumulation over all of K (nvfp4.h's reference accumulates per
+ * group: the sums differ in order only).
  *
  * Ownership: borrowed pointers. Threads: thread-safe launchers. Errors: ASSERT on bad shapes;
  * CUDA failures fatal. Launchers never allocate and never synchronize; expert indices are read
@@ -42,6 +50,8 @@ extern "C" {
 #define MOE_MAX_EXPERTS 512
 #define MOE_MAX_K 16
 #define MOE_MAX_GROUPS 32
+#define MOE_TILE_COLS 8    // pairs of one expert per tensor-core tile
+#define MOE_MAX_PAIRS 512  // n_tok * k of one step's launches
 
 typedef struct MoeExperts {
     const uint8_t *q13, *s13;  // [E, 2*inter, hidden/2], [E, 2*inter, hidden/16]
@@ -49,8 +59,8 @@ typedef struct MoeExperts {
     const uint8_t *q2, *s2;    // [E, hidden, inter/2], [E, hidden, inter/16]
     const float *g2;           // [E]
     int n_experts;
-    int hidden;  // multiple of 32
-    int inter;   // multiple of 64
+    int hidden;  // multiple of 16
+    int inter;   // multiple of 16
 } MoeExperts;
 
 // idx int32 [n_tok, k], w fp32 [n_tok, k], logits fp32 [n_tok, n_experts], bias fp32
@@ -60,14 +70,24 @@ void moe_route(int32_t *idx, float *w, const float *logits, const float *bias, i
                int n_experts, int k, int n_group, int topk_group, bool norm_topk_prob, float scale,
                bool is_ascending, cudaStream_t stream);
 
-// act bf16 [n_tok*k, inter]; x bf16 [n_tok, hidden]; idx int32 [n_tok, k].
-void moe_experts_w13(uint16_t *act, const MoeExperts *ex, const uint16_t *x, const int32_t *idx,
-                     int n_tok, int k, cudaStream_t stream);
+// Packing one expert, device memory to device memory (the outputs do not alias the inputs):
+// its gate and up stacked (codes [2*inter, hidden/2], scales [2*inter, hidden/16]) or its
+// down (codes [hidden, inter/2], scales [hidden, inter/16]); hidden and inter multiples of 16.
+void moe_pack_w13(uint8_t *q_out, uint8_t *s_out, const uint8_t *q, const uint8_t *s, int inter,
+                  int hidden, cudaStream_t stream);
+void moe_pack_w2(uint8_t *q_out, uint8_t *s_out, const uint8_t *q, const uint8_t *s, int hidden,
+                 int inter, cudaStream_t stream);
 
-// out fp32 [n_tok, hidden]; act bf16 [n_tok*k, inter]; idx, w [n_tok, k]; residual or NULL.
-void moe_experts_w2(float *out, const MoeExperts *ex, const uint16_t *act, const int32_t *idx,
-                    const float *w, const float *residual, int n_tok, int k,
-                    cudaStream_t stream);
+// int32 count of moe_group's work list for n_pairs pairs.
+size_t moe_work_ints(int n_pairs, int n_experts);
+void moe_group(int32_t *work, const int32_t *idx, int n_tok, int k, int n_experts,
+               cudaStream_t stream);
+void moe_experts_w13(uint16_t *act, const MoeExperts *ex, const float *x, const int32_t *work,
+                     int n_tok, int k, cudaStream_t stream);
+void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const int32_t *work,
+                    const float *w, int n_tok, int k, cudaStream_t stream);
+void moe_combine(float *out, const float *y, const float *residual, int n_tok, int k, int hidden,
+                 cudaStream_t stream);
 
 #ifdef __cplusplus
 }

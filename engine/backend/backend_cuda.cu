@@ -87,7 +87,6 @@ enum {
     MAX_STEPS = 16,  // step block tables kept (the main cache's, the MTP layer's, ...)
     MAX_EXPERT_TABLES = 512,
     MAX_KV_B = 512,
-    MOE_CHUNK = 2048,  // tokens per launch of the tuned expert kernels (grid rows <= 65535)
     MAX_GRAPHS = 16,
     MAX_GRAPH_KEY = 256,  // key words (caller's and backend's) a graph can be recorded under
     THREADS = 256,
@@ -1330,9 +1329,11 @@ static Err cuda_bind_linear(Backend *be, CkptLinear *w)
     return ERR_OK;
 }
 
-// Experts the tuned kernels take (backend_moe_tuned with any top_k they allow) are stacked
-// in one allocation per array as kernels/moe.h lays them out, each CkptLinear rewritten to
-// point into it (so every op can still read them one by one); others are bound one by one.
+// Under the BF16 recipe, experts the tuned kernels take (backend_moe_tuned with any top_k
+// they allow) are stacked in one allocation per array and packed there as kernels/moe.h lays
+// them out (on the GPU, an expert at a time through a staging buffer); each CkptLinear then
+// points at its packed rows, which only kernels/moe.h reads. Others, and every expert under
+// the F32 recipe, are bound one by one in their stored format.
 static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
@@ -1346,7 +1347,8 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
             CUDA_CHECK(cudaFree(impl->tables[i].dev));
             impl->tables[i--] = impl->tables[--impl->n_tables];
         }
-    if (!backend_moe_tuned(experts, n_experts, 1) || impl->n_stacks == MAX_EXPERT_TABLES) {
+    if (be->precision != BACKEND_PRECISION_BF16 || !backend_moe_tuned(experts, n_experts, 1)
+        || impl->n_stacks == MAX_EXPERT_TABLES) {
         for (int i = 0; i < 3 * n_experts; i++) {
             const Err err = cuda_bind_linear(be, &experts[i]);
             if (err) return err;
@@ -1372,24 +1374,42 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     float *dg13 = (float *) keep_alloc(impl, E * 2 * sizeof(float));
     float *dg2 = (float *) keep_alloc(impl, E * sizeof(float));
     float *g = (float *) malloc(E * 3 * sizeof(float));
-    if (!dq13 || !ds13 || !dq2 || !ds2 || !dg13 || !dg2 || !g) {
+    // Staging for one expert's gate and up as stored (the largest of its matrices).
+    const size_t nq = inter * hidden / 2, ns = inter * hidden / NVFP4_GROUP;
+    uint8_t *tq = NULL, *ts = NULL;
+    if (cudaMalloc((void **) &tq, 2 * nq) != cudaSuccess
+        || cudaMalloc((void **) &ts, 2 * ns) != cudaSuccess)
+        tq = NULL;
+    if (!dq13 || !ds13 || !dq2 || !ds2 || !dg13 || !dg2 || !g || !tq) {
         free(g);
+        cudaFree(tq), cudaFree(ts);
+        (void) cudaGetLastError();
         LOG_ERROR("out of GPU memory binding the %d experts of %s", n_experts, experts[0].name);
         return ERR_NOMEM;
     }
-    for (size_t e = 0; e < E; e++)
+    for (size_t e = 0; e < E; e++) {
+        CkptLinear *w = &experts[3 * e];
         for (int k = 0; k < 3; k++) {
-            CkptLinear *w = &experts[3 * e + k];
-            const size_t nq = (size_t) w->rows * w->cols / 2,
-                         ns = (size_t) w->rows * w->cols / NVFP4_GROUP;
-            uint8_t *q = k < 2 ? dq13 + (2 * e + k) * nq : dq2 + e * nq;
-            uint8_t *sc = k < 2 ? ds13 + (2 * e + k) * ns : ds2 + e * ns;
-            CUDA_CHECK(cudaMemcpy(q, w->data, nq, cudaMemcpyHostToDevice));
-            CUDA_CHECK(cudaMemcpy(sc, w->scale, ns, cudaMemcpyHostToDevice));
-            g[k < 2 ? 2 * e + k : 2 * E + e] = w->global_scale;
-            w->data = q;
-            w->scale = sc;
+            // Each upload waits for the previous pack kernel (both on the legacy stream).
+            CUDA_CHECK(cudaMemcpy(tq + (k == 1 ? nq : 0), w[k].data, nq, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(ts + (k == 1 ? ns : 0), w[k].scale, ns, cudaMemcpyHostToDevice));
+            if (k == 1)
+                moe_pack_w13(dq13 + e * 2 * nq, ds13 + e * 2 * ns, tq, ts, (int) inter,
+                             (int) hidden, 0);
+            if (k == 2)
+                moe_pack_w2(dq2 + e * nq, ds2 + e * ns, tq, ts, (int) hidden, (int) inter, 0);
+            g[k < 2 ? 2 * e + k : 2 * E + e] = w[k].global_scale;
         }
+        w[0].data = dq13 + e * 2 * nq;
+        w[1].data = dq13 + e * 2 * nq + nq;
+        w[2].data = dq2 + e * nq;
+        w[0].scale = ds13 + e * 2 * ns;
+        w[1].scale = ds13 + e * 2 * ns + ns;
+        w[2].scale = ds2 + e * ns;
+    }
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaFree(tq));
+    CUDA_CHECK(cudaFree(ts));
     CUDA_CHECK(cudaMemcpy(dg13, g, E * 2 * sizeof(float), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(dg2, g + 2 * E, E * sizeof(float), cudaMemcpyHostToDevice));
     free(g);
@@ -1513,8 +1533,8 @@ static bool matmul_lt(const CkptLinear *w, int n)
 
 // A bf16 weight under the BF16 recipe (backend_matmul_tuned) through kernels/gemm.h: up to
 // GEMM_MAX_TOK tokens a launch with the fp32 input rounded as it is read (a bf16 copy first
-// when x is not 16-byte aligned; tensor cores from 2 tokens when the rows fill the chip twice,
-// as tests/bench/bench_stage.cu chooses), acc adding into y in the GEMV's store; more tokens
+// when x is not 16-byte aligned; tensor cores from 2 tokens when the rows fill the chip
+// twice), acc adding into y in the GEMV's store; more tokens
 // (matmul_lt) through cuBLASLt on a bf16 copy of the input, which cannot add (acc false).
 static void matmul_tuned(CudaImpl *impl, float *y, const CkptLinear *w, const float *x, int n,
                          bool acc)
@@ -1827,23 +1847,28 @@ static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int
     return (const DevLin *) dev;
 }
 
-// Routed experts through kernels/moe.h (stacked NVFP4 experts under the BF16 recipe): x
-// rounded to bf16, gate/up with SwiGLU into bf16 activations, down with the weighted sum.
+// Routed experts through kernels/moe.h (stacked, packed NVFP4 experts under the BF16 recipe):
+// the pairs grouped by expert, gate/up with SwiGLU (x rounded to bf16 as read) into bf16
+// activations, down into each pair's weighted output, the k outputs of a token added in slot
+// order. Tokens in chunks of MOE_MAX_PAIRS / top_k.
 static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const int *idx,
                       const float *wts, int top_k, const MoeExperts *ex)
 {
-    const int chunk = n < MOE_CHUNK ? n : MOE_CHUNK;
-    const size_t hidden = (size_t) ex->hidden, inter = (size_t) ex->inter;
-    uint16_t *xb = (uint16_t *) scratch(impl, SCRATCH_X, (size_t) chunk * hidden * 2);
-    uint16_t *act = (uint16_t *) scratch(impl, SCRATCH_Y, (size_t) chunk * top_k * inter * 2);
+    const int per = MOE_MAX_PAIRS / top_k, chunk = n < per ? n : per;
+    const size_t hidden = (size_t) ex->hidden, inter = (size_t) ex->inter,
+                 pairs = (size_t) chunk * top_k;
+    int32_t *work = (int32_t *) scratch(
+        impl, SCRATCH_E, moe_work_ints((int) pairs, ex->n_experts) * sizeof(int32_t));
+    uint16_t *act = (uint16_t *) scratch(impl, SCRATCH_Y, pairs * inter * 2);
+    float *y = (float *) scratch(impl, SCRATCH_X, pairs * hidden * sizeof(float));
     prof_begin(impl);
     for (int t0 = 0; t0 < n; t0 += chunk) {
         const int nc = n - t0 < chunk ? n - t0 : chunk;
         const size_t k0 = (size_t) t0 * top_k;
-        act_to_bf16(xb, x + (size_t) t0 * hidden, (size_t) nc * hidden, impl->stream);
-        moe_experts_w13(act, ex, xb, idx + k0, nc, top_k, impl->stream);
-        moe_experts_w2(out + (size_t) t0 * hidden, ex, act, idx + k0, wts + k0, NULL, nc, top_k,
-                       impl->stream);
+        moe_group(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
+        moe_experts_w13(act, ex, x + (size_t) t0 * hidden, work, nc, top_k, impl->stream);
+        moe_experts_w2(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
+        moe_combine(out + (size_t) t0 * hidden, y, NULL, nc, top_k, (int) hidden, impl->stream);
     }
     prof_end(impl, PROF_MOE, 0.0);
 }
@@ -1859,10 +1884,11 @@ static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *
                && w[1].rows == inter && w[2].rows == hidden && w[2].cols == inter);
     }
     if (n == 0) return;
-    const MoeExperts *ex = be->precision == BACKEND_PRECISION_BF16 && top_k <= MOE_MAX_K
-                               ? expert_stack(impl, experts)
-                               : NULL;
+    const MoeExperts *ex = expert_stack(impl, experts);  // packed: only kernels/moe.h reads it
     if (ex) {
+        if (top_k > MOE_MAX_K)
+            log_fatal(__FILE__, __LINE__, "top_k %d exceeds the tuned experts' %d", top_k,
+                      MOE_MAX_K);
         moe_tuned(impl, out, x, n, idx, wts, top_k, ex);
         return;
     }

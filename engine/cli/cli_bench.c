@@ -16,15 +16,15 @@
  * the routed experts expected to be hit by B tokens under uniform routing, E (1 - (1 -
  * K/E)^B)) with the GB/s that implies. KV-cache reads are not counted. On the CUDA backend
  * the GB/s is also given as a % of a device-to-device copy (1 GiB cudaMemcpy, read + write
- * bytes, best of 5) measured in the same run, as tests/bench/bench_stage.cu does; decode
+ * bytes, best of 5) measured in the same run; decode
  * steps replay CUDA graphs unless GLMSPARK_CUDA_GRAPHS=0; GLMSPARK_CUDA_PROFILE=1 prints the
  * time per op kind of the decode steps (synchronized, so slower; backend_cuda.h). --json
  * prints one JSON object per configuration instead.
  *
  * --synthetic writes the mkmodel preset (default "default"; see `glmspark mkmodel`) into
- * $TMPDIR (or /tmp)/glmspark-bench-PRESET-SEED first. The GLM-5.2-REAP-dimension stage
- * benchmark with the tuned kernels is tests/bench/bench_stage.cu (docs/perf.md, CUDA section);
- * this command measures the engine path itself, whatever its backend.
+ * $TMPDIR (or /tmp)/glmspark-bench-PRESET-SEED first. `--model DIR` on a `glmspark mkmodel
+ * --preset reap` checkpoint is the benchmark of record at GLM-5.2-REAP dimensions
+ * (docs/perf.md); this command measures the engine path itself, whatever its backend.
  *
  * --reap-ops (CUDA) times the backend's matmul and moe ops alone on weights generated on the
  * GPU at GLM-5.2-REAP dimensions (bf16 projections and lm_head, 156 NVFP4 experts of 2048 x

@@ -1,7 +1,7 @@
 #!/bin/sh
-# run.sh [--sanitize] [--no-tests] [--bench ARGS...] - build the CUDA kernels, their GPU tests and the stage
-# benchmark from source on the GPU machine, then run every test (label gpu), optionally under
-# compute-sanitizer memcheck, and optionally the benchmark.
+# run.sh [--sanitize] - build the CUDA kernels and their GPU tests from source on the GPU
+# machine, then run every test (label gpu), optionally under compute-sanitizer memcheck. (The
+# performance of record is the product's: `glmspark bench --model`, tests/gpu/run_backend.sh.)
 #
 # It compiles with nvcc/cc directly rather than through CMake, because the GPU image lacks the
 # engine's other build dependencies (json-c, pcre2, utf8proc) and the kernels need none of
@@ -17,13 +17,9 @@ mkdir -p "$out"
 bld=${GPU_BUILD_DIR:-/tmp/glmspark-gpu}
 mkdir -p "$bld/obj"
 sanitize=0
-bench=0
-tests=1
 while [ $# -gt 0 ]; do
     case $1 in
     --sanitize) sanitize=1; shift ;;
-    --no-tests) tests=0; shift ;;
-    --bench) bench=1; shift; break ;;
     *) echo "unknown option $1"; exit 2 ;;
     esac
 done
@@ -49,9 +45,6 @@ for t in tests/gpu/test_*.c; do
     name=$(basename "$t" .c)
     cc $cflags "$t" $objs $libs -o "$bld/$name" || fail=1
 done
-if [ -f tests/bench/bench_stage.cu ]; then
-    $nvcc $nvflags tests/bench/bench_stage.cu $objs -lcublasLt -lcublas -o "$bld/bench_stage" || fail=1
-fi
 [ $fail -eq 0 ] || { echo "build failed"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
@@ -60,7 +53,6 @@ echo "== tests"
 summary=""
 status=0
 for t in tests/gpu/test_*.c; do
-    [ $tests -eq 1 ] || break
     name=$(basename "$t" .c)
     t1=$(date +%s)
     if "$bld/$name" >"$out/$name.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
@@ -79,10 +71,6 @@ for t in tests/gpu/test_*.c; do
 "
     fi
 done
-if [ $bench -eq 1 ]; then
-    echo "== bench"
-    "$bld/bench_stage" --json "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log" | tail -80
-fi
 echo "== summary"
 printf '%s' "$summary"
 exit $status

@@ -100,17 +100,34 @@ static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
     }
     fill_f32(res, (size_t) n_tok * hidden, &rng, -1.0f, 1.0f);
 
-    MoeExperts ex = {gpu_upload(q13, n13 / 2), gpu_upload(s13, n13 / 16), gpu_upload(g13, n_experts * 8),
-                     gpu_upload(q2, n2 / 2), gpu_upload(s2, n2 / 16), gpu_upload(g2, n_experts * 4),
-                     n_experts, hidden, inter};
-    uint16_t *d_x = gpu_upload(x, (size_t) n_tok * hidden * 2);
+    // The checkpoint's layout uploaded, packed per expert as the backend does.
+    uint8_t *d_q13 = gpu_upload(q13, n13 / 2), *d_s13 = gpu_upload(s13, n13 / 16);
+    uint8_t *d_q2 = gpu_upload(q2, n2 / 2), *d_s2 = gpu_upload(s2, n2 / 16);
+    MoeExperts ex = {gpu_alloc_poisoned(n13 / 2), gpu_alloc_poisoned(n13 / 16),
+                     gpu_upload(g13, n_experts * 8), gpu_alloc_poisoned(n2 / 2),
+                     gpu_alloc_poisoned(n2 / 16), gpu_upload(g2, n_experts * 4), n_experts, hidden,
+                     inter};
+    const size_t e13 = (size_t) 2 * inter * hidden, e2 = (size_t) hidden * inter;
+    for (int e = 0; e < n_experts; e++) {
+        moe_pack_w13((uint8_t *) ex.q13 + e * e13 / 2, (uint8_t *) ex.s13 + e * e13 / 16,
+                     d_q13 + e * e13 / 2, d_s13 + e * e13 / 16, inter, hidden, 0);
+        moe_pack_w2((uint8_t *) ex.q2 + e * e2 / 2, (uint8_t *) ex.s2 + e * e2 / 16,
+                    d_q2 + e * e2 / 2, d_s2 + e * e2 / 16, hidden, inter, 0);
+    }
+    float *xf = xmalloc((size_t) n_tok * hidden * 4);  // the bf16 inputs, exactly, in fp32
+    for (size_t i = 0; i < (size_t) n_tok * hidden; i++) xf[i] = kern_bf16_to_f32(x[i]);
+    float *d_x = gpu_upload(xf, (size_t) n_tok * hidden * 4);
     int32_t *d_idx = gpu_upload(idx, n_pairs * 4);
     float *d_w = gpu_upload(w, n_pairs * 4);
     float *d_res = gpu_upload(res, (size_t) n_tok * hidden * 4);
+    int32_t *d_work = gpu_alloc_poisoned(moe_work_ints(n_pairs, n_experts) * 4);
     uint16_t *d_act = gpu_alloc_poisoned((size_t) n_pairs * inter * 2);
+    float *d_y = gpu_alloc_poisoned((size_t) n_pairs * hidden * 4);
     float *d_out = gpu_alloc_poisoned((size_t) n_tok * hidden * 4);
-    moe_experts_w13(d_act, &ex, d_x, d_idx, n_tok, k, 0);
-    moe_experts_w2(d_out, &ex, d_act, d_idx, d_w, d_res, n_tok, k, 0);
+    moe_group(d_work, d_idx, n_tok, k, n_experts, 0);
+    moe_experts_w13(d_act, &ex, d_x, d_work, n_tok, k, 0);
+    moe_experts_w2(d_y, &ex, d_act, d_work, d_w, n_tok, k, 0);
+    moe_combine(d_out, d_y, d_res, n_tok, k, hidden, 0);
 
     // w13 + SwiGLU.
     const size_t na = (size_t) n_pairs * inter;
@@ -145,7 +162,9 @@ static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
 
     cudaFree((void *) ex.q13), cudaFree((void *) ex.s13), cudaFree((void *) ex.g13);
     cudaFree((void *) ex.q2), cudaFree((void *) ex.s2), cudaFree((void *) ex.g2);
+    cudaFree(d_q13), cudaFree(d_s13), cudaFree(d_q2), cudaFree(d_s2), cudaFree(d_work), cudaFree(d_y);
     cudaFree(d_x), cudaFree(d_idx), cudaFree(d_w), cudaFree(d_res), cudaFree(d_act), cudaFree(d_out);
+    free(xf);
     free(q13), free(s13), free(q2), free(s2), free(g13), free(g2), free(x), free(idx), free(w);
     free(res), free(act_want), free(g), free(u), free(ga), free(ua), free(act_got), free(tol);
     free(act_b), free(out_want), free(out_abs), free(out_got), free(tol2);
@@ -165,6 +184,10 @@ int main(void)
     test_experts(5, 64, 64, 3, 2);
     test_experts(9, 96, 160, 4, 3);
     test_experts(12, 6144, 2048, 2, 8);  // GLM shapes, 12 experts in memory
+    test_experts(12, 6144, 2048, 8, 8);  // batch 8: experts shared by several tokens
+    test_experts(3, 64, 48, 20, 2);      // more than 8 pairs per expert: several tiles
+    test_experts(7, 80, 32, 1, 3);       // K = 80 and 32: chunks of 4 k-steps and a tail
+    test_experts(4, 48, 16, 5, 4);       // every expert taken by most tokens
     test_experts(20, 128, 64, 2, 16);    // k > 8: a w2 warp walks two slots
     test_experts(11, 96, 96, 3, 9);
     return check_exit();
