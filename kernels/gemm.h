@@ -51,7 +51,7 @@ void gemm_bf16_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *
 // gemm_bf16_gemv; summation order differs (fixed: per warp, then warps in order), so results
 // are reproducible but not bitwise equal to gemm_bf16_gemv's. Meant for 2+ tokens (the
 // CUDA-core GEMV does one fp32 FMA per weight per token and is instruction-bound at 4+; at 1
-// token it already streams near copy bandwidth: docs/perf.md). Wants n_mat * rows / 8 well
+// token it already streams near copy bandwidth on H200). Wants n_mat * rows / 8 well
 // above the SM count (one CTA per 8 rows).
 void gemm_bf16_gemv_tc(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
                        const float *residual, int rows, int cols, int n_mat, int n_tok,

@@ -192,7 +192,7 @@ static __global__ void __launch_bounds__(ROUTE_RANK_THREADS)
                           int n_experts, int k, bool norm_topk_prob, float scale, bool is_ascending)
 {
     __shared__ double score[MOE_MAX_EXPERTS], choice[MOE_MAX_EXPERTS];
-    __shared__ int chosen[MOE_MAX_K];
+    __shared__ int chosen[MOE_MAX_K], asc[MOE_MAX_K];
     const int t = blockIdx.x, tid = threadIdx.x;
     const float *lg = logits + (size_t) t * n_experts;
     bool nan = false;
@@ -218,24 +218,24 @@ static __global__ void __launch_bounds__(ROUTE_RANK_THREADS)
         if (rank < k) chosen[rank] = e;
     }
     __syncthreads();
-    if (tid == 0) {
-        int asc[MOE_MAX_K];
-        for (int r = 0; r < k; r++) {  // insertion sort of K ids
-            int i = r;
-            for (; i > 0 && asc[i - 1] > chosen[r]; i--)
-                asc[i] = asc[i - 1];
-            asc[i] = chosen[r];
-        }
+    // Thread r < k places chosen[r] in ascending id order (distinct ids: its count of
+    // smaller ones), then each of them sums the k scores in that order (the same sum on every
+    // thread) and writes its slot.
+    if (tid < k) {
+        const int c = chosen[tid];
+        int pos = 0;
+        for (int j = 0; j < k; j++) pos += chosen[j] < c;
+        asc[pos] = c;
+    }
+    __syncthreads();
+    if (tid < k) {
         double sum = 0.0;
-        for (int r = 0; r < k; r++)
-            sum += score[asc[r]];
-        for (int r = 0; r < k; r++) {
-            const int e = is_ascending ? asc[r] : chosen[r];
-            double v = score[e];
-            if (norm_topk_prob) v /= sum + 1e-20;
-            idx[(size_t) t * k + r] = e;
-            w[(size_t) t * k + r] = (float) (v * scale);
-        }
+        for (int r = 0; r < k; r++) sum += score[asc[r]];
+        const int e = is_ascending ? asc[tid] : chosen[tid];
+        double v = score[e];
+        if (norm_topk_prob) v /= sum + 1e-20;
+        idx[(size_t) t * k + tid] = e;
+        w[(size_t) t * k + tid] = (float) (v * scale);
     }
 }
 
