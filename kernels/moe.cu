@@ -375,6 +375,7 @@ static __device__ __forceinline__ void tile_mma(float c[4], const uint8_t *qt, c
     const int lane = threadIdx.x % WARP_SIZE, r = lane / 4, cq = lane % 4;
     const int nks = K / 16, nfull = nks / CHUNK_KS, ntail = nks % CHUNK_KS;
     const uint32_t *bl = bs + cq;
+    float c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // odd k-steps of the chunks
     for (int ch0 = 0; ch0 < nfull; ch0 += PIPE) {
 #pragma unroll
         for (int d = 0; d < PIPE; d++) {
@@ -392,7 +393,7 @@ static __device__ __forceinline__ void tile_mma(float c[4], const uint8_t *qt, c
                     uint32_t a[4];
                     decode_a(a, qw[j], ((j < 2 ? sv.x : sv.y) >> (16 * (j % 2))) & 0xffffu);
                     const uint32_t *b = bl + (ch * CHUNK_KS + j) * 8;
-                    mma_f16(c, a, b[0], b[4]);
+                    mma_f16(j % 2 ? c2 : c, a, b[0], b[4]);  // two chains: half the MMA latency per k-step
                 }
             }
         }
@@ -407,6 +408,8 @@ static __device__ __forceinline__ void tile_mma(float c[4], const uint8_t *qt, c
         const uint32_t *b = bl + (nfull * CHUNK_KS + j) * 8;
         mma_f16(c, a, b[0], b[4]);
     }
+#pragma unroll
+    for (int i = 0; i < 4; i++) c[i] += c2[i];
 }
 
 static __device__ __forceinline__ void tile_prefetch(uint4 qa[PIPE], uint2 sa[PIPE],

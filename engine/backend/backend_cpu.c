@@ -280,6 +280,12 @@ static void cpu_matmul_op(Backend *be, float *y, const CkptLinear *w, const floa
     matmul_op(be, y, w, x, n, false);
 }
 
+static void cpu_matmul_rows(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+{
+    for (int t = 0; t < n; t++)
+        matmul_op(be, y + (size_t) t * w->rows, w, x + (size_t) t * w->cols, 1, false);
+}
+
 static void cpu_matmul_add(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
 {
     matmul_op(be, y, w, x, n, true);
@@ -795,6 +801,7 @@ Err backend_cpu_create(int n_threads, Backend **out)
     be->bind_experts = cpu_bind_experts;
     be->bind_kv_b = cpu_bind_kv_b;
     be->matmul = cpu_matmul_op;
+    be->matmul_rows = cpu_matmul_rows;
     be->matmul_add = cpu_matmul_add;
     be->embed = cpu_embed;
     be->rmsnorm = cpu_rmsnorm;

@@ -1581,6 +1581,24 @@ static void cuda_matmul(Backend *be, float *y, const CkptLinear *w, const float 
     matmul_any(be, y, w, x, n, false);
 }
 
+// Tuned and aligned: one CUDA-core GEMV launch per GEMM_MAX_TOK rows (the kernel a one-row
+// call runs, each row's sums in the same order); otherwise a one-row call per row.
+static void cuda_matmul_rows(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    if (n > 1 && be->precision == BACKEND_PRECISION_BF16 && backend_matmul_tuned(w)
+        && (uintptr_t) w->data % 16 == 0 && (uintptr_t) x % 16 == 0
+        && ((size_t) w->cols * sizeof(float)) % 16 == 0) {
+        prof_begin(impl);
+        gemv_chunks(impl, y, (const uint16_t *) w->data, x, true, w->rows, w->cols, 1, n, false,
+                    false);
+        prof_end(impl, PROF_MATMUL, lin_bytes(w));
+        return;
+    }
+    for (int t = 0; t < n; t++)
+        matmul_any(be, y + (size_t) t * w->rows, w, x + (size_t) t * w->cols, 1, false);
+}
+
 static void cuda_matmul_add(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
 {
     matmul_any(be, y, w, x, n, true);
@@ -2195,6 +2213,7 @@ Err backend_cuda_create(int device, Backend **out)
     be->bind_kv_b = cuda_bind_kv_b;
     be->precision = BACKEND_PRECISION_BF16;
     be->matmul = cuda_matmul;
+    be->matmul_rows = cuda_matmul_rows;
     be->matmul_add = cuda_matmul_add;
     be->embed = cuda_embed;
     be->rmsnorm = cuda_rmsnorm;

@@ -139,6 +139,12 @@ struct Backend {
     // y[t, r] = sum_c W[r, c] x[t, c] for t < n. y: [n, w->rows], x: [n, w->cols].
     void (*matmul)(Backend *be, float *y, const CkptLinear *w, const float *x, int n);
 
+    // matmul with every row's numbers exactly those of a one-row matmul of that row (bit for
+    // bit, whatever n): the lm_head over a batch's last rows, so that logits do not depend on
+    // the batch. The CUDA backend reads the weight once for all rows (CUDA-core GEMV, whose
+    // per-row sums are ordered as for one row), where matmul would use tensor cores.
+    void (*matmul_rows)(Backend *be, float *y, const CkptLinear *w, const float *x, int n);
+
     // y[t, r] += sum_c W[r, c] x[t, c]: the numbers of matmul into a temporary and add (each
     // sum rounded to fp32, then added), without the temporary (the CUDA backend adds in the
     // GEMV's store: the residual adds after o_proj and the shared expert).

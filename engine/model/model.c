@@ -863,16 +863,15 @@ Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *t
             attention_block(m, kv, &seqs, l, &has_sel);
             mlp_block(m, l, n);
         }
-        // One row per sequence (its last token) into row i of w->logits; each is normed and
-        // projected alone, as a single-sequence call would, so the numbers do not depend on
-        // the batch.
+        // One row per sequence (its last token) into row i of w->logits; each is normed alone
+        // and projected with matmul_rows, as a single-sequence call would, so the numbers do
+        // not depend on the batch (the weight is still read once for all rows).
         for (int i = 0, off = 0; head_last && i < b->n_seqs; off += b->n_new[i++]) {
             const int last = off + b->n_new[i] - 1;
-            float *h_row = w->h + (size_t) i * hidden;
-            be->rmsnorm(be, h_row, w->x + (size_t) last * hidden, m->final_norm, 1, hidden, hidden,
-                        c->rms_norm_eps);
-            be->matmul(be, w->logits + (size_t) i * c->vocab_size, &m->lm_head, h_row, 1);
+            be->rmsnorm(be, w->h + (size_t) i * hidden, w->x + (size_t) last * hidden,
+                        m->final_norm, 1, hidden, hidden, c->rms_norm_eps);
         }
+        if (head_last) be->matmul_rows(be, w->logits, &m->lm_head, w->h, b->n_seqs);
     }
     if (graphed) be->graph_end(be);
     for (int i = 0; i < b->n_seqs; i++)
