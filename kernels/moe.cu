@@ -478,6 +478,52 @@ static __device__ void stage_columns(uint32_t *bs, float *out_mul, const T *src,
     __syncthreads();
 }
 
+// What a warp of an expert kernel ends with: its tile's expert, columns, their pairs and
+// output factors (shared memory).
+typedef struct TileOut {
+    int e, ncols;
+    const int *pair_of;
+    const float *out_mul;
+} TileOut;
+
+// The common body of the expert kernels, for block (x, tile) of a matrix of n_tiles 16-row
+// tiles and K columns: the tile's expert and pairs, its columns staged from src (pair p's row
+// p / row_div, K values each) with their output factors, and warp w's rows, tile x*8 + w,
+// over all K into c (tile_mma's layout). False for blocks past the step's tiles and for
+// warps past the last row tile (after the block's staging, which they share).
+template <typename T>
+static __device__ bool expert_tile(float c[4], TileOut *o, const uint8_t *q, const uint8_t *s,
+                                   const T *src, int row_div, const int32_t *work, int n_tiles,
+                                   int K)
+{
+    extern __shared__ uint32_t bs[];
+    __shared__ float out_mul[MOE_TILE_COLS];
+    __shared__ int pair_of[MOE_TILE_COLS], row_of[MOE_TILE_COLS];
+    if ((int) blockIdx.y >= work[0]) return false;  // the whole block
+    const int32_t *tl = work + 1 + (size_t) blockIdx.y * TILE_INTS;
+    const int e = tl[0], ncols = tl[1], lane = threadIdx.x % WARP_SIZE;
+    const int rt = blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE;
+    const uint8_t *qt = q + ((size_t) e * n_tiles + rt) * (8 * (size_t) K);
+    const uint8_t *st = s + ((size_t) e * n_tiles + rt) * (size_t) K;
+    uint4 qa[PIPE];
+    uint2 sa[PIPE];
+    if (rt < n_tiles) tile_prefetch(qa, sa, qt, st, K);
+    if (threadIdx.x < MOE_TILE_COLS) {
+        const int p = (int) threadIdx.x < ncols ? tl[2 + threadIdx.x] : 0;
+        pair_of[threadIdx.x] = p;
+        row_of[threadIdx.x] = p / row_div;
+    }
+    __syncthreads();
+    stage_columns<T>(bs, out_mul, src, (size_t) K, row_of, ncols, K);
+    *o = TileOut{e, ncols, pair_of, out_mul};
+    if (rt >= n_tiles) return false;
+#pragma unroll
+    for (int i = 0; i < 4; i++) c[i] = 0.0f;
+    const int n_lane = lane / 4 < ncols ? lane / 4 : 0;  // columns past ncols read column 0
+    tile_mma(c, qt, st, bs + n_lane * stage_words(K), K, qa, sa);
+    return true;
+}
+
 // gate/up + SwiGLU. Grid (ceil(inter / 64), max tiles); warp w of block x owns the 16-row
 // tile x*8 + w: gate rows 8*tile + r and up rows of the same features, so that a lane holds
 // gate and up of feature 8*tile + r for its two columns.
@@ -487,39 +533,18 @@ static __global__ void __launch_bounds__(MMA_THREADS)
                    const float *__restrict__ x, const int32_t *__restrict__ work, int k,
                    int hidden, int inter)
 {
-    extern __shared__ uint32_t bs[];
-    __shared__ float out_mul[MOE_TILE_COLS];
-    __shared__ int row_of[MOE_TILE_COLS], pair_of[MOE_TILE_COLS];
-    if ((int) blockIdx.y >= work[0]) return;
-    const int32_t *tl = work + 1 + (size_t) blockIdx.y * TILE_INTS;
-    const int e = tl[0], ncols = tl[1];
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int n_tiles = inter / 8, rt = blockIdx.x * MMA_WARPS + warp;
-    const size_t K = (size_t) hidden;
-    const uint8_t *qt = q13 + ((size_t) e * n_tiles + rt) * (8 * K);
-    const uint8_t *st = s13 + ((size_t) e * n_tiles + rt) * K;
-    uint4 qa[PIPE];
-    uint2 sa[PIPE];
-    if (rt < n_tiles) tile_prefetch(qa, sa, qt, st, hidden);
-    if (threadIdx.x < MOE_TILE_COLS) {
-        const int p = threadIdx.x < ncols ? tl[2 + threadIdx.x] : 0;
-        pair_of[threadIdx.x] = p;
-        row_of[threadIdx.x] = p / k;
-    }
-    __syncthreads();
-    stage_columns<float>(bs, out_mul, x, K, row_of, ncols, hidden);
-    if (rt >= n_tiles) return;
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const int n_lane = lane / 4 < ncols ? lane / 4 : 0;  // columns past ncols read column 0
-    tile_mma(c, qt, st, bs + n_lane * stage_words(hidden), hidden, qa, sa);
-    const int feat = rt * 8 + lane / 4;
-    const float gg = g13[2 * e], gu = g13[2 * e + 1];
+    float c[4];
+    TileOut o;
+    if (!expert_tile<float>(c, &o, q13, s13, x, k, work, inter / 8, hidden)) return;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int feat = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 8 + lane / 4;
+    const float gg = g13[2 * o.e], gu = g13[2 * o.e + 1];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int n = 2 * (lane % 4) + h;
-        if (n < ncols) {
-            const float g = c[h] * out_mul[n] * gg, u = c[2 + h] * out_mul[n] * gu;
-            act[(size_t) pair_of[n] * inter + feat] = f32_to_bf16_bits(g / (1.0f + expf(-g)) * u);
+        if (n < o.ncols) {
+            const float g = c[h] * o.out_mul[n] * gg, u = c[2 + h] * o.out_mul[n] * gu;
+            act[(size_t) o.pair_of[n] * inter + feat] = f32_to_bf16_bits(g / (1.0f + expf(-g)) * u);
         }
     }
 }
@@ -531,35 +556,19 @@ static __global__ void __launch_bounds__(MMA_THREADS)
                   const uint16_t *__restrict__ act, const int32_t *__restrict__ work,
                   const float *__restrict__ w, int hidden, int inter)
 {
-    extern __shared__ uint32_t bs[];
-    __shared__ float out_mul[MOE_TILE_COLS];
-    __shared__ int pair_of[MOE_TILE_COLS];
-    if ((int) blockIdx.y >= work[0]) return;
-    const int32_t *tl = work + 1 + (size_t) blockIdx.y * TILE_INTS;
-    const int e = tl[0], ncols = tl[1];
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int n_tiles = hidden / 16, rt = blockIdx.x * MMA_WARPS + warp;
-    const size_t K = (size_t) inter;
-    const uint8_t *qt = q2 + ((size_t) e * n_tiles + rt) * (8 * K);
-    const uint8_t *st = s2 + ((size_t) e * n_tiles + rt) * K;
-    uint4 qa[PIPE];
-    uint2 sa[PIPE];
-    if (rt < n_tiles) tile_prefetch(qa, sa, qt, st, inter);
-    if (threadIdx.x < MOE_TILE_COLS) pair_of[threadIdx.x] = threadIdx.x < ncols ? tl[2 + threadIdx.x] : 0;
-    __syncthreads();
-    stage_columns<uint16_t>(bs, out_mul, act, K, pair_of, ncols, inter);
-    if (rt >= n_tiles) return;
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const int n_lane = lane / 4 < ncols ? lane / 4 : 0;
-    tile_mma(c, qt, st, bs + n_lane * stage_words(inter), inter, qa, sa);
-    const float ge = g2[e];
+    float c[4];
+    TileOut o;
+    if (!expert_tile<uint16_t>(c, &o, q2, s2, act, 1, work, hidden / 16, inter)) return;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int row = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 16 + lane / 4;
+    const float ge = g2[o.e];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int n = 2 * (lane % 4) + h;
-        if (n < ncols) {
-            const int p = pair_of[n];
-            const float m = out_mul[n] * ge * w[p];
-            float *yp = y + (size_t) p * hidden + rt * 16 + lane / 4;
+        if (n < o.ncols) {
+            const int p = o.pair_of[n];
+            const float m = o.out_mul[n] * ge * w[p];
+            float *yp = y + (size_t) p * hidden + row;
             yp[0] = c[h] * m;
             yp[8] = c[2 + h] * m;
         }
@@ -711,17 +720,28 @@ static size_t stage_bytes(int n_tok, int K)
     return (size_t) (n_tok < MOE_TILE_COLS ? n_tok : MOE_TILE_COLS) * stage_words(K) * 4;
 }
 
-void moe_experts_w13(uint16_t *act, const MoeExperts *ex, const float *x, const int32_t *work,
-                     int n_tok, int k, cudaStream_t stream)
+// What both expert launches check and set: kernel's shared-memory limit for n_tok tokens'
+// K-long columns (returned) and the grid for a matrix of n_tiles 16-row tiles.
+static size_t launch_shape(const void *kernel, const MoeExperts *ex, int n_tok, int k, int K,
+                           int n_tiles, dim3 *grid)
 {
     check_experts(ex);
     ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && n_tok * k <= MOE_MAX_PAIRS);
-    ASSERT((uintptr_t) x % 16 == 0);
-    const size_t smem = stage_bytes(n_tok, ex->hidden);
-    CUDA_CHECK(cudaFuncSetAttribute(moe_w13_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    const size_t smem = stage_bytes(n_tok, K);
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int) smem));
-    const dim3 grid((unsigned) CEIL_DIV(ex->inter / 8, MMA_WARPS),
-                    (unsigned) max_tiles(n_tok * k, ex->n_experts));
+    *grid = dim3((unsigned) CEIL_DIV(n_tiles, MMA_WARPS),
+                 (unsigned) max_tiles(n_tok * k, ex->n_experts));
+    return smem;
+}
+
+void moe_experts_w13(uint16_t *act, const MoeExperts *ex, const float *x, const int32_t *work,
+                     int n_tok, int k, cudaStream_t stream)
+{
+    ASSERT((uintptr_t) x % 16 == 0);
+    dim3 grid;
+    const size_t smem = launch_shape((const void *) moe_w13_kernel, ex, n_tok, k, ex->hidden,
+                                     ex->inter / 8, &grid);
     moe_w13_kernel<<<grid, MMA_THREADS, smem, stream>>>(act, ex->q13, ex->s13, ex->g13, x, work,
                                                         k, ex->hidden, ex->inter);
     CUDA_CHECK(cudaGetLastError());
@@ -730,14 +750,10 @@ void moe_experts_w13(uint16_t *act, const MoeExperts *ex, const float *x, const 
 void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const int32_t *work,
                     const float *w, int n_tok, int k, cudaStream_t stream)
 {
-    check_experts(ex);
-    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && n_tok * k <= MOE_MAX_PAIRS);
     ASSERT((uintptr_t) act % 8 == 0);
-    const size_t smem = stage_bytes(n_tok, ex->inter);
-    CUDA_CHECK(cudaFuncSetAttribute(moe_w2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int) smem));
-    const dim3 grid((unsigned) CEIL_DIV(ex->hidden / 16, MMA_WARPS),
-                    (unsigned) max_tiles(n_tok * k, ex->n_experts));
+    dim3 grid;
+    const size_t smem = launch_shape((const void *) moe_w2_kernel, ex, n_tok, k, ex->inter,
+                                     ex->hidden / 16, &grid);
     moe_w2_kernel<<<grid, MMA_THREADS, smem, stream>>>(y, ex->q2, ex->s2, ex->g2, act, work, w,
                                                        ex->hidden, ex->inter);
     CUDA_CHECK(cudaGetLastError());
