@@ -14,7 +14,11 @@
  * configuration: prefill tok/s, decode ms/step and tok/s, and the weight bytes a decode step
  * reads (estimate: every linear weight except the embedding and the routed experts, plus
  * the routed experts expected to be hit by B tokens under uniform routing, E (1 - (1 -
- * K/E)^B)) with the GB/s that implies. KV-cache reads are not counted. On the CUDA backend
+ * K/E)^B)) with the GB/s that implies, then those bytes by category (attention, indexer,
+ * dense MLP, shared expert + router, routed experts, lm_head) and the KV-cache bytes the step
+ * reads (estimate: per sequence and layer the latent entries of the positions attention reads,
+ * all --ctx or the DSA top-k, and the indexer keys of all positions on layers that own one;
+ * not in the GB/s). On the CUDA backend
  * the GB/s is also given as a % of a device-to-device copy (1 GiB cudaMemcpy, read + write
  * bytes, best of 5) measured in the same run; decode
  * steps replay CUDA graphs unless GLMSPARK_CUDA_GRAPHS=0; GLMSPARK_CUDA_PROFILE=1 prints the
@@ -192,28 +196,55 @@ static double linear_bytes(const CkptLinear *w)
     return 0.0;
 }
 
-// Estimated weight bytes one decode step of batch B reads (see the file comment).
-static double step_bytes(const Model *m, int B)
+// Bytes one decode step of batch B at context ctx reads, by category (see the file
+// comment): weights as stored, the routed experts expected to be hit, and the KV cache (each
+// sequence's latent entries at the positions its attention reads: all ctx, or the DSA
+// top-k when the model has an indexer; the indexer keys at every position on layers that own
+// one).
+typedef struct StepBytes {
+    double attn, indexer, mlp, shared, experts, head, kv;
+} StepBytes;
+
+static void add_linears(double *sum, const CkptLinear *const *lin, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (lin[i]->rows > 0 && lin[i]->cols > 0) *sum += linear_bytes(lin[i]);
+}
+
+static StepBytes step_bytes(const Model *m, const KvCache *kv, int B, int ctx)
 {
     const ModelConfig *c = &m->cfg;
-    double dense = m->has_head ? linear_bytes(&m->lm_head) : 0.0, experts = 0.0;
+    StepBytes s = {0};
+    if (m->has_head) s.head = linear_bytes(&m->lm_head);
+    const int attended = c->index_topk > 0 && c->index_topk < ctx ? c->index_topk : ctx;
     for (int l = m->first_layer; l < m->last_layer; l++) {
         const ModelLayer *L = &m->layers[l];
-        const CkptLinear *lin[] = {&L->q_a,         &L->q_b,     &L->q_proj,   &L->kv_a,
-                                   &L->kv_b,        &L->o_proj,  &L->idx_wq_b, &L->idx_wk,
-                                   &L->idx_weights, &L->gate,    &L->up,       &L->down,
-                                   &L->router,      &L->sh_gate, &L->sh_up,    &L->sh_down};
-        for (size_t i = 0; i < sizeof lin / sizeof *lin; i++)
-            if (lin[i]->rows > 0 && lin[i]->cols > 0) dense += linear_bytes(lin[i]);
+        const CkptLinear *attn[] = {&L->q_a, &L->q_b, &L->q_proj, &L->kv_a, &L->kv_b, &L->o_proj};
+        const CkptLinear *idx[] = {&L->idx_wq_b, &L->idx_wk, &L->idx_weights};
+        const CkptLinear *mlp[] = {&L->gate, &L->up, &L->down};
+        const CkptLinear *sh[] = {&L->router, &L->sh_gate, &L->sh_up, &L->sh_down};
+        add_linears(&s.attn, attn, 6);
+        add_linears(&s.indexer, idx, 3);
+        add_linears(&s.mlp, mlp, 3);
+        add_linears(&s.shared, sh, 4);
         if (L->is_moe && L->experts && c->n_routed_experts > 0) {
             const double E = c->n_routed_experts, K = c->n_experts_per_tok;
             const double hit = E * (1.0 - pow(1.0 - K / E, B));
-            experts += hit
-                       * (linear_bytes(&L->experts[0]) + linear_bytes(&L->experts[1])
-                          + linear_bytes(&L->experts[2]));
+            s.experts += hit
+                         * (linear_bytes(&L->experts[0]) + linear_bytes(&L->experts[1])
+                            + linear_bytes(&L->experts[2]));
         }
+        const KvEntryLayout *lo = &kv->entry[l];
+        s.kv += (double) B * attended * lo->bytes;
+        if (lo->key_page > 0)
+            s.kv += (double) B * ctx * (lo->key_bytes + (lo->key_scales > 0 ? 4.0 : 0.0));
     }
-    return dense + experts;
+    return s;
+}
+
+static double step_weight_bytes(const StepBytes *s)
+{
+    return s->attn + s->indexer + s->mlp + s->shared + s->experts + s->head;
 }
 
 // One batch size: prefill B sequences, then time decode steps. Returns false on failure.
@@ -272,7 +303,8 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
         backend_cuda_profile_report(m->be, title);
     }
 #endif
-    const double bytes = step_bytes(m, B), gbs = bytes / step_s * 1e-9;
+    const StepBytes sb = step_bytes(m, &kv, B, a->ctx);
+    const double bytes = step_weight_bytes(&sb), gbs = bytes / step_s * 1e-9;
     const double pct = a->copy_gbs > 0.0 ? 100.0 * gbs / a->copy_gbs : 0.0;
     const char *prec = backend_precision_name(m->be->precision);
     if (a->json)
@@ -280,9 +312,12 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
                "\"batch\":%d,\"ctx\":%d,"
                "\"steps\":%d,\"prefill_tok_s\":%.2f,\"decode_ms_step\":%.4f,\"decode_tok_s\":%.2f,"
                "\"weight_bytes_step\":%.0f,\"weight_gb_s\":%.3f,\"copy_gb_s\":%.1f,"
-               "\"pct_copy\":%.2f}\n",
+               "\"pct_copy\":%.2f,\"bytes_step\":{\"attention\":%.0f,\"indexer\":%.0f,"
+               "\"dense_mlp\":%.0f,\"shared_expert_router\":%.0f,\"routed_experts\":%.0f,"
+               "\"lm_head\":%.0f,\"kv_cache\":%.0f}}\n",
                model_dir, m->be->name, prec, m->last_layer - m->first_layer, B, a->ctx, a->steps,
-               B * a->ctx / prefill_s, step_s * 1e3, B / step_s, bytes, gbs, a->copy_gbs, pct);
+               B * a->ctx / prefill_s, step_s * 1e3, B / step_s, bytes, gbs, a->copy_gbs, pct,
+               sb.attn, sb.indexer, sb.mlp, sb.shared, sb.experts, sb.head, sb.kv);
     else if (a->copy_gbs > 0.0)
         printf("%s/%-4s batch %3d ctx %6d: prefill %10.1f tok/s | decode %9.3f ms/step %10.1f "
                "tok/s | ~%.3f GB weights/step, %8.1f GB/s = %5.2f%% of copy\n",
@@ -293,6 +328,11 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
                "tok/s | ~%.3f GB weights/step, %8.1f GB/s\n",
                m->be->name, prec, B, a->ctx, B * a->ctx / prefill_s, step_s * 1e3, B / step_s,
                bytes * 1e-9, gbs);
+    if (!a->json)
+        printf("    bytes/step (GB): attention %.3f, indexer %.3f, dense MLP %.3f, shared expert + "
+               "router %.3f, routed experts %.3f, lm_head %.3f; KV cache %.4f\n",
+               sb.attn * 1e-9, sb.indexer * 1e-9, sb.mlp * 1e-9, sb.shared * 1e-9,
+               sb.experts * 1e-9, sb.head * 1e-9, sb.kv * 1e-9);
     ok = true;
 done:
     if (seqs)

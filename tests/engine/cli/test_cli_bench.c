@@ -4,6 +4,7 @@
  * configuration echoed and positive timings. No timing is asserted beyond "> 0".
  */
 #define _DEFAULT_SOURCE  // mkdtemp
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +71,17 @@ int main(void)
         CHECK(tok && atof(tok + strlen("\"decode_tok_s\":")) > 0.0);
         const char *pre = strstr(line, "\"prefill_tok_s\":");
         CHECK(pre && atof(pre + strlen("\"prefill_tok_s\":")) > 0.0);
+        // Bytes by category: the weights' sum is weight_bytes_step; the cache grows with batch.
+        double cat[7] = {0}, total = 0.0, sum = 0.0;
+        const char *bs = strstr(line, "\"bytes_step\":{");
+        CHECK(bs && sscanf(bs, "\"bytes_step\":{\"attention\":%lf,\"indexer\":%lf,\"dense_mlp\":%lf,"
+                                 "\"shared_expert_router\":%lf,\"routed_experts\":%lf,"
+                                 "\"lm_head\":%lf,\"kv_cache\":%lf}",
+                           &cat[0], &cat[1], &cat[2], &cat[3], &cat[4], &cat[5], &cat[6]) == 7);
+        const char *wb = strstr(line, "\"weight_bytes_step\":");
+        CHECK(wb && sscanf(wb, "\"weight_bytes_step\":%lf", &total) == 1);
+        for (int i = 0; i < 6; i++) sum += cat[i];
+        CHECK(cat[0] > 0.0 && cat[5] > 0.0 && cat[6] > 0.0 && fabs(sum - total) <= 1.0 + 1e-9 * total);
     }
     if (f) fclose(f);
     CHECK(lines == 2);
