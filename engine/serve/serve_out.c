@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/shared/utf8.h"
+
 // The chat parser's tags (chat.c), which some tokenizers mark special.
 static const char *const MARKUP[SERVE_N_MARKUP] = {
     "<think>", "</think>", "<tool_call>", "</tool_call>",
@@ -140,42 +142,27 @@ static void out_text(ServeOut *o, const char *text, size_t n)
 // ---------------------------------------------------------------------------
 // Log-probabilities (OpenAI's logprobs / top_logprobs)
 
-// {"token", "logprob", "bytes"} of token id: its decoded bytes, and as text those bytes
-// with each invalid UTF-8 sequence (a piece of a character) replaced by U+FFFD.
+// {"token", "logprob", "bytes"} of token id: the bytes it contributes to the text
+// (tok_token_bytes: with a byte-level decoder possibly part of a character, which clients
+// join across tokens, as OpenAI's bytes are meant), and as text those bytes with each
+// ill-formed piece replaced by U+FFFD.
 static json_object *lp_entry(const Tokenizer *tok, int32_t id, double logprob)
 {
-    char *text = NULL;
-    size_t n = 0;
+    char *raw = NULL, *text = NULL;
+    size_t n = 0, n_text = 0;
     json_object *o = json_object_new_object(), *bytes = json_object_new_array();
-    char *clean = NULL;
-    if (tok_decode(tok, &id, 1, false, &text, &n) == ERR_OK && (clean = malloc(3 * n + 1))) {
-        size_t m = 0;
-        const unsigned char *u = (const unsigned char *) text;
-        for (size_t i = 0; i < n;) {
-            json_object_array_add(bytes, json_object_new_int(u[i]));
-            size_t len = u[i] < 0x80 ? 1 : (u[i] & 0xE0) == 0xC0 ? 2 : (u[i] & 0xF0) == 0xE0 ? 3
-                                                               : (u[i] & 0xF8) == 0xF0 ? 4 : 0;
-            bool ok = len > 0 && i + len <= n && u[i] != 0;
-            for (size_t k = 1; ok && k < len; k++) ok = (u[i + k] & 0xC0) == 0x80;
-            if (ok) {
-                for (size_t k = 1; k < len; k++) json_object_array_add(bytes, json_object_new_int(u[i + k]));
-                memcpy(clean + m, text + i, len);
-                m += len;
-                i += len;
-            } else {
-                memcpy(clean + m, "\xef\xbf\xbd", 3);
-                m += 3;
-                i++;
-            }
-        }
-        json_object_object_add(o, "token", json_object_new_string_len(clean, (int) m));
+    if (tok_token_bytes(tok, id, &raw, &n) == ERR_OK
+        && utf8_lossy((const uint8_t *) raw, n, &text, &n_text) == ERR_OK) {
+        for (size_t i = 0; i < n; i++)
+            json_object_array_add(bytes, json_object_new_int((unsigned char) raw[i]));
+        json_object_object_add(o, "token", json_object_new_string_len(text, (int) n_text));
     } else {
         json_object_object_add(o, "token", json_object_new_string(""));
     }
     json_object_object_add(o, "logprob", json_object_new_double(logprob));
     json_object_object_add(o, "bytes", bytes);
-    free(clean);
     free(text);
+    free(raw);
     return o;
 }
 

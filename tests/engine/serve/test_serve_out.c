@@ -9,6 +9,7 @@
 
 #include "engine/serve/serve_out.h"
 #include "tests/check.h"
+#include "tests/engine/shared/tok_json.h"
 
 // a..z = 0..25, ' ' = 26; markup 40.. (special).
 static Tokenizer *make_tok(void)
@@ -202,6 +203,43 @@ static void test_logprobs(const Tokenizer *tok)
     serve_out_free(&o);
 }
 
+// With a byte-level tokenizer a token may be part of a character: its entry's bytes are the
+// raw bytes (which the client joins with the next token's), its text U+FFFD.
+static void test_logprobs_partial_char(void)
+{
+    Buf json = {0};
+    buf_adds(&json, "{\"added_tokens\":[],\"pre_tokenizer\":{\"type\":\"ByteLevel\","
+                    "\"add_prefix_space\":false,\"use_regex\":true},\"decoder\":{\"type\":"
+                    "\"ByteLevel\"},");
+    tok_json_bytelevel_model(&json);
+    Tokenizer *tok = NULL;
+    CHECK(!json.is_oom && tok_load_json(&tok, json.p, json.n) == ERR_OK);
+    buf_free(&json);
+    if (!tok) return;
+    JobqJob job = {.kind = "completion", .request_json = "{\"logprobs\":true}"};
+    ServeOut o;
+    const char *msg;
+    CHECK(serve_out_init(&o, tok, &job, 1, &msg) == ERR_OK);
+    // "é" is C3 A9: the byte tokens 0xC3 and 0xA9 (ids = byte values in this vocabulary).
+    serve_out_token(&o, 0xC3, -0.5f, NULL, NULL, 0);
+    serve_out_token(&o, 0xA9, -0.25f, NULL, NULL, 0);
+    int n = 0;
+    const JobqChunk *c = serve_out_chunks(&o, &n);
+    CHECK(c && n == 1 && !strcmp(c[0].text, "\xc3\xa9"));
+    json_object *arr = c && c[0].logprobs_json ? json_tokener_parse(c[0].logprobs_json) : NULL;
+    CHECK(arr && json_object_array_length(arr) == 2);
+    for (int i = 0; arr && i < 2; i++) {
+        json_object *e = json_object_array_get_idx(arr, (size_t) i), *v, *b;
+        CHECK(json_object_object_get_ex(e, "token", &v)
+              && !strcmp(json_object_get_string(v), "\xef\xbf\xbd"));
+        CHECK(json_object_object_get_ex(e, "bytes", &b) && json_object_array_length(b) == 1
+              && json_object_get_int(json_object_array_get_idx(b, 0)) == (i ? 0xA9 : 0xC3));
+    }
+    json_object_put(arr);
+    serve_out_free(&o);
+    tok_destroy(tok);
+}
+
 static void test_bad_request(const Tokenizer *tok)
 {
     // A forced opening longer than the scheduler takes is refused with a client message.
@@ -274,6 +312,7 @@ int main(void)
         test_forced_tool_call(tok);
         test_forced_after_thinking(tok);
         test_logprobs(tok);
+        test_logprobs_partial_char();
         test_bad_request(tok);
         test_constrained_tool_call(tok);
     }
