@@ -3,12 +3,13 @@
  * (model.c's forward pass on a backend), on a checkpoint or a synthetic one.
  *
  *   glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] [--seed S])
- *     [--batch 1,8] [--ctx 1024] [--steps 32] [--threads N] [--kv-dtype f32|bf16|fp8]
- *     [--precision f32|bf16] [--json]
+ *     [--batch 1,8] [--ctx 1024] [--prefill-chunk 4096] [--steps 32] [--threads N]
+ *     [--kv-dtype f32|bf16|fp8] [--precision f32|bf16] [--json]
  *   glmspark bench --backend cuda --reap-ops [--batch 1,8] [--steps 32]
  *
  * For each batch size B: B sequences are prefilled with --ctx deterministic token ids each
- * (one forward call per sequence; prefill tok/s), then --steps decode steps run all B
+ * (forward calls of at most --prefill-chunk tokens, one sequence at a time, as the scheduler
+ * chunks long prompts, so that 128K contexts fit the step's workspaces; prefill tok/s), then --steps decode steps run all B
  * sequences together (one token each, one model_forward_batch call, each sequence's logits
  * downloaded, which also waits for the GPU), after one untimed warm-up step. Printed per
  * configuration: prefill tok/s, decode ms/step and tok/s, and the weight bytes a decode step
@@ -66,6 +67,7 @@ typedef struct BenchArgs {
     int batches[BENCH_MAX_BATCHES];
     int n_batches;
     int ctx;
+    int prefill_chunk;
     int steps;
     int n_threads;
     int precision;  // --precision f32|bf16 (backends.h), or the backend's own
@@ -79,7 +81,8 @@ static int bench_usage(void)
 {
     fprintf(stderr,
             "usage: glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] "
-            "[--seed S]) [--batch 1,8] [--ctx 1024] [--steps 32] [--threads N] "
+            "[--seed S]) [--batch 1,8] [--ctx 1024] [--prefill-chunk 4096] [--steps 32] "
+            "[--threads N] "
             "[--kv-dtype f32|bf16|fp8] [--precision f32|bf16] [--json]\n"
             "       glmspark bench --backend cuda --reap-ops [--batch 1,8] [--steps 32]\n");
     return 2;
@@ -109,6 +112,7 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
     *a = (BenchArgs){.preset = "default",
                      .precision = BACKEND_PRECISION_DEFAULT,
                      .ctx = 1024,
+                     .prefill_chunk = 4096,
                      .steps = 32,
                      .n_threads = n_cpu > 0 ? (n_cpu > 64 ? 64 : (int) n_cpu) : 1};
     a->batches[0] = 1;
@@ -147,6 +151,8 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
             ok = parse_batches(val, a);
         else if (strcmp(opt, "--ctx") == 0)
             ok = num_parse_int(val, 1, 1 << 20, &a->ctx);
+        else if (strcmp(opt, "--prefill-chunk") == 0)
+            ok = num_parse_int(val, 1, 1 << 20, &a->prefill_chunk);
         else if (strcmp(opt, "--steps") == 0)
             ok = num_parse_int(val, 1, 1 << 20, &a->steps);
         else if (strcmp(opt, "--threads") == 0)
@@ -268,15 +274,18 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
     for (int i = 0; i < B; i++)
         ptrs[i] = &seqs[i];
 
-    // Prefill, one sequence per call.
+    // Prefill, one sequence at a time, in calls of at most --prefill-chunk tokens.
     double t0 = clock_now_s();
     for (int i = 0; i < B; i++) {
         for (int t = 0; t < a->ctx; t++)
             ids[t] = (int) ((1103515245u * (unsigned) (t + 7919 * i) + 12345u)
                             % (unsigned) c->vocab_size);
-        n_new[0] = a->ctx;
         const ModelBatch b = {1, &ptrs[i], n_new};
-        if (model_forward_batch(m, &kv, &b, ids, NULL, NULL, logits, MODEL_LOGITS_LAST)) goto done;
+        for (int t = 0; t < a->ctx; t += a->prefill_chunk) {
+            n_new[0] = a->ctx - t < a->prefill_chunk ? a->ctx - t : a->prefill_chunk;
+            if (model_forward_batch(m, &kv, &b, ids + t, NULL, NULL, logits, MODEL_LOGITS_LAST))
+                goto done;
+        }
     }
     const double prefill_s = clock_now_s() - t0;
 

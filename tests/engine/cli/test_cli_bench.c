@@ -31,6 +31,8 @@ int main(void)
     CHECK(run(4, bad_backend) == 2);
     const char *missing_value[] = {"bench", "--synthetic", "--steps"};
     CHECK(run(3, missing_value) == 2);
+    const char *bad_chunk[] = {"bench", "--synthetic", "--prefill-chunk", "0"};
+    CHECK(run(4, bad_chunk) == 2);
     const char *unknown[] = {"bench", "--synthetic", "--frobnicate", "1"};
     CHECK(run(4, unknown) == 2);
     // A model directory that does not exist: an error, not a crash.
@@ -48,10 +50,12 @@ int main(void)
     fflush(stdout);
     const int saved = dup(1);
     CHECK(freopen(out_path, "w", stdout) != NULL);
+    // The 9-token prompts are prefilled in calls of 4, 4 and 1 tokens.
     const char *ok_args[] = {"bench", "--synthetic", "--preset", "tiny",    "--backend",
                              "cpu",   "--threads",   "2",        "--batch", "1,3",
-                             "--ctx", "9",           "--steps",  "2",       "--json"};
-    const int rc = run(15, ok_args);
+                             "--ctx", "9",           "--steps",  "2",       "--json",
+                             "--prefill-chunk", "4"};
+    const int rc = run(17, ok_args);
     fflush(stdout);
     dup2(saved, 1);
     close(saved);
