@@ -18,8 +18,10 @@
  * them (sign 7, exponent 3..2, mantissa 1), so a mask and a byte permute give the f16 pair
  * e2m1 * 2^-14; one f16 multiply per pair applies the E4M3 group scale, exactly (at most 6
  * significant bits; the smallest product, 2^-24, is f16's smallest subnormal). The previous
- * kernels, which dequantized to fp32 for CUDA-core FMAs (~4.5 instructions per weight),
- * were instruction-bound at 1.8 TB/s on H200 and read an expert once per pair.
+ * kernels dequantized to fp32 for CUDA-core FMAs (~4.5 instructions per weight) and read an
+ * expert once per pair. Measured on H200 (docs/perf.md, 2026-12-03): w2 2.5-3.3 TB/s, w13
+ * 1.8-1.9 TB/s, both still bound by instruction issue (~20 per lane and k-step, one MMA
+ * accumulator chain per warp); w13 also stages 24 KB of fp32 input in every block.
  *
  * w13 tiles interleave 8 gate and 8 up rows of the same features, so a lane ends with gate
  * and up of one feature and applies SwiGLU in registers. w2 writes each pair's weighted
