@@ -79,7 +79,7 @@ enum {
     SCRATCH_C,
     SCRATCH_D,
     SCRATCH_E,  // MoE slot grouping
-    SCRATCH_X,  // bf16 inputs of the tuned kernels (x, q_nope)
+    SCRATCH_X,  // bf16 inputs of the tuned kernels (x, q_nope); the experts' pair outputs
     SCRATCH_Y,  // their intermediates (expert activations, q_pe, o_lat)
     SCRATCH_Z,  // q_lat, mla_decode's split workspace
     N_SCRATCH,
@@ -1377,10 +1377,9 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     // Staging for one expert's gate and up as stored (the largest of its matrices).
     const size_t nq = inter * hidden / 2, ns = inter * hidden / NVFP4_GROUP;
     uint8_t *tq = NULL, *ts = NULL;
-    if (cudaMalloc((void **) &tq, 2 * nq) != cudaSuccess
-        || cudaMalloc((void **) &ts, 2 * ns) != cudaSuccess)
-        tq = NULL;
-    if (!dq13 || !ds13 || !dq2 || !ds2 || !dg13 || !dg2 || !g || !tq) {
+    const bool staged = cudaMalloc((void **) &tq, 2 * nq) == cudaSuccess
+                        && cudaMalloc((void **) &ts, 2 * ns) == cudaSuccess;
+    if (!dq13 || !ds13 || !dq2 || !ds2 || !dg13 || !dg2 || !g || !staged) {
         free(g);
         cudaFree(tq), cudaFree(ts);
         (void) cudaGetLastError();
@@ -1555,6 +1554,14 @@ static void matmul_tuned(CudaImpl *impl, float *y, const CkptLinear *w, const fl
                     (long) (rows + 7) / 8 >= 2L * impl->n_sm, acc);
 }
 
+// Whether w runs through matmul_tuned: a bf16 weight under the BF16 recipe (columns in 8s,
+// so every token's fp32 row of x stays 16-byte aligned when x is), stored 16-byte aligned.
+static bool linear_tuned(const Backend *be, const CkptLinear *w)
+{
+    return be->precision == BACKEND_PRECISION_BF16 && backend_matmul_tuned(w)
+           && (uintptr_t) w->data % 16 == 0;
+}
+
 // y = w x, or (acc) y += w x: the same sums, each rounded to fp32 and then added to y (in the
 // tuned GEMV's store; elsewhere into a temporary, then add_f32).
 static void matmul_any(Backend *be, float *y, const CkptLinear *w, const float *x, int n, bool acc)
@@ -1563,8 +1570,7 @@ static void matmul_any(Backend *be, float *y, const CkptLinear *w, const float *
     if (n == 0) return;
     CudaImpl *impl = (CudaImpl *) be->impl;
     prof_begin(impl);
-    const bool tuned = be->precision == BACKEND_PRECISION_BF16 && backend_matmul_tuned(w)
-                       && (uintptr_t) w->data % 16 == 0;
+    const bool tuned = linear_tuned(be, w);
     const bool via_tmp = acc && (!tuned || matmul_lt(w, n));
     float *yt =
         via_tmp ? (float *) scratch(impl, SCRATCH_Y, (size_t) n * w->rows * sizeof(float)) : y;
@@ -1586,9 +1592,7 @@ static void cuda_matmul(Backend *be, float *y, const CkptLinear *w, const float 
 static void cuda_matmul_rows(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
-    if (n > 1 && be->precision == BACKEND_PRECISION_BF16 && backend_matmul_tuned(w)
-        && (uintptr_t) w->data % 16 == 0 && (uintptr_t) x % 16 == 0
-        && ((size_t) w->cols * sizeof(float)) % 16 == 0) {
+    if (n > 1 && linear_tuned(be, w) && (uintptr_t) x % 16 == 0) {
         prof_begin(impl);
         gemv_chunks(impl, y, (const uint16_t *) w->data, x, true, w->rows, w->cols, 1, n, false,
                     false);
