@@ -73,4 +73,14 @@ static __device__ __forceinline__ uint4 ld_stream_u4(const void *p)
     return v;
 }
 
+// The same for 8 bytes.
+static __device__ __forceinline__ uint2 ld_stream_u2(const void *p)
+{
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(v.x), "=r"(v.y)
+                 : "l"(p));
+    return v;
+}
+
 #endif  // KERNELS_COMMON_CUH
