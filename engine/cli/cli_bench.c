@@ -9,22 +9,21 @@
  *
  * For each batch size B: B sequences are prefilled with --ctx deterministic token ids each
  * (forward calls of at most --prefill-chunk tokens, one sequence at a time, as the scheduler
- * chunks long prompts, so that 128K contexts fit the step's workspaces; prefill tok/s), then --steps decode steps run all B
- * sequences together (one token each, one model_forward_batch call, each sequence's logits
- * downloaded, which also waits for the GPU), after one untimed warm-up step. Printed per
- * configuration: prefill tok/s, decode ms/step and tok/s, and the weight bytes a decode step
- * reads (estimate: every linear weight except the embedding and the routed experts, plus
- * the routed experts expected to be hit by B tokens under uniform routing, E (1 - (1 -
- * K/E)^B)) with the GB/s that implies, then those bytes by category (attention, indexer,
- * dense MLP, shared expert + router, routed experts, lm_head) and the KV-cache bytes the step
- * reads (estimate: per sequence and layer the latent entries of the positions attention reads,
- * all --ctx or the DSA top-k, and the indexer keys of all positions on layers that own one;
- * not in the GB/s). On the CUDA backend
- * the GB/s is also given as a % of a device-to-device copy (1 GiB cudaMemcpy, read + write
- * bytes, best of 5) measured in the same run; decode
- * steps replay CUDA graphs unless GLMSPARK_CUDA_GRAPHS=0; GLMSPARK_CUDA_PROFILE=1 prints the
- * time per op kind of the decode steps (synchronized, so slower; backend_cuda.h). --json
- * prints one JSON object per configuration instead.
+ * chunks long prompts, so that 128K contexts fit the step's workspaces; prefill tok/s), then
+ * --steps decode steps run all B sequences together (one token each, one
+ * model_forward_batch call, each sequence's logits downloaded, which also waits for the GPU),
+ * after one untimed warm-up step. Printed per configuration: prefill tok/s, decode ms/step
+ * and tok/s, and the weight bytes a decode step reads (estimate: every linear weight except
+ * the embedding and the routed experts, plus the routed experts expected to be hit by B
+ * tokens under uniform routing, E (1 - (1 - K/E)^B)) with the GB/s that implies, then those
+ * bytes by category (attention, indexer, dense MLP, shared expert + router, routed experts,
+ * lm_head) and the KV-cache bytes the step reads (estimate: per sequence and layer the latent
+ * entries of the positions attention reads, all --ctx or the DSA top-k, and the indexer keys
+ * of all positions on layers that own one; not in the GB/s). On the CUDA backend the GB/s is
+ * also given as a % of a device-to-device copy (1 GiB cudaMemcpy, read + write bytes, best of
+ * 5) measured in the same run; decode steps replay CUDA graphs unless GLMSPARK_CUDA_GRAPHS=0;
+ * GLMSPARK_CUDA_PROFILE=1 prints the time per op kind of the decode steps (synchronized, so
+ * slower; backend_cuda.h). --json prints one JSON object per configuration instead.
  *
  * --synthetic writes the mkmodel preset (default "default"; see `glmspark mkmodel`) into
  * $TMPDIR (or /tmp)/glmspark-bench-PRESET-SEED first. `--model DIR` on a `glmspark mkmodel
@@ -82,8 +81,7 @@ static int bench_usage(void)
     fprintf(stderr,
             "usage: glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] "
             "[--seed S]) [--batch 1,8] [--ctx 1024] [--prefill-chunk 4096] [--steps 32] "
-            "[--threads N] "
-            "[--kv-dtype f32|bf16|fp8] [--precision f32|bf16] [--json]\n"
+            "[--threads N] [--kv-dtype f32|bf16|fp8] [--precision f32|bf16] [--json]\n"
             "       glmspark bench --backend cuda --reap-ops [--batch 1,8] [--steps 32]\n");
     return 2;
 }

@@ -65,6 +65,7 @@ int main(void)
     CHECK(f != NULL);
     char line[1024];
     int lines = 0;
+    double kv_batch1 = 0.0;
     while (f && fgets(line, sizeof line, f)) {
         lines++;
         char want[64];
@@ -75,7 +76,8 @@ int main(void)
         CHECK(tok && atof(tok + strlen("\"decode_tok_s\":")) > 0.0);
         const char *pre = strstr(line, "\"prefill_tok_s\":");
         CHECK(pre && atof(pre + strlen("\"prefill_tok_s\":")) > 0.0);
-        // Bytes by category: the weights' sum is weight_bytes_step; the cache grows with batch.
+        // Bytes by category: the weights' sum is weight_bytes_step; the cache's bytes are per
+        // sequence, so batch 3 reads exactly 3x batch 1's.
         double cat[7] = {0}, total = 0.0, sum = 0.0;
         const char *bs = strstr(line, "\"bytes_step\":{");
         CHECK(bs && sscanf(bs, "\"bytes_step\":{\"attention\":%lf,\"indexer\":%lf,\"dense_mlp\":%lf,"
@@ -86,6 +88,8 @@ int main(void)
         CHECK(wb && sscanf(wb, "\"weight_bytes_step\":%lf", &total) == 1);
         for (int i = 0; i < 6; i++) sum += cat[i];
         CHECK(cat[0] > 0.0 && cat[5] > 0.0 && cat[6] > 0.0 && fabs(sum - total) <= 1.0 + 1e-9 * total);
+        if (lines == 1) kv_batch1 = cat[6];
+        else CHECK(cat[6] == 3.0 * kv_batch1);
     }
     if (f) fclose(f);
     CHECK(lines == 2);
