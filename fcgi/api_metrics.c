@@ -241,6 +241,14 @@ static Err put_engines(FILE *f, PGresult *e)
                     (j ? st[k].step_ms_max : st[k].step_ms_avg) / 1000.0);
         }
     }
+    family(f, "glmspark_engine_commit_seconds", "gauge",
+           "Mean time of the job-queue commit after each engine step, over the engine's last window.");
+    for (int k = 0; k < n; k++) {
+        if (!has[k]) continue;
+        fputs("glmspark_engine_commit_seconds{", f);
+        put_engine_labels(f, e, k);
+        fprintf(f, "} %.15g\n", st[k].commit_ms_avg / 1000.0);
+    }
     static const struct {
         const char *name, *type, *help;
     } scalars[] = {

@@ -307,10 +307,10 @@ static void print_text(const Status *st)
            "%lld microbatches in flight\n",
            st->jobs_queued, st->jobs_running, (long long) s->running, (long long) s->waiting,
            (long long) s->max_num_seqs, (long long) s->inflight_microbatches);
-    printf("throughput: %.1f tokens/s over the last %.0f s; step %.1f ms avg, %.1f ms max; "
-           "batch %.1f sequences, %.1f tokens\n",
-           s->tokens_per_s, s->window_s, s->step_ms_avg, s->step_ms_max, s->batch_seqs_avg,
-           s->batch_tokens_avg);
+    printf("throughput: %.1f tokens/s over the last %.0f s; step %.1f ms avg, %.1f ms max, "
+           "commit %.1f ms avg; batch %.1f sequences, %.1f tokens\n",
+           s->tokens_per_s, s->window_s, s->step_ms_avg, s->step_ms_max, s->commit_ms_avg,
+           s->batch_seqs_avg, s->batch_tokens_avg);
     printf("totals: %lld steps, %lld prompt tokens, %lld generated tokens\n", (long long) s->steps_total,
            (long long) s->prompt_tokens_total, (long long) s->generated_tokens_total);
     printf("prefix cache: %lld of %lld prompt tokens served from it (%.1f%%); %lld blocks cached, "

@@ -533,6 +533,7 @@ static Err serve(Engine *e)
             if (n_live(e) == before) last_empty_claim = now;
         }
         const bool has_work = sched_has_work(e->sched);
+        ServeStep step = {0};
         if (has_work) {
             SchedStats a, b;
             sched_stats(e->sched, &a);
@@ -541,9 +542,8 @@ static Err serve(Engine *e)
             if ((err = sched_step(e->sched))) return ERR_IO;
             sched_stats(e->sched, &b);
             const double t = clock_now_s();
-            const ServeStep step = {t, (float) ((t - now) * 1e3), e->step_seqs,
-                                    (int) (b.n_tokens - a.n_tokens), e->step_gen};
-            serve_stats_step(&e->stats, &step);
+            step = (ServeStep){t, (float) ((t - now) * 1e3), 0, e->step_seqs,
+                               (int) (b.n_tokens - a.n_tokens), e->step_gen};
             now = t;
             for (int i = 0; i < e->n_slots; i++) {  // response_format masks for the next token
                 Job *j = &e->jobs[i];
@@ -559,6 +559,10 @@ static Err serve(Engine *e)
             }
         }
         if ((err = commit(e, now))) return err;
+        if (has_work) {  // the step counts once its output is committed
+            step.commit_ms = (float) ((clock_now_s() - now) * 1e3);
+            serve_stats_step(&e->stats, &step);
+        }
         if (now - e->last_stats >= 1.0) publish_stats(e, is_stopping ? "stopping" : "ready", now);
         if (is_stopping) return ERR_OK;
         if (has_work) {

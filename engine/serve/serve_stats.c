@@ -44,7 +44,7 @@ char *serve_stats_json(const ServeStats *s, double now_mono, double now_unix)
     // The window: steps that ended in the last SERVE_STATS_WINDOW_S seconds. Batch
     // averages are over the steps that produced tokens (prefill-only steps have no
     // sequence to count).
-    double ms_sum = 0, ms_max = 0, seqs = 0, toks = 0;
+    double ms_sum = 0, ms_max = 0, commit_sum = 0, seqs = 0, toks = 0;
     int n_steps = 0, n_out_steps = 0;
     uint64_t n_gen = 0;
     for (int i = 0; i < s->n; i++) {
@@ -52,6 +52,7 @@ char *serve_stats_json(const ServeStats *s, double now_mono, double now_unix)
         if (now_mono - p->t > SERVE_STATS_WINDOW_S) continue;
         n_steps++;
         ms_sum += p->ms;
+        commit_sum += p->commit_ms;
         if (p->ms > ms_max) ms_max = p->ms;
         toks += p->n_tokens;
         n_gen += (uint64_t) p->n_generated;
@@ -91,6 +92,7 @@ char *serve_stats_json(const ServeStats *s, double now_mono, double now_unix)
     add_int(o, "steps_total", (int64_t) s->steps_total);
     add_num(o, "step_ms_avg", n_steps ? ms_sum / n_steps : 0.0);
     add_num(o, "step_ms_max", ms_max);
+    add_num(o, "commit_ms_avg", n_steps ? commit_sum / n_steps : 0.0);
     add_num(o, "batch_seqs_avg", n_out_steps ? seqs / n_out_steps : 0.0);
     add_num(o, "batch_tokens_avg", n_steps ? toks / n_steps : 0.0);
     add_int(o, "prompt_tokens_total", (int64_t) s->prompt_tokens_total);

@@ -3,10 +3,11 @@
  * engine publishes with jobq_set_stats() every heartbeat and `glmspark status` / /metrics
  * read back from engines.stats.
  *
- * The engine records every scheduler step (serve_stats_step: its duration, the sequences
- * that got a token, the tokens it put through the model, the tokens it generated) and
- * every admitted prompt; serve_stats_json() turns the last window_s seconds of steps
- * into averages (step_ms_avg/max, batch_seqs_avg, batch_tokens_avg, tokens_per_s) next to
+ * The engine records every scheduler step (serve_stats_step: its duration, the job-queue
+ * commit that followed it, the sequences that got a token, the tokens it put through the
+ * model, the tokens it generated) and every admitted prompt; serve_stats_json() turns the
+ * last window_s seconds of steps into averages (step_ms_avg/max, commit_ms_avg,
+ * batch_seqs_avg, batch_tokens_avg, tokens_per_s) next to
  * the totals, the KV cache occupancy and the pipeline's ranks. Every key of version 1 is
  * always present.
  *
@@ -31,7 +32,8 @@ enum { SERVE_STATS_RING = 4096, SERVE_STATS_WINDOW_S = 10 };
 
 typedef struct ServeStep {
     double t;      // monotonic seconds at the step's end
-    float ms;      // its duration
+    float ms;         // its duration (sched_step: the model's forward and the sampling)
+    float commit_ms;  // the job-queue commit of its output that followed (one transaction)
     int n_seqs;    // sequences that got a token
     int n_tokens;  // tokens through the model (prefill + decode)
     int n_generated;

@@ -40,6 +40,7 @@ static const Field engine_fields[] = {
     F(EngineStats, FIELD_I64, steps_total),
     F(EngineStats, FIELD_DOUBLE, step_ms_avg),
     F(EngineStats, FIELD_DOUBLE, step_ms_max),
+    F(EngineStats, FIELD_DOUBLE, commit_ms_avg),
     F(EngineStats, FIELD_DOUBLE, batch_seqs_avg),
     F(EngineStats, FIELD_DOUBLE, batch_tokens_avg),
     F(EngineStats, FIELD_I64, prompt_tokens_total),

@@ -81,6 +81,7 @@ typedef struct EngineStats {
     int64_t steps_total;
     double step_ms_avg;      // over the last window_s
     double step_ms_max;
+    double commit_ms_avg;    // the job-queue commit after each step (0 from older engines)
     double batch_seqs_avg;
     double batch_tokens_avg;
     int64_t prompt_tokens_total;

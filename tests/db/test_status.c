@@ -388,7 +388,7 @@ static void seed_engine(const char *state, const char *rank2_state, double rank2
              "\"last_layer\":79,\"weight_bytes\":98905300582,\"load_fraction\":%g}],"
              "\"kv_blocks_total\":1024,\"kv_blocks_used\":17,\"kv_block_size\":128,"
              "\"max_num_seqs\":16,\"running\":3,\"waiting\":1,\"inflight_microbatches\":2,"
-             "\"steps_total\":12345,\"step_ms_avg\":41.5,\"step_ms_max\":80.1,"
+             "\"steps_total\":12345,\"step_ms_avg\":41.5,\"step_ms_max\":80.1,\"commit_ms_avg\":2.25,"
              "\"batch_seqs_avg\":3.2,\"batch_tokens_avg\":5.1,"
              "\"prompt_tokens_total\":1000,\"generated_tokens_total\":5000,"
              "\"tokens_per_s\":75.3,\"window_s\":10}",
@@ -459,8 +459,8 @@ static void test_ready(void)
     CHECK(has(out, "2     node3                1400     up       53-78     92.1 GiB    100%"));
     CHECK(has(out, "kv cache: 17 of 1024 blocks used (1.7%), 128 tokens per block"));
     CHECK(has(out, "jobs: 2 queued, 1 running; scheduler: 3 running, 1 waiting (max 16), 2 microbatches"));
-    CHECK(has(out, "throughput: 75.3 tokens/s over the last 10 s; step 41.5 ms avg, 80.1 ms max; "
-                   "batch 3.2 sequences, 5.1 tokens"));
+    CHECK(has(out, "throughput: 75.3 tokens/s over the last 10 s; step 41.5 ms avg, 80.1 ms max, "
+                   "commit 2.2 ms avg; batch 3.2 sequences, 5.1 tokens"));
     CHECK(has(out, "totals: 12345 steps, 1000 prompt tokens, 5000 generated tokens"));
     CHECK(has(out, "live engines: 1\n"));
     CHECK(has(out, "obs-test             glm-test                     1234"));
@@ -504,6 +504,7 @@ static void test_ready(void)
         CHECK(series_value(text, "glmspark_engine_up") == 1);
         CHECK_NEAR(series_value(text, "glmspark_engine_step_seconds{engine=\"obs-test\",model=\"glm-test\",stat=\"avg\"}"), 0.0415, 1e-12);
         CHECK_NEAR(series_value(text, "glmspark_engine_step_seconds{engine=\"obs-test\",model=\"glm-test\",stat=\"max\"}"), 0.0801, 1e-12);
+        CHECK_NEAR(series_value(text, "glmspark_engine_commit_seconds{engine=\"obs-test\",model=\"glm-test\"}"), 0.00225, 1e-12);
         CHECK_NEAR(series_value(text, "glmspark_engine_batch_sequences{engine=\"obs-test\",model=\"glm-test\"}"), 3.2, 1e-12);
         CHECK_NEAR(series_value(text, "glmspark_engine_batch_tokens{engine=\"obs-test\",model=\"glm-test\"}"), 5.1, 1e-12);
         CHECK(series_value(text, "glmspark_engine_kv_blocks_used{engine=\"obs-test\",model=\"glm-test\"}") == 17);

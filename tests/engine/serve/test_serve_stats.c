@@ -31,8 +31,8 @@ int main(void)
     s.max_num_seqs = 8;
     // An old step (outside the window), then two recent ones and a prefill-only one.
     serve_stats_step(&s, &(ServeStep){.t = 100.0, .ms = 500, .n_seqs = 1, .n_tokens = 9, .n_generated = 1});
-    serve_stats_step(&s, &(ServeStep){.t = 195.0, .ms = 10, .n_seqs = 4, .n_tokens = 4, .n_generated = 4});
-    serve_stats_step(&s, &(ServeStep){.t = 196.0, .ms = 30, .n_seqs = 2, .n_tokens = 2, .n_generated = 2});
+    serve_stats_step(&s, &(ServeStep){.t = 195.0, .ms = 10, .commit_ms = 2, .n_seqs = 4, .n_tokens = 4, .n_generated = 4});
+    serve_stats_step(&s, &(ServeStep){.t = 196.0, .ms = 30, .commit_ms = 1, .n_seqs = 2, .n_tokens = 2, .n_generated = 2});
     serve_stats_step(&s, &(ServeStep){.t = 197.0, .ms = 20, .n_seqs = 0, .n_tokens = 30, .n_generated = 0});
     serve_stats_prompt(&s, 30);
     char *text = serve_stats_json(&s, 200.0, 1764520000.25);
@@ -41,8 +41,8 @@ int main(void)
     static const char *const keys[] = {
         "version", "updated_unix", "backend", "model", "world", "state", "ranks", "kv_blocks_total",
         "kv_blocks_used", "kv_block_size", "max_num_seqs", "running", "waiting",
-        "inflight_microbatches", "steps_total", "step_ms_avg", "step_ms_max", "batch_seqs_avg",
-        "batch_tokens_avg", "prompt_tokens_total", "generated_tokens_total", "tokens_per_s",
+        "inflight_microbatches", "steps_total", "step_ms_avg", "step_ms_max", "commit_ms_avg",
+        "batch_seqs_avg", "batch_tokens_avg", "prompt_tokens_total", "generated_tokens_total", "tokens_per_s",
         "window_s"};
     for (size_t i = 0; o && i < sizeof keys / sizeof keys[0]; i++) {
         json_object *v;
@@ -53,6 +53,7 @@ int main(void)
         CHECK(num(o, "steps_total") == 4 && num(o, "generated_tokens_total") == 7);
         CHECK(num(o, "prompt_tokens_total") == 30);
         CHECK(num(o, "step_ms_avg") == 20 && num(o, "step_ms_max") == 30);  // the old step is out
+        CHECK(num(o, "commit_ms_avg") == 1);  // (2 + 1 + 0) / 3
         CHECK(num(o, "batch_seqs_avg") == 3);    // (4 + 2) / 2 steps with output
         CHECK(num(o, "batch_tokens_avg") == 12);  // (4 + 2 + 30) / 3
         CHECK(fabs(num(o, "tokens_per_s") - 0.6) < 1e-9);  // 6 tokens / 10 s

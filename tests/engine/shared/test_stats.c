@@ -23,7 +23,7 @@ static const char example[] =
     "\"last_layer\":78,\"weight_bytes\":0,\"load_fraction\":0}],"
     " \"kv_blocks_total\":1024, \"kv_blocks_used\":17, \"kv_block_size\":128,"
     " \"max_num_seqs\":16, \"running\":3, \"waiting\":1, \"inflight_microbatches\":2,"
-    " \"steps_total\":12345, \"step_ms_avg\":41.5, \"step_ms_max\":80.1,"
+    " \"steps_total\":12345, \"step_ms_avg\":41.5, \"step_ms_max\":80.1, \"commit_ms_avg\":2.25,"
     " \"batch_seqs_avg\":3.2, \"batch_tokens_avg\":5.1,"
     " \"prompt_tokens_total\":1000, \"generated_tokens_total\":5000000000,"
     " \"tokens_per_s\":75.3, \"window_s\":10, \"future_key\":{\"x\":[1]}}";
@@ -52,6 +52,7 @@ static void test_example(void)
     CHECK(s.steps_total == 12345);
     CHECK_NEAR(s.step_ms_avg, 41.5, 1e-12);
     CHECK_NEAR(s.step_ms_max, 80.1, 1e-12);
+    CHECK_NEAR(s.commit_ms_avg, 2.25, 1e-12);
     CHECK_NEAR(s.batch_seqs_avg, 3.2, 1e-12);
     CHECK_NEAR(s.batch_tokens_avg, 5.1, 1e-12);
     CHECK(s.prompt_tokens_total == 1000 && s.generated_tokens_total == 5000000000LL);  // > 2^32
