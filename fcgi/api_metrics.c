@@ -241,14 +241,6 @@ static Err put_engines(FILE *f, PGresult *e)
                     (j ? st[k].step_ms_max : st[k].step_ms_avg) / 1000.0);
         }
     }
-    family(f, "glmspark_engine_commit_seconds", "gauge",
-           "Mean time of the job-queue commit after each engine step, over the engine's last window.");
-    for (int k = 0; k < n; k++) {
-        if (!has[k]) continue;
-        fputs("glmspark_engine_commit_seconds{", f);
-        put_engine_labels(f, e, k);
-        fprintf(f, "} %.15g\n", st[k].commit_ms_avg / 1000.0);
-    }
     static const struct {
         const char *name, *type, *help;
     } scalars[] = {
@@ -261,6 +253,15 @@ static Err put_engines(FILE *f, PGresult *e)
         {"glmspark_engine_waiting_sequences", "gauge", "Sequences waiting for a scheduler slot."},
         {"glmspark_engine_tokens_per_second", "gauge", "Generated tokens per second over the last window."},
         {"glmspark_engine_steps_total", "counter", "Engine steps since the boot."},
+        {"glmspark_engine_commit_seconds", "gauge",
+         "Mean time of the job-queue commit after each step over the last window."},
+        {"glmspark_engine_decode_steps_total", "counter",
+         "Decode-only steps (no prompt tokens) since the boot."},
+        {"glmspark_engine_decode_step_seconds_total", "counter",
+         "Time in decode-only steps since the boot (their mean between two scrapes: the "
+         "difference over the difference of glmspark_engine_decode_steps_total)."},
+        {"glmspark_engine_decode_commit_seconds_total", "counter",
+         "Time in the commits after decode-only steps since the boot."},
         {"glmspark_engine_prompt_tokens_total", "counter", "Prompt tokens processed since the boot."},
         {"glmspark_engine_generated_tokens_total", "counter", "Tokens generated since the boot."},
         {"glmspark_engine_prefix_cache_query_tokens_total", "counter",
@@ -288,6 +289,10 @@ static Err put_engines(FILE *f, PGresult *e)
                 (double) s->waiting,
                 s->tokens_per_s,
                 (double) s->steps_total,
+                s->commit_ms_avg / 1000.0,
+                (double) s->decode_steps_total,
+                s->decode_step_ms_total / 1000.0,
+                s->decode_commit_ms_total / 1000.0,
                 (double) s->prompt_tokens_total,
                 (double) s->generated_tokens_total,
                 (double) s->prefix_query_tokens_total,

@@ -12,6 +12,11 @@ void serve_stats_step(ServeStats *s, const ServeStep *step)
 {
     s->steps_total++;
     s->generated_tokens_total += (uint64_t) step->n_generated;
+    if (step->n_seqs > 0 && step->n_tokens == step->n_seqs) {
+        s->decode_steps_total++;
+        s->decode_step_ms_total += step->ms;
+        s->decode_commit_ms_total += step->commit_ms;
+    }
     if (s->n == SERVE_STATS_RING) {
         s->head = (s->head + 1) % SERVE_STATS_RING;
         s->n--;
@@ -93,6 +98,9 @@ char *serve_stats_json(const ServeStats *s, double now_mono, double now_unix)
     add_num(o, "step_ms_avg", n_steps ? ms_sum / n_steps : 0.0);
     add_num(o, "step_ms_max", ms_max);
     add_num(o, "commit_ms_avg", n_steps ? commit_sum / n_steps : 0.0);
+    add_int(o, "decode_steps_total", (int64_t) s->decode_steps_total);
+    add_num(o, "decode_step_ms_total", s->decode_step_ms_total);
+    add_num(o, "decode_commit_ms_total", s->decode_commit_ms_total);
     add_num(o, "batch_seqs_avg", n_out_steps ? seqs / n_out_steps : 0.0);
     add_num(o, "batch_tokens_avg", n_steps ? toks / n_steps : 0.0);
     add_int(o, "prompt_tokens_total", (int64_t) s->prompt_tokens_total);

@@ -7,7 +7,8 @@
  * commit that followed it, the sequences that got a token, the tokens it put through the
  * model, the tokens it generated) and every admitted prompt; serve_stats_json() turns the
  * last window_s seconds of steps into averages (step_ms_avg/max, commit_ms_avg,
- * batch_seqs_avg, batch_tokens_avg, tokens_per_s) next to
+ * batch_seqs_avg, batch_tokens_avg, tokens_per_s) next to the decode-only steps' counters
+ * (decode_steps_total, decode_step_ms_total, decode_commit_ms_total) and
  * the totals, the KV cache occupancy and the pipeline's ranks. Every key of version 1 is
  * always present.
  *
@@ -60,6 +61,11 @@ typedef struct ServeStats {
     int prefix_blocks, prefix_blocks_idle;
     // Kept by serve_stats_step / serve_stats_prompt
     uint64_t steps_total, prompt_tokens_total, generated_tokens_total;
+    // Decode-only steps (every token through the model a sequence's next: no prompt tokens)
+    // and their time: counters, so that a scrape before and after a run gives its decode
+    // step's mean exactly, whatever the window holds
+    uint64_t decode_steps_total;
+    double decode_step_ms_total, decode_commit_ms_total;
     ServeStep ring[SERVE_STATS_RING];
     int head, n;  // oldest at head
 } ServeStats;

@@ -82,6 +82,9 @@ typedef struct EngineStats {
     double step_ms_avg;      // over the last window_s
     double step_ms_max;
     double commit_ms_avg;    // the job-queue commit after each step (0 from older engines)
+    // Decode-only steps (no prompt tokens) since the boot, and their step and commit time
+    int64_t decode_steps_total;
+    double decode_step_ms_total, decode_commit_ms_total;
     double batch_seqs_avg;
     double batch_tokens_avg;
     int64_t prompt_tokens_total;

@@ -389,6 +389,7 @@ static void seed_engine(const char *state, const char *rank2_state, double rank2
              "\"kv_blocks_total\":1024,\"kv_blocks_used\":17,\"kv_block_size\":128,"
              "\"max_num_seqs\":16,\"running\":3,\"waiting\":1,\"inflight_microbatches\":2,"
              "\"steps_total\":12345,\"step_ms_avg\":41.5,\"step_ms_max\":80.1,\"commit_ms_avg\":2.25,"
+             "\"decode_steps_total\":12000,\"decode_step_ms_total\":480000.5,\"decode_commit_ms_total\":24000.25,"
              "\"batch_seqs_avg\":3.2,\"batch_tokens_avg\":5.1,"
              "\"prompt_tokens_total\":1000,\"generated_tokens_total\":5000,"
              "\"tokens_per_s\":75.3,\"window_s\":10}",
@@ -505,6 +506,9 @@ static void test_ready(void)
         CHECK_NEAR(series_value(text, "glmspark_engine_step_seconds{engine=\"obs-test\",model=\"glm-test\",stat=\"avg\"}"), 0.0415, 1e-12);
         CHECK_NEAR(series_value(text, "glmspark_engine_step_seconds{engine=\"obs-test\",model=\"glm-test\",stat=\"max\"}"), 0.0801, 1e-12);
         CHECK_NEAR(series_value(text, "glmspark_engine_commit_seconds{engine=\"obs-test\",model=\"glm-test\"}"), 0.00225, 1e-12);
+        CHECK_NEAR(series_value(text, "glmspark_engine_decode_steps_total{engine=\"obs-test\",model=\"glm-test\"}"), 12000, 1e-9);
+        CHECK_NEAR(series_value(text, "glmspark_engine_decode_step_seconds_total{engine=\"obs-test\",model=\"glm-test\"}"), 480.0005, 1e-9);
+        CHECK_NEAR(series_value(text, "glmspark_engine_decode_commit_seconds_total{engine=\"obs-test\",model=\"glm-test\"}"), 24.00025, 1e-9);
         CHECK_NEAR(series_value(text, "glmspark_engine_batch_sequences{engine=\"obs-test\",model=\"glm-test\"}"), 3.2, 1e-12);
         CHECK_NEAR(series_value(text, "glmspark_engine_batch_tokens{engine=\"obs-test\",model=\"glm-test\"}"), 5.1, 1e-12);
         CHECK(series_value(text, "glmspark_engine_kv_blocks_used{engine=\"obs-test\",model=\"glm-test\"}") == 17);

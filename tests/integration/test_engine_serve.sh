@@ -184,7 +184,7 @@ if [[ " $scenarios " =~ " batch " ]]; then
         const s = JSON.parse(process.argv[1]);
         for (const k of ["version", "updated_unix", "backend", "model", "world", "state", "ranks",
             "kv_blocks_total", "kv_blocks_used", "kv_block_size", "max_num_seqs", "running", "waiting",
-            "inflight_microbatches", "steps_total", "step_ms_avg", "step_ms_max", "commit_ms_avg", "batch_seqs_avg",
+            "inflight_microbatches", "steps_total", "step_ms_avg", "step_ms_max", "commit_ms_avg", "decode_steps_total", "decode_step_ms_total", "decode_commit_ms_total", "batch_seqs_avg",
             "batch_tokens_avg", "prompt_tokens_total", "generated_tokens_total", "tokens_per_s", "window_s"])
             if (!(k in s)) throw new Error("status JSON lacks " + k);
         if (!(s.batch_seqs_avg > 1)) throw new Error("batch_seqs_avg " + s.batch_seqs_avg + " <= 1");

@@ -42,6 +42,7 @@ int main(void)
         "version", "updated_unix", "backend", "model", "world", "state", "ranks", "kv_blocks_total",
         "kv_blocks_used", "kv_block_size", "max_num_seqs", "running", "waiting",
         "inflight_microbatches", "steps_total", "step_ms_avg", "step_ms_max", "commit_ms_avg",
+        "decode_steps_total", "decode_step_ms_total", "decode_commit_ms_total",
         "batch_seqs_avg", "batch_tokens_avg", "prompt_tokens_total", "generated_tokens_total", "tokens_per_s",
         "window_s"};
     for (size_t i = 0; o && i < sizeof keys / sizeof keys[0]; i++) {
@@ -54,6 +55,10 @@ int main(void)
         CHECK(num(o, "prompt_tokens_total") == 30);
         CHECK(num(o, "step_ms_avg") == 20 && num(o, "step_ms_max") == 30);  // the old step is out
         CHECK(num(o, "commit_ms_avg") == 1);  // (2 + 1 + 0) / 3
+        // Decode-only: the two recent steps with a token per sequence, not the old one (9
+        // tokens for 1 sequence: a prompt) nor the prefill-only one; counters ignore the window.
+        CHECK(num(o, "decode_steps_total") == 2 && num(o, "decode_step_ms_total") == 40);
+        CHECK(num(o, "decode_commit_ms_total") == 3);
         CHECK(num(o, "batch_seqs_avg") == 3);    // (4 + 2) / 2 steps with output
         CHECK(num(o, "batch_tokens_avg") == 12);  // (4 + 2 + 30) / 3
         CHECK(fabs(num(o, "tokens_per_s") - 0.6) < 1e-9);  // 6 tokens / 10 s

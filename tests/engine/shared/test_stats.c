@@ -24,6 +24,7 @@ static const char example[] =
     " \"kv_blocks_total\":1024, \"kv_blocks_used\":17, \"kv_block_size\":128,"
     " \"max_num_seqs\":16, \"running\":3, \"waiting\":1, \"inflight_microbatches\":2,"
     " \"steps_total\":12345, \"step_ms_avg\":41.5, \"step_ms_max\":80.1, \"commit_ms_avg\":2.25,"
+    " \"decode_steps_total\":12000, \"decode_step_ms_total\":480000.5, \"decode_commit_ms_total\":24000.25,"
     " \"batch_seqs_avg\":3.2, \"batch_tokens_avg\":5.1,"
     " \"prompt_tokens_total\":1000, \"generated_tokens_total\":5000000000,"
     " \"tokens_per_s\":75.3, \"window_s\":10, \"future_key\":{\"x\":[1]}}";
@@ -53,6 +54,9 @@ static void test_example(void)
     CHECK_NEAR(s.step_ms_avg, 41.5, 1e-12);
     CHECK_NEAR(s.step_ms_max, 80.1, 1e-12);
     CHECK_NEAR(s.commit_ms_avg, 2.25, 1e-12);
+    CHECK(s.decode_steps_total == 12000);
+    CHECK_NEAR(s.decode_step_ms_total, 480000.5, 1e-9);
+    CHECK_NEAR(s.decode_commit_ms_total, 24000.25, 1e-9);
     CHECK_NEAR(s.batch_seqs_avg, 3.2, 1e-12);
     CHECK_NEAR(s.batch_tokens_avg, 5.1, 1e-12);
     CHECK(s.prompt_tokens_total == 1000 && s.generated_tokens_total == 5000000000LL);  // > 2^32
