@@ -36,7 +36,13 @@
  * attempts committed); one sched_step; route each token event to its job's output state
  * (serve_out.h: detokenizer, chat parser, stop strings with hold-back, logprobs, the
  * forced tool-call opening); then ONE jobq_append_batch for every job with new chunks, an
- * end, a failure, or a lease due for renewal (every lease_s / 3 s, 1..5). A cancel flag
+ * end, a failure, or a lease due for renewal (every lease_s / 3 s, 1..5). With
+ * commit_interval_ms > 0 (0, every step, by default) output commits at most that often (a
+ * job's end, a failure or a half-full chunk buffer commits at once): a commit is one
+ * transaction and its WAL flush (0.7-1.7 ms on the H200 machine, docs/perf.md), which a
+ * 2-ms decode step pays on every token. Streams then lag by up to the interval and a chunk
+ * holds several tokens; uncommitted tokens are regenerated on resume as before (a client
+ * only ever sees committed ones). A cancel flag
  * in its answer cancels the sequence; a job that is no longer ours (ERR_NOTFOUND) is
  * dropped. The status JSON (serve_stats.h) goes out with jobq_set_stats every second,
  * busy or idle, which is also the engine heartbeat /health reads; long prefills are cut
@@ -122,6 +128,7 @@ static const struct {
     {"--prefix-caching", "prefix_caching"},
     {"--max-model-len", "max_model_len"},
     {"--block-size", "block_size"},
+    {"--commit-interval-ms", "commit_interval_ms"},
 };
 
 static int usage(void)
@@ -132,7 +139,8 @@ static int usage(void)
             "       [--max-num-seqs N] [--max-num-batched-tokens N] [--prefill-slice N]\n"
             "       [--backend cpu|cuda] [--precision f32|bf16] [--kv-dtype fp8|bf16|f32]\n"
             "       [--max-model-len N] [--mtp K] [--prefix-caching 0|1]\n"
-            "       [--block-size N] [--step-delay-ms MS] [--recipe FILE]\n"
+            "       [--block-size N] [--commit-interval-ms MS] [--step-delay-ms MS]\n"
+            "       [--recipe FILE]\n"
             "       [--pp N | --rank R --world N --master HOST:PORT [--local-rank L]]\n"
             "       glmspark-engine --check-recipe FILE\n");
     return 2;
@@ -231,6 +239,7 @@ typedef struct Engine {
     ServeStats stats;
     int step_seqs, step_gen;  // of the current step, counted by on_event
     double last_stats;
+    double last_commit;  // when commit() last wrote (clock_now_s)
 } Engine;
 
 static Job *find_job(Engine *e, uint64_t id)
@@ -408,6 +417,21 @@ static Err claim_jobs(Engine *e, double now)
     }
 }
 
+// Whether to commit now: commit_interval_ms since the last commit, or a job that ended,
+// failed or filled half its step chunks (serve_out holds SERVE_MAX_STEP_CHUNKS until a
+// commit), or no step ran (idle: leases and ends wait for nothing).
+static bool commit_due(const Engine *e, double now, bool has_work)
+{
+    if (!has_work || now - e->last_commit >= e->o->r.commit_interval_ms * 1e-3 || is_stopping)
+        return true;
+    for (int i = 0; i < e->n_slots; i++) {
+        const Job *j = &e->jobs[i];
+        if (j->is_live && (j->finish || j->error || j->out.n_chunks >= SERVE_MAX_STEP_CHUNKS / 2))
+            return true;
+    }
+    return false;
+}
+
 // One jobq_append_batch for every job with output, an end, or a lease due.
 static Err commit(Engine *e, double now)
 {
@@ -558,11 +582,12 @@ static Err serve(Engine *e)
                 if (force) sched_force(e->sched, (uint64_t) j->job.id, force, n);
             }
         }
-        if ((err = commit(e, now))) return err;
-        if (has_work) {  // the step counts once its output is committed
+        if (commit_due(e, now, has_work)) {
+            if ((err = commit(e, now))) return err;
+            e->last_commit = now;
             step.commit_ms = (float) ((clock_now_s() - now) * 1e3);
-            serve_stats_step(&e->stats, &step);
         }
+        if (has_work) serve_stats_step(&e->stats, &step);
         if (now - e->last_stats >= 1.0) publish_stats(e, is_stopping ? "stopping" : "ready", now);
         if (is_stopping) return ERR_OK;
         if (has_work) {

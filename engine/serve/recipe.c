@@ -54,6 +54,7 @@ static const KeyDef KEYS[] = {
     {"precision", KIND_PRECISION, F(precision), 0, 0, false, false},
     {"mtp_tokens", KIND_INT, F(mtp_tokens), 0, 8, false, false},
     {"prefix_caching", KIND_INT, F(prefix_caching), 0, 1, false, false},
+    {"commit_interval_ms", KIND_INT, F(commit_interval_ms), 0, 10000, false, false},
 };
 #undef F
 enum { N_KEYS = (int) (sizeof KEYS / sizeof KEYS[0]) };
@@ -80,6 +81,7 @@ void recipe_defaults(Recipe *r)
     r->min_free_memory_gb = 0;
     r->precision = BACKEND_PRECISION_DEFAULT;
     r->prefix_caching = 1;
+    r->commit_interval_ms = 0;
 }
 
 int recipe_n_keys(void)

@@ -32,9 +32,11 @@
  *   precision                 default | f32 | bf16 (docs/precision.md) default
  *   mtp_tokens                MTP drafts per step, 0..8 (0: off)    0
  *   prefix_caching            reuse cached prompt prefixes, 0 | 1   1
+ *   commit_interval_ms        least ms between output commits,      0
+ *                             0..10000 (0: after every step)
  *
  * Who reads what: glmspark-engine applies model, model_name, tokenizer, threads, kv_blocks,
- * lease_s, max_model_len and block_size (the KV cache size), pipeline_parallel (ranks;
+ * lease_s, commit_interval_ms, max_model_len and block_size (the KV cache size), pipeline_parallel (ranks;
  * --pp/--world override), max_num_seqs,
  * max_num_batched_tokens, prefix_caching and mtp_tokens (the scheduler; mtp_tokens > 0 loads the model's MTP
  * layer on the last rank and is an error for a model without one), backend, precision and
@@ -85,6 +87,7 @@ typedef struct Recipe {
     int block_size;
     int max_num_seqs;
     int max_num_batched_tokens;
+    int commit_interval_ms;
     int mtp_tokens;  // MTP drafts per verify step (0: off)
     int prefix_caching;  // 1: reuse the KV of cached prompt prefixes (scheduler.h); 0: off
     int threads;

@@ -41,7 +41,7 @@ set -euo pipefail
 bin=$(cd "$1" && pwd)
 src=$(cd "$2" && pwd)
 shift 2
-scenarios=${*:-batch pp killrank sigterm tool logprobs mtp fp8 two}
+scenarios=${*:-batch commit pp killrank sigterm tool logprobs mtp fp8 two}
 : "${GLMSPARK_DB:?run me through tests/db/with_pg.sh}"
 tmp=$(mktemp -d)
 pids=()
@@ -163,7 +163,7 @@ one_at_a_time() {
     stop_engine
 }
 
-if [[ " $scenarios " =~ " batch " || " $scenarios " =~ " pp " || " $scenarios " =~ " killrank " || " $scenarios " =~ " mtp " || " $scenarios " =~ " two " ]]; then
+if [[ " $scenarios " =~ " batch " || " $scenarios " =~ " commit " || " $scenarios " =~ " pp " || " $scenarios " =~ " killrank " || " $scenarios " =~ " mtp " || " $scenarios " =~ " two " ]]; then
     one_at_a_time
     [ -n "${alone[0]}" ] || fail "no output"
     echo "ok: six jobs one at a time"
@@ -194,6 +194,25 @@ if [[ " $scenarios " =~ " batch " ]]; then
     ' "$stats" || fail "status JSON"
     stop_engine
     echo "ok: six jobs batched: outputs equal one-at-a-time, batch_seqs_avg > 1"
+fi
+
+if [[ " $scenarios " =~ " commit " ]]; then
+    # --commit-interval-ms: a job's tokens commit in fewer chunks (its end commits at once),
+    # with the same token ids and text as one commit per step, and contiguous seqs.
+    start_engine --max-num-seqs 8 --commit-interval-ms 400
+    batch_ids
+    wait_jobs "${ids[@]}"
+    for i in "${!prompts[@]}"; do
+        out=$(output "${ids[$i]}")
+        seqs=${out%%|*}
+        n=$(echo "$seqs" | tr ',' '\n' | wc -l)
+        n_alone=$(echo "${alone[$i]%%|*}" | tr ',' '\n' | wc -l)
+        [ "$seqs" = "$(seq -s, 0 $((n - 1)))" ] || fail "commit interval job $i: seqs $seqs"
+        [ "${out#*|}" = "${alone[$i]#*|}" ] || fail "commit interval job $i: $out != ${alone[$i]}"
+        [ "$n" -lt "$n_alone" ] || fail "commit interval job $i: $n chunks, $n_alone with a commit per step"
+    done
+    stop_engine
+    echo "ok: --commit-interval-ms: same tokens and text in fewer chunks"
 fi
 
 if [[ " $scenarios " =~ " pp " ]]; then
