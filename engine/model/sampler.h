@@ -8,9 +8,16 @@
  * largest logit, ties to the lowest id. The generator is xorshift64* seeded through
  * splitmix64, so a seed reproduces the same tokens on every machine.
  *
- * Ownership: sampler_init() allocates scratch sized for the vocabulary and
- *            sampler_free() releases it. Logits are borrowed and are overwritten.
- * Threads:   one thread at a time per Sampler; each sequence owns one.
+ * The draw is a function of the logits, the parameters and the generator state alone; the
+ * filters' ranking is computed over the candidates that can change it (sampler.c says why
+ * that is exact), so a 154,880-token row costs a scan and a short sort, not a full sort.
+ *
+ * Ownership: sampler_init() allocates scratch sized for the vocabulary (about 44 bytes a
+ *            token, touched only as a path needs it) and sampler_free() releases it.
+ *            Logits are borrowed and are overwritten.
+ * Threads:   one thread at a time per Sampler; each sequence owns one. Samplers share
+ *            nothing, so different Samplers may run on different threads at once (the
+ *            pipeline's last rank samples a step's sequences in parallel).
  * Errors:    only sampler_init() can fail (ERR_NOMEM, ERR_INVAL for parameters out of
  *            range: fcgi/ validates requests, the CLI reports them).
  */
@@ -42,10 +49,12 @@ SamplerParams sampler_default_params(void);
 
 typedef struct Sampler {
     SamplerParams params;
-    uint64_t rng;                  // xorshift64* state, advanced per draw
-    int vocab_size;                // entries in every logits row
-    TopkEntry *candidates;         // owned scratch, vocab_size entries: scaled logit, token id
-    int32_t *counts;               // owned scratch for penalties, vocab_size entries
+    uint64_t rng;           // xorshift64* state, advanced per draw
+    int vocab_size;         // entries in every logits row
+    TopkEntry *candidates;  // owned scratch, vocab_size entries: scaled logit, token id
+    uint64_t *order;        // owned scratch, 2 * vocab_size: packed (rank, id), radix sort
+    double *weights;        // owned scratch, vocab_size: exp(scaled - max) per candidate
+    int32_t *counts;        // owned scratch for penalties, vocab_size entries
 } Sampler;
 
 // Prepare s for a vocabulary of vocab_size tokens. On failure *s is left zeroed, so

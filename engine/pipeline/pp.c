@@ -21,6 +21,14 @@
  * flight, so the ring cannot fill up and deadlock. An NCCL send blocks until the next
  * rank posts its receive; every rank goes back to receiving as soon as it has sent on,
  * and the last rank's results travel over TCP, so that chain cannot deadlock either.
+ *
+ * Sampling on the last rank: a step's sequences each own a Sampler and a history, so their
+ * penalties, masks and draws (sampler.h; 0.6-0.8 ms a row at a 154,880-token vocabulary
+ * with temperature or top-p, docs/perf.md) run as tasks of a thread pool made once per
+ * stage (sample_threads). Each task writes only its own slot's state and its op's
+ * res_tokens entry, so the tokens are the same for every thread count. MTP slots' ops
+ * (mtp_stage_op) stay on the calling thread: they run the MTP head through the backend,
+ * which takes one calling thread (backend.h), and share the MtpStage's buffers.
  */
 #define _DEFAULT_SOURCE  // setpgid, kill
 #include "engine/pipeline/pp.h"
@@ -39,6 +47,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/backend/thread_pool.h"
 #include "engine/shared/clock.h"
 
 // ---------------------------------------------------------------------------
@@ -422,6 +431,12 @@ typedef struct MsgHeader {
     int32_t n_extra;  // PPMSG_BATCH: extra ids after the tokens (cached prefixes, pp.h)
 } MsgHeader;
 
+// Sampler threads for vocabularies below this stay at 1: a row then costs tens of µs, and
+// waking the workers ate the gain (tests/bench/bench_sampler.c, 8 rows at temperature 1 on
+// the 2-core development VM: 0.49 ms on 1 thread, 0.51 on 2 at 16,384 tokens; 1.00 and
+// 0.55 ms at 32,768).
+enum { PP_SAMPLE_MIN_VOCAB = 32768, PP_SAMPLE_MAX_THREADS = 16 };
+
 typedef struct SlotState {
     KvSeq seq;
     int mtp_k;         // MTP drafts per sample (PP_SEQ_START), every rank
@@ -430,6 +445,14 @@ typedef struct SlotState {
     int n_history, cap_history;
     bool active;
 } SlotState;
+
+// One sequence's sampling in a step on the last rank (sample_task).
+typedef struct SampleTask {
+    int op;                // its op's index: the res_tokens entry it writes
+    SlotState *st;         // the op's slot: its sampler and history
+    float *logits;         // [vocab] the op's last row, penalised and masked in place
+    const uint32_t *mask;  // [pp_mask_words] PP_SEQ_MASK's words, NULL without a mask
+} SampleTask;
 
 struct PpStage {
     Model *m;     // borrowed
@@ -462,6 +485,9 @@ struct PpStage {
     MtpOut *res_mtp;
     int cap_res_mtp;
     bool res_has_mtp;
+    // Last rank: the step's sampling tasks and the threads that run them (sample_threads)
+    ThreadPool *sample_pool;
+    SampleTask sample_tasks[PP_MAX_SLOTS];
 };
 
 static Err grow(void **p, size_t *cap, size_t need, size_t elem)
@@ -494,6 +520,22 @@ static void slot_free(PpStage *s, SlotState *st)
     memset(st, 0, sizeof *st);
 }
 
+// Threads for the last rank's sampling: GLMSPARK_SAMPLE_THREADS when set (1..64), else 1
+// below PP_SAMPLE_MIN_VOCAB, else one per online core up to PP_SAMPLE_MAX_THREADS (16 rows
+// cover the decode batches we serve). The pool's idle workers sleep on a condition
+// variable (thread_pool.c), so more threads than rows cost nothing between steps.
+static int sample_threads(int vocab_size)
+{
+    const char *env = getenv("GLMSPARK_SAMPLE_THREADS");
+    if (env && *env) {
+        const int n = atoi(env);
+        return n < 1 ? 1 : n > THREAD_POOL_MAX_THREADS ? THREAD_POOL_MAX_THREADS : n;
+    }
+    if (vocab_size < PP_SAMPLE_MIN_VOCAB) return 1;
+    const long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
+    return n_cpu < 1 ? 1 : n_cpu > PP_SAMPLE_MAX_THREADS ? PP_SAMPLE_MAX_THREADS : (int) n_cpu;
+}
+
 Err pp_stage_create(Model *m, KvCache *kv, int rank, int world, const char *master,
                     uint64_t config_hash, PpStage **out)
 {
@@ -514,6 +556,9 @@ Err pp_stage_create(Model *m, KvCache *kv, int rank, int world, const char *mast
         if ((err = mtp_stage_init(&s->mtp, m, &kv->params, PP_MAX_SLOTS))) goto fail;
         s->has_mtp = true;
     }
+    if (s->is_last
+        && (err = thread_pool_create(sample_threads(m->cfg.vocab_size), &s->sample_pool)))
+        goto fail;
     if (world > 1) {
         // GPU ranks move activations with NCCL unless rank 0 says otherwise (pp_comm.h).
         const bool gpu = m->be && strcmp(m->be->name, "cuda") == 0;
@@ -535,6 +580,7 @@ Err pp_stage_create(Model *m, KvCache *kv, int rank, int world, const char *mast
     return ERR_OK;
 
 fail:
+    thread_pool_destroy(s->sample_pool);
     mtp_stage_free(&s->mtp);
     free(s->batch_seqs);
     free(s->batch_n);
@@ -557,6 +603,7 @@ void pp_stage_destroy(PpStage *s)
     free(s->res_tokens);
     free(s->res_mtp);
     mtp_stage_free(&s->mtp);
+    thread_pool_destroy(s->sample_pool);
     free(s->batch_seqs);
     free(s->batch_n);
     free(s);
@@ -661,6 +708,22 @@ static Err check_ops(const PpSeqOp *ops, int n_ops, int n_tokens, int bs, int ma
     }
     *n_extra = (int) extra;
     return ERR_OK;
+}
+
+// Runs on a sample_pool thread: penalties, mask and draw for one op (a SampleTask).
+static void sample_task(void *ctx, int task, int thread)
+{
+    (void) thread;
+    PpStage *s = ctx;
+    const SampleTask *t = &s->sample_tasks[task];
+    Sampler *smp = &t->st->sampler;
+    sampler_apply_penalties(smp, t->logits, t->st->history, t->st->n_history);
+    if (t->mask) {
+        const size_t V = (size_t) s->m->cfg.vocab_size;
+        for (size_t id = 0; id < V; id++)
+            if (!(t->mask[id >> 5] >> (id & 31) & 1)) t->logits[id] = -INFINITY;
+    }
+    s->res_tokens[t->op] = sampler_sample(smp, t->logits);
 }
 
 // This rank's share of a micro-batch: starts, the forward over its layers, then (last
@@ -784,7 +847,7 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
         }
     }
     if (s->is_last) {
-        int off = 0, bi = 0, row = 0;
+        int off = 0, bi = 0, row = 0, n_sample = 0;
         const int32_t *mask = extra;  // the masks follow the cached prefixes
         const int mask_words = pp_mask_words(s);
         for (int i = 0; i < n_ops; i++) {
@@ -816,19 +879,20 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
                         return err;
                     if (mo->n_emit > 0) s->res_tokens[i] = mo->emit[mo->n_emit - 1];
                 } else if (ops[i].flags & PP_SEQ_SAMPLE) {
-                    sampler_apply_penalties(&st->sampler, last, st->history, st->n_history);
+                    // Sampled below with the step's other sequences, once the histories
+                    // hold this step's tokens.
+                    const uint32_t *w = NULL;
                     if (ops[i].flags & PP_SEQ_MASK) {
-                        const uint32_t *w = (const uint32_t *) mask;
-                        for (size_t id = 0; id < V; id++)
-                            if (!(w[id >> 5] >> (id & 31) & 1)) last[id] = -INFINITY;
+                        w = (const uint32_t *) mask;
                         mask += mask_words;
                     }
-                    s->res_tokens[i] = sampler_sample(&st->sampler, last);
+                    s->sample_tasks[n_sample++] = (SampleTask){i, st, last, w};
                 }
                 bi++;
             }
             off += k;
         }
+        thread_pool_run(s->sample_pool, n_sample, sample_task, s);
     }
     for (int i = 0; i < n_ops; i++)
         if ((ops[i].flags & PP_SEQ_FREE) && s->slots[ops[i].slot].active) {

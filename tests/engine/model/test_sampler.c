@@ -1,18 +1,31 @@
 /*
  * test_sampler.c - sampler.c: greedy, determinism under a seed, the top-k / top-p / min-p
- * masks, penalties, and the drawn distribution against the softmax.
+ * masks, penalties, the drawn distribution against the softmax, and every draw against the
+ * straightforward algorithm.
  *
  * Distribution check: with N draws the count of a token with probability p is binomial,
  * standard deviation sqrt(N p (1 - p)); we allow 6 of them. The seed is fixed, so the test
  * is deterministic; the bound only says that a correct sampler passes with any seed.
+ *
+ * Oracle check: sampler.c takes shortcuts (weights computed once, only the candidates that
+ * can matter ranked, a radix sort) that must not change a single token. The oracle below is
+ * the sampler as it was before them, copied: rank every candidate by a heap, then the
+ * prefixes, recomputing each exp() where it is used. Both run on the same rows (ties,
+ * masked -inf entries, signed zeros, wide and narrow spreads, rows sorted by id) with the
+ * same seed, for greedy, temperature alone and every filter and penalty combination, at
+ * small vocabularies and at 154,880; tokens, penalised logits and the generator state
+ * afterwards must be identical.
  */
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "engine/model/sampler.h"
 #include "tests/check.h"
+#include "tests/engine/model/sampler_ref.h"
 
 enum { V = 16 };
 
@@ -243,6 +256,272 @@ static void test_penalties(void)
     sampler_free(&s);
 }
 
+// ---------------------------------------------------------------------------
+// Oracle check (the oracle itself: sampler_ref.h)
+
+// The xorshift64* state whose next sampler_uniform() is k * 2^-53 (k < 2^53): the output
+// multiplier is odd, hence invertible mod 2^64, and each xorshift step is invertible. Lets
+// a test put the draw at any point it likes, such as one unit either side of a boundary
+// between two candidates, where a total one last place off would change the token.
+static uint64_t rng_state_for(uint64_t k)
+{
+    const uint64_t mul = 0x2545f4914f6cdd1dull;
+    uint64_t inv = mul;  // Newton's iteration doubles the correct low bits each step
+    for (int i = 0; i < 6; i++)
+        inv *= 2 - mul * inv;
+    uint64_t y = (k << 11 | 1) * inv;  // the state after the step (never 0)
+    // Undo x ^= x >> 27, then x ^= x << 25, then x ^= x >> 12.
+    uint64_t x = y;
+    for (int t = 27; t < 64; t += 27)
+        x ^= y >> t;
+    y = x;
+    for (int t = 25; t < 64; t += 25)
+        x ^= y << t;
+    y = x;
+    for (int t = 12; t < 64; t += 12)
+        x ^= y >> t;
+    return x;
+}
+
+// ---------------------------------------------------------------------------
+// Rows and parameter sets for the oracle check
+
+static uint64_t rnd(uint64_t *r)
+{
+    *r = *r * 6364136223846793005ull + 1442695040888963407ull;
+    return *r >> 11;
+}
+
+// A uniform float in [0, 1).
+static float rnd_unit(uint64_t *r)
+{
+    return (float) (rnd(r) >> 29) * 0x1.0p-24f;
+}
+
+enum { N_STYLES = 10 };
+
+// Fills l[0..n) with one of N_STYLES kinds of row. with_nonfinite adds a NaN or an infinity
+// (no shortcut applies to those rows; the sampler must still answer as the oracle does).
+static void fill_row(float *l, int n, int style, bool with_nonfinite, uint64_t *r)
+{
+    switch (style) {
+    case 0:  // continuous, narrow: every candidate matters at temperature 1
+        for (int i = 0; i < n; i++)
+            l[i] = 4.0f * rnd_unit(r) - 2.0f;
+        break;
+    case 1:  // a language model's shape: a bell around -2, a few tokens far above it
+        for (int i = 0; i < n; i++)
+            l[i] = 2.5f * (rnd_unit(r) + rnd_unit(r) + rnd_unit(r) + rnd_unit(r) - 2.0f) - 2.0f;
+        for (int k = 0; k < 1 + n / 20000; k++)
+            l[rnd(r) % (uint64_t) n] = 15.0f + 10.0f * rnd_unit(r);
+        break;
+    case 2:  // few distinct values: long runs of ties, the best one tied too
+        for (int i = 0; i < n; i++)
+            l[i] = (float) (rnd(r) % 12) * 0.75f - 4.0f;
+        break;
+    case 3:  // a vocabulary mask: most entries -inf (sometimes all but one)
+        for (int i = 0; i < n; i++)
+            l[i] = rnd(r) % 4 == 0 ? 6.0f * rnd_unit(r) - 3.0f : -INFINITY;
+        if (rnd(r) % 3 == 0) {
+            for (int i = 0; i < n; i++)
+                l[i] = -INFINITY;
+            l[rnd(r) % (uint64_t) n] = 1.5f;
+        }
+        break;
+    case 4:  // a wide spread: most candidates far below the best (dropped before sorting)
+        for (int i = 0; i < n; i++)
+            l[i] = 2000.0f * rnd_unit(r) - 1000.0f;
+        break;
+    case 5:  // signed zeros and subnormals: equal keys with different bits
+        for (int i = 0; i < n; i++) {
+            const uint64_t k = rnd(r) % 5;
+            l[i] = k == 0 ? 0.0f : k == 1 ? -0.0f : k == 2 ? 1e-40f : k == 3 ? -1e-40f : -1.0f;
+        }
+        break;
+    case 6:  // all equal
+        for (int i = 0; i < n; i++)
+            l[i] = 0.5f;
+        break;
+    case 7:  // increasing with the id (every entry displaces a heap's worst)
+        for (int i = 0; i < n; i++)
+            l[i] = (float) i * 1e-3f;
+        break;
+    case 8:  // decreasing with the id, in steps that make ties
+        for (int i = 0; i < n; i++)
+            l[i] = -(float) (i / 3) * 0.01f;
+        break;
+    default:  // the bell, masked in stretches, with a tie at the top
+        for (int i = 0; i < n; i++)
+            l[i] = (i / 64) % 3 == 1 ? -INFINITY : 3.0f * (rnd_unit(r) - rnd_unit(r));
+        if (n > 2) l[n - 1] = l[n / 2] = 9.0f;
+        break;
+    }
+    if (with_nonfinite && n > 1) {
+        const uint64_t k = rnd(r) % 3;
+        l[rnd(r) % (uint64_t) n] = k == 0 ? NAN : k == 1 ? INFINITY : -INFINITY;
+        if (k == 0 && rnd(r) % 2) l[0] = NAN;
+    }
+}
+
+// The parameter sets: temperature alone, each filter, combinations, penalties. top_k values
+// around SAMPLER_HEAP_MAX_K (128) and SAMPLER_HEAP_MAX_SORT (256) exercise every ranking;
+// top_k -1 stands for the vocabulary's size - 1, -2 for its size + 5.
+typedef struct OracleParams {
+    float temperature;
+    int top_k;
+    float top_p, min_p, repetition, presence, frequency;
+} OracleParams;
+
+// clang-format off
+static const OracleParams oracle_sets[] = {
+    {0.0f,  0,   1.0f,      0.0f,   1.0f, 0.0f, 0.0f},   // greedy
+    {1.0f,  0,   1.0f,      0.0f,   1.0f, 0.0f, 0.0f},   // temperature alone
+    {0.7f,  0,   1.0f,      0.0f,   1.0f, 0.0f, 0.0f},
+    {1.7f,  0,   1.0f,      0.0f,   1.0f, 0.0f, 0.0f},
+    {0.05f, 0,   1.0f,      0.0f,   1.0f, 0.0f, 0.0f},
+    {1.0f,  1,   1.0f,      0.0f,   1.0f, 0.0f, 0.0f},   // top-k
+    {1.0f,  5,   1.0f,      0.0f,   1.0f, 0.0f, 0.0f},
+    {0.7f,  50,  1.0f,      0.0f,   1.0f, 0.0f, 0.0f},
+    {1.0f,  128, 1.0f,      0.0f,   1.0f, 0.0f, 0.0f},
+    {1.0f,  129, 1.0f,      0.0f,   1.0f, 0.0f, 0.0f},
+    {1.0f,  1000, 1.0f,     0.0f,   1.0f, 0.0f, 0.0f},
+    {1.0f,  -1,  1.0f,      0.0f,   1.0f, 0.0f, 0.0f},
+    {1.0f,  -2,  1.0f,      0.0f,   1.0f, 0.0f, 0.0f},
+    {0.7f,  0,   0.95f,     0.0f,   1.0f, 0.0f, 0.0f},   // top-p
+    {1.0f,  0,   0.5f,      0.0f,   1.0f, 0.0f, 0.0f},
+    {1.0f,  0,   0.1f,      0.0f,   1.0f, 0.0f, 0.0f},
+    {1.0f,  0,   0.999999f, 0.0f,   1.0f, 0.0f, 0.0f},
+    {1.0f,  0,   0x1.fffffep-1f, 0.0f, 1.0f, 0.0f, 0.0f},  // the largest top_p below 1
+    {1.0f,  0,   1.0f,      0.05f,  1.0f, 0.0f, 0.0f},   // min-p
+    {1.0f,  0,   1.0f,      1e-20f, 1.0f, 0.0f, 0.0f},   // its floor below the cut at -38
+    {1.0f,  0,   1.0f,      1.0f,   1.0f, 0.0f, 0.0f},
+    {0.8f,  40,  0.9f,      0.0f,   1.0f, 0.0f, 0.0f},   // combinations
+    {0.8f,  300, 0.9f,      0.02f,  1.0f, 0.0f, 0.0f},
+    {1.0f,  0,   0.9f,      0.1f,   1.0f, 0.0f, 0.0f},
+    {1.2f,  20,  1.0f,      0.05f,  1.0f, 0.0f, 0.0f},
+    {0.7f,  500, 1.0f,      1e-30f, 1.0f, 0.0f, 0.0f},
+    {0.7f,  0,   0.9f,      0.0f,   1.3f, 0.4f, 0.2f},   // penalties
+    {0.0f,  0,   1.0f,      0.0f,   1.5f, 0.0f, 0.0f},
+    {1.0f,  0,   1.0f,      0.0f,   1.1f, 0.0f, -0.5f},
+    {3.0f,  64,  0.8f,      0.01f,  1.0f, 1.0f, 0.0f},
+};
+// clang-format on
+
+enum { N_ORACLE_PARAMS = sizeof oracle_sets / sizeof *oracle_sets };
+
+static SamplerParams oracle_params(int i, int n_vocab)
+{
+    const OracleParams *o = &oracle_sets[i];
+    SamplerParams p = sampler_default_params();
+    p.temperature = o->temperature;
+    p.top_k = o->top_k == -1 ? n_vocab - 1 : o->top_k == -2 ? n_vocab + 5 : o->top_k;
+    p.top_p = o->top_p;
+    p.min_p = o->min_p;
+    p.repetition_penalty = o->repetition;
+    p.presence_penalty = o->presence;
+    p.frequency_penalty = o->frequency;
+    return p;
+}
+
+// For each parameter set, n_trials rows of n_vocab entries (styles in turn). From each row,
+// n_draws draws by the seeded generator (a fresh copy of the row each time, penalties first)
+// from the sampler and the oracle side by side; then 3 draws around each of n_bounds
+// boundaries between candidates of the oracle's first draw (the generator set so that the
+// uniform value is one unit below, at and above the boundary), against the oracle's replay.
+static void oracle_check(int n_vocab, int n_trials, int n_draws, int n_bounds, bool with_nonfinite)
+{
+    float *row = malloc((size_t) n_vocab * sizeof *row);
+    float *la = malloc((size_t) n_vocab * sizeof *la), *lb = malloc((size_t) n_vocab * sizeof *lb);
+    float *pen = malloc((size_t) n_vocab * sizeof *pen);
+    RefTrace tr = {.ids = malloc((size_t) n_vocab * sizeof *tr.ids),
+                   .cum = malloc((size_t) n_vocab * sizeof *tr.cum)};
+    int32_t history[48];
+    ASSERT(row && la && lb && pen && tr.ids && tr.cum && n_draws >= 1);
+    uint64_t r = 0x5eed0000u + (uint64_t) n_vocab;
+    for (int pi = 0; pi < N_ORACLE_PARAMS; pi++) {
+        int n_bad = 0, n_runs = 0;
+        for (int trial = 0; trial < n_trials; trial++) {
+            SamplerParams p = oracle_params(pi, n_vocab);
+            if (p.top_k < 0) p.top_k = 0;
+            p.seed = rnd(&r);
+            Sampler a;
+            RefSampler b;
+            ASSERT(sampler_init(&a, n_vocab, p) == ERR_OK);
+            ref_init(&b, n_vocab, p);
+            const int style = (trial + pi) % N_STYLES;
+            fill_row(row, n_vocab, style, with_nonfinite, &r);
+            const int n_hist = (int) (rnd(&r) % 48);
+            for (int h = 0; h < n_hist; h++)
+                history[h] = h % 11 == 10 ? -1 : (int32_t) (rnd(&r) % (uint64_t) (n_vocab + 2));
+            for (int d = 0; d < n_draws + 3 * n_bounds; d++) {
+                int32_t ta, tb;
+                bool same_logits = true;
+                if (d < n_draws) {
+                    memcpy(la, row, (size_t) n_vocab * sizeof *la);
+                    memcpy(lb, row, (size_t) n_vocab * sizeof *lb);
+                    sampler_apply_penalties(&a, la, history, n_hist);
+                    ref_apply_penalties(&b, lb, history, n_hist);
+                    same_logits = memcmp(la, lb, (size_t) n_vocab * sizeof *la) == 0;
+                    if (d == 0) memcpy(pen, la, (size_t) n_vocab * sizeof *pen);
+                    ta = sampler_sample(&a, la);
+                    tb = ref_sample(&b, lb, d == 0 ? &tr : NULL);
+                } else {
+                    if (!tr.has_draw) break;
+                    const int q = (d - n_draws) / 3, dk = (d - n_draws) % 3 - 1;
+                    const int at = q == 0   ? 0
+                                   : q == 1 ? tr.n - 1
+                                            : (int) (rnd(&r) % (uint64_t) tr.n);
+                    double x = tr.cum[at] / tr.total * 0x1.0p53;
+                    if (!(x < 0x1.0p53 - 2)) x = 0x1.0p53 - 2;
+                    if (x < 1) x = 1;
+                    const uint64_t k = (uint64_t) x + (uint64_t) (int64_t) dk;
+                    a.rng = b.rng = rng_state_for(k);
+                    memcpy(la, pen, (size_t) n_vocab * sizeof *la);
+                    ta = sampler_sample(&a, la);
+                    tb = ref_replay(&tr, ref_uniform(&b));
+                }
+                n_runs++;
+                if (ta != tb || a.rng != b.rng || !same_logits) {
+                    if (n_bad++ == 0)
+                        fprintf(stderr,
+                                "oracle: vocabulary %d, params %d, style %d, draw %d: token %d, "
+                                "oracle %d%s%s\n",
+                                n_vocab, pi, style, d, ta, tb,
+                                a.rng != b.rng ? ", generator differs" : "",
+                                same_logits ? "" : ", penalised logits differ");
+                }
+            }
+            sampler_free(&a);
+            ref_free(&b);
+        }
+        CHECK(n_runs > 0 && n_bad == 0);
+    }
+    free(row);
+    free(la);
+    free(lb);
+    free(pen);
+    free(tr.ids);
+    free(tr.cum);
+}
+
+static void test_oracle(void)
+{
+    // The generator can be put anywhere (what the boundary draws rely on).
+    const uint64_t ks[] = {1, 2, 12345, (1ull << 52) + 7, (1ull << 53) - 1};
+    for (size_t i = 0; i < sizeof ks / sizeof *ks; i++) {
+        Sampler s = {.rng = rng_state_for(ks[i])};
+        CHECK(sampler_uniform(&s) == (double) ks[i] * 0x1.0p-53);
+    }
+    const int sizes[] = {1, 2, 3, 7, 16, 100, 1000, 4099};
+    for (size_t k = 0; k < sizeof sizes / sizeof *sizes; k++)
+        oracle_check(sizes[k], 3 * N_STYLES, 3, 6, false);
+    // NaN and infinities: no shortcut applies, the answer must still be the oracle's.
+    oracle_check(16, N_STYLES, 2, 3, true);
+    oracle_check(1000, N_STYLES, 2, 3, true);
+    // A real vocabulary: every parameter set over 3 rows (each set starts at another style).
+    oracle_check(154880, 3, 2, 4, false);
+}
+
 int main(void)
 {
     test_greedy();
@@ -251,5 +530,6 @@ int main(void)
     test_distribution();
     test_masks();
     test_penalties();
+    test_oracle();
     return check_exit();
 }
