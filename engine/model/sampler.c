@@ -68,10 +68,9 @@ static uint64_t splitmix64(uint64_t x)
     return x ^ (x >> 31);
 }
 
-Err sampler_init(Sampler *s, int vocab_size, SamplerParams params)
+Err sampler_check_params(SamplerParams params)
 {
-    memset(s, 0, sizeof *s);
-    if (vocab_size < 1 || !(params.temperature >= 0.0f) || params.top_k < 0
+    if (!(params.temperature >= 0.0f) || params.top_k < 0
         || !(params.top_p > 0.0f && params.top_p <= 1.0f)
         || !(params.min_p >= 0.0f && params.min_p <= 1.0f) || !(params.repetition_penalty >= 0.0f)
         || !isfinite(params.presence_penalty) || !isfinite(params.frequency_penalty)) {
@@ -81,6 +80,18 @@ Err sampler_init(Sampler *s, int vocab_size, SamplerParams params)
                   params.repetition_penalty);
         return ERR_INVAL;
     }
+    return ERR_OK;
+}
+
+Err sampler_init(Sampler *s, int vocab_size, SamplerParams params)
+{
+    memset(s, 0, sizeof *s);
+    if (vocab_size < 1) {
+        LOG_ERROR("bad vocabulary size %d for a sampler", vocab_size);
+        return ERR_INVAL;
+    }
+    Err err = sampler_check_params(params);
+    if (err) return err;
     // Untouched pages cost nothing: greedy touches none of these, the other paths only the
     // entries they use.
     s->candidates = malloc((size_t) vocab_size * sizeof *s->candidates);

@@ -57,6 +57,10 @@ typedef struct Sampler {
     int32_t *counts;        // owned scratch for penalties, vocab_size entries
 } Sampler;
 
+// Whether sampler_init() accepts these parameters (ERR_INVAL, logged, when not), without
+// allocating its scratch (44 bytes per vocabulary token).
+Err sampler_check_params(SamplerParams params);
+
 // Prepare s for a vocabulary of vocab_size tokens. On failure *s is left zeroed, so
 // sampler_free(s) is still safe to call.
 Err sampler_init(Sampler *s, int vocab_size, SamplerParams params);

@@ -331,10 +331,7 @@ static void job_start(Engine *e, Job *j)
         j->error = msg;
         return;
     }
-    Sampler s = {0};
-    const bool bad_params = sampler_init(&s, e->st.cfg->vocab_size, j->out.sampling) != ERR_OK;
-    sampler_free(&s);
-    if (bad_params) {
+    if (sampler_check_params(j->out.sampling)) {
         j->error = "invalid sampling parameters";
         return;
     }

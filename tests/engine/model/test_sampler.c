@@ -254,6 +254,9 @@ static void test_penalties(void)
     CHECK(sampler_init(&s, V, p) == ERR_INVAL);
     CHECK(s.candidates == NULL);
     sampler_free(&s);
+    CHECK(sampler_check_params(p) == ERR_INVAL);  // the same rule, without the scratch
+    CHECK(sampler_check_params(sampler_default_params()) == ERR_OK);
+    CHECK(sampler_init(&s, 0, sampler_default_params()) == ERR_INVAL && s.candidates == NULL);
 }
 
 // ---------------------------------------------------------------------------
