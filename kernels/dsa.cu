@@ -1,10 +1,11 @@
 /*
  * dsa.cu - DSA indexer for decode: key append, scores, top-k.
  *
- * Scores: grid (pages, n_tok); a CTA of 128 threads covers one 128-position page, thread r
- * position r: it streams its 128-byte key 16 bytes at a time and dots it with all (up to 32)
- * query heads held in shared memory (broadcast reads), one fp32 accumulator per head; the key
- * scale, ReLU and the head weights finish the score.
+ * Scores: grid (tiles of 128 positions, n_tok); a CTA of 128 threads covers one tile, thread r
+ * position r: it streams its key 16 values at a time (16 bytes of fp8, 32 of bf16, 64 of
+ * fp32, wherever the DsaCache's pages put it) and dots it with all (up to 32) query heads
+ * held in shared memory (broadcast reads), one fp32 accumulator per head; the key scale,
+ * ReLU and the head weights finish the score (kernels/dsa_format.h's order).
  *
  * Top-k: one CTA of 1024 threads per token. A 4-pass MSB-first radix select over the scores'
  * order-preserving 32-bit keys finds the k-th largest key T and how many positions equal to T
@@ -70,50 +71,100 @@ static __global__ void dsa_append_kernel(uint8_t *__restrict__ cache, const floa
     if (d == 0) ((float *) (page + DSA_BLOCK * DSA_DIM))[p % DSA_BLOCK] = scale;
 }
 
+// 16 key values of row chunk j as fp32 (raw: the fp8 scale is applied per head later). W
+// uint4 words hold them: 1 for fp8, 2 for bf16, 4 for fp32.
+template <int FMT>
+struct KeyChunk {
+    static constexpr int W = FMT == DSA_KEY_FP8 ? 1 : FMT == DSA_KEY_BF16 ? 2 : 4;
+    uint4 w[W];
+    __device__ __forceinline__ void load(const uint8_t *key, int j)
+    {
+#pragma unroll
+        for (int i = 0; i < W; i++) w[i] = __ldg((const uint4 *) key + j * W + i);
+    }
+    __device__ __forceinline__ void zero()
+    {
+#pragma unroll
+        for (int i = 0; i < W; i++) w[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    __device__ __forceinline__ void decode(float kf[16]) const
+    {
+#pragma unroll
+        for (int i = 0; i < W; i++) {
+            const uint32_t kw[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                if (FMT == DSA_KEY_FP8) {
+#pragma unroll
+                    for (int b = 0; b < 4; b++) kf[4 * e + b] = e4m3_bits_to_f32((uint8_t) (kw[e] >> (8 * b)));
+                } else if (FMT == DSA_KEY_BF16) {
+                    const float2 f = bf16x2_bits_to_f32(kw[e]);
+                    kf[8 * i + 2 * e] = f.x;
+                    kf[8 * i + 2 * e + 1] = f.y;
+                } else {
+                    kf[4 * i + e] = __uint_as_float(kw[e]);
+                }
+            }
+        }
+    }
+};
+
+// Grid (tiles of DSA_BLOCK positions, n_tok); thread r of a tile owns position p = tile * 128
+// + r, wherever its page puts it (c.block need not be DSA_BLOCK).
+template <int FMT>
 static __global__ void __launch_bounds__(DSA_BLOCK)
     dsa_scores_kernel(float *__restrict__ scores, int score_stride, const float *__restrict__ q,
-                      const float *__restrict__ w, float w_scale, float sm_scale,
-                      const uint8_t *__restrict__ cache, const int32_t *__restrict__ block_table,
-                      int max_blocks, const int32_t *__restrict__ seq,
-                      const int32_t *__restrict__ kv_len, int n_heads)
+                      const float *__restrict__ w, float w_scale, float sm_scale, DsaCache c,
+                      const int32_t *__restrict__ block_table, int max_blocks,
+                      const int32_t *__restrict__ seq, const int32_t *__restrict__ kv_len,
+                      int n_heads)
 {
-    __shared__ float4 qs[DSA_MAX_HEADS * DSA_DIM / 4];  // heads past n_heads are zero
+    __shared__ float4 qs[DSA_MAX_HEADS * DSA_MAX_DIM / 4];  // [head][dim / 4]; heads past n_heads zero
     __shared__ float ws[DSA_MAX_HEADS];
-    const int page_i = blockIdx.x, t = blockIdx.y, r = threadIdx.x;
+    const int tile = blockIdx.x, t = blockIdx.y, r = threadIdx.x;
     const int len = kv_len[t];
-    const int p0 = page_i * DSA_BLOCK, p = p0 + r;
+    const int p0 = tile * DSA_BLOCK, p = p0 + r;
     if (p0 >= len) return;  // the whole CTA
 
-    const float4 *qt = (const float4 *) (q + (size_t) t * n_heads * DSA_DIM);
-    for (int i = r; i < DSA_MAX_HEADS * DSA_DIM / 4; i += DSA_BLOCK)
-        qs[i] = i / (DSA_DIM / 4) < n_heads ? qt[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const int dq = c.dim / 4, n_chunks = c.dim / 16;
+    const float4 *qt = (const float4 *) (q + (size_t) t * n_heads * c.dim);
+    for (int i = r; i < DSA_MAX_HEADS * dq; i += DSA_BLOCK)
+        qs[i] = i / dq < n_heads ? qt[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (r < DSA_MAX_HEADS) ws[r] = r < n_heads ? w[(size_t) t * n_heads + r] * w_scale : 0.0f;
-    const int blk = block_table[(size_t) seq[t] * max_blocks + page_i];
-    const uint8_t *key = cache + (size_t) blk * DSA_BLOCK_BYTES + (size_t) r * DSA_DIM;
-    const float ks = p < len ? ((const float *) (cache + (size_t) blk * DSA_BLOCK_BYTES + DSA_BLOCK * DSA_DIM))[r] : 0.0f;
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    uint4 kcur = p < len ? __ldg((const uint4 *) key) : zero;
+    const uint8_t *key = NULL;
+    float ks = 0.0f;
+    KeyChunk<FMT> kcur;
+    kcur.zero();
+    if (p < len) {
+        const int blk = block_table[(size_t) seq[t] * max_blocks + p / c.block];
+        const uint8_t *page = c.pages + (size_t) blk * c.page_bytes;
+        key = page + (size_t) (p % c.block) * c.key_bytes;
+        ks = FMT == DSA_KEY_FP8 ? __ldg((const float *) (page + c.scales) + p % c.block) : 1.0f;
+        kcur.load(key, 0);
+    }
     __syncthreads();
     if (p >= len) return;
 
     // Thread r owns position p: 16 key values at a time against every head's matching 16 query
     // values (shared-memory broadcasts), one fp32 dot product per head; the key scale, ReLU
-    // and head weights finish it. No shuffles (the first version, which transposed 32 heads
-    // across a warp per position with 31 shuffles, took 272 us per indexer layer at 128K
-    // context; this one 58 us, H200, 2026-11-30).
+    // and head weights finish it (dsa_format.h's order). No shuffles (the first version, which
+    // transposed 32 heads across a warp per position with 31 shuffles, took 272 us per indexer
+    // layer at 128K context; this one 58 us, H200, 2026-11-30).
     float acc[DSA_MAX_HEADS];
 #pragma unroll
     for (int h = 0; h < DSA_MAX_HEADS; h++) acc[h] = 0.0f;
 #pragma unroll 1
-    for (int j = 0; j < DSA_DIM / 16; j++) {
-        const uint4 knext = j + 1 < DSA_DIM / 16 ? __ldg((const uint4 *) key + j + 1) : zero;
-        const uint32_t kw[4] = {kcur.x, kcur.y, kcur.z, kcur.w};
+    for (int j = 0; j < n_chunks; j++) {
+        KeyChunk<FMT> knext;
+        if (j + 1 < n_chunks)
+            knext.load(key, j + 1);
+        else
+            knext.zero();
         float kf[16];
-#pragma unroll
-        for (int i = 0; i < 16; i++) kf[i] = e4m3_bits_to_f32((uint8_t) (kw[i / 4] >> (8 * (i % 4))));
+        kcur.decode(kf);
 #pragma unroll
         for (int h = 0; h < DSA_MAX_HEADS; h++) {
-            const float4 *qh = qs + h * (DSA_DIM / 4) + j * 4;
+            const float4 *qh = qs + h * dq + j * 4;
             float a = acc[h];
 #pragma unroll
             for (int i = 0; i < 4; i++) {
@@ -301,17 +352,27 @@ void dsa_cache_append(uint8_t *cache, const float *k, const float *ln_w, const f
 }
 
 void dsa_scores(float *scores, int score_stride, const float *q, const float *w, float w_scale,
-                float sm_scale, const uint8_t *cache, const int32_t *block_table, int max_blocks,
+                float sm_scale, const DsaCache *cache, const int32_t *block_table, int max_blocks,
                 const int32_t *seq, const int32_t *kv_len, int max_len, int n_tok, int n_heads,
                 cudaStream_t stream)
 {
-    ASSERT(n_tok > 0 && n_heads > 0 && n_heads <= DSA_MAX_HEADS && max_len > 0);
-    ASSERT(score_stride >= max_len && max_blocks * DSA_BLOCK >= max_len);
+    ASSERT(n_tok > 0 && max_len > 0 && dsa_scores_supported(cache, n_heads));
+    ASSERT(score_stride >= max_len && (long long) max_blocks * cache->block >= max_len);
     ASSERT((uintptr_t) q % 16 == 0);
     const dim3 grid((unsigned) CEIL_DIV(max_len, DSA_BLOCK), (unsigned) n_tok);
-    dsa_scores_kernel<<<grid, DSA_BLOCK, 0, stream>>>(scores, score_stride, q, w, w_scale, sm_scale,
-                                                cache, block_table, max_blocks, seq, kv_len,
-                                                n_heads);
+    const DsaCache c = *cache;
+    if (c.format == DSA_KEY_FP8)
+        dsa_scores_kernel<DSA_KEY_FP8><<<grid, DSA_BLOCK, 0, stream>>>(
+            scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
+            n_heads);
+    else if (c.format == DSA_KEY_BF16)
+        dsa_scores_kernel<DSA_KEY_BF16><<<grid, DSA_BLOCK, 0, stream>>>(
+            scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
+            n_heads);
+    else
+        dsa_scores_kernel<DSA_KEY_F32><<<grid, DSA_BLOCK, 0, stream>>>(
+            scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
+            n_heads);
     CUDA_CHECK(cudaGetLastError());
 }
 

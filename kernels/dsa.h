@@ -3,24 +3,29 @@
  * cached position, and top-k selection (transformers 5.17 modeling_glm_moe_dsa.py, the
  * indexer of GlmMoeDsaAttention).
  *
- * Key cache, one page per DSA_BLOCK positions (DSA_BLOCK_BYTES per page):
+ * Key cache of dsa_cache_append, one page per DSA_BLOCK positions (DSA_BLOCK_BYTES per page;
+ * dsa_cache_fp8 describes it as a DsaCache):
  *   bytes [0, 128*128)              128 keys of 128 fp8-e4m3 values, row = position % 128
  *   bytes [128*128, 128*128 + 512)  128 fp32 scales, one per key (amax / 448)
- * Pages are found through block_table int32 [n_seq, max_blocks] as in mla.h.
+ * dsa_scores reads any DsaCache (kernels/dsa_format.h: fp8, bf16 or fp32 keys of 16 .. 128
+ * values in pages of any block size, such as the engine's KV cache). Pages are found through
+ * block_table int32 [n_seq, max_blocks] as in mla.h.
  *
  *   dsa_cache_append: k fp32 [n_tok, 128] (the wk projection output) -> LayerNorm with
  *     ln_w, ln_b fp32 [128] and eps, interleaved RoPE on dims [0, 64) at pos[t], fp8 with a
  *     per-key scale, stored at position pos[t] of sequence seq[t].
  *   dsa_scores: scores[t, p] = sum_h w[t, h] * w_scale * ReLU(sm_scale * q[t, h] . k(p)) for
- *     p < kv_len[t]; q fp32 [n_tok, n_heads, 128] already rotated, w fp32 [n_tok, n_heads]
- *     (weights_proj output; w_scale = n_heads^-0.5, sm_scale = 128^-0.5 for GLM-5).
+ *     p < kv_len[t]; q fp32 [n_tok, n_heads, dim] already rotated, w fp32 [n_tok, n_heads]
+ *     (weights_proj output; w_scale = n_heads^-0.5, sm_scale = dim^-0.5 for GLM-5), in fp32
+ *     in the order of dsa_format.h's dsa_key_score, bit for bit.
  *     scores fp32 [n_tok, score_stride]; entries at p >= kv_len[t] are not written.
  *   dsa_topk: idx int32 [n_tok, k] = the min(k, kv_len[t]) positions with the largest scores,
  *     ties to the higher (later) position, in ascending position order; n_sel int32 [n_tok] their count.
  *     The output feeds mla_decode(indices = idx, kv_len = n_sel).
  *
- * Numerics: fp32 dot products of exact dequantized keys; selection is exact on the fp32
- * scores (a radix select over their bits), so it is reproducible.
+ * Numerics: fp32 dot products of the exact key values, the key's scale applied to each head's
+ * dot product (dsa_format.h); selection is exact on the fp32 scores (a radix select over
+ * their bits), so it is reproducible and a C loop over dsa_key_score selects the same keys.
  *
  * Ownership: borrowed pointers. Threads: thread-safe launchers. Errors: ASSERT on bad shapes;
  * CUDA failures fatal. Launchers never allocate and never synchronize; lengths are read on the
@@ -32,6 +37,8 @@
 #include <cuda_runtime_api.h>
 #include <stdint.h>
 
+#include "kernels/dsa_format.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -40,15 +47,22 @@ extern "C" {
 #define DSA_ROPE 64
 #define DSA_BLOCK 128
 #define DSA_BLOCK_BYTES (DSA_BLOCK * DSA_DIM + DSA_BLOCK * 4)
-#define DSA_MAX_HEADS 32
 
 void dsa_cache_append(uint8_t *cache, const float *k, const float *ln_w, const float *ln_b,
                       float eps, float theta, const int32_t *pos, const int32_t *seq,
                       const int32_t *block_table, int max_blocks, int n_tok, cudaStream_t stream);
 
-// max_len bounds kv_len[t] (host-known capacity, sizes the grid).
+// dsa_cache_append's layout (pages of DSA_BLOCK keys of DSA_DIM fp8 values) as a DsaCache.
+static inline DsaCache dsa_cache_fp8(const uint8_t *cache)
+{
+    const DsaCache c = {cache, DSA_KEY_FP8, DSA_DIM, DSA_BLOCK, DSA_DIM, DSA_BLOCK * DSA_DIM,
+                        DSA_BLOCK_BYTES};
+    return c;
+}
+
+// max_len bounds kv_len[t] (host-known capacity, sizes the grid). q 16-byte aligned.
 void dsa_scores(float *scores, int score_stride, const float *q, const float *w, float w_scale,
-                float sm_scale, const uint8_t *cache, const int32_t *block_table, int max_blocks,
+                float sm_scale, const DsaCache *cache, const int32_t *block_table, int max_blocks,
                 const int32_t *seq, const int32_t *kv_len, int max_len, int n_tok, int n_heads,
                 cudaStream_t stream);
 

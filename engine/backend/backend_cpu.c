@@ -459,6 +459,7 @@ typedef struct DsaJob {
     const BackendSeqs *s;
     int layer;
     const BackendDsa *p;
+    bool is_recipe;  // bf16 recipe on a backend_dsa_tuned layer: kernels/dsa.cu's fp32 scores
 } DsaJob;
 
 static void dsa_task(void *ctx, int t, int thread)
@@ -479,9 +480,26 @@ static void dsa_task(void *ctx, int t, int thread)
     int n_heap = 0;
     const float *qt = job->q + (size_t) t * p->n_heads * p->head_dim;
     const float *wt = job->w + (size_t) t * p->n_heads;
+    if (job->is_recipe) {
+        // The bf16 recipe: fp32 scores bit for bit as kernels/dsa.cu computes them.
+        const DsaCache c = kv_dsa_cache(job->kv, job->kv->pool, job->layer);
+        float w_scale, sm_scale, ws[DSA_MAX_HEADS];
+        backend_dsa_scales(p, &w_scale, &sm_scale);
+        for (int h = 0; h < p->n_heads; h++)
+            ws[h] = wt[h] * w_scale;
+        for (int s = 0; s < visible; s++) {
+            const uint8_t *page = c.pages + (size_t) seq->blocks[s / c.block] * c.page_bytes;
+            const int row = s % c.block;
+            for (int i = 0; i < c.dim; i++)
+                entry_buf[i] = dsa_key_raw(&c, page, row, i);
+            const float score = dsa_key_score(qt, ws, p->n_heads, c.dim, entry_buf,
+                                              dsa_key_scale(&c, page, row), sm_scale);
+            topk_offer(heap, &n_heap, p->top_k, (TopkEntry){score, s}, TOPK_TIE_HIGHER_ID);
+        }
+    }
     const double head_scale = 1.0 / sqrt((double) p->n_heads);
     const double dot_scale = 1.0 / sqrt((double) p->head_dim);
-    for (int s = 0; s < visible; s++) {
+    for (int s = 0; s < visible && !job->is_recipe; s++) {
         const float *k = kv_read_key(job->kv, seq, job->layer, s, entry_buf);
         double total = 0.0;
         for (int h = 0; h < p->n_heads; h++) {
@@ -509,7 +527,8 @@ static void cpu_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, cons
     ensure_scratch(impl,
                    (size_t) p->top_k * sizeof(TopkEntry)
                              + (size_t) kv_entry_values(kv, layer) * sizeof(float));
-    DsaJob job = {impl, sel, n_sel, q, w, kv, s, layer, p};
+    DsaJob job = {impl, sel, n_sel, q, w, kv, s, layer, p,
+                  be->precision == BACKEND_PRECISION_BF16 && backend_dsa_tuned(p, kv, layer)};
     double work = 0.0;
     for (int t = 0; t < n; t++)
         work += (double) (s->pos[t] + 1) * p->n_heads * p->head_dim;

@@ -48,7 +48,10 @@
  *   (stream capture) and launched; later calls with the key replay the graph, the caller
  *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
  *   buffers the caller uploads before. GLMSPARK_CUDA_GRAPHS=0 turns graphs off.
- * Not yet: norms, RoPE, adds, the KV write and the DSA indexer through kernels/.
+ * - DSA under the bf16 recipe (backend_dsa_tuned layers): kernels/dsa.h's scores and top-k
+ *   over the engine's key pages (kv_dsa_cache), fp32 scores in the order the CPU backend
+ *   follows (kernels/dsa_format.h), so the two select the same keys.
+ * Not yet: norms, RoPE, adds and the KV write through kernels/; the f32 recipe's DSA.
  * Host syncs: uploads and downloads (cudaMemcpy semantics), scratch growth, block-table
  * uploads when a sequence gains a block, and the first use of a cache or experts array;
  * none inside a decode step's layer loop once its graph exists.
@@ -67,6 +70,7 @@
 #include "engine/shared/clock.h"
 #include "engine/shared/cuda_check.h"
 #include "kernels/act.h"
+#include "kernels/dsa.h"
 #include "kernels/gemm.h"
 #include "kernels/mla.h"
 #include "kernels/moe.h"
@@ -1718,6 +1722,20 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
     const int *pos = s->pos;
     if (n == 0) return;
     const int cap = seq_capacity(impl, kv, s);
+    if (be->precision == BACKEND_PRECISION_BF16 && backend_dsa_tuned(p, kv, layer)) {
+        // kernels/dsa.cu over the engine's key pages: fp32 scores, exact radix top-k.
+        const DsaCache c = kv_dsa_cache(kv, dev_pool(impl, kv), layer);
+        const DevStep *st = dev_step(impl, s->seqs, s->n_seqs);
+        float w_scale, sm_scale;
+        backend_dsa_scales(p, &w_scale, &sm_scale);
+        float *score = (float *) scratch(impl, SCRATCH_A, (size_t) n * cap * sizeof(float));
+        prof_begin(impl);
+        dsa_scores(score, cap, q, w, w_scale, sm_scale, &c, st->dev, st->stride, s->seq_of, s->len,
+                   cap, n, p->n_heads, impl->stream);
+        dsa_topk(sel, n_sel, score, cap, s->len, n, p->top_k, impl->stream);
+        prof_end(impl, PROF_DSA, 0.0);
+        return;
+    }
     const DevKv d = dev_kv(impl, kv, s, layer);
     double *score = (double *) scratch(impl, SCRATCH_A, (size_t) n * cap * sizeof(double));
     prof_begin(impl);

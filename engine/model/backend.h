@@ -31,6 +31,11 @@
  *                              (before W_UV), when the CUDA backend's tuned kernels can take
  *                              the layer (kv_lora 512, rope 64, qk_nope 192, H % 16 == 0, an
  *                              fp8 or bf16 cache of 128-position blocks: GLM-5's shapes).
+ *               dsa_topk       the scores are fp32 in kernels/dsa.cu's order (dsa_format.h's
+ *                              dsa_key_score: each head's dot product over the key's stored
+ *                              values, then its scale), where kernels/dsa.cu takes the layer
+ *                              (backend_dsa_tuned: index dim in 16s up to 128, up to 32 heads;
+ *                              any cache type): both backends then select the same keys.
  *               Scores, softmax, sums and the residual stream stay fp32 or wider; the router
  *               is exact (kernels/moe_router.h) under both. The CPU backend follows it
  *               (ops it names round where the CUDA backend does, for the same shapes), so the
@@ -46,6 +51,7 @@
 #ifndef ENGINE_MODEL_BACKEND_H
 #define ENGINE_MODEL_BACKEND_H
 
+#include <math.h>
 #include <stdbool.h>
 #include <stddef.h>
 
@@ -251,6 +257,20 @@ static inline bool backend_mla_tuned(const BackendMla *p, const KvEntryLayout *l
     return backend_mla_shape_tuned(p) && lo->block_size == 128
            && ((lo->dtype == KV_DTYPE_FP8 && lo->bytes == 656)
                || (lo->dtype == KV_DTYPE_BF16 && lo->bytes == 1152));
+}
+
+static inline bool backend_dsa_tuned(const BackendDsa *p, const KvCache *kv, int layer)
+{
+    const DsaCache c = kv_dsa_cache(kv, kv->pool, layer);  // the pool's alignment is 16 or more
+    return kv->params.has_index[layer] && c.dim == p->head_dim && dsa_scores_supported(&c, p->n_heads);
+}
+
+// The indexer's scales in fp32, as both backends apply them under the bf16 recipe: head
+// weights times n_heads^-0.5, dot products times head_dim^-0.5.
+static inline void backend_dsa_scales(const BackendDsa *p, float *w_scale, float *sm_scale)
+{
+    *w_scale = (float) (1.0 / sqrt((double) p->n_heads));
+    *sm_scale = (float) (1.0 / sqrt((double) p->head_dim));
 }
 
 // The plain-C11 reference backend: fp32 math (double where a reduction needs it), split

@@ -62,6 +62,7 @@
 #include <string.h>
 
 #include "engine/shared/err.h"
+#include "kernels/dsa_format.h"
 #include "kernels/nvfp4_format.h"
 
 #ifdef __cplusplus
@@ -219,6 +220,23 @@ static inline size_t kv_key_page_offset(const KvCache *kv, const KvSeq *seq, int
 {
     return kv->key_offset[layer]
            + (size_t) seq->blocks[pos / kv->params.block_size] * (size_t) kv->entry[layer].key_page;
+}
+
+// The index keys of `layer` (a layer with one) in a pool laid out as kv's (kv->pool, or a
+// device copy of it) as kernels/dsa_format.h describes key pages: one page per block.
+static inline DsaCache kv_dsa_cache(const KvCache *kv, const void *pool, int layer)
+{
+    const KvEntryLayout *lo = &kv->entry[layer];
+    const DsaCache c = {(const uint8_t *) pool + kv->key_offset[layer],
+                        lo->dtype == KV_DTYPE_FP8    ? DSA_KEY_FP8
+                        : lo->dtype == KV_DTYPE_BF16 ? DSA_KEY_BF16
+                                                     : DSA_KEY_F32,
+                        lo->index_dim,
+                        lo->block_size,
+                        lo->key_bytes,
+                        lo->key_scales,
+                        (size_t) lo->key_page};
+    return c;
 }
 
 // Byte address of the MLA entry of `layer` at position pos of seq.

@@ -43,22 +43,25 @@ void dsa_cache_append_ref(float *want, const float *k, const float *ln_w, const 
 }
 
 void dsa_scores_ref(float *scores, float *scores_abs, int stride, const float *q, const float *w,
-                    float w_scale, float sm_scale, const uint8_t *cache,
+                    float w_scale, float sm_scale, const DsaCache *cache,
                     const int32_t *block_table, int max_blocks, const int32_t *seq,
                     const int32_t *kv_len, int n_tok, int n_heads)
 {
-    float key[DIM];
+    const int dim = cache->dim;
     for (int t = 0; t < n_tok; t++) {
         for (int p = 0; p < kv_len[t]; p++) {
-            const int blk = block_table[(size_t) seq[t] * max_blocks + p / BLOCK];
-            dsa_key_read_ref(key, cache, blk, p % BLOCK);
+            const int blk = block_table[(size_t) seq[t] * max_blocks + p / cache->block];
+            const uint8_t *page = cache->pages + (size_t) blk * cache->page_bytes;
+            const int row = p % cache->block;
+            const double ks = dsa_key_scale(cache, page, row);
             double sum = 0.0, sum_abs = 0.0;
             for (int h = 0; h < n_heads; h++) {
-                const float *qh = q + ((size_t) t * n_heads + h) * DIM;
+                const float *qh = q + ((size_t) t * n_heads + h) * dim;
                 double dot = 0.0, dot_abs = 0.0;
-                for (int d = 0; d < DIM; d++) {
-                    dot += (double) qh[d] * key[d];
-                    dot_abs += fabs((double) qh[d] * key[d]);
+                for (int d = 0; d < dim; d++) {
+                    const double kd = dsa_key_raw(cache, page, row, d) * ks;
+                    dot += (double) qh[d] * kd;
+                    dot_abs += fabs((double) qh[d] * kd);
                 }
                 const double wh = (double) w[(size_t) t * n_heads + h] * w_scale;
                 sum += wh * fmax(dot * sm_scale, 0.0);

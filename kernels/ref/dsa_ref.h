@@ -9,6 +9,8 @@
 
 #include <stdint.h>
 
+#include "kernels/dsa_format.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -20,10 +22,11 @@ void dsa_key_read_ref(float *out, const uint8_t *cache, int blk, int row);
 void dsa_cache_append_ref(float *want, const float *k, const float *ln_w, const float *ln_b,
                           float eps, float theta, const int32_t *pos, int n_tok);
 
-// scores [n_tok, stride] for p < kv_len[t]; scores_abs (or NULL) = sum_h |w_h| * w_scale *
+// scores [n_tok, stride] for p < kv_len[t] over the keys of cache (any DsaCache, host
+// memory), each value exact (raw value times the key's scale); scores_abs (or NULL) = sum_h |w_h| * w_scale *
 // sm_scale * sum_i |q_i k_i|, a bound on every term's magnitude.
 void dsa_scores_ref(float *scores, float *scores_abs, int stride, const float *q, const float *w,
-                    float w_scale, float sm_scale, const uint8_t *cache,
+                    float w_scale, float sm_scale, const DsaCache *cache,
                     const int32_t *block_table, int max_blocks, const int32_t *seq,
                     const int32_t *kv_len, int n_tok, int n_heads);
 

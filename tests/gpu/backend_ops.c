@@ -339,7 +339,8 @@ static void test_route_moe(void)
 }
 
 // kv_write, dsa_topk and mla_attention over two sequences in one call each (45 and 30
-// tokens, blocks of 16: the batched ops of one step), for an fp32, a bf16 and an fp8 cache;
+// tokens, blocks of 16: the batched ops of one step), for an fp32, a bf16 and an fp8 cache,
+// under the caller's recipe;
 // the two backends use separate caches of the same layout, and store the same bytes
 // (kv_cache.h's one store routine; latent 144: a whole fp8 scale group and a partial one).
 static void test_attention(KvDtype dtype)
@@ -427,8 +428,9 @@ static void test_attention(KvDtype dtype)
             for (int k = 0; k < n_sel[t] && k < topk; k++)
                 sel_bad += gsel[(size_t) t * topk + k] != sel[(size_t) t * topk + k];
         }
-        printf("dsa_topk (%s cache%s)        %d differences\n", kv_dtype_name(dtype),
-               ties ? ", ties" : "", sel_bad);
+        printf("dsa_topk (%s cache%s, %s recipe)        %d differences\n", kv_dtype_name(dtype),
+               ties ? ", ties" : "", cpu->precision == BACKEND_PRECISION_BF16 ? "bf16" : "f32",
+               sel_bad);
         CHECK(sel_bad == 0);
         free(gsel);
         free(gn);
@@ -666,6 +668,13 @@ int main(void)
     test_attention(KV_DTYPE_F32);
     test_attention(KV_DTYPE_BF16);
     test_attention(KV_DTYPE_FP8);
+    // The bf16 recipe: DSA through kernels/dsa.cu (fp32 scores the CPU reproduces bit for
+    // bit, so the selections are equal, ties included), on each cache type.
+    cpu->precision = gpu->precision = BACKEND_PRECISION_BF16;
+    test_attention(KV_DTYPE_F32);
+    test_attention(KV_DTYPE_BF16);
+    test_attention(KV_DTYPE_FP8);
+    cpu->precision = gpu->precision = BACKEND_PRECISION_F32;
     test_tuned();
     gpu->destroy(gpu);
     cpu->destroy(cpu);

@@ -29,7 +29,7 @@ if [ "${1:-}" = "--pack" ]; then
     c=.carry/cudabackend
     rm -rf "$c" && mkdir -p "$c/bin" "$c/lib"
     cp "$bld/bin/glmspark" "$bld/bin/gpu_backend_ops" "$bld/bin/gpu_golden_cuda" "$c/bin/"
-    for t in gpu_test_moe gpu_test_mla gpu_test_gemm gpu_test_norm; do  # the kernel tests of what the backend runs, if built
+    for t in gpu_test_moe gpu_test_mla gpu_test_gemm gpu_test_norm gpu_test_dsa; do  # the kernel tests of what the backend runs, if built
         [ -x "$bld/bin/$t" ] && cp "$bld/bin/$t" "$c/bin/"
     done
     # cuBLAS (kernels/gemm.cu's cuBLASLt, ~0.5 GB) is not carried: the GPU image has its own
@@ -54,7 +54,7 @@ run() { "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$@"; }
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
-for t in gpu_test_moe gpu_test_mla gpu_test_gemm gpu_test_norm; do
+for t in gpu_test_moe gpu_test_mla gpu_test_gemm gpu_test_norm gpu_test_dsa; do
     [ -x "$c/bin/$t" ] || continue
     echo "== $t (kernels/ against kernels/ref)"
     if run "$c/bin/$t" >"$out/$t.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
@@ -133,7 +133,8 @@ done
 # REAP="LAYERS:DENSE ..." (e.g. "3:1 5:1"): write `mkmodel --preset reap` checkpoints of those
 # sizes into ${REAP_DIR:-/tmp} (timed), then `glmspark bench --model` on each (batches
 # ${REAP_BATCH:-1,8}, context 1024) with the fp8 and the bf16 KV cache under the bf16 recipe
-# (the tuned kernels) and fp8 under the f32 one, batch 1 at context $REAP_LONG if set,
+# (the tuned kernels) and fp8 under the f32 one, batch 1 at each context of $REAP_LONG
+# (profiled too with REAP_LONG_PROFILE=1),
 # `glmspark generate` on 1 and 8 sequences (the serving path against the bench), and one
 # profiled (GLMSPARK_CUDA_PROFILE=1) batch-1 fp8 run; into reap.log. Per MoE layer = the
 # difference of two sizes with the same dense count over their MoE-layer difference. To spend
@@ -207,12 +208,17 @@ for cfg in ${REAP:-}; do
             --ctx 1024 --steps "${STEPS:-16}" --kv-dtype $kv --precision $prec >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg $kv $prec failed"; status=1; }
     done
-    if [ -n "${REAP_LONG:-}" ]; then  # e.g. 32768: batch 1 at that context (DSA on), fp8
-        echo "== bench reap $cfg kv fp8 precision bf16 ctx $REAP_LONG" | tee -a "$out/reap.log"
-        run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$REAP_LONG" \
+    for long in ${REAP_LONG:-}; do  # e.g. "32768 131072": batch 1 at that context (DSA on), fp8
+        echo "== bench reap $cfg kv fp8 precision bf16 ctx $long" | tee -a "$out/reap.log"
+        run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$long" \
             --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
-            || { echo "bench reap $cfg ctx $REAP_LONG failed"; status=1; }
-    fi
+            || { echo "bench reap $cfg ctx $long failed"; status=1; }
+        if [ "${REAP_LONG_PROFILE:-0}" = 1 ]; then  # per op kind at that context (graphs off)
+            echo "== profile reap $cfg kv fp8 batch 1 ctx $long" | tee -a "$out/reap.log"
+            GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" \
+                --batch 1 --ctx "$long" --steps 8 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
+        fi
+    done
     # The serving path against the bench (issue 18: within 5%): `glmspark generate` on one
     # sequence of a 1,024-token prompt (its decode tok/s), and 8 sequences of it through the
     # scheduler (the aggregate decode tok/s once all 8 are prefilled: the bench's batch 8).

@@ -5,6 +5,10 @@
  * 2^-4 relative, subnormal half-step 2^-10 * scale, plus fp32 statistics).
  * Scores: the reference decodes the same cache bytes; fp32 dot products of 128 terms, a
  * 32-term weighted sum: (128 + 32 + 16) * FLT_EPSILON * sum|terms|.
+ * Other layouts (test_layouts: fp8, bf16 and fp32 keys of 32 or 128 values in pages of 16 or
+ * 128 positions, as the engine's KV cache holds them): the same bound against the reference,
+ * and bit for bit against a C loop over dsa_format.h's dsa_key_score (what the CPU backend
+ * runs under the bf16 recipe).
  * Top-k: exact. The reference sorts the GPU's own fp32 scores, so selections must be identical,
  * including ties (a synthetic score row with many equal values checks the tie rule; a 128K row
  * of nearly equal scores and one of 200 distinct values check the long-context path).
@@ -102,13 +106,14 @@ static void test_indexer(int n_seq, const int *lens, int n_heads, int k)
     float *s_got = xmalloc((size_t) n_tok * stride * 4);
     memset(s_want, 0, (size_t) n_tok * stride * 4);
     memset(s_abs, 0, (size_t) n_tok * stride * 4);
-    dsa_scores_ref(s_want, s_abs, stride, q, w, w_scale, sm_scale, h_cache, table, max_blocks,
+    const DsaCache hc = dsa_cache_fp8(h_cache), dc = dsa_cache_fp8(d_cache);
+    dsa_scores_ref(s_want, s_abs, stride, q, w, w_scale, sm_scale, &hc, table, max_blocks,
                    dseq, kv_len, n_tok, n_heads);
     float *d_q = gpu_upload(q, (size_t) n_tok * n_heads * DSA_DIM * 4);
     float *d_w = gpu_upload(w, (size_t) n_tok * n_heads * 4);
     int32_t *d_dseq = gpu_upload(dseq, n_tok * 4), *d_len = gpu_upload(kv_len, n_tok * 4);
     float *d_s = gpu_alloc_poisoned((size_t) n_tok * stride * 4);
-    dsa_scores(d_s, stride, d_q, d_w, w_scale, sm_scale, d_cache, d_table, max_blocks, d_dseq, d_len,
+    dsa_scores(d_s, stride, d_q, d_w, w_scale, sm_scale, &dc, d_table, max_blocks, d_dseq, d_len,
                max_len, n_tok, n_heads, 0);
     gpu_download(s_got, d_s, (size_t) n_tok * stride * 4);
     // Compare only the written entries (p < kv_len); pack them.
@@ -133,6 +138,102 @@ static void test_indexer(int n_seq, const int *lens, int n_heads, int k)
     free(table), free(kin), free(ln_w), free(ln_b), free(pos), free(seq), free(h_cache), free(want);
     free(got), free(tol), free(q), free(w), free(dseq), free(kv_len), free(s_want), free(s_abs);
     free(s_got), free(g2), free(w2), free(t2);
+}
+
+// Random key pages of one layout (n_pages pages, rows key_bytes apart, fp8 scales after the
+// rows), one query token per sequence over kv_len keys; scores vs the reference (bound as
+// above) and vs dsa_key_score (equal), then top-k vs the reference on the GPU's scores.
+static void test_layout(DsaKeyFormat format, int dim, int block, int n_heads, int k)
+{
+    enum { N_SEQ = 3 };
+    const int value_bytes = format == DSA_KEY_FP8 ? 1 : format == DSA_KEY_BF16 ? 2 : 4;
+    const int kv_len[N_SEQ] = {1, 3 * block + 5, 2000};
+    const int max_len = 2000, max_blocks = (max_len + block - 1) / block;
+    const int n_pages = N_SEQ * max_blocks;
+    DsaCache c = {NULL, format, dim, block, dim * value_bytes, block * dim * value_bytes, 0};
+    c.page_bytes = (size_t) c.scales + (format == DSA_KEY_FP8 ? (size_t) block * 4 : 0);
+    c.page_bytes = (c.page_bytes + 15) / 16 * 16;
+    const size_t bytes = (size_t) n_pages * c.page_bytes;
+    uint8_t *h = xmalloc(bytes);
+    memset(h, 0, bytes);
+    for (int pg = 0; pg < n_pages; pg++) {
+        uint8_t *page = h + (size_t) pg * c.page_bytes;
+        for (int r = 0; r < block; r++) {
+            uint8_t *row = page + (size_t) r * c.key_bytes;
+            for (int i = 0; i < dim; i++) {
+                const float v = kern_rand_uniform(&rng, -2.0f, 2.0f);
+                if (format == DSA_KEY_FP8) {
+                    row[i] = nvfp4_float_to_e4m3(v * 100.0f);
+                } else if (format == DSA_KEY_BF16) {
+                    const uint16_t b = kern_f32_to_bf16(v);
+                    row[2 * i] = (uint8_t) (b & 0xff);
+                    row[2 * i + 1] = (uint8_t) (b >> 8);
+                } else {
+                    memcpy(row + 4 * i, &v, 4);
+                }
+            }
+            if (format == DSA_KEY_FP8) {
+                const float sc = kern_rand_uniform(&rng, 0.001f, 0.03f);
+                memcpy(page + c.scales + 4 * r, &sc, 4);
+            }
+        }
+    }
+    int32_t *table = xmalloc((size_t) n_pages * 4), seq[N_SEQ];
+    for (int i = 0; i < n_pages; i++) table[i] = (int32_t) ((i * 7 + 3) % n_pages);  // a permutation
+    for (int t = 0; t < N_SEQ; t++) seq[t] = t;
+    const int stride = max_len + 3;
+    float *q = xmalloc((size_t) N_SEQ * n_heads * dim * 4), *w = xmalloc((size_t) N_SEQ * n_heads * 4);
+    fill_f32(q, (size_t) N_SEQ * n_heads * dim, &rng, -1.0f, 1.0f);
+    fill_f32(w, (size_t) N_SEQ * n_heads, &rng, -1.0f, 1.0f);
+    const float w_scale = 1.0f / sqrtf((float) n_heads), sm_scale = 1.0f / sqrtf((float) dim);
+    float *s_want = xmalloc((size_t) N_SEQ * stride * 4), *s_abs = xmalloc((size_t) N_SEQ * stride * 4);
+    float *s_got = xmalloc((size_t) N_SEQ * stride * 4);
+    DsaCache hc = c;
+    hc.pages = h;
+    dsa_scores_ref(s_want, s_abs, stride, q, w, w_scale, sm_scale, &hc, table, max_blocks, seq,
+                   kv_len, N_SEQ, n_heads);
+    DsaCache dc = c;
+    dc.pages = gpu_upload(h, bytes);
+    CHECK(dsa_scores_supported(&dc, n_heads));
+    float *d_q = gpu_upload(q, (size_t) N_SEQ * n_heads * dim * 4);
+    float *d_w = gpu_upload(w, (size_t) N_SEQ * n_heads * 4);
+    int32_t *d_table = gpu_upload(table, (size_t) n_pages * 4), *d_seq = gpu_upload(seq, sizeof seq);
+    int32_t *d_len = gpu_upload(kv_len, sizeof kv_len);
+    float *d_s = gpu_alloc_poisoned((size_t) N_SEQ * stride * 4);
+    dsa_scores(d_s, stride, d_q, d_w, w_scale, sm_scale, &dc, d_table, max_blocks, d_seq, d_len,
+               max_len, N_SEQ, n_heads, 0);
+    gpu_download(s_got, d_s, (size_t) N_SEQ * stride * 4);
+    const char *fmt_name[3] = {"fp8", "bf16", "f32"};
+    int total = 0, not_equal = 0;
+    for (int t = 0; t < N_SEQ; t++) total += kv_len[t];
+    float *g2 = xmalloc((size_t) total * 4), *w2 = xmalloc((size_t) total * 4), *t2 = xmalloc((size_t) total * 4);
+    float kv[DSA_DIM], ws[DSA_MAX_HEADS];
+    for (int t = 0, n = 0; t < N_SEQ; t++) {
+        for (int hd = 0; hd < n_heads; hd++) ws[hd] = w[(size_t) t * n_heads + hd] * w_scale;
+        for (int p = 0; p < kv_len[t]; p++, n++) {
+            const size_t o = (size_t) t * stride + p;
+            g2[n] = s_got[o];
+            w2[n] = s_want[o];
+            t2[n] = (float) (dim + 32 + 16) * FLT_EPSILON * s_abs[o];
+            const uint8_t *page = h + (size_t) table[t * max_blocks + p / block] * c.page_bytes;
+            for (int i = 0; i < dim; i++) kv[i] = dsa_key_raw(&hc, page, p % block, i);
+            const float sc = dsa_key_score(q + (size_t) t * n_heads * dim, ws, n_heads, dim, kv,
+                                           dsa_key_scale(&hc, page, p % block), sm_scale);
+            not_equal += memcmp(&sc, &s_got[o], 4) != 0;
+        }
+    }
+    char name[96];
+    snprintf(name, sizeof name, "dsa scores %s dim=%d block=%d heads=%d", fmt_name[format], dim,
+             block, n_heads);
+    compare(name, g2, w2, t2, 0, (size_t) total, 1e-10);
+    printf("%-40s %d of %d scores differ from dsa_key_score's bits\n", name, not_equal, total);
+    CHECK(not_equal == 0);
+    snprintf(name, sizeof name, "dsa topk %s dim=%d block=%d", fmt_name[format], dim, block);
+    check_topk(name, s_got, stride, kv_len, N_SEQ, k);
+    cudaFree((void *) dc.pages), cudaFree(d_q), cudaFree(d_w), cudaFree(d_table), cudaFree(d_seq);
+    cudaFree(d_len), cudaFree(d_s);
+    free(h), free(table), free(q), free(w), free(s_want), free(s_abs), free(s_got), free(g2);
+    free(w2), free(t2);
 }
 
 static void test_ties(void)
@@ -169,6 +270,10 @@ int main(void)
     test_indexer(3, lens_a, 32, 2048);
     test_indexer(3, lens_a, 5, 64);
     test_indexer(2, lens_b, 32, 2048);  // GLM: 32 heads x 128, top-2048
+    for (int f = DSA_KEY_FP8; f <= DSA_KEY_F32; f++) {
+        test_layout((DsaKeyFormat) f, 128, 128, 32, 256);  // GLM's widths in the engine's pages
+        test_layout((DsaKeyFormat) f, 32, 16, 4, 8);       // a small model's
+    }
     test_ties();
     test_long();
     return check_exit();

@@ -224,8 +224,13 @@ static void test_mla(Backend *be, int H, int nope, int rope, int v, int L, int T
 // ---------------------------------------------------------------------------
 // DSA top-k
 
+// Under the bf16 recipe (be->precision) the scores are fp32 in kernels/dsa.cu's order: a key
+// whose double score is within both scores' fp32 rounding bound, (Di + Hi + 2) eps sum|terms|,
+// of the top_k-th may fall on either side of it; every other key must be where the double
+// ranking puts it.
 static void test_dsa(Backend *be, int Hi, int Di, int top_k, int T)
 {
+    const bool recipe = be->precision == BACKEND_PRECISION_BF16;
     Mla m;
     mla_setup(&m, 1, 2, 2, 2, 4, T, Di);
     const int key_off = 4 + 2;
@@ -244,6 +249,9 @@ static void test_dsa(Backend *be, int Hi, int Di, int top_k, int T)
         pos[t] = t;
     const BackendDsa p = {Hi, Di, top_k};
     const BackendSeqs all = one_seq(&m, pos, T);
+    if (recipe) CHECK(backend_dsa_tuned(&p, &m.kv, 1) == (Di % 16 == 0));
+    double *bound = malloc((size_t) T * sizeof *bound);
+    ASSERT(bound);
 
     // All weights zero: every score ties at 0 and the latest positions win (the tie rule).
     memset(w, 0, (size_t) T * Hi * sizeof *w);
@@ -263,15 +271,27 @@ static void test_dsa(Backend *be, int Hi, int Di, int top_k, int T)
         for (int s = 0; s < visible; s++) {
             float tmp[256];
             const float *k = kv_read(&m.kv, &m.seq, 1, s, tmp) + key_off;
-            double total = 0.0;
+            double total = 0.0, total_abs = 0.0;
             for (int h = 0; h < Hi; h++) {
-                double d = 0.0;
-                for (int i = 0; i < Di; i++)
+                double d = 0.0, d_abs = 0.0;
+                for (int i = 0; i < Di; i++) {
                     d += (double) q[((size_t) t * Hi + h) * Di + i] * k[i];
+                    d_abs += fabs((double) q[((size_t) t * Hi + h) * Di + i] * k[i]);
+                }
                 d /= sqrt((double) Di);
                 total += w[(size_t) t * Hi + h] / sqrt((double) Hi) * (d > 0 ? d : 0);
+                total_abs += fabs(w[(size_t) t * Hi + h]) / sqrt((double) Hi) * d_abs / sqrt((double) Di);
             }
             score[s] = total;
+            bound[s] = recipe ? (Di + Hi + 2) * (double) FLT_EPSILON * total_abs : 0.0;
+        }
+        // the top_k-th key by the double ranking (the threshold of the fp32 slack)
+        int kth = 0;
+        for (int s = 0; s < visible; s++) {
+            int rank = 0;
+            for (int o = 0; o < visible; o++)
+                rank += score[o] > score[s] || (score[o] == score[s] && o > s);
+            if (rank == (visible < top_k ? visible : top_k) - 1) kth = s;
         }
         // position s is selected iff fewer than top_k visible keys score higher
         int n_expected = 0, ok = 1;
@@ -284,7 +304,7 @@ static void test_dsa(Backend *be, int Hi, int Di, int top_k, int T)
             int got = 0;
             for (int k = 0; k < n_sel[t]; k++)
                 got |= sel[(size_t) t * top_k + k] == s;
-            ok &= got == want;
+            ok &= got == want || (recipe && fabs(score[s] - score[kth]) <= bound[s] + bound[kth]);
         }
         CHECK(ok);
         CHECK(n_expected == n_sel[t]);
@@ -297,6 +317,7 @@ static void test_dsa(Backend *be, int Hi, int Di, int top_k, int T)
     free(sel);
     free(n_sel);
     free(score);
+    free(bound);
     mla_teardown(&m);
 }
 
@@ -438,6 +459,17 @@ int main(void)
             test_matmul(be, formats[f], 37, 48, 3);
             test_matmul(be, formats[f], 130, 256, 2);
             test_matmul(be, formats[f], 301, 512, 2);  // split over the pool
+        }
+        // The bf16 recipe: the indexer's fp32 scores of kernels/dsa.cu (Di in 16s), on each
+        // cache type; Di 8 keeps the double scores.
+        be->precision = BACKEND_PRECISION_BF16;
+        const KvDtype dtypes[3] = {KV_DTYPE_F32, KV_DTYPE_BF16, KV_DTYPE_FP8};
+        for (int d = 0; d < 3; d++) {
+            kv_dtype = dtypes[d];
+            test_dsa(be, 4, 16, 6, 30);
+            test_dsa(be, 8, 64, 8, 40);
+            test_dsa(be, 1, 16, 12, 40);
+            test_dsa(be, 2, 8, 4, 15);
         }
         be->destroy(be);
     }

@@ -12,7 +12,9 @@
  *   mla:    at GLM-5's widths over a bf16 cache: q_nope (not q_pe), kv_b and the output latent
  *           are rounded.
  *   the tuned-shape predicates: GLM-5's MLA widths with fp8 (656-byte) and bf16 (1,152-byte)
- *           entries of 128-position blocks, and nothing else.
+ *           entries of 128-position blocks, and nothing else; the DSA indexer's (kernels/
+ *           dsa.cu: index dims in 16s up to 128, up to 32 heads, any cache type; its scores
+ *           under the recipe: tests/engine/backend/test_attention.c).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -251,6 +253,36 @@ static void test_mla_predicate(void)
         }
 }
 
+// DSA under the recipe (kernels/dsa.cu's fp32 scores): GLM-5's indexer (32 heads of 128) on
+// each cache type and block size, a small model's (4 of 32); not index dims outside 16s or
+// past 128, more than 32 heads, or a layer without an indexer key.
+static void test_dsa_predicate(void)
+{
+    const BackendDsa glm = {32, 128, 2048}, small = {4, 32, 8}, odd = {4, 24, 8},
+                     wide = {4, 144, 8}, many = {33, 128, 8};
+    const KvDtype dtypes[3] = {KV_DTYPE_FP8, KV_DTYPE_BF16, KV_DTYPE_F32};
+    const int blocks[2] = {128, 16};
+    const BackendDsa *dsa[5] = {&glm, &small, &odd, &wide, &many};
+    const bool want[5] = {true, true, false, false, false};
+    for (int d = 0; d < 3; d++)
+        for (int b = 0; b < 2; b++)
+            for (int i = 0; i < 5; i++) {
+                KvCacheParams p = {.n_layers = 2,
+                                   .block_size = blocks[b],
+                                   .n_blocks = 3,
+                                   .kv_lora = 512,
+                                   .rope_dim = 64,
+                                   .index_dim = dsa[i]->head_dim,
+                                   .dtype = dtypes[d]};
+                p.has_index[1] = true;
+                KvCache kv;
+                ASSERT(kv_init(&kv, &p) == ERR_OK);
+                CHECK(backend_dsa_tuned(dsa[i], &kv, 1) == want[i]);
+                CHECK(!backend_dsa_tuned(dsa[i], &kv, 0));
+                kv_free(&kv);
+            }
+}
+
 int main(void)
 {
     Backend *be = NULL;
@@ -260,6 +292,7 @@ int main(void)
     test_moe(be);
     test_mla(be);
     test_mla_predicate();
+    test_dsa_predicate();
     be->destroy(be);
     return check_exit();
 }
