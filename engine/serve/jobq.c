@@ -35,7 +35,15 @@ struct JobQueue {
     char epoch_text[24];
     char lease_text[16];
     bool is_batch_prepared;  // the batch statement exists on this connection
+    // A batch sent by jobq_append_send whose answer has not been read (is_sent), or has been
+    // read into pend_items (results, next_seq) and waits for jobq_append_finish (pend_err).
+    JobqAppend *pend_items;
+    int pend_n;
+    bool is_sent;
+    Err pend_err;
 };
+
+static void settle(JobQueue *q);
 
 // ---------------------------------------------------------------------------
 // Helpers
@@ -51,6 +59,7 @@ static void sleep_ms(int ms)
 static PGresult *exec_params(JobQueue *q, const char *what, const char *sql, int n,
                              const char *const *params, ExecStatusType want)
 {
+    settle(q);
     PGresult *res = PQexecParams(q->conn, sql, n, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(res) == want) return res;
     LOG_ERROR("jobq: %s failed: %s", what, PQerrorMessage(q->conn));
@@ -94,6 +103,7 @@ static Err parse_int_array(const char *s, int32_t **out, int *n_out)
 // Open the connection and LISTEN. ERR_DB on a connection failure.
 static Err open_session(JobQueue *q)
 {
+    settle(q);  // a batch in flight on the old connection is answered (or failed) first
     PQfinish(q->conn);
     q->is_batch_prepared = false;
     q->conn = PQconnectdb(q->conninfo);
@@ -200,6 +210,7 @@ done:
 void jobq_destroy(JobQueue *q)
 {
     if (!q) return;
+    settle(q);
     if (q->conn && q->epoch && PQstatus(q->conn) == CONNECTION_OK) {
         PGresult *res = PQexecParams(q->conn, "UPDATE engines SET stopped_at = now() WHERE id = $1",
                                      1, NULL, (const char *const[]){q->epoch_text}, NULL, NULL, 0);
@@ -498,6 +509,7 @@ Err jobq_fail(JobQueue *q, const JobqJob *job, const char *error)
 
 Err jobq_wait(JobQueue *q, int timeout_ms)
 {
+    settle(q);
     struct pollfd pfd = {.fd = PQsocket(q->conn), .events = POLLIN};
     if (pfd.fd < 0) return ERR_DB;
     PGnotify *note;
@@ -648,20 +660,20 @@ static Err check_batch(const JobqAppend *items, int n)
     return ERR_OK;
 }
 
-Err jobq_append_batch(JobQueue *q, JobqAppend *items, int n)
+Err jobq_append_send(JobQueue *q, JobqAppend *items, int n)
 {
+    ASSERT(!q->pend_items);  // the caller collects each batch before sending the next
     if (n <= 0) return ERR_OK;
+    settle(q);
     Err err = check_batch(items, n);
     if (err) return err;
     Buf a[N_BATCH_ARRAYS] = {{0}};
-    PGresult *res = NULL;
     if ((err = build_batch_arrays(items, n, a))) goto done;
     err = ERR_DB;
     if (!q->is_batch_prepared) {
-        res = PQprepare(q->conn, BATCH_STMT, batch_sql, 0, NULL);
+        PGresult *res = PQprepare(q->conn, BATCH_STMT, batch_sql, 0, NULL);
         const bool ok = PQresultStatus(res) == PGRES_COMMAND_OK;
         PQclear(res);
-        res = NULL;
         if (!ok) {
             LOG_ERROR("jobq: preparing the batch statement failed: %s", PQerrorMessage(q->conn));
             goto done;
@@ -670,35 +682,80 @@ Err jobq_append_batch(JobQueue *q, JobqAppend *items, int n)
     }
     const char *params[2 + N_BATCH_ARRAYS] = {q->epoch_text, q->lease_text};
     for (int k = 0; k < N_BATCH_ARRAYS; k++) params[2 + k] = a[k].p;
-    res = PQexecPrepared(q->conn, BATCH_STMT, 2 + N_BATCH_ARRAYS, params, NULL, NULL, 0);
-    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        LOG_ERROR("jobq: appending a batch of %d jobs failed: %s", n, PQerrorMessage(q->conn));
+    // Blocking mode: the whole statement is on its way (libpq copied the parameters) when
+    // this returns, so the arrays can go; the server commits it whether or not we read on.
+    if (!PQsendQueryPrepared(q->conn, BATCH_STMT, 2 + N_BATCH_ARRAYS, params, NULL, NULL, 0)) {
+        LOG_ERROR("jobq: sending a batch of %d jobs failed: %s", n, PQerrorMessage(q->conn));
         goto done;
     }
+    q->pend_items = items;
+    q->pend_n = n;
+    q->is_sent = true;
+    err = ERR_OK;
+done:
+    for (int k = 0; k < N_BATCH_ARRAYS; k++) buf_free(&a[k]);
+    return err;
+}
+
+// Read the answer of a sent batch into its items (results, is_cancelled, next_seq) and
+// pend_err; a no-op when nothing is in flight. Every other use of the connection settles
+// first, so a batch can be in flight across any call.
+static void settle(JobQueue *q)
+{
+    if (!q->is_sent) return;
+    q->is_sent = false;
+    JobqAppend *items = q->pend_items;
+    const int n = q->pend_n;
     for (int i = 0; i < n; i++) {
         items[i].result = ERR_NOTFOUND;
         items[i].is_cancelled = false;
     }
-    const int n_rows = PQntuples(res);
-    for (int r = 0; r < n_rows; r++) {
-        const int64_t id = strtoll(PQgetvalue(res, r, 0), NULL, 10);
-        for (int i = 0; i < n; i++)
-            if (items[i].job->id == id) {
-                items[i].result = ERR_OK;
-                items[i].is_cancelled = PQgetvalue(res, r, 1)[0] == 't';
-                items[i].job->next_seq += items[i].n_chunks;
-                break;
+    q->pend_err = ERR_DB;
+    PGresult *res;
+    bool is_first = true;
+    while ((res = PQgetResult(q->conn))) {  // one result, then NULL (or errors)
+        if (is_first && PQresultStatus(res) == PGRES_TUPLES_OK) {
+            q->pend_err = ERR_OK;
+            const int n_rows = PQntuples(res);
+            for (int r = 0; r < n_rows; r++) {
+                const int64_t id = strtoll(PQgetvalue(res, r, 0), NULL, 10);
+                for (int i = 0; i < n; i++)
+                    if (items[i].job->id == id) {
+                        items[i].result = ERR_OK;
+                        items[i].is_cancelled = PQgetvalue(res, r, 1)[0] == 't';
+                        items[i].job->next_seq += items[i].n_chunks;
+                        break;
+                    }
             }
+        } else if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+            q->pend_err = ERR_DB;
+        }
+        is_first = false;
+        PQclear(res);
+    }
+    if (q->pend_err) {
+        LOG_ERROR("jobq: appending a batch of %d jobs failed: %s", n, PQerrorMessage(q->conn));
+        return;
     }
     for (int i = 0; i < n; i++)
         if (items[i].result)
             LOG_WARN("jobq: job %s is no longer owned by epoch %s; dropping its output",
                      items[i].job->public_id, q->epoch_text);
-    err = ERR_OK;
-done:
-    PQclear(res);
-    for (int k = 0; k < N_BATCH_ARRAYS; k++) buf_free(&a[k]);
-    return err;
+}
+
+Err jobq_append_finish(JobQueue *q)
+{
+    if (!q->pend_items) return ERR_OK;
+    settle(q);
+    q->pend_items = NULL;
+    q->pend_n = 0;
+    return q->pend_err;
+}
+
+Err jobq_append_batch(JobQueue *q, JobqAppend *items, int n)
+{
+    const Err err = jobq_append_send(q, items, n);
+    return err ? err : jobq_append_finish(q);
 }
 
 Err jobq_release(JobQueue *q, const JobqJob *job)

@@ -145,6 +145,17 @@ typedef struct JobqAppend {
 // n_chunks outside 0..64, or chunks with negative n_tokens or NULL token_ids.
 Err jobq_append_batch(JobQueue *q, JobqAppend *items, int n);
 
+// jobq_append_batch in two halves, so that the caller works while the server commits:
+// jobq_append_send sends the statement (ERR_DB when it could not be sent, ERR_INVAL and
+// ERR_NOMEM as above: nothing in flight then) and returns; jobq_append_finish reads the
+// answer into the items (result, is_cancelled, next_seq) and returns what jobq_append_batch
+// would have (ERR_OK when nothing was in flight). items must stay valid, and unchanged,
+// until jobq_append_finish; every other call on q may come in between (each first reads the
+// answer, waiting for it), but not a second send. The commit, and the readers' wake-up,
+// happen when the server gets the statement, not when the answer is read.
+Err jobq_append_send(JobQueue *q, JobqAppend *items, int n);
+Err jobq_append_finish(JobQueue *q);
+
 // Hand a running job back to the queue at once (state queued, lease cleared; its committed
 // chunks stay, so the next claim resumes it). ERR_NOTFOUND when it is no longer ours.
 Err jobq_release(JobQueue *q, const JobqJob *job);

@@ -35,14 +35,16 @@
  * still waiting for KV blocks) claim jobs and submit them (prompt plus the output earlier
  * attempts committed); one sched_step; route each token event to its job's output state
  * (serve_out.h: detokenizer, chat parser, stop strings with hold-back, logprobs, the
- * forced tool-call opening); then ONE jobq_append_batch for every job with new chunks, an
- * end, a failure, or a lease due for renewal (every lease_s / 3 s, 1..5). With
- * commit_interval_ms > 0 (0, every step, by default) output commits at most that often (a
- * job's end, a failure or a half-full chunk buffer commits at once): a commit is one
- * transaction and its WAL flush (0.7-1.7 ms on the H200 machine, docs/perf.md), which a
- * 2-ms decode step pays on every token. Streams then lag by up to the interval and a chunk
- * holds several tokens; uncommitted tokens are regenerated on resume as before (a client
- * only ever sees committed ones). A cancel flag
+ * forced tool-call opening); then ONE batch statement (jobq_append_send) for every job with
+ * new chunks, an end, a failure, or a lease due for renewal (every lease_s / 3 s, 1..5). It
+ * is sent, not waited for: the server commits it (one transaction and its WAL flush, 0.7-1.7
+ * ms on the H200 machine, docs/perf.md) and wakes the streams while the next step runs, and
+ * its answer (which jobs are still ours, which were cancelled) is read after that step
+ * (commit_collect), before the next batch goes out; any other use of the connection reads it
+ * first. With commit_interval_ms > 0 (0, every step, by default) output commits at most that
+ * often (a job's end, a failure or a half-full chunk buffer commits at once): streams then
+ * lag by up to the interval and a chunk holds several tokens; uncommitted tokens are
+ * regenerated on resume as before (a client only ever sees committed ones). A cancel flag
  * in its answer cancels the sequence; a job that is no longer ours (ERR_NOTFOUND) is
  * dropped. The status JSON (serve_stats.h) goes out with jobq_set_stats every second,
  * busy or idle, which is also the engine heartbeat /health reads; long prefills are cut
@@ -239,7 +241,12 @@ typedef struct Engine {
     ServeStats stats;
     int step_seqs, step_gen;  // of the current step, counted by on_event
     double last_stats;
-    double last_commit;  // when commit() last wrote (clock_now_s)
+    double last_commit;  // when commit_send() last wrote (clock_now_s)
+    // The commit in flight (commit_send .. commit_collect): its items, whose jobs, when sent.
+    JobqAppend pend[PP_MAX_SLOTS];
+    Job *pend_who[PP_MAX_SLOTS];
+    int n_pend;
+    double pend_at;
 } Engine;
 
 static Job *find_job(Engine *e, uint64_t id)
@@ -429,11 +436,15 @@ static bool commit_due(const Engine *e, double now, bool has_work)
     return false;
 }
 
-// One jobq_append_batch for every job with output, an end, or a lease due.
-static Err commit(Engine *e, double now)
+// Send one batch (jobq_append_send) for every job with output, an end, or a lease due; its
+// answer is read by commit_collect, after the next step (the server commits meanwhile, and
+// the streams get the chunks then: the answer only says which jobs are still ours and which
+// were cancelled). The step's chunks are cleared once sent: if the commit fails, every
+// sequence is dropped and resumes from what was committed.
+static Err commit_send(Engine *e, double now)
 {
-    JobqAppend items[PP_MAX_SLOTS];
-    Job *who[PP_MAX_SLOTS];
+    ASSERT(e->n_pend == 0);
+    JobqAppend *items = e->pend;
     int n = 0;
     for (int i = 0; i < e->n_slots; i++) {
         Job *j = &e->jobs[i];
@@ -451,29 +462,45 @@ static Err commit(Engine *e, double now)
                                 .finish_reason = j->error ? NULL : j->finish,
                                 .error = j->error,
                                 .n_cached = j->n_cached};
-        who[n++] = j;
+        e->pend_who[n++] = j;
     }
     if (n == 0) return ERR_OK;
-    const Err err = jobq_append_batch(e->q, items, n);
+    const Err err = jobq_append_send(e->q, items, n);
+    if (err) return err;
+    e->n_pend = n;
+    e->pend_at = now;
+    for (int i = 0; i < n; i++)
+        serve_out_clear_step(&e->pend_who[i]->out);
+    return ERR_OK;
+}
+
+// Read the answer of the commit in flight (if any) and act on it: drop the jobs that are no
+// longer ours and those it ended, cancel those whose cancel was requested.
+static Err commit_collect(Engine *e)
+{
+    if (e->n_pend == 0) return ERR_OK;
+    const int n = e->n_pend;
+    e->n_pend = 0;
+    const Err err = jobq_append_finish(e->q);
     if (err) return err;
     for (int i = 0; i < n; i++) {
-        Job *j = who[i];
+        Job *j = e->pend_who[i];
+        const JobqAppend *it = &e->pend[i];
         const uint64_t id = (uint64_t) j->job.id;
-        if (items[i].result == ERR_NOTFOUND) {
+        if (it->result == ERR_NOTFOUND) {
             LOG_WARN("engine: job %s is no longer ours (taken over or ended elsewhere); dropped",
                      j->job.public_id);
             sched_cancel(e->sched, id);
             job_drop(j);
             continue;
         }
-        serve_out_clear_step(&j->out);
-        j->last_lease = now;
-        if (j->error) {
-            LOG_ERROR("engine: job %s failed: %s", j->job.public_id, j->error);
+        j->last_lease = e->pend_at;
+        if (it->error) {
+            LOG_ERROR("engine: job %s failed: %s", j->job.public_id, it->error);
             job_drop(j);
-        } else if (j->finish) {
-            LOG_INFO("engine: job %s %s after %d tokens (attempt %d)", j->job.public_id, j->finish,
-                     j->job.n_committed + j->n_gen, j->job.attempt);
+        } else if (it->finish_reason) {
+            LOG_INFO("engine: job %s %s after %d tokens (attempt %d)", j->job.public_id,
+                     it->finish_reason, j->job.n_committed + j->n_gen, j->job.attempt);
             if (j->out.con) {
                 ConstrainStats cs;
                 constrain_stats(j->out.con, &cs);
@@ -484,7 +511,7 @@ static Err commit(Engine *e, double now)
                          j->out.is_con_broken ? "; the output left the grammar" : "");
             }
             job_drop(j);
-        } else if (items[i].is_cancelled) {
+        } else if (it->is_cancelled) {
             sched_cancel(e->sched, id);
         }
     }
@@ -579,14 +606,17 @@ static Err serve(Engine *e)
                 if (force) sched_force(e->sched, (uint64_t) j->job.id, force, n);
             }
         }
+        // The last commit's answer (the server committed it while this step ran), then this
+        // step's commit, sent; commit_ms is what the two held this thread.
+        if ((err = commit_collect(e))) return err;
         if (commit_due(e, now, has_work)) {
-            if ((err = commit(e, now))) return err;
+            if ((err = commit_send(e, now))) return err;
             e->last_commit = now;
-            step.commit_ms = (float) ((clock_now_s() - now) * 1e3);
         }
+        step.commit_ms = (float) ((clock_now_s() - now) * 1e3);
         if (has_work) serve_stats_step(&e->stats, &step);
         if (now - e->last_stats >= 1.0) publish_stats(e, is_stopping ? "stopping" : "ready", now);
-        if (is_stopping) return ERR_OK;
+        if (is_stopping) return commit_collect(e);
         if (has_work) {
             if (e->o->step_delay_ms > 0) sleep_ms(e->o->step_delay_ms);
         } else if (n_live(e) == 0) {
@@ -726,6 +756,10 @@ static int run_engine(Opts *o)
 
     for (;;) {
         const Err err = serve(&e);
+        if (err != ERR_OK && e.n_pend) {  // a commit in flight: its answer (or its failure)
+            e.n_pend = 0;
+            jobq_append_finish(e.q);
+        }
         if (err == ERR_OK) break;  // a signal
         if (err == ERR_IO) {
             LOG_ERROR("engine: the pipeline failed (the rank and host are named above); handing "

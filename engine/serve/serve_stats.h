@@ -34,7 +34,8 @@ enum { SERVE_STATS_RING = 4096, SERVE_STATS_WINDOW_S = 10 };
 typedef struct ServeStep {
     double t;      // monotonic seconds at the step's end
     float ms;         // its duration (sched_step: the model's forward and the sampling)
-    float commit_ms;  // the job-queue commit of its output that followed (one transaction)
+    float commit_ms;  // the job queue's time on the engine's thread after it: the last
+                      // commit's answer read, this step's output sent (one transaction)
     int n_seqs;    // sequences that got a token
     int n_tokens;  // tokens through the model (prefill + decode)
     int n_generated;

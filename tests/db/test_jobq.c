@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "engine/cli/cli.h"
 #include "engine/serve/jobq.h"
@@ -598,6 +599,61 @@ static void test_append_batch(void)
     PQfinish(c);
 }
 
+// jobq_append_send / jobq_append_finish: the batch commits (and rings) without its answer
+// being read; another call in between reads the answer first; finish reports it.
+static void test_append_send(void)
+{
+    PGconn *c = connect_or_die(conn_super);
+    JobQueue *qa = open_queue(NULL, NULL);
+    CHECK(qa != NULL);
+    if (!qa) return;
+    const long long first = insert_jobs(c, 2, 3);
+    JobqJob j[2];
+    for (int i = 0; i < 2; i++) CHECK(jobq_claim(qa, &j[i]) == ERR_OK && j[i].id == first + i);
+    char sql[256];
+    snprintf(sql, sizeof sql, "UPDATE jobs SET cancel_requested = true WHERE id = %lld", first);
+    CHECK(q1(c, sql) != NULL);
+    const int32_t t0[] = {5};
+    const JobqChunk ch = {JOBQ_CHUNK_CONTENT, "x", t0, 1, NULL};
+    JobqAppend items[2] = {{.job = &j[0], .chunks = &ch, .n_chunks = 1, .result = ERR_DB},
+                           {.job = &j[1], .chunks = &ch, .n_chunks = 1, .finish_reason = "stop",
+                            .result = ERR_DB}};
+    CHECK(jobq_append_finish(qa) == ERR_OK);  // nothing in flight
+    CHECK(jobq_append_send(qa, items, 2) == ERR_OK);
+    CHECK(items[0].result == ERR_DB && j[0].next_seq == 0);  // not read yet
+    // Another reader sees the commit while the answer is still unread (at most 5 s).
+    const char *v = NULL;
+    for (int i = 0; i < 500; i++) {
+        v = job_state(c, first + 1);
+        if (v && !strncmp(v, "succeeded", 9)) break;
+        struct timespec ts = {0, 10 * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    CHECK(v && !strcmp(v, "succeeded 1 1 stop - true false"));
+    v = chunk_list(c, first);
+    CHECK(v && !strcmp(v, "0:1:content:x:{5}"));
+    // A call in between reads the answer first (into items), then runs.
+    CHECK(jobq_set_stats(qa, "{\"state\": \"ready\"}") == ERR_OK);
+    CHECK(items[0].result == ERR_OK && items[0].is_cancelled && j[0].next_seq == 1);
+    CHECK(items[1].result == ERR_OK && !items[1].is_cancelled && j[1].next_seq == 1);
+    CHECK(jobq_append_finish(qa) == ERR_OK);
+    CHECK(jobq_append_finish(qa) == ERR_OK);  // collected: nothing in flight
+    // Send, then finish directly: the fenced job (ended above) is reported.
+    JobqAppend again[2] = {{.job = &j[0], .chunks = &ch, .n_chunks = 1},
+                           {.job = &j[1], .chunks = &ch, .n_chunks = 1}};
+    CHECK(jobq_append_send(qa, again, 2) == ERR_OK);
+    CHECK(jobq_append_finish(qa) == ERR_OK);
+    CHECK(again[0].result == ERR_OK && j[0].next_seq == 2 && again[1].result == ERR_NOTFOUND
+          && j[1].next_seq == 1);
+    CHECK(jobq_append_send(qa, NULL, 0) == ERR_OK && jobq_append_finish(qa) == ERR_OK);
+    // A malformed batch is refused before anything is sent; nothing is in flight after it.
+    JobqAppend dup[2] = {{.job = &j[0]}, {.job = &j[0]}};
+    CHECK(jobq_append_send(qa, dup, 2) == ERR_INVAL && jobq_append_finish(qa) == ERR_OK);
+    for (int i = 0; i < 2; i++) jobq_job_free(&j[i]);
+    jobq_destroy(qa);
+    PQfinish(c);
+}
+
 static void test_stats(void)
 {
     PGconn *c = connect_or_die(conn_super), *admin = connect_or_die(conn_admin);
@@ -695,6 +751,7 @@ int main(void)
     test_engines_and_recovery();
     test_cancel_and_attempts();
     test_append_batch();
+    test_append_send();
     test_stats();
     test_models();
     return check_exit();
