@@ -98,7 +98,8 @@ Err sampler_init(Sampler *s, int vocab_size, SamplerParams params)
     s->order = malloc(2 * (size_t) vocab_size * sizeof *s->order);
     s->weights = malloc((size_t) vocab_size * sizeof *s->weights);
     s->counts = calloc((size_t) vocab_size, sizeof *s->counts);
-    if (!s->candidates || !s->order || !s->weights || !s->counts) {
+    s->block_cum = malloc(((size_t) vocab_size / SAMPLER_SCAN_BLOCK + 1) * sizeof *s->block_cum);
+    if (!s->candidates || !s->order || !s->weights || !s->counts || !s->block_cum) {
         sampler_free(s);
         return ERR_NOMEM;
     }
@@ -116,6 +117,7 @@ void sampler_free(Sampler *s)
     free(s->order);
     free(s->weights);
     free(s->counts);
+    free(s->block_cum);
     memset(s, 0, sizeof *s);
 }
 
@@ -431,35 +433,74 @@ static int32_t sample_filtered(Sampler *s, const float *logits, double max_logit
 // ---------------------------------------------------------------------------
 // Draw
 
-int32_t sampler_sample(Sampler *s, float *logits)
+bool sampler_begin(Sampler *s, float *logits, int32_t *token)
 {
     const SamplerParams *p = &s->params;
     const int V = s->vocab_size;
     const int best = argmax_first(logits, V);
-    if (p->temperature == 0.0f) return best;  // greedy: ties to the lowest id
+    *token = best;
+    if (p->temperature == 0.0f) return true;  // greedy: ties to the lowest id
 
     // The same fp32 division as every candidate's, so the best one sits exactly at 0 below.
     const float max_scaled = logits[best] / p->temperature;
     const double max_logit = max_scaled;
     const bool has_top_k = p->top_k > 0 && p->top_k < V;
     if (!has_top_k && p->top_p >= 1.0f && p->min_p <= 0.0f) {
-        // No filter: draw from the whole softmax in id order, nothing to sort. Each weight
-        // is computed once: the cumulative scan adds the same values in the same order as
-        // the total.
-        double *w = s->weights;
-        double total = 0.0;
-        for (int i = 0; i < V; i++) {
-            w[i] = exp((double) logits[i] / p->temperature - max_logit);
-            total += w[i];
-        }
-        const double u = sampler_uniform(s) * total;
-        double cum = 0.0;
-        for (int i = 0; i < V; i++) {
-            cum += w[i];
-            if (u < cum) return i;
-        }
-        return best;
+        // No filter: the whole softmax in id order, nothing to sort (sampler_weights,
+        // sampler_finish).
+        s->pend_best = best;
+        s->pend_max = max_logit;
+        return false;
     }
-    if (!isfinite(max_scaled)) return sample_filtered_all(s, logits, max_logit);
-    return sample_filtered(s, logits, max_logit);
+    *token = isfinite(max_scaled) ? sample_filtered(s, logits, max_logit)
+                                  : sample_filtered_all(s, logits, max_logit);
+    return true;
+}
+
+void sampler_weights(Sampler *s, const float *logits, int chunk, int n_chunks)
+{
+    const int V = s->vocab_size;
+    const int lo = (int) ((long long) V * chunk / n_chunks);
+    const int hi = (int) ((long long) V * (chunk + 1) / n_chunks);
+    const float temperature = s->params.temperature;
+    const double max_logit = s->pend_max;
+    double *w = s->weights;
+    for (int i = lo; i < hi; i++)
+        w[i] = exp((double) logits[i] / temperature - max_logit);
+}
+
+int32_t sampler_finish(Sampler *s, const float *logits)
+{
+    (void) logits;
+    // Each weight was computed once: the total and the scan add the same values in the same
+    // order, and the scan restarts from the running sum recorded at the start of the block
+    // where it first exceeds u (the same partial sums, so the same token).
+    const int V = s->vocab_size;
+    const double *w = s->weights;
+    double total = 0.0;
+    for (int b = 0, i = 0; i < V; b++) {
+        s->block_cum[b] = total;
+        const int end = i + SAMPLER_SCAN_BLOCK < V ? i + SAMPLER_SCAN_BLOCK : V;
+        for (; i < end; i++)
+            total += w[i];
+    }
+    const double u = sampler_uniform(s) * total;
+    const int n_blocks = (V + SAMPLER_SCAN_BLOCK - 1) / SAMPLER_SCAN_BLOCK;
+    int b = 0;
+    while (b + 1 < n_blocks && !(u < s->block_cum[b + 1]))
+        b++;
+    double cum = s->block_cum[b];
+    for (int i = b * SAMPLER_SCAN_BLOCK; i < V; i++) {
+        cum += w[i];
+        if (u < cum) return i;
+    }
+    return s->pend_best;
+}
+
+int32_t sampler_sample(Sampler *s, float *logits)
+{
+    int32_t token;
+    if (sampler_begin(s, logits, &token)) return token;
+    sampler_weights(s, logits, 0, 1);
+    return sampler_finish(s, logits);
 }

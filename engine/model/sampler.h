@@ -24,6 +24,7 @@
 #ifndef ENGINE_MODEL_SAMPLER_H
 #define ENGINE_MODEL_SAMPLER_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "engine/model/topk.h"
@@ -55,7 +56,12 @@ typedef struct Sampler {
     uint64_t *order;        // owned scratch, 2 * vocab_size: packed (rank, id), radix sort
     double *weights;        // owned scratch, vocab_size: exp(scaled - max) per candidate
     int32_t *counts;        // owned scratch for penalties, vocab_size entries
+    double *block_cum;      // owned scratch: the draw's running sum at each SAMPLER_SCAN_BLOCK
+    int pend_best;          // between sampler_begin and sampler_finish: the largest logit's id
+    double pend_max;        // ... and the largest scaled logit
 } Sampler;
+
+enum { SAMPLER_SCAN_BLOCK = 4096 };  // entries per block of the unfiltered draw's scan
 
 // Whether sampler_init() accepts these parameters (ERR_INVAL, logged, when not), without
 // allocating its scratch (44 bytes per vocabulary token).
@@ -75,6 +81,17 @@ void sampler_apply_penalties(Sampler *s, float *logits, const int32_t *history, 
 // Return the next token. logits holds vocab_size floats; it is read, not kept, and may be
 // modified.
 int32_t sampler_sample(Sampler *s, float *logits);
+
+// sampler_sample in three parts, so that threads can share one row's work (the pipeline's
+// last rank samples a step's rows this way): sampler_begin chooses the token at once
+// (returns true, *token set) unless the row takes the unfiltered draw at temperature > 0;
+// then every chunk c of n_chunks (any n_chunks >= 1, the chunks on any threads in any
+// order) goes through sampler_weights, the costly part (an exp() per token), and
+// sampler_finish draws. The token and the generator state are sampler_sample's, bit for
+// bit. logits must not change in between.
+bool sampler_begin(Sampler *s, float *logits, int32_t *token);
+void sampler_weights(Sampler *s, const float *logits, int chunk, int n_chunks);
+int32_t sampler_finish(Sampler *s, const float *logits);
 
 // A uniform double in [0, 1) from the sampler's generator (exposed for tests).
 double sampler_uniform(Sampler *s);

@@ -48,6 +48,7 @@
 #include <unistd.h>
 
 #include "engine/backend/thread_pool.h"
+#include "engine/pipeline/pp_sample.h"
 #include "engine/shared/clock.h"
 
 // ---------------------------------------------------------------------------
@@ -436,6 +437,7 @@ typedef struct MsgHeader {
 // the 2-core development VM: 0.49 ms on 1 thread, 0.51 on 2 at 16,384 tokens; 1.00 and
 // 0.55 ms at 32,768).
 enum { PP_SAMPLE_MIN_VOCAB = 32768, PP_SAMPLE_MAX_THREADS = 16 };
+_Static_assert((int) PP_MAX_SLOTS <= (int) PP_SAMPLE_MAX_ROWS, "a micro-batch's rows must fit pp_sample_rows");
 
 typedef struct SlotState {
     KvSeq seq;
@@ -445,14 +447,6 @@ typedef struct SlotState {
     int n_history, cap_history;
     bool active;
 } SlotState;
-
-// One sequence's sampling in a step on the last rank (sample_task).
-typedef struct SampleTask {
-    int op;                // its op's index: the res_tokens entry it writes
-    SlotState *st;         // the op's slot: its sampler and history
-    float *logits;         // [vocab] the op's last row, penalised and masked in place
-    const uint32_t *mask;  // [pp_mask_words] PP_SEQ_MASK's words, NULL without a mask
-} SampleTask;
 
 struct PpStage {
     Model *m;     // borrowed
@@ -487,7 +481,8 @@ struct PpStage {
     bool res_has_mtp;
     // Last rank: the step's sampling tasks and the threads that run them (sample_threads)
     ThreadPool *sample_pool;
-    SampleTask sample_tasks[PP_MAX_SLOTS];
+    PpSampleRow sample_rows[PP_MAX_SLOTS];
+    PpSampleScratch sample_scratch;
 };
 
 static Err grow(void **p, size_t *cap, size_t need, size_t elem)
@@ -710,22 +705,6 @@ static Err check_ops(const PpSeqOp *ops, int n_ops, int n_tokens, int bs, int ma
     return ERR_OK;
 }
 
-// Runs on a sample_pool thread: penalties, mask and draw for one op (a SampleTask).
-static void sample_task(void *ctx, int task, int thread)
-{
-    (void) thread;
-    PpStage *s = ctx;
-    const SampleTask *t = &s->sample_tasks[task];
-    Sampler *smp = &t->st->sampler;
-    sampler_apply_penalties(smp, t->logits, t->st->history, t->st->n_history);
-    if (t->mask) {
-        const size_t V = (size_t) s->m->cfg.vocab_size;
-        for (size_t id = 0; id < V; id++)
-            if (!(t->mask[id >> 5] >> (id & 31) & 1)) t->logits[id] = -INFINITY;
-    }
-    s->res_tokens[t->op] = sampler_sample(smp, t->logits);
-}
-
 // This rank's share of a micro-batch: starts, the forward over its layers, then (last
 // rank) logits and samples into res_*, then frees. act_in is NULL on rank 0.
 static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tokens, int n_tokens,
@@ -738,6 +717,19 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
     Err err = ERR_OK;
     int n_batch = 0, n_rows = 0, n_mtp = 0, off0 = 0;
     bool all = false;
+    // A vocabulary mask and MTP drafting do not go together (the scheduler turns MTP off for
+    // constrained requests): a drafting slot would ignore its mask, and every later op would
+    // read the wrong one. Refused before anything changes.
+    for (int i = 0; i < n_ops; i++) {
+        const int mtp_k =
+            ops[i].flags & PP_SEQ_START ? ops[i].mtp_k : s->slots[ops[i].slot].mtp_k;
+        if ((ops[i].flags & PP_SEQ_MASK) && mtp_k > 0) {
+            LOG_ERROR("bad pipeline op %d: slot %d drafts with MTP (mtp_k %d) and carries a "
+                      "vocabulary mask",
+                      i, ops[i].slot, mtp_k);
+            return ERR_FORMAT;
+        }
+    }
     for (int i = 0; i < n_ops; i++) {
         SlotState *st = &s->slots[ops[i].slot];
         if (ops[i].flags & PP_SEQ_START) {
@@ -886,13 +878,18 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
                         w = (const uint32_t *) mask;
                         mask += mask_words;
                     }
-                    s->sample_tasks[n_sample++] = (SampleTask){i, st, last, w};
+                    s->sample_rows[n_sample++] = (PpSampleRow){.sampler = &st->sampler,
+                                                               .logits = last,
+                                                               .history = st->history,
+                                                               .n_history = st->n_history,
+                                                               .mask = w,
+                                                               .token = &s->res_tokens[i]};
                 }
                 bi++;
             }
             off += k;
         }
-        thread_pool_run(s->sample_pool, n_sample, sample_task, s);
+        pp_sample_rows(s->sample_pool, s->sample_rows, n_sample, &s->sample_scratch);
     }
     for (int i = 0; i < n_ops; i++)
         if ((ops[i].flags & PP_SEQ_FREE) && s->slots[ops[i].slot].active) {

@@ -2,8 +2,9 @@
  * bench_sampler.c - the sampler at a real vocabulary: µs per row before (the oracle of
  * tests/engine/model/sampler_ref.h, the algorithm as it was) and after (engine/model/
  * sampler.c), and the wall time of one decode step's rows sampled as the pipeline's last
- * rank does (engine/pipeline/pp.c: one task per row on a thread_pool) with 1 thread and with
- * N. A program that prints numbers (docs/perf.md), never a timed test.
+ * rank does (engine/pipeline/pp_sample.h: the rows side by side on a thread_pool, a row's
+ * softmax weights split over the threads) with 1 thread and with N, for R rows and for one.
+ * A program that prints numbers (docs/perf.md), never a timed test.
  *
  * Usage: bench_sampler [--vocab V] [--rows R] [--reps N] [--threads T] [--shape peaked|flat]
  *   V 154,880 (GLM's), R 16 rows, N 5 repetitions (medians over them), T min(cores, 16).
@@ -20,6 +21,7 @@
 
 #include "engine/backend/thread_pool.h"
 #include "engine/model/sampler.h"
+#include "engine/pipeline/pp_sample.h"
 #include "tests/engine/model/sampler_ref.h"
 
 typedef struct Config {
@@ -78,21 +80,25 @@ static void fill(float *l, int V, bool flat, uint64_t *r)
             l[rnd(r) % (uint64_t) V] = 15.0f + 10.0f * unit(r);
 }
 
-// The pipeline's task (pp.c sample_task): one row's penalties and draw on its own Sampler.
-typedef struct Step {
-    Sampler *samplers;  // [rows]
-    float *work;        // [rows, V]
-    int32_t *tokens;    // [rows]
-    int V;
-} Step;
-
-static void step_task(void *ctx, int task, int thread)
+// One decode step's sampling on pool as the pipeline's last rank does it (pp_sample_rows):
+// n rows, each its own Sampler, copied in from src (untimed). Median ms over reps, after one
+// untimed step that warms the pages up.
+static double time_step(ThreadPool *pool, Sampler *samplers, float *work, const float *src, int n,
+                        int V, int32_t *tokens, int reps, double *t_step)
 {
-    (void) thread;
-    const Step *st = ctx;
-    float *row = st->work + (size_t) task * (size_t) st->V;
-    sampler_apply_penalties(&st->samplers[task], row, NULL, 0);
-    st->tokens[task] = sampler_sample(&st->samplers[task], row);
+    static PpSampleRow rows[PP_SAMPLE_MAX_ROWS];
+    static PpSampleScratch scratch;
+    for (int k = 0; k < reps + 1; k++) {
+        memcpy(work, src, (size_t) n * (size_t) V * sizeof *work);
+        for (int i = 0; i < n; i++)
+            rows[i] = (PpSampleRow){.sampler = &samplers[i],
+                                    .logits = work + (size_t) i * (size_t) V,
+                                    .token = &tokens[i]};
+        const double t0 = now_s();
+        pp_sample_rows(pool, rows, n, &scratch);
+        if (k > 0) t_step[k - 1] = now_s() - t0;
+    }
+    return median(t_step, reps) * 1e3;
 }
 
 int main(int argc, char **argv)
@@ -142,8 +148,9 @@ int main(int argc, char **argv)
 
     printf("vocabulary %d, %d rows (%s), %d repetitions, medians\n", V, R, flat ? "flat" : "peaked",
            reps);
-    printf("%-30s %12s %12s %9s | %d rows: %11s %11s %11s\n", "parameters", "before µs/row",
-           "after µs/row", "speed-up", R, "before 1 thr", "after 1 thr", "after N thr");
+    printf("%-30s %12s %12s %9s | %d rows: %11s %11s %11s | 1 row: %8s %8s  (N = %d threads)\n",
+           "parameters", "before µs/row", "after µs/row", "speed-up", R, "before 1 thr",
+           "after 1 thr", "after N thr", "1 thr", "N thr", threads);
     int n_mismatch = 0;
     for (int c = 0; c < N_CONFIGS; c++) {
         SamplerParams p = sampler_default_params();
@@ -198,23 +205,15 @@ int main(int argc, char **argv)
             p.seed = 1000 + (uint64_t) i;
             if (sampler_init(&samplers[i], V, p)) return 1;
         }
-        double step_ms[2];
-        for (int which = 0; which < 2; which++) {
-            ThreadPool *pool = which ? pool_n : pool1;
-            for (int k = 0; k < reps + 1; k++) {
-                memcpy(work, rows, (size_t) R * row_bytes);
-                const Step st = {samplers, work, tokens, V};
-                const double t0 = now_s();
-                thread_pool_run(pool, R, step_task, (void *) &st);
-                if (k > 0) t_step[k - 1] = now_s() - t0;  // the first one warms the pages up
-            }
-            step_ms[which] = median(t_step, reps) * 1e3;
-        }
+        const double step_1 = time_step(pool1, samplers, work, rows, R, V, tokens, reps, t_step);
+        const double step_n = time_step(pool_n, samplers, work, rows, R, V, tokens, reps, t_step);
+        const double one_1 = time_step(pool1, samplers, work, rows, 1, V, tokens, reps, t_step);
+        const double one_n = time_step(pool_n, samplers, work, rows, 1, V, tokens, reps, t_step);
         for (int i = 0; i < R; i++)
             sampler_free(&samplers[i]);
-        printf("%-30s %12.1f %12.1f %8.1fx | %8.2f ms %8.2f ms %8.2f ms (%d threads)\n",
-               configs[c].name, old_us, new_us, old_us / new_us, step_old * 1e3, step_ms[0],
-               step_ms[1], threads);
+        printf("%-30s %12.1f %12.1f %8.1fx | %8.2f ms %8.2f ms %8.2f ms | %8.3f ms %8.3f ms\n",
+               configs[c].name, old_us, new_us, old_us / new_us, step_old * 1e3, step_1, step_n,
+               one_1, one_n);
         fflush(stdout);
     }
     printf("tokens or generator states that differ from the oracle: %d\n", n_mismatch);

@@ -426,11 +426,23 @@ static SamplerParams oracle_params(int i, int n_vocab)
     return p;
 }
 
+// sampler_sample in its parts (sampler.h), the weights in n_chunks chunks taken last first,
+// as the pipeline's threads may run them.
+static int32_t sample_split(Sampler *s, float *logits, int n_chunks)
+{
+    int32_t token;
+    if (sampler_begin(s, logits, &token)) return token;
+    for (int c = n_chunks - 1; c >= 0; c--)
+        sampler_weights(s, logits, c, n_chunks);
+    return sampler_finish(s, logits);
+}
+
 // For each parameter set, n_trials rows of n_vocab entries (styles in turn). From each row,
 // n_draws draws by the seeded generator (a fresh copy of the row each time, penalties first)
 // from the sampler and the oracle side by side; then 3 draws around each of n_bounds
 // boundaries between candidates of the oracle's first draw (the generator set so that the
 // uniform value is one unit below, at and above the boundary), against the oracle's replay.
+// Odd draws go through sample_split (1 to 7 chunks) instead of sampler_sample.
 static void oracle_check(int n_vocab, int n_trials, int n_draws, int n_bounds, bool with_nonfinite)
 {
     float *row = malloc((size_t) n_vocab * sizeof *row);
@@ -466,7 +478,7 @@ static void oracle_check(int n_vocab, int n_trials, int n_draws, int n_bounds, b
                     ref_apply_penalties(&b, lb, history, n_hist);
                     same_logits = memcmp(la, lb, (size_t) n_vocab * sizeof *la) == 0;
                     if (d == 0) memcpy(pen, la, (size_t) n_vocab * sizeof *pen);
-                    ta = sampler_sample(&a, la);
+                    ta = d % 2 ? sample_split(&a, la, 1 + d % 7) : sampler_sample(&a, la);
                     tb = ref_sample(&b, lb, d == 0 ? &tr : NULL);
                 } else {
                     if (!tr.has_draw) break;
@@ -480,7 +492,7 @@ static void oracle_check(int n_vocab, int n_trials, int n_draws, int n_bounds, b
                     const uint64_t k = (uint64_t) x + (uint64_t) (int64_t) dk;
                     a.rng = b.rng = rng_state_for(k);
                     memcpy(la, pen, (size_t) n_vocab * sizeof *la);
-                    ta = sampler_sample(&a, la);
+                    ta = d % 2 ? sample_split(&a, la, 1 + d % 7) : sampler_sample(&a, la);
                     tb = ref_replay(&tr, ref_uniform(&b));
                 }
                 n_runs++;

@@ -10,7 +10,8 @@
  * (PP_SEQ_LOGITS returns them before the penalties and the mask), so the test repeats the
  * sampling itself with one Sampler per sequence: penalties over the tokens fed so far, the
  * mask, the draw. The vocabulary is under the pool's threshold, so GLMSPARK_SAMPLE_THREADS
- * sets the pool's size: 1 (everything on the calling thread), 2 and 5.
+ * sets the pool's size: 1 (everything on the calling thread), 2 and 5 (with fewer rows drawing
+ * over the whole softmax than threads, each such row's weights are split into chunks).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -169,6 +170,40 @@ static int run(Model *m, int n_threads, int32_t out[N_STEPS][N_SEQ])
     return n_drawn;
 }
 
+// A masked op on a slot that drafts with MTP is refused (pp.c run_ops: the mask would be
+// ignored and every later op would read the wrong one), and the stage goes on.
+static void test_mask_with_mtp(Model *m)
+{
+    const KvCacheParams kp = model_kv_params(m, 16, 4);
+    KvCache kv;
+    ASSERT(kv_init(&kv, &kp) == ERR_OK);
+    PpStage *stage;
+    ASSERT(pp_stage_create(m, &kv, 0, 1, NULL, 0, &stage) == ERR_OK);
+    const int n_words = pp_mask_words(stage);
+    int32_t *tokens = calloc((size_t) (2 + n_words), sizeof *tokens);
+    ASSERT(tokens);
+    tokens[0] = 5;
+    tokens[1] = 6;
+    for (int w = 0; w < n_words; w++)
+        tokens[2 + w] = -1;  // every id allowed
+    PpSeqOp op = {.slot = 3,
+                  .n_new = 2,
+                  .flags = PP_SEQ_START | PP_SEQ_SAMPLE | PP_SEQ_MASK | PP_SEQ_FREE,
+                  .mtp_k = 1,
+                  .params = sampler_default_params()};
+    PpResult res;
+    Err err = pp_submit(stage, &op, 1, tokens);
+    if (!err) err = pp_collect(stage, &res);
+    CHECK(err == ERR_FORMAT);
+    op.mtp_k = 0;  // the same op without drafts is served
+    err = pp_submit(stage, &op, 1, tokens);
+    if (!err) err = pp_collect(stage, &res);
+    CHECK(err == ERR_OK && res.n_ops == 1 && res.tokens[0] >= 0);
+    free(tokens);
+    pp_stage_destroy(stage);
+    kv_free(&kv);
+}
+
 int main(void)
 {
     const char *src = getenv("GLMSPARK_SOURCE_DIR");
@@ -185,6 +220,7 @@ int main(void)
     run(&m, 5, five);
     CHECK(memcmp(one, two, sizeof one) == 0);
     CHECK(memcmp(one, five, sizeof one) == 0);
+    test_mask_with_mtp(&m);
     model_free(&m);
     be->destroy(be);
     return check_exit();
