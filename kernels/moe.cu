@@ -726,6 +726,12 @@ static size_t stage_bytes(int n_tok, int K)
     return (size_t) (n_tok < MOE_TILE_COLS ? n_tok : MOE_TILE_COLS) * stage_words(K) * 4;
 }
 
+size_t moe_experts_smem_bytes(int hidden, int inter)
+{
+    const size_t a = stage_bytes(MOE_TILE_COLS, hidden), b = stage_bytes(MOE_TILE_COLS, inter);
+    return a > b ? a : b;
+}
+
 // What both expert launches check and set: kernel's shared-memory limit for n_tok tokens'
 // K-long columns (returned) and the grid for a matrix of n_tiles 16-row tiles.
 static size_t launch_shape(const void *kernel, const MoeExperts *ex, int n_tok, int k, int K,

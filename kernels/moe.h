@@ -82,6 +82,12 @@ void moe_pack_w2(uint8_t *q_out, uint8_t *s_out, const uint8_t *q, const uint8_t
 size_t moe_work_ints(int n_pairs, int n_experts);
 void moe_group(int32_t *work, const int32_t *idx, int n_tok, int k, int n_experts,
                cudaStream_t stream);
+// The dynamic shared memory (bytes) the two expert launches need at these widths: a tile's
+// MOE_TILE_COLS staged columns of the longer K (hidden for w13, inter for w2). A GPU whose
+// cudaDevAttrMaxSharedMemoryPerBlockOptin is smaller cannot run them (GB10: 101,376 bytes;
+// GLM-5's hidden 6144 needs 98,432).
+size_t moe_experts_smem_bytes(int hidden, int inter);
+
 void moe_experts_w13(uint16_t *act, const MoeExperts *ex, const float *x, const int32_t *work,
                      int n_tok, int k, cudaStream_t stream);
 void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const int32_t *work,

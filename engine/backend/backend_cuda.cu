@@ -1371,6 +1371,17 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
             return ERR_INVAL;
         }
     }
+    int smem_max = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                      impl->device));
+    const size_t smem = moe_experts_smem_bytes((int) hidden, (int) inter);
+    if (smem > (size_t) smem_max) {
+        LOG_ERROR("%s: the routed experts' kernels need %zu bytes of shared memory per block at "
+                  "hidden %zu and intermediate %zu; this GPU allows %d (the f32 recipe, "
+                  "--precision f32, runs them with other kernels)",
+                  experts[0].name, smem, hidden, inter, smem_max);
+        return ERR_INVAL;
+    }
     const size_t q13 = E * 2 * inter * hidden / 2, s13 = E * 2 * inter * hidden / NVFP4_GROUP;
     const size_t q2 = E * hidden * inter / 2, s2 = E * hidden * inter / NVFP4_GROUP;
     uint8_t *dq13 = (uint8_t *) keep_alloc(impl, q13), *ds13 = (uint8_t *) keep_alloc(impl, s13);
