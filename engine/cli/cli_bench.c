@@ -23,8 +23,8 @@
  * of all positions on layers that own one; not in the GB/s). On the CUDA backend the GB/s is
  * also given as a % of a device-to-device copy (1 GiB cudaMemcpy, read + write bytes, best of
  * 5) measured in the same run; decode steps replay CUDA graphs unless GLMSPARK_CUDA_GRAPHS=0;
- * GLMSPARK_CUDA_PROFILE=1 prints the time per op kind of the decode steps (synchronized, so
- * slower; backend_cuda.h). --json prints one JSON object per configuration instead.
+ * GLMSPARK_CUDA_PROFILE=1 prints the time per op kind of the prefill and of the decode steps
+ * (synchronized, so slower; backend_cuda.h). --json prints one JSON object per configuration instead.
  *
  * --synthetic writes the mkmodel preset (default "default"; see `glmspark mkmodel`) into
  * $TMPDIR (or /tmp)/glmspark-bench-PRESET-SEED first. `--model DIR` on a `glmspark mkmodel
@@ -286,6 +286,9 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
         kv_seq_free(&kv, &seqs[0]);
         *is_warm = true;
     }
+#ifdef GLMSPARK_HAVE_CUDA
+    if (a->cuda) backend_cuda_profile_report(m->be, NULL);  // GLMSPARK_CUDA_PROFILE=1: from here
+#endif
     // Prefill, one sequence at a time, in calls of at most --prefill-chunk tokens.
     double t0 = clock_now_s();
     for (int i = 0; i < B; i++) {
@@ -307,7 +310,12 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
     const ModelBatch b = {B, ptrs, n_new};
     double decode_s = 0.0;
 #ifdef GLMSPARK_HAVE_CUDA
-    if (a->cuda) backend_cuda_profile_report(m->be, NULL);  // GLMSPARK_CUDA_PROFILE=1
+    if (a->cuda) {  // GLMSPARK_CUDA_PROFILE=1: the prefill's ops, then the decode steps'
+        char title[96];
+        snprintf(title, sizeof title, "prefill, batch %d x %d tokens in calls of %d", B, a->ctx,
+                 a->prefill_chunk);
+        backend_cuda_profile_report(m->be, title);
+    }
 #endif
     for (int s = 0; s <= a->steps; s++) {
         for (int i = 0; i < B; i++)
