@@ -1,7 +1,7 @@
 /*
  * dsa.cu - DSA indexer for decode: key append, scores, top-k.
  *
- * Scores: grid (tiles of 128 positions, n_tok); a CTA of 128 threads covers one tile, thread r
+ * Scores: grid (n_tok, tiles of 128 positions); a CTA of 128 threads covers one tile, thread r
  * position r: it streams its key 16 values at a time (16 bytes of fp8, 32 of bf16, 64 of
  * fp32, wherever the DsaCache's pages put it) and dots it with all (up to 32) query heads
  * held in shared memory (broadcast reads), one fp32 accumulator per head; the key scale,
@@ -94,9 +94,9 @@ struct KeyChunk {
             const uint32_t kw[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                if (FMT == DSA_KEY_FP8) {
+                if (FMT == DSA_KEY_FP8) {  // nvfp4_format.h's decoder, as the CPU's (0x7f: 480, not NaN)
 #pragma unroll
-                    for (int b = 0; b < 4; b++) kf[4 * e + b] = e4m3_bits_to_f32((uint8_t) (kw[e] >> (8 * b)));
+                    for (int b = 0; b < 4; b++) kf[4 * e + b] = nvfp4_e4m3_to_float((uint8_t) (kw[e] >> (8 * b)));
                 } else if (FMT == DSA_KEY_BF16) {
                     const float2 f = bf16x2_bits_to_f32(kw[e]);
                     kf[8 * i + 2 * e] = f.x;
@@ -109,8 +109,9 @@ struct KeyChunk {
     }
 };
 
-// Grid (tiles of DSA_BLOCK positions, n_tok); thread r of a tile owns position p = tile * 128
-// + r, wherever its page puts it (c.block need not be DSA_BLOCK).
+// Grid (n_tok, tiles of DSA_BLOCK positions): tokens on x, so a prefill call may hold any
+// number of them (y caps the tiles at 65,535: 8.4M positions); thread r of a tile owns
+// position p = tile * 128 + r, wherever its page puts it (c.block need not be DSA_BLOCK).
 template <int FMT>
 static __global__ void __launch_bounds__(DSA_BLOCK)
     dsa_scores_kernel(float *__restrict__ scores, int score_stride, const float *__restrict__ q,
@@ -121,7 +122,7 @@ static __global__ void __launch_bounds__(DSA_BLOCK)
 {
     __shared__ float4 qs[DSA_MAX_HEADS * DSA_MAX_DIM / 4];  // [head][dim / 4]; heads past n_heads zero
     __shared__ float ws[DSA_MAX_HEADS];
-    const int tile = blockIdx.x, t = blockIdx.y, r = threadIdx.x;
+    const int tile = blockIdx.y, t = blockIdx.x, r = threadIdx.x;
     const int len = kv_len[t];
     const int p0 = tile * DSA_BLOCK, p = p0 + r;
     if (p0 >= len) return;  // the whole CTA
@@ -359,7 +360,8 @@ void dsa_scores(float *scores, int score_stride, const float *q, const float *w,
     ASSERT(n_tok > 0 && max_len > 0 && dsa_scores_supported(cache, n_heads));
     ASSERT(score_stride >= max_len && (long long) max_blocks * cache->block >= max_len);
     ASSERT((uintptr_t) q % 16 == 0);
-    const dim3 grid((unsigned) CEIL_DIV(max_len, DSA_BLOCK), (unsigned) n_tok);
+    ASSERT(CEIL_DIV(max_len, DSA_BLOCK) <= 65535);
+    const dim3 grid((unsigned) n_tok, (unsigned) CEIL_DIV(max_len, DSA_BLOCK));
     const DsaCache c = *cache;
     if (c.format == DSA_KEY_FP8)
         dsa_scores_kernel<DSA_KEY_FP8><<<grid, DSA_BLOCK, 0, stream>>>(

@@ -178,6 +178,10 @@ static void test_layout(DsaKeyFormat format, int dim, int block, int n_heads, in
             }
         }
     }
+    if (format == DSA_KEY_FP8) {  // codes 0x7f / 0xff read as +-480 on both sides (not NaN)
+        h[(size_t) 1 * c.key_bytes + 3] = 0x7f;
+        h[(size_t) 2 * c.key_bytes + 5] = 0xff;
+    }
     int32_t *table = xmalloc((size_t) n_pages * 4), seq[N_SEQ];
     for (int i = 0; i < n_pages; i++) table[i] = (int32_t) ((i * 7 + 3) % n_pages);  // a permutation
     for (int t = 0; t < N_SEQ; t++) seq[t] = t;
