@@ -149,9 +149,11 @@ Err jobq_append_batch(JobQueue *q, JobqAppend *items, int n);
 // jobq_append_send sends the statement (ERR_DB when it could not be sent, ERR_INVAL and
 // ERR_NOMEM as above: nothing in flight then) and returns; jobq_append_finish reads the
 // answer into the items (result, is_cancelled, next_seq) and returns what jobq_append_batch
-// would have (ERR_OK when nothing was in flight). items must stay valid, and unchanged,
-// until jobq_append_finish; every other call on q may come in between (each first reads the
-// answer, waiting for it), but not a second send. The commit, and the readers' wake-up,
+// would have (ERR_OK when nothing was in flight; on ERR_DB items may be partly updated, and
+// the caller drops them anyway). items and the jobs they name must stay valid until
+// jobq_append_finish (their chunks may go once jobq_append_send returns: the statement holds
+// a copy); every other call on q may come in between (each first reads the answer, waiting
+// for it), but not a second send. The commit, and the readers' wake-up,
 // happen when the server gets the statement, not when the answer is read.
 Err jobq_append_send(JobQueue *q, JobqAppend *items, int n);
 Err jobq_append_finish(JobQueue *q);

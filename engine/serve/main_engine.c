@@ -218,6 +218,8 @@ static int parse_opts(int argc, char **argv, Opts *o)
 typedef struct Job {
     bool is_live;
     JobqJob job;
+    uint64_t sched_id;  // this claim's id in the scheduler (unique in the process: a job
+                        // claimed again while a stale slot still holds it gets a new one)
     ServeOut out;
     const char *finish;  // non-NULL: finish the job at the next commit
     const char *error;   // non-NULL: fail the job (message for the client) at the next commit
@@ -240,6 +242,7 @@ typedef struct Engine {
     double beat_s;
     ServeStats stats;
     int step_seqs, step_gen;  // of the current step, counted by on_event
+    uint64_t n_claims;        // claims so far: the next sched_id
     double last_stats;
     double last_commit;  // when commit_send() last wrote (clock_now_s)
     // The commit in flight (commit_send .. commit_collect): its items, whose jobs, when sent.
@@ -252,7 +255,7 @@ typedef struct Engine {
 static Job *find_job(Engine *e, uint64_t id)
 {
     for (int i = 0; i < e->n_slots; i++)
-        if (e->jobs[i].is_live && (uint64_t) e->jobs[i].job.id == id) return &e->jobs[i];
+        if (e->jobs[i].is_live && e->jobs[i].sched_id == id) return &e->jobs[i];
     return NULL;
 }
 
@@ -322,9 +325,9 @@ static void on_event(void *user, const SchedEvent *ev)
 // scheduler; out of memory fails the job.
 static void job_set_mask(Engine *e, Job *j)
 {
-    if (sched_set_mask(e->sched, (uint64_t) j->job.id, serve_out_mask(&j->out, j->n_left))) {
+    if (sched_set_mask(e->sched, j->sched_id, serve_out_mask(&j->out, j->n_left))) {
         j->error = "out of memory";
-        sched_cancel(e->sched, (uint64_t) j->job.id);
+        sched_cancel(e->sched, j->sched_id);
     }
 }
 
@@ -333,6 +336,7 @@ static void job_start(Engine *e, Job *j)
 {
     const JobqJob *job = &j->job;
     const char *msg = NULL;
+    j->sched_id = ++e->n_claims;
     const uint64_t seed = (uint64_t) job->id * 0x9E3779B97F4A7C15ull + (uint64_t) job->attempt;
     if (serve_out_init(&j->out, e->tok, job, seed, &msg)) {
         j->error = msg;
@@ -376,7 +380,7 @@ static void job_start(Engine *e, Job *j)
     memcpy(ids, job->prompt_ids, (size_t) job->n_prompt * sizeof *ids);
     if (job->n_committed)
         memcpy(ids + job->n_prompt, job->committed_ids, (size_t) job->n_committed * sizeof *ids);
-    const SchedRequest r = {.id = (uint64_t) job->id,
+    const SchedRequest r = {.id = j->sched_id,
                             .prompt = ids,
                             .n_prompt = n,
                             .max_tokens = rest,
@@ -395,25 +399,42 @@ static void job_start(Engine *e, Job *j)
     if (j->error) return;
     int n_force;
     const int32_t *force = serve_out_force(&j->out, &n_force);
-    if (force) sched_force(e->sched, (uint64_t) job->id, force, n_force);
+    if (force) sched_force(e->sched, j->sched_id, force, n_force);
 }
 
+static Err commit_collect(Engine *e);
+
 // Claim jobs while the scheduler has room: a free slot, and no claimed job still waiting
-// for KV blocks (so we never hold a job the cache cannot admit soon).
+// for KV blocks (so we never hold a job the cache cannot admit soon). A claim returns a job
+// we may still hold in another slot when it was put back in the queue behind our back (an
+// operator's requeue, a lease that ran out): that attempt is no longer ours, so its slot
+// and sequence go (the commit in flight, which may name it, is collected first).
 static Err claim_jobs(Engine *e, double now)
 {
     for (;;) {
         SchedStats st;
         sched_stats(e->sched, &st);
         if (st.n_waiting > 0 || n_live(e) >= e->n_slots || is_stopping) return ERR_OK;
+        Err err = commit_collect(e);  // the claim would wait for its answer anyway
+        if (err) return err;
         Job *j = NULL;
         for (int i = 0; i < e->n_slots && !j; i++)
             if (!e->jobs[i].is_live) j = &e->jobs[i];
-        const Err err = jobq_claim(e->q, &j->job);
+        if (!j) return ERR_OK;  // the collect dropped nothing and freed nothing
+        err = jobq_claim(e->q, &j->job);
         if (err == ERR_NOTFOUND) return ERR_OK;
         if (err) return err;
         j->is_live = true;
         j->last_lease = now;
+        for (int i = 0; i < e->n_slots; i++) {
+            Job *old = &e->jobs[i];
+            if (old == j || !old->is_live || old->job.id != j->job.id) continue;
+            LOG_WARN("engine: job %s was put back in the queue and claimed again (attempt %d); "
+                     "attempt %d's sequence is dropped",
+                     j->job.public_id, j->job.attempt, old->job.attempt);
+            sched_cancel(e->sched, old->sched_id);
+            job_drop(old);
+        }
         LOG_INFO("engine: job %s claimed (attempt %d, %d prompt + %d committed tokens)",
                  j->job.public_id, j->job.attempt, j->job.n_prompt, j->job.n_committed);
         job_start(e, j);
@@ -453,7 +474,7 @@ static Err commit_send(Engine *e, double now)
         const JobqChunk *chunks = serve_out_chunks(&j->out, &n_chunks);
         if (!chunks && !j->error) {
             j->error = "out of memory";
-            sched_cancel(e->sched, (uint64_t) j->job.id);
+            sched_cancel(e->sched, j->sched_id);
         }
         if (n_chunks == 0 && !j->finish && !j->error && now - j->last_lease < e->beat_s) continue;
         items[n] = (JobqAppend){.job = &j->job,
@@ -486,7 +507,7 @@ static Err commit_collect(Engine *e)
     for (int i = 0; i < n; i++) {
         Job *j = e->pend_who[i];
         const JobqAppend *it = &e->pend[i];
-        const uint64_t id = (uint64_t) j->job.id;
+        const uint64_t id = j->sched_id;
         if (it->result == ERR_NOTFOUND) {
             LOG_WARN("engine: job %s is no longer ours (taken over or ended elsewhere); dropped",
                      j->job.public_id);
@@ -523,7 +544,7 @@ static Err commit_collect(Engine *e)
 static Err drain(Engine *e)
 {
     for (int i = 0; i < e->n_slots; i++)
-        if (e->jobs[i].is_live) sched_cancel(e->sched, (uint64_t) e->jobs[i].job.id);
+        if (e->jobs[i].is_live) sched_cancel(e->sched, e->jobs[i].sched_id);
     Err err = ERR_OK;
     while (!err && sched_has_work(e->sched))
         err = sched_step(e->sched);
@@ -578,7 +599,9 @@ static Err serve(Engine *e)
         if (!is_stopping && now - last_empty_claim >= 0.1) {
             const int before = n_live(e);
             if ((err = claim_jobs(e, now))) return err;
-            if (n_live(e) == before) last_empty_claim = now;
+            // No slot free (a job that ended waits for its commit's answer, one step): try
+            // again next iteration rather than in 100 ms.
+            if (n_live(e) == before && before < e->n_slots) last_empty_claim = now;
         }
         const bool has_work = sched_has_work(e->sched);
         ServeStep step = {0};
@@ -603,7 +626,7 @@ static Err serve(Engine *e)
                 Job *j = &e->jobs[i];
                 int n;
                 const int32_t *force = j->is_live ? serve_out_force(&j->out, &n) : NULL;
-                if (force) sched_force(e->sched, (uint64_t) j->job.id, force, n);
+                if (force) sched_force(e->sched, j->sched_id, force, n);
             }
         }
         // The last commit's answer (the server committed it while this step ran), then this
@@ -628,6 +651,10 @@ static Err serve(Engine *e)
 
 static void engine_free(Engine *e)
 {
+    if (e->q && e->n_pend) {  // the answer writes into the jobs: read it before they go
+        e->n_pend = 0;
+        jobq_append_finish(e->q);
+    }
     for (int i = 0; e->jobs && i < e->n_slots; i++)
         if (e->jobs[i].is_live) job_drop(&e->jobs[i]);
     free(e->jobs);
@@ -756,10 +783,9 @@ static int run_engine(Opts *o)
 
     for (;;) {
         const Err err = serve(&e);
-        if (err != ERR_OK && e.n_pend) {  // a commit in flight: its answer (or its failure)
-            e.n_pend = 0;
-            jobq_append_finish(e.q);
-        }
+        // A commit in flight: its answer (the jobs it ended are dropped, not handed back),
+        // or its failure.
+        if (err != ERR_OK && e.n_pend) commit_collect(&e);
         if (err == ERR_OK) break;  // a signal
         if (err == ERR_IO) {
             LOG_ERROR("engine: the pipeline failed (the rank and host are named above); handing "

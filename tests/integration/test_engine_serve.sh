@@ -7,6 +7,12 @@
 #            submitted together to an engine with --max-num-seqs 8: each job's output
 #            (token ids and text) equals its one-at-a-time output, and the engine's status
 #            JSON (engines.stats, engine/shared/stats.h) shows batch_seqs_avg > 1;
+#   requeue  a running job put back in the queue behind the engine's back (an operator's
+#            requeue): the engine notices (its next commit for it is fenced, or it claims
+#            the job again first and drops the stale attempt, never committing both in one
+#            batch); the job finishes on attempt 2 with contiguous chunks and an
+#            uninterrupted run's output (each claim has its own scheduler id, so the stale
+#            sequence can neither cancel nor feed the new one);
 #   pp       the same six jobs through `glmspark-engine --pp 2` (two CPU ranks): outputs
 #            equal the --pp 1 outputs;
 #   killrank a long greedy job on --pp 2; kill -9 of rank 1 mid-generation: every engine
@@ -41,7 +47,7 @@ set -euo pipefail
 bin=$(cd "$1" && pwd)
 src=$(cd "$2" && pwd)
 shift 2
-scenarios=${*:-batch commit pp killrank sigterm tool logprobs mtp fp8 two}
+scenarios=${*:-batch commit requeue pp killrank sigterm tool logprobs mtp fp8 two}
 : "${GLMSPARK_DB:?run me through tests/db/with_pg.sh}"
 tmp=$(mktemp -d)
 pids=()
@@ -213,6 +219,30 @@ if [[ " $scenarios " =~ " commit " ]]; then
     done
     stop_engine
     echo "ok: --commit-interval-ms: same tokens and text in fewer chunks"
+fi
+
+if [[ " $scenarios " =~ " requeue " ]]; then
+    start_engine --max-num-seqs 4
+    ref=$(submit completion "$greedy" "1,2,3,4" 120)
+    wait_jobs "$ref"
+    stop_engine
+    start_engine --max-num-seqs 4 --step-delay-ms 20
+    id=$(submit completion "$greedy" "1,2,3,4" 120)
+    for _ in $(seq 600); do
+        [ "$(sql "SELECT n_completion_tokens >= 5 FROM jobs WHERE id = $id")" = t ] && break
+        sleep 0.05
+    done
+    sql "UPDATE jobs SET state = 'queued', lease_epoch = NULL, lease_until = NULL WHERE id = $id;
+         NOTIFY jobs_new"
+    wait_jobs "$id"
+    expect_resumed "$id" "$ref"
+    # Noticed by a fenced commit, or by claiming it again first (what usually happens: the
+    # NOTIFY wakes a claim before the next commit).
+    grep -qE "is no longer ours|put back in the queue and claimed again" "$tmp/engine$n_engine.log" \
+        || fail "the requeue was not noticed"
+    grep -q "malformed" "$tmp/engine$n_engine.log" && fail "a batch named the job twice"
+    stop_engine
+    echo "ok: a job requeued behind the engine's back: fenced, claimed again, $n_chunks chunks contiguous, output equal to an uninterrupted run"
 fi
 
 if [[ " $scenarios " =~ " pp " ]]; then
