@@ -42,6 +42,7 @@ static bool connect_once(ApiDb *db)
         free(db->prepared[i]);
     db->n_prepared = 0;  // prepared statements die with their connection
     PQfinish(db->conn);
+    db->is_read_only = false;
     db->conn = PQconnectdb(db->conninfo);
     return PQstatus(db->conn) == CONNECTION_OK;
 }
@@ -94,18 +95,36 @@ static bool is_alive(ApiDb *db)
 
 // True when a failed statement's connection is gone: libpq says so, or the error is
 // libpq's own (no SQLSTATE: "server closed the connection unexpectedly" can leave the
-// status OK), or the server ended the session (class 08, 57P0x).
+// status OK), or the server ended the session (class 08, 57P0x); or it cannot serve us: a
+// write refused as read-only (25006) means the session sits on a standby or a demoted
+// primary (a virtual address that moved while the connection stayed), and a new connection
+// through the conninfo reaches the primary (docs/reliability.md).
 static bool is_lost(const PGconn *conn, const PGresult *res)
 {
     if (PQstatus(conn) != CONNECTION_OK || !res) return true;
     if (PQresultStatus(res) != PGRES_FATAL_ERROR) return false;
     const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
-    return !state || !strncmp(state, "08", 2) || !strncmp(state, "57P", 3);
+    return !state || !strncmp(state, "08", 2) || !strncmp(state, "57P", 3)
+           || !strcmp(state, "25006");
+}
+
+static bool is_read_only_error(const PGresult *res)
+{
+    const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
+    return state && !strcmp(state, "25006");
+}
+
+void api_db_note_failure(ApiDb *db, const PGresult *res)
+{
+    if (!is_read_only_error(res) || db->is_read_only) return;
+    LOG_WARN("api: the database refused a write as read-only (a standby?); reconnecting before "
+             "the next statement");
+    db->is_read_only = true;
 }
 
 Err api_db_ensure(ApiDb *db)
 {
-    if (is_alive(db)) return ERR_OK;
+    if (!db->is_read_only && is_alive(db)) return ERR_OK;
     if (db->conn && PQstatus(db->conn) == CONNECTION_OK)
         LOG_WARN("api: the database closed an idle connection; reconnecting");
     const int budget = db->retry_ms > 0 ? db->retry_ms : API_DB_RETRY_MS;

@@ -54,6 +54,7 @@ typedef struct ApiDb {
     char **prepared;      // [API_DB_MAX_PREPARED] SQL prepared on conn as "s<index>"; owned
     int n_prepared;       // reset whenever conn is replaced
     int retry_ms;         // api_db_ensure's reconnect budget; 0 = API_DB_RETRY_MS
+    bool is_read_only;    // a write was refused as read-only: api_db_ensure replaces conn
 } ApiDb;
 
 typedef struct ApiKey {
@@ -74,7 +75,15 @@ void api_db_free(ApiDb *db);
 // about 3 s by default). ERR_DB when it stays down.
 Err api_db_ensure(ApiDb *db);
 
-// Run a parameterized statement, reconnecting once if the connection had dropped. Returns
+// Note a failed statement's error (res may be NULL) for statements run on db->conn
+// directly (the enqueue's transaction): a write refused as read-only (SQLSTATE 25006: the
+// session sits on a standby or a demoted primary, as when a virtual address moved while the
+// connection stayed) makes the next api_db_ensure replace the connection, so that a
+// conninfo leading to the primary gets there. api_db_exec does this itself.
+void api_db_note_failure(ApiDb *db, const PGresult *res);
+
+// Run a parameterized statement, reconnecting once if the connection had dropped (or could
+// not write: 25006, api_db_note_failure). Returns
 // the result when its status is want, else logs and returns NULL. The first
 // API_DB_MAX_PREPARED distinct SQL texts are prepared on the connection and reused, which
 // spares PostgreSQL a parse and plan per call (the stream loop runs two per chunk).

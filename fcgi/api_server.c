@@ -228,6 +228,7 @@ static PGresult *tx(ApiDb *db, const char *sql, int n, const char *const *params
     PGresult *res = PQexecParams(db->conn, sql, n, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(res) == want) return res;
     LOG_ERROR("api: enqueue statement failed: %s", PQerrorMessage(db->conn));
+    api_db_note_failure(db, res);  // a read-only session: the next request reconnects
     PQclear(res);
     return NULL;
 }

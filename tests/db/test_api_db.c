@@ -3,7 +3,8 @@
  * with_pg.sh): a connection that the server ends while it is idle (pg_terminate_backend,
  * as on a restart) is noticed and replaced, so the next statement succeeds instead of
  * answering 503; a real SQL error is reported and not mistaken for a lost connection.
- * Regression test for the failure found by tests/reliability (listener terminated).
+ * Regression test for the failure found by tests/reliability (listener terminated). A
+ * session that cannot write (25006, a standby behind a virtual address) is replaced.
  *
  * Revocation: with the revocation watcher running, a key revoked between the
  * moment a lookup read its row and the moment the lookup cached it (api_db_auth_hook
@@ -81,6 +82,57 @@ static void test_sql_error_keeps_connection(void)
     CHECK(api_db_exec(&db, "SELECT * FROM no_such_table", 0, NULL, PGRES_TUPLES_OK) == NULL);
     CHECK(api_db_exec(&db, "SELECT 1/0", 0, NULL, PGRES_TUPLES_OK) == NULL);
     CHECK(backend_pid(&db) == pid);  // not reconnected: the server answered
+    api_db_free(&db);
+}
+
+// A session that cannot write (as on a standby, or a demoted primary still reached through
+// a virtual address): its role defaults to read-only when the connection opens, then no
+// longer does, as if the address had moved to the primary. A write through api_db_exec
+// reconnects and succeeds; a write run on the connection directly (the enqueue's
+// transaction) fails, is noted, and the next api_db_ensure replaces the connection.
+static void test_read_only_session(void)
+{
+    PGresult *r = PQexec(admin, "ALTER ROLE CURRENT_USER SET default_transaction_read_only = on");
+    CHECK(PQresultStatus(r) == PGRES_COMMAND_OK);
+    PQclear(r);
+    ApiDb db;
+    CHECK(api_db_init(&db, getenv("GLMSPARK_DB")) == ERR_OK);
+    const long pid = backend_pid(&db);
+    r = PQexec(admin, "ALTER ROLE CURRENT_USER RESET default_transaction_read_only");
+    CHECK(PQresultStatus(r) == PGRES_COMMAND_OK);
+    PQclear(r);
+    const char *write = "CREATE TABLE IF NOT EXISTS ro_probe (x int)";
+    r = api_db_exec(&db, write, 0, NULL, PGRES_COMMAND_OK);
+    CHECK(r != NULL);  // refused on the read-only session, then run on a new one
+    PQclear(r);
+    const long pid2 = backend_pid(&db);
+    CHECK(pid2 > 0 && pid2 != pid);
+
+    // The direct path: a read-only session again, a write on db.conn, then ensure.
+    r = PQexec(admin, "ALTER ROLE CURRENT_USER SET default_transaction_read_only = on");
+    PQclear(r);
+    db.is_read_only = false;
+    CHECK(api_db_ensure(&db) == ERR_OK);
+    PQfinish(db.conn);  // a fresh read-only session
+    db.conn = PQconnectdb(getenv("GLMSPARK_DB"));
+    r = PQexec(admin, "ALTER ROLE CURRENT_USER RESET default_transaction_read_only");
+    PQclear(r);
+    r = PQexec(db.conn, "INSERT INTO ro_probe VALUES (1)");
+    CHECK(PQresultStatus(r) == PGRES_FATAL_ERROR);
+    api_db_note_failure(&db, r);
+    PQclear(r);
+    CHECK(db.is_read_only);
+    CHECK(api_db_ensure(&db) == ERR_OK && !db.is_read_only);
+    r = PQexec(db.conn, "INSERT INTO ro_probe VALUES (2)");
+    CHECK(PQresultStatus(r) == PGRES_COMMAND_OK);
+    PQclear(r);
+    // Any other failure is not a read-only session: the connection stays.
+    r = PQexec(db.conn, "SELECT 1/0");
+    api_db_note_failure(&db, r);
+    PQclear(r);
+    CHECK(!db.is_read_only);
+    r = PQexec(admin, "DROP TABLE ro_probe");
+    PQclear(r);
     api_db_free(&db);
 }
 
@@ -185,6 +237,7 @@ int main(void)
     }
     test_terminated_idle_connection();
     test_sql_error_keeps_connection();
+    test_read_only_session();
     char *migrate[] = {"db", "migrate", "--db", (char *) conninfo, NULL};
     CHECK(cli_db(4, migrate) == 0);
     test_revocation_race();
