@@ -355,28 +355,58 @@ done:
     return err;
 }
 
-Err api_metrics_health(ApiDb *db, ApiHealth *out)
+// Rank of a health status: the best one wins.
+static int health_rank(const char *status)
+{
+    static const char *const order[] = {"unavailable", "stopping", "loading", "degraded", "ok"};
+    for (int i = 4; i > 0; i--)
+        if (!strcmp(status, order[i])) return i;
+    return 0;
+}
+
+Err api_metrics_health(ApiDb *db, const char *model, ApiHealth *out)
 {
     memset(out, 0, sizeof *out);
     out->status = "unavailable";
     PGresult *res = api_db_exec(db,
-                                "SELECT count(*), (SELECT stats::text FROM engines WHERE stopped_at IS NULL"
-                                "   AND heartbeat_at > now() - interval '30 seconds' ORDER BY id DESC LIMIT 1)"
-                                " FROM engines WHERE stopped_at IS NULL"
-                                " AND heartbeat_at > now() - interval '30 seconds'",
+                                "SELECT model, stats::text FROM engines WHERE stopped_at IS NULL"
+                                " AND heartbeat_at > now() - interval '30 seconds' ORDER BY id DESC",
                                 0, NULL, PGRES_TUPLES_OK);
     if (!res) return ERR_DB;
-    out->n_engines = atoi(PQgetvalue(res, 0, 0));
-    EngineStats s;
-    out->has_stats = !PQgetisnull(res, 0, 1) && !stats_parse(PQgetvalue(res, 0, 1), &s, NULL);
+    const int n = PQntuples(res);
+    for (int i = 0; i < n; i++) {
+        const char *name = PQgetvalue(res, i, 0);
+        EngineStats s;
+        memset(&s, 0, sizeof s);
+        const bool has_stats = !PQgetisnull(res, i, 1) && !stats_parse(PQgetvalue(res, i, 1), &s, NULL);
+        const char *st = "ok";  // an engine that publishes no (readable) stats: its heartbeat says up
+        int ranks_up = 0;
+        if (has_stats) {
+            ranks_up = stats_n_ranks_up(&s);
+            if (!strcmp(s.state, "loading")) st = "loading";
+            else if (!strcmp(s.state, "stopping")) st = "stopping";
+            else if (strcmp(s.state, "ready") != 0 || ranks_up < s.n_ranks) st = "degraded";
+        }
+        ApiHealthModel *m = NULL;
+        for (int k = 0; k < out->n_models && !m; k++)
+            if (!strcmp(out->models[k].name, name)) m = &out->models[k];
+        if (!m && out->n_models < API_HEALTH_MAX_MODELS) {
+            m = &out->models[out->n_models++];
+            snprintf(m->name, sizeof m->name, "%s", name);
+            m->status = "unavailable";
+        }
+        if (m) {
+            m->n_engines++;
+            if (health_rank(st) > health_rank(m->status)) m->status = st;
+        }
+        if (model && strcmp(model, name) != 0) continue;
+        out->n_engines++;
+        if (health_rank(st) <= health_rank(out->status)) continue;
+        out->status = st;  // newest first: among equals, the newest boot's figures
+        out->has_stats = has_stats;
+        out->ranks_up = has_stats ? ranks_up : 0;
+        out->world = has_stats ? s.world : 0;
+    }
     PQclear(res);
-    if (out->n_engines == 0) return ERR_OK;
-    out->status = "ok";
-    if (!out->has_stats) return ERR_OK;  // an engine that publishes no stats: its heartbeat says up
-    out->ranks_up = stats_n_ranks_up(&s);
-    out->world = s.world;
-    if (!strcmp(s.state, "loading")) out->status = "loading";
-    else if (!strcmp(s.state, "stopping")) out->status = "stopping";
-    else if (strcmp(s.state, "ready") != 0 || out->ranks_up < s.n_ranks) out->status = "degraded";
     return ERR_OK;
 }

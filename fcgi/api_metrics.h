@@ -41,17 +41,32 @@ extern "C" {
 // *text is NULL.
 Err api_metrics_render(ApiDb *db, char **text, size_t *n_text);
 
+enum { API_HEALTH_MAX_MODELS = 32 };  // models listed in one answer (more are counted, not listed)
+
+typedef struct ApiHealthModel {
+    char name[128];
+    const char *status;  // the best of its engines' (below)
+    int n_engines;
+} ApiHealthModel;
+
 typedef struct ApiHealth {
     int n_engines;       // engine boots with a heartbeat in the last STATS_STALE_S seconds
     const char *status;  // "ok", "unavailable", "loading", "stopping" or "degraded" (static)
-    bool has_stats;      // the newest fresh boot published stats: ranks_up and world are set
+    bool has_stats;      // the engine the verdict came from published stats: ranks_up, world set
     int ranks_up, world;
+    ApiHealthModel models[API_HEALTH_MAX_MODELS];  // every model with a live engine
+    int n_models;
 } ApiHealth;
 
-// What GET /health answers: "ok" (200) while an engine's heartbeat is fresh and its
-// published state (when it publishes one) is "ready" with no rank down; otherwise the
-// reason (503). ERR_DB when the query fails; *out then says "unavailable".
-Err api_metrics_health(ApiDb *db, ApiHealth *out);
+// What GET /health answers. Each live engine (a heartbeat in the last STATS_STALE_S seconds)
+// is "ok" when its published state is "ready" with no rank down (or when it publishes no
+// readable state: its heartbeat says up), else "loading", "stopping" or "degraded"; a model's
+// status is the best of its engines' (ok, degraded, loading, stopping), and the answer's the
+// best over every engine, or over the engines of `model` when it is not NULL ("unavailable"
+// with none): one ready engine is enough to serve, whatever the others do (a restart, a
+// second engine still loading). 200 for "ok", else 503. ERR_DB when the query fails; *out
+// then says "unavailable".
+Err api_metrics_health(ApiDb *db, const char *model, ApiHealth *out);
 
 #ifdef __cplusplus
 }

@@ -1349,19 +1349,35 @@ static void handle_job_cancel(Ctx *c, const char *public_id)
     handle_job_get(c, public_id);
 }
 
-// 200 {"status":"ok"} while an engine serves, else 503 with the reason (api_metrics.h).
+// 200 {"status":"ok"} while an engine serves (the model's, with ?model=NAME), else 503 with
+// the reason; every model with a live engine and its status (api_metrics.h).
 static void handle_health(Ctx *c)
 {
+    char model[128];
+    const Err qerr = api_http_query_value(c->query, "model", model, sizeof model);
+    if (qerr == ERR_INVAL) {
+        fail(c, 400, NULL, NULL, "model", "'model' is too long");
+        return;
+    }
     ApiHealth h;
-    const Err err = api_metrics_health(c->db, &h);
+    const Err err = api_metrics_health(c->db, qerr == ERR_OK ? model : NULL, &h);
     json_object *o = json_object_new_object();
     json_object_object_add(o, "status", json_object_new_string(h.status));
+    if (qerr == ERR_OK) json_object_object_add(o, "model", json_object_new_string(model));
     json_object_object_add(o, "database", json_object_new_boolean(err == ERR_OK));
     json_object_object_add(o, "engines", json_object_new_int(h.n_engines));
     if (h.has_stats) {
         json_object_object_add(o, "ranks_up", json_object_new_int(h.ranks_up));
         json_object_object_add(o, "world", json_object_new_int(h.world));
     }
+    json_object *models = json_object_new_object();
+    for (int i = 0; i < h.n_models; i++) {
+        json_object *m = json_object_new_object();
+        json_object_object_add(m, "status", json_object_new_string(h.models[i].status));
+        json_object_object_add(m, "engines", json_object_new_int(h.models[i].n_engines));
+        json_object_object_add(models, h.models[i].name, m);
+    }
+    json_object_object_add(o, "models", models);
     send_json(c, strcmp(h.status, "ok") ? 503 : 200, o, NULL);
 }
 

@@ -8,7 +8,8 @@
  * batch), --json (parsed back), a down rank (degraded), loading, a stale heartbeat (stale;
  * up again with --stale-s), a stopped boot (down), unreadable stats, and usage/database
  * errors (exit 2), the settings file as the conninfo's source.
- * /health: its verdict (api_metrics_health) in each of those states.
+ * /health: its verdict (api_metrics_health) in each of those states, and over several engines
+ * and models (test_health_models).
  * Metrics: api_metrics_render's text passes an exposition-format check (expo_check below:
  * names, labels and escapes, HELP/TYPE once and before the samples, groups contiguous, no
  * duplicate series, counters named _total and >= 0, _total on nothing else, histogram
@@ -373,8 +374,10 @@ static void test_checker(void)
 
 // ---------------------------------------------------------------------------
 
-// A version-1 status object with three ranks, state and rank 2's state as given.
-static void seed_engine(const char *state, const char *rank2_state, double rank2_load)
+// A version-1 status object with three ranks, state and rank 2's state as given, for the
+// engine boot named name.
+static void seed_engine_named(const char *name, const char *state, const char *rank2_state,
+                              double rank2_load)
 {
     char text[4096], *esc;
     snprintf(text, sizeof text,
@@ -396,9 +399,15 @@ static void seed_engine(const char *state, const char *rank2_state, double rank2
              state, rank2_state, rank2_load);
     esc = PQescapeLiteral(conn, text, strlen(text));
     char q[8192];
-    snprintf(q, sizeof q, "UPDATE engines SET stats = %s::jsonb, heartbeat_at = now() WHERE name = 'obs-test'", esc);
+    snprintf(q, sizeof q, "UPDATE engines SET stats = %s::jsonb, heartbeat_at = now() WHERE name = '%s'",
+             esc, name);
     PQfreemem(esc);
     db_sql(conn, q);
+}
+
+static void seed_engine(const char *state, const char *rank2_state, double rank2_load)
+{
+    seed_engine_named("obs-test", state, rank2_state, rank2_load);
 }
 
 // GET /health's verdict now: status, and ranks_up/world when the engine publishes stats.
@@ -407,10 +416,49 @@ static void check_health(const char *want, int ranks_up, int world)
     ApiDb db;
     ApiHealth h;
     CHECK(api_db_init(&db, conninfo) == ERR_OK);
-    CHECK(api_metrics_health(&db, &h) == ERR_OK);
+    CHECK(api_metrics_health(&db, NULL, &h) == ERR_OK);
     CHECK(!strcmp(h.status, want));
     if (strcmp(h.status, want)) fprintf(stderr, "  /health says %s, want %s\n", h.status, want);
     if (ranks_up >= 0) CHECK(h.has_stats && h.ranks_up == ranks_up && h.world == world);
+    api_db_free(&db);
+}
+
+// Several engines: one ready engine makes the answer ok whatever the newer ones do (a second
+// engine loading, a restart); per model, the best of its engines; ?model= asks for one.
+static void test_health_models(void)
+{
+    db_sql(conn, "UPDATE engines SET stopped_at = now() WHERE stopped_at IS NULL");
+    db_sql(conn, "INSERT INTO engines (name, model, pid) VALUES ('h-a1', 'm-a', 11), ('h-a2', 'm-a', 12),"
+                 " ('h-b', 'm-b', 13)");  // ids in this order: h-b is the newest boot
+    seed_engine_named("h-a1", "ready", "up", 1.0);
+    seed_engine_named("h-a2", "loading", "loading", 0.5);
+    seed_engine_named("h-b", "loading", "loading", 0.25);
+    ApiDb db;
+    ApiHealth h;
+    CHECK(api_db_init(&db, conninfo) == ERR_OK);
+    CHECK(api_metrics_health(&db, NULL, &h) == ERR_OK);
+    CHECK(!strcmp(h.status, "ok") && h.n_engines == 3 && h.has_stats && h.ranks_up == 3);
+    CHECK(h.n_models == 2);
+    for (int i = 0; i < h.n_models; i++) {
+        const bool is_a = !strcmp(h.models[i].name, "m-a");
+        CHECK(is_a || !strcmp(h.models[i].name, "m-b"));
+        CHECK(!strcmp(h.models[i].status, is_a ? "ok" : "loading"));
+        CHECK(h.models[i].n_engines == (is_a ? 2 : 1));
+    }
+    CHECK(api_metrics_health(&db, "m-a", &h) == ERR_OK);
+    CHECK(!strcmp(h.status, "ok") && h.n_engines == 2);
+    CHECK(api_metrics_health(&db, "m-b", &h) == ERR_OK);
+    CHECK(!strcmp(h.status, "loading") && h.n_engines == 1 && h.ranks_up == 2 && h.world == 3);
+    CHECK(api_metrics_health(&db, "m-c", &h) == ERR_OK);
+    CHECK(!strcmp(h.status, "unavailable") && h.n_engines == 0 && h.n_models == 2);
+    // The ready engine stops: m-a is as good as its other engine, degraded beats loading.
+    db_sql(conn, "UPDATE engines SET stopped_at = now() WHERE name = 'h-a1'");
+    seed_engine_named("h-b", "ready", "down", 1.0);
+    CHECK(api_metrics_health(&db, NULL, &h) == ERR_OK);
+    CHECK(!strcmp(h.status, "degraded") && h.n_engines == 2);
+    CHECK(api_metrics_health(&db, "m-a", &h) == ERR_OK);
+    CHECK(!strcmp(h.status, "loading"));
+    db_sql(conn, "UPDATE engines SET stopped_at = now() WHERE stopped_at IS NULL");
     api_db_free(&db);
 }
 
@@ -651,6 +699,7 @@ int main(void)
     test_checker();
     test_no_engine();
     test_ready();
+    test_health_models();
     test_usage();
     PQfinish(conn);
     return check_exit();
