@@ -488,7 +488,8 @@ static void dsa_task(void *ctx, int t, int thread)
         for (int h = 0; h < p->n_heads; h++)
             ws[h] = wt[h] * w_scale;
         for (int s = 0; s < visible; s++) {
-            const uint8_t *page = c.pages + (size_t) seq->blocks[s / c.block] * c.page_bytes;
+            const uint8_t *page = (const uint8_t *) job->kv->pool
+                                  + kv_key_page_offset(job->kv, seq, job->layer, s);
             const int row = s % c.block;
             for (int i = 0; i < c.dim; i++)
                 entry_buf[i] = dsa_key_raw(&c, page, row, i);
@@ -496,21 +497,22 @@ static void dsa_task(void *ctx, int t, int thread)
                                               dsa_key_scale(&c, page, row), sm_scale);
             topk_offer(heap, &n_heap, p->top_k, (TopkEntry){score, s}, TOPK_TIE_HIGHER_ID);
         }
-    }
-    const double head_scale = 1.0 / sqrt((double) p->n_heads);
-    const double dot_scale = 1.0 / sqrt((double) p->head_dim);
-    for (int s = 0; s < visible && !job->is_recipe; s++) {
-        const float *k = kv_read_key(job->kv, seq, job->layer, s, entry_buf);
-        double total = 0.0;
-        for (int h = 0; h < p->n_heads; h++) {
-            const float *qh = qt + (size_t) h * p->head_dim;
-            double d = 0.0;
-            for (int i = 0; i < p->head_dim; i++)
-                d += (double) qh[i] * k[i];
-            d *= dot_scale;
-            if (d > 0.0) total += (double) wt[h] * head_scale * d;
+    } else {
+        const double head_scale = 1.0 / sqrt((double) p->n_heads);
+        const double dot_scale = 1.0 / sqrt((double) p->head_dim);
+        for (int s = 0; s < visible; s++) {
+            const float *k = kv_read_key(job->kv, seq, job->layer, s, entry_buf);
+            double total = 0.0;
+            for (int h = 0; h < p->n_heads; h++) {
+                const float *qh = qt + (size_t) h * p->head_dim;
+                double d = 0.0;
+                for (int i = 0; i < p->head_dim; i++)
+                    d += (double) qh[i] * k[i];
+                d *= dot_scale;
+                if (d > 0.0) total += (double) wt[h] * head_scale * d;
+            }
+            topk_offer(heap, &n_heap, p->top_k, (TopkEntry){total, s}, TOPK_TIE_HIGHER_ID);
         }
-        topk_offer(heap, &n_heap, p->top_k, (TopkEntry){total, s}, TOPK_TIE_HIGHER_ID);
     }
     for (int k = 0; k < p->top_k; k++)
         sel[k] = heap[k].id;

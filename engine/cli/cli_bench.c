@@ -252,6 +252,13 @@ static double step_weight_bytes(const StepBytes *s)
     return s->attn + s->indexer + s->mlp + s->shared + s->experts + s->head;
 }
 
+// Sequence i's deterministic prompt ids[0..n).
+static void prompt_ids(int *ids, int n, int i, int vocab_size)
+{
+    for (int t = 0; t < n; t++)
+        ids[t] = (int) ((1103515245u * (unsigned) (t + 7919 * i) + 12345u) % (unsigned) vocab_size);
+}
+
 // One batch size: prefill B sequences, then time decode steps. Returns false on failure.
 // *is_warm: whether a prefill chunk has run in this process (the first one allocates the
 // workspaces, and on CUDA loads modules: untimed, on a sequence freed again).
@@ -278,8 +285,7 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
     // Warm-up: the first chunk of sequence 0, untimed, then its blocks freed.
     if (!*is_warm) {
         const int n = a->ctx < a->prefill_chunk ? a->ctx : a->prefill_chunk;
-        for (int t = 0; t < n; t++)
-            ids[t] = (int) ((1103515245u * (unsigned) t + 12345u) % (unsigned) c->vocab_size);
+        prompt_ids(ids, n, 0, c->vocab_size);
         n_new[0] = n;
         const ModelBatch b = {1, &ptrs[0], n_new};
         if (model_forward_batch(m, &kv, &b, ids, NULL, NULL, logits, MODEL_LOGITS_LAST)) goto done;
@@ -292,9 +298,7 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
     // Prefill, one sequence at a time, in calls of at most --prefill-chunk tokens.
     double t0 = clock_now_s();
     for (int i = 0; i < B; i++) {
-        for (int t = 0; t < a->ctx; t++)
-            ids[t] = (int) ((1103515245u * (unsigned) (t + 7919 * i) + 12345u)
-                            % (unsigned) c->vocab_size);
+        prompt_ids(ids, a->ctx, i, c->vocab_size);
         const ModelBatch b = {1, &ptrs[i], n_new};
         for (int t = 0; t < a->ctx; t += a->prefill_chunk) {
             n_new[0] = a->ctx - t < a->prefill_chunk ? a->ctx - t : a->prefill_chunk;

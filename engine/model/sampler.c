@@ -469,9 +469,8 @@ void sampler_weights(Sampler *s, const float *logits, int chunk, int n_chunks)
         w[i] = exp((double) logits[i] / temperature - max_logit);
 }
 
-int32_t sampler_finish(Sampler *s, const float *logits)
+int32_t sampler_finish(Sampler *s)
 {
-    (void) logits;
     // Each weight was computed once: the total and the scan add the same values in the same
     // order, and the scan restarts from the running sum recorded at the start of the block
     // where it first exceeds u (the same partial sums, so the same token).
@@ -502,5 +501,5 @@ int32_t sampler_sample(Sampler *s, float *logits)
     int32_t token;
     if (sampler_begin(s, logits, &token)) return token;
     sampler_weights(s, logits, 0, 1);
-    return sampler_finish(s, logits);
+    return sampler_finish(s);
 }

@@ -91,7 +91,7 @@ int32_t sampler_sample(Sampler *s, float *logits);
 // bit. logits must not change in between.
 bool sampler_begin(Sampler *s, float *logits, int32_t *token);
 void sampler_weights(Sampler *s, const float *logits, int chunk, int n_chunks);
-int32_t sampler_finish(Sampler *s, const float *logits);
+int32_t sampler_finish(Sampler *s);
 
 // A uniform double in [0, 1) from the sampler's generator (exposed for tests).
 double sampler_uniform(Sampler *s);

@@ -38,7 +38,7 @@ static void whole_task(void *ctx, int task, int thread)
     PpSampleScratch *sc = ctx;
     const PpSampleRow *r = &sc->rows[sc->pending[task]];
     sampler_weights(r->sampler, r->logits, 0, 1);
-    *r->token = sampler_finish(r->sampler, r->logits);
+    *r->token = sampler_finish(r->sampler);
 }
 
 static void finish_task(void *ctx, int task, int thread)
@@ -46,7 +46,7 @@ static void finish_task(void *ctx, int task, int thread)
     (void) thread;
     PpSampleScratch *sc = ctx;
     const PpSampleRow *r = &sc->rows[sc->pending[task]];
-    *r->token = sampler_finish(r->sampler, r->logits);
+    *r->token = sampler_finish(r->sampler);
 }
 
 void pp_sample_rows(ThreadPool *pool, PpSampleRow *rows, int n, PpSampleScratch *scratch)

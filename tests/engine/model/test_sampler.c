@@ -434,7 +434,7 @@ static int32_t sample_split(Sampler *s, float *logits, int n_chunks)
     if (sampler_begin(s, logits, &token)) return token;
     for (int c = n_chunks - 1; c >= 0; c--)
         sampler_weights(s, logits, c, n_chunks);
-    return sampler_finish(s, logits);
+    return sampler_finish(s);
 }
 
 // For each parameter set, n_trials rows of n_vocab entries (styles in turn). From each row,
