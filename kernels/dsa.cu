@@ -7,16 +7,24 @@
  * held in shared memory (broadcast reads), one fp32 accumulator per head; the key scale,
  * ReLU and the head weights finish the score (kernels/dsa_format.h's order).
  *
- * Top-k: one CTA of 1024 threads per token. A 4-pass MSB-first radix select over the scores'
+ * Top-k: a cluster of 1-8 CTAs of 1024 threads per token, each over a contiguous segment of
+ * the row (more CTAs when few tokens leave SMs idle: at decode a 128K row takes a CTA ~300 us
+ * alone, bound by one SM's loads in flight). A 4-pass MSB-first radix select over the scores'
  * order-preserving 32-bit keys finds the k-th largest key T and how many positions equal to T
- * to keep (histogram atomics aggregated per warp with __match_any_sync; the digit is found by
- * one warp scan); the last pass's bin of T counts the positions that tie at T, and a final
- * ordered pass writes the positions with key > T and the last such ties (the tie rule: among
- * equal scores the later position wins, as in the engine's CPU reference), in ascending order,
- * with one block scan per 1024 positions (both counts packed in one word) and stops once k are
- * written. Scores are read 5 times from L2 (512 KB at 128K).
+ * to keep: each CTA counts its segment's digits (histogram atomics aggregated per warp with
+ * __match_any_sync), one cluster barrier per pass, then every CTA sums the cluster's counts
+ * through distributed shared memory and finds the digit itself with one warp scan. The last
+ * pass's bin of T counts the positions that tie at T, and a final ordered pass writes the
+ * positions with key > T and the last such ties (the tie rule: among equal scores the later
+ * position wins, as in the engine's CPU reference), in ascending order: each CTA starts after
+ * the selections of the earlier segments (their counts of keys > T and == T, exchanged the
+ * same way), with one block scan per 1024 positions (both counts packed in one word), and
+ * stops once k are written. Scores are read 5 times from L2 (512 KB at 128K).
  */
 #include "kernels/dsa.h"
+
+#include <cooperative_groups.h>
+#include <stdint.h>
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
@@ -225,47 +233,70 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
                     const float *__restrict__ scores, int score_stride,
                     const int32_t *__restrict__ kv_len, int k)
 {
-    __shared__ int hist[256];
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    __shared__ int hist[2][256];  // this CTA's counts, alternating between passes (see below)
+    __shared__ int total[256];    // the whole row's: every CTA of the cluster sums them itself
     __shared__ uint32_t warp_tot[TOPK_THREADS / WARP_SIZE];
     __shared__ uint32_t s_prefix;
     __shared__ int s_remaining;
-    const int t = blockIdx.x, tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    __shared__ int s_count[2];  // this segment's keys > T and == T, read by the later ranks
+    const int n_cta = (int) cluster.num_blocks(), rank = (int) cluster.block_rank();
+    const int t = blockIdx.x / n_cta, tid = threadIdx.x, lane = tid % WARP_SIZE,
+              warp = tid / WARP_SIZE;
     const int len = kv_len[t];
     const float *sc = scores + (size_t) t * score_stride;
     int32_t *out = idx + (size_t) t * k;
+    // This CTA's segment of the row; rank order is position order.
+    const int seg = CEIL_DIV(len, n_cta);
+    const int lo = min(rank * seg, len), hi = min(lo + seg, len);
 
-    if (len <= k) {
-        for (int i = tid; i < len; i += TOPK_THREADS) out[i] = i;
-        if (tid == 0) n_sel[t] = len;
+    if (len <= k) {  // uniform over the cluster: no CTA reaches a cluster barrier
+        for (int i = lo + tid; i < hi; i += TOPK_THREADS) out[i] = i;
+        if (rank == 0 && tid == 0) n_sel[t] = len;
         return;
     }
 
     uint32_t prefix = 0, mask = 0;
     int remaining = k;  // how many of the elements matching prefix we still need
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int i = tid; i < 256; i += TOPK_THREADS) hist[i] = 0;
+    int above = 0;      // the last pass: this thread's keys whose top 24 bits exceed T's
+    for (int pass = 0, shift = 24; shift >= 0; pass++, shift -= 8) {
+        // Pass p fills hist[p & 1]. A CTA clears it again in pass p + 2 only after the cluster
+        // barrier of pass p + 1, which every CTA reaches after reading pass p's counts: one
+        // cluster barrier per pass.
+        int *h = hist[pass & 1];
+        for (int i = tid; i < 256; i += TOPK_THREADS) h[i] = 0;
         __syncthreads();
         // Lanes with the same digit are combined first (__match_any_sync): scores of one row
         // share few top digits, and unaggregated shared-memory atomics on one address
         // serialize the whole warp.
-        for (int base = 0; base < len; base += TOPK_THREADS * TOPK_UNROLL) {
+        for (int base = lo; base < hi; base += TOPK_THREADS * TOPK_UNROLL) {
             float v[TOPK_UNROLL];  // all loads of the batch in flight before the first use
 #pragma unroll
             for (int u = 0; u < TOPK_UNROLL; u++) {
                 const int i = base + u * TOPK_THREADS + tid;
-                v[u] = i < len ? sc[i] : 0.0f;
+                v[u] = i < hi ? sc[i] : 0.0f;
             }
 #pragma unroll
             for (int u = 0; u < TOPK_UNROLL; u++) {
                 const int i = base + u * TOPK_THREADS + tid;
                 int bin = -1;
-                if (i < len) {
+                if (i < hi) {
                     const uint32_t key = order_key(v[u]);
-                    if ((key & mask) == prefix) bin = (int) ((key >> shift) & 255);
+                    if ((key & mask) == prefix)
+                        bin = (int) ((key >> shift) & 255);
+                    else if (shift == 0 && (key & mask) > prefix)
+                        above++;
                 }
                 const unsigned peers = __match_any_sync(0xffffffffu, bin);
-                if (bin >= 0 && __ffs(peers) - 1 == lane) atomicAdd(&hist[bin], __popc(peers));
+                if (bin >= 0 && __ffs(peers) - 1 == lane) atomicAdd(&h[bin], __popc(peers));
             }
+        }
+        cluster.sync();  // every CTA's counts of this pass are complete
+        for (int i = tid; i < 256; i += TOPK_THREADS) {
+            int sum = 0;
+            for (int r = 0; r < n_cta; r++) sum += cluster.map_shared_rank(h, r)[i];
+            total[i] = sum;
         }
         __syncthreads();
         if (warp == 0) {
@@ -274,7 +305,7 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
             int loc[8], sum = 0;
 #pragma unroll
             for (int j = 0; j < 8; j++) {
-                loc[j] = hist[255 - 8 * lane - j];
+                loc[j] = total[255 - 8 * lane - j];
                 sum += loc[j];
             }
             int incl = sum;
@@ -304,25 +335,46 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
         __syncthreads();
     }
     // prefix is the k-th largest key T; keep every key > T and the last `remaining` keys == T,
-    // in ascending position order: the first n_eq - remaining ties are skipped. One scan per
-    // chunk counts both kinds (greater in the low 16 bits, equal in the high 16); an
-    // element's output slot is the selections before it.
-    const int n_eq = hist[prefix & 255];  // the last pass's bin of T: the keys equal to T
+    // in ascending position order: the first n_eq - remaining ties of the row are skipped.
+    const int n_eq = total[prefix & 255];  // the last pass's bin of T: the row's keys equal to T
     const int skip_eq = n_eq - remaining;
-    int written = 0, eq_seen = 0;
-    for (int base = 0; base < len && written < k; base += TOPK_THREADS * TOPK_UNROLL) {
+    // This segment's keys > T (above T's top 24 bits, or in a higher bin of the last pass) and
+    // == T; the earlier ranks' sums place this segment's selections.
+    {
+        const int *h = hist[1];  // the last pass (3) is odd
+        uint32_t ex;
+        const uint32_t n_above = block_scan((uint32_t) above, &ex, warp_tot);
+        if (tid == 0) {
+            int gt = (int) n_above;
+            for (int b = (int) (prefix & 255) + 1; b < 256; b++) gt += h[b];
+            s_count[0] = gt;
+            s_count[1] = h[prefix & 255];
+        }
+    }
+    cluster.sync();  // counts published; nobody reads hist any more
+    int gt_before = 0, eq_before = 0;
+    for (int r = 0; r < rank; r++) {
+        const int *c = cluster.map_shared_rank(s_count, r);
+        gt_before += c[0];
+        eq_before += c[1];
+    }
+    cluster.sync();  // no CTA exits while a later rank may still read its counts
+    // One scan per chunk counts both kinds (greater in the low 16 bits, equal in the high 16);
+    // an element's output slot is the selections before it.
+    int written = gt_before + max(eq_before - skip_eq, 0), eq_seen = eq_before;
+    for (int base = lo; base < hi && written < k; base += TOPK_THREADS * TOPK_UNROLL) {
         uint32_t kv[TOPK_UNROLL];
 #pragma unroll
         for (int u = 0; u < TOPK_UNROLL; u++) {
             const int i = base + u * TOPK_THREADS + tid;
-            kv[u] = i < len ? order_key(sc[i]) : 0u;
+            kv[u] = i < hi ? order_key(sc[i]) : 0u;
         }
 #pragma unroll
         for (int u = 0; u < TOPK_UNROLL; u++) {
-            if (base + u * TOPK_THREADS >= len || written >= k) break;  // uniform
+            if (base + u * TOPK_THREADS >= hi || written >= k) break;  // uniform
             const int i = base + u * TOPK_THREADS + tid;
-            const int gt = i < len && kv[u] > prefix;
-            const int eq = i < len && kv[u] == prefix;
+            const int gt = i < hi && kv[u] > prefix;
+            const int eq = i < hi && kv[u] == prefix;
             uint32_t ex;
             const uint32_t tot = block_scan((uint32_t) gt | ((uint32_t) eq << 16), &ex, warp_tot);
             const int ex_gt = (int) (ex & 0xffffu), ex_eq = (int) (ex >> 16);
@@ -336,7 +388,7 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
             eq_seen = eq_after;
         }
     }
-    if (tid == 0) n_sel[t] = k;
+    if (rank == 0 && tid == 0) n_sel[t] = k;
 }
 
 // ---------------------------------------------------------------------------
@@ -378,11 +430,51 @@ void dsa_scores(float *scores, int score_stride, const float *q, const float *w,
     CUDA_CHECK(cudaGetLastError());
 }
 
+// CTAs per token (a cluster): one CTA reads a 128K row at ~1/10 of what a few SMs do, so
+// when the tokens leave SMs idle (decode: one to a few tokens) each row is split over up to 8
+// (the portable cluster size) as far as the device can co-schedule clusters of 1,024-thread
+// CTAs; rows of at most one CTA chunk (8,192 scores) stay on one CTA.
+static int topk_cluster(int n_tok, int score_stride)
+{
+    static int max_cta = 0;  // per process (one device kind); a benign race computes it twice
+    if (max_cta == 0) {
+        int dev = 0, n_sm = 0;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute a = {};
+        a.id = cudaLaunchAttributeClusterDimension;
+        a.val.clusterDim.x = 8, a.val.clusterDim.y = 1, a.val.clusterDim.z = 1;
+        cfg.gridDim = dim3(8), cfg.blockDim = dim3(TOPK_THREADS), cfg.attrs = &a, cfg.numAttrs = 1;
+        int c = 8, n_clusters = 0;
+        while (c > 1) {
+            a.val.clusterDim.x = (unsigned) c, cfg.gridDim = dim3((unsigned) c);
+            if (cudaOccupancyMaxActiveClusters(&n_clusters, dsa_topk_kernel, &cfg) == cudaSuccess
+                && n_clusters > 0)
+                break;
+            (void) cudaGetLastError();
+            c /= 2;
+        }
+        max_cta = c | (n_sm << 4);
+    }
+    const int c_max = max_cta & 15, n_sm = max_cta >> 4;
+    if (score_stride <= TOPK_THREADS * TOPK_UNROLL) return 1;
+    int c = 1;
+    while (c < c_max && 2 * c * n_tok <= n_sm) c *= 2;
+    return c;
+}
+
 void dsa_topk(int32_t *idx, int32_t *n_sel, const float *scores, int score_stride,
               const int32_t *kv_len, int n_tok, int k, cudaStream_t stream)
 {
     ASSERT(n_tok > 0 && k > 0 && score_stride > 0);
-    dsa_topk_kernel<<<n_tok, TOPK_THREADS, 0, stream>>>(idx, n_sel, scores, score_stride, kv_len,
-                                                        k);
-    CUDA_CHECK(cudaGetLastError());
+    const int c = topk_cluster(n_tok, score_stride);
+    ASSERT((long long) n_tok * c <= INT32_MAX);
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute a = {};
+    a.id = cudaLaunchAttributeClusterDimension;
+    a.val.clusterDim.x = (unsigned) c, a.val.clusterDim.y = 1, a.val.clusterDim.z = 1;
+    cfg.gridDim = dim3((unsigned) (n_tok * c)), cfg.blockDim = dim3(TOPK_THREADS);
+    cfg.stream = stream, cfg.attrs = &a, cfg.numAttrs = 1;
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dsa_topk_kernel, idx, n_sel, scores, score_stride, kv_len, k));
 }
