@@ -9,7 +9,8 @@
  *
  * Top-k: a cluster of 1-8 CTAs of 1024 threads per token, each over a contiguous segment of
  * the row (more CTAs when few tokens leave SMs idle: at decode a 128K row takes a CTA ~300 us
- * alone, bound by one SM's loads in flight). A 4-pass MSB-first radix select over the scores'
+ * alone, bound by one SM's loads in flight; clusters on sm_90 / sm_100 only, one CTA per token
+ * elsewhere). A 4-pass MSB-first radix select over the scores'
  * order-preserving 32-bit keys finds the k-th largest key T and how many positions equal to T
  * to keep: each CTA counts its segment's digits (histogram atomics aggregated per warp with
  * __match_any_sync), one cluster barrier per pass, then every CTA sums the cluster's counts
@@ -228,20 +229,43 @@ static __device__ uint32_t block_scan(uint32_t v, uint32_t *excl, uint32_t *warp
     return total;
 }
 
+// A cluster's barrier and a peer CTA's shared memory, or (CLUSTER false: one CTA per token,
+// launched without clusters, for devices without distributed shared memory) the CTA's own.
+template <bool CLUSTER>
+static __device__ __forceinline__ void topk_sync()
+{
+    if constexpr (CLUSTER)
+        cooperative_groups::this_cluster().sync();
+    else
+        __syncthreads();
+}
+
+template <bool CLUSTER, typename T>
+static __device__ __forceinline__ T *topk_peer(T *p, int rank)
+{
+    if constexpr (CLUSTER)
+        return cooperative_groups::this_cluster().map_shared_rank(p, rank);
+    else
+        return p;
+}
+
+template <bool CLUSTER>
 static __global__ void __launch_bounds__(TOPK_THREADS)
     dsa_topk_kernel(int32_t *__restrict__ idx, int32_t *__restrict__ n_sel,
                     const float *__restrict__ scores, int score_stride,
                     const int32_t *__restrict__ kv_len, int k)
 {
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
     __shared__ int hist[2][256];  // this CTA's counts, alternating between passes (see below)
     __shared__ int total[256];    // the whole row's: every CTA of the cluster sums them itself
     __shared__ uint32_t warp_tot[TOPK_THREADS / WARP_SIZE];
     __shared__ uint32_t s_prefix;
     __shared__ int s_remaining;
     __shared__ int s_count[2];  // this segment's keys > T and == T, read by the later ranks
-    const int n_cta = (int) cluster.num_blocks(), rank = (int) cluster.block_rank();
+    int n_cta = 1, rank = 0;
+    if constexpr (CLUSTER) {
+        n_cta = (int) cooperative_groups::this_cluster().num_blocks();
+        rank = (int) cooperative_groups::this_cluster().block_rank();
+    }
     const int t = blockIdx.x / n_cta, tid = threadIdx.x, lane = tid % WARP_SIZE,
               warp = tid / WARP_SIZE;
     const int len = kv_len[t];
@@ -292,10 +316,10 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
                 if (bin >= 0 && __ffs(peers) - 1 == lane) atomicAdd(&h[bin], __popc(peers));
             }
         }
-        cluster.sync();  // every CTA's counts of this pass are complete
+        topk_sync<CLUSTER>();  // every CTA's counts of this pass are complete
         for (int i = tid; i < 256; i += TOPK_THREADS) {
             int sum = 0;
-            for (int r = 0; r < n_cta; r++) sum += cluster.map_shared_rank(h, r)[i];
+            for (int r = 0; r < n_cta; r++) sum += topk_peer<CLUSTER>(h, r)[i];
             total[i] = sum;
         }
         __syncthreads();
@@ -351,14 +375,14 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
             s_count[1] = h[prefix & 255];
         }
     }
-    cluster.sync();  // counts published; nobody reads hist any more
+    topk_sync<CLUSTER>();  // counts published; nobody reads hist any more
     int gt_before = 0, eq_before = 0;
     for (int r = 0; r < rank; r++) {
-        const int *c = cluster.map_shared_rank(s_count, r);
+        const int *c = topk_peer<CLUSTER>(s_count, r);
         gt_before += c[0];
         eq_before += c[1];
     }
-    cluster.sync();  // no CTA exits while a later rank may still read its counts
+    topk_sync<CLUSTER>();  // no CTA exits while a later rank may still read its counts
     // One scan per chunk counts both kinds (greater in the low 16 bits, equal in the high 16);
     // an element's output slot is the selections before it.
     int written = gt_before + max(eq_before - skip_eq, 0), eq_seen = eq_before;
@@ -432,28 +456,34 @@ void dsa_scores(float *scores, int score_stride, const float *q, const float *w,
 
 // CTAs per token (a cluster): one CTA reads a 128K row at ~1/10 of what a few SMs do, so
 // when the tokens leave SMs idle (decode: one to a few tokens) each row is split over up to 8
-// (the portable cluster size) as far as the device can co-schedule clusters of 1,024-thread
-// CTAs; rows of at most one CTA chunk (8,192 scores) stay on one CTA.
+// (the portable cluster size) as far as the device co-schedules clusters of 1,024-thread CTAs;
+// rows of at most one CTA chunk (8,192 scores) stay on one CTA. Clusters only on sm_90 and
+// sm_100 (distributed shared memory; sm_12x lacks it: NVIDIA/dgx-spark-playbooks issue 22): elsewhere
+// one CTA per token, launched without a cluster attribute. On a GB10 the 128K top-k is a few
+// percent of a bandwidth-bound step.
 static int topk_cluster(int n_tok, int score_stride)
 {
-    static int max_cta = 0;  // per process (one device kind); a benign race computes it twice
+    static int max_cta = 0;  // c_max | n_sm << 4, per process (one device kind); benign race
     if (max_cta == 0) {
-        int dev = 0, n_sm = 0;
+        int dev = 0, n_sm = 0, major = 0, c = 1;
         CUDA_CHECK(cudaGetDevice(&dev));
         CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute a = {};
-        a.id = cudaLaunchAttributeClusterDimension;
-        a.val.clusterDim.x = 8, a.val.clusterDim.y = 1, a.val.clusterDim.z = 1;
-        cfg.gridDim = dim3(8), cfg.blockDim = dim3(TOPK_THREADS), cfg.attrs = &a, cfg.numAttrs = 1;
-        int c = 8, n_clusters = 0;
-        while (c > 1) {
-            a.val.clusterDim.x = (unsigned) c, cfg.gridDim = dim3((unsigned) c);
-            if (cudaOccupancyMaxActiveClusters(&n_clusters, dsa_topk_kernel, &cfg) == cudaSuccess
-                && n_clusters > 0)
-                break;
-            (void) cudaGetLastError();
-            c /= 2;
+        CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        if (major == 9 || major == 10) {
+            cudaLaunchConfig_t cfg = {};
+            cudaLaunchAttribute a = {};
+            a.id = cudaLaunchAttributeClusterDimension;
+            a.val.clusterDim.y = 1, a.val.clusterDim.z = 1;
+            cfg.blockDim = dim3(TOPK_THREADS), cfg.attrs = &a, cfg.numAttrs = 1;
+            for (c = 8; c > 1; c /= 2) {
+                int n_clusters = 0;
+                a.val.clusterDim.x = (unsigned) c, cfg.gridDim = dim3((unsigned) c);
+                if (cudaOccupancyMaxActiveClusters(&n_clusters, dsa_topk_kernel<true>, &cfg)
+                        == cudaSuccess
+                    && n_clusters > 0)
+                    break;
+                (void) cudaGetLastError();
+            }
         }
         max_cta = c | (n_sm << 4);
     }
@@ -469,6 +499,12 @@ void dsa_topk(int32_t *idx, int32_t *n_sel, const float *scores, int score_strid
 {
     ASSERT(n_tok > 0 && k > 0 && score_stride > 0);
     const int c = topk_cluster(n_tok, score_stride);
+    if (c == 1) {
+        dsa_topk_kernel<false><<<n_tok, TOPK_THREADS, 0, stream>>>(idx, n_sel, scores,
+                                                                   score_stride, kv_len, k);
+        CUDA_CHECK(cudaGetLastError());
+        return;
+    }
     ASSERT((long long) n_tok * c <= INT32_MAX);
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute a = {};
@@ -476,5 +512,6 @@ void dsa_topk(int32_t *idx, int32_t *n_sel, const float *scores, int score_strid
     a.val.clusterDim.x = (unsigned) c, a.val.clusterDim.y = 1, a.val.clusterDim.z = 1;
     cfg.gridDim = dim3((unsigned) (n_tok * c)), cfg.blockDim = dim3(TOPK_THREADS);
     cfg.stream = stream, cfg.attrs = &a, cfg.numAttrs = 1;
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dsa_topk_kernel, idx, n_sel, scores, score_stride, kv_len, k));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dsa_topk_kernel<true>, idx, n_sel, scores, score_stride,
+                                  kv_len, k));
 }
