@@ -246,6 +246,28 @@ static __global__ void __launch_bounds__(ROUTE_RANK_THREADS)
 
 enum { GROUP_THREADS = MOE_MAX_PAIRS, TILE_INTS = 2 + MOE_TILE_COLS };
 
+// Inclusive scan of the experts' tile counts (ceil(count / 8)) into base, by one warp: lane l
+// sums a run of experts, the lanes' sums are scanned by shuffles, and each lane writes its
+// run's prefix.
+static __device__ void scan_tiles(int32_t *base, const int32_t *count, int n_experts)
+{
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int per = CEIL_DIV(n_experts, WARP_SIZE), e0 = lane * per;
+    int sum = 0;
+    for (int i = e0; i < e0 + per && i < n_experts; i++) sum += CEIL_DIV(count[i], MOE_TILE_COLS);
+    int incl = sum;
+#pragma unroll
+    for (int o = 1; o < WARP_SIZE; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+    }
+    int run = incl - sum;
+    for (int i = e0; i < e0 + per && i < n_experts; i++) {
+        run += CEIL_DIV(count[i], MOE_TILE_COLS);
+        base[i] = run;
+    }
+}
+
 // One block. Pair p = t*k + j of expert e gets rank = #{p' < p : idx[p'] == e}; expert e's
 // tiles start at the prefix sum of ceil(count / 8) over the experts before it; the pair goes
 // to tile base[e] + rank / 8, column rank % 8. Tiles in ascending expert order, columns in
@@ -267,24 +289,7 @@ static __global__ void __launch_bounds__(GROUP_THREADS)
         atomicAdd(&count[e], 1);
     }
     __syncthreads();
-    // Inclusive scan of the tile counts by warp 0: lane l sums a run of experts, the lanes'
-    // sums are scanned by shuffles, and each lane writes its run's prefix.
-    if (tid < WARP_SIZE) {
-        const int per = CEIL_DIV(n_experts, WARP_SIZE), e0 = tid * per;
-        int sum = 0;
-        for (int i = e0; i < e0 + per && i < n_experts; i++) sum += CEIL_DIV(count[i], MOE_TILE_COLS);
-        int incl = sum;
-#pragma unroll
-        for (int o = 1; o < WARP_SIZE; o <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, incl, o);
-            if (tid >= o) incl += v;
-        }
-        int run = incl - sum;
-        for (int i = e0; i < e0 + per && i < n_experts; i++) {
-            run += CEIL_DIV(count[i], MOE_TILE_COLS);
-            base[i] = run;
-        }
-    }
+    if (tid < WARP_SIZE) scan_tiles(base, count, n_experts);
     __syncthreads();
     if (tid == 0) work[0] = base[n_experts - 1];
     if (e >= 0) {
@@ -296,6 +301,45 @@ static __global__ void __launch_bounds__(GROUP_THREADS)
             t[0] = e;
             t[1] = min(MOE_TILE_COLS, count[e] - (rank - col));
         }
+    }
+}
+
+// More pairs than one block holds (a prefill chunk, up to MOE_MAX_CHUNK_PAIRS): the same
+// tiles by atomics over three launches. cnt = work's counters past the tiles: count[E],
+// cursor[E], base[E] (count and cursor zeroed by the launcher). A pair's column is the order
+// in which its thread reached the expert's cursor, so the list varies between runs; a pair's
+// results do not (each MMA column is its own dot products, and each staged column its own
+// scale), so the outputs equal moe_group_kernel's bit for bit.
+static __global__ void moe_count_kernel(int32_t *__restrict__ cnt, const int32_t *__restrict__ idx,
+                                        int n_pairs)
+{
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p < n_pairs) atomicAdd(&cnt[idx[p]], 1);
+}
+
+static __global__ void moe_scan_kernel(int32_t *__restrict__ work, int32_t *__restrict__ cnt,
+                                       int n_experts)
+{
+    int32_t *base = cnt + 2 * n_experts;
+    scan_tiles(base, cnt, n_experts);
+    __syncwarp();
+    if (threadIdx.x == 0) work[0] = base[n_experts - 1];
+}
+
+static __global__ void moe_place_kernel(int32_t *__restrict__ work, int32_t *__restrict__ cnt,
+                                        const int32_t *__restrict__ idx, int n_pairs, int n_experts)
+{
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= n_pairs) return;
+    const int e = idx[p], count = cnt[e];
+    const int rank = atomicAdd(&cnt[n_experts + e], 1);
+    const int tile = cnt[2 * n_experts + e] - CEIL_DIV(count, MOE_TILE_COLS) + rank / MOE_TILE_COLS;
+    int32_t *t = work + 1 + (size_t) tile * TILE_INTS;
+    const int col = rank % MOE_TILE_COLS;
+    t[2 + col] = p;
+    if (col == 0) {
+        t[0] = e;
+        t[1] = min(MOE_TILE_COLS, count - rank);
     }
 }
 
@@ -700,15 +744,29 @@ static int max_tiles(int n_pairs, int n_experts)
 
 size_t moe_work_ints(int n_pairs, int n_experts)
 {
-    return 1 + (size_t) max_tiles(n_pairs, n_experts) * TILE_INTS;
+    const size_t counters = n_pairs > MOE_MAX_PAIRS ? (size_t) 3 * n_experts : 0;
+    return 1 + (size_t) max_tiles(n_pairs, n_experts) * TILE_INTS + counters;
 }
 
 void moe_group(int32_t *work, const int32_t *idx, int n_tok, int k, int n_experts,
                cudaStream_t stream)
 {
-    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && n_tok * k <= MOE_MAX_PAIRS);
+    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (long long) n_tok * k <= MOE_MAX_CHUNK_PAIRS);
     ASSERT(n_experts > 0 && n_experts <= MOE_MAX_EXPERTS);
-    moe_group_kernel<<<1, GROUP_THREADS, 0, stream>>>(work, idx, n_tok * k, n_experts);
+    const int n_pairs = n_tok * k;
+    if (n_pairs <= MOE_MAX_PAIRS) {
+        moe_group_kernel<<<1, GROUP_THREADS, 0, stream>>>(work, idx, n_pairs, n_experts);
+        CUDA_CHECK(cudaGetLastError());
+        return;
+    }
+    int32_t *cnt = work + 1 + (size_t) max_tiles(n_pairs, n_experts) * TILE_INTS;
+    CUDA_CHECK(cudaMemsetAsync(cnt, 0, (size_t) 2 * n_experts * sizeof *cnt, stream));
+    const unsigned blocks = (unsigned) CEIL_DIV(n_pairs, 256);
+    moe_count_kernel<<<blocks, 256, 0, stream>>>(cnt, idx, n_pairs);
+    CUDA_CHECK(cudaGetLastError());
+    moe_scan_kernel<<<1, WARP_SIZE, 0, stream>>>(work, cnt, n_experts);
+    CUDA_CHECK(cudaGetLastError());
+    moe_place_kernel<<<blocks, 256, 0, stream>>>(work, cnt, idx, n_pairs, n_experts);
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -738,7 +796,7 @@ static size_t launch_shape(const void *kernel, const MoeExperts *ex, int n_tok, 
                            int n_tiles, dim3 *grid)
 {
     check_experts(ex);
-    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && n_tok * k <= MOE_MAX_PAIRS);
+    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (long long) n_tok * k <= MOE_MAX_CHUNK_PAIRS);
     const size_t smem = stage_bytes(n_tok, K);
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int) smem));

@@ -18,9 +18,13 @@
  *   g2        fp32 [E]
  *   A tile of K columns: 8*K code bytes then K scale bytes per tile, tiles in order.
  *
- * A step (n_tok tokens, k slots, n_tok * k <= MOE_MAX_PAIRS):
+ * A step (n_tok tokens, k slots, n_tok * k <= MOE_MAX_CHUNK_PAIRS):
  *   moe_group: work int32 [moe_work_ints] = the pairs p = t*k + j grouped by expert idx[p]
- *     into tiles of <= MOE_TILE_COLS, ascending expert, slot order within.
+ *     into tiles of <= MOE_TILE_COLS, ascending expert; up to MOE_MAX_PAIRS pairs (decode) in
+ *     slot order within an expert, by one block; more (a prefill chunk) in the order atomics
+ *     give them, by three launches. A pair's outputs do not depend on its tile or column, so
+ *     both give the same results bit for bit; larger chunks read each expert fewer times
+ *     (a tile reads its whole expert: ~pairs / 8 + experts reads a chunk).
  *   moe_experts_w13: act[p, i] = bf16( SiLU(gate_e(x_t)[i]) * up_e(x_t)[i] ), x fp32
  *     [n_tok, hidden] rounded to bf16 as read; act bf16 [n_tok*k, inter].
  *   moe_experts_w2: y[p, :] = w[p] * down_e(act[p]), y fp32 [n_tok*k, hidden].
@@ -51,7 +55,8 @@ extern "C" {
 #define MOE_MAX_K 16
 #define MOE_MAX_GROUPS 32
 #define MOE_TILE_COLS 8    // pairs of one expert per tensor-core tile
-#define MOE_MAX_PAIRS 512  // n_tok * k of one step's launches
+#define MOE_MAX_PAIRS 512  // n_tok * k that moe_group's one-block grouping takes (decode)
+#define MOE_MAX_CHUNK_PAIRS 8192  // n_tok * k of one launch (a 1,024-token prefill chunk at k 8)
 
 typedef struct MoeExperts {
     const uint8_t *q13, *s13;  // [E, 2*inter, hidden/2], [E, 2*inter, hidden/16]

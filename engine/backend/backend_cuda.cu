@@ -1901,11 +1901,13 @@ static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int
 // Routed experts through kernels/moe.h (stacked, packed NVFP4 experts under the BF16 recipe):
 // the pairs grouped by expert, gate/up with SwiGLU (x rounded to bf16 as read) into bf16
 // activations, down into each pair's weighted output, the k outputs of a token added in slot
-// order. Tokens in chunks of MOE_MAX_PAIRS / top_k.
+// order. Tokens in chunks of MOE_MAX_CHUNK_PAIRS / top_k (1,024 at GLM's k 8): a tile reads
+// its whole expert, so a prefill's expert bytes fall with the chunk (4,096 tokens: ~206 GB a
+// layer in 64-token chunks, ~94 GB in 1,024-token ones; the floor, ~87 GB, is tiles of 8).
 static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const int *idx,
                       const float *wts, int top_k, const MoeExperts *ex)
 {
-    const int per = MOE_MAX_PAIRS / top_k, chunk = n < per ? n : per;
+    const int per = MOE_MAX_CHUNK_PAIRS / top_k, chunk = n < per ? n : per;
     const size_t hidden = (size_t) ex->hidden, inter = (size_t) ex->inter,
                  pairs = (size_t) chunk * top_k;
     int32_t *work = (int32_t *) scratch(

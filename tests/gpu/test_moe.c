@@ -128,6 +128,33 @@ static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
     moe_experts_w13(d_act, &ex, d_x, d_work, n_tok, k, 0);
     moe_experts_w2(d_y, &ex, d_act, d_work, d_w, n_tok, k, 0);
     moe_combine(d_out, d_y, d_res, n_tok, k, hidden, 0);
+    if (n_pairs > MOE_MAX_PAIRS) {
+        // A prefill chunk's grouping (atomics, three launches) against decode-sized calls of
+        // moe_group's one-block grouping over the same tokens: equal bit for bit (moe.h).
+        uint16_t *d_act2 = gpu_alloc_poisoned((size_t) n_pairs * inter * 2);
+        float *d_y2 = gpu_alloc_poisoned((size_t) n_pairs * hidden * 4);
+        float *d_out2 = gpu_alloc_poisoned((size_t) n_tok * hidden * 4);
+        const int per = MOE_MAX_PAIRS / k;
+        for (int t0 = 0; t0 < n_tok; t0 += per) {
+            const int nc = n_tok - t0 < per ? n_tok - t0 : per;
+            const size_t p0 = (size_t) t0 * k;
+            moe_group(d_work, d_idx + p0, nc, k, n_experts, 0);
+            moe_experts_w13(d_act2 + p0 * inter, &ex, d_x + (size_t) t0 * hidden, d_work, nc, k, 0);
+            moe_experts_w2(d_y2 + p0 * hidden, &ex, d_act2 + p0 * inter, d_work, d_w + p0, nc, k, 0);
+            moe_combine(d_out2 + (size_t) t0 * hidden, d_y2 + p0 * hidden,
+                        d_res + (size_t) t0 * hidden, nc, k, hidden, 0);
+        }
+        const size_t na = (size_t) n_pairs * inter * 2, no = (size_t) n_tok * hidden * 4;
+        uint8_t *a1 = xmalloc(na), *a2 = xmalloc(na), *o1 = xmalloc(no), *o2 = xmalloc(no);
+        gpu_download(a1, d_act, na), gpu_download(a2, d_act2, na);
+        gpu_download(o1, d_out, no), gpu_download(o2, d_out2, no);
+        const bool same = !memcmp(a1, a2, na) && !memcmp(o1, o2, no);
+        printf("moe E=%d tok=%d k=%d: chunk grouping = %d-pair calls bit for bit: %s\n", n_experts,
+               n_tok, k, MOE_MAX_PAIRS, same ? "yes" : "NO");
+        CHECK(same);
+        free(a1), free(a2), free(o1), free(o2);
+        cudaFree(d_act2), cudaFree(d_y2), cudaFree(d_out2);
+    }
 
     // w13 + SwiGLU.
     const size_t na = (size_t) n_pairs * inter;
@@ -190,5 +217,7 @@ int main(void)
     test_experts(4, 48, 16, 5, 4);       // every expert taken by most tokens
     test_experts(20, 128, 64, 2, 16);    // k > 8: a w2 warp walks two slots
     test_experts(11, 96, 96, 3, 9);
+    test_experts(20, 128, 64, 700, 8);   // a prefill chunk: 5,600 pairs, grouped by atomics
+    test_experts(156, 256, 64, 1024, 8);  // the largest chunk at GLM's E and k
     return check_exit();
 }
