@@ -4,7 +4,7 @@
  *
  *   glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] [--seed S])
  *     [--batch 1,8] [--ctx 1024] [--prefill-chunk 4096] [--steps 32] [--threads N]
- *     [--kv-dtype f32|bf16|fp8] [--precision f32|bf16] [--json]
+ *     [--kv-dtype f32|bf16|fp8] [--precision f32|bf16] [--mtp-drafts 1,2,3] [--json]
  *   glmspark bench --backend cuda --reap-ops [--batch 1,8] [--steps 32]
  *
  * For each batch size B: B sequences are prefilled with --ctx deterministic token ids each
@@ -25,6 +25,16 @@
  * 5) measured in the same run; decode steps replay CUDA graphs unless GLMSPARK_CUDA_GRAPHS=0;
  * GLMSPARK_CUDA_PROFILE=1 prints the time per op kind of the prefill and of the decode steps
  * (synchronized, so slower; backend_cuda.h). --json prints one JSON object per configuration instead.
+ *
+ * --mtp-drafts K,.. (1-3; the checkpoint needs an MTP layer: `mkmodel --mtp 1`) then times,
+ * for each batch size and K, the steps of MTP with K drafts as the engine runs them
+ * (engine/pipeline/mtp.c): the verify forward of 1 + K rows a sequence (every row's logits
+ * downloaded) and, per sequence, the MTP layer over 1 + K rows (the rows of a step whose
+ * drafts were all accepted: the most it runs) then K - 1 one-row recursive passes, each with
+ * its logits. Printed: the verify step and its ratio to the 1-row step, the draft passes, and
+ * the speed-up B tokens a step would give at GLM-5.2's published mean accepted lengths
+ * (1.84, 2.50, 2.99 for 1-3 drafts): accepted length x the 1-row step / the MTP step, with
+ * the acceptance-free costs so that any other accepted length L gives L x that ratio.
  *
  * --synthetic writes the mkmodel preset (default "default"; see `glmspark mkmodel`) into
  * $TMPDIR (or /tmp)/glmspark-bench-PRESET-SEED first. `--model DIR` on a `glmspark mkmodel
@@ -56,7 +66,7 @@
 #include "engine/shared/num.h"
 #include "engine/tools/mkmodel.h"
 
-enum { BENCH_MAX_BATCHES = 16 };
+enum { BENCH_MAX_BATCHES = 16, BENCH_MAX_DRAFTS = 3 };
 
 typedef struct BenchArgs {
     const char *model_dir;
@@ -74,35 +84,41 @@ typedef struct BenchArgs {
     KvDtype kv_dtype;
     bool json;
     bool reap_ops;
+    int drafts[BENCH_MAX_DRAFTS];  // --mtp-drafts
+    int n_drafts;
     double copy_gbs;  // measured device-to-device copy bandwidth (CUDA), else 0
 } BenchArgs;
+
+// GLM-5.2's published mean accepted length (tokens a step) with 1, 2, 3 MTP drafts.
+static const double mtp_accept_len[BENCH_MAX_DRAFTS + 1] = {1.0, 1.84, 2.50, 2.99};
 
 static int bench_usage(void)
 {
     fprintf(stderr,
             "usage: glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] "
             "[--seed S]) [--batch 1,8] [--ctx 1024] [--prefill-chunk 4096] [--steps 32] "
-            "[--threads N] [--kv-dtype f32|bf16|fp8] [--precision f32|bf16] [--json]\n"
+            "[--threads N] [--kv-dtype f32|bf16|fp8] [--precision f32|bf16] "
+            "[--mtp-drafts 1,2,3] [--json]\n"
             "       glmspark bench --backend cuda --reap-ops [--batch 1,8] [--steps 32]\n");
     return 2;
 }
 
-// "1,8,16" -> batches; false on a bad list.
-static bool parse_batches(const char *s, BenchArgs *a)
+// "1,8,16" -> out[0..*n) (at most cap values in [lo, hi]); false on a bad list.
+static bool parse_list(const char *s, int lo, int hi, int cap, int *out, int *n)
 {
-    a->n_batches = 0;
+    *n = 0;
     while (*s) {
         char *end;
         const long v = strtol(s, &end, 10);
-        if (end == s || v < 1 || v > 1024 || a->n_batches == BENCH_MAX_BATCHES) return false;
-        a->batches[a->n_batches++] = (int) v;
+        if (end == s || v < lo || v > hi || *n == cap) return false;
+        out[(*n)++] = (int) v;
         if (*end == ',')
             end++;
         else if (*end)
             return false;
         s = end;
     }
-    return a->n_batches > 0;
+    return *n > 0;
 }
 
 static int parse_bench_args(int argc, char **argv, BenchArgs *a)
@@ -147,7 +163,9 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
         } else if (strcmp(opt, "--backend") == 0)
             ok = cli_parse_backend(val, &a->cuda);
         else if (strcmp(opt, "--batch") == 0)
-            ok = parse_batches(val, a);
+            ok = parse_list(val, 1, 1024, BENCH_MAX_BATCHES, a->batches, &a->n_batches);
+        else if (strcmp(opt, "--mtp-drafts") == 0)
+            ok = parse_list(val, 1, BENCH_MAX_DRAFTS, BENCH_MAX_DRAFTS, a->drafts, &a->n_drafts);
         else if (strcmp(opt, "--ctx") == 0)
             ok = num_parse_int(val, 1, 1 << 20, &a->ctx);
         else if (strcmp(opt, "--prefill-chunk") == 0)
@@ -259,25 +277,94 @@ static void prompt_ids(int *ids, int n, int i, int vocab_size)
         ids[t] = (int) ((1103515245u * (unsigned) (t + 7919 * i) + 12345u) % (unsigned) vocab_size);
 }
 
+typedef struct MtpTime {
+    double verify_s, draft_s;  // per step: the verify forward, the MTP passes
+} MtpTime;
+
+// Timed MTP steps with k drafts for the B prefilled sequences ptrs (--mtp-drafts; see the file
+// comment): per step the verify forward of 1 + k rows a sequence into logits [B (1 + k), V],
+// then each sequence's MTP passes on its own sequence of mkv (mseqs) from the hidden rows hid
+// [1 + k, hidden] (host; any values: the costs do not depend on them), the last row's logits
+// into row and its state into hcur. After one untimed step, seconds per step into *verify_s
+// and *draft_s. False on failure.
+static bool bench_mtp(const BenchArgs *a, Model *m, KvCache *kv, KvSeq *const *ptrs, KvCache *mkv,
+                      KvSeq *mseqs, int B, int k, int *ids, int *n_new, float *logits,
+                      const float *hid, float *hcur, float *row, double *verify_s, double *draft_s)
+{
+    const int V = m->cfg.vocab_size, rows = 1 + k;
+    for (int i = 0; i < B; i++)
+        n_new[i] = rows;
+    const ModelBatch b = {B, ptrs, n_new};
+    *verify_s = *draft_s = 0.0;
+    for (int s = 0; s <= a->steps; s++) {
+        for (int i = 0; i < B * rows; i++)
+            ids[i] = (int) ((unsigned) (s * 31 + i * 17 + 11) % (unsigned) V);
+        const double t1 = clock_now_s();
+        if (model_forward_batch(m, kv, &b, ids, NULL, NULL, logits, MODEL_LOGITS_ALL)) return false;
+        const double t2 = clock_now_s();
+        for (int i = 0; i < B; i++) {
+            const int *tok = ids + (size_t) i * rows;
+            if (model_mtp_forward(m, mkv, &mseqs[i], tok, hid, rows, row, hcur, false))
+                return false;
+            for (int j = 1; j < k; j++)
+                if (model_mtp_forward(m, mkv, &mseqs[i], &tok[j], hcur, 1, row, hcur, false))
+                    return false;
+        }
+        if (s > 0) {
+            *verify_s += t2 - t1;
+            *draft_s += clock_now_s() - t2;
+        }
+    }
+    *verify_s /= a->steps;
+    *draft_s /= a->steps;
+    return true;
+}
+
 // One batch size: prefill B sequences, then time decode steps. Returns false on failure.
 // *is_warm: whether a prefill chunk has run in this process (the first one allocates the
 // workspaces, and on CUDA loads modules: untimed, on a sequence freed again).
 static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int B, bool *is_warm)
 {
     const ModelConfig *c = &m->cfg;
-    const int block = KV_DEFAULT_BLOCK_SIZE, positions = a->ctx + a->steps + 1;
+    // Positions a sequence reaches: the prompt, the decode steps, each MTP configuration's
+    // verify rows (1 + k a step) in kv, and its MTP passes (1 + k, then k - 1 single rows) in
+    // the MTP layer's own cache.
+    int max_rows = 1, verify_pos = 0, mtp_pos = 0;
+    for (int i = 0; i < a->n_drafts; i++) {
+        const int k = a->drafts[i];
+        max_rows = 1 + k > max_rows ? 1 + k : max_rows;
+        verify_pos += (a->steps + 1) * (1 + k);
+        mtp_pos += (a->steps + 1) * 2 * k;
+    }
+    const int block = KV_DEFAULT_BLOCK_SIZE, positions = a->ctx + a->steps + 1 + verify_pos;
     KvCacheParams p = model_kv_params(m, B * ((positions + block - 1) / block), block);
     p.dtype = a->kv_dtype;
-    KvCache kv = {0};
+    KvCache kv = {0}, mkv = {0};
     KvSeq *seqs = calloc((size_t) B, sizeof *seqs);
+    KvSeq *mseqs = calloc((size_t) B, sizeof *mseqs);
     KvSeq **ptrs = calloc((size_t) B, sizeof *ptrs);
-    int *ids = malloc((size_t) (a->ctx > B ? a->ctx : B) * sizeof *ids);
+    const int n_ids = a->ctx > B * max_rows ? a->ctx : B * max_rows;
+    int *ids = malloc((size_t) n_ids * sizeof *ids);
     int *n_new = malloc((size_t) B * sizeof *n_new);
-    float *logits = malloc((size_t) B * c->vocab_size * sizeof *logits);
+    float *logits = malloc((size_t) B * max_rows * c->vocab_size * sizeof *logits);
+    float *hid = malloc((size_t) max_rows * c->hidden_size * sizeof *hid);
+    float *hcur = malloc((size_t) c->hidden_size * sizeof *hcur);
+    MtpTime mt[BENCH_MAX_DRAFTS];
     bool ok = false;
-    if (!seqs || !ptrs || !ids || !n_new || !logits || kv_init(&kv, &p)) {
+    if (!seqs || !mseqs || !ptrs || !ids || !n_new || !logits || !hid || !hcur
+        || kv_init(&kv, &p)) {
         LOG_ERROR("bench: could not set up batch %d (context %d)", B, a->ctx);
         goto done;
+    }
+    if (a->n_drafts > 0) {
+        KvCacheParams mp = model_mtp_kv_params(m, B * ((mtp_pos + block - 1) / block), block);
+        mp.dtype = a->kv_dtype;
+        if (kv_init(&mkv, &mp)) {
+            LOG_ERROR("bench: could not set up the MTP layer's cache for batch %d", B);
+            goto done;
+        }
+        for (size_t i = 0; i < (size_t) max_rows * c->hidden_size; i++)
+            hid[i] = 0.5f * sinf(0.37f * (float) i);
     }
     for (int i = 0; i < B; i++)
         ptrs[i] = &seqs[i];
@@ -336,6 +423,10 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
         backend_cuda_profile_report(m->be, title);
     }
 #endif
+    for (int i = 0; i < a->n_drafts; i++)
+        if (!bench_mtp(a, m, &kv, ptrs, &mkv, mseqs, B, a->drafts[i], ids, n_new, logits, hid,
+                       hcur, logits, &mt[i].verify_s, &mt[i].draft_s))
+            goto done;
     const StepBytes sb = step_bytes(m, &kv, B, a->ctx);
     const double bytes = step_weight_bytes(&sb), gbs = bytes / step_s * 1e-9;
     const double pct = a->copy_gbs > 0.0 ? 100.0 * gbs / a->copy_gbs : 0.0;
@@ -347,7 +438,7 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
                "\"weight_bytes_step\":%.0f,\"weight_gb_s\":%.3f,\"copy_gb_s\":%.1f,"
                "\"pct_copy\":%.2f,\"bytes_step\":{\"attention\":%.0f,\"indexer\":%.0f,"
                "\"dense_mlp\":%.0f,\"shared_expert_router\":%.0f,\"routed_experts\":%.0f,"
-               "\"lm_head\":%.0f,\"kv_cache\":%.0f}}\n",
+               "\"lm_head\":%.0f,\"kv_cache\":%.0f}",
                model_dir, m->be->name, prec, m->last_layer - m->first_layer, B, a->ctx, a->steps,
                B * a->ctx / prefill_s, step_s * 1e3, B / step_s, bytes, gbs, a->copy_gbs, pct,
                sb.attn, sb.indexer, sb.mlp, sb.shared, sb.experts, sb.head, sb.kv);
@@ -366,17 +457,45 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
                "router %.3f, routed experts %.3f, lm_head %.3f; KV cache %.4f\n",
                sb.attn * 1e-9, sb.indexer * 1e-9, sb.mlp * 1e-9, sb.shared * 1e-9,
                sb.experts * 1e-9, sb.head * 1e-9, sb.kv * 1e-9);
+    if (a->json && a->n_drafts > 0) printf(",\"mtp\":[");
+    for (int i = 0; i < a->n_drafts; i++) {
+        // The speed-up at accepted length L is L x step_s / (verify + drafts): per_len.
+        const int k = a->drafts[i];
+        const double mtp_s = mt[i].verify_s + mt[i].draft_s, per_len = step_s / mtp_s;
+        if (a->json)
+            printf("%s{\"drafts\":%d,\"verify_ms\":%.4f,\"verify_ratio\":%.4f,"
+                   "\"draft_ms\":%.4f,\"step_ms\":%.4f,\"speedup_per_accepted_token\":%.4f,"
+                   "\"published_accept_len\":%.2f,\"speedup\":%.4f}",
+                   i ? "," : "", k, mt[i].verify_s * 1e3, mt[i].verify_s / step_s,
+                   mt[i].draft_s * 1e3, mtp_s * 1e3, per_len, mtp_accept_len[k],
+                   mtp_accept_len[k] * per_len);
+        else
+            printf("    mtp %d draft%s: verify %d rows a sequence %.3f ms/step (%.2fx the 1-row "
+                   "step) + %d MTP pass%s %.3f ms = %.3f ms; at GLM-5.2's mean accepted length "
+                   "%.2f: %.2fx the 1-row tok/s (accepted length L: L x %.3f)\n",
+                   k, k > 1 ? "s" : "", 1 + k, mt[i].verify_s * 1e3, mt[i].verify_s / step_s, k,
+                   k > 1 ? "es" : "", mt[i].draft_s * 1e3, mtp_s * 1e3, mtp_accept_len[k],
+                   mtp_accept_len[k] * per_len, per_len);
+    }
+    if (a->json) printf("%s}\n", a->n_drafts > 0 ? "]" : "");
     ok = true;
 done:
     if (seqs)
         for (int i = 0; i < B; i++)
             kv_seq_free(&kv, &seqs[i]);
+    if (mseqs)
+        for (int i = 0; i < B; i++)
+            kv_seq_free(&mkv, &mseqs[i]);
     kv_free(&kv);
+    kv_free(&mkv);
     free(seqs);
+    free(mseqs);
     free(ptrs);
     free(ids);
     free(n_new);
     free(logits);
+    free(hid);
+    free(hcur);
     return ok;
 }
 
@@ -559,9 +678,16 @@ int cli_bench(int argc, char **argv)
         goto done;
     }
 #endif
-    if (model_load(&m, dir, NULL, be)) goto done;
+    const ModelOptions opts = {.load_mtp = a.n_drafts > 0};
+    if (model_load(&m, dir, &opts, be)) goto done;
     if (!m.has_embed || !m.has_head) {
         LOG_ERROR("bench: \"%s\" is not a whole model", dir);
+        goto done;
+    }
+    if (a.n_drafts > 0 && !m.mtp) {
+        LOG_ERROR("bench: --mtp-drafts needs an MTP layer, and \"%s\" has none "
+                  "(num_nextn_predict_layers %d; `glmspark mkmodel --mtp 1` writes one)",
+                  dir, m.cfg.n_mtp_layers);
         goto done;
     }
     rc = 0;

@@ -456,7 +456,8 @@ done:
 static int usage_mkmodel(void)
 {
     fprintf(stderr, "usage: glmspark mkmodel --out DIR [--preset NAME] [--seed S] "
-                    "[--tokenizer FILE] [--layers N] [--dense N] [--threads N]\n  presets:");
+                    "[--tokenizer FILE] [--layers N] [--dense N] [--mtp N] [--threads N]\n"
+                    "  presets:");
     for (const char *const *p = mkmodel_presets(); *p; p++) {
         fprintf(stderr, " %s", *p);
     }
@@ -484,6 +485,9 @@ int cli_mkmodel(int argc, char **argv)
         } else if (!strcmp(argv[i], "--dense")) {
             if (!num_parse_int(argv[++i], 0, 256, &opt.dense)) return usage_mkmodel();
             opt.set_dense = true;
+        } else if (!strcmp(argv[i], "--mtp")) {
+            if (!num_parse_int(argv[++i], 0, 3, &opt.mtp)) return usage_mkmodel();
+            opt.set_mtp = true;
         } else if (!strcmp(argv[i], "--threads")) {
             if (!num_parse_int(argv[++i], 1, 1024, &opt.threads)) return usage_mkmodel();
         } else {

@@ -124,8 +124,8 @@ static const Preset presets[] = {
      .max_pos = 65536},
     // GLM-5.2-NVFP4-REAP-469B's dimensions (config.json of the release, 156 experts after
     // REAP) for benchmarks of one pipeline stage: 26 layers (the first rank's), no MTP layer
-    // (its BF16 experts alone would be 11.8 GB). About 88 GB at 26 layers; --layers and
-    // --dense give shorter models (3 layers, 1 dense: 8.9 GB).
+    // unless --mtp 1 (its BF16 experts alone are 11.8 GB). About 88 GB at 26 layers; --layers
+    // and --dense give shorter models (3 layers, 1 dense: 8.9 GB).
     {.name = "reap",
      .vocab = 154880,
      .hidden = 6144,
@@ -1133,10 +1133,15 @@ Err mkmodel_write(const MkmodelOptions *opt)
     preset = *p;
     if (opt->layers > 0) preset.layers = opt->layers;
     if (opt->set_dense) preset.first_dense = opt->dense;
+    if (opt->set_mtp) preset.mtp = opt->mtp;
     if (preset.layers > 256 || preset.first_dense < 0 || preset.first_dense > preset.layers) {
         LOG_ERROR("mkmodel: %d layers with %d dense ones: at most 256 layers, and no more dense "
                   "layers than layers",
                   preset.layers, preset.first_dense);
+        return ERR_INVAL;
+    }
+    if (preset.mtp < 0 || preset.mtp > 3) {
+        LOG_ERROR("mkmodel: %d MTP layers: 0 to 3", preset.mtp);
         return ERR_INVAL;
     }
     p = &preset;

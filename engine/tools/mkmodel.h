@@ -2,8 +2,8 @@
  * mkmodel.h - write a random GlmMoeDsa checkpoint in exactly the on-disk format of the real
  * NVFP4 ones (config.json, hf_quant_config.json, sharded safetensors with an index,
  * generation_config.json, optionally a tokenizer.json with GLM's special tokens), from tiny
- * test models up to GLM-5.2-REAP's dimensions (preset "reap", layers and dense layers as
- * asked: the benchmark checkpoint of `glmspark bench --model`).
+ * test models up to GLM-5.2-REAP's dimensions (preset "reap", layers, dense layers and MTP
+ * layers as asked: the benchmark checkpoint of `glmspark bench --model`).
  *
  * Routed experts are quantized with ModelOpt's NVFP4 recipe from random bf16 weights;
  * everything else is BF16 (e_score_correction_bias and the indexer's weights_proj F32), as
@@ -41,6 +41,8 @@ typedef struct MkmodelOptions {
     int layers;             // decoder layers; 0 means the preset's
     bool set_dense;         // dense below replaces the preset's count
     int dense;              // leading dense-MLP layers
+    bool set_mtp;           // mtp below replaces the preset's count
+    int mtp;                // MTP layers (num_nextn_predict_layers), 0-3
     int threads;            // generator threads; 0 means one per online CPU
     bool fp4_direct;        // draw the routed experts' NVFP4 codes and scales directly (below)
 } MkmodelOptions;

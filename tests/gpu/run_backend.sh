@@ -140,7 +140,9 @@ done
 # difference of two sizes with the same dense count over their MoE-layer difference. To spend
 # less device time: REAP_CFGS (kv:precision pairs, default "fp8:bf16 bf16:bf16 fp8:f32"),
 # REAP_PROFILE=0 (no profiled run), REAP_COMPARE=0 (no reap_compare below), GEN_TOKENS
-# (generate's length, 64).
+# (generate's length, 64). REAP_MTP=1 writes the checkpoints with an MTP layer (+11.8 GB of
+# BF16 experts) and times MTP steps with 1-3 drafts (`bench --mtp-drafts 1,2,3`, batches
+# ${REAP_MTP_BATCH:-1,8}: issue 19's verify ratios and the speed-up at published acceptance).
 # reap_compare DIR KV: `glmspark logits` of a 40-token prompt on the CUDA and the CPU backend
 # under both precision recipes, relative L2 per row. Checked: f32, CUDA against CPU within
 # 1e-3; bf16, the CUDA backend's largest and mean distance from the CPU's f32 result at most
@@ -196,7 +198,8 @@ for cfg in ${REAP:-}; do
     dir=${REAP_DIR:-/tmp}/reap-$layers-$dense
     echo "== mkmodel reap --layers $layers --dense $dense ($(nproc) cores)" | tee -a "$out/reap.log"
     t0=$(date +%s.%N)
-    run "$c/bin/glmspark" mkmodel --preset reap --layers "$layers" --dense "$dense" --out "$dir" \
+    run "$c/bin/glmspark" mkmodel --preset reap --layers "$layers" --dense "$dense" \
+        ${REAP_MTP:+--mtp 1} --out "$dir" \
         >>"$out/reap.log" 2>&1 || { echo "mkmodel reap $cfg failed"; status=1; continue; }
     echo "mkmodel reap $cfg: $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s, $(du -sh "$dir" | cut -f1)" | tee -a "$out/reap.log"
     for run_cfg in ${REAP_CFGS:-fp8:bf16 bf16:bf16 fp8:f32}; do  # kv:precision
@@ -208,6 +211,12 @@ for cfg in ${REAP:-}; do
             --ctx 1024 --steps "${STEPS:-16}" --kv-dtype $kv --precision $prec >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg $kv $prec failed"; status=1; }
     done
+    if [ -n "${REAP_MTP:-}" ]; then  # MTP steps with 1-3 drafts: verify rows, draft passes
+        echo "== bench reap $cfg kv fp8 precision bf16 mtp drafts 1,2,3" | tee -a "$out/reap.log"
+        run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch "${REAP_MTP_BATCH:-1,8}" \
+            --ctx 1024 --steps "${STEPS:-16}" --kv-dtype fp8 --mtp-drafts 1,2,3 \
+            >>"$out/reap.log" 2>&1 || { echo "bench reap $cfg mtp failed"; status=1; }
+    fi
     for long in ${REAP_LONG:-}; do  # e.g. "32768 131072": batch 1 at that context (DSA on), fp8
         echo "== bench reap $cfg kv fp8 precision bf16 ctx $long" | tee -a "$out/reap.log"
         run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$long" \

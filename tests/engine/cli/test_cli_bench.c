@@ -1,7 +1,9 @@
 /*
  * test_cli_bench.c - `glmspark bench` on the CPU backend: bad arguments are refused with
  * status 2, and a run on a synthetic tiny model prints one JSON line per batch size with the
- * configuration echoed and positive timings. No timing is asserted beyond "> 0".
+ * configuration echoed and positive timings; --mtp-drafts adds the MTP steps' figures (and
+ * a checkpoint without an MTP layer is an error). No timing is asserted beyond "> 0" and
+ * the figures' own arithmetic.
  */
 #define _DEFAULT_SOURCE  // mkdtemp
 #include <math.h>
@@ -11,6 +13,7 @@
 #include <unistd.h>
 
 #include "engine/cli/cli.h"
+#include "engine/tools/mkmodel.h"
 #include "tests/check.h"
 
 static int run(int argc, const char **argv)
@@ -35,6 +38,10 @@ int main(void)
     CHECK(run(4, bad_chunk) == 2);
     const char *unknown[] = {"bench", "--synthetic", "--frobnicate", "1"};
     CHECK(run(4, unknown) == 2);
+    const char *bad_drafts[] = {"bench", "--synthetic", "--mtp-drafts", "4"};
+    CHECK(run(4, bad_drafts) == 2);
+    const char *zero_drafts[] = {"bench", "--synthetic", "--mtp-drafts", "1,0"};
+    CHECK(run(4, zero_drafts) == 2);
     // A model directory that does not exist: an error, not a crash.
     const char *missing_model[] = {"bench", "--model", "/nonexistent/glmspark-model"};
     CHECK(run(3, missing_model) == 1);
@@ -93,6 +100,59 @@ int main(void)
     }
     if (f) fclose(f);
     CHECK(lines == 2);
+
+    // MTP steps (--mtp-drafts): tiny has an MTP layer. One JSON line per batch size with an
+    // "mtp" entry per draft count: positive verify and draft times, the published accepted
+    // length, and the speed-up = that length x the per-accepted-token ratio.
+    char mtp_path[600];
+    snprintf(mtp_path, sizeof mtp_path, "%s/mtp.json", dir);
+    fflush(stdout);
+    const int saved2 = dup(1);
+    CHECK(freopen(mtp_path, "w", stdout) != NULL);
+    const char *mtp_args[] = {"bench",  "--synthetic", "--preset", "tiny",      "--backend",
+                              "cpu",    "--threads",   "2",        "--batch",   "2",
+                              "--ctx",  "9",           "--steps",  "2",         "--json",
+                              "--mtp-drafts", "1,3"};
+    const int rc_mtp = run(17, mtp_args);
+    fflush(stdout);
+    dup2(saved2, 1);
+    close(saved2);
+    CHECK(rc_mtp == 0);
+    f = fopen(mtp_path, "r");
+    CHECK(f != NULL);
+    int mtp_lines = 0;
+    while (f && fgets(line, sizeof line, f)) {
+        mtp_lines++;
+        const char *m = strstr(line, "\"mtp\":[");
+        CHECK(m != NULL);
+        const int drafts[2] = {1, 3};
+        const double accept[2] = {1.84, 2.99};
+        for (int i = 0; i < 2 && m; i++) {
+            int k = 0;
+            double v_ms = 0, ratio = 0, d_ms = 0, step = 0, per = 0, len = 0, speed = 0;
+            m = strstr(m, "{\"drafts\":");
+            CHECK(m && sscanf(m, "{\"drafts\":%d,\"verify_ms\":%lf,\"verify_ratio\":%lf,"
+                                 "\"draft_ms\":%lf,\"step_ms\":%lf,"
+                                 "\"speedup_per_accepted_token\":%lf,"
+                                 "\"published_accept_len\":%lf,\"speedup\":%lf}",
+                              &k, &v_ms, &ratio, &d_ms, &step, &per, &len, &speed) == 8);
+            CHECK(k == drafts[i] && v_ms > 0.0 && ratio > 0.0 && d_ms > 0.0);
+            CHECK(fabs(step - (v_ms + d_ms)) <= 1e-3 * step + 1e-4);
+            CHECK(len == accept[i] && fabs(speed - len * per) <= 1e-3 * speed);
+            if (m) m++;
+        }
+    }
+    if (f) fclose(f);
+    CHECK(mtp_lines == 1);
+    // A checkpoint without an MTP layer: a clear error, status 1.
+    char no_mtp[600];
+    snprintf(no_mtp, sizeof no_mtp, "%s/no-mtp", dir);
+    const MkmodelOptions mo = {.out_dir = no_mtp, .preset = "tiny", .set_mtp = true, .mtp = 0};
+    CHECK(mkmodel_write(&mo) == ERR_OK);
+    const char *mtp_missing[] = {"bench", "--model", no_mtp, "--ctx", "4", "--steps", "1",
+                                 "--mtp-drafts", "1"};
+    CHECK(run(9, mtp_missing) == 1);
+
     char cmd[700];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     CHECK(system(cmd) == 0);

@@ -410,6 +410,40 @@ static void test_direct_layers_threads(void)
     log_set_level(LOG_LEVEL_WARN);
 }
 
+// --mtp: the preset's MTP layer count replaced (0 drops tiny's MTP layer, 2 adds one: its
+// tensors follow the decoder layers); more than 3 is refused.
+static void test_mtp_count(void)
+{
+    char dir[300];
+    for (int mtp = 0; mtp <= 2; mtp += 2) {
+        snprintf(dir, sizeof dir, "%s/mtp_%d", tmp_root, mtp);
+        const MkmodelOptions opt = {.out_dir = dir, .preset = "tiny", .set_mtp = true, .mtp = mtp};
+        CHECK(mkmodel_write(&opt) == ERR_OK);
+        ModelConfig *cfg = malloc(sizeof *cfg);
+        ASSERT(cfg);
+        CHECK(config_load(cfg, dir) == ERR_OK);
+        CHECK(cfg->n_mtp_layers == mtp);
+        Ckpt ck;
+        CHECK(ckpt_open(&ck, dir) == ERR_OK);
+        char name[96];
+        const int L = cfg->n_layers, H = cfg->hidden_size;
+        CkptLinear w;
+        for (int i = 0; i < 3; i++) {  // each MTP layer's eh_proj, and none past them
+            snprintf(name, sizeof name, "model.layers.%d.eh_proj", L + i);
+            log_set_level((LogLevel) (LOG_LEVEL_ERROR + 1));
+            const Err err = ckpt_linear(&ck, name, H, 2 * H, &w);
+            log_set_level(LOG_LEVEL_WARN);
+            CHECK((err == ERR_OK) == (i < mtp));
+        }
+        ckpt_close(&ck);
+        free(cfg);
+    }
+    const MkmodelOptions bad = {.out_dir = dir, .preset = "tiny", .set_mtp = true, .mtp = 4};
+    log_set_level((LogLevel) (LOG_LEVEL_ERROR + 1));
+    CHECK(mkmodel_write(&bad) == ERR_INVAL);
+    log_set_level(LOG_LEVEL_WARN);
+}
+
 int main(void)
 {
     const char *base = getenv("TMPDIR");
@@ -423,6 +457,7 @@ int main(void)
     test_round_trip();
     test_determinism();
     test_direct_layers_threads();
+    test_mtp_count();
     test_tokenizer();
     test_golden_models();
     char cmd[400];
