@@ -246,15 +246,15 @@ static __global__ void __launch_bounds__(ROUTE_RANK_THREADS)
 
 enum { GROUP_THREADS = MOE_MAX_PAIRS, TILE_INTS = 2 + MOE_TILE_COLS };
 
-// Inclusive scan of the experts' tile counts (ceil(count / 8)) into base, by one warp: lane l
-// sums a run of experts, the lanes' sums are scanned by shuffles, and each lane writes its
-// run's prefix.
-static __device__ void scan_tiles(int32_t *base, const int32_t *count, int n_experts)
+// Inclusive scan of the experts' tile counts (ceil(count / cols)) into base, by one warp:
+// lane l sums a run of experts, the lanes' sums are scanned by shuffles, and each lane writes
+// its run's prefix.
+static __device__ void scan_tiles(int32_t *base, const int32_t *count, int n_experts, int cols)
 {
     const int lane = threadIdx.x % WARP_SIZE;
     const int per = CEIL_DIV(n_experts, WARP_SIZE), e0 = lane * per;
     int sum = 0;
-    for (int i = e0; i < e0 + per && i < n_experts; i++) sum += CEIL_DIV(count[i], MOE_TILE_COLS);
+    for (int i = e0; i < e0 + per && i < n_experts; i++) sum += CEIL_DIV(count[i], cols);
     int incl = sum;
 #pragma unroll
     for (int o = 1; o < WARP_SIZE; o <<= 1) {
@@ -263,7 +263,7 @@ static __device__ void scan_tiles(int32_t *base, const int32_t *count, int n_exp
     }
     int run = incl - sum;
     for (int i = e0; i < e0 + per && i < n_experts; i++) {
-        run += CEIL_DIV(count[i], MOE_TILE_COLS);
+        run += CEIL_DIV(count[i], cols);
         base[i] = run;
     }
 }
@@ -289,7 +289,7 @@ static __global__ void __launch_bounds__(GROUP_THREADS)
         atomicAdd(&count[e], 1);
     }
     __syncthreads();
-    if (tid < WARP_SIZE) scan_tiles(base, count, n_experts);
+    if (tid < WARP_SIZE) scan_tiles(base, count, n_experts, MOE_TILE_COLS);
     __syncthreads();
     if (tid == 0) work[0] = base[n_experts - 1];
     if (e >= 0) {
@@ -304,10 +304,11 @@ static __global__ void __launch_bounds__(GROUP_THREADS)
     }
 }
 
-// More pairs than one block holds (a prefill chunk, up to MOE_MAX_CHUNK_PAIRS): the same
-// tiles by atomics over three launches. cnt = work's counters past the tiles: count[E],
-// cursor[E], base[E] (count and cursor zeroed by the launcher). A pair's column is the order
-// in which its thread reached the expert's cursor, so the list varies between runs; a pair's
+// More pairs than one block holds (a prefill chunk, up to MOE_MAX_CHUNK_PAIRS), or the wide
+// tiles of the prefill kernels below (cols = MOE_WIDE_COLS): the same tiles by atomics over
+// three launches. cnt = work's counters past the tiles: count[E], cursor[E], base[E] (count
+// and cursor zeroed by the launcher); a tile is 2 + cols ints. A pair's column is the order in
+// which its thread reached the expert's cursor, so the list varies between runs; a pair's
 // results do not (each MMA column is its own dot products, and each staged column its own
 // scale), so the outputs equal moe_group_kernel's bit for bit.
 static __global__ void moe_count_kernel(int32_t *__restrict__ cnt, const int32_t *__restrict__ idx,
@@ -318,28 +319,29 @@ static __global__ void moe_count_kernel(int32_t *__restrict__ cnt, const int32_t
 }
 
 static __global__ void moe_scan_kernel(int32_t *__restrict__ work, int32_t *__restrict__ cnt,
-                                       int n_experts)
+                                       int n_experts, int cols)
 {
     int32_t *base = cnt + 2 * n_experts;
-    scan_tiles(base, cnt, n_experts);
+    scan_tiles(base, cnt, n_experts, cols);
     __syncwarp();
     if (threadIdx.x == 0) work[0] = base[n_experts - 1];
 }
 
 static __global__ void moe_place_kernel(int32_t *__restrict__ work, int32_t *__restrict__ cnt,
-                                        const int32_t *__restrict__ idx, int n_pairs, int n_experts)
+                                        const int32_t *__restrict__ idx, int n_pairs, int n_experts,
+                                        int cols)
 {
     const int p = blockIdx.x * blockDim.x + threadIdx.x;
     if (p >= n_pairs) return;
     const int e = idx[p], count = cnt[e];
     const int rank = atomicAdd(&cnt[n_experts + e], 1);
-    const int tile = cnt[2 * n_experts + e] - CEIL_DIV(count, MOE_TILE_COLS) + rank / MOE_TILE_COLS;
-    int32_t *t = work + 1 + (size_t) tile * TILE_INTS;
-    const int col = rank % MOE_TILE_COLS;
+    const int tile = cnt[2 * n_experts + e] - CEIL_DIV(count, cols) + rank / cols;
+    int32_t *t = work + 1 + (size_t) tile * (2 + cols);
+    const int col = rank % cols;
     t[2 + col] = p;
     if (col == 0) {
         t[0] = e;
-        t[1] = min(MOE_TILE_COLS, count - rank);
+        t[1] = min(cols, count - rank);
     }
 }
 
@@ -626,6 +628,210 @@ static __global__ void __launch_bounds__(MMA_THREADS)
     }
 }
 
+// ---------------------------------------------------------------------------
+// Wide tiles for prefill: up to MOE_WIDE_COLS pairs of one expert a tile
+
+enum {
+    WIDE_NT = MOE_WIDE_COLS / 8,  // n8 MMA tiles per warp
+    WIDE_KC = 64 * PIPE,          // K values staged at a time: PIPE chunks of 4 k-steps
+    WIDE_TILE_INTS = 2 + MOE_WIDE_COLS,
+};
+
+// Per row r of src [n_rows, K] (fp32 rounded to bf16 as read, or bf16), one warp each: the
+// staging factor 2^-e and the output factor 2^e * 2^14 of stage_columns, from the row's
+// largest magnitude (the same exponent: the maximum is exact in any order).
+template <typename T>
+static __global__ void moe_row_scale_kernel(float *__restrict__ s_in, float *__restrict__ out_mul,
+                                            const T *__restrict__ src, int n_rows, int K)
+{
+    const int r = (int) ((blockIdx.x * (size_t) blockDim.x + threadIdx.x) / WARP_SIZE);
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (r >= n_rows) return;
+    const T *p = src + (size_t) r * K;
+    float m = 0.0f;
+    for (int i = lane; i < K / 4; i += WARP_SIZE) {
+        const float4 v = load4(p, i);
+        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+    m = warp_max(m);
+    if (lane == 0) {
+        const int e = col_exponent(m);
+        s_in[r] = ldexpf(1.0f, -e);
+        out_mul[r] = ldexpf(1.0f, e) * 16384.0f;
+    }
+}
+
+// What a warp of a wide expert kernel ends with (shared memory, as TileOut).
+typedef struct WideOut {
+    int e, ncols;
+    const int *pair_of;
+    const float *out_mul;
+} WideOut;
+
+// The common body of the wide expert kernels, for block (x, tile) of a matrix of n_tiles
+// 16-row tiles and K columns: warp w's rows (tile x*8 + w) against the tile's ncols <= 64
+// columns (pair p's row p / row_div of src, scaled by s_in_rows / out_rows of that row),
+// staged WIDE_KC values of K at a time. Each decoded A fragment feeds the ceil(ncols / 8)
+// n-tiles' MMAs. Per column the products and their order are tile_mma's (even k-steps of a
+// chunk into c, odd into c2, the tail into c, then c + c2), so the outputs equal the 8-column
+// kernels' bit for bit. c[t] holds n-tile t (columns 8t..8t+7) in tile_mma's layout.
+template <typename T>
+static __device__ bool wide_tile(float c[WIDE_NT][4], WideOut *o, const uint8_t *q,
+                                 const uint8_t *s, const T *src, int row_div,
+                                 const int32_t *work, const float *s_in_rows,
+                                 const float *out_rows, int n_tiles, int K)
+{
+    extern __shared__ uint32_t bs[];  // [MOE_WIDE_COLS][stage_words(WIDE_KC)]
+    __shared__ float s_in[MOE_WIDE_COLS], out_mul[MOE_WIDE_COLS];
+    __shared__ int pair_of[MOE_WIDE_COLS], row_of[MOE_WIDE_COLS];
+    if ((int) blockIdx.y >= work[0]) return false;  // the whole block
+    const int32_t *tl = work + 1 + (size_t) blockIdx.y * WIDE_TILE_INTS;
+    const int e = tl[0], ncols = tl[1], lane = threadIdx.x % WARP_SIZE, cq = lane % 4;
+    const int rt = blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE;
+    const uint8_t *qt = q + ((size_t) e * n_tiles + rt) * (8 * (size_t) K);
+    const uint8_t *st = s + ((size_t) e * n_tiles + rt) * (size_t) K;
+    uint4 qa[PIPE];
+    uint2 sa[PIPE];
+    if (rt < n_tiles) tile_prefetch(qa, sa, qt, st, K);
+    for (int i = threadIdx.x; i < MOE_WIDE_COLS; i += MMA_THREADS) {
+        const int p = tl[2 + (i < ncols ? i : 0)], r = p / row_div;
+        pair_of[i] = p;
+        row_of[i] = r;
+        s_in[i] = s_in_rows[r];
+        out_mul[i] = out_rows[r];
+    }
+    float c2[WIDE_NT][4];
+#pragma unroll
+    for (int t = 0; t < WIDE_NT; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) c[t][i] = c2[t][i] = 0.0f;
+    const int nt = CEIL_DIV(ncols, 8), nks = K / 16, nfull = nks / CHUNK_KS,
+              ntail = nks % CHUNK_KS, W = stage_words(WIDE_KC);
+    // Lane's column in n-tile t: 8t + lane/4, or column 0 past ncols (its outputs unused).
+    int col_off[WIDE_NT];
+#pragma unroll
+    for (int t = 0; t < WIDE_NT; t++) {
+        const int n = 8 * t + lane / 4;
+        col_off[t] = (n < ncols ? n : 0) * W + cq;
+    }
+    for (int k0 = 0; k0 < K; k0 += WIDE_KC) {
+        const int kc = K - k0 < WIDE_KC ? K - k0 : WIDE_KC, q4 = kc / 4;
+        __syncthreads();  // the previous K range's MMAs are done with bs (and row_of is set)
+        for (int i = threadIdx.x; i < ncols * q4; i += MMA_THREADS) {
+            const int n = i / q4, kk = i % q4;
+            const float4 v = load4(src + (size_t) row_of[n] * K + k0, kk);
+            const float sc = s_in[n];
+            const __half2 h0 = __floats2half2_rn(v.x * sc, v.y * sc),
+                          h1 = __floats2half2_rn(v.z * sc, v.w * sc);
+            *(uint2 *) (bs + n * W + 2 * kk) =
+                make_uint2(*(const uint32_t *) &h0, *(const uint32_t *) &h1);
+        }
+        __syncthreads();
+        if (rt >= n_tiles) continue;  // still staging with the block
+        const int ch0 = k0 / 64;  // WIDE_KC / 64 == PIPE chunks of this range
+#pragma unroll
+        for (int d = 0; d < PIPE; d++) {
+            const int ch = ch0 + d;
+            if (ch < nfull) {
+                const uint4 qv = qa[d];
+                const uint2 sv = sa[d];
+                if (ch + PIPE < nfull) load_chunk(&qa[d], &sa[d], qt, st, ch + PIPE);
+                const uint32_t qw[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+                for (int j = 0; j < CHUNK_KS; j++) {
+                    uint32_t a[4];
+                    decode_a(a, qw[j], ((j < 2 ? sv.x : sv.y) >> (16 * (j % 2))) & 0xffffu);
+                    const int kl = (d * CHUNK_KS + j) * 8;  // this k-step's words in bs
+#pragma unroll
+                    for (int t = 0; t < WIDE_NT; t++)
+                        if (t < nt) {
+                            const uint32_t *b = bs + col_off[t] + kl;
+                            mma_f16(j % 2 ? c2[t] : c[t], a, b[0], b[4]);
+                        }
+                }
+            }
+        }
+        if (k0 + kc == K) {
+            for (int j = 0; j < ntail; j++) {  // the tail's k-steps lie in this last range
+                const uint32_t w = __ldg((const uint32_t *) (qt + code_at(nfull, lane, ntail, j)));
+                const uint32_t s16 =
+                    __ldg((const uint16_t *) (st + scale_at(nfull, lane / 4, ntail, j)));
+                uint32_t a[4];
+                decode_a(a, w, s16);
+                const int kl = ((nfull - ch0) * CHUNK_KS + j) * 8;
+#pragma unroll
+                for (int t = 0; t < WIDE_NT; t++)
+                    if (t < nt) mma_f16(c[t], a, bs[col_off[t] + kl], bs[col_off[t] + kl + 4]);
+            }
+        }
+    }
+    *o = WideOut{e, ncols, pair_of, out_mul};
+    if (rt >= n_tiles) return false;
+#pragma unroll
+    for (int t = 0; t < WIDE_NT; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) c[t][i] += c2[t][i];
+    return true;
+}
+
+// gate/up + SwiGLU over wide tiles (moe_w13_kernel's epilogue per n-tile).
+static __global__ void __launch_bounds__(MMA_THREADS)
+    moe_w13_wide_kernel(uint16_t *__restrict__ act, const uint8_t *__restrict__ q13,
+                        const uint8_t *__restrict__ s13, const float *__restrict__ g13,
+                        const float *__restrict__ x, const int32_t *__restrict__ work,
+                        const float *__restrict__ s_in, const float *__restrict__ out_rows, int k,
+                        int hidden, int inter)
+{
+    float c[WIDE_NT][4];
+    WideOut o;
+    if (!wide_tile<float>(c, &o, q13, s13, x, k, work, s_in, out_rows, inter / 8, hidden))
+        return;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int feat = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 8 + lane / 4;
+    const float gg = g13[2 * o.e], gu = g13[2 * o.e + 1];
+#pragma unroll
+    for (int t = 0; t < WIDE_NT; t++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int n = 8 * t + 2 * (lane % 4) + h;
+            if (n < o.ncols) {
+                const float g = c[t][h] * o.out_mul[n] * gg, u = c[t][2 + h] * o.out_mul[n] * gu;
+                act[(size_t) o.pair_of[n] * inter + feat] =
+                    f32_to_bf16_bits(g / (1.0f + expf(-g)) * u);
+            }
+        }
+}
+
+// down over wide tiles (moe_w2_kernel's epilogue per n-tile).
+static __global__ void __launch_bounds__(MMA_THREADS)
+    moe_w2_wide_kernel(float *__restrict__ y, const uint8_t *__restrict__ q2,
+                       const uint8_t *__restrict__ s2, const float *__restrict__ g2,
+                       const uint16_t *__restrict__ act, const int32_t *__restrict__ work,
+                       const float *__restrict__ s_in, const float *__restrict__ out_rows,
+                       const float *__restrict__ w, int hidden, int inter)
+{
+    float c[WIDE_NT][4];
+    WideOut o;
+    if (!wide_tile<uint16_t>(c, &o, q2, s2, act, 1, work, s_in, out_rows, hidden / 16, inter))
+        return;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int row = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 16 + lane / 4;
+    const float ge = g2[o.e];
+#pragma unroll
+    for (int t = 0; t < WIDE_NT; t++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int n = 8 * t + 2 * (lane % 4) + h;
+            if (n < o.ncols) {
+                const int p = o.pair_of[n];
+                const float m = o.out_mul[n] * ge * w[p];
+                float *yp = y + (size_t) p * hidden + row;
+                yp[0] = c[t][h] * m;
+                yp[8] = c[t][2 + h] * m;
+            }
+        }
+}
+
 // out[t] = residual[t] + sum over j in slot order of y[t*k + j].
 static __global__ void moe_combine_kernel(float *out, const float *__restrict__ y,
                                           const float *residual, int n_tok, int k, int hidden)
@@ -742,6 +948,21 @@ static int max_tiles(int n_pairs, int n_experts)
     return (n_pairs < n_experts ? n_pairs : n_experts) + n_pairs / MOE_TILE_COLS;
 }
 
+// The three launches of the atomic grouping (moe_count/scan/place_kernel) into work, with
+// the counters cnt [3 * n_experts].
+static void group_atomic(int32_t *work, int32_t *cnt, const int32_t *idx, int n_pairs,
+                         int n_experts, int cols, cudaStream_t stream)
+{
+    CUDA_CHECK(cudaMemsetAsync(cnt, 0, (size_t) 2 * n_experts * sizeof *cnt, stream));
+    const unsigned blocks = (unsigned) CEIL_DIV(n_pairs, 256);
+    moe_count_kernel<<<blocks, 256, 0, stream>>>(cnt, idx, n_pairs);
+    CUDA_CHECK(cudaGetLastError());
+    moe_scan_kernel<<<1, WARP_SIZE, 0, stream>>>(work, cnt, n_experts, cols);
+    CUDA_CHECK(cudaGetLastError());
+    moe_place_kernel<<<blocks, 256, 0, stream>>>(work, cnt, idx, n_pairs, n_experts, cols);
+    CUDA_CHECK(cudaGetLastError());
+}
+
 size_t moe_work_ints(int n_pairs, int n_experts)
 {
     const size_t counters = n_pairs > MOE_MAX_PAIRS ? (size_t) 3 * n_experts : 0;
@@ -759,15 +980,8 @@ void moe_group(int32_t *work, const int32_t *idx, int n_tok, int k, int n_expert
         CUDA_CHECK(cudaGetLastError());
         return;
     }
-    int32_t *cnt = work + 1 + (size_t) max_tiles(n_pairs, n_experts) * TILE_INTS;
-    CUDA_CHECK(cudaMemsetAsync(cnt, 0, (size_t) 2 * n_experts * sizeof *cnt, stream));
-    const unsigned blocks = (unsigned) CEIL_DIV(n_pairs, 256);
-    moe_count_kernel<<<blocks, 256, 0, stream>>>(cnt, idx, n_pairs);
-    CUDA_CHECK(cudaGetLastError());
-    moe_scan_kernel<<<1, WARP_SIZE, 0, stream>>>(work, cnt, n_experts);
-    CUDA_CHECK(cudaGetLastError());
-    moe_place_kernel<<<blocks, 256, 0, stream>>>(work, cnt, idx, n_pairs, n_experts);
-    CUDA_CHECK(cudaGetLastError());
+    group_atomic(work, work + 1 + (size_t) max_tiles(n_pairs, n_experts) * TILE_INTS, idx,
+                 n_pairs, n_experts, MOE_TILE_COLS, stream);
 }
 
 static void check_experts(const MoeExperts *ex)
@@ -826,6 +1040,94 @@ void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const i
                                      ex->hidden / 16, &grid);
     moe_w2_kernel<<<grid, MMA_THREADS, smem, stream>>>(y, ex->q2, ex->s2, ex->g2, act, work, w,
                                                        ex->hidden, ex->inter);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+// The wide work list: the tile count, the tiles (WIDE_TILE_INTS each), the grouping's
+// counters (3 * n_experts), then two floats per pair for the row factors (moe_row_scale_kernel:
+// the tokens' for w13, the pairs' for w2, in turn).
+static int max_wide_tiles(int n_pairs, int n_experts)
+{
+    return (n_pairs < n_experts ? n_pairs : n_experts) + n_pairs / MOE_WIDE_COLS;
+}
+
+static int32_t *wide_counters(int32_t *work, int n_pairs, int n_experts)
+{
+    return work + 1 + (size_t) max_wide_tiles(n_pairs, n_experts) * WIDE_TILE_INTS;
+}
+
+static float *wide_factors(int32_t *work, int n_pairs, int n_experts)
+{
+    return (float *) (wide_counters(work, n_pairs, n_experts) + (size_t) 3 * n_experts);
+}
+
+size_t moe_wide_work_ints(int n_pairs, int n_experts)
+{
+    return 1 + (size_t) max_wide_tiles(n_pairs, n_experts) * WIDE_TILE_INTS
+           + (size_t) 3 * n_experts + (size_t) 2 * n_pairs;
+}
+
+size_t moe_wide_smem_bytes(void)
+{
+    return (size_t) MOE_WIDE_COLS * stage_words(WIDE_KC) * 4;
+}
+
+void moe_group_wide(int32_t *work, const int32_t *idx, int n_tok, int k, int n_experts,
+                    cudaStream_t stream)
+{
+    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (long long) n_tok * k <= MOE_MAX_CHUNK_PAIRS);
+    ASSERT(n_experts > 0 && n_experts <= MOE_MAX_EXPERTS);
+    const int n_pairs = n_tok * k;
+    group_atomic(work, wide_counters(work, n_pairs, n_experts), idx, n_pairs, n_experts,
+                 MOE_WIDE_COLS, stream);
+}
+
+// The row factors of src [n_rows, K] into the work list's factor arrays, then the grid of a
+// wide launch for a matrix of n_tiles 16-row tiles (and the kernel's shared-memory limit).
+template <typename T>
+static dim3 wide_launch(const void *kernel, const MoeExperts *ex, int32_t *work, const T *src,
+                        int n_rows, int K, int n_tok, int k, int n_tiles, float **s_in,
+                        float **out_rows, cudaStream_t stream)
+{
+    check_experts(ex);
+    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (long long) n_tok * k <= MOE_MAX_CHUNK_PAIRS);
+    const int n_pairs = n_tok * k;
+    *s_in = wide_factors(work, n_pairs, ex->n_experts);
+    *out_rows = *s_in + n_pairs;
+    const unsigned warps_per_block = 8;
+    moe_row_scale_kernel<T><<<(unsigned) CEIL_DIV(n_rows, (int) warps_per_block),
+                              warps_per_block * WARP_SIZE, 0, stream>>>(*s_in, *out_rows, src,
+                                                                        n_rows, K);
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int) moe_wide_smem_bytes()));
+    return dim3((unsigned) CEIL_DIV(n_tiles, MMA_WARPS),
+                (unsigned) max_wide_tiles(n_pairs, ex->n_experts));
+}
+
+void moe_experts_w13_wide(uint16_t *act, const MoeExperts *ex, const float *x, int32_t *work,
+                          int n_tok, int k, cudaStream_t stream)
+{
+    ASSERT((uintptr_t) x % 16 == 0);
+    float *s_in, *out_rows;
+    const dim3 grid = wide_launch<float>((const void *) moe_w13_wide_kernel, ex, work, x, n_tok,
+                                         ex->hidden, n_tok, k, ex->inter / 8, &s_in, &out_rows,
+                                         stream);
+    moe_w13_wide_kernel<<<grid, MMA_THREADS, moe_wide_smem_bytes(), stream>>>(
+        act, ex->q13, ex->s13, ex->g13, x, work, s_in, out_rows, k, ex->hidden, ex->inter);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+void moe_experts_w2_wide(float *y, const MoeExperts *ex, const uint16_t *act, int32_t *work,
+                         const float *w, int n_tok, int k, cudaStream_t stream)
+{
+    ASSERT((uintptr_t) act % 8 == 0);
+    float *s_in, *out_rows;
+    const dim3 grid = wide_launch<uint16_t>((const void *) moe_w2_wide_kernel, ex, work, act,
+                                            n_tok * k, ex->inter, n_tok, k, ex->hidden / 16,
+                                            &s_in, &out_rows, stream);
+    moe_w2_wide_kernel<<<grid, MMA_THREADS, moe_wide_smem_bytes(), stream>>>(
+        y, ex->q2, ex->s2, ex->g2, act, work, s_in, out_rows, w, ex->hidden, ex->inter);
     CUDA_CHECK(cudaGetLastError());
 }
 

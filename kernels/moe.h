@@ -100,6 +100,26 @@ void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const i
 void moe_combine(float *out, const float *y, const float *residual, int n_tok, int k, int hidden,
                  cudaStream_t stream);
 
+// Prefill's wide tiles: the same products over tiles of up to MOE_WIDE_COLS pairs of one
+// expert, so that each expert is read once per 64 of its pairs instead of once per 8 (a
+// 1,024-token chunk at GLM's k 8 and 156 experts: ~52 pairs an expert, one tile). Each decoded
+// weight fragment feeds up to 8 MMAs; the columns are staged WIDE_KC (512) values of K at a
+// time, each scaled by its row's power of two (a small kernel first finds the rows' largest
+// magnitudes). Outputs equal moe_experts_w13 / w2's bit for bit (the same products in the same
+// order per column). work: int32 [moe_wide_work_ints] (the list, its grouping's counters and
+// the rows' factors), grouped by moe_group_wide; act, y and moe_combine as above. Shared
+// memory: moe_wide_smem_bytes() (66,560 bytes: GB10's opt-in limit is 101,376). NOT YET
+// CALLED BY THE ENGINE: it waits for its first run on a GPU (tests/gpu/test_moe.c).
+#define MOE_WIDE_COLS 64
+size_t moe_wide_work_ints(int n_pairs, int n_experts);
+size_t moe_wide_smem_bytes(void);
+void moe_group_wide(int32_t *work, const int32_t *idx, int n_tok, int k, int n_experts,
+                    cudaStream_t stream);
+void moe_experts_w13_wide(uint16_t *act, const MoeExperts *ex, const float *x, int32_t *work,
+                          int n_tok, int k, cudaStream_t stream);
+void moe_experts_w2_wide(float *y, const MoeExperts *ex, const uint16_t *act, int32_t *work,
+                         const float *w, int n_tok, int k, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

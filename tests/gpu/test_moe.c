@@ -8,7 +8,9 @@
  * keeping 4 (DeepSeek), one-expert groups, a 1-expert edge case, the largest E and K, and
  * groups that are all kept (the rank kernel, as with one group).
  *
- * Experts: w13 is checked per output against a bound derived from the fp32 error of the gate
+ * Experts: the wide tiles of prefill (moe_experts_*_wide) must equal the 8-column kernels bit
+ * for bit, as must a prefill chunk's atomic grouping and 512-pair calls.
+ * w13 is checked per output against a bound derived from the fp32 error of the gate
  * and up sums ((hidden + 64) * FLT_EPSILON * sum|terms| each) pushed through SiLU(g) * u, plus
  * the bf16 rounding. w2 is checked with the GPU's own bf16 activations as the reference input,
  * so its bound is the fp32 one: (k * inter + 64) * FLT_EPSILON * sum|terms| (+ residual).
@@ -128,6 +130,28 @@ static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
     moe_experts_w13(d_act, &ex, d_x, d_work, n_tok, k, 0);
     moe_experts_w2(d_y, &ex, d_act, d_work, d_w, n_tok, k, 0);
     moe_combine(d_out, d_y, d_res, n_tok, k, hidden, 0);
+    {
+        // Prefill's wide tiles (moe.h): the same outputs bit for bit, act and out.
+        int32_t *d_wwork = gpu_alloc_poisoned(moe_wide_work_ints(n_pairs, n_experts) * 4);
+        uint16_t *d_act3 = gpu_alloc_poisoned((size_t) n_pairs * inter * 2);
+        float *d_y3 = gpu_alloc_poisoned((size_t) n_pairs * hidden * 4);
+        float *d_out3 = gpu_alloc_poisoned((size_t) n_tok * hidden * 4);
+        moe_group_wide(d_wwork, d_idx, n_tok, k, n_experts, 0);
+        moe_experts_w13_wide(d_act3, &ex, d_x, d_wwork, n_tok, k, 0);
+        moe_experts_w2_wide(d_y3, &ex, d_act3, d_wwork, d_w, n_tok, k, 0);
+        moe_combine(d_out3, d_y3, d_res, n_tok, k, hidden, 0);
+        const size_t na = (size_t) n_pairs * inter * 2, no = (size_t) n_tok * hidden * 4;
+        uint8_t *a1 = xmalloc(na), *a3 = xmalloc(na), *o1 = xmalloc(no), *o3 = xmalloc(no);
+        gpu_download(a1, d_act, na), gpu_download(a3, d_act3, na);
+        gpu_download(o1, d_out, no), gpu_download(o3, d_out3, no);
+        const bool same_act = !memcmp(a1, a3, na), same_out = !memcmp(o1, o3, no);
+        printf("moe E=%d %dx%d tok=%d k=%d: wide tiles = 8-column tiles bit for bit: act %s, "
+               "out %s\n",
+               n_experts, hidden, inter, n_tok, k, same_act ? "yes" : "NO", same_out ? "yes" : "NO");
+        CHECK(same_act && same_out);
+        free(a1), free(a3), free(o1), free(o3);
+        cudaFree(d_wwork), cudaFree(d_act3), cudaFree(d_y3), cudaFree(d_out3);
+    }
     if (n_pairs > MOE_MAX_PAIRS) {
         // A prefill chunk's grouping (atomics, three launches) against decode-sized calls of
         // moe_group's one-block grouping over the same tokens: equal bit for bit (moe.h).
@@ -219,5 +243,8 @@ int main(void)
     test_experts(11, 96, 96, 3, 9);
     test_experts(20, 128, 64, 700, 8);   // a prefill chunk: 5,600 pairs, grouped by atomics
     test_experts(156, 256, 64, 1024, 8);  // the largest chunk at GLM's E and k
+    test_experts(3, 1040, 80, 300, 2);    // wide: 200 pairs an expert (4 tiles), K 1040 = 2 staged
+                                          // ranges + a tail, n-tiles partly filled
+    test_experts(8, 6144, 2048, 24, 8);   // GLM's widths, every expert 24 pairs: 3 n-tiles
     return check_exit();
 }
