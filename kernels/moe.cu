@@ -426,6 +426,45 @@ static __device__ __forceinline__ void load_chunk(uint4 *q, uint2 *s, const uint
     *s = ld_stream_u2(st + scale_at(ch, lane / 4, CHUNK_KS, 0));
 }
 
+// One chunk of a warp's 16-row tile (qv: the lane's code words of its CHUNK_KS k-steps, sv:
+// its rows' scales) against nt <= NT n-tiles: n-tile t's B words of k-step j at
+// b + off[t] + 8 j (and + 4). Even k-steps accumulate into c[t], odd ones into c2[t]: two
+// MMA chains, whose order every expert kernel keeps so that they agree bit for bit.
+template <int NT>
+static __device__ __forceinline__ void chunk_mma(float (*c)[4], float (*c2)[4], uint4 qv, uint2 sv,
+                                                 const uint32_t *b, const int *off, int nt)
+{
+    const uint32_t qw[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+    for (int j = 0; j < CHUNK_KS; j++) {
+        uint32_t a[4];
+        decode_a(a, qw[j], ((j < 2 ? sv.x : sv.y) >> (16 * (j % 2))) & 0xffffu);
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            if (t < nt) {
+                const uint32_t *bt = b + off[t] + 8 * j;
+                mma_f16(j % 2 ? c2[t] : c[t], a, bt[0], bt[4]);
+            }
+    }
+}
+
+// Tail k-step j of a tile whose K is not a multiple of 64 (its code word and scales loaded
+// directly), into c[t] for nt <= NT n-tiles with B words at b + off[t] (and + 4).
+template <int NT>
+static __device__ __forceinline__ void tail_mma(float (*c)[4], const uint8_t *qt, const uint8_t *st,
+                                                int nfull, int ntail, int j, const uint32_t *b,
+                                                const int *off, int nt)
+{
+    const int lane = threadIdx.x % WARP_SIZE;
+    const uint32_t w = __ldg((const uint32_t *) (qt + code_at(nfull, lane, ntail, j)));
+    const uint32_t s16 = __ldg((const uint16_t *) (st + scale_at(nfull, lane / 4, ntail, j)));
+    uint32_t a[4];
+    decode_a(a, w, s16);
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+        if (t < nt) mma_f16(c[t], a, b[off[t]], b[off[t] + 4]);
+}
+
 // One warp's 16-row tile over all K: c[0..1] rows r = lane/4, columns 2(lane%4) + {0, 1};
 // c[2..3] row r + 8. qt, st: the tile's packed codes and scales; bs: the staged columns.
 // The first PIPE chunks' loads were issued by the caller (qa, sa), before the staging.
@@ -433,10 +472,12 @@ static __device__ __forceinline__ void tile_mma(float c[4], const uint8_t *qt, c
                                                 const uint32_t *bs, int K, uint4 qa[PIPE],
                                                 uint2 sa[PIPE])
 {
-    const int lane = threadIdx.x % WARP_SIZE, r = lane / 4, cq = lane % 4;
+    const int lane = threadIdx.x % WARP_SIZE, cq = lane % 4;
     const int nks = K / 16, nfull = nks / CHUNK_KS, ntail = nks % CHUNK_KS;
     const uint32_t *bl = bs + cq;
+    const int off[1] = {0};
     float c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // odd k-steps of the chunks
+    float (*cc)[4] = (float (*)[4]) c, (*cc2)[4] = (float (*)[4]) c2;
     for (int ch0 = 0; ch0 < nfull; ch0 += PIPE) {
 #pragma unroll
         for (int d = 0; d < PIPE; d++) {
@@ -445,25 +486,12 @@ static __device__ __forceinline__ void tile_mma(float c[4], const uint8_t *qt, c
                 const uint4 qv = qa[d];
                 const uint2 sv = sa[d];
                 if (ch + PIPE < nfull) load_chunk(&qa[d], &sa[d], qt, st, ch + PIPE);
-                const uint32_t qw[4] = {qv.x, qv.y, qv.z, qv.w};
-#pragma unroll
-                for (int j = 0; j < CHUNK_KS; j++) {
-                    uint32_t a[4];
-                    decode_a(a, qw[j], ((j < 2 ? sv.x : sv.y) >> (16 * (j % 2))) & 0xffffu);
-                    const uint32_t *b = bl + (ch * CHUNK_KS + j) * 8;
-                    mma_f16(j % 2 ? c2 : c, a, b[0], b[4]);  // two chains (no measurable change on H200)
-                }
+                chunk_mma<1>(cc, cc2, qv, sv, bl + ch * CHUNK_KS * 8, off, 1);
             }
         }
     }
-    for (int j = 0; j < ntail; j++) {
-        const uint32_t w = __ldg((const uint32_t *) (qt + code_at(nfull, lane, ntail, j)));
-        const uint32_t s16 = __ldg((const uint16_t *) (st + scale_at(nfull, r, ntail, j)));
-        uint32_t a[4];
-        decode_a(a, w, s16);
-        const uint32_t *b = bl + (nfull * CHUNK_KS + j) * 8;
-        mma_f16(c, a, b[0], b[4]);
-    }
+    for (int j = 0; j < ntail; j++)
+        tail_mma<1>(cc, qt, st, nfull, ntail, j, bl + (nfull * CHUNK_KS + j) * 8, off, 1);
 #pragma unroll
     for (int i = 0; i < 4; i++) c[i] += c2[i];
 }
@@ -661,13 +689,6 @@ static __global__ void moe_row_scale_kernel(float *__restrict__ s_in, float *__r
     }
 }
 
-// What a warp of a wide expert kernel ends with (shared memory, as TileOut).
-typedef struct WideOut {
-    int e, ncols;
-    const int *pair_of;
-    const float *out_mul;
-} WideOut;
-
 // The common body of the wide expert kernels, for block (x, tile) of a matrix of n_tiles
 // 16-row tiles and K columns: warp w's rows (tile x*8 + w) against the tile's ncols <= 64
 // columns (pair p's row p / row_div of src, scaled by s_in_rows / out_rows of that row),
@@ -676,7 +697,7 @@ typedef struct WideOut {
 // chunk into c, odd into c2, the tail into c, then c + c2), so the outputs equal the 8-column
 // kernels' bit for bit. c[t] holds n-tile t (columns 8t..8t+7) in tile_mma's layout.
 template <typename T>
-static __device__ bool wide_tile(float c[WIDE_NT][4], WideOut *o, const uint8_t *q,
+static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t *q,
                                  const uint8_t *s, const T *src, int row_div,
                                  const int32_t *work, const float *s_in_rows,
                                  const float *out_rows, int n_tiles, int K)
@@ -736,36 +757,15 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], WideOut *o, const uint8_t 
                 const uint4 qv = qa[d];
                 const uint2 sv = sa[d];
                 if (ch + PIPE < nfull) load_chunk(&qa[d], &sa[d], qt, st, ch + PIPE);
-                const uint32_t qw[4] = {qv.x, qv.y, qv.z, qv.w};
-#pragma unroll
-                for (int j = 0; j < CHUNK_KS; j++) {
-                    uint32_t a[4];
-                    decode_a(a, qw[j], ((j < 2 ? sv.x : sv.y) >> (16 * (j % 2))) & 0xffffu);
-                    const int kl = (d * CHUNK_KS + j) * 8;  // this k-step's words in bs
-#pragma unroll
-                    for (int t = 0; t < WIDE_NT; t++)
-                        if (t < nt) {
-                            const uint32_t *b = bs + col_off[t] + kl;
-                            mma_f16(j % 2 ? c2[t] : c[t], a, b[0], b[4]);
-                        }
-                }
+                chunk_mma<WIDE_NT>(c, c2, qv, sv, bs + d * CHUNK_KS * 8, col_off, nt);
             }
         }
-        if (k0 + kc == K) {
-            for (int j = 0; j < ntail; j++) {  // the tail's k-steps lie in this last range
-                const uint32_t w = __ldg((const uint32_t *) (qt + code_at(nfull, lane, ntail, j)));
-                const uint32_t s16 =
-                    __ldg((const uint16_t *) (st + scale_at(nfull, lane / 4, ntail, j)));
-                uint32_t a[4];
-                decode_a(a, w, s16);
-                const int kl = ((nfull - ch0) * CHUNK_KS + j) * 8;
-#pragma unroll
-                for (int t = 0; t < WIDE_NT; t++)
-                    if (t < nt) mma_f16(c[t], a, bs[col_off[t] + kl], bs[col_off[t] + kl + 4]);
-            }
-        }
+        if (k0 + kc == K)  // the tail's k-steps lie in this last range
+            for (int j = 0; j < ntail; j++)
+                tail_mma<WIDE_NT>(c, qt, st, nfull, ntail, j,
+                                  bs + ((nfull - ch0) * CHUNK_KS + j) * 8, col_off, nt);
     }
-    *o = WideOut{e, ncols, pair_of, out_mul};
+    *o = TileOut{e, ncols, pair_of, out_mul};
     if (rt >= n_tiles) return false;
 #pragma unroll
     for (int t = 0; t < WIDE_NT; t++)
@@ -783,7 +783,7 @@ static __global__ void __launch_bounds__(MMA_THREADS)
                         int hidden, int inter)
 {
     float c[WIDE_NT][4];
-    WideOut o;
+    TileOut o;
     if (!wide_tile<float>(c, &o, q13, s13, x, k, work, s_in, out_rows, inter / 8, hidden))
         return;
     const int lane = threadIdx.x % WARP_SIZE;
@@ -811,7 +811,7 @@ static __global__ void __launch_bounds__(MMA_THREADS)
                        const float *__restrict__ w, int hidden, int inter)
 {
     float c[WIDE_NT][4];
-    WideOut o;
+    TileOut o;
     if (!wide_tile<uint16_t>(c, &o, q2, s2, act, 1, work, s_in, out_rows, hidden / 16, inter))
         return;
     const int lane = threadIdx.x % WARP_SIZE;
