@@ -2141,6 +2141,44 @@ void backend_cuda_profile_report(Backend *be, const char *title)
     memset(impl->prof_calls, 0, sizeof impl->prof_calls);
 }
 
+double backend_cuda_gemm_tflops(Backend *be, int n)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    ASSERT(n > 0 && n % 8 == 0);
+    const size_t elems = (size_t) n * n;
+    void *x = NULL, *w = NULL, *y = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    double best = 0.0;
+    if (cudaMalloc(&x, elems * 2) != cudaSuccess || cudaMalloc(&w, elems * 2) != cudaSuccess
+        || cudaMalloc(&y, elems * 4) != cudaSuccess) {
+        (void) cudaGetLastError();
+        LOG_ERROR("GEMM benchmark: no room for three %d x %d matrices on the GPU", n, n);
+        goto done;
+    }
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    CUDA_CHECK(cudaMemsetAsync(x, 0x3c, elems * 2, impl->stream));  // bf16 0x3c3c: ~0.0115
+    CUDA_CHECK(cudaMemsetAsync(w, 0x3c, elems * 2, impl->stream));
+    for (int i = 0; i < 6; i++) {  // the first is a warm-up (and the plan's creation)
+        CUDA_CHECK(cudaEventRecord(e0, impl->stream));
+        gemm_bf16_lt(y, GEMM_OUT_F32, (const uint16_t *) x, (const uint16_t *) w, n, n, n,
+                     &impl->lt, impl->stream);
+        CUDA_CHECK(cudaEventRecord(e1, impl->stream));
+        CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0.0f;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        const double tflops = 2.0 * (double) n * n * n / (ms * 1e-3) / 1e12;
+        if (i > 0 && tflops > best) best = tflops;
+    }
+done:
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    cudaFree(x);
+    cudaFree(w);
+    cudaFree(y);
+    return best;
+}
+
 double backend_cuda_copy_gbs(Backend *be, size_t bytes)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;

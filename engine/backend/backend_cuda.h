@@ -30,6 +30,11 @@ Err backend_cuda_create(int device, Backend **out);
 // buffers do not fit (logged).
 double backend_cuda_copy_gbs(Backend *be, size_t bytes);
 
+// bf16 GEMM throughput of be's GPU in TFLOP/s through the backend's own cuBLASLt path
+// (gemm_bf16_lt, fp32 output): best of 5 products [n, n] x [n, n]^T after a warm-up, the
+// ceiling `glmspark bench` reports prefill against; 0 when the buffers do not fit (logged).
+double backend_cuda_gemm_tflops(Backend *be, int n);
+
 // With GLMSPARK_CUDA_PROFILE=1 in the environment at create (which turns graphs off), every op
 // synchronizes and is timed: this prints the time per op kind since the last report to
 // stderr under `title` (nothing when title is NULL) and starts counting again. A no-op

@@ -22,7 +22,10 @@
  * entries of the positions attention reads, all --ctx or the DSA top-k, and the indexer keys
  * of all positions on layers that own one; not in the GB/s). On the CUDA backend the GB/s is
  * also given as a % of a device-to-device copy (1 GiB cudaMemcpy, read + write bytes, best of
- * 5) measured in the same run; decode steps replay CUDA graphs unless GLMSPARK_CUDA_GRAPHS=0;
+ * 5) measured in the same run, and the prefill's TFLOP/s (prefill_flops below: the linears,
+ * the top-k experts, attention and the indexer as computed) as a % of a cuBLASLt bf16 GEMM
+ * (8192^3, best of 5) measured in the same run; decode steps replay CUDA graphs unless
+ * GLMSPARK_CUDA_GRAPHS=0;
  * GLMSPARK_CUDA_PROFILE=1 prints the time per op kind of the prefill and of the decode steps
  * (synchronized, so slower; backend_cuda.h). --json prints one JSON object per configuration instead.
  *
@@ -86,7 +89,8 @@ typedef struct BenchArgs {
     bool reap_ops;
     int drafts[BENCH_MAX_DRAFTS];  // --mtp-drafts
     int n_drafts;
-    double copy_gbs;  // measured device-to-device copy bandwidth (CUDA), else 0
+    double copy_gbs;     // measured device-to-device copy bandwidth (CUDA), else 0
+    double gemm_tflops;  // measured cuBLASLt bf16 GEMM throughput (CUDA), else 0
 } BenchArgs;
 
 // GLM-5.2's published mean accepted length (tokens a step) with 1, 2, 3 MTP drafts.
@@ -217,6 +221,52 @@ static double linear_bytes(const CkptLinear *w)
         return n / 2.0 + n / 16.0;
     }
     return 0.0;
+}
+
+// Multiply-adds of a linear weight applied to one row.
+static double linear_macs(const CkptLinear *w)
+{
+    return w->rows > 0 && w->cols > 0 ? (double) w->rows * (double) w->cols : 0.0;
+}
+
+// sum over p = 0 .. n-1 of min(p + 1, cap): the keys the n positions of a prompt attend.
+static double attended_sum(int n, int cap)
+{
+    const double m = n < cap ? n : cap;  // positions that see p + 1 keys
+    return m * (m + 1.0) / 2.0 + ((double) n - m) * cap;
+}
+
+// FLOPs (2 per multiply-add) of prefilling one sequence's ctx tokens in calls of chunk: every
+// linear once per token (the routed experts: top-k of them; kv_b as the absorbed W_UK / W_UV
+// products, the same multiply-adds), the head once per call (its last row), and attention as
+// the kernels compute it, absorbed: per head and attended key kv_lora + rope multiply-adds
+// for the score and kv_lora for the value, the keys all earlier positions or, on DSA layers,
+// at most the top-k; the indexer's scores on the layers that own one, index heads x dim per
+// earlier position. The figure `glmspark bench` divides by the prefill time (TFLOP/s).
+static double prefill_flops(const Model *m, int ctx, int chunk)
+{
+    const ModelConfig *c = &m->cfg;
+    double per_tok = 0.0, attn = 0.0;
+    for (int l = m->first_layer; l < m->last_layer; l++) {
+        const ModelLayer *L = &m->layers[l];
+        const CkptLinear *lin[] = {&L->q_a,        &L->q_b,    &L->q_proj,      &L->kv_a,
+                                   &L->kv_b,       &L->o_proj, &L->idx_wq_b,    &L->idx_wk,
+                                   &L->idx_weights, &L->gate,  &L->up,          &L->down,
+                                   &L->router,     &L->sh_gate, &L->sh_up,      &L->sh_down};
+        for (size_t i = 0; i < sizeof lin / sizeof lin[0]; i++)
+            per_tok += linear_macs(lin[i]);
+        if (L->is_moe && L->experts && c->n_routed_experts > 0)
+            per_tok += c->n_experts_per_tok
+                       * (linear_macs(&L->experts[0]) + linear_macs(&L->experts[1])
+                          + linear_macs(&L->experts[2]));
+        const bool sparse = c->indexer[l] != CONFIG_INDEXER_NONE && c->index_topk > 0;
+        const double keys = attended_sum(ctx, sparse ? c->index_topk : ctx);
+        attn += keys * c->n_heads * (2.0 * c->kv_lora_rank + c->qk_rope_head_dim);
+        if (c->indexer[l] == CONFIG_INDEXER_FULL)
+            attn += attended_sum(ctx, ctx) * c->index_n_heads * c->index_head_dim;
+    }
+    const double calls = ceil((double) ctx / chunk);
+    return 2.0 * (per_tok * ctx + attn + (m->has_head ? calls * linear_macs(&m->lm_head) : 0.0));
 }
 
 // Bytes one decode step of batch B at context ctx reads, by category (see the file
@@ -431,17 +481,23 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
     const double bytes = step_weight_bytes(&sb), gbs = bytes / step_s * 1e-9;
     const double pct = a->copy_gbs > 0.0 ? 100.0 * gbs / a->copy_gbs : 0.0;
     const char *prec = backend_precision_name(m->be->precision);
+    const double flops = prefill_flops(m, a->ctx, a->prefill_chunk);
+    const double tflops = B * flops / prefill_s * 1e-12;
+    const double pct_gemm = a->gemm_tflops > 0.0 ? 100.0 * tflops / a->gemm_tflops : 0.0;
     if (a->json)
         printf("{\"model\":\"%s\",\"backend\":\"%s\",\"precision\":\"%s\",\"layers\":%d,"
                "\"batch\":%d,\"ctx\":%d,"
                "\"steps\":%d,\"prefill_tok_s\":%.2f,\"decode_ms_step\":%.4f,\"decode_tok_s\":%.2f,"
                "\"weight_bytes_step\":%.0f,\"weight_gb_s\":%.3f,\"copy_gb_s\":%.1f,"
-               "\"pct_copy\":%.2f,\"bytes_step\":{\"attention\":%.0f,\"indexer\":%.0f,"
+               "\"pct_copy\":%.2f,\"prefill_flops_seq\":%.0f,\"prefill_tflop_s\":%.4f,"
+               "\"gemm_tflop_s\":%.1f,\"pct_gemm\":%.2f,"
+               "\"bytes_step\":{\"attention\":%.0f,\"indexer\":%.0f,"
                "\"dense_mlp\":%.0f,\"shared_expert_router\":%.0f,\"routed_experts\":%.0f,"
                "\"lm_head\":%.0f,\"kv_cache\":%.0f}",
                model_dir, m->be->name, prec, m->last_layer - m->first_layer, B, a->ctx, a->steps,
                B * a->ctx / prefill_s, step_s * 1e3, B / step_s, bytes, gbs, a->copy_gbs, pct,
-               sb.attn, sb.indexer, sb.mlp, sb.shared, sb.experts, sb.head, sb.kv);
+               flops, tflops, a->gemm_tflops, pct_gemm, sb.attn, sb.indexer, sb.mlp, sb.shared,
+               sb.experts, sb.head, sb.kv);
     else if (a->copy_gbs > 0.0)
         printf("%s/%-4s batch %3d ctx %6d: prefill %10.1f tok/s | decode %9.3f ms/step %10.1f "
                "tok/s | ~%.3f GB weights/step, %8.1f GB/s = %5.2f%% of copy\n",
@@ -457,6 +513,12 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
                "router %.3f, routed experts %.3f, lm_head %.3f; KV cache %.4f\n",
                sb.attn * 1e-9, sb.indexer * 1e-9, sb.mlp * 1e-9, sb.shared * 1e-9,
                sb.experts * 1e-9, sb.head * 1e-9, sb.kv * 1e-9);
+    if (!a->json && a->gemm_tflops > 0.0)
+        printf("    prefill: %.1f GFLOP a sequence, %.2f TFLOP/s = %.2f%% of the cuBLASLt bf16 "
+               "GEMM\n",
+               flops * 1e-9, tflops, pct_gemm);
+    else if (!a->json)
+        printf("    prefill: %.1f GFLOP a sequence, %.3f TFLOP/s\n", flops * 1e-9, tflops);
     if (a->json && a->n_drafts > 0) printf(",\"mtp\":[");
     for (int i = 0; i < a->n_drafts; i++) {
         // The speed-up at accepted length L is L x step_s / (verify + drafts): per_len.
@@ -668,10 +730,12 @@ int cli_bench(int argc, char **argv)
 #ifdef GLMSPARK_HAVE_CUDA
     if (a.cuda) {
         a.copy_gbs = backend_cuda_copy_gbs(be, (size_t) 1 << 30);
+        if (!a.reap_ops) a.gemm_tflops = backend_cuda_gemm_tflops(be, 8192);
         const char *graphs = getenv("GLMSPARK_CUDA_GRAPHS");
         if (!a.json)
-            printf("cuda  device-to-device copy (1 GiB, read+write): %.1f GB/s; graphs %s\n",
-                   a.copy_gbs, graphs && strcmp(graphs, "0") == 0 ? "off" : "on");
+            printf("cuda  device-to-device copy (1 GiB, read+write): %.1f GB/s; cuBLASLt bf16 "
+                   "GEMM 8192^3: %.1f TFLOP/s; graphs %s\n",
+                   a.copy_gbs, a.gemm_tflops, graphs && strcmp(graphs, "0") == 0 ? "off" : "on");
     }
     if (a.reap_ops) {
         rc = bench_reap_ops(&a, be) ? 0 : 1;

@@ -83,6 +83,15 @@ int main(void)
         CHECK(tok && atof(tok + strlen("\"decode_tok_s\":")) > 0.0);
         const char *pre = strstr(line, "\"prefill_tok_s\":");
         CHECK(pre && atof(pre + strlen("\"prefill_tok_s\":")) > 0.0);
+        // Prefill FLOPs: positive, and the TFLOP/s is a sequence's FLOPs at the token rate.
+        const char *fl = strstr(line, "\"prefill_flops_seq\":"), *tf = strstr(line, "\"prefill_tflop_s\":");
+        CHECK(fl && tf);
+        if (fl && tf && pre) {
+            const double flops = atof(fl + strlen("\"prefill_flops_seq\":"));
+            const double tflops = atof(tf + strlen("\"prefill_tflop_s\":"));
+            const double rate = atof(pre + strlen("\"prefill_tok_s\":"));
+            CHECK(flops > 0.0 && fabs(tflops - rate * flops / 9.0 * 1e-12) <= 1e-4 + 1e-3 * tflops);
+        }
         // Bytes by category: the weights' sum is weight_bytes_step; the cache's bytes are per
         // sequence, so batch 3 reads exactly 3x batch 1's.
         double cat[7] = {0}, total = 0.0, sum = 0.0;
