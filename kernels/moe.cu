@@ -465,6 +465,27 @@ static __device__ __forceinline__ void tail_mma(float (*c)[4], const uint8_t *qt
         if (t < nt) mma_f16(c[t], a, b[off[t]], b[off[t] + 4]);
 }
 
+// PIPE consecutive chunks ch0 .. ch0 + PIPE - 1 (those below nfull) of a warp's tile from the
+// register pipeline (slot d holds chunk ch0 + d; each is refilled with the chunk PIPE later),
+// chunk ch0 + d's B words at b + d * CHUNK_KS * 8 (chunk_mma's offsets).
+template <int NT>
+static __device__ __forceinline__ void range_mma(float (*c)[4], float (*c2)[4], uint4 qa[PIPE],
+                                                 uint2 sa[PIPE], const uint8_t *qt,
+                                                 const uint8_t *st, int ch0, int nfull,
+                                                 const uint32_t *b, const int *off, int nt)
+{
+#pragma unroll
+    for (int d = 0; d < PIPE; d++) {
+        const int ch = ch0 + d;
+        if (ch < nfull) {
+            const uint4 qv = qa[d];
+            const uint2 sv = sa[d];
+            if (ch + PIPE < nfull) load_chunk(&qa[d], &sa[d], qt, st, ch + PIPE);
+            chunk_mma<NT>(c, c2, qv, sv, b + d * CHUNK_KS * 8, off, nt);
+        }
+    }
+}
+
 // One warp's 16-row tile over all K: c[0..1] rows r = lane/4, columns 2(lane%4) + {0, 1};
 // c[2..3] row r + 8. qt, st: the tile's packed codes and scales; bs: the staged columns.
 // The first PIPE chunks' loads were issued by the caller (qa, sa), before the staging.
@@ -478,18 +499,8 @@ static __device__ __forceinline__ void tile_mma(float c[4], const uint8_t *qt, c
     const int off[1] = {0};
     float c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // odd k-steps of the chunks
     float (*cc)[4] = (float (*)[4]) c, (*cc2)[4] = (float (*)[4]) c2;
-    for (int ch0 = 0; ch0 < nfull; ch0 += PIPE) {
-#pragma unroll
-        for (int d = 0; d < PIPE; d++) {
-            const int ch = ch0 + d;
-            if (ch < nfull) {
-                const uint4 qv = qa[d];
-                const uint2 sv = sa[d];
-                if (ch + PIPE < nfull) load_chunk(&qa[d], &sa[d], qt, st, ch + PIPE);
-                chunk_mma<1>(cc, cc2, qv, sv, bl + ch * CHUNK_KS * 8, off, 1);
-            }
-        }
-    }
+    for (int ch0 = 0; ch0 < nfull; ch0 += PIPE)
+        range_mma<1>(cc, cc2, qa, sa, qt, st, ch0, nfull, bl + ch0 * CHUNK_KS * 8, off, 1);
     for (int j = 0; j < ntail; j++)
         tail_mma<1>(cc, qt, st, nfull, ntail, j, bl + (nfull * CHUNK_KS + j) * 8, off, 1);
 #pragma unroll
@@ -750,16 +761,7 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
         __syncthreads();
         if (rt >= n_tiles) continue;  // still staging with the block
         const int ch0 = k0 / 64;  // WIDE_KC / 64 == PIPE chunks of this range
-#pragma unroll
-        for (int d = 0; d < PIPE; d++) {
-            const int ch = ch0 + d;
-            if (ch < nfull) {
-                const uint4 qv = qa[d];
-                const uint2 sv = sa[d];
-                if (ch + PIPE < nfull) load_chunk(&qa[d], &sa[d], qt, st, ch + PIPE);
-                chunk_mma<WIDE_NT>(c, c2, qv, sv, bs + d * CHUNK_KS * 8, col_off, nt);
-            }
-        }
+        range_mma<WIDE_NT>(c, c2, qa, sa, qt, st, ch0, nfull, bs, col_off, nt);
         if (k0 + kc == K)  // the tail's k-steps lie in this last range
             for (int j = 0; j < ntail; j++)
                 tail_mma<WIDE_NT>(c, qt, st, nfull, ntail, j,

@@ -72,6 +72,17 @@ static void test_route(int n_tok, int n_experts, int k, int n_group, int topk_gr
     free(logits), free(bias), free(idx_ref), free(idx), free(w_ref), free(w), free(work);
 }
 
+// Whether two device buffers of n bytes hold the same bits.
+static bool same_bits(const void *d_a, const void *d_b, size_t n)
+{
+    uint8_t *a = xmalloc(n), *b = xmalloc(n);
+    gpu_download(a, d_a, n);
+    gpu_download(b, d_b, n);
+    const bool same = !memcmp(a, b, n);
+    free(a), free(b);
+    return same;
+}
+
 static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
 {
     const size_t n13 = (size_t) n_experts * 2 * inter * hidden, n2 = (size_t) n_experts * hidden * inter;
@@ -140,16 +151,12 @@ static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
         moe_experts_w13_wide(d_act3, &ex, d_x, d_wwork, n_tok, k, 0);
         moe_experts_w2_wide(d_y3, &ex, d_act3, d_wwork, d_w, n_tok, k, 0);
         moe_combine(d_out3, d_y3, d_res, n_tok, k, hidden, 0);
-        const size_t na = (size_t) n_pairs * inter * 2, no = (size_t) n_tok * hidden * 4;
-        uint8_t *a1 = xmalloc(na), *a3 = xmalloc(na), *o1 = xmalloc(no), *o3 = xmalloc(no);
-        gpu_download(a1, d_act, na), gpu_download(a3, d_act3, na);
-        gpu_download(o1, d_out, no), gpu_download(o3, d_out3, no);
-        const bool same_act = !memcmp(a1, a3, na), same_out = !memcmp(o1, o3, no);
-        printf("moe E=%d %dx%d tok=%d k=%d: wide tiles = 8-column tiles bit for bit: act %s, "
-               "out %s\n",
-               n_experts, hidden, inter, n_tok, k, same_act ? "yes" : "NO", same_out ? "yes" : "NO");
-        CHECK(same_act && same_out);
-        free(a1), free(a3), free(o1), free(o3);
+        const bool same = same_bits(d_act, d_act3, (size_t) n_pairs * inter * 2)
+                          && same_bits(d_out, d_out3, (size_t) n_tok * hidden * 4);
+        printf("moe E=%d %dx%d tok=%d k=%d: wide tiles = 8-column tiles bit for bit (act, out): "
+               "%s\n",
+               n_experts, hidden, inter, n_tok, k, same ? "yes" : "NO");
+        CHECK(same);
         cudaFree(d_wwork), cudaFree(d_act3), cudaFree(d_y3), cudaFree(d_out3);
     }
     if (n_pairs > MOE_MAX_PAIRS) {
@@ -168,15 +175,11 @@ static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
             moe_combine(d_out2 + (size_t) t0 * hidden, d_y2 + p0 * hidden,
                         d_res + (size_t) t0 * hidden, nc, k, hidden, 0);
         }
-        const size_t na = (size_t) n_pairs * inter * 2, no = (size_t) n_tok * hidden * 4;
-        uint8_t *a1 = xmalloc(na), *a2 = xmalloc(na), *o1 = xmalloc(no), *o2 = xmalloc(no);
-        gpu_download(a1, d_act, na), gpu_download(a2, d_act2, na);
-        gpu_download(o1, d_out, no), gpu_download(o2, d_out2, no);
-        const bool same = !memcmp(a1, a2, na) && !memcmp(o1, o2, no);
+        const bool same = same_bits(d_act, d_act2, (size_t) n_pairs * inter * 2)
+                          && same_bits(d_out, d_out2, (size_t) n_tok * hidden * 4);
         printf("moe E=%d tok=%d k=%d: chunk grouping = %d-pair calls bit for bit: %s\n", n_experts,
                n_tok, k, MOE_MAX_PAIRS, same ? "yes" : "NO");
         CHECK(same);
-        free(a1), free(a2), free(o1), free(o2);
         cudaFree(d_act2), cudaFree(d_y2), cudaFree(d_out2);
     }
 

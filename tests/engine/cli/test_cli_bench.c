@@ -21,6 +21,19 @@ static int run(int argc, const char **argv)
     return cli_bench(argc, (char **) argv);
 }
 
+// run() with standard output in the file at path; its status.
+static int run_to_file(int argc, const char **argv, const char *path)
+{
+    fflush(stdout);
+    const int saved = dup(1);
+    CHECK(freopen(path, "w", stdout) != NULL);
+    const int rc = run(argc, argv);
+    fflush(stdout);
+    dup2(saved, 1);
+    close(saved);
+    return rc;
+}
+
 int main(void)
 {
     // Bad arguments: usage, status 2, nothing run.
@@ -54,19 +67,12 @@ int main(void)
     setenv("TMPDIR", dir, 1);
     char out_path[600];
     snprintf(out_path, sizeof out_path, "%s/out.json", dir);
-    fflush(stdout);
-    const int saved = dup(1);
-    CHECK(freopen(out_path, "w", stdout) != NULL);
     // The 9-token prompts are prefilled in calls of 4, 4 and 1 tokens.
     const char *ok_args[] = {"bench", "--synthetic", "--preset", "tiny",    "--backend",
                              "cpu",   "--threads",   "2",        "--batch", "1,3",
                              "--ctx", "9",           "--steps",  "2",       "--json",
                              "--prefill-chunk", "4"};
-    const int rc = run(17, ok_args);
-    fflush(stdout);
-    dup2(saved, 1);
-    close(saved);
-    CHECK(rc == 0);
+    CHECK(run_to_file(17, ok_args, out_path) == 0);
 
     FILE *f = fopen(out_path, "r");
     CHECK(f != NULL);
@@ -115,18 +121,11 @@ int main(void)
     // length, and the speed-up = that length x the per-accepted-token ratio.
     char mtp_path[600];
     snprintf(mtp_path, sizeof mtp_path, "%s/mtp.json", dir);
-    fflush(stdout);
-    const int saved2 = dup(1);
-    CHECK(freopen(mtp_path, "w", stdout) != NULL);
     const char *mtp_args[] = {"bench",  "--synthetic", "--preset", "tiny",      "--backend",
                               "cpu",    "--threads",   "2",        "--batch",   "2",
                               "--ctx",  "9",           "--steps",  "2",         "--json",
                               "--mtp-drafts", "1,3"};
-    const int rc_mtp = run(17, mtp_args);
-    fflush(stdout);
-    dup2(saved2, 1);
-    close(saved2);
-    CHECK(rc_mtp == 0);
+    CHECK(run_to_file(17, mtp_args, mtp_path) == 0);
     f = fopen(mtp_path, "r");
     CHECK(f != NULL);
     int mtp_lines = 0;
