@@ -374,6 +374,15 @@ static __device__ __forceinline__ int col_exponent(float amax)
     return min(max(ilogbf(amax) - X_EXP_TOP, -110), 100);
 }
 
+// A staged column's factors from its largest magnitude: the input's 2^-e (col_exponent) and
+// the output's 2^e, times the 2^14 of the codes' E5M2 patterns.
+static __device__ __forceinline__ void col_factors(float amax, float *s_in, float *out_mul)
+{
+    const int e = col_exponent(amax);
+    *s_in = ldexpf(1.0f, -e);
+    *out_mul = ldexpf(1.0f, e) * 16384.0f;
+}
+
 // 8 codes of one lane and k-step (packed by moe_pack_*) -> 4 f16 pairs A0..A3 of the
 // m16n8k16 A fragment, each code as its E5M2 pattern (= e2m1 * 2^-14 in f16), multiplied
 // by the rows' group scales (exact: the product has at most 6 significant bits, and the
@@ -516,6 +525,20 @@ static __device__ __forceinline__ void tile_prefetch(uint4 qa[PIPE], uint2 sa[PI
         if (d < nfull) load_chunk(&qa[d], &sa[d], qt, st, d);
 }
 
+// Warp w of block x of an expert kernel: its 16-row tile rt = x*8 + w of expert e's packed
+// matrix (n_tiles tiles of K columns), the tile's codes and scales (*qt, *st), and the first
+// PIPE chunks' loads issued (qa, sa) when rt < n_tiles. Returns rt.
+static __device__ __forceinline__ int warp_rows(const uint8_t *q, const uint8_t *s, int e,
+                                                int n_tiles, int K, const uint8_t **qt,
+                                                const uint8_t **st, uint4 qa[PIPE], uint2 sa[PIPE])
+{
+    const int rt = blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE;
+    *qt = q + ((size_t) e * n_tiles + rt) * (8 * (size_t) K);
+    *st = s + ((size_t) e * n_tiles + rt) * (size_t) K;
+    if (rt < n_tiles) tile_prefetch(qa, sa, *qt, *st, K);
+    return rt;
+}
+
 // Four consecutive inputs of a column as fp32: fp32 rows rounded to bf16 (the recipe's
 // rounding of the experts' input), or bf16 rows (exact).
 static __device__ __forceinline__ float4 load4(const float *p, int i)
@@ -530,6 +553,13 @@ static __device__ __forceinline__ float4 load4(const uint16_t *p, int i)
     const uint2 u = __ldg((const uint2 *) p + i);
     const float2 a = bf16x2_bits_to_f32(u.x), b = bf16x2_bits_to_f32(u.y);
     return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// Four inputs of a column scaled by its power of two sc into two f16 pairs at dst (exact).
+static __device__ __forceinline__ void stage4(uint32_t *dst, float4 v, float sc)
+{
+    const __half2 h0 = __floats2half2_rn(v.x * sc, v.y * sc), h1 = __floats2half2_rn(v.z * sc, v.w * sc);
+    *(uint2 *) dst = make_uint2(*(const uint32_t *) &h0, *(const uint32_t *) &h1);
 }
 
 // Stage the tile's columns in shared memory as f16, column n scaled by 2^-exponent: the
@@ -555,17 +585,13 @@ static __device__ void stage_columns(uint32_t *bs, float *out_mul, const T *src,
     }
     __syncthreads();
     if (threadIdx.x < ncols) {
-        const int e = col_exponent(__uint_as_float(amax_bits[threadIdx.x]));
-        s_in[threadIdx.x] = ldexpf(1.0f, -e);
-        out_mul[threadIdx.x] = ldexpf(1.0f, e) * 16384.0f;  // and the 2^-14 of the codes
+        col_factors(__uint_as_float(amax_bits[threadIdx.x]), &s_in[threadIdx.x],
+                    &out_mul[threadIdx.x]);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < ncols * q; i += MMA_THREADS) {
         const int n = i / q, kk = i % q;
-        const float4 v = load4(src + (size_t) row_of[n] * stride, kk);
-        const float sc = s_in[n];
-        const __half2 h0 = __floats2half2_rn(v.x * sc, v.y * sc), h1 = __floats2half2_rn(v.z * sc, v.w * sc);
-        *(uint2 *) (bs + n * W + 2 * kk) = make_uint2(*(const uint32_t *) &h0, *(const uint32_t *) &h1);
+        stage4(bs + n * W + 2 * kk, load4(src + (size_t) row_of[n] * stride, kk), s_in[n]);
     }
     __syncthreads();
 }
@@ -594,12 +620,10 @@ static __device__ bool expert_tile(float c[4], TileOut *o, const uint8_t *q, con
     if ((int) blockIdx.y >= work[0]) return false;  // the whole block
     const int32_t *tl = work + 1 + (size_t) blockIdx.y * TILE_INTS;
     const int e = tl[0], ncols = tl[1], lane = threadIdx.x % WARP_SIZE;
-    const int rt = blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE;
-    const uint8_t *qt = q + ((size_t) e * n_tiles + rt) * (8 * (size_t) K);
-    const uint8_t *st = s + ((size_t) e * n_tiles + rt) * (size_t) K;
+    const uint8_t *qt, *st;
     uint4 qa[PIPE];
     uint2 sa[PIPE];
-    if (rt < n_tiles) tile_prefetch(qa, sa, qt, st, K);
+    const int rt = warp_rows(q, s, e, n_tiles, K, &qt, &st, qa, sa);
     if (threadIdx.x < MOE_TILE_COLS) {
         const int p = (int) threadIdx.x < ncols ? tl[2 + threadIdx.x] : 0;
         pair_of[threadIdx.x] = p;
@@ -616,6 +640,40 @@ static __device__ bool expert_tile(float c[4], TileOut *o, const uint8_t *q, con
     return true;
 }
 
+// The epilogues of an n8 MMA tile c (tile_mma's layout) whose columns are the tile's columns
+// n0 .. n0 + 7 (o: the tile; columns past o->ncols are skipped). gate/up: SwiGLU of the
+// lane's feature feat into act; down: the weighted rows row and row + 8 into y.
+static __device__ __forceinline__ void w13_out(uint16_t *act, const float c[4], const TileOut *o,
+                                               int n0, int feat, float gg, float gu, int inter)
+{
+    const int lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int n = n0 + 2 * (lane % 4) + h;
+        if (n < o->ncols) {
+            const float g = c[h] * o->out_mul[n] * gg, u = c[2 + h] * o->out_mul[n] * gu;
+            act[(size_t) o->pair_of[n] * inter + feat] = f32_to_bf16_bits(g / (1.0f + expf(-g)) * u);
+        }
+    }
+}
+
+static __device__ __forceinline__ void w2_out(float *y, const float c[4], const TileOut *o, int n0,
+                                              int row, float ge, const float *w, int hidden)
+{
+    const int lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int n = n0 + 2 * (lane % 4) + h;
+        if (n < o->ncols) {
+            const int p = o->pair_of[n];
+            const float m = o->out_mul[n] * ge * w[p];
+            float *yp = y + (size_t) p * hidden + row;
+            yp[0] = c[h] * m;
+            yp[8] = c[2 + h] * m;
+        }
+    }
+}
+
 // gate/up + SwiGLU. Grid (ceil(inter / 64), max tiles); warp w of block x owns the 16-row
 // tile x*8 + w: gate rows 8*tile + r and up rows of the same features, so that a lane holds
 // gate and up of feature 8*tile + r for its two columns.
@@ -630,15 +688,7 @@ static __global__ void __launch_bounds__(MMA_THREADS)
     if (!expert_tile<float>(c, &o, q13, s13, x, k, work, inter / 8, hidden)) return;
     const int lane = threadIdx.x % WARP_SIZE;
     const int feat = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 8 + lane / 4;
-    const float gg = g13[2 * o.e], gu = g13[2 * o.e + 1];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int n = 2 * (lane % 4) + h;
-        if (n < o.ncols) {
-            const float g = c[h] * o.out_mul[n] * gg, u = c[2 + h] * o.out_mul[n] * gu;
-            act[(size_t) o.pair_of[n] * inter + feat] = f32_to_bf16_bits(g / (1.0f + expf(-g)) * u);
-        }
-    }
+    w13_out(act, c, &o, 0, feat, g13[2 * o.e], g13[2 * o.e + 1], inter);
 }
 
 // down: y[p, row] = w[p] * down_e(act[p])[row]. Grid (ceil(hidden / 128), max tiles).
@@ -653,18 +703,7 @@ static __global__ void __launch_bounds__(MMA_THREADS)
     if (!expert_tile<uint16_t>(c, &o, q2, s2, act, 1, work, hidden / 16, inter)) return;
     const int lane = threadIdx.x % WARP_SIZE;
     const int row = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 16 + lane / 4;
-    const float ge = g2[o.e];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int n = 2 * (lane % 4) + h;
-        if (n < o.ncols) {
-            const int p = o.pair_of[n];
-            const float m = o.out_mul[n] * ge * w[p];
-            float *yp = y + (size_t) p * hidden + row;
-            yp[0] = c[h] * m;
-            yp[8] = c[2 + h] * m;
-        }
-    }
+    w2_out(y, c, &o, 0, row, g2[o.e], w, hidden);
 }
 
 // ---------------------------------------------------------------------------
@@ -693,11 +732,7 @@ static __global__ void moe_row_scale_kernel(float *__restrict__ s_in, float *__r
         m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
     }
     m = warp_max(m);
-    if (lane == 0) {
-        const int e = col_exponent(m);
-        s_in[r] = ldexpf(1.0f, -e);
-        out_mul[r] = ldexpf(1.0f, e) * 16384.0f;
-    }
+    if (lane == 0) col_factors(m, &s_in[r], &out_mul[r]);
 }
 
 // The common body of the wide expert kernels, for block (x, tile) of a matrix of n_tiles
@@ -719,12 +754,10 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
     if ((int) blockIdx.y >= work[0]) return false;  // the whole block
     const int32_t *tl = work + 1 + (size_t) blockIdx.y * WIDE_TILE_INTS;
     const int e = tl[0], ncols = tl[1], lane = threadIdx.x % WARP_SIZE, cq = lane % 4;
-    const int rt = blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE;
-    const uint8_t *qt = q + ((size_t) e * n_tiles + rt) * (8 * (size_t) K);
-    const uint8_t *st = s + ((size_t) e * n_tiles + rt) * (size_t) K;
+    const uint8_t *qt, *st;
     uint4 qa[PIPE];
     uint2 sa[PIPE];
-    if (rt < n_tiles) tile_prefetch(qa, sa, qt, st, K);
+    const int rt = warp_rows(q, s, e, n_tiles, K, &qt, &st, qa, sa);
     for (int i = threadIdx.x; i < MOE_WIDE_COLS; i += MMA_THREADS) {
         const int p = tl[2 + (i < ncols ? i : 0)], r = p / row_div;
         pair_of[i] = p;
@@ -751,12 +784,7 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
         __syncthreads();  // the previous K range's MMAs are done with bs (and row_of is set)
         for (int i = threadIdx.x; i < ncols * q4; i += MMA_THREADS) {
             const int n = i / q4, kk = i % q4;
-            const float4 v = load4(src + (size_t) row_of[n] * K + k0, kk);
-            const float sc = s_in[n];
-            const __half2 h0 = __floats2half2_rn(v.x * sc, v.y * sc),
-                          h1 = __floats2half2_rn(v.z * sc, v.w * sc);
-            *(uint2 *) (bs + n * W + 2 * kk) =
-                make_uint2(*(const uint32_t *) &h0, *(const uint32_t *) &h1);
+            stage4(bs + n * W + 2 * kk, load4(src + (size_t) row_of[n] * K + k0, kk), s_in[n]);
         }
         __syncthreads();
         if (rt >= n_tiles) continue;  // still staging with the block
@@ -776,7 +804,7 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
     return true;
 }
 
-// gate/up + SwiGLU over wide tiles (moe_w13_kernel's epilogue per n-tile).
+// gate/up + SwiGLU over wide tiles (w13_out per n-tile).
 static __global__ void __launch_bounds__(MMA_THREADS)
     moe_w13_wide_kernel(uint16_t *__restrict__ act, const uint8_t *__restrict__ q13,
                         const uint8_t *__restrict__ s13, const float *__restrict__ g13,
@@ -792,19 +820,10 @@ static __global__ void __launch_bounds__(MMA_THREADS)
     const int feat = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 8 + lane / 4;
     const float gg = g13[2 * o.e], gu = g13[2 * o.e + 1];
 #pragma unroll
-    for (int t = 0; t < WIDE_NT; t++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int n = 8 * t + 2 * (lane % 4) + h;
-            if (n < o.ncols) {
-                const float g = c[t][h] * o.out_mul[n] * gg, u = c[t][2 + h] * o.out_mul[n] * gu;
-                act[(size_t) o.pair_of[n] * inter + feat] =
-                    f32_to_bf16_bits(g / (1.0f + expf(-g)) * u);
-            }
-        }
+    for (int t = 0; t < WIDE_NT; t++) w13_out(act, c[t], &o, 8 * t, feat, gg, gu, inter);
 }
 
-// down over wide tiles (moe_w2_kernel's epilogue per n-tile).
+// down over wide tiles (w2_out per n-tile).
 static __global__ void __launch_bounds__(MMA_THREADS)
     moe_w2_wide_kernel(float *__restrict__ y, const uint8_t *__restrict__ q2,
                        const uint8_t *__restrict__ s2, const float *__restrict__ g2,
@@ -820,18 +839,7 @@ static __global__ void __launch_bounds__(MMA_THREADS)
     const int row = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 16 + lane / 4;
     const float ge = g2[o.e];
 #pragma unroll
-    for (int t = 0; t < WIDE_NT; t++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int n = 8 * t + 2 * (lane % 4) + h;
-            if (n < o.ncols) {
-                const int p = o.pair_of[n];
-                const float m = o.out_mul[n] * ge * w[p];
-                float *yp = y + (size_t) p * hidden + row;
-                yp[0] = c[t][h] * m;
-                yp[8] = c[t][2 + h] * m;
-            }
-        }
+    for (int t = 0; t < WIDE_NT; t++) w2_out(y, c[t], &o, 8 * t, row, ge, w, hidden);
 }
 
 // out[t] = residual[t] + sum over j in slot order of y[t*k + j].
@@ -945,16 +953,26 @@ void moe_route(int32_t *idx, float *w, const float *logits, const float *bias, i
     CUDA_CHECK(cudaGetLastError());
 }
 
-static int max_tiles(int n_pairs, int n_experts)
+// Tiles of up to cols pairs that n_pairs pairs over n_experts experts can need: each expert
+// used ceil(count / cols) <= count / cols + 1.
+static int max_tiles(int n_pairs, int n_experts, int cols)
 {
-    return (n_pairs < n_experts ? n_pairs : n_experts) + n_pairs / MOE_TILE_COLS;
+    return (n_pairs < n_experts ? n_pairs : n_experts) + n_pairs / cols;
 }
 
-// The three launches of the atomic grouping (moe_count/scan/place_kernel) into work, with
-// the counters cnt [3 * n_experts].
-static void group_atomic(int32_t *work, int32_t *cnt, const int32_t *idx, int n_pairs,
-                         int n_experts, int cols, cudaStream_t stream)
+// A work list of tiles of up to cols pairs: the tile count and the tiles (2 + cols ints
+// each), then (atomic grouping) its counters, 3 * n_experts ints at tile_list_ints.
+static size_t tile_list_ints(int n_pairs, int n_experts, int cols)
 {
+    return 1 + (size_t) max_tiles(n_pairs, n_experts, cols) * (2 + cols);
+}
+
+// The three launches of the atomic grouping (moe_count/scan/place_kernel) into work, a list
+// of tiles of up to cols pairs with its counters (tile_list_ints).
+static void group_atomic(int32_t *work, const int32_t *idx, int n_pairs, int n_experts, int cols,
+                         cudaStream_t stream)
+{
+    int32_t *cnt = work + tile_list_ints(n_pairs, n_experts, cols);
     CUDA_CHECK(cudaMemsetAsync(cnt, 0, (size_t) 2 * n_experts * sizeof *cnt, stream));
     const unsigned blocks = (unsigned) CEIL_DIV(n_pairs, 256);
     moe_count_kernel<<<blocks, 256, 0, stream>>>(cnt, idx, n_pairs);
@@ -965,16 +983,22 @@ static void group_atomic(int32_t *work, int32_t *cnt, const int32_t *idx, int n_
     CUDA_CHECK(cudaGetLastError());
 }
 
+// One launch's pairs: n_tok tokens of k slots, at most MOE_MAX_CHUNK_PAIRS.
+static void check_pairs(int n_tok, int k)
+{
+    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (long long) n_tok * k <= MOE_MAX_CHUNK_PAIRS);
+}
+
 size_t moe_work_ints(int n_pairs, int n_experts)
 {
     const size_t counters = n_pairs > MOE_MAX_PAIRS ? (size_t) 3 * n_experts : 0;
-    return 1 + (size_t) max_tiles(n_pairs, n_experts) * TILE_INTS + counters;
+    return tile_list_ints(n_pairs, n_experts, MOE_TILE_COLS) + counters;
 }
 
 void moe_group(int32_t *work, const int32_t *idx, int n_tok, int k, int n_experts,
                cudaStream_t stream)
 {
-    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (long long) n_tok * k <= MOE_MAX_CHUNK_PAIRS);
+    check_pairs(n_tok, k);
     ASSERT(n_experts > 0 && n_experts <= MOE_MAX_EXPERTS);
     const int n_pairs = n_tok * k;
     if (n_pairs <= MOE_MAX_PAIRS) {
@@ -982,8 +1006,7 @@ void moe_group(int32_t *work, const int32_t *idx, int n_tok, int k, int n_expert
         CUDA_CHECK(cudaGetLastError());
         return;
     }
-    group_atomic(work, work + 1 + (size_t) max_tiles(n_pairs, n_experts) * TILE_INTS, idx,
-                 n_pairs, n_experts, MOE_TILE_COLS, stream);
+    group_atomic(work, idx, n_pairs, n_experts, MOE_TILE_COLS, stream);
 }
 
 static void check_experts(const MoeExperts *ex)
@@ -1012,12 +1035,12 @@ static size_t launch_shape(const void *kernel, const MoeExperts *ex, int n_tok, 
                            int n_tiles, dim3 *grid)
 {
     check_experts(ex);
-    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (long long) n_tok * k <= MOE_MAX_CHUNK_PAIRS);
+    check_pairs(n_tok, k);
     const size_t smem = stage_bytes(n_tok, K);
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int) smem));
     *grid = dim3((unsigned) CEIL_DIV(n_tiles, MMA_WARPS),
-                 (unsigned) max_tiles(n_tok * k, ex->n_experts));
+                 (unsigned) max_tiles(n_tok * k, ex->n_experts, MOE_TILE_COLS));
     return smem;
 }
 
@@ -1045,28 +1068,17 @@ void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const i
     CUDA_CHECK(cudaGetLastError());
 }
 
-// The wide work list: the tile count, the tiles (WIDE_TILE_INTS each), the grouping's
-// counters (3 * n_experts), then two floats per pair for the row factors (moe_row_scale_kernel:
-// the tokens' for w13, the pairs' for w2, in turn).
-static int max_wide_tiles(int n_pairs, int n_experts)
+// The wide work list: tile_list_ints' layout for tiles of MOE_WIDE_COLS with the counters,
+// then two floats per pair for the row factors (moe_row_scale_kernel: the tokens' for w13,
+// the pairs' for w2, in turn), at wide_factors_at.
+static size_t wide_factors_at(int n_pairs, int n_experts)
 {
-    return (n_pairs < n_experts ? n_pairs : n_experts) + n_pairs / MOE_WIDE_COLS;
-}
-
-static int32_t *wide_counters(int32_t *work, int n_pairs, int n_experts)
-{
-    return work + 1 + (size_t) max_wide_tiles(n_pairs, n_experts) * WIDE_TILE_INTS;
-}
-
-static float *wide_factors(int32_t *work, int n_pairs, int n_experts)
-{
-    return (float *) (wide_counters(work, n_pairs, n_experts) + (size_t) 3 * n_experts);
+    return tile_list_ints(n_pairs, n_experts, MOE_WIDE_COLS) + (size_t) 3 * n_experts;
 }
 
 size_t moe_wide_work_ints(int n_pairs, int n_experts)
 {
-    return 1 + (size_t) max_wide_tiles(n_pairs, n_experts) * WIDE_TILE_INTS
-           + (size_t) 3 * n_experts + (size_t) 2 * n_pairs;
+    return wide_factors_at(n_pairs, n_experts) + (size_t) 2 * n_pairs;
 }
 
 size_t moe_wide_smem_bytes(void)
@@ -1077,11 +1089,10 @@ size_t moe_wide_smem_bytes(void)
 void moe_group_wide(int32_t *work, const int32_t *idx, int n_tok, int k, int n_experts,
                     cudaStream_t stream)
 {
-    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (long long) n_tok * k <= MOE_MAX_CHUNK_PAIRS);
+    check_pairs(n_tok, k);
     ASSERT(n_experts > 0 && n_experts <= MOE_MAX_EXPERTS);
     const int n_pairs = n_tok * k;
-    group_atomic(work, wide_counters(work, n_pairs, n_experts), idx, n_pairs, n_experts,
-                 MOE_WIDE_COLS, stream);
+    group_atomic(work, idx, n_pairs, n_experts, MOE_WIDE_COLS, stream);
 }
 
 // The row factors of src [n_rows, K] into the work list's factor arrays, then the grid of a
@@ -1092,9 +1103,9 @@ static dim3 wide_launch(const void *kernel, const MoeExperts *ex, int32_t *work,
                         float **out_rows, cudaStream_t stream)
 {
     check_experts(ex);
-    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (long long) n_tok * k <= MOE_MAX_CHUNK_PAIRS);
+    check_pairs(n_tok, k);
     const int n_pairs = n_tok * k;
-    *s_in = wide_factors(work, n_pairs, ex->n_experts);
+    *s_in = (float *) (work + wide_factors_at(n_pairs, ex->n_experts));
     *out_rows = *s_in + n_pairs;
     const unsigned warps_per_block = 8;
     moe_row_scale_kernel<T><<<(unsigned) CEIL_DIV(n_rows, (int) warps_per_block),
@@ -1104,7 +1115,7 @@ static dim3 wide_launch(const void *kernel, const MoeExperts *ex, int32_t *work,
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int) moe_wide_smem_bytes()));
     return dim3((unsigned) CEIL_DIV(n_tiles, MMA_WARPS),
-                (unsigned) max_wide_tiles(n_pairs, ex->n_experts));
+                (unsigned) max_tiles(n_pairs, ex->n_experts, MOE_WIDE_COLS));
 }
 
 void moe_experts_w13_wide(uint16_t *act, const MoeExperts *ex, const float *x, int32_t *work,
