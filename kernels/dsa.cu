@@ -461,6 +461,19 @@ void dsa_scores(float *scores, int score_stride, const float *q, const float *w,
 // sm_100 (distributed shared memory; sm_12x lacks it: NVIDIA/dgx-spark-playbooks issue 22): elsewhere
 // one CTA per token, launched without a cluster attribute. On a GB10 the 128K top-k is a few
 // percent of a bandwidth-bound step.
+// A launch of dsa_topk_kernel<true> on grid CTAs in clusters of c (the config refers to attr).
+static cudaLaunchConfig_t topk_config(cudaLaunchAttribute *attr, int c, unsigned grid,
+                                      cudaStream_t stream)
+{
+    *attr = cudaLaunchAttribute{};
+    attr->id = cudaLaunchAttributeClusterDimension;
+    attr->val.clusterDim.x = (unsigned) c, attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid), cfg.blockDim = dim3(TOPK_THREADS), cfg.stream = stream;
+    cfg.attrs = attr, cfg.numAttrs = 1;
+    return cfg;
+}
+
 static int topk_cluster(int n_tok, int score_stride)
 {
     static int max_cta = 0;  // c_max | n_sm << 4, per process (one device kind); benign race
@@ -470,14 +483,10 @@ static int topk_cluster(int n_tok, int score_stride)
         CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
         CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
         if (major == 9 || major == 10) {
-            cudaLaunchConfig_t cfg = {};
-            cudaLaunchAttribute a = {};
-            a.id = cudaLaunchAttributeClusterDimension;
-            a.val.clusterDim.y = 1, a.val.clusterDim.z = 1;
-            cfg.blockDim = dim3(TOPK_THREADS), cfg.attrs = &a, cfg.numAttrs = 1;
             for (c = 8; c > 1; c /= 2) {
                 int n_clusters = 0;
-                a.val.clusterDim.x = (unsigned) c, cfg.gridDim = dim3((unsigned) c);
+                cudaLaunchAttribute a;
+                const cudaLaunchConfig_t cfg = topk_config(&a, c, (unsigned) c, 0);
                 if (cudaOccupancyMaxActiveClusters(&n_clusters, dsa_topk_kernel<true>, &cfg)
                         == cudaSuccess
                     && n_clusters > 0)
@@ -506,12 +515,8 @@ void dsa_topk(int32_t *idx, int32_t *n_sel, const float *scores, int score_strid
         return;
     }
     ASSERT((long long) n_tok * c <= INT32_MAX);
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute a = {};
-    a.id = cudaLaunchAttributeClusterDimension;
-    a.val.clusterDim.x = (unsigned) c, a.val.clusterDim.y = 1, a.val.clusterDim.z = 1;
-    cfg.gridDim = dim3((unsigned) (n_tok * c)), cfg.blockDim = dim3(TOPK_THREADS);
-    cfg.stream = stream, cfg.attrs = &a, cfg.numAttrs = 1;
+    cudaLaunchAttribute a;
+    const cudaLaunchConfig_t cfg = topk_config(&a, c, (unsigned) (n_tok * c), stream);
     CUDA_CHECK(cudaLaunchKernelEx(&cfg, dsa_topk_kernel<true>, idx, n_sel, scores, score_stride,
                                   kv_len, k));
 }

@@ -2141,74 +2141,92 @@ void backend_cuda_profile_report(Backend *be, const char *title)
     memset(impl->prof_calls, 0, sizeof impl->prof_calls);
 }
 
+// The shortest of 5 enqueues of op(impl, ctx) on impl's stream after one warm-up (which also
+// makes any plan it needs), in milliseconds by CUDA events.
+static float best_ms(CudaImpl *impl, void (*op)(CudaImpl *, void *), void *ctx)
+{
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    float best = 0.0f;
+    for (int i = 0; i < 6; i++) {
+        CUDA_CHECK(cudaEventRecord(e0, impl->stream));
+        op(impl, ctx);
+        CUDA_CHECK(cudaEventRecord(e1, impl->stream));
+        CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0.0f;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        if (i > 0 && (best == 0.0f || ms < best)) best = ms;
+    }
+    CUDA_CHECK(cudaEventDestroy(e0));
+    CUDA_CHECK(cudaEventDestroy(e1));
+    return best;
+}
+
+typedef struct TimedGemm {
+    void *y, *x, *w;
+    int n;
+} TimedGemm;
+
+static void timed_gemm(CudaImpl *impl, void *ctx)
+{
+    const TimedGemm *g = (const TimedGemm *) ctx;
+    gemm_bf16_lt(g->y, GEMM_OUT_F32, (const uint16_t *) g->x, (const uint16_t *) g->w, g->n, g->n,
+                 g->n, &impl->lt, impl->stream);
+}
+
 double backend_cuda_gemm_tflops(Backend *be, int n)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     ASSERT(n > 0 && n % 8 == 0);
     const size_t elems = (size_t) n * n;
-    void *x = NULL, *w = NULL, *y = NULL;
-    cudaEvent_t e0 = NULL, e1 = NULL;
-    double best = 0.0;
-    if (cudaMalloc(&x, elems * 2) != cudaSuccess || cudaMalloc(&w, elems * 2) != cudaSuccess
-        || cudaMalloc(&y, elems * 4) != cudaSuccess) {
+    TimedGemm g = {NULL, NULL, NULL, n};
+    double tflops = 0.0;
+    if (cudaMalloc(&g.x, elems * 2) != cudaSuccess || cudaMalloc(&g.w, elems * 2) != cudaSuccess
+        || cudaMalloc(&g.y, elems * 4) != cudaSuccess) {
         (void) cudaGetLastError();
         LOG_ERROR("GEMM benchmark: no room for three %d x %d matrices on the GPU", n, n);
-        goto done;
+    } else {
+        CUDA_CHECK(cudaMemsetAsync(g.x, 0x3c, elems * 2, impl->stream));  // bf16 0x3c3c: ~0.0115
+        CUDA_CHECK(cudaMemsetAsync(g.w, 0x3c, elems * 2, impl->stream));
+        const float ms = best_ms(impl, timed_gemm, &g);
+        tflops = 2.0 * (double) n * n * n / (ms * 1e-3) / 1e12;
     }
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    CUDA_CHECK(cudaMemsetAsync(x, 0x3c, elems * 2, impl->stream));  // bf16 0x3c3c: ~0.0115
-    CUDA_CHECK(cudaMemsetAsync(w, 0x3c, elems * 2, impl->stream));
-    for (int i = 0; i < 6; i++) {  // the first is a warm-up (and the plan's creation)
-        CUDA_CHECK(cudaEventRecord(e0, impl->stream));
-        gemm_bf16_lt(y, GEMM_OUT_F32, (const uint16_t *) x, (const uint16_t *) w, n, n, n,
-                     &impl->lt, impl->stream);
-        CUDA_CHECK(cudaEventRecord(e1, impl->stream));
-        CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0.0f;
-        CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        const double tflops = 2.0 * (double) n * n * n / (ms * 1e-3) / 1e12;
-        if (i > 0 && tflops > best) best = tflops;
-    }
-done:
-    if (e0) cudaEventDestroy(e0);
-    if (e1) cudaEventDestroy(e1);
-    cudaFree(x);
-    cudaFree(w);
-    cudaFree(y);
-    return best;
+    cudaFree(g.x);
+    cudaFree(g.w);
+    cudaFree(g.y);
+    return tflops;
+}
+
+typedef struct TimedCopy {
+    void *dst;
+    const void *src;
+    size_t bytes;
+} TimedCopy;
+
+static void timed_copy(CudaImpl *impl, void *ctx)
+{
+    const TimedCopy *c = (const TimedCopy *) ctx;
+    CUDA_CHECK(cudaMemcpyAsync(c->dst, c->src, c->bytes, cudaMemcpyDeviceToDevice, impl->stream));
 }
 
 double backend_cuda_copy_gbs(Backend *be, size_t bytes)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     void *a = NULL, *b = NULL;
-    cudaEvent_t e0 = NULL, e1 = NULL;
-    double best = 0.0;
+    double gbs = 0.0;
     if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) {
         (void) cudaGetLastError();
         LOG_ERROR("copy benchmark: no room for 2 x %zu bytes on the GPU", bytes);
-        goto done;
+    } else {
+        CUDA_CHECK(cudaMemsetAsync(a, 1, bytes, impl->stream));
+        TimedCopy c = {b, a, bytes};
+        const float ms = best_ms(impl, timed_copy, &c);
+        gbs = 2.0 * (double) bytes / (ms * 1e-3) / 1e9;
     }
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    CUDA_CHECK(cudaMemsetAsync(a, 1, bytes, impl->stream));
-    for (int i = 0; i < 6; i++) {  // the first is a warm-up
-        CUDA_CHECK(cudaEventRecord(e0, impl->stream));
-        CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, impl->stream));
-        CUDA_CHECK(cudaEventRecord(e1, impl->stream));
-        CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0.0f;
-        CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        const double gbs = 2.0 * (double) bytes / (ms * 1e-3) / 1e9;
-        if (i > 0 && gbs > best) best = gbs;
-    }
-done:
-    if (e0) cudaEventDestroy(e0);
-    if (e1) cudaEventDestroy(e1);
     cudaFree(a);
     cudaFree(b);
-    return best;
+    return gbs;
 }
 
 static void cuda_destroy(Backend *be)
