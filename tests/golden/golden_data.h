@@ -214,18 +214,21 @@ static inline int golden_chunk_len(int start, int n)
 }
 
 // Prefill logits [n, V] of tokens through model_forward in golden_chunk_len's chunks, on a
-// fresh sequence of kv (freed again). The first failing call's error, or ERR_OK.
+// fresh sequence of kv (freed again); the calls made in *n_calls (may be NULL). The first
+// failing call's error, or ERR_OK.
 static inline Err golden_prefill_chunked(Model *m, KvCache *kv, const int *tokens, int n,
-                                         float *out)
+                                         float *out, int *n_calls)
 {
     KvSeq seq = {0};
     Err err = ERR_OK;
-    for (int t = 0; t < n && err == ERR_OK;) {
+    int calls = 0;
+    for (int t = 0; t < n && err == ERR_OK; calls++) {
         const int len = golden_chunk_len(t, n);
         err = model_forward(m, kv, &seq, tokens + t, len, out + (size_t) t * m->cfg.vocab_size,
                             true);
         t += len;
     }
+    if (n_calls) *n_calls = calls;
     kv_seq_free(kv, &seq);
     return err;
 }
@@ -289,11 +292,9 @@ static inline float *golden_check_model(Backend *be, const char *what, const cha
     float *chunked = malloc((size_t) g->n_tokens * V * sizeof *chunked);
     ASSERT(chunked);
     int n_chunks = 0;
-    for (int t = 0; t < g->n_tokens; t += golden_chunk_len(t, g->n_tokens))
-        n_chunks++;
     double worst_chunked = 0.0;
     const bool chunks_ok =
-        golden_prefill_chunked(&m, &kv, g->tokens, g->n_tokens, chunked) == ERR_OK;
+        golden_prefill_chunked(&m, &kv, g->tokens, g->n_tokens, chunked, &n_chunks) == ERR_OK;
     CHECK(chunks_ok);
     for (int t = 0; t < g->n_tokens && chunks_ok; t++) {
         const double e = golden_rel_l2(chunked + (size_t) t * V, got + (size_t) t * V, V);

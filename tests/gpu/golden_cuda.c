@@ -76,7 +76,7 @@ static float *prefill(Backend *be, const char *dir, const Golden *g, KvDtype dty
     float *got = malloc((size_t) g->n_tokens * g->vocab * sizeof *got);
     ASSERT(got);
     KvSeq seq = {0};
-    const Err err = chunked ? golden_prefill_chunked(&m, &kv, g->tokens, g->n_tokens, got)
+    const Err err = chunked ? golden_prefill_chunked(&m, &kv, g->tokens, g->n_tokens, got, NULL)
                             : model_forward(&m, &kv, &seq, g->tokens, g->n_tokens, got, true);
     if (pool) {
         *pool_bytes = kv.block_bytes * (size_t) kv.params.n_blocks;
