@@ -223,6 +223,20 @@ static double linear_bytes(const CkptLinear *w)
     return 0.0;
 }
 
+// A layer's linear weights other than the routed experts, by category: attention [0, 6),
+// indexer [6, 9), dense MLP [9, 12), router and shared expert [12, 16). Absent ones have no
+// rows.
+enum { LAYER_LINEARS = 16 };
+static void layer_linears(const ModelLayer *L, const CkptLinear *lin[LAYER_LINEARS])
+{
+    const CkptLinear *all[LAYER_LINEARS] = {
+        &L->q_a,      &L->q_b,   &L->q_proj,      &L->kv_a,    &L->kv_b, &L->o_proj,
+        &L->idx_wq_b, &L->idx_wk, &L->idx_weights,
+        &L->gate,     &L->up,    &L->down,
+        &L->router,   &L->sh_gate, &L->sh_up,     &L->sh_down};
+    memcpy(lin, all, sizeof all);
+}
+
 // Multiply-adds of a linear weight applied to one row.
 static double linear_macs(const CkptLinear *w)
 {
@@ -249,11 +263,9 @@ static double prefill_flops(const Model *m, int ctx, int chunk)
     double per_tok = 0.0, attn = 0.0;
     for (int l = m->first_layer; l < m->last_layer; l++) {
         const ModelLayer *L = &m->layers[l];
-        const CkptLinear *lin[] = {&L->q_a,        &L->q_b,    &L->q_proj,      &L->kv_a,
-                                   &L->kv_b,       &L->o_proj, &L->idx_wq_b,    &L->idx_wk,
-                                   &L->idx_weights, &L->gate,  &L->up,          &L->down,
-                                   &L->router,     &L->sh_gate, &L->sh_up,      &L->sh_down};
-        for (size_t i = 0; i < sizeof lin / sizeof lin[0]; i++)
+        const CkptLinear *lin[LAYER_LINEARS];
+        layer_linears(L, lin);
+        for (int i = 0; i < LAYER_LINEARS; i++)
             per_tok += linear_macs(lin[i]);
         if (L->is_moe && L->experts && c->n_routed_experts > 0)
             per_tok += c->n_experts_per_tok
@@ -292,14 +304,12 @@ static StepBytes step_bytes(const Model *m, const KvCache *kv, int B, int ctx)
     const int attended = c->index_topk > 0 && c->index_topk < ctx ? c->index_topk : ctx;
     for (int l = m->first_layer; l < m->last_layer; l++) {
         const ModelLayer *L = &m->layers[l];
-        const CkptLinear *attn[] = {&L->q_a, &L->q_b, &L->q_proj, &L->kv_a, &L->kv_b, &L->o_proj};
-        const CkptLinear *idx[] = {&L->idx_wq_b, &L->idx_wk, &L->idx_weights};
-        const CkptLinear *mlp[] = {&L->gate, &L->up, &L->down};
-        const CkptLinear *sh[] = {&L->router, &L->sh_gate, &L->sh_up, &L->sh_down};
-        add_linears(&s.attn, attn, 6);
-        add_linears(&s.indexer, idx, 3);
-        add_linears(&s.mlp, mlp, 3);
-        add_linears(&s.shared, sh, 4);
+        const CkptLinear *lin[LAYER_LINEARS];
+        layer_linears(L, lin);
+        add_linears(&s.attn, lin, 6);
+        add_linears(&s.indexer, lin + 6, 3);
+        add_linears(&s.mlp, lin + 9, 3);
+        add_linears(&s.shared, lin + 12, 4);
         if (L->is_moe && L->experts && c->n_routed_experts > 0) {
             const double E = c->n_routed_experts, K = c->n_experts_per_tok;
             const double hit = E * (1.0 - pow(1.0 - K / E, B));
@@ -335,17 +345,17 @@ typedef struct MtpTime {
 // comment): per step the verify forward of 1 + k rows a sequence into logits [B (1 + k), V],
 // then each sequence's MTP passes on its own sequence of mkv (mseqs) from the hidden rows hid
 // [1 + k, hidden] (host; any values: the costs do not depend on them), the last row's logits
-// into row and its state into hcur. After one untimed step, seconds per step into *verify_s
-// and *draft_s. False on failure.
+// into logits too and its state into hcur. After one untimed step, seconds per step into *t.
+// False on failure.
 static bool bench_mtp(const BenchArgs *a, Model *m, KvCache *kv, KvSeq *const *ptrs, KvCache *mkv,
                       KvSeq *mseqs, int B, int k, int *ids, int *n_new, float *logits,
-                      const float *hid, float *hcur, float *row, double *verify_s, double *draft_s)
+                      const float *hid, float *hcur, MtpTime *t)
 {
     const int V = m->cfg.vocab_size, rows = 1 + k;
     for (int i = 0; i < B; i++)
         n_new[i] = rows;
     const ModelBatch b = {B, ptrs, n_new};
-    *verify_s = *draft_s = 0.0;
+    *t = (MtpTime){0.0, 0.0};
     for (int s = 0; s <= a->steps; s++) {
         for (int i = 0; i < B * rows; i++)
             ids[i] = (int) ((unsigned) (s * 31 + i * 17 + 11) % (unsigned) V);
@@ -354,19 +364,19 @@ static bool bench_mtp(const BenchArgs *a, Model *m, KvCache *kv, KvSeq *const *p
         const double t2 = clock_now_s();
         for (int i = 0; i < B; i++) {
             const int *tok = ids + (size_t) i * rows;
-            if (model_mtp_forward(m, mkv, &mseqs[i], tok, hid, rows, row, hcur, false))
+            if (model_mtp_forward(m, mkv, &mseqs[i], tok, hid, rows, logits, hcur, false))
                 return false;
             for (int j = 1; j < k; j++)
-                if (model_mtp_forward(m, mkv, &mseqs[i], &tok[j], hcur, 1, row, hcur, false))
+                if (model_mtp_forward(m, mkv, &mseqs[i], &tok[j], hcur, 1, logits, hcur, false))
                     return false;
         }
         if (s > 0) {
-            *verify_s += t2 - t1;
-            *draft_s += clock_now_s() - t2;
+            t->verify_s += t2 - t1;
+            t->draft_s += clock_now_s() - t2;
         }
     }
-    *verify_s /= a->steps;
-    *draft_s /= a->steps;
+    t->verify_s /= a->steps;
+    t->draft_s /= a->steps;
     return true;
 }
 
@@ -475,7 +485,7 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
 #endif
     for (int i = 0; i < a->n_drafts; i++)
         if (!bench_mtp(a, m, &kv, ptrs, &mkv, mseqs, B, a->drafts[i], ids, n_new, logits, hid,
-                       hcur, logits, &mt[i].verify_s, &mt[i].draft_s))
+                       hcur, &mt[i]))
             goto done;
     const StepBytes sb = step_bytes(m, &kv, B, a->ctx);
     const double bytes = step_weight_bytes(&sb), gbs = bytes / step_s * 1e-9;
