@@ -110,8 +110,8 @@ void moe_combine(float *out, const float *y, const float *residual, int n_tok, i
 // the rows' factors), grouped by moe_group_wide; act, y and moe_combine as above. Shared
 // memory: moe_wide_smem_bytes() (66,560 bytes: GB10's opt-in limit is 101,376). Each expert
 // launch also writes its rows' factors into work, so a work list serves one stream's launches
-// in order (group, w13, w2), not two streams at once. NOT YET
-// CALLED BY THE ENGINE: it waits for its first run on a GPU (tests/gpu/test_moe.c).
+// in order (group, w13, w2), not two streams at once. The engine takes them for prefill chunks
+// whose experts average 16 pairs or more (engine/backend/backend_cuda.cu moe_tuned).
 #define MOE_WIDE_COLS 64
 size_t moe_wide_work_ints(int n_pairs, int n_experts);
 size_t moe_wide_smem_bytes(void);

@@ -47,7 +47,8 @@
  *   grid sizes. A key seen in the previous call, with no allocation since, is captured
  *   (stream capture) and launched; later calls with the key replay the graph, the caller
  *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
- *   buffers the caller uploads before. GLMSPARK_CUDA_GRAPHS=0 turns graphs off.
+ *   buffers the caller uploads before. GLMSPARK_CUDA_GRAPHS=0 turns graphs off;
+ *   GLMSPARK_MOE_WIDE=0 keeps prefill chunks on the 8-column expert tiles (moe_tuned).
  * - DSA under the bf16 recipe (backend_dsa_tuned layers): kernels/dsa.h's scores and top-k
  *   over the engine's key pages (kv_dsa_cache), fp32 scores in the order the CPU backend
  *   follows (kernels/dsa_format.h), so the two select the same keys.
@@ -183,6 +184,7 @@ typedef struct CudaImpl {
     unsigned long long last_gen;
     GraphEntry graph_cache[MAX_GRAPHS];
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
+    bool moe_wide;  // GLMSPARK_MOE_WIDE != 0: prefill chunks may take the wide expert tiles
     double prof_t0;
     double prof_s[N_PROF];
     double prof_bytes[N_PROF];  // weight bytes read (matmul, moe)
@@ -1903,24 +1905,37 @@ static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int
 // activations, down into each pair's weighted output, the k outputs of a token added in slot
 // order. Tokens in chunks of MOE_MAX_CHUNK_PAIRS / top_k (1,024 at GLM's k 8): a tile reads
 // its whole expert, so a prefill's expert bytes fall with the chunk (4,096 tokens: ~206 GB a
-// layer in 64-token chunks, ~94 GB in 1,024-token ones; the floor, ~87 GB, is tiles of 8).
+// layer in 64-token chunks, ~94 GB in 1,024-token ones with 8-column tiles). A chunk whose
+// experts average MOE_WIDE_MIN_PAIRS pairs or more takes the wide tiles (up to 64 pairs of an
+// expert per weight read; the same outputs bit for bit, moe.h), unless GLMSPARK_MOE_WIDE=0
+// (impl->moe_wide false: for measuring the two against each other).
+#define MOE_WIDE_MIN_PAIRS 16
 static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const int *idx,
                       const float *wts, int top_k, const MoeExperts *ex)
 {
     const int per = MOE_MAX_CHUNK_PAIRS / top_k, chunk = n < per ? n : per;
     const size_t hidden = (size_t) ex->hidden, inter = (size_t) ex->inter,
                  pairs = (size_t) chunk * top_k;
+    const size_t narrow_ints = moe_work_ints((int) pairs, ex->n_experts),
+                 wide_ints = moe_wide_work_ints((int) pairs, ex->n_experts);
     int32_t *work = (int32_t *) scratch(
-        impl, SCRATCH_E, moe_work_ints((int) pairs, ex->n_experts) * sizeof(int32_t));
+        impl, SCRATCH_E, (narrow_ints > wide_ints ? narrow_ints : wide_ints) * sizeof(int32_t));
     uint16_t *act = (uint16_t *) scratch(impl, SCRATCH_Y, pairs * inter * 2);
     float *y = (float *) scratch(impl, SCRATCH_X, pairs * hidden * sizeof(float));
     prof_begin(impl);
     for (int t0 = 0; t0 < n; t0 += chunk) {
         const int nc = n - t0 < chunk ? n - t0 : chunk;
         const size_t k0 = (size_t) t0 * top_k;
-        moe_group(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
-        moe_experts_w13(act, ex, x + (size_t) t0 * hidden, work, nc, top_k, impl->stream);
-        moe_experts_w2(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
+        const float *xc = x + (size_t) t0 * hidden;
+        if (impl->moe_wide && nc * top_k >= MOE_WIDE_MIN_PAIRS * ex->n_experts) {
+            moe_group_wide(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
+            moe_experts_w13_wide(act, ex, xc, work, nc, top_k, impl->stream);
+            moe_experts_w2_wide(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
+        } else {
+            moe_group(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
+            moe_experts_w13(act, ex, xc, work, nc, top_k, impl->stream);
+            moe_experts_w2(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
+        }
         moe_combine(out + (size_t) t0 * hidden, y, NULL, nc, top_k, (int) hidden, impl->stream);
     }
     prof_end(impl, PROF_MOE, 0.0);
@@ -2290,6 +2305,8 @@ Err backend_cuda_create(int device, Backend **out)
     }
     const char *graphs = getenv("GLMSPARK_CUDA_GRAPHS"), *prof = getenv("GLMSPARK_CUDA_PROFILE");
     impl->profile = prof && strcmp(prof, "0") != 0;
+    const char *wide = getenv("GLMSPARK_MOE_WIDE");
+    impl->moe_wide = !wide || strcmp(wide, "0") != 0;
     gemm_lt_init(&impl->lt);
     impl->graphs = !impl->profile && (!graphs || strcmp(graphs, "0") != 0);
     be->impl = impl;

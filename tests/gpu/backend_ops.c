@@ -515,42 +515,60 @@ static void test_tuned(void)
         free_linear(&w);
     }
     {
+        // n 5: 8-column tiles; n 1030: a 1,024-token chunk on the wide tiles (8,192 pairs over
+        // 24 experts), then 6 tokens on the 8-column ones; token 0 and the last token alone
+        // (8-column tiles) must equal themselves in the batch bit for bit.
         const BackendRoute rp = {24, 8, 1, 1, true, 2.5f};
-        const int E = rp.n_experts, K = rp.top_k, hidden = 256, inter = 128, n = 5;
-        float *logits = rand_floats((size_t) n * E, 4.0f);
-        int *idx = malloc((size_t) n * K * sizeof *idx);
-        float *wts = malloc((size_t) n * K * sizeof *wts);
-        cpu->route(cpu, idx, wts, logits, NULL, n, &rp);
+        const int E = rp.n_experts, K = rp.top_k, hidden = 256, inter = 128;
         CkptLinear *ex = calloc((size_t) 3 * E, sizeof *ex),
                    *exg = calloc((size_t) 3 * E, sizeof *exg);
-        ASSERT(ex && exg && idx && wts);
+        ASSERT(ex && exg);
         for (int i = 0; i < 3 * E; i++) {
             ex[i] = make_linear(CKPT_LINEAR_NVFP4, i % 3 == 2 ? hidden : inter,
                                 i % 3 == 2 ? inter : hidden);
             exg[i] = ex[i];
         }
         CHECK(cpu->bind_experts(cpu, ex, E) == ERR_OK && gpu->bind_experts(gpu, exg, E) == ERR_OK);
-        float *x = rand_floats((size_t) n * hidden, 1.0f);
-        float *want = malloc((size_t) n * hidden * sizeof *want);
-        cpu->moe(cpu, want, x, n, idx, wts, K, ex, E);
-        float *dx = dev(x, (size_t) n * hidden * sizeof *x);
-        int *didx = dev(idx, (size_t) n * K * sizeof *idx);
-        float *dwts = dev(wts, (size_t) n * K * sizeof *wts);
-        float *dout = gpu->alloc(gpu, (size_t) n * hidden * sizeof(float));
-        gpu->moe(gpu, dout, dx, n, didx, dwts, K, exg, E);
-        expect_close("moe tuned (bf16 recipe, nvfp4)", dout, want, (size_t) n * hidden, 1e-3);
-        float *batch = down(dout, (size_t) hidden * sizeof *batch);
-        gpu->moe(gpu, dout, dx, 1, didx, dwts, K, exg, E);
-        float *alone = down(dout, (size_t) hidden * sizeof *alone);
-        const bool same = memcmp(alone, batch, (size_t) hidden * sizeof *alone) == 0;
-        printf("moe tuned token 0 alone vs in batch: %s\n", same ? "identical" : "DIFFERENT");
-        CHECK(same);
+        static const int ns[] = {5, 1030};
+        for (size_t c = 0; c < sizeof ns / sizeof ns[0]; c++) {
+            const int n = ns[c];
+            float *logits = rand_floats((size_t) n * E, 4.0f);
+            int *idx = malloc((size_t) n * K * sizeof *idx);
+            float *wts = malloc((size_t) n * K * sizeof *wts);
+            ASSERT(idx && wts);
+            cpu->route(cpu, idx, wts, logits, NULL, n, &rp);
+            float *x = rand_floats((size_t) n * hidden, 1.0f);
+            float *want = malloc((size_t) n * hidden * sizeof *want);
+            cpu->moe(cpu, want, x, n, idx, wts, K, ex, E);
+            float *dx = dev(x, (size_t) n * hidden * sizeof *x);
+            int *didx = dev(idx, (size_t) n * K * sizeof *idx);
+            float *dwts = dev(wts, (size_t) n * K * sizeof *wts);
+            float *dout = gpu->alloc(gpu, (size_t) n * hidden * sizeof(float));
+            gpu->moe(gpu, dout, dx, n, didx, dwts, K, exg, E);
+            char what[80];
+            snprintf(what, sizeof what, "moe tuned (bf16 recipe, nvfp4) n=%d", n);
+            expect_close(what, dout, want, (size_t) n * hidden, 1e-3);
+            float *batch = down(dout, (size_t) n * hidden * sizeof *batch);
+            const int ends[2] = {0, n - 1};
+            for (int j = 0; j < 2; j++) {
+                const int t = ends[j];
+                gpu->moe(gpu, dout, dx + (size_t) t * hidden, 1, didx + (size_t) t * K,
+                         dwts + (size_t) t * K, K, exg, E);
+                float *alone = down(dout, (size_t) hidden * sizeof *alone);
+                const bool same = memcmp(alone, batch + (size_t) t * hidden,
+                                         (size_t) hidden * sizeof *alone) == 0;
+                printf("moe tuned n=%d token %d alone vs in batch: %s\n", n, t,
+                       same ? "identical" : "DIFFERENT");
+                CHECK(same);
+                free(alone);
+            }
+            free(logits), free(idx), free(wts), free(x), free(want), free(batch);
+            gpu->free_mem(gpu, dx), gpu->free_mem(gpu, didx), gpu->free_mem(gpu, dwts);
+            gpu->free_mem(gpu, dout);
+        }
         for (int i = 0; i < 3 * E; i++)
             free_linear(&ex[i]);
-        free(ex), free(exg), free(logits), free(idx), free(wts), free(x), free(want), free(batch);
-        free(alone);
-        gpu->free_mem(gpu, dx), gpu->free_mem(gpu, didx), gpu->free_mem(gpu, dwts);
-        gpu->free_mem(gpu, dout);
+        free(ex), free(exg);
     }
     enum { TA = 150, TB = 40, T = TA + TB, KSEL = 48 };
     const int L = 512, R = 64, H = 16, nope = 192, vd = 128;
