@@ -111,7 +111,8 @@ void moe_combine(float *out, const float *y, const float *residual, int n_tok, i
 // memory: moe_wide_smem_bytes() (66,560 bytes: GB10's opt-in limit is 101,376). Each expert
 // launch also writes its rows' factors into work, so a work list serves one stream's launches
 // in order (group, w13, w2), not two streams at once. The engine takes them for prefill chunks
-// whose experts average 16 pairs or more (engine/backend/backend_cuda.cu moe_tuned).
+// whose experts average 16 pairs or more only with GLMSPARK_MOE_WIDE=1: on the H200 they are
+// slower than the 8-column tiles (docs/perf.md, run 14), instruction-bound in the staging of x.
 #define MOE_WIDE_COLS 64
 size_t moe_wide_work_ints(int n_pairs, int n_experts);
 size_t moe_wide_smem_bytes(void);

@@ -48,7 +48,7 @@
  *   (stream capture) and launched; later calls with the key replay the graph, the caller
  *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
  *   buffers the caller uploads before. GLMSPARK_CUDA_GRAPHS=0 turns graphs off;
- *   GLMSPARK_MOE_WIDE=0 keeps prefill chunks on the 8-column expert tiles (moe_tuned).
+ *   GLMSPARK_MOE_WIDE=1 lets prefill chunks take the wide expert tiles (moe_tuned).
  * - DSA under the bf16 recipe (backend_dsa_tuned layers): kernels/dsa.h's scores and top-k
  *   over the engine's key pages (kv_dsa_cache), fp32 scores in the order the CPU backend
  *   follows (kernels/dsa_format.h), so the two select the same keys.
@@ -184,7 +184,7 @@ typedef struct CudaImpl {
     unsigned long long last_gen;
     GraphEntry graph_cache[MAX_GRAPHS];
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
-    bool moe_wide;  // GLMSPARK_MOE_WIDE != 0: prefill chunks may take the wide expert tiles
+    bool moe_wide;  // GLMSPARK_MOE_WIDE=1: prefill chunks may take the wide expert tiles
     double prof_t0;
     double prof_s[N_PROF];
     double prof_bytes[N_PROF];  // weight bytes read (matmul, moe)
@@ -1905,10 +1905,12 @@ static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int
 // activations, down into each pair's weighted output, the k outputs of a token added in slot
 // order. Tokens in chunks of MOE_MAX_CHUNK_PAIRS / top_k (1,024 at GLM's k 8): a tile reads
 // its whole expert, so a prefill's expert bytes fall with the chunk (4,096 tokens: ~206 GB a
-// layer in 64-token chunks, ~94 GB in 1,024-token ones with 8-column tiles). A chunk whose
-// experts average MOE_WIDE_MIN_PAIRS pairs or more takes the wide tiles (up to 64 pairs of an
-// expert per weight read; the same outputs bit for bit, moe.h), unless GLMSPARK_MOE_WIDE=0
-// (impl->moe_wide false: for measuring the two against each other).
+// layer in 64-token chunks, ~94 GB in 1,024-token ones with 8-column tiles). With
+// GLMSPARK_MOE_WIDE=1 (impl->moe_wide) a chunk whose experts average MOE_WIDE_MIN_PAIRS pairs
+// or more takes the wide tiles (up to 64 pairs of an expert per weight read; the same outputs
+// bit for bit, moe.h). Off by default: measured slower (docs/perf.md, run 14: a 4,096-token
+// call 42.3 ms a layer against ~37.7 on the 8-column tiles; both are instruction-bound, not
+// bandwidth-bound, at these widths).
 #define MOE_WIDE_MIN_PAIRS 16
 static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const int *idx,
                       const float *wts, int top_k, const MoeExperts *ex)
@@ -2306,7 +2308,7 @@ Err backend_cuda_create(int device, Backend **out)
     const char *graphs = getenv("GLMSPARK_CUDA_GRAPHS"), *prof = getenv("GLMSPARK_CUDA_PROFILE");
     impl->profile = prof && strcmp(prof, "0") != 0;
     const char *wide = getenv("GLMSPARK_MOE_WIDE");
-    impl->moe_wide = !wide || strcmp(wide, "0") != 0;
+    impl->moe_wide = wide && strcmp(wide, "0") != 0;
     gemm_lt_init(&impl->lt);
     impl->graphs = !impl->profile && (!graphs || strcmp(graphs, "0") != 0);
     be->impl = impl;

@@ -515,9 +515,10 @@ static void test_tuned(void)
         free_linear(&w);
     }
     {
-        // n 5: 8-column tiles; n 1030: a 1,024-token chunk on the wide tiles (8,192 pairs over
-        // 24 experts), then 6 tokens on the 8-column ones; token 0 and the last token alone
-        // (8-column tiles) must equal themselves in the batch bit for bit.
+        // n 5: 8-column tiles; n 1030 (GLMSPARK_MOE_WIDE=1, main): a 1,024-token chunk on the
+        // wide tiles (8,192 pairs over 24 experts), then 6 tokens on the 8-column ones; token 0
+        // and the last token alone (8-column tiles) must equal themselves in the batch bit for
+        // bit.
         const BackendRoute rp = {24, 8, 1, 1, true, 2.5f};
         const int E = rp.n_experts, K = rp.top_k, hidden = 256, inter = 128;
         CkptLinear *ex = calloc((size_t) 3 * E, sizeof *ex),
@@ -673,6 +674,9 @@ static void test_matmul_add(void)
 
 int main(void)
 {
+    // The wide expert tiles are opt-in (backend_cuda.cu moe_tuned): on here, so test_tuned's
+    // 1,030-token MoE call runs its first chunk on them (the golden models cover the default).
+    setenv("GLMSPARK_MOE_WIDE", "1", 1);
     ASSERT(backend_cpu_create(2, &cpu) == ERR_OK);
     if (backend_cuda_create(0, &gpu) != ERR_OK) {
         fprintf(stderr, "no CUDA device\n");
