@@ -52,6 +52,7 @@
 #include "engine/cli/cli.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -337,16 +338,34 @@ static void prompt_ids(int *ids, int n, int i, int vocab_size)
         ids[t] = (int) ((1103515245u * (unsigned) (t + 7919 * i) + 12345u) % (unsigned) vocab_size);
 }
 
+// GLMSPARK_CUDA_PROFILE=1: the time per op kind since the last report, under a title (CUDA
+// backend; nothing otherwise).
+static void profile_report(const BenchArgs *a, Model *m, const char *fmt, ...)
+{
+#ifdef GLMSPARK_HAVE_CUDA
+    if (!a->cuda) return;
+    char title[128];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(title, sizeof title, fmt, ap);
+    va_end(ap);
+    backend_cuda_profile_report(m->be, title);
+#else
+    (void) a, (void) m, (void) fmt;
+#endif
+}
+
 typedef struct MtpTime {
     double verify_s, draft_s;  // per step: the verify forward, the MTP passes
 } MtpTime;
 
 // Timed MTP steps with k drafts for the B prefilled sequences ptrs (--mtp-drafts; see the file
-// comment): per step the verify forward of 1 + k rows a sequence into logits [B (1 + k), V],
-// then each sequence's MTP passes on its own sequence of mkv (mseqs) from the hidden rows hid
-// [1 + k, hidden] (host; any values: the costs do not depend on them), the last row's logits
-// into logits too and its state into hcur. After one untimed step, seconds per step into *t.
-// False on failure.
+// comment): the verify forwards of 1 + k rows a sequence into logits [B (1 + k), V], then each
+// sequence's MTP passes on its own sequence of mkv (mseqs) from the hidden rows hid [1 + k,
+// hidden] (host; any values: the costs do not depend on them), the last row's logits into
+// logits too and its state into hcur. The two are timed in separate loops (the engine runs them
+// in turn; neither's cost depends on the other's values), so that GLMSPARK_CUDA_PROFILE=1 can
+// report each's ops. After one untimed step of each, seconds per step into *t. False on failure.
 static bool bench_mtp(const BenchArgs *a, Model *m, KvCache *kv, KvSeq *const *ptrs, KvCache *mkv,
                       KvSeq *mseqs, int B, int k, int *ids, int *n_new, float *logits,
                       const float *hid, float *hcur, MtpTime *t)
@@ -361,7 +380,11 @@ static bool bench_mtp(const BenchArgs *a, Model *m, KvCache *kv, KvSeq *const *p
             ids[i] = (int) ((unsigned) (s * 31 + i * 17 + 11) % (unsigned) V);
         const double t1 = clock_now_s();
         if (model_forward_batch(m, kv, &b, ids, NULL, NULL, logits, MODEL_LOGITS_ALL)) return false;
-        const double t2 = clock_now_s();
+        if (s > 0) t->verify_s += clock_now_s() - t1;
+    }
+    profile_report(a, m, "MTP verify, %d sequence(s) x %d rows, %d steps", B, rows, a->steps + 1);
+    for (int s = 0; s <= a->steps; s++) {
+        const double t1 = clock_now_s();
         for (int i = 0; i < B; i++) {
             const int *tok = ids + (size_t) i * rows;
             if (model_mtp_forward(m, mkv, &mseqs[i], tok, hid, rows, logits, hcur, false))
@@ -370,11 +393,9 @@ static bool bench_mtp(const BenchArgs *a, Model *m, KvCache *kv, KvSeq *const *p
                 if (model_mtp_forward(m, mkv, &mseqs[i], &tok[j], hcur, 1, logits, hcur, false))
                     return false;
         }
-        if (s > 0) {
-            t->verify_s += t2 - t1;
-            t->draft_s += clock_now_s() - t2;
-        }
+        if (s > 0) t->draft_s += clock_now_s() - t1;
     }
+    profile_report(a, m, "MTP passes, %d sequence(s), %d drafts, %d steps", B, k, a->steps + 1);
     t->verify_s /= a->steps;
     t->draft_s /= a->steps;
     return true;
@@ -460,14 +481,9 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
         n_new[i] = 1;
     const ModelBatch b = {B, ptrs, n_new};
     double decode_s = 0.0;
-#ifdef GLMSPARK_HAVE_CUDA
-    if (a->cuda) {  // GLMSPARK_CUDA_PROFILE=1: the prefill's ops, then the decode steps'
-        char title[96];
-        snprintf(title, sizeof title, "prefill, batch %d x %d tokens in calls of %d", B, a->ctx,
-                 a->prefill_chunk);
-        backend_cuda_profile_report(m->be, title);
-    }
-#endif
+    // GLMSPARK_CUDA_PROFILE=1: the prefill's ops, then the decode steps'
+    profile_report(a, m, "prefill, batch %d x %d tokens in calls of %d", B, a->ctx,
+                   a->prefill_chunk);
     for (int s = 0; s <= a->steps; s++) {
         for (int i = 0; i < B; i++)
             ids[i] = (int) ((unsigned) (s * 31 + i * 17 + 5) % (unsigned) c->vocab_size);
@@ -476,13 +492,7 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
         if (s > 0) decode_s += clock_now_s() - t1;
     }
     const double step_s = decode_s / a->steps;
-#ifdef GLMSPARK_HAVE_CUDA
-    if (a->cuda) {
-        char title[96];
-        snprintf(title, sizeof title, "batch %d ctx %d, %d decode steps", B, a->ctx, a->steps + 1);
-        backend_cuda_profile_report(m->be, title);
-    }
-#endif
+    profile_report(a, m, "batch %d ctx %d, %d decode steps", B, a->ctx, a->steps + 1);
     for (int i = 0; i < a->n_drafts; i++)
         if (!bench_mtp(a, m, &kv, ptrs, &mkv, mseqs, B, a->drafts[i], ids, n_new, logits, hid,
                        hcur, &mt[i]))

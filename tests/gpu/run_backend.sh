@@ -145,7 +145,8 @@ done
 # wide expert tiles (GLMSPARK_MOE_WIDE=1), REAP_PREFILL_PROFILE=1 profiles them per op
 # kind. REAP_MTP=1 writes the checkpoints with an MTP layer (+11.8 GB of
 # BF16 experts) and times MTP steps with 1-3 drafts (`bench --mtp-drafts 1,2,3`, batches
-# ${REAP_MTP_BATCH:-1,8}: issue 19's verify ratios and the speed-up at published acceptance).
+# ${REAP_MTP_BATCH:-1,8}: issue 19's verify ratios and the speed-up at published acceptance;
+# REAP_MTP_PROFILE=1 profiles them per op kind at batch 1).
 # reap_compare DIR KV: `glmspark logits` of a 40-token prompt on the CUDA and the CPU backend
 # under both precision recipes, relative L2 per row. Checked: f32, CUDA against CPU within
 # 1e-3; bf16, the CUDA backend's largest and mean distance from the CPU's f32 result at most
@@ -219,6 +220,12 @@ for cfg in ${REAP:-}; do
         run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch "${REAP_MTP_BATCH:-1,8}" \
             --ctx 1024 --steps "${STEPS:-16}" --kv-dtype fp8 --mtp-drafts 1,2,3 \
             >>"$out/reap.log" 2>&1 || { echo "bench reap $cfg mtp failed"; status=1; }
+        if [ "${REAP_MTP_PROFILE:-0}" = 1 ]; then  # per op kind: the verify rows, the MTP passes
+            echo "== profile reap $cfg kv fp8 mtp drafts 1,2,3 batch 1" | tee -a "$out/reap.log"
+            GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" \
+                --batch 1 --ctx 1024 --steps 8 --kv-dtype fp8 --mtp-drafts 1,2,3 \
+                >>"$out/reap.log" 2>&1 || status=1
+        fi
     fi
     for ctx in ${REAP_PREFILL:-}; do  # e.g. "2048 8192": prefill tok/s and % of the GEMM
         echo "== bench reap $cfg kv fp8 precision bf16 prefill $ctx" | tee -a "$out/reap.log"
