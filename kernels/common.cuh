@@ -63,6 +63,21 @@ static __device__ __forceinline__ uint8_t f32_to_e4m3_bits(float f)
     return (uint8_t) __nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
 }
 
+// d += A B on the tensor cores: mma.sync m16n8k16, bf16 in, fp32 accumulate. With g = lane / 4
+// and c = lane % 4, each register holds two bf16 (the lower column or k in the low half):
+// a0 = A[g][2c..], a1 = A[g+8][2c..], a2 = A[g][2c+8..], a3 = A[g+8][2c+8..]; b0 = B[2c..][g],
+// b1 = B[2c+8..][g]; d0, d1 = D[g][2c], D[g][2c+1]; d2, d3 = D[g+8][2c], D[g+8][2c+1].
+static __device__ __forceinline__ void mma_bf16_16816(float *d, uint32_t a0, uint32_t a1,
+                                                      uint32_t a2, uint32_t a3, uint32_t b0,
+                                                      uint32_t b1)
+{
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // 16-byte load that does not allocate in L1: weights are streamed once per step.
 static __device__ __forceinline__ uint4 ld_stream_u4(const void *p)
 {

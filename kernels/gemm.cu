@@ -243,17 +243,6 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
 
 enum { MMA_WARPS = 8, MMA_TILES_IN_FLIGHT = 4 };
 
-static __device__ __forceinline__ void mma_bf16_16816(float *d, uint32_t a0, uint32_t a1,
-                                                      uint32_t a2, uint32_t a3, uint32_t b0,
-                                                      uint32_t b1)
-{
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 template <typename OutT, typename XT>
 static __global__ void __launch_bounds__(MMA_WARPS *WARP_SIZE)
     gemm_bf16_gemv_tc_kernel(OutT *__restrict__ y, const uint16_t *__restrict__ w,

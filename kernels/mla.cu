@@ -275,6 +275,266 @@ static __global__ void __launch_bounds__(DEC_THREADS)
     }
 }
 
+// ---------------------------------------------------------------------------
+// Tensor-core attention (mla_decode_tc)
+//
+// Grid (n_split, H / 32, n_tok); 8 warps own 32 heads of one token and one range of its
+// positions, in tiles of 32 positions. Per tile:
+//   1. the 32 cache rows gathered through the page table into shared memory as bf16 (E4M3
+//      codes and bf16 values are exact in bf16; the fp8 chunk scales kept apart, fp32);
+//   2. S = Q K^T: warp w computes heads 16 (w % 2) .. +16 x positions 8 (w / 2) .. +8, one
+//      MMA chain per 128-value scale chunk, each chunk's sum times its position's scale, the
+//      rope part unscaled (q was rounded to bf16 once, on the way into shared memory);
+//   3. online softmax per head in fp32 (8 threads a head), the probabilities times each
+//      chunk's scale rounded to bf16 (one matrix per chunk; one for a bf16 cache);
+//   4. O += P_c V_c: warp w owns heads 16 (w % 2) .. +16 and the 128 output columns of chunk
+//      w / 2 (64 fp32 accumulators a thread), rescaled by the heads' alpha first.
+// Shared memory: q and the tile 2 x 32 x 584 bf16 (rows padded by 8 so that the fragments'
+// 32-bit loads hit 32 different banks), scores 32 x 33 fp32, P 4 x 32 x 40 bf16: 90,368 bytes
+// (GB10's opt-in limit is 101,376). Output and (max, sum) go to the workspace in
+// mla_decode_kernel's format, for the same merge.
+enum {
+    TC_HEADS = 32,
+    TC_TILE = 32,
+    TC_THREADS = 256,
+    TC_QS = MLA_LK + 8,        // bf16 row stride of q and the tile
+    TC_SS = TC_TILE + 1,       // fp32 row stride of the scores
+    TC_PS = TC_TILE + 8,       // bf16 row stride of P
+    TC_CHUNKS = MLA_KV_LORA / 128,
+};
+
+static size_t tc_smem_bytes(void)
+{
+    return (size_t) 2 * TC_HEADS * TC_QS * 2                // q, tile (bf16)
+           + (size_t) TC_TILE * TC_CHUNKS * 4                // chunk scales
+           + (size_t) TC_HEADS * TC_SS * 4                   // scores
+           + (size_t) TC_CHUNKS * TC_HEADS * TC_PS * 2       // P per chunk
+           + (size_t) 3 * TC_HEADS * 4                       // running max, sum, alpha
+           + (size_t) TC_TILE * 8;                           // row offsets
+}
+
+static __device__ __forceinline__ uint32_t ld_b32(const uint16_t *p)
+{
+    return *(const uint32_t *) p;
+}
+
+template <int CT>
+static __global__ void __launch_bounds__(TC_THREADS)
+    mla_tc_kernel(float *__restrict__ ws_o, float *__restrict__ ws_ml,
+                  const float *__restrict__ q_lat, const float *__restrict__ q_pe,
+                  const uint8_t *__restrict__ cache, const int32_t *__restrict__ block_table,
+                  int max_blocks, const int32_t *__restrict__ seq,
+                  const int32_t *__restrict__ kv_len, const int32_t *__restrict__ indices,
+                  int idx_stride, int n_heads, float sm_scale, int n_split)
+{
+    extern __shared__ uint4 smem_tc[];
+    uint16_t *qs = (uint16_t *) smem_tc;                 // [TC_HEADS][TC_QS]
+    uint16_t *ks = qs + TC_HEADS * TC_QS;                // [TC_TILE][TC_QS]
+    float *scl = (float *) (ks + TC_TILE * TC_QS);       // [TC_TILE][TC_CHUNKS]
+    float *ss = scl + TC_TILE * TC_CHUNKS;               // [TC_HEADS][TC_SS]
+    uint16_t *ps = (uint16_t *) (ss + TC_HEADS * TC_SS); // [TC_CHUNKS][TC_HEADS][TC_PS]
+    float *row_m = (float *) (ps + TC_CHUNKS * TC_HEADS * TC_PS);
+    float *row_l = row_m + TC_HEADS, *row_a = row_l + TC_HEADS;
+    long long *offs = (long long *) (row_a + TC_HEADS);  // 8-byte aligned: all above are
+
+    const int split = blockIdx.x, hg = blockIdx.y, t = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int g = lane >> 2, tq = lane & 3;
+    const int mt = warp & 1;  // heads 16 mt .. 16 mt + 15 of the CTA's 32
+    const size_t tb = CT == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES : BF16_TOKEN_BYTES;
+
+    for (int i = tid; i < TC_HEADS * MLA_LK; i += TC_THREADS) {
+        const int h = i / MLA_LK, c = i % MLA_LK, hh = hg * TC_HEADS + h;
+        const float v = c < MLA_KV_LORA
+                            ? q_lat[((size_t) t * n_heads + hh) * MLA_KV_LORA + c]
+                            : q_pe[((size_t) t * n_heads + hh) * MLA_ROPE + c - MLA_KV_LORA];
+        qs[h * TC_QS + c] = f32_to_bf16_bits(v);
+    }
+    if (tid < TC_HEADS) {
+        row_m[tid] = -INFINITY;
+        row_l[tid] = 0.0f;
+    }
+
+    const int len = kv_len[t];
+    const int per = CEIL_DIV(CEIL_DIV(len, n_split), TC_TILE) * TC_TILE;
+    const int beg = split * per, end = min(len, beg + per);
+    const int s = seq[t];
+
+    float o[16][4];
+#pragma unroll
+    for (int j = 0; j < 16; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+
+    for (int base = beg; base < end; base += TC_TILE) {
+        __syncthreads();  // the previous tile is consumed (and q is in place)
+        if (tid < TC_TILE) {
+            const int i = base + tid;
+            long long off = -1;
+            if (i < end) {
+                const int p = indices ? indices[(size_t) t * idx_stride + i] : i;
+                const int blk = block_table[(size_t) s * max_blocks + p / MLA_BLOCK];
+                off = ((long long) blk * MLA_BLOCK + p % MLA_BLOCK) * (long long) tb;
+            }
+            offs[tid] = off;
+        }
+        __syncthreads();
+        if (CT == MLA_CACHE_FP8) {
+            // 128 words of 4 codes, then 32 words of 2 bf16 rope values, per row.
+            for (int it = tid; it < TC_TILE * 160; it += TC_THREADS) {
+                const int tok = it / 160, r = it % 160;
+                const long long off = offs[tok];
+                uint32_t wd = 0;
+                if (off >= 0)
+                    wd = __ldg(r < 128 ? (const uint32_t *) (cache + off) + r
+                                       : (const uint32_t *) (cache + off + MLA_KV_LORA + 16) + r - 128);
+                if (r < 128) {
+                    uint2 v;
+                    v.x = (uint32_t) f32_to_bf16_bits(e4m3_bits_to_f32((uint8_t) wd))
+                          | (uint32_t) f32_to_bf16_bits(e4m3_bits_to_f32((uint8_t) (wd >> 8))) << 16;
+                    v.y = (uint32_t) f32_to_bf16_bits(e4m3_bits_to_f32((uint8_t) (wd >> 16)))
+                          | (uint32_t) f32_to_bf16_bits(e4m3_bits_to_f32((uint8_t) (wd >> 24))) << 16;
+                    *(uint2 *) (ks + tok * TC_QS + r * 4) = v;
+                } else {
+                    *(uint32_t *) (ks + tok * TC_QS + MLA_KV_LORA + 2 * (r - 128)) = wd;
+                }
+            }
+            if (tid < TC_TILE * TC_CHUNKS) {
+                const long long off = offs[tid / TC_CHUNKS];
+                scl[tid] = off >= 0 ? __ldg((const float *) (cache + off + MLA_KV_LORA) + tid % TC_CHUNKS)
+                                    : 0.0f;
+            }
+        } else {
+            for (int it = tid; it < TC_TILE * (MLA_LK / 2); it += TC_THREADS) {
+                const int tok = it / (MLA_LK / 2), i = it % (MLA_LK / 2);
+                const long long off = offs[tok];
+                *(uint32_t *) (ks + tok * TC_QS + 2 * i) =
+                    off >= 0 ? __ldg((const uint32_t *) (cache + off) + i) : 0u;
+            }
+        }
+        __syncthreads();
+
+        // 2. Scores: heads 16 mt + (g, g + 8) x positions 8 nt + (2 tq, 2 tq + 1).
+        {
+            const int nt = warp >> 1;
+            const uint16_t *qa = qs + (16 * mt) * TC_QS + 2 * tq;
+            const uint16_t *kb = ks + (8 * nt + g) * TC_QS + 2 * tq;
+            float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int c = 0; c <= TC_CHUNKS; c++) {  // chunk TC_CHUNKS: the rope part, unscaled
+                const int k_beg = c * 128, k_end = c < TC_CHUNKS ? k_beg + 128 : MLA_LK;
+                float ca[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int k0 = k_beg; k0 < k_end; k0 += 16)
+                    mma_bf16_16816(ca, ld_b32(qa + g * TC_QS + k0), ld_b32(qa + (g + 8) * TC_QS + k0),
+                                   ld_b32(qa + g * TC_QS + k0 + 8),
+                                   ld_b32(qa + (g + 8) * TC_QS + k0 + 8), ld_b32(kb + k0),
+                                   ld_b32(kb + k0 + 8));
+                if (CT == MLA_CACHE_FP8 && c < TC_CHUNKS) {
+                    const float s0 = scl[(8 * nt + 2 * tq) * TC_CHUNKS + c];
+                    const float s1 = scl[(8 * nt + 2 * tq + 1) * TC_CHUNKS + c];
+                    sc[0] = fmaf(ca[0], s0, sc[0]);
+                    sc[1] = fmaf(ca[1], s1, sc[1]);
+                    sc[2] = fmaf(ca[2], s0, sc[2]);
+                    sc[3] = fmaf(ca[3], s1, sc[3]);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 4; j++) sc[j] += ca[j];
+                }
+            }
+            const int key = 8 * nt + 2 * tq;
+            const bool v0 = offs[key] >= 0, v1 = offs[key + 1] >= 0;
+            float *srow = ss + (16 * mt + g) * TC_SS + key;
+            srow[0] = v0 ? sc[0] * sm_scale : -INFINITY;
+            srow[1] = v1 ? sc[1] * sm_scale : -INFINITY;
+            srow[8 * TC_SS] = v0 ? sc[2] * sm_scale : -INFINITY;
+            srow[8 * TC_SS + 1] = v1 ? sc[3] * sm_scale : -INFINITY;
+        }
+        __syncthreads();
+
+        // 3. Online softmax: head h = tid / 8, positions 4 (tid % 8) .. +4.
+        {
+            const int h = tid >> 3, part = tid & 7;
+            float v[4], mx = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                v[j] = ss[h * TC_SS + 4 * part + j];
+                mx = fmaxf(mx, v[j]);
+            }
+#pragma unroll
+            for (int o2 = 4; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+            const float m_old = row_m[h], m_new = fmaxf(m_old, mx);
+            float p[4], psum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                p[j] = v[j] == -INFINITY ? 0.0f : expf(v[j] - m_new);
+                psum += p[j];
+            }
+#pragma unroll
+            for (int o2 = 4; o2 > 0; o2 >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o2);
+            const float alpha = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+            const int n_p = CT == MLA_CACHE_FP8 ? TC_CHUNKS : 1;
+            for (int c = 0; c < n_p; c++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const int key = 4 * part + j;
+                    const float pj = CT == MLA_CACHE_FP8 ? p[j] * scl[key * TC_CHUNKS + c] : p[j];
+                    ps[(c * TC_HEADS + h) * TC_PS + key] = f32_to_bf16_bits(pj);
+                }
+            __syncwarp();  // every lane of the head read row_m before it changes
+            if (part == 0) {
+                row_m[h] = m_new;
+                row_l[h] = row_l[h] * alpha + psum;
+                row_a[h] = alpha;
+            }
+        }
+        __syncthreads();
+
+        // 4. O += P V over the tile: heads 16 mt + (g, g + 8), columns 128 cc + 8 j + 2 tq.
+        {
+            const int cc = warp >> 1;
+            const float a_lo = row_a[16 * mt + g], a_hi = row_a[16 * mt + g + 8];
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                o[j][0] *= a_lo;
+                o[j][1] *= a_lo;
+                o[j][2] *= a_hi;
+                o[j][3] *= a_hi;
+            }
+            const uint16_t *pa =
+                ps + ((CT == MLA_CACHE_FP8 ? cc : 0) * TC_HEADS + 16 * mt) * TC_PS + 2 * tq;
+#pragma unroll
+            for (int k0 = 0; k0 < TC_TILE; k0 += 16) {
+                const uint32_t a0 = ld_b32(pa + g * TC_PS + k0), a1 = ld_b32(pa + (g + 8) * TC_PS + k0);
+                const uint32_t a2 = ld_b32(pa + g * TC_PS + k0 + 8);
+                const uint32_t a3 = ld_b32(pa + (g + 8) * TC_PS + k0 + 8);
+                const uint16_t *vb = ks + (k0 + 2 * tq) * TC_QS + 128 * cc + g;
+#pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    const uint16_t *v = vb + 8 * j;
+                    const uint32_t b0 = (uint32_t) v[0] | (uint32_t) v[TC_QS] << 16;
+                    const uint32_t b1 = (uint32_t) v[8 * TC_QS] | (uint32_t) v[9 * TC_QS] << 16;
+                    mma_bf16_16816(o[j], a0, a1, a2, a3, b0, b1);
+                }
+            }
+        }
+    }
+
+    // Unnormalized output and (max, sum), as mla_decode_kernel writes them.
+    const int cc = warp >> 1;
+    const size_t row0 = ((size_t) t * n_split + split) * n_heads + hg * TC_HEADS + 16 * mt + g;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        const int col = 128 * cc + 8 * j + 2 * tq;
+        *(float2 *) (ws_o + row0 * MLA_KV_LORA + col) = make_float2(o[j][0], o[j][1]);
+        *(float2 *) (ws_o + (row0 + 8) * MLA_KV_LORA + col) = make_float2(o[j][2], o[j][3]);
+    }
+    __syncthreads();  // the last tile's row_m / row_l are written
+    if (tid < TC_HEADS) {
+        const size_t row = ((size_t) t * n_split + split) * n_heads + hg * TC_HEADS + tid;
+        ws_ml[row * 2] = row_m[tid];
+        ws_ml[row * 2 + 1] = row_l[tid];
+    }
+}
+
 static __global__ void mla_merge_kernel(uint16_t *__restrict__ out, const float *__restrict__ ws_o,
                                         const float *__restrict__ ws_ml, int n_heads, int n_split)
 {
@@ -382,6 +642,37 @@ void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaC
         mla_decode_kernel<MLA_CACHE_BF16><<<grid, DEC_THREADS, smem, stream>>>(
             ws_o, ws_ml, q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
             idx_stride, n_heads, sm_scale, n_split, vec_q);
+    }
+    CUDA_CHECK(cudaGetLastError());
+    mla_merge_kernel<<<dim3(n_heads, n_tok), MLA_KV_LORA / 4, 0, stream>>>(out, ws_o, ws_ml,
+                                                                         n_heads, n_split);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const MlaCache *cache,
+                   const int32_t *block_table, int max_blocks, const int32_t *seq,
+                   const int32_t *kv_len, const int32_t *indices, int idx_stride, int n_tok,
+                   int n_heads, float sm_scale, int n_split, float *ws_o, float *ws_ml,
+                   cudaStream_t stream)
+{
+    ASSERT(cache && cache->data && n_tok > 0 && n_heads > 0 && n_heads % TC_HEADS == 0);
+    ASSERT(n_split >= 1 && n_split <= MLA_MAX_SPLIT && max_blocks > 0);
+    ASSERT(indices == NULL || idx_stride > 0);
+    ASSERT((uintptr_t) ws_o % 16 == 0);
+    const size_t smem = tc_smem_bytes();
+    const dim3 grid(n_split, n_heads / TC_HEADS, n_tok);
+    if (cache->type == MLA_CACHE_FP8) {
+        CUDA_CHECK(cudaFuncSetAttribute(mla_tc_kernel<MLA_CACHE_FP8>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        mla_tc_kernel<MLA_CACHE_FP8><<<grid, TC_THREADS, smem, stream>>>(
+            ws_o, ws_ml, q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
+            idx_stride, n_heads, sm_scale, n_split);
+    } else {
+        CUDA_CHECK(cudaFuncSetAttribute(mla_tc_kernel<MLA_CACHE_BF16>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        mla_tc_kernel<MLA_CACHE_BF16><<<grid, TC_THREADS, smem, stream>>>(
+            ws_o, ws_ml, q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
+            idx_stride, n_heads, sm_scale, n_split);
     }
     CUDA_CHECK(cudaGetLastError());
     mla_merge_kernel<<<dim3(n_heads, n_tok), MLA_KV_LORA / 4, 0, stream>>>(out, ws_o, ws_ml,

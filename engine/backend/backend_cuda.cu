@@ -48,7 +48,10 @@
  *   (stream capture) and launched; later calls with the key replay the graph, the caller
  *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
  *   buffers the caller uploads before. GLMSPARK_CUDA_GRAPHS=0 turns graphs off;
- *   GLMSPARK_MOE_WIDE=1 lets prefill chunks take the wide expert tiles (moe_tuned).
+ *   GLMSPARK_MOE_WIDE=1 lets prefill chunks take the wide expert tiles (moe_tuned);
+ *   GLMSPARK_MLA_TC=1 runs MLA attention on the tensor cores (mla_decode_tc, whose recipe
+ *   also rounds q and the probabilities to bf16, which the CPU backend does not follow yet:
+ *   not yet run on a GPU, for measuring it).
  * - DSA under the bf16 recipe (backend_dsa_tuned layers): kernels/dsa.h's scores and top-k
  *   over the engine's key pages (kv_dsa_cache), fp32 scores in the order the CPU backend
  *   follows (kernels/dsa_format.h), so the two select the same keys.
@@ -185,6 +188,7 @@ typedef struct CudaImpl {
     GraphEntry graph_cache[MAX_GRAPHS];
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
     bool moe_wide;  // GLMSPARK_MOE_WIDE=1: prefill chunks may take the wide expert tiles
+    bool mla_tc;    // GLMSPARK_MLA_TC=1: MLA attention through mla_decode_tc (mla_tuned)
     double prof_t0;
     double prof_s[N_PROF];
     double prof_bytes[N_PROF];  // weight bytes read (matmul, moe)
@@ -1785,9 +1789,13 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
     const int cap = seq_capacity(impl, kv, s);
     const int attended = sel && sel_stride < cap ? sel_stride : cap;
     const int chunk = n < 256 ? n : 256;
-    // About four CTAs per SM (H / 16 CTAs per token and split), at least 16 positions a split.
-    int n_split = (4 * impl->n_sm + (H / 16) * chunk - 1) / ((H / 16) * chunk);
-    if (n_split > (attended + 15) / 16) n_split = (attended + 15) / 16;
+    // GLMSPARK_MLA_TC=1: the tensor-core kernel (32 heads a CTA, tiles of 32 positions).
+    const bool tc = impl->mla_tc && H % 32 == 0;
+    const int hpc = tc ? 32 : MLA_HEADS_PER_CTA, min_pos = tc ? 32 : 16;
+    // About four CTAs per SM (H / hpc CTAs per token and split), at least min_pos positions a
+    // split.
+    int n_split = (4 * impl->n_sm + (H / hpc) * chunk - 1) / ((H / hpc) * chunk);
+    if (n_split > (attended + min_pos - 1) / min_pos) n_split = (attended + min_pos - 1) / min_pos;
     if (n_split > MLA_MAX_SPLIT) n_split = MLA_MAX_SPLIT;
     if (n_split < 1) n_split = 1;
     const size_t c = (size_t) chunk, h = (size_t) H;
@@ -1807,9 +1815,11 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
         mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (192 + MLA_ROPE), NULL, nc, H, 0.0f,
                     impl->stream);
         gemv_chunks(impl, q_lat, pk->uk, q_nope, false, L, 192, H, nc, true, false);
-        mla_decode(o_lat, q_lat, q_pe, &cache, st->dev, st->stride, s->seq_of + t0, len + t0,
-                   sel ? sel + (size_t) t0 * sel_stride : NULL, sel_stride, nc, H, p->scale,
-                   n_split, ws_o, ws_ml, impl->stream);
+        (tc ? mla_decode_tc : mla_decode)(o_lat, q_lat, q_pe, &cache, st->dev, st->stride,
+                                          s->seq_of + t0, len + t0,
+                                          sel ? sel + (size_t) t0 * sel_stride : NULL,
+                                          sel_stride, nc, H, p->scale, n_split, ws_o, ws_ml,
+                                          impl->stream);
         gemv_chunks(impl, out + (size_t) t0 * H * V, pk->uv, o_lat, false, V, L, H, nc, true,
                     false);
     }
@@ -2309,6 +2319,8 @@ Err backend_cuda_create(int device, Backend **out)
     impl->profile = prof && strcmp(prof, "0") != 0;
     const char *wide = getenv("GLMSPARK_MOE_WIDE");
     impl->moe_wide = wide && strcmp(wide, "0") != 0;
+    const char *mla_tc = getenv("GLMSPARK_MLA_TC");
+    impl->mla_tc = mla_tc && strcmp(mla_tc, "0") != 0;
     gemm_lt_init(&impl->lt);
     impl->graphs = !impl->profile && (!graphs || strcmp(graphs, "0") != 0);
     be->impl = impl;

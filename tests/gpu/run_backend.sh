@@ -141,9 +141,9 @@ done
 # less device time: REAP_CFGS (kv:precision pairs, default "fp8:bf16 bf16:bf16 fp8:f32"),
 # REAP_PROFILE=0 (no profiled run), REAP_COMPARE=0 (no reap_compare below), GEN_TOKENS
 # (generate's length, 64). REAP_PREFILL="2048 8192" adds batch-1 runs at those prompt
-# lengths (prefill tok/s and TFLOP/s against the cuBLASLt GEMM of the same run). REAP_PREFILL_WIDE=1 repeats them with the
-# wide expert tiles (GLMSPARK_MOE_WIDE=1), REAP_PREFILL_PROFILE=1 profiles them per op
-# kind. REAP_MTP=1 writes the checkpoints with an MTP layer (+11.8 GB of
+# lengths (prefill tok/s and TFLOP/s against the cuBLASLt GEMM of the same run). REAP_PREFILL_ENVS="GLMSPARK_MOE_WIDE=1
+# GLMSPARK_MLA_TC=1" repeats them with each of those settings, REAP_PREFILL_PROFILE=1 profiles
+# each per op kind. REAP_MTP=1 writes the checkpoints with an MTP layer (+11.8 GB of
 # BF16 experts) and times MTP steps with 1-3 drafts (`bench --mtp-drafts 1,2,3`, batches
 # ${REAP_MTP_BATCH:-1,8}: issue 19's verify ratios and the speed-up at published acceptance;
 # REAP_MTP_PROFILE=1 profiles them per op kind at batch 1).
@@ -232,16 +232,20 @@ for cfg in ${REAP:-}; do
         run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$ctx" \
             --steps 2 --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg prefill $ctx failed"; status=1; }
-        if [ "${REAP_PREFILL_WIDE:-0}" = 1 ]; then  # the same with the wide expert tiles
-            echo "== bench reap $cfg kv fp8 precision bf16 prefill $ctx GLMSPARK_MOE_WIDE=1" | tee -a "$out/reap.log"
-            GLMSPARK_MOE_WIDE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 \
-                --ctx "$ctx" --steps 2 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
-        fi
-        if [ "${REAP_PREFILL_PROFILE:-0}" = 1 ]; then  # per op kind (graphs off)
-            echo "== profile reap $cfg kv fp8 prefill $ctx" | tee -a "$out/reap.log"
-            GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" \
-                --batch 1 --ctx "$ctx" --steps 2 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
-        fi
+        for e in "" ${REAP_PREFILL_ENVS:-}; do  # e.g. GLMSPARK_MOE_WIDE=1 GLMSPARK_MLA_TC=1
+            if [ -n "$e" ]; then
+                echo "== bench reap $cfg kv fp8 precision bf16 prefill $ctx $e" | tee -a "$out/reap.log"
+                env "$e" "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$c/bin/glmspark" \
+                    bench --backend cuda --model "$dir" --batch 1 --ctx "$ctx" --steps 2 \
+                    --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
+            fi
+            if [ "${REAP_PREFILL_PROFILE:-0}" = 1 ]; then  # per op kind (graphs off)
+                echo "== profile reap $cfg kv fp8 prefill $ctx $e" | tee -a "$out/reap.log"
+                env GLMSPARK_CUDA_PROFILE=1 $e "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
+                    "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$ctx" \
+                    --steps 2 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
+            fi
+        done
     done
     for long in ${REAP_LONG:-}; do  # e.g. "32768 131072": batch 1 at that context (DSA on), fp8
         echo "== bench reap $cfg kv fp8 precision bf16 ctx $long" | tee -a "$out/reap.log"

@@ -12,6 +12,11 @@
  * max_p sum|q k| * sm_scale; they change each softmax weight by at most a factor exp(2 delta),
  * so the output moves by <= 2.2 delta * sum_p p |v|; the weighted sum adds (len + 16) *
  * FLT_EPSILON * sum_p p |v|, and the final bf16 rounding 2^-8 |out|.
+ *
+ * mla_decode_tc (tensor cores, 32 heads a CTA): the reference gets q rounded to bf16 as the
+ * kernel rounds it, so the bound above holds for its scores; its other rounding, each
+ * probability times its chunk scale to bf16 (2^-9 relative), moves the output by at most
+ * 2^-9 sum_p p |v| more.
  */
 #include <float.h>
 #include <math.h>
@@ -28,6 +33,27 @@
 static uint64_t rng = 5;
 
 enum { H_MAX = 64 };
+
+// The bf16 output d_out [nq, 512] of an attention kernel against the reference want (and its
+// out_abs, score_abs), under the bound in the file comment plus p_round * sum_p p |v|.
+static void check_out(const char *name, const uint16_t *d_out, const float *want,
+                      const float *out_abs, const float *score_abs, const int32_t *kv_len,
+                      int n_heads, size_t nq, double p_round)
+{
+    uint16_t *ob = xmalloc(nq * MLA_KV_LORA * 2);
+    float *got = xmalloc(nq * MLA_KV_LORA * 4), *tol = xmalloc(nq * MLA_KV_LORA * 4);
+    gpu_download(ob, d_out, nq * MLA_KV_LORA * 2);
+    for (size_t i = 0; i < nq * MLA_KV_LORA; i++) {
+        const size_t th = i / MLA_KV_LORA;
+        const int len = kv_len[th / n_heads];
+        const double delta = (MLA_LK + 16) * FLT_EPSILON * score_abs[th];
+        got[i] = kern_bf16_to_f32(ob[i]);
+        tol[i] = (float) (out_abs[i] * (2.2 * delta + (len + 16) * FLT_EPSILON + p_round)
+                          + ldexp(fabs(want[i]), -8));
+    }
+    compare(name, got, want, tol, 0, nq * MLA_KV_LORA, 1e-4);
+    free(ob), free(got), free(tol);
+}
 
 static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
                      const int *splits, int n_splits, int use_indices)
@@ -110,9 +136,7 @@ static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
         }
     }
     float *out_want = xmalloc(nq * MLA_KV_LORA * 4), *out_abs = xmalloc(nq * MLA_KV_LORA * 4);
-    float *score_abs = xmalloc(nq * 4), *out_got = xmalloc(nq * MLA_KV_LORA * 4);
-    float *tol2 = xmalloc(nq * MLA_KV_LORA * 4);
-    uint16_t *ob = xmalloc(nq * MLA_KV_LORA * 2);
+    float *score_abs = xmalloc(nq * 4);
     mla_decode_ref(out_want, out_abs, score_abs, q_lat, q_pe, h_cache, type, table, max_blocks,
                    dec_seq, kv_len, use_indices ? indices : NULL, idx_stride, n_tok, n_heads,
                    sm_scale);
@@ -127,26 +151,40 @@ static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
         mla_decode(d_out, d_ql, d_qp, &cache, d_table, max_blocks, d_dseq, d_len,
                    use_indices ? d_idx : NULL, idx_stride, n_tok, n_heads, sm_scale, n_split,
                    ws_o, ws_ml, 0);
-        gpu_download(ob, d_out, nq * MLA_KV_LORA * 2);
-        for (size_t i = 0; i < nq * MLA_KV_LORA; i++) {
-            const size_t th = i / MLA_KV_LORA;
-            const int len = kv_len[th / n_heads];
-            const double delta = (MLA_LK + 16) * FLT_EPSILON * score_abs[th];
-            out_got[i] = kern_bf16_to_f32(ob[i]);
-            tol2[i] = (float) (out_abs[i] * (2.2 * delta + (len + 16) * FLT_EPSILON)
-                               + ldexp(fabs(out_want[i]), -8));
-        }
         snprintf(name, sizeof name, "mla decode %s H=%d len0=%d split=%d%s",
                  type == MLA_CACHE_FP8 ? "fp8" : "bf16", n_heads, lens[0], n_split,
                  use_indices ? " indexed" : "");
-        compare(name, out_got, out_want, tol2, 0, nq * MLA_KV_LORA, 1e-4);
+        check_out(name, d_out, out_want, out_abs, score_abs, kv_len, n_heads, nq, 0.0);
         cudaFree(ws_o), cudaFree(ws_ml), cudaFree(d_out);
+    }
+    if (n_heads % 32 == 0) {  // the tensor-core kernel, against the reference with q in bf16
+        float *ql_r = xmalloc(nq * MLA_KV_LORA * 4), *qp_r = xmalloc(nq * MLA_ROPE * 4);
+        for (size_t i = 0; i < nq * MLA_KV_LORA; i++) ql_r[i] = kern_round_bf16(q_lat[i]);
+        for (size_t i = 0; i < nq * MLA_ROPE; i++) qp_r[i] = kern_round_bf16(q_pe[i]);
+        mla_decode_ref(out_want, out_abs, score_abs, ql_r, qp_r, h_cache, type, table,
+                       max_blocks, dec_seq, kv_len, use_indices ? indices : NULL, idx_stride,
+                       n_tok, n_heads, sm_scale);
+        for (int si = 0; si < n_splits; si++) {
+            const int n_split = splits[si];
+            float *ws_o = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * MLA_KV_LORA * 4);
+            float *ws_ml = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * 2 * 4);
+            uint16_t *d_out = gpu_alloc_poisoned(nq * MLA_KV_LORA * 2);
+            mla_decode_tc(d_out, d_ql, d_qp, &cache, d_table, max_blocks, d_dseq, d_len,
+                          use_indices ? d_idx : NULL, idx_stride, n_tok, n_heads, sm_scale,
+                          n_split, ws_o, ws_ml, 0);
+            snprintf(name, sizeof name, "mla tc %s H=%d len0=%d split=%d%s",
+                     type == MLA_CACHE_FP8 ? "fp8" : "bf16", n_heads, lens[0], n_split,
+                     use_indices ? " indexed" : "");
+            check_out(name, d_out, out_want, out_abs, score_abs, kv_len, n_heads, nq, 0x1p-9);
+            cudaFree(ws_o), cudaFree(ws_ml), cudaFree(d_out);
+        }
+        free(ql_r), free(qp_r);
     }
     cudaFree(cache.data), cudaFree(d_ckv), cudaFree(d_nw), cudaFree(d_pos), cudaFree(d_seq);
     cudaFree(d_table), cudaFree(d_ql), cudaFree(d_qp), cudaFree(d_dseq), cudaFree(d_len), cudaFree(d_idx);
     free(table), free(ckv), free(norm_w), free(pos), free(seq), free(h_cache), free(want), free(got);
     free(tol), free(q_lat), free(q_pe), free(dec_seq), free(kv_len), free(indices), free(out_want);
-    free(out_abs), free(score_abs), free(out_got), free(tol2), free(ob);
+    free(out_abs), free(score_abs);
 }
 
 static void test_q_split(int n_tok, int n_heads)
