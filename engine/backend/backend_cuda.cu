@@ -165,12 +165,14 @@ enum {
     PROF_KV_WRITE,
     PROF_DSA,
     PROF_MLA,
+    PROF_MLA_PROJ,
     PROF_MOE,
     N_PROF,
 };
 static const char *const prof_names[N_PROF] = {
-    "matmul", "embed",    "rmsnorm/layernorm", "rope",          "silu_mul/add",
-    "route",  "kv_write", "dsa_topk",          "mla_attention", "moe"};
+    "matmul",   "embed",    "rmsnorm/layernorm", "rope",          "silu_mul/add",
+    "route",    "kv_write", "dsa_topk",          "mla_attention", "mla q/out proj",
+    "moe"};
 
 typedef struct CudaImpl {
     int device;
@@ -1809,21 +1811,27 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
     float *q_pe = (float *) (x + b_nope), *q_lat = (float *) z, *ws_o = (float *) (z + b_lat);
     float *ws_ml = (float *) (z + b_lat + b_ws);
     const int *len = sel ? n_sel : s->len;
-    prof_begin(impl);
+    // Profiled per 256-token chunk: the absorbed projections (q_lat = W_UK q_nope, out = W_UV
+    // o_lat) apart from the attention itself.
     for (int t0 = 0; t0 < n; t0 += chunk) {
         const int nc = n - t0 < chunk ? n - t0 : chunk;
+        prof_begin(impl);
         mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (192 + MLA_ROPE), NULL, nc, H, 0.0f,
                     impl->stream);
         gemv_chunks(impl, q_lat, pk->uk, q_nope, false, L, 192, H, nc, true, false);
+        prof_end(impl, PROF_MLA_PROJ, 0.0);
+        prof_begin(impl);
         (tc ? mla_decode_tc : mla_decode)(o_lat, q_lat, q_pe, &cache, st->dev, st->stride,
                                           s->seq_of + t0, len + t0,
                                           sel ? sel + (size_t) t0 * sel_stride : NULL,
                                           sel_stride, nc, H, p->scale, n_split, ws_o, ws_ml,
                                           impl->stream);
+        prof_end(impl, PROF_MLA, 0.0);
+        prof_begin(impl);
         gemv_chunks(impl, out + (size_t) t0 * H * V, pk->uv, o_lat, false, V, L, H, nc, true,
                     false);
+        prof_end(impl, PROF_MLA_PROJ, 0.0);
     }
-    prof_end(impl, PROF_MLA, 0.0);
 }
 
 static void cuda_mla_attention(Backend *be, float *out, const float *q, const CkptLinear *kv_b,
