@@ -553,6 +553,7 @@ typedef struct MlaJob {
     int sel_stride;
     const BackendMla *p;
     bool bf16;  // BACKEND_PRECISION_BF16 on a tuned shape (backend.h)
+    bool tc;    // backend_mla_tc: q and the probabilities (times the fp8 scale) in bf16 too
 } MlaJob;
 
 // Row r of kv_b as fp32, rounded to bf16 under the BF16 recipe.
@@ -598,6 +599,9 @@ static void mla_task(void *ctx, int task, int thread)
         for (int c = 0; c < L; c++)
             q_lat[c] += qi * w[c];
     }
+    if (job->tc)  // mla_decode_tc rounds its fp32 q_lat and q_pe to bf16
+        for (int c = 0; c < L; c++)
+            q_lat[c] = nvfp4_round_bf16((float) q_lat[c]);
 
     double max_score = -INFINITY;
     for (int j = 0; j < n_keys; j++) {
@@ -607,8 +611,10 @@ static void mla_task(void *ctx, int task, int thread)
         double d = 0.0;
         for (int c = 0; c < L; c++)
             d += q_lat[c] * e[c];
-        for (int i = 0; i < p->qk_rope; i++)
-            d += (double) qt[p->qk_nope + i] * e[L + i];
+        for (int i = 0; i < p->qk_rope; i++) {
+            const float qp = qt[p->qk_nope + i];
+            d += (double) (job->tc ? nvfp4_round_bf16(qp) : qp) * e[L + i];
+        }
         prob[j] = d * p->scale;
         if (prob[j] > max_score) max_score = prob[j];
     }
@@ -619,12 +625,32 @@ static void mla_task(void *ctx, int task, int thread)
     }
     for (int c = 0; c < L; c++)
         o_lat[c] = 0.0;
-    for (int j = 0; j < n_keys; j++) {
-        const int s = keys ? keys[j] : j;
-        const float *e = kv_read_entry(job->kv, seq, job->layer, s, entry_buf);
-        const double pj = prob[j] / sum;
+    if (job->tc) {
+        // mla_decode_tc: each probability times the scale of the latent's 128-value group
+        // (1 for a bf16 cache) rounded to bf16, times the stored value (E4M3 code or bf16),
+        // the sum divided by the probabilities' at the end.
+        const KvEntryLayout *lo = &job->kv->entry[job->layer];
+        for (int j = 0; j < n_keys; j++) {
+            const int s = keys ? keys[j] : j;
+            const unsigned char *e = kv_entry_bytes(job->kv, seq, job->layer, s);
+            const bool fp8 = lo->dtype == KV_DTYPE_FP8;
+            for (int c0 = 0; c0 < L; c0 += KV_FP8_GROUP) {
+                const float sc = fp8 ? kv_f32_load(e + lo->lat_scale + 4 * (c0 / KV_FP8_GROUP)) : 1.0f;
+                const double pw = nvfp4_round_bf16((float) prob[j] * sc);
+                for (int c = c0; c < c0 + KV_FP8_GROUP && c < L; c++)
+                    o_lat[c] += pw * (fp8 ? nvfp4_e4m3_to_float(e[c]) : kv_entry_value(lo, e, c));
+            }
+        }
         for (int c = 0; c < L; c++)
-            o_lat[c] += pj * e[c];
+            o_lat[c] /= sum;
+    } else {
+        for (int j = 0; j < n_keys; j++) {
+            const int s = keys ? keys[j] : j;
+            const float *e = kv_read_entry(job->kv, seq, job->layer, s, entry_buf);
+            const double pj = prob[j] / sum;
+            for (int c = 0; c < L; c++)
+                o_lat[c] += pj * e[c];
+        }
     }
     if (bf16)
         for (int c = 0; c < L; c++)
@@ -657,7 +683,8 @@ static void cpu_mla_attention(Backend *be, float *out, const float *q, const Ckp
                              + ((size_t) p->kv_lora + (size_t) kv_entry_values(kv, layer)) * sizeof(float));
     const bool bf16 =
         be->precision == BACKEND_PRECISION_BF16 && backend_mla_tuned(p, &kv->entry[layer]);
-    MlaJob job = {impl, out, q, kv_b, kv, s, layer, sel, n_sel, sel_stride, p, bf16};
+    MlaJob job = {impl, out, q, kv_b, kv, s, layer, sel, n_sel, sel_stride, p, bf16,
+                  backend_mla_tc(be, p, &kv->entry[layer])};
     double work = 0.0;
     for (int t = 0; t < n; t++)
         work += (double) p->n_heads * p->kv_lora
@@ -813,6 +840,7 @@ Err backend_cpu_create(int n_threads, Backend **out)
         return err;
     }
     be->name = "cpu";
+    be->mla_tc = backend_mla_tc_env();
     be->destroy = cpu_destroy;
     be->alloc = cpu_alloc;
     be->free_mem = cpu_free_mem;

@@ -49,9 +49,9 @@
  *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
  *   buffers the caller uploads before. GLMSPARK_CUDA_GRAPHS=0 turns graphs off;
  *   GLMSPARK_MOE_WIDE=1 lets prefill chunks take the wide expert tiles (moe_tuned);
- *   GLMSPARK_MLA_TC=1 runs MLA attention on the tensor cores (mla_decode_tc, whose recipe
- *   also rounds q and the probabilities to bf16, which the CPU backend does not follow yet:
- *   not yet run on a GPU, for measuring it).
+ *   GLMSPARK_MLA_TC=1 runs MLA attention on the tensor cores (Backend.mla_tc: mla_decode_tc,
+ *   whose recipe also rounds q and the probabilities to bf16, as the CPU backend then does;
+ *   not yet run on a GPU).
  * - DSA under the bf16 recipe (backend_dsa_tuned layers): kernels/dsa.h's scores and top-k
  *   over the engine's key pages (kv_dsa_cache), fp32 scores in the order the CPU backend
  *   follows (kernels/dsa_format.h), so the two select the same keys.
@@ -190,7 +190,6 @@ typedef struct CudaImpl {
     GraphEntry graph_cache[MAX_GRAPHS];
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
     bool moe_wide;  // GLMSPARK_MOE_WIDE=1: prefill chunks may take the wide expert tiles
-    bool mla_tc;    // GLMSPARK_MLA_TC=1: MLA attention through mla_decode_tc (mla_tuned)
     double prof_t0;
     double prof_s[N_PROF];
     double prof_bytes[N_PROF];  // weight bytes read (matmul, moe)
@@ -1776,10 +1775,11 @@ static size_t align256(size_t n)
 // MLA attention through kernels/mla.h (backend_mla_tuned layers under the BF16 recipe): q
 // split into bf16 q_nope and fp32 q_pe (already rotated by the model), q_lat = W_UK^T q_nope,
 // split-KV decode over the layer's own pages (kv_cache.h's layout is mla.h's), out = W_UV
-// o_lat. Tokens in chunks of 256 so the workspace stays bounded.
+// o_lat. Tokens in chunks of 256 so the workspace stays bounded. tc (backend_mla_tc): the
+// tensor-core kernel, mla_decode_tc (32 heads a CTA, tiles of 32 positions).
 static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack *pk,
                       const KvCache *kv, const BackendSeqs *s, int layer, const int *sel,
-                      const int *n_sel, int sel_stride, const BackendMla *p)
+                      const int *n_sel, int sel_stride, const BackendMla *p, bool tc)
 {
     const int n = s->n, H = p->n_heads, V = p->v_dim, L = MLA_KV_LORA;
     const KvEntryLayout *lo = &kv->entry[layer];
@@ -1791,8 +1791,6 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
     const int cap = seq_capacity(impl, kv, s);
     const int attended = sel && sel_stride < cap ? sel_stride : cap;
     const int chunk = n < 256 ? n : 256;
-    // GLMSPARK_MLA_TC=1: the tensor-core kernel (32 heads a CTA, tiles of 32 positions).
-    const bool tc = impl->mla_tc && H % 32 == 0;
     const int hpc = tc ? 32 : MLA_HEADS_PER_CTA, min_pos = tc ? 32 : 16;
     // About four CTAs per SM (H / hpc CTAs per token and split), at least min_pos positions a
     // split.
@@ -1849,7 +1847,8 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
             ? kv_b_pack(impl, kv_b)
             : NULL;
     if (pk) {
-        mla_tuned(impl, out, q, pk, kv, s, layer, sel, n_sel, sel_stride, p);
+        mla_tuned(impl, out, q, pk, kv, s, layer, sel, n_sel, sel_stride, p,
+                  backend_mla_tc(be, p, &kv->entry[layer]));
         return;
     }
     const int cap = sel ? (sel_stride > 0 ? sel_stride : 1) : seq_capacity(impl, kv, s);
@@ -2327,8 +2326,6 @@ Err backend_cuda_create(int device, Backend **out)
     impl->profile = prof && strcmp(prof, "0") != 0;
     const char *wide = getenv("GLMSPARK_MOE_WIDE");
     impl->moe_wide = wide && strcmp(wide, "0") != 0;
-    const char *mla_tc = getenv("GLMSPARK_MLA_TC");
-    impl->mla_tc = mla_tc && strcmp(mla_tc, "0") != 0;
     gemm_lt_init(&impl->lt);
     impl->graphs = !impl->profile && (!graphs || strcmp(graphs, "0") != 0);
     be->impl = impl;
@@ -2342,6 +2339,7 @@ Err backend_cuda_create(int device, Backend **out)
     be->bind_experts = cuda_bind_experts;
     be->bind_kv_b = cuda_bind_kv_b;
     be->precision = BACKEND_PRECISION_BF16;
+    be->mla_tc = backend_mla_tc_env();
     be->matmul = cuda_matmul;
     be->matmul_rows = cuda_matmul_rows;
     be->matmul_add = cuda_matmul_add;

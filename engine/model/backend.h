@@ -54,6 +54,8 @@
 #include <math.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "engine/model/checkpoint.h"
 #include "engine/model/kv_cache.h"
@@ -116,6 +118,11 @@ struct Backend {
     // The recipe above; the constructors set F32 (CPU) and BF16 (CUDA). Set it before any
     // weight is bound; it does not change afterwards.
     BackendPrecision precision;
+    // The BF16 recipe's MLA on the tensor cores (kernels/mla.h mla_decode_tc; backend_mla_tc
+    // below): q and each probability times its fp8 chunk scale are rounded to bf16 as well.
+    // Both constructors set it from GLMSPARK_MLA_TC=1 (default off: the CUDA kernel has not yet
+    // run on a GPU); it may change between calls (op tests run both).
+    bool mla_tc;
 
     void (*destroy)(Backend *be);
 
@@ -257,6 +264,21 @@ static inline bool backend_mla_tuned(const BackendMla *p, const KvEntryLayout *l
     return backend_mla_shape_tuned(p) && lo->block_size == 128
            && ((lo->dtype == KV_DTYPE_FP8 && lo->bytes == 656)
                || (lo->dtype == KV_DTYPE_BF16 && lo->bytes == 1152));
+}
+
+// Whether mla_attention() on this layer runs the tensor-core variant (Backend.mla_tc, heads in
+// 32s) and both backends round q and the probabilities too.
+static inline bool backend_mla_tc(const Backend *be, const BackendMla *p, const KvEntryLayout *lo)
+{
+    return be->mla_tc && be->precision == BACKEND_PRECISION_BF16 && backend_mla_tuned(p, lo)
+           && p->n_heads % 32 == 0;
+}
+
+// GLMSPARK_MLA_TC=1 (Backend.mla_tc's default in both constructors).
+static inline bool backend_mla_tc_env(void)
+{
+    const char *e = getenv("GLMSPARK_MLA_TC");
+    return e && strcmp(e, "0") != 0;
 }
 
 static inline bool backend_dsa_tuned(const BackendDsa *p, const KvCache *kv, int layer)

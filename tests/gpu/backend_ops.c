@@ -572,7 +572,7 @@ static void test_tuned(void)
         free(ex), free(exg);
     }
     enum { TA = 150, TB = 40, T = TA + TB, KSEL = 48 };
-    const int L = 512, R = 64, H = 16, nope = 192, vd = 128;
+    const int L = 512, R = 64, H = 32, nope = 192, vd = 128;
     const BackendMla mp = {H, nope, R, vd, L, 1.0f / 16.0f};
     CkptLinear kv_b = make_linear(CKPT_LINEAR_BF16, H * (nope + vd), L), kv_bg = kv_b;
     CHECK(cpu->bind_kv_b(cpu, &kv_b, &mp) == ERR_OK && gpu->bind_kv_b(gpu, &kv_bg, &mp) == ERR_OK);
@@ -617,16 +617,21 @@ static void test_tuned(void)
                           gs = {gseqs, 2, dpos, dseq_of, dlen, T};
         cpu->kv_write(cpu, &kc, &cs, 0, 0, lat, L + R);
         gpu->kv_write(gpu, &kg, &gs, 0, 0, dlat, L + R);
-        for (int sparse = 0; sparse < 2; sparse++) {
-            cpu->mla_attention(cpu, want, qa, &kv_b, &kc, &cs, 0, sparse ? sel : NULL,
-                               sparse ? n_sel : NULL, KSEL, &mp);
-            gpu->mla_attention(gpu, dout, dqa, &kv_bg, &kg, &gs, 0, sparse ? dsel : NULL,
-                               sparse ? dn_sel : NULL, KSEL, &mp);
-            char what[64];
-            snprintf(what, sizeof what, "mla tuned %s (%s cache)", sparse ? "sparse" : "dense",
-                     kv_dtype_name(dtypes[di]));
-            expect_close(what, dout, want, (size_t) T * H * vd, 1e-3);
-        }
+        // Both MLA kernels: mla_decode (fp32) and, with Backend.mla_tc, mla_decode_tc (tensor
+        // cores; q and the probabilities in bf16, as the CPU then rounds them too).
+        for (int tc = 0; tc < 2; tc++)
+            for (int sparse = 0; sparse < 2; sparse++) {
+                cpu->mla_tc = gpu->mla_tc = tc;
+                cpu->mla_attention(cpu, want, qa, &kv_b, &kc, &cs, 0, sparse ? sel : NULL,
+                                   sparse ? n_sel : NULL, KSEL, &mp);
+                gpu->mla_attention(gpu, dout, dqa, &kv_bg, &kg, &gs, 0, sparse ? dsel : NULL,
+                                   sparse ? dn_sel : NULL, KSEL, &mp);
+                cpu->mla_tc = gpu->mla_tc = false;
+                char what[64];
+                snprintf(what, sizeof what, "mla tuned%s %s (%s cache)", tc ? " tc" : "",
+                         sparse ? "sparse" : "dense", kv_dtype_name(dtypes[di]));
+                expect_close(what, dout, want, (size_t) T * H * vd, 1e-3);
+            }
         for (int i = 0; i < 2; i++) {
             kv_seq_free(&kc, &sc[i]);
             kv_seq_free(&kg, &sg[i]);

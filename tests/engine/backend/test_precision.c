@@ -10,7 +10,8 @@
  *           moe(x) equals moe(bf16(x)) bit for bit and differs from the f32 recipe; f32
  *           experts are untouched.
  *   mla:    at GLM-5's widths over a bf16 cache: q_nope (not q_pe), kv_b and the output latent
- *           are rounded.
+ *           are rounded; with Backend.mla_tc and heads in 32s also q_lat, q_pe and each
+ *           probability times its fp8 group scale (test_mla_tc).
  *   the tuned-shape predicates: GLM-5's MLA widths with fp8 (656-byte) and bf16 (1,152-byte)
  *           entries of 128-position blocks, and nothing else; the DSA indexer's (kernels/
  *           dsa.cu: index dims in 16s up to 128, up to 32 heads, any cache type; its scores
@@ -229,6 +230,74 @@ static void test_mla(Backend *be)
     kv_free(&kv);
 }
 
+// The tensor-core variant (Backend.mla_tc, backend_mla_tc): only under the bf16 recipe, at
+// GLM-5's widths with heads in 32s. Over a bf16 cache, position 0 attends to itself alone: its
+// probability is 1, exact in bf16, so whatever q's rounding does to the score, its output
+// equals the plain recipe's bit for bit; later positions mix rows and differ. Over an fp8 cache
+// position 0's latent is bf16(scale) x code instead of scale x code, so it differs too; 16
+// heads keep the plain recipe.
+static void test_mla_tc(Backend *be)
+{
+    enum { NOPE = 192, ROPE = 64, V = 32, L = 512, T = 3, QK = NOPE + ROPE };
+    const int heads[2] = {32, 16};
+    const KvDtype dtypes[2] = {KV_DTYPE_BF16, KV_DTYPE_FP8};
+    for (int hi = 0; hi < 2; hi++)
+        for (int d = 0; d < 2; d++) {
+            const int H = heads[hi];
+            const BackendMla p = {H, NOPE, ROPE, V, L, 0.0625f};
+            const KvCacheParams kp = {.n_layers = 1,
+                                      .block_size = 128,
+                                      .n_blocks = 1,
+                                      .kv_lora = L,
+                                      .rope_dim = ROPE,
+                                      .dtype = dtypes[d]};
+            KvCache kv;
+            KvSeq seq = {0};
+            ASSERT(kv_init(&kv, &kp) == ERR_OK && kv_seq_reserve(&kv, &seq, T) == ERR_OK);
+            KvSeq *seqs[1] = {&seq};
+            const int pos[T] = {0, 1, 2}, seq_of[T] = {0, 0, 0}, len[T] = {1, 2, 3};
+            const BackendSeqs s = {seqs, 1, pos, seq_of, len, T};
+            float *lat = rand_vec((size_t) T * (L + ROPE));
+            be->kv_write(be, &kv, &s, 0, 0, lat, L + ROPE);
+            const size_t nq = (size_t) T * H * QK, nw = (size_t) H * (NOPE + V) * L;
+            float *q = rand_vec(nq), *w = rand_vec(nw);
+            for (size_t i = 0; i < nw; i++)
+                w[i] *= 0.05f;
+            const CkptLinear kv_b = {.format = CKPT_LINEAR_F32,
+                                     .rows = H * (NOPE + V),
+                                     .cols = L,
+                                     .data = w,
+                                     .global_scale = 1.0f,
+                                     .name = "kv_b"};
+            const size_t no = (size_t) T * H * V, head0 = (size_t) H * V;
+            float *o_tc = malloc(no * 4), *o16 = malloc(no * 4), *o32 = malloc(no * 4);
+            ASSERT(o_tc && o16 && o32);
+            be->precision = BACKEND_PRECISION_BF16;
+            be->mla_tc = true;
+            CHECK(backend_mla_tc(be, &p, &kv.entry[0]) == (H % 32 == 0));
+            be->mla_attention(be, o_tc, q, &kv_b, &kv, &s, 0, NULL, NULL, 1, &p);
+            be->mla_tc = false;
+            CHECK(!backend_mla_tc(be, &p, &kv.entry[0]));
+            be->mla_attention(be, o16, q, &kv_b, &kv, &s, 0, NULL, NULL, 1, &p);
+            be->precision = BACKEND_PRECISION_F32;
+            be->mla_tc = true;  // no effect under the f32 recipe
+            CHECK(!backend_mla_tc(be, &p, &kv.entry[0]));
+            be->mla_attention(be, o32, q, &kv_b, &kv, &s, 0, NULL, NULL, 1, &p);
+            be->mla_tc = false;
+            be->precision = BACKEND_PRECISION_F32;
+            if (H % 32) {
+                CHECK(memcmp(o_tc, o16, no * 4) == 0);
+            } else {
+                CHECK((memcmp(o_tc, o16, head0 * 4) == 0) == (dtypes[d] == KV_DTYPE_BF16));
+                CHECK(memcmp(o_tc + head0, o16 + head0, (no - head0) * 4) != 0);
+            }
+            CHECK(memcmp(o_tc, o32, no * 4) != 0);
+            free(lat), free(q), free(w), free(o_tc), free(o16), free(o32);
+            kv_seq_free(&kv, &seq);
+            kv_free(&kv);
+        }
+}
+
 static void test_mla_predicate(void)
 {
     const BackendMla glm = {64, 192, 64, 256, 512, 0.0625f};
@@ -291,6 +360,7 @@ int main(void)
     test_matmul(be);
     test_moe(be);
     test_mla(be);
+    test_mla_tc(be);
     test_mla_predicate();
     test_dsa_predicate();
     be->destroy(be);
