@@ -21,7 +21,9 @@
 # BENCH="PRESET:BATCHES:CTX ..." (e.g. "default:1,8:1024 small:1,8:1024") it then runs
 # `glmspark bench --synthetic --backend cuda` for each, with graphs on and off
 # (GLMSPARK_CUDA_GRAPHS=0), into bench.log; REAP (below) benchmarks checkpoints at GLM-5.2-REAP
-# dimensions. GOLDEN=0 skips the golden models and MTP. Logs go to $OUT (or ./gpu-out).
+# dimensions. GOLDEN=0 skips the golden models and MTP. Logs go to $OUT (or ./gpu-out). The
+# environment reaches every binary: GLMSPARK_MLA_TC=1 runs it all with the tensor-core MLA
+# (Backend.mla_tc, on the CPU reference too).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 if [ "${1:-}" = "--pack" ]; then
