@@ -343,22 +343,23 @@ static __global__ void __launch_bounds__(TC_THREADS)
     const int mt = warp & 1;  // heads 16 mt .. 16 mt + 15 of the CTA's 32
     const size_t tb = CT == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES : BF16_TOKEN_BYTES;
 
-    for (int i = tid; i < TC_HEADS * MLA_LK; i += TC_THREADS) {
-        const int h = i / MLA_LK, c = i % MLA_LK, hh = hg * TC_HEADS + h;
-        const float v = c < MLA_KV_LORA
-                            ? q_lat[((size_t) t * n_heads + hh) * MLA_KV_LORA + c]
-                            : q_pe[((size_t) t * n_heads + hh) * MLA_ROPE + c - MLA_KV_LORA];
-        qs[h * TC_QS + c] = f32_to_bf16_bits(v);
-    }
-    if (tid < TC_HEADS) {
-        row_m[tid] = -INFINITY;
-        row_l[tid] = 0.0f;
-    }
-
     const int len = kv_len[t];
     const int per = CEIL_DIV(CEIL_DIV(len, n_split), TC_TILE) * TC_TILE;
     const int beg = split * per, end = min(len, beg + per);
     const int s = seq[t];
+
+    if (beg < end)  // an empty split only writes zeros and (-inf, 0)
+        for (int i = tid; i < TC_HEADS * MLA_LK; i += TC_THREADS) {
+            const int h = i / MLA_LK, c = i % MLA_LK, hh = hg * TC_HEADS + h;
+            const float v = c < MLA_KV_LORA
+                                ? q_lat[((size_t) t * n_heads + hh) * MLA_KV_LORA + c]
+                                : q_pe[((size_t) t * n_heads + hh) * MLA_ROPE + c - MLA_KV_LORA];
+            qs[h * TC_QS + c] = f32_to_bf16_bits(v);
+        }
+    if (tid < TC_HEADS) {
+        row_m[tid] = -INFINITY;
+        row_l[tid] = 0.0f;
+    }
 
     float o[16][4];
 #pragma unroll

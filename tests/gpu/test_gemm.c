@@ -7,7 +7,7 @@
  * core) run every shape. Outputs are poisoned (NaN) first.
  *
  * Tolerance: an n-term fp32 dot product, in any order, is within about n * FLT_EPSILON *
- * sum|terms| of the exact value; bf16 outputs add half an ulp (2^-9 relative, we allow 2^-8).
+ * sum|terms| of the exact value; bf16 outputs add half an ulp (at most 2^-8 relative: 8 significant bits).
  */
 #include <float.h>
 #include <math.h>

@@ -2,8 +2,8 @@
  * test_norm.c - kernels/norm.cu, rope.cu and act.cu against kernels/ref/norm_ref.c.
  *
  * Tolerances: the statistics are fp32 sums of d terms (relative error <= d * FLT_EPSILON, which
- * moves the output by as much through rsqrt), then one bf16 rounding (2^-9 relative, we allow
- * 2^-8). RoPE: the angle is exact to double precision on both sides; fp32 rotation costs a
+ * moves the output by as much through rsqrt), then one bf16 rounding (at most 2^-8
+ * relative: 8 significant bits). RoPE: the angle is exact to double precision on both sides; fp32 rotation costs a
  * few ulp of |x0| + |x1|. SwiGLU: fp32 expf (a few ulp), then bf16 rounding.
  */
 #include <float.h>
