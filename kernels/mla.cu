@@ -122,6 +122,20 @@ static __global__ void mla_q_split_kernel(uint16_t *__restrict__ q_nope, float *
 // ---------------------------------------------------------------------------
 // Attention kernels
 
+// The byte offset in the cache of position i of token t's range [.., end) (sequence s; the
+// i-th selected position with indices), or -1 past end: one row of an attention tile.
+static __device__ __forceinline__ long long tile_row_offset(int i, int end, int t, int s,
+                                                            const int32_t *__restrict__ indices,
+                                                            int idx_stride,
+                                                            const int32_t *__restrict__ block_table,
+                                                            int max_blocks, size_t tb)
+{
+    if (i >= end) return -1;
+    const int p = indices ? indices[(size_t) t * idx_stride + i] : i;
+    const int blk = block_table[(size_t) s * max_blocks + p / MLA_BLOCK];
+    return ((long long) blk * MLA_BLOCK + p % MLA_BLOCK) * (long long) tb;
+}
+
 template <int CT>
 static __global__ void __launch_bounds__(DEC_THREADS)
     mla_decode_kernel(float *__restrict__ ws_o, float *__restrict__ ws_ml,
@@ -176,16 +190,9 @@ static __global__ void __launch_bounds__(DEC_THREADS)
 
     for (int base = beg; base < end; base += TILE) {
         __syncthreads();  // the previous tile is consumed (and q is in place)
-        if (tid < TILE) {
-            const int i = base + tid;
-            long long off = -1;
-            if (i < end) {
-                const int p = indices ? indices[(size_t) t * idx_stride + i] : i;
-                const int blk = block_table[(size_t) s * max_blocks + p / MLA_BLOCK];
-                off = ((long long) blk * MLA_BLOCK + p % MLA_BLOCK) * (long long) tb;
-            }
-            offs[tid] = off;
-        }
+        if (tid < TILE)
+            offs[tid] = tile_row_offset(base + tid, end, t, s, indices, idx_stride, block_table,
+                                        max_blocks, tb);
         __syncthreads();
         // Consecutive threads fill consecutive 16-byte pieces of a row: coalesced 128-byte
         // loads per warp and conflict-free shared-memory stores.
@@ -367,16 +374,9 @@ static __global__ void __launch_bounds__(TC_THREADS)
 
     for (int base = beg; base < end; base += TC_TILE) {
         __syncthreads();  // the previous tile is consumed (and q is in place)
-        if (tid < TC_TILE) {
-            const int i = base + tid;
-            long long off = -1;
-            if (i < end) {
-                const int p = indices ? indices[(size_t) t * idx_stride + i] : i;
-                const int blk = block_table[(size_t) s * max_blocks + p / MLA_BLOCK];
-                off = ((long long) blk * MLA_BLOCK + p % MLA_BLOCK) * (long long) tb;
-            }
-            offs[tid] = off;
-        }
+        if (tid < TC_TILE)
+            offs[tid] = tile_row_offset(base + tid, end, t, s, indices, idx_stride, block_table,
+                                        max_blocks, tb);
         __syncthreads();
         if (CT == MLA_CACHE_FP8) {
             // 128 words of 4 codes, then 32 words of 2 bf16 rope values, per row.

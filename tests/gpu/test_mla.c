@@ -139,49 +139,36 @@ static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
     }
     float *out_want = xmalloc(nq * MLA_KV_LORA * 4), *out_abs = xmalloc(nq * MLA_KV_LORA * 4);
     float *score_abs = xmalloc(nq * 4);
-    mla_decode_ref(out_want, out_abs, score_abs, q_lat, q_pe, h_cache, type, table, max_blocks,
-                   dec_seq, kv_len, use_indices ? indices : NULL, idx_stride, n_tok, n_heads,
-                   sm_scale);
     float *d_ql = gpu_upload(q_lat, nq * MLA_KV_LORA * 4), *d_qp = gpu_upload(q_pe, nq * MLA_ROPE * 4);
     int32_t *d_dseq = gpu_upload(dec_seq, n_tok * 4), *d_len = gpu_upload(kv_len, n_tok * 4);
     int32_t *d_idx = gpu_upload(indices, (size_t) n_tok * idx_stride * 4);
-    for (int si = 0; si < n_splits; si++) {
-        const int n_split = splits[si];
-        float *ws_o = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * MLA_KV_LORA * 4);
-        float *ws_ml = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * 2 * 4);
-        uint16_t *d_out = gpu_alloc_poisoned(nq * MLA_KV_LORA * 2);
-        mla_decode(d_out, d_ql, d_qp, &cache, d_table, max_blocks, d_dseq, d_len,
-                   use_indices ? d_idx : NULL, idx_stride, n_tok, n_heads, sm_scale, n_split,
-                   ws_o, ws_ml, 0);
-        snprintf(name, sizeof name, "mla decode %s H=%d len0=%d split=%d%s",
-                 type == MLA_CACHE_FP8 ? "fp8" : "bf16", n_heads, lens[0], n_split,
-                 use_indices ? " indexed" : "");
-        check_out(name, d_out, out_want, out_abs, score_abs, kv_len, n_heads, nq, 0.0);
-        cudaFree(ws_o), cudaFree(ws_ml), cudaFree(d_out);
-    }
-    if (n_heads % 32 == 0) {  // the tensor-core kernel, against the reference with q in bf16
-        float *ql_r = xmalloc(nq * MLA_KV_LORA * 4), *qp_r = xmalloc(nq * MLA_ROPE * 4);
-        for (size_t i = 0; i < nq * MLA_KV_LORA; i++) ql_r[i] = kern_round_bf16(q_lat[i]);
-        for (size_t i = 0; i < nq * MLA_ROPE; i++) qp_r[i] = kern_round_bf16(q_pe[i]);
-        mla_decode_ref(out_want, out_abs, score_abs, ql_r, qp_r, h_cache, type, table,
-                       max_blocks, dec_seq, kv_len, use_indices ? indices : NULL, idx_stride,
-                       n_tok, n_heads, sm_scale);
+    // mla_decode against the reference; mla_decode_tc (heads in 32s) against the reference
+    // with q rounded to bf16 as the kernel rounds it, the probabilities' rounding in the bound.
+    float *ql_r = xmalloc(nq * MLA_KV_LORA * 4), *qp_r = xmalloc(nq * MLA_ROPE * 4);
+    for (size_t i = 0; i < nq * MLA_KV_LORA; i++) ql_r[i] = kern_round_bf16(q_lat[i]);
+    for (size_t i = 0; i < nq * MLA_ROPE; i++) qp_r[i] = kern_round_bf16(q_pe[i]);
+    for (int tc = 0; tc < (n_heads % 32 == 0 ? 2 : 1); tc++) {
+        mla_decode_ref(out_want, out_abs, score_abs, tc ? ql_r : q_lat, tc ? qp_r : q_pe, h_cache,
+                       type, table, max_blocks, dec_seq, kv_len, use_indices ? indices : NULL,
+                       idx_stride, n_tok, n_heads, sm_scale);
         for (int si = 0; si < n_splits; si++) {
             const int n_split = splits[si];
             float *ws_o = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * MLA_KV_LORA * 4);
             float *ws_ml = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * 2 * 4);
             uint16_t *d_out = gpu_alloc_poisoned(nq * MLA_KV_LORA * 2);
-            mla_decode_tc(d_out, d_ql, d_qp, &cache, d_table, max_blocks, d_dseq, d_len,
-                          use_indices ? d_idx : NULL, idx_stride, n_tok, n_heads, sm_scale,
-                          n_split, ws_o, ws_ml, 0);
-            snprintf(name, sizeof name, "mla tc %s H=%d len0=%d split=%d%s",
-                     type == MLA_CACHE_FP8 ? "fp8" : "bf16", n_heads, lens[0], n_split,
-                     use_indices ? " indexed" : "");
-            check_out(name, d_out, out_want, out_abs, score_abs, kv_len, n_heads, nq, 0x1p-8);
+            (tc ? mla_decode_tc : mla_decode)(d_out, d_ql, d_qp, &cache, d_table, max_blocks,
+                                              d_dseq, d_len, use_indices ? d_idx : NULL,
+                                              idx_stride, n_tok, n_heads, sm_scale, n_split,
+                                              ws_o, ws_ml, 0);
+            snprintf(name, sizeof name, "mla %s %s H=%d len0=%d split=%d%s",
+                     tc ? "tc" : "decode", type == MLA_CACHE_FP8 ? "fp8" : "bf16", n_heads,
+                     lens[0], n_split, use_indices ? " indexed" : "");
+            check_out(name, d_out, out_want, out_abs, score_abs, kv_len, n_heads, nq,
+                      tc ? 0x1p-8 : 0.0);
             cudaFree(ws_o), cudaFree(ws_ml), cudaFree(d_out);
         }
-        free(ql_r), free(qp_r);
     }
+    free(ql_r), free(qp_r);
     cudaFree(cache.data), cudaFree(d_ckv), cudaFree(d_nw), cudaFree(d_pos), cudaFree(d_seq);
     cudaFree(d_table), cudaFree(d_ql), cudaFree(d_qp), cudaFree(d_dseq), cudaFree(d_len), cudaFree(d_idx);
     free(table), free(ckv), free(norm_w), free(pos), free(seq), free(h_cache), free(want), free(got);

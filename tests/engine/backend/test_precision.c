@@ -158,27 +158,39 @@ static void test_moe(Backend *be)
     free(x), free(xr);
 }
 
+// A one-layer cache at GLM-5's MLA widths (latent 512 + 64, blocks of 128) holding one
+// sequence of 3 positions with random latents, written by be; *seqs = seq. Returns the 3
+// tokens' view (positions 0, 1, 2) for mla_attention.
+enum { GLM_T = 3 };
+static const int glm_pos[GLM_T] = {0, 1, 2}, glm_seq_of[GLM_T] = {0, 0, 0},
+                 glm_len[GLM_T] = {1, 2, 3};
+static BackendSeqs glm_cache(Backend *be, KvCache *kv, KvSeq *seq, KvSeq **seqs, KvDtype dtype)
+{
+    const KvCacheParams kp = {.n_layers = 1,
+                              .block_size = 128,
+                              .n_blocks = 1,
+                              .kv_lora = 512,
+                              .rope_dim = 64,
+                              .dtype = dtype};
+    ASSERT(kv_init(kv, &kp) == ERR_OK && kv_seq_reserve(kv, seq, GLM_T) == ERR_OK);
+    *seqs = seq;
+    const BackendSeqs s = {seqs, 1, glm_pos, glm_seq_of, glm_len, GLM_T};
+    float *lat = rand_vec((size_t) GLM_T * (512 + 64));
+    be->kv_write(be, kv, &s, 0, 0, lat, 512 + 64);
+    free(lat);
+    return s;
+}
+
 // MLA at GLM-5's widths (16 heads) over a bf16 cache of 3 positions: under the bf16 recipe
 // q_nope is rounded (q_pe is not), kv_b is read rounded, and the output latent is rounded.
 static void test_mla(Backend *be)
 {
-    enum { H = 16, NOPE = 192, ROPE = 64, V = 32, L = 512, T = 3, QK = NOPE + ROPE };
+    enum { H = 16, NOPE = 192, ROPE = 64, V = 32, L = 512, T = GLM_T, QK = NOPE + ROPE };
     const BackendMla p = {H, NOPE, ROPE, V, L, 0.0625f};
-    const KvCacheParams kp = {.n_layers = 1,
-                              .block_size = 128,
-                              .n_blocks = 1,
-                              .kv_lora = L,
-                              .rope_dim = ROPE,
-                              .dtype = KV_DTYPE_BF16};
     KvCache kv;
-    KvSeq seq = {0};
-    ASSERT(kv_init(&kv, &kp) == ERR_OK && kv_seq_reserve(&kv, &seq, T) == ERR_OK);
+    KvSeq seq = {0}, *seqs[1];
+    const BackendSeqs s = glm_cache(be, &kv, &seq, seqs, KV_DTYPE_BF16);
     CHECK(backend_mla_tuned(&p, &kv.entry[0]));
-    KvSeq *seqs[1] = {&seq};
-    const int pos[T] = {0, 1, 2}, seq_of[T] = {0, 0, 0}, len[T] = {1, 2, 3};
-    const BackendSeqs s = {seqs, 1, pos, seq_of, len, T};
-    float *lat = rand_vec((size_t) T * (L + ROPE));
-    be->kv_write(be, &kv, &s, 0, 0, lat, L + ROPE);
 
     const size_t nq = (size_t) T * H * QK, nw = (size_t) H * (NOPE + V) * L;
     float *q = rand_vec(nq), *q_nope_r = malloc(nq * sizeof *q), *q_pe_r = malloc(nq * sizeof *q);
@@ -224,7 +236,7 @@ static void test_mla(Backend *be)
     const size_t head0 = (size_t) H * V;
     CHECK(memcmp(o16, o32_r, head0 * 4) == 0);
     CHECK(memcmp(o16 + head0, o32_r + head0, (no - head0) * 4) != 0);
-    free(lat), free(q), free(q_nope_r), free(q_pe_r), free(w), free(w_r);
+    free(q), free(q_nope_r), free(q_pe_r), free(w), free(w_r);
     free(o16), free(o_nope), free(o_pe), free(o_w), free(o32), free(o32_r);
     kv_seq_free(&kv, &seq);
     kv_free(&kv);
@@ -238,27 +250,16 @@ static void test_mla(Backend *be)
 // heads keep the plain recipe.
 static void test_mla_tc(Backend *be)
 {
-    enum { NOPE = 192, ROPE = 64, V = 32, L = 512, T = 3, QK = NOPE + ROPE };
+    enum { NOPE = 192, ROPE = 64, V = 32, L = 512, T = GLM_T, QK = NOPE + ROPE };
     const int heads[2] = {32, 16};
     const KvDtype dtypes[2] = {KV_DTYPE_BF16, KV_DTYPE_FP8};
     for (int hi = 0; hi < 2; hi++)
         for (int d = 0; d < 2; d++) {
             const int H = heads[hi];
             const BackendMla p = {H, NOPE, ROPE, V, L, 0.0625f};
-            const KvCacheParams kp = {.n_layers = 1,
-                                      .block_size = 128,
-                                      .n_blocks = 1,
-                                      .kv_lora = L,
-                                      .rope_dim = ROPE,
-                                      .dtype = dtypes[d]};
             KvCache kv;
-            KvSeq seq = {0};
-            ASSERT(kv_init(&kv, &kp) == ERR_OK && kv_seq_reserve(&kv, &seq, T) == ERR_OK);
-            KvSeq *seqs[1] = {&seq};
-            const int pos[T] = {0, 1, 2}, seq_of[T] = {0, 0, 0}, len[T] = {1, 2, 3};
-            const BackendSeqs s = {seqs, 1, pos, seq_of, len, T};
-            float *lat = rand_vec((size_t) T * (L + ROPE));
-            be->kv_write(be, &kv, &s, 0, 0, lat, L + ROPE);
+            KvSeq seq = {0}, *seqs[1];
+            const BackendSeqs s = glm_cache(be, &kv, &seq, seqs, dtypes[d]);
             const size_t nq = (size_t) T * H * QK, nw = (size_t) H * (NOPE + V) * L;
             float *q = rand_vec(nq), *w = rand_vec(nw);
             for (size_t i = 0; i < nw; i++)
@@ -292,7 +293,7 @@ static void test_mla_tc(Backend *be)
                 CHECK(memcmp(o_tc + head0, o16 + head0, (no - head0) * 4) != 0);
             }
             CHECK(memcmp(o_tc, o32, no * 4) != 0);
-            free(lat), free(q), free(w), free(o_tc), free(o16), free(o32);
+            free(q), free(w), free(o_tc), free(o16), free(o32);
             kv_seq_free(&kv, &seq);
             kv_free(&kv);
         }
