@@ -181,6 +181,17 @@ static BackendSeqs glm_cache(Backend *be, KvCache *kv, KvSeq *seq, KvSeq **seqs,
     return s;
 }
 
+// An fp32 kv_b at GLM-5's widths (qk_nope 192, latent 512) over the weights w [H (192 + v), 512].
+static CkptLinear glm_kv_b(float *w, int H, int v)
+{
+    return (CkptLinear){.format = CKPT_LINEAR_F32,
+                        .rows = H * (192 + v),
+                        .cols = 512,
+                        .data = w,
+                        .global_scale = 1.0f,
+                        .name = "kv_b"};
+}
+
 // MLA at GLM-5's widths (16 heads) over a bf16 cache of 3 positions: under the bf16 recipe
 // q_nope is rounded (q_pe is not), kv_b is read rounded, and the output latent is rounded.
 static void test_mla(Backend *be)
@@ -206,12 +217,7 @@ static void test_mla(Backend *be)
         w[i] *= 0.05f;
         w_r[i] = nvfp4_round_bf16(w[i]);
     }
-    const CkptLinear kv_b = {.format = CKPT_LINEAR_F32,
-                             .rows = H * (NOPE + V),
-                             .cols = L,
-                             .data = w,
-                             .global_scale = 1.0f,
-                             .name = "kv_b"};
+    const CkptLinear kv_b = glm_kv_b(w, H, V);
     CkptLinear kv_b_r = kv_b;
     kv_b_r.data = w_r;
     const size_t no = (size_t) T * H * V;
@@ -264,12 +270,7 @@ static void test_mla_tc(Backend *be)
             float *q = rand_vec(nq), *w = rand_vec(nw);
             for (size_t i = 0; i < nw; i++)
                 w[i] *= 0.05f;
-            const CkptLinear kv_b = {.format = CKPT_LINEAR_F32,
-                                     .rows = H * (NOPE + V),
-                                     .cols = L,
-                                     .data = w,
-                                     .global_scale = 1.0f,
-                                     .name = "kv_b"};
+            const CkptLinear kv_b = glm_kv_b(w, H, V);
             const size_t no = (size_t) T * H * V, head0 = (size_t) H * V;
             float *o_tc = malloc(no * 4), *o16 = malloc(no * 4), *o32 = malloc(no * 4);
             ASSERT(o_tc && o16 && o32);
