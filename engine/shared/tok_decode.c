@@ -14,8 +14,10 @@
  * support is per token apart from these two and from rules about the very first token
  * (Metaspace drops its replacement chars, Strip after Fuse cuts the leading chars), which
  * the stream applies only to the first window that holds a token (for Strip, the first
- * whose text is not empty: the window stays open until then). So the pieces concatenate
- * to exactly tok_decode() of everything fed, and each piece is whole UTF-8 characters.
+ * whose text is not empty: the window stays open until then). A chain with any other
+ * decoder after a fusing one (Fuse, ByteLevel) sees the whole text at once: its stream
+ * holds everything until the flush (tok_stream_holds_all). So the pieces concatenate to
+ * exactly tok_decode() of everything fed, and each piece is whole UTF-8 characters.
  */
 #include "engine/shared/tokenizer.h"
 
@@ -360,31 +362,45 @@ void tok_stream_destroy(TokStream *s)
     free(s);
 }
 
-// How many leading chars the Strips after a Fuse may cut from the start of the sequence
-// (their starts summed), or -1 when one cuts the end (that sees every later token).
+// How many leading chars the Strips after the first fusing decoder (Fuse, ByteLevel: each
+// makes the list one string, the whole text) may cut from the start of the sequence (their
+// starts summed), or -1 when a decoder after it sees across windows: a Strip of the end, or
+// anything but Strip and Fuse (a Replace's pattern or a later ByteLevel's all-or-nothing
+// unmapping spans tokens, a Metaspace drops its replacement chars in the whole text, a
+// ByteFallback sees byte tokens that only the fusing made).
 static int fused_strip_start(const Tokenizer *tok)
 {
     bool fused = false;
     int start = 0;
     for (size_t k = 0; k < tok->n_decs; k++) {
         const TokDec *d = &tok->decs[k];
-        if (d->kind == TOK_DEC_FUSE) fused = true;
-        if (d->kind != TOK_DEC_STRIP || !fused) continue;
-        if (d->stop > 0) return -1;
-        start += (int) (d->start < 2 ? d->start : 2);
+        if (fused && d->kind == TOK_DEC_STRIP) {
+            if (d->stop > 0) return -1;
+            start += (int) (d->start < 2 ? d->start : 2);
+        } else if (fused && d->kind != TOK_DEC_FUSE) {
+            return -1;
+        }
+        fused |= d->kind == TOK_DEC_FUSE || d->kind == TOK_DEC_BYTELEVEL;
     }
     return start;
+}
+
+bool tok_stream_holds_all(const Tokenizer *tok)
+{
+    const int start = fused_strip_start(tok);
+    return start < 0 || start > 1;
 }
 
 // True when a later id could still change the window's text.
 static bool window_open(const TokStream *s)
 {
     const Tokenizer *tok = s->tok;
-    // Strips after a Fuse cut the start of the whole text. One of at most one char is
-    // applied to the first window whose text is not empty (below); more than one char, or
-    // the end, sees across windows: hold everything (no real tokenizer does this).
+    // Strips after the fusing cut the start of the whole text. One of at most one char is
+    // applied to the first window whose text is not empty (below); more than one char, the
+    // end, or another decoder after the fusing sees across windows: hold everything (no real
+    // tokenizer does this; the loader warns).
+    if (tok_stream_holds_all(tok)) return true;
     const int strip_start = fused_strip_start(tok);
-    if (strip_start < 0 || strip_start > 1) return true;
     if (strip_start == 1 && s->first) {
         // Until the text is not empty, the next token's leading char is still the start.
         char *text = NULL;

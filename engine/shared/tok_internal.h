@@ -227,6 +227,11 @@ Err tok_trie_add(TokTrie *t, const char *s, size_t n, int32_t added);
 void tok_trie_free(TokTrie *t);
 void tok_cache_free(TokCache *c);
 
+// True when tok's decoder chain sees the whole text after a fusing step (Fuse, ByteLevel)
+// in a way no window can (anything but Strips of at most one leading char, and Fuse): its
+// TokStream then holds everything until the flush (tok_decode.c).
+bool tok_stream_holds_all(const Tokenizer *tok);
+
 // Byte-level alphabet: the char GPT-2 uses for byte b, and the inverse (-1 if none).
 uint32_t tok_bytelevel_char(uint8_t b);
 int tok_bytelevel_byte(uint32_t cp);

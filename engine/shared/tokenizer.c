@@ -1126,6 +1126,9 @@ static Err load_root(Tokenizer *tok, json_object *root)
         const Path p = {"decoder"};
         tok->has_decoder = true;
         err = load_decoder(tok, dec, &p);
+        if (!err && tok_stream_holds_all(tok))
+            LOG_WARN("tokenizer.json: decoder: a step after Fuse or ByteLevel sees the whole "
+                     "text (not one Strip of the start): streamed output is held until the end");
     }
     // Truncation and padding change what encode returns; we implement neither.
     if (!err) err = get_field(root, &path, "truncation", json_type_object, false, &trunc);

@@ -391,7 +391,9 @@ static bool stream_matches(const Tokenizer *t, const int32_t *ids, size_t n, boo
 // Decoders whose first-token rules the stream must honour: none (join by spaces), Metaspace
 // (drops the replacement chars of the first token), Strip after Fuse, two Strips after Fuse
 // (they cut two chars of the start: the stream holds everything), and Strip after Fuse where
-// a first token decodes to nothing ("a" is replaced by "": the start is still ahead).
+// a first token decodes to nothing ("a" is replaced by "": the start is still ahead); then
+// decoders after a fusing step that see the whole text (Metaspace, Replace, ByteLevel after
+// Fuse: the stream holds everything) and a Strip after ByteLevel (which fuses too).
 static void test_stream_first_token_rules(void)
 {
     Tokenizer *t = word_tok(NULL, NULL, "[{\"id\":20,\"content\":\"<x>\",\"special\":true}]");
@@ -415,6 +417,13 @@ static void test_stream_first_token_rules(void)
         "\"a\"},\"content\":\"\"},{\"type\":\"Replace\",\"pattern\":{\"String\":"
         "\"\\u2581\"},\"content\":\" \"},{\"type\":\"Fuse\"},{\"type\":\"Strip\",\"content\":"
         "\" \",\"start\":1,\"stop\":0}]}",
+        "{\"type\":\"Sequence\",\"decoders\":[{\"type\":\"Fuse\"},{\"type\":\"Metaspace\","
+        "\"replacement\":\"\\u2581\",\"prepend_scheme\":\"always\",\"split\":true}]}",
+        "{\"type\":\"Sequence\",\"decoders\":[{\"type\":\"Fuse\"},{\"type\":\"Replace\","
+        "\"pattern\":{\"String\":\"a\\u2581\"},\"content\":\"X\"}]}",
+        "{\"type\":\"Sequence\",\"decoders\":[{\"type\":\"ByteLevel\"},{\"type\":\"Strip\","
+        "\"content\":\"a\",\"start\":1,\"stop\":0}]}",
+        "{\"type\":\"Sequence\",\"decoders\":[{\"type\":\"Fuse\"},{\"type\":\"ByteLevel\"}]}",
     };
     for (size_t k = 0; k < sizeof decoders / sizeof *decoders; k++) {
         char json[4096];
@@ -427,9 +436,12 @@ static void test_stream_first_token_rules(void)
         if (!t) continue;
         const int32_t first[] = {18, 17, 1};  // "\u2581a" "\u2581" "a"
         CHECK(tok_decode(t, first, 3, false, &text, &n) == ERR_OK);
-        static const char *const want[] = {("\xe2\x96\x81"
-                                            "a \xe2\x96\x81 a"),
-                                           "a a", "a a", "a a", " "};
+#define BAR "\xe2\x96\x81"  // U+2581
+        static const char *const want[] = {
+            BAR "a " BAR " a", "a a", "a a", "a a", " ", "aa", BAR "Xa", BAR "a" BAR "a",
+            BAR "a" BAR "a",
+        };
+#undef BAR
         CHECK(strcmp(text, want[k]) == 0);
         free(text);
         uint64_t rng = 12345;
