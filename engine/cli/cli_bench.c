@@ -32,9 +32,10 @@
  * --mtp-drafts K,.. (1-3; the checkpoint needs an MTP layer: `mkmodel --mtp 1`) then times,
  * for each batch size and K, the steps of MTP with K drafts as the engine runs them
  * (engine/pipeline/mtp.c): the verify forward of 1 + K rows a sequence (every row's logits
- * downloaded) and, per sequence, the MTP layer over 1 + K rows (the rows of a step whose
- * drafts were all accepted: the most it runs) then K - 1 one-row recursive passes, each with
- * its logits. Printed: the verify step and its ratio to the 1-row step, the draft passes, and
+ * downloaded) and the MTP passes: the MTP layer over 1 + K rows a sequence (the rows of a
+ * step whose drafts were all accepted: the most it runs), then K - 1 recursive passes of a
+ * row a sequence, each with its logits, every pass over all B sequences at once as the
+ * pipeline's last stage batches them (mtp_stage_ops). Printed: the verify step and its ratio to the 1-row step, the draft passes, and
  * the speed-up B tokens a step would give at GLM-5.2's published mean accepted lengths
  * (1.84, 2.50, 2.99 for 1-3 drafts): accepted length x the 1-row step / the MTP step, with
  * the acceptance-free costs so that any other accepted length L gives L x that ratio.
@@ -360,12 +361,13 @@ typedef struct MtpTime {
 } MtpTime;
 
 // Timed MTP steps with k drafts for the B prefilled sequences ptrs (--mtp-drafts; see the file
-// comment): the verify forwards of 1 + k rows a sequence into logits [B (1 + k), V], then each
-// sequence's MTP passes on its own sequence of mkv (mseqs) from the hidden rows hid [1 + k,
-// hidden] (host; any values: the costs do not depend on them), the last row's logits into
-// logits too and its state into hcur. The two are timed in separate loops (the engine runs them
-// in turn; neither's cost depends on the other's values), so that GLMSPARK_CUDA_PROFILE=1 can
-// report each's ops. After one untimed step of each, seconds per step into *t. False on failure.
+// comment): the verify forwards of 1 + k rows a sequence into logits [B (1 + k), V], then the
+// MTP passes over all B sequences (each on its own sequence of mkv, mseqs) from the hidden
+// rows hid [B (1 + k), hidden] (host; any values: the costs do not depend on them), each
+// sequence's last row's logits into logits too and its state into hcur [B, hidden]. The two
+// are timed in separate loops (the engine runs them in turn; neither's cost depends on the
+// other's values), so that GLMSPARK_CUDA_PROFILE=1 can report each's ops. After one untimed
+// step of each, seconds per step into *t. False on failure.
 static bool bench_mtp(const BenchArgs *a, Model *m, KvCache *kv, KvSeq *const *ptrs, KvCache *mkv,
                       KvSeq *mseqs, int B, int k, int *ids, int *n_new, float *logits,
                       const float *hid, float *hcur, MtpTime *t)
@@ -383,18 +385,30 @@ static bool bench_mtp(const BenchArgs *a, Model *m, KvCache *kv, KvSeq *const *p
         if (s > 0) t->verify_s += clock_now_s() - t1;
     }
     profile_report(a, m, "MTP verify, %d sequence(s) x %d rows, %d steps", B, rows, a->steps + 1);
-    for (int s = 0; s <= a->steps; s++) {
+    // The passes as mtp_stage_ops runs a step's: one batched MTP forward over every
+    // sequence's rows, then one per recursion depth (a row a sequence).
+    KvSeq **mptrs = malloc((size_t) B * sizeof *mptrs);
+    int *dtok = malloc((size_t) B * sizeof *dtok), *ones = malloc((size_t) B * sizeof *ones);
+    bool ok = mptrs && dtok && ones;
+    for (int i = 0; ok && i < B; i++) {
+        mptrs[i] = &mseqs[i];
+        ones[i] = 1;
+    }
+    for (int s = 0; ok && s <= a->steps; s++) {
         const double t1 = clock_now_s();
-        for (int i = 0; i < B; i++) {
-            const int *tok = ids + (size_t) i * rows;
-            if (model_mtp_forward(m, mkv, &mseqs[i], tok, hid, rows, logits, hcur, false))
-                return false;
-            for (int j = 1; j < k; j++)
-                if (model_mtp_forward(m, mkv, &mseqs[i], &tok[j], hcur, 1, logits, hcur, false))
-                    return false;
+        const ModelBatch mb = {B, mptrs, n_new}, mb1 = {B, mptrs, ones};
+        ok = model_mtp_forward_batch(m, mkv, &mb, ids, hid, logits, hcur, false) == ERR_OK;
+        for (int j = 1; ok && j < k; j++) {
+            for (int i = 0; i < B; i++)
+                dtok[i] = ids[(size_t) i * rows + j];
+            ok = model_mtp_forward_batch(m, mkv, &mb1, dtok, hcur, logits, hcur, false) == ERR_OK;
         }
         if (s > 0) t->draft_s += clock_now_s() - t1;
     }
+    free(mptrs);
+    free(dtok);
+    free(ones);
+    if (!ok) return false;
     profile_report(a, m, "MTP passes, %d sequence(s), %d drafts, %d steps", B, k, a->steps + 1);
     t->verify_s /= a->steps;
     t->draft_s /= a->steps;
@@ -428,8 +442,8 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
     int *ids = malloc((size_t) n_ids * sizeof *ids);
     int *n_new = malloc((size_t) B * sizeof *n_new);
     float *logits = malloc((size_t) B * max_rows * c->vocab_size * sizeof *logits);
-    float *hid = malloc((size_t) max_rows * c->hidden_size * sizeof *hid);
-    float *hcur = malloc((size_t) c->hidden_size * sizeof *hcur);
+    float *hid = malloc((size_t) B * max_rows * c->hidden_size * sizeof *hid);
+    float *hcur = malloc((size_t) B * c->hidden_size * sizeof *hcur);
     MtpTime mt[BENCH_MAX_DRAFTS];
     bool ok = false;
     if (!seqs || !mseqs || !ptrs || !ids || !n_new || !logits || !hid || !hcur
@@ -444,7 +458,7 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
             LOG_ERROR("bench: could not set up the MTP layer's cache for batch %d", B);
             goto done;
         }
-        for (size_t i = 0; i < (size_t) max_rows * c->hidden_size; i++)
+        for (size_t i = 0; i < (size_t) B * max_rows * c->hidden_size; i++)
             hid[i] = 0.5f * sinf(0.37f * (float) i);
     }
     for (int i = 0; i < B; i++)

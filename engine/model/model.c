@@ -958,25 +958,32 @@ KvCacheParams model_mtp_kv_params(const Model *m, int n_blocks, int block_size)
     return p;
 }
 
-Err model_mtp_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, const float *h_prev,
-                      int n, float *logits, float *h_out, bool all_rows)
+Err model_mtp_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *tokens,
+                            const float *h_prev, float *logits, float *h_out, bool all_rows)
 {
     const ModelConfig *c = &m->cfg;
-    ASSERT(n > 0 && tokens && h_prev);
+    ASSERT(b->n_seqs > 0 && tokens && h_prev);
     if (!m->mtp || !m->has_head || !m->embed.data) {
         LOG_ERROR("the model has no MTP layer loaded (num_nextn_predict_layers %d)",
                   c->n_mtp_layers);
         return ERR_INVAL;
     }
     ASSERT(kv->params.n_layers == 1);
+    int n = 0;
+    for (int i = 0; i < b->n_seqs; i++) {
+        ASSERT(b->n_new[i] > 0);
+        n += b->n_new[i];
+    }
     for (int t = 0; t < n; t++)
         if (tokens[t] < 0 || tokens[t] >= c->vocab_size) {
             LOG_ERROR("MTP token id %d at index %d is outside the vocabulary (%d)", tokens[t], t,
                       c->vocab_size);
             return ERR_INVAL;
         }
-    Err err = kv_seq_reserve(kv, seq, seq->n_tokens + n);
-    if (err) return err;
+    // Reserve for every sequence first, as model_forward_batch does.
+    Err err = ERR_OK;
+    for (int i = 0; i < b->n_seqs; i++)
+        if ((err = kv_seq_reserve(kv, b->seqs[i], b->seqs[i]->n_tokens + b->n_new[i]))) return err;
     if ((err = work_ensure(m, n))) return err;
     Backend *be = m->be;
     ModelWork *w = m->work;
@@ -992,18 +999,17 @@ Err model_mtp_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, cons
         }
         mt->cat_cap = n;
     }
-    KvSeq *seqs[1] = {seq};
-    const ModelBatch b = {1, seqs, &n};
-    const BackendSeqs s = upload_positions(m, &b, n);
+    const BackendSeqs s = upload_positions(m, b, n);
     be->upload(be, w->tok, tokens, (size_t) n * sizeof(int));
     be->embed(be, w->tmp, &m->embed, w->tok, n);
-    if (seq->n_tokens == 0) {
+    float *zero = NULL;
+    for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++]) {
+        if (b->seqs[i]->n_tokens != 0) continue;
         // vLLM: inputs_embeds[positions == 0] = 0 (RMSNorm then keeps the row zero).
-        float *zero = calloc((size_t) hidden, sizeof *zero);
-        if (!zero) return ERR_NOMEM;
-        be->upload(be, w->tmp, zero, row);
-        free(zero);
+        if (!zero && !(zero = calloc((size_t) hidden, sizeof *zero))) return ERR_NOMEM;
+        be->upload(be, w->tmp + (size_t) off * hidden, zero, row);
     }
+    free(zero);
     be->upload(be, w->tmp2, h_prev, (size_t) n * row);
     // cat[t] = [RMSNorm(e_t, enorm), RMSNorm(h_t, hnorm)]: row by row, as the two halves
     // of a row are interleaved with the other rows' in cat.
@@ -1019,15 +1025,42 @@ Err model_mtp_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, cons
     bool has_sel = false;
     attention_block(m, kv, &s, c->n_layers, &has_sel);
     mlp_block(m, c->n_layers, n);
-    seq->n_tokens += n;
+    for (int i = 0; i < b->n_seqs; i++)
+        b->seqs[i]->n_tokens += b->n_new[i];
 
-    const int first = all_rows ? 0 : n - 1, rows = all_rows ? n : 1;
-    const float *x = w->x + (size_t) first * hidden;
-    if (h_out) be->download(be, h_out, x, (size_t) rows * row);
+    const size_t V = (size_t) c->vocab_size;
+    if (all_rows) {
+        if (h_out) be->download(be, h_out, w->x, (size_t) n * row);
+        if (logits) {
+            be->rmsnorm(be, w->h, w->x, mt->head_norm, n, hidden, hidden, c->rms_norm_eps);
+            be->matmul(be, w->logits, &m->lm_head, w->h, n);
+            be->download(be, logits, w->logits, (size_t) n * V * sizeof(float));
+        }
+        return ERR_OK;
+    }
+    // Each sequence's last row, normed alone into row i of w->h and projected with
+    // matmul_rows (the weight read once for all rows, each row's numbers as alone).
+    const bool one_row_each = n == b->n_seqs;
+    if (h_out && one_row_each) be->download(be, h_out, w->x, (size_t) n * row);
+    for (int i = 0, off = 0; i < b->n_seqs; off += b->n_new[i++]) {
+        const float *x = w->x + (size_t) (off + b->n_new[i] - 1) * hidden;
+        if (h_out && !one_row_each) be->download(be, h_out + (size_t) i * hidden, x, row);
+        if (logits)
+            be->rmsnorm(be, w->h + (size_t) i * hidden, x, mt->head_norm, 1, hidden, hidden,
+                        c->rms_norm_eps);
+    }
     if (logits) {
-        be->rmsnorm(be, w->h, x, mt->head_norm, rows, hidden, hidden, c->rms_norm_eps);
-        be->matmul(be, w->logits, &m->lm_head, w->h, rows);
-        be->download(be, logits, w->logits, (size_t) rows * (size_t) c->vocab_size * sizeof(float));
+        be->matmul_rows(be, w->logits, &m->lm_head, w->h, b->n_seqs);
+        be->download(be, logits, w->logits, (size_t) b->n_seqs * V * sizeof(float));
     }
     return ERR_OK;
+}
+
+Err model_mtp_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, const float *h_prev,
+                      int n, float *logits, float *h_out, bool all_rows)
+{
+    ASSERT(n > 0);
+    KvSeq *seqs[1] = {seq};
+    const ModelBatch b = {1, seqs, &n};
+    return model_mtp_forward_batch(m, kv, &b, tokens, h_prev, logits, h_out, all_rows);
 }

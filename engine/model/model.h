@@ -182,6 +182,14 @@ KvCacheParams model_mtp_kv_params(const Model *m, int n_blocks, int block_size);
 Err model_mtp_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, const float *h_prev,
                       int n, float *logits, float *h_out, bool all_rows);
 
+// model_mtp_forward over a batch: sequence i runs b->n_new[i] rows (tokens and h_prev hold
+// them in order, [n] and [n, hidden] for n = sum n_new), at its own positions. all_rows:
+// logits [n, vocab] and h_out [n, hidden] for every row; else for each sequence's last row,
+// [n_seqs, vocab] and [n_seqs, hidden], each computed as a one-sequence call computes it
+// (the head's weight is read once for all rows). Nothing advances on an error.
+Err model_mtp_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *tokens,
+                            const float *h_prev, float *logits, float *h_out, bool all_rows);
+
 #ifdef __cplusplus
 }
 #endif

@@ -158,28 +158,74 @@ static int choose(Sampler *s, const float *row, int V, double *prob)
     return draw(prob, V, 1.0, s);
 }
 
-// Test hook adaptor: draft i's choice from its MTP logits row.
-typedef int (*DraftFn)(void *ctx, int i, const float *row);
+// One sequence's part in draft_batch: n rows of the first MTP pass (the batch's tok and hid
+// hold every sequence's rows in order), whose last drafts d_1, then the recursion for d_2 ..
+// d_K.
+typedef struct DraftSeq {
+    KvSeq *mseq;  // the sequence in the MTP cache: advances by n + K - 1 (the caller drops
+                  // the K - 1 recursive rows, drafts of drafts)
+    int n, K;
+    Sampler *s;
+    float *dlog;    // [K, vocab]: each draft's MTP logits, or NULL (not kept)
+    double *q;      // [K, vocab] at temperature > 0: each draft's distribution (scratch that
+                    // sequences may share when the caller does not keep it)
+    int *drafts;    // [K]
+    int (*hook)(void *ctx, int i, const float *row);  // temperature 0 test hook, or NULL
+    void *ctx;
+} DraftSeq;
 
-// Run the MTP layer over n rows (hid [n, hidden], the token after each in tok), whose last
-// row drafts d_1, then the recursion for d_2 .. d_K. dlog [K, V] gets each draft's MTP
-// logits, q [K, V] (temperature > 0) its distribution. mseq advances by n + K - 1: the
-// caller drops the K - 1 recursive rows.
-static Err draft_k(Model *m, KvCache *mkv, KvSeq *mseq, const int *tok, const float *hid, int n,
-                   int K, Sampler *s, float *dlog, double *q, float *hcur, int *drafts, DraftFn fn,
-                   void *ctx)
+// Draft for n_seqs sequences at once: one MTP forward over every sequence's rows (tok [sum
+// n], hid [sum n, hidden]), then one forward per recursion depth over the sequences that
+// draft that deep, so the MTP layer's weights are read once per depth for all of them, and
+// each sequence's numbers are those it would get alone (model_mtp_forward_batch). blog
+// [n_seqs, vocab] and hcur [n_seqs, hidden]: scratch.
+static Err draft_batch(Model *m, KvCache *mkv, DraftSeq *d, int n_seqs, const int *tok,
+                       const float *hid, float *blog, float *hcur)
 {
-    const int V = m->cfg.vocab_size;
-    Err err = model_mtp_forward(m, mkv, mseq, tok, hid, n, dlog, hcur, false);
-    for (int i = 0; !err && i < K; i++) {
-        float *row = dlog + (size_t) i * V;
-        if (i > 0
-            && (err = model_mtp_forward(m, mkv, mseq, &drafts[i - 1], hcur, 1, row, hcur, false)))
-            break;
-        drafts[i] = fn && s->params.temperature <= 0.0f ? fn(ctx, i, row)
-                                                        : choose(s, row, V, q + (size_t) i * V);
-        ASSERT(drafts[i] >= 0 && drafts[i] < V);
+    const size_t V = (size_t) m->cfg.vocab_size, H = (size_t) m->cfg.hidden_size;
+    KvSeq **seqs = malloc((size_t) n_seqs * sizeof *seqs);
+    int *n_new = malloc((size_t) n_seqs * sizeof *n_new);
+    int *dtok = malloc((size_t) n_seqs * sizeof *dtok);
+    Err err = ERR_OK;
+    if (!seqs || !n_new || !dtok) {
+        LOG_ERROR("out of memory for the drafts of %d sequences", n_seqs);
+        err = ERR_NOMEM;
+        goto done;
     }
+    for (int k = 0; k < n_seqs; k++) {
+        seqs[k] = d[k].mseq;
+        n_new[k] = d[k].n;
+    }
+    ModelBatch b = {n_seqs, seqs, n_new};
+    err = model_mtp_forward_batch(m, mkv, &b, tok, hid, blog, hcur, false);
+    // At depth i, row j of blog and hcur is the j-th sequence (in order) with K > i.
+    for (int i = 0; !err; i++) {
+        int j = 0, next = 0;
+        for (int k = 0; k < n_seqs; k++) {
+            DraftSeq *ds = &d[k];
+            if (ds->K <= i) continue;
+            const float *row = blog + (size_t) j * V;
+            if (ds->dlog) memcpy(ds->dlog + (size_t) i * V, row, V * sizeof *row);
+            ds->drafts[i] = ds->hook && ds->s->params.temperature <= 0.0f
+                                ? ds->hook(ds->ctx, i, row)
+                                : choose(ds->s, row, (int) V, ds->q + (size_t) i * V);
+            ASSERT(ds->drafts[i] >= 0 && ds->drafts[i] < (int) V);
+            if (ds->K > i + 1) {  // drafts deeper: its row moves up to the next depth's place
+                if (next != j) memmove(hcur + (size_t) next * H, hcur + (size_t) j * H, H * sizeof *hcur);
+                seqs[next] = ds->mseq;
+                n_new[next] = 1;
+                dtok[next++] = ds->drafts[i];
+            }
+            j++;
+        }
+        if (next == 0) break;
+        b.n_seqs = next;
+        err = model_mtp_forward_batch(m, mkv, &b, dtok, hcur, blog, hcur, false);
+    }
+done:
+    free(seqs);
+    free(n_new);
+    free(dtok);
     return err;
 }
 
@@ -239,9 +285,11 @@ Err mtp_gen_step(MtpGen *g, int *out, int *n_out)
     double *p = g->prob, *q = g->prob + (size_t) (K + 1) * V;  // [K+1, V], [K, V]
     Err err;
 
-    // Drafts: the pending rows (last one at position P-1) give d_1; then the recursion.
-    if ((err = draft_k(m, g->mkv, &g->mseq, g->pend_tok, g->pend_hid, g->n_pend, K, g->s, g->dlog,
-                       q, g->hcur, g->drafts, g->draft_hook ? gen_hook : NULL, g)))
+    // Drafts: the pending rows (last one at position P-1) give d_1; then the recursion. The
+    // verify logits' buffer is free until the verify: the passes' logits go there.
+    DraftSeq d = {&g->mseq, g->n_pend, K, g->s, g->dlog, q, g->drafts,
+                  g->draft_hook ? gen_hook : NULL, g};
+    if ((err = draft_batch(m, g->mkv, &d, 1, g->pend_tok, g->pend_hid, g->vlog, g->hcur)))
         goto rollback;
     // The recursive rows are drafts of drafts: never kept.
     g->mseq.n_tokens = P;
@@ -295,8 +343,13 @@ void mtp_stage_free(MtpStage *ms)
     free(ms->hid);
     free(ms->tok);
     free(ms->vlog);
-    free(ms->dlog);
-    free(ms->hcur);
+    free(ms->blog);
+    free(ms->bhcur);
+    free(ms->bhid);
+    free(ms->btok);
+    free(ms->bdraft);
+    free(ms->bhook);
+    free(ms->bbase);
     free(ms->prob);
     memset(ms, 0, sizeof *ms);
 }
@@ -319,10 +372,10 @@ Err mtp_stage_init(MtpStage *ms, Model *m, const KvCacheParams *main, int n_slot
     ms->n_slots = n_slots;
     ms->slots = calloc((size_t) n_slots, sizeof *ms->slots);
     ms->vlog = malloc((MTP_MAX_DRAFTS + 1) * V * sizeof *ms->vlog);
-    ms->dlog = malloc(MTP_MAX_DRAFTS * V * sizeof *ms->dlog);
-    ms->hcur = malloc(H * sizeof *ms->hcur);
+    ms->blog = malloc((size_t) n_slots * V * sizeof *ms->blog);
+    ms->bhcur = malloc((size_t) n_slots * H * sizeof *ms->bhcur);
     ms->prob = malloc((2 * MTP_MAX_DRAFTS + 2) * V * sizeof *ms->prob);
-    if (!ms->slots || !ms->vlog || !ms->dlog || !ms->hcur || !ms->prob) {
+    if (!ms->slots || !ms->vlog || !ms->blog || !ms->bhcur || !ms->prob) {
         LOG_ERROR("out of memory for the MTP state of %d pipeline slots", n_slots);
         mtp_stage_free(ms);
         return ERR_NOMEM;
@@ -463,79 +516,143 @@ static int stage_hook(void *ctx, int i, const float *row)
     return h->ms->draft_hook(h->ms->hook_user, h->slot, i, row);
 }
 
+// Host buffers of mtp_stage_ops for n_ops sampling ops and rows first-pass rows.
+static Err batch_reserve(MtpStage *ms, int n_ops, int rows)
+{
+    const size_t H = (size_t) ms->m->cfg.hidden_size;
+    if (ms->cap_brows < rows) {
+        float *h = realloc(ms->bhid, (size_t) rows * H * sizeof *h);
+        if (h) ms->bhid = h;
+        int *t = realloc(ms->btok, (size_t) rows * sizeof *t);
+        if (t) ms->btok = t;
+        if (!h || !t) goto oom;
+        ms->cap_brows = rows;
+    }
+    if (ms->cap_bops < n_ops) {
+        void *d = realloc(ms->bdraft, (size_t) n_ops * sizeof(DraftSeq));
+        if (d) ms->bdraft = d;
+        void *k = realloc(ms->bhook, (size_t) n_ops * sizeof(StageHook));
+        if (k) ms->bhook = k;
+        int *b = realloc(ms->bbase, (size_t) n_ops * 2 * sizeof *b);
+        if (b) ms->bbase = b;
+        if (!d || !k || !b) goto oom;
+        ms->cap_bops = n_ops;
+    }
+    return ERR_OK;
+oom:
+    LOG_ERROR("out of memory for the MTP drafts of %d sequences (%d rows)", n_ops, rows);
+    return ERR_NOMEM;
+}
+
+Err mtp_stage_ops(MtpStage *ms, const MtpStageOp *ops, int n_ops)
+{
+    Model *m = ms->m;
+    const int V = m->cfg.vocab_size;
+    const size_t H = (size_t) m->cfg.hidden_size;
+    // Every op is checked before anything changes.
+    int rows = 0, n_sample = 0;
+    for (int i = 0; i < n_ops; i++) {
+        const MtpStageOp *op = &ops[i];
+        *op->out = (MtpOut){0};
+        ASSERT(ms->slots[op->slot].k > 0 && op->n >= 1);
+        for (int j = 0; j < i; j++)
+            ASSERT(ops[j].slot != op->slot);
+        Err err = mtp_slot_check(ms, op->slot, op->tokens, op->n, op->n_draft, op->sample);
+        if (err) return err;
+        rows += op->sample ? op->n + 1 : 0;
+        n_sample += op->sample;
+    }
+    Err err = batch_reserve(ms, n_sample, rows);
+    if (err) return err;
+    DraftSeq *ds = ms->bdraft;
+    StageHook *hk = ms->bhook;
+    int *base = ms->bbase, *kept = ms->bbase + n_sample;
+    int nd = 0;
+    rows = 0;
+    for (int i = 0; i < n_ops; i++) {
+        const MtpStageOp *op = &ops[i];
+        MtpSlot *sl = &ms->slots[op->slot];
+        Sampler *s = op->s;
+        const int n = op->n, n_draft = op->n_draft;
+        if ((err = stage_head(ms, op->x, n, n_draft > 0 ? n : 0))) return err;
+        // Rows for the MTP: the carry (position mseq.n_tokens), then this op's rows; row r's
+        // token is the one after its position.
+        const int r0 = sl->has_carry ? 0 : 1;
+        if (sl->has_carry) memcpy(ms->hid, sl->carry, H * sizeof *ms->hid);
+        int *tok = ms->tok;
+        const float *hid = ms->hid + (size_t) r0 * H;
+        for (int t = 0; t < n; t++)
+            tok[t] = op->tokens[t];  // the token after row t (ms->hid row 0 is the carry)
+        int n_rows = n + 1 - r0;  // rows from r0: the carry and this op's
+        tok += r0;
+        if (!op->sample) {
+            // The last row's next token comes with the next op.
+            if (n_rows > 1
+                && (err = model_mtp_forward(m, &ms->mkv, &sl->mseq, tok, hid, n_rows - 1, NULL,
+                                            NULL, false)))
+                return err;
+            memcpy(sl->carry, hid + (size_t) (n_rows - 1) * H, H * sizeof *sl->carry);
+            sl->has_carry = true;
+            continue;
+        }
+        int *emit = op->out->emit;
+        int n_emit = 1;
+        const double *q = ms->prob + (size_t) (n_draft + 1) * V;
+        if (n_draft == 0) {
+            emit[0] = sampler_sample(s, op->last_logits);
+        } else {
+            if (s->params.temperature > 0.0f)
+                for (int d = 0; d < n_draft; d++)
+                    softmax_t(ms->prob + (size_t) (n_draft + 1 + d) * V, sl->dlog + (size_t) d * V,
+                              V, s->params.temperature);
+            n_emit = verify(ms->vlog, sl->drafts, n_draft, V, s, q, ms->prob,
+                            ms->prob + (size_t) (2 * n_draft + 1) * V, emit);
+            ms->stats.steps++;
+            ms->stats.drafted += n_draft;
+            ms->stats.accepted += n_emit - 1;
+            ms->stats.emitted += n_emit;
+        }
+        op->out->n_emit = n_emit;
+        // Kept rows: the carry and this op's rows up to the last emitted token's position
+        // (the rejected drafts' rows are dropped; the first rejected position's row gives
+        // the correction token, which is the next token of the last kept row).
+        n_rows -= n_draft - (n_emit - 1);
+        tok[n_rows - 1] = emit[n_emit - 1];
+        sl->has_carry = false;
+        sl->expect_rollback = n_draft - (n_emit - 1);
+        memcpy(ms->bhid + (size_t) rows * H, hid, (size_t) n_rows * H * sizeof *hid);
+        memcpy(ms->btok + rows, tok, (size_t) n_rows * sizeof *tok);
+        rows += n_rows;
+        const bool T0 = s->params.temperature <= 0.0f;
+        hk[nd] = (StageHook){ms, op->slot};
+        // At temperature > 0 the drafts' logits stay with the slot (the verify's q); their
+        // distributions here are scratch.
+        ds[nd] = (DraftSeq){&sl->mseq, n_rows, sl->k, s, T0 ? NULL : sl->dlog, ms->prob,
+                            sl->drafts, ms->draft_hook ? stage_hook : NULL, &hk[nd]};
+        base[nd] = sl->mseq.n_tokens;
+        kept[nd++] = i;
+    }
+    if (nd == 0) return ERR_OK;
+    err = draft_batch(m, &ms->mkv, ds, nd, ms->btok, ms->bhid, ms->blog, ms->bhcur);
+    if (err == ERR_AGAIN)
+        LOG_ERROR("the MTP cache has no room for the drafts of %d sequences (%d free blocks)", nd,
+                  kv_n_free_blocks(&ms->mkv));
+    for (int d = 0; d < nd; d++) {
+        const MtpStageOp *op = &ops[kept[d]];
+        MtpSlot *sl = &ms->slots[op->slot];
+        sl->mseq.n_tokens = base[d] + ds[d].n;  // the recursive rows are drafts of drafts
+        if (err) continue;
+        sl->n_drafts = sl->k;
+        op->out->n_drafts = sl->k;
+        for (int j = 0; j < sl->k; j++)
+            op->out->drafts[j] = sl->drafts[j];
+    }
+    return err;
+}
+
 Err mtp_stage_op(MtpStage *ms, int slot, Sampler *s, const int32_t *tokens, int n, int n_draft,
                  bool sample, const float *x, float *last_logits, MtpOut *out)
 {
-    Model *m = ms->m;
-    MtpSlot *sl = &ms->slots[slot];
-    const int V = m->cfg.vocab_size;
-    const size_t H = (size_t) m->cfg.hidden_size;
-    *out = (MtpOut){0};
-    ASSERT(sl->k > 0 && n >= 1);
-    Err err = mtp_slot_check(ms, slot, tokens, n, n_draft, sample);
-    if (err) return err;
-    if ((err = stage_head(ms, x, n, n_draft > 0 ? n : 0))) return err;
-    // Rows for the MTP: the carry (position mseq.n_tokens), then this op's rows; row r's
-    // token is the one after its position.
-    const int r0 = sl->has_carry ? 0 : 1;
-    if (sl->has_carry) memcpy(ms->hid, sl->carry, H * sizeof *ms->hid);
-    int *tok = ms->tok;
-    const float *hid = ms->hid + (size_t) r0 * H;
-    for (int t = 0; t < n; t++)
-        tok[t] = tokens[t];  // the token after row t (ms->hid row 0 is the carry)
-    int n_rows = n + 1 - r0;  // rows from r0: the carry and this op's
-    tok += r0;
-    if (!sample) {
-        // The last row's next token comes with the next op.
-        if (n_rows > 1
-            && (err = model_mtp_forward(m, &ms->mkv, &sl->mseq, tok, hid, n_rows - 1, NULL, NULL,
-                                        false)))
-            return err;
-        memcpy(sl->carry, hid + (size_t) (n_rows - 1) * H, H * sizeof *sl->carry);
-        sl->has_carry = true;
-        return ERR_OK;
-    }
-    int emit[MTP_MAX_DRAFTS + 1];
-    int n_emit = 1;
-    const double *q = ms->prob + (size_t) (n_draft + 1) * V;
-    if (n_draft == 0) {
-        emit[0] = sampler_sample(s, last_logits);
-    } else {
-        if (s->params.temperature > 0.0f)
-            for (int i = 0; i < n_draft; i++)
-                softmax_t(ms->prob + (size_t) (n_draft + 1 + i) * V, sl->dlog + (size_t) i * V, V,
-                          s->params.temperature);
-        n_emit = verify(ms->vlog, sl->drafts, n_draft, V, s, q, ms->prob,
-                        ms->prob + (size_t) (2 * n_draft + 1) * V, emit);
-        ms->stats.steps++;
-        ms->stats.drafted += n_draft;
-        ms->stats.accepted += n_emit - 1;
-        ms->stats.emitted += n_emit;
-    }
-    // Kept rows: the carry and this op's rows up to the last emitted token's position
-    // (the rejected drafts' rows are dropped; the first rejected position's row gives
-    // the correction token, which is the next token of the last kept row).
-    n_rows -= n_draft - (n_emit - 1);
-    tok[n_rows - 1] = emit[n_emit - 1];
-    sl->has_carry = false;
-    sl->expect_rollback = n_draft - (n_emit - 1);
-    const int base = sl->mseq.n_tokens;
-    const bool T0 = s->params.temperature <= 0.0f;
-    StageHook hk = {ms, slot};
-    err = draft_k(m, &ms->mkv, &sl->mseq, tok, hid, n_rows, sl->k, s, T0 ? ms->dlog : sl->dlog,
-                  ms->prob, ms->hcur, sl->drafts, ms->draft_hook ? stage_hook : NULL, &hk);
-    sl->mseq.n_tokens = base + n_rows;  // the recursive rows are drafts of drafts
-    if (err == ERR_AGAIN)
-        LOG_ERROR("pipeline slot %d: the MTP cache has no room for %d more positions (%d free "
-                  "blocks)",
-                  slot, n_rows + sl->k - 1, kv_n_free_blocks(&ms->mkv));
-    if (err) return err;
-    sl->n_drafts = sl->k;
-    out->n_emit = n_emit;
-    out->n_drafts = sl->k;
-    for (int i = 0; i < n_emit; i++)
-        out->emit[i] = emit[i];
-    for (int i = 0; i < sl->k; i++)
-        out->drafts[i] = sl->drafts[i];
-    return ERR_OK;
+    const MtpStageOp op = {slot, s, tokens, n, n_draft, sample, x, last_logits, out};
+    return mtp_stage_ops(ms, &op, 1);
 }

@@ -149,8 +149,14 @@ typedef struct MtpStage {
     int *tok;          // host [cap_hrows]: the token after each row
     int cap_hrows;
     float *vlog;       // host [MTP_MAX_DRAFTS + 1, vocab] verify logits
-    float *dlog;       // host [MTP_MAX_DRAFTS, vocab] draft logits at temperature 0
-    float *hcur;       // host [hidden]
+    float *blog;       // host [n_slots, vocab] one drafting pass's logits
+    float *bhcur;      // host [n_slots, hidden] its MTP hidden states
+    float *bhid;       // host [cap_brows, hidden] the first drafting pass's rows, all slots
+    int *btok;         // host [cap_brows] the token after each
+    int cap_brows;
+    void *bdraft, *bhook;  // host [cap_bops] each: per sampling op (mtp.c)
+    int *bbase;            // host [2 * cap_bops]
+    int cap_bops;
     double *prob;      // host [2 * MTP_MAX_DRAFTS + 2, vocab]
     MtpStats stats;
     // Optional, temperature 0 only (tests): replaces draft i of slot's next op.
@@ -189,6 +195,27 @@ Err mtp_slot_check(const MtpStage *ms, int slot, const int32_t *tokens, int n, i
 // MTP cache, drafts; writes *out. ERR_FORMAT for drafts the slot did not propose.
 Err mtp_stage_op(MtpStage *ms, int slot, Sampler *s, const int32_t *tokens, int n, int n_draft,
                  bool sample, const float *x, float *last_logits, MtpOut *out);
+
+// One op of mtp_stage_ops: mtp_stage_op's arguments.
+typedef struct MtpStageOp {
+    int slot;
+    Sampler *s;
+    const int32_t *tokens;
+    int n, n_draft;
+    bool sample;
+    const float *x;
+    float *last_logits;
+    MtpOut *out;
+} MtpStageOp;
+
+// mtp_stage_op for the MTP ops of one step (distinct slots), in order, with their drafting
+// batched: one MTP forward over every sampling op's rows, then one per draft depth over
+// the slots drafting that deep (the MTP layer's weights and the head read once per depth
+// for the whole step, not once per sequence). Each slot draws from its own sampler in the
+// order mtp_stage_op would; its drafts are mtp_stage_op's wherever the backend's numbers do
+// not depend on the batch (model_forward_batch). Every op is checked (ERR_FORMAT) before
+// anything runs.
+Err mtp_stage_ops(MtpStage *ms, const MtpStageOp *ops, int n_ops);
 
 // The acceptance rule on probability rows, exposed for tests: p [k + 1, V] target
 // distributions, q [k, V] draft distributions, drafts[k] (q_i(drafts[i]) > 0). Writes the

@@ -482,6 +482,7 @@ struct PpStage {
     // Last rank: the step's sampling tasks and the threads that run them (sample_threads)
     ThreadPool *sample_pool;
     PpSampleRow sample_rows[PP_MAX_SLOTS];
+    MtpStageOp mtp_ops[PP_MAX_SLOTS];  // the step's MTP ops (mtp_stage_ops)
     PpSampleScratch sample_scratch;
 };
 
@@ -839,7 +840,7 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
         }
     }
     if (s->is_last) {
-        int off = 0, bi = 0, row = 0, n_sample = 0;
+        int off = 0, bi = 0, row = 0, n_sample = 0, n_mops = 0;
         const int32_t *mask = extra;  // the masks follow the cached prefixes
         const int mask_words = pp_mask_words(s);
         for (int i = 0; i < n_ops; i++) {
@@ -862,14 +863,18 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
                            (size_t) k * V * sizeof(float));
                     row += k;
                 }
-                MtpOut *mo = &s->res_mtp[i];
                 if (st->mtp_k > 0) {
+                    // Run below with the step's other MTP ops (their drafting batched).
                     const float *x = (const float *) s->act_out + (size_t) off * m->cfg.hidden_size;
-                    if ((err = mtp_stage_op(&s->mtp, ops[i].slot, &st->sampler, tokens + off, k,
-                                            ops[i].n_draft, ops[i].flags & PP_SEQ_SAMPLE, x, last,
-                                            mo)))
-                        return err;
-                    if (mo->n_emit > 0) s->res_tokens[i] = mo->emit[mo->n_emit - 1];
+                    s->mtp_ops[n_mops++] = (MtpStageOp){ops[i].slot,
+                                                       &st->sampler,
+                                                       tokens + off,
+                                                       k,
+                                                       ops[i].n_draft,
+                                                       ops[i].flags & PP_SEQ_SAMPLE,
+                                                       x,
+                                                       last,
+                                                       &s->res_mtp[i]};
                 } else if (ops[i].flags & PP_SEQ_SAMPLE) {
                     // Sampled below with the step's other sequences, once the histories
                     // hold this step's tokens.
@@ -888,6 +893,13 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
                 bi++;
             }
             off += k;
+        }
+        if (n_mops > 0) {
+            if ((err = mtp_stage_ops(&s->mtp, s->mtp_ops, n_mops))) return err;
+            for (int i = 0; i < n_ops; i++) {
+                const MtpOut *mo = &s->res_mtp[i];
+                if (mo->n_emit > 0) s->res_tokens[i] = mo->emit[mo->n_emit - 1];
+            }
         }
         pp_sample_rows(s->sample_pool, s->sample_rows, n_sample, &s->sample_scratch);
     }
