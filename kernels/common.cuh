@@ -57,6 +57,22 @@ static __device__ __forceinline__ float e4m3_bits_to_f32(uint8_t b)
     return __half2float(__half(h));
 }
 
+// fp8 e4m3 code (low byte of b) -> bf16 bits, exact (every e4m3 value is a bf16 value); 0x7f
+// and 0xff decode to +-480 as nvfp4_format.h's decoder (the C references') has them, not NaN.
+static __device__ __forceinline__ uint32_t e4m3_to_bf16_bits(uint32_t b)
+{
+    const uint32_t em = b & 0x7fu;  // exponent and mantissa: 2^(e-7) (1 + m/8), or m 2^-9
+    const uint32_t mag = em >= 8u ? (em + (120u << 3)) << 4 : __float_as_uint((float) em * 0x1p-9f) >> 16;
+    return (b & 0x80u) << 8 | mag;
+}
+
+// Four e4m3 codes (code 0 in the low byte) -> four bf16, two a word (element 0 in the low half).
+static __device__ __forceinline__ uint2 e4m3x4_to_bf16x4(uint32_t wd)
+{
+    return make_uint2(e4m3_to_bf16_bits(wd & 0xffu) | e4m3_to_bf16_bits((wd >> 8) & 0xffu) << 16,
+                      e4m3_to_bf16_bits((wd >> 16) & 0xffu) | e4m3_to_bf16_bits(wd >> 24) << 16);
+}
+
 // fp32 -> fp8 e4m3 bits, round to nearest even, saturating at +-448.
 static __device__ __forceinline__ uint8_t f32_to_e4m3_bits(float f)
 {

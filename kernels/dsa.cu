@@ -195,6 +195,162 @@ static __global__ void __launch_bounds__(DSA_BLOCK)
 }
 
 // ---------------------------------------------------------------------------
+// Scores on the tensor cores (dsa_scores_tc)
+
+enum { TC_TOKENS = 4, TC_POS = 64, TC_KS = DSA_MAX_DIM + 8 };  // TC_KS: padded key row, bf16
+
+// Grid (tokens in 4s, tiles of 64 positions); warp w of a CTA owns token 4 x + w: its 32 heads
+// (two m16 tiles, heads past n_heads zero) as the MMA's A, q rounded to bf16 and held in
+// registers over the whole dim; the tile's keys, as bf16 in shared memory (fp8 codes exact),
+// are the B operand, so a tile is read once for the CTA's tokens of one sequence. Tokens of
+// other sequences in the CTA (a decode batch, or a prefill chunk's edge) take further rounds,
+// one per sequence, each staging that sequence's keys. Per 8-position tile the warp's
+// accumulators are finished in registers: each lane applies scale, ReLU and head weight to its
+// 4 heads, and three shuffles sum the 8 lanes that share the positions.
+template <int FMT>
+static __global__ void __launch_bounds__(TC_TOKENS * WARP_SIZE)
+    dsa_scores_tc_kernel(float *__restrict__ scores, int score_stride, const float *__restrict__ q,
+                         const float *__restrict__ w, float w_scale, float sm_scale, DsaCache c,
+                         const int32_t *__restrict__ block_table, int max_blocks,
+                         const int32_t *__restrict__ seq, const int32_t *__restrict__ kv_len,
+                         int n_tok, int n_heads)
+{
+    __shared__ __align__(16) uint16_t ks[TC_POS * TC_KS];  // [position][dim] bf16
+    __shared__ float kscale[TC_POS];
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, cq = lane % 4, p0 = blockIdx.y * TC_POS, n_k = c.dim / 16;
+    int tl[TC_TOKENS], ts[TC_TOKENS];
+    unsigned todo = 0;
+#pragma unroll
+    for (int r = 0; r < TC_TOKENS; r++) {
+        const int t = blockIdx.x * TC_TOKENS + r;
+        tl[r] = t < n_tok ? kv_len[t] : 0;
+        ts[r] = t < n_tok ? seq[t] : -1;
+        if (tl[r] > p0) todo |= 1u << r;
+    }
+    if (!todo) return;  // the whole CTA
+    const int t = blockIdx.x * TC_TOKENS + warp;
+    const bool mine = (todo >> warp) & 1u;
+
+    // A fragments: heads mt * 16 + g (+ 8) of this warp's token, dims ks * 16 + 2 cq (+ 8).
+    uint32_t a[2][DSA_MAX_DIM / 16][4];
+    float ws[4];  // head weights of heads g, g + 8, 16 + g, 24 + g (0 past n_heads)
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int h = mt * 16 + hh * 8 + g;
+            const bool on = mine && h < n_heads;
+            ws[2 * mt + hh] = on ? w[(size_t) t * n_heads + h] * w_scale : 0.0f;
+            const float *qh = q + ((size_t) t * n_heads + h) * c.dim;
+#pragma unroll
+            for (int k = 0; k < DSA_MAX_DIM / 16; k++) {
+                float2 lo = make_float2(0.0f, 0.0f), hi = lo;
+                if (on && k < n_k) {
+                    lo = *(const float2 *) (qh + k * 16 + 2 * cq);
+                    hi = *(const float2 *) (qh + k * 16 + 2 * cq + 8);
+                }
+                a[mt][k][hh] = (uint32_t) f32_to_bf16_bits(lo.x) | (uint32_t) f32_to_bf16_bits(lo.y) << 16;
+                a[mt][k][hh + 2] = (uint32_t) f32_to_bf16_bits(hi.x) | (uint32_t) f32_to_bf16_bits(hi.y) << 16;
+            }
+        }
+    }
+
+    while (todo) {
+        // This round: the tokens (not yet done) of the first remaining token's sequence.
+        int sq = 0;
+        bool found = false;
+#pragma unroll
+        for (int r = 0; r < TC_TOKENS; r++)  // selects, not a dynamic index (registers, not stack)
+            if (!found && ((todo >> r) & 1u)) {
+                sq = ts[r];
+                found = true;
+            }
+        unsigned round = 0;
+        int cover = 0;  // positions the round's tokens see in this tile
+#pragma unroll
+        for (int r = 0; r < TC_TOKENS; r++)
+            if (((todo >> r) & 1u) && ts[r] == sq) {
+                round |= 1u << r;
+                cover = max(cover, min(tl[r] - p0, (int) TC_POS));
+            }
+        todo &= ~round;
+        __syncthreads();  // the previous round's warps are done with the tile
+        // Stage the keys: 16-byte words, 8 bf16 (or 16 fp8 codes, written as two) each.
+        constexpr int VB = FMT == DSA_KEY_FP8 ? 16 : 8;  // values per 16-byte global word
+        const int words = c.dim / VB;
+        for (int i = threadIdx.x; i < TC_POS * words; i += TC_TOKENS * WARP_SIZE) {
+            const int row = i / words, j = i % words, p = p0 + row;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (row < cover) {
+                const int blk = block_table[(size_t) sq * max_blocks + p / c.block];
+                const uint8_t *page = c.pages + (size_t) blk * c.page_bytes;
+                v = __ldg((const uint4 *) (page + (size_t) (p % c.block) * c.key_bytes) + j);
+                if (FMT == DSA_KEY_FP8 && j == 0) kscale[row] = __ldg((const float *) (page + c.scales) + p % c.block);
+            } else if (FMT == DSA_KEY_FP8 && j == 0) {
+                kscale[row] = 0.0f;
+            }
+            uint16_t *dst = ks + row * TC_KS + j * VB;
+            if (FMT == DSA_KEY_FP8) {
+                const uint2 b0 = e4m3x4_to_bf16x4(v.x), b1 = e4m3x4_to_bf16x4(v.y);
+                const uint2 b2 = e4m3x4_to_bf16x4(v.z), b3 = e4m3x4_to_bf16x4(v.w);
+                *(uint4 *) dst = make_uint4(b0.x, b0.y, b1.x, b1.y);
+                *(uint4 *) (dst + 8) = make_uint4(b2.x, b2.y, b3.x, b3.y);
+            } else {
+                *(uint4 *) dst = v;
+            }
+        }
+        if (FMT != DSA_KEY_FP8)
+            for (int row = threadIdx.x; row < TC_POS; row += TC_TOKENS * WARP_SIZE)
+                kscale[row] = 1.0f;
+        __syncthreads();
+        if (!((round >> warp) & 1u)) continue;
+        int len = 0;
+#pragma unroll
+        for (int r = 0; r < TC_TOKENS; r++)
+            if (r == warp) len = tl[r];
+        float *out = scores + (size_t) t * score_stride;
+#pragma unroll 1
+        for (int nt = 0; nt < TC_POS / 8 && p0 + nt * 8 < len; nt++) {
+            float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            const uint16_t *kr = ks + (nt * 8 + g) * TC_KS + 2 * cq;  // B: key (nt * 8 + g)
+#pragma unroll
+            for (int k = 0; k < DSA_MAX_DIM / 16; k++) {
+                if (k < n_k) {
+                    const uint32_t b0 = *(const uint32_t *) (kr + k * 16);
+                    const uint32_t b1 = *(const uint32_t *) (kr + k * 16 + 8);
+                    mma_bf16_16816(acc[0], a[0][k][0], a[0][k][1], a[0][k][2], a[0][k][3], b0, b1);
+                    mma_bf16_16816(acc[1], a[1][k][0], a[1][k][1], a[1][k][2], a[1][k][3], b0, b1);
+                }
+            }
+            // acc[mt][0 / 1]: head mt * 16 + g at positions 2 cq, 2 cq + 1 of the 8; [2 / 3]:
+            // head mt * 16 + 8 + g.
+            const int pl = nt * 8 + 2 * cq;
+            const float k0 = kscale[pl], k1 = kscale[pl + 1];
+            float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) {  // dsa_key_score's (acc * scale) * sm_scale
+                    s0 = fmaf(ws[2 * mt + hh], fmaxf(acc[mt][2 * hh] * k0 * sm_scale, 0.0f), s0);
+                    s1 = fmaf(ws[2 * mt + hh], fmaxf(acc[mt][2 * hh + 1] * k1 * sm_scale, 0.0f), s1);
+                }
+            }
+#pragma unroll
+            for (int o = 4; o < WARP_SIZE; o <<= 1) {
+                s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+                s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+            }
+            if (g == 0) {
+                const int p = p0 + pl;
+                if (p < len) out[p] = s0;
+                if (p + 1 < len) out[p + 1] = s1;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Top-k kernel
 
 // Order-preserving key of a score; -0 is folded into +0 so that they tie, as in C's <.
@@ -451,6 +607,28 @@ void dsa_scores(float *scores, int score_stride, const float *q, const float *w,
         dsa_scores_kernel<DSA_KEY_F32><<<grid, DSA_BLOCK, 0, stream>>>(
             scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
             n_heads);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+void dsa_scores_tc(float *scores, int score_stride, const float *q, const float *w, float w_scale,
+                   float sm_scale, const DsaCache *cache, const int32_t *block_table,
+                   int max_blocks, const int32_t *seq, const int32_t *kv_len, int max_len,
+                   int n_tok, int n_heads, cudaStream_t stream)
+{
+    ASSERT(n_tok > 0 && max_len > 0 && dsa_scores_tc_supported(cache, n_heads));
+    ASSERT(score_stride >= max_len && (long long) max_blocks * cache->block >= max_len);
+    ASSERT((uintptr_t) q % 16 == 0);
+    ASSERT(CEIL_DIV(max_len, TC_POS) <= 65535);
+    const dim3 grid((unsigned) CEIL_DIV(n_tok, TC_TOKENS), (unsigned) CEIL_DIV(max_len, TC_POS));
+    const DsaCache c = *cache;
+    if (c.format == DSA_KEY_FP8)
+        dsa_scores_tc_kernel<DSA_KEY_FP8><<<grid, TC_TOKENS * WARP_SIZE, 0, stream>>>(
+            scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
+            n_tok, n_heads);
+    else
+        dsa_scores_tc_kernel<DSA_KEY_BF16><<<grid, TC_TOKENS * WARP_SIZE, 0, stream>>>(
+            scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
+            n_tok, n_heads);
     CUDA_CHECK(cudaGetLastError());
 }
 

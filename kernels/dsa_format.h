@@ -61,6 +61,13 @@ DSA_FN int dsa_scores_supported(const DsaCache *c, int n_heads)
            && (uintptr_t) c->pages % 16 == 0 && (c->format != DSA_KEY_FP8 || c->scales % 4 == 0);
 }
 
+// Whether kernels/dsa.cu's dsa_scores_tc takes it: dsa_scores' shapes with fp8 or bf16 keys
+// (values the tensor cores take exactly).
+DSA_FN int dsa_scores_tc_supported(const DsaCache *c, int n_heads)
+{
+    return dsa_scores_supported(c, n_heads) && c->format != DSA_KEY_F32;
+}
+
 // Raw value i of row `row` of the page at page, and (through *scale) the key's scale.
 DSA_FN float dsa_key_raw(const DsaCache *c, const uint8_t *page, int row, int i)
 {

@@ -388,12 +388,7 @@ static __global__ void __launch_bounds__(TC_THREADS)
                     wd = __ldg(r < 128 ? (const uint32_t *) (cache + off) + r
                                        : (const uint32_t *) (cache + off + MLA_KV_LORA + 16) + r - 128);
                 if (r < 128) {
-                    uint2 v;
-                    v.x = (uint32_t) f32_to_bf16_bits(e4m3_bits_to_f32((uint8_t) wd))
-                          | (uint32_t) f32_to_bf16_bits(e4m3_bits_to_f32((uint8_t) (wd >> 8))) << 16;
-                    v.y = (uint32_t) f32_to_bf16_bits(e4m3_bits_to_f32((uint8_t) (wd >> 16)))
-                          | (uint32_t) f32_to_bf16_bits(e4m3_bits_to_f32((uint8_t) (wd >> 24))) << 16;
-                    *(uint2 *) (ks + tok * TC_QS + r * 4) = v;
+                    *(uint2 *) (ks + tok * TC_QS + r * 4) = e4m3x4_to_bf16x4(wd);
                 } else {
                     *(uint32_t *) (ks + tok * TC_QS + MLA_KV_LORA + 2 * (r - 128)) = wd;
                 }

@@ -460,6 +460,7 @@ typedef struct DsaJob {
     int layer;
     const BackendDsa *p;
     bool is_recipe;  // bf16 recipe on a backend_dsa_tuned layer: kernels/dsa.cu's fp32 scores
+    bool tc;         // backend_dsa_tc: q rounded to bf16 first
 } DsaJob;
 
 static void dsa_task(void *ctx, int t, int thread)
@@ -487,6 +488,12 @@ static void dsa_task(void *ctx, int t, int thread)
         backend_dsa_scales(p, &w_scale, &sm_scale);
         for (int h = 0; h < p->n_heads; h++)
             ws[h] = wt[h] * w_scale;
+        float q_round[DSA_MAX_HEADS * DSA_MAX_DIM];
+        if (job->tc) {
+            for (int i = 0; i < p->n_heads * c.dim; i++)
+                q_round[i] = nvfp4_round_bf16(qt[i]);
+            qt = q_round;
+        }
         for (int s = 0; s < visible; s++) {
             const uint8_t *page = (const uint8_t *) job->kv->pool
                                   + kv_key_page_offset(job->kv, seq, job->layer, s);
@@ -530,7 +537,8 @@ static void cpu_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, cons
                    (size_t) p->top_k * sizeof(TopkEntry)
                              + (size_t) kv_entry_values(kv, layer) * sizeof(float));
     DsaJob job = {impl, sel, n_sel, q, w, kv, s, layer, p,
-                  be->precision == BACKEND_PRECISION_BF16 && backend_dsa_tuned(p, kv, layer)};
+                  be->precision == BACKEND_PRECISION_BF16 && backend_dsa_tuned(p, kv, layer),
+                  backend_dsa_tc(be, p, kv, layer)};
     double work = 0.0;
     for (int t = 0; t < n; t++)
         work += (double) (s->pos[t] + 1) * p->n_heads * p->head_dim;
@@ -841,6 +849,7 @@ Err backend_cpu_create(int n_threads, Backend **out)
     }
     be->name = "cpu";
     be->mla_tc = backend_mla_tc_env();
+    be->dsa_tc = backend_dsa_tc_env();
     be->destroy = cpu_destroy;
     be->alloc = cpu_alloc;
     be->free_mem = cpu_free_mem;

@@ -54,7 +54,9 @@
  *   not yet run on a GPU).
  * - DSA under the bf16 recipe (backend_dsa_tuned layers): kernels/dsa.h's scores and top-k
  *   over the engine's key pages (kv_dsa_cache), fp32 scores in the order the CPU backend
- *   follows (kernels/dsa_format.h), so the two select the same keys.
+ *   follows (kernels/dsa_format.h), so the two select the same keys. GLMSPARK_DSA_TC=1 runs
+ *   the scores on the tensor cores (Backend.dsa_tc: dsa_scores_tc, q rounded to bf16, as the
+ *   CPU backend then does; the accumulation order differs; not yet run on a GPU).
  * Not yet: norms, RoPE, adds and the KV write through kernels/; the f32 recipe's DSA.
  * Host syncs: uploads and downloads (cudaMemcpy semantics), scratch growth, block-table
  * uploads when a sequence gains a block, and the first use of a cache or experts array;
@@ -1748,8 +1750,12 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
         backend_dsa_scales(p, &w_scale, &sm_scale);
         float *score = (float *) scratch(impl, SCRATCH_A, (size_t) n * cap * sizeof(float));
         prof_begin(impl);
-        dsa_scores(score, cap, q, w, w_scale, sm_scale, &c, st->dev, st->stride, s->seq_of, s->len,
-                   cap, n, p->n_heads, impl->stream);
+        if (backend_dsa_tc(be, p, kv, layer))
+            dsa_scores_tc(score, cap, q, w, w_scale, sm_scale, &c, st->dev, st->stride, s->seq_of,
+                          s->len, cap, n, p->n_heads, impl->stream);
+        else
+            dsa_scores(score, cap, q, w, w_scale, sm_scale, &c, st->dev, st->stride, s->seq_of,
+                       s->len, cap, n, p->n_heads, impl->stream);
         dsa_topk(sel, n_sel, score, cap, s->len, n, p->top_k, impl->stream);
         prof_end(impl, PROF_DSA, 0.0);
         return;
@@ -2340,6 +2346,7 @@ Err backend_cuda_create(int device, Backend **out)
     be->bind_kv_b = cuda_bind_kv_b;
     be->precision = BACKEND_PRECISION_BF16;
     be->mla_tc = backend_mla_tc_env();
+    be->dsa_tc = backend_dsa_tc_env();
     be->matmul = cuda_matmul;
     be->matmul_rows = cuda_matmul_rows;
     be->matmul_add = cuda_matmul_add;

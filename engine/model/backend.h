@@ -36,6 +36,12 @@
  *                              values, then its scale), where kernels/dsa.cu takes the layer
  *                              (backend_dsa_tuned: index dim in 16s up to 128, up to 32 heads;
  *                              any cache type): both backends then select the same keys.
+ *                              With Backend.dsa_tc (backend_dsa_tc: fp8 or bf16 keys) q is
+ *                              rounded to bf16 too and the GPU's dot products run on the
+ *                              tensor cores (kernels/dsa.h dsa_scores_tc): the CPU follows
+ *                              the rounding, the accumulation order differs (scores equal to
+ *                              about (dim + heads) 2^-24 of their magnitudes), so keys within
+ *                              that distance of the k-th score may be selected differently.
  *               Scores, softmax, sums and the residual stream stay fp32 or wider; the router
  *               is exact (kernels/moe_router.h) under both. The CPU backend follows it
  *               (ops it names round where the CUDA backend does, for the same shapes), so the
@@ -123,6 +129,10 @@ struct Backend {
     // Both constructors set it from GLMSPARK_MLA_TC=1 (default off: the CUDA kernel has not yet
     // run on a GPU); it may change between calls (op tests run both).
     bool mla_tc;
+    // The BF16 recipe's DSA indexer scores on the tensor cores (kernels/dsa.h dsa_scores_tc;
+    // backend_dsa_tc below): q rounded to bf16. Both constructors set it from GLMSPARK_DSA_TC=1
+    // (default off until the kernel has run on a GPU); it may change between calls.
+    bool dsa_tc;
 
     void (*destroy)(Backend *be);
 
@@ -285,6 +295,24 @@ static inline bool backend_dsa_tuned(const BackendDsa *p, const KvCache *kv, int
 {
     const DsaCache c = kv_dsa_cache(kv, kv->pool, layer);  // the pool's alignment is 16 or more
     return kv->params.has_index[layer] && c.dim == p->head_dim && dsa_scores_supported(&c, p->n_heads);
+}
+
+// Whether dsa_topk() on this layer runs the tensor-core scores (Backend.dsa_tc) and both
+// backends round q to bf16.
+static inline bool backend_dsa_tc(const Backend *be, const BackendDsa *p, const KvCache *kv,
+                                  int layer)
+{
+    if (!be->dsa_tc || be->precision != BACKEND_PRECISION_BF16 || !backend_dsa_tuned(p, kv, layer))
+        return false;
+    const DsaCache c = kv_dsa_cache(kv, kv->pool, layer);
+    return dsa_scores_tc_supported(&c, p->n_heads);
+}
+
+// GLMSPARK_DSA_TC=1 (Backend.dsa_tc's default in both constructors).
+static inline bool backend_dsa_tc_env(void)
+{
+    const char *e = getenv("GLMSPARK_DSA_TC");
+    return e && strcmp(e, "0") != 0;
 }
 
 // The indexer's scales in fp32, as both backends apply them under the bf16 recipe: head

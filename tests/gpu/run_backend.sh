@@ -23,7 +23,8 @@
 # (GLMSPARK_CUDA_GRAPHS=0), into bench.log; REAP (below) benchmarks checkpoints at GLM-5.2-REAP
 # dimensions. GOLDEN=0 skips the golden models and MTP. Logs go to $OUT (or ./gpu-out). The
 # environment reaches every binary: GLMSPARK_MLA_TC=1 runs it all with the tensor-core MLA
-# (Backend.mla_tc, on the CPU reference too).
+# (Backend.mla_tc, on the CPU reference too), GLMSPARK_DSA_TC=1 with the tensor-core indexer
+# scores (Backend.dsa_tc).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 if [ "${1:-}" = "--pack" ]; then
@@ -143,8 +144,9 @@ done
 # less device time: REAP_CFGS (kv:precision pairs, default "fp8:bf16 bf16:bf16 fp8:f32"),
 # REAP_PROFILE=0 (no profiled run), REAP_COMPARE=0 (no reap_compare below), GEN_TOKENS
 # (generate's length, 64). REAP_PREFILL="2048 8192" adds batch-1 runs at those prompt
-# lengths (prefill tok/s and TFLOP/s against the cuBLASLt GEMM of the same run). REAP_PREFILL_ENVS="GLMSPARK_MOE_WIDE=1
-# GLMSPARK_MLA_TC=1" repeats them with each of those settings, REAP_PREFILL_PROFILE=1 profiles
+# lengths (prefill tok/s and TFLOP/s against the cuBLASLt GEMM of the same run).
+# REAP_PREFILL_ENVS="GLMSPARK_MOE_WIDE=1 GLMSPARK_MLA_TC=1,GLMSPARK_DSA_TC=1" repeats them with
+# each of those settings (commas join variables), REAP_PREFILL_PROFILE=1 profiles
 # each per op kind. REAP_MTP=1 writes the checkpoints with an MTP layer (+11.8 GB of
 # BF16 experts) and times MTP steps with 1-3 drafts (`bench --mtp-drafts 1,2,3`, batches
 # ${REAP_MTP_BATCH:-1,8}: issue 19's verify ratios and the speed-up at published acceptance;
@@ -237,13 +239,13 @@ for cfg in ${REAP:-}; do
         for e in "" ${REAP_PREFILL_ENVS:-}; do  # e.g. GLMSPARK_MOE_WIDE=1 GLMSPARK_MLA_TC=1
             if [ -n "$e" ]; then
                 echo "== bench reap $cfg kv fp8 precision bf16 prefill $ctx $e" | tee -a "$out/reap.log"
-                env "$e" "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$c/bin/glmspark" \
+                env $(echo "$e" | tr , " ") "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$c/bin/glmspark" \
                     bench --backend cuda --model "$dir" --batch 1 --ctx "$ctx" --steps 2 \
                     --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
             fi
             if [ "${REAP_PREFILL_PROFILE:-0}" = 1 ]; then  # per op kind (graphs off)
                 echo "== profile reap $cfg kv fp8 prefill $ctx $e" | tee -a "$out/reap.log"
-                env GLMSPARK_CUDA_PROFILE=1 $e "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
+                env GLMSPARK_CUDA_PROFILE=1 $(echo "$e" | tr , " ") "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
                     "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$ctx" \
                     --steps 2 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
             fi

@@ -9,6 +9,9 @@
  * 128 positions, as the engine's KV cache holds them): the same bound against the reference,
  * and bit for bit against a C loop over dsa_format.h's dsa_key_score (what the CPU backend
  * runs under the bf16 recipe).
+ * Tensor-core scores (dsa_scores_tc, test_tc): q rounded to bf16 in the reference, the same
+ * bound (the MMA's fp32 accumulation order is its own), over prefill chunks, decode batches and
+ * chunks whose CTAs mix sequences; entries past each token's length untouched.
  * Top-k: exact. The reference sorts the GPU's own fp32 scores, so selections must be identical,
  * including ties (a synthetic score row with many equal values checks the tie rule; a 128K row
  * of nearly equal scores and one of 200 distinct values check the long-context path).
@@ -143,18 +146,15 @@ static void test_indexer(int n_seq, const int *lens, int n_heads, int k)
 // Random key pages of one layout (n_pages pages, rows key_bytes apart, fp8 scales after the
 // rows), one query token per sequence over kv_len keys; scores vs the reference (bound as
 // above) and vs dsa_key_score (equal), then top-k vs the reference on the GPU's scores.
-static void test_layout(DsaKeyFormat format, int dim, int block, int n_heads, int k)
+// Random key pages of layout c (its pages field unused): values in [-2, 2) (fp8 codes of 100x
+// that, with scales in [0.001, 0.03)), then codes 0x7f and 0xff (+-480 on both sides, not NaN)
+// in rows 1 and 2 of an fp8 cache's first page.
+static void fill_pages(uint8_t *h, const DsaCache *cp, int n_pages)
 {
-    enum { N_SEQ = 3 };
-    const int value_bytes = format == DSA_KEY_FP8 ? 1 : format == DSA_KEY_BF16 ? 2 : 4;
-    const int kv_len[N_SEQ] = {1, 3 * block + 5, 2000};
-    const int max_len = 2000, max_blocks = (max_len + block - 1) / block;
-    const int n_pages = N_SEQ * max_blocks;
-    DsaCache c = {NULL, format, dim, block, dim * value_bytes, block * dim * value_bytes, 0};
-    c.page_bytes = (size_t) c.scales + (format == DSA_KEY_FP8 ? (size_t) block * 4 : 0);
-    c.page_bytes = (c.page_bytes + 15) / 16 * 16;
+    const DsaCache c = *cp;
+    const DsaKeyFormat format = (DsaKeyFormat) c.format;
+    const int dim = c.dim, block = c.block;
     const size_t bytes = (size_t) n_pages * c.page_bytes;
-    uint8_t *h = xmalloc(bytes);
     memset(h, 0, bytes);
     for (int pg = 0; pg < n_pages; pg++) {
         uint8_t *page = h + (size_t) pg * c.page_bytes;
@@ -178,10 +178,32 @@ static void test_layout(DsaKeyFormat format, int dim, int block, int n_heads, in
             }
         }
     }
-    if (format == DSA_KEY_FP8) {  // codes 0x7f / 0xff read as +-480 on both sides (not NaN)
+    if (format == DSA_KEY_FP8) {
         h[(size_t) 1 * c.key_bytes + 3] = 0x7f;
         h[(size_t) 2 * c.key_bytes + 5] = 0xff;
     }
+}
+
+// A DsaCache layout of fp8, bf16 or fp32 keys of dim values in pages of block rows (pages unset).
+static DsaCache layout(DsaKeyFormat format, int dim, int block)
+{
+    const int value_bytes = format == DSA_KEY_FP8 ? 1 : format == DSA_KEY_BF16 ? 2 : 4;
+    DsaCache c = {NULL, format, dim, block, dim * value_bytes, block * dim * value_bytes, 0};
+    c.page_bytes = (size_t) c.scales + (format == DSA_KEY_FP8 ? (size_t) block * 4 : 0);
+    c.page_bytes = (c.page_bytes + 15) / 16 * 16;
+    return c;
+}
+
+static void test_layout(DsaKeyFormat format, int dim, int block, int n_heads, int k)
+{
+    enum { N_SEQ = 3 };
+    const int kv_len[N_SEQ] = {1, 3 * block + 5, 2000};
+    const int max_len = 2000, max_blocks = (max_len + block - 1) / block;
+    const int n_pages = N_SEQ * max_blocks;
+    const DsaCache c = layout(format, dim, block);
+    const size_t bytes = (size_t) n_pages * c.page_bytes;
+    uint8_t *h = xmalloc(bytes);
+    fill_pages(h, &c, n_pages);
     int32_t *table = xmalloc((size_t) n_pages * 4), seq[N_SEQ];
     for (int i = 0; i < n_pages; i++) table[i] = (int32_t) ((i * 7 + 3) % n_pages);  // a permutation
     for (int t = 0; t < N_SEQ; t++) seq[t] = t;
@@ -240,6 +262,117 @@ static void test_layout(DsaKeyFormat format, int dim, int block, int n_heads, in
     free(w2), free(t2);
 }
 
+// dsa_scores_tc over tokens given as runs {sequence, first position, count} (a prefill chunk's
+// tokens share a CTA's key tile; a decode batch's and a chunk's edges put several sequences in
+// one CTA): scores against the reference on q rounded to bf16, within the fp32 bound above
+// (the tensor cores' accumulation order is not the C loop's); entries at p >= kv_len
+// untouched; top-k on the GPU's own scores exact.
+typedef struct TcRun {
+    int seq, first, count;
+} TcRun;
+
+static void test_scores_tc(const char *what, DsaKeyFormat format, int dim, int block, int n_heads,
+                           int n_seq, const TcRun *runs, int n_runs, int k)
+{
+    int n_tok = 0, max_len = 0;
+    for (int r = 0; r < n_runs; r++) {
+        n_tok += runs[r].count;
+        const int end = runs[r].first + runs[r].count;
+        max_len = end > max_len ? end : max_len;
+    }
+    int32_t *seq = xmalloc((size_t) n_tok * 4), *kv_len = xmalloc((size_t) n_tok * 4);
+    for (int r = 0, t = 0; r < n_runs; r++)
+        for (int i = 0; i < runs[r].count; i++, t++) {
+            seq[t] = runs[r].seq;
+            kv_len[t] = runs[r].first + i + 1;
+        }
+    const int max_blocks = (max_len + block - 1) / block, n_pages = n_seq * max_blocks;
+    const DsaCache c = layout(format, dim, block);
+    const size_t bytes = (size_t) n_pages * c.page_bytes;
+    uint8_t *h = xmalloc(bytes);
+    fill_pages(h, &c, n_pages);
+    int32_t *table = xmalloc((size_t) n_pages * 4);
+    for (int i = 0; i < n_pages; i++) table[i] = (int32_t) ((i * 7 + 3) % n_pages);  // a permutation
+    const int stride = max_len + 5;
+    const size_t nq = (size_t) n_tok * n_heads * dim;
+    float *q = xmalloc(nq * 4), *qr = xmalloc(nq * 4), *w = xmalloc((size_t) n_tok * n_heads * 4);
+    fill_f32(q, nq, &rng, -1.0f, 1.0f);
+    for (size_t i = 0; i < nq; i++) qr[i] = kern_bf16_to_f32(kern_f32_to_bf16(q[i]));
+    fill_f32(w, (size_t) n_tok * n_heads, &rng, -1.0f, 1.0f);
+    const float w_scale = 1.0f / sqrtf((float) n_heads), sm_scale = 1.0f / sqrtf((float) dim);
+    const size_t ns = (size_t) n_tok * stride;
+    float *s_want = xmalloc(ns * 4), *s_abs = xmalloc(ns * 4), *s_got = xmalloc(ns * 4);
+    DsaCache hc = c;
+    hc.pages = h;
+    dsa_scores_ref(s_want, s_abs, stride, qr, w, w_scale, sm_scale, &hc, table, max_blocks, seq,
+                   kv_len, n_tok, n_heads);
+    DsaCache dc = c;
+    dc.pages = gpu_upload(h, bytes);
+    CHECK(dsa_scores_tc_supported(&dc, n_heads));
+    float *d_q = gpu_upload(q, nq * 4), *d_w = gpu_upload(w, (size_t) n_tok * n_heads * 4);
+    int32_t *d_table = gpu_upload(table, (size_t) n_pages * 4);
+    int32_t *d_seq = gpu_upload(seq, (size_t) n_tok * 4), *d_len = gpu_upload(kv_len, (size_t) n_tok * 4);
+    float *d_s = gpu_alloc_poisoned(ns * 4);
+    dsa_scores_tc(d_s, stride, d_q, d_w, w_scale, sm_scale, &dc, d_table, max_blocks, d_seq, d_len,
+                  max_len, n_tok, n_heads, 0);
+    gpu_download(s_got, d_s, ns * 4);
+    int total = 0, untouched = 1;
+    for (int t = 0; t < n_tok; t++) total += kv_len[t];
+    float *g2 = xmalloc((size_t) total * 4), *w2 = xmalloc((size_t) total * 4), *t2 = xmalloc((size_t) total * 4);
+    for (int t = 0, n = 0; t < n_tok; t++)
+        for (int p = 0; p < stride; p++) {
+            const size_t o = (size_t) t * stride + p;
+            if (p >= kv_len[t]) {
+                uint32_t bits;
+                memcpy(&bits, &s_got[o], 4);
+                untouched &= bits == 0xffffffffu;
+                continue;
+            }
+            g2[n] = s_got[o];
+            w2[n] = s_want[o];
+            t2[n++] = (float) (dim + 32 + 16) * FLT_EPSILON * s_abs[o];
+        }
+    char name[96];
+    snprintf(name, sizeof name, "dsa scores tc %s", what);
+    compare(name, g2, w2, t2, 0, (size_t) total, 1e-10);
+    CHECK(untouched);
+    snprintf(name, sizeof name, "dsa topk tc %s", what);
+    check_topk(name, s_got, stride, kv_len, n_tok, k);
+    cudaFree((void *) dc.pages), cudaFree(d_q), cudaFree(d_w), cudaFree(d_table), cudaFree(d_seq);
+    cudaFree(d_len), cudaFree(d_s);
+    free(seq), free(kv_len), free(h), free(table), free(q), free(qr), free(w), free(s_want);
+    free(s_abs), free(s_got), free(g2), free(w2), free(t2);
+}
+
+static void test_tc(void)
+{
+    // A prefill chunk of 70 tokens at positions 230.. (CTAs of 4 tokens of one sequence,
+    // lengths past a 64-position tile and not in 8s); a decode batch of 5 sequences (every CTA
+    // mixes them); a chunk's edges (sequences 0, 1, 0 within CTAs).
+    const TcRun prefill[] = {{0, 230, 70}};
+    const TcRun decode[] = {{1, 0, 1}, {2, 76, 1}, {0, 299, 1}, {3, 128, 1}, {4, 63, 1}};
+    const TcRun edges[] = {{0, 10, 3}, {1, 40, 2}, {0, 100, 3}, {2, 200, 7}};
+    const DsaKeyFormat formats[2] = {DSA_KEY_FP8, DSA_KEY_BF16};
+    for (int f = 0; f < 2; f++) {
+        const char *fn = formats[f] == DSA_KEY_FP8 ? "fp8" : "bf16";
+        char what[64];
+        snprintf(what, sizeof what, "%s prefill 128x32", fn);
+        test_scores_tc(what, formats[f], 128, 128, 32, 1, prefill, 1, 64);
+        snprintf(what, sizeof what, "%s decode 128x32", fn);
+        test_scores_tc(what, formats[f], 128, 128, 32, 5, decode, 5, 64);
+        snprintf(what, sizeof what, "%s edges 128x32 block 16", fn);
+        test_scores_tc(what, formats[f], 128, 16, 32, 3, edges, 4, 32);
+        snprintf(what, sizeof what, "%s edges 32x5", fn);  // heads past 5 and dims past 32 idle
+        test_scores_tc(what, formats[f], 32, 16, 5, 3, edges, 4, 8);
+        snprintf(what, sizeof what, "%s prefill 64x4", fn);
+        test_scores_tc(what, formats[f], 64, 128, 4, 1, prefill, 1, 16);
+    }
+    // GLM-5's indexer at a longer context: 128 tokens ending at 20,000 (the C reference's
+    // ~10 G multiply-adds bound the size).
+    const TcRun chunk[] = {{0, 20000 - 128, 128}};
+    test_scores_tc("fp8 128 tokens at 20K", DSA_KEY_FP8, 128, 128, 32, 1, chunk, 1, 2048);
+}
+
 static void test_ties(void)
 {
     // Scores drawn from 7 values: thousands of ties at the threshold.
@@ -278,6 +411,7 @@ int main(void)
         test_layout((DsaKeyFormat) f, 128, 128, 32, 256);  // GLM's widths in the engine's pages
         test_layout((DsaKeyFormat) f, 32, 16, 4, 8);       // a small model's
     }
+    test_tc();
     test_ties();
     test_long();
     return check_exit();

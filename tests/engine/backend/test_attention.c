@@ -224,7 +224,8 @@ static void test_mla(Backend *be, int H, int nope, int rope, int v, int L, int T
 // ---------------------------------------------------------------------------
 // DSA top-k
 
-// Under the bf16 recipe (be->precision) the scores are fp32 in kernels/dsa.cu's order: a key
+// Under the bf16 recipe (be->precision) the scores are fp32 in kernels/dsa.cu's order (with
+// Backend.dsa_tc, of q rounded to bf16: the double ranking rounds it too): a key
 // whose double score is within the fp32 rounding bounds, (Di + Hi + 2) eps sum|terms|, of its
 // own and of the key it changes places with (at most the largest bound), from the top_k-th
 // may fall on either side of it; every other key must be where the double ranking puts it.
@@ -250,6 +251,9 @@ static void test_dsa(Backend *be, int Hi, int Di, int top_k, int T)
     const BackendDsa p = {Hi, Di, top_k};
     const BackendSeqs all = one_seq(&m, pos, T);
     if (recipe) CHECK(backend_dsa_tuned(&p, &m.kv, 1) == (Di % 16 == 0));
+    // Backend.dsa_tc (fp8 or bf16 keys): the ranking is that of q rounded to bf16.
+    const bool tc = backend_dsa_tc(be, &p, &m.kv, 1);
+    CHECK(tc == (be->dsa_tc && recipe && Di % 16 == 0 && kv_dtype != KV_DTYPE_F32));
     double *bound = malloc((size_t) T * sizeof *bound);
     ASSERT(bound);
 
@@ -275,8 +279,10 @@ static void test_dsa(Backend *be, int Hi, int Di, int top_k, int T)
             for (int h = 0; h < Hi; h++) {
                 double d = 0.0, d_abs = 0.0;
                 for (int i = 0; i < Di; i++) {
-                    d += (double) q[((size_t) t * Hi + h) * Di + i] * k[i];
-                    d_abs += fabs((double) q[((size_t) t * Hi + h) * Di + i] * k[i]);
+                    const float qi = q[((size_t) t * Hi + h) * Di + i];
+                    const double qv = tc ? nvfp4_round_bf16(qi) : qi;
+                    d += qv * k[i];
+                    d_abs += fabs(qv * k[i]);
                 }
                 d /= sqrt((double) Di);
                 total += w[(size_t) t * Hi + h] / sqrt((double) Hi) * (d > 0 ? d : 0);
@@ -475,6 +481,16 @@ int main(void)
             test_dsa(be, 1, 16, 12, 40);
             test_dsa(be, 2, 8, 4, 15);
         }
+        // The tensor-core variant (Backend.dsa_tc): q rounded to bf16 on fp8 and bf16 keys;
+        // f32 keys and Di 8 keep the plain recipe.
+        be->dsa_tc = true;
+        for (int d = 0; d < 3; d++) {
+            kv_dtype = dtypes[d];
+            test_dsa(be, 4, 16, 6, 30);
+            test_dsa(be, 8, 64, 8, 40);
+            test_dsa(be, 2, 8, 4, 15);
+        }
+        be->dsa_tc = false;
         be->destroy(be);
     }
     return check_exit();

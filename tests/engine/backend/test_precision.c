@@ -15,7 +15,8 @@
  *   the tuned-shape predicates: GLM-5's MLA widths with fp8 (656-byte) and bf16 (1,152-byte)
  *           entries of 128-position blocks, and nothing else; the DSA indexer's (kernels/
  *           dsa.cu: index dims in 16s up to 128, up to 32 heads, any cache type; its scores
- *           under the recipe: tests/engine/backend/test_attention.c).
+ *           under the recipe: tests/engine/backend/test_attention.c), and its tensor-core
+ *           variant's (Backend.dsa_tc: the same with fp8 or bf16 keys, bf16 recipe only).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -327,7 +328,7 @@ static void test_mla_predicate(void)
 // DSA under the recipe (kernels/dsa.cu's fp32 scores): GLM-5's indexer (32 heads of 128) on
 // each cache type and block size, a small model's (4 of 32); not index dims outside 16s or
 // past 128, more than 32 heads, or a layer without an indexer key.
-static void test_dsa_predicate(void)
+static void test_dsa_predicate(Backend *be)
 {
     const BackendDsa glm = {32, 128, 2048}, small = {4, 32, 8}, odd = {4, 24, 8},
                      wide = {4, 144, 8}, many = {33, 128, 8};
@@ -350,6 +351,17 @@ static void test_dsa_predicate(void)
                 ASSERT(kv_init(&kv, &p) == ERR_OK);
                 CHECK(backend_dsa_tuned(dsa[i], &kv, 1) == want[i]);
                 CHECK(!backend_dsa_tuned(dsa[i], &kv, 0));
+                // The tensor-core scores (Backend.dsa_tc): bf16 recipe, fp8 or bf16 keys.
+                be->precision = BACKEND_PRECISION_BF16;
+                be->dsa_tc = true;
+                CHECK(backend_dsa_tc(be, dsa[i], &kv, 1) == (want[i] && dtypes[d] != KV_DTYPE_F32));
+                CHECK(!backend_dsa_tc(be, dsa[i], &kv, 0));
+                be->dsa_tc = false;
+                CHECK(!backend_dsa_tc(be, dsa[i], &kv, 1));
+                be->precision = BACKEND_PRECISION_F32;
+                be->dsa_tc = true;
+                CHECK(!backend_dsa_tc(be, dsa[i], &kv, 1));
+                be->dsa_tc = false;
                 kv_free(&kv);
             }
 }
@@ -364,7 +376,7 @@ int main(void)
     test_mla(be);
     test_mla_tc(be);
     test_mla_predicate();
-    test_dsa_predicate();
+    test_dsa_predicate(be);
     be->destroy(be);
     return check_exit();
 }
