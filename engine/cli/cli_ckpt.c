@@ -456,7 +456,8 @@ done:
 static int usage_mkmodel(void)
 {
     fprintf(stderr, "usage: glmspark mkmodel --out DIR [--preset NAME] [--seed S] "
-                    "[--tokenizer FILE] [--layers N] [--dense N] [--mtp N] [--threads N]\n"
+                    "[--tokenizer FILE] [--layers N] [--dense N] [--mtp N] [--threads N] "
+                    "[--spill DIR]\n"
                     "  presets:");
     for (const char *const *p = mkmodel_presets(); *p; p++) {
         fprintf(stderr, " %s", *p);
@@ -490,6 +491,8 @@ int cli_mkmodel(int argc, char **argv)
             opt.set_mtp = true;
         } else if (!strcmp(argv[i], "--threads")) {
             if (!num_parse_int(argv[++i], 1, 1024, &opt.threads)) return usage_mkmodel();
+        } else if (!strcmp(argv[i], "--spill")) {
+            opt.spill_dir = argv[++i];
         } else {
             return usage_mkmodel();
         }

@@ -14,11 +14,13 @@
  * normals: the same (seed, name) gives the same values on every run and machine with IEEE
  * float and a correctly rounded-enough libm (logf/cosf/sinf are used).
  */
+#define _DEFAULT_SOURCE  // realpath
 #include "engine/tools/mkmodel.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <json-c/json.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdbool.h>
@@ -26,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "engine/model/checkpoint.h"
@@ -1110,6 +1113,43 @@ static Err make_dirs(const char *path)
     return ERR_OK;
 }
 
+// Bytes an unprivileged writer may still use on path's filesystem.
+static Err free_bytes(const char *path, uint64_t *out)
+{
+    struct statvfs st;
+    if (statvfs(path, &st) != 0) {
+        LOG_ERROR("could not read the free space of \"%s\": %s", path, strerror(errno));
+        return ERR_IO;
+    }
+    *out = (uint64_t) st.f_bavail * (uint64_t) st.f_frsize;
+    return ERR_OK;
+}
+
+// Before open_shard creates out_dir/file: with spill_dir (absolute) it becomes a symbolic link
+// to spill_dir/file, through which the file is then created; without, a link an earlier run
+// left there goes (the shard is written in out_dir itself).
+static Err place_shard(const char *out_dir, const char *spill_dir, const char *file)
+{
+    char link[PATH_MAX], target[PATH_MAX];
+    if ((size_t) snprintf(link, sizeof link, "%s/%s", out_dir, file) >= sizeof link
+        || (spill_dir
+            && (size_t) snprintf(target, sizeof target, "%s/%s", spill_dir, file) >= sizeof target)) {
+        LOG_ERROR("mkmodel: path too long for \"%s\"", file);
+        return ERR_INVAL;
+    }
+    struct stat st;
+    const bool exists = lstat(link, &st) == 0;
+    if (exists && (spill_dir || S_ISLNK(st.st_mode)) && unlink(link) != 0) {
+        LOG_ERROR("could not remove \"%s\": %s", link, strerror(errno));
+        return ERR_IO;
+    }
+    if (spill_dir && symlink(target, link) != 0) {
+        LOG_ERROR("could not link \"%s\" to \"%s\": %s", link, target, strerror(errno));
+        return ERR_IO;
+    }
+    return ERR_OK;
+}
+
 Err mkmodel_write(const MkmodelOptions *opt)
 {
     Err err = ERR_OK;
@@ -1203,17 +1243,58 @@ Err mkmodel_write(const MkmodelOptions *opt)
     json_object_object_add(meta, "total_size", json_object_new_int64((int64_t) total));
     json_object_object_add(index, "metadata", meta);
     json_object_object_add(index, "weight_map", map);
+    // Room: out_dir's free space less a margin, then the spill directory's (statvfs).
+    const uint64_t margin = (uint64_t) 1 << 30;
+    uint64_t room = opt->room, spill_room = 0;
+    char spill_dir[PATH_MAX] = "";
+    if (!room) {
+        if ((err = free_bytes(opt->out_dir, &room))) goto done;
+        room = room > margin ? room - margin : 0;
+    }
+    if (opt->spill_dir) {
+        if ((err = make_dirs(opt->spill_dir)) || (err = free_bytes(opt->spill_dir, &spill_room)))
+            goto done;
+        spill_room = spill_room > margin ? spill_room - margin : 0;
+        if (!realpath(opt->spill_dir, spill_dir)) {  // the links must not depend on the cwd
+            LOG_ERROR("could not resolve \"%s\": %s", opt->spill_dir, strerror(errno));
+            err = ERR_IO;
+            goto done;
+        }
+    }
+    if (total > room + spill_room) {
+        LOG_ERROR("mkmodel: the checkpoint needs %.1f GB; \"%s\" has room for %.1f GB%s%s%s (1 GiB "
+                  "kept free on each)",
+                  (double) total / 1e9, opt->out_dir, (double) room / 1e9,
+                  opt->spill_dir ? ", the spill directory \"" : " (--spill DIR adds another)",
+                  opt->spill_dir ? opt->spill_dir : "", opt->spill_dir ? "\" the rest" : "");
+        err = ERR_IO;
+        goto done;
+    }
+    uint64_t placed = 0;
+    int n_spilled = 0;
     for (int s = 0; s < n_shards; s++) {
         char file[64];
         snprintf(file, sizeof file, "model-%05d-of-%05d.safetensors", s + 1, n_shards);
         int n = 0;
+        uint64_t bytes = 0;
         for (int i = 0; i < specs.n; i++) {
             if (specs.v[i].shard != s) continue;
             list[n++] = &specs.v[i];
+            bytes += specs.v[i].n_bytes;
             json_object_object_add(map, specs.v[i].name, json_object_new_string(file));
+        }
+        const bool spill = opt->spill_dir && placed + bytes > room;
+        if ((err = place_shard(opt->out_dir, spill ? spill_dir : NULL, file))) goto done;
+        if (spill) {
+            n_spilled++;
+        } else {
+            placed += bytes;
         }
         if ((err = open_shard(opt->out_dir, file, list, n, &shards[s]))) goto done;
     }
+    if (n_spilled > 0)
+        LOG_INFO("mkmodel: %d of %d shards in \"%s\" (linked from \"%s\")", n_spilled, n_shards,
+                 opt->spill_dir, opt->out_dir);
     if ((err = generate_all(&specs, shards, opt->seed,
                             opt->threads > 0 ? opt->threads : (int) sysconf(_SC_NPROCESSORS_ONLN))))
         goto done;

@@ -45,6 +45,14 @@ typedef struct MkmodelOptions {
     int mtp;                // MTP layers (num_nextn_predict_layers), 0-3
     int threads;            // generator threads; 0 means one per online CPU
     bool fp4_direct;        // draw the routed experts' NVFP4 codes and scales directly (below)
+    // Where the shards go that out_dir's filesystem cannot hold (its free space at the start
+    // less 1 GiB, in shard order), each linked from out_dir by a symbolic link; NULL: none,
+    // and a checkpoint larger than that free space is refused before anything is written.
+    // For checkpoints larger than one disk (a 26-layer REAP stage on the GPU machine's disk
+    // with /dev/shm beside it).
+    const char *spill_dir;
+    uint64_t room;  // out_dir's room for shards in bytes; 0: its free space less 1 GiB (tests
+                    // set it to make a small checkpoint spill)
 } MkmodelOptions;
 
 // Write the checkpoint described by opt into opt->out_dir (files are overwritten).

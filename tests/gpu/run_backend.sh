@@ -147,7 +147,9 @@ done
 # lengths (prefill tok/s and TFLOP/s against the cuBLASLt GEMM of the same run).
 # REAP_PREFILL_ENVS="GLMSPARK_MOE_WIDE=1 GLMSPARK_MLA_TC=1,GLMSPARK_DSA_TC=1" repeats them with
 # each of those settings (commas join variables), REAP_PREFILL_PROFILE=1 profiles
-# each per op kind. REAP_MTP=1 writes the checkpoints with an MTP layer (+11.8 GB of
+# each per op kind. REAP_SPILL=DIR lets a checkpoint larger than the disk put its last shards
+# in DIR (`mkmodel --spill`, e.g. /dev/shm: REAP=26:3, one 90 GB stage, on the 64 GB disk).
+# REAP_MTP=1 writes the checkpoints with an MTP layer (+11.8 GB of
 # BF16 experts) and times MTP steps with 1-3 drafts (`bench --mtp-drafts 1,2,3`, batches
 # ${REAP_MTP_BATCH:-1,8}: issue 19's verify ratios and the speed-up at published acceptance;
 # REAP_MTP_PROFILE=1 profiles them per op kind at batch 1).
@@ -206,10 +208,11 @@ for cfg in ${REAP:-}; do
     dir=${REAP_DIR:-/tmp}/reap-$layers-$dense
     echo "== mkmodel reap --layers $layers --dense $dense ($(nproc) cores)" | tee -a "$out/reap.log"
     t0=$(date +%s.%N)
+    spill=${REAP_SPILL:+$REAP_SPILL/reap-$layers-$dense-spill}
     run "$c/bin/glmspark" mkmodel --preset reap --layers "$layers" --dense "$dense" \
-        ${REAP_MTP:+--mtp 1} --out "$dir" \
+        ${REAP_MTP:+--mtp 1} ${spill:+--spill "$spill"} --out "$dir" \
         >>"$out/reap.log" 2>&1 || { echo "mkmodel reap $cfg failed"; status=1; continue; }
-    echo "mkmodel reap $cfg: $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s, $(du -sh "$dir" | cut -f1)" | tee -a "$out/reap.log"
+    echo "mkmodel reap $cfg: $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s, $(du -shL "$dir" | cut -f1)" | tee -a "$out/reap.log"
     for run_cfg in ${REAP_CFGS:-fp8:bf16 bf16:bf16 fp8:f32}; do  # kv:precision
         kv=${run_cfg%%:*}; prec=${run_cfg#*:}
         echo "== bench reap $cfg kv $kv precision $prec" | tee -a "$out/reap.log"
@@ -278,7 +281,7 @@ for cfg in ${REAP:-}; do
         GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 \
             --ctx 1024 --steps 8 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
     fi
-    rm -rf "$dir"
+    rm -rf "$dir" ${spill:+"$spill"}
 done
 [ -f "$out/bench.log" ] && grep -v "^\[\|INFO" "$out/bench.log"
 [ -f "$out/reap.log" ] && grep -v "INFO" "$out/reap.log"

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "engine/cli/cli.h"
@@ -221,6 +222,52 @@ static void test_determinism(void)
     log_set_level((LogLevel) (LOG_LEVEL_ERROR + 1));
     CHECK(mkmodel_write(&opt) == ERR_INVAL);
     log_set_level(LOG_LEVEL_WARN);
+}
+
+// --spill: with out_dir's room set to the first shard's size, the second shard goes to the
+// spill directory behind a symbolic link, the files read the same as an unspilled run's and
+// the checkpoint opens; a run without a spill directory that does not fit is refused before
+// any shard exists; a later run that fits replaces the link with the file.
+static void test_spill(void)
+{
+    char a[300], b[300], sp[300], p1[400], p2[400], t2[400];
+    snprintf(a, sizeof a, "%s/spill_a", tmp_root);
+    snprintf(b, sizeof b, "%s/spill_b", tmp_root);
+    snprintf(sp, sizeof sp, "%s/spill_dir", tmp_root);
+    MkmodelOptions opt = {.out_dir = a, .preset = "tiny", .seed = 5};
+    CHECK(mkmodel_write(&opt) == ERR_OK);
+    snprintf(p1, sizeof p1, "%s/model-00001-of-00002.safetensors", a);
+    struct stat st;
+    ASSERT(stat(p1, &st) == 0);
+    opt.out_dir = b;
+    opt.spill_dir = sp;
+    opt.room = (uint64_t) st.st_size;
+    CHECK(mkmodel_write(&opt) == ERR_OK);
+    snprintf(p1, sizeof p1, "%s/model-00001-of-00002.safetensors", b);
+    snprintf(p2, sizeof p2, "%s/model-00002-of-00002.safetensors", b);
+    snprintf(t2, sizeof t2, "%s/model-00002-of-00002.safetensors", sp);
+    CHECK(lstat(p1, &st) == 0 && S_ISREG(st.st_mode));
+    CHECK(lstat(p2, &st) == 0 && S_ISLNK(st.st_mode));
+    CHECK(lstat(t2, &st) == 0 && S_ISREG(st.st_mode));
+    CHECK(checkpoints_equal(a, b));
+    Ckpt ck;
+    CHECK(ckpt_open(&ck, b) == ERR_OK);
+    ckpt_close(&ck);
+
+    char c[300], p3[400];
+    snprintf(c, sizeof c, "%s/spill_c", tmp_root);
+    snprintf(p3, sizeof p3, "%s/model-00001-of-00002.safetensors", c);
+    MkmodelOptions small = {.out_dir = c, .preset = "tiny", .seed = 5, .room = 1000};
+    log_set_level((LogLevel) (LOG_LEVEL_ERROR + 1));
+    CHECK(mkmodel_write(&small) == ERR_IO);
+    log_set_level(LOG_LEVEL_WARN);
+    CHECK(lstat(p3, &st) != 0);
+
+    opt.spill_dir = NULL;
+    opt.room = 0;  // the filesystem's own free space: everything fits
+    CHECK(mkmodel_write(&opt) == ERR_OK);
+    CHECK(lstat(p2, &st) == 0 && S_ISREG(st.st_mode));
+    CHECK(checkpoints_equal(a, b));
 }
 
 static void test_quantizer(void)
@@ -456,6 +503,7 @@ int main(void)
     test_quantizer();
     test_round_trip();
     test_determinism();
+    test_spill();
     test_direct_layers_threads();
     test_mtp_count();
     test_tokenizer();
