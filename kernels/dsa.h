@@ -71,7 +71,7 @@ void dsa_scores(float *scores, int score_stride, const float *q, const float *w,
 // accumulated in fp32 by mma.sync in the hardware's order, then the key scale, ReLU and head
 // weights as dsa_key_score applies them, summed over heads by a shuffle tree. So the scores
 // equal dsa_key_score of the rounded q up to the fp32 rounding of the two summations (about
-// (dim + n_heads) 2^-24 of the sums of magnitudes), not bit for bit.
+// (dim + n_heads) 2^-23 of the sums of magnitudes: the tensor cores may truncate), not bit for bit.
 void dsa_scores_tc(float *scores, int score_stride, const float *q, const float *w, float w_scale,
                    float sm_scale, const DsaCache *cache, const int32_t *block_table,
                    int max_blocks, const int32_t *seq, const int32_t *kv_len, int max_len,

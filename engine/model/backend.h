@@ -40,7 +40,7 @@
  *                              rounded to bf16 too and the GPU's dot products run on the
  *                              tensor cores (kernels/dsa.h dsa_scores_tc): the CPU follows
  *                              the rounding, the accumulation order differs (scores equal to
- *                              about (dim + heads) 2^-24 of their magnitudes), so keys within
+ *                              about (dim + heads) 2^-23 of their magnitudes), so keys within
  *                              that distance of the k-th score may be selected differently.
  *               Scores, softmax, sums and the residual stream stay fp32 or wider; the router
  *               is exact (kernels/moe_router.h) under both. The CPU backend follows it

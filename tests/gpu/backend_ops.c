@@ -478,6 +478,7 @@ static void test_attention(KvDtype dtype)
             *gn = down(dn_sel, (size_t) T * sizeof(int));
         const bool tc = backend_dsa_tc(cpu, &dp, &kc, 1);
         CHECK(tc == backend_dsa_tc(gpu, &dp, &kg, 1));
+        CHECK(tc == (cpu->dsa_tc && cpu->precision == BACKEND_PRECISION_BF16 && dtype != KV_DTYPE_F32));
         int sel_bad = 0, near_ties = 0;
         for (int t = 0; t < T; t++) {
             int bad = gn[t] != n_sel[t];

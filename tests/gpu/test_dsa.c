@@ -348,10 +348,11 @@ static void test_tc(void)
 {
     // A prefill chunk of 70 tokens at positions 230.. (CTAs of 4 tokens of one sequence,
     // lengths past a 64-position tile and not in 8s); a decode batch of 5 sequences (every CTA
-    // mixes them); a chunk's edges (sequences 0, 1, 0 within CTAs).
+    // mixes them); a chunk's edges (a CTA of sequences 0, 1, 0, 0: a round of tokens that are
+    // not adjacent).
     const TcRun prefill[] = {{0, 230, 70}};
     const TcRun decode[] = {{1, 0, 1}, {2, 76, 1}, {0, 299, 1}, {3, 128, 1}, {4, 63, 1}};
-    const TcRun edges[] = {{0, 10, 3}, {1, 40, 2}, {0, 100, 3}, {2, 200, 7}};
+    const TcRun edges[] = {{0, 10, 1}, {1, 40, 1}, {0, 100, 2}, {2, 200, 7}};
     const DsaKeyFormat formats[2] = {DSA_KEY_FP8, DSA_KEY_BF16};
     for (int f = 0; f < 2; f++) {
         const char *fn = formats[f] == DSA_KEY_FP8 ? "fp8" : "bf16";
