@@ -348,6 +348,7 @@ static __global__ void __launch_bounds__(TC_THREADS)
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane >> 2, tq = lane & 3;
     const int mt = warp & 1;  // heads 16 mt .. 16 mt + 15 of the CTA's 32
+    const float sm_log2 = sm_scale * MLA_LOG2E;  // scores in log2 units (step 3)
     const size_t tb = CT == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES : BF16_TOKEN_BYTES;
 
     const int len = kv_len[t];
@@ -439,14 +440,18 @@ static __global__ void __launch_bounds__(TC_THREADS)
             const int key = 8 * nt + 2 * tq;
             const bool v0 = offs[key] >= 0, v1 = offs[key + 1] >= 0;
             float *srow = ss + (16 * mt + g) * TC_SS + key;
-            srow[0] = v0 ? sc[0] * sm_scale : -INFINITY;
-            srow[1] = v1 ? sc[1] * sm_scale : -INFINITY;
-            srow[8 * TC_SS] = v0 ? sc[2] * sm_scale : -INFINITY;
-            srow[8 * TC_SS + 1] = v1 ? sc[3] * sm_scale : -INFINITY;
+            srow[0] = v0 ? sc[0] * sm_log2 : -INFINITY;
+            srow[1] = v1 ? sc[1] * sm_log2 : -INFINITY;
+            srow[8 * TC_SS] = v0 ? sc[2] * sm_log2 : -INFINITY;
+            srow[8 * TC_SS + 1] = v1 ? sc[3] * sm_log2 : -INFINITY;
         }
         __syncthreads();
 
-        // 3. Online softmax: head h = tid / 8, positions 4 (tid % 8) .. +4.
+        // 3. Online softmax: head h = tid / 8, positions 4 (tid % 8) .. +4. Scores are in
+        //    log2 units and the running maximum is an integer (the ceiling of the largest
+        //    score so far), so p = 2^(score - max) differs from its value under the final
+        //    maximum by a power of two: its bf16 rounding does not depend on the tile order
+        //    or the split, and the CPU rounds the same p (backend_cpu.c, MlaJob.tc).
         {
             const int h = tid >> 3, part = tid & 7;
             float v[4], mx = -INFINITY;
@@ -457,16 +462,16 @@ static __global__ void __launch_bounds__(TC_THREADS)
             }
 #pragma unroll
             for (int o2 = 4; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
-            const float m_old = row_m[h], m_new = fmaxf(m_old, mx);
+            const float m_old = row_m[h], m_new = fmaxf(m_old, ceilf(mx));
             float p[4], psum = 0.0f;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                p[j] = v[j] == -INFINITY ? 0.0f : expf(v[j] - m_new);
+                p[j] = v[j] == -INFINITY ? 0.0f : exp2f(v[j] - m_new);
                 psum += p[j];
             }
 #pragma unroll
             for (int o2 = 4; o2 > 0; o2 >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o2);
-            const float alpha = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+            const float alpha = m_old == -INFINITY ? 0.0f : exp2f(m_old - m_new);
             const int n_p = CT == MLA_CACHE_FP8 ? TC_CHUNKS : 1;
             for (int c = 0; c < n_p; c++)
 #pragma unroll
@@ -526,7 +531,7 @@ static __global__ void __launch_bounds__(TC_THREADS)
     __syncthreads();  // the last tile's row_m / row_l are written
     if (tid < TC_HEADS) {
         const size_t row = ((size_t) t * n_split + split) * n_heads + hg * TC_HEADS + tid;
-        ws_ml[row * 2] = row_m[tid];
+        ws_ml[row * 2] = row_m[tid] * 0.693147182f;  // the merge's natural-log units
         ws_ml[row * 2 + 1] = row_l[tid];
     }
 }

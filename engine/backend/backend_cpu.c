@@ -32,6 +32,7 @@
 
 #include "engine/backend/thread_pool.h"
 #include "engine/model/topk.h"
+#include "kernels/mla_format.h"
 #include "kernels/moe_router.h"
 #include "kernels/nvfp4_format.h"
 
@@ -611,6 +612,9 @@ static void mla_task(void *ctx, int task, int thread)
         for (int c = 0; c < L; c++)
             q_lat[c] = nvfp4_round_bf16((float) q_lat[c]);
 
+    // mla_decode_tc's probabilities are 2^(x - M) with x in log2 units and M an integer
+    // (kernels/mla_format.h); the plain recipe's are exp(score - max).
+    const double x_scale = job->tc ? (double) (p->scale * MLA_LOG2E) : p->scale;
     double max_score = -INFINITY;
     for (int j = 0; j < n_keys; j++) {
         const int s = keys ? keys[j] : j;
@@ -623,12 +627,13 @@ static void mla_task(void *ctx, int task, int thread)
             const float qp = qt[p->qk_nope + i];
             d += (double) (job->tc ? nvfp4_round_bf16(qp) : qp) * e[L + i];
         }
-        prob[j] = d * p->scale;
+        prob[j] = d * x_scale;
         if (prob[j] > max_score) max_score = prob[j];
     }
+    if (job->tc) max_score = ceil(max_score);
     double sum = 0.0;
     for (int j = 0; j < n_keys; j++) {
-        prob[j] = exp(prob[j] - max_score);
+        prob[j] = job->tc ? exp2(prob[j] - max_score) : exp(prob[j] - max_score);
         sum += prob[j];
     }
     for (int c = 0; c < L; c++)

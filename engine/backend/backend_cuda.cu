@@ -49,14 +49,15 @@
  *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
  *   buffers the caller uploads before. GLMSPARK_CUDA_GRAPHS=0 turns graphs off;
  *   GLMSPARK_MOE_WIDE=1 lets prefill chunks take the wide expert tiles (moe_tuned);
- *   GLMSPARK_MLA_TC=1 runs MLA attention on the tensor cores (Backend.mla_tc: mla_decode_tc,
- *   whose recipe also rounds q and the probabilities to bf16, as the CPU backend then does;
- *   not yet run on a GPU).
+ *   MLA attention runs on the tensor cores where the shape allows (Backend.mla_tc:
+ *   mla_decode_tc, whose recipe also rounds q and the probabilities to bf16, as the CPU
+ *   backend then does; GLMSPARK_MLA_TC=0 keeps mla_decode).
  * - DSA under the bf16 recipe (backend_dsa_tuned layers): kernels/dsa.h's scores and top-k
  *   over the engine's key pages (kv_dsa_cache), fp32 scores in the order the CPU backend
- *   follows (kernels/dsa_format.h), so the two select the same keys. GLMSPARK_DSA_TC=1 runs
- *   the scores on the tensor cores (Backend.dsa_tc: dsa_scores_tc, q rounded to bf16, as the
- *   CPU backend then does; the accumulation order differs; not yet run on a GPU).
+ *   follows (kernels/dsa_format.h), so the two select the same keys. The scores run on the
+ *   tensor cores on fp8 or bf16 keys (Backend.dsa_tc: dsa_scores_tc, q rounded to bf16, as
+ *   the CPU backend then does; the accumulation order differs; GLMSPARK_DSA_TC=0 keeps
+ *   dsa_scores).
  * Not yet: norms, RoPE, adds and the KV write through kernels/; the f32 recipe's DSA.
  * Host syncs: uploads and downloads (cudaMemcpy semantics), scratch growth, block-table
  * uploads when a sequence gains a block, and the first use of a cache or experts array;

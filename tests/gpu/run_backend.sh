@@ -22,8 +22,8 @@
 # `glmspark bench --synthetic --backend cuda` for each, with graphs on and off
 # (GLMSPARK_CUDA_GRAPHS=0), into bench.log; REAP (below) benchmarks checkpoints at GLM-5.2-REAP
 # dimensions. GOLDEN=0 skips the golden models and MTP. Logs go to $OUT (or ./gpu-out). The
-# environment reaches every binary: GLMSPARK_MLA_TC=1 runs it all with the tensor-core MLA
-# (Backend.mla_tc, on the CPU reference too), GLMSPARK_DSA_TC=1 with the tensor-core indexer
+# environment reaches every binary: GLMSPARK_MLA_TC=0 runs it all without the tensor-core MLA
+# (Backend.mla_tc, on the CPU reference too), GLMSPARK_DSA_TC=0 without the tensor-core indexer
 # scores (Backend.dsa_tc).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
@@ -57,18 +57,22 @@ run() { "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$@"; }
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
+# TESTS=0 skips the kernel and op tests (to spend a run on benchmarks alone).
 for t in gpu_test_moe gpu_test_mla gpu_test_gemm gpu_test_norm gpu_test_dsa; do
-    [ -x "$c/bin/$t" ] || continue
+    [ -x "$c/bin/$t" ] && [ "${TESTS:-1}" != 0 ] || continue
     echo "== $t (kernels/ against kernels/ref)"
     if run "$c/bin/$t" >"$out/$t.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
     tail -15 "$out/$t.log"
     echo "$t $r"
 done
 
+if [ "${TESTS:-1}" != 0 ]; then
 echo "== op tests (CUDA vs CPU backend)"
 if run "$c/bin/gpu_backend_ops" >"$out/backend_ops.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
-tail -40 "$out/backend_ops.log"
+grep -B1 "check failed" "$out/backend_ops.log" | head -20
+tail -5 "$out/backend_ops.log"
 echo "backend_ops $r"
+fi
 
 # GOLDEN=0 skips the golden models and MTP (to spend a run on REAP alone); GOLDEN_MODELS
 # (directories) runs those instead of every one.
@@ -145,7 +149,8 @@ done
 # REAP_PROFILE=0 (no profiled run), REAP_COMPARE=0 (no reap_compare below), GEN_TOKENS
 # (generate's length, 64). REAP_PREFILL="2048 8192" adds batch-1 runs at those prompt
 # lengths (prefill tok/s and TFLOP/s against the cuBLASLt GEMM of the same run).
-# REAP_PREFILL_ENVS="GLMSPARK_MOE_WIDE=1 GLMSPARK_MLA_TC=1,GLMSPARK_DSA_TC=1" repeats them with
+# REAP_PREFILL_ENVS="GLMSPARK_MOE_WIDE=1 GLMSPARK_MLA_TC=0,GLMSPARK_DSA_TC=0" repeats them (and
+# the REAP_LONG runs) with
 # each of those settings (commas join variables), REAP_PREFILL_PROFILE=1 profiles
 # each per op kind. REAP_SPILL=DIR lets a checkpoint larger than the disk put its last shards
 # in DIR (`mkmodel --spill`, e.g. /dev/shm: REAP=26:3, one 90 GB stage, on the 64 GB disk).
@@ -239,7 +244,7 @@ for cfg in ${REAP:-}; do
         run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$ctx" \
             --steps 2 --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg prefill $ctx failed"; status=1; }
-        for e in "" ${REAP_PREFILL_ENVS:-}; do  # e.g. GLMSPARK_MOE_WIDE=1 GLMSPARK_MLA_TC=1
+        for e in "" ${REAP_PREFILL_ENVS:-}; do  # e.g. GLMSPARK_MOE_WIDE=1 GLMSPARK_MLA_TC=0
             if [ -n "$e" ]; then
                 echo "== bench reap $cfg kv fp8 precision bf16 prefill $ctx $e" | tee -a "$out/reap.log"
                 env $(echo "$e" | tr , " ") "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$c/bin/glmspark" \
@@ -255,10 +260,13 @@ for cfg in ${REAP:-}; do
         done
     done
     for long in ${REAP_LONG:-}; do  # e.g. "32768 131072": batch 1 at that context (DSA on), fp8
-        echo "== bench reap $cfg kv fp8 precision bf16 ctx $long" | tee -a "$out/reap.log"
-        run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$long" \
+      for e in "" ${REAP_PREFILL_ENVS:-}; do  # and with each of REAP_PREFILL_ENVS
+        echo "== bench reap $cfg kv fp8 precision bf16 ctx $long $e" | tee -a "$out/reap.log"
+        env $(echo "$e" | tr , " ") "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
+            "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$long" \
             --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
-            || { echo "bench reap $cfg ctx $long failed"; status=1; }
+            || { echo "bench reap $cfg ctx $long $e failed"; status=1; }
+      done
         if [ "${REAP_LONG_PROFILE:-0}" = 1 ]; then  # per op kind at that context (graphs off)
             echo "== profile reap $cfg kv fp8 batch 1 ctx $long" | tee -a "$out/reap.log"
             GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" \
