@@ -443,7 +443,7 @@ void gemm_bf16_gemv_tc_f32x(void *y, GemmOut y_type, const uint16_t *w, const fl
     } while (0)
 
 typedef struct LtPlan {
-    int m, n, k, y_type;
+    int m, n, k, n_mat, y_type;
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, lc;
     cublasLtMatmulAlgo_t algo;
@@ -485,18 +485,35 @@ void gemm_lt_free(GemmLt *lt)
     lt->n_plans = 0;
 }
 
-// Column-major view: Y^T [n, m] = W [n, k] (stored as k x n, transposed) * X^T [k, m].
-static void plan_init(LtPlan *p, GemmLt *lt, int m, int n, int k, GemmOut y_type)
+// A strided batch of n_mat matrices on a layout (batch offset in elements).
+static void layout_batch(cublasLtMatrixLayout_t l, int n_mat, int64_t stride)
+{
+    const int32_t count = n_mat;
+    CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                                  sizeof count));
+    CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                  &stride, sizeof stride));
+}
+
+// Column-major view, per matrix i: Y_i^T [n, m] = W_i [n, k] (stored as k x n, transposed) *
+// X_i^T [k, m], where X_i and Y_i are matrix i's column slices of x and y (leading dimensions
+// n_mat k and n_mat n, batch offsets k and n) and W_i is w's i-th [n, k] block.
+static void plan_init(LtPlan *p, GemmLt *lt, int m, int n, int k, int n_mat, GemmOut y_type)
 {
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     const cudaDataType_t yt = y_type == GEMM_OUT_F32 ? CUDA_R_32F : CUDA_R_16BF;
-    p->m = m, p->n = n, p->k = k, p->y_type = (int) y_type;
+    p->m = m, p->n = n, p->k = k, p->n_mat = n_mat, p->y_type = (int) y_type;
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, CUDA_R_16BF, k, n, k));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, CUDA_R_16BF, k, m, k));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lc, yt, n, m, n));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, CUDA_R_16BF, k, m, (int64_t) n_mat * k));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lc, yt, n, m, (int64_t) n_mat * n));
+    if (n_mat > 1) {
+        layout_batch(p->la, n_mat, (int64_t) n * k);
+        layout_batch(p->lb, n_mat, k);
+        layout_batch(p->lc, n_mat, n);
+    }
     cublasLtMatmulPreference_t pref = NULL;
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
@@ -514,15 +531,23 @@ static void plan_init(LtPlan *p, GemmLt *lt, int m, int n, int k, GemmOut y_type
 void gemm_bf16_lt(void *y, GemmOut y_type, const uint16_t *x, const uint16_t *w, int m, int n,
                   int k, GemmLt *lt, cudaStream_t stream)
 {
-    ASSERT(m > 0 && n > 0 && k > 0 && k % 8 == 0 && n % 8 == 0);
+    gemm_bf16_lt_mats(y, y_type, x, w, m, n, k, 1, lt, stream);
+}
+
+void gemm_bf16_lt_mats(void *y, GemmOut y_type, const uint16_t *x, const uint16_t *w, int m,
+                       int n, int k, int n_mat, GemmLt *lt, cudaStream_t stream)
+{
+    ASSERT(m > 0 && n > 0 && k > 0 && n_mat > 0 && k % 8 == 0);
+    ASSERT(n % (y_type == GEMM_OUT_F32 ? 4 : 8) == 0);  // 16-byte rows of y
     ASSERT(lt && lt->handle && lt->plans);
     LtPlan *plans = (LtPlan *) lt->plans, tmp, *p = NULL;
     for (int i = 0; i < lt->n_plans && !p; i++)
-        if (plans[i].m == m && plans[i].n == n && plans[i].k == k && plans[i].y_type == (int) y_type)
+        if (plans[i].m == m && plans[i].n == n && plans[i].k == k && plans[i].n_mat == n_mat
+            && plans[i].y_type == (int) y_type)
             p = &plans[i];
     if (!p) {
         p = lt->n_plans < LT_MAX_PLANS ? &plans[lt->n_plans++] : &tmp;
-        plan_init(p, lt, m, n, k, y_type);
+        plan_init(p, lt, m, n, k, n_mat, y_type);
     }
     const float alpha = 1.0f, beta = 0.0f;
     CUBLAS_CHECK(cublasLtMatmul((cublasLtHandle_t) lt->handle, p->op, &alpha, w, p->la, x, p->lb,

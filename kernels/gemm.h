@@ -16,7 +16,8 @@
  * rounding to bf16 at the end when y is bf16. Summation order is fixed (per lane, then a warp
  * butterfly), so results are bitwise reproducible run to run.
  *
- * gemm_bf16_lt: Y[M, N] = X[M, K] W[N, K]^T through cuBLASLt (fp32 accumulation), for prefill.
+ * gemm_bf16_lt: Y[M, N] = X[M, K] W[N, K]^T through cuBLASLt (fp32 accumulation), for prefill;
+ * gemm_bf16_lt_mats the same per matrix of the n_mat form.
  *
  * Ownership: launchers borrow every pointer for the duration of the enqueue; GemmLt owns a
  * cuBLASLt handle and a device workspace from gemm_lt_init until gemm_lt_free.
@@ -82,11 +83,18 @@ void gemm_lt_init(GemmLt *lt);
 void gemm_lt_free(GemmLt *lt);
 
 // Y[M, N] = X[M, K] W[N, K]^T, all row-major. X, W bf16; Y fp32 or bf16 per y_type.
-// Preconditions: K % 8 == 0, N % 8 == 0, 16-byte aligned pointers. The first call for a shape
-// creates its descriptors and asks cuBLASLt's heuristic (host work); later calls reuse them.
-// Not thread-safe per GemmLt.
+// Preconditions: K % 8 == 0, N % 8 == 0 (N % 4 == 0 for fp32 Y), 16-byte aligned pointers. The
+// first call for a shape creates its descriptors and asks cuBLASLt's heuristic (host work); later
+// calls reuse them. Not thread-safe per GemmLt.
 void gemm_bf16_lt(void *y, GemmOut y_type, const uint16_t *x, const uint16_t *w, int m, int n,
                   int k, GemmLt *lt, cudaStream_t stream);
+
+// The per-head form of gemm_bf16_lt, one strided-batched cuBLASLt call: with the GEMV's
+// layouts above (w [n_mat, n, k], x [m, n_mat, k], y [m, n_mat, n]), y[t, i, :] = w[i] x[t, i, :]
+// for every token t < m and matrix i < n_mat. MLA's absorbed projections for prefill chunks.
+// Same preconditions as gemm_bf16_lt; n_mat = 1 is gemm_bf16_lt.
+void gemm_bf16_lt_mats(void *y, GemmOut y_type, const uint16_t *x, const uint16_t *w, int m, int n,
+                       int k, int n_mat, GemmLt *lt, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

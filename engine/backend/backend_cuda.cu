@@ -1549,10 +1549,11 @@ static void gemv_chunks(CudaImpl *impl, float *y, const uint16_t *w, const void 
     }
 }
 
-// Whether matmul_tuned runs cuBLASLt: more than GEMM_MAX_TOK tokens, rows in 8s.
+// Whether matmul_tuned runs cuBLASLt: more than GEMM_MAX_TOK tokens, rows in 4s (fp32 out:
+// 16-byte rows; the router's 156 experts among them).
 static bool matmul_lt(const CkptLinear *w, int n)
 {
-    return n > GEMM_MAX_TOK && w->rows % 8 == 0;
+    return n > GEMM_MAX_TOK && w->rows % 4 == 0;
 }
 
 // A bf16 weight under the BF16 recipe (backend_matmul_tuned) through kernels/gemm.h: up to
@@ -1782,8 +1783,10 @@ static size_t align256(size_t n)
 // MLA attention through kernels/mla.h (backend_mla_tuned layers under the BF16 recipe): q
 // split into bf16 q_nope and fp32 q_pe (already rotated by the model), q_lat = W_UK^T q_nope,
 // split-KV decode over the layer's own pages (kv_cache.h's layout is mla.h's), out = W_UV
-// o_lat. Tokens in chunks of 256 so the workspace stays bounded. tc (backend_mla_tc): the
-// tensor-core kernel, mla_decode_tc (32 heads a CTA, tiles of 32 positions).
+// o_lat. Tokens in chunks of 256 so the workspace stays bounded; the two projections of a
+// chunk of more than GEMM_MAX_TOK tokens are one strided-batched cuBLASLt GEMM each (64 heads),
+// of fewer the per-head GEMV. tc (backend_mla_tc): the tensor-core kernel, mla_decode_tc (32
+// heads a CTA, tiles of 32 positions).
 static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack *pk,
                       const KvCache *kv, const BackendSeqs *s, int layer, const int *sel,
                       const int *n_sel, int sel_stride, const BackendMla *p, bool tc)
@@ -1823,7 +1826,11 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
         prof_begin(impl);
         mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (192 + MLA_ROPE), NULL, nc, H, 0.0f,
                     impl->stream);
-        gemv_chunks(impl, q_lat, pk->uk, q_nope, false, L, 192, H, nc, true, false);
+        if (nc > GEMM_MAX_TOK)  // a prefill chunk: one strided-batched GEMM over the heads
+            gemm_bf16_lt_mats(q_lat, GEMM_OUT_F32, q_nope, pk->uk, nc, L, 192, H, &impl->lt,
+                              impl->stream);
+        else
+            gemv_chunks(impl, q_lat, pk->uk, q_nope, false, L, 192, H, nc, true, false);
         prof_end(impl, PROF_MLA_PROJ, 0.0);
         prof_begin(impl);
         (tc ? mla_decode_tc : mla_decode)(o_lat, q_lat, q_pe, &cache, st->dev, st->stride,
@@ -1833,8 +1840,12 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
                                           impl->stream);
         prof_end(impl, PROF_MLA, 0.0);
         prof_begin(impl);
-        gemv_chunks(impl, out + (size_t) t0 * H * V, pk->uv, o_lat, false, V, L, H, nc, true,
-                    false);
+        if (nc > GEMM_MAX_TOK)
+            gemm_bf16_lt_mats(out + (size_t) t0 * H * V, GEMM_OUT_F32, o_lat, pk->uv, nc, V, L, H,
+                              &impl->lt, impl->stream);
+        else
+            gemv_chunks(impl, out + (size_t) t0 * H * V, pk->uv, o_lat, false, V, L, H, nc, true,
+                        false);
         prof_end(impl, PROF_MLA_PROJ, 0.0);
     }
 }

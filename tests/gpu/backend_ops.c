@@ -563,27 +563,30 @@ static void test_tuned(void)
     cpu->precision = gpu->precision = BACKEND_PRECISION_BF16;
     {
         // bf16 weights: 1 token (CUDA cores), 5 (tensor cores: 2,304 rows fill the chip
-        // twice), 40 (cuBLASLt), and 3 from a misaligned input (rounded into a copy first).
-        const int rows = 2304, cols = 520;
-        CkptLinear w = make_linear(CKPT_LINEAR_BF16, rows, cols), wg = w;
-        CHECK(gpu->bind_linear(gpu, &wg) == ERR_OK);
-        const int ns[4] = {1, 5, 40, 3};
-        for (int i = 0; i < 4; i++) {
-            const int n = ns[i], off = i == 3 ? 1 : 0;
-            float *x = rand_floats((size_t) n * cols + 1, 1.0f);
-            float *want = malloc((size_t) n * rows * sizeof *want);
-            cpu->matmul(cpu, want, &w, x + off, n);
-            float *dx = dev(x, ((size_t) n * cols + 1) * sizeof *x);
-            float *dy = gpu->alloc(gpu, (size_t) n * rows * sizeof(float));
-            gpu->matmul(gpu, dy, &wg, dx + off, n);
-            char what[64];
-            snprintf(what, sizeof what, "matmul tuned bf16 n=%d%s", n,
-                     off ? " (misaligned x)" : "");
-            expect_close(what, dy, want, (size_t) n * rows, 1e-3);
-            free(x), free(want);
-            gpu->free_mem(gpu, dx), gpu->free_mem(gpu, dy);
+        // twice), 40 (cuBLASLt), and 3 from a misaligned input (rounded into a copy first);
+        // then 156 rows (the router's experts: rows in 4s) at 40 tokens through cuBLASLt.
+        for (int shape = 0; shape < 2; shape++) {
+            const int rows = shape ? 156 : 2304, cols = 520;
+            CkptLinear w = make_linear(CKPT_LINEAR_BF16, rows, cols), wg = w;
+            CHECK(gpu->bind_linear(gpu, &wg) == ERR_OK);
+            const int ns[4] = {1, 5, 40, 3};
+            for (int i = shape ? 2 : 0; i < (shape ? 3 : 4); i++) {
+                const int n = ns[i], off = i == 3 ? 1 : 0;
+                float *x = rand_floats((size_t) n * cols + 1, 1.0f);
+                float *want = malloc((size_t) n * rows * sizeof *want);
+                cpu->matmul(cpu, want, &w, x + off, n);
+                float *dx = dev(x, ((size_t) n * cols + 1) * sizeof *x);
+                float *dy = gpu->alloc(gpu, (size_t) n * rows * sizeof(float));
+                gpu->matmul(gpu, dy, &wg, dx + off, n);
+                char what[64];
+                snprintf(what, sizeof what, "matmul tuned bf16 %d rows n=%d%s", rows, n,
+                         off ? " (misaligned x)" : "");
+                expect_close(what, dy, want, (size_t) n * rows, 1e-3);
+                free(x), free(want);
+                gpu->free_mem(gpu, dx), gpu->free_mem(gpu, dy);
+            }
+            free_linear(&w);
         }
-        free_linear(&w);
     }
     {
         // n 5: 8-column tiles; n 1030 (GLMSPARK_MOE_WIDE=1, main): a 1,024-token chunk on the

@@ -51,25 +51,30 @@ static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int
     free(w), free(x), free(res), free(want), free(abs_);
 }
 
-static void test_lt(int m, int n, int k, GemmLt *lt)
+// gemm_bf16_lt (n_mat 1) or gemm_bf16_lt_mats: m tokens, n_mat matrices of n x k.
+static void test_lt(int m, int n, int k, int n_mat, GemmLt *lt)
 {
-    uint16_t *x = xmalloc((size_t) m * k * 2), *w = xmalloc((size_t) n * k * 2);
-    float *want = xmalloc((size_t) m * n * 4), *abs_ = xmalloc((size_t) m * n * 4);
-    float *got = xmalloc((size_t) m * n * 4), *tol = xmalloc((size_t) m * n * 4);
-    fill_bf16(x, (size_t) m * k, &rng, -1.0f, 1.0f);
-    fill_bf16(w, (size_t) n * k, &rng, -1.0f, 1.0f);
+    const size_t nx = (size_t) m * n_mat * k, nw = (size_t) n_mat * n * k,
+                 ny = (size_t) m * n_mat * n;
+    uint16_t *x = xmalloc(nx * 2), *w = xmalloc(nw * 2);
+    float *want = xmalloc(ny * 4), *abs_ = xmalloc(ny * 4);
+    float *got = xmalloc(ny * 4), *tol = xmalloc(ny * 4);
+    fill_bf16(x, nx, &rng, -1.0f, 1.0f);
+    fill_bf16(w, nw, &rng, -1.0f, 1.0f);
     // Y = X W^T is the GEMV with tokens = rows of X.
-    for (int i = 0; i < m; i++)
-        gemm_bf16_gemv_ref(want + (size_t) i * n, abs_ + (size_t) i * n, w, x + (size_t) i * k, n,
-                           k, 1, 1);
-    uint16_t *d_x = gpu_upload(x, (size_t) m * k * 2), *d_w = gpu_upload(w, (size_t) n * k * 2);
-    float *d_y = gpu_alloc_poisoned((size_t) m * n * 4);
-    gemm_bf16_lt(d_y, GEMM_OUT_F32, d_x, d_w, m, n, k, lt, 0);
-    gpu_download(got, d_y, (size_t) m * n * 4);
-    for (size_t i = 0; i < (size_t) m * n; i++) tol[i] = (float) ((k + 8) * FLT_EPSILON * abs_[i]);
+    gemm_bf16_gemv_ref(want, abs_, w, x, n, k, n_mat, m);
+    uint16_t *d_x = gpu_upload(x, nx * 2), *d_w = gpu_upload(w, nw * 2);
+    float *d_y = gpu_alloc_poisoned(ny * 4);
+    if (n_mat == 1)
+        gemm_bf16_lt(d_y, GEMM_OUT_F32, d_x, d_w, m, n, k, lt, 0);
+    else
+        gemm_bf16_lt_mats(d_y, GEMM_OUT_F32, d_x, d_w, m, n, k, n_mat, lt, 0);
+    gpu_download(got, d_y, ny * 4);
+    for (size_t i = 0; i < ny; i++)
+        tol[i] = (float) ((k + 8) * FLT_EPSILON * abs_[i]);
     char name[64];
-    snprintf(name, sizeof name, "cublasLt %dx%dx%d", m, n, k);
-    compare(name, got, want, tol, 0, (size_t) m * n, 1e-10);
+    snprintf(name, sizeof name, "cublasLt %dx%dx%d mats=%d", m, n, k, n_mat);
+    compare(name, got, want, tol, 0, ny, 1e-10);
     cudaFree(d_x), cudaFree(d_w), cudaFree(d_y);
     free(x), free(w), free(want), free(abs_), free(got), free(tol);
 }
@@ -96,9 +101,14 @@ int main(void)
 
     GemmLt lt = {0};
     gemm_lt_init(&lt);
-    test_lt(64, 96, 128, &lt);
-    test_lt(300, 1024, 512, &lt);
-    test_lt(2048, 576, 6144, &lt);
+    test_lt(64, 96, 128, 1, &lt);
+    test_lt(300, 1024, 512, 1, &lt);
+    test_lt(2048, 576, 6144, 1, &lt);
+    test_lt(300, 156, 6144, 1, &lt);  // the router's 156 experts: rows in 4s (fp32 out)
+    // MLA's absorbed projections of a prefill chunk: W_UK^T per head, W_UV per head.
+    test_lt(256, 512, 192, 64, &lt);
+    test_lt(77, 256, 512, 64, &lt);
+    test_lt(40, 16, 24, 3, &lt);
     gemm_lt_free(&lt);
     return check_exit();
 }
