@@ -399,8 +399,8 @@ static bool window_open(const TokStream *s)
     // applied to the first window whose text is not empty (below); more than one char, the
     // end, or another decoder after the fusing sees across windows: hold everything (no real
     // tokenizer does this; the loader warns).
-    if (tok_stream_holds_all(tok)) return true;
     const int strip_start = fused_strip_start(tok);
+    if (strip_start < 0 || strip_start > 1) return true;  // tok_stream_holds_all
     if (strip_start == 1 && s->first) {
         // Until the text is not empty, the next token's leading char is still the start.
         char *text = NULL;
