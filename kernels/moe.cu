@@ -717,9 +717,13 @@ enum {
 
 // Per row r of src [n_rows, K] (fp32 rounded to bf16 as read, or bf16), one warp each: the
 // staging factor 2^-e and the output factor 2^e * 2^14 of stage_columns, from the row's
-// largest magnitude (the same exponent: the maximum is exact in any order).
+// largest magnitude (the same exponent: the maximum is exact in any order), and the row
+// staged once as stage_columns stages a column: xs [n_rows, K] f16, each value times 2^-e
+// (exact). The wide tiles then copy these rows into shared memory instead of converting their
+// columns again for every 128-row block of the expert.
 template <typename T>
-static __global__ void moe_row_scale_kernel(float *__restrict__ s_in, float *__restrict__ out_mul,
+static __global__ void moe_row_stage_kernel(uint16_t *__restrict__ xs, float *__restrict__ s_in,
+                                            float *__restrict__ out_mul,
                                             const T *__restrict__ src, int n_rows, int K)
 {
     const int r = (int) ((blockIdx.x * (size_t) blockDim.x + threadIdx.x) / WARP_SIZE);
@@ -732,24 +736,31 @@ static __global__ void moe_row_scale_kernel(float *__restrict__ s_in, float *__r
         m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
     }
     m = warp_max(m);
-    if (lane == 0) col_factors(m, &s_in[r], &out_mul[r]);
+    float sc, om;
+    col_factors(m, &sc, &om);
+    if (lane == 0) {
+        s_in[r] = sc;
+        out_mul[r] = om;
+    }
+    uint32_t *row = (uint32_t *) (xs + (size_t) r * K);
+    for (int i = lane; i < K / 4; i += WARP_SIZE) stage4(row + 2 * i, load4(p, i), sc);
 }
 
 // The common body of the wide expert kernels, for block (x, tile) of a matrix of n_tiles
 // 16-row tiles and K columns: warp w's rows (tile x*8 + w) against the tile's ncols <= 64
-// columns (pair p's row p / row_div of src, scaled by s_in_rows / out_rows of that row),
-// staged WIDE_KC values of K at a time. Each decoded A fragment feeds the ceil(ncols / 8)
-// n-tiles' MMAs. Per column the products and their order are tile_mma's (even k-steps of a
-// chunk into c, odd into c2, the tail into c, then c + c2), so the outputs equal the 8-column
-// kernels' bit for bit. c[t] holds n-tile t (columns 8t..8t+7) in tile_mma's layout.
-template <typename T>
+// columns (pair p's row p / row_div of xs, staged by moe_row_stage_kernel, whose output
+// factor is out_rows of that row), copied into shared memory WIDE_KC values of K at a time.
+// Each decoded A fragment feeds the ceil(ncols / 8) n-tiles' MMAs. Per column the products
+// and their order are tile_mma's (even k-steps of a chunk into c, odd into c2, the tail into
+// c, then c + c2), and the staged values are stage_columns' (the same factor, the same f16
+// rounding), so the outputs equal the 8-column kernels' bit for bit. c[t] holds n-tile t
+// (columns 8t..8t+7) in tile_mma's layout.
 static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t *q,
-                                 const uint8_t *s, const T *src, int row_div,
-                                 const int32_t *work, const float *s_in_rows,
-                                 const float *out_rows, int n_tiles, int K)
+                                 const uint8_t *s, const uint16_t *xs, int row_div,
+                                 const int32_t *work, const float *out_rows, int n_tiles, int K)
 {
     extern __shared__ uint32_t bs[];  // [MOE_WIDE_COLS][stage_words(WIDE_KC)]
-    __shared__ float s_in[MOE_WIDE_COLS], out_mul[MOE_WIDE_COLS];
+    __shared__ float out_mul[MOE_WIDE_COLS];
     __shared__ int pair_of[MOE_WIDE_COLS], row_of[MOE_WIDE_COLS];
     if ((int) blockIdx.y >= work[0]) return false;  // the whole block
     const int32_t *tl = work + 1 + (size_t) blockIdx.y * WIDE_TILE_INTS;
@@ -762,7 +773,6 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
         const int p = tl[2 + (i < ncols ? i : 0)], r = p / row_div;
         pair_of[i] = p;
         row_of[i] = r;
-        s_in[i] = s_in_rows[r];
         out_mul[i] = out_rows[r];
     }
     float c2[WIDE_NT][4];
@@ -780,11 +790,13 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
         col_off[t] = (n < ncols ? n : 0) * W + cq;
     }
     for (int k0 = 0; k0 < K; k0 += WIDE_KC) {
-        const int kc = K - k0 < WIDE_KC ? K - k0 : WIDE_KC, q4 = kc / 4;
+        const int kc = K - k0 < WIDE_KC ? K - k0 : WIDE_KC, q8 = kc / 8;  // K in 16s: kc too
         __syncthreads();  // the previous K range's MMAs are done with bs (and row_of is set)
-        for (int i = threadIdx.x; i < ncols * q4; i += MMA_THREADS) {
-            const int n = i / q4, kk = i % q4;
-            stage4(bs + n * W + 2 * kk, load4(src + (size_t) row_of[n] * K + k0, kk), s_in[n]);
+#pragma unroll 4
+        for (int i = threadIdx.x; i < ncols * q8; i += MMA_THREADS) {
+            const int n = i / q8, kk = i % q8;  // 8 staged values: 16 bytes, 4 words
+            *(uint4 *) (bs + n * W + 4 * kk) =
+                __ldg((const uint4 *) (xs + (size_t) row_of[n] * K + k0) + kk);
         }
         __syncthreads();
         if (rt >= n_tiles) continue;  // still staging with the block
@@ -808,14 +820,12 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
 static __global__ void __launch_bounds__(MMA_THREADS)
     moe_w13_wide_kernel(uint16_t *__restrict__ act, const uint8_t *__restrict__ q13,
                         const uint8_t *__restrict__ s13, const float *__restrict__ g13,
-                        const float *__restrict__ x, const int32_t *__restrict__ work,
-                        const float *__restrict__ s_in, const float *__restrict__ out_rows, int k,
-                        int hidden, int inter)
+                        const uint16_t *__restrict__ xs, const int32_t *__restrict__ work,
+                        const float *__restrict__ out_rows, int k, int hidden, int inter)
 {
     float c[WIDE_NT][4];
     TileOut o;
-    if (!wide_tile<float>(c, &o, q13, s13, x, k, work, s_in, out_rows, inter / 8, hidden))
-        return;
+    if (!wide_tile(c, &o, q13, s13, xs, k, work, out_rows, inter / 8, hidden)) return;
     const int lane = threadIdx.x % WARP_SIZE;
     const int feat = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 8 + lane / 4;
     const float gg = g13[2 * o.e], gu = g13[2 * o.e + 1];
@@ -827,14 +837,13 @@ static __global__ void __launch_bounds__(MMA_THREADS)
 static __global__ void __launch_bounds__(MMA_THREADS)
     moe_w2_wide_kernel(float *__restrict__ y, const uint8_t *__restrict__ q2,
                        const uint8_t *__restrict__ s2, const float *__restrict__ g2,
-                       const uint16_t *__restrict__ act, const int32_t *__restrict__ work,
-                       const float *__restrict__ s_in, const float *__restrict__ out_rows,
-                       const float *__restrict__ w, int hidden, int inter)
+                       const uint16_t *__restrict__ xs, const int32_t *__restrict__ work,
+                       const float *__restrict__ out_rows, const float *__restrict__ w, int hidden,
+                       int inter)
 {
     float c[WIDE_NT][4];
     TileOut o;
-    if (!wide_tile<uint16_t>(c, &o, q2, s2, act, 1, work, s_in, out_rows, hidden / 16, inter))
-        return;
+    if (!wide_tile(c, &o, q2, s2, xs, 1, work, out_rows, hidden / 16, inter)) return;
     const int lane = threadIdx.x % WARP_SIZE;
     const int row = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 16 + lane / 4;
     const float ge = g2[o.e];
@@ -1069,16 +1078,24 @@ void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const i
 }
 
 // The wide work list: tile_list_ints' layout for tiles of MOE_WIDE_COLS with the counters,
-// then two floats per pair for the row factors (moe_row_scale_kernel: the tokens' for w13,
-// the pairs' for w2, in turn), at wide_factors_at.
+// then two floats per pair for the row factors (moe_row_stage_kernel: the tokens' for w13,
+// the pairs' for w2, in turn), at wide_factors_at, then (16-byte aligned, at wide_rows_at)
+// the staged rows: f16 [n_tok, hidden] for w13, [n_pairs, inter] for w2, in turn.
 static size_t wide_factors_at(int n_pairs, int n_experts)
 {
     return tile_list_ints(n_pairs, n_experts, MOE_WIDE_COLS) + (size_t) 3 * n_experts;
 }
 
-size_t moe_wide_work_ints(int n_pairs, int n_experts)
+static size_t wide_rows_at(int n_pairs, int n_experts)
 {
-    return wide_factors_at(n_pairs, n_experts) + (size_t) 2 * n_pairs;
+    return (wide_factors_at(n_pairs, n_experts) + (size_t) 2 * n_pairs + 3) & ~(size_t) 3;
+}
+
+size_t moe_wide_work_ints(const MoeExperts *ex, int n_tok, int k)
+{
+    const size_t n_pairs = (size_t) n_tok * k, w13 = (size_t) n_tok * ex->hidden,
+                 w2 = n_pairs * ex->inter;
+    return wide_rows_at((int) n_pairs, ex->n_experts) + ((w13 > w2 ? w13 : w2) + 1) / 2;
 }
 
 size_t moe_wide_smem_bytes(void)
@@ -1095,22 +1112,24 @@ void moe_group_wide(int32_t *work, const int32_t *idx, int n_tok, int k, int n_e
     group_atomic(work, idx, n_pairs, n_experts, MOE_WIDE_COLS, stream);
 }
 
-// The row factors of src [n_rows, K] into the work list's factor arrays, then the grid of a
+// The row factors and staged rows of src [n_rows, K] into the work list, then the grid of a
 // wide launch for a matrix of n_tiles 16-row tiles (and the kernel's shared-memory limit).
 template <typename T>
 static dim3 wide_launch(const void *kernel, const MoeExperts *ex, int32_t *work, const T *src,
-                        int n_rows, int K, int n_tok, int k, int n_tiles, float **s_in,
+                        int n_rows, int K, int n_tok, int k, int n_tiles, uint16_t **xs,
                         float **out_rows, cudaStream_t stream)
 {
     check_experts(ex);
     check_pairs(n_tok, k);
+    ASSERT((uintptr_t) work % 16 == 0);
     const int n_pairs = n_tok * k;
-    *s_in = (float *) (work + wide_factors_at(n_pairs, ex->n_experts));
-    *out_rows = *s_in + n_pairs;
+    float *s_in = (float *) (work + wide_factors_at(n_pairs, ex->n_experts));
+    *out_rows = s_in + n_pairs;
+    *xs = (uint16_t *) (work + wide_rows_at(n_pairs, ex->n_experts));
     const unsigned warps_per_block = 8;
-    moe_row_scale_kernel<T><<<(unsigned) CEIL_DIV(n_rows, (int) warps_per_block),
-                              warps_per_block * WARP_SIZE, 0, stream>>>(*s_in, *out_rows, src,
-                                                                        n_rows, K);
+    moe_row_stage_kernel<T><<<(unsigned) CEIL_DIV(n_rows, (int) warps_per_block),
+                              warps_per_block * WARP_SIZE, 0, stream>>>(*xs, s_in, *out_rows,
+                                                                        src, n_rows, K);
     CUDA_CHECK(cudaGetLastError());
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int) moe_wide_smem_bytes()));
@@ -1122,12 +1141,13 @@ void moe_experts_w13_wide(uint16_t *act, const MoeExperts *ex, const float *x, i
                           int n_tok, int k, cudaStream_t stream)
 {
     ASSERT((uintptr_t) x % 16 == 0);
-    float *s_in, *out_rows;
+    uint16_t *xs;
+    float *out_rows;
     const dim3 grid = wide_launch<float>((const void *) moe_w13_wide_kernel, ex, work, x, n_tok,
-                                         ex->hidden, n_tok, k, ex->inter / 8, &s_in, &out_rows,
+                                         ex->hidden, n_tok, k, ex->inter / 8, &xs, &out_rows,
                                          stream);
     moe_w13_wide_kernel<<<grid, MMA_THREADS, moe_wide_smem_bytes(), stream>>>(
-        act, ex->q13, ex->s13, ex->g13, x, work, s_in, out_rows, k, ex->hidden, ex->inter);
+        act, ex->q13, ex->s13, ex->g13, xs, work, out_rows, k, ex->hidden, ex->inter);
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1135,12 +1155,13 @@ void moe_experts_w2_wide(float *y, const MoeExperts *ex, const uint16_t *act, in
                          const float *w, int n_tok, int k, cudaStream_t stream)
 {
     ASSERT((uintptr_t) act % 8 == 0);
-    float *s_in, *out_rows;
+    uint16_t *xs;
+    float *out_rows;
     const dim3 grid = wide_launch<uint16_t>((const void *) moe_w2_wide_kernel, ex, work, act,
-                                            n_tok * k, ex->inter, n_tok, k, ex->hidden / 16,
-                                            &s_in, &out_rows, stream);
+                                            n_tok * k, ex->inter, n_tok, k, ex->hidden / 16, &xs,
+                                            &out_rows, stream);
     moe_w2_wide_kernel<<<grid, MMA_THREADS, moe_wide_smem_bytes(), stream>>>(
-        y, ex->q2, ex->s2, ex->g2, act, work, s_in, out_rows, w, ex->hidden, ex->inter);
+        y, ex->q2, ex->s2, ex->g2, xs, work, out_rows, w, ex->hidden, ex->inter);
     CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1945,7 +1945,8 @@ static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int
 // or more takes the wide tiles (up to 64 pairs of an expert per weight read; the same outputs
 // bit for bit, moe.h). Off by default: measured slower (docs/perf.md, run 14: a 4,096-token
 // call 42.3 ms a layer against ~37.7 on the 8-column tiles; both are instruction-bound, not
-// bandwidth-bound, at these widths).
+// bandwidth-bound, at these widths); since then the wide tiles copy rows staged once per call
+// instead of converting them per 128-row block (not yet measured).
 #define MOE_WIDE_MIN_PAIRS 16
 static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const int *idx,
                       const float *wts, int top_k, const MoeExperts *ex)
@@ -1954,7 +1955,7 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
     const size_t hidden = (size_t) ex->hidden, inter = (size_t) ex->inter,
                  pairs = (size_t) chunk * top_k;
     const size_t narrow_ints = moe_work_ints((int) pairs, ex->n_experts),
-                 wide_ints = moe_wide_work_ints((int) pairs, ex->n_experts);
+                 wide_ints = impl->moe_wide ? moe_wide_work_ints(ex, chunk, top_k) : 0;
     int32_t *work = (int32_t *) scratch(
         impl, SCRATCH_E, (narrow_ints > wide_ints ? narrow_ints : wide_ints) * sizeof(int32_t));
     uint16_t *act = (uint16_t *) scratch(impl, SCRATCH_Y, pairs * inter * 2);

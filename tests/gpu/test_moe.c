@@ -143,7 +143,7 @@ static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
     moe_combine(d_out, d_y, d_res, n_tok, k, hidden, 0);
     {
         // Prefill's wide tiles (moe.h): the same outputs bit for bit, act and out.
-        int32_t *d_wwork = gpu_alloc_poisoned(moe_wide_work_ints(n_pairs, n_experts) * 4);
+        int32_t *d_wwork = gpu_alloc_poisoned(moe_wide_work_ints(&ex, n_tok, k) * 4);
         uint16_t *d_act3 = gpu_alloc_poisoned((size_t) n_pairs * inter * 2);
         float *d_y3 = gpu_alloc_poisoned((size_t) n_pairs * hidden * 4);
         float *d_out3 = gpu_alloc_poisoned((size_t) n_tok * hidden * 4);
