@@ -154,6 +154,8 @@ done
 # each of those settings (commas join variables), REAP_PREFILL_PROFILE=1 profiles
 # each per op kind. REAP_SPILL=DIR lets a checkpoint larger than the disk put its last shards
 # in DIR (`mkmodel --spill`, e.g. /dev/shm: REAP=26:3, one 90 GB stage, on the 64 GB disk).
+# REAP_TTFT="25000" times `glmspark generate --max-tokens 1` on a prompt of that many tokens
+# (its prefill line: the time to the first token, issue 20).
 # REAP_MTP=1 writes the checkpoints with an MTP layer (+11.8 GB of
 # BF16 experts) and times MTP steps with 1-3 drafts (`bench --mtp-drafts 1,2,3`, batches
 # ${REAP_MTP_BATCH:-1,8}: issue 19's verify ratios and the speed-up at published acceptance;
@@ -272,6 +274,13 @@ for cfg in ${REAP:-}; do
             GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" \
                 --batch 1 --ctx "$long" --steps 8 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
         fi
+    done
+    for n_ttft in ${REAP_TTFT:-}; do  # e.g. 25000: time to first token of an n-token prompt
+        # ids below 1,005: 25K of them stay under the kernel's 128 KB limit on one argument
+        toks=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 5) for i in range($n_ttft)))")
+        run "$c/bin/glmspark" generate --backend cuda --kv-dtype fp8 --model "$dir" --tokens "$toks" \
+            --max-tokens 1 --ignore-eos 2>&1 >/dev/null | grep -o "prefill: [0-9]* tokens in [^;]*" \
+            | sed "s/^/generate reap $cfg, TTFT: /" | tee -a "$out/reap.log"
     done
     # The serving path against the bench (issue 18: within 5%): `glmspark generate` on one
     # sequence of a 1,024-token prompt (its decode tok/s), and 8 sequences of it through the
