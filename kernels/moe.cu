@@ -716,14 +716,13 @@ enum {
 };
 
 // Per row r of src [n_rows, K] (fp32 rounded to bf16 as read, or bf16), one warp each: the
-// staging factor 2^-e and the output factor 2^e * 2^14 of stage_columns, from the row's
-// largest magnitude (the same exponent: the maximum is exact in any order), and the row
-// staged once as stage_columns stages a column: xs [n_rows, K] f16, each value times 2^-e
-// (exact). The wide tiles then copy these rows into shared memory instead of converting their
-// columns again for every 128-row block of the expert.
+// row staged once as stage_columns stages a column, xs [n_rows, K] f16, each value times the
+// staging factor 2^-e of the row's largest magnitude (exact; the same exponent: the maximum
+// is exact in any order), and the output factor 2^e * 2^14 into out_mul[r]. The wide tiles
+// then copy these rows into shared memory instead of converting their columns again for
+// every 128-row block of the expert.
 template <typename T>
-static __global__ void moe_row_stage_kernel(uint16_t *__restrict__ xs, float *__restrict__ s_in,
-                                            float *__restrict__ out_mul,
+static __global__ void moe_row_stage_kernel(uint16_t *__restrict__ xs, float *__restrict__ out_mul,
                                             const T *__restrict__ src, int n_rows, int K)
 {
     const int r = (int) ((blockIdx.x * (size_t) blockDim.x + threadIdx.x) / WARP_SIZE);
@@ -738,10 +737,7 @@ static __global__ void moe_row_stage_kernel(uint16_t *__restrict__ xs, float *__
     m = warp_max(m);
     float sc, om;
     col_factors(m, &sc, &om);
-    if (lane == 0) {
-        s_in[r] = sc;
-        out_mul[r] = om;
-    }
+    if (lane == 0) out_mul[r] = om;
     uint32_t *row = (uint32_t *) (xs + (size_t) r * K);
     for (int i = lane; i < K / 4; i += WARP_SIZE) stage4(row + 2 * i, load4(p, i), sc);
 }
@@ -1078,9 +1074,9 @@ void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const i
 }
 
 // The wide work list: tile_list_ints' layout for tiles of MOE_WIDE_COLS with the counters,
-// then two floats per pair for the row factors (moe_row_stage_kernel: the tokens' for w13,
-// the pairs' for w2, in turn), at wide_factors_at, then (16-byte aligned, at wide_rows_at)
-// the staged rows: f16 [n_tok, hidden] for w13, [n_pairs, inter] for w2, in turn.
+// then a float per pair for the rows' output factors (moe_row_stage_kernel: the tokens' for
+// w13, the pairs' for w2, in turn), at wide_factors_at, then (16-byte aligned, at
+// wide_rows_at) the staged rows: f16 [n_tok, hidden] for w13, [n_pairs, inter] for w2.
 static size_t wide_factors_at(int n_pairs, int n_experts)
 {
     return tile_list_ints(n_pairs, n_experts, MOE_WIDE_COLS) + (size_t) 3 * n_experts;
@@ -1088,7 +1084,7 @@ static size_t wide_factors_at(int n_pairs, int n_experts)
 
 static size_t wide_rows_at(int n_pairs, int n_experts)
 {
-    return (wide_factors_at(n_pairs, n_experts) + (size_t) 2 * n_pairs + 3) & ~(size_t) 3;
+    return (wide_factors_at(n_pairs, n_experts) + (size_t) n_pairs + 3) & ~(size_t) 3;
 }
 
 size_t moe_wide_work_ints(const MoeExperts *ex, int n_tok, int k)
@@ -1123,13 +1119,12 @@ static dim3 wide_launch(const void *kernel, const MoeExperts *ex, int32_t *work,
     check_pairs(n_tok, k);
     ASSERT((uintptr_t) work % 16 == 0);
     const int n_pairs = n_tok * k;
-    float *s_in = (float *) (work + wide_factors_at(n_pairs, ex->n_experts));
-    *out_rows = s_in + n_pairs;
+    *out_rows = (float *) (work + wide_factors_at(n_pairs, ex->n_experts));
     *xs = (uint16_t *) (work + wide_rows_at(n_pairs, ex->n_experts));
     const unsigned warps_per_block = 8;
     moe_row_stage_kernel<T><<<(unsigned) CEIL_DIV(n_rows, (int) warps_per_block),
-                              warps_per_block * WARP_SIZE, 0, stream>>>(*xs, s_in, *out_rows,
-                                                                        src, n_rows, K);
+                              warps_per_block * WARP_SIZE, 0, stream>>>(*xs, *out_rows, src,
+                                                                        n_rows, K);
     CUDA_CHECK(cudaGetLastError());
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int) moe_wide_smem_bytes()));

@@ -157,6 +157,24 @@ static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
                "%s\n",
                n_experts, hidden, inter, n_tok, k, same ? "yes" : "NO");
         CHECK(same);
+        // fp32 inputs that are not bf16 values (rounded on the way in), a zero row and a row
+        // of larger magnitudes: both stagings round and scale them alike.
+        float *xr = xmalloc((size_t) n_tok * hidden * 4);
+        for (size_t i = 0; i < (size_t) n_tok * hidden; i++) {
+            const size_t t = i / (size_t) hidden;
+            xr[i] = t == 0 ? 0.0f : xf[i] * (1.0f + 0x1p-12f * (float) ((int) (i % 7) - 3));
+            if (n_tok > 1 && t == (size_t) n_tok - 1) xr[i] *= 64.0f;
+        }
+        float *d_xr = gpu_upload(xr, (size_t) n_tok * hidden * 4);
+        moe_experts_w13(d_act, &ex, d_xr, d_work, n_tok, k, 0);
+        moe_experts_w13_wide(d_act3, &ex, d_xr, d_wwork, n_tok, k, 0);
+        const bool same_r = same_bits(d_act, d_act3, (size_t) n_pairs * inter * 2);
+        printf("moe E=%d %dx%d tok=%d k=%d: wide = 8-column on rounded fp32 inputs (act): %s\n",
+               n_experts, hidden, inter, n_tok, k, same_r ? "yes" : "NO");
+        CHECK(same_r);
+        moe_experts_w13(d_act, &ex, d_x, d_work, n_tok, k, 0);  // as before, for the checks below
+        free(xr);
+        cudaFree(d_xr);
         cudaFree(d_wwork), cudaFree(d_act3), cudaFree(d_y3), cudaFree(d_out3);
     }
     if (n_pairs > MOE_MAX_PAIRS) {
