@@ -348,7 +348,7 @@ static __global__ void __launch_bounds__(TC_THREADS)
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane >> 2, tq = lane & 3;
     const int mt = warp & 1;  // heads 16 mt .. 16 mt + 15 of the CTA's 32
-    const float sm_log2 = sm_scale * MLA_LOG2E;  // scores in log2 units (step 3)
+    const float sm_log2 = mla_log2_scale(sm_scale);  // scores in log2 units (step 3)
     const size_t tb = CT == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES : BF16_TOKEN_BYTES;
 
     const int len = kv_len[t];

@@ -614,7 +614,7 @@ static void mla_task(void *ctx, int task, int thread)
 
     // mla_decode_tc's probabilities are 2^(x - M) with x in log2 units and M an integer
     // (kernels/mla_format.h); the plain recipe's are exp(score - max).
-    const double x_scale = job->tc ? (double) (p->scale * MLA_LOG2E) : p->scale;
+    const double x_scale = job->tc ? (double) mla_log2_scale(p->scale) : p->scale;
     double max_score = -INFINITY;
     for (int j = 0; j < n_keys; j++) {
         const int s = keys ? keys[j] : j;
