@@ -531,7 +531,7 @@ static __global__ void __launch_bounds__(TC_THREADS)
     __syncthreads();  // the last tile's row_m / row_l are written
     if (tid < TC_HEADS) {
         const size_t row = ((size_t) t * n_split + split) * n_heads + hg * TC_HEADS + tid;
-        ws_ml[row * 2] = row_m[tid] * 0.693147182f;  // the merge's natural-log units
+        ws_ml[row * 2] = row_m[tid] * MLA_LN2;  // the merge's natural-log units
         ws_ml[row * 2 + 1] = row_l[tid];
     }
 }

@@ -93,13 +93,14 @@ void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaC
 // chunk scale of its position and the output column's chunk (1 for a bf16 cache), is rounded to
 // bf16 before it weights the position's stored values (E4M3 codes or bf16, exact); scores,
 // softmax, the running sums and the output stay fp32 as in mla_decode: out = (sum_p
-// bf16(p * scale) * value) / sum_p p, where p = 2^(x - M), x = score * sm_scale * MLA_LOG2E
+// bf16(p * scale) * value) / sum_p p, where p = 2^(x - M), x = (q . k) * mla_log2_scale(sm_scale)
 // and M = ceil(max x) over every position the token attends (the kernel keeps a running
 // integer maximum, so a tile's p differs from this one by a power of two, which bf16 rounding
-// commutes with: the roundings do not depend on tiles or splits). The same workspace and merge
-// as mla_decode. The engine calls it with Backend.mla_tc (on unless GLMSPARK_MLA_TC=0), under which the
-// CPU backend rounds the same p (tests/gpu/test_mla.c checks it against mla_decode_ref with q
-// rounded, the probabilities' rounding in the tolerance).
+// commutes with: the roundings do not depend on tiles or splits; kernels/mla_format.h). The
+// same workspace and merge as mla_decode. The engine calls it with Backend.mla_tc (on unless
+// GLMSPARK_MLA_TC=0), under which the CPU backend rounds the same p (tests/gpu/test_mla.c
+// checks it against mla_decode_ref with q rounded, the probabilities' rounding in the
+// tolerance).
 void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const MlaCache *cache,
                    const int32_t *block_table, int max_blocks, const int32_t *seq,
                    const int32_t *kv_len, const int32_t *indices, int idx_stride, int n_tok,

@@ -1780,13 +1780,25 @@ static size_t align256(size_t n)
     return (n + 255) & ~(size_t) 255;
 }
 
+// y fp32 [n, n_mat, rows] = each of the n_mat bf16 matrices w [n_mat, rows, cols] times its
+// slice of x bf16 [n, n_mat, cols] (MLA's absorbed projections): the per-head GEMV on tensor
+// cores for up to GEMM_MAX_TOK tokens, one strided-batched cuBLASLt GEMM for more (as
+// matmul_tuned chooses for one matrix).
+static void heads_product(CudaImpl *impl, float *y, const uint16_t *w, const uint16_t *x,
+                          int rows, int cols, int n_mat, int n)
+{
+    if (n > GEMM_MAX_TOK)
+        gemm_bf16_lt_mats(y, GEMM_OUT_F32, x, w, n, rows, cols, n_mat, &impl->lt, impl->stream);
+    else
+        gemv_chunks(impl, y, w, x, false, rows, cols, n_mat, n, true, false);
+}
+
 // MLA attention through kernels/mla.h (backend_mla_tuned layers under the BF16 recipe): q
 // split into bf16 q_nope and fp32 q_pe (already rotated by the model), q_lat = W_UK^T q_nope,
 // split-KV decode over the layer's own pages (kv_cache.h's layout is mla.h's), out = W_UV
-// o_lat. Tokens in chunks of 256 so the workspace stays bounded; the two projections of a
-// chunk of more than GEMM_MAX_TOK tokens are one strided-batched cuBLASLt GEMM each (64 heads),
-// of fewer the per-head GEMV. tc (backend_mla_tc): the tensor-core kernel, mla_decode_tc (32
-// heads a CTA, tiles of 32 positions).
+// o_lat (heads_product). Tokens in chunks of 256 so the workspace stays bounded. tc
+// (backend_mla_tc): the tensor-core kernel, mla_decode_tc (32 heads a CTA, tiles of 32
+// positions).
 static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack *pk,
                       const KvCache *kv, const BackendSeqs *s, int layer, const int *sel,
                       const int *n_sel, int sel_stride, const BackendMla *p, bool tc)
@@ -1826,11 +1838,7 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
         prof_begin(impl);
         mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (192 + MLA_ROPE), NULL, nc, H, 0.0f,
                     impl->stream);
-        if (nc > GEMM_MAX_TOK)  // a prefill chunk: one strided-batched GEMM over the heads
-            gemm_bf16_lt_mats(q_lat, GEMM_OUT_F32, q_nope, pk->uk, nc, L, 192, H, &impl->lt,
-                              impl->stream);
-        else
-            gemv_chunks(impl, q_lat, pk->uk, q_nope, false, L, 192, H, nc, true, false);
+        heads_product(impl, q_lat, pk->uk, q_nope, L, 192, H, nc);
         prof_end(impl, PROF_MLA_PROJ, 0.0);
         prof_begin(impl);
         (tc ? mla_decode_tc : mla_decode)(o_lat, q_lat, q_pe, &cache, st->dev, st->stride,
@@ -1840,12 +1848,7 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
                                           impl->stream);
         prof_end(impl, PROF_MLA, 0.0);
         prof_begin(impl);
-        if (nc > GEMM_MAX_TOK)
-            gemm_bf16_lt_mats(out + (size_t) t0 * H * V, GEMM_OUT_F32, o_lat, pk->uv, nc, V, L, H,
-                              &impl->lt, impl->stream);
-        else
-            gemv_chunks(impl, out + (size_t) t0 * H * V, pk->uv, o_lat, false, V, L, H, nc, true,
-                        false);
+        heads_product(impl, out + (size_t) t0 * H * V, pk->uv, o_lat, V, L, H, nc);
         prof_end(impl, PROF_MLA_PROJ, 0.0);
     }
 }
