@@ -438,7 +438,8 @@ static __device__ __forceinline__ void load_chunk(uint4 *q, uint2 *s, const uint
 // One chunk of a warp's 16-row tile (qv: the lane's code words of its CHUNK_KS k-steps, sv:
 // its rows' scales) against nt <= NT n-tiles: n-tile t's B words of k-step j at
 // b + off[t] + 8 j (and + 4). Even k-steps accumulate into c[t], odd ones into c2[t]: two
-// MMA chains, whose order every expert kernel keeps so that they agree bit for bit.
+// MMA chains, whose order the decode kernels keep so that they agree bit for bit (the wide
+// tiles pass c as c2: one chain).
 template <int NT>
 static __device__ __forceinline__ void chunk_mma(float (*c)[4], float (*c2)[4], uint4 qv, uint2 sv,
                                                  const uint32_t *b, const int *off, int nt)
@@ -746,10 +747,11 @@ static __global__ void moe_row_stage_kernel(uint16_t *__restrict__ xs, float *__
 // 16-row tiles and K columns: warp w's rows (tile x*8 + w) against the tile's ncols <= 64
 // columns (pair p's row p / row_div of xs, staged by moe_row_stage_kernel, whose output
 // factor is out_rows of that row), copied into shared memory WIDE_KC values of K at a time.
-// Each decoded A fragment feeds the ceil(ncols / 8) n-tiles' MMAs. Per column the products
-// and their order are tile_mma's (even k-steps of a chunk into c, odd into c2, the tail into
-// c, then c + c2), and the staged values are stage_columns' (the same factor, the same f16
-// rounding), so the outputs equal the 8-column kernels' bit for bit. c[t] holds n-tile t
+// Each decoded A fragment feeds the ceil(ncols / 8) n-tiles' MMAs. The staged values are
+// stage_columns' (the same factor, the same f16 rounding) and the products are exact, so a
+// column differs from the 8-column kernels' only in the order of its fp32 sums: one MMA chain
+// per n-tile here (32 accumulator registers, not tile_mma's two chains' 64), so that two
+// blocks fit an SM and one block's staging overlaps the other's MMAs. c[t] holds n-tile t
 // (columns 8t..8t+7) in tile_mma's layout.
 static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t *q,
                                  const uint8_t *s, const uint16_t *xs, int row_div,
@@ -771,11 +773,10 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
         row_of[i] = r;
         out_mul[i] = out_rows[r];
     }
-    float c2[WIDE_NT][4];
 #pragma unroll
     for (int t = 0; t < WIDE_NT; t++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) c[t][i] = c2[t][i] = 0.0f;
+        for (int i = 0; i < 4; i++) c[t][i] = 0.0f;
     const int nt = CEIL_DIV(ncols, 8), nks = K / 16, nfull = nks / CHUNK_KS,
               ntail = nks % CHUNK_KS, W = stage_words(WIDE_KC);
     // Lane's column in n-tile t: 8t + lane/4, or column 0 past ncols (its outputs unused).
@@ -797,23 +798,18 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
         __syncthreads();
         if (rt >= n_tiles) continue;  // still staging with the block
         const int ch0 = k0 / 64;  // WIDE_KC / 64 == PIPE chunks of this range
-        range_mma<WIDE_NT>(c, c2, qa, sa, qt, st, ch0, nfull, bs, col_off, nt);
+        range_mma<WIDE_NT>(c, c, qa, sa, qt, st, ch0, nfull, bs, col_off, nt);  // one chain
         if (k0 + kc == K)  // the tail's k-steps lie in this last range
             for (int j = 0; j < ntail; j++)
                 tail_mma<WIDE_NT>(c, qt, st, nfull, ntail, j,
                                   bs + ((nfull - ch0) * CHUNK_KS + j) * 8, col_off, nt);
     }
     *o = TileOut{e, ncols, pair_of, out_mul};
-    if (rt >= n_tiles) return false;
-#pragma unroll
-    for (int t = 0; t < WIDE_NT; t++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) c[t][i] += c2[t][i];
-    return true;
+    return rt < n_tiles;
 }
 
-// gate/up + SwiGLU over wide tiles (w13_out per n-tile).
-static __global__ void __launch_bounds__(MMA_THREADS)
+// gate/up + SwiGLU over wide tiles (w13_out per n-tile). Two blocks an SM (128 registers).
+static __global__ void __launch_bounds__(MMA_THREADS, 2)
     moe_w13_wide_kernel(uint16_t *__restrict__ act, const uint8_t *__restrict__ q13,
                         const uint8_t *__restrict__ s13, const float *__restrict__ g13,
                         const uint16_t *__restrict__ xs, const int32_t *__restrict__ work,
@@ -829,8 +825,8 @@ static __global__ void __launch_bounds__(MMA_THREADS)
     for (int t = 0; t < WIDE_NT; t++) w13_out(act, c[t], &o, 8 * t, feat, gg, gu, inter);
 }
 
-// down over wide tiles (w2_out per n-tile).
-static __global__ void __launch_bounds__(MMA_THREADS)
+// down over wide tiles (w2_out per n-tile). Two blocks an SM.
+static __global__ void __launch_bounds__(MMA_THREADS, 2)
     moe_w2_wide_kernel(float *__restrict__ y, const uint8_t *__restrict__ q2,
                        const uint8_t *__restrict__ s2, const float *__restrict__ g2,
                        const uint16_t *__restrict__ xs, const int32_t *__restrict__ work,
@@ -988,10 +984,11 @@ static void group_atomic(int32_t *work, const int32_t *idx, int n_pairs, int n_e
     CUDA_CHECK(cudaGetLastError());
 }
 
-// One launch's pairs: n_tok tokens of k slots, at most MOE_MAX_CHUNK_PAIRS.
-static void check_pairs(int n_tok, int k)
+// One launch's pairs: n_tok tokens of k slots, at most max_pairs (MOE_MAX_CHUNK_PAIRS, or
+// MOE_MAX_WIDE_PAIRS for the wide tiles).
+static void check_pairs(int n_tok, int k, int max_pairs = MOE_MAX_CHUNK_PAIRS)
 {
-    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (long long) n_tok * k <= MOE_MAX_CHUNK_PAIRS);
+    ASSERT(n_tok > 0 && k >= 1 && k <= MOE_MAX_K && (long long) n_tok * k <= max_pairs);
 }
 
 size_t moe_work_ints(int n_pairs, int n_experts)
@@ -1102,7 +1099,7 @@ size_t moe_wide_smem_bytes(void)
 void moe_group_wide(int32_t *work, const int32_t *idx, int n_tok, int k, int n_experts,
                     cudaStream_t stream)
 {
-    check_pairs(n_tok, k);
+    check_pairs(n_tok, k, MOE_MAX_WIDE_PAIRS);
     ASSERT(n_experts > 0 && n_experts <= MOE_MAX_EXPERTS);
     const int n_pairs = n_tok * k;
     group_atomic(work, idx, n_pairs, n_experts, MOE_WIDE_COLS, stream);
@@ -1116,7 +1113,7 @@ static dim3 wide_launch(const void *kernel, const MoeExperts *ex, int32_t *work,
                         float **out_rows, cudaStream_t stream)
 {
     check_experts(ex);
-    check_pairs(n_tok, k);
+    check_pairs(n_tok, k, MOE_MAX_WIDE_PAIRS);
     ASSERT((uintptr_t) work % 16 == 0);
     const int n_pairs = n_tok * k;
     *out_rows = (float *) (work + wide_factors_at(n_pairs, ex->n_experts));
@@ -1128,6 +1125,9 @@ static dim3 wide_launch(const void *kernel, const MoeExperts *ex, int32_t *work,
     CUDA_CHECK(cudaGetLastError());
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int) moe_wide_smem_bytes()));
+    // All of the SM's unified memory as shared where the carveout allows: two blocks an SM.
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    (int) cudaSharedmemCarveoutMaxShared));
     return dim3((unsigned) CEIL_DIV(n_tiles, MMA_WARPS),
                 (unsigned) max_tiles(n_pairs, ex->n_experts, MOE_WIDE_COLS));
 }

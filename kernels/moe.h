@@ -101,23 +101,23 @@ void moe_combine(float *out, const float *y, const float *residual, int n_tok, i
                  cudaStream_t stream);
 
 // Prefill's wide tiles: the same products over tiles of up to MOE_WIDE_COLS pairs of one
-// expert, so that each expert is read once per 64 of its pairs instead of once per 8 (a
-// 1,024-token chunk at GLM's k 8 and 156 experts: ~52 pairs an expert, one tile). Each decoded
-// weight fragment feeds up to 8 MMAs. A small kernel first stages each input row once in the
-// work list (its largest magnitude, its power-of-two factor, the row in f16 times that factor:
-// what the 8-column kernels stage per tile); the tiles then copy WIDE_KC (512) staged values
-// of K at a time into shared memory. Outputs equal moe_experts_w13 / w2's bit for bit (the
-// same staged values, the same products in the same order per column). work: int32
-// [moe_wide_work_ints(ex, n_tok, k)] (the list, its grouping's counters, the rows' factors
-// and staged rows), grouped by moe_group_wide; act, y and moe_combine as above. Shared
-// memory: moe_wide_smem_bytes() (66,560 bytes: GB10's opt-in limit is 101,376). Each expert
+// expert, up to MOE_MAX_WIDE_PAIRS pairs a launch, so that each expert is read once per 64 of
+// its pairs instead of once per 8 (a 4,096-token chunk at GLM's k 8 and 156 experts: ~210
+// pairs an expert, 4 tiles). Each decoded weight fragment feeds up to 8 MMAs. A small kernel
+// first stages each input row once in the work list (its largest magnitude, its power-of-two
+// factor, the row in f16 times that factor: what the 8-column kernels stage per tile); the
+// tiles then copy WIDE_KC (512) staged values of K at a time into shared memory, two blocks
+// an SM so that one block's copy overlaps the other's MMAs. The staged values and the products
+// equal the 8-column kernels'; the fp32 sums run in one chain per column instead of two, so
+// outputs differ from moe_experts_w13 / w2's in summation order only (tests/gpu/test_moe.c
+// holds both to the reference's bound). work: int32 [moe_wide_work_ints(ex, n_tok, k)] (the
+// list, its grouping's counters, the rows' factors and staged rows), grouped by
+// moe_group_wide; act, y and moe_combine as above. Shared memory: moe_wide_smem_bytes()
+// (66,560 bytes a block: GB10's opt-in limit is 101,376, one block an SM there). Each expert
 // launch also writes its rows into work, so a work list serves one stream's launches in order
-// (group, w13, w2), not two streams at once. The engine takes them for prefill chunks whose
-// experts average 16 pairs or more only with GLMSPARK_MOE_WIDE=1: on the H200 run 14 measured
-// them slower than the 8-column tiles (docs/perf.md), instruction-bound in the staging of x
-// that every 128-row block repeated; the rows are staged once since 2026-12-04, NOT YET RUN
-// ON A GPU (tests/gpu/test_moe.c checks the bit-for-bit equality).
+// (group, w13, w2), not two streams at once.
 #define MOE_WIDE_COLS 64
+#define MOE_MAX_WIDE_PAIRS 32768  // n_tok * k of one wide launch (4,096 tokens at k 8)
 size_t moe_wide_work_ints(const MoeExperts *ex, int n_tok, int k);
 size_t moe_wide_smem_bytes(void);
 void moe_group_wide(int32_t *work, const int32_t *idx, int n_tok, int k, int n_experts,

@@ -192,7 +192,9 @@ typedef struct CudaImpl {
     unsigned long long last_gen;
     GraphEntry graph_cache[MAX_GRAPHS];
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
-    bool moe_wide;  // GLMSPARK_MOE_WIDE=1: prefill chunks may take the wide expert tiles
+    bool moe_wide;  // prefill chunks may take the wide expert tiles (GLMSPARK_MOE_WIDE=0: no)
+    int moe_chunk;  // GLMSPARK_MOE_CHUNK: tokens per expert launch of a prefill (0: the most
+                    // the tiles take, MOE_MAX_WIDE_PAIRS or MOE_MAX_CHUNK_PAIRS / top_k)
     double prof_t0;
     double prof_s[N_PROF];
     double prof_bytes[N_PROF];  // weight bytes read (matmul, moe)
@@ -1941,20 +1943,20 @@ static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int
 // Routed experts through kernels/moe.h (stacked, packed NVFP4 experts under the BF16 recipe):
 // the pairs grouped by expert, gate/up with SwiGLU (x rounded to bf16 as read) into bf16
 // activations, down into each pair's weighted output, the k outputs of a token added in slot
-// order. Tokens in chunks of MOE_MAX_CHUNK_PAIRS / top_k (1,024 at GLM's k 8): a tile reads
-// its whole expert, so a prefill's expert bytes fall with the chunk (4,096 tokens: ~206 GB a
-// layer in 64-token chunks, ~94 GB in 1,024-token ones with 8-column tiles). With
-// GLMSPARK_MOE_WIDE=1 (impl->moe_wide) a chunk whose experts average MOE_WIDE_MIN_PAIRS pairs
-// or more takes the wide tiles (up to 64 pairs of an expert per weight read; the same outputs
-// bit for bit, moe.h). Off by default: measured slower (docs/perf.md, run 14: a 4,096-token
-// call 42.3 ms a layer against ~37.7 on the 8-column tiles; both are instruction-bound, not
-// bandwidth-bound, at these widths); since then the wide tiles copy rows staged once per call
-// instead of converting them per 128-row block (not yet measured).
+// order. A tile reads its whole expert, so a prefill's expert bytes fall with the tokens of a
+// launch: a chunk whose experts average MOE_WIDE_MIN_PAIRS pairs or more takes the wide tiles
+// (up to 64 pairs of an expert per weight read) in launches of up to MOE_MAX_WIDE_PAIRS pairs
+// (4,096 tokens at GLM's k 8; docs/perf.md run 17: a 4,096-token call 37.4 ms a layer on the
+// 8-column tiles in 1,024-token launches, 31.0 wide in 1,024-token ones, 26.6 wide in one);
+// smaller ones, and every chunk with GLMSPARK_MOE_WIDE=0, take the 8-column tiles in launches
+// of up to MOE_MAX_CHUNK_PAIRS pairs. GLMSPARK_MOE_CHUNK=N caps a launch at N tokens.
 #define MOE_WIDE_MIN_PAIRS 16
 static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const int *idx,
                       const float *wts, int top_k, const MoeExperts *ex)
 {
-    const int per = MOE_MAX_CHUNK_PAIRS / top_k, chunk = n < per ? n : per;
+    const int most = (impl->moe_wide ? MOE_MAX_WIDE_PAIRS : MOE_MAX_CHUNK_PAIRS) / top_k;
+    const int per = impl->moe_chunk > 0 && impl->moe_chunk < most ? impl->moe_chunk : most;
+    const int chunk = n < per ? n : per;
     const size_t hidden = (size_t) ex->hidden, inter = (size_t) ex->inter,
                  pairs = (size_t) chunk * top_k;
     const size_t narrow_ints = moe_work_ints((int) pairs, ex->n_experts),
@@ -1968,6 +1970,7 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
         const int nc = n - t0 < chunk ? n - t0 : chunk;
         const size_t k0 = (size_t) t0 * top_k;
         const float *xc = x + (size_t) t0 * hidden;
+        // Past MOE_MAX_CHUNK_PAIRS a chunk is wide: 8,192 pairs >= 16 x MOE_MAX_EXPERTS.
         if (impl->moe_wide && nc * top_k >= MOE_WIDE_MIN_PAIRS * ex->n_experts) {
             moe_group_wide(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
             moe_experts_w13_wide(act, ex, xc, work, nc, top_k, impl->stream);
@@ -2347,7 +2350,23 @@ Err backend_cuda_create(int device, Backend **out)
     const char *graphs = getenv("GLMSPARK_CUDA_GRAPHS"), *prof = getenv("GLMSPARK_CUDA_PROFILE");
     impl->profile = prof && strcmp(prof, "0") != 0;
     const char *wide = getenv("GLMSPARK_MOE_WIDE");
-    impl->moe_wide = wide && strcmp(wide, "0") != 0;
+    impl->moe_wide = !wide || strcmp(wide, "0") != 0;
+    const char *chunk = getenv("GLMSPARK_MOE_CHUNK");
+    if (chunk && *chunk) {  // an experiment's knob: tokens per expert launch of a prefill
+        char *end;
+        const long v = strtol(chunk, &end, 10);
+        const long most = impl->moe_wide ? MOE_MAX_WIDE_PAIRS : MOE_MAX_CHUNK_PAIRS;
+        if (*end || v < 1 || v > most) {
+            LOG_ERROR("GLMSPARK_MOE_CHUNK=%s: expected tokens per expert launch, 1 .. %ld pairs "
+                      "/ top_k (%s)", chunk, most,
+                      impl->moe_wide ? "the wide tiles" : "the 8-column tiles, GLMSPARK_MOE_WIDE=0");
+            cudaStreamDestroy(impl->stream);
+            free(be);
+            free(impl);
+            return ERR_INVAL;
+        }
+        impl->moe_chunk = (int) v;
+    }
     gemm_lt_init(&impl->lt);
     impl->graphs = !impl->profile && (!graphs || strcmp(graphs, "0") != 0);
     be->impl = impl;
