@@ -288,7 +288,9 @@ static __global__ void __launch_bounds__(DEC_THREADS)
 // Grid (n_split, H / 32, n_tok); 8 warps own 32 heads of one token and one range of its
 // positions, in tiles of 32 positions. Per tile:
 //   1. the 32 cache rows gathered through the page table into shared memory as bf16 (E4M3
-//      codes and bf16 values are exact in bf16; the fp8 chunk scales kept apart, fp32);
+//      codes and bf16 values are exact in bf16; the fp8 chunk scales kept apart, fp32), in
+//      16-byte loads that a thread issues together (6 at a time), while the next tile's
+//      rows are looked up (index, then page) into a register;
 //   2. S = Q K^T: warp w computes heads 16 (w % 2) .. +16 x positions 8 (w / 2) .. +8, one
 //      MMA chain per 128-value scale chunk, each chunk's sum times its position's scale, the
 //      rope part unscaled (q was rounded to bf16 once, on the way into shared memory);
@@ -298,8 +300,10 @@ static __global__ void __launch_bounds__(DEC_THREADS)
 //      w / 2 (64 fp32 accumulators a thread), rescaled by the heads' alpha first.
 // Shared memory: q and the tile 2 x 32 x 584 bf16 (rows padded by 8 so that the fragments'
 // 32-bit loads hit 32 different banks), scores 32 x 33 fp32, P 4 x 32 x 40 bf16: 90,368 bytes
-// (GB10's opt-in limit is 101,376). Output and (max, sum) go to the workspace in
-// mla_decode_kernel's format, for the same merge.
+// (GB10's opt-in limit is 101,376; two CTAs an SM on the H200, at <= 128 registers).
+// Output and (max, sum) go to the workspace in mla_decode_kernel's format, for the same
+// merge. Run 17 (docs/perf.md) measured the loads one 4-byte word at a time, each waited on
+// before the next, at ~49 TFLOP/s in prefill.
 enum {
     TC_HEADS = 32,
     TC_TILE = 32,
@@ -326,7 +330,7 @@ static __device__ __forceinline__ uint32_t ld_b32(const uint16_t *p)
 }
 
 template <int CT>
-static __global__ void __launch_bounds__(TC_THREADS)
+static __global__ void __launch_bounds__(TC_THREADS, 2)  // two CTAs an SM where shared memory allows
     mla_tc_kernel(float *__restrict__ ws_o, float *__restrict__ ws_ml,
                   const float *__restrict__ q_lat, const float *__restrict__ q_pe,
                   const uint8_t *__restrict__ cache, const int32_t *__restrict__ block_table,
@@ -373,38 +377,58 @@ static __global__ void __launch_bounds__(TC_THREADS)
 #pragma unroll
     for (int j = 0; j < 16; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
 
+    // The rows of the first tile; each tile then looks up the next one's while its own rows
+    // load (so the two dependent lookups, index and page, are off the critical path).
+    long long next_off = tid < TC_TILE && beg < end
+                             ? tile_row_offset(beg + tid, end, t, s, indices, idx_stride,
+                                               block_table, max_blocks, tb)
+                             : -1;
     for (int base = beg; base < end; base += TC_TILE) {
         __syncthreads();  // the previous tile is consumed (and q is in place)
-        if (tid < TC_TILE)
-            offs[tid] = tile_row_offset(base + tid, end, t, s, indices, idx_stride, block_table,
-                                        max_blocks, tb);
+        if (tid < TC_TILE) offs[tid] = next_off;
         __syncthreads();
-        if (CT == MLA_CACHE_FP8) {
-            // 128 words of 4 codes, then 32 words of 2 bf16 rope values, per row.
-            for (int it = tid; it < TC_TILE * 160; it += TC_THREADS) {
-                const int tok = it / 160, r = it % 160;
-                const long long off = offs[tok];
-                uint32_t wd = 0;
-                if (off >= 0)
-                    wd = __ldg(r < 128 ? (const uint32_t *) (cache + off) + r
-                                       : (const uint32_t *) (cache + off + MLA_KV_LORA + 16) + r - 128);
-                if (r < 128) {
-                    *(uint2 *) (ks + tok * TC_QS + r * 4) = e4m3x4_to_bf16x4(wd);
-                } else {
-                    *(uint32_t *) (ks + tok * TC_QS + MLA_KV_LORA + 2 * (r - 128)) = wd;
+        // 1. The tile's rows, 16 bytes a load, every load of a thread issued before the first
+        //    is used (one memory latency a tile, not one per word): fp8 rows are 41 loads
+        //    (32 of codes, the 4 scales, 8 of rope), bf16 rows 72; a missing row reads as 0.
+        {
+            enum { ROW16 = CT == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES / 16 : BF16_TOKEN_BYTES / 16,
+                   N16 = TC_TILE * ROW16, PER = (N16 + TC_THREADS - 1) / TC_THREADS,
+                   BATCH = 6 };  // loads in flight a thread (fp8: all 6; bf16: 6, then 3)
+#pragma unroll
+            for (int i0 = 0; i0 < PER; i0 += BATCH) {
+                uint4 v[BATCH];
+#pragma unroll
+                for (int i = 0; i < BATCH; i++) {
+                    const int it = tid + (i0 + i) * TC_THREADS;
+                    v[i] = make_uint4(0u, 0u, 0u, 0u);
+                    if (i0 + i < PER && it < N16) {
+                        const long long off = offs[it / ROW16];
+                        if (off >= 0) v[i] = __ldg((const uint4 *) (cache + off) + it % ROW16);
+                    }
                 }
-            }
-            if (tid < TC_TILE * TC_CHUNKS) {
-                const long long off = offs[tid / TC_CHUNKS];
-                scl[tid] = off >= 0 ? __ldg((const float *) (cache + off + MLA_KV_LORA) + tid % TC_CHUNKS)
-                                    : 0.0f;
-            }
-        } else {
-            for (int it = tid; it < TC_TILE * (MLA_LK / 2); it += TC_THREADS) {
-                const int tok = it / (MLA_LK / 2), i = it % (MLA_LK / 2);
-                const long long off = offs[tok];
-                *(uint32_t *) (ks + tok * TC_QS + 2 * i) =
-                    off >= 0 ? __ldg((const uint32_t *) (cache + off) + i) : 0u;
+                if (i0 == 0 && tid < TC_TILE)
+                    next_off = tile_row_offset(base + TC_TILE + tid, end, t, s, indices,
+                                               idx_stride, block_table, max_blocks, tb);
+#pragma unroll
+                for (int i = 0; i < BATCH; i++) {
+                    const int it = tid + (i0 + i) * TC_THREADS, tok = it / ROW16, r = it % ROW16;
+                    if (i0 + i >= PER || it >= N16) break;
+                    uint16_t *row = ks + tok * TC_QS;
+                    if (CT == MLA_CACHE_FP8) {
+                        if (r < MLA_KV_LORA / 16) {  // 16 codes -> 16 bf16 (exact)
+                            const uint2 b0 = e4m3x4_to_bf16x4(v[i].x), b1 = e4m3x4_to_bf16x4(v[i].y);
+                            const uint2 b2 = e4m3x4_to_bf16x4(v[i].z), b3 = e4m3x4_to_bf16x4(v[i].w);
+                            *(uint4 *) (row + 16 * r) = make_uint4(b0.x, b0.y, b1.x, b1.y);
+                            *(uint4 *) (row + 16 * r + 8) = make_uint4(b2.x, b2.y, b3.x, b3.y);
+                        } else if (r == MLA_KV_LORA / 16) {  // the 4 chunk scales
+                            *(uint4 *) (scl + tok * TC_CHUNKS) = v[i];
+                        } else {  // rope: 8 bf16
+                            *(uint4 *) (row + MLA_KV_LORA + 8 * (r - MLA_KV_LORA / 16 - 1)) = v[i];
+                        }
+                    } else {
+                        *(uint4 *) (row + 8 * r) = v[i];
+                    }
+                }
             }
         }
         __syncthreads();
@@ -660,8 +684,16 @@ void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const M
     ASSERT(n_split >= 1 && n_split <= MLA_MAX_SPLIT && max_blocks > 0);
     ASSERT(indices == NULL || idx_stride > 0);
     ASSERT((uintptr_t) ws_o % 16 == 0);
+    ASSERT((uintptr_t) cache->data % 16 == 0);  // rows are read 16 bytes at a time
     const size_t smem = tc_smem_bytes();
     const dim3 grid(n_split, n_heads / TC_HEADS, n_tok);
+    // Two CTAs an SM where the unified memory allows (H200: 2 x 90 KB of 227 KB).
+    CUDA_CHECK(cudaFuncSetAttribute(mla_tc_kernel<MLA_CACHE_FP8>,
+                                    cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    (int) cudaSharedmemCarveoutMaxShared));
+    CUDA_CHECK(cudaFuncSetAttribute(mla_tc_kernel<MLA_CACHE_BF16>,
+                                    cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    (int) cudaSharedmemCarveoutMaxShared));
     if (cache->type == MLA_CACHE_FP8) {
         CUDA_CHECK(cudaFuncSetAttribute(mla_tc_kernel<MLA_CACHE_FP8>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));

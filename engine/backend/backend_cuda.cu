@@ -1947,7 +1947,8 @@ static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int
 // launch: a chunk whose experts average MOE_WIDE_MIN_PAIRS pairs or more takes the wide tiles
 // (up to 64 pairs of an expert per weight read) in launches of up to MOE_MAX_WIDE_PAIRS pairs
 // (4,096 tokens at GLM's k 8; docs/perf.md run 17: a 4,096-token call 37.4 ms a layer on the
-// 8-column tiles in 1,024-token launches, 31.0 wide in 1,024-token ones, 26.6 wide in one);
+// 8-column tiles in 1,024-token launches, 31.0 wide in 1,024-token ones, 26.6 wide in one,
+// 15.5 with one MMA chain a column and two blocks an SM);
 // smaller ones, and every chunk with GLMSPARK_MOE_WIDE=0, take the 8-column tiles in launches
 // of up to MOE_MAX_CHUNK_PAIRS pairs. GLMSPARK_MOE_CHUNK=N caps a launch at N tokens.
 #define MOE_WIDE_MIN_PAIRS 16
