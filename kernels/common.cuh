@@ -94,6 +94,26 @@ static __device__ __forceinline__ void mma_bf16_16816(float *d, uint32_t a0, uin
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// ldmatrix: four 8x8 bf16 matrices from shared memory, lane l giving the address of row l % 8
+// of matrix l / 8 (16 bytes, 16-byte aligned); r[m] is matrix m's pair at row lane / 4,
+// columns 2 (lane % 4) and + 1 (mma_bf16_16816's a and b layouts), or with trans the pair at
+// rows 2 (lane % 4) and + 1 of column lane / 4 (a b fragment from a row-major [k][n] tile).
+template <bool TRANS>
+static __device__ __forceinline__ void ldsm_x4(uint32_t r[4], const uint16_t *row)
+{
+    const uint32_t a = (uint32_t) __cvta_generic_to_shared(row);
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a)
+                     : "memory");
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a)
+                     : "memory");
+}
+
 // 16-byte load that does not allocate in L1: weights are streamed once per step.
 static __device__ __forceinline__ uint4 ld_stream_u4(const void *p)
 {

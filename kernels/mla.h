@@ -107,6 +107,17 @@ void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const M
                    int n_heads, float sm_scale, int n_split, float *ws_o, float *ws_ml,
                    cudaStream_t stream);
 
+// mla_decode_tc with its MMA fragments read from shared memory by ldmatrix (.trans for the
+// values' B fragments) instead of 32- and 16-bit loads: the same fragments into the same MMAs in
+// the same order, so the outputs equal mla_decode_tc's bit for bit, in ~half the instructions
+// of the score and output products. Written 2026-12-04 and NOT YET RUN ON A GPU
+// (tests/gpu/test_mla.c checks the equality); the engine takes it with GLMSPARK_MLA_LDSM=1.
+void mla_decode_tc_ldsm(uint16_t *out, const float *q_lat, const float *q_pe,
+                        const MlaCache *cache, const int32_t *block_table, int max_blocks,
+                        const int32_t *seq, const int32_t *kv_len, const int32_t *indices,
+                        int idx_stride, int n_tok, int n_heads, float sm_scale, int n_split,
+                        float *ws_o, float *ws_ml, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -193,6 +193,7 @@ typedef struct CudaImpl {
     GraphEntry graph_cache[MAX_GRAPHS];
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
     bool moe_wide;  // prefill chunks may take the wide expert tiles (GLMSPARK_MOE_WIDE=0: no)
+    bool mla_ldsm;  // GLMSPARK_MLA_LDSM=1: mla_decode_tc_ldsm (the same bits; not yet measured)
     int moe_chunk;  // GLMSPARK_MOE_CHUNK: tokens per expert launch of a prefill (0: the most
                     // the tiles take, MOE_MAX_WIDE_PAIRS or MOE_MAX_CHUNK_PAIRS / top_k)
     double prof_t0;
@@ -1843,11 +1844,10 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
         heads_product(impl, q_lat, pk->uk, q_nope, L, 192, H, nc);
         prof_end(impl, PROF_MLA_PROJ, 0.0);
         prof_begin(impl);
-        (tc ? mla_decode_tc : mla_decode)(o_lat, q_lat, q_pe, &cache, st->dev, st->stride,
-                                          s->seq_of + t0, len + t0,
-                                          sel ? sel + (size_t) t0 * sel_stride : NULL,
-                                          sel_stride, nc, H, p->scale, n_split, ws_o, ws_ml,
-                                          impl->stream);
+        (!tc ? mla_decode : impl->mla_ldsm ? mla_decode_tc_ldsm : mla_decode_tc)(
+            o_lat, q_lat, q_pe, &cache, st->dev, st->stride, s->seq_of + t0, len + t0,
+            sel ? sel + (size_t) t0 * sel_stride : NULL, sel_stride, nc, H, p->scale, n_split,
+            ws_o, ws_ml, impl->stream);
         prof_end(impl, PROF_MLA, 0.0);
         prof_begin(impl);
         heads_product(impl, out + (size_t) t0 * H * V, pk->uv, o_lat, V, L, H, nc);
@@ -2352,6 +2352,8 @@ Err backend_cuda_create(int device, Backend **out)
     impl->profile = prof && strcmp(prof, "0") != 0;
     const char *wide = getenv("GLMSPARK_MOE_WIDE");
     impl->moe_wide = !wide || strcmp(wide, "0") != 0;
+    const char *ldsm = getenv("GLMSPARK_MLA_LDSM");
+    impl->mla_ldsm = ldsm && strcmp(ldsm, "0") != 0;
     const char *chunk = getenv("GLMSPARK_MOE_CHUNK");
     if (chunk && *chunk) {  // an experiment's knob: tokens per expert launch of a prefill
         char *end;

@@ -165,6 +165,21 @@ static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
                      lens[0], n_split, use_indices ? " indexed" : "");
             check_out(name, d_out, out_want, out_abs, score_abs, kv_len, n_heads, nq,
                       tc ? 0x1p-8 : 0.0);
+            if (tc) {
+                // The ldmatrix variant: the same fragments and MMAs, so the same bits (mla.h).
+                uint16_t *d_out2 = gpu_alloc_poisoned(nq * MLA_KV_LORA * 2);
+                mla_decode_tc_ldsm(d_out2, d_ql, d_qp, &cache, d_table, max_blocks, d_dseq, d_len,
+                                   use_indices ? d_idx : NULL, idx_stride, n_tok, n_heads,
+                                   sm_scale, n_split, ws_o, ws_ml, 0);
+                uint16_t *o1 = xmalloc(nq * MLA_KV_LORA * 2), *o2 = xmalloc(nq * MLA_KV_LORA * 2);
+                gpu_download(o1, d_out, nq * MLA_KV_LORA * 2);
+                gpu_download(o2, d_out2, nq * MLA_KV_LORA * 2);
+                const bool same = memcmp(o1, o2, nq * MLA_KV_LORA * 2) == 0;
+                printf("%s: ldmatrix variant bit for bit: %s\n", name, same ? "yes" : "NO");
+                CHECK(same);
+                free(o1), free(o2);
+                cudaFree(d_out2);
+            }
             cudaFree(ws_o), cudaFree(ws_ml), cudaFree(d_out);
         }
     }
