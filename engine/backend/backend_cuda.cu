@@ -191,6 +191,9 @@ typedef struct CudaImpl {
     int n_last_key;
     unsigned long long last_gen;
     GraphEntry graph_cache[MAX_GRAPHS];
+    // Graphed calls (graph_begin with graphs on) by outcome, logged at destroy: a serving
+    // path whose steps keep missing the cache pays every launch of the step on the host.
+    unsigned long long n_replays, n_captures, n_eager;
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
     bool moe_wide;  // prefill chunks may take the wide expert tiles (GLMSPARK_MOE_WIDE=0: no)
     bool mla_ldsm;  // GLMSPARK_MLA_LDSM=1: mla_decode_tc_ldsm (the same bits; not yet measured)
@@ -2067,6 +2070,7 @@ static bool cuda_graph_begin(Backend *be, const KvCache *kv, KvSeq *const *seqs,
             g->used = ++impl->clock;
             impl->graph_cur = g;
             impl->mode = GRAPH_REPLAY;
+            impl->n_replays++;
             return true;
         }
     }
@@ -2074,6 +2078,9 @@ static bool cuda_graph_begin(Backend *be, const KvCache *kv, KvSeq *const *seqs,
         && memcmp(impl->last_key, k, kb) == 0) {
         CUDA_CHECK(cudaStreamBeginCapture(impl->stream, cudaStreamCaptureModeThreadLocal));
         impl->mode = GRAPH_CAPTURE;
+        impl->n_captures++;
+    } else {
+        impl->n_eager++;
     }
     return false;
 }
@@ -2294,6 +2301,10 @@ static void cuda_destroy(Backend *be)
     if (!be) return;
     CudaImpl *impl = (CudaImpl *) be->impl;
     if (impl) {
+        if (impl->n_replays + impl->n_captures + impl->n_eager)
+            LOG_INFO("CUDA graphs: %llu graphed calls replayed, %llu captured, %llu run eagerly "
+                     "(a key or a device allocation changed since the last call)",
+                     impl->n_replays, impl->n_captures, impl->n_eager);
         for (int i = 0; i < impl->n_allocs; i++)
             cudaFree(impl->allocs[i]);
         free(impl->allocs);
