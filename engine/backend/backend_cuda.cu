@@ -197,6 +197,7 @@ typedef struct CudaImpl {
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
     bool moe_wide;  // prefill chunks may take the wide expert tiles (GLMSPARK_MOE_WIDE=0: no)
     bool mla_ldsm;  // GLMSPARK_MLA_LDSM=1: mla_decode_tc_ldsm (the same bits; not yet measured)
+    bool moe_ldsm;  // GLMSPARK_MOE_LDSM=1: the wide tiles by ldmatrix (the same bits; not yet run)
     int moe_chunk;  // GLMSPARK_MOE_CHUNK: tokens per expert launch of a prefill (0: the most
                     // the tiles take, MOE_MAX_WIDE_PAIRS or MOE_MAX_CHUNK_PAIRS / top_k)
     double prof_t0;
@@ -1977,8 +1978,10 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
         // Past MOE_MAX_CHUNK_PAIRS a chunk is wide: 8,192 pairs >= 16 x MOE_MAX_EXPERTS.
         if (impl->moe_wide && nc * top_k >= MOE_WIDE_MIN_PAIRS * ex->n_experts) {
             moe_group_wide(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
-            moe_experts_w13_wide(act, ex, xc, work, nc, top_k, impl->stream);
-            moe_experts_w2_wide(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
+            (impl->moe_ldsm ? moe_experts_w13_wide_ldsm : moe_experts_w13_wide)(
+                act, ex, xc, work, nc, top_k, impl->stream);
+            (impl->moe_ldsm ? moe_experts_w2_wide_ldsm : moe_experts_w2_wide)(
+                y, ex, act, work, wts + k0, nc, top_k, impl->stream);
         } else {
             moe_group(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
             moe_experts_w13(act, ex, xc, work, nc, top_k, impl->stream);
@@ -2365,6 +2368,8 @@ Err backend_cuda_create(int device, Backend **out)
     impl->moe_wide = !wide || strcmp(wide, "0") != 0;
     const char *ldsm = getenv("GLMSPARK_MLA_LDSM");
     impl->mla_ldsm = ldsm && strcmp(ldsm, "0") != 0;
+    const char *moe_ldsm = getenv("GLMSPARK_MOE_LDSM");
+    impl->moe_ldsm = moe_ldsm && strcmp(moe_ldsm, "0") != 0;
     const char *chunk = getenv("GLMSPARK_MOE_CHUNK");
     if (chunk && *chunk) {  // an experiment's knob: tokens per expert launch of a prefill
         char *end;
