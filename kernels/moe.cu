@@ -441,10 +441,10 @@ static __device__ __forceinline__ void load_chunk(uint4 *q, uint2 *s, const uint
 // MMA chains, whose order the decode kernels keep so that they agree bit for bit (the wide
 // tiles pass c as c2: one chain).
 //
-// With LDSM (NT even), off holds ldsm_offsets' NT / 2 row offsets instead, and each pair of
-// n-tiles takes its B fragments from one ldmatrix.x4: the same values into the same MMAs in
-// the same order (so the same bits), in a quarter of the load instructions.
-template <int NT, bool LDSM>
+// With LDSM (NT even), off holds wide_tile's NT / 2 ldmatrix row offsets (ldsm_off), and
+// each pair of n-tiles takes its B fragments from one ldmatrix.x4: the same values into the
+// same MMAs in the same order (so the same bits), in a quarter of the load instructions.
+template <int NT>
 static __device__ __forceinline__ void pair_mma(float (*c)[4], float (*c2)[4], const uint32_t a[4],
                                                 const uint32_t *bk, const int *off, int nt,
                                                 bool odd)
@@ -470,7 +470,7 @@ static __device__ __forceinline__ void chunk_mma(float (*c)[4], float (*c2)[4], 
         uint32_t a[4];
         decode_a(a, qw[j], ((j < 2 ? sv.x : sv.y) >> (16 * (j % 2))) & 0xffffu);
         if constexpr (LDSM) {
-            pair_mma<NT, LDSM>(c, c2, a, b + 8 * j, off, nt, j % 2);
+            pair_mma<NT>(c, c2, a, b + 8 * j, off, nt, j % 2);
         } else {
 #pragma unroll
             for (int t = 0; t < NT; t++)
@@ -495,7 +495,7 @@ static __device__ __forceinline__ void tail_mma(float (*c)[4], const uint8_t *qt
     uint32_t a[4];
     decode_a(a, w, s16);
     if constexpr (LDSM) {
-        pair_mma<NT, LDSM>(c, c, a, b, off, nt, false);
+        pair_mma<NT>(c, c, a, b, off, nt, false);
     } else {
 #pragma unroll
         for (int t = 0; t < NT; t++)

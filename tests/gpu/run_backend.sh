@@ -150,7 +150,7 @@ done
 # REAP_PROFILE=0 (no profiled run), REAP_COMPARE=0 (no reap_compare below), GEN_TOKENS
 # (generate's length, 64). REAP_PREFILL="2048 8192" adds batch-1 runs at those prompt
 # lengths (prefill tok/s and TFLOP/s against the cuBLASLt GEMM of the same run).
-# REAP_PREFILL_ENVS="GLMSPARK_MLA_LDSM=1,GLMSPARK_MOE_LDSM=1 GLMSPARK_MOE_WIDE=0" repeats them (and
+# REAP_PREFILL_ENVS="GLMSPARK_MLA_LDSM=1,GLMSPARK_MOE_LDSM=1 GLMSPARK_MLA_TC=0,GLMSPARK_DSA_TC=0" repeats them (and
 # the REAP_LONG runs) with
 # each of those settings (commas join variables), REAP_PREFILL_PROFILE=1 profiles
 # each per op kind. REAP_SPILL=DIR lets a checkpoint larger than the disk put its last shards

@@ -234,7 +234,6 @@ static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
             // activations and pair outputs bit for bit.
             uint16_t *d_act4 = gpu_alloc_poisoned(na * 2);
             float *d_y4 = gpu_alloc_poisoned((size_t) n_pairs * hidden * 4);
-            moe_experts_w13_wide(d_act3, &ex, d_x, d_wwork, n_tok, k, 0);
             moe_experts_w13_wide_ldsm(d_act4, &ex, d_x, d_wwork, n_tok, k, 0);
             const bool same_act = same_bits(d_act3, d_act4, na * 2);
             moe_experts_w2_wide_ldsm(d_y4, &ex, d_act, d_wwork, d_w, n_tok, k, 0);
