@@ -550,14 +550,13 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
                 o[j][2] *= a_hi;
                 o[j][3] *= a_hi;
             }
-            const uint16_t *pa =
-                ps + ((CT == MLA_CACHE_FP8 ? cc : 0) * TC_HEADS + 16 * mt) * TC_PS + 2 * tq;
+            // The warp's 16 heads of P (chunk cc's matrix on an fp8 cache).
+            const uint16_t *pw = ps + ((CT == MLA_CACHE_FP8 ? cc : 0) * TC_HEADS + 16 * mt) * TC_PS;
             if (LDSM) {
-                // P's rows (heads 16 mt + 8 (m % 2) + r, positions + 8 (m / 2)) and V's, transposed:
+                // P's rows (heads + 8 (m % 2) + r, positions + 8 (m / 2)) and V's, transposed:
                 // positions k0 + 8 (m % 2) + r, columns 128 cc + 8 (j + m / 2).
                 const int lm = lane >> 3, lr = lane & 7;
-                const uint16_t *p_rows = ps + ((CT == MLA_CACHE_FP8 ? cc : 0) * TC_HEADS + 16 * mt
-                                               + 8 * (lm & 1) + lr) * TC_PS + 8 * (lm >> 1);
+                const uint16_t *p_rows = pw + (8 * (lm & 1) + lr) * TC_PS + 8 * (lm >> 1);
                 const uint16_t *v_rows = ks + (8 * (lm & 1) + lr) * TC_QS + 128 * cc + 8 * (lm >> 1);
 #pragma unroll
                 for (int k0 = 0; k0 < TC_TILE; k0 += 16) {
@@ -572,6 +571,7 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
                     }
                 }
             } else {
+                const uint16_t *pa = pw + 2 * tq;
 #pragma unroll
                 for (int k0 = 0; k0 < TC_TILE; k0 += 16) {
                     const uint32_t a0 = ld_b32(pa + g * TC_PS + k0),

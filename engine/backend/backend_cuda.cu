@@ -2362,23 +2362,21 @@ Err backend_cuda_create(int device, Backend **out)
         free(impl);
         return ERR_INVAL;
     }
-    const char *graphs = getenv("GLMSPARK_CUDA_GRAPHS"), *prof = getenv("GLMSPARK_CUDA_PROFILE");
-    impl->profile = prof && strcmp(prof, "0") != 0;
-    const char *wide = getenv("GLMSPARK_MOE_WIDE");
-    impl->moe_wide = !wide || strcmp(wide, "0") != 0;
-    const char *ldsm = getenv("GLMSPARK_MLA_LDSM");
-    impl->mla_ldsm = ldsm && strcmp(ldsm, "0") != 0;
-    const char *moe_ldsm = getenv("GLMSPARK_MOE_LDSM");
-    impl->moe_ldsm = moe_ldsm && strcmp(moe_ldsm, "0") != 0;
+    impl->profile = backend_env_flag("GLMSPARK_CUDA_PROFILE", false);
+    impl->moe_wide = backend_env_flag("GLMSPARK_MOE_WIDE", true);
+    impl->mla_ldsm = backend_env_flag("GLMSPARK_MLA_LDSM", false);
+    impl->moe_ldsm = backend_env_flag("GLMSPARK_MOE_LDSM", false);
     const char *chunk = getenv("GLMSPARK_MOE_CHUNK");
     if (chunk && *chunk) {  // an experiment's knob: tokens per expert launch of a prefill
         char *end;
         const long v = strtol(chunk, &end, 10);
         const long most = impl->moe_wide ? MOE_MAX_WIDE_PAIRS : MOE_MAX_CHUNK_PAIRS;
         if (*end || v < 1 || v > most) {
-            LOG_ERROR("GLMSPARK_MOE_CHUNK=%s: expected tokens per expert launch, 1 .. %ld pairs "
-                      "/ top_k (%s)", chunk, most,
-                      impl->moe_wide ? "the wide tiles" : "the 8-column tiles, GLMSPARK_MOE_WIDE=0");
+            LOG_ERROR("GLMSPARK_MOE_CHUNK=%s: expected tokens per expert launch, 1 .. %ld (a "
+                      "launch takes at most %ld pairs on %s, so at most %ld / top_k tokens)",
+                      chunk, most, most,
+                      impl->moe_wide ? "the wide tiles" : "the 8-column tiles (GLMSPARK_MOE_WIDE=0)",
+                      most);
             cudaStreamDestroy(impl->stream);
             free(be);
             free(impl);
@@ -2387,7 +2385,7 @@ Err backend_cuda_create(int device, Backend **out)
         impl->moe_chunk = (int) v;
     }
     gemm_lt_init(&impl->lt);
-    impl->graphs = !impl->profile && (!graphs || strcmp(graphs, "0") != 0);
+    impl->graphs = !impl->profile && backend_env_flag("GLMSPARK_CUDA_GRAPHS", true);
     be->impl = impl;
     be->name = "cuda";
     be->destroy = cuda_destroy;

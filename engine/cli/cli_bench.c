@@ -765,11 +765,11 @@ int cli_bench(int argc, char **argv)
     if (a.cuda) {
         a.copy_gbs = backend_cuda_copy_gbs(be, (size_t) 1 << 30);
         if (!a.reap_ops) a.gemm_tflops = backend_cuda_gemm_tflops(be, 8192);
-        const char *graphs = getenv("GLMSPARK_CUDA_GRAPHS");
         if (!a.json)
             printf("cuda  device-to-device copy (1 GiB, read+write): %.1f GB/s; cuBLASLt bf16 "
                    "GEMM 8192^3: %.1f TFLOP/s; graphs %s\n",
-                   a.copy_gbs, a.gemm_tflops, graphs && strcmp(graphs, "0") == 0 ? "off" : "on");
+                   a.copy_gbs, a.gemm_tflops,
+                   backend_env_flag("GLMSPARK_CUDA_GRAPHS", true) ? "on" : "off");
     }
     if (a.reap_ops) {
         rc = bench_reap_ops(&a, be) ? 0 : 1;

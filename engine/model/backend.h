@@ -285,11 +285,17 @@ static inline bool backend_mla_tc(const Backend *be, const BackendMla *p, const 
            && p->n_heads % 32 == 0;
 }
 
+// An on/off environment variable of the backends: "0" is off, any other value on, unset dflt.
+static inline bool backend_env_flag(const char *name, bool dflt)
+{
+    const char *e = getenv(name);
+    return e ? strcmp(e, "0") != 0 : dflt;
+}
+
 // GLMSPARK_MLA_TC: Backend.mla_tc's default in both constructors, on unless "0".
 static inline bool backend_mla_tc_env(void)
 {
-    const char *e = getenv("GLMSPARK_MLA_TC");
-    return !e || strcmp(e, "0") != 0;
+    return backend_env_flag("GLMSPARK_MLA_TC", true);
 }
 
 static inline bool backend_dsa_tuned(const BackendDsa *p, const KvCache *kv, int layer)
@@ -312,8 +318,7 @@ static inline bool backend_dsa_tc(const Backend *be, const BackendDsa *p, const 
 // GLMSPARK_DSA_TC: Backend.dsa_tc's default in both constructors, on unless "0".
 static inline bool backend_dsa_tc_env(void)
 {
-    const char *e = getenv("GLMSPARK_DSA_TC");
-    return !e || strcmp(e, "0") != 0;
+    return backend_env_flag("GLMSPARK_DSA_TC", true);
 }
 
 // The indexer's scales in fp32, as both backends apply them under the bf16 recipe: head
