@@ -35,6 +35,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -290,33 +291,44 @@ static void forward_signal(int sig)
 }
 
 // A free TCP port on 127.0.0.1 (bound and released; rank 0 binds it again right away).
-static int free_port(void)
-{
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) return -1;
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = 0};
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof sa;
-    int port = -1;
-    if (bind(fd, (struct sockaddr *) &sa, sizeof sa) == 0
-        && getsockname(fd, (struct sockaddr *) &sa, &len) == 0)
-        port = ntohs(sa.sin_port);
-    close(fd);
-    return port;
-}
+extern char **environ;  // unistd.h declares it under _GNU_SOURCE only
 
 int pp_launch_local(int argc, char **argv, int world)
 {
     ASSERT(world >= 1 && world <= PP_MAX_WORLD);
-    const int port = free_port();
-    if (port < 0) {
-        LOG_ERROR("could not find a free port for the pipeline's control plane");
+    // The master's socket is bound here and inherited by rank 0 (PP_LISTEN_FD_ENV): a port
+    // found free and bound again later could be taken in between, even by a rank's own
+    // ephemeral data listener.
+    int port = 0;
+    const int lfd = pp_comm_listen("127.0.0.1", 0, &port);
+    if (lfd < 0) {
+        LOG_ERROR("could not listen on 127.0.0.1 for the pipeline's control plane: %s",
+                  strerror(errno));
         return 1;
     }
     // argv: command, args (without --pp N), --rank R --world N --master ADDR:PORT
     // --local-rank R, NULL.
     char **args = calloc((size_t) argc + 11, sizeof *args);
-    if (!args) return 1;
+    // Rank 0's environment: this one and the listening fd. Built before fork: the child only
+    // execs.
+    size_t n_env = 0;
+    while (environ[n_env])
+        n_env++;
+    char **env0 = calloc(n_env + 2, sizeof *env0);
+    char fd_s[64];
+    snprintf(fd_s, sizeof fd_s, "%s=%d", PP_LISTEN_FD_ENV, lfd);
+    if (!args || !env0) {
+        free(args);
+        free(env0);
+        close(lfd);
+        return 1;
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < n_env; i++)
+        if (strncmp(environ[i], PP_LISTEN_FD_ENV "=", sizeof PP_LISTEN_FD_ENV) != 0)
+            env0[k++] = environ[i];
+    env0[k++] = fd_s;
+    env0[k] = NULL;
     char rank_s[16], world_s[16], master_s[32];
     snprintf(world_s, sizeof world_s, "%d", world);
     snprintf(master_s, sizeof master_s, "127.0.0.1:%d", port);
@@ -357,7 +369,13 @@ int pp_launch_local(int argc, char **argv, int world)
             setpgid(0, pgid);
             prctl(PR_SET_PDEATHSIG, SIGKILL);
             if (getppid() != parent) _exit(1);
-            execv("/proc/self/exe", args);
+            if (r == 0) {
+                // Rank 0 keeps the master's socket across exec; the others lose it (cloexec).
+                if (fcntl(lfd, F_SETFD, 0) != 0) _exit(127);
+                execve("/proc/self/exe", args, env0);
+            } else {
+                execv("/proc/self/exe", args);
+            }
             fprintf(stderr, "could not execute /proc/self/exe: %s\n", strerror(errno));
             _exit(127);
         }
@@ -371,6 +389,8 @@ int pp_launch_local(int argc, char **argv, int world)
         }
         pids[r] = pid;
     }
+    close(lfd);  // rank 0 has it
+    free(env0);
     // Reap. After the first failure give the others the comm's grace period to stop on
     // their own (with their messages), then kill whatever is left of the group.
     int alive = 0, rank0_status = 0;

@@ -18,6 +18,8 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -134,10 +136,9 @@ static void tune(int fd)
     setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof buf);
 }
 
-// A listening socket on addr:port (port 0: any); *port_out gets the port. -1 on failure.
-static int listen_on(const char *addr, int port, int *port_out)
+int pp_comm_listen(const char *addr, int port, int *port_out)
 {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return -1;
     const int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -146,11 +147,43 @@ static int listen_on(const char *addr, int port, int *port_out)
     socklen_t len = sizeof sa;
     if (bind(fd, (struct sockaddr *) &sa, sizeof sa) || listen(fd, PP_MAX_WORLD)
         || getsockname(fd, (struct sockaddr *) &sa, &len)) {
+        const int e = errno;
         close(fd);
+        errno = e;
         return -1;
     }
     *port_out = ntohs(sa.sin_port);
     return fd;
+}
+
+// The listening socket a launcher bound for rank 0 (PP_LISTEN_FD_ENV), when it listens on
+// `port`; -1 when there is none. The variable is consumed: what this process starts does not
+// inherit it, and the fd becomes close-on-exec.
+static int inherited_listener(int port)
+{
+    const char *v = getenv(PP_LISTEN_FD_ENV);
+    if (!v) return -1;
+    char *end;
+    errno = 0;
+    const long fd = strtol(v, &end, 10);
+    const bool is_number = errno == 0 && end != v && *end == 0 && fd >= 0 && fd < INT_MAX;
+    unsetenv(PP_LISTEN_FD_ENV);
+    if (!is_number) {
+        LOG_WARN("ignoring %s=\"%s\": not a file descriptor", PP_LISTEN_FD_ENV, v);
+        return -1;
+    }
+    int listening = 0;
+    socklen_t n = sizeof listening;
+    struct sockaddr_in sa;
+    socklen_t len = sizeof sa;
+    if (getsockopt((int) fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &n) || !listening
+        || getsockname((int) fd, (struct sockaddr *) &sa, &len) || sa.sin_family != AF_INET
+        || ntohs(sa.sin_port) != port) {
+        LOG_WARN("ignoring %s=%ld: not a socket listening on port %d", PP_LISTEN_FD_ENV, fd, port);
+        return -1;
+    }
+    fcntl((int) fd, F_SETFD, FD_CLOEXEC);
+    return (int) fd;
 }
 
 // Accept one connection within timeout_ms; -1 on timeout or error.
@@ -331,13 +364,13 @@ Err pp_comm_init(PpComm *c, int rank, int world, const char *master, uint64_t co
         goto done;
     }
     // Every rank's data listener; rank 0's is the master port's neighbour-free ephemeral port.
-    if ((dfd = listen_on(NULL, 0, &data_port)) < 0) {
+    if ((dfd = pp_comm_listen(NULL, 0, &data_port)) < 0) {
         LOG_ERROR("rank %d could not listen for pipeline data: %s", rank, strerror(errno));
         goto done;
     }
 
     if (rank == 0) {
-        if ((lfd = listen_on(addr, port, &port)) < 0) {
+        if ((lfd = inherited_listener(port)) < 0 && (lfd = pp_comm_listen(addr, port, &port)) < 0) {
             LOG_ERROR("rank 0 could not listen on %s: %s", master, strerror(errno));
             goto done;
         }

@@ -73,7 +73,17 @@ typedef struct PpComm {
     unsigned long thread;  // pthread_t, kept opaque so the header stays plain C
 } PpComm;
 
-// Connect rank `rank` of `world` through the master at "ADDR:PORT" (rank 0 listens there).
+// A listening TCP socket on addr:port (addr NULL or not an IPv4 address: any; port 0: an
+// ephemeral port), close-on-exec; *port_out gets the port. -1 (errno set) on failure.
+int pp_comm_listen(const char *addr, int port, int *port_out);
+
+// The variable through which a launcher hands rank 0 the master's listening socket, already
+// bound (pp_launch_local): its value is the inherited fd. Binding in the launcher and
+// inheriting the socket leaves no moment in which another process can take the port.
+#define PP_LISTEN_FD_ENV "GLMSPARK_PP_LISTEN_FD"
+
+// Connect rank `rank` of `world` through the master at "ADDR:PORT" (rank 0 listens there,
+// on the socket PP_LISTEN_FD_ENV names when it is set and listens on that port).
 // config_hash must be equal on every rank (model config + layer split). nccl_id: rank 0's
 // NCCL unique id to distribute (PP_NCCL_ID_BYTES, or NULL on CPU); every rank finds it in
 // c->nccl_id afterwards. On failure every socket is closed and *c is left with fds -1.
