@@ -1,47 +1,67 @@
 /*
- * act.cu - SwiGLU and the bf16 cast: one thread per output element; memory-bound and tiny at
- * decode sizes.
+ * act.cu - SwiGLU, the residual add and the bf16 cast: grid-stride loops, one element a
+ * thread a step; memory-bound and tiny at decode sizes.
  */
 #include "kernels/act.h"
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
 
-// ---------------------------------------------------------------------------
-// Activation kernel
+enum { ACT_THREADS = 256, ACT_MAX_BLOCKS = 65535 };
 
-static __global__ void act_silu_mul_kernel(uint16_t *__restrict__ out,
-                                           const float *__restrict__ gu, int n, int inter)
+// ---------------------------------------------------------------------------
+// Element-wise kernels
+
+static __global__ void act_silu_mul_kernel(float *y, const float *gate, const float *up, size_t n)
 {
-    const long i = (long) blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long) n * inter) return;
-    const long t = i / inter, j = i % inter;
-    const float g = gu[t * 2 * inter + j], u = gu[t * 2 * inter + inter + j];
-    out[i] = f32_to_bf16_bits(g / (1.0f + expf(-g)) * u);
+    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
+         i += (size_t) gridDim.x * blockDim.x) {
+        const double g = gate[i];
+        y[i] = (float) (g / (1.0 + exp(-g)) * up[i]);
+    }
+}
+
+static __global__ void act_add_kernel(float *y, const float *__restrict__ x, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
+         i += (size_t) gridDim.x * blockDim.x)
+        y[i] = __fadd_rn(y[i], x[i]);
 }
 
 static __global__ void act_to_bf16_kernel(uint16_t *__restrict__ out, const float *__restrict__ x,
                                           size_t n)
 {
-    const size_t i = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = f32_to_bf16_bits(x[i]);
+    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
+         i += (size_t) gridDim.x * blockDim.x)
+        out[i] = f32_to_bf16_bits(x[i]);
 }
 
 // ---------------------------------------------------------------------------
 // Launchers
 
-void act_silu_mul(uint16_t *out, const float *gu, int n, int inter, cudaStream_t stream)
+static unsigned act_blocks(size_t n)
 {
-    ASSERT(n > 0 && inter > 0);
-    const long total = (long) n * inter;
-    act_silu_mul_kernel<<<(unsigned) CEIL_DIV(total, 256), 256, 0, stream>>>(out, gu, n, inter);
+    const size_t b = CEIL_DIV(n, (size_t) ACT_THREADS);
+    return (unsigned) (b < (size_t) ACT_MAX_BLOCKS ? b : (size_t) ACT_MAX_BLOCKS);
+}
+
+void act_silu_mul(float *y, const float *gate, const float *up, size_t n, cudaStream_t stream)
+{
+    if (n == 0) return;
+    act_silu_mul_kernel<<<act_blocks(n), ACT_THREADS, 0, stream>>>(y, gate, up, n);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+void act_add(float *y, const float *x, size_t n, cudaStream_t stream)
+{
+    if (n == 0) return;
+    act_add_kernel<<<act_blocks(n), ACT_THREADS, 0, stream>>>(y, x, n);
     CUDA_CHECK(cudaGetLastError());
 }
 
 void act_to_bf16(uint16_t *out, const float *x, size_t n, cudaStream_t stream)
 {
     if (n == 0) return;
-    ASSERT(CEIL_DIV(n, 256) <= 0x7fffffff);
-    act_to_bf16_kernel<<<(unsigned) CEIL_DIV(n, 256), 256, 0, stream>>>(out, x, n);
+    act_to_bf16_kernel<<<act_blocks(n), ACT_THREADS, 0, stream>>>(out, x, n);
     CUDA_CHECK(cudaGetLastError());
 }

@@ -1,9 +1,11 @@
 /*
- * act.h - SwiGLU activation: out = SiLU(gate) * up; and fp32 activations rounded to bf16.
+ * act.h - the engine's element-wise ops on fp32 activations: SwiGLU, the residual add, and
+ * the bf16 cast.
  *
- * gu fp32 [n, 2 * inter]: gate in columns [0, inter), up in [inter, 2 inter) (the order of a
- * fused gate_up projection). out bf16 [n, inter]. SiLU(g) = g / (1 + exp(-g)), in fp32; one
- * rounding to bf16.
+ * act_silu_mul: y[i] = SiLU(gate[i]) * up[i], SiLU(g) = g / (1 + exp(-g)) in double, one
+ * rounding to fp32 (the CPU backend's formula, engine/backend/backend_cpu.c cpu_silu_mul). y may
+ * alias gate or up (each element is read before it is written, by the same thread).
+ * act_add: y[i] += x[i] in fp32 (round to nearest, no contraction).
  *
  * Ownership: borrowed pointers. Threads: thread-safe launchers. Errors: ASSERT on bad shapes;
  * CUDA failures fatal. Launchers never allocate and never synchronize.
@@ -19,7 +21,9 @@
 extern "C" {
 #endif
 
-void act_silu_mul(uint16_t *out, const float *gu, int n, int inter, cudaStream_t stream);
+void act_silu_mul(float *y, const float *gate, const float *up, size_t n, cudaStream_t stream);
+
+void act_add(float *y, const float *x, size_t n, cudaStream_t stream);
 
 // out bf16 [n] = x fp32 [n], rounded to nearest even: the input of a kernel that reads bf16
 // (moe.h's experts) from an fp32 op's output.

@@ -84,39 +84,29 @@ static __global__ void mla_append_kernel(uint8_t *__restrict__ cache, const floa
         for (int j = 0; j < 4; j++) d[tid * 4 + j] = f32_to_bf16_bits(v[j]);
     }
 
-    if (tid < MLA_ROPE / 2) {
+    if (tid < MLA_ROPE / 2) {  // kernels/rope.h's RoPE, then bf16
         const int i = tid;
-        const double inv_freq = pow((double) theta, -2.0 * i / MLA_ROPE);
-        double s, c;
-        sincos((double) p * inv_freq, &s, &c);
+        const float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) MLA_ROPE);
+        const float angle = (float) p * inv_freq;
+        const float c = (float) cos((double) angle), s = (float) sin((double) angle);
         const float x0 = x[MLA_KV_LORA + 2 * i], x1 = x[MLA_KV_LORA + 2 * i + 1];
-        const float y0 = x0 * (float) c - x1 * (float) s, y1 = x1 * (float) c + x0 * (float) s;
+        const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+        const float y1 = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
         uint16_t *kpe = (uint16_t *) (dst + (CT == MLA_CACHE_FP8 ? MLA_KV_LORA + 16 : MLA_KV_LORA * 2));
-        kpe[2 * i] = f32_to_bf16_bits(y0);
-        kpe[2 * i + 1] = f32_to_bf16_bits(y1);
+        kpe[i] = f32_to_bf16_bits(y0);
+        kpe[MLA_ROPE / 2 + i] = f32_to_bf16_bits(y1);
     }
 }
 
 static __global__ void mla_q_split_kernel(uint16_t *__restrict__ q_nope, float *__restrict__ q_pe,
-                                          const float *__restrict__ q,
-                                          const int32_t *__restrict__ pos, int n_heads, float theta)
+                                          const float *__restrict__ q, int n_heads)
 {
     const int t = blockIdx.y, h = blockIdx.x, tid = threadIdx.x;  // 256 threads
     const float *qh = q + ((size_t) t * n_heads + h) * 256;
-    if (tid < 192) {
+    if (tid < 192)
         q_nope[((size_t) t * n_heads + h) * 192 + tid] = f32_to_bf16_bits(qh[tid]);
-    } else if (!pos) {  // q_pe already rotated
+    else
         q_pe[((size_t) t * n_heads + h) * MLA_ROPE + tid - 192] = qh[tid];
-    } else if (tid < 192 + MLA_ROPE / 2) {
-        const int i = tid - 192;
-        const double inv_freq = pow((double) theta, -2.0 * i / MLA_ROPE);
-        double s, c;
-        sincos((double) pos[t] * inv_freq, &s, &c);
-        const float x0 = qh[192 + 2 * i], x1 = qh[192 + 2 * i + 1];
-        float *o = q_pe + ((size_t) t * n_heads + h) * MLA_ROPE;
-        o[2 * i] = x0 * (float) c - x1 * (float) s;
-        o[2 * i + 1] = x1 * (float) c + x0 * (float) s;
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -681,12 +671,11 @@ void mla_cache_append(const MlaCache *cache, const float *ckv, int ckv_stride,
     CUDA_CHECK(cudaGetLastError());
 }
 
-void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, const int32_t *pos, int n_tok,
-                 int n_heads, float theta, cudaStream_t stream)
+void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, int n_tok, int n_heads,
+                 cudaStream_t stream)
 {
-    ASSERT(n_tok > 0 && n_heads > 0 && (!pos || theta > 0.0f));
-    mla_q_split_kernel<<<dim3(n_heads, n_tok), 256, 0, stream>>>(q_nope, q_pe, q, pos, n_heads,
-                                                                 theta);
+    ASSERT(n_tok > 0 && n_heads > 0);
+    mla_q_split_kernel<<<dim3(n_heads, n_tok), 256, 0, stream>>>(q_nope, q_pe, q, n_heads);
     CUDA_CHECK(cudaGetLastError());
 }
 

@@ -67,17 +67,18 @@ size_t mla_cache_token_bytes(MlaCacheType type);
 
 // Write tokens into the cache. ckv fp32 [n_tok, ckv_stride] holds [c_kv(512) | k_pe(64)] (the
 // kv_a projection output); c_kv is RMS-normalized with norm_w fp32 [512] and eps, k_pe rotated
-// (interleaved, theta) at pos[t], and the token stored at position pos[t] of sequence seq[t].
+// at pos[t] as kernels/rope.h rotates (theta), and the token stored at position pos[t] of
+// sequence seq[t].
 void mla_cache_append(const MlaCache *cache, const float *ckv, int ckv_stride,
                       const float *norm_w, float eps, float theta, const int32_t *pos,
                       const int32_t *seq, const int32_t *block_table, int max_blocks, int n_tok,
                       cudaStream_t stream);
 
-// q fp32 [n_tok, H, 256] = [q_nope(192) | q_pe(64)] per head (the q_b projection output) ->
-// q_nope bf16 [n_tok, H, 192] and q_pe fp32 [n_tok, H, 64] rotated at pos[t]; with pos NULL,
-// q_pe is taken as already rotated and copied (the engine rotates q itself).
-void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, const int32_t *pos, int n_tok,
-                 int n_heads, float theta, cudaStream_t stream);
+// q fp32 [n_tok, H, 256] = [q_nope(192) | q_pe(64)] per head (the q_b projection output, its
+// q_pe already rotated by kernels/rope.h) -> q_nope bf16 [n_tok, H, 192] and q_pe fp32
+// [n_tok, H, 64], copied.
+void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, int n_tok, int n_heads,
+                 cudaStream_t stream);
 
 // Decode attention as above. ws_o fp32 [n_tok, n_split, H, 512] and ws_ml fp32
 // [n_tok, n_split, H, 2] are the caller's workspace. indices int32 [n_tok, idx_stride] or NULL.

@@ -1,6 +1,6 @@
 /*
- * rope.cu - interleaved RoPE: one thread per (token, pair), looping over heads so that the
- * double-precision sincos is paid once per (token, pair) rather than once per head.
+ * rope.cu - the engine's RoPE (rope.h): a block per (token, head), a thread per pair; each
+ * thread reads its pair before any thread writes, since the output is de-interleaved.
  */
 #include "kernels/rope.h"
 
@@ -10,37 +10,39 @@
 // ---------------------------------------------------------------------------
 // RoPE kernel
 
-static __global__ void rope_interleaved_kernel(float *x, const int32_t *__restrict__ pos,
-                                               int n_tok, int n_heads, int head_stride,
-                                               int offset, int rot_dim, float theta)
+// Block (t, h), thread i < rot_dim / 2.
+static __global__ void rope_glm_kernel(float *x, const int32_t *__restrict__ pos, int stride,
+                                       int head_stride, int offset, int rot_dim, float theta)
 {
-    const int half = rot_dim / 2;
-    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= n_tok * half) return;
-    const int t = idx / half, i = idx % half;
-    const double inv_freq = pow((double) theta, -2.0 * i / rot_dim);
-    double s, c;
-    sincos((double) pos[t] * inv_freq, &s, &c);
-    const float sf = (float) s, cf = (float) c;
-    for (int h = 0; h < n_heads; h++) {
-        float *p = x + ((size_t) t * n_heads + h) * head_stride + offset + 2 * i;
-        const float x0 = p[0], x1 = p[1];
-        p[0] = x0 * cf - x1 * sf;
-        p[1] = x1 * cf + x0 * sf;
+    const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = rot_dim / 2;
+    float *v = x + (size_t) t * stride + (size_t) h * head_stride + offset;
+    float a = 0.0f, b = 0.0f, cs = 0.0f, sn = 0.0f;
+    if (i < half) {
+        const float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) rot_dim);
+        const float angle = (float) pos[t] * inv_freq;
+        cs = (float) cos((double) angle);
+        sn = (float) sin((double) angle);
+        a = v[2 * i];
+        b = v[2 * i + 1];
+    }
+    __syncthreads();
+    if (i < half) {
+        v[i] = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+        v[half + i] = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
     }
 }
 
 // ---------------------------------------------------------------------------
 // Launchers
 
-void rope_interleaved(float *x, const int32_t *pos, int n_tok, int n_heads, int head_stride,
-                      int offset, int rot_dim, float theta, cudaStream_t stream)
+void rope_glm(float *x, const int32_t *pos, int n_tok, int n_heads, int stride, int head_stride,
+              int offset, int rot_dim, float theta, cudaStream_t stream)
 {
-    ASSERT(n_tok > 0 && n_heads > 0 && rot_dim > 0 && rot_dim % 2 == 0);
-    ASSERT(offset >= 0 && offset + rot_dim <= head_stride && theta > 0.0f);
-    const int n = n_tok * (rot_dim / 2);
-    rope_interleaved_kernel<<<CEIL_DIV(n, 128), 128, 0, stream>>>(x, pos, n_tok, n_heads,
-                                                                  head_stride, offset, rot_dim,
-                                                                  theta);
+    ASSERT(rot_dim % 2 == 0 && rot_dim / 2 <= 1024 && offset >= 0 && theta > 0.0f);
+    if (n_tok == 0 || n_heads == 0 || rot_dim == 0) return;
+    ASSERT(n_tok > 0 && n_heads > 0 && n_heads <= 65535);
+    const int threads = CEIL_DIV(rot_dim / 2, 32) * 32;
+    rope_glm_kernel<<<dim3((unsigned) n_tok, (unsigned) n_heads), threads, 0, stream>>>(
+        x, pos, stride, head_stride, offset, rot_dim, theta);
     CUDA_CHECK(cudaGetLastError());
 }

@@ -1,17 +1,18 @@
 /*
- * rope.h - rotary position embedding, interleaved (GPT-J) pairs, in place.
+ * rope.h - rotary position embedding as GLM-5 applies it, in place: the engine's RoPE.
  *
- * x fp32 [n_tok, n_heads, head_stride]; the rotated dims are x[t, h, offset .. offset+rot_dim).
- * Pair i (0 <= i < rot_dim/2) is (x[offset+2i], x[offset+2i+1]):
+ * x fp32 rows [n_tok] of stride `stride`, n_heads heads of head_stride floats each; the rotated
+ * dims of a head are x[offset .. offset + rot_dim). They hold interleaved pairs (x[2i],
+ * x[2i+1]) and are written back de-interleaved, first halves then second halves (transformers
+ * 5.17 modeling_glm_moe_dsa.py, rope_interleave, followed by rotate_half):
  *
- *   a = pos[t] * theta^(-2i/rot_dim)
- *   y[2i]   = x[2i] cos a - x[2i+1] sin a
- *   y[2i+1] = x[2i+1] cos a + x[2i] sin a
+ *   inv_freq = 1 / theta^(2i / rot_dim), angle = pos[t] * inv_freq   (both fp32, as transformers)
+ *   y[i]        = x[2i] cos(angle) - x[2i+1] sin(angle)
+ *   y[half + i] = x[2i+1] cos(angle) + x[2i] sin(angle)
  *
- * This is GLM-5's layout for MLA and for the DSA indexer (transformers 5.17
- * modeling_glm_moe_dsa.py, rope_interleave). The angle and
- * its sine/cosine are computed in double so that positions up to 2^20 keep full fp32 accuracy;
- * the rotation itself is fp32.
+ * cos and sin of the fp32 angle are taken in double and rounded to fp32; the rotation is fp32
+ * without contraction into FMAs: the CPU backend's arithmetic (engine/backend/backend_cpu.c
+ * cpu_rope), which differs only through powf's last bits on the device.
  *
  * Ownership: borrowed pointers. Threads: thread-safe launchers. Errors: ASSERT on bad shapes;
  * CUDA failures fatal. Launchers never allocate and never synchronize.
@@ -26,9 +27,9 @@
 extern "C" {
 #endif
 
-// pos int32 [n_tok], device memory.
-void rope_interleaved(float *x, const int32_t *pos, int n_tok, int n_heads, int head_stride,
-                      int offset, int rot_dim, float theta, cudaStream_t stream);
+// pos int32 [n_tok], device memory. rot_dim even, at most 2048.
+void rope_glm(float *x, const int32_t *pos, int n_tok, int n_heads, int stride, int head_stride,
+              int offset, int rot_dim, float theta, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -83,6 +83,7 @@
 #include "kernels/moe.h"
 #include "kernels/norm.h"
 #include "kernels/nvfp4_format.h"
+#include "kernels/rope.h"
 
 enum {
     SCRATCH_A,  // double / float work buffers
@@ -510,44 +511,6 @@ static __global__ void k_embed(float *y, DevLin w, const int *ids)
         y[(size_t) t * w.cols + c] = lin_at(w, id, c);
 }
 
-// Block (t, h), thread i < rope_dim / 2.
-static __global__ void k_rope(float *x, int stride, int head_stride, int offset, int rope_dim,
-                              const int *pos, float theta)
-{
-    const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = rope_dim / 2;
-    float *v = x + (size_t) t * stride + (size_t) h * head_stride + offset;
-    float a = 0.0f, b = 0.0f, cs = 0.0f, sn = 0.0f;
-    if (i < half) {
-        const float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) rope_dim);
-        const float angle = (float) pos[t] * inv_freq;
-        cs = (float) cos((double) angle);
-        sn = (float) sin((double) angle);
-        a = v[2 * i];
-        b = v[2 * i + 1];
-    }
-    __syncthreads();
-    if (i < half) {
-        v[i] = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
-        v[half + i] = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
-    }
-}
-
-static __global__ void k_silu_mul(float *y, const float *gate, const float *up, size_t n)
-{
-    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
-         i += (size_t) gridDim.x * blockDim.x) {
-        const double g = gate[i];
-        y[i] = (float) (g / (1.0 + exp(-g)) * up[i]);
-    }
-}
-
-static __global__ void k_add(float *y, const float *x, size_t n)
-{
-    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
-         i += (size_t) gridDim.x * blockDim.x)
-        y[i] = __fadd_rn(y[i], x[i]);
-}
-
 static __device__ __forceinline__ double warp_sum_double(double v)
 {
     for (int o = 16; o > 0; o >>= 1)
@@ -931,7 +894,7 @@ static __device__ __forceinline__ void moe_inputs(const float **xs, const int *l
 }
 
 // Routed experts, gate and up with the activation: h[slot, r] = silu(gate_e x) * (up_e x)
-// (k_silu_mul's formula) for each slot of active expert e; block (row block, active
+// (act_silu_mul's formula, kernels/act.h) for each slot of active expert e; block (row block, active
 // expert), one warp per row over e's slots in chunks of TOK (each weight read once per
 // chunk). Per output element the arithmetic of k_gemv, whatever the grouping.
 template <int TOK>
@@ -1505,11 +1468,10 @@ static const KvBPack *kv_b_pack(const CudaImpl *impl, const CkptLinear *kv_b)
     return NULL;
 }
 
-// y += x over n floats (k_add: the add op's kernel).
+// y += x over n floats (the add op's kernel, kernels/act.h).
 static void add_f32(CudaImpl *impl, float *y, const float *x, size_t n)
 {
-    k_add<<<grid_1d(n), THREADS, 0, impl->stream>>>(y, x, n);
-    check_launch("add");
+    act_add(y, x, n, impl->stream);
 }
 
 // Launch k_gemv: one token per chunk when n is 1 (decode), else MATMUL_TOK.
@@ -1676,13 +1638,9 @@ static void cuda_rope(Backend *be, float *x, int n, int n_heads, int stride, int
                       int offset, int rope_dim, const int *pos, float theta)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
-    ASSERT(rope_dim % 2 == 0 && rope_dim / 2 <= 1024);
     if (n == 0 || rope_dim == 0 || n_heads == 0) return;
-    const int threads = ((rope_dim / 2 + 31) / 32) * 32;
     prof_begin(impl);
-    k_rope<<<dim3((unsigned) n, (unsigned) n_heads), threads, 0, impl->stream>>>(
-        x, stride, head_stride, offset, rope_dim, pos, theta);
-    check_launch("rope");
+    rope_glm(x, pos, n, n_heads, stride, head_stride, offset, rope_dim, theta, impl->stream);
     prof_end(impl, PROF_ROPE, 0.0);
 }
 
@@ -1691,9 +1649,7 @@ static void cuda_silu_mul(Backend *be, float *y, const float *gate, const float 
     CudaImpl *impl = (CudaImpl *) be->impl;
     if (n_elems <= 0) return;
     prof_begin(impl);
-    k_silu_mul<<<grid_1d((size_t) n_elems), THREADS, 0, impl->stream>>>(y, gate, up,
-                                                                        (size_t) n_elems);
-    check_launch("silu_mul");
+    act_silu_mul(y, gate, up, (size_t) n_elems, impl->stream);
     prof_end(impl, PROF_ELEMENTWISE, 0.0);
 }
 
@@ -1843,8 +1799,7 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
     for (int t0 = 0; t0 < n; t0 += chunk) {
         const int nc = n - t0 < chunk ? n - t0 : chunk;
         prof_begin(impl);
-        mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (192 + MLA_ROPE), NULL, nc, H, 0.0f,
-                    impl->stream);
+        mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (192 + MLA_ROPE), nc, H, impl->stream);
         heads_product(impl, q_lat, pk->uk, q_nope, L, 192, H, nc);
         prof_end(impl, PROF_MLA_PROJ, 0.0);
         prof_begin(impl);

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "kernels/ref/kern_ref.h"
+#include "kernels/ref/norm_ref.h"
 
 enum { LORA = 512, ROPE = 64, LK = 576, BLOCK = 128, FP8_BYTES = 656, BF16_BYTES = 1152 };
 
@@ -44,12 +45,9 @@ void mla_cache_append_ref(float *want, const float *ckv, int ckv_stride, const f
         for (int c = 0; c < LORA; c++) ss += (double) x[c] * x[c];
         const double inv = 1.0 / sqrt(ss / LORA + eps);
         for (int c = 0; c < LORA; c++) o[c] = (float) (x[c] * inv * norm_w[c]);
-        for (int i = 0; i < ROPE / 2; i++) {
-            const double a = pos[t] * pow((double) theta, -2.0 * i / ROPE);
-            const double x0 = x[LORA + 2 * i], x1 = x[LORA + 2 * i + 1];
-            o[LORA + 2 * i] = (float) (x0 * cos(a) - x1 * sin(a));
-            o[LORA + 2 * i + 1] = (float) (x1 * cos(a) + x0 * sin(a));
-        }
+        for (int c = 0; c < ROPE; c++)
+            o[LORA + c] = x[LORA + c];
+        rope_glm_ref(o + LORA, pos + t, 1, 1, ROPE, ROPE, 0, ROPE, theta);
     }
 }
 

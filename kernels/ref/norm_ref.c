@@ -5,6 +5,7 @@
 
 #include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
 
 void norm_rms_ref(float *out, const float *x, const float *w, float eps, int n, int d,
                   int x_stride)
@@ -35,30 +36,31 @@ void norm_layer_ref(float *out, const float *x, const float *w, const float *b, 
     }
 }
 
-void rope_interleaved_ref(float *x, const int32_t *pos, int n_tok, int n_heads, int head_stride,
-                          int offset, int rot_dim, float theta)
+void rope_glm_ref(float *x, const int32_t *pos, int n_tok, int n_heads, int stride,
+                  int head_stride, int offset, int rot_dim, float theta)
 {
+    const int half = rot_dim / 2;
+    double tmp[2048];
+    if (rot_dim % 2 != 0 || rot_dim > 2048) abort();  // rope.h's contract
     for (int t = 0; t < n_tok; t++) {
-        for (int i = 0; i < rot_dim / 2; i++) {
-            const double a = pos[t] * pow((double) theta, -2.0 * i / rot_dim);
-            const double c = cos(a), s = sin(a);
-            for (int h = 0; h < n_heads; h++) {
-                float *p = x + ((size_t) t * n_heads + h) * head_stride + offset + 2 * i;
-                const double x0 = p[0], x1 = p[1];
-                p[0] = (float) (x0 * c - x1 * s);
-                p[1] = (float) (x1 * c + x0 * s);
+        for (int h = 0; h < n_heads; h++) {
+            float *v = x + (size_t) t * stride + (size_t) h * head_stride + offset;
+            for (int i = 0; i < half; i++) {
+                const float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) rot_dim);
+                const double a = (double) ((float) pos[t] * inv_freq);
+                tmp[i] = v[2 * i] * cos(a) - v[2 * i + 1] * sin(a);
+                tmp[half + i] = v[2 * i + 1] * cos(a) + (double) v[2 * i] * sin(a);
             }
+            for (int i = 0; i < rot_dim; i++)
+                v[i] = (float) tmp[i];
         }
     }
 }
 
-void act_silu_mul_ref(float *out, const float *gu, int n, int inter)
+void act_silu_mul_ref(float *y, const float *gate, const float *up, size_t n)
 {
-    for (int t = 0; t < n; t++) {
-        for (int j = 0; j < inter; j++) {
-            const double g = gu[(size_t) t * 2 * inter + j];
-            const double u = gu[(size_t) t * 2 * inter + inter + j];
-            out[(size_t) t * inter + j] = (float) (g / (1.0 + exp(-g)) * u);
-        }
+    for (size_t i = 0; i < n; i++) {
+        const double g = gate[i];
+        y[i] = (float) (g / (1.0 + exp(-g)) * up[i]);
     }
 }

@@ -1,12 +1,13 @@
 /*
- * norm_ref.h - RMSNorm, LayerNorm, interleaved RoPE and SwiGLU references (kernels/norm.h,
- * rope.h, act.h) in double, without the final bf16 rounding (tests add that to the bound).
+ * norm_ref.h - RMSNorm, LayerNorm, RoPE and SwiGLU references (kernels/norm.h, rope.h, act.h)
+ * in double, without the final rounding (tests add that to the bound).
  *
  * Ownership: none; host pointers borrowed for the call. Threads: pure. Errors: none.
  */
 #ifndef KERNELS_REF_NORM_REF_H
 #define KERNELS_REF_NORM_REF_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -21,12 +22,13 @@ void norm_rms_ref(float *out, const float *x, const float *w, float eps, int n, 
 void norm_layer_ref(float *out, const float *x, const float *w, const float *b, float eps, int n,
                     int d, int x_stride);
 
-// In place on x [n_tok, n_heads, head_stride], dims [offset, offset + rot_dim), as rope.h.
-void rope_interleaved_ref(float *x, const int32_t *pos, int n_tok, int n_heads, int head_stride,
-                          int offset, int rot_dim, float theta);
+// In place, as rope.h: interleaved pairs in, halves out. inv_freq and the angle in fp32 as
+// rope.h states (host powf), cos, sin and the rotation in double.
+void rope_glm_ref(float *x, const int32_t *pos, int n_tok, int n_heads, int stride,
+                  int head_stride, int offset, int rot_dim, float theta);
 
-// out [n, inter] = SiLU(gu[:, :inter]) * gu[:, inter:].
-void act_silu_mul_ref(float *out, const float *gu, int n, int inter);
+// y [n] = SiLU(gate) * up.
+void act_silu_mul_ref(float *y, const float *gate, const float *up, size_t n);
 
 #ifdef __cplusplus
 }

@@ -3,8 +3,13 @@
  *
  * Tolerances: the statistics are fp32 sums of d terms (relative error <= d * FLT_EPSILON, which
  * moves the output by as much through rsqrt), then one bf16 rounding (at most 2^-8
- * relative: 8 significant bits). RoPE: the angle is exact to double precision on both sides; fp32 rotation costs a
- * few ulp of |x0| + |x1|. SwiGLU: fp32 expf (a few ulp), then bf16 rounding.
+ * relative: 8 significant bits). RoPE: inv_freq comes from the device's powf and the host's,
+ * which may differ by a few ulp (the CUDA guide's table: powf within 4 ulp of the rounded
+ * result; glibc's within 1), so the angle may differ by angle * 2^-21 and its rounding by
+ * angle * 2^-23 more; cos and sin rounded to fp32 and the fp32 rotation add a few ulp of
+ * |x0| + |x1|; positions stay below 4096 so that this bound still sees a misplaced element.
+ * Dims outside the rotated range must come back untouched. SwiGLU: the same double formula,
+ * rounded once (a few ulp for the device's exp). The add: exact.
  */
 #include <float.h>
 #include <math.h>
@@ -55,48 +60,79 @@ static void test_norm(int n, int d, int x_stride, int out_stride, int layer)
     free(x), free(w), free(b), free(want), free(got), free(tol), free(gb);
 }
 
-static void test_rope(int n_tok, int n_heads, int head_stride, int offset, int rot_dim, float theta)
+static void test_rope(int n_tok, int n_heads, int stride, int head_stride, int offset,
+                      int rot_dim, float theta)
 {
-    const size_t n = (size_t) n_tok * n_heads * head_stride;
+    const size_t n = (size_t) n_tok * stride;
     float *x = xmalloc(n * 4), *want = xmalloc(n * 4), *got = xmalloc(n * 4), *tol = xmalloc(n * 4);
     int32_t *pos = xmalloc(n_tok * 4);
     fill_f32(x, n, &rng, -2.0f, 2.0f);
-    for (int t = 0; t < n_tok; t++) pos[t] = (int32_t) (kern_rand_u64(&rng) % 1000000);
+    for (int t = 0; t < n_tok; t++) pos[t] = (int32_t) (kern_rand_u64(&rng) % 4096);
     pos[0] = 0;
-    for (size_t i = 0; i < n; i++) want[i] = x[i];
-    rope_interleaved_ref(want, pos, n_tok, n_heads, head_stride, offset, rot_dim, theta);
+    for (size_t i = 0; i < n; i++) {
+        want[i] = x[i];
+        tol[i] = 0.0f;
+    }
+    rope_glm_ref(want, pos, n_tok, n_heads, stride, head_stride, offset, rot_dim, theta);
+    for (int t = 0; t < n_tok; t++) {
+        for (int h = 0; h < n_heads; h++) {
+            const size_t base = (size_t) t * stride + (size_t) h * head_stride + offset;
+            for (int i = 0; i < rot_dim / 2; i++) {
+                const float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) rot_dim);
+                const double angle = (double) pos[t] * inv_freq;
+                const double mag = fabs(x[base + 2 * i]) + fabs(x[base + 2 * i + 1]);
+                const float b = (float) (mag * (angle * (ldexp(1.0, -21) + ldexp(1.0, -23))
+                                                + 8 * FLT_EPSILON));
+                tol[base + i] = tol[base + rot_dim / 2 + i] = b;
+            }
+        }
+    }
     float *d_x = gpu_upload(x, n * 4);
     int32_t *d_pos = gpu_upload(pos, n_tok * 4);
-    rope_interleaved(d_x, d_pos, n_tok, n_heads, head_stride, offset, rot_dim, theta, 0);
+    rope_glm(d_x, d_pos, n_tok, n_heads, stride, head_stride, offset, rot_dim, theta, 0);
     gpu_download(got, d_x, n * 4);
-    for (size_t i = 0; i < n; i++) tol[i] = 8 * FLT_EPSILON * 4.0f;  // |x0| + |x1| <= 4
-    char name[64];
-    snprintf(name, sizeof name, "rope tok=%d heads=%d rot=%d", n_tok, n_heads, rot_dim);
-    compare(name, got, want, tol, 0, n, 1e-12);
+    char name[80];
+    snprintf(name, sizeof name, "rope tok=%d heads=%d rot=%d offset=%d", n_tok, n_heads, rot_dim,
+             offset);
+    compare(name, got, want, tol, 0, n, 1e-8);  // about the bound's square at angle 4096
     cudaFree(d_x), cudaFree(d_pos);
     free(x), free(want), free(got), free(tol), free(pos);
 }
 
-static void test_act(int n, int inter)
+static void test_act(size_t n)
 {
-    float *gu = xmalloc((size_t) n * 2 * inter * 4), *want = xmalloc((size_t) n * inter * 4);
-    float *got = xmalloc((size_t) n * inter * 4), *tol = xmalloc((size_t) n * inter * 4);
-    uint16_t *gb = xmalloc((size_t) n * inter * 2);
-    fill_f32(gu, (size_t) n * 2 * inter, &rng, -8.0f, 8.0f);
-    act_silu_mul_ref(want, gu, n, inter);
-    float *d_gu = gpu_upload(gu, (size_t) n * 2 * inter * 4);
-    uint16_t *d_o = gpu_alloc_poisoned((size_t) n * inter * 2);
-    act_silu_mul(d_o, d_gu, n, inter, 0);
-    gpu_download(gb, d_o, (size_t) n * inter * 2);
-    for (size_t i = 0; i < (size_t) n * inter; i++) {
-        got[i] = kern_bf16_to_f32(gb[i]);
-        tol[i] = ldexpf(fabsf(want[i]), -8) + 16 * FLT_EPSILON * fabsf(want[i]) + 1e-30f;
-    }
+    float *gate = xmalloc(n * 4), *up = xmalloc(n * 4), *want = xmalloc(n * 4);
+    float *got = xmalloc(n * 4), *tol = xmalloc(n * 4), *sum = xmalloc(n * 4);
+    fill_f32(gate, n, &rng, -30.0f, 30.0f);
+    fill_f32(up, n, &rng, -8.0f, 8.0f);
+    act_silu_mul_ref(want, gate, up, n);
+    float *d_g = gpu_upload(gate, n * 4), *d_u = gpu_upload(up, n * 4);
+    float *d_y = gpu_alloc_poisoned(n * 4);
+    act_silu_mul(d_y, d_g, d_u, n, 0);
+    gpu_download(got, d_y, n * 4);
+    for (size_t i = 0; i < n; i++)
+        tol[i] = 4 * FLT_EPSILON * fabsf(want[i]) + 1e-30f;
     char name[64];
-    snprintf(name, sizeof name, "silu*mul n=%d inter=%d", n, inter);
-    compare(name, got, want, tol, 0, (size_t) n * inter, 1e-4);
-    cudaFree(d_gu), cudaFree(d_o);
-    free(gu), free(want), free(got), free(tol), free(gb);
+    snprintf(name, sizeof name, "silu*mul n=%zu", n);
+    compare(name, got, want, tol, 0, n, 1e-6);
+    // In place over gate, as the MLPs call it.
+    act_silu_mul(d_g, d_g, d_u, n, 0);
+    gpu_download(got, d_g, n * 4);
+    snprintf(name, sizeof name, "silu*mul in place n=%zu", n);
+    compare(name, got, want, tol, 0, n, 1e-6);
+    // The add: y += x, exactly fp32's sum.
+    act_add(d_u, d_y, n, 0);
+    gpu_download(got, d_u, n * 4);
+    float *y = xmalloc(n * 4);
+    gpu_download(y, d_y, n * 4);
+    for (size_t i = 0; i < n; i++) {
+        sum[i] = up[i] + y[i];
+        tol[i] = 0.0f;
+    }
+    snprintf(name, sizeof name, "add n=%zu", n);
+    compare(name, got, sum, tol, 0, n, 0.0);
+    cudaFree(d_g), cudaFree(d_u), cudaFree(d_y);
+    free(gate), free(up), free(want), free(got), free(tol), free(sum), free(y);
 }
 
 int main(void)
@@ -110,11 +146,14 @@ int main(void)
     test_norm(2, 8196, 8196, 8196, 0);        // one piece past it: the looping kernel
     test_norm(7, 128, 128, 128, 1);          // the indexer's k_norm
     test_norm(2, 1000, 1003, 1000, 1);
-    test_rope(1, 1, 2, 0, 2, 10000.0f);
-    test_rope(5, 64, 256, 192, 64, 8e6f);  // MLA q_pe
-    test_rope(9, 32, 128, 0, 64, 8e6f);    // indexer q (rope dims first)
-    test_act(1, 1);
-    test_act(3, 2048);
-    test_act(16, 12288);
+    test_rope(1, 1, 2, 2, 0, 2, 10000.0f);
+    test_rope(5, 64, 64 * 256, 256, 192, 64, 8e6f);  // MLA q_pe
+    test_rope(3, 1, 576, 0, 512, 64, 8e6f);          // the k_pe of kv_a's row
+    test_rope(9, 32, 32 * 128, 128, 0, 64, 8e6f);    // indexer q (rope dims first)
+    test_rope(2, 3, 130, 40, 8, 16, 1e4f);           // a strided row, heads inside it
+    test_act(1);
+    test_act(3 * 2048);
+    test_act(16 * 12288 + 5);
+    test_act((size_t) 65535 * 256 + 77);  // past one grid: the grid-stride loop
     return check_exit();
 }

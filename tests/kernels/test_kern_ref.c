@@ -130,19 +130,21 @@ static void test_topk_ties(void)
 
 static void test_rope(void)
 {
-    // Position 1, theta 1: pair 0 rotates by 1 radian, pair 1 by theta^(-1/2) = 1 radian too.
+    // Position 1, theta 1: both pairs rotate by 1 radian; pairs (1, 0) and (0, 2) come out
+    // de-interleaved: firsts, then seconds.
     float x[4] = {1.0f, 0.0f, 0.0f, 2.0f};
     const int32_t pos[1] = {1};
-    rope_interleaved_ref(x, pos, 1, 1, 4, 0, 4, 1.0f);
+    rope_glm_ref(x, pos, 1, 1, 4, 4, 0, 4, 1.0f);
     CHECK_NEAR(x[0], cos(1.0), 1e-7);
-    CHECK_NEAR(x[1], sin(1.0), 1e-7);
-    CHECK_NEAR(x[2], -2.0 * sin(1.0), 1e-6);
+    CHECK_NEAR(x[1], -2.0 * sin(1.0), 1e-6);
+    CHECK_NEAR(x[2], sin(1.0), 1e-7);
     CHECK_NEAR(x[3], 2.0 * cos(1.0), 1e-6);
-    // Position 0 is the identity.
-    float y[4] = {0.25f, -1.0f, 3.0f, 0.5f};
+    // Position 0 only de-interleaves; dims outside [offset, offset + rot_dim) stay.
+    float y[6] = {7.0f, 0.25f, -1.0f, 3.0f, 0.5f, 9.0f};
     const int32_t p0[1] = {0};
-    rope_interleaved_ref(y, p0, 1, 1, 4, 0, 4, 8e6f);
-    CHECK(y[0] == 0.25f && y[1] == -1.0f && y[2] == 3.0f && y[3] == 0.5f);
+    rope_glm_ref(y, p0, 1, 1, 6, 6, 1, 4, 8e6f);
+    CHECK(y[0] == 7.0f && y[1] == 0.25f && y[2] == 3.0f && y[3] == -1.0f && y[4] == 0.5f
+          && y[5] == 9.0f);
 }
 
 static void test_norms(void)
@@ -156,10 +158,11 @@ static void test_norms(void)
     norm_layer_ref(out, x, w, b, 0.0f, 1, 4, 4);
     CHECK_NEAR(out[0], 1.5, 1e-7);
     CHECK_NEAR(out[1], -1.5, 1e-7);
-    float act[1];
-    const float gu[2] = {1.0f, 3.0f};
-    act_silu_mul_ref(act, gu, 1, 1);
+    float act[2];
+    const float gate[2] = {1.0f, -2.0f}, up[2] = {3.0f, 0.5f};
+    act_silu_mul_ref(act, gate, up, 2);
     CHECK_NEAR(act[0], 3.0 / (1.0 + exp(-1.0)), 1e-6);
+    CHECK_NEAR(act[1], -1.0 / (1.0 + exp(2.0)), 1e-7);
 }
 
 static void test_nvfp4_format(void)
