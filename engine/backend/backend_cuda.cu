@@ -106,6 +106,10 @@ enum {
     MATMUL_TOK = 8,
 };
 
+// The scores one pass of the tuned DSA top-k may hold by default (cuda_dsa_topk: rows in
+// passes; backend_cuda_limit_dsa_scores).
+#define DSA_SCORE_BYTES ((size_t) 256 << 20)
+
 // A device mirror of one KvCache's pool.
 typedef struct DevPool {
     const KvCache *kv;
@@ -197,6 +201,7 @@ typedef struct CudaImpl {
     unsigned long long n_replays, n_captures, n_eager;
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
     bool moe_wide;  // prefill chunks may take the wide expert tiles (GLMSPARK_MOE_WIDE=0: no)
+    size_t dsa_score_bytes;  // a DSA top-k pass's scores (DSA_SCORE_BYTES; tests lower it)
     bool mla_ldsm;  // GLMSPARK_MLA_LDSM=1: mla_decode_tc_ldsm (the same bits; not yet measured)
     bool moe_ldsm;  // GLMSPARK_MOE_LDSM=1: the wide tiles by ldmatrix (the same bits; not yet run)
     int moe_chunk;  // GLMSPARK_MOE_CHUNK: tokens per expert launch of a prefill (0: the most
@@ -1713,15 +1718,28 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
         const DevStep *st = dev_step(impl, s->seqs, s->n_seqs);
         float w_scale, sm_scale;
         backend_dsa_scales(p, &w_scale, &sm_scale);
-        float *score = (float *) scratch(impl, SCRATCH_A, (size_t) n * cap * sizeof(float));
+        // Rows in passes whose scores fit DSA_SCORE_BYTES: a 4,096-token chunk at 256K
+        // positions would otherwise hold 4.3 GB of scores. Each row's scores and selection
+        // depend on that row alone, so the passes change no result.
+        const size_t row_bytes = (size_t) cap * sizeof(float);
+        const size_t most = impl->dsa_score_bytes / row_bytes;
+        const int rows = most >= (size_t) n ? n : most > 0 ? (int) most : 1;
+        float *score = (float *) scratch(impl, SCRATCH_A, (size_t) rows * row_bytes);
+        const bool tc = backend_dsa_tc(be, p, kv, layer);
+        const size_t q_row = (size_t) p->n_heads * p->head_dim;
         prof_begin(impl);
-        if (backend_dsa_tc(be, p, kv, layer))
-            dsa_scores_tc(score, cap, q, w, w_scale, sm_scale, &c, st->dev, st->stride, s->seq_of,
-                          s->len, cap, n, p->n_heads, impl->stream);
-        else
-            dsa_scores(score, cap, q, w, w_scale, sm_scale, &c, st->dev, st->stride, s->seq_of,
-                       s->len, cap, n, p->n_heads, impl->stream);
-        dsa_topk(sel, n_sel, score, cap, s->len, n, p->top_k, impl->stream);
+        for (int r0 = 0; r0 < n; r0 += rows) {
+            const int nr = n - r0 < rows ? n - r0 : rows;
+            const float *qr = q + (size_t) r0 * q_row, *wr = w + (size_t) r0 * p->n_heads;
+            if (tc)
+                dsa_scores_tc(score, cap, qr, wr, w_scale, sm_scale, &c, st->dev, st->stride,
+                              s->seq_of + r0, s->len + r0, cap, nr, p->n_heads, impl->stream);
+            else
+                dsa_scores(score, cap, qr, wr, w_scale, sm_scale, &c, st->dev, st->stride,
+                           s->seq_of + r0, s->len + r0, cap, nr, p->n_heads, impl->stream);
+            dsa_topk(sel + (size_t) r0 * p->top_k, n_sel + r0, score, cap, s->len + r0, nr,
+                     p->top_k, impl->stream);
+        }
         prof_end(impl, PROF_DSA, 0.0);
         return;
     }
@@ -2080,6 +2098,11 @@ static void cuda_graph_end(Backend *be)
     impl->graph_cur = NULL;
 }
 
+void backend_cuda_limit_dsa_scores(Backend *be, size_t bytes)
+{
+    ((CudaImpl *) be->impl)->dsa_score_bytes = bytes;
+}
+
 void backend_cuda_kv_download(Backend *be, const KvCache *kv, void *dst)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
@@ -2319,6 +2342,7 @@ Err backend_cuda_create(int device, Backend **out)
     }
     impl->profile = backend_env_flag("GLMSPARK_CUDA_PROFILE", false);
     impl->moe_wide = backend_env_flag("GLMSPARK_MOE_WIDE", true);
+    impl->dsa_score_bytes = DSA_SCORE_BYTES;
     impl->mla_ldsm = backend_env_flag("GLMSPARK_MLA_LDSM", false);
     impl->moe_ldsm = backend_env_flag("GLMSPARK_MOE_LDSM", false);
     const char *chunk = getenv("GLMSPARK_MOE_CHUNK");

@@ -48,6 +48,11 @@ void backend_cuda_profile_report(Backend *be, const char *title);
 Err backend_cuda_random_linear(Backend *be, CkptLinear *w, CkptLinearFormat format, int rows,
                                int cols, unsigned long long seed);
 
+// The scores one pass of the tuned DSA top-k holds: it scores a step's rows in passes of at
+// most bytes / (4 * capacity) rows (at least one), so that a long prompt's chunk does not
+// hold rows x positions scores at once. Default 256 MiB; tests lower it to make passes.
+void backend_cuda_limit_dsa_scores(Backend *be, size_t bytes);
+
 // Copy the device copy of kv's pool (kv->block_bytes * n_blocks bytes; zeros if the backend
 // has not used kv yet) into host memory at dst: for tests that compare the bytes the two
 // backends store. Synchronous.

@@ -779,7 +779,14 @@ int main(void)
     test_attention(KV_DTYPE_F32);
     test_attention(KV_DTYPE_BF16);
     test_attention(KV_DTYPE_FP8);
+    // The tuned top-k in passes of a few rows (1,000 bytes of scores over a capacity of about
+    // 48 positions): the same selections as the CPU, ties included.
+    printf("DSA top-k in passes of at most 1000 bytes of scores:\n");
+    backend_cuda_limit_dsa_scores(gpu, 1000);
+    test_attention(KV_DTYPE_FP8);
     cpu->dsa_tc = gpu->dsa_tc = false;
+    test_attention(KV_DTYPE_BF16);
+    backend_cuda_limit_dsa_scores(gpu, (size_t) 256 << 20);
     cpu->precision = gpu->precision = BACKEND_PRECISION_F32;
     test_tuned();
     gpu->destroy(gpu);
