@@ -48,7 +48,8 @@ struct ModelWork {
     int *seq_of;    // [n] each token's sequence (index into the batch's seqs)
     int *len;       // [n] pos + 1
     int *tok;       // [n] token ids
-    float *logits;  // [n, vocab]
+    float *logits;  // [logits_cap, vocab] (logits_ensure: the rows a call's head writes)
+    int logits_cap;
     float *x;       // [n, hidden] residual stream
     float *h;       // [n, hidden] normed input of the current block
     float *qa;      // [n, q_lora]
@@ -634,7 +635,6 @@ static Err work_ensure(Model *m, int n)
     w->seq_of = be->alloc(be, N * sizeof(int));
     w->len = be->alloc(be, N * sizeof(int));
     w->tok = be->alloc(be, N * sizeof(int));
-    w->logits = be->alloc(be, N * (size_t) c->vocab_size * sizeof(float));
     w->x = be->alloc(be, N * hidden * sizeof(float));
     w->h = be->alloc(be, N * hidden * sizeof(float));
     const size_t q_lora = c->q_lora_rank > 0 ? (size_t) c->q_lora_rank : 1;
@@ -655,7 +655,7 @@ static Err work_ensure(Model *m, int n)
     w->rl = be->alloc(be, N * E * sizeof(float));
     w->ridx = be->alloc(be, N * K * sizeof(int));
     w->rw = be->alloc(be, N * K * sizeof(float));
-    if (!w->pos_host || !w->act_host || !w->pos || !w->seq_of || !w->len || !w->tok || !w->logits
+    if (!w->pos_host || !w->act_host || !w->pos || !w->seq_of || !w->len || !w->tok
         || !w->x || !w->h || !w->qa || !w->q || !w->kva || !w->attn || !w->tmp || !w->tmp2 || !w->iq
         || !w->ik || !w->iw || !w->sel || !w->n_sel || !w->g || !w->u || !w->rl || !w->ridx
         || !w->rw) {
@@ -664,6 +664,27 @@ static Err work_ensure(Model *m, int n)
         return ERR_NOMEM;
     }
     m->work = w;
+    return ERR_OK;
+}
+
+// w->logits for `rows` rows of the head. Sized apart from the other buffers: a prefill chunk
+// of n tokens projects only its sequences' last rows, and n x vocab floats would be 2.5 GB at
+// 4,096 tokens and GLM-5's vocabulary. Grows by doubling (at least 16 rows), so that a batch
+// that gains a sequence rarely reallocates (which re-records the backend's graphs). Call
+// before graph_begin.
+static Err logits_ensure(Model *m, int rows)
+{
+    ModelWork *w = m->work;
+    if (w->logits_cap >= rows) return ERR_OK;
+    int cap = w->logits_cap * 2 > rows ? w->logits_cap * 2 : rows;
+    if (cap < 16) cap = 16;
+    m->be->free_mem(m->be, w->logits);
+    w->logits_cap = 0;
+    if (!(w->logits = m->be->alloc(m->be, (size_t) cap * m->cfg.vocab_size * sizeof(float)))) {
+        LOG_ERROR("could not allocate logits for %d rows of %d", cap, m->cfg.vocab_size);
+        return ERR_NOMEM;
+    }
+    w->logits_cap = cap;
     return ERR_OK;
 }
 
@@ -813,6 +834,9 @@ Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *t
     for (int i = 0; i < b->n_seqs; i++)
         if ((err = kv_seq_reserve(kv, b->seqs[i], b->seqs[i]->n_tokens + b->n_new[i]))) return err;
     if ((err = work_ensure(m, n))) return err;
+    if (logits && rows != MODEL_LOGITS_NONE && m->has_head
+        && (err = logits_ensure(m, rows == MODEL_LOGITS_ALL ? n : b->n_seqs)))
+        return err;
     ModelWork *w = m->work;
     Backend *be = m->be;
     const int hidden = c->hidden_size;
@@ -925,7 +949,7 @@ Err model_forward_hidden(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, i
     KvSeq *seqs[1] = {seq};
     const ModelBatch b = {1, seqs, &n};
     Err err = model_forward_batch(m, kv, &b, tokens, NULL, NULL, NULL, MODEL_LOGITS_NONE);
-    if (err) return err;
+    if (err || (err = logits_ensure(m, all_logits ? n : 1))) return err;
     // The head as model_forward_batch runs it: all rows at once, or the last alone.
     const ModelConfig *c = &m->cfg;
     Backend *be = m->be;
@@ -985,6 +1009,7 @@ Err model_mtp_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const in
     for (int i = 0; i < b->n_seqs; i++)
         if ((err = kv_seq_reserve(kv, b->seqs[i], b->seqs[i]->n_tokens + b->n_new[i]))) return err;
     if ((err = work_ensure(m, n))) return err;
+    if (logits && (err = logits_ensure(m, all_rows ? n : b->n_seqs))) return err;
     Backend *be = m->be;
     ModelWork *w = m->work;
     ModelMtp *mt = m->mtp;
