@@ -2098,6 +2098,16 @@ static void cuda_graph_end(Backend *be)
     impl->graph_cur = NULL;
 }
 
+size_t backend_cuda_mem_used(Backend *be, size_t *total)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    CUDA_CHECK(cudaSetDevice(impl->device));
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    *total = total_b;
+    return total_b - free_b;
+}
+
 void backend_cuda_limit_dsa_scores(Backend *be, size_t bytes)
 {
     ((CudaImpl *) be->impl)->dsa_score_bytes = bytes;

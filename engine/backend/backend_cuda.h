@@ -30,6 +30,10 @@ Err backend_cuda_create(int device, Backend **out);
 // buffers do not fit (logged).
 double backend_cuda_copy_gbs(Backend *be, size_t bytes);
 
+// Bytes of be's GPU in use now (cudaMemGetInfo: total - free, every process and the CUDA
+// context included); *total gets the device's bytes.
+size_t backend_cuda_mem_used(Backend *be, size_t *total);
+
 // bf16 GEMM throughput of be's GPU in TFLOP/s through the backend's own cuBLASLt path
 // (gemm_bf16_lt, fp32 output): best of 5 products [n, n] x [n, n]^T after a warm-up, the
 // ceiling `glmspark bench` reports prefill against; 0 when the buffers do not fit (logged).

@@ -553,6 +553,20 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
                flops * 1e-9, tflops, pct_gemm);
     else if (!a->json)
         printf("    prefill: %.1f GFLOP a sequence, %.3f TFLOP/s\n", flops * 1e-9, tflops);
+#ifdef GLMSPARK_HAVE_CUDA
+    if (a->cuda && !a->json) {
+        // What the device holds at the end of the batch: weights, this batch's KV cache and
+        // the workspaces and scratch its prefill chunks and decode steps grew (measured: the
+        // planner's headroom, docs/perf.md).
+        size_t total = 0;
+        const size_t used = backend_cuda_mem_used(m->be, &total);
+        const double kv_bytes = (double) kv.block_bytes * kv.params.n_blocks
+                                + (a->n_drafts > 0 ? (double) mkv.block_bytes * mkv.params.n_blocks : 0.0);
+        printf("    device memory: %.2f GiB in use of %.2f GiB after this batch (its KV cache %.2f "
+               "GiB; prefill chunks of %d tokens)\n",
+               used / 1073741824.0, total / 1073741824.0, kv_bytes / 1073741824.0, a->prefill_chunk);
+    }
+#endif
     if (a->json && a->n_drafts > 0) printf(",\"mtp\":[");
     for (int i = 0; i < a->n_drafts; i++) {
         // The speed-up at accepted length L is L x step_s / (verify + drafts): per_len.
@@ -788,6 +802,14 @@ int cli_bench(int argc, char **argv)
                   dir, m.cfg.n_mtp_layers);
         goto done;
     }
+#ifdef GLMSPARK_HAVE_CUDA
+    if (a.cuda && !a.json) {
+        size_t total = 0;
+        const size_t used = backend_cuda_mem_used(be, &total);
+        printf("cuda  device memory after loading the model: %.2f GiB in use of %.2f GiB\n",
+               used / 1073741824.0, total / 1073741824.0);
+    }
+#endif
     rc = 0;
     bool is_warm = false;
     for (int i = 0; i < a.n_batches && rc == 0; i++)
