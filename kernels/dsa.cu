@@ -29,6 +29,7 @@
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
+#include "kernels/rope_format.h"
 
 enum { TOPK_THREADS = 1024, TOPK_UNROLL = 8 };
 
@@ -37,7 +38,8 @@ enum { TOPK_THREADS = 1024, TOPK_UNROLL = 8 };
 
 static __global__ void dsa_append_kernel(uint8_t *__restrict__ cache, const float *__restrict__ k,
                                          const float *__restrict__ ln_w,
-                                         const float *__restrict__ ln_b, float eps, float theta,
+                                         const float *__restrict__ ln_b, float eps,
+                                         const __grid_constant__ RopeFreqs f,
                                          const int32_t *__restrict__ pos,
                                          const int32_t *__restrict__ seq,
                                          const int32_t *__restrict__ block_table, int max_blocks)
@@ -59,13 +61,13 @@ static __global__ void dsa_append_kernel(uint8_t *__restrict__ cache, const floa
     y[d] = fmaf(c * inv, ln_w[d], ln_b[d]);
     __syncthreads();
     float v = y[d];
-    if (d < DSA_ROPE) {
-        const int i = d / 2;
-        const double inv_freq = pow((double) theta, -2.0 * i / DSA_ROPE);
-        double sn, cs;
-        sincos((double) pos[t] * inv_freq, &sn, &cs);
-        v = (d % 2 == 0) ? y[d] * (float) cs - y[d + 1] * (float) sn
-                         : y[d] * (float) cs + y[d - 1] * (float) sn;
+    if (d < DSA_ROPE) {  // kernels/rope.h's RoPE on [0, DSA_ROPE): pair i's results at i, 32 + i
+        const int i = d % (DSA_ROPE / 2);
+        const float angle = __fmul_rn((float) pos[t], f.inv[i]);
+        const float cs = (float) cos((double) angle), sn = (float) sin((double) angle);
+        const float a = y[2 * i], b = y[2 * i + 1];
+        v = d < DSA_ROPE / 2 ? __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn))
+                             : __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
     }
     __syncthreads();  // red is reused below
     const float a = warp_max(fabsf(v));
@@ -579,7 +581,9 @@ void dsa_cache_append(uint8_t *cache, const float *k, const float *ln_w, const f
                       const int32_t *block_table, int max_blocks, int n_tok, cudaStream_t stream)
 {
     ASSERT(cache && n_tok > 0 && max_blocks > 0 && theta > 0.0f);
-    dsa_append_kernel<<<n_tok, DSA_DIM, 0, stream>>>(cache, k, ln_w, ln_b, eps, theta, pos, seq,
+    RopeFreqs f;
+    rope_freqs(&f, DSA_ROPE, theta);
+    dsa_append_kernel<<<n_tok, DSA_DIM, 0, stream>>>(cache, k, ln_w, ln_b, eps, f, pos, seq,
                                                      block_table, max_blocks);
     CUDA_CHECK(cudaGetLastError());
 }

@@ -12,7 +12,7 @@
  * block_table int32 [n_seq, max_blocks] as in mla.h.
  *
  *   dsa_cache_append: k fp32 [n_tok, 128] (the wk projection output) -> LayerNorm with
- *     ln_w, ln_b fp32 [128] and eps, interleaved RoPE on dims [0, 64) at pos[t], fp8 with a
+ *     ln_w, ln_b fp32 [128] and eps, rope.h's RoPE on dims [0, 64) at pos[t], fp8 with a
  *     per-key scale, stored at position pos[t] of sequence seq[t].
  *   dsa_scores: scores[t, p] = sum_h w[t, h] * w_scale * ReLU(sm_scale * q[t, h] . k(p)) for
  *     p < kv_len[t]; q fp32 [n_tok, n_heads, dim] already rotated, w fp32 [n_tok, n_heads]

@@ -27,6 +27,7 @@
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
+#include "kernels/rope_format.h"
 
 enum {
     HB = MLA_HEADS_PER_CTA,
@@ -42,7 +43,8 @@ enum {
 template <int CT>
 static __global__ void mla_append_kernel(uint8_t *__restrict__ cache, const float *__restrict__ ckv,
                                          int ckv_stride, const float *__restrict__ norm_w,
-                                         float eps, float theta, const int32_t *__restrict__ pos,
+                                         float eps, const __grid_constant__ RopeFreqs f,
+                                         const int32_t *__restrict__ pos,
                                          const int32_t *__restrict__ seq,
                                          const int32_t *__restrict__ block_table, int max_blocks)
 {
@@ -86,8 +88,7 @@ static __global__ void mla_append_kernel(uint8_t *__restrict__ cache, const floa
 
     if (tid < MLA_ROPE / 2) {  // kernels/rope.h's RoPE, then bf16
         const int i = tid;
-        const float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) MLA_ROPE);
-        const float angle = (float) p * inv_freq;
+        const float angle = __fmul_rn((float) p, f.inv[i]);
         const float c = (float) cos((double) angle), s = (float) sin((double) angle);
         const float x0 = x[MLA_KV_LORA + 2 * i], x1 = x[MLA_KV_LORA + 2 * i + 1];
         const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
@@ -661,13 +662,16 @@ void mla_cache_append(const MlaCache *cache, const float *ckv, int ckv_stride,
                       const int32_t *seq, const int32_t *block_table, int max_blocks, int n_tok,
                       cudaStream_t stream)
 {
-    ASSERT(cache && cache->data && n_tok > 0 && ckv_stride >= MLA_LK && max_blocks > 0);
+    ASSERT(cache && cache->data && n_tok > 0 && ckv_stride >= MLA_LK && max_blocks > 0
+           && theta > 0.0f);
+    RopeFreqs f;
+    rope_freqs(&f, MLA_ROPE, theta);
     if (cache->type == MLA_CACHE_FP8)
         mla_append_kernel<MLA_CACHE_FP8><<<n_tok, 128, 0, stream>>>(
-            cache->data, ckv, ckv_stride, norm_w, eps, theta, pos, seq, block_table, max_blocks);
+            cache->data, ckv, ckv_stride, norm_w, eps, f, pos, seq, block_table, max_blocks);
     else
         mla_append_kernel<MLA_CACHE_BF16><<<n_tok, 128, 0, stream>>>(
-            cache->data, ckv, ckv_stride, norm_w, eps, theta, pos, seq, block_table, max_blocks);
+            cache->data, ckv, ckv_stride, norm_w, eps, f, pos, seq, block_table, max_blocks);
     CUDA_CHECK(cudaGetLastError());
 }
 

@@ -10,9 +10,11 @@
  *   y[i]        = x[2i] cos(angle) - x[2i+1] sin(angle)
  *   y[half + i] = x[2i+1] cos(angle) + x[2i] sin(angle)
  *
- * cos and sin of the fp32 angle are taken in double and rounded to fp32; the rotation is fp32
- * without contraction into FMAs: the CPU backend's arithmetic (engine/backend/backend_cpu.c
- * cpu_rope), which differs only through powf's last bits on the device.
+ * inv_freq comes from kernels/rope_format.h, computed on the host at each launch (the CPU
+ * backend's values, bit for bit); cos and sin of the fp32 angle are taken in double and rounded
+ * to fp32; the rotation is fp32 without contraction into FMAs: the CPU backend's arithmetic
+ * (engine/backend/backend_cpu.c cpu_rope), so the two differ at most where the device's double
+ * cos/sin and the host's round differently to fp32.
  *
  * Ownership: borrowed pointers. Threads: thread-safe launchers. Errors: ASSERT on bad shapes;
  * CUDA failures fatal. Launchers never allocate and never synchronize.
@@ -27,7 +29,7 @@
 extern "C" {
 #endif
 
-// pos int32 [n_tok], device memory. rot_dim even, at most 2048.
+// pos int32 [n_tok], device memory. rot_dim even, at most 2 * ROPE_MAX_PAIRS.
 void rope_glm(float *x, const int32_t *pos, int n_tok, int n_heads, int stride, int head_stride,
               int offset, int rot_dim, float theta, cudaStream_t stream);
 

@@ -35,6 +35,7 @@
 #include "kernels/mla_format.h"
 #include "kernels/moe_router.h"
 #include "kernels/nvfp4_format.h"
+#include "kernels/rope_format.h"
 
 typedef struct CpuImpl {
     ThreadPool *pool;
@@ -354,9 +355,9 @@ static void cpu_rope(Backend *be, float *x, int n, int n_heads, int stride, int 
     for (int t = 0; t < n; t++) {
         for (int i = 0; i < half; i++) {
             // transformers: inv_freq = 1 / base^(arange(0, d, 2) / d) and the angle, both
-            // in fp32 (autocast disabled); cos/sin of that fp32 angle.
-            const float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) rope_dim);
-            const float angle = (float) pos[t] * inv_freq;
+            // in fp32 (autocast disabled); cos/sin of that fp32 angle. kernels/rope_format.h's
+            // inv_freq, which the GPU's RoPE takes from the host too.
+            const float angle = (float) pos[t] * rope_inv_freq(i, rope_dim, theta);
             cs[i] = (float) cos((double) angle);
             sn[i] = (float) sin((double) angle);
         }

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "kernels/ref/kern_ref.h"
+#include "kernels/rope_format.h"
 
 enum { DIM = 128, ROPE = 64, BLOCK = 128, PAGE_BYTES = 128 * 128 + 128 * 4 };
 
@@ -32,12 +33,13 @@ void dsa_cache_append_ref(float *want, const float *k, const float *ln_w, const 
         for (int d = 0; d < DIM; d++) var += (x[d] - mean) * (x[d] - mean);
         const double inv = 1.0 / sqrt(var / DIM + eps);
         for (int d = 0; d < DIM; d++) y[d] = (x[d] - mean) * inv * ln_w[d] + ln_b[d];
+        double r[ROPE];  // kernels/rope.h's RoPE on [0, ROPE): interleaved in, halves out
         for (int i = 0; i < ROPE / 2; i++) {
-            const double a = pos[t] * pow((double) theta, -2.0 * i / ROPE);
-            const double y0 = y[2 * i], y1 = y[2 * i + 1];
-            y[2 * i] = y0 * cos(a) - y1 * sin(a);
-            y[2 * i + 1] = y1 * cos(a) + y0 * sin(a);
+            const double a = (double) ((float) pos[t] * rope_inv_freq(i, ROPE, theta));
+            r[i] = y[2 * i] * cos(a) - y[2 * i + 1] * sin(a);
+            r[ROPE / 2 + i] = y[2 * i + 1] * cos(a) + y[2 * i] * sin(a);
         }
+        for (int d = 0; d < ROPE; d++) y[d] = r[d];
         for (int d = 0; d < DIM; d++) want[(size_t) t * DIM + d] = (float) y[d];
     }
 }

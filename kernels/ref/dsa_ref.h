@@ -18,7 +18,8 @@ extern "C" {
 // The 128 key values of page blk, row, decoded exactly.
 void dsa_key_read_ref(float *out, const uint8_t *cache, int blk, int row);
 
-// The exact values dsa_cache_append stores: want [n_tok, 128] (LayerNorm, then RoPE on [0,64)).
+// The exact values dsa_cache_append stores: want [n_tok, 128] (LayerNorm, then rope.h's RoPE on
+// [0, 64)).
 void dsa_cache_append_ref(float *want, const float *k, const float *ln_w, const float *ln_b,
                           float eps, float theta, const int32_t *pos, int n_tok);
 

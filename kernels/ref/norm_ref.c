@@ -7,6 +7,8 @@
 #include <stddef.h>
 #include <stdlib.h>
 
+#include "kernels/rope_format.h"
+
 void norm_rms_ref(float *out, const float *x, const float *w, float eps, int n, int d,
                   int x_stride)
 {
@@ -46,8 +48,7 @@ void rope_glm_ref(float *x, const int32_t *pos, int n_tok, int n_heads, int stri
         for (int h = 0; h < n_heads; h++) {
             float *v = x + (size_t) t * stride + (size_t) h * head_stride + offset;
             for (int i = 0; i < half; i++) {
-                const float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) rot_dim);
-                const double a = (double) ((float) pos[t] * inv_freq);
+                const double a = (double) ((float) pos[t] * rope_inv_freq(i, rot_dim, theta));
                 tmp[i] = v[2 * i] * cos(a) - v[2 * i + 1] * sin(a);
                 tmp[half + i] = v[2 * i + 1] * cos(a) + (double) v[2 * i] * sin(a);
             }

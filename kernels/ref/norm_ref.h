@@ -22,8 +22,8 @@ void norm_rms_ref(float *out, const float *x, const float *w, float eps, int n, 
 void norm_layer_ref(float *out, const float *x, const float *w, const float *b, float eps, int n,
                     int d, int x_stride);
 
-// In place, as rope.h: interleaved pairs in, halves out. inv_freq and the angle in fp32 as
-// rope.h states (host powf), cos, sin and the rotation in double.
+// In place, as rope.h: interleaved pairs in, halves out. inv_freq (rope_format.h) and the
+// angle in fp32 as rope.h states, cos, sin and the rotation in double.
 void rope_glm_ref(float *x, const int32_t *pos, int n_tok, int n_heads, int stride,
                   int head_stride, int offset, int rot_dim, float theta);
 

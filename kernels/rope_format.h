@@ -1,0 +1,39 @@
+/*
+ * rope_format.h - RoPE's inverse frequencies, in plain C for the host, so that every RoPE
+ * (the CPU backend's, kernels/rope.h and the caches' appends, the references) rotates by the
+ * same fp32 angles.
+ *
+ * inv_freq[i] = 1 / theta^(2i / rot_dim), in fp32 as transformers computes it (the exponent
+ * (float) 2i / (float) rot_dim, then the host's powf, then the division). The device's powf
+ * may differ from the host's in the last bits, which at position 256K moves a high-frequency
+ * angle by hundredths of a radian; so the kernels never compute them: the launcher fills a
+ * RopeFreqs on the host and passes it by value (a kernel parameter, which a CUDA graph
+ * records), and the angle pos * inv_freq is one fp32 product on either side.
+ *
+ * Ownership: none. Threads: pure. Errors: none.
+ */
+#ifndef KERNELS_ROPE_FORMAT_H
+#define KERNELS_ROPE_FORMAT_H
+
+#include <math.h>
+
+// Pairs a RopeFreqs holds: rot_dim up to 2 * ROPE_MAX_PAIRS (GLM-5: 64).
+#define ROPE_MAX_PAIRS 256
+
+typedef struct RopeFreqs {
+    float inv[ROPE_MAX_PAIRS];
+} RopeFreqs;
+
+static inline float rope_inv_freq(int i, int rot_dim, float theta)
+{
+    return 1.0f / powf(theta, (float) (2 * i) / (float) rot_dim);
+}
+
+// f->inv[0 .. rot_dim / 2); rot_dim even, at most 2 * ROPE_MAX_PAIRS (the caller checks).
+static inline void rope_freqs(RopeFreqs *f, int rot_dim, float theta)
+{
+    for (int i = 0; i < rot_dim / 2 && i < ROPE_MAX_PAIRS; i++)
+        f->inv[i] = rope_inv_freq(i, rot_dim, theta);
+}
+
+#endif  // KERNELS_ROPE_FORMAT_H
