@@ -111,7 +111,9 @@ bool pp_rank_from_env(int *rank, int *world);
 // Start `world` ranks of this program on this host: re-executes /proc/self/exe with argv
 // plus "--rank R --world N --master 127.0.0.1:PORT --local-rank R" (the caller's --pp is
 // removed; --local-rank picks the GPU of a device backend), every
-// child in one process group that dies with the parent (PR_SET_PDEATHSIG). Waits for all;
+// child in one process group that dies with the parent (PR_SET_PDEATHSIG). The master's
+// port is bound here, before the ranks start, and rank 0 inherits the listening socket
+// (PP_LISTEN_FD_ENV, pp_comm.h), so no other process can take it in between. Waits for all;
 // when one fails, kills the rest of the group 2 s later. Rank 0's stdout is the
 // command's. Returns the exit status for main (0 when every rank succeeded).
 int pp_launch_local(int argc, char **argv, int world);
