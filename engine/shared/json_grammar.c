@@ -53,6 +53,7 @@ enum {
     MAX_LITS = 64,
     MAX_NODES = 4096,
     MAX_TEXT = 1 << 16,
+    MAX_MIN_TOTAL = 1 << 22,  // the shortest texts of all nodes together
     MAX_SCHEMA_DEPTH = 32,
     MAX_REFS = 32,
 };
@@ -71,6 +72,8 @@ typedef struct Node {
     int addl;                       // node of additional properties' values, -1: none
     char *min;                      // shortest valid text (owned)
     int n_min;
+    int min_depth;  // automaton frames writing `min` takes, its own included
+    int threads;    // ways (JgramThreads) a value of this node can be read at once, at most
 } Node;
 
 typedef struct Text {  // bytes in g->text
@@ -111,11 +114,20 @@ static const char *const BUILTIN[3] = {"true", "false", "null"};
 // ---------------------------------------------------------------------------
 // Compiling
 
+typedef struct RefNode {  // a $ref compiled once, its node shared by every use
+    const char *ref;
+    int node;
+} RefNode;
+
 typedef struct Compiler {
     JgramGrammar *g;
     json_object *root_schema;
-    const char *refs[MAX_REFS];  // $refs being inlined (cycle check)
+    const char *refs[MAX_REFS];  // $refs being compiled (cycle check)
     int n_refs;
+    RefNode *done;  // $refs compiled against root_schema (reset when it changes)
+    int n_done, cap_done;
+    size_t min_total;  // bytes of every node's shortest text
+    bool tool_params;  // the next object compiled is a tool's parameters (set_raw)
     char *msg;
     size_t cap;
     Err err;
@@ -172,17 +184,39 @@ static int new_node(Compiler *c, const char *path)
     return g->n_nodes++;
 }
 
-// Candidate s becomes best when it is the shortest so far (and within MAX_TEXT bytes);
-// s is emptied for the next one (the two swap memory).
-static void keep_shorter(Buf *s, Buf *best, bool *has_best)
+// Candidate s, which takes `depth` frames to write, becomes best when it is the shortest so
+// far (and within MAX_TEXT bytes); s is emptied for the next one (the two swap memory).
+static void keep_shorter(Buf *s, int depth, Buf *best, int *best_depth, bool *has_best)
 {
     if (!s->is_oom && s->n <= MAX_TEXT && (!*has_best || s->n < best->n)) {
         const Buf t = *best;
         *best = *s;
         *s = t;
+        *best_depth = depth;
         *has_best = true;
     }
     buf_clear(s);
+}
+
+// Frames the automaton needs below a container of node n that it has opened, for the
+// shortest way to close it: an array's min_items items (their shortest texts), an object's
+// required properties (a key frame, then each value). need_frames(n) + the depth after the
+// container's frame is pushed must stay within JGRAM_MAX_DEPTH (begin_value).
+static int arr_frames_below(const JgramGrammar *g, const Node *n)
+{
+    return n->min_items > 0 ? g->nodes[n->items].min_depth : 0;
+}
+
+static int obj_frames_below(const JgramGrammar *g, const Node *n)
+{
+    int below = 0;
+    for (int i = 0; i < n->n_props; i++) {
+        if (!(n->required >> i & 1)) continue;
+        const int d = g->nodes[g->props[n->prop0 + i].node].min_depth;
+        below = below > d ? below : d;
+        below = below > 1 ? below : 1;  // the key
+    }
+    return below;
 }
 
 // Fill node->min: the shortest valid text of a value of node k (each kind of value it
@@ -194,17 +228,18 @@ static int set_min(Compiler *c, int k, const char *path)
     const char *text = g->text.p;  // nothing is added to g->text here
     Buf s = {0}, best = {0};
     bool has_best = false;
+    int depth = 1;
     if (n->n_lits > 0) {
         for (int i = 0; i < n->n_lits; i++) {
             const Text *t = &g->lits[n->lit0 + i];
             buf_add(&s, text + t->off, (size_t) t->len);
-            keep_shorter(&s, &best, &has_best);
+            keep_shorter(&s, 1, &best, &depth, &has_best);
         }
     } else if (n->n_alts > 0) {
         for (int i = 0; i < n->n_alts; i++) {
             const Node *a = &g->nodes[n->alts[i]];
             buf_add(&s, a->min, (size_t) a->n_min);
-            keep_shorter(&s, &best, &has_best);
+            keep_shorter(&s, a->min_depth, &best, &depth, &has_best);
         }
     } else {
         static const struct {
@@ -214,13 +249,15 @@ static int set_min(Compiler *c, int k, const char *path)
         for (int i = 0; i < 3; i++)
             if (n->types & scalars[i].types) {
                 buf_adds(&s, scalars[i].min);
-                keep_shorter(&s, &best, &has_best);
+                keep_shorter(&s, 1, &best, &depth, &has_best);
             }
         if (n->types & T_STR) {
+            static const char letters[64] = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
             buf_adds(&s, "\"");
-            for (uint32_t i = 0; i < n->min_len && s.n <= MAX_TEXT; i++) buf_adds(&s, "a");
+            for (uint32_t i = 0; i < n->min_len && s.n <= MAX_TEXT; i += 64)
+                buf_add(&s, letters, n->min_len - i < 64 ? n->min_len - i : 64);
             buf_adds(&s, "\"");
-            keep_shorter(&s, &best, &has_best);
+            keep_shorter(&s, 1, &best, &depth, &has_best);
         }
         if (n->types & T_ARR) {
             const Node *it = &g->nodes[n->items];
@@ -230,7 +267,7 @@ static int set_min(Compiler *c, int k, const char *path)
                 buf_add(&s, it->min, (size_t) it->n_min);
             }
             buf_adds(&s, "]");
-            keep_shorter(&s, &best, &has_best);
+            keep_shorter(&s, 1 + arr_frames_below(g, n), &best, &depth, &has_best);
         }
         if (n->types & T_OBJ) {
             buf_adds(&s, "{");
@@ -247,7 +284,7 @@ static int set_min(Compiler *c, int k, const char *path)
                 buf_add(&s, v->min, (size_t) v->n_min);
             }
             buf_adds(&s, "}");
-            keep_shorter(&s, &best, &has_best);
+            keep_shorter(&s, 1 + obj_frames_below(g, n), &best, &depth, &has_best);
         }
     }
     buf_free(&s);
@@ -257,6 +294,38 @@ static int set_min(Compiler *c, int k, const char *path)
     if (!min) return fail(c, ERR_INVAL, path, "no value satisfies the schema (or its smallest one exceeds 64 KiB)");
     g->nodes[k].min = min;
     g->nodes[k].n_min = (int) n_best;
+    g->nodes[k].min_depth = depth;
+    // Threads: one per alternative (flattened) while a value is read, each of which may split
+    // again inside (an array's current item, an object's current value). A state keeps
+    // JGRAM_MAX_THREADS: a schema that could need more would lose ways to read valid output.
+    int threads = 0;
+    if (n->n_lits > 0) {
+        threads = 1;
+    } else if (n->n_alts > 0) {
+        for (int i = 0; i < n->n_alts; i++) threads += g->nodes[n->alts[i]].threads;
+    } else {
+        threads = 1;
+        if (n->types & T_ARR && g->nodes[n->items].threads > threads)
+            threads = g->nodes[n->items].threads;
+        for (int i = 0; n->types & T_OBJ && i < n->n_props; i++)
+            if (g->nodes[g->props[n->prop0 + i].node].threads > threads)
+                threads = g->nodes[g->props[n->prop0 + i].node].threads;
+        if (n->types & T_OBJ && n->addl >= 0 && g->nodes[n->addl].threads > threads)
+            threads = g->nodes[n->addl].threads;
+    }
+    g->nodes[k].threads = threads;
+    if (threads > JGRAM_MAX_THREADS)
+        return fail(c, ERR_INVAL, path,
+                    "'anyOf' alternatives nest into more than %d ways to read one value",
+                    JGRAM_MAX_THREADS);
+    c->min_total += n_best;
+    if (c->min_total > MAX_MIN_TOTAL)
+        return fail(c, ERR_INVAL, path, "the schema's shortest values exceed 4 MiB together");
+    // A value must be writable within the automaton's frames: the root's frame, this one,
+    // and what its shortest text nests.
+    if (depth > JGRAM_MAX_DEPTH - 1)
+        return fail(c, ERR_INVAL, path, "the schema's values nest deeper than %d levels",
+                    JGRAM_MAX_DEPTH - 2);
     return k;
 }
 
@@ -368,10 +437,19 @@ static int compile_ref(Compiler *c, const char *ref, const char *path, int depth
     for (int i = 0; i < c->n_refs; i++)
         if (!strcmp(c->refs[i], ref))
             return fail(c, ERR_INVAL, path, "recursive '$ref' \"%.80s\" is not supported", ref);
+    // A target compiles once (its node is read-only and means the same at every use): a
+    // schema whose $defs refer to one another many times would otherwise compile
+    // exponentially many copies.
+    for (int i = 0; i < c->n_done; i++)
+        if (!strcmp(c->done[i].ref, ref)) return c->done[i].node;
     if (c->n_refs == MAX_REFS) return fail(c, ERR_INVAL, path, "'$ref' nested too deep");
     c->refs[c->n_refs++] = ref;
     const int k = compile_node(c, target, path, depth + 1);
     c->n_refs--;
+    if (k < 0) return k;
+    if (!grow((void **) &c->done, &c->cap_done, c->n_done + 1, sizeof *c->done))
+        return fail(c, ERR_NOMEM, path, "out of memory");
+    c->done[c->n_done++] = (RefNode){ref, k};
     return k;
 }
 
@@ -407,6 +485,9 @@ static int compile_node(Compiler *c, json_object *s, const char *path, int depth
         }
         return compile_ref(c, json_object_get_string(v), path, depth);
     }
+    // Only a tool's parameters (not the objects inside their values) have raw arguments.
+    const bool raw_props = c->tool_params;
+    c->tool_params = false;
     if (json_object_object_get_ex(s, "anyOf", &v)) {
         json_object_object_foreach(s, k2, v2) {
             (void) v2;
@@ -551,7 +632,7 @@ static int compile_node(Compiler *c, json_object *s, const char *path, int depth
             pr->node = pn;
             if (!add_text(g, name, (int) strlen(name), &g->props[prop0 + i].raw))
                 return fail(c, ERR_INVAL, path, "the schema's names exceed 64 KiB");
-            if (set_raw(c, prop0 + i, ps, sub) < 0) return -1;
+            if (raw_props && set_raw(c, prop0 + i, ps, sub) < 0) return -1;
             i++;
         }
     }
@@ -596,7 +677,8 @@ static JgramGrammar *grammar_new(Compiler *c, json_object *root_schema, char *ms
 {
     if (cap) msg[0] = 0;
     JgramGrammar *g = calloc(1, sizeof *g);
-    *c = (Compiler){g, root_schema, {0}, 0, msg, cap, g ? ERR_OK : ERR_NOMEM};
+    *c = (Compiler){.g = g, .root_schema = root_schema, .msg = msg, .cap = cap,
+                    .err = g ? ERR_OK : ERR_NOMEM};
     if (!g) return NULL;
     if (new_node(c, "") == 0) {
         g->nodes[0].types = T_ALL;
@@ -624,6 +706,7 @@ Err jgram_compile(json_object *schema, JgramGrammar **out, char *msg, size_t cap
     } else {
         k = compile_node(&c, schema, "", 0);
     }
+    free(c.done);
     if (k < 0) {
         jgram_free(g);
         return c.err ? c.err : ERR_INVAL;
@@ -665,7 +748,9 @@ Err jgram_compile_tools(json_object *tools, const char *name, JgramGrammar **out
         if (k < 0) break;
         json_object_object_get_ex(fn, "parameters", &params);
         if (params && !json_object_is_type(params, json_type_null)) {
-            c.root_schema = params;
+            c.root_schema = params;  // its own $defs: no $ref compiled so far applies
+            c.n_done = 0;
+            c.tool_params = true;
             k = compile_node(&c, params, path, 0);
         } else if ((k = new_node(&c, path)) >= 0) {
             g->nodes[k].types = T_OBJ;
@@ -692,6 +777,7 @@ Err jgram_compile_tools(json_object *tools, const char *name, JgramGrammar **out
         g->calls[g->n_calls++] = (Call){t, k};
     }
     if (k >= 0 && g->n_calls == 0) k = fail(&c, ERR_INVAL, "/tools", "no tool to call");
+    free(c.done);
     if (k < 0) {
         jgram_free(g);
         return c.err ? c.err : ERR_INVAL;
@@ -857,6 +943,11 @@ static void begin_value(const JgramGrammar *g, JgramThread *t, int k, uint8_t c,
     else if ((c == '-' || (c >= '0' && c <= '9')) && (n->types & (T_INT | T_NUM))) kind = K_NUM;
     else if ((c == 't' || c == 'f') && (n->types & T_BOOL)) kind = K_LIT, set = 3;
     else if (c == 'n' && (n->types & T_NULL)) kind = K_LIT, set = 4;
+    // A container opens only where the shortest way to close it fits the frames left, so
+    // that every live state keeps a completion.
+    if ((kind == K_ARR && t->depth + 1 + arr_frames_below(g, n) > JGRAM_MAX_DEPTH) ||
+        (kind == K_OBJ && t->depth + 1 + obj_frames_below(g, n) > JGRAM_MAX_DEPTH))
+        return;
     if (!kind || !push(t, kind, k)) return;
     JgramFrame *f = top(t);
     switch (kind) {
@@ -912,6 +1003,18 @@ static uint64_t key_candidates(const Node *n, uint64_t seen)
 {
     const uint64_t all = n->n_props == 64 ? ~0ull : (1ull << n->n_props) - 1;
     return n->addl >= 0 ? all : all & ~seen;
+}
+
+static int pick_key(const JgramGrammar *g, const Node *n, uint64_t seen, int *value);
+
+// Frames below an object's frame that the completion's next key takes (pick_key's): the
+// key's own, then its value's shortest text.
+static int key_value_frames(const JgramGrammar *g, const Node *n, uint64_t seen)
+{
+    int value;
+    pick_key(g, n, seen, &value);
+    const int d = value >= 0 ? g->nodes[value].min_depth : 1;
+    return d > 1 ? d : 1;
 }
 
 // ---------------------------------------------------------------------------
@@ -1139,7 +1242,8 @@ static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o
                     emit(o, t);
                 } else if (c == '"' && f->st == OB_FIRST && more_keys(g, f)) {
                     open_key(t, n, o);
-                } else if (c == ',' && f->st == OB_NEXT && more_keys(g, f)) {
+                } else if (c == ',' && f->st == OB_NEXT && more_keys(g, f) &&
+                           t->depth + key_value_frames(g, n, f->set) <= JGRAM_MAX_DEPTH) {
                     f->st = OB_KEY;
                     f->b = 1;
                     emit(o, t);
@@ -1170,15 +1274,14 @@ static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o
             if (f->st == 0 && f->b == 0 && c == '"') {
                 t->depth--;
                 JgramFrame *p = top(t);
+                const int value = prop >= 0 ? g->props[n->prop0 + prop].node : n->addl;
+                // (the value's shortest text must fit below the object's frame)
+                if (value < 0 || t->depth + g->nodes[value].min_depth > JGRAM_MAX_DEPTH) return;
                 if (prop >= 0) {
                     if (p->set >> prop & 1) return;  // a duplicate key
                     p->set |= 1ull << prop;
-                    p->c = (uint32_t) g->props[n->prop0 + prop].node;
-                } else if (n->addl >= 0) {
-                    p->c = (uint32_t) n->addl;
-                } else {
-                    return;
                 }
+                p->c = (uint32_t) value;
                 p->st = OB_COLON;
                 p->a++;
                 emit(o, t);
@@ -1273,7 +1376,8 @@ static void feed_thread(const JgramGrammar *g, JgramThread *t, uint8_t c, Out *o
                 if (c == ']' && f->a >= n->min_items) {
                     pop_value(t);
                     emit(o, t);
-                } else if (c == ',' && f->st == AR_NEXT && f->a < n->max_items) {
+                } else if (c == ',' && f->st == AR_NEXT && f->a < n->max_items &&
+                           t->depth + g->nodes[n->items].min_depth <= JGRAM_MAX_DEPTH) {
                     f->st = AR_VALUE;
                     f->b = 1;
                     emit(o, t);
@@ -1473,6 +1577,41 @@ static void call_args_rest(const JgramGrammar *g, Wb *s, int call, uint64_t seen
     put(s, "</tool_call>", 12);
 }
 
+// The rest of an escape (\n, or \u's hex digits as zeros) or of a UTF-8 character that
+// string frame f has begun.
+static void finish_char(Wb *s, const JgramFrame *f)
+{
+    if (f->st == 1) put(s, "n", 1);
+    for (int i = f->st >= 2 ? f->st : 6; i < 6; i++) put(s, "0", 1);
+    put_utf8_rest(s, f->b);
+}
+
+// For a key whose bytes written so far (`pos` of them, after the frame's last matched byte)
+// may spell some of the declared names `names` of object n: nothing when the key cannot
+// equal one of them as it stands, else one more plain character that no such name has at
+// `pos`, so that the key closes as an additional one and never as a duplicate. Names that
+// matched up to the frame's count but not the bytes since differ already, and the check
+// here treats them alike (one character unlike every candidate's at pos suffices).
+static void put_unlike_names(const JgramGrammar *g, Wb *s, const Node *n, uint64_t names, int pos)
+{
+    static const char pool[] =
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.~!#$%&()*+,;=?@[]^`{|}";
+    bool equal = false, used[128] = {false};
+    for (int i = 0; i < n->n_props; i++) {
+        if (!(names >> i & 1)) continue;
+        const Text *nm = &g->props[n->prop0 + i].name;
+        if (nm->len == pos) equal = true;
+        else if (nm->len > pos) used[(uint8_t) g->text.p[nm->off + pos] & 127] = true;
+    }
+    if (!equal) return;
+    for (const char *c = pool; *c; c++)
+        if (!used[(uint8_t) *c]) {
+            put(s, c, 1);
+            return;
+        }
+    s->bad = true;  // not reached: 86 characters, at most 64 names
+}
+
 static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s)
 {
     uint64_t seen_add = 0;  // a property the completed key on top chose
@@ -1591,17 +1730,14 @@ static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s
             if (is_top && f->st == 0) put_min(g, s, g->root);
             break;
         case K_STR:
+            finish_char(s, f);
+            for (uint32_t i = f->a; i < n->min_len; i++) put(s, "a", 1);
+            put(s, "\"", 1);
+            break;
         case K_KEY: {
-            if (f->st == 1) put(s, "n", 1);
-            for (int i = f->st >= 2 ? f->st : 6; i < 6; i++) put(s, "0", 1);
-            put_utf8_rest(s, f->b);
-            if (f->kind == K_STR) {
-                for (uint32_t i = f->a; i < n->min_len; i++) put(s, "a", 1);
-                put(s, "\"", 1);
-                break;
-            }
-            // A key: finish a declared name still matching (unseen, required first), else
-            // close it as an additional key.
+            // Finish a declared name still matching (unseen, required first): its own bytes
+            // also finish an escape or a character begun. Else close the key as an
+            // additional one, which must not equal a declared (seen) name.
             const uint64_t seen = t->f[d - 1].set;
             int best = -1;
             for (int pass = 0; pass < 2 && best < 0; pass++)
@@ -1609,11 +1745,19 @@ static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s
                     if ((f->set >> i & 1) && !(seen >> i & 1) && (pass || (n->required >> i & 1)))
                         best = i;
             int value = n->addl;
-            if (best >= 0 && f->st == 0 && f->b == 0) {
+            if (best >= 0) {
                 const Prop *p = &g->props[n->prop0 + best];
                 put(s, g->text.p + p->name.off + f->a, p->name.len - (int) f->a);
                 value = p->node;
                 seen_add = 1ull << best;
+            } else {
+                if (value < 0) {
+                    s->bad = true;
+                    return;
+                }
+                const int at = s->n;
+                finish_char(s, f);
+                if (f->set) put_unlike_names(g, s, n, f->set, (int) f->a + (s->n - at));
             }
             put(s, "\":", 2);
             put_min(g, s, value);
@@ -1638,11 +1782,17 @@ static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s
             int value;
             if (st == OB_KEY) {
                 const int i = pick_key(g, n, seen, &value);
+                if (value < 0) {
+                    s->bad = true;
+                    return;
+                }
                 put(s, "\"", 1);
                 if (i >= 0) {
                     const Prop *p = &g->props[n->prop0 + i];
                     put(s, g->text.p + p->name.off, p->name.len);
                     seen |= 1ull << i;
+                } else {  // every declared name is seen: an additional key unlike them
+                    put_unlike_names(g, s, n, all_props(n), 0);
                 }
                 put(s, "\":", 2);
                 put_min(g, s, value);
@@ -1675,24 +1825,27 @@ static void thread_completion(const JgramGrammar *g, const JgramThread *t, Wb *s
 
 int jgram_completion(const JgramGrammar *g, const JgramState *st, char *out, int cap)
 {
-    int best = -1;
     if (jgram_can_end(g, st)) return 0;
-    if (st->n == 1) {  // the common case: straight into out
-        Wb s = {out, 0, cap, false};
-        thread_completion(g, &st->t[0], &s);
-        return s.bad ? -1 : s.n;
-    }
-    char *tmp = malloc((size_t) cap + 1);
-    if (!tmp) return -1;
-    for (int i = 0; i < st->n; i++) {
+    if (st->n == 0 || cap < 0) return -1;
+    // Each thread's completion is valid for that thread; fed to the whole state, the
+    // threads beside it can split at an anyOf and crowd it out of the JGRAM_MAX_THREADS kept.
+    // So the shortest one that the whole state accepts is returned (the first thread's, as a
+    // rule).
+    char small[4096];
+    char *tmp = cap <= (int) sizeof small ? small : malloc((size_t) cap);
+    JgramState probe_st, *probe = &probe_st;
+    int best = -1;
+    for (int i = 0; tmp && i < st->n; i++) {
         Wb s = {tmp, 0, best < 0 ? cap : best - 1, false};  // only a shorter one is kept
         thread_completion(g, &st->t[i], &s);
-        if (!s.bad) {
+        if (s.bad) continue;
+        jgram_copy(probe, st);
+        if (jgram_feed_bytes(g, probe, tmp, (size_t) s.n) && jgram_can_end(g, probe)) {
             memcpy(out, tmp, (size_t) s.n);
             best = s.n;
         }
     }
-    free(tmp);
+    if (tmp != small) free(tmp);
     return best;
 }
 

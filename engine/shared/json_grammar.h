@@ -23,7 +23,10 @@
  * exponent digits, objects nested at most JGRAM_MAX_DEPTH - 1 deep, no duplicate declared
  * keys (duplicates among additional keys are not tracked). Strings are UTF-8 with
  * JSON's escapes; lengths count code points. Limits: 64 properties per object, 64 enum
- * values, 8 alternatives per anyOf (after flattening), 4096 nodes, 64 KiB of literals.
+ * values, 8 alternatives per anyOf (after flattening) and 8 ways to read one value through
+ * nested anyOf (JGRAM_MAX_THREADS), 4096 nodes, 64 KiB of literals, shortest values of
+ * 64 KiB each and 4 MiB together, shortest values nested at most JGRAM_MAX_DEPTH - 2 deep
+ * (containers open only where their shortest close fits). A $ref target compiles once.
  *
  * Ownership: jgram_compile allocates the grammar (jgram_free releases it); a JgramState
  *            is plain data the caller owns and may copy with jgram_copy.
@@ -101,7 +104,10 @@ bool jgram_can_end(const JgramGrammar *g, const JgramState *st);
 
 // The shortest bytes that make the output a whole document: written to out (cap bytes,
 // no terminator); returns their count, or -1 when the state is dead or they need more
-// than cap bytes. 0 when jgram_can_end().
+// than cap bytes. 0 when jgram_can_end(). Each thread's shortest completion is checked by
+// feeding it to a copy of the whole state, so what is returned always finishes the
+// document; -1 also when none survives (threads of nested anyOf crowding the one a
+// completion follows out of JGRAM_MAX_THREADS: not seen outside the fuzzer).
 int jgram_completion(const JgramGrammar *g, const JgramState *st, char *out, int cap);
 
 // Copy a state (only its live part); hash its live part (equal states hash alike).

@@ -200,6 +200,122 @@ static void test_completion(void)
     }
 }
 
+// Completions from states the fuzzer found wrong (each fed back must finish the document):
+// a key stopped inside an escape or a UTF-8 character of a declared name; a key that could
+// only close as a declared name already seen (a duplicate); the thread a completion follows
+// crowded out of JGRAM_MAX_THREADS by nested anyOf; schemas whose shortest values nest
+// deeper than the automaton's frames (refused when compiled, with the limit named).
+static void test_completion_edges(void)
+{
+    static const struct {
+        const char *schema, *prefix;
+    } cases[] = {
+        {"{\"properties\":{\"a\\\"b\":{}}}", "{\"a\\"},
+        {"{\"properties\":{\"\xc3\xa9\":{}}}", "{\"\xc3"},
+        {"{\"properties\":{\"\\n\":{\"type\":\"null\"}},\"additionalProperties\":true}", "{\"\\"},
+        {"{\"properties\":{\"a\":{}},\"additionalProperties\":true}", "{\"a\":1,\"a"},
+        {"{\"properties\":{\"\":{}},\"additionalProperties\":true}", "{\"\":1,"},
+        {"{\"properties\":{\"\\n\":{}},\"additionalProperties\":true}", "{\"\\n\":0,\"\\"},
+        {"{\"properties\":{\"a\":{},\"b\":{}},\"additionalProperties\":true}", "{\"a\":1,\"b\":2,"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        JgramGrammar *g = compile(cases[i].schema);
+        CHECK(g != NULL);
+        if (!g) continue;
+        JgramState st;
+        jgram_start(g, &st);
+        CHECK(jgram_feed_bytes(g, &st, cases[i].prefix, strlen(cases[i].prefix)));
+        char comp[4096];
+        const int m = jgram_completion(g, &st, comp, (int) sizeof comp);
+        if (m < 0) fprintf(stderr, "case %zu: no completion\n", i);
+        CHECK(m >= 0);
+        if (m >= 0) {
+            const bool ok = jgram_feed_bytes(g, &st, comp, (size_t) m) && jgram_can_end(g, &st);
+            if (!ok) fprintf(stderr, "case %zu: completion \"%.*s\" does not finish\n", i, m, comp);
+            CHECK(ok);
+        }
+        jgram_free(g);
+    }
+    // Alternatives nested into 9 ways to read a value (8 inside the first, 1 in the second):
+    // a state keeps 8, so the schema is refused rather than half matched.
+    json_object *s = json_tokener_parse(
+        "{\"anyOf\":[{\"type\":\"array\",\"minItems\":1,\"items\":{\"anyOf\":["
+        "{\"type\":\"array\",\"minItems\":1},{\"type\":\"array\",\"minItems\":1},"
+        "{\"type\":\"array\",\"minItems\":1},{\"type\":\"array\",\"minItems\":1},"
+        "{\"type\":\"array\",\"minItems\":1},{\"type\":\"array\",\"minItems\":1},"
+        "{\"type\":\"array\",\"minItems\":1},{\"type\":\"array\",\"minItems\":1}]}},"
+        "{\"type\":\"array\",\"minItems\":1,\"items\":{\"type\":\"array\"}}]}");
+    JgramGrammar *g = NULL;
+    char msg[256] = "";
+    CHECK(jgram_compile(s, &g, msg, sizeof msg) == ERR_INVAL && g == NULL);
+    CHECK(strstr(msg, "more than 8 ways") != NULL);
+    json_object_put(s);
+    // Shortest values nested 24 arrays deep need more frames than a state has: refused.
+    char deep[1024] = "{\"type\":\"array\"}";
+    for (int d = 0; d < 23; d++) {
+        char next[1024];
+        snprintf(next, sizeof next, "{\"type\":\"array\",\"minItems\":1,\"items\":%s}", deep);
+        snprintf(deep, sizeof deep, "%s", next);
+    }
+    s = json_tokener_parse(deep);
+    g = NULL;
+    CHECK(jgram_compile(s, &g, msg, sizeof msg) == ERR_INVAL && g == NULL);
+    CHECK(strstr(msg, "nest deeper than") != NULL);
+    json_object_put(s);
+    // One level less compiles, and its shortest document completes from the start.
+    const char *inner = strchr(deep + 1, '{');
+    char shallower[1024];
+    snprintf(shallower, sizeof shallower, "%.*s", (int) (strlen(inner) - 1), inner);
+    g = compile(shallower);
+    CHECK(g != NULL);
+    if (g) {
+        JgramState st;
+        jgram_start(g, &st);
+        char comp[4096];
+        const int m = jgram_completion(g, &st, comp, (int) sizeof comp);
+        CHECK(m == 46 && jgram_feed_bytes(g, &st, comp, (size_t) m) && jgram_can_end(g, &st));
+        jgram_free(g);
+    }
+}
+
+// $defs that refer to one another many times compile each once (the 3.4 KB schema below
+// needed 4,032 copies of a 65,000-letter string before), and a total bound on the shortest
+// texts refuses what would still be too large; a response_format's string enum may hold '<'
+// (only a tool's raw arguments may not).
+static void test_schema_bounds(void)
+{
+    char schema[8192];
+    int n = snprintf(schema, sizeof schema,
+                     "{\"$defs\":{\"a\":{\"type\":\"string\",\"minLength\":65000},\"b\":{\"properties\":{");
+    for (int i = 0; i < 63; i++)
+        n += snprintf(schema + n, sizeof schema - (size_t) n, "%s\"%d\":{\"$ref\":\"#/$defs/a\"}",
+                      i ? "," : "", i);
+    n += snprintf(schema + n, sizeof schema - (size_t) n, "}}},\"properties\":{");
+    for (int i = 0; i < 64; i++)
+        n += snprintf(schema + n, sizeof schema - (size_t) n, "%s\"%d\":{\"$ref\":\"#/$defs/b\"}",
+                      i ? "," : "", i);
+    snprintf(schema + n, sizeof schema - (size_t) n, "}}");
+    JgramGrammar *g = compile(schema);
+    CHECK(g != NULL);
+    jgram_free(g);
+    // 65 distinct strings of about 65,000 letters: more than 4 MiB of shortest texts.
+    n = snprintf(schema, sizeof schema, "{\"properties\":{");
+    for (int i = 0; i < 64; i++)
+        n += snprintf(schema + n, sizeof schema - (size_t) n, "%s\"%d\":{\"minLength\":%d}",
+                      i ? "," : "", i, 65000 - i);
+    snprintf(schema + n, sizeof schema - (size_t) n,
+             "},\"additionalProperties\":{\"minLength\":64000}}");
+    json_object *s = json_tokener_parse(schema);
+    char msg[256] = "";
+    g = NULL;
+    CHECK(jgram_compile(s, &g, msg, sizeof msg) == ERR_INVAL && g == NULL);
+    CHECK(strstr(msg, "exceed 4 MiB") != NULL);
+    json_object_put(s);
+    g = compile("{\"properties\":{\"a\":{\"type\":\"string\",\"enum\":[\"<\",1]}}}");
+    CHECK(g != NULL && accepts(g, "{\"a\":\"<\"}"));
+    jgram_free(g);
+}
+
 // Tool calls in GLM's format: names, raw and JSON arguments, required ones, enums.
 static void test_tool_calls(void)
 {
@@ -268,6 +384,8 @@ int main(void)
     test_errors();
     test_documents();
     test_completion();
+    test_completion_edges();
+    test_schema_bounds();
     test_tool_calls();
     return check_exit();
 }
