@@ -1827,10 +1827,16 @@ int jgram_completion(const JgramGrammar *g, const JgramState *st, char *out, int
 {
     if (jgram_can_end(g, st)) return 0;
     if (st->n == 0 || cap < 0) return -1;
-    // Each thread's completion is valid for that thread; fed to the whole state, the
-    // threads beside it can split at an anyOf and crowd it out of the JGRAM_MAX_THREADS kept.
-    // So the shortest one that the whole state accepts is returned (the first thread's, as a
-    // rule).
+    if (st->n == 1) {  // the common case: straight into out (a lone thread's completion
+                       // cannot be crowded out: compiling bounds the threads, set_min)
+        Wb s = {out, 0, cap, false};
+        thread_completion(g, &st->t[0], &s);
+        return s.bad ? -1 : s.n;
+    }
+    // Each thread's completion is valid for that thread; the shortest one that the whole
+    // state accepts is returned (checked by feeding it, which costs a copy of the state: the
+    // threads beside it could have crowded it out of JGRAM_MAX_THREADS were the schema not
+    // bounded, set_min).
     char small[4096];
     char *tmp = cap <= (int) sizeof small ? small : malloc((size_t) cap);
     JgramState probe_st, *probe = &probe_st;

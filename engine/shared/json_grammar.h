@@ -104,10 +104,8 @@ bool jgram_can_end(const JgramGrammar *g, const JgramState *st);
 
 // The shortest bytes that make the output a whole document: written to out (cap bytes,
 // no terminator); returns their count, or -1 when the state is dead or they need more
-// than cap bytes. 0 when jgram_can_end(). Each thread's shortest completion is checked by
-// feeding it to a copy of the whole state, so what is returned always finishes the
-// document; -1 also when none survives (threads of nested anyOf crowding the one a
-// completion follows out of JGRAM_MAX_THREADS: not seen outside the fuzzer).
+// than cap bytes. 0 when jgram_can_end(). With several threads (anyOf) each one's shortest
+// completion is checked by feeding it to a copy of the whole state.
 int jgram_completion(const JgramGrammar *g, const JgramState *st, char *out, int cap);
 
 // Copy a state (only its live part); hash its live part (equal states hash alike).
