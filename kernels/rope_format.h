@@ -29,11 +29,12 @@ static inline float rope_inv_freq(int i, int rot_dim, float theta)
     return 1.0f / powf(theta, (float) (2 * i) / (float) rot_dim);
 }
 
-// f->inv[0 .. rot_dim / 2); rot_dim even, at most 2 * ROPE_MAX_PAIRS (the caller checks).
+// f->inv[0 .. rot_dim / 2), the rest zero (a kernel parameter's bytes are all defined);
+// rot_dim even, at most 2 * ROPE_MAX_PAIRS (the caller checks).
 static inline void rope_freqs(RopeFreqs *f, int rot_dim, float theta)
 {
-    for (int i = 0; i < rot_dim / 2 && i < ROPE_MAX_PAIRS; i++)
-        f->inv[i] = rope_inv_freq(i, rot_dim, theta);
+    for (int i = 0; i < ROPE_MAX_PAIRS; i++)
+        f->inv[i] = i < rot_dim / 2 ? rope_inv_freq(i, rot_dim, theta) : 0.0f;
 }
 
 #endif  // KERNELS_ROPE_FORMAT_H

@@ -2110,7 +2110,9 @@ size_t backend_cuda_mem_used(Backend *be, size_t *total)
 
 void backend_cuda_limit_dsa_scores(Backend *be, size_t bytes)
 {
-    ((CudaImpl *) be->impl)->dsa_score_bytes = bytes;
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    impl->dsa_score_bytes = bytes;
+    impl->gen++;  // graphs recorded the passes of the old limit
 }
 
 void backend_cuda_kv_download(Backend *be, const KvCache *kv, void *dst)

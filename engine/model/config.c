@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "engine/shared/buf.h"
+#include "kernels/rope_format.h"
 
 // Bounds on single dimensions: a generous ceiling above every GLM/DeepSeek model, low enough
 // that products of two of them fit comfortably in int64 and derived sizes in int.
@@ -601,9 +602,10 @@ static Err validate(const Ctx *c, const ModelConfig *cfg)
 {
     Err err = ERR_OK;
     const int64_t qk = (int64_t) cfg->qk_nope_head_dim + cfg->qk_rope_head_dim;
-    if (cfg->qk_rope_head_dim % 2) {
-        LOG_ERROR("%s: field \"qk_rope_head_dim\" = %d must be even", c->origin,
-                  cfg->qk_rope_head_dim);
+    if (cfg->qk_rope_head_dim % 2 || cfg->qk_rope_head_dim > 2 * ROPE_MAX_PAIRS) {
+        LOG_ERROR("%s: field \"qk_rope_head_dim\" = %d must be even and at most %d (the "
+                  "RoPE kernels' inverse frequencies, kernels/rope_format.h)",
+                  c->origin, cfg->qk_rope_head_dim, 2 * ROPE_MAX_PAIRS);
         return ERR_INVAL;
     }
     if ((err = check_product(c, "num_attention_heads * qk_head_dim", cfg->n_heads, qk))) return err;
