@@ -251,12 +251,14 @@ static void test_completion_edges(void)
     CHECK(strstr(msg, "more than 8 ways") != NULL);
     json_object_put(s);
     // Shortest values nested 24 arrays deep need more frames than a state has: refused.
-    char deep[1024] = "{\"type\":\"array\"}";
-    for (int d = 0; d < 23; d++) {
-        char next[1024];
-        snprintf(next, sizeof next, "{\"type\":\"array\",\"minItems\":1,\"items\":%s}", deep);
-        snprintf(deep, sizeof deep, "%s", next);
-    }
+    char deep[2048];
+    size_t len = 0;
+    for (int d = 0; d < 23; d++)
+        len += (size_t) snprintf(deep + len, sizeof deep - len,
+                                 "{\"type\":\"array\",\"minItems\":1,\"items\":");
+    len += (size_t) snprintf(deep + len, sizeof deep - len, "{\"type\":\"array\"}");
+    for (int d = 0; d < 23; d++)
+        len += (size_t) snprintf(deep + len, sizeof deep - len, "}");
     s = json_tokener_parse(deep);
     g = NULL;
     CHECK(jgram_compile(s, &g, msg, sizeof msg) == ERR_INVAL && g == NULL);
@@ -264,7 +266,7 @@ static void test_completion_edges(void)
     json_object_put(s);
     // One level less compiles, and its shortest document completes from the start.
     const char *inner = strchr(deep + 1, '{');
-    char shallower[1024];
+    char shallower[2048];
     snprintf(shallower, sizeof shallower, "%.*s", (int) (strlen(inner) - 1), inner);
     g = compile(shallower);
     CHECK(g != NULL);
