@@ -63,11 +63,10 @@ static __global__ void dsa_append_kernel(uint8_t *__restrict__ cache, const floa
     float v = y[d];
     if (d < DSA_ROPE) {  // kernels/rope.h's RoPE on [0, DSA_ROPE): pair i's results at i, 32 + i
         const int i = d % (DSA_ROPE / 2);
-        const float angle = __fmul_rn((float) pos[t], f.inv[i]);
-        const float cs = (float) cos((double) angle), sn = (float) sin((double) angle);
-        const float a = y[2 * i], b = y[2 * i + 1];
-        v = d < DSA_ROPE / 2 ? __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn))
-                             : __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
+        float cs, sn, first, second;
+        rope_cos_sin(pos[t], f.inv[i], &cs, &sn);
+        rope_rotate(y[2 * i], y[2 * i + 1], cs, sn, &first, &second);
+        v = d < DSA_ROPE / 2 ? first : second;
     }
     __syncthreads();  // red is reused below
     const float a = warp_max(fabsf(v));

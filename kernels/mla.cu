@@ -88,11 +88,9 @@ static __global__ void mla_append_kernel(uint8_t *__restrict__ cache, const floa
 
     if (tid < MLA_ROPE / 2) {  // kernels/rope.h's RoPE, then bf16
         const int i = tid;
-        const float angle = __fmul_rn((float) p, f.inv[i]);
-        const float c = (float) cos((double) angle), s = (float) sin((double) angle);
-        const float x0 = x[MLA_KV_LORA + 2 * i], x1 = x[MLA_KV_LORA + 2 * i + 1];
-        const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-        const float y1 = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+        float c, s, y0, y1;
+        rope_cos_sin(p, f.inv[i], &c, &s);
+        rope_rotate(x[MLA_KV_LORA + 2 * i], x[MLA_KV_LORA + 2 * i + 1], c, s, &y0, &y1);
         uint16_t *kpe = (uint16_t *) (dst + (CT == MLA_CACHE_FP8 ? MLA_KV_LORA + 16 : MLA_KV_LORA * 2));
         kpe[i] = f32_to_bf16_bits(y0);
         kpe[MLA_ROPE / 2 + i] = f32_to_bf16_bits(y1);

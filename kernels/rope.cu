@@ -20,17 +20,12 @@ static __global__ void rope_glm_kernel(float *x, const int32_t *__restrict__ pos
     float *v = x + (size_t) t * stride + (size_t) h * head_stride + offset;
     float a = 0.0f, b = 0.0f, cs = 0.0f, sn = 0.0f;
     if (i < half) {
-        const float angle = __fmul_rn((float) pos[t], f.inv[i]);
-        cs = (float) cos((double) angle);
-        sn = (float) sin((double) angle);
+        rope_cos_sin(pos[t], f.inv[i], &cs, &sn);
         a = v[2 * i];
         b = v[2 * i + 1];
     }
     __syncthreads();
-    if (i < half) {
-        v[i] = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
-        v[half + i] = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
-    }
+    if (i < half) rope_rotate(a, b, cs, sn, &v[i], &v[half + i]);
 }
 
 // ---------------------------------------------------------------------------

@@ -357,16 +357,12 @@ static void cpu_rope(Backend *be, float *x, int n, int n_heads, int stride, int 
             // transformers: inv_freq = 1 / base^(arange(0, d, 2) / d) and the angle, both
             // in fp32 (autocast disabled); cos/sin of that fp32 angle. kernels/rope_format.h's
             // inv_freq, which the GPU's RoPE takes from the host too.
-            const float angle = (float) pos[t] * rope_inv_freq(i, rope_dim, theta);
-            cs[i] = (float) cos((double) angle);
-            sn[i] = (float) sin((double) angle);
+            rope_cos_sin(pos[t], rope_inv_freq(i, rope_dim, theta), &cs[i], &sn[i]);
         }
         for (int h = 0; h < n_heads; h++) {
             float *v = x + (size_t) t * stride + (size_t) h * head_stride + offset;
-            for (int i = 0; i < half; i++) {
-                tmp[i] = v[2 * i] * cs[i] - v[2 * i + 1] * sn[i];
-                tmp[half + i] = v[2 * i + 1] * cs[i] + v[2 * i] * sn[i];
-            }
+            for (int i = 0; i < half; i++)
+                rope_rotate(v[2 * i], v[2 * i + 1], cs[i], sn[i], &tmp[i], &tmp[half + i]);
             memcpy(v, tmp, (size_t) rope_dim * sizeof(float));
         }
     }

@@ -290,7 +290,6 @@ static void forward_signal(int sig)
         kill(-(pid_t) launch_pgid, SIGKILL);
 }
 
-// A free TCP port on 127.0.0.1 (bound and released; rank 0 binds it again right away).
 extern char **environ;  // unistd.h declares it under _GNU_SOURCE only
 
 int pp_launch_local(int argc, char **argv, int world)

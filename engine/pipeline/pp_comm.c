@@ -161,13 +161,15 @@ int pp_comm_listen(const char *addr, int port, int *port_out)
 // inherit it, and the fd becomes close-on-exec.
 static int inherited_listener(int port)
 {
-    const char *v = getenv(PP_LISTEN_FD_ENV);
-    if (!v) return -1;
+    const char *e = getenv(PP_LISTEN_FD_ENV);
+    if (!e) return -1;
+    char v[32];  // a copy: unsetenv may free the environment's string
+    snprintf(v, sizeof v, "%s", e);
+    unsetenv(PP_LISTEN_FD_ENV);
     char *end;
     errno = 0;
     const long fd = strtol(v, &end, 10);
     const bool is_number = errno == 0 && end != v && *end == 0 && fd >= 0 && fd < INT_MAX;
-    unsetenv(PP_LISTEN_FD_ENV);
     if (!is_number) {
         LOG_WARN("ignoring %s=\"%s\": not a file descriptor", PP_LISTEN_FD_ENV, v);
         return -1;

@@ -200,7 +200,7 @@ static void keep_shorter(Buf *s, int depth, Buf *best, int *best_depth, bool *ha
 
 // Frames the automaton needs below a container of node n that it has opened, for the
 // shortest way to close it: an array's min_items items (their shortest texts), an object's
-// required properties (a key frame, then each value). need_frames(n) + the depth after the
+// required properties (a key frame, then each value). These plus the depth after the
 // container's frame is pushed must stay within JGRAM_MAX_DEPTH (begin_value).
 static int arr_frames_below(const JgramGrammar *g, const Node *n)
 {
@@ -212,9 +212,8 @@ static int obj_frames_below(const JgramGrammar *g, const Node *n)
     int below = 0;
     for (int i = 0; i < n->n_props; i++) {
         if (!(n->required >> i & 1)) continue;
-        const int d = g->nodes[g->props[n->prop0 + i].node].min_depth;
+        const int d = g->nodes[g->props[n->prop0 + i].node].min_depth;  // >= 1: the key's too
         below = below > d ? below : d;
-        below = below > 1 ? below : 1;  // the key
     }
     return below;
 }
@@ -752,6 +751,7 @@ Err jgram_compile_tools(json_object *tools, const char *name, JgramGrammar **out
             c.n_done = 0;
             c.tool_params = true;
             k = compile_node(&c, params, path, 0);
+            c.tool_params = false;  // (a schema that is not an object leaves it unread)
         } else if ((k = new_node(&c, path)) >= 0) {
             g->nodes[k].types = T_OBJ;
             k = set_min(&c, k, path);
