@@ -36,6 +36,18 @@ static __global__ void act_to_bf16_kernel(uint16_t *__restrict__ out, const floa
         out[i] = f32_to_bf16_bits(x[i]);
 }
 
+static __global__ void act_repad_kernel(float *__restrict__ dst, int rows_d, int cols_d,
+                                        const float *__restrict__ src, int rows_s, int cols_s,
+                                        size_t total)
+{
+    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < total;
+         i += (size_t) gridDim.x * blockDim.x) {
+        const size_t per = (size_t) rows_d * cols_d, t = i / per;
+        const int r = (int) (i % per / cols_d), c = (int) (i % cols_d);
+        dst[i] = r < rows_s && c < cols_s ? src[(t * rows_s + r) * cols_s + c] : 0.0f;
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Launchers
 
@@ -63,5 +75,16 @@ void act_to_bf16(uint16_t *out, const float *x, size_t n, cudaStream_t stream)
 {
     if (n == 0) return;
     act_to_bf16_kernel<<<act_blocks(n), ACT_THREADS, 0, stream>>>(out, x, n);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+void act_repad(float *dst, int rows_d, int cols_d, const float *src, int rows_s, int cols_s,
+               size_t n, cudaStream_t stream)
+{
+    ASSERT(rows_d > 0 && cols_d > 0 && rows_s > 0 && cols_s > 0);
+    const size_t total = n * (size_t) rows_d * (size_t) cols_d;
+    if (total == 0) return;
+    act_repad_kernel<<<act_blocks(total), ACT_THREADS, 0, stream>>>(dst, rows_d, cols_d, src,
+                                                                    rows_s, cols_s, total);
     CUDA_CHECK(cudaGetLastError());
 }

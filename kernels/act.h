@@ -6,6 +6,8 @@
  * rounding to fp32 (the CPU backend's formula, engine/backend/backend_cpu.c cpu_silu_mul). y may
  * alias gate or up (each element is read before it is written, by the same thread).
  * act_add: y[i] += x[i] in fp32 (round to nearest, no contraction).
+ * act_repad: n fp32 matrices copied to another row and column count, zero-filled or cropped:
+ * how a model narrower than the tuned kernels' widths reaches them (backend_cuda.cu).
  *
  * Ownership: borrowed pointers. Threads: thread-safe launchers. Errors: ASSERT on bad shapes;
  * CUDA failures fatal. Launchers never allocate and never synchronize.
@@ -28,6 +30,11 @@ void act_add(float *y, const float *x, size_t n, cudaStream_t stream);
 // out bf16 [n] = x fp32 [n], rounded to nearest even: the input of a kernel that reads bf16
 // (moe.h's experts) from an fp32 op's output.
 void act_to_bf16(uint16_t *out, const float *x, size_t n, cudaStream_t stream);
+
+// dst fp32 [n, rows_d, cols_d] from src fp32 [n, rows_s, cols_s]: element (t, r, c) is src's
+// where r < rows_s and c < cols_s, else 0 (exact copies). dst and src must not overlap.
+void act_repad(float *dst, int rows_d, int cols_d, const float *src, int rows_s, int cols_s,
+               size_t n, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -98,14 +98,18 @@ static __global__ void mla_append_kernel(uint8_t *__restrict__ cache, const floa
 }
 
 static __global__ void mla_q_split_kernel(uint16_t *__restrict__ q_nope, float *__restrict__ q_pe,
-                                          const float *__restrict__ q, int n_heads)
+                                          const float *__restrict__ q, int n_heads, int qk_nope,
+                                          int qk_rope, int heads_pad)
 {
-    const int t = blockIdx.y, h = blockIdx.x, tid = threadIdx.x;  // 256 threads
-    const float *qh = q + ((size_t) t * n_heads + h) * 256;
-    if (tid < 192)
-        q_nope[((size_t) t * n_heads + h) * 192 + tid] = f32_to_bf16_bits(qh[tid]);
-    else
-        q_pe[((size_t) t * n_heads + h) * MLA_ROPE + tid - 192] = qh[tid];
+    const int t = blockIdx.y, h = blockIdx.x, tid = threadIdx.x;  // MLA_QK_NOPE + MLA_ROPE threads
+    const size_t row = (size_t) t * heads_pad + h;
+    const float *qh = h < n_heads ? q + ((size_t) t * n_heads + h) * (qk_nope + qk_rope) : NULL;
+    if (tid < MLA_QK_NOPE) {
+        q_nope[row * MLA_QK_NOPE + tid] = qh && tid < qk_nope ? f32_to_bf16_bits(qh[tid]) : 0;
+    } else {
+        const int j = tid - MLA_QK_NOPE;
+        q_pe[row * MLA_ROPE + j] = qh && j < qk_rope ? qh[qk_nope + j] : 0.0f;
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -674,10 +678,12 @@ void mla_cache_append(const MlaCache *cache, const float *ckv, int ckv_stride,
 }
 
 void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, int n_tok, int n_heads,
-                 cudaStream_t stream)
+                 int qk_nope, int qk_rope, int heads_pad, cudaStream_t stream)
 {
-    ASSERT(n_tok > 0 && n_heads > 0);
-    mla_q_split_kernel<<<dim3(n_heads, n_tok), 256, 0, stream>>>(q_nope, q_pe, q, n_heads);
+    ASSERT(n_tok > 0 && n_heads > 0 && n_heads <= heads_pad && qk_nope >= 0
+           && qk_nope <= MLA_QK_NOPE && qk_rope >= 0 && qk_rope <= MLA_ROPE);
+    mla_q_split_kernel<<<dim3(heads_pad, n_tok), MLA_QK_NOPE + MLA_ROPE, 0, stream>>>(
+        q_nope, q_pe, q, n_heads, qk_nope, qk_rope, heads_pad);
     CUDA_CHECK(cudaGetLastError());
 }
 

@@ -46,11 +46,6 @@
 extern "C" {
 #endif
 
-#define MLA_KV_LORA 512
-#define MLA_ROPE 64
-#define MLA_LK (MLA_KV_LORA + MLA_ROPE)
-#define MLA_BLOCK 128
-#define MLA_FP8_TOKEN_BYTES 656
 #define MLA_MAX_SPLIT 64
 #define MLA_HEADS_PER_CTA 16  // n_heads must be a multiple
 
@@ -74,11 +69,13 @@ void mla_cache_append(const MlaCache *cache, const float *ckv, int ckv_stride,
                       const int32_t *seq, const int32_t *block_table, int max_blocks, int n_tok,
                       cudaStream_t stream);
 
-// q fp32 [n_tok, H, 256] = [q_nope(192) | q_pe(64)] per head (the q_b projection output, its
-// q_pe already rotated by kernels/rope.h) -> q_nope bf16 [n_tok, H, 192] and q_pe fp32
-// [n_tok, H, 64], copied.
+// q fp32 [n_tok, H, qk_nope + qk_rope] per head (the q_b projection output, its q_pe already
+// rotated by kernels/rope.h) -> q_nope bf16 [n_tok, heads_pad, MLA_QK_NOPE] and q_pe fp32
+// [n_tok, heads_pad, MLA_ROPE], copied; values past qk_nope and qk_rope, and heads past H,
+// are 0 (a model narrower than GLM-5 runs the kernels at their widths: the padding changes no
+// dot product). qk_nope <= MLA_QK_NOPE, qk_rope <= MLA_ROPE, H <= heads_pad.
 void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, int n_tok, int n_heads,
-                 cudaStream_t stream);
+                 int qk_nope, int qk_rope, int heads_pad, cudaStream_t stream);
 
 // Decode attention as above. ws_o fp32 [n_tok, n_split, H, 512] and ws_ml fp32
 // [n_tok, n_split, H, 2] are the caller's workspace. indices int32 [n_tok, idx_stride] or NULL.

@@ -1,6 +1,13 @@
 /*
- * mla_format.h - the softmax convention of the tensor-core MLA (mla_decode_tc), in plain C for
- * the host and the device, so that the CPU backend rounds the probabilities the kernel rounds.
+ * mla_format.h - the widths kernels/mla.h is built for and the softmax convention of the
+ * tensor-core MLA (mla_decode_tc), in plain C for the host and the device: the KV cache
+ * (engine/model/kv_cache.h) pads its entries to these widths, and the CPU backend rounds the
+ * probabilities the kernel rounds.
+ *
+ * Widths: GLM-5's latent (kv_lora_rank 512) and rotary key (qk_rope_head_dim 64), q_nope
+ * (qk_nope_head_dim 192), pages of MLA_BLOCK positions. A model with narrower ones runs the
+ * same kernels on zero-padded values (kv_cache.h, backend_cuda.cu's mla_tuned), which change
+ * no dot product.
  *
  * A score is taken in log2 units, x = dot * mla_log2_scale(sm_scale) (sm_scale * log2(e),
  * rounded to fp32 first); the maximum subtracted is an integer, M = ceil(max x) over the
@@ -19,6 +26,13 @@
 #else
 #define MLA_FN static inline
 #endif
+
+#define MLA_KV_LORA 512
+#define MLA_ROPE 64
+#define MLA_QK_NOPE 192
+#define MLA_LK (MLA_KV_LORA + MLA_ROPE)
+#define MLA_BLOCK 128
+#define MLA_FP8_TOKEN_BYTES 656
 
 #define MLA_LOG2E 1.44269504f  // log2(e) in fp32
 #define MLA_LN2 0.693147182f   // ln(2) in fp32

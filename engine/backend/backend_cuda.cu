@@ -6,10 +6,14 @@
  * - Under the bf16 precision recipe (engine/model/backend.h, the default here) the tuned
  *   kernels of kernels/ run what they can take (backend_*_tuned): bf16 linears through
  *   kernels/gemm.h (matmul_tuned), routed NVFP4 experts stacked at bind_experts as
- *   kernels/moe.h reads them (moe_tuned), MLA at GLM-5's widths through kernels/mla.h over
- *   the engine's own pages with kv_b repacked at bind_kv_b (mla_tuned). The router is
- *   kernels/moe.cu's under both recipes. The rest of this file is the backend's own fp32
- *   kernels (what --precision f32 runs everywhere):
+ *   kernels/moe.h reads them (moe_tuned), MLA through kernels/mla.h over the engine's own
+ *   pages with kv_b repacked at bind_kv_b (mla_tuned). A model narrower than GLM-5 runs the
+ *   same kernels at GLM-5's widths on zero-padded values: the KV cache stores entries and
+ *   index keys padded (kv_cache.h), q, heads and kv_b are padded here and the outputs
+ *   cropped (kernels/act.h act_repad), the experts stacked in widths of 32s; zeros change no
+ *   sum. The router is kernels/moe.cu's under both recipes. The rest of this file is the
+ *   backend's own fp32 kernels (what --precision f32 runs everywhere, and the bf16 recipe
+ *   only where backend_*_tuned refuses: counted, backend_cuda_untuned):
  * - Weights: bind_linear() copies data, NVFP4 group scales and FP8 block scales to device
  *   memory unchanged and rewrites the CkptLinear's pointers; kernels decode each element as
  *   they read it with the same values as the CPU backend (kernels/nvfp4_format.h, by bit
@@ -53,12 +57,12 @@
  *   mla_decode_tc, whose recipe also rounds q and the probabilities to bf16, as the CPU
  *   backend then does; GLMSPARK_MLA_TC=0 keeps mla_decode).
  * - DSA under the bf16 recipe (backend_dsa_tuned layers): kernels/dsa.h's scores and top-k
- *   over the engine's key pages (kv_dsa_cache), fp32 scores in the order the CPU backend
+ *   over the engine's key pages (kv_dsa_cache_stored), fp32 scores in the order the CPU backend
  *   follows (kernels/dsa_format.h), so the two select the same keys. The scores run on the
  *   tensor cores on fp8 or bf16 keys (Backend.dsa_tc: dsa_scores_tc, q rounded to bf16, as
  *   the CPU backend then does; the accumulation order differs; GLMSPARK_DSA_TC=0 keeps
  *   dsa_scores).
- * Not yet: norms, RoPE, adds and the KV write through kernels/; the f32 recipe's DSA.
+ * Not yet through kernels/: the embedding lookup, the KV write, the f32 recipe's ops.
  * Host syncs: uploads and downloads (cudaMemcpy semantics), scratch growth, block-table
  * uploads when a sequence gains a block, and the first use of a cache or experts array;
  * none inside a decode step's layer loop once its graph exists.
@@ -74,6 +78,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "engine/backend/mla_pack.h"
 #include "engine/shared/clock.h"
 #include "engine/shared/cuda_check.h"
 #include "kernels/act.h"
@@ -100,7 +105,8 @@ enum {
     MAX_EXPERT_TABLES = 512,
     MAX_KV_B = 512,
     MAX_GRAPHS = 16,
-    MAX_GRAPH_KEY = 256,  // key words (caller's and backend's) a graph can be recorded under
+    MAX_GRAPH_KEY = 256,
+    MOE_PAD = 32,  // the routed experts' widths are stacked in multiples of this (bind_experts)  // key words (caller's and backend's) a graph can be recorded under
     THREADS = 256,
     MM_WARPS = 4,  // k_gemv / MoE: rows (warps) per block
     MATMUL_TOK = 8,
@@ -137,11 +143,13 @@ typedef struct ExpertTable {
     void *dev;
 } ExpertTable;
 
-// A MoE layer's NVFP4 experts stacked as kernels/moe.h reads them (bind_experts); each
-// expert's CkptLinear points into the stack.
+// A MoE layer's NVFP4 experts stacked as kernels/moe.h reads them (bind_experts), at widths
+// padded to multiples of MOE_PAD (ex.hidden, ex.inter; hidden the model's); each expert's
+// CkptLinear points into the stack.
 typedef struct ExpertStack {
     const CkptLinear *experts;
     MoeExperts ex;
+    int hidden;
 } ExpertStack;
 
 // A kv_b_proj repacked for the tuned MLA path (bind_kv_b): bf16 W_UK^T [H, kv_lora, qk_nope]
@@ -184,6 +192,7 @@ static const char *const prof_names[N_PROF] = {
 
 typedef struct CudaImpl {
     int device;
+    BackendCudaUntuned untuned;  // backend_cuda_untuned
     int n_sm;                // streaming multiprocessors
     cudaStream_t stream;     // every launch and copy
     unsigned long long gen;  // bumped by every device (re)allocation and block-table upload
@@ -1318,11 +1327,27 @@ static Err cuda_bind_linear(Backend *be, CkptLinear *w)
     return ERR_OK;
 }
 
+// An NVFP4 matrix [rows, cols] (codes [rows, cols/2], e4m3 scales [rows, cols/16]) copied
+// into zeroed host buffers of [rows_p, cols_p]: zero codes with zero scales are 0.
+static void nvfp4_pad_host(uint8_t *q_out, uint8_t *s_out, const CkptLinear *w, int rows_p,
+                           int cols_p)
+{
+    const size_t cq = (size_t) w->cols / 2, cs = (size_t) w->cols / NVFP4_GROUP;
+    memset(q_out, 0, (size_t) rows_p * cols_p / 2);
+    memset(s_out, 0, (size_t) rows_p * cols_p / NVFP4_GROUP);
+    for (size_t r = 0; r < (size_t) w->rows; r++) {
+        memcpy(q_out + r * (size_t) cols_p / 2, (const uint8_t *) w->data + r * cq, cq);
+        memcpy(s_out + r * (size_t) cols_p / NVFP4_GROUP, w->scale + r * cs, cs);
+    }
+}
+
 // Under the BF16 recipe, experts the tuned kernels take (backend_moe_tuned with any top_k
 // they allow) are stacked in one allocation per array and packed there as kernels/moe.h lays
 // them out (on the GPU, an expert at a time through a staging buffer); each CkptLinear then
-// points at its packed rows, which only kernels/moe.h reads. Others, and every expert under
-// the F32 recipe, are bound one by one in their stored format.
+// points at its packed rows, which only kernels/moe.h reads. Widths are stacked in multiples
+// of MOE_PAD: a narrower model's experts are zero-padded (moe_tuned pads x and crops the
+// output to match; zero weights change no sum). Others, and every expert under the F32
+// recipe, are bound one by one in their stored format.
 static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
@@ -1356,31 +1381,37 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
             return ERR_INVAL;
         }
     }
+    const size_t hp = (hidden + MOE_PAD - 1) / MOE_PAD * MOE_PAD,
+                 ip = (inter + MOE_PAD - 1) / MOE_PAD * MOE_PAD;
+    const bool pad = hp != hidden || ip != inter;
     int smem_max = 0;
     CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                       impl->device));
-    const size_t smem = moe_experts_smem_bytes((int) hidden, (int) inter);
+    const size_t smem = moe_experts_smem_bytes((int) hp, (int) ip);
     if (smem > (size_t) smem_max) {
         LOG_ERROR("%s: the routed experts' kernels need %zu bytes of shared memory per block at "
                   "hidden %zu and intermediate %zu; this GPU allows %d (the f32 recipe, "
                   "--precision f32, runs them with other kernels)",
-                  experts[0].name, smem, hidden, inter, smem_max);
+                  experts[0].name, smem, hp, ip, smem_max);
         return ERR_INVAL;
     }
-    const size_t q13 = E * 2 * inter * hidden / 2, s13 = E * 2 * inter * hidden / NVFP4_GROUP;
-    const size_t q2 = E * hidden * inter / 2, s2 = E * hidden * inter / NVFP4_GROUP;
+    const size_t q13 = E * 2 * ip * hp / 2, s13 = E * 2 * ip * hp / NVFP4_GROUP;
+    const size_t q2 = E * hp * ip / 2, s2 = E * hp * ip / NVFP4_GROUP;
     uint8_t *dq13 = (uint8_t *) keep_alloc(impl, q13), *ds13 = (uint8_t *) keep_alloc(impl, s13);
     uint8_t *dq2 = (uint8_t *) keep_alloc(impl, q2), *ds2 = (uint8_t *) keep_alloc(impl, s2);
     float *dg13 = (float *) keep_alloc(impl, E * 2 * sizeof(float));
     float *dg2 = (float *) keep_alloc(impl, E * sizeof(float));
     float *g = (float *) malloc(E * 3 * sizeof(float));
-    // Staging for one expert's gate and up as stored (the largest of its matrices).
-    const size_t nq = inter * hidden / 2, ns = inter * hidden / NVFP4_GROUP;
+    // Staging for one expert's gate and up as stored, padded (the largest of its matrices), and
+    // (pad) the host's padded copy of one matrix.
+    const size_t nq = ip * hp / 2, ns = ip * hp / NVFP4_GROUP;
     uint8_t *tq = NULL, *ts = NULL;
+    uint8_t *hq = pad ? (uint8_t *) malloc(nq) : NULL, *hs = pad ? (uint8_t *) malloc(ns) : NULL;
     const bool staged = cudaMalloc((void **) &tq, 2 * nq) == cudaSuccess
                         && cudaMalloc((void **) &ts, 2 * ns) == cudaSuccess;
-    if (!dq13 || !ds13 || !dq2 || !ds2 || !dg13 || !dg2 || !g || !staged) {
-        free(g);
+    if (!dq13 || !ds13 || !dq2 || !ds2 || !dg13 || !dg2 || !g || !staged
+        || (pad && (!hq || !hs))) {
+        free(g), free(hq), free(hs);
         cudaFree(tq), cudaFree(ts);
         (void) cudaGetLastError();
         LOG_ERROR("out of GPU memory binding the %d experts of %s", n_experts, experts[0].name);
@@ -1389,14 +1420,19 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     for (size_t e = 0; e < E; e++) {
         CkptLinear *w = &experts[3 * e];
         for (int k = 0; k < 3; k++) {
+            const uint8_t *wq = (const uint8_t *) w[k].data, *wsc = w[k].scale;
+            if (pad) {
+                // Synchronous copies below: the host buffers are free again after each.
+                nvfp4_pad_host(hq, hs, &w[k], k < 2 ? (int) ip : (int) hp,
+                               k < 2 ? (int) hp : (int) ip);
+                wq = hq, wsc = hs;
+            }
             // Each upload waits for the previous pack kernel (both on the legacy stream).
-            CUDA_CHECK(cudaMemcpy(tq + (k == 1 ? nq : 0), w[k].data, nq, cudaMemcpyHostToDevice));
-            CUDA_CHECK(cudaMemcpy(ts + (k == 1 ? ns : 0), w[k].scale, ns, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(tq + (k == 1 ? nq : 0), wq, nq, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(ts + (k == 1 ? ns : 0), wsc, ns, cudaMemcpyHostToDevice));
             if (k == 1)
-                moe_pack_w13(dq13 + e * 2 * nq, ds13 + e * 2 * ns, tq, ts, (int) inter,
-                             (int) hidden, 0);
-            if (k == 2)
-                moe_pack_w2(dq2 + e * nq, ds2 + e * ns, tq, ts, (int) hidden, (int) inter, 0);
+                moe_pack_w13(dq13 + e * 2 * nq, ds13 + e * 2 * ns, tq, ts, (int) ip, (int) hp, 0);
+            if (k == 2) moe_pack_w2(dq2 + e * nq, ds2 + e * ns, tq, ts, (int) hp, (int) ip, 0);
             g[k < 2 ? 2 * e + k : 2 * E + e] = w[k].global_scale;
         }
         w[0].data = dq13 + e * 2 * nq;
@@ -1406,6 +1442,7 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
         w[1].scale = ds13 + e * 2 * ns + ns;
         w[2].scale = ds2 + e * ns;
     }
+    free(hq), free(hs);
     CUDA_CHECK(cudaDeviceSynchronize());
     CUDA_CHECK(cudaFree(tq));
     CUDA_CHECK(cudaFree(ts));
@@ -1413,21 +1450,21 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     CUDA_CHECK(cudaMemcpy(dg2, g + 2 * E, E * sizeof(float), cudaMemcpyHostToDevice));
     free(g);
     impl->stacks[impl->n_stacks++] = (ExpertStack){
-        experts, {dq13, ds13, dg13, dq2, ds2, dg2, n_experts, (int) hidden, (int) inter}};
+        experts, {dq13, ds13, dg13, dq2, ds2, dg2, n_experts, (int) hp, (int) ip}, (int) hidden};
     return ERR_OK;
 }
 
 // The stack of experts (bind_experts), or NULL.
-static const MoeExperts *expert_stack(const CudaImpl *impl, const CkptLinear *experts)
+static const ExpertStack *expert_stack(const CudaImpl *impl, const CkptLinear *experts)
 {
     for (int i = 0; i < impl->n_stacks; i++)
-        if (impl->stacks[i].experts == experts) return &impl->stacks[i].ex;
+        if (impl->stacks[i].experts == experts) return &impl->stacks[i];
     return NULL;
 }
 
-// kv_b_proj of a layer the tuned MLA path can take, repacked into bf16 W_UK^T and W_UV per
-// head (rounded to nearest even: exact for a bf16 checkpoint, the recipe's rounding for
-// others). Nothing for other shapes or under the F32 recipe.
+// kv_b_proj of a layer the tuned MLA path can take, repacked (mla_pack.h: bf16 W_UK^T and
+// W_UV per head at the kernels' widths, zero where the model is narrower) and uploaded.
+// Nothing for other shapes or under the F32 recipe.
 static Err cuda_bind_kv_b(Backend *be, const CkptLinear *kv_b, const BackendMla *p)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
@@ -1436,28 +1473,13 @@ static Err cuda_bind_kv_b(Backend *be, const CkptLinear *kv_b, const BackendMla 
     if (be->precision != BACKEND_PRECISION_BF16 || !backend_mla_shape_tuned(p)
         || impl->n_kv_b == MAX_KV_B)
         return ERR_OK;
-    const size_t H = (size_t) p->n_heads, L = (size_t) p->kv_lora, D = (size_t) p->qk_nope,
-                 V = (size_t) p->v_dim;
-    uint16_t *uk = (uint16_t *) malloc(H * L * D * 2), *uv = (uint16_t *) malloc(H * V * L * 2);
-    float *row = (float *) malloc(L * sizeof(float));
-    if (!uk || !uv || !row) {
-        free(uk), free(uv), free(row);
-        return ERR_NOMEM;
-    }
-    for (size_t h = 0; h < H; h++)
-        for (size_t r = 0; r < D + V; r++) {
-            ckpt_linear_row(kv_b, (int) (h * (D + V) + r), row);
-            for (size_t c = 0; c < L; c++) {
-                const uint16_t b = nvfp4_float_to_bf16(row[c]);
-                if (r < D)
-                    uk[(h * L + c) * D + r] = b;  // transposed: [h][c][r]
-                else
-                    uv[(h * V + (r - D)) * L + c] = b;
-            }
-        }
-    free(row);
-    void *duk = keep_copy(impl, uk, H * L * D * 2), *duv = keep_copy(impl, uv, H * V * L * 2);
+    const size_t nk = backend_mla_uk_elems(p), nv = backend_mla_uv_elems(p);
+    uint16_t *uk = (uint16_t *) malloc(nk * 2), *uv = (uint16_t *) malloc(nv * 2);
+    Err err = uk && uv ? backend_mla_pack_kv_b(kv_b, p, uk, uv) : ERR_NOMEM;
+    void *duk = err ? NULL : keep_copy(impl, uk, nk * 2);
+    void *duv = err ? NULL : keep_copy(impl, uv, nv * 2);
     free(uk), free(uv);
+    if (err) return err;
     if (!duk || !duv) {
         LOG_ERROR("out of GPU memory repacking %s", kv_b->name ? kv_b->name : "kv_b_proj");
         return ERR_NOMEM;
@@ -1574,10 +1596,12 @@ static void matmul_any(Backend *be, float *y, const CkptLinear *w, const float *
     const bool via_tmp = acc && (!tuned || matmul_lt(w, n));
     float *yt =
         via_tmp ? (float *) scratch(impl, SCRATCH_Y, (size_t) n * w->rows * sizeof(float)) : y;
-    if (tuned)
+    if (tuned) {
         matmul_tuned(impl, yt, w, x, n, acc && !via_tmp);
-    else
+    } else {
+        impl->untuned.matmul += be->precision == BACKEND_PRECISION_BF16;
         launch_gemv(impl, yt, dev_lin(w), x, n);
+    }
     if (via_tmp) add_f32(impl, y, yt, (size_t) n * w->rows);
     prof_end(impl, PROF_MATMUL, lin_bytes(w));
 }
@@ -1713,8 +1737,10 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
     if (n == 0) return;
     const int cap = seq_capacity(impl, kv, s);
     if (be->precision == BACKEND_PRECISION_BF16 && backend_dsa_tuned(p, kv, layer)) {
-        // kernels/dsa.cu over the engine's key pages: fp32 scores, exact radix top-k.
-        const DsaCache c = kv_dsa_cache(kv, dev_pool(impl, kv), layer);
+        // kernels/dsa.cu over the engine's key pages: fp32 scores, exact radix top-k. Keys
+        // stored zero-padded (kv_cache.h) meet q zero-padded to their width (act_repad).
+        const DsaCache c = kv_dsa_cache_stored(kv, dev_pool(impl, kv), layer);
+        const bool pad = c.dim != p->head_dim;
         const DevStep *st = dev_step(impl, s->seqs, s->n_seqs);
         float w_scale, sm_scale;
         backend_dsa_scales(p, &w_scale, &sm_scale);
@@ -1725,12 +1751,20 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
         const size_t most = impl->dsa_score_bytes / row_bytes;
         const int rows = most >= (size_t) n ? n : most > 0 ? (int) most : 1;
         float *score = (float *) scratch(impl, SCRATCH_A, (size_t) rows * row_bytes);
+        float *q_pad = pad ? (float *) scratch(impl, SCRATCH_X, (size_t) rows * p->n_heads
+                                                                     * c.dim * sizeof(float))
+                           : NULL;
         const bool tc = backend_dsa_tc(be, p, kv, layer);
         const size_t q_row = (size_t) p->n_heads * p->head_dim;
         prof_begin(impl);
         for (int r0 = 0; r0 < n; r0 += rows) {
             const int nr = n - r0 < rows ? n - r0 : rows;
             const float *qr = q + (size_t) r0 * q_row, *wr = w + (size_t) r0 * p->n_heads;
+            if (pad) {
+                act_repad(q_pad, p->n_heads, c.dim, qr, p->n_heads, p->head_dim, (size_t) nr,
+                          impl->stream);
+                qr = q_pad;
+            }
             if (tc)
                 dsa_scores_tc(score, cap, qr, wr, w_scale, sm_scale, &c, st->dev, st->stride,
                               s->seq_of + r0, s->len + r0, cap, nr, p->n_heads, impl->stream);
@@ -1743,6 +1777,7 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
         prof_end(impl, PROF_DSA, 0.0);
         return;
     }
+    impl->untuned.dsa += be->precision == BACKEND_PRECISION_BF16;
     const DevKv d = dev_kv(impl, kv, s, layer);
     double *score = (double *) scratch(impl, SCRATCH_A, (size_t) n * cap * sizeof(double));
     prof_begin(impl);
@@ -1777,14 +1812,18 @@ static void heads_product(CudaImpl *impl, float *y, const uint16_t *w, const uin
 // MLA attention through kernels/mla.h (backend_mla_tuned layers under the BF16 recipe): q
 // split into bf16 q_nope and fp32 q_pe (already rotated by the model), q_lat = W_UK^T q_nope,
 // split-KV decode over the layer's own pages (kv_cache.h's layout is mla.h's), out = W_UV
-// o_lat (heads_product). Tokens in chunks of 256 so the workspace stays bounded. tc
-// (backend_mla_tc): the tensor-core kernel, mla_decode_tc (32 heads a CTA, tiles of 32
-// positions).
+// o_lat (heads_product). A model narrower than GLM-5 runs at the kernels' widths: q split
+// zero-padded to MLA_QK_NOPE + MLA_ROPE and Hp heads (backend_mla_heads), kv_b repacked
+// likewise (bind_kv_b), the cache padded (kv_cache.h), and out [Hp, Vp] cropped to [H, V]
+// (act_repad). Tokens in chunks of 256 so the workspace stays bounded. tc (backend_mla_tc):
+// the tensor-core kernel, mla_decode_tc (32 heads a CTA, tiles of 32 positions).
 static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack *pk,
                       const KvCache *kv, const BackendSeqs *s, int layer, const int *sel,
                       const int *n_sel, int sel_stride, const BackendMla *p, bool tc)
 {
     const int n = s->n, H = p->n_heads, V = p->v_dim, L = MLA_KV_LORA;
+    const int Hp = backend_mla_heads(H), Vp = backend_mla_v_rows(p);
+    const bool crop = Hp != H || Vp != V;
     const KvEntryLayout *lo = &kv->entry[layer];
     const DevStep *st = dev_step(impl, s->seqs, s->n_seqs);
     unsigned char *pool = dev_pool(impl, kv);
@@ -1795,16 +1834,19 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
     const int attended = sel && sel_stride < cap ? sel_stride : cap;
     const int chunk = n < 256 ? n : 256;
     const int hpc = tc ? 32 : MLA_HEADS_PER_CTA, min_pos = tc ? 32 : 16;
-    // About four CTAs per SM (H / hpc CTAs per token and split), at least min_pos positions a
+    // About four CTAs per SM (Hp / hpc CTAs per token and split), at least min_pos positions a
     // split.
-    int n_split = (4 * impl->n_sm + (H / hpc) * chunk - 1) / ((H / hpc) * chunk);
+    int n_split = (4 * impl->n_sm + (Hp / hpc) * chunk - 1) / ((Hp / hpc) * chunk);
     if (n_split > (attended + min_pos - 1) / min_pos) n_split = (attended + min_pos - 1) / min_pos;
     if (n_split > MLA_MAX_SPLIT) n_split = MLA_MAX_SPLIT;
     if (n_split < 1) n_split = 1;
-    const size_t c = (size_t) chunk, h = (size_t) H;
-    const size_t b_nope = align256(c * h * 192 * 2), b_pe = align256(c * h * MLA_ROPE * 4);
+    const size_t c = (size_t) chunk, h = (size_t) Hp;
+    const size_t b_nope = align256(c * h * MLA_QK_NOPE * 2), b_pe = align256(c * h * MLA_ROPE * 4);
     const size_t b_lat = align256(c * h * L * 4), b_ws = align256(c * n_split * h * L * 4);
-    unsigned char *x = (unsigned char *) scratch(impl, SCRATCH_X, b_nope + b_pe);
+    // The uncropped output (crop) takes q's place once the attention has read it.
+    const size_t b_out = crop ? c * h * (size_t) Vp * 4 : 0;
+    unsigned char *x =
+        (unsigned char *) scratch(impl, SCRATCH_X, b_nope + b_pe > b_out ? b_nope + b_pe : b_out);
     uint16_t *o_lat = (uint16_t *) scratch(impl, SCRATCH_Y, c * h * L * 2);
     unsigned char *z =
         (unsigned char *) scratch(impl, SCRATCH_Z, b_lat + b_ws + c * n_split * h * 2 * 4);
@@ -1817,17 +1859,24 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
     for (int t0 = 0; t0 < n; t0 += chunk) {
         const int nc = n - t0 < chunk ? n - t0 : chunk;
         prof_begin(impl);
-        mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (192 + MLA_ROPE), nc, H, impl->stream);
-        heads_product(impl, q_lat, pk->uk, q_nope, L, 192, H, nc);
+        mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (p->qk_nope + p->qk_rope), nc, H,
+                    p->qk_nope, p->qk_rope, Hp, impl->stream);
+        heads_product(impl, q_lat, pk->uk, q_nope, L, MLA_QK_NOPE, Hp, nc);
         prof_end(impl, PROF_MLA_PROJ, 0.0);
         prof_begin(impl);
         (!tc ? mla_decode : impl->mla_ldsm ? mla_decode_tc_ldsm : mla_decode_tc)(
             o_lat, q_lat, q_pe, &cache, st->dev, st->stride, s->seq_of + t0, len + t0,
-            sel ? sel + (size_t) t0 * sel_stride : NULL, sel_stride, nc, H, p->scale, n_split,
+            sel ? sel + (size_t) t0 * sel_stride : NULL, sel_stride, nc, Hp, p->scale, n_split,
             ws_o, ws_ml, impl->stream);
         prof_end(impl, PROF_MLA, 0.0);
         prof_begin(impl);
-        heads_product(impl, out + (size_t) t0 * H * V, pk->uv, o_lat, V, L, H, nc);
+        float *dst = out + (size_t) t0 * H * V;
+        if (crop) {
+            heads_product(impl, (float *) x, pk->uv, o_lat, Vp, L, Hp, nc);
+            act_repad(dst, H, V, (const float *) x, Hp, Vp, (size_t) nc, impl->stream);
+        } else {
+            heads_product(impl, dst, pk->uv, o_lat, V, L, H, nc);
+        }
         prof_end(impl, PROF_MLA_PROJ, 0.0);
     }
 }
@@ -1851,6 +1900,7 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
                   backend_mla_tc(be, p, &kv->entry[layer]));
         return;
     }
+    impl->untuned.mla += be->precision == BACKEND_PRECISION_BF16;
     const int cap = sel ? (sel_stride > 0 ? sel_stride : 1) : seq_capacity(impl, kv, s);
     const int n_split = (cap + MLA_SPLIT - 1) / MLA_SPLIT;
     const DevKv d = dev_kv(impl, kv, s, layer);
@@ -1927,11 +1977,16 @@ static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int
 // 8-column tiles in 1,024-token launches, 31.0 wide in 1,024-token ones, 26.6 wide in one,
 // 15.5 with one MMA chain a column and two blocks an SM);
 // smaller ones, and every chunk with GLMSPARK_MOE_WIDE=0, take the 8-column tiles in launches
-// of up to MOE_MAX_CHUNK_PAIRS pairs. GLMSPARK_MOE_CHUNK=N caps a launch at N tokens.
+// of up to MOE_MAX_CHUNK_PAIRS pairs. GLMSPARK_MOE_CHUNK=N caps a launch at N tokens. Experts
+// stacked wider than the model (bind_experts' padding) read x zero-padded to their width,
+// and the sums are cropped back (act_repad).
 #define MOE_WIDE_MIN_PAIRS 16
 static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const int *idx,
-                      const float *wts, int top_k, const MoeExperts *ex)
+                      const float *wts, int top_k, const ExpertStack *stack)
 {
+    const MoeExperts *ex = &stack->ex;
+    const int model_hidden = stack->hidden;
+    const bool pad = ex->hidden != model_hidden;
     const int most = (impl->moe_wide ? MOE_MAX_WIDE_PAIRS : MOE_MAX_CHUNK_PAIRS) / top_k;
     const int per = impl->moe_chunk > 0 && impl->moe_chunk < most ? impl->moe_chunk : most;
     const int chunk = n < per ? n : per;
@@ -1943,11 +1998,19 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
         impl, SCRATCH_E, (narrow_ints > wide_ints ? narrow_ints : wide_ints) * sizeof(int32_t));
     uint16_t *act = (uint16_t *) scratch(impl, SCRATCH_Y, pairs * inter * 2);
     float *y = (float *) scratch(impl, SCRATCH_X, pairs * hidden * sizeof(float));
+    float *x_pad = pad ? (float *) scratch(impl, SCRATCH_A, (size_t) chunk * hidden * sizeof(float))
+                       : NULL;
+    float *out_pad =
+        pad ? (float *) scratch(impl, SCRATCH_B, (size_t) chunk * hidden * sizeof(float)) : NULL;
     prof_begin(impl);
     for (int t0 = 0; t0 < n; t0 += chunk) {
         const int nc = n - t0 < chunk ? n - t0 : chunk;
         const size_t k0 = (size_t) t0 * top_k;
-        const float *xc = x + (size_t) t0 * hidden;
+        const float *xc = x + (size_t) t0 * model_hidden;
+        if (pad) {
+            act_repad(x_pad, 1, (int) hidden, xc, 1, model_hidden, (size_t) nc, impl->stream);
+            xc = x_pad;
+        }
         // Past MOE_MAX_CHUNK_PAIRS a chunk is wide: 8,192 pairs >= 16 x MOE_MAX_EXPERTS.
         if (impl->moe_wide && nc * top_k >= MOE_WIDE_MIN_PAIRS * ex->n_experts) {
             moe_group_wide(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
@@ -1960,7 +2023,10 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
             moe_experts_w13(act, ex, xc, work, nc, top_k, impl->stream);
             moe_experts_w2(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
         }
-        moe_combine(out + (size_t) t0 * hidden, y, NULL, nc, top_k, (int) hidden, impl->stream);
+        float *oc = out + (size_t) t0 * model_hidden;
+        moe_combine(pad ? out_pad : oc, y, NULL, nc, top_k, (int) hidden, impl->stream);
+        if (pad)
+            act_repad(oc, 1, model_hidden, out_pad, 1, (int) hidden, (size_t) nc, impl->stream);
     }
     prof_end(impl, PROF_MOE, 0.0);
 }
@@ -1976,7 +2042,7 @@ static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *
                && w[1].rows == inter && w[2].rows == hidden && w[2].cols == inter);
     }
     if (n == 0) return;
-    const MoeExperts *ex = expert_stack(impl, experts);  // packed: only kernels/moe.h reads it
+    const ExpertStack *ex = expert_stack(impl, experts);  // packed: only kernels/moe.h reads it
     if (ex) {
         if (top_k > MOE_MAX_K)
             log_fatal(__FILE__, __LINE__, "top_k %d exceeds the tuned experts' %d", top_k,
@@ -1984,6 +2050,7 @@ static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *
         moe_tuned(impl, out, x, n, idx, wts, top_k, ex);
         return;
     }
+    impl->untuned.moe += be->precision == BACKEND_PRECISION_BF16;
     const DevLin *table = expert_table(impl, experts, n_experts);
     const int slots = n * top_k;
     float *hs = (float *) scratch(impl, SCRATCH_A, (size_t) slots * inter * sizeof(float));
@@ -2106,6 +2173,11 @@ size_t backend_cuda_mem_used(Backend *be, size_t *total)
     CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     *total = total_b;
     return total_b - free_b;
+}
+
+BackendCudaUntuned backend_cuda_untuned(const Backend *be)
+{
+    return ((const CudaImpl *) be->impl)->untuned;
 }
 
 void backend_cuda_limit_dsa_scores(Backend *be, size_t bytes)

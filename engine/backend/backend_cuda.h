@@ -57,6 +57,15 @@ Err backend_cuda_random_linear(Backend *be, CkptLinear *w, CkptLinearFormat form
 // hold rows x positions scores at once. Default 256 MiB; tests lower it to make passes.
 void backend_cuda_limit_dsa_scores(Backend *be, size_t bytes);
 
+// Op calls under the bf16 recipe that ran the f32 recipe's kernels because the tuned ones
+// cannot take the weight or shape (backend.h's backend_*_tuned false: a matmul weight not bf16
+// or with columns not in 8s, MLA wider than GLM-5 or over an f32 cache, ...), since create.
+// Tests check that the serving path runs no such kernel.
+typedef struct BackendCudaUntuned {
+    long matmul, mla, dsa, moe;
+} BackendCudaUntuned;
+BackendCudaUntuned backend_cuda_untuned(const Backend *be);
+
 // Copy the device copy of kv's pool (kv->block_bytes * n_blocks bytes; zeros if the backend
 // has not used kv yet) into host memory at dst: for tests that compare the bytes the two
 // backends store. Synchronous.

@@ -66,6 +66,7 @@
 #include "engine/model/checkpoint.h"
 #include "engine/model/kv_cache.h"
 #include "engine/shared/err.h"
+#include "kernels/mla_format.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -248,9 +249,12 @@ struct Backend {
 // Whether matmul() on this weight / moe() on these experts / mla_attention() on a layer of
 // this shape and cache entry run the tuned kernels on the CUDA backend, and so round under
 // BACKEND_PRECISION_BF16 (on both backends): the limits of kernels/gemm.h (bf16 weights,
-// columns in 8s), kernels/moe.h (NVFP4 experts, hidden and inter multiples of 32, top_k <= 16)
-// and kernels/mla.h (GLM-5's latent 512 + 64, qk_nope 192, heads in 16s,
-// blocks of 128 positions, an fp8 entry of 656 bytes or a bf16 one of 1,152).
+// columns in 8s), kernels/moe.h (NVFP4 experts, top_k <= 16; the CUDA backend pads hidden and
+// intermediate widths to its multiples of 32 with zero weights) and kernels/mla.h (GLM-5's
+// latent 512 + 64, qk_nope 192, heads in 16s, blocks of 128 positions, an fp8 entry of 656
+// bytes or a bf16 one of 1,152: a narrower model's q, heads, kv_b and cache entries are
+// zero-padded to them, kv_cache.h and backend_cuda.cu's mla_tuned). Zero padding changes no
+// sum, so the CPU follows the recipe at the model's own widths.
 static inline bool backend_matmul_tuned(const CkptLinear *w)
 {
     return w->format == CKPT_LINEAR_BF16 && w->cols % 8 == 0;
@@ -258,7 +262,7 @@ static inline bool backend_matmul_tuned(const CkptLinear *w)
 
 static inline bool backend_moe_tuned(const CkptLinear *experts, int n_experts, int top_k)
 {
-    if (n_experts < 1 || top_k > 16 || experts[0].cols % 32 || experts[0].rows % 32) return false;
+    if (n_experts < 1 || top_k > 16) return false;
     for (int i = 0; i < 3 * n_experts; i++)
         if (experts[i].format != CKPT_LINEAR_NVFP4) return false;
     return true;
@@ -266,23 +270,32 @@ static inline bool backend_moe_tuned(const CkptLinear *experts, int n_experts, i
 
 static inline bool backend_mla_shape_tuned(const BackendMla *p)
 {
-    return p->kv_lora == 512 && p->qk_rope == 64 && p->qk_nope == 192 && p->n_heads % 16 == 0
-           && p->v_dim % 8 == 0;
+    return p->kv_lora >= 1 && p->kv_lora <= MLA_KV_LORA && p->qk_rope >= 0
+           && p->qk_rope <= MLA_ROPE && p->qk_nope >= 0 && p->qk_nope <= MLA_QK_NOPE
+           && p->n_heads >= 1 && p->v_dim >= 1;
+}
+
+// The heads the tuned MLA kernels run for a layer of n_heads: heads in 16s as they are, others
+// padded with zero heads to a multiple of 32 (the tensor-core kernel's heads per CTA).
+static inline int backend_mla_heads(int n_heads)
+{
+    return n_heads % 16 == 0 ? n_heads : (n_heads + 31) / 32 * 32;
 }
 
 static inline bool backend_mla_tuned(const BackendMla *p, const KvEntryLayout *lo)
 {
-    return backend_mla_shape_tuned(p) && lo->block_size == 128
-           && ((lo->dtype == KV_DTYPE_FP8 && lo->bytes == 656)
-               || (lo->dtype == KV_DTYPE_BF16 && lo->bytes == 1152));
+    return backend_mla_shape_tuned(p) && lo->block_size == MLA_BLOCK
+           && lo->lat_store == MLA_KV_LORA && lo->pe_store == MLA_ROPE
+           && ((lo->dtype == KV_DTYPE_FP8 && lo->bytes == MLA_FP8_TOKEN_BYTES)
+               || (lo->dtype == KV_DTYPE_BF16 && lo->bytes == 2 * MLA_LK));
 }
 
 // Whether mla_attention() on this layer runs the tensor-core variant (Backend.mla_tc, heads in
-// 32s) and both backends round q and the probabilities too.
+// 32s after backend_mla_heads) and both backends round q and the probabilities too.
 static inline bool backend_mla_tc(const Backend *be, const BackendMla *p, const KvEntryLayout *lo)
 {
     return be->mla_tc && be->precision == BACKEND_PRECISION_BF16 && backend_mla_tuned(p, lo)
-           && p->n_heads % 32 == 0;
+           && backend_mla_heads(p->n_heads) % 32 == 0;
 }
 
 // An on/off environment variable of the backends: "0" is off, any other value on, unset dflt.
@@ -298,10 +311,14 @@ static inline bool backend_mla_tc_env(void)
     return backend_env_flag("GLMSPARK_MLA_TC", true);
 }
 
+// Whether dsa_topk() on this layer runs kernels/dsa.h: the keys as stored (kv_cache.h pads them
+// to a multiple of 16, and the CUDA backend pads q to match) within its limits.
 static inline bool backend_dsa_tuned(const BackendDsa *p, const KvCache *kv, int layer)
 {
-    const DsaCache c = kv_dsa_cache(kv, kv->pool, layer);  // the pool's alignment is 16 or more
-    return kv->params.has_index[layer] && c.dim == p->head_dim && dsa_scores_supported(&c, p->n_heads);
+    // The pool's alignment is 16 or more.
+    const DsaCache c = kv_dsa_cache_stored(kv, kv->pool, layer);
+    return kv->params.has_index[layer] && kv->entry[layer].index_dim == p->head_dim
+           && dsa_scores_supported(&c, p->n_heads);
 }
 
 // Whether dsa_topk() on this layer runs the tensor-core scores (Backend.dsa_tc) and both
@@ -311,7 +328,7 @@ static inline bool backend_dsa_tc(const Backend *be, const BackendDsa *p, const 
 {
     if (!be->dsa_tc || be->precision != BACKEND_PRECISION_BF16 || !backend_dsa_tuned(p, kv, layer))
         return false;
-    const DsaCache c = kv_dsa_cache(kv, kv->pool, layer);
+    const DsaCache c = kv_dsa_cache_stored(kv, kv->pool, layer);
     return dsa_scores_tc_supported(&c, p->n_heads);
 }
 

@@ -15,6 +15,15 @@ static int align4(int n)
     return (n + 3) & ~3;
 }
 
+// The width a part of `width` values is stored in (kv_cache.h, padding): the tuned kernels'
+// width when it is narrower (a multiple of 16 up to DSA_MAX_DIM for an index key), else its own.
+static int stored_width(KvDtype dtype, int width, int tuned)
+{
+    if (dtype == KV_DTYPE_F32 || width <= 0) return width;
+    if (tuned == 0) return width <= DSA_MAX_DIM ? (width + 15) / 16 * 16 : width;
+    return width < tuned ? tuned : width;
+}
+
 KvEntryLayout kv_entry_layout(KvDtype dtype, int kv_lora, int rope_dim, int index_dim,
                               int block_size)
 {
@@ -22,21 +31,24 @@ KvEntryLayout kv_entry_layout(KvDtype dtype, int kv_lora, int rope_dim, int inde
                        .kv_lora = kv_lora,
                        .rope_dim = rope_dim,
                        .index_dim = index_dim,
+                       .lat_store = stored_width(dtype, kv_lora, MLA_KV_LORA),
+                       .pe_store = stored_width(dtype, rope_dim, MLA_ROPE),
+                       .key_store = stored_width(dtype, index_dim, 0),
                        .block_size = block_size};
     if (dtype != KV_DTYPE_FP8) {
         e.value_bytes = dtype == KV_DTYPE_BF16 ? 2 : 4;
-        e.pe = kv_lora * e.value_bytes;
-        e.bytes = (kv_lora + rope_dim) * e.value_bytes;
-        e.key_bytes = index_dim * e.value_bytes;
+        e.pe = e.lat_store * e.value_bytes;
+        e.bytes = (e.lat_store + e.pe_store) * e.value_bytes;
+        e.key_bytes = e.key_store * e.value_bytes;
         e.key_page = block_size * e.key_bytes;
         return e;
     }
-    const int groups = (kv_lora + KV_FP8_GROUP - 1) / KV_FP8_GROUP;
-    e.lat_scale = align4(kv_lora);
+    const int groups = (e.lat_store + KV_FP8_GROUP - 1) / KV_FP8_GROUP;
+    e.lat_scale = align4(e.lat_store);
     e.pe = e.lat_scale + 4 * groups;
-    e.bytes = align4(e.pe + 2 * rope_dim);
+    e.bytes = align4(e.pe + 2 * e.pe_store);
     if (index_dim > 0) {
-        e.key_bytes = align4(index_dim);
+        e.key_bytes = align4(e.key_store);
         e.key_scales = block_size * e.key_bytes;
         e.key_page = e.key_scales + 4 * block_size;
     }

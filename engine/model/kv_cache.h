@@ -16,6 +16,16 @@
  *   key page = block_size keys of key_bytes, then (fp8) block_size fp32 scales
  * A block's id indexes every layer's pages, so a block costs block_bytes of the pool.
  *
+ * Padding (bf16 and fp8): the tuned GPU kernels read GLM-5's widths, so a narrower part is
+ * stored zero-padded to them: the latent to MLA_KV_LORA (512) values, k_pe to MLA_ROPE (64),
+ * the index key to a multiple of 16 (up to DSA_MAX_DIM); wider parts are stored as they are.
+ * Nothing writes the padding: the pool starts zeroed (and the GPU's copy too), so padded
+ * values read as 0 (fp8: codes 0, and scale 0 for a group wholly in the padding), and a dot
+ * product over the padded widths equals the one over the model's. Reads (kv_entry_value,
+ * kv_key_value) and writes (kv_store_part) take the model's widths; KvEntryLayout's
+ * lat_store, pe_store and key_store give the stored ones. f32 is stored unpadded (the f32
+ * recipe's kernels read any width). A model at GLM-5's widths is stored as before.
+ *
  * Storage types (KvDtype):
  *   f32   every value fp32.
  *   bf16  every value bf16 (nearest even on store, exact widening on read): half of f32.
@@ -63,6 +73,7 @@
 
 #include "engine/shared/err.h"
 #include "kernels/dsa_format.h"
+#include "kernels/mla_format.h"
 #include "kernels/nvfp4_format.h"
 
 #ifdef __cplusplus
@@ -88,9 +99,10 @@ typedef enum KvDtype {
 typedef struct KvEntryLayout {
     int dtype;                         // KvDtype
     int kv_lora, rope_dim, index_dim;  // index_dim 0 on a layer without an indexer key
+    int lat_store, pe_store, key_store;  // the widths stored (padded: see above)
     int block_size;
     int value_bytes;  // f32 4, bf16 2; fp8 0 (mixed)
-    int lat_scale;    // fp8: the latent's group scales, in the entry
+    int lat_scale;    // fp8: the latent's group scales (of lat_store values), in the entry
     int pe;           // k_pe, in the entry
     int bytes;        // the entry (latent and k_pe)
     int key_bytes;    // one index key's row in a key page
@@ -223,7 +235,8 @@ static inline size_t kv_key_page_offset(const KvCache *kv, const KvSeq *seq, int
 }
 
 // The index keys of `layer` (a layer with one) in a pool laid out as kv's (kv->pool, or a
-// device copy of it) as kernels/dsa_format.h describes key pages: one page per block.
+// device copy of it) as kernels/dsa_format.h describes key pages: one page per block, dim the
+// model's index_dim (kv_dsa_cache_stored: the stored width, its padding read as 0).
 static inline DsaCache kv_dsa_cache(const KvCache *kv, const void *pool, int layer)
 {
     const KvEntryLayout *lo = &kv->entry[layer];
@@ -236,6 +249,13 @@ static inline DsaCache kv_dsa_cache(const KvCache *kv, const void *pool, int lay
                         lo->key_bytes,
                         lo->key_scales,
                         (size_t) lo->key_page};
+    return c;
+}
+
+static inline DsaCache kv_dsa_cache_stored(const KvCache *kv, const void *pool, int layer)
+{
+    DsaCache c = kv_dsa_cache(kv, pool, layer);
+    c.dim = kv->entry[layer].key_store;
     return c;
 }
 
@@ -280,8 +300,11 @@ KV_FN float kv_f32_load(const unsigned char *p)
 // Value i (0 <= i < kv_lora + rope_dim) of the MLA entry at e, as fp32.
 KV_FN float kv_entry_value(const KvEntryLayout *lo, const unsigned char *e, int i)
 {
-    if (lo->dtype == KV_DTYPE_F32) return kv_f32_load(e + (size_t) 4 * i);
-    if (lo->dtype == KV_DTYPE_BF16) return kv_bf16_load(e + (size_t) 2 * i);
+    if (lo->dtype != KV_DTYPE_FP8) {
+        const unsigned char *at = i < lo->kv_lora ? e + (size_t) lo->value_bytes * i
+                                                  : e + lo->pe + (size_t) lo->value_bytes * (i - lo->kv_lora);
+        return lo->dtype == KV_DTYPE_F32 ? kv_f32_load(at) : kv_bf16_load(at);
+    }
     if (i < lo->kv_lora)
         return nvfp4_e4m3_to_float(e[i]) * kv_f32_load(e + lo->lat_scale + 4 * (i / KV_FP8_GROUP));
     return kv_bf16_load(e + lo->pe + 2 * (i - lo->kv_lora));
@@ -356,8 +379,9 @@ KV_FN void kv_store_part(const KvEntryLayout *lo, unsigned char *e, unsigned cha
     if (lo->dtype != KV_DTYPE_FP8) {
         const int j = offset + part;
         unsigned char *at =
-            j < idx0 ? e + (size_t) lo->value_bytes * j
-                     : page + (size_t) row * lo->key_bytes + (size_t) lo->value_bytes * (j - idx0);
+            j < pe0    ? e + (size_t) lo->value_bytes * j
+            : j < idx0 ? e + lo->pe + (size_t) lo->value_bytes * (j - pe0)
+                       : page + (size_t) row * lo->key_bytes + (size_t) lo->value_bytes * (j - idx0);
         if (lo->dtype == KV_DTYPE_F32)
             memcpy(at, src + part, sizeof(float));
         else

@@ -364,7 +364,8 @@ static bool near_ties_only(const KvCache *kv, const KvSeq *seq, const float *qt,
             }
             d /= sqrt((double) p->head_dim);
             total += wt[h] / sqrt((double) p->n_heads) * (d > 0 ? d : 0);
-            total_abs += fabs(wt[h]) / sqrt((double) p->n_heads) * d_abs / sqrt((double) p->head_dim);
+            total_abs +=
+                fabs(wt[h]) / sqrt((double) p->n_heads) * d_abs / sqrt((double) p->head_dim);
         }
         score[s] = total;
         bound[s] = (p->head_dim + p->n_heads + 2) * (double) FLT_EPSILON * total_abs;
@@ -394,13 +395,14 @@ static bool near_ties_only(const KvCache *kv, const KvSeq *seq, const float *qt,
 
 // kv_write, dsa_topk and mla_attention over two sequences in one call each (45 and 30
 // tokens, blocks of 16: the batched ops of one step), for an fp32, a bf16 and an fp8 cache,
-// under the caller's recipe;
+// under the caller's recipe, index keys of Di values (20: stored padded to 32, q padded to
+// match on the GPU);
 // the two backends use separate caches of the same layout, and store the same bytes
 // (kv_cache.h's one store routine; latent 144: a whole fp8 scale group and a partial one).
-static void test_attention(KvDtype dtype)
+static void test_attention(KvDtype dtype, int Di)
 {
     enum { TA = 45, TB = 30, T = TA + TB };
-    const int L = 144, R = 16, Di = 32, Hi = 4, H = 3, nope = 24, vd = 20, topk = 8;
+    const int L = 144, R = 16, Hi = 4, H = 3, nope = 24, vd = 20, topk = 8;
     KvCacheParams p = {.n_layers = 2,
                        .block_size = 16,
                        .n_blocks = 6,
@@ -478,25 +480,27 @@ static void test_attention(KvDtype dtype)
             *gn = down(dn_sel, (size_t) T * sizeof(int));
         const bool tc = backend_dsa_tc(cpu, &dp, &kc, 1);
         CHECK(tc == backend_dsa_tc(gpu, &dp, &kg, 1));
-        CHECK(tc == (cpu->dsa_tc && cpu->precision == BACKEND_PRECISION_BF16 && dtype != KV_DTYPE_F32));
+        CHECK(
+            tc
+            == (cpu->dsa_tc && cpu->precision == BACKEND_PRECISION_BF16 && dtype != KV_DTYPE_F32));
         int sel_bad = 0, near_ties = 0;
         for (int t = 0; t < T; t++) {
             int bad = gn[t] != n_sel[t];
             for (int k = 0; k < n_sel[t] && k < topk; k++)
                 bad += gsel[(size_t) t * topk + k] != sel[(size_t) t * topk + k];
             if (bad && tc && gn[t] == n_sel[t]
-                && near_ties_only(&kc, &sc[seq_of[t]], q + (size_t) t * Hi * Di, wp + (size_t) t * Hi,
-                                  pos[t] + 1, gsel + (size_t) t * topk, sel + (size_t) t * topk,
-                                  n_sel[t], &dp)) {
+                && near_ties_only(&kc, &sc[seq_of[t]], q + (size_t) t * Hi * Di,
+                                  wp + (size_t) t * Hi, pos[t] + 1, gsel + (size_t) t * topk,
+                                  sel + (size_t) t * topk, n_sel[t], &dp)) {
                 near_ties++;
                 bad = 0;
             }
             sel_bad += bad;
         }
-        printf("dsa_topk (%s cache%s, %s recipe%s)        %d differences, %d tokens differ "
-               "within the fp32 bound\n",
+        printf("dsa_topk (%s cache%s, %s recipe%s, dim %d)        %d differences, %d tokens "
+               "differ within the fp32 bound\n",
                kv_dtype_name(dtype), ties ? ", ties" : "",
-               cpu->precision == BACKEND_PRECISION_BF16 ? "bf16" : "f32", tc ? ", dsa_tc" : "",
+               cpu->precision == BACKEND_PRECISION_BF16 ? "bf16" : "f32", tc ? ", dsa_tc" : "", Di,
                sel_bad, near_ties);
         CHECK(sel_bad == 0);
         if (near_ties) {  // MLA below compares both backends over the CPU's selection
@@ -558,6 +562,8 @@ static void test_attention(KvDtype dtype)
 // and bf16 caches of 128-position blocks (two sequences, one crossing a block boundary;
 // dense, and over a selection). Bound: 1e-3 relative L2 (the GPU-vs-recipe bound;
 // the two differ by fp32 summation order and the bf16 roundings that it flips).
+static void tuned_mla(BackendMla mp);
+
 static void test_tuned(void)
 {
     cpu->precision = gpu->precision = BACKEND_PRECISION_BF16;
@@ -594,61 +600,79 @@ static void test_tuned(void)
         // experts: past the 8-column tiles' 8,192); n 4100: a 4,096-token wide launch, then 4
         // tokens on the 8-column tiles. The wide tiles sum in another order than the 8-column
         // ones (moe.h), so those two are held to the CPU reference alone.
-        const BackendRoute rp = {24, 8, 1, 1, true, 2.5f};
-        const int E = rp.n_experts, K = rp.top_k, hidden = 256, inter = 128;
-        CkptLinear *ex = calloc((size_t) 3 * E, sizeof *ex),
-                   *exg = calloc((size_t) 3 * E, sizeof *exg);
-        ASSERT(ex && exg);
-        for (int i = 0; i < 3 * E; i++) {
-            ex[i] = make_linear(CKPT_LINEAR_NVFP4, i % 3 == 2 ? hidden : inter,
-                                i % 3 == 2 ? inter : hidden);
-            exg[i] = ex[i];
-        }
-        CHECK(cpu->bind_experts(cpu, ex, E) == ERR_OK && gpu->bind_experts(gpu, exg, E) == ERR_OK);
-        static const int ns[] = {5, 1030, 4100};
-        for (size_t c = 0; c < sizeof ns / sizeof ns[0]; c++) {
-            const int n = ns[c];
-            float *logits = rand_floats((size_t) n * E, 4.0f);
-            int *idx = malloc((size_t) n * K * sizeof *idx);
-            float *wts = malloc((size_t) n * K * sizeof *wts);
-            ASSERT(idx && wts);
-            cpu->route(cpu, idx, wts, logits, NULL, n, &rp);
-            float *x = rand_floats((size_t) n * hidden, 1.0f);
-            float *want = malloc((size_t) n * hidden * sizeof *want);
-            cpu->moe(cpu, want, x, n, idx, wts, K, ex, E);
-            float *dx = dev(x, (size_t) n * hidden * sizeof *x);
-            int *didx = dev(idx, (size_t) n * K * sizeof *idx);
-            float *dwts = dev(wts, (size_t) n * K * sizeof *wts);
-            float *dout = gpu->alloc(gpu, (size_t) n * hidden * sizeof(float));
-            gpu->moe(gpu, dout, dx, n, didx, dwts, K, exg, E);
-            char what[80];
-            snprintf(what, sizeof what, "moe tuned (bf16 recipe, nvfp4) n=%d", n);
-            expect_close(what, dout, want, (size_t) n * hidden, 1e-3);
-            float *batch = down(dout, (size_t) n * hidden * sizeof *batch);
-            const int ends[2] = {0, n - 1};
-            for (int j = 0; j < (n == 5 ? 2 : 0); j++) {  // n 5: 8-column tiles alone
-                const int t = ends[j];
-                gpu->moe(gpu, dout, dx + (size_t) t * hidden, 1, didx + (size_t) t * K,
-                         dwts + (size_t) t * K, K, exg, E);
-                float *alone = down(dout, (size_t) hidden * sizeof *alone);
-                const bool same = memcmp(alone, batch + (size_t) t * hidden,
-                                         (size_t) hidden * sizeof *alone) == 0;
-                printf("moe tuned n=%d token %d alone vs in batch: %s\n", n, t,
-                       same ? "identical" : "DIFFERENT");
-                CHECK(same);
-                free(alone);
+        // Then a model narrower than the kernels' multiples of 32 (hidden 48, intermediate
+        // 16: stacked zero-padded to 64 and 32, x padded and the sums cropped), n 5 and 40.
+        for (int shape = 0; shape < 2; shape++) {
+            const BackendRoute rp = shape ? (BackendRoute){6, 3, 1, 1, true, 1.0f}
+                                          : (BackendRoute){24, 8, 1, 1, true, 2.5f};
+            const int E = rp.n_experts, K = rp.top_k, hidden = shape ? 48 : 256,
+                      inter = shape ? 16 : 128;
+            CkptLinear *ex = calloc((size_t) 3 * E, sizeof *ex),
+                       *exg = calloc((size_t) 3 * E, sizeof *exg);
+            ASSERT(ex && exg);
+            for (int i = 0; i < 3 * E; i++) {
+                ex[i] = make_linear(CKPT_LINEAR_NVFP4, i % 3 == 2 ? hidden : inter,
+                                    i % 3 == 2 ? inter : hidden);
+                exg[i] = ex[i];
             }
-            free(logits), free(idx), free(wts), free(x), free(want), free(batch);
-            gpu->free_mem(gpu, dx), gpu->free_mem(gpu, didx), gpu->free_mem(gpu, dwts);
-            gpu->free_mem(gpu, dout);
+            CHECK(cpu->bind_experts(cpu, ex, E) == ERR_OK
+                  && gpu->bind_experts(gpu, exg, E) == ERR_OK);
+            static const int ns[2][3] = {{5, 1030, 4100}, {5, 40, 0}};
+            for (size_t c = 0; c < 3 && ns[shape][c]; c++) {
+                const int n = ns[shape][c];
+                float *logits = rand_floats((size_t) n * E, 4.0f);
+                int *idx = malloc((size_t) n * K * sizeof *idx);
+                float *wts = malloc((size_t) n * K * sizeof *wts);
+                ASSERT(idx && wts);
+                cpu->route(cpu, idx, wts, logits, NULL, n, &rp);
+                float *x = rand_floats((size_t) n * hidden, 1.0f);
+                float *want = malloc((size_t) n * hidden * sizeof *want);
+                cpu->moe(cpu, want, x, n, idx, wts, K, ex, E);
+                float *dx = dev(x, (size_t) n * hidden * sizeof *x);
+                int *didx = dev(idx, (size_t) n * K * sizeof *idx);
+                float *dwts = dev(wts, (size_t) n * K * sizeof *wts);
+                float *dout = gpu->alloc(gpu, (size_t) n * hidden * sizeof(float));
+                gpu->moe(gpu, dout, dx, n, didx, dwts, K, exg, E);
+                char what[80];
+                snprintf(what, sizeof what, "moe tuned (bf16 recipe, nvfp4, hidden %d) n=%d",
+                         hidden, n);
+                expect_close(what, dout, want, (size_t) n * hidden, 1e-3);
+                float *batch = down(dout, (size_t) n * hidden * sizeof *batch);
+                const int ends[2] = {0, n - 1};
+                for (int j = 0; j < (n == 5 ? 2 : 0); j++) {  // n 5: 8-column tiles alone
+                    const int t = ends[j];
+                    gpu->moe(gpu, dout, dx + (size_t) t * hidden, 1, didx + (size_t) t * K,
+                             dwts + (size_t) t * K, K, exg, E);
+                    float *alone = down(dout, (size_t) hidden * sizeof *alone);
+                    const bool same =
+                        memcmp(alone, batch + (size_t) t * hidden, (size_t) hidden * sizeof *alone)
+                        == 0;
+                    printf("moe tuned n=%d token %d alone vs in batch: %s\n", n, t,
+                           same ? "identical" : "DIFFERENT");
+                    CHECK(same);
+                    free(alone);
+                }
+                free(logits), free(idx), free(wts), free(x), free(want), free(batch);
+                gpu->free_mem(gpu, dx), gpu->free_mem(gpu, didx), gpu->free_mem(gpu, dwts);
+                gpu->free_mem(gpu, dout);
+            }
+            for (int i = 0; i < 3 * E; i++)
+                free_linear(&ex[i]);
+            free(ex), free(exg);
         }
-        for (int i = 0; i < 3 * E; i++)
-            free_linear(&ex[i]);
-        free(ex), free(exg);
     }
+    tuned_mla((BackendMla){32, 192, 64, 128, 512, 1.0f / 16.0f});
+    // A sweep model's widths: 3 heads (run as 32), q_nope 24, rope 8, v 5 (W_UV rows padded to
+    // 8), latent 40, all zero-padded to the kernels' (kv_cache.h, mla_tuned).
+    tuned_mla((BackendMla){3, 24, 8, 5, 40, 0.17f});
+    cpu->precision = gpu->precision = BACKEND_PRECISION_F32;
+}
+
+// MLA through the tuned kernels (test_tuned) at the widths of mp.
+static void tuned_mla(const BackendMla mp)
+{
     enum { TA = 150, TB = 40, T = TA + TB, KSEL = 48 };
-    const int L = 512, R = 64, H = 32, nope = 192, vd = 128;
-    const BackendMla mp = {H, nope, R, vd, L, 1.0f / 16.0f};
+    const int L = mp.kv_lora, R = mp.qk_rope, H = mp.n_heads, nope = mp.qk_nope, vd = mp.v_dim;
     CkptLinear kv_b = make_linear(CKPT_LINEAR_BF16, H * (nope + vd), L), kv_bg = kv_b;
     CHECK(cpu->bind_kv_b(cpu, &kv_b, &mp) == ERR_OK && gpu->bind_kv_b(gpu, &kv_bg, &mp) == ERR_OK);
     CHECK(gpu->bind_linear(gpu, &kv_bg) == ERR_OK);
@@ -703,8 +727,9 @@ static void test_tuned(void)
                                    sparse ? dn_sel : NULL, KSEL, &mp);
                 cpu->mla_tc = gpu->mla_tc = false;
                 char what[64];
-                snprintf(what, sizeof what, "mla tuned%s %s (%s cache)", tc ? " tc" : "",
-                         sparse ? "sparse" : "dense", kv_dtype_name(dtypes[di]));
+                snprintf(what, sizeof what, "mla tuned%s %s (%s cache, %d heads, latent %d)",
+                         tc ? " tc" : "", sparse ? "sparse" : "dense", kv_dtype_name(dtypes[di]), H,
+                         L);
                 expect_close(what, dout, want, (size_t) T * H * vd, 1e-3);
             }
         for (int i = 0; i < 2; i++) {
@@ -719,7 +744,6 @@ static void test_tuned(void)
     gpu->free_mem(gpu, dpos), gpu->free_mem(gpu, dseq_of), gpu->free_mem(gpu, dlen);
     gpu->free_mem(gpu, dsel), gpu->free_mem(gpu, dn_sel), gpu->free_mem(gpu, dlat);
     gpu->free_mem(gpu, dqa), gpu->free_mem(gpu, dout);
-    cpu->precision = gpu->precision = BACKEND_PRECISION_F32;
 }
 
 // matmul_add (y += w x, the residual adds) against the CPU backend's, under both recipes: the
@@ -764,28 +788,32 @@ int main(void)
     test_matmul_add();
     test_elementwise();
     test_route_moe();
-    test_attention(KV_DTYPE_F32);
-    test_attention(KV_DTYPE_BF16);
-    test_attention(KV_DTYPE_FP8);
+    test_attention(KV_DTYPE_F32, 32);
+    test_attention(KV_DTYPE_BF16, 32);
+    test_attention(KV_DTYPE_FP8, 32);
     // The bf16 recipe: DSA through kernels/dsa.cu (fp32 scores the CPU reproduces bit for
     // bit, so the selections are equal, ties included), on each cache type.
     cpu->precision = gpu->precision = BACKEND_PRECISION_BF16;
-    test_attention(KV_DTYPE_F32);
-    test_attention(KV_DTYPE_BF16);
-    test_attention(KV_DTYPE_FP8);
+    test_attention(KV_DTYPE_F32, 32);
+    test_attention(KV_DTYPE_FP8, 20);
+    test_attention(KV_DTYPE_BF16, 32);
+    test_attention(KV_DTYPE_FP8, 32);
     // The tensor-core scores (Backend.dsa_tc; fp8 and bf16 keys, the f32 cache keeps the plain
     // recipe): selections equal but for keys within the fp32 bound of the threshold.
     cpu->dsa_tc = gpu->dsa_tc = true;
-    test_attention(KV_DTYPE_F32);
-    test_attention(KV_DTYPE_BF16);
-    test_attention(KV_DTYPE_FP8);
+    test_attention(KV_DTYPE_F32, 32);
+    test_attention(KV_DTYPE_BF16, 32);
+    test_attention(KV_DTYPE_FP8, 32);
+    // Index keys narrower than 16s (a sweep model's 20): stored and read zero-padded to 32.
+    test_attention(KV_DTYPE_BF16, 20);
+    test_attention(KV_DTYPE_FP8, 20);
     // The tuned top-k in passes of a few rows (1,000 bytes of scores over a capacity of about
     // 48 positions): the same selections as the CPU, ties included.
     printf("DSA top-k in passes of at most 1000 bytes of scores:\n");
     backend_cuda_limit_dsa_scores(gpu, 1000);
-    test_attention(KV_DTYPE_FP8);
+    test_attention(KV_DTYPE_FP8, 32);
     cpu->dsa_tc = gpu->dsa_tc = false;
-    test_attention(KV_DTYPE_BF16);
+    test_attention(KV_DTYPE_BF16, 32);
     backend_cuda_limit_dsa_scores(gpu, (size_t) 256 << 20);
     cpu->precision = gpu->precision = BACKEND_PRECISION_F32;
     test_tuned();

@@ -33,8 +33,10 @@
  * a model whose routing sits near a tie may exceed, so it is printed, not checked here.
  *
  * The float64 checks run the CUDA backend under the f32 precision recipe. Last, both backends
- * run the bf16 recipe (backend.h; the CUDA backend's default: tuned kernels where the shapes
- * allow): the GPU's largest and mean distance from float64 over the positions at most 1.25x
+ * run the bf16 recipe (backend.h; the CUDA backend's default) over a bf16 cache in blocks of
+ * 128, the serving path: MLA, DSA and the experts on the tuned kernels whatever the model's
+ * widths (zero-padded to GLM-5's; checked with backend_cuda_untuned): the GPU's largest and
+ * mean distance from float64 over the positions at most 1.25x
  * the CPU-following-it one's (+2e-5), and the GPU against the CPU following it reported; the
  * same for the GPU's prefill in golden_chunk_len's chunks (1 token, mid-block, around 2048),
  * as the scheduler feeds the serving path. (golden_check_model checks chunks under the f32
@@ -64,12 +66,12 @@
 // with chunked in golden_chunk_len's chunks. With pool, also a copy of the cache's bytes
 // afterwards (*pool, *pool_bytes; the caller frees it) and the cache's layout in *meta (its
 // pointers cleared).
-static float *prefill(Backend *be, const char *dir, const Golden *g, KvDtype dtype, bool chunked,
-                      unsigned char **pool, size_t *pool_bytes, KvCache *meta)
+static float *prefill(Backend *be, const char *dir, const Golden *g, KvDtype dtype, int block,
+                      bool chunked, unsigned char **pool, size_t *pool_bytes, KvCache *meta)
 {
     Model m;
     if (model_load(&m, dir, NULL, be) != ERR_OK) return NULL;
-    KvCacheParams kp = model_kv_params(&m, (g->n_tokens + 15) / 16, 16);
+    KvCacheParams kp = model_kv_params(&m, (g->n_tokens + block - 1) / block, block);
     kp.dtype = dtype;
     KvCache kv;
     ASSERT(kv_init(&kv, &kp) == ERR_OK);
@@ -154,7 +156,7 @@ int main(int argc, char **argv)
         return 1;
     }
     be->precision = BACKEND_PRECISION_F32;  // the float64 checks; the bf16 recipe at the end
-    float *ref_cpu = prefill(cpu, dir, &g, KV_DTYPE_F32, false, NULL, NULL, NULL);
+    float *ref_cpu = prefill(cpu, dir, &g, KV_DTYPE_F32, 16, false, NULL, NULL, NULL);
     CHECK(ref_cpu != NULL);
 
     float *got = golden_check_model(be, "cuda", dir, &g, want, TOL_REFERENCE, TOL_DECODE);
@@ -170,8 +172,8 @@ int main(int argc, char **argv)
     unsigned char *pool_cpu = NULL, *pool_gpu = NULL;
     size_t bytes_cpu = 0, bytes_gpu = 0;
     KvCache meta;
-    float *cpu8 = prefill(cpu, dir, &g, KV_DTYPE_FP8, false, &pool_cpu, &bytes_cpu, &meta);
-    float *gpu8 = prefill(be, dir, &g, KV_DTYPE_FP8, false, &pool_gpu, &bytes_gpu, &meta);
+    float *cpu8 = prefill(cpu, dir, &g, KV_DTYPE_FP8, 16, false, &pool_cpu, &bytes_cpu, &meta);
+    float *gpu8 = prefill(be, dir, &g, KV_DTYPE_FP8, 16, false, &pool_gpu, &bytes_gpu, &meta);
     CHECK(cpu8 && gpu8 && bytes_cpu == bytes_gpu);
     if (cpu8 && gpu8 && bytes_cpu == bytes_gpu) {
         // Both caches hold the one sequence in the same blocks: compare the E4M3 codes of
@@ -241,15 +243,25 @@ int main(int argc, char **argv)
     // allows. (Per position the two errors are independent draws of one size, so a per-position
     // ratio is not a bound: measured up to 1.6 on 3 of ~1,000 positions.) The GPU-vs-CPU distance
     // is reported: a rounding that a 1e-7 difference flips differs between the two, so it is of
-    // the recipe's own size (docs/precision.md). Where no op of a model is tuned the recipe is
-    // the f32 one.
+    // the recipe's own size (docs/precision.md). The cache is the serving one (bf16 in blocks of
+    // 128, which the tuned MLA reads; fp8's rounding is checked above), so every golden model
+    // runs through the kernels that serve GLM-5.2: MLA, DSA and the experts never take the f32
+    // recipe's kernels (backend_cuda_untuned), a narrower model's widths zero-padded to
+    // theirs. Matmuls whose weight the tuned GEMV cannot take (f32 weights, columns not in 8s)
+    // are counted and reported.
     cpu->precision = be->precision = BACKEND_PRECISION_BF16;
-    float *cpu16 = prefill(cpu, dir, &g, KV_DTYPE_F32, false, NULL, NULL, NULL);
-    float *gpu16 = prefill(be, dir, &g, KV_DTYPE_F32, false, NULL, NULL, NULL);
+    const BackendCudaUntuned u0 = backend_cuda_untuned(be);
+    float *cpu16 = prefill(cpu, dir, &g, KV_DTYPE_BF16, MLA_BLOCK, false, NULL, NULL, NULL);
+    float *gpu16 = prefill(be, dir, &g, KV_DTYPE_BF16, MLA_BLOCK, false, NULL, NULL, NULL);
     // The serving path prefills in chunks (the scheduler's max_num_batched_tokens): the same
     // bound through golden_chunk_len's awkward cuts (issue 20). Chunks of other sizes take
     // other kernels (GEMV against cuBLASLt), so their roundings differ from the one call's.
-    float *gpu16c = prefill(be, dir, &g, KV_DTYPE_F32, true, NULL, NULL, NULL);
+    float *gpu16c = prefill(be, dir, &g, KV_DTYPE_BF16, MLA_BLOCK, true, NULL, NULL, NULL);
+    const BackendCudaUntuned u1 = backend_cuda_untuned(be);
+    printf("bf16 recipe: op calls on the f32 recipe's kernels: mla %ld, dsa %ld, moe %ld "
+           "(checked 0), matmul %ld (reported)\n",
+           u1.mla - u0.mla, u1.dsa - u0.dsa, u1.moe - u0.moe, u1.matmul - u0.matmul);
+    CHECK(u1.mla == u0.mla && u1.dsa == u0.dsa && u1.moe == u0.moe);
     CHECK(cpu16 && gpu16 && gpu16c);
     if (cpu16 && gpu16 && gpu16c) {
         check_recipe("cuda bf16 recipe", gpu16, cpu16, want, &g);

@@ -208,30 +208,39 @@ static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
     free(out_abs), free(score_abs);
 }
 
-// mla_q_split: q_nope rounded to bf16 (exactly), q_pe copied (exactly).
-static void test_q_split(int n_tok, int n_heads)
+// mla_q_split: q_nope rounded to bf16 (exactly), q_pe copied (exactly); with a model narrower
+// than GLM-5 (qk_nope < 192, qk_rope < 64, heads padded), zeros everywhere else.
+static void test_q_split(int n_tok, int n_heads, int qk_nope, int qk_rope, int heads_pad)
 {
-    const size_t n = (size_t) n_tok * n_heads * 256;
-    float *q = xmalloc(n * 4), *want = xmalloc(n * 4);
+    const int w = qk_nope + qk_rope;
+    const size_t n = (size_t) n_tok * n_heads * w, m = (size_t) n_tok * heads_pad * 256;
+    float *q = xmalloc(n * 4), *want = xmalloc(m * 4);
     fill_f32(q, n, &rng, -2.0f, 2.0f);
     float *d_q = gpu_upload(q, n * 4);
-    uint16_t *d_nope = gpu_alloc_poisoned((size_t) n_tok * n_heads * 192 * 2);
-    float *d_pe = gpu_alloc_poisoned((size_t) n_tok * n_heads * 64 * 4);
-    mla_q_split(d_nope, d_pe, d_q, n_tok, n_heads, 0);
-    uint16_t *nope = xmalloc((size_t) n_tok * n_heads * 192 * 2);
-    float *pe = xmalloc((size_t) n_tok * n_heads * 64 * 4);
-    gpu_download(nope, d_nope, (size_t) n_tok * n_heads * 192 * 2);
-    gpu_download(pe, d_pe, (size_t) n_tok * n_heads * 64 * 4);
-    float *got = xmalloc(n * 4), *tol = xmalloc(n * 4);
-    for (size_t th = 0; th < (size_t) n_tok * n_heads; th++) {
-        for (int c = 0; c < 256; c++) {
-            const size_t o = th * 256 + c;
-            got[o] = c < 192 ? kern_bf16_to_f32(nope[th * 192 + c]) : pe[th * 64 + c - 192];
-            want[o] = c < 192 ? kern_round_bf16(q[o]) : q[o];
-            tol[o] = 0.0f;
+    uint16_t *d_nope = gpu_alloc_poisoned((size_t) n_tok * heads_pad * 192 * 2);
+    float *d_pe = gpu_alloc_poisoned((size_t) n_tok * heads_pad * 64 * 4);
+    mla_q_split(d_nope, d_pe, d_q, n_tok, n_heads, qk_nope, qk_rope, heads_pad, 0);
+    uint16_t *nope = xmalloc((size_t) n_tok * heads_pad * 192 * 2);
+    float *pe = xmalloc((size_t) n_tok * heads_pad * 64 * 4);
+    gpu_download(nope, d_nope, (size_t) n_tok * heads_pad * 192 * 2);
+    gpu_download(pe, d_pe, (size_t) n_tok * heads_pad * 64 * 4);
+    float *got = xmalloc(m * 4), *tol = xmalloc(m * 4);
+    for (int t = 0; t < n_tok; t++)
+        for (int h = 0; h < heads_pad; h++) {
+            const size_t th = (size_t) t * heads_pad + h;
+            const float *qh = h < n_heads ? q + ((size_t) t * n_heads + h) * w : NULL;
+            for (int c = 0; c < 256; c++) {
+                const size_t o = th * 256 + c;
+                got[o] = c < 192 ? kern_bf16_to_f32(nope[th * 192 + c]) : pe[th * 64 + c - 192];
+                want[o] = !qh                       ? 0.0f
+                          : c < qk_nope             ? kern_round_bf16(qh[c])
+                          : c < 192                 ? 0.0f
+                          : c - 192 < qk_rope       ? qh[qk_nope + c - 192]
+                                                    : 0.0f;
+                tol[o] = 0.0f;
+            }
         }
-    }
-    compare("mla q_split", got, want, tol, 0, n, 1e-12);
+    compare("mla q_split", got, want, tol, 0, m, 1e-12);
     cudaFree(d_q), cudaFree(d_nope), cudaFree(d_pe);
     free(q), free(want), free(nope), free(pe), free(got), free(tol);
 }
@@ -242,7 +251,9 @@ int main(void)
     const int lens_a[] = {1, 17, 129};
     const int lens_b[] = {1000, 4100};
     const int lens_c[] = {300};
-    test_q_split(3, 64);
+    test_q_split(3, 64, 192, 64, 64);
+    test_q_split(5, 3, 33, 4, 32);  // a sweep model's widths, zero-padded
+    test_q_split(2, 16, 24, 8, 16);
     test_mla(MLA_CACHE_FP8, 3, lens_a, 16, few, 3, 0);
     test_mla(MLA_CACHE_FP8, 3, lens_a, 32, few, 3, 1);   // the tensor-core kernel, fp8, short
     test_mla(MLA_CACHE_BF16, 3, lens_a, 32, few, 3, 0);

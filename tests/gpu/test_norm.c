@@ -129,6 +129,32 @@ static void test_act(size_t n)
     free(gate), free(up), free(want), free(got), free(tol), free(sum), free(y);
 }
 
+// act_repad: n matrices [rows_s, cols_s] into [rows_d, cols_d], zero-filled or cropped,
+// exactly.
+static void test_repad(size_t n, int rows_s, int cols_s, int rows_d, int cols_d)
+{
+    const size_t ns = n * rows_s * cols_s, nd = n * rows_d * cols_d;
+    float *src = xmalloc(ns * 4), *want = xmalloc(nd * 4), *got = xmalloc(nd * 4);
+    float *tol = xmalloc(nd * 4);
+    fill_f32(src, ns, &rng, -3.0f, 3.0f);
+    for (size_t t = 0; t < n; t++)
+        for (int r = 0; r < rows_d; r++)
+            for (int c = 0; c < cols_d; c++) {
+                const size_t o = (t * rows_d + r) * cols_d + c;
+                want[o] = r < rows_s && c < cols_s ? src[(t * rows_s + r) * cols_s + c] : 0.0f;
+                tol[o] = 0.0f;
+            }
+    float *d_s = gpu_upload(src, ns * 4), *d_d = gpu_alloc_poisoned(nd * 4);
+    act_repad(d_d, rows_d, cols_d, d_s, rows_s, cols_s, n, 0);
+    gpu_download(got, d_d, nd * 4);
+    char name[80];
+    snprintf(name, sizeof name, "repad %zu x [%d, %d] -> [%d, %d]", n, rows_s, cols_s, rows_d,
+             cols_d);
+    compare(name, got, want, tol, 0, nd, 0.0);
+    cudaFree(d_s), cudaFree(d_d);
+    free(src), free(want), free(got), free(tol);
+}
+
 int main(void)
 {
     test_norm(1, 1, 1, 1, 0);
@@ -149,5 +175,10 @@ int main(void)
     test_act(3 * 2048);
     test_act(16 * 12288 + 5);
     test_act((size_t) 65535 * 256 + 77);  // past one grid: the grid-stride loop
+    test_repad(7, 1, 48, 1, 64);     // a narrow model's hidden into the experts' width
+    test_repad(7, 1, 64, 1, 48);     // and the sums back
+    test_repad(5, 32, 8, 3, 5);      // MLA's padded heads and W_UV rows cropped
+    test_repad(3, 16, 20, 16, 32);   // DSA q padded to the stored key width
+    test_repad(70000, 1, 40, 1, 64); // past one grid
     return check_exit();
 }

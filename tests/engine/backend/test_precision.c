@@ -306,33 +306,57 @@ static void test_mla_tc(Backend *be)
         }
 }
 
+// MLA on the tuned kernels: GLM-5's widths, and narrower ones (stored zero-padded to them,
+// kv_cache.h), over an fp8 or bf16 cache of 128-position blocks; not a wider latent, rope or
+// q_nope, an f32 cache or other blocks.
 static void test_mla_predicate(void)
 {
     const BackendMla glm = {64, 192, 64, 256, 512, 0.0625f};
-    const BackendMla small = {4, 24, 16, 20, 144, 0.2f};
-    CHECK(backend_mla_shape_tuned(&glm) && !backend_mla_shape_tuned(&small));
+    const BackendMla small = {4, 24, 16, 20, 144, 0.2f}, sweep = {3, 33, 4, 5, 24, 0.2f};
+    const BackendMla wide_lat = {16, 192, 64, 256, 576, 0.1f},
+                     wide_rope = {16, 192, 96, 256, 512, 0.1f},
+                     wide_nope = {16, 256, 64, 256, 512, 0.1f};
+    CHECK(backend_mla_shape_tuned(&glm) && backend_mla_shape_tuned(&small)
+          && backend_mla_shape_tuned(&sweep));
+    CHECK(!backend_mla_shape_tuned(&wide_lat) && !backend_mla_shape_tuned(&wide_rope)
+          && !backend_mla_shape_tuned(&wide_nope));
+    // Heads: in 16s as they are (the CUDA-core kernel's CTA), others padded to 32s.
+    CHECK(backend_mla_heads(64) == 64 && backend_mla_heads(16) == 16 && backend_mla_heads(4) == 32
+          && backend_mla_heads(33) == 64);
+    const BackendMla *shapes[3] = {&glm, &small, &sweep};
     const KvDtype dtypes[3] = {KV_DTYPE_FP8, KV_DTYPE_BF16, KV_DTYPE_F32};
     const int blocks[2] = {128, 16};
-    for (int d = 0; d < 3; d++)
-        for (int b = 0; b < 2; b++) {
-            const KvCacheParams p = {.n_layers = 1,
-                                     .block_size = blocks[b],
-                                     .n_blocks = 1,
-                                     .kv_lora = 512,
-                                     .rope_dim = 64,
-                                     .dtype = dtypes[d]};
-            KvCache kv;
-            ASSERT(kv_init(&kv, &p) == ERR_OK);
-            const bool want = dtypes[d] != KV_DTYPE_F32 && blocks[b] == 128;
-            CHECK(backend_mla_tuned(&glm, &kv.entry[0]) == want);
-            CHECK(!backend_mla_tuned(&small, &kv.entry[0]));
-            kv_free(&kv);
-        }
+    for (int i = 0; i < 3; i++)
+        for (int d = 0; d < 3; d++)
+            for (int b = 0; b < 2; b++) {
+                const KvCacheParams p = {.n_layers = 1,
+                                         .block_size = blocks[b],
+                                         .n_blocks = 1,
+                                         .kv_lora = shapes[i]->kv_lora,
+                                         .rope_dim = shapes[i]->qk_rope,
+                                         .dtype = dtypes[d]};
+                KvCache kv;
+                ASSERT(kv_init(&kv, &p) == ERR_OK);
+                const bool want = dtypes[d] != KV_DTYPE_F32 && blocks[b] == 128;
+                CHECK(backend_mla_tuned(shapes[i], &kv.entry[0]) == want);
+                kv_free(&kv);
+            }
+    const KvCacheParams pw = {.n_layers = 1,
+                              .block_size = 128,
+                              .n_blocks = 1,
+                              .kv_lora = 576,
+                              .rope_dim = 64,
+                              .dtype = KV_DTYPE_FP8};
+    KvCache kv;
+    ASSERT(kv_init(&kv, &pw) == ERR_OK);
+    CHECK(!backend_mla_tuned(&wide_lat, &kv.entry[0]));
+    kv_free(&kv);
 }
 
 // DSA under the recipe (kernels/dsa.cu's fp32 scores): GLM-5's indexer (32 heads of 128) on
-// each cache type and block size, a small model's (4 of 32); not index dims outside 16s or
-// past 128, more than 32 heads, or a layer without an indexer key.
+// each cache type and block size, a small model's (4 of 32), and one outside 16s (4 of 24) on
+// a bf16 or fp8 cache, which stores its keys padded to 32; not on an f32 cache (unpadded), not
+// past 128 dims or 32 heads, nor on a layer without an indexer key.
 static void test_dsa_predicate(Backend *be)
 {
     const BackendDsa glm = {32, 128, 2048}, small = {4, 32, 8}, odd = {4, 24, 8},
@@ -354,12 +378,13 @@ static void test_dsa_predicate(Backend *be)
                 p.has_index[1] = true;
                 KvCache kv;
                 ASSERT(kv_init(&kv, &p) == ERR_OK);
-                CHECK(backend_dsa_tuned(dsa[i], &kv, 1) == want[i]);
+                const bool tuned = want[i] || (i == 2 && dtypes[d] != KV_DTYPE_F32);
+                CHECK(backend_dsa_tuned(dsa[i], &kv, 1) == tuned);
                 CHECK(!backend_dsa_tuned(dsa[i], &kv, 0));
                 // The tensor-core scores (Backend.dsa_tc): bf16 recipe, fp8 or bf16 keys.
                 be->precision = BACKEND_PRECISION_BF16;
                 be->dsa_tc = true;
-                CHECK(backend_dsa_tc(be, dsa[i], &kv, 1) == (want[i] && dtypes[d] != KV_DTYPE_F32));
+                CHECK(backend_dsa_tc(be, dsa[i], &kv, 1) == (tuned && dtypes[d] != KV_DTYPE_F32));
                 CHECK(!backend_dsa_tc(be, dsa[i], &kv, 0));
                 be->dsa_tc = false;
                 CHECK(!backend_dsa_tc(be, dsa[i], &kv, 1));

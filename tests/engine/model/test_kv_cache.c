@@ -133,7 +133,11 @@ static void test_bf16(void)
     p.dtype = KV_DTYPE_BF16;
     KvCache kv;
     CHECK(kv_init(&kv, &p) == ERR_OK);
-    CHECK(kv.entry[0].value_bytes == 2 && kv.entry[0].bytes == 16 && kv.entry[0].key_bytes == 6);
+    // Padded to the tuned kernels' widths: latent 6 -> 512, k_pe 2 -> 64, index key 3 -> 16.
+    const KvEntryLayout *lo = &kv.entry[2];
+    CHECK(lo->value_bytes == 2 && lo->lat_store == 512 && lo->pe_store == 64 && lo->pe == 1024
+          && lo->bytes == 1152 && lo->key_store == 16 && lo->key_bytes == 32
+          && lo->key_page == 4 * 32);
     KvSeq s = {0};
     CHECK(kv_seq_reserve(&kv, &s, 6) == ERR_OK);
     // 1 + 2^-8 is a tie between 1 and 1 + 2^-7: even mantissa wins (1). 1 + 3 * 2^-8 ties
@@ -166,6 +170,22 @@ static void test_bf16(void)
     kv_store(&kv, &s, 2, 5, 8, two, 2);
     got = kv_read(&kv, &s, 2, 5, tmp);
     CHECK(got[7] == -0.0f && got[8] == 5.0f && got[9] == 6.0f && got[10] == 7.0f);
+    // The bytes where the values live, and nothing in the padding: k_pe at lo->pe, the key at
+    // the row's start, zeros between.
+    const unsigned char *e = kv_entry_bytes(&kv, &s, 2, 5);
+    const unsigned char *key = (const unsigned char *) kv.pool
+                               + kv_key_page_offset(&kv, &s, 2, 5) + 1 * (size_t) lo->key_bytes;
+    CHECK(kv_bf16_load(e + 2 * 3) == -2.5f && kv_bf16_load(e + lo->pe) == got[6]
+          && signbit(kv_bf16_load(e + lo->pe + 2)) && kv_bf16_load(key) == 5.0f
+          && kv_bf16_load(key + 2) == 6.0f && kv_bf16_load(key + 4) == 7.0f);
+    int nonzero = 0;
+    for (int i = 2 * 6; i < lo->pe; i++)
+        nonzero += e[i] != 0;
+    for (int i = lo->pe + 2 * 2; i < lo->bytes; i++)
+        nonzero += e[i] != 0;
+    for (int i = 2 * 3; i < lo->key_bytes; i++)
+        nonzero += key[i] != 0;
+    CHECK(nonzero == 0);
     // another position of the same layer is untouched
     got = kv_read(&kv, &s, 2, 4, tmp);
     CHECK(got[0] == 0.0f && got[10] == 0.0f);
@@ -197,10 +217,18 @@ static void test_fp8(void)
     KvCache kv;
     CHECK(kv_init(&kv, &p) == ERR_OK);
     const KvEntryLayout *lo = &kv.entry[1];
-    CHECK(lo->lat_scale == 132 && lo->pe == 140 && lo->bytes == 144 && lo->key_bytes == 4
-          && lo->key_scales == 16 && lo->key_page == 32);
-    CHECK(kv.entry[0].bytes == 144 && kv.entry[0].key_page == 0
-          && kv.block_bytes == 4 * 144 + 4 * 144 + 32);
+    // The latent padded to 512 (4 groups), k_pe to 64, the key to 16: fp8_ds_mla's 656 bytes.
+    CHECK(lo->lat_store == 512 && lo->lat_scale == 512 && lo->pe == 528 && lo->bytes == 656
+          && lo->key_store == 16 && lo->key_bytes == 16 && lo->key_scales == 64
+          && lo->key_page == 80);
+    CHECK(kv.entry[0].bytes == 656 && kv.entry[0].key_page == 0
+          && kv.block_bytes == 4 * 656 + 4 * 656 + 80);
+    // Wider than the kernels' widths: stored as they are.
+    const KvEntryLayout wide = kv_entry_layout(KV_DTYPE_FP8, 640, 96, 192, 128);
+    CHECK(wide.lat_store == 640 && wide.pe_store == 96 && wide.key_store == 192
+          && wide.bytes == 640 + 4 * 5 + 2 * 96);
+    const KvEntryLayout f32 = kv_entry_layout(KV_DTYPE_F32, 130, 2, 3, 4);
+    CHECK(f32.lat_store == 130 && f32.pe_store == 2 && f32.key_store == 3 && f32.bytes == 4 * 132);
     KvSeq s = {0};
     CHECK(kv_seq_reserve(&kv, &s, 6) == ERR_OK);
     float in[135];
@@ -226,6 +254,16 @@ static void test_fp8(void)
         bad += e[i] != nvfp4_float_to_e4m3(in[i] / sc[0]);
     CHECK(bad == 0);
     CHECK(e[128] == 0 && e[129] == 0);
+    // The padding (codes 130 .. 511, the scales of groups 2 and 3, k_pe 2 .. 63, key 3 .. 15)
+    // is never written: zero, which the kernels read as 0.
+    int nonzero = 0;
+    for (int i = 130; i < lo->pe; i++)
+        nonzero += i < lo->lat_scale + 8 && i >= lo->lat_scale ? 0 : e[i] != 0;
+    for (int i = lo->pe + 4; i < lo->bytes; i++)
+        nonzero += e[i] != 0;
+    for (int i = 3; i < lo->key_bytes; i++)
+        nonzero += key[i] != 0;
+    CHECK(nonzero == 0);
     CHECK(e[127] == 0x7e);  // the largest value is 448 times its scale
     for (int i = 0; i < 3; i++)
         CHECK(key[i] == nvfp4_float_to_e4m3(in[132 + i] / sc[2]));
@@ -244,7 +282,7 @@ static void test_fp8(void)
     for (int i = 132; i < 135; i++)
         CHECK_NEAR(got[i], in[i], 2.0 * 0x1p-4);
     // k_pe written alone; the latent and the index key keep their bytes.
-    unsigned char before[144], key_before[4];
+    unsigned char before[656], key_before[4];
     memcpy(before, e, sizeof before);
     memcpy(key_before, key, sizeof key_before);
     const float pe[2] = {7.0f, 0.25f};
