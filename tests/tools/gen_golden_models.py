@@ -162,6 +162,24 @@ CONFIGS.append(dict(
               indexer_types=["full", "shared", "shared"]),
     quant="modelopt", scale2_shape="one", kv_fp8=True, shards=2))
 
+# GLM-5.2's attention widths whole: latent 512 (kv_lora_rank), qk_nope 192, rope 64, v 256, and
+# its indexer (32 heads of 128), so the CUDA backend's tuned MLA and DSA kernels run this model
+# at their own widths (only the heads, 2, are padded: to 32), next to the sweep's narrow models
+# that they run zero-padded. index_topk 16 < 40 tokens on both (full) layers. 2 layers and
+# q_lora 32 keep it to ~3 MB (kv_b alone is 0.9 MB a layer).
+CONFIGS.append(dict(
+    name="glm52_widths", seed=9000, n_tokens=40,
+    covers="(h) GLM-5.2's attention widths: kv_lora_rank 512, qk_nope 192, qk_rope 64, "
+           "v_head 256, 32 index heads of 128, index_topk 16 < 40; 2 heads; dense,MoE with "
+           "hidden 128 and moe_intermediate 64 (the experts' kernels' multiples); indexer "
+           "full,full; ModelOpt NVFP4, kv_cache_quant_algo FP8",
+    arch=arch(num_hidden_layers=2, num_attention_heads=2, qk_nope_head_dim=192,
+              qk_rope_head_dim=64, v_head_dim=256, kv_lora_rank=512, index_head_dim=128,
+              index_n_heads=32, index_topk=16, q_lora_rank=32, hidden_size=128,
+              moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
+              mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"]),
+    quant="modelopt", scale2_shape="one", kv_fp8=True, shards=1))
+
 SWEEP_SEED = 16016
 SWEEP_N = 16
 
