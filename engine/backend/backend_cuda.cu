@@ -78,7 +78,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/backend/mla_pack.h"
+#include "engine/backend/tuned_pack.h"
 #include "engine/shared/clock.h"
 #include "engine/shared/cuda_check.h"
 #include "kernels/act.h"
@@ -1327,20 +1327,6 @@ static Err cuda_bind_linear(Backend *be, CkptLinear *w)
     return ERR_OK;
 }
 
-// An NVFP4 matrix [rows, cols] (codes [rows, cols/2], e4m3 scales [rows, cols/16]) copied
-// into zeroed host buffers of [rows_p, cols_p]: zero codes with zero scales are 0.
-static void nvfp4_pad_host(uint8_t *q_out, uint8_t *s_out, const CkptLinear *w, int rows_p,
-                           int cols_p)
-{
-    const size_t cq = (size_t) w->cols / 2, cs = (size_t) w->cols / NVFP4_GROUP;
-    memset(q_out, 0, (size_t) rows_p * cols_p / 2);
-    memset(s_out, 0, (size_t) rows_p * cols_p / NVFP4_GROUP);
-    for (size_t r = 0; r < (size_t) w->rows; r++) {
-        memcpy(q_out + r * (size_t) cols_p / 2, (const uint8_t *) w->data + r * cq, cq);
-        memcpy(s_out + r * (size_t) cols_p / NVFP4_GROUP, w->scale + r * cs, cs);
-    }
-}
-
 // Under the BF16 recipe, experts the tuned kernels take (backend_moe_tuned with any top_k
 // they allow) are stacked in one allocation per array and packed there as kernels/moe.h lays
 // them out (on the GPU, an expert at a time through a staging buffer); each CkptLinear then
@@ -1423,7 +1409,7 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
             const uint8_t *wq = (const uint8_t *) w[k].data, *wsc = w[k].scale;
             if (pad) {
                 // Synchronous copies below: the host buffers are free again after each.
-                nvfp4_pad_host(hq, hs, &w[k], k < 2 ? (int) ip : (int) hp,
+                backend_nvfp4_pad(hq, hs, &w[k], k < 2 ? (int) ip : (int) hp,
                                k < 2 ? (int) hp : (int) ip);
                 wq = hq, wsc = hs;
             }
@@ -1462,7 +1448,7 @@ static const ExpertStack *expert_stack(const CudaImpl *impl, const CkptLinear *e
     return NULL;
 }
 
-// kv_b_proj of a layer the tuned MLA path can take, repacked (mla_pack.h: bf16 W_UK^T and
+// kv_b_proj of a layer the tuned MLA path can take, repacked (tuned_pack.h: bf16 W_UK^T and
 // W_UV per head at the kernels' widths, zero where the model is narrower) and uploaded.
 // Nothing for other shapes or under the F32 recipe.
 static Err cuda_bind_kv_b(Backend *be, const CkptLinear *kv_b, const BackendMla *p)
