@@ -48,6 +48,8 @@ typedef struct CpuImpl {
     size_t moe_cap;  // floats
     float *round_buf;  // matmul inputs rounded to bf16 (the BF16 recipe), owned
     size_t round_cap;  // floats
+    void **bound;      // weights bind_linear stored in bf16 (backend_bind_rounds), owned
+    int n_bound, bound_cap;
 } CpuImpl;
 
 // ---------------------------------------------------------------------------
@@ -792,10 +794,25 @@ static void cpu_copy(Backend *be, void *dst, const void *src, size_t bytes)
     if (bytes) memcpy(dst, src, bytes);
 }
 
+// Read in place from the checkpoint mapping; under the BF16 recipe an f32 weight is stored in
+// bf16 first (backend_bind_rounds), as the CUDA backend stores it.
 static Err cpu_bind_linear(Backend *be, CkptLinear *w)
 {
-    (void) be;
-    (void) w;  // read in place from the checkpoint mapping
+    if (!backend_bind_rounds(be, w)) return ERR_OK;
+    CpuImpl *impl = be->impl;
+    if (impl->n_bound == impl->bound_cap) {
+        const int cap = impl->bound_cap ? 2 * impl->bound_cap : 16;
+        void **grown = realloc(impl->bound, (size_t) cap * sizeof *grown);
+        if (!grown) return ERR_NOMEM;
+        impl->bound = grown;
+        impl->bound_cap = cap;
+    }
+    uint16_t *b = malloc((size_t) w->rows * (size_t) w->cols * sizeof *b);
+    if (!b) return ERR_NOMEM;
+    backend_round_linear(w, b);
+    impl->bound[impl->n_bound++] = b;
+    w->data = b;
+    w->format = CKPT_LINEAR_BF16;
     return ERR_OK;
 }
 
@@ -826,6 +843,9 @@ static void cpu_destroy(Backend *be)
         free(impl->route_buf);
         free(impl->moe_buf);
         free(impl->round_buf);
+        for (int i = 0; i < impl->n_bound; i++)
+            free(impl->bound[i]);
+        free(impl->bound);
         free(impl);
     }
     free(be);

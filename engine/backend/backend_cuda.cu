@@ -1290,6 +1290,21 @@ static Err cuda_bind_linear(Backend *be, CkptLinear *w)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     const size_t n = (size_t) w->rows * (size_t) w->cols;
+    if (backend_bind_rounds(be, w)) {  // the BF16 recipe stores an f32 weight in bf16
+        uint16_t *b = (uint16_t *) malloc(n * 2);
+        if (!b) return ERR_NOMEM;
+        backend_round_linear(w, b);
+        void *data = keep_copy(impl, b, n * 2);
+        free(b);
+        if (!data) {
+            LOG_ERROR("out of GPU memory binding %s (%zu bytes)", w->name ? w->name : "a weight",
+                      n * 2);
+            return ERR_NOMEM;
+        }
+        w->data = data;
+        w->format = CKPT_LINEAR_BF16;
+        return ERR_OK;
+    }
     size_t data_bytes = 0, scale_bytes = 0, scale_f32_bytes = 0;
     switch (w->format) {
     case CKPT_LINEAR_F32:

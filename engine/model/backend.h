@@ -25,12 +25,15 @@
  *   BACKEND_PRECISION_F32   the above throughout: fp32 activations into and out of every op.
  *   BACKEND_PRECISION_BF16  the recipe of the GPU's tuned kernels (kernels/): as F32, except
  *               that these values are rounded to bf16 (nearest even) where an op reads them:
- *               matmul         x (bf16 weights);
+ *               matmul         x (bf16 weights); f32 weights are stored in bf16 (nearest
+ *                              even) when bound (bind_linear, both backends), as vLLM loads
+ *                              GLM-5.2's fp32 indexer weights_proj into its bf16 model;
  *               moe            x, and silu(gate) * up before down_proj (NVFP4 experts);
  *               mla_attention  q_nope, kv_b's weights and the attention's output latent
  *                              (before W_UV), when the CUDA backend's tuned kernels can take
- *                              the layer (kv_lora 512, rope 64, qk_nope 192, H % 16 == 0, an
- *                              fp8 or bf16 cache of 128-position blocks: GLM-5's shapes).
+ *                              the layer (latent <= 512, rope <= 64, qk_nope <= 192, an fp8
+ *                              or bf16 cache of 128-position blocks: a narrower model runs
+ *                              them zero-padded, backend_mla_shape_tuned).
  *               dsa_topk       the scores are fp32 in kernels/dsa.cu's order (dsa_format.h's
  *                              dsa_key_score: each head's dot product over the key's stored
  *                              values, then its scale), where kernels/dsa.cu takes the layer
@@ -67,6 +70,7 @@
 #include "engine/model/kv_cache.h"
 #include "engine/shared/err.h"
 #include "kernels/mla_format.h"
+#include "kernels/nvfp4_format.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -258,6 +262,25 @@ struct Backend {
 static inline bool backend_matmul_tuned(const CkptLinear *w)
 {
     return w->format == CKPT_LINEAR_BF16 && w->cols % 8 == 0;
+}
+
+// Whether bind_linear stores w in bf16 under the BF16 recipe (both backends): an f32 weight
+// matrix (GLM-5.2's indexer weights_proj), which the tuned GEMV then takes.
+static inline bool backend_bind_rounds(const Backend *be, const CkptLinear *w)
+{
+    return be->precision == BACKEND_PRECISION_BF16 && w->format == CKPT_LINEAR_F32;
+}
+
+// w's values rounded to bf16 (nearest even) into out [rows * cols]: what bind_linear stores
+// when backend_bind_rounds.
+static inline void backend_round_linear(const CkptLinear *w, uint16_t *out)
+{
+    const float *src = (const float *) w->data;
+    for (size_t i = 0; i < (size_t) w->rows * (size_t) w->cols; i++) {
+        float f;
+        memcpy(&f, src + i, sizeof f);  // a mapping of the checkpoint: no alignment promised
+        out[i] = nvfp4_float_to_bf16(f);
+    }
 }
 
 static inline bool backend_moe_tuned(const CkptLinear *experts, int n_experts, int top_k)

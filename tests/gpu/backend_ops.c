@@ -593,6 +593,27 @@ static void test_tuned(void)
             }
             free_linear(&w);
         }
+        // An f32 weight (GLM-5.2's weights_proj: 32 index heads): both backends store it in
+        // bf16 when bound under the recipe, and the GPU runs it on the tuned GEMV.
+        CkptLinear w = make_linear(CKPT_LINEAR_F32, 32, 520), wc = w, wg = w;
+        CHECK(cpu->bind_linear(cpu, &wc) == ERR_OK && gpu->bind_linear(gpu, &wg) == ERR_OK);
+        CHECK(wc.format == CKPT_LINEAR_BF16 && wg.format == CKPT_LINEAR_BF16);
+        const BackendCudaUntuned u0 = backend_cuda_untuned(gpu);
+        for (int n = 1; n <= 40; n += 39) {
+            float *x = rand_floats((size_t) n * 520, 1.0f);
+            float *want = malloc((size_t) n * 32 * sizeof *want);
+            cpu->matmul(cpu, want, &wc, x, n);
+            float *dx = dev(x, (size_t) n * 520 * sizeof *x);
+            float *dy = gpu->alloc(gpu, (size_t) n * 32 * sizeof(float));
+            gpu->matmul(gpu, dy, &wg, dx, n);
+            char what[64];
+            snprintf(what, sizeof what, "matmul f32 weight bound as bf16 n=%d", n);
+            expect_close(what, dy, want, (size_t) n * 32, 1e-3);
+            free(x), free(want);
+            gpu->free_mem(gpu, dx), gpu->free_mem(gpu, dy);
+        }
+        CHECK(backend_cuda_untuned(gpu).matmul == u0.matmul);
+        free_linear(&w);
     }
     {
         // n 5: 8-column tiles, where token 0 and the last token alone must equal themselves

@@ -5,7 +5,8 @@
  *
  *   matmul: with a bf16 weight whose columns come in 8s, bf16(x) is the input: the output
  *           equals the f32 recipe's on the rounded x bit for bit, and differs on x; other
- *           weights (f32, columns not in 8s) are untouched.
+ *           weights (f32, columns not in 8s) are untouched; an f32 weight bound under the
+ *           recipe is stored in bf16 and then runs as a bf16 one.
  *   moe:    NVFP4 experts (hidden and inter in 32s): x and silu(gate) * up are rounded, so
  *           moe(x) equals moe(bf16(x)) bit for bit and differs from the f32 recipe; f32
  *           experts are untouched.
@@ -94,7 +95,9 @@ static void test_matmul(Backend *be)
         CHECK(memcmp(yr16, yr32, sizeof yr16) == 0);  // rounding a bf16 value changes nothing
         free(x), free(xr), free(wb);
     }
-    // An f32 weight is never rounded, nor its input.
+    // An f32 weight is not rounded by the matmul itself, nor its input; bound under the BF16
+    // recipe it is stored in bf16 (backend_bind_rounds: GLM-5.2's weights_proj), and then
+    // computes as the rounded weight does, input rounded too. Under F32 bind leaves it alone.
     float *wf = rand_vec((size_t) ROWS * 16), *x = rand_vec((size_t) N * 16);
     const CkptLinear w = {.format = CKPT_LINEAR_F32,
                           .rows = ROWS,
@@ -106,7 +109,22 @@ static void test_matmul(Backend *be)
     float y32[ROWS * N], y16[ROWS * N];
     matmul_both(be, &w, x, N, y32, y16);
     CHECK(memcmp(y16, y32, sizeof y16) == 0);
-    free(wf), free(x);
+    CkptLinear wb32 = w, wb16 = w;
+    CHECK(be->bind_linear(be, &wb32) == ERR_OK && wb32.format == CKPT_LINEAR_F32
+          && wb32.data == wf);
+    be->precision = BACKEND_PRECISION_BF16;
+    CHECK(backend_bind_rounds(be, &wb16) && be->bind_linear(be, &wb16) == ERR_OK);
+    be->precision = BACKEND_PRECISION_F32;
+    CHECK(wb16.format == CKPT_LINEAR_BF16 && wb16.data != wf && backend_matmul_tuned(&wb16));
+    int wrong = 0;
+    for (int i = 0; i < ROWS * 16; i++)
+        wrong += ((const uint16_t *) wb16.data)[i] != nvfp4_float_to_bf16(wf[i]);
+    CHECK(wrong == 0);
+    float *xr = rounded(x, (size_t) N * 16), z32[ROWS * N], z16[ROWS * N];
+    matmul_both(be, &wb16, x, N, z32, z16);
+    matmul_both(be, &wb16, xr, N, y32, y16);
+    CHECK(memcmp(z16, y32, sizeof z16) == 0);  // bf16(x) times the bf16 weight
+    free(wf), free(x), free(xr);  // wb16's copy belongs to the backend
 }
 
 // Random NVFP4 [rows, cols] (host memory, released with free_nvfp4).
