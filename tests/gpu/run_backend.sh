@@ -21,7 +21,8 @@
 # BENCH="PRESET:BATCHES:CTX ..." (e.g. "default:1,8:1024 small:1,8:1024") it then runs
 # `glmspark bench --synthetic --backend cuda` for each, with graphs on and off
 # (GLMSPARK_CUDA_GRAPHS=0), into bench.log; REAP (below) benchmarks checkpoints at GLM-5.2-REAP
-# dimensions. GOLDEN=0 skips the golden models and MTP. Logs go to $OUT (or ./gpu-out). The
+# dimensions. GOLDEN=0 skips the golden models and MTP; GEN_GOLDEN (below) makes new ones
+# first. Logs go to $OUT (or ./gpu-out). The
 # environment reaches every binary: GLMSPARK_MLA_TC=0 runs it all without the tensor-core MLA
 # (Backend.mla_tc, on the CPU reference too), GLMSPARK_DSA_TC=0 without the tensor-core indexer
 # scores (Backend.dsa_tc).
@@ -77,6 +78,17 @@ fi
 # GOLDEN=0 skips the golden models and MTP (to spend a run on REAP alone); GOLDEN_MODELS
 # (directories) runs those instead of every one.
 golden_dirs=${GOLDEN_MODELS:-$(ls -d tests/golden/models/*/)}
+# GEN_GOLDEN=NAME,... makes those models of tests/tools/gen_golden_models.py here first (this
+# machine has torch and transformers: their reference is transformers' float64 forward) into
+# $OUT/golden_new/, and the golden runs below include them; copy them into tests/golden/models/
+# to keep them.
+if [ -n "${GEN_GOLDEN:-}" ] && [ "${GOLDEN:-1}" != 0 ]; then
+    echo "== generating golden models $GEN_GOLDEN"
+    python3 tests/tools/gen_golden_models.py --out "$out/golden_new" --only "$GEN_GOLDEN" \
+        >"$out/gen_golden.log" 2>&1 || { echo "gen_golden_models.py failed"; status=1; }
+    grep -v "rejected" "$out/gen_golden.log" | tail -8
+    golden_dirs="$golden_dirs $(ls -d "$out"/golden_new/*/ 2>/dev/null)"
+fi
 if [ "${GOLDEN:-1}" != 0 ]; then
 echo "== golden models"
 for d in $golden_dirs; do
