@@ -565,6 +565,14 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
         printf("    device memory: %.2f GiB in use of %.2f GiB after this batch (its KV cache %.2f "
                "GiB; prefill chunks of %d tokens)\n",
                used / 1073741824.0, total / 1073741824.0, kv_bytes / 1073741824.0, a->prefill_chunk);
+        // Whether the figures above are the tuned kernels': op calls (so far, graph replays
+        // not counted) that took the f32 recipe's kernels under the bf16 recipe.
+        const BackendCudaUntuned u = backend_cuda_untuned(m->be);
+        if (m->be->precision == BACKEND_PRECISION_BF16)
+            printf("    op calls on the f32 recipe's kernels so far: matmul %ld, mla %ld, dsa %ld, "
+                   "moe %ld%s\n",
+                   u.matmul, u.mla, u.dsa, u.moe,
+                   u.matmul + u.mla + u.dsa + u.moe ? "" : " (every op on the tuned kernels)");
     }
 #endif
     if (a->json && a->n_drafts > 0) printf(",\"mtp\":[");
