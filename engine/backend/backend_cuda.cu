@@ -10,8 +10,8 @@
  *   pages with kv_b repacked at bind_kv_b (mla_tuned). A model narrower than GLM-5 runs the
  *   same kernels at GLM-5's widths on zero-padded values: the KV cache stores entries and
  *   index keys padded (kv_cache.h), q, heads and kv_b are padded here and the outputs
- *   cropped (kernels/act.h act_repad), the experts stacked in widths of 32s; zeros change no
- *   sum. The router is kernels/moe.cu's under both recipes. The rest of this file is the
+ *   cropped (kernels/act.h act_repad); zeros change no sum. (The experts' kernels take any
+ *   NVFP4 widths, multiples of 16.) The router is kernels/moe.cu's under both recipes. The rest of this file is the
  *   backend's own fp32 kernels (what --precision f32 runs everywhere, and the bf16 recipe
  *   only where backend_*_tuned refuses: counted, backend_cuda_untuned):
  * - Weights: bind_linear() copies data, NVFP4 group scales and FP8 block scales to device
@@ -105,8 +105,7 @@ enum {
     MAX_EXPERT_TABLES = 512,
     MAX_KV_B = 512,
     MAX_GRAPHS = 16,
-    MAX_GRAPH_KEY = 256,
-    MOE_PAD = 32,  // the routed experts' widths are stacked in multiples of this (bind_experts)  // key words (caller's and backend's) a graph can be recorded under
+    MAX_GRAPH_KEY = 256,  // key words (caller's and backend's) a graph can be recorded under
     THREADS = 256,
     MM_WARPS = 4,  // k_gemv / MoE: rows (warps) per block
     MATMUL_TOK = 8,
@@ -116,10 +115,10 @@ enum {
 // passes; backend_cuda_limit_dsa_scores).
 #define DSA_SCORE_BYTES ((size_t) 256 << 20)
 
-// A device mirror of one KvCache's pool.
+// A device mirror of one KvCache's pool (bound to its initialisation: KvCache.serial).
 typedef struct DevPool {
     const KvCache *kv;
-    const void *host_pool;
+    uint64_t serial;
     size_t bytes;
     void *dev;
 } DevPool;
@@ -143,17 +142,15 @@ typedef struct ExpertTable {
     void *dev;
 } ExpertTable;
 
-// A MoE layer's NVFP4 experts stacked as kernels/moe.h reads them (bind_experts), at widths
-// padded to multiples of MOE_PAD (ex.hidden, ex.inter; hidden the model's); each expert's
-// CkptLinear points into the stack.
+// A MoE layer's NVFP4 experts stacked as kernels/moe.h reads them (bind_experts); each
+// expert's CkptLinear points into the stack.
 typedef struct ExpertStack {
     const CkptLinear *experts;
     MoeExperts ex;
-    int hidden;
 } ExpertStack;
 
-// A kv_b_proj repacked for the tuned MLA path (bind_kv_b): bf16 W_UK^T [H, kv_lora, qk_nope]
-// and W_UV [H, v_dim, kv_lora].
+// A kv_b_proj repacked for the tuned MLA path (bind_kv_b, tuned_pack.h): bf16 W_UK^T
+// [Hp, 512, 192] and W_UV [Hp, Vp, 512].
 typedef struct KvBPack {
     const CkptLinear *kv_b;
     uint16_t *uk, *uv;
@@ -1104,7 +1101,7 @@ static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
     for (int i = 0; i < MAX_POOLS; i++) {
         DevPool *d = &impl->pools[i];
         if (d->kv == kv) {
-            if (d->host_pool == kv->pool && d->bytes == bytes) return (unsigned char *) d->dev;
+            if (d->serial == kv->serial && d->bytes == bytes) return (unsigned char *) d->dev;
             CUDA_CHECK(cudaFree(d->dev));  // the cache was freed and set up again at this address
             memset(d, 0, sizeof *d);
         }
@@ -1117,7 +1114,7 @@ static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
     void *p = NULL;
     CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 1));
     CUDA_CHECK(cudaMemset(p, 0, bytes ? bytes : 1));
-    *free_slot = (DevPool){kv, kv->pool, bytes, p};
+    *free_slot = (DevPool){kv, kv->serial, bytes, p};
     return (unsigned char *) p;
 }
 
@@ -1345,10 +1342,8 @@ static Err cuda_bind_linear(Backend *be, CkptLinear *w)
 // Under the BF16 recipe, experts the tuned kernels take (backend_moe_tuned with any top_k
 // they allow) are stacked in one allocation per array and packed there as kernels/moe.h lays
 // them out (on the GPU, an expert at a time through a staging buffer); each CkptLinear then
-// points at its packed rows, which only kernels/moe.h reads. Widths are stacked in multiples
-// of MOE_PAD: a narrower model's experts are zero-padded (moe_tuned pads x and crops the
-// output to match; zero weights change no sum). Others, and every expert under the F32
-// recipe, are bound one by one in their stored format.
+// points at its packed rows, which only kernels/moe.h reads. Others, and every expert under
+// the F32 recipe, are bound one by one in their stored format.
 static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
@@ -1382,37 +1377,31 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
             return ERR_INVAL;
         }
     }
-    const size_t hp = (hidden + MOE_PAD - 1) / MOE_PAD * MOE_PAD,
-                 ip = (inter + MOE_PAD - 1) / MOE_PAD * MOE_PAD;
-    const bool pad = hp != hidden || ip != inter;
     int smem_max = 0;
     CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                       impl->device));
-    const size_t smem = moe_experts_smem_bytes((int) hp, (int) ip);
+    const size_t smem = moe_experts_smem_bytes((int) hidden, (int) inter);
     if (smem > (size_t) smem_max) {
         LOG_ERROR("%s: the routed experts' kernels need %zu bytes of shared memory per block at "
                   "hidden %zu and intermediate %zu; this GPU allows %d (the f32 recipe, "
                   "--precision f32, runs them with other kernels)",
-                  experts[0].name, smem, hp, ip, smem_max);
+                  experts[0].name, smem, hidden, inter, smem_max);
         return ERR_INVAL;
     }
-    const size_t q13 = E * 2 * ip * hp / 2, s13 = E * 2 * ip * hp / NVFP4_GROUP;
-    const size_t q2 = E * hp * ip / 2, s2 = E * hp * ip / NVFP4_GROUP;
+    const size_t q13 = E * 2 * inter * hidden / 2, s13 = E * 2 * inter * hidden / NVFP4_GROUP;
+    const size_t q2 = E * hidden * inter / 2, s2 = E * hidden * inter / NVFP4_GROUP;
     uint8_t *dq13 = (uint8_t *) keep_alloc(impl, q13), *ds13 = (uint8_t *) keep_alloc(impl, s13);
     uint8_t *dq2 = (uint8_t *) keep_alloc(impl, q2), *ds2 = (uint8_t *) keep_alloc(impl, s2);
     float *dg13 = (float *) keep_alloc(impl, E * 2 * sizeof(float));
     float *dg2 = (float *) keep_alloc(impl, E * sizeof(float));
     float *g = (float *) malloc(E * 3 * sizeof(float));
-    // Staging for one expert's gate and up as stored, padded (the largest of its matrices), and
-    // (pad) the host's padded copy of one matrix.
-    const size_t nq = ip * hp / 2, ns = ip * hp / NVFP4_GROUP;
+    // Staging for one expert's gate and up as stored (the largest of its matrices).
+    const size_t nq = inter * hidden / 2, ns = inter * hidden / NVFP4_GROUP;
     uint8_t *tq = NULL, *ts = NULL;
-    uint8_t *hq = pad ? (uint8_t *) malloc(nq) : NULL, *hs = pad ? (uint8_t *) malloc(ns) : NULL;
     const bool staged = cudaMalloc((void **) &tq, 2 * nq) == cudaSuccess
                         && cudaMalloc((void **) &ts, 2 * ns) == cudaSuccess;
-    if (!dq13 || !ds13 || !dq2 || !ds2 || !dg13 || !dg2 || !g || !staged
-        || (pad && (!hq || !hs))) {
-        free(g), free(hq), free(hs);
+    if (!dq13 || !ds13 || !dq2 || !ds2 || !dg13 || !dg2 || !g || !staged) {
+        free(g);
         cudaFree(tq), cudaFree(ts);
         (void) cudaGetLastError();
         LOG_ERROR("out of GPU memory binding the %d experts of %s", n_experts, experts[0].name);
@@ -1421,19 +1410,14 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     for (size_t e = 0; e < E; e++) {
         CkptLinear *w = &experts[3 * e];
         for (int k = 0; k < 3; k++) {
-            const uint8_t *wq = (const uint8_t *) w[k].data, *wsc = w[k].scale;
-            if (pad) {
-                // Synchronous copies below: the host buffers are free again after each.
-                backend_nvfp4_pad(hq, hs, &w[k], k < 2 ? (int) ip : (int) hp,
-                               k < 2 ? (int) hp : (int) ip);
-                wq = hq, wsc = hs;
-            }
             // Each upload waits for the previous pack kernel (both on the legacy stream).
-            CUDA_CHECK(cudaMemcpy(tq + (k == 1 ? nq : 0), wq, nq, cudaMemcpyHostToDevice));
-            CUDA_CHECK(cudaMemcpy(ts + (k == 1 ? ns : 0), wsc, ns, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(tq + (k == 1 ? nq : 0), w[k].data, nq, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(ts + (k == 1 ? ns : 0), w[k].scale, ns, cudaMemcpyHostToDevice));
             if (k == 1)
-                moe_pack_w13(dq13 + e * 2 * nq, ds13 + e * 2 * ns, tq, ts, (int) ip, (int) hp, 0);
-            if (k == 2) moe_pack_w2(dq2 + e * nq, ds2 + e * ns, tq, ts, (int) hp, (int) ip, 0);
+                moe_pack_w13(dq13 + e * 2 * nq, ds13 + e * 2 * ns, tq, ts, (int) inter,
+                             (int) hidden, 0);
+            if (k == 2)
+                moe_pack_w2(dq2 + e * nq, ds2 + e * ns, tq, ts, (int) hidden, (int) inter, 0);
             g[k < 2 ? 2 * e + k : 2 * E + e] = w[k].global_scale;
         }
         w[0].data = dq13 + e * 2 * nq;
@@ -1443,7 +1427,6 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
         w[1].scale = ds13 + e * 2 * ns + ns;
         w[2].scale = ds2 + e * ns;
     }
-    free(hq), free(hs);
     CUDA_CHECK(cudaDeviceSynchronize());
     CUDA_CHECK(cudaFree(tq));
     CUDA_CHECK(cudaFree(ts));
@@ -1451,15 +1434,15 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     CUDA_CHECK(cudaMemcpy(dg2, g + 2 * E, E * sizeof(float), cudaMemcpyHostToDevice));
     free(g);
     impl->stacks[impl->n_stacks++] = (ExpertStack){
-        experts, {dq13, ds13, dg13, dq2, ds2, dg2, n_experts, (int) hp, (int) ip}, (int) hidden};
+        experts, {dq13, ds13, dg13, dq2, ds2, dg2, n_experts, (int) hidden, (int) inter}};
     return ERR_OK;
 }
 
 // The stack of experts (bind_experts), or NULL.
-static const ExpertStack *expert_stack(const CudaImpl *impl, const CkptLinear *experts)
+static const MoeExperts *expert_stack(const CudaImpl *impl, const CkptLinear *experts)
 {
     for (int i = 0; i < impl->n_stacks; i++)
-        if (impl->stacks[i].experts == experts) return &impl->stacks[i];
+        if (impl->stacks[i].experts == experts) return &impl->stacks[i].ex;
     return NULL;
 }
 
@@ -1978,16 +1961,11 @@ static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int
 // 8-column tiles in 1,024-token launches, 31.0 wide in 1,024-token ones, 26.6 wide in one,
 // 15.5 with one MMA chain a column and two blocks an SM);
 // smaller ones, and every chunk with GLMSPARK_MOE_WIDE=0, take the 8-column tiles in launches
-// of up to MOE_MAX_CHUNK_PAIRS pairs. GLMSPARK_MOE_CHUNK=N caps a launch at N tokens. Experts
-// stacked wider than the model (bind_experts' padding) read x zero-padded to their width,
-// and the sums are cropped back (act_repad).
+// of up to MOE_MAX_CHUNK_PAIRS pairs. GLMSPARK_MOE_CHUNK=N caps a launch at N tokens.
 #define MOE_WIDE_MIN_PAIRS 16
 static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const int *idx,
-                      const float *wts, int top_k, const ExpertStack *stack)
+                      const float *wts, int top_k, const MoeExperts *ex)
 {
-    const MoeExperts *ex = &stack->ex;
-    const int model_hidden = stack->hidden;
-    const bool pad = ex->hidden != model_hidden;
     const int most = (impl->moe_wide ? MOE_MAX_WIDE_PAIRS : MOE_MAX_CHUNK_PAIRS) / top_k;
     const int per = impl->moe_chunk > 0 && impl->moe_chunk < most ? impl->moe_chunk : most;
     const int chunk = n < per ? n : per;
@@ -1999,19 +1977,11 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
         impl, SCRATCH_E, (narrow_ints > wide_ints ? narrow_ints : wide_ints) * sizeof(int32_t));
     uint16_t *act = (uint16_t *) scratch(impl, SCRATCH_Y, pairs * inter * 2);
     float *y = (float *) scratch(impl, SCRATCH_X, pairs * hidden * sizeof(float));
-    float *x_pad = pad ? (float *) scratch(impl, SCRATCH_A, (size_t) chunk * hidden * sizeof(float))
-                       : NULL;
-    float *out_pad =
-        pad ? (float *) scratch(impl, SCRATCH_B, (size_t) chunk * hidden * sizeof(float)) : NULL;
     prof_begin(impl);
     for (int t0 = 0; t0 < n; t0 += chunk) {
         const int nc = n - t0 < chunk ? n - t0 : chunk;
         const size_t k0 = (size_t) t0 * top_k;
-        const float *xc = x + (size_t) t0 * model_hidden;
-        if (pad) {
-            act_repad(x_pad, 1, (int) hidden, xc, 1, model_hidden, (size_t) nc, impl->stream);
-            xc = x_pad;
-        }
+        const float *xc = x + (size_t) t0 * hidden;
         // Past MOE_MAX_CHUNK_PAIRS a chunk is wide: 8,192 pairs >= 16 x MOE_MAX_EXPERTS.
         if (impl->moe_wide && nc * top_k >= MOE_WIDE_MIN_PAIRS * ex->n_experts) {
             moe_group_wide(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
@@ -2024,10 +1994,7 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
             moe_experts_w13(act, ex, xc, work, nc, top_k, impl->stream);
             moe_experts_w2(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
         }
-        float *oc = out + (size_t) t0 * model_hidden;
-        moe_combine(pad ? out_pad : oc, y, NULL, nc, top_k, (int) hidden, impl->stream);
-        if (pad)
-            act_repad(oc, 1, model_hidden, out_pad, 1, (int) hidden, (size_t) nc, impl->stream);
+        moe_combine(out + (size_t) t0 * hidden, y, NULL, nc, top_k, (int) hidden, impl->stream);
     }
     prof_end(impl, PROF_MOE, 0.0);
 }
@@ -2043,7 +2010,7 @@ static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *
                && w[1].rows == inter && w[2].rows == hidden && w[2].cols == inter);
     }
     if (n == 0) return;
-    const ExpertStack *ex = expert_stack(impl, experts);  // packed: only kernels/moe.h reads it
+    const MoeExperts *ex = expert_stack(impl, experts);  // packed: only kernels/moe.h reads it
     if (ex) {
         if (top_k > MOE_MAX_K)
             log_fatal(__FILE__, __LINE__, "top_k %d exceeds the tuned experts' %d", top_k,

@@ -38,14 +38,3 @@ Err backend_mla_pack_kv_b(const CkptLinear *kv_b, const BackendMla *p, uint16_t 
     free(row);
     return ERR_OK;
 }
-
-void backend_nvfp4_pad(uint8_t *q_out, uint8_t *s_out, const CkptLinear *w, int rows_p, int cols_p)
-{
-    const size_t cq = (size_t) w->cols / 2, cs = (size_t) w->cols / NVFP4_GROUP;
-    memset(q_out, 0, (size_t) rows_p * (size_t) cols_p / 2);
-    memset(s_out, 0, (size_t) rows_p * (size_t) cols_p / NVFP4_GROUP);
-    for (size_t r = 0; r < (size_t) w->rows; r++) {
-        memcpy(q_out + r * (size_t) cols_p / 2, (const uint8_t *) w->data + r * cq, cq);
-        memcpy(s_out + r * (size_t) cols_p / NVFP4_GROUP, w->scale + r * cs, cs);
-    }
-}

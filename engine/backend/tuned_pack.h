@@ -9,8 +9,6 @@
  *   (out = W_UV o_lat), Hp = backend_mla_heads(n_heads), Vp = backend_mla_v_rows. Values are
  *   rounded to bf16, nearest even: exact for a bf16 checkpoint, the recipe's rounding for
  *   others. Uploaded at bind_kv_b.
- * - An NVFP4 matrix padded to more rows and columns (the routed experts' widths in 32s,
- *   bind_experts): zero codes with zero scales, which decode to 0.
  *
  * Ownership: the caller's buffers. Threads: pure. Errors: ERR_NOMEM (a row buffer), ERR_INVAL
  * when the shape is not backend_mla_shape_tuned or kv_b does not match it.
@@ -46,11 +44,6 @@ static inline size_t backend_mla_uv_elems(const BackendMla *p)
 // Fill uk [backend_mla_uk_elems] and uv [backend_mla_uv_elems] (host memory) from kv_b, a host
 // CkptLinear [n_heads * (qk_nope + v_dim), kv_lora].
 Err backend_mla_pack_kv_b(const CkptLinear *kv_b, const BackendMla *p, uint16_t *uk, uint16_t *uv);
-
-// q_out [rows_p, cols_p / 2] and s_out [rows_p, cols_p / 16] (host memory) = the NVFP4 matrix
-// w (host, [rows, cols]) in their top-left corner, zero elsewhere. rows_p >= rows, cols_p >=
-// cols, cols_p % 16 == 0.
-void backend_nvfp4_pad(uint8_t *q_out, uint8_t *s_out, const CkptLinear *w, int rows_p, int cols_p);
 
 #ifdef __cplusplus
 }

@@ -253,8 +253,8 @@ struct Backend {
 // Whether matmul() on this weight / moe() on these experts / mla_attention() on a layer of
 // this shape and cache entry run the tuned kernels on the CUDA backend, and so round under
 // BACKEND_PRECISION_BF16 (on both backends): the limits of kernels/gemm.h (bf16 weights,
-// columns in 8s), kernels/moe.h (NVFP4 experts, top_k <= 16; the CUDA backend pads hidden and
-// intermediate widths to its multiples of 32 with zero weights) and kernels/mla.h (GLM-5's
+// columns in 8s), kernels/moe.h (NVFP4 experts, whose widths are multiples of 16 as the
+// kernels need, top_k <= 16, at most MOE_MAX_EXPERTS) and kernels/mla.h (GLM-5's
 // latent 512 + 64, qk_nope 192, heads in 16s, blocks of 128 positions, an fp8 entry of 656
 // bytes or a bf16 one of 1,152: a narrower model's q, heads, kv_b and cache entries are
 // zero-padded to them, kv_cache.h and backend_cuda.cu's mla_tuned). Zero padding changes no
@@ -285,7 +285,7 @@ static inline void backend_round_linear(const CkptLinear *w, uint16_t *out)
 
 static inline bool backend_moe_tuned(const CkptLinear *experts, int n_experts, int top_k)
 {
-    if (n_experts < 1 || top_k > 16) return false;
+    if (n_experts < 1 || n_experts > 512 || top_k > 16) return false;  // kernels/moe.h's limits
     for (int i = 0; i < 3 * n_experts; i++)
         if (experts[i].format != CKPT_LINEAR_NVFP4) return false;
     return true;

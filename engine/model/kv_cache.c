@@ -6,6 +6,7 @@
  */
 #include "engine/model/kv_cache.h"
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,13 +16,12 @@ static int align4(int n)
     return (n + 3) & ~3;
 }
 
-// The width a part of `width` values is stored in (kv_cache.h, padding): the tuned kernels'
-// width when it is narrower (a multiple of 16 up to DSA_MAX_DIM for an index key), else its own.
-static int stored_width(KvDtype dtype, int width, int tuned)
+// The width an index key of `width` values is stored in (kv_cache.h, padding): a multiple of
+// 16 up to DSA_MAX_DIM in a bf16 or fp8 cache, else its own.
+static int key_store_width(KvDtype dtype, int width)
 {
-    if (dtype == KV_DTYPE_F32 || width <= 0) return width;
-    if (tuned == 0) return width <= DSA_MAX_DIM ? (width + 15) / 16 * 16 : width;
-    return width < tuned ? tuned : width;
+    if (dtype == KV_DTYPE_F32 || width <= 0 || width > DSA_MAX_DIM) return width;
+    return (width + 15) / 16 * 16;
 }
 
 KvEntryLayout kv_entry_layout(KvDtype dtype, int kv_lora, int rope_dim, int index_dim,
@@ -31,10 +31,16 @@ KvEntryLayout kv_entry_layout(KvDtype dtype, int kv_lora, int rope_dim, int inde
                        .kv_lora = kv_lora,
                        .rope_dim = rope_dim,
                        .index_dim = index_dim,
-                       .lat_store = stored_width(dtype, kv_lora, MLA_KV_LORA),
-                       .pe_store = stored_width(dtype, rope_dim, MLA_ROPE),
-                       .key_store = stored_width(dtype, index_dim, 0),
+                       .lat_store = kv_lora,
+                       .pe_store = rope_dim,
+                       .key_store = key_store_width(dtype, index_dim),
                        .block_size = block_size};
+    // The MLA entry padded to the kernels' widths where they could read it (kv_cache.h).
+    if (dtype != KV_DTYPE_F32 && block_size == MLA_BLOCK && kv_lora <= MLA_KV_LORA
+        && rope_dim <= MLA_ROPE) {
+        e.lat_store = MLA_KV_LORA;
+        e.pe_store = MLA_ROPE;
+    }
     if (dtype != KV_DTYPE_FP8) {
         e.value_bytes = dtype == KV_DTYPE_BF16 ? 2 : 4;
         e.pe = e.lat_store * e.value_bytes;
@@ -74,6 +80,7 @@ bool kv_dtype_parse(const char *s, KvDtype *out)
 
 Err kv_init(KvCache *kv, const KvCacheParams *p)
 {
+    static _Atomic uint64_t serials;
     memset(kv, 0, sizeof *kv);
     KvCacheParams params = *p;
     if (params.block_size == 0) params.block_size = KV_DEFAULT_BLOCK_SIZE;
@@ -111,6 +118,7 @@ Err kv_init(KvCache *kv, const KvCacheParams *p)
         offset += (size_t) kv->entry[l].key_page * (size_t) params.n_blocks;
     }
     kv->pool = calloc(bytes, 1);
+    kv->serial = ++serials;
     const size_t nb = (size_t) params.n_blocks;
     kv->free_blocks = malloc(nb * sizeof *kv->free_blocks);
     kv->refs = calloc(nb, sizeof *kv->refs);

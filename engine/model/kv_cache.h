@@ -17,24 +17,26 @@
  * A block's id indexes every layer's pages, so a block costs block_bytes of the pool.
  *
  * Padding (bf16 and fp8): the tuned GPU kernels read GLM-5's widths, so a narrower part is
- * stored zero-padded to them: the latent to MLA_KV_LORA (512) values, k_pe to MLA_ROPE (64),
- * the index key to a multiple of 16 (up to DSA_MAX_DIM); wider parts are stored as they are.
- * Nothing writes the padding: the pool starts zeroed (and the GPU's copy too), so padded
- * values read as 0 (fp8: codes 0, and scale 0 for a group wholly in the padding), and a dot
- * product over the padded widths equals the one over the model's. Reads (kv_entry_value,
- * kv_key_value) and writes (kv_store_part) take the model's widths; KvEntryLayout's
- * lat_store, pe_store and key_store give the stored ones. f32 is stored unpadded (the f32
- * recipe's kernels read any width). A model at GLM-5's widths is stored as before.
+ * stored zero-padded to them where they could read it: in blocks of MLA_BLOCK (128) positions
+ * with latent <= 512 and rope <= 64, the latent to MLA_KV_LORA (512) values and k_pe to
+ * MLA_ROPE (64); the index key to a multiple of 16 up to DSA_MAX_DIM (any block size). Other
+ * parts are stored as they are. Nothing writes the padding: the pool starts zeroed (and the
+ * GPU's copy too: KvCache.serial), so padded values read as 0 (fp8: codes 0, and scale 0 for
+ * a group wholly in the padding), and a dot product over the padded widths equals the one
+ * over the model's. Reads (kv_entry_value, kv_key_value) and writes (kv_store_part) take the
+ * model's widths; KvEntryLayout's lat_store, pe_store and key_store give the stored ones. f32
+ * is stored unpadded (the f32 recipe's kernels read any width). A model at GLM-5's widths is
+ * stored as before.
  *
  * Storage types (KvDtype):
  *   f32   every value fp32.
  *   bf16  every value bf16 (nearest even on store, exact widening on read): half of f32.
  *   fp8   vLLM's fp8_ds_mla entry generalised to any width, and DeepSeek's fp8 indexer keys:
- *           latent codes   kv_lora bytes of E4M3, value / scale of its group
- *           latent scales  ceil(kv_lora / KV_FP8_GROUP) fp32 (4-byte aligned), one per group
+ *           latent codes   lat_store bytes of E4M3, value / scale of its group
+ *           latent scales  ceil(lat_store / KV_FP8_GROUP) fp32 (4-byte aligned), one per group
  *                          of KV_FP8_GROUP consecutive latent values: scale = amax / 448
- *           k_pe           rope bf16 (the rotary key keeps bf16, as fp8_ds_mla does)
- *           key            index_dim bytes of E4M3 (rows 4-byte aligned), value / scale,
+ *           k_pe           pe_store bf16 (the rotary key keeps bf16, as fp8_ds_mla does)
+ *           key            key_store bytes of E4M3 (rows 4-byte aligned), value / scale,
  *                          its fp32 scale (amax of the key / 448) in the page's scale array
  *         At GLM-5's widths (latent 512, rope 64, index 128) and block 128 an entry is 656
  *         bytes (fp8_ds_mla, kernels/mla.h MLA_CACHE_FP8) and a key page 16,896 bytes
@@ -141,6 +143,9 @@ typedef struct KvCache {
     int *index_vals;       // [index_cap] the block of index_keys[i]
     int index_cap;
     uint64_t n_evicted;  // published blocks evicted so far
+    uint64_t serial;     // this initialisation's number (kv_init): a device mirror of the pool
+                         // is bound to it, so that a cache set up again at the same address
+                         // never inherits another's bytes (its padding must read 0)
 } KvCache;
 
 typedef struct KvSeq {

@@ -621,8 +621,8 @@ static void test_tuned(void)
         // experts: past the 8-column tiles' 8,192); n 4100: a 4,096-token wide launch, then 4
         // tokens on the 8-column tiles. The wide tiles sum in another order than the 8-column
         // ones (moe.h), so those two are held to the CPU reference alone.
-        // Then a model narrower than the kernels' multiples of 32 (hidden 48, intermediate
-        // 16: stacked zero-padded to 64 and 32, x padded and the sums cropped), n 5 and 40.
+        // Then a sweep model's narrow widths (hidden 48, intermediate 16: the kernels take
+        // multiples of 16, as NVFP4 stores them), n 5 and 40.
         for (int shape = 0; shape < 2; shape++) {
             const BackendRoute rp = shape ? (BackendRoute){6, 3, 1, 1, true, 1.0f}
                                           : (BackendRoute){24, 8, 1, 1, true, 2.5f};

@@ -175,10 +175,10 @@ int main(void)
     test_act(3 * 2048);
     test_act(16 * 12288 + 5);
     test_act((size_t) 65535 * 256 + 77);  // past one grid: the grid-stride loop
-    test_repad(7, 1, 48, 1, 64);     // a narrow model's hidden into the experts' width
-    test_repad(7, 1, 64, 1, 48);     // and the sums back
+    test_repad(7, 1, 48, 1, 64);     // a row zero-padded
+    test_repad(7, 1, 64, 1, 48);     // and cropped
     test_repad(5, 32, 8, 3, 5);      // MLA's padded heads and W_UV rows cropped
     test_repad(3, 16, 20, 16, 32);   // DSA q padded to the stored key width
-    test_repad(70000, 1, 40, 1, 64); // past one grid
+    test_repad(300000, 1, 64, 1, 60); // past one grid (65,535 x 256): the grid-stride loop
     return check_exit();
 }

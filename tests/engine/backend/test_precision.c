@@ -7,7 +7,7 @@
  *           equals the f32 recipe's on the rounded x bit for bit, and differs on x; other
  *           weights (f32, columns not in 8s) are untouched; an f32 weight bound under the
  *           recipe is stored in bf16 and then runs as a bf16 one.
- *   moe:    NVFP4 experts (hidden and inter in 32s): x and silu(gate) * up are rounded, so
+ *   moe:    NVFP4 experts (any widths): x and silu(gate) * up are rounded, so
  *           moe(x) equals moe(bf16(x)) bit for bit and differs from the f32 recipe; f32
  *           experts are untouched.
  *   mla:    at GLM-5's widths over a bf16 cache: q_nope (not q_pe), kv_b and the output latent

@@ -133,10 +133,11 @@ static void test_bf16(void)
     p.dtype = KV_DTYPE_BF16;
     KvCache kv;
     CHECK(kv_init(&kv, &p) == ERR_OK);
-    // Padded to the tuned kernels' widths: latent 6 -> 512, k_pe 2 -> 64, index key 3 -> 16.
+    // Blocks of 4: the MLA entry unpadded (the tuned MLA reads blocks of 128); the index key
+    // padded 3 -> 16.
     const KvEntryLayout *lo = &kv.entry[2];
-    CHECK(lo->value_bytes == 2 && lo->lat_store == 512 && lo->pe_store == 64 && lo->pe == 1024
-          && lo->bytes == 1152 && lo->key_store == 16 && lo->key_bytes == 32
+    CHECK(lo->value_bytes == 2 && lo->lat_store == 6 && lo->pe_store == 2 && lo->pe == 12
+          && lo->bytes == 16 && lo->key_store == 16 && lo->key_bytes == 32
           && lo->key_page == 4 * 32);
     KvSeq s = {0};
     CHECK(kv_seq_reserve(&kv, &s, 6) == ERR_OK);
@@ -217,16 +218,26 @@ static void test_fp8(void)
     KvCache kv;
     CHECK(kv_init(&kv, &p) == ERR_OK);
     const KvEntryLayout *lo = &kv.entry[1];
-    // The latent padded to 512 (4 groups), k_pe to 64, the key to 16: fp8_ds_mla's 656 bytes.
-    CHECK(lo->lat_store == 512 && lo->lat_scale == 512 && lo->pe == 528 && lo->bytes == 656
+    // Blocks of 4: the latent and k_pe unpadded; the key padded to 16.
+    CHECK(lo->lat_store == 130 && lo->lat_scale == 132 && lo->pe == 140 && lo->bytes == 144
           && lo->key_store == 16 && lo->key_bytes == 16 && lo->key_scales == 64
           && lo->key_page == 80);
-    CHECK(kv.entry[0].bytes == 656 && kv.entry[0].key_page == 0
-          && kv.block_bytes == 4 * 656 + 4 * 656 + 80);
+    CHECK(kv.entry[0].bytes == 144 && kv.entry[0].key_page == 0
+          && kv.block_bytes == 4 * 144 + 4 * 144 + 80);
+    // Blocks of 128 (the tuned MLA's): the latent padded to 512 (4 groups), k_pe to 64:
+    // fp8_ds_mla's 656 bytes, and bf16's 1,152 with k_pe at 1,024.
+    const KvEntryLayout p8 = kv_entry_layout(KV_DTYPE_FP8, 130, 2, 3, 128);
+    CHECK(p8.lat_store == 512 && p8.pe_store == 64 && p8.lat_scale == 512 && p8.pe == 528
+          && p8.bytes == 656 && p8.key_store == 16);
+    const KvEntryLayout p16 = kv_entry_layout(KV_DTYPE_BF16, 6, 2, 3, 128);
+    CHECK(p16.lat_store == 512 && p16.pe == 1024 && p16.bytes == 1152 && p16.key_bytes == 32);
+    // A rope wider than 64: nothing to pad for (the tuned MLA cannot take it).
+    const KvEntryLayout r96 = kv_entry_layout(KV_DTYPE_FP8, 130, 96, 0, 128);
+    CHECK(r96.lat_store == 130 && r96.pe_store == 96);
     // Wider than the kernels' widths: stored as they are.
-    const KvEntryLayout wide = kv_entry_layout(KV_DTYPE_FP8, 640, 96, 192, 128);
-    CHECK(wide.lat_store == 640 && wide.pe_store == 96 && wide.key_store == 192
-          && wide.bytes == 640 + 4 * 5 + 2 * 96);
+    const KvEntryLayout wide = kv_entry_layout(KV_DTYPE_FP8, 640, 64, 192, 128);
+    CHECK(wide.lat_store == 640 && wide.pe_store == 64 && wide.key_store == 192
+          && wide.bytes == 640 + 4 * 5 + 2 * 64);
     const KvEntryLayout f32 = kv_entry_layout(KV_DTYPE_F32, 130, 2, 3, 4);
     CHECK(f32.lat_store == 130 && f32.pe_store == 2 && f32.key_store == 3 && f32.bytes == 4 * 132);
     KvSeq s = {0};
@@ -254,8 +265,8 @@ static void test_fp8(void)
         bad += e[i] != nvfp4_float_to_e4m3(in[i] / sc[0]);
     CHECK(bad == 0);
     CHECK(e[128] == 0 && e[129] == 0);
-    // The padding (codes 130 .. 511, the scales of groups 2 and 3, k_pe 2 .. 63, key 3 .. 15)
-    // is never written: zero, which the kernels read as 0.
+    // The bytes not written (codes 130, 131 before the 4-byte aligned scales, the key's 3 .. 15:
+    // its padding to 16) stay zero, which the kernels read as 0.
     int nonzero = 0;
     for (int i = 130; i < lo->pe; i++)
         nonzero += i < lo->lat_scale + 8 && i >= lo->lat_scale ? 0 : e[i] != 0;
@@ -282,7 +293,7 @@ static void test_fp8(void)
     for (int i = 132; i < 135; i++)
         CHECK_NEAR(got[i], in[i], 2.0 * 0x1p-4);
     // k_pe written alone; the latent and the index key keep their bytes.
-    unsigned char before[656], key_before[4];
+    unsigned char before[144], key_before[4];
     memcpy(before, e, sizeof before);
     memcpy(key_before, key, sizeof key_before);
     const float pe[2] = {7.0f, 0.25f};
