@@ -39,7 +39,8 @@
  * mean distance from float64 over the positions at most 1.25x
  * the CPU-following-it one's (+2e-5), and the GPU against the CPU following it reported; the
  * same for the GPU's prefill in golden_chunk_len's chunks (1 token, mid-block, around 2048),
- * as the scheduler feeds the serving path. (golden_check_model checks chunks under the f32
+ * as the scheduler feeds the serving path, and for its decode step, a token at a time (CUDA
+ * graphs replayed, the kernels' one-token paths). (golden_check_model checks chunks under the f32
  * recipe against the one call within TOL_DECODE.)
  */
 #include <json-c/json.h>
@@ -62,12 +63,15 @@
 #define TOL_FP8_VS_CPU 1e-3
 #define TOL_RECIPE_RATIO 1.25
 
-// Prefill logits [n_tokens, V] of the golden tokens on backend be, or NULL: in one call, or
-// with chunked in golden_chunk_len's chunks. With pool, also a copy of the cache's bytes
-// afterwards (*pool, *pool_bytes; the caller frees it) and the cache's layout in *meta (its
-// pointers cleared).
+// How prefill() feeds the tokens: one call, golden_chunk_len's chunks, or one at a time (the
+// decode step, recorded as a CUDA graph and replayed).
+enum { ONE_CALL, CHUNKED, DECODE };
+
+// Logits [n_tokens, V] of the golden tokens on backend be, or NULL, fed as mode says. With
+// pool, also a copy of the cache's bytes afterwards (*pool, *pool_bytes; the caller frees it)
+// and the cache's layout in *meta (its pointers cleared).
 static float *prefill(Backend *be, const char *dir, const Golden *g, KvDtype dtype, int block,
-                      bool chunked, unsigned char **pool, size_t *pool_bytes, KvCache *meta)
+                      int mode, unsigned char **pool, size_t *pool_bytes, KvCache *meta)
 {
     Model m;
     if (model_load(&m, dir, NULL, be) != ERR_OK) return NULL;
@@ -78,8 +82,15 @@ static float *prefill(Backend *be, const char *dir, const Golden *g, KvDtype dty
     float *got = malloc((size_t) g->n_tokens * g->vocab * sizeof *got);
     ASSERT(got);
     KvSeq seq = {0};
-    const Err err = chunked ? golden_prefill_chunked(&m, &kv, g->tokens, g->n_tokens, got, NULL)
-                            : model_forward(&m, &kv, &seq, g->tokens, g->n_tokens, got, true);
+    Err err = ERR_OK;
+    if (mode == CHUNKED) {
+        err = golden_prefill_chunked(&m, &kv, g->tokens, g->n_tokens, got, NULL);
+    } else if (mode == DECODE) {
+        for (int t = 0; t < g->n_tokens && err == ERR_OK; t++)
+            err = model_forward(&m, &kv, &seq, g->tokens + t, 1, got + (size_t) t * g->vocab, false);
+    } else {
+        err = model_forward(&m, &kv, &seq, g->tokens, g->n_tokens, got, true);
+    }
     if (pool) {
         *pool_bytes = kv.block_bytes * (size_t) kv.params.n_blocks;
         *pool = malloc(*pool_bytes);
@@ -156,7 +167,7 @@ int main(int argc, char **argv)
         return 1;
     }
     be->precision = BACKEND_PRECISION_F32;  // the float64 checks; the bf16 recipe at the end
-    float *ref_cpu = prefill(cpu, dir, &g, KV_DTYPE_F32, 16, false, NULL, NULL, NULL);
+    float *ref_cpu = prefill(cpu, dir, &g, KV_DTYPE_F32, 16, ONE_CALL, NULL, NULL, NULL);
     CHECK(ref_cpu != NULL);
 
     float *got = golden_check_model(be, "cuda", dir, &g, want, TOL_REFERENCE, TOL_DECODE);
@@ -172,8 +183,8 @@ int main(int argc, char **argv)
     unsigned char *pool_cpu = NULL, *pool_gpu = NULL;
     size_t bytes_cpu = 0, bytes_gpu = 0;
     KvCache meta;
-    float *cpu8 = prefill(cpu, dir, &g, KV_DTYPE_FP8, 16, false, &pool_cpu, &bytes_cpu, &meta);
-    float *gpu8 = prefill(be, dir, &g, KV_DTYPE_FP8, 16, false, &pool_gpu, &bytes_gpu, &meta);
+    float *cpu8 = prefill(cpu, dir, &g, KV_DTYPE_FP8, 16, ONE_CALL, &pool_cpu, &bytes_cpu, &meta);
+    float *gpu8 = prefill(be, dir, &g, KV_DTYPE_FP8, 16, ONE_CALL, &pool_gpu, &bytes_gpu, &meta);
     CHECK(cpu8 && gpu8 && bytes_cpu == bytes_gpu);
     if (cpu8 && gpu8 && bytes_cpu == bytes_gpu) {
         // Both caches hold the one sequence in the same blocks: compare the E4M3 codes of
@@ -251,23 +262,27 @@ int main(int argc, char **argv)
     // are counted and reported.
     cpu->precision = be->precision = BACKEND_PRECISION_BF16;
     const BackendCudaUntuned u0 = backend_cuda_untuned(be);
-    float *cpu16 = prefill(cpu, dir, &g, KV_DTYPE_BF16, MLA_BLOCK, false, NULL, NULL, NULL);
-    float *gpu16 = prefill(be, dir, &g, KV_DTYPE_BF16, MLA_BLOCK, false, NULL, NULL, NULL);
+    float *cpu16 = prefill(cpu, dir, &g, KV_DTYPE_BF16, MLA_BLOCK, ONE_CALL, NULL, NULL, NULL);
+    float *gpu16 = prefill(be, dir, &g, KV_DTYPE_BF16, MLA_BLOCK, ONE_CALL, NULL, NULL, NULL);
     // The serving path prefills in chunks (the scheduler's max_num_batched_tokens): the same
     // bound through golden_chunk_len's awkward cuts (issue 20). Chunks of other sizes take
     // other kernels (GEMV against cuBLASLt), so their roundings differ from the one call's.
-    float *gpu16c = prefill(be, dir, &g, KV_DTYPE_BF16, MLA_BLOCK, true, NULL, NULL, NULL);
+    float *gpu16c = prefill(be, dir, &g, KV_DTYPE_BF16, MLA_BLOCK, CHUNKED, NULL, NULL, NULL);
+    // And the decode step, a token at a time (CUDA graphs, the kernels' one-token paths).
+    float *gpu16d = prefill(be, dir, &g, KV_DTYPE_BF16, MLA_BLOCK, DECODE, NULL, NULL, NULL);
     const BackendCudaUntuned u1 = backend_cuda_untuned(be);
     printf("bf16 recipe: op calls on the f32 recipe's kernels: mla %ld, dsa %ld, moe %ld "
            "(checked 0), matmul %ld (reported)\n",
            u1.mla - u0.mla, u1.dsa - u0.dsa, u1.moe - u0.moe, u1.matmul - u0.matmul);
     CHECK(u1.mla == u0.mla && u1.dsa == u0.dsa && u1.moe == u0.moe);
-    CHECK(cpu16 && gpu16 && gpu16c);
-    if (cpu16 && gpu16 && gpu16c) {
+    CHECK(cpu16 && gpu16 && gpu16c && gpu16d);
+    if (cpu16 && gpu16 && gpu16c && gpu16d) {
         check_recipe("cuda bf16 recipe", gpu16, cpu16, want, &g);
         check_recipe("cuda bf16 recipe, prefill in chunks", gpu16c, cpu16, want, &g);
+        check_recipe("cuda bf16 recipe, decode a token at a time", gpu16d, cpu16, want, &g);
     }
     free(gpu16c);
+    free(gpu16d);
     free(cpu16);
     free(gpu16);
     cpu->precision = be->precision = BACKEND_PRECISION_F32;
