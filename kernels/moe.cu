@@ -643,7 +643,7 @@ static __device__ bool expert_tile(float c[4], TileOut *o, const uint8_t *q, con
                                    const T *src, int row_div, const int32_t *work, int n_tiles,
                                    int K)
 {
-    extern __shared__ uint32_t bs[];
+    extern __shared__ __align__(16) uint32_t bs[];
     __shared__ float out_mul[MOE_TILE_COLS];
     __shared__ int pair_of[MOE_TILE_COLS], row_of[MOE_TILE_COLS];
     if ((int) blockIdx.y >= work[0]) return false;  // the whole block
@@ -787,7 +787,7 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
                                  const uint8_t *s, const uint16_t *xs, int row_div,
                                  const int32_t *work, const float *out_rows, int n_tiles, int K)
 {
-    extern __shared__ uint32_t bs[];  // [MOE_WIDE_COLS][stage_words(WIDE_KC)]
+    extern __shared__ __align__(16) uint32_t bs[];  // [MOE_WIDE_COLS][stage_words(WIDE_KC)]
     __shared__ float out_mul[MOE_WIDE_COLS];
     __shared__ int pair_of[MOE_WIDE_COLS], row_of[MOE_WIDE_COLS];
     if ((int) blockIdx.y >= work[0]) return false;  // the whole block
