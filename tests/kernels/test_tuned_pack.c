@@ -1,9 +1,10 @@
 /*
- * test_tuned_pack.c - MLA of a model narrower than GLM-5 the way the CUDA backend runs it on
- * the tuned kernels, emulated on the host through the kernels' reference (kernels/ref), against
- * the CPU backend: the padding (kv_cache.h's entries, engine/backend/tuned_pack.h's packs, q
- * and heads padded, the output cropped) must change nothing. The GPU runs the same packs and
- * the kernels whose reference this is (tests/gpu/backend_ops.c, test_mla.c).
+ * test_tuned_pack.c - MLA and the DSA indexer of a model narrower than GLM-5 the way the CUDA
+ * backend runs them on the tuned kernels, emulated on the host through the kernels' references
+ * (kernels/ref), against the CPU backend: the padding (kv_cache.h's entries and keys,
+ * engine/backend/tuned_pack.h's packs, q and heads padded, the output cropped) must change
+ * nothing. The GPU runs the same packs and the kernels whose references these are
+ * (tests/gpu/backend_ops.c, test_mla.c, test_dsa.c).
  */
 #include <math.h>
 #include <stdio.h>
@@ -14,6 +15,7 @@
 #include "engine/model/backend.h"
 #include "engine/model/kv_cache.h"
 #include "kernels/nvfp4_format.h"
+#include "kernels/ref/dsa_ref.h"
 #include "kernels/ref/kern_ref.h"
 #include "kernels/ref/mla_ref.h"
 #include "tests/check.h"
@@ -131,9 +133,90 @@ static void test_narrow_mla(KvDtype dtype, int mla_type)
     kv_free(&kv);
 }
 
+static int cmp_int(const void *a, const void *b)
+{
+    return (*(const int *) a > *(const int *) b) - (*(const int *) a < *(const int *) b);
+}
+
+// The DSA indexer at a sweep model's widths (4 heads of 20) the way the CUDA backend's
+// cuda_dsa_topk runs it: q zero-padded to the stored key width (32, kv_cache.h), the kernels'
+// reference scores (dsa_scores_ref, over kv_dsa_cache_stored's pages) and top-k
+// (dsa_topk_ref): the same keys as the CPU backend's selection (f32 recipe: double scores;
+// random data, no near ties at the boundary).
+static void test_narrow_dsa(KvDtype dtype)
+{
+    enum { HI = 4, DI = 20, T = 150, N = 4, TOPK = 8 };
+    const KvCacheParams p = {.n_layers = 1,
+                             .block_size = 16,
+                             .n_blocks = 10,
+                             .kv_lora = 8,
+                             .rope_dim = 4,
+                             .index_dim = DI,
+                             .has_index = {true},
+                             .dtype = dtype};
+    KvCache kv;
+    ASSERT(kv_init(&kv, &p) == ERR_OK);
+    const BackendDsa dp = {HI, DI, TOPK};
+    CHECK(backend_dsa_tuned(&dp, &kv, 0) && kv.entry[0].key_store == 32);
+    KvSeq s = {0};
+    ASSERT(kv_seq_reserve(&kv, &s, T) == ERR_OK);
+    uint64_t rng = 19;
+    for (int pos = 0; pos < T; pos++) {
+        float key[DI];
+        for (int j = 0; j < DI; j++)
+            key[j] = kern_rand_uniform(&rng, -2.0f, 2.0f);
+        kv_store(&kv, &s, 0, pos, 8 + 4, key, DI);
+    }
+    const int pos[N] = {20, 77, 128, 149}, seq_of[N] = {0, 0, 0, 0};
+    int len[N];
+    float q[N * HI * DI], w[N * HI];
+    for (int t = 0; t < N; t++)
+        len[t] = pos[t] + 1;
+    for (int i = 0; i < N * HI * DI; i++)
+        q[i] = kern_rand_uniform(&rng, -1.0f, 1.0f);
+    for (int i = 0; i < N * HI; i++)
+        w[i] = kern_rand_uniform(&rng, -1.0f, 1.0f);
+    Backend *cpu = NULL;
+    ASSERT(backend_cpu_create(1, &cpu) == ERR_OK);
+    KvSeq *seqs[1] = {&s};
+    const BackendSeqs bs = {seqs, 1, pos, seq_of, len, N};
+    int sel[N * TOPK], n_sel[N];
+    cpu->dsa_topk(cpu, sel, n_sel, q, w, &kv, &bs, 0, &dp);
+    // The GPU's way.
+    const DsaCache c = kv_dsa_cache_stored(&kv, kv.pool, 0);
+    float q_pad[N * HI * 32] = {0}, scores[N * T];
+    for (int t = 0; t < N * HI; t++)
+        memcpy(q_pad + (size_t) t * c.dim, q + (size_t) t * DI, DI * sizeof(float));
+    float w_scale, sm_scale;
+    backend_dsa_scales(&dp, &w_scale, &sm_scale);
+    dsa_scores_ref(scores, NULL, T, q_pad, w, w_scale, sm_scale, &c, s.blocks, s.n_blocks, seq_of,
+                   len, N, HI);
+    int32_t idx[N * TOPK], n_idx[N];
+    dsa_topk_ref(idx, n_idx, scores, T, len, N, TOPK);
+    int differ = 0;
+    for (int t = 0; t < N; t++) {
+        int a[TOPK], b[TOPK];
+        memcpy(a, sel + t * TOPK, sizeof a);
+        for (int k = 0; k < TOPK; k++)
+            b[k] = idx[t * TOPK + k];
+        qsort(a, TOPK, sizeof *a, cmp_int);
+        qsort(b, TOPK, sizeof *b, cmp_int);
+        differ += n_sel[t] != TOPK || n_idx[t] != TOPK || memcmp(a, b, sizeof a) != 0;
+    }
+    printf("narrow DSA (%s keys) the CUDA backend's way vs the CPU backend: %d of %d rows "
+           "select other keys\n",
+           kv_dtype_name(dtype), differ, N);
+    CHECK(differ == 0);
+    cpu->destroy(cpu);
+    kv_seq_free(&kv, &s);
+    kv_free(&kv);
+}
+
 int main(void)
 {
     test_narrow_mla(KV_DTYPE_BF16, MLA_BF16);
     test_narrow_mla(KV_DTYPE_FP8, MLA_FP8);
+    test_narrow_dsa(KV_DTYPE_BF16);
+    test_narrow_dsa(KV_DTYPE_FP8);
     return check_exit();
 }
