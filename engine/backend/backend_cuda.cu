@@ -1763,15 +1763,26 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
     }
     impl->untuned.dsa += be->precision == BACKEND_PRECISION_BF16;
     const DevKv d = dev_kv(impl, kv, s, layer);
-    double *score = (double *) scratch(impl, SCRATCH_A, (size_t) n * cap * sizeof(double));
+    // Rows in passes whose double scores fit dsa_score_bytes, as the tuned path's (each row's
+    // selection depends on that row alone).
+    const size_t row_bytes = (size_t) cap * sizeof(double), most = impl->dsa_score_bytes / row_bytes;
+    const int rows = most >= (size_t) n ? n : most > 0 ? (int) most : 1;
+    double *score = (double *) scratch(impl, SCRATCH_A, (size_t) rows * row_bytes);
     prof_begin(impl);
     const int key_blocks = (cap + THREADS / 32 - 1) / (THREADS / 32);  // a warp per key
     ASSERT(key_blocks <= 65535);
-    k_dsa_scores<<<dim3((unsigned) n, (unsigned) key_blocks), THREADS, 0, impl->stream>>>(
-        score, cap, q, w, d, pos, *p);
-    check_launch("dsa_scores");
-    k_dsa_select<<<n, THREADS, 0, impl->stream>>>(sel, n_sel, score, cap, pos, p->top_k);
-    check_launch("dsa_select");
+    for (int r0 = 0; r0 < n; r0 += rows) {
+        const int nr = n - r0 < rows ? n - r0 : rows;
+        DevKv dr = d;  // the pass's tokens
+        dr.seq_of += r0;
+        k_dsa_scores<<<dim3((unsigned) nr, (unsigned) key_blocks), THREADS, 0, impl->stream>>>(
+            score, cap, q + (size_t) r0 * p->n_heads * p->head_dim, w + (size_t) r0 * p->n_heads,
+            dr, pos + r0, *p);
+        check_launch("dsa_scores");
+        k_dsa_select<<<nr, THREADS, 0, impl->stream>>>(sel + (size_t) r0 * p->top_k, n_sel + r0,
+                                                       score, cap, pos + r0, p->top_k);
+        check_launch("dsa_select");
+    }
     prof_end(impl, PROF_DSA, 0.0);
 }
 

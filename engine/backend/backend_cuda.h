@@ -52,9 +52,10 @@ void backend_cuda_profile_report(Backend *be, const char *title);
 Err backend_cuda_random_linear(Backend *be, CkptLinear *w, CkptLinearFormat format, int rows,
                                int cols, unsigned long long seed);
 
-// The scores one pass of the tuned DSA top-k holds: it scores a step's rows in passes of at
-// most bytes / (4 * capacity) rows (at least one), so that a long prompt's chunk does not
-// hold rows x positions scores at once. Default 256 MiB; tests lower it to make passes.
+// The scores one pass of the DSA top-k holds: it scores a step's rows in passes of at most
+// bytes / (4 * capacity) rows (8 * capacity under the f32 recipe, whose scores are double; at
+// least one), so that a long prompt's chunk does not hold rows x positions scores at once.
+// Default 256 MiB; tests lower it to make passes.
 void backend_cuda_limit_dsa_scores(Backend *be, size_t bytes);
 
 // Op calls under the bf16 recipe that ran the f32 recipe's kernels because the tuned ones

@@ -828,13 +828,15 @@ int main(void)
     // Index keys narrower than 16s (a sweep model's 20): stored and read zero-padded to 32.
     test_attention(KV_DTYPE_BF16, 20);
     test_attention(KV_DTYPE_FP8, 20);
-    // The tuned top-k in passes of a few rows (1,000 bytes of scores over a capacity of about
-    // 48 positions): the same selections as the CPU, ties included.
+    // The top-k in passes of a few rows (1,000 bytes of scores over a capacity of about 48
+    // positions; tuned, then the f32 recipe's): the same selections as the CPU, ties included.
     printf("DSA top-k in passes of at most 1000 bytes of scores:\n");
     backend_cuda_limit_dsa_scores(gpu, 1000);
     test_attention(KV_DTYPE_FP8, 32);
     cpu->dsa_tc = gpu->dsa_tc = false;
     test_attention(KV_DTYPE_BF16, 32);
+    cpu->precision = gpu->precision = BACKEND_PRECISION_F32;  // the f32 recipe's passes too
+    test_attention(KV_DTYPE_F32, 32);
     backend_cuda_limit_dsa_scores(gpu, (size_t) 256 << 20);
     cpu->precision = gpu->precision = BACKEND_PRECISION_F32;
     test_tuned();
