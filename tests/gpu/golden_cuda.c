@@ -142,6 +142,16 @@ static void check_recipe(const char *what, const float *r16, const float *cpu16,
     printf("%s vs float64 reference: relative L2 max %.3g mean %.3g (cpu following it: max "
            "%.3g mean %.3g), argmax agrees at %d of %d positions: %s\n",
            what, worst_gpu, mean_gpu, worst_cpu, mean_cpu, agree, n_pos, ok ? "ok" : "FAIL");
+    if (!ok) {  // where: a discrete choice (expert, DSA key) flipped on one backend only?
+        for (int t = g->logits_first; t < g->n_tokens; t++) {
+            const float *r = r16 + (size_t) t * V, *c = cpu16 + (size_t) t * V;
+            const float *w = want + (size_t) (t - g->logits_first) * V;
+            const double eg = golden_rel_l2(r, w, V), ec = golden_rel_l2(c, w, V);
+            if (eg > TOL_RECIPE_RATIO * ec + TOL_REFERENCE && eg > 0.02)
+                printf("  position %d: gpu %.3g, cpu %.3g from float64; gpu vs cpu %.3g\n", t,
+                       eg, ec, golden_rel_l2(r, c, V));
+        }
+    }
     CHECK(ok);
     printf("%s vs cpu following it (reported): max relative L2 %.3g\n", what, worst_pair);
 }
