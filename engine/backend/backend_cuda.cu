@@ -104,6 +104,7 @@ enum {
     MAX_STEPS = 16,  // step block tables kept (the main cache's, the MTP layer's, ...)
     MAX_EXPERT_TABLES = 512,
     MAX_KV_B = 512,
+    MAX_PAD_LINS = 1024,
     MAX_GRAPHS = 16,
     MAX_GRAPH_KEY = 256,  // key words (caller's and backend's) a graph can be recorded under
     THREADS = 256,
@@ -148,6 +149,15 @@ typedef struct ExpertStack {
     const CkptLinear *experts;
     MoeExperts ex;
 } ExpertStack;
+
+// A bf16 weight whose columns are not in 8s, as the tuned GEMV reads it (bind_linear): rows
+// of cols_p (the columns rounded up to 8) with zeros after the weight's own, beside the
+// stored copy at data (which the f32 recipe's kernels read).
+typedef struct PadLin {
+    const void *data;
+    const uint16_t *padded;
+    int cols_p;
+} PadLin;
 
 // A kv_b_proj repacked for the tuned MLA path (bind_kv_b, tuned_pack.h): bf16 W_UK^T
 // [Hp, 512, 192] and W_UV [Hp, Vp, 512].
@@ -231,6 +241,8 @@ typedef struct CudaImpl {
     int n_stacks;
     KvBPack kv_bs[MAX_KV_B];
     int n_kv_b;
+    PadLin pad_lins[MAX_PAD_LINS];
+    int n_pad_lins;
     GemmLt lt;  // cuBLASLt for tuned matmuls of more than GEMM_MAX_TOK tokens
 } CudaImpl;
 
@@ -1283,6 +1295,31 @@ static void *keep_copy(CudaImpl *impl, const void *src, size_t bytes)
     return p;
 }
 
+// The padded copy of a bf16 weight bound at host rows (PadLin), registered under w->data.
+static Err pad_linear(CudaImpl *impl, const CkptLinear *w, const uint16_t *host)
+{
+    const size_t rows = (size_t) w->rows, cols = (size_t) w->cols, cols_p = (cols + 7) / 8 * 8;
+    uint16_t *b = (uint16_t *) calloc(rows * cols_p, 2);
+    if (!b) return ERR_NOMEM;
+    for (size_t r = 0; r < rows; r++)
+        memcpy(b + r * cols_p, host + r * cols, cols * 2);
+    void *padded = keep_copy(impl, b, rows * cols_p * 2);
+    free(b);
+    if (!padded) {
+        LOG_ERROR("out of GPU memory padding %s", w->name ? w->name : "a weight");
+        return ERR_NOMEM;
+    }
+    impl->pad_lins[impl->n_pad_lins++] = (PadLin){w->data, (const uint16_t *) padded, (int) cols_p};
+    return ERR_OK;
+}
+
+static const PadLin *pad_lin(const CudaImpl *impl, const CkptLinear *w)
+{
+    for (int i = 0; i < impl->n_pad_lins; i++)
+        if (impl->pad_lins[i].data == w->data) return &impl->pad_lins[i];
+    return NULL;
+}
+
 static Err cuda_bind_linear(Backend *be, CkptLinear *w)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
@@ -1333,9 +1370,13 @@ static Err cuda_bind_linear(Backend *be, CkptLinear *w)
                   data_bytes + scale_bytes + scale_f32_bytes);
         return ERR_NOMEM;
     }
+    const void *host = w->data;
     w->data = data;
     if (scale_bytes) w->scale = (const uint8_t *) scale;
     if (scale_f32_bytes) w->scale_f32 = (const float *) scale_f32;
+    if (be->precision == BACKEND_PRECISION_BF16 && w->format == CKPT_LINEAR_BF16 && w->cols % 8
+        && impl->n_pad_lins < MAX_PAD_LINS)
+        return pad_linear(impl, w, (const uint16_t *) host);
     return ERR_OK;
 }
 
@@ -1545,7 +1586,14 @@ static void matmul_tuned(CudaImpl *impl, float *y, const CkptLinear *w, const fl
                          bool acc)
 {
     const uint16_t *wd = (const uint16_t *) w->data;
-    const int rows = w->rows, cols = w->cols;
+    const int rows = w->rows;
+    int cols = w->cols;
+    const PadLin *pl = cols % 8 ? pad_lin(impl, w) : NULL;
+    if (pl) {  // columns not in 8s: the padded copy, and x zero-padded to match
+        float *xp = (float *) scratch(impl, SCRATCH_C, (size_t) n * pl->cols_p * sizeof(float));
+        act_repad(xp, 1, pl->cols_p, x, 1, cols, (size_t) n, impl->stream);
+        wd = pl->padded, cols = pl->cols_p, x = xp;
+    }
     const bool lt = matmul_lt(w, n), aligned = (uintptr_t) x % 16 == 0;
     ASSERT(!(lt && acc));
     uint16_t *xb = NULL;
@@ -1560,12 +1608,14 @@ static void matmul_tuned(CudaImpl *impl, float *y, const CkptLinear *w, const fl
                     (long) (rows + 7) / 8 >= 2L * impl->n_sm, acc);
 }
 
-// Whether w runs through matmul_tuned: a bf16 weight under the BF16 recipe (columns in 8s,
-// so every token's fp32 row of x stays 16-byte aligned when x is), stored 16-byte aligned.
+// Whether w runs through matmul_tuned: a bf16 weight under the BF16 recipe, stored 16-byte
+// aligned with columns in 8s (so every token's fp32 row of x stays 16-byte aligned when x
+// is), or with a padded copy (PadLin).
 static bool linear_tuned(const Backend *be, const CkptLinear *w)
 {
-    return be->precision == BACKEND_PRECISION_BF16 && backend_matmul_tuned(w)
-           && (uintptr_t) w->data % 16 == 0;
+    if (be->precision != BACKEND_PRECISION_BF16 || !backend_matmul_tuned(w)) return false;
+    if (w->cols % 8) return pad_lin((const CudaImpl *) be->impl, w) != NULL;
+    return (uintptr_t) w->data % 16 == 0;
 }
 
 // y = w x, or (acc) y += w x: the same sums, each rounded to fp32 and then added to y (in the
@@ -1600,7 +1650,7 @@ static void cuda_matmul(Backend *be, float *y, const CkptLinear *w, const float 
 static void cuda_matmul_rows(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
-    if (n > 1 && linear_tuned(be, w) && (uintptr_t) x % 16 == 0) {
+    if (n > 1 && linear_tuned(be, w) && w->cols % 8 == 0 && (uintptr_t) x % 16 == 0) {
         prof_begin(impl);
         gemv_chunks(impl, y, (const uint16_t *) w->data, x, true, w->rows, w->cols, 1, n, false,
                     false);

@@ -25,7 +25,7 @@
  *   BACKEND_PRECISION_F32   the above throughout: fp32 activations into and out of every op.
  *   BACKEND_PRECISION_BF16  the recipe of the GPU's tuned kernels (kernels/): as F32, except
  *               that these values are rounded to bf16 (nearest even) where an op reads them:
- *               matmul         x (bf16 weights); f32 weights are stored in bf16 (nearest
+ *               matmul         x (bf16 weights, any columns); f32 weights are stored in bf16 (nearest
  *                              even) when bound (bind_linear, both backends), as vLLM loads
  *                              GLM-5.2's fp32 indexer weights_proj into its bf16 model;
  *               moe            x, and silu(gate) * up before down_proj (NVFP4 experts);
@@ -252,8 +252,8 @@ struct Backend {
 
 // Whether matmul() on this weight / moe() on these experts / mla_attention() on a layer of
 // this shape and cache entry run the tuned kernels on the CUDA backend, and so round under
-// BACKEND_PRECISION_BF16 (on both backends): the limits of kernels/gemm.h (bf16 weights,
-// columns in 8s), kernels/moe.h (NVFP4 experts, whose widths are multiples of 16 as the
+// BACKEND_PRECISION_BF16 (on both backends): the limits of kernels/gemm.h (bf16 weights in
+// rows of 8s: the CUDA backend keeps a zero-padded copy of one whose columns are not), kernels/moe.h (NVFP4 experts, whose widths are multiples of 16 as the
 // kernels need, top_k <= 16, at most MOE_MAX_EXPERTS) and kernels/mla.h (GLM-5's
 // latent 512 + 64, qk_nope 192, heads in 16s, blocks of 128 positions, an fp8 entry of 656
 // bytes or a bf16 one of 1,152: a narrower model's q, heads, kv_b and cache entries are
@@ -261,7 +261,7 @@ struct Backend {
 // sum, so the CPU follows the recipe at the model's own widths.
 static inline bool backend_matmul_tuned(const CkptLinear *w)
 {
-    return w->format == CKPT_LINEAR_BF16 && w->cols % 8 == 0;
+    return w->format == CKPT_LINEAR_BF16;
 }
 
 // Whether bind_linear stores w in bf16 under the BF16 recipe (both backends): an f32 weight

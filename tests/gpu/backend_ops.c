@@ -593,6 +593,34 @@ static void test_tuned(void)
             }
             free_linear(&w);
         }
+        // A bf16 weight whose columns are not in 8s (a sweep model's o_proj, 5 heads x 5):
+        // the GPU's zero-padded copy, x padded to match, on the tuned GEMV and cuBLASLt.
+        {
+            CkptLinear w = make_linear(CKPT_LINEAR_BF16, 64, 25), wg = w;
+            CHECK(gpu->bind_linear(gpu, &wg) == ERR_OK);
+            const BackendCudaUntuned u0 = backend_cuda_untuned(gpu);
+            const int ns[3] = {1, 5, 40};
+            for (int i = 0; i < 3; i++) {
+                const int n = ns[i];
+                float *x = rand_floats((size_t) n * 25, 1.0f);
+                float *want = malloc((size_t) n * 64 * sizeof *want);
+                cpu->matmul(cpu, want, &w, x, n);
+                float *dx = dev(x, (size_t) n * 25 * sizeof *x);
+                float *dy = gpu->alloc(gpu, (size_t) n * 64 * sizeof(float));
+                gpu->matmul(gpu, dy, &wg, dx, n);
+                char what[64];
+                snprintf(what, sizeof what, "matmul tuned bf16 25 columns (padded) n=%d", n);
+                expect_close(what, dy, want, (size_t) n * 64, 1e-3);
+                // matmul_rows (the head over a batch's rows): each row as a one-row call.
+                gpu->matmul_rows(gpu, dy, &wg, dx, n);
+                snprintf(what, sizeof what, "matmul_rows tuned bf16 25 columns n=%d", n);
+                expect_close(what, dy, want, (size_t) n * 64, 1e-3);
+                free(x), free(want);
+                gpu->free_mem(gpu, dx), gpu->free_mem(gpu, dy);
+            }
+            CHECK(backend_cuda_untuned(gpu).matmul == u0.matmul);
+            free_linear(&w);
+        }
         // An f32 weight (GLM-5.2's weights_proj: 32 index heads): both backends store it in
         // bf16 when bound under the recipe, and the GPU runs it on the tuned GEMV.
         CkptLinear w = make_linear(CKPT_LINEAR_F32, 32, 520), wc = w, wg = w;

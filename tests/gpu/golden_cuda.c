@@ -266,10 +266,12 @@ int main(int argc, char **argv)
     // is reported: a rounding that a 1e-7 difference flips differs between the two, so it is of
     // the recipe's own size (docs/precision.md). The cache is the serving one (bf16 in blocks of
     // 128, which the tuned MLA reads; fp8's rounding is checked above), so every golden model
-    // runs through the kernels that serve GLM-5.2: MLA, DSA and the experts never take the f32
+    // runs through the kernels that serve GLM-5.2: no MLA, DSA or experts call takes the f32
     // recipe's kernels (backend_cuda_untuned), a narrower model's widths zero-padded to
-    // theirs. Matmuls whose weight the tuned GEMV cannot take (f32 weights, columns not in 8s)
-    // are counted and reported.
+    // theirs; matmuls run the tuned GEMV for every bf16 weight (f32 ones are stored in bf16
+    // when bound, those with columns not in 8s get a padded copy), and the f32 recipe's GEMV
+    // only for the NVFP4 dense MLPs and shared experts of some sweep models (counted,
+    // reported).
     cpu->precision = be->precision = BACKEND_PRECISION_BF16;
     const BackendCudaUntuned u0 = backend_cuda_untuned(be);
     float *cpu16 = prefill(cpu, dir, &g, KV_DTYPE_BF16, MLA_BLOCK, ONE_CALL, NULL, NULL, NULL);
@@ -281,8 +283,8 @@ int main(int argc, char **argv)
     // And the decode step, a token at a time (CUDA graphs, the kernels' one-token paths).
     float *gpu16d = prefill(be, dir, &g, KV_DTYPE_BF16, MLA_BLOCK, DECODE, NULL, NULL, NULL);
     const BackendCudaUntuned u1 = backend_cuda_untuned(be);
-    printf("bf16 recipe: op calls on the f32 recipe's kernels: mla %ld, dsa %ld, moe %ld "
-           "(checked 0), matmul %ld (reported)\n",
+    printf("bf16 recipe: op calls on the f32 recipe's kernels: mla %ld, dsa %ld, moe %ld (checked "
+           "0), matmul %ld (NVFP4 dense weights: reported)\n",
            u1.mla - u0.mla, u1.dsa - u0.dsa, u1.moe - u0.moe, u1.matmul - u0.matmul);
     CHECK(u1.mla == u0.mla && u1.dsa == u0.dsa && u1.moe == u0.moe);
     CHECK(cpu16 && gpu16 && gpu16c && gpu16d);
