@@ -564,6 +564,25 @@ static void test_attention(KvDtype dtype, int Di)
 // the two differ by fp32 summation order and the bf16 roundings that it flips).
 static void tuned_mla(BackendMla mp);
 
+// matmul (or matmul_rows) of n random tokens on both backends, weights wc (CPU) and wg (GPU,
+// bound), within the recipe's 1e-3.
+static void matmul_vs_cpu(const char *label, const CkptLinear *wc, const CkptLinear *wg, int n,
+                          bool rows)
+{
+    float *x = rand_floats((size_t) n * wc->cols, 1.0f);
+    float *want = malloc((size_t) n * wc->rows * sizeof *want);
+    ASSERT(want);
+    cpu->matmul(cpu, want, wc, x, n);
+    float *dx = dev(x, (size_t) n * wc->cols * sizeof *x);
+    float *dy = gpu->alloc(gpu, (size_t) n * wc->rows * sizeof(float));
+    (rows ? gpu->matmul_rows : gpu->matmul)(gpu, dy, wg, dx, n);
+    char what[96];
+    snprintf(what, sizeof what, "%s n=%d", label, n);
+    expect_close(what, dy, want, (size_t) n * wc->rows, 1e-3);
+    free(x), free(want);
+    gpu->free_mem(gpu, dx), gpu->free_mem(gpu, dy);
+}
+
 static void test_tuned(void)
 {
     cpu->precision = gpu->precision = BACKEND_PRECISION_BF16;
@@ -593,55 +612,27 @@ static void test_tuned(void)
             }
             free_linear(&w);
         }
-        // A bf16 weight whose columns are not in 8s (a sweep model's o_proj, 5 heads x 5):
-        // the GPU's zero-padded copy, x padded to match, on the tuned GEMV and cuBLASLt.
-        {
-            CkptLinear w = make_linear(CKPT_LINEAR_BF16, 64, 25), wg = w;
-            CHECK(gpu->bind_linear(gpu, &wg) == ERR_OK);
-            const BackendCudaUntuned u0 = backend_cuda_untuned(gpu);
-            const int ns[3] = {1, 5, 40};
-            for (int i = 0; i < 3; i++) {
-                const int n = ns[i];
-                float *x = rand_floats((size_t) n * 25, 1.0f);
-                float *want = malloc((size_t) n * 64 * sizeof *want);
-                cpu->matmul(cpu, want, &w, x, n);
-                float *dx = dev(x, (size_t) n * 25 * sizeof *x);
-                float *dy = gpu->alloc(gpu, (size_t) n * 64 * sizeof(float));
-                gpu->matmul(gpu, dy, &wg, dx, n);
-                char what[64];
-                snprintf(what, sizeof what, "matmul tuned bf16 25 columns (padded) n=%d", n);
-                expect_close(what, dy, want, (size_t) n * 64, 1e-3);
-                // matmul_rows (the head over a batch's rows): each row as a one-row call.
-                gpu->matmul_rows(gpu, dy, &wg, dx, n);
-                snprintf(what, sizeof what, "matmul_rows tuned bf16 25 columns n=%d", n);
-                expect_close(what, dy, want, (size_t) n * 64, 1e-3);
-                free(x), free(want);
-                gpu->free_mem(gpu, dx), gpu->free_mem(gpu, dy);
-            }
-            CHECK(backend_cuda_untuned(gpu).matmul == u0.matmul);
-            free_linear(&w);
-        }
-        // An f32 weight (GLM-5.2's weights_proj: 32 index heads): both backends store it in
-        // bf16 when bound under the recipe, and the GPU runs it on the tuned GEMV.
-        CkptLinear w = make_linear(CKPT_LINEAR_F32, 32, 520), wc = w, wg = w;
-        CHECK(cpu->bind_linear(cpu, &wc) == ERR_OK && gpu->bind_linear(gpu, &wg) == ERR_OK);
-        CHECK(wc.format == CKPT_LINEAR_BF16 && wg.format == CKPT_LINEAR_BF16);
+        // A bf16 weight whose columns are not in 8s (a sweep model's o_proj, 5 heads x 5): the
+        // GPU's zero-padded copy, x padded to match, on the tuned GEMV, the tensor cores and
+        // cuBLASLt (1, 5, 40 tokens), and matmul_rows (the head over a batch's rows); then an
+        // f32 weight (GLM-5.2's weights_proj: 32 index heads), which both backends store in
+        // bf16 when bound under the recipe and the GPU runs on the tuned GEMV. Neither takes
+        // the f32 recipe's GEMV.
         const BackendCudaUntuned u0 = backend_cuda_untuned(gpu);
-        for (int n = 1; n <= 40; n += 39) {
-            float *x = rand_floats((size_t) n * 520, 1.0f);
-            float *want = malloc((size_t) n * 32 * sizeof *want);
-            cpu->matmul(cpu, want, &wc, x, n);
-            float *dx = dev(x, (size_t) n * 520 * sizeof *x);
-            float *dy = gpu->alloc(gpu, (size_t) n * 32 * sizeof(float));
-            gpu->matmul(gpu, dy, &wg, dx, n);
-            char what[64];
-            snprintf(what, sizeof what, "matmul f32 weight bound as bf16 n=%d", n);
-            expect_close(what, dy, want, (size_t) n * 32, 1e-3);
-            free(x), free(want);
-            gpu->free_mem(gpu, dx), gpu->free_mem(gpu, dy);
+        CkptLinear odd = make_linear(CKPT_LINEAR_BF16, 64, 25), oddg = odd;
+        CHECK(gpu->bind_linear(gpu, &oddg) == ERR_OK);
+        CkptLinear wf = make_linear(CKPT_LINEAR_F32, 32, 520), wfc = wf, wfg = wf;
+        CHECK(cpu->bind_linear(cpu, &wfc) == ERR_OK && gpu->bind_linear(gpu, &wfg) == ERR_OK);
+        CHECK(wfc.format == CKPT_LINEAR_BF16 && wfg.format == CKPT_LINEAR_BF16);
+        const int ns[3] = {1, 5, 40};
+        for (int i = 0; i < 3; i++) {
+            matmul_vs_cpu("matmul tuned bf16 25 columns (padded)", &odd, &oddg, ns[i], false);
+            matmul_vs_cpu("matmul_rows tuned bf16 25 columns", &odd, &oddg, ns[i], true);
+            matmul_vs_cpu("matmul f32 weight bound as bf16", &wfc, &wfg, ns[i], false);
         }
         CHECK(backend_cuda_untuned(gpu).matmul == u0.matmul);
-        free_linear(&w);
+        free_linear(&odd);
+        free_linear(&wf);
     }
     {
         // n 5: 8-column tiles, where token 0 and the last token alone must equal themselves
