@@ -37,8 +37,9 @@
  *               dsa_topk       the scores are fp32 in kernels/dsa.cu's order (dsa_format.h's
  *                              dsa_key_score: each head's dot product over the key's stored
  *                              values, then its scale), where kernels/dsa.cu takes the layer
- *                              (backend_dsa_tuned: index dim in 16s up to 128, up to 32 heads;
- *                              any cache type): both backends then select the same keys.
+ *                              (backend_dsa_tuned: index dim up to 128, up to 32 heads; a bf16
+ *                              or fp8 cache stores keys padded to 16s, an f32 one needs dims in
+ *                              16s): both backends then select the same keys.
  *                              With Backend.dsa_tc (backend_dsa_tc: fp8 or bf16 keys) q is
  *                              rounded to bf16 too and the GPU's dot products run on the
  *                              tensor cores (kernels/dsa.h dsa_scores_tc): the CPU follows

@@ -13,9 +13,10 @@
  *   mla:    at GLM-5's widths over a bf16 cache: q_nope (not q_pe), kv_b and the output latent
  *           are rounded; with Backend.mla_tc and heads in 32s also q_lat, q_pe and each
  *           probability times its fp8 group scale (test_mla_tc).
- *   the tuned-shape predicates: GLM-5's MLA widths with fp8 (656-byte) and bf16 (1,152-byte)
- *           entries of 128-position blocks, and nothing else; the DSA indexer's (kernels/
- *           dsa.cu: index dims in 16s up to 128, up to 32 heads, any cache type; its scores
+ *   the tuned-shape predicates: MLA at GLM-5's widths or narrower (stored zero-padded) over
+ *           fp8 (656-byte) and bf16 (1,152-byte) entries of 128-position blocks, and nothing
+ *           wider; the DSA indexer's (kernels/dsa.cu: index dims up to 128, in 16s on an f32
+ *           cache, padded on bf16 and fp8 ones, up to 32 heads; its scores
  *           under the recipe: tests/engine/backend/test_attention.c), and its tensor-core
  *           variant's (Backend.dsa_tc: the same with fp8 or bf16 keys, bf16 recipe only).
  */
