@@ -1313,6 +1313,17 @@ static Err pad_linear(CudaImpl *impl, const CkptLinear *w, const uint16_t *host)
     return ERR_OK;
 }
 
+// After binding w (host: its values as stored, or as rounded to bf16): the padded copy the
+// tuned GEMV reads, where the BF16 recipe runs a bf16 weight whose columns are not in 8s.
+static Err bind_padded(Backend *be, const CkptLinear *w, const void *host)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    if (be->precision != BACKEND_PRECISION_BF16 || w->format != CKPT_LINEAR_BF16 || w->cols % 8 == 0
+        || impl->n_pad_lins == MAX_PAD_LINS)
+        return ERR_OK;
+    return pad_linear(impl, w, (const uint16_t *) host);
+}
+
 static const PadLin *pad_lin(const CudaImpl *impl, const CkptLinear *w)
 {
     for (int i = 0; i < impl->n_pad_lins; i++)
@@ -1329,15 +1340,17 @@ static Err cuda_bind_linear(Backend *be, CkptLinear *w)
         if (!b) return ERR_NOMEM;
         backend_round_linear(w, b);
         void *data = keep_copy(impl, b, n * 2);
-        free(b);
-        if (!data) {
+        Err err = ERR_NOMEM;
+        if (data) {
+            w->data = data;
+            w->format = CKPT_LINEAR_BF16;
+            err = bind_padded(be, w, b);
+        } else {
             LOG_ERROR("out of GPU memory binding %s (%zu bytes)", w->name ? w->name : "a weight",
                       n * 2);
-            return ERR_NOMEM;
         }
-        w->data = data;
-        w->format = CKPT_LINEAR_BF16;
-        return ERR_OK;
+        free(b);
+        return err;
     }
     size_t data_bytes = 0, scale_bytes = 0, scale_f32_bytes = 0;
     switch (w->format) {
@@ -1374,10 +1387,7 @@ static Err cuda_bind_linear(Backend *be, CkptLinear *w)
     w->data = data;
     if (scale_bytes) w->scale = (const uint8_t *) scale;
     if (scale_f32_bytes) w->scale_f32 = (const float *) scale_f32;
-    if (be->precision == BACKEND_PRECISION_BF16 && w->format == CKPT_LINEAR_BF16 && w->cols % 8
-        && impl->n_pad_lins < MAX_PAD_LINS)
-        return pad_linear(impl, w, (const uint16_t *) host);
-    return ERR_OK;
+    return bind_padded(be, w, host);
 }
 
 // Under the BF16 recipe, experts the tuned kernels take (backend_moe_tuned with any top_k
@@ -1761,6 +1771,15 @@ static int seq_capacity(const CudaImpl *impl, const KvCache *kv, const BackendSe
     return table_stride(impl, s->seqs, s->n_seqs) * kv->params.block_size;
 }
 
+// The rows of n that one DSA top-k pass scores: as many as dsa_score_bytes holds at row_bytes
+// of scores a row (at least one). Each row's scores and selection depend on that row alone, so
+// the passes change no result.
+static int dsa_pass_rows(const CudaImpl *impl, int n, size_t row_bytes)
+{
+    const size_t most = impl->dsa_score_bytes / row_bytes;
+    return most >= (size_t) n ? n : most > 0 ? (int) most : 1;
+}
+
 static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, const float *w,
                           const KvCache *kv, const BackendSeqs *s, int layer, const BackendDsa *p)
 {
@@ -1778,12 +1797,10 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
         const DevStep *st = dev_step(impl, s->seqs, s->n_seqs);
         float w_scale, sm_scale;
         backend_dsa_scales(p, &w_scale, &sm_scale);
-        // Rows in passes whose scores fit DSA_SCORE_BYTES: a 4,096-token chunk at 256K
-        // positions would otherwise hold 4.3 GB of scores. Each row's scores and selection
-        // depend on that row alone, so the passes change no result.
+        // Rows in passes (dsa_pass_rows): a 4,096-token chunk at 256K positions would
+        // otherwise hold 4.3 GB of scores.
         const size_t row_bytes = (size_t) cap * sizeof(float);
-        const size_t most = impl->dsa_score_bytes / row_bytes;
-        const int rows = most >= (size_t) n ? n : most > 0 ? (int) most : 1;
+        const int rows = dsa_pass_rows(impl, n, row_bytes);
         float *score = (float *) scratch(impl, SCRATCH_A, (size_t) rows * row_bytes);
         float *q_pad = pad ? (float *) scratch(impl, SCRATCH_X, (size_t) rows * p->n_heads
                                                                      * c.dim * sizeof(float))
@@ -1813,10 +1830,9 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
     }
     impl->untuned.dsa += be->precision == BACKEND_PRECISION_BF16;
     const DevKv d = dev_kv(impl, kv, s, layer);
-    // Rows in passes whose double scores fit dsa_score_bytes, as the tuned path's (each row's
-    // selection depends on that row alone).
-    const size_t row_bytes = (size_t) cap * sizeof(double), most = impl->dsa_score_bytes / row_bytes;
-    const int rows = most >= (size_t) n ? n : most > 0 ? (int) most : 1;
+    // Rows in passes, as the tuned path's (dsa_pass_rows), of double scores.
+    const size_t row_bytes = (size_t) cap * sizeof(double);
+    const int rows = dsa_pass_rows(impl, n, row_bytes);
     double *score = (double *) scratch(impl, SCRATCH_A, (size_t) rows * row_bytes);
     prof_begin(impl);
     const int key_blocks = (cap + THREADS / 32 - 1) / (THREADS / 32);  // a warp per key

@@ -624,15 +624,20 @@ static void test_tuned(void)
         CkptLinear wf = make_linear(CKPT_LINEAR_F32, 32, 520), wfc = wf, wfg = wf;
         CHECK(cpu->bind_linear(cpu, &wfc) == ERR_OK && gpu->bind_linear(gpu, &wfg) == ERR_OK);
         CHECK(wfc.format == CKPT_LINEAR_BF16 && wfg.format == CKPT_LINEAR_BF16);
+        // An f32 weight with 25 columns: rounded, then padded like a bf16 one.
+        CkptLinear wo = make_linear(CKPT_LINEAR_F32, 32, 25), woc = wo, wog = wo;
+        CHECK(cpu->bind_linear(cpu, &woc) == ERR_OK && gpu->bind_linear(gpu, &wog) == ERR_OK);
         const int ns[3] = {1, 5, 40};
         for (int i = 0; i < 3; i++) {
             matmul_vs_cpu("matmul tuned bf16 25 columns (padded)", &odd, &oddg, ns[i], false);
             matmul_vs_cpu("matmul_rows tuned bf16 25 columns", &odd, &oddg, ns[i], true);
             matmul_vs_cpu("matmul f32 weight bound as bf16", &wfc, &wfg, ns[i], false);
+            matmul_vs_cpu("matmul f32 weight, 25 columns, bound as bf16", &woc, &wog, ns[i], false);
         }
         CHECK(backend_cuda_untuned(gpu).matmul == u0.matmul);
         free_linear(&odd);
         free_linear(&wf);
+        free_linear(&wo);
     }
     {
         // n 5: 8-column tiles, where token 0 and the last token alone must equal themselves
