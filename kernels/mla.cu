@@ -317,11 +317,6 @@ static size_t tc_smem_bytes(void)
            + (size_t) TC_TILE * 8;                           // row offsets
 }
 
-static __device__ __forceinline__ uint32_t ld_b32(const uint16_t *p)
-{
-    return *(const uint32_t *) p;
-}
-
 // Two CTAs an SM on sm_90 (2 x 90 KB of its 227 KB: at most 128 registers); one elsewhere
 // (GB10's SM has ~100 KB of shared memory), without the register cap that would spill.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
@@ -330,7 +325,7 @@ static __device__ __forceinline__ uint32_t ld_b32(const uint16_t *p)
 #define TC_MIN_BLOCKS 1
 #endif
 
-template <int CT, bool LDSM>
+template <int CT>
 static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
     mla_tc_kernel(float *__restrict__ ws_o, float *__restrict__ ws_ml,
                   const float *__restrict__ q_lat, const float *__restrict__ q_pe,
@@ -437,8 +432,6 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
         // 2. Scores: heads 16 mt + (g, g + 8) x positions 8 nt + (2 tq, 2 tq + 1).
         {
             const int nt = warp >> 1;
-            const uint16_t *qa = qs + (16 * mt) * TC_QS + 2 * tq;
-            const uint16_t *kb = ks + (8 * nt + g) * TC_QS + 2 * tq;
             // ldmatrix rows: q's (heads 16 mt + 8 (m % 2) + r, dims + 8 (m / 2)) and the keys'
             // (position 8 nt + r, dims + 8 m), m = lane / 8 the matrix, r = lane % 8 its row.
             const int lm = lane >> 3, lr = lane & 7;
@@ -449,24 +442,15 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
             for (int c = 0; c <= TC_CHUNKS; c++) {  // chunk TC_CHUNKS: the rope part, unscaled
                 const int k_beg = c * 128, k_end = c < TC_CHUNKS ? k_beg + 128 : MLA_LK;
                 float ca[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                if (LDSM) {  // the same fragments, two k-steps a B load, in 3 ldmatrix
+                // Two k-steps a B load, the fragments by ldmatrix (3 a 32-wide step).
 #pragma unroll
-                    for (int k0 = k_beg; k0 < k_end; k0 += 32) {
-                        uint32_t a[4], a2[4], b[4];
-                        ldsm_x4<false>(a, q_rows + k0);
-                        ldsm_x4<false>(a2, q_rows + k0 + 16);
-                        ldsm_x4<false>(b, k_rows + k0);
-                        mma_bf16_16816(ca, a[0], a[1], a[2], a[3], b[0], b[1]);
-                        mma_bf16_16816(ca, a2[0], a2[1], a2[2], a2[3], b[2], b[3]);
-                    }
-                } else {
-#pragma unroll
-                    for (int k0 = k_beg; k0 < k_end; k0 += 16)
-                        mma_bf16_16816(ca, ld_b32(qa + g * TC_QS + k0),
-                                       ld_b32(qa + (g + 8) * TC_QS + k0),
-                                       ld_b32(qa + g * TC_QS + k0 + 8),
-                                       ld_b32(qa + (g + 8) * TC_QS + k0 + 8), ld_b32(kb + k0),
-                                       ld_b32(kb + k0 + 8));
+                for (int k0 = k_beg; k0 < k_end; k0 += 32) {
+                    uint32_t a[4], a2[4], b[4];
+                    ldsm_x4<false>(a, q_rows + k0);
+                    ldsm_x4<false>(a2, q_rows + k0 + 16);
+                    ldsm_x4<false>(b, k_rows + k0);
+                    mma_bf16_16816(ca, a[0], a[1], a[2], a[3], b[0], b[1]);
+                    mma_bf16_16816(ca, a2[0], a2[1], a2[2], a2[3], b[2], b[3]);
                 }
                 if (CT == MLA_CACHE_FP8 && c < TC_CHUNKS) {
                     const float s0 = scl[(8 * nt + 2 * tq) * TC_CHUNKS + c];
@@ -545,40 +529,21 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
             }
             // The warp's 16 heads of P (chunk cc's matrix on an fp8 cache).
             const uint16_t *pw = ps + ((CT == MLA_CACHE_FP8 ? cc : 0) * TC_HEADS + 16 * mt) * TC_PS;
-            if (LDSM) {
-                // P's rows (heads + 8 (m % 2) + r, positions + 8 (m / 2)) and V's, transposed:
-                // positions k0 + 8 (m % 2) + r, columns 128 cc + 8 (j + m / 2).
-                const int lm = lane >> 3, lr = lane & 7;
-                const uint16_t *p_rows = pw + (8 * (lm & 1) + lr) * TC_PS + 8 * (lm >> 1);
-                const uint16_t *v_rows = ks + (8 * (lm & 1) + lr) * TC_QS + 128 * cc + 8 * (lm >> 1);
+            // P's rows (heads + 8 (m % 2) + r, positions + 8 (m / 2)) and V's, transposed:
+            // positions k0 + 8 (m % 2) + r, columns 128 cc + 8 (j + m / 2).
+            const int lm = lane >> 3, lr = lane & 7;
+            const uint16_t *p_rows = pw + (8 * (lm & 1) + lr) * TC_PS + 8 * (lm >> 1);
+            const uint16_t *v_rows = ks + (8 * (lm & 1) + lr) * TC_QS + 128 * cc + 8 * (lm >> 1);
 #pragma unroll
-                for (int k0 = 0; k0 < TC_TILE; k0 += 16) {
-                    uint32_t a[4];
-                    ldsm_x4<false>(a, p_rows + k0);
+            for (int k0 = 0; k0 < TC_TILE; k0 += 16) {
+                uint32_t a[4];
+                ldsm_x4<false>(a, p_rows + k0);
 #pragma unroll
-                    for (int j = 0; j < 16; j += 2) {
-                        uint32_t b[4];
-                        ldsm_x4<true>(b, v_rows + k0 * TC_QS + 8 * j);
-                        mma_bf16_16816(o[j], a[0], a[1], a[2], a[3], b[0], b[1]);
-                        mma_bf16_16816(o[j + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
-                    }
-                }
-            } else {
-                const uint16_t *pa = pw + 2 * tq;
-#pragma unroll
-                for (int k0 = 0; k0 < TC_TILE; k0 += 16) {
-                    const uint32_t a0 = ld_b32(pa + g * TC_PS + k0),
-                                   a1 = ld_b32(pa + (g + 8) * TC_PS + k0);
-                    const uint32_t a2 = ld_b32(pa + g * TC_PS + k0 + 8);
-                    const uint32_t a3 = ld_b32(pa + (g + 8) * TC_PS + k0 + 8);
-                    const uint16_t *vb = ks + (k0 + 2 * tq) * TC_QS + 128 * cc + g;
-#pragma unroll
-                    for (int j = 0; j < 16; j++) {
-                        const uint16_t *v = vb + 8 * j;
-                        const uint32_t b0 = (uint32_t) v[0] | (uint32_t) v[TC_QS] << 16;
-                        const uint32_t b1 = (uint32_t) v[8 * TC_QS] | (uint32_t) v[9 * TC_QS] << 16;
-                        mma_bf16_16816(o[j], a0, a1, a2, a3, b0, b1);
-                    }
+                for (int j = 0; j < 16; j += 2) {
+                    uint32_t b[4];
+                    ldsm_x4<true>(b, v_rows + k0 * TC_QS + 8 * j);
+                    mma_bf16_16816(o[j], a[0], a[1], a[2], a[3], b[0], b[1]);
+                    mma_bf16_16816(o[j + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
                 }
             }
         }
@@ -719,12 +684,11 @@ void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaC
     CUDA_CHECK(cudaGetLastError());
 }
 
-template <bool LDSM>
-static void decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const MlaCache *cache,
-                      const int32_t *block_table, int max_blocks, const int32_t *seq,
-                      const int32_t *kv_len, const int32_t *indices, int idx_stride, int n_tok,
-                      int n_heads, float sm_scale, int n_split, float *ws_o, float *ws_ml,
-                      cudaStream_t stream)
+void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const MlaCache *cache,
+                   const int32_t *block_table, int max_blocks, const int32_t *seq,
+                   const int32_t *kv_len, const int32_t *indices, int idx_stride, int n_tok,
+                   int n_heads, float sm_scale, int n_split, float *ws_o, float *ws_ml,
+                   cudaStream_t stream)
 {
     ASSERT(cache && cache->data && n_tok > 0 && n_heads > 0 && n_heads % TC_HEADS == 0);
     ASSERT(n_split >= 1 && n_split <= MLA_MAX_SPLIT && max_blocks > 0);
@@ -734,42 +698,22 @@ static void decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, cons
     const size_t smem = tc_smem_bytes();
     const dim3 grid(n_split, n_heads / TC_HEADS, n_tok);
     const void *kernel = cache->type == MLA_CACHE_FP8
-                             ? (const void *) mla_tc_kernel<MLA_CACHE_FP8, LDSM>
-                             : (const void *) mla_tc_kernel<MLA_CACHE_BF16, LDSM>;
+                             ? (const void *) mla_tc_kernel<MLA_CACHE_FP8>
+                             : (const void *) mla_tc_kernel<MLA_CACHE_BF16>;
     // Two CTAs an SM where the unified memory allows (H200: 2 x 90 KB of 227 KB).
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                     (int) cudaSharedmemCarveoutMaxShared));
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
     if (cache->type == MLA_CACHE_FP8)
-        mla_tc_kernel<MLA_CACHE_FP8, LDSM><<<grid, TC_THREADS, smem, stream>>>(
+        mla_tc_kernel<MLA_CACHE_FP8><<<grid, TC_THREADS, smem, stream>>>(
             ws_o, ws_ml, q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
             idx_stride, n_heads, sm_scale, n_split);
     else
-        mla_tc_kernel<MLA_CACHE_BF16, LDSM><<<grid, TC_THREADS, smem, stream>>>(
+        mla_tc_kernel<MLA_CACHE_BF16><<<grid, TC_THREADS, smem, stream>>>(
             ws_o, ws_ml, q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
             idx_stride, n_heads, sm_scale, n_split);
     CUDA_CHECK(cudaGetLastError());
     mla_merge_kernel<<<dim3(n_heads, n_tok), MLA_KV_LORA / 4, 0, stream>>>(out, ws_o, ws_ml,
                                                                          n_heads, n_split);
     CUDA_CHECK(cudaGetLastError());
-}
-
-void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const MlaCache *cache,
-                   const int32_t *block_table, int max_blocks, const int32_t *seq,
-                   const int32_t *kv_len, const int32_t *indices, int idx_stride, int n_tok,
-                   int n_heads, float sm_scale, int n_split, float *ws_o, float *ws_ml,
-                   cudaStream_t stream)
-{
-    decode_tc<false>(out, q_lat, q_pe, cache, block_table, max_blocks, seq, kv_len, indices,
-                     idx_stride, n_tok, n_heads, sm_scale, n_split, ws_o, ws_ml, stream);
-}
-
-void mla_decode_tc_ldsm(uint16_t *out, const float *q_lat, const float *q_pe,
-                        const MlaCache *cache, const int32_t *block_table, int max_blocks,
-                        const int32_t *seq, const int32_t *kv_len, const int32_t *indices,
-                        int idx_stride, int n_tok, int n_heads, float sm_scale, int n_split,
-                        float *ws_o, float *ws_ml, cudaStream_t stream)
-{
-    decode_tc<true>(out, q_lat, q_pe, cache, block_table, max_blocks, seq, kv_len, indices,
-                    idx_stride, n_tok, n_heads, sm_scale, n_split, ws_o, ws_ml, stream);
 }

@@ -85,9 +85,9 @@ void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaC
                 int n_heads, float sm_scale, int n_split, float *ws_o, float *ws_ml,
                 cudaStream_t stream);
 
-// mla_decode on the tensor cores (mma.sync, bf16 in, fp32 accumulate), for prefill chunks
-// and any token count, n_heads a multiple of 32. Its recipe differs from mla_decode's in two
-// roundings: q (q_lat and q_pe) is rounded to bf16 once, and each probability, times the fp8
+// mla_decode on the tensor cores (mma.sync, bf16 in, fp32 accumulate, fragments by ldmatrix),
+// for prefill chunks and any token count, n_heads a multiple of 32. Its recipe differs from
+// mla_decode's in two roundings: q (q_lat and q_pe) is rounded to bf16 once, and each probability, times the fp8
 // chunk scale of its position and the output column's chunk (1 for a bf16 cache), is rounded to
 // bf16 before it weights the position's stored values (E4M3 codes or bf16, exact); scores,
 // softmax, the running sums and the output stay fp32 as in mla_decode: out = (sum_p
@@ -104,17 +104,6 @@ void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const M
                    const int32_t *kv_len, const int32_t *indices, int idx_stride, int n_tok,
                    int n_heads, float sm_scale, int n_split, float *ws_o, float *ws_ml,
                    cudaStream_t stream);
-
-// mla_decode_tc with its MMA fragments read from shared memory by ldmatrix (.trans for the
-// values' B fragments) instead of 32- and 16-bit loads: the same fragments into the same MMAs in
-// the same order, so the outputs equal mla_decode_tc's bit for bit, in ~half the instructions
-// of the score and output products. Written 2026-12-04 and NOT YET RUN ON A GPU
-// (tests/gpu/test_mla.c checks the equality); the engine takes it with GLMSPARK_MLA_LDSM=1.
-void mla_decode_tc_ldsm(uint16_t *out, const float *q_lat, const float *q_pe,
-                        const MlaCache *cache, const int32_t *block_table, int max_blocks,
-                        const int32_t *seq, const int32_t *kv_len, const int32_t *indices,
-                        int idx_stride, int n_tok, int n_heads, float sm_scale, int n_split,
-                        float *ws_o, float *ws_ml, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -440,27 +440,8 @@ static __device__ __forceinline__ void load_chunk(uint4 *q, uint2 *s, const uint
 // b + off[t] + 8 j (and + 4). Even k-steps accumulate into c[t], odd ones into c2[t]: two
 // MMA chains, whose order the decode kernels keep so that they agree bit for bit (the wide
 // tiles pass c as c2: one chain).
-//
-// With LDSM (NT even), off holds wide_tile's NT / 2 ldmatrix row offsets (ldsm_off), and
-// each pair of n-tiles takes its B fragments from one ldmatrix.x4: the same values into the
-// same MMAs in the same order (so the same bits), in a quarter of the load instructions.
-template <int NT>
-static __device__ __forceinline__ void pair_mma(float (*c)[4], float (*c2)[4], const uint32_t a[4],
-                                                const uint32_t *bk, const int *off, int nt,
-                                                bool odd)
-{
-    static_assert(NT % 2 == 0, "ldmatrix takes n-tiles in pairs");
-#pragma unroll
-    for (int t = 0; t < NT; t += 2)
-        if (t < nt) {
-            uint32_t r[4];
-            ldsm_x4<false>(r, (const uint16_t *) (bk + off[t / 2]));
-            mma_f16(odd ? c2[t] : c[t], a, r[0], r[1]);
-            if (t + 1 < nt) mma_f16(odd ? c2[t + 1] : c[t + 1], a, r[2], r[3]);
-        }
-}
 
-template <int NT, bool LDSM = false>
+template <int NT>
 static __device__ __forceinline__ void chunk_mma(float (*c)[4], float (*c2)[4], uint4 qv, uint2 sv,
                                                  const uint32_t *b, const int *off, int nt)
 {
@@ -469,22 +450,18 @@ static __device__ __forceinline__ void chunk_mma(float (*c)[4], float (*c2)[4], 
     for (int j = 0; j < CHUNK_KS; j++) {
         uint32_t a[4];
         decode_a(a, qw[j], ((j < 2 ? sv.x : sv.y) >> (16 * (j % 2))) & 0xffffu);
-        if constexpr (LDSM) {
-            pair_mma<NT>(c, c2, a, b + 8 * j, off, nt, j % 2);
-        } else {
 #pragma unroll
-            for (int t = 0; t < NT; t++)
-                if (t < nt) {
-                    const uint32_t *bt = b + off[t] + 8 * j;
-                    mma_f16(j % 2 ? c2[t] : c[t], a, bt[0], bt[4]);
-                }
-        }
+        for (int t = 0; t < NT; t++)
+            if (t < nt) {
+                const uint32_t *bt = b + off[t] + 8 * j;
+                mma_f16(j % 2 ? c2[t] : c[t], a, bt[0], bt[4]);
+            }
     }
 }
 
 // Tail k-step j of a tile whose K is not a multiple of 64 (its code word and scales loaded
 // directly), into c[t] for nt <= NT n-tiles with B words at b + off[t] (and + 4).
-template <int NT, bool LDSM = false>
+template <int NT>
 static __device__ __forceinline__ void tail_mma(float (*c)[4], const uint8_t *qt, const uint8_t *st,
                                                 int nfull, int ntail, int j, const uint32_t *b,
                                                 const int *off, int nt)
@@ -494,19 +471,15 @@ static __device__ __forceinline__ void tail_mma(float (*c)[4], const uint8_t *qt
     const uint32_t s16 = __ldg((const uint16_t *) (st + scale_at(nfull, lane / 4, ntail, j)));
     uint32_t a[4];
     decode_a(a, w, s16);
-    if constexpr (LDSM) {
-        pair_mma<NT>(c, c, a, b, off, nt, false);
-    } else {
 #pragma unroll
-        for (int t = 0; t < NT; t++)
-            if (t < nt) mma_f16(c[t], a, b[off[t]], b[off[t] + 4]);
-    }
+    for (int t = 0; t < NT; t++)
+        if (t < nt) mma_f16(c[t], a, b[off[t]], b[off[t] + 4]);
 }
 
 // PIPE consecutive chunks ch0 .. ch0 + PIPE - 1 (those below nfull) of a warp's tile from the
 // register pipeline (slot d holds chunk ch0 + d; each is refilled with the chunk PIPE later),
 // chunk ch0 + d's B words at b + d * CHUNK_KS * 8 (chunk_mma's offsets).
-template <int NT, bool LDSM = false>
+template <int NT>
 static __device__ __forceinline__ void range_mma(float (*c)[4], float (*c2)[4], uint4 qa[PIPE],
                                                  uint2 sa[PIPE], const uint8_t *qt,
                                                  const uint8_t *st, int ch0, int nfull,
@@ -519,7 +492,7 @@ static __device__ __forceinline__ void range_mma(float (*c)[4], float (*c2)[4], 
             const uint4 qv = qa[d];
             const uint2 sv = sa[d];
             if (ch + PIPE < nfull) load_chunk(&qa[d], &sa[d], qt, st, ch + PIPE);
-            chunk_mma<NT, LDSM>(c, c2, qv, sv, b + d * CHUNK_KS * 8, off, nt);
+            chunk_mma<NT>(c, c2, qv, sv, b + d * CHUNK_KS * 8, off, nt);
         }
     }
 }
@@ -780,9 +753,7 @@ static __global__ void moe_row_stage_kernel(uint16_t *__restrict__ xs, float *__
 // column differs from the 8-column kernels' only in the order of its fp32 sums: one MMA chain
 // per n-tile here (32 accumulator registers, not tile_mma's two chains' 64), so that two
 // blocks fit an SM and one block's staging overlaps the other's MMAs. c[t] holds n-tile t
-// (columns 8t..8t+7) in tile_mma's layout. LDSM: the B fragments by ldmatrix (chunk_mma), the
-// same bits.
-template <bool LDSM>
+// (columns 8t..8t+7) in tile_mma's layout.
 static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t *q,
                                  const uint8_t *s, const uint16_t *xs, int row_div,
                                  const int32_t *work, const float *out_rows, int n_tiles, int K)
@@ -816,15 +787,6 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
         const int n = 8 * t + lane / 4;
         col_off[t] = (n < ncols ? n : 0) * W + cq;
     }
-    // With LDSM, the row this lane addresses for n-tiles 2p and 2p + 1: matrix m = lane / 8 is
-    // n-tile 2p + m / 2, k-half m % 2 (words + 4), row lane % 8 its column (0 past ncols).
-    int ldsm_off[WIDE_NT / 2];
-#pragma unroll
-    for (int p = 0; p < WIDE_NT / 2; p++) {
-        const int n = 8 * (2 * p + (lane >> 4)) + (lane & 7);
-        ldsm_off[p] = (n < ncols ? n : 0) * W + 4 * ((lane >> 3) & 1);
-    }
-    const int *off = LDSM ? ldsm_off : col_off;
     for (int k0 = 0; k0 < K; k0 += WIDE_KC) {
         const int kc = K - k0 < WIDE_KC ? K - k0 : WIDE_KC, q8 = kc / 8;  // K in 16s: kc too
         __syncthreads();  // the previous K range's MMAs are done with bs (and row_of is set)
@@ -837,18 +799,17 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
         __syncthreads();
         if (rt >= n_tiles) continue;  // still staging with the block
         const int ch0 = k0 / 64;  // WIDE_KC / 64 == PIPE chunks of this range
-        range_mma<WIDE_NT, LDSM>(c, c, qa, sa, qt, st, ch0, nfull, bs, off, nt);  // one chain
+        range_mma<WIDE_NT>(c, c, qa, sa, qt, st, ch0, nfull, bs, col_off, nt);  // one chain
         if (k0 + kc == K)  // the tail's k-steps lie in this last range
             for (int j = 0; j < ntail; j++)
-                tail_mma<WIDE_NT, LDSM>(c, qt, st, nfull, ntail, j,
-                                        bs + ((nfull - ch0) * CHUNK_KS + j) * 8, off, nt);
+                tail_mma<WIDE_NT>(c, qt, st, nfull, ntail, j,
+                                  bs + ((nfull - ch0) * CHUNK_KS + j) * 8, col_off, nt);
     }
     *o = TileOut{e, ncols, pair_of, out_mul};
     return rt < n_tiles;
 }
 
 // gate/up + SwiGLU over wide tiles (w13_out per n-tile). Two blocks an SM (128 registers).
-template <bool LDSM>
 static __global__ void __launch_bounds__(MMA_THREADS, 2)
     moe_w13_wide_kernel(uint16_t *__restrict__ act, const uint8_t *__restrict__ q13,
                         const uint8_t *__restrict__ s13, const float *__restrict__ g13,
@@ -857,7 +818,7 @@ static __global__ void __launch_bounds__(MMA_THREADS, 2)
 {
     float c[WIDE_NT][4];
     TileOut o;
-    if (!wide_tile<LDSM>(c, &o, q13, s13, xs, k, work, out_rows, inter / 8, hidden)) return;
+    if (!wide_tile(c, &o, q13, s13, xs, k, work, out_rows, inter / 8, hidden)) return;
     const int lane = threadIdx.x % WARP_SIZE;
     const int feat = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 8 + lane / 4;
     const float gg = g13[2 * o.e], gu = g13[2 * o.e + 1];
@@ -866,7 +827,6 @@ static __global__ void __launch_bounds__(MMA_THREADS, 2)
 }
 
 // down over wide tiles (w2_out per n-tile). Two blocks an SM.
-template <bool LDSM>
 static __global__ void __launch_bounds__(MMA_THREADS, 2)
     moe_w2_wide_kernel(float *__restrict__ y, const uint8_t *__restrict__ q2,
                        const uint8_t *__restrict__ s2, const float *__restrict__ g2,
@@ -876,7 +836,7 @@ static __global__ void __launch_bounds__(MMA_THREADS, 2)
 {
     float c[WIDE_NT][4];
     TileOut o;
-    if (!wide_tile<LDSM>(c, &o, q2, s2, xs, 1, work, out_rows, hidden / 16, inter)) return;
+    if (!wide_tile(c, &o, q2, s2, xs, 1, work, out_rows, hidden / 16, inter)) return;
     const int lane = threadIdx.x % WARP_SIZE;
     const int row = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 16 + lane / 4;
     const float ge = g2[o.e];
@@ -1173,58 +1133,32 @@ static dim3 wide_launch(const void *kernel, const MoeExperts *ex, int32_t *work,
                 (unsigned) max_tiles(n_pairs, ex->n_experts, MOE_WIDE_COLS));
 }
 
-template <bool LDSM>
-static void w13_wide(uint16_t *act, const MoeExperts *ex, const float *x, int32_t *work, int n_tok,
-                     int k, cudaStream_t stream)
+void moe_experts_w13_wide(uint16_t *act, const MoeExperts *ex, const float *x, int32_t *work,
+                          int n_tok, int k, cudaStream_t stream)
 {
     ASSERT((uintptr_t) x % 16 == 0);
     uint16_t *xs;
     float *out_rows;
-    const dim3 grid = wide_launch<float>((const void *) moe_w13_wide_kernel<LDSM>, ex, work, x,
+    const dim3 grid = wide_launch<float>((const void *) moe_w13_wide_kernel, ex, work, x,
                                          n_tok, ex->hidden, n_tok, k, ex->inter / 8, &xs,
                                          &out_rows, stream);
-    moe_w13_wide_kernel<LDSM><<<grid, MMA_THREADS, moe_wide_smem_bytes(), stream>>>(
+    moe_w13_wide_kernel<<<grid, MMA_THREADS, moe_wide_smem_bytes(), stream>>>(
         act, ex->q13, ex->s13, ex->g13, xs, work, out_rows, k, ex->hidden, ex->inter);
     CUDA_CHECK(cudaGetLastError());
-}
-
-template <bool LDSM>
-static void w2_wide(float *y, const MoeExperts *ex, const uint16_t *act, int32_t *work,
-                    const float *w, int n_tok, int k, cudaStream_t stream)
-{
-    ASSERT((uintptr_t) act % 8 == 0);
-    uint16_t *xs;
-    float *out_rows;
-    const dim3 grid = wide_launch<uint16_t>((const void *) moe_w2_wide_kernel<LDSM>, ex, work,
-                                            act, n_tok * k, ex->inter, n_tok, k, ex->hidden / 16,
-                                            &xs, &out_rows, stream);
-    moe_w2_wide_kernel<LDSM><<<grid, MMA_THREADS, moe_wide_smem_bytes(), stream>>>(
-        y, ex->q2, ex->s2, ex->g2, xs, work, out_rows, w, ex->hidden, ex->inter);
-    CUDA_CHECK(cudaGetLastError());
-}
-
-void moe_experts_w13_wide(uint16_t *act, const MoeExperts *ex, const float *x, int32_t *work,
-                          int n_tok, int k, cudaStream_t stream)
-{
-    w13_wide<false>(act, ex, x, work, n_tok, k, stream);
 }
 
 void moe_experts_w2_wide(float *y, const MoeExperts *ex, const uint16_t *act, int32_t *work,
                          const float *w, int n_tok, int k, cudaStream_t stream)
 {
-    w2_wide<false>(y, ex, act, work, w, n_tok, k, stream);
-}
-
-void moe_experts_w13_wide_ldsm(uint16_t *act, const MoeExperts *ex, const float *x, int32_t *work,
-                               int n_tok, int k, cudaStream_t stream)
-{
-    w13_wide<true>(act, ex, x, work, n_tok, k, stream);
-}
-
-void moe_experts_w2_wide_ldsm(float *y, const MoeExperts *ex, const uint16_t *act, int32_t *work,
-                              const float *w, int n_tok, int k, cudaStream_t stream)
-{
-    w2_wide<true>(y, ex, act, work, w, n_tok, k, stream);
+    ASSERT((uintptr_t) act % 8 == 0);
+    uint16_t *xs;
+    float *out_rows;
+    const dim3 grid = wide_launch<uint16_t>((const void *) moe_w2_wide_kernel, ex, work,
+                                            act, n_tok * k, ex->inter, n_tok, k, ex->hidden / 16,
+                                            &xs, &out_rows, stream);
+    moe_w2_wide_kernel<<<grid, MMA_THREADS, moe_wide_smem_bytes(), stream>>>(
+        y, ex->q2, ex->s2, ex->g2, xs, work, out_rows, w, ex->hidden, ex->inter);
+    CUDA_CHECK(cudaGetLastError());
 }
 
 void moe_combine(float *out, const float *y, const float *residual, int n_tok, int k, int hidden,

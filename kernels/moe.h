@@ -126,14 +126,6 @@ void moe_experts_w13_wide(uint16_t *act, const MoeExperts *ex, const float *x, i
                           int n_tok, int k, cudaStream_t stream);
 void moe_experts_w2_wide(float *y, const MoeExperts *ex, const uint16_t *act, int32_t *work,
                          const float *w, int n_tok, int k, cudaStream_t stream);
-// The wide tiles with their B fragments read by ldmatrix instead of 32-bit shared loads: the
-// same values into the same MMAs in the same order, so the same outputs bit for bit, in a
-// quarter of the B loads' instructions. Written 2026-12-04 and NOT YET RUN ON A GPU
-// (tests/gpu/test_moe.c checks the equality); the engine takes them with GLMSPARK_MOE_LDSM=1.
-void moe_experts_w13_wide_ldsm(uint16_t *act, const MoeExperts *ex, const float *x, int32_t *work,
-                               int n_tok, int k, cudaStream_t stream);
-void moe_experts_w2_wide_ldsm(float *y, const MoeExperts *ex, const uint16_t *act, int32_t *work,
-                              const float *w, int n_tok, int k, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

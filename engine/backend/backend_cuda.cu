@@ -218,8 +218,6 @@ typedef struct CudaImpl {
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
     bool moe_wide;  // prefill chunks may take the wide expert tiles (GLMSPARK_MOE_WIDE=0: no)
     size_t dsa_score_bytes;  // a DSA top-k pass's scores (DSA_SCORE_BYTES; tests lower it)
-    bool mla_ldsm;  // GLMSPARK_MLA_LDSM=1: mla_decode_tc_ldsm (the same bits; not yet measured)
-    bool moe_ldsm;  // GLMSPARK_MOE_LDSM=1: the wide tiles by ldmatrix (the same bits; not yet run)
     int moe_chunk;  // GLMSPARK_MOE_CHUNK: tokens per expert launch of a prefill (0: the most
                     // the tiles take, MOE_MAX_WIDE_PAIRS or MOE_MAX_CHUNK_PAIRS / top_k)
     double prof_t0;
@@ -1925,7 +1923,7 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
         heads_product(impl, q_lat, pk->uk, q_nope, L, MLA_QK_NOPE, Hp, nc);
         prof_end(impl, PROF_MLA_PROJ, 0.0);
         prof_begin(impl);
-        (!tc ? mla_decode : impl->mla_ldsm ? mla_decode_tc_ldsm : mla_decode_tc)(
+        (tc ? mla_decode_tc : mla_decode)(
             o_lat, q_lat, q_pe, &cache, st->dev, st->stride, s->seq_of + t0, len + t0,
             sel ? sel + (size_t) t0 * sel_stride : NULL, sel_stride, nc, Hp, p->scale, n_split,
             ws_o, ws_ml, impl->stream);
@@ -2062,10 +2060,8 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
         // Past MOE_MAX_CHUNK_PAIRS a chunk is wide: 8,192 pairs >= 16 x MOE_MAX_EXPERTS.
         if (impl->moe_wide && nc * top_k >= MOE_WIDE_MIN_PAIRS * ex->n_experts) {
             moe_group_wide(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
-            (impl->moe_ldsm ? moe_experts_w13_wide_ldsm : moe_experts_w13_wide)(
-                act, ex, xc, work, nc, top_k, impl->stream);
-            (impl->moe_ldsm ? moe_experts_w2_wide_ldsm : moe_experts_w2_wide)(
-                y, ex, act, work, wts + k0, nc, top_k, impl->stream);
+            moe_experts_w13_wide(act, ex, xc, work, nc, top_k, impl->stream);
+            moe_experts_w2_wide(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
         } else {
             moe_group(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
             moe_experts_w13(act, ex, xc, work, nc, top_k, impl->stream);
@@ -2472,8 +2468,6 @@ Err backend_cuda_create(int device, Backend **out)
     impl->profile = backend_env_flag("GLMSPARK_CUDA_PROFILE", false);
     impl->moe_wide = backend_env_flag("GLMSPARK_MOE_WIDE", true);
     impl->dsa_score_bytes = DSA_SCORE_BYTES;
-    impl->mla_ldsm = backend_env_flag("GLMSPARK_MLA_LDSM", false);
-    impl->moe_ldsm = backend_env_flag("GLMSPARK_MOE_LDSM", false);
     const char *chunk = getenv("GLMSPARK_MOE_CHUNK");
     if (chunk && *chunk) {  // an experiment's knob: tokens per expert launch of a prefill
         char *end;

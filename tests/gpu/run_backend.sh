@@ -163,7 +163,7 @@ done
 # REAP_PROFILE=0 (no profiled run), REAP_COMPARE=0 (no reap_compare below), GEN_TOKENS
 # (generate's length, 64). REAP_PREFILL="2048 8192" adds batch-1 runs at those prompt
 # lengths (prefill tok/s and TFLOP/s against the cuBLASLt GEMM of the same run).
-# REAP_PREFILL_ENVS="GLMSPARK_MLA_LDSM=1,GLMSPARK_MOE_LDSM=1 GLMSPARK_MLA_TC=0,GLMSPARK_DSA_TC=0" repeats them (and
+# REAP_PREFILL_ENVS="GLMSPARK_MOE_WIDE=0 GLMSPARK_MLA_TC=0,GLMSPARK_DSA_TC=0" repeats them (and
 # the REAP_LONG runs) with
 # each of those settings (commas join variables), REAP_PREFILL_PROFILE=1 profiles
 # each per op kind. REAP_SPILL=DIR lets a checkpoint larger than the disk put its last shards
@@ -260,7 +260,7 @@ for cfg in ${REAP:-}; do
         run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$ctx" \
             --steps 2 --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg prefill $ctx failed"; status=1; }
-        for e in "" ${REAP_PREFILL_ENVS:-}; do  # e.g. GLMSPARK_MLA_LDSM=1 GLMSPARK_MOE_WIDE=0
+        for e in "" ${REAP_PREFILL_ENVS:-}; do  # e.g. GLMSPARK_MOE_WIDE=0
             if [ -n "$e" ]; then
                 echo "== bench reap $cfg kv fp8 precision bf16 prefill $ctx $e" | tee -a "$out/reap.log"
                 env $(echo "$e" | tr , " ") "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$c/bin/glmspark" \
