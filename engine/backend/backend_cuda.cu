@@ -215,6 +215,10 @@ typedef struct CudaImpl {
     // Graphed calls (graph_begin with graphs on) by outcome, logged at destroy: a serving
     // path whose steps keep missing the cache pays every launch of the step on the host.
     unsigned long long n_replays, n_captures, n_eager;
+    // Host seconds spent recording and instantiating graphs, and launching the eager calls
+    // (graph_begin to graph_end): what a graphed serving run pays that the bench's timed
+    // steps do not.
+    double capture_s, eager_s, graph_t0;
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
     bool moe_wide;  // prefill chunks may take the wide expert tiles (GLMSPARK_MOE_WIDE=0: no)
     size_t dsa_score_bytes;  // a DSA top-k pass's scores (DSA_SCORE_BYTES; tests lower it)
@@ -2133,6 +2137,7 @@ static bool cuda_graph_begin(Backend *be, const KvCache *kv, KvSeq *const *seqs,
     ASSERT(impl->mode == GRAPH_NONE && n_key >= 0 && n_seqs >= 0);
     impl->mode = GRAPH_EAGER;
     impl->n_key = 0;
+    impl->graph_t0 = clock_now_s();
     if (!impl->graphs || n_key + 2 + n_seqs > MAX_GRAPH_KEY) return false;
     // The pool and block tables up to date now (a change bumps gen), so that a replay reads
     // them.
@@ -2186,6 +2191,7 @@ static void cuda_graph_end(Backend *be)
         g->n_key = 0;
         CUDA_CHECK(cudaGraphInstantiate(&g->exec, graph, 0));
         CUDA_CHECK(cudaGraphDestroy(graph));
+        impl->capture_s += clock_now_s() - impl->graph_t0;
         memcpy(g->key, impl->key, (size_t) impl->n_key * sizeof *g->key);
         g->n_key = impl->n_key;
         g->gen = impl->gen;
@@ -2195,6 +2201,7 @@ static void cuda_graph_end(Backend *be)
         break;
     }
     case GRAPH_EAGER:
+        impl->eager_s += clock_now_s() - impl->graph_t0;
         memcpy(impl->last_key, impl->key, (size_t) impl->n_key * sizeof *impl->key);
         impl->n_last_key = impl->n_key;
         impl->last_gen = impl->gen;
@@ -2408,9 +2415,11 @@ static void cuda_destroy(Backend *be)
     CudaImpl *impl = (CudaImpl *) be->impl;
     if (impl) {
         if (impl->n_replays + impl->n_captures + impl->n_eager)
-            LOG_INFO("CUDA graphs: %llu graphed calls replayed, %llu captured, %llu run eagerly "
-                     "(a key or a device allocation changed since the last call)",
-                     impl->n_replays, impl->n_captures, impl->n_eager);
+            LOG_INFO("CUDA graphs: %llu graphed calls replayed, %llu captured (%.1f ms recording "
+                     "and instantiating), %llu run eagerly (a key or a device allocation changed "
+                     "since the last call; %.1f ms launching)",
+                     impl->n_replays, impl->n_captures, 1e3 * impl->capture_s, impl->n_eager,
+                     1e3 * impl->eager_s);
         for (int i = 0; i < impl->n_allocs; i++)
             cudaFree(impl->allocs[i]);
         free(impl->allocs);
