@@ -34,9 +34,9 @@
  *   keys; the splits summed in order and projected. Long contexts spread over the GPU.
  * - KV cache: kv_cache.c owns a host pool; this backend keeps a device pool of the same
  *   layout per KvCache (found by address, created zeroed on first use), writes and reads its
- *   entries through kv_cache.h's host/device routines (f32, bf16, fp8), and keeps one device
- *   block table per step ([sequences, longest table], DevStep), uploaded again only when a
- *   table changed. The cache ops (kv_write, dsa_topk, mla_attention) run once per step for
+ *   entries through kv_cache.h's host/device routines (f32, bf16, fp8), and keeps a step's
+ *   block tables ([sequences, longest table], DevStep) in device rows per step shape (cache,
+ *   sequence count, stride), uploaded again only when a table changed. The cache ops (kv_write, dsa_topk, mla_attention) run once per step for
  *   every sequence: a token finds its table row through BackendSeqs.seq_of. Only this
  *   backend reads or writes the device pool, so the host pool of a cache used with CUDA
  *   stays zero.
@@ -46,9 +46,10 @@
  *   cost nothing; the slots sharing an expert share its weight read, 8 per read); down the
  *   same way; the weighted sum in ascending expert order (the CPU order).
  * - Graphs (graph_begin/graph_end of backend.h): the caller names a run of ops by a key;
- *   the backend adds the sequences' block-table lengths and a generation counter that every
- *   device (re)allocation and block-table upload bumps, since launches capture pointers and
- *   grid sizes. A key seen in the previous call, with no allocation since, is captured
+ *   the backend adds the cache, the sequence count and the block tables' stride (which name
+ *   the step's table rows, whatever sequences fill them: a batch whose sequences change
+ *   replays) and a generation counter that every device (re)allocation bumps, since launches
+ *   capture pointers and grid sizes. A key seen in the previous call, with no allocation since, is captured
  *   (stream capture) and launched; later calls with the key replay the graph, the caller
  *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
  *   buffers the caller uploads before. GLMSPARK_CUDA_GRAPHS=0 turns graphs off;
@@ -101,7 +102,7 @@ enum {
     SCRATCH_Z,  // q_lat, mla_decode's split workspace
     N_SCRATCH,
     MAX_POOLS = 16,
-    MAX_STEPS = 16,  // step block tables kept (the main cache's, the MTP layer's, ...)
+    MAX_STEPS = 64,  // graphed steps' block tables kept: (cache, sequences, stride) shapes
     MAX_EXPERT_TABLES = 512,
     MAX_KV_B = 512,
     MAX_PAD_LINS = 1024,
@@ -127,7 +128,11 @@ typedef struct DevPool {
 // The block tables of one step's sequences on the device, one row of `stride` ints per
 // sequence (rows padded with 0), re-uploaded only when a table changed.
 typedef struct DevStep {
-    const KvSeq **seqs;  // [n_seqs] the step's sequences, in order (the key), owned
+    // The slot's key: a graphed call's tables live in the slot of its cache, sequence count
+    // and stride, whichever sequences they are, so that a recorded step replays for any batch
+    // of that shape (a sequence that ends and one that joins change no graph). kv NULL: the
+    // ungraphed calls' slot (impl->step_eager), which no graph reads.
+    const KvCache *kv;
     int n_seqs;
     int stride;               // ints per row: the longest table (at least 1)
     int cap;                  // ints allocated in host and dev
@@ -233,7 +238,8 @@ typedef struct CudaImpl {
     void *scratch[N_SCRATCH];
     size_t scratch_bytes[N_SCRATCH];
     DevPool pools[MAX_POOLS];
-    DevStep steps[MAX_STEPS];
+    DevStep steps[MAX_STEPS];  // graphed calls' tables (DevStep)
+    DevStep step_eager;        // ungraphed calls' tables
     int *step_tmp;  // host staging for a step's tables, owned
     int step_tmp_cap;
     unsigned long long clock;
@@ -1151,15 +1157,17 @@ static int table_stride(const CudaImpl *impl, KvSeq *const *seqs, int n_seqs)
     return stride;
 }
 
-// The block tables of a step's sequences in device memory (DevStep). Kept per ordered list
-// of sequences and compared with the host tables on every call (a few ints per sequence), so
-// a decode step uploads nothing unless a sequence gained a block or the batch changed; the
-// least recently used slot is recycled. A new block is uploaded into the same device rows:
-// graphs recorded with them read the new tables when replayed (graph_begin calls this first).
-// Only a new slot, a larger allocation or a new stride (table_stride) invalidates graphs.
-static const DevStep *dev_step(CudaImpl *impl, KvSeq *const *seqs, int n_seqs)
+// The block tables of a step's sequences in device memory (DevStep), compared with the host
+// tables on every call (a few ints per sequence) and uploaded only when they differ: a decode
+// step uploads nothing unless a sequence gained a block or the batch changed. A graphed call
+// (between graph_begin and graph_end) takes the slot of (kv, n_seqs, stride), the least
+// recently used one recycled; new contents go into the same device rows, so the graphs
+// recorded with a slot read the current tables when replayed, whichever sequences the batch
+// holds (graph_begin calls this first). Only recycling a slot invalidates graphs (impl->gen).
+// Ungraphed calls (prefill chunks, exact strides) share step_eager.
+static const DevStep *dev_step(CudaImpl *impl, const KvCache *kv, KvSeq *const *seqs, int n_seqs)
 {
-    ASSERT(n_seqs > 0);
+    ASSERT(n_seqs > 0 && kv);
     const int stride = table_stride(impl, seqs, n_seqs);
     const int need = n_seqs * stride;
     if (need > impl->step_tmp_cap) {
@@ -1176,30 +1184,36 @@ static const DevStep *dev_step(CudaImpl *impl, KvSeq *const *seqs, int n_seqs)
         memset(tmp + (size_t) i * stride + q->n_blocks, 0,
                (size_t) (stride - q->n_blocks) * sizeof(int));
     }
-    DevStep *slot = NULL, *lru = &impl->steps[0];
-    for (int i = 0; i < MAX_STEPS && !slot; i++) {
-        DevStep *d = &impl->steps[i];
-        if (d->n_seqs == n_seqs && memcmp(d->seqs, seqs, (size_t) n_seqs * sizeof *seqs) == 0)
-            slot = d;
-        else if (d->used < lru->used)
-            lru = d;
-    }
-    if (!slot) {
-        slot = lru;
-        free(slot->seqs);
-        slot->seqs = (const KvSeq **) malloc((size_t) n_seqs * sizeof *slot->seqs);
-        if (!slot->seqs) log_fatal(__FILE__, __LINE__, "out of memory");
-        memcpy(slot->seqs, seqs, (size_t) n_seqs * sizeof *seqs);
-        slot->n_seqs = n_seqs;
-        slot->stride = 0;  // forces the upload below
+    DevStep *slot = NULL;
+    bool fresh = false;
+    if (impl->mode == GRAPH_NONE) {
+        slot = &impl->step_eager;
+    } else {
+        DevStep *lru = &impl->steps[0];
+        for (int i = 0; i < MAX_STEPS && !slot; i++) {
+            DevStep *d = &impl->steps[i];
+            if (d->kv == kv && d->n_seqs == n_seqs && d->stride == stride)
+                slot = d;
+            else if (d->used < lru->used)
+                lru = d;
+        }
+        if (!slot) {
+            slot = lru;
+            if (slot->kv) impl->gen++;  // graphs recorded with its rows
+            slot->kv = kv;
+            slot->n_seqs = n_seqs;
+            slot->stride = stride;
+            fresh = true;  // uploaded below (its rows kept if they fit)
+        }
     }
     slot->used = ++impl->clock;
-    if (slot->stride == stride && memcmp(slot->host, tmp, (size_t) need * sizeof(int)) == 0)
+    if (!fresh && slot->cap >= need && slot->stride == stride && slot->n_seqs == n_seqs
+        && memcmp(slot->host, tmp, (size_t) need * sizeof(int)) == 0)
         return slot;
     no_capture(impl, "a block-table upload");
-    if (slot->stride != stride || need > slot->cap)
-        impl->gen++;  // graphs captured the tables' pointer and stride
     if (need > slot->cap) {
+        // A graphed slot is new here (its graphs went with the recycling); step_eager is read
+        // by no graph.
         const int cap = 2 * need > 64 ? 2 * need : 64;
         free(slot->host);
         if (slot->dev) CUDA_CHECK(cudaFree(slot->dev));
@@ -1211,13 +1225,14 @@ static const DevStep *dev_step(CudaImpl *impl, KvSeq *const *seqs, int n_seqs)
     memcpy(slot->host, tmp, (size_t) need * sizeof(int));
     CUDA_CHECK(
         cudaMemcpy(slot->dev, slot->host, (size_t) need * sizeof(int), cudaMemcpyHostToDevice));
+    slot->n_seqs = n_seqs;
     slot->stride = stride;
     return slot;
 }
 
 static DevKv dev_kv(CudaImpl *impl, const KvCache *kv, const BackendSeqs *s, int layer)
 {
-    const DevStep *st = dev_step(impl, s->seqs, s->n_seqs);
+    const DevStep *st = dev_step(impl, kv, s->seqs, s->n_seqs);
     const unsigned char *pool = dev_pool(impl, kv);
     DevKv d = {pool + kv->mla_offset[layer],
                pool + kv->key_offset[layer],
@@ -1796,7 +1811,7 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
         // stored zero-padded (kv_cache.h) meet q zero-padded to their width (act_repad).
         const DsaCache c = kv_dsa_cache_stored(kv, dev_pool(impl, kv), layer);
         const bool pad = c.dim != p->head_dim;
-        const DevStep *st = dev_step(impl, s->seqs, s->n_seqs);
+        const DevStep *st = dev_step(impl, kv, s->seqs, s->n_seqs);
         float w_scale, sm_scale;
         backend_dsa_scales(p, &w_scale, &sm_scale);
         // Rows in passes (dsa_pass_rows): a 4,096-token chunk at 256K positions would
@@ -1888,7 +1903,7 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
     const int Hp = backend_mla_heads(H), Vp = backend_mla_v_rows(p);
     const bool crop = Hp != H || Vp != V;
     const KvEntryLayout *lo = &kv->entry[layer];
-    const DevStep *st = dev_step(impl, s->seqs, s->n_seqs);
+    const DevStep *st = dev_step(impl, kv, s->seqs, s->n_seqs);
     unsigned char *pool = dev_pool(impl, kv);
     const MlaCache cache = {pool + kv->mla_offset[layer],
                             lo->dtype == KV_DTYPE_FP8 ? MLA_CACHE_FP8 : MLA_CACHE_BF16,
@@ -2138,18 +2153,19 @@ static bool cuda_graph_begin(Backend *be, const KvCache *kv, KvSeq *const *seqs,
     impl->mode = GRAPH_EAGER;
     impl->n_key = 0;
     impl->graph_t0 = clock_now_s();
-    if (!impl->graphs || n_key + 2 + n_seqs > MAX_GRAPH_KEY) return false;
+    if (!impl->graphs || n_key + 3 > MAX_GRAPH_KEY) return false;
     // The pool and block tables up to date now (a change bumps gen), so that a replay reads
     // them.
     (void) dev_pool(impl, kv);
-    if (n_seqs > 0) (void) dev_step(impl, seqs, n_seqs);
+    if (n_seqs > 0) (void) dev_step(impl, kv, seqs, n_seqs);
     unsigned long long *k = impl->key;
     int nk = 0;
     for (int i = 0; i < n_key; i++)
         k[nk++] = key[i];
+    // The cache, the sequence count and the stride name the step's table slot (dev_step);
+    // which sequences fill it does not matter to a recording.
     k[nk++] = (unsigned long long) (uintptr_t) kv;
-    for (int i = 0; i < n_seqs; i++)
-        k[nk++] = (unsigned long long) (uintptr_t) seqs[i];
+    k[nk++] = (unsigned long long) n_seqs;
     if (n_seqs > 0) k[nk++] = (unsigned long long) table_stride(impl, seqs, n_seqs);
     impl->n_key = nk;
     const size_t kb = (size_t) nk * sizeof *k;
@@ -2428,10 +2444,11 @@ static void cuda_destroy(Backend *be)
         for (int i = 0; i < MAX_POOLS; i++)
             cudaFree(impl->pools[i].dev);
         for (int i = 0; i < MAX_STEPS; i++) {
-            free(impl->steps[i].seqs);
             free(impl->steps[i].host);
             cudaFree(impl->steps[i].dev);
         }
+        free(impl->step_eager.host);
+        cudaFree(impl->step_eager.dev);
         free(impl->step_tmp);
         for (int i = 0; i < impl->n_tables; i++)
             cudaFree(impl->tables[i].dev);

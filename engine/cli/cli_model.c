@@ -29,7 +29,9 @@
  * the handshake); rank 0 prints or writes the output, the last rank samples. The local
  * launcher passes --local-rank R (GPU R); under mpirun/srun OMPI_COMM_WORLD_LOCAL_RANK or
  * SLURM_LOCALID does. generate --n-seqs K runs K sequences (seeds seed .. seed+K-1) at once
- * through the scheduler and prints one line per sequence.
+ * through the scheduler and prints one line per sequence; --max-seqs M runs at most M of them
+ * at a time (the others join as sequences end: the batches change composition, as a
+ * server's do).
  *
  * generate --mtp K (1..8) decodes speculatively (mtp.h): K drafts from the model's MTP
  * layer, verified in one forward of 1 + K tokens; the greedy output is the same as
@@ -66,6 +68,7 @@ typedef struct ModelArgs {
     const char *out_path;
     int max_tokens;
     int n_seqs;  // generate --n-seqs K: K copies of the prompt through the scheduler
+    int max_seqs;  // --max-seqs M: at most M of them at once (0: all K)
     int mtp;     // generate --mtp K: K MTP drafts per verify step (0: off)
     int n_threads;
     bool ignore_eos;
@@ -151,7 +154,8 @@ static int usage(const char *cmd)
                         "[--ignore-eos] [--threads N] [--backend cpu|cuda] [--precision f32|bf16] "
                         "[--repetition-penalty R] "
                         "[--presence-penalty P] [--frequency-penalty F] [--kv-dtype f32|bf16|fp8] "
-                        "[--mtp K] [--pp N | --rank R --world N --master ADDR:PORT]\n");
+                        "[--mtp K] [--n-seqs K [--max-seqs M]] "
+                        "[--pp N | --rank R --world N --master ADDR:PORT]\n");
     return 2;
 }
 
@@ -212,6 +216,8 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
             ok = num_parse_int(val, 1, MTP_MAX_DRAFTS, &a->mtp);
         else if (strcmp(opt, "--n-seqs") == 0)
             ok = num_parse_int(val, 1, PP_MAX_SLOTS, &a->n_seqs);
+        else if (strcmp(opt, "--max-seqs") == 0)
+            ok = num_parse_int(val, 1, PP_MAX_SLOTS, &a->max_seqs);
         else if (strcmp(opt, "--threads") == 0)
             ok = num_parse_int(val, 1, 64, &a->n_threads);
         else if (strcmp(opt, "--top-k") == 0)
@@ -328,8 +334,11 @@ static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, KvCa
     if (!out.ids || !out.n) goto done;
     for (int i = 0; i < K; i++)
         if (!(out.ids[i] = malloc(((size_t) a->max_tokens + 1) * sizeof(int32_t)))) goto done;
-    const SchedParams sp = {
-        .max_num_seqs = K, .mtp_k = a->mtp, .on_event = on_batch_event, .user = &out};
+    // --max-seqs M < K: the sequences take turns, one joining as another ends.
+    const SchedParams sp = {.max_num_seqs = a->max_seqs > 0 && a->max_seqs < K ? a->max_seqs : K,
+                            .mtp_k = a->mtp,
+                            .on_event = on_batch_event,
+                            .user = &out};
     if (sched_create(st, m, kv, &sp, &s)) goto done;
     for (int i = 0; i < K; i++) {
         SchedRequest r = {.id = (uint64_t) i,

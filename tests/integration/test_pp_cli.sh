@@ -63,6 +63,18 @@ for i in 0 1 2; do
 done
 echo "ok: generate --n-seqs 3 (scheduler) equals each sequence alone, --pp 1 and 3"
 
+# 2c. Sequences taking turns (--max-seqs 2 of --n-seqs 4): 2 and 3 join as 0 and 1 end, so a
+# batch of the same size holds other sequences; each line still equals its run alone.
+"$bin" generate --model "$tmp/default" --tokens 1,5,7,9 --max-tokens 12 --temperature 0.9 \
+    --seed 4 --n-seqs 4 --max-seqs 2 --ignore-eos --threads 1 >"$tmp/turns.txt" 2>"$tmp/log" \
+    || { cat "$tmp/log"; fail "generate --n-seqs 4 --max-seqs 2"; }
+[ "$(wc -l <"$tmp/turns.txt")" -eq 4 ] || fail "--max-seqs 2: $(wc -l <"$tmp/turns.txt") lines"
+head -3 "$tmp/turns.txt" | cmp - "$tmp/n1.txt" || fail "--max-seqs 2: sequences 0-2 differ from --n-seqs 3"
+"$bin" generate --model "$tmp/default" --tokens 1,5,7,9 --max-tokens 12 --temperature 0.9 \
+    --seed 7 --ignore-eos --threads 1 >"$tmp/alone.txt" 2>/dev/null
+sed -n 4p "$tmp/turns.txt" | cmp - "$tmp/alone.txt" || fail "--max-seqs 2: sequence 3 differs from its run alone"
+echo "ok: generate --n-seqs 4 --max-seqs 2 (sequences taking turns) equals each sequence alone"
+
 # long_run R LOG: a long `generate --pp 3` in the background (stderr into LOG), waited for
 # until every rank has loaded and then 1.5 s into decoding; sets launcher (its pid), rank
 # (rank R's pid) and pgid (the pipeline's process group).
