@@ -224,6 +224,9 @@ typedef struct CudaImpl {
     // (graph_begin to graph_end): what a graphed serving run pays that the bench's timed
     // steps do not.
     double capture_s, eager_s, graph_t0;
+    // Downloads: count, bytes and host seconds copying, after the device's queued work.
+    unsigned long long n_downloads, download_bytes;
+    double download_s;
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
     bool moe_wide;  // prefill chunks may take the wide expert tiles (GLMSPARK_MOE_WIDE=0: no)
     size_t dsa_score_bytes;  // a DSA top-k pass's scores (DSA_SCORE_BYTES; tests lower it)
@@ -1279,8 +1282,14 @@ static void cuda_download(Backend *be, void *dst_host, const void *src, size_t b
     CudaImpl *impl = (CudaImpl *) be->impl;
     no_capture(impl, "download");
     if (!bytes) return;
+    // The device's queued work first, then the copy alone, timed (the summary at destroy).
+    CUDA_CHECK(cudaStreamSynchronize(impl->stream));
+    const double t0 = clock_now_s();
     CUDA_CHECK(cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, impl->stream));
     CUDA_CHECK(cudaStreamSynchronize(impl->stream));
+    impl->download_s += clock_now_s() - t0;
+    impl->download_bytes += bytes;
+    impl->n_downloads++;
 }
 
 // Device memory of `bytes` bytes, remembered for destroy; NULL when out of memory.
@@ -2436,6 +2445,11 @@ static void cuda_destroy(Backend *be)
                      "since the last call; %.1f ms launching)",
                      impl->n_replays, impl->n_captures, 1e3 * impl->capture_s, impl->n_eager,
                      1e3 * impl->eager_s);
+        if (impl->n_downloads)
+            LOG_INFO("CUDA downloads: %llu, %.1f MB in %.1f ms of copying (%.2f GB/s; into "
+                     "pageable memory)",
+                     impl->n_downloads, impl->download_bytes / 1e6, 1e3 * impl->download_s,
+                     impl->download_bytes / 1e9 / (impl->download_s > 0 ? impl->download_s : 1e-9));
         for (int i = 0; i < impl->n_allocs; i++)
             cudaFree(impl->allocs[i]);
         free(impl->allocs);

@@ -357,6 +357,7 @@ static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, KvCa
     // `glmspark bench` at the same batch and context.
     double t_all = -1.0;
     int tok_all = 0;
+    PpStageTimes times_all = {0};
     while (sched_has_work(s)) {
         if (sched_step(s)) goto done;
         if (t_all < 0.0) {
@@ -368,6 +369,7 @@ static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, KvCa
             if (started == K) {
                 t_all = clock_now_s();
                 tok_all = emitted;
+                times_all = pp_stage_times(st);
             }
         }
     }
@@ -383,10 +385,25 @@ static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, KvCa
     LOG_INFO("%d sequences x %d prompt tokens: %d tokens generated in %.3f s (%.2f tok/s "
              "aggregate, %.3f s cpu on rank 0) over %d ranks",
              K, n, total, dt, total / dt, dc, pp_world(st));
-    if (t_all >= 0.0 && total > tok_all && t_end > t_all)
+    if (t_all >= 0.0 && total > tok_all && t_end > t_all) {
         LOG_INFO("decode with all %d sequences prefilled: %d tokens in %.3f s (%.2f tok/s "
                  "aggregate)",
                  K, total - tok_all, t_end - t_all, (total - tok_all) / (t_end - t_all));
+        // Where a batch's time went on this rank (all of it on one rank): the forward (the
+        // device's work, waiting for it, the logits' download), sampling, and the rest (the
+        // scheduler, the cache's bookkeeping, other ranks).
+        const PpStageTimes t1 = pp_stage_times(st);
+        const long long nb = t1.batches - times_all.batches;
+        if (nb > 0)
+            LOG_INFO("decode with all %d sequences prefilled, per batch on rank 0 (%lld "
+                     "batches): %.3f ms, of which forward %.3f ms, sampling %.3f ms, the rest "
+                     "%.3f ms",
+                     K, nb, 1e3 * (t_end - t_all) / nb,
+                     1e3 * (t1.forward_s - times_all.forward_s) / nb,
+                     1e3 * (t1.sample_s - times_all.sample_s) / nb,
+                     1e3 * ((t_end - t_all) - (t1.forward_s - times_all.forward_s)
+                            - (t1.sample_s - times_all.sample_s)) / nb);
+    }
     if (a->mtp > 0) {
         SchedStats ss;
         sched_stats(s, &ss);

@@ -498,6 +498,7 @@ struct PpStage {
     MtpOut *res_mtp;
     int cap_res_mtp;
     bool res_has_mtp;
+    PpStageTimes times;  // pp_stage_times
     // Last rank: the step's sampling tasks and the threads that run them (sample_threads)
     ThreadPool *sample_pool;
     PpSampleRow sample_rows[PP_MAX_SLOTS];
@@ -667,6 +668,8 @@ int pp_slot_positions(const PpStage *s, int slot)
 }
 
 int pp_mask_words(const PpStage *s) { return (s->m->cfg.vocab_size + 31) / 32; }
+
+PpStageTimes pp_stage_times(const PpStage *s) { return s->times; }
 
 // Checks a batch; *n_extra gets the extra ids its cached prefixes and masks carry
 // (block_size bs, mask_words per mask).
@@ -846,12 +849,15 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
     }
     if (n_batch > 0) {
         const ModelBatch b = {n_batch, s->batch_seqs, s->batch_n};
+        const double t0 = clock_now_s();
         err = model_forward_batch(m, s->kv, &b, tokens, act_in,
                                   s->is_last && n_mtp == 0 ? NULL : s->act_out,
                                   s->is_last ? s->logits : NULL,
                                   !s->is_last ? MODEL_LOGITS_NONE
                                   : all       ? MODEL_LOGITS_ALL
                                               : MODEL_LOGITS_LAST);
+        s->times.forward_s += clock_now_s() - t0;
+        s->times.batches++;
         if (err) {
             LOG_ERROR("pipeline rank %d: forward over %d sequences (%d tokens) failed: %s", s->rank,
                       n_batch, n_tokens, err_name(err));
@@ -920,7 +926,9 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
                 if (mo->n_emit > 0) s->res_tokens[i] = mo->emit[mo->n_emit - 1];
             }
         }
+        const double t0 = clock_now_s();
         pp_sample_rows(s->sample_pool, s->sample_rows, n_sample, &s->sample_scratch);
+        s->times.sample_s += clock_now_s() - t0;
     }
     for (int i = 0; i < n_ops; i++)
         if ((ops[i].flags & PP_SEQ_FREE) && s->slots[ops[i].slot].active) {

@@ -202,6 +202,16 @@ int pp_mask_words(const PpStage *s);
 // Micro-batches submitted and not yet collected.
 int pp_inflight(const PpStage *s);
 
+// Where this rank's time went, totals since pp_stage_create: the batches it ran, the wall
+// seconds inside model_forward_batch (the backend's ops, waiting for the device and the
+// logits' download included) and sampling the rows (the last rank). A caller differences two
+// snapshots to time a phase (generate --n-seqs: its decode phase per batch).
+typedef struct PpStageTimes {
+    long long batches;
+    double forward_s, sample_s;
+} PpStageTimes;
+PpStageTimes pp_stage_times(const PpStage *s);
+
 // The pipeline's world size (stages).
 int pp_world(const PpStage *s);
 

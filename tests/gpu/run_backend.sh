@@ -311,11 +311,11 @@ for cfg in ${REAP:-}; do
     # the backend's count of graphed steps replayed, captured and run eagerly.
     toks=$(python3 -c "print(','.join(str((i * 7919) % 150000 + 5) for i in range(1024)))")
     run "$c/bin/glmspark" generate --backend cuda --kv-dtype fp8 --model "$dir" --tokens "$toks" \
-        --max-tokens "${GEN_TOKENS:-64}" --ignore-eos 2>&1 >/dev/null | grep -o "decode: .*\|CUDA graphs: .*" \
+        --max-tokens "${GEN_TOKENS:-64}" --ignore-eos 2>&1 >/dev/null | grep -o "decode: .*\|CUDA graphs: .*\|CUDA downloads: .*" \
         | sed "s/^/generate reap $cfg, 1 sequence, 1K prompt: /" | tee -a "$out/reap.log"
     run "$c/bin/glmspark" generate --backend cuda --kv-dtype fp8 --model "$dir" --tokens "$toks" \
         --max-tokens "${GEN_TOKENS:-64}" --ignore-eos --n-seqs 8 2>&1 >/dev/null \
-        | grep -o "[0-9]* sequences x .*\|decode with all .*\|CUDA graphs: .*" \
+        | grep -o "[0-9]* sequences x .*\|decode with all .*\|CUDA graphs: .*\|CUDA downloads: .*" \
         | sed "s/^/generate reap $cfg, 8 sequences, 1K prompts: /" | tee -a "$out/reap.log"
     if [ "${REAP_PROFILE:-1}" = 1 ]; then
         echo "== profile reap $cfg kv fp8 batch 1" | tee -a "$out/reap.log"
