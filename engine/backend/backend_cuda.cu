@@ -227,6 +227,7 @@ typedef struct CudaImpl {
     // Downloads: count, bytes and host seconds copying, after the device's queued work.
     unsigned long long n_downloads, download_bytes;
     double download_s;
+    int n_pinned;  // host ranges page-locked by pin_host
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
     bool moe_wide;  // prefill chunks may take the wide expert tiles (GLMSPARK_MOE_WIDE=0: no)
     size_t dsa_score_bytes;  // a DSA top-k pass's scores (DSA_SCORE_BYTES; tests lower it)
@@ -1275,6 +1276,31 @@ static void cuda_upload(Backend *be, void *dst, const void *src_host, size_t byt
     if (!bytes) return;
     CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, impl->stream));
     CUDA_CHECK(cudaStreamSynchronize(impl->stream));
+}
+
+static void cuda_pin_host(Backend *be, void *p, size_t bytes)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    if (!p || !bytes) return;
+    const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+    if (e != cudaSuccess) {  // the copies still work, through a staging buffer
+        (void) cudaGetLastError();
+        LOG_WARN("CUDA: could not page-lock %zu bytes of host memory (%s): downloads into it "
+                 "go through a staging buffer",
+                 bytes, cudaGetErrorString(e));
+        return;
+    }
+    impl->n_pinned++;
+}
+
+static void cuda_unpin_host(Backend *be, void *p)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    if (!p) return;
+    if (cudaHostUnregister(p) == cudaSuccess)
+        impl->n_pinned--;
+    else
+        (void) cudaGetLastError();  // never pinned (cuda_pin_host warned)
 }
 
 static void cuda_download(Backend *be, void *dst_host, const void *src, size_t bytes)
@@ -2446,8 +2472,7 @@ static void cuda_destroy(Backend *be)
                      impl->n_replays, impl->n_captures, 1e3 * impl->capture_s, impl->n_eager,
                      1e3 * impl->eager_s);
         if (impl->n_downloads)
-            LOG_INFO("CUDA downloads: %llu, %.1f MB in %.1f ms of copying (%.2f GB/s; into "
-                     "pageable memory)",
+            LOG_INFO("CUDA downloads: %llu, %.1f MB in %.1f ms of copying (%.2f GB/s)",
                      impl->n_downloads, impl->download_bytes / 1e6, 1e3 * impl->download_s,
                      impl->download_bytes / 1e9 / (impl->download_s > 0 ? impl->download_s : 1e-9));
         for (int i = 0; i < impl->n_allocs; i++)
@@ -2535,6 +2560,8 @@ Err backend_cuda_create(int device, Backend **out)
     be->free_mem = cuda_free_mem;
     be->upload = cuda_upload;
     be->download = cuda_download;
+    be->pin_host = cuda_pin_host;
+    be->unpin_host = cuda_unpin_host;
     be->bind_linear = cuda_bind_linear;
     be->bind_experts = cuda_bind_experts;
     be->bind_kv_b = cuda_bind_kv_b;

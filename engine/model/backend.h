@@ -152,6 +152,12 @@ struct Backend {
     void (*upload)(Backend *be, void *dst, const void *src_host, size_t bytes);
     void (*download)(Backend *be, void *dst_host, const void *src, size_t bytes);
 
+    // Page-lock host memory that download() fills at every step (the logits), so that its
+    // copies run at the bus's speed instead of through a staging buffer; unpin_host before
+    // freeing or reallocating it. NULL on a backend without device memory (the CPU's).
+    void (*pin_host)(Backend *be, void *p, size_t bytes);
+    void (*unpin_host)(Backend *be, void *p);
+
     // Make weight w usable by the ops (upload or repack it, rewriting w's pointers). Called
     // once per weight at load; the CPU backend uses the mapping as it is. ERR_NOMEM.
     Err (*bind_linear)(Backend *be, CkptLinear *w);

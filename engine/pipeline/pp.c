@@ -519,6 +519,19 @@ static Err grow(void **p, size_t *cap, size_t need, size_t elem)
     return ERR_OK;
 }
 
+// grow for the logits, which the backend downloads into at every step: page-locked there
+// (pin_host) once grown.
+static Err grow_logits(PpStage *s, size_t rows)
+{
+    if (s->cap_logits_rows >= rows) return ERR_OK;
+    Backend *be = s->m->be;
+    const size_t row_bytes = (size_t) s->m->cfg.vocab_size * sizeof(float);
+    if (be->unpin_host && s->logits) be->unpin_host(be, s->logits);
+    const Err err = grow((void **) &s->logits, &s->cap_logits_rows, rows, row_bytes);
+    if (be->pin_host && s->logits) be->pin_host(be, s->logits, s->cap_logits_rows * row_bytes);
+    return err;
+}
+
 static Err grow_int(void **p, int *cap, int need, size_t elem)
 {
     size_t c = (size_t) *cap;
@@ -614,6 +627,7 @@ void pp_stage_destroy(PpStage *s)
     free(s->tokens);
     free(s->act_in);
     free(s->act_out);
+    if (s->logits && s->m->be->unpin_host) s->m->be->unpin_host(s->m->be, s->logits);
     free(s->logits);
     free(s->res_logits);
     free(s->res_tokens);
@@ -835,8 +849,7 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
         if ((err = grow_int((void **) &s->res_tokens, &s->cap_res_tokens, n_ops, sizeof(int32_t)))
             || (err = grow((void **) &s->res_logits, &s->cap_res_rows, (size_t) n_rows,
                            V * sizeof(float)))
-            || (err = grow((void **) &s->logits, &s->cap_logits_rows,
-                           (size_t) (all ? n_tokens : n_batch), V * sizeof(float)))
+            || (err = grow_logits(s, (size_t) (all ? n_tokens : n_batch)))
             || (err = grow_int((void **) &s->res_mtp, &s->cap_res_mtp, n_ops, sizeof(MtpOut))))
             return err;
         // MTP slots need their rows' residual stream (mtp_stage_op runs their head).
