@@ -314,12 +314,32 @@ static void close_model(Backend *be, Model *m, KvCache *kv)
 typedef struct BatchOut {
     int32_t **ids;  // [K][max_tokens]
     int *n;         // [K]
+    int n_finished;  // sequences whose last event came
 } BatchOut;
 
 static void on_batch_event(void *user, const SchedEvent *ev)
 {
     BatchOut *o = user;
     if (ev->token >= 0) o->ids[ev->id][o->n[ev->id]++] = ev->token;
+    if (ev->finish != SCHED_FINISH_NONE) o->n_finished++;
+}
+
+// The decode rate over a run of batches: tokens, wall seconds and this rank's split of them
+// (pp_stage_times), logged as "decode with all K sequences WHAT".
+static void log_decode_phase(int K, const char *what, int tokens, double wall_s,
+                             PpStageTimes t0, PpStageTimes t1)
+{
+    const long long nb = t1.batches - t0.batches;
+    if (tokens <= 0 || wall_s <= 0.0 || nb <= 0) return;
+    const double fwd = t1.forward_s - t0.forward_s, smp = t1.sample_s - t0.sample_s;
+    // Per batch on this rank (all of it with one rank): the forward (the device's work,
+    // waiting for it, the logits' download), sampling, and the rest (the scheduler, the
+    // cache's bookkeeping, other ranks).
+    LOG_INFO("decode with all %d sequences %s: %d tokens in %.3f s (%.2f tok/s aggregate); "
+             "%lld batches on rank 0, per batch %.3f ms: forward %.3f, sampling %.3f, the rest "
+             "%.3f",
+             K, what, tokens, wall_s, tokens / wall_s, nb, 1e3 * wall_s / nb, 1e3 * fwd / nb,
+             1e3 * smp / nb, 1e3 * (wall_s - fwd - smp) / nb);
 }
 
 // Rank 0 (or the only rank): K copies of the prompt, sequence i seeded with seed + i, all
@@ -328,7 +348,7 @@ static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, KvCa
                            const int *ids, int n)
 {
     const int K = a->n_seqs;
-    BatchOut out = {calloc((size_t) K, sizeof(int32_t *)), calloc((size_t) K, sizeof(int))};
+    BatchOut out = {calloc((size_t) K, sizeof(int32_t *)), calloc((size_t) K, sizeof(int)), 0};
     Scheduler *s = NULL;
     int rc = 1;
     if (!out.ids || !out.n) goto done;
@@ -353,24 +373,30 @@ static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, KvCa
     }
     const double t0 = clock_now_s(), c0 = cpu_s();
     // The decode phase: from the step after which every sequence has its first token (all
-    // prompts prefilled) to the end; its rate is the batch's decode speed, comparable with
-    // `glmspark bench` at the same batch and context.
-    double t_all = -1.0;
-    int tok_all = 0;
-    PpStageTimes times_all = {0};
+    // prompts prefilled) to the end; and its part in which every batch holds all K sequences
+    // (up to the step in which the first one ends; sequences prefilled earlier end earlier,
+    // leaving smaller batches at the end): that rate is the batch's decode speed, comparable
+    // with `glmspark bench` at batch K and the same context.
+    double t_all = -1.0, t_full = -1.0;
+    int tok_all = 0, tok_full = 0;
+    PpStageTimes times_all = {0}, times_full = {0};
+    bool full = false;
     while (sched_has_work(s)) {
         if (sched_step(s)) goto done;
-        if (t_all < 0.0) {
-            int emitted = 0, started = 0;
-            for (int i = 0; i < K; i++) {
-                emitted += out.n[i];
-                started += out.n[i] > 0;
-            }
-            if (started == K) {
-                t_all = clock_now_s();
-                tok_all = emitted;
-                times_all = pp_stage_times(st);
-            }
+        int emitted = 0, started = 0;
+        for (int i = 0; i < K; i++) {
+            emitted += out.n[i];
+            started += out.n[i] > 0;
+        }
+        if (t_all < 0.0 && started == K) {
+            t_all = clock_now_s();
+            tok_all = emitted;
+            times_all = pp_stage_times(st);
+            full = out.n_finished == 0;  // else no batch held them all
+        } else if (full && t_full < 0.0 && out.n_finished > 0) {
+            t_full = clock_now_s();
+            tok_full = emitted;
+            times_full = pp_stage_times(st);
         }
     }
     const double t_end = clock_now_s(), dt = t_end - t0, dc = cpu_s() - c0;
@@ -385,24 +411,12 @@ static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, KvCa
     LOG_INFO("%d sequences x %d prompt tokens: %d tokens generated in %.3f s (%.2f tok/s "
              "aggregate, %.3f s cpu on rank 0) over %d ranks",
              K, n, total, dt, total / dt, dc, pp_world(st));
-    if (t_all >= 0.0 && total > tok_all && t_end > t_all) {
-        LOG_INFO("decode with all %d sequences prefilled: %d tokens in %.3f s (%.2f tok/s "
-                 "aggregate)",
-                 K, total - tok_all, t_end - t_all, (total - tok_all) / (t_end - t_all));
-        // Where a batch's time went on this rank (all of it on one rank): the forward (the
-        // device's work, waiting for it, the logits' download), sampling, and the rest (the
-        // scheduler, the cache's bookkeeping, other ranks).
-        const PpStageTimes t1 = pp_stage_times(st);
-        const long long nb = t1.batches - times_all.batches;
-        if (nb > 0)
-            LOG_INFO("decode with all %d sequences prefilled, per batch on rank 0 (%lld "
-                     "batches): %.3f ms, of which forward %.3f ms, sampling %.3f ms, the rest "
-                     "%.3f ms",
-                     K, nb, 1e3 * (t_end - t_all) / nb,
-                     1e3 * (t1.forward_s - times_all.forward_s) / nb,
-                     1e3 * (t1.sample_s - times_all.sample_s) / nb,
-                     1e3 * ((t_end - t_all) - (t1.forward_s - times_all.forward_s)
-                            - (t1.sample_s - times_all.sample_s)) / nb);
+    if (t_all >= 0.0) {
+        log_decode_phase(K, "prefilled", total - tok_all, t_end - t_all, times_all,
+                         pp_stage_times(st));
+        if (t_full >= 0.0)
+            log_decode_phase(K, "in every batch", tok_full - tok_all, t_full - t_all, times_all,
+                             times_full);
     }
     if (a->mtp > 0) {
         SchedStats ss;
