@@ -139,6 +139,9 @@ typedef struct DevStep {
     int *host;                // the tables as last uploaded, owned
     int *dev;                 // device copy, owned
     unsigned long long used;  // last use (for eviction)
+    // Set anew whenever the slot takes another shape (recycled): part of the graph keys, so
+    // recycling a slot retires only the graphs recorded with it.
+    unsigned long long serial;
 } DevStep;
 
 // A device copy of an experts array's descriptors (DevLin [3 E]).
@@ -207,7 +210,8 @@ typedef struct CudaImpl {
     BackendCudaUntuned untuned;  // backend_cuda_untuned
     int n_sm;                // streaming multiprocessors
     cudaStream_t stream;     // every launch and copy
-    unsigned long long gen;  // bumped by every device (re)allocation and block-table upload
+    unsigned long long gen;  // bumped by every device (re)allocation (graphs record pointers)
+    unsigned long long step_serial;  // DevStep.serial's counter
     bool graphs;             // GLMSPARK_CUDA_GRAPHS != 0
     GraphMode mode;          // between graph_begin and graph_end
     GraphEntry *graph_cur;   // the entry being replayed
@@ -227,7 +231,6 @@ typedef struct CudaImpl {
     // Downloads: count, bytes and host seconds copying, after the device's queued work.
     unsigned long long n_downloads, download_bytes;
     double download_s;
-    int n_pinned;  // host ranges page-locked by pin_host
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
     bool moe_wide;  // prefill chunks may take the wide expert tiles (GLMSPARK_MOE_WIDE=0: no)
     size_t dsa_score_bytes;  // a DSA top-k pass's scores (DSA_SCORE_BYTES; tests lower it)
@@ -1167,7 +1170,8 @@ static int table_stride(const CudaImpl *impl, KvSeq *const *seqs, int n_seqs)
 // (between graph_begin and graph_end) takes the slot of (kv, n_seqs, stride), the least
 // recently used one recycled; new contents go into the same device rows, so the graphs
 // recorded with a slot read the current tables when replayed, whichever sequences the batch
-// holds (graph_begin calls this first). Only recycling a slot invalidates graphs (impl->gen).
+// holds (graph_begin calls this first). Recycling a slot gives it a new serial, which retires
+// the graphs recorded with it (graph keys hold it).
 // Ungraphed calls (prefill chunks, exact strides) share step_eager.
 static const DevStep *dev_step(CudaImpl *impl, const KvCache *kv, KvSeq *const *seqs, int n_seqs)
 {
@@ -1203,7 +1207,7 @@ static const DevStep *dev_step(CudaImpl *impl, const KvCache *kv, KvSeq *const *
         }
         if (!slot) {
             slot = lru;
-            if (slot->kv) impl->gen++;  // graphs recorded with its rows
+            slot->serial = ++impl->step_serial;
             slot->kv = kv;
             slot->n_seqs = n_seqs;
             slot->stride = stride;
@@ -1216,8 +1220,8 @@ static const DevStep *dev_step(CudaImpl *impl, const KvCache *kv, KvSeq *const *
         return slot;
     no_capture(impl, "a block-table upload");
     if (need > slot->cap) {
-        // A graphed slot is new here (its graphs went with the recycling); step_eager is read
-        // by no graph.
+        // A graphed slot is new here (its serial changed: no graph refers to these rows);
+        // step_eager is read by no graph. cudaFree waits for the device.
         const int cap = 2 * need > 64 ? 2 * need : 64;
         free(slot->host);
         if (slot->dev) CUDA_CHECK(cudaFree(slot->dev));
@@ -1227,8 +1231,10 @@ static const DevStep *dev_step(CudaImpl *impl, const KvCache *kv, KvSeq *const *
         slot->cap = cap;
     }
     memcpy(slot->host, tmp, (size_t) need * sizeof(int));
-    CUDA_CHECK(
-        cudaMemcpy(slot->dev, slot->host, (size_t) need * sizeof(int), cudaMemcpyHostToDevice));
+    // On the stream: after the kernels of earlier steps that read these rows (a pageable
+    // source is staged before the call returns, so slot->host may change afterwards).
+    CUDA_CHECK(cudaMemcpyAsync(slot->dev, slot->host, (size_t) need * sizeof(int),
+                               cudaMemcpyHostToDevice, impl->stream));
     slot->n_seqs = n_seqs;
     slot->stride = stride;
     return slot;
@@ -1282,6 +1288,7 @@ static void cuda_pin_host(Backend *be, void *p, size_t bytes)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     if (!p || !bytes) return;
+    CUDA_CHECK(cudaSetDevice(impl->device));
     const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
     if (e != cudaSuccess) {  // the copies still work, through a staging buffer
         (void) cudaGetLastError();
@@ -1290,16 +1297,14 @@ static void cuda_pin_host(Backend *be, void *p, size_t bytes)
                  bytes, cudaGetErrorString(e));
         return;
     }
-    impl->n_pinned++;
 }
 
 static void cuda_unpin_host(Backend *be, void *p)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     if (!p) return;
-    if (cudaHostUnregister(p) == cudaSuccess)
-        impl->n_pinned--;
-    else
+    CUDA_CHECK(cudaSetDevice(impl->device));
+    if (cudaHostUnregister(p) != cudaSuccess)
         (void) cudaGetLastError();  // never pinned (cuda_pin_host warned)
 }
 
@@ -2188,20 +2193,24 @@ static bool cuda_graph_begin(Backend *be, const KvCache *kv, KvSeq *const *seqs,
     impl->mode = GRAPH_EAGER;
     impl->n_key = 0;
     impl->graph_t0 = clock_now_s();
-    if (!impl->graphs || n_key + 3 > MAX_GRAPH_KEY) return false;
-    // The pool and block tables up to date now (a change bumps gen), so that a replay reads
+    if (!impl->graphs || n_key + 4 > MAX_GRAPH_KEY) return false;
+    // The pool and block tables up to date now (a new pool bumps gen), so that a replay reads
     // them.
     (void) dev_pool(impl, kv);
-    if (n_seqs > 0) (void) dev_step(impl, kv, seqs, n_seqs);
+    const DevStep *st = n_seqs > 0 ? dev_step(impl, kv, seqs, n_seqs) : NULL;
     unsigned long long *k = impl->key;
     int nk = 0;
     for (int i = 0; i < n_key; i++)
         k[nk++] = key[i];
-    // The cache, the sequence count and the stride name the step's table slot (dev_step);
-    // which sequences fill it does not matter to a recording.
+    // The cache, the sequence count and the stride name the step's table slot (dev_step),
+    // its serial the slot's current tenure; which sequences fill it does not matter to a
+    // recording.
     k[nk++] = (unsigned long long) (uintptr_t) kv;
     k[nk++] = (unsigned long long) n_seqs;
-    if (n_seqs > 0) k[nk++] = (unsigned long long) table_stride(impl, seqs, n_seqs);
+    if (st) {
+        k[nk++] = (unsigned long long) st->stride;
+        k[nk++] = st->serial;
+    }
     impl->n_key = nk;
     const size_t kb = (size_t) nk * sizeof *k;
     for (int i = 0; i < MAX_GRAPHS; i++) {

@@ -253,6 +253,10 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
         fprintf(stderr, "glmspark %s: --model and --tokens are required\n", cmd);
         return usage(cmd);
     }
+    if (a->max_seqs > 0 && (strcmp(cmd, "generate") != 0 || a->n_seqs < 2)) {
+        fprintf(stderr, "glmspark %s: --max-seqs needs generate --n-seqs K with K >= 2\n", cmd);
+        return usage(cmd);
+    }
     if (a->rank < 0 && a->pp == 1 && pp_rank_from_env(&a->rank, &a->world)) {
         if (!a->master) a->master = getenv("GLMSPARK_MASTER");
         // The launcher's host-local rank picks the GPU (mpirun, srun).
@@ -411,7 +415,7 @@ static int drive_scheduler(const ModelArgs *a, PpStage *st, const Model *m, KvCa
     LOG_INFO("%d sequences x %d prompt tokens: %d tokens generated in %.3f s (%.2f tok/s "
              "aggregate, %.3f s cpu on rank 0) over %d ranks",
              K, n, total, dt, total / dt, dc, pp_world(st));
-    if (t_all >= 0.0) {
+    if (t_all >= 0.0 && sp.max_num_seqs == K) {  // else no batch held all K
         log_decode_phase(K, "prefilled", total - tok_all, t_end - t_all, times_all,
                          pp_stage_times(st));
         if (t_full >= 0.0)

@@ -484,6 +484,7 @@ struct PpStage {
     size_t cap_act_in, cap_act;
     float *logits;  // [rows, vocab] model output
     size_t cap_logits_rows;
+    bool logits_pinned;  // grow_logits
     float *res_logits;  // [rows, vocab] result
     size_t cap_res_rows;
     int32_t *res_tokens;
@@ -519,16 +520,25 @@ static Err grow(void **p, size_t *cap, size_t need, size_t elem)
     return ERR_OK;
 }
 
-// grow for the logits, which the backend downloads into at every step: page-locked there
-// (pin_host) once grown.
+// grow for the logits, which the backend downloads into at every step. Decode-sized buffers
+// (at most PP_SAMPLE_MAX_ROWS rows) grow by doubling and are page-locked there (pin_host);
+// the larger ones of `glmspark logits` (every row of a prompt) stay pageable.
 static Err grow_logits(PpStage *s, size_t rows)
 {
     if (s->cap_logits_rows >= rows) return ERR_OK;
     Backend *be = s->m->be;
     const size_t row_bytes = (size_t) s->m->cfg.vocab_size * sizeof(float);
-    if (be->unpin_host && s->logits) be->unpin_host(be, s->logits);
-    const Err err = grow((void **) &s->logits, &s->cap_logits_rows, rows, row_bytes);
-    if (be->pin_host && s->logits) be->pin_host(be, s->logits, s->cap_logits_rows * row_bytes);
+    size_t want = rows;
+    if (rows <= PP_SAMPLE_MAX_ROWS && want < 2 * s->cap_logits_rows)
+        want = 2 * s->cap_logits_rows < PP_SAMPLE_MAX_ROWS ? 2 * s->cap_logits_rows
+                                                           : PP_SAMPLE_MAX_ROWS;
+    if (be->unpin_host && s->logits && s->logits_pinned) be->unpin_host(be, s->logits);
+    s->logits_pinned = false;
+    const Err err = grow((void **) &s->logits, &s->cap_logits_rows, want, row_bytes);
+    if (be->pin_host && s->logits && s->cap_logits_rows <= PP_SAMPLE_MAX_ROWS) {
+        be->pin_host(be, s->logits, s->cap_logits_rows * row_bytes);
+        s->logits_pinned = true;
+    }
     return err;
 }
 
@@ -627,7 +637,7 @@ void pp_stage_destroy(PpStage *s)
     free(s->tokens);
     free(s->act_in);
     free(s->act_out);
-    if (s->logits && s->m->be->unpin_host) s->m->be->unpin_host(s->m->be, s->logits);
+    if (s->logits_pinned && s->m->be->unpin_host) s->m->be->unpin_host(s->m->be, s->logits);
     free(s->logits);
     free(s->res_logits);
     free(s->res_tokens);
@@ -933,7 +943,10 @@ static Err run_ops(PpStage *s, const PpSeqOp *ops, int n_ops, const int32_t *tok
             off += k;
         }
         if (n_mops > 0) {
-            if ((err = mtp_stage_ops(&s->mtp, s->mtp_ops, n_mops))) return err;
+            const double t0 = clock_now_s();  // the drafts' forwards: forward time
+            err = mtp_stage_ops(&s->mtp, s->mtp_ops, n_mops);
+            s->times.forward_s += clock_now_s() - t0;
+            if (err) return err;
             for (int i = 0; i < n_ops; i++) {
                 const MtpOut *mo = &s->res_mtp[i];
                 if (mo->n_emit > 0) s->res_tokens[i] = mo->emit[mo->n_emit - 1];

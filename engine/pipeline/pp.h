@@ -203,8 +203,9 @@ int pp_mask_words(const PpStage *s);
 int pp_inflight(const PpStage *s);
 
 // Where this rank's time went, totals since pp_stage_create: the batches it ran, the wall
-// seconds inside model_forward_batch (the backend's ops, waiting for the device and the
-// logits' download included) and sampling the rows (the last rank). A caller differences two
+// seconds inside model_forward_batch and the MTP drafts' forwards (the backend's ops,
+// waiting for the device and the logits' download included) and sampling the rows (the last
+// rank). A caller differences two
 // snapshots to time a phase (generate --n-seqs: its decode phase per batch).
 typedef struct PpStageTimes {
     long long batches;
