@@ -173,7 +173,7 @@ done
 # (the tuned kernels) and fp8 under the f32 one, batch 1 at each context of $REAP_LONG
 # (profiled too with REAP_LONG_PROFILE=1),
 # `glmspark generate` on 1 and 8 sequences (the serving path against the bench), and one
-# profiled (GLMSPARK_CUDA_PROFILE=1) batch-1 fp8 run; into reap.log. Per MoE layer = the
+# profiled (GLMSPARK_CUDA_PROFILE=1) batch-1 fp8 run; into reap.log. Per MoE layer (printed at the end) = the
 # difference of two sizes with the same dense count over their MoE-layer difference. To spend
 # less device time: REAP_CFGS (kv:precision pairs, default "fp8:bf16 bf16:bf16 fp8:f32"),
 # REAP_PROFILE=0 (no profiled run), REAP_COMPARE=0 (no reap_compare below), GEN_TOKENS
@@ -333,4 +333,26 @@ for cfg in ${REAP:-}; do
 done
 [ -f "$out/bench.log" ] && grep -v "^\[\|INFO" "$out/bench.log"
 [ -f "$out/reap.log" ] && grep -v "INFO" "$out/reap.log"
+# Per MoE layer by difference (issue 18's figure): two REAP sizes with the same dense count,
+# the same cache, recipe, batch and context, e.g. REAP="3:1 5:1".
+[ -f "$out/reap.log" ] && python3 - "$out/reap.log" <<'PY'
+import re, sys
+runs, cur = {}, None
+for line in open(sys.argv[1]):
+    m = re.match(r"== bench reap (\d+):(\d+) kv (\S+) precision (\S+)\s*$", line)
+    if m:
+        cur = m.groups()
+        continue
+    if line.startswith("=="):
+        cur = None
+    m = re.search(r"batch\s+(\d+) ctx\s+(\d+): .*decode\s+([\d.]+) ms/step", line)
+    if cur and m:
+        layers, dense, kv, prec = cur
+        runs[(int(dense), kv, prec, int(m.group(1)), int(m.group(2)), int(layers))] = float(m.group(3))
+for (dense, kv, prec, b, ctx, l1), t1 in sorted(runs.items()):
+    for (d2, kv2, p2, b2, c2, l2), t2 in sorted(runs.items()):
+        if (d2, kv2, p2, b2, c2) == (dense, kv, prec, b, ctx) and l2 > l1:
+            print(f"per MoE layer, {kv} cache, {prec}, batch {b}, ctx {ctx}: ({t2:.3f} - {t1:.3f} ms) "
+                  f"/ {l2 - l1} = {1e3 * (t2 - t1) / (l2 - l1):.0f} us ({l1} and {l2} layers, {dense} dense)")
+PY
 exit $status
