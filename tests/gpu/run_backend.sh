@@ -173,8 +173,9 @@ done
 # (the tuned kernels) and fp8 under the f32 one, batch 1 at each context of $REAP_LONG
 # (profiled too with REAP_LONG_PROFILE=1),
 # `glmspark generate` on 1 and 8 sequences (the serving path against the bench), and one
-# profiled (GLMSPARK_CUDA_PROFILE=1) batch-1 fp8 run; into reap.log. Per MoE layer (printed at the end) = the
-# difference of two sizes with the same dense count over their MoE-layer difference. To spend
+# profiled (GLMSPARK_CUDA_PROFILE=1) batch-1 fp8 run; into reap.log. Per MoE layer (printed
+# at the end) = the difference of two sizes with the same dense count over their MoE-layer
+# difference. To spend
 # less device time: REAP_CFGS (kv:precision pairs, default "fp8:bf16 bf16:bf16 fp8:f32"),
 # REAP_PROFILE=0 (no profiled run), REAP_COMPARE=0 (no reap_compare below), GEN_TOKENS
 # (generate's length, 64). REAP_PREFILL="2048 8192" adds batch-1 runs at those prompt
