@@ -89,10 +89,10 @@ void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaC
 // for prefill chunks and any token count, n_heads a multiple of 32. Its recipe differs from
 // mla_decode's in two roundings: q (q_lat and q_pe) is rounded to bf16 once, and each
 // probability, times the fp8 chunk scale of its position and the output column's chunk (1 for
-// a bf16 cache), is rounded to bf16 before it weights the position's stored values (E4M3 codes or bf16, exact); scores,
-// softmax, the running sums and the output stay fp32 as in mla_decode: out = (sum_p
-// bf16(p * scale) * value) / sum_p p, where p = 2^(x - M), x = (q . k) * mla_log2_scale(sm_scale)
-// and M = ceil(max x) over every position the token attends (the kernel keeps a running
+// a bf16 cache), is rounded to bf16 before it weights the position's stored values (E4M3
+// codes or bf16, exact); scores, softmax, the running sums and the output stay fp32 as in
+// mla_decode: out = (sum_p bf16(p * scale) * value) / sum_p p, where p = 2^(x - M),
+// x = (q . k) * mla_log2_scale(sm_scale) and M = ceil(max x) over every position the token attends (the kernel keeps a running
 // integer maximum, so a tile's p differs from this one by a power of two, which bf16 rounding
 // commutes with: the roundings do not depend on tiles or splits; kernels/mla_format.h). The
 // same workspace and merge as mla_decode. The engine calls it with Backend.mla_tc (on unless
