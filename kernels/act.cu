@@ -88,3 +88,22 @@ void act_repad(float *dst, int rows_d, int cols_d, const float *src, int rows_s,
                                                                     rows_s, cols_s, total);
     CUDA_CHECK(cudaGetLastError());
 }
+
+static __global__ void act_embed_kernel(float *y, const uint16_t *table, int rows, int cols,
+                                        const int32_t *ids)
+{
+    const int t = blockIdx.x, id = ids[t];
+    if (id < 0 || id >= rows) return;
+    const uint16_t *row = table + (size_t) id * (size_t) cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+        y[(size_t) t * cols + c] = __uint_as_float((uint32_t) row[c] << 16);
+}
+
+void act_embed(float *y, const uint16_t *table, int rows, int cols, const int32_t *ids, int n,
+               cudaStream_t stream)
+{
+    ASSERT(rows > 0 && cols > 0 && n >= 0);
+    if (n == 0) return;
+    act_embed_kernel<<<(unsigned) n, ACT_THREADS, 0, stream>>>(y, table, rows, cols, ids);
+    CUDA_CHECK(cudaGetLastError());
+}

@@ -8,6 +8,7 @@
  * act_add: y[i] += x[i] in fp32 (round to nearest, no contraction).
  * act_repad: n fp32 matrices copied to another row and column count, zero-filled or cropped:
  * how a model narrower than the tuned kernels' widths reaches them (backend_cuda.cu).
+ * act_embed: the embedding lookup, bf16 table rows widened to fp32 (exact).
  *
  * Ownership: borrowed pointers. Threads: thread-safe launchers. Errors: ASSERT on bad shapes;
  * CUDA failures fatal. Launchers never allocate and never synchronize.
@@ -35,6 +36,11 @@ void act_to_bf16(uint16_t *out, const float *x, size_t n, cudaStream_t stream);
 // where r < rows_s and c < cols_s, else 0 (exact copies). dst and src must not overlap.
 void act_repad(float *dst, int rows_d, int cols_d, const float *src, int rows_s, int cols_s,
                size_t n, cudaStream_t stream);
+
+// y fp32 [n, cols] = table bf16 [rows, cols] rows ids[t] (0 <= ids[t] < rows, checked by the
+// caller on the host; a row outside is left unwritten).
+void act_embed(float *y, const uint16_t *table, int rows, int cols, const int32_t *ids, int n,
+               cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -346,6 +346,24 @@ static __global__ void moe_place_kernel(int32_t *__restrict__ work, int32_t *__r
 }
 
 // ---------------------------------------------------------------------------
+// Expert epilogues: one formula for every weight format (NVFP4 and bf16 kernels below; the
+// engine's CPU reference computes the same)
+
+// gate/up -> one activation: bf16(SiLU(g) * u), SiLU(g) = g / (1 + e^-g), in fp32 (expf, IEEE
+// division; no fast math), rounded to nearest even.
+static __device__ __forceinline__ uint16_t swiglu_bf16(float g, float u)
+{
+    return f32_to_bf16_bits(g / (1.0f + expf(-g)) * u);
+}
+
+// down -> a pair's output: the fp32 dot product times the pair's factor m (w[p], times the
+// format's scales when it has any), one fp32 multiply.
+static __device__ __forceinline__ float down_weighted(float dot, float m)
+{
+    return dot * m;
+}
+
+// ---------------------------------------------------------------------------
 // Expert kernels (tensor cores)
 
 enum {
@@ -654,7 +672,7 @@ static __device__ __forceinline__ void w13_out(uint16_t *act, const float c[4], 
         const int n = n0 + 2 * (lane % 4) + h;
         if (n < o->ncols) {
             const float g = c[h] * o->out_mul[n] * gg, u = c[2 + h] * o->out_mul[n] * gu;
-            act[(size_t) o->pair_of[n] * inter + feat] = f32_to_bf16_bits(g / (1.0f + expf(-g)) * u);
+            act[(size_t) o->pair_of[n] * inter + feat] = swiglu_bf16(g, u);
         }
     }
 }
@@ -670,8 +688,8 @@ static __device__ __forceinline__ void w2_out(float *y, const float c[4], const 
             const int p = o->pair_of[n];
             const float m = o->out_mul[n] * ge * w[p];
             float *yp = y + (size_t) p * hidden + row;
-            yp[0] = c[h] * m;
-            yp[8] = c[2 + h] * m;
+            yp[0] = down_weighted(c[h], m);
+            yp[8] = down_weighted(c[2 + h], m);
         }
     }
 }
@@ -843,6 +861,174 @@ static __global__ void __launch_bounds__(MMA_THREADS, 2)
 #pragma unroll
     for (int t = 0; t < WIDE_NT; t++) w2_out(y, c[t], &o, 8 * t, row, ge, w, hidden);
 }
+
+// ---------------------------------------------------------------------------
+// Expert kernels in bf16 (CUDA cores)
+
+enum {
+    BF16_WARPS = 8,
+    BF16_THREADS = BF16_WARPS * WARP_SIZE,
+    BF16_ROWS = 2,   // weight rows a warp reads together: w13's gate and up of one feature, or
+                     // two consecutive rows of w2 (sharing each staged load of the columns)
+    BF16_LOADS = 4,  // 16-byte chunks of each row a lane loads ahead: 8 loads in flight
+    BF16_UNITS = 2 * BF16_WARPS,  // row pairs (w13: features) of a block, two a warp in turn
+};
+
+// Block (x, tile) of a bf16 expert kernel: the tile's expert *e, its ncols pairs (pair_of) and
+// their inputs staged in bs as bf16, column n at bs + n*K: pair p's row p / row_div of src, K
+// values, fp32 rounded to nearest even as read (load4) or bf16 copied. False for blocks past
+// the step's tiles (the whole block). max_cols: the columns bs holds; a tile with more (a
+// token taking an expert twice, which moe_route never gives) traps instead of overrunning it.
+template <typename T>
+static __device__ bool bf16_tile(uint16_t *bs, int *e, int *ncols, int *pair_of, const T *src,
+                                 int row_div, const int32_t *work, int K, int max_cols)
+{
+    __shared__ int row_of[MOE_TILE_COLS];
+    if ((int) blockIdx.y >= work[0]) return false;
+    const int32_t *tl = work + 1 + (size_t) blockIdx.y * TILE_INTS;
+    *e = tl[0];
+    *ncols = tl[1];
+    if (*ncols > max_cols) __trap();
+    if (threadIdx.x < MOE_TILE_COLS) {
+        const int p = (int) threadIdx.x < *ncols ? tl[2 + threadIdx.x] : 0;
+        pair_of[threadIdx.x] = p;
+        row_of[threadIdx.x] = p / row_div;
+    }
+    __syncthreads();
+    const int q = K / 4;
+    for (int i = threadIdx.x; i < *ncols * q; i += BF16_THREADS) {
+        const int n = i / q, kk = i % q;
+        const float4 v = load4(src + (size_t) row_of[n] * K, kk);  // bf16 values: exact below
+        *(uint2 *) (bs + (size_t) n * K + 4 * kk) =
+            make_uint2(f32_to_bf16_bits(v.x) | (uint32_t) f32_to_bf16_bits(v.y) << 16,
+                       f32_to_bf16_bits(v.z) | (uint32_t) f32_to_bf16_bits(v.w) << 16);
+    }
+    __syncthreads();
+    return true;
+}
+
+// 8 bf16 (one 16-byte chunk, element 0 in the low half of x) -> fp32, exact.
+static __device__ __forceinline__ void bf16x8_to_f32(float f[8], uint4 v)
+{
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 p = bf16x2_bits_to_f32(w[i]);
+        f[2 * i] = p.x;
+        f[2 * i + 1] = p.y;
+    }
+}
+
+// The dot products of BF16_ROWS bf16 weight rows (row[r], K values) with the ncols staged
+// columns (bs, bf16_tile's layout), acc[r][n] on every lane, in moe.h's order: lane l takes
+// the 8-value chunks l, l + 32, l + 64, ... in ascending order and, within a chunk, the values
+// in order, each product (exact: bf16 x bf16) added in fp32 from 0; then warp_sum's butterfly
+// over the lanes. A column's operations do not depend on n or ncols, so a pair's sums depend
+// on its row alone. Each lane keeps BF16_LOADS chunks of every row in flight.
+static __device__ __forceinline__ void bf16_dots(float acc[BF16_ROWS][MOE_TILE_COLS],
+                                                 const uint16_t *const row[BF16_ROWS],
+                                                 const uint16_t *bs, int ncols, int K)
+{
+    const int lane = threadIdx.x % WARP_SIZE, nch = K / 8;
+#pragma unroll
+    for (int r = 0; r < BF16_ROWS; r++)
+#pragma unroll
+        for (int n = 0; n < MOE_TILE_COLS; n++) acc[r][n] = 0.0f;
+    for (int c0 = lane; c0 < nch; c0 += BF16_LOADS * WARP_SIZE) {
+        uint4 wv[BF16_LOADS][BF16_ROWS];
+#pragma unroll
+        for (int u = 0; u < BF16_LOADS; u++)
+#pragma unroll
+            for (int r = 0; r < BF16_ROWS; r++)
+                if (c0 + u * WARP_SIZE < nch)
+                    wv[u][r] = ld_stream_u4(row[r] + (size_t) 8 * (c0 + u * WARP_SIZE));
+#pragma unroll
+        for (int u = 0; u < BF16_LOADS; u++) {
+            const int c = c0 + u * WARP_SIZE;
+            if (c >= nch) break;
+            float wf[BF16_ROWS][8];
+#pragma unroll
+            for (int r = 0; r < BF16_ROWS; r++) bf16x8_to_f32(wf[r], wv[u][r]);
+#pragma unroll
+            for (int n = 0; n < MOE_TILE_COLS; n++) {
+                if (n >= ncols) break;
+                float xf[8];
+                bf16x8_to_f32(xf, *(const uint4 *) (bs + (size_t) n * K + 8 * c));
+#pragma unroll
+                for (int r = 0; r < BF16_ROWS; r++)
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[r][n] = __fmaf_rn(wf[r][i], xf[i], acc[r][n]);
+            }
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < MOE_TILE_COLS; n++)
+        if (n < ncols)
+#pragma unroll
+            for (int r = 0; r < BF16_ROWS; r++) acc[r][n] = warp_sum(acc[r][n]);
+}
+
+// gate/up + SwiGLU. Grid (ceil(inter / BF16_UNITS), max tiles); warp w of block x owns
+// features BF16_UNITS x + w and + BF16_WARPS in turn: gate row f and up row inter + f of
+// expert e, and lane n writes column n's activation.
+static __global__ void __launch_bounds__(BF16_THREADS, 2)
+    moe_w13_bf16_kernel(uint16_t *__restrict__ act, const uint16_t *__restrict__ w13,
+                        const float *__restrict__ x, const int32_t *__restrict__ work, int k,
+                        int hidden, int inter, int max_cols)
+{
+    extern __shared__ __align__(16) uint32_t bs[];  // [max_cols][hidden] bf16
+    __shared__ int pair_of[MOE_TILE_COLS];
+    uint16_t *xs = (uint16_t *) bs;
+    int e, ncols;
+    if (!bf16_tile<float>(xs, &e, &ncols, pair_of, x, k, work, hidden, max_cols)) return;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    for (int i = 0; i < BF16_UNITS / BF16_WARPS; i++) {
+        const int f = blockIdx.x * BF16_UNITS + i * BF16_WARPS + warp;
+        if (f >= inter) break;
+        const uint16_t *gate = w13 + ((size_t) e * 2 * inter + f) * hidden;
+        const uint16_t *const row[BF16_ROWS] = {gate, gate + (size_t) inter * hidden};
+        float acc[BF16_ROWS][MOE_TILE_COLS];
+        bf16_dots(acc, row, xs, ncols, hidden);
+#pragma unroll
+        for (int n = 0; n < MOE_TILE_COLS; n++)
+            if (n < ncols && lane == n)
+                act[(size_t) pair_of[n] * inter + f] = swiglu_bf16(acc[0][n], acc[1][n]);
+    }
+}
+
+// down: y[p, row] = w[p] * down_e(act[p])[row]. Grid (ceil(hidden / (2 BF16_UNITS)), max
+// tiles); warp w of block x owns the row pairs BF16_UNITS x + w and + BF16_WARPS in turn.
+static __global__ void __launch_bounds__(BF16_THREADS, 2)
+    moe_w2_bf16_kernel(float *__restrict__ y, const uint16_t *__restrict__ w2,
+                       const uint16_t *__restrict__ act, const int32_t *__restrict__ work,
+                       const float *__restrict__ w, int hidden, int inter, int max_cols)
+{
+    extern __shared__ __align__(16) uint32_t bs[];  // [max_cols][inter] bf16
+    __shared__ int pair_of[MOE_TILE_COLS];
+    uint16_t *as = (uint16_t *) bs;
+    int e, ncols;
+    if (!bf16_tile<uint16_t>(as, &e, &ncols, pair_of, act, 1, work, inter, max_cols)) return;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    for (int i = 0; i < BF16_UNITS / BF16_WARPS; i++) {
+        const int r0 = BF16_ROWS * (blockIdx.x * BF16_UNITS + i * BF16_WARPS + warp);
+        if (r0 >= hidden) break;  // hidden is even: r0 + 1 < hidden
+        const uint16_t *w0 = w2 + ((size_t) e * hidden + r0) * inter;
+        const uint16_t *const row[BF16_ROWS] = {w0, w0 + inter};
+        float acc[BF16_ROWS][MOE_TILE_COLS];
+        bf16_dots(acc, row, as, ncols, inter);
+#pragma unroll
+        for (int n = 0; n < MOE_TILE_COLS; n++)
+            if (n < ncols && lane == n) {
+                const int p = pair_of[n];
+                float *yp = y + (size_t) p * hidden + r0;
+#pragma unroll
+                for (int r = 0; r < BF16_ROWS; r++) yp[r] = down_weighted(acc[r][n], w[p]);
+            }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Combining a token's outputs
 
 // out[t] = residual[t] + sum over j in slot order of y[t*k + j].
 static __global__ void moe_combine_kernel(float *out, const float *__restrict__ y,
@@ -1068,6 +1254,57 @@ void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const i
                                      ex->hidden / 16, &grid);
     moe_w2_kernel<<<grid, MMA_THREADS, smem, stream>>>(y, ex->q2, ex->s2, ex->g2, act, work, w,
                                                        ex->hidden, ex->inter);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+static void check_experts_bf16(const MoeExpertsBf16 *ex)
+{
+    ASSERT(ex->n_experts > 0 && ex->n_experts <= MOE_MAX_EXPERTS);
+    ASSERT(ex->hidden > 0 && ex->hidden % 8 == 0 && ex->inter > 0 && ex->inter % 8 == 0);
+    ASSERT((uintptr_t) ex->w13 % 16 == 0 && (uintptr_t) ex->w2 % 16 == 0);
+}
+
+// What both bf16 expert launches check and set: kernel's shared-memory limit for n_tok tokens'
+// K-long bf16 columns (a tile holds distinct tokens: at most min(n_tok, 8); *max_cols) and the
+// grid for n_units row pairs. The limit asked is the launch's own, at most 98,304 bytes at
+// GLM's hidden 6144 (GB10 allows 101,376).
+static dim3 bf16_launch_shape(const void *kernel, const MoeExpertsBf16 *ex, int n_tok, int k,
+                              int K, int n_units, size_t *smem, int *max_cols)
+{
+    check_experts_bf16(ex);
+    check_pairs(n_tok, k);
+    *max_cols = n_tok < MOE_TILE_COLS ? n_tok : MOE_TILE_COLS;
+    *smem = (size_t) *max_cols * K * sizeof(uint16_t);
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int) *smem));
+    return dim3((unsigned) CEIL_DIV(n_units, BF16_UNITS),
+                (unsigned) max_tiles(n_tok * k, ex->n_experts, MOE_TILE_COLS));
+}
+
+void moe_experts_bf16_w13(uint16_t *act, const MoeExpertsBf16 *ex, const float *x,
+                          const int32_t *work, int n_tok, int k, cudaStream_t stream)
+{
+    ASSERT((uintptr_t) x % 16 == 0);
+    size_t smem;
+    int max_cols;
+    const dim3 grid = bf16_launch_shape((const void *) moe_w13_bf16_kernel, ex, n_tok, k,
+                                        ex->hidden, ex->inter, &smem, &max_cols);
+    moe_w13_bf16_kernel<<<grid, BF16_THREADS, smem, stream>>>(act, ex->w13, x, work, k,
+                                                              ex->hidden, ex->inter, max_cols);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+void moe_experts_bf16_w2(float *y, const MoeExpertsBf16 *ex, const uint16_t *act,
+                         const int32_t *work, const float *w, int n_tok, int k,
+                         cudaStream_t stream)
+{
+    ASSERT((uintptr_t) act % 8 == 0);
+    size_t smem;
+    int max_cols;
+    const dim3 grid = bf16_launch_shape((const void *) moe_w2_bf16_kernel, ex, n_tok, k,
+                                        ex->inter, ex->hidden / BF16_ROWS, &smem, &max_cols);
+    moe_w2_bf16_kernel<<<grid, BF16_THREADS, smem, stream>>>(y, ex->w2, act, work, w,
+                                                             ex->hidden, ex->inter, max_cols);
     CUDA_CHECK(cudaGetLastError());
 }
 

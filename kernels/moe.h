@@ -1,5 +1,5 @@
 /*
- * moe.h - mixture-of-experts decode: the fused router and the routed experts in NVFP4.
+ * moe.h - mixture-of-experts decode: the fused router and the routed experts in NVFP4 or bf16.
  *
  * Router (GLM-5 / DeepSeek-V3 "noaux_tc", transformers 5.17 GlmMoeDsaTopkRouter): exactly
  * kernels/moe_router.h's moe_router_token() for each token (sigmoid, biased choice, group
@@ -30,6 +30,22 @@
  *   moe_experts_w2: y[p, :] = w[p] * down_e(act[p]), y fp32 [n_tok*k, hidden].
  *   moe_combine: out[t, :] = residual[t, :] + sum_j y[t*k + j, :] (j ascending); out may
  *     alias residual; residual may be NULL.
+ * Experts stored in bf16 (MoeExpertsBf16: the checkpoint's layout, stacked, not packed) take
+ * the same work list, act, y and moe_combine, on CUDA cores (decode is bandwidth-bound):
+ *   moe_experts_bf16_w13: act[p, i] = bf16( SiLU(gate_e(x_t)[i]) * up_e(x_t)[i] ), x fp32
+ *     [n_tok, hidden] rounded to bf16 (nearest even) as read, weights exact.
+ *   moe_experts_bf16_w2: y[p, :] = w[p] * down_e(act[p]) fp32.
+ *   Their products are exact in fp32 (bf16 x bf16); the sums run in fp32 in a fixed order:
+ *   lane l of a warp adds 8-value chunks l, l + 32, ... of a row in ascending order (the
+ *   values of a chunk in order, from 0), then a butterfly over the 32 lanes. A pair's outputs
+ *   depend on its row alone, so both groupings again give the same bits. Each tile reads its
+ *   expert's weights once (16-byte loads, shared by its <= 8 pairs), so a step reads its
+ *   selected experts once per 8 pairs, inactive experts not at all.
+ *   Dynamic shared memory: min(n_tok, 8) * K * 2 bytes (K: hidden for w13, inter for w2), at
+ *   most moe_experts_smem_bytes(hidden, inter).
+ * Both formats end in the same fp32 formulas: act = bf16(g / (1 + expf(-g)) * u) from the fp32
+ * gate g and up u, and y = dot * m, dot the fp32 down product and m = w[p] (NVFP4: times the
+ * scales).
  *
  * Numerics of the products: the weights and the bf16 inputs are exact on the tensor cores
  * (inputs scaled per column by a power of two; only magnitudes below 2^-27 of a column's
@@ -99,6 +115,25 @@ void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const i
                     const float *w, int n_tok, int k, cudaStream_t stream);
 void moe_combine(float *out, const float *y, const float *residual, int n_tok, int k, int hidden,
                  cudaStream_t stream);
+
+// Experts stored in bf16, stacked (one allocation per array, 16-byte aligned), row-major:
+typedef struct MoeExpertsBf16 {
+    const uint16_t *w13;  // [E, 2*inter, hidden]: expert e's gate rows [0, inter) then its up
+                          // rows [inter, 2 inter)
+    const uint16_t *w2;   // [E, hidden, inter]
+    int n_experts;
+    int hidden;  // multiple of 8
+    int inter;   // multiple of 8
+} MoeExpertsBf16;
+
+// The bf16 counterparts of moe_experts_w13 / moe_experts_w2 (above): the same work (from
+// moe_group), x, act, w and y, the same preconditions (k <= MOE_MAX_K, n_tok * k <=
+// MOE_MAX_CHUNK_PAIRS, x 16-byte and act 8-byte aligned); moe_combine follows as before.
+void moe_experts_bf16_w13(uint16_t *act, const MoeExpertsBf16 *ex, const float *x,
+                          const int32_t *work, int n_tok, int k, cudaStream_t stream);
+void moe_experts_bf16_w2(float *y, const MoeExpertsBf16 *ex, const uint16_t *act,
+                         const int32_t *work, const float *w, int n_tok, int k,
+                         cudaStream_t stream);
 
 // Prefill's wide tiles: the same products over tiles of up to MOE_WIDE_COLS pairs of one
 // expert, up to MOE_MAX_WIDE_PAIRS pairs a launch, so that each expert is read once per 64 of

@@ -794,8 +794,8 @@ static void cpu_copy(Backend *be, void *dst, const void *src, size_t bytes)
     if (bytes) memcpy(dst, src, bytes);
 }
 
-// Read in place from the checkpoint mapping; under the BF16 recipe an f32 weight is stored in
-// bf16 first (backend_bind_rounds), as the CUDA backend stores it.
+// Read in place from the checkpoint mapping; under the BF16 recipe a weight stored otherwise
+// than in bf16 is stored in bf16 first (backend_bind_rounds), as the CUDA backend stores it.
 static Err cpu_bind_linear(Backend *be, CkptLinear *w)
 {
     if (!backend_bind_rounds(be, w)) return ERR_OK;
@@ -808,19 +808,31 @@ static Err cpu_bind_linear(Backend *be, CkptLinear *w)
         impl->bound_cap = cap;
     }
     uint16_t *b = malloc((size_t) w->rows * (size_t) w->cols * sizeof *b);
-    if (!b) return ERR_NOMEM;
-    backend_round_linear(w, b);
+    float *row = malloc((size_t) w->cols * sizeof *row);
+    if (!b || !row) {
+        free(b);
+        free(row);
+        return ERR_NOMEM;
+    }
+    backend_round_linear(w, b, row);
+    free(row);
     impl->bound[impl->n_bound++] = b;
     w->data = b;
     w->format = CKPT_LINEAR_BF16;
+    w->scale = NULL;
+    w->scale_f32 = NULL;
     return ERR_OK;
 }
 
+// NVFP4 experts are read in place, as bind_linear; others are bound one by one (under the
+// BF16 recipe stored in bf16, as the CUDA backend stacks them).
 static Err cpu_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
 {
-    (void) be;
-    (void) experts;  // read in place, as bind_linear
-    (void) n_experts;
+    if (backend_experts_nvfp4(experts, n_experts)) return ERR_OK;
+    for (int i = 0; i < 3 * n_experts; i++) {
+        const Err err = cpu_bind_linear(be, &experts[i]);
+        if (err) return err;
+    }
     return ERR_OK;
 }
 

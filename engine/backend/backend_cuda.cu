@@ -85,6 +85,7 @@
 #include "kernels/act.h"
 #include "kernels/dsa.h"
 #include "kernels/gemm.h"
+#include "kernels/kv.h"
 #include "kernels/mla.h"
 #include "kernels/moe.h"
 #include "kernels/norm.h"
@@ -92,10 +93,8 @@
 #include "kernels/rope.h"
 
 enum {
-    SCRATCH_A,  // double / float work buffers
-    SCRATCH_B,
-    SCRATCH_C,
-    SCRATCH_D,
+    SCRATCH_A,  // DSA scores
+    SCRATCH_C,  // a padded weight's zero-padded input
     SCRATCH_E,  // MoE slot grouping
     SCRATCH_X,  // bf16 inputs of the tuned kernels (x, q_nope); the experts' pair outputs
     SCRATCH_Y,  // their intermediates (expert activations, q_pe, o_lat)
@@ -103,14 +102,11 @@ enum {
     N_SCRATCH,
     MAX_POOLS = 16,
     MAX_STEPS = 64,  // graphed steps' block tables kept: (cache, sequences, stride) shapes
-    MAX_EXPERT_TABLES = 512,
+    MAX_EXPERT_STACKS = 512,
     MAX_KV_B = 512,
     MAX_PAD_LINS = 1024,
     MAX_GRAPHS = 16,
     MAX_GRAPH_KEY = 256,  // key words (caller's and backend's) a graph can be recorded under
-    THREADS = 256,
-    MM_WARPS = 4,  // k_gemv / MoE: rows (warps) per block
-    MATMUL_TOK = 8,
 };
 
 // The scores one pass of the tuned DSA top-k may hold by default (cuda_dsa_topk: rows in
@@ -144,18 +140,14 @@ typedef struct DevStep {
     unsigned long long serial;
 } DevStep;
 
-// A device copy of an experts array's descriptors (DevLin [3 E]).
-typedef struct ExpertTable {
-    const CkptLinear *host;
-    int n;
-    void *dev;
-} ExpertTable;
-
-// A MoE layer's NVFP4 experts stacked as kernels/moe.h reads them (bind_experts); each
-// expert's CkptLinear points into the stack.
+// A MoE layer's experts stacked as kernels/moe.h reads them (bind_experts): NVFP4 packed
+// (ex), or (bf16) in bf16 (exb; ex then holds only the widths and the count, for the
+// grouping); each expert's CkptLinear points into the stack.
 typedef struct ExpertStack {
     const CkptLinear *experts;
+    bool bf16;
     MoeExperts ex;
+    MoeExpertsBf16 exb;
 } ExpertStack;
 
 // A bf16 weight whose columns are not in 8s, as the tuned GEMV reads it (bind_linear): rows
@@ -207,7 +199,6 @@ static const char *const prof_names[N_PROF] = {
 
 typedef struct CudaImpl {
     int device;
-    BackendCudaUntuned untuned;  // backend_cuda_untuned
     int n_sm;                // streaming multiprocessors
     cudaStream_t stream;     // every launch and copy
     unsigned long long gen;  // bumped by every device (re)allocation (graphs record pointers)
@@ -250,9 +241,7 @@ typedef struct CudaImpl {
     int *step_tmp;  // host staging for a step's tables, owned
     int step_tmp_cap;
     unsigned long long clock;
-    ExpertTable tables[MAX_EXPERT_TABLES];
-    int n_tables;
-    ExpertStack stacks[MAX_EXPERT_TABLES];
+    ExpertStack stacks[MAX_EXPERT_STACKS];
     int n_stacks;
     KvBPack kv_bs[MAX_KV_B];
     int n_kv_b;
@@ -261,807 +250,8 @@ typedef struct CudaImpl {
     GemmLt lt;  // cuBLASLt for tuned matmuls of more than GEMM_MAX_TOK tokens
 } CudaImpl;
 
-// A weight as the kernels see it (pointers into device memory).
-typedef struct DevLin {
-    int format;
-    int rows;
-    int cols;
-    const void *data;
-    const uint8_t *scale;
-    const float *scale_f32;
-    float global;
-    int vec;  // rows are whole 16-byte vectors: k_gemv's vector path
-} DevLin;
-
-// One layer of a cache, for the tokens of a step, as the kernels see it: token t's position
-// p lives in block tables[seq_of[t] * stride + p / block_size] (kv_cache.h's layout).
-typedef struct DevKv {
-    const unsigned char *mla;   // the layer's MLA pages
-    const unsigned char *keys;  // its key pages (layers with an indexer key)
-    const int *tables;          // [n_seqs, stride] (DevStep)
-    int stride;
-    const int *seq_of;  // [n] each token's row
-    KvEntryLayout lo;   // the layer's storage
-} DevKv;
-
-// Elements of format f in one 16-byte vector.
-static __host__ __device__ constexpr int vec_elems(int f)
-{
-    return f == CKPT_LINEAR_F32 ? 4 : f == CKPT_LINEAR_FP8 ? 16 : f == CKPT_LINEAR_NVFP4 ? 32 : 8;
-}
-
-static DevLin dev_lin(const CkptLinear *w)
-{
-    const int n = vec_elems((int) w->format);
-    const bool aligned = ((uintptr_t) w->data & 15) == 0
-                         && (w->format != CKPT_LINEAR_NVFP4 || ((uintptr_t) w->scale & 1) == 0);
-    DevLin d = {(int) w->format, w->rows,      w->cols,         w->data,
-                w->scale,        w->scale_f32, w->global_scale, aligned && w->cols % n == 0};
-    return d;
-}
-
-// ---------------------------------------------------------------------------
-// Device helpers
-
-static __device__ float half_bits_to_float(uint16_t h)
-{
-    const int sign = h >> 15, exponent = (h >> 10) & 31, mantissa = h & 1023;
-    float v;
-    if (exponent == 0)
-        v = ldexpf((float) mantissa, -24);
-    else if (exponent == 31)
-        v = mantissa ? __int_as_float(0x7fc00000) : __int_as_float(0x7f800000);
-    else
-        v = ldexpf((float) (mantissa | 1024), exponent - 25);
-    return sign ? -v : v;
-}
-
-// W[r, c] as fp32, decoded as ckpt_linear_row() does.
-static __device__ __forceinline__ float lin_at(const DevLin &w, int r, int c)
-{
-    const size_t i = (size_t) r * (size_t) w.cols + (size_t) c;
-    switch (w.format) {
-    case CKPT_LINEAR_F32:
-        return ((const float *) w.data)[i];
-    case CKPT_LINEAR_BF16:
-        return __uint_as_float((uint32_t) ((const uint16_t *) w.data)[i] << 16);
-    case CKPT_LINEAR_F16:
-        return half_bits_to_float(((const uint16_t *) w.data)[i]);
-    case CKPT_LINEAR_FP8: {
-        float s = w.global;
-        if (w.scale_f32) {
-            const size_t n_col_blocks = ((size_t) w.cols + 127) / 128;
-            s = w.scale_f32[((size_t) r / 128) * n_col_blocks + (size_t) c / 128];
-        }
-        return nvfp4_e4m3_to_float(((const uint8_t *) w.data)[i]) * s;
-    }
-    default: {  // CKPT_LINEAR_NVFP4
-        const uint8_t byte = ((const uint8_t *) w.data)[i / 2];
-        const uint8_t code = (c & 1) ? byte >> 4 : byte & 15;
-        return nvfp4_e2m1_to_float(code)
-               * nvfp4_e4m3_to_float(w.scale[(size_t) r * (w.cols / NVFP4_GROUP) + c / NVFP4_GROUP])
-               * w.global;
-    }
-    }
-}
-
-static __device__ __forceinline__ float warp_sum(float v)
-{
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// Sum (op 0) or max (op 1) of v over the block; every thread gets the result. buf: shared
-// double [THREADS / 32].
-static __device__ double block_reduce(double v, int op, double *buf)
-{
-    for (int o = 16; o > 0; o >>= 1) {
-        const double u = __shfl_xor_sync(0xffffffffu, v, o);
-        v = op ? fmax(v, u) : v + u;
-    }
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
-    __syncthreads();
-    if (lane == 0) buf[warp] = v;
-    __syncthreads();
-    double r = buf[0];
-    for (int i = 1; i < n_warps; i++)
-        r = op ? fmax(r, buf[i]) : r + buf[i];
-    return r;
-}
-
-static __device__ __forceinline__ int kv_block(const DevKv &k, int t, int pos)
-{
-    return k.tables[(size_t) k.seq_of[t] * k.stride + pos / k.lo.block_size];
-}
-
-// The MLA entry of token t's sequence at position pos.
-static __device__ __forceinline__ const unsigned char *kv_at(const DevKv &k, int t, int pos)
-{
-    const size_t row = (size_t) kv_block(k, t, pos) * k.lo.block_size + pos % k.lo.block_size;
-    return k.mla + row * (size_t) k.lo.bytes;
-}
-
-// The key page holding the index key of token t's sequence at position pos (its row there:
-// pos % block_size).
-static __device__ __forceinline__ const unsigned char *kv_key_page(const DevKv &k, int t, int pos)
-{
-    return k.keys + (size_t) kv_block(k, t, pos) * (size_t) k.lo.key_page;
-}
-
-// ---------------------------------------------------------------------------
-// Kernels
-
-// One 16-byte weight vector as read from memory, with what its decoding needs: the two
-// NVFP4 group-scale bytes or the fp8 scale.
-typedef struct RawVec {
-    uint4 q;
-    uint32_t s;
-} RawVec;
-
-// Vector k (elements k N .. k N + N - 1) of row r, format F (w.vec set).
-template <int F> static __device__ __forceinline__ RawVec raw_vec(const DevLin &w, int r, int k)
-{
-    constexpr int N = vec_elems(F);
-    RawVec v;
-    v.q = __ldg((const uint4 *) w.data + (size_t) r * (size_t) (w.cols / N) + k);
-    v.s = 0;
-    if (F == CKPT_LINEAR_NVFP4) {
-        v.s = __ldg(
-            (const unsigned short *) (w.scale + (size_t) r * (size_t) (w.cols / NVFP4_GROUP)) + k);
-    } else if (F == CKPT_LINEAR_FP8) {
-        float s = w.global;
-        if (w.scale_f32)
-            s = __ldg(w.scale_f32 + ((size_t) r / 128) * (size_t) ((w.cols + 127) / 128)
-                      + (size_t) k * N / 128);
-        v.s = __float_as_uint(s);
-    }
-    return v;
-}
-
-// Element i of a vector (i a compile-time constant after unrolling); lin_at's value.
-template <int F>
-static __device__ __forceinline__ float vec_at(const RawVec &v, float global, int i)
-{
-    const uint32_t words[4] = {v.q.x, v.q.y, v.q.z, v.q.w};
-    if (F == CKPT_LINEAR_F32) return __uint_as_float(words[i]);
-    if (F == CKPT_LINEAR_BF16) {
-        const uint32_t wd = words[i / 2];
-        return __uint_as_float((i & 1) ? wd & 0xffff0000u : wd << 16);
-    }
-    if (F == CKPT_LINEAR_F16) {
-        const uint32_t wd = words[i / 2];
-        return __half2float(__ushort_as_half((unsigned short) ((i & 1) ? wd >> 16 : wd & 0xffffu)));
-    }
-    if (F == CKPT_LINEAR_FP8)
-        return nvfp4_e4m3_to_float((uint8_t) (words[i / 4] >> (8 * (i % 4))) & 255u)
-               * __uint_as_float(v.s);
-    // NVFP4: code i is nibble i of the 16 bytes (low nibble first); codes 0..15 take scale
-    // byte 0, 16..31 byte 1.
-    const uint32_t code = (words[i / 8] >> (4 * (i % 8))) & 15u;
-    return nvfp4_e2m1_to_float((uint8_t) code)
-           * nvfp4_e4m3_to_float((uint8_t) (v.s >> (8 * (i / 16))) & 255u) * global;
-}
-
-// acc[j] += W[r, :] . xs[j][:] for j < nt, vector path: lane owns vectors lane, lane + 32,
-// ... in that order, VEC_UNROLL loads in flight.
-enum { VEC_UNROLL = 4 };
-template <int F, int TOK>
-static __device__ __forceinline__ void row_dot_vec(const DevLin &w, int r, const float *const *xs,
-                                                   int nt, float *acc)
-{
-    constexpr int N = vec_elems(F);
-    const int nk = w.cols / N, lane = threadIdx.x % 32;
-    for (int k0 = lane; k0 < nk; k0 += 32 * VEC_UNROLL) {
-        RawVec v[VEC_UNROLL];
-#pragma unroll
-        for (int u = 0; u < VEC_UNROLL; u++)
-            if (k0 + 32 * u < nk) v[u] = raw_vec<F>(w, r, k0 + 32 * u);
-#pragma unroll
-        for (int u = 0; u < VEC_UNROLL; u++) {
-            const int k = k0 + 32 * u;
-            if (k >= nk) break;
-            float wv[N];
-#pragma unroll
-            for (int i = 0; i < N; i++)
-                wv[i] = vec_at<F>(v[u], w.global, i);
-#pragma unroll
-            for (int j = 0; j < TOK; j++) {
-                if (j >= nt) break;
-                const float4 *xp = (const float4 *) (xs[j] + (size_t) k * N);
-#pragma unroll
-                for (int i = 0; i < N / 4; i++) {
-                    const float4 xv = xp[i];
-                    acc[j] += wv[4 * i] * xv.x;
-                    acc[j] += wv[4 * i + 1] * xv.y;
-                    acc[j] += wv[4 * i + 2] * xv.z;
-                    acc[j] += wv[4 * i + 3] * xv.w;
-                }
-            }
-        }
-    }
-}
-
-// acc[j] += W[r, :] . xs[j][:] for j < nt, any weight: the vector path when w.vec, else
-// lane l sums columns l, l + 32, ... in order.
-template <int TOK>
-static __device__ __forceinline__ void row_dot(const DevLin &w, int r, const float *const *xs,
-                                               int nt, float *acc)
-{
-    if (w.vec) {
-        switch (w.format) {
-        case CKPT_LINEAR_F32:
-            row_dot_vec<CKPT_LINEAR_F32, TOK>(w, r, xs, nt, acc);
-            return;
-        case CKPT_LINEAR_BF16:
-            row_dot_vec<CKPT_LINEAR_BF16, TOK>(w, r, xs, nt, acc);
-            return;
-        case CKPT_LINEAR_F16:
-            row_dot_vec<CKPT_LINEAR_F16, TOK>(w, r, xs, nt, acc);
-            return;
-        case CKPT_LINEAR_FP8:
-            row_dot_vec<CKPT_LINEAR_FP8, TOK>(w, r, xs, nt, acc);
-            return;
-        default:
-            row_dot_vec<CKPT_LINEAR_NVFP4, TOK>(w, r, xs, nt, acc);
-            return;
-        }
-    }
-    for (int c = threadIdx.x % 32; c < w.cols; c += 32) {
-        const float wv = lin_at(w, r, c);
-#pragma unroll
-        for (int j = 0; j < TOK; j++)
-            if (j < nt) acc[j] += wv * xs[j][c];
-    }
-}
-
-// y[t, r] = W[r, :] . x[t, :]; one warp per row and chunk of TOK tokens; chunks blockIdx.y
-// + gridDim.y k. The same arithmetic per output element for any n and TOK.
-template <int TOK>
-static __global__ void __launch_bounds__(MM_WARPS * 32)
-    k_gemv(float *y, DevLin w, const float *x, int n)
-{
-    const int r = blockIdx.x * MM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (r >= w.rows) return;
-    for (int t0 = blockIdx.y * TOK; t0 < n; t0 += gridDim.y * TOK) {
-        const int nt = n - t0 < TOK ? n - t0 : TOK;
-        const float *xs[TOK];
-        float acc[TOK];
-#pragma unroll
-        for (int j = 0; j < TOK; j++) {
-            xs[j] = x + (size_t) (t0 + (j < nt ? j : 0)) * w.cols;
-            acc[j] = 0.0f;
-        }
-        row_dot<TOK>(w, r, xs, nt, acc);
-#pragma unroll
-        for (int j = 0; j < TOK; j++) {
-            const float v = warp_sum(acc[j]);
-            if (lane == 0 && j < nt) y[(size_t) (t0 + j) * w.rows + r] = v;
-        }
-    }
-}
-
-static __global__ void k_embed(float *y, DevLin w, const int *ids)
-{
-    const int t = blockIdx.x, id = ids[t];
-    if (id < 0 || id >= w.rows) return;  // model.c validates ids on the host
-    for (int c = threadIdx.x; c < w.cols; c += blockDim.x)
-        y[(size_t) t * w.cols + c] = lin_at(w, id, c);
-}
-
-static __device__ __forceinline__ double warp_sum_double(double v)
-{
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// DSA scores: block (t, chunk of THREADS / 32 positions), one warp per position s < pos[t] +
-// 1; score[t, s] in double, each head's dot product lane-strided then summed across the
-// warp, heads added in order.
-static __global__ void k_dsa_scores(double *score, int cap, const float *q, const float *w,
-                                    DevKv kv, const int *pos, BackendDsa p)
-{
-    const int t = blockIdx.x, lane = threadIdx.x % 32;
-    const int s = blockIdx.y * (THREADS / 32) + threadIdx.x / 32;
-    const int visible = pos[t] + 1;
-    if (s >= visible || visible <= p.top_k) return;
-    const unsigned char *page = kv_key_page(kv, t, s);
-    const int row = s % kv.lo.block_size;
-    const float *qt = q + (size_t) t * p.n_heads * p.head_dim;
-    const float *wt = w + (size_t) t * p.n_heads;
-    const double head_scale = 1.0 / sqrt((double) p.n_heads);
-    const double dot_scale = 1.0 / sqrt((double) p.head_dim);
-    double total = 0.0;
-    for (int h = 0; h < p.n_heads; h++) {
-        const float *qh = qt + (size_t) h * p.head_dim;
-        double d = 0.0;
-        for (int i = lane; i < p.head_dim; i += 32)
-            d += (double) qh[i] * kv_key_value(&kv.lo, page, row, i);
-        d = warp_sum_double(d) * dot_scale;
-        if (d > 0.0) total += (double) wt[h] * head_scale * d;
-    }
-    if (lane == 0) score[(size_t) t * cap + s] = total;
-}
-
-// Order-preserving map of a double to an unsigned key (larger value, larger key).
-static __device__ __forceinline__ unsigned long long order_key(double v)
-{
-    const unsigned long long u = (unsigned long long) __double_as_longlong(v);
-    return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
-}
-
-// Exclusive prefix count of pred over the block (threads in order) and the block's total.
-// buf: shared int [THREADS / 32 + 1].
-static __device__ int block_prefix(bool pred, int *total, int *buf)
-{
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
-    const unsigned ballot = __ballot_sync(0xffffffffu, pred);
-    const int in_warp = __popc(ballot & ((1u << lane) - 1u));
-    __syncthreads();
-    if (lane == 0) buf[warp] = __popc(ballot);
-    __syncthreads();
-    int before = 0, all = 0;
-    for (int w = 0; w < n_warps; w++) {
-        if (w < warp) before += buf[w];
-        all += buf[w];
-    }
-    *total = all;
-    return before + in_warp;
-}
-
-// Top-k of the scores, positions ascending; one block per token. The tie rule (as the CPU
-// backend): among equal scores the later position wins. A radix select over the 64-bit keys
-// (8 passes of 8 bits) finds the k-th largest key T, how many keys equal T (the last pass's
-// bin of T) and how many of them to take; a block scan in position order then writes every
-// key > T and the last such equal ones. O(visible) work per pass.
-static __global__ void k_dsa_select(int *sel, int *n_sel, const double *score, int cap,
-                                    const int *pos, int top_k)
-{
-    __shared__ int hist[256];
-    __shared__ int buf[THREADS / 32 + 1];
-    __shared__ unsigned long long prefix_sh;
-    __shared__ int need_sh;
-    const int t = blockIdx.x, visible = pos[t] + 1;
-    int *st = sel + (size_t) t * top_k;
-    if (visible <= top_k) {
-        for (int s = threadIdx.x; s < visible; s += blockDim.x)
-            st[s] = s;
-        if (threadIdx.x == 0) n_sel[t] = visible;
-        return;
-    }
-    const double *sc = score + (size_t) t * cap;
-    unsigned long long prefix = 0, mask = 0;
-    int need = top_k;  // keys still to take among those matching prefix
-    for (int shift = 56; shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x)
-            hist[i] = 0;
-        __syncthreads();
-        for (int s = threadIdx.x; s < visible; s += blockDim.x) {
-            const unsigned long long key = order_key(sc[s]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
-        }
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            // The highest bin b whose suffix count hist[b] + ... + hist[255] reaches need
-            // (bin 0 at the latest); need_sh = need minus the count above b. Lane l owns
-            // bins 8 l .. 8 l + 7; exactly one lane holds b.
-            const int lane = threadIdx.x;
-            int own = 0;
-            for (int i = 0; i < 8; i++)
-                own += hist[8 * lane + i];
-            int suffix = own;  // inclusive suffix sum over lanes lane .. 31
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_down_sync(0xffffffffu, suffix, o);
-                if (lane + o < 32) suffix += v;
-            }
-            const int above = suffix - own;  // bins of the lanes above this one
-            if (above < need && (above + own >= need || lane == 0)) {
-                int cum = above, b = 8 * lane + 7;
-                for (; b > 0 && b >= 8 * lane; b--) {
-                    if (cum + hist[b] >= need) break;
-                    cum += hist[b];
-                }
-                need_sh = need - cum;
-                prefix_sh = prefix | ((unsigned long long) b << shift);
-            }
-        }
-        __syncthreads();
-        need = need_sh;
-        prefix = prefix_sh;
-        mask |= 255ull << shift;
-        __syncthreads();
-    }
-    // prefix is the k-th largest key; take every larger key and the last `need` equal ones.
-    // The last pass's bin of prefix counted exactly the keys equal to it.
-    const int n_eq = hist[prefix & 255];
-    int eq_before = 0, out_before = 0;
-    for (int s0 = 0; s0 < visible; s0 += blockDim.x) {
-        const int s = s0 + threadIdx.x;
-        const unsigned long long key = s < visible ? order_key(sc[s]) : 0;
-        const bool eq = s < visible && key == prefix;
-        int eq_total, out_total;
-        const int eq_rank = eq_before + block_prefix(eq, &eq_total, buf);
-        const bool take = s < visible && (key > prefix || (eq && eq_rank >= n_eq - need));
-        const int out = out_before + block_prefix(take, &out_total, buf);
-        if (take) st[out] = s;
-        eq_before += eq_total;
-        out_before += out_total;
-    }
-    if (threadIdx.x == 0) n_sel[t] = top_k;
-}
-
-// MLA attention, absorbed form, in five launches so that long contexts spread over the GPU:
-// q_lat per (t, h); scores with one warp per key; softmax statistics per (t, h); partial
-// o_lat per split of MLA_SPLIT keys; then the splits summed in order and projected by W_uv.
-// Split boundaries depend only on the key index, so a token's result does not depend on n.
-enum { MLA_SPLIT = 256 };
-
-// Keys of token t: sel row or every position up to pos[t].
-static __device__ __forceinline__ int mla_n_keys(const int *pos, const int *n_sel, int t)
-{
-    return n_sel ? n_sel[t] : pos[t] + 1;
-}
-
-// q_lat [t, h, L] = W_uk[h]^T q_nope; block (t, h, chunk of 32 channels): lane = channel,
-// warp w sums rows i = w, w + 8, ...; the warps' sums added in warp order.
-static __global__ void k_mla_qlat(double *q_lat, const float *q, DevLin kv_b, BackendMla p)
-{
-    __shared__ double part[THREADS / 32][32];
-    const int t = blockIdx.x, h = blockIdx.y, L = p.kv_lora, qk = p.qk_nope + p.qk_rope;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, c = blockIdx.z * 32 + lane;
-    const float *qt = q + ((size_t) t * p.n_heads + h) * qk;
-    const int row0 = h * (p.qk_nope + p.v_dim);
-    double acc = 0.0;
-    if (c < L)
-        for (int i = warp; i < p.qk_nope; i += THREADS / 32)
-            acc += (double) qt[i] * lin_at(kv_b, row0 + i, c);
-    part[warp][lane] = acc;
-    __syncthreads();
-    if (warp == 0 && c < L) {
-        double sum = 0.0;
-        for (int k = 0; k < THREADS / 32; k++)
-            sum += part[k][lane];
-        q_lat[((size_t) t * p.n_heads + h) * L + c] = sum;
-    }
-}
-
-// prob[t, h, j] = score of key j; block (t, h, chunk of 8 keys), one warp per key.
-static __global__ void k_mla_scores(double *prob, int cap, const double *q_lat, const float *q,
-                                    DevKv kv, const int *pos, const int *sel, const int *n_sel,
-                                    int sel_stride, BackendMla p)
-{
-    const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x % 32;
-    const int j = blockIdx.z * (THREADS / 32) + threadIdx.x / 32;
-    if (j >= mla_n_keys(pos, n_sel, t)) return;
-    const int L = p.kv_lora, qk = p.qk_nope + p.qk_rope;
-    const int s = sel ? sel[(size_t) t * sel_stride + j] : j;
-    const unsigned char *e = kv_at(kv, t, s);
-    const double *ql = q_lat + ((size_t) t * p.n_heads + h) * L;
-    const float *qr = q + ((size_t) t * p.n_heads + h) * qk + p.qk_nope;
-    double d = 0.0;
-    for (int c = lane; c < L; c += 32)
-        d += ql[c] * kv_entry_value(&kv.lo, e, c);
-    for (int i = lane; i < p.qk_rope; i += 32)
-        d += (double) qr[i] * kv_entry_value(&kv.lo, e, L + i);
-    for (int o = 16; o > 0; o >>= 1)
-        d += __shfl_xor_sync(0xffffffffu, d, o);
-    if (lane == 0) prob[((size_t) t * p.n_heads + h) * cap + j] = d * p.scale;
-}
-
-// prob -> exp(prob - max) / (their sum), stat[t, h] = the sum; block (t, h).
-static __global__ void k_mla_softmax(double *prob, double *stat, int cap, const int *pos,
-                                     const int *n_sel, int n_heads)
-{
-    __shared__ double buf[THREADS / 32];
-    const int t = blockIdx.x, h = blockIdx.y, n_keys = mla_n_keys(pos, n_sel, t);
-    double *pr = prob + ((size_t) t * n_heads + h) * cap;
-    double mx = -INFINITY;
-    for (int j = threadIdx.x; j < n_keys; j += blockDim.x)
-        mx = fmax(mx, pr[j]);
-    mx = block_reduce(mx, 1, buf);
-    double sum = 0.0;
-    for (int j = threadIdx.x; j < n_keys; j += blockDim.x) {
-        pr[j] = exp(pr[j] - mx);
-        sum += pr[j];
-    }
-    sum = block_reduce(sum, 0, buf);
-    for (int j = threadIdx.x; j < n_keys; j += blockDim.x)
-        pr[j] = pr[j] / sum;  // each thread normalizes the entries it wrote
-    if (threadIdx.x == 0) stat[(size_t) t * n_heads + h] = sum;
-}
-
-// part[t, h, split, c] = sum over the split's keys of p_j latent_j[c] (p normalized by
-// k_mla_softmax); block (t, h, split), keys in order.
-static __global__ void k_mla_pv(double *part, int n_split, const double *prob, int cap, DevKv kv,
-                                const int *pos, const int *sel, const int *n_sel, int sel_stride,
-                                BackendMla p)
-{
-    __shared__ const unsigned char *rows[MLA_SPLIT];  // the split's cache entries
-    __shared__ double pn[MLA_SPLIT];                  // and their probabilities
-    const int t = blockIdx.x, h = blockIdx.y, split = blockIdx.z, L = p.kv_lora;
-    const int n_keys = mla_n_keys(pos, n_sel, t);
-    const int j0 = split * MLA_SPLIT;
-    if (j0 >= n_keys) return;  // k_mla_out reads only the splits that hold keys
-    const int j1 = j0 + MLA_SPLIT < n_keys ? j0 + MLA_SPLIT : n_keys, nj = j1 - j0;
-    const double *pr = prob + ((size_t) t * p.n_heads + h) * cap;
-    for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-        rows[j - j0] = kv_at(kv, t, sel ? sel[(size_t) t * sel_stride + j] : j);
-        pn[j - j0] = pr[j];
-    }
-    __syncthreads();
-    double *pt = part + (((size_t) t * p.n_heads + h) * n_split + split) * L;
-    for (int c = threadIdx.x; c < L; c += blockDim.x) {
-        double acc = 0.0;
-#pragma unroll 8
-        for (int j = 0; j < nj; j++)
-            acc += pn[j] * kv_entry_value(&kv.lo, rows[j], c);
-        pt[c] = acc;
-    }
-}
-
-// out[t, h] = W_uv[h] (sum of the splits in order); block (t, h). Shared: double o_lat [L].
-static __global__ void k_mla_out(float *out, const double *part, int n_split, DevLin kv_b,
-                                 const int *pos, const int *n_sel, BackendMla p)
-{
-    extern __shared__ double o_lat[];
-    const int t = blockIdx.x, h = blockIdx.y, L = p.kv_lora;
-    const int used = (mla_n_keys(pos, n_sel, t) + MLA_SPLIT - 1) / MLA_SPLIT;
-    const double *pt = part + ((size_t) t * p.n_heads + h) * n_split * L;
-    for (int c = threadIdx.x; c < L; c += blockDim.x) {
-        double acc = 0.0;
-        for (int sp = 0; sp < used; sp++)
-            acc += pt[(size_t) sp * L + c];
-        o_lat[c] = acc;
-    }
-    __syncthreads();
-    // One warp per output j, lanes over the latent channels (coalesced weight rows).
-    const int row0 = h * (p.qk_nope + p.v_dim), lane = threadIdx.x % 32;
-    float *ot = out + ((size_t) t * p.n_heads + h) * p.v_dim;
-    for (int j = threadIdx.x / 32; j < p.v_dim; j += blockDim.x / 32) {
-        double d = 0.0;
-        for (int c = lane; c < L; c += 32)
-            d += lin_at(kv_b, row0 + p.qk_nope + j, c) * o_lat[c];
-        d = warp_sum_double(d);
-        if (lane == 0) ot[j] = (float) d;
-    }
-}
-
-// Values offset .. offset + width of token t, stored as kv_cache.h's kv_store_part stores them
-// (the CPU backend's kv_store runs the same parts, so both store the same bytes): block t.
-// f32 and bf16: a thread per value (kv_store_part). fp8: a warp per part (a latent scale
-// group, k_pe, the index key), its lanes over the part's values (kv_fp8_group_store_warp).
-static __device__ void kv_fp8_group_store_warp(unsigned char *codes, unsigned char *scale_at,
-                                               const float *src, int n, int lane)
-{
-    // kv_fp8_group_store with the amax split over the lanes: a maximum does not depend on the
-    // order of the comparisons, so the scale and every code are the same.
-    float amax = 0.0f;
-    for (int i = lane; i < n; i += 32)
-        amax = fmaxf(amax, fabsf(src[i]));
-    for (int o = 16; o > 0; o >>= 1)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
-    for (int i = lane; i < n; i += 32)
-        codes[i] = nvfp4_float_to_e4m3(src[i] / scale);
-    if (lane == 0) memcpy(scale_at, &scale, sizeof scale);
-}
-
-static __global__ void k_kv_write(DevKv kv, const int *pos, int offset, const float *src, int width)
-{
-    const int t = blockIdx.x, row = pos[t] % kv.lo.block_size;
-    unsigned char *e = (unsigned char *) kv_at(kv, t, pos[t]);
-    unsigned char *page = kv.lo.key_page ? (unsigned char *) kv_key_page(kv, t, pos[t]) : NULL;
-    const float *st = src + (size_t) t * width;
-    const KvEntryLayout &lo = kv.lo;
-    if (lo.dtype != KV_DTYPE_FP8) {
-        for (int p = threadIdx.x; p < width; p += blockDim.x)
-            kv_store_part(&lo, e, page, row, offset, st, width, p);
-        return;
-    }
-    // The parts of kv_store_part's fp8 branch, in its order: latent groups, k_pe, index key.
-    const int lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
-    const int pe0 = lo.kv_lora, idx0 = lo.kv_lora + lo.rope_dim, end = offset + width;
-    const int groups = (lo.kv_lora + KV_FP8_GROUP - 1) / KV_FP8_GROUP;
-    for (int part = threadIdx.x / 32; part < groups + 2; part += n_warps) {
-        if (part < groups) {
-            if (offset >= pe0) continue;
-            const int g0 = part * KV_FP8_GROUP;
-            const int n = lo.kv_lora - g0 < KV_FP8_GROUP ? lo.kv_lora - g0 : KV_FP8_GROUP;
-            kv_fp8_group_store_warp(e + g0, e + lo.lat_scale + 4 * part, st + g0 - offset, n, lane);
-        } else if (part == groups) {
-            for (int i = (offset > pe0 ? offset : pe0) + lane; i < end && i < idx0; i += 32)
-                kv_bf16_store(e + lo.pe + 2 * (i - pe0), st[i - offset]);
-        } else if (end > idx0) {
-            kv_fp8_group_store_warp(page + (size_t) row * lo.key_bytes,
-                                    page + lo.key_scales + 4 * row, st + idx0 - offset,
-                                    lo.index_dim, lane);
-        }
-    }
-}
-
-// Group the slots (t, k) by expert: meta = offsets [E + 1] | n_active [1] | active [E] |
-// list [n K]. The slots of expert e are list[offsets[e] .. offsets[e + 1]), in no
-// particular order (each slot's result does not depend on the others); active holds the
-// experts with slots, ascending. One block.
-static __global__ void k_moe_group(int *meta, const int *idx, int n_slots, int E)
-{
-    extern __shared__ int cnt[];  // [2 E]: counts, then cursors
-    int *offsets = meta, *n_active = meta + E + 1, *active = n_active + 1, *list = active + E;
-    for (int e = threadIdx.x; e < E; e += blockDim.x)
-        cnt[e] = 0;
-    __syncthreads();
-    for (int s = threadIdx.x; s < n_slots; s += blockDim.x)
-        atomicAdd(&cnt[idx[s]], 1);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int acc = 0, na = 0;
-        for (int e = 0; e < E; e++) {
-            offsets[e] = acc;
-            cnt[E + e] = acc;
-            acc += cnt[e];
-            if (cnt[e]) active[na++] = e;
-        }
-        offsets[E] = acc;
-        *n_active = na;
-    }
-    __syncthreads();
-    for (int s = threadIdx.x; s < n_slots; s += blockDim.x)
-        list[atomicAdd(&cnt[E + idx[s]], 1)] = s;
-}
-
-// The expert of MoE block row blockIdx.y (an index into meta's active list), or -1.
-static __device__ __forceinline__ int moe_expert(const int *meta, int E)
-{
-    const int a = blockIdx.y;
-    return a < meta[E + 1] ? meta[E + 2 + a] : -1;
-}
-
-// Input rows of slots list[i0 .. i0 + nt) of x: per token ([n, cols], x_per_slot 0) or per
-// slot ([n K, cols]).
-template <int TOK>
-static __device__ __forceinline__ void moe_inputs(const float **xs, const int *list, int i0, int nt,
-                                                  const float *x, int x_per_slot, int top_k,
-                                                  int cols)
-{
-#pragma unroll
-    for (int j = 0; j < TOK; j++) {
-        const int slot = list[i0 + (j < nt ? j : 0)];
-        xs[j] = x + (size_t) (x_per_slot ? slot : slot / top_k) * cols;
-    }
-}
-
-// Routed experts, gate and up with the activation: h[slot, r] = silu(gate_e x) * (up_e x)
-// (act_silu_mul's formula, kernels/act.h) for each slot of active expert e; block (row block, active
-// expert), one warp per row over e's slots in chunks of TOK (each weight read once per
-// chunk). Per output element the arithmetic of k_gemv, whatever the grouping.
-template <int TOK>
-static __global__ void __launch_bounds__(MM_WARPS * 32)
-    k_moe_gateup(float *h, const DevLin *table, const int *meta, int E, const float *x, int top_k,
-                 int xvec)
-{
-    const int e = moe_expert(meta, E), lane = threadIdx.x % 32;
-    if (e < 0) return;
-    DevLin wg = table[3 * e], wu = table[3 * e + 1];
-    wg.vec &= xvec;  // x not 16-byte aligned: the element path
-    wu.vec &= xvec;
-    const int r = blockIdx.x * MM_WARPS + threadIdx.x / 32;
-    if (r >= wg.rows) return;
-    const int *list = meta + 2 * E + 2;
-    const int begin = meta[e], end = meta[e + 1];
-    for (int i0 = begin; i0 < end; i0 += TOK) {
-        const int nt = end - i0 < TOK ? end - i0 : TOK;
-        const float *xs[TOK];
-        float ag[TOK], au[TOK];
-        moe_inputs<TOK>(xs, list, i0, nt, x, 0, top_k, wg.cols);
-#pragma unroll
-        for (int j = 0; j < TOK; j++)
-            ag[j] = au[j] = 0.0f;
-        row_dot<TOK>(wg, r, xs, nt, ag);
-        row_dot<TOK>(wu, r, xs, nt, au);
-#pragma unroll
-        for (int j = 0; j < TOK; j++) {
-            const double g = warp_sum(ag[j]);
-            const float u = warp_sum(au[j]);
-            if (lane == 0 && j < nt)
-                h[(size_t) list[i0 + j] * wg.rows + r] = (float) (g / (1.0 + exp(-g)) * u);
-        }
-    }
-}
-
-// Routed experts, down: y[slot, r] = down_e h[slot]; blocks as k_moe_gateup.
-template <int TOK>
-static __global__ void __launch_bounds__(MM_WARPS * 32)
-    k_moe_down(float *y, const DevLin *table, const int *meta, int E, const float *h, int top_k)
-{
-    const int e = moe_expert(meta, E), lane = threadIdx.x % 32;
-    if (e < 0) return;
-    const DevLin w = table[3 * e + 2];
-    const int r = blockIdx.x * MM_WARPS + threadIdx.x / 32;
-    if (r >= w.rows) return;
-    const int *list = meta + 2 * E + 2;
-    const int begin = meta[e], end = meta[e + 1];
-    for (int i0 = begin; i0 < end; i0 += TOK) {
-        const int nt = end - i0 < TOK ? end - i0 : TOK;
-        const float *xs[TOK];
-        float acc[TOK];
-        moe_inputs<TOK>(xs, list, i0, nt, h, 1, top_k, w.cols);
-#pragma unroll
-        for (int j = 0; j < TOK; j++)
-            acc[j] = 0.0f;
-        row_dot<TOK>(w, r, xs, nt, acc);
-#pragma unroll
-        for (int j = 0; j < TOK; j++) {
-            const float v = warp_sum(acc[j]);
-            if (lane == 0 && j < nt) y[(size_t) list[i0 + j] * w.rows + r] = v;
-        }
-    }
-}
-
-// out[t, c] = sum over the token's slots in ascending expert order of ye[slot, c] wts[slot].
-static __global__ void k_moe_combine(float *out, const float *ye, const int *idx, const float *wts,
-                                     int n, int top_k, int hidden)
-{
-    const size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x;
-    if (i >= (size_t) n * hidden) return;
-    const int t = (int) (i / hidden), c = (int) (i % hidden);
-    const int *it = idx + (size_t) t * top_k;
-    float acc = 0.0f;
-    int last_e = -1, last_k = -1;
-    for (int done = 0; done < top_k; done++) {
-        // Next slot by (expert, slot) ascending.
-        int best = -1;
-        for (int k = 0; k < top_k; k++) {
-            const bool after = it[k] > last_e || (it[k] == last_e && k > last_k);
-            if (after && (best < 0 || it[k] < it[best])) best = k;
-        }
-        last_e = it[best];
-        last_k = best;
-        const size_t slot = (size_t) t * top_k + best;
-        acc = __fadd_rn(acc, __fmul_rn(ye[slot * hidden + c], wts[slot]));
-    }
-    out[i] = acc;
-}
-
-// Synthetic weight bytes (backend_cuda_random_linear): a hash of (seed, index) shaped into
-// finite values: bf16 / f16 / fp8 codes near 2^-4 with a random sign, any NVFP4 code, e4m3
-// group scales between 2^-2 and 2^1.
-static __device__ __forceinline__ uint32_t mix32(unsigned long long x)
-{
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdull;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ull;
-    x ^= x >> 33;
-    return (uint32_t) x;
-}
-
-static __global__ void k_random_fill(uint32_t *words, size_t n_words, int kind,
-                                     unsigned long long seed)
-{
-    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n_words;
-         i += (size_t) gridDim.x * blockDim.x) {
-        const uint32_t r = mix32(seed * 0x9e3779b97f4a7c15ull + i), r2 = mix32(~seed + 7 * i);
-        uint32_t v = r;
-        if (kind == 1)  // two bf16
-            v = ((r & 0x8000u) | (0x3b00u + (r2 & 0x1ffu)))
-                | ((r & 0x80000000u) | ((0x3b00u + ((r2 >> 16) & 0x1ffu)) << 16));
-        else if (kind == 2)  // four fp8 / e4m3 scales: 0x28 + (0 .. 23) and a sign (fp8)
-            v = (0x28u + (r & 0xffu) % 24u) | (0x28u + ((r >> 8) & 0xffu) % 24u) << 8
-                | (0x28u + ((r >> 16) & 0xffu) % 24u) << 16 | (0x28u + (r >> 24) % 24u) << 24;
-        words[i] = v;
-    }
-}
-
 // ---------------------------------------------------------------------------
 // Host side
-
-static void check_launch(const char *what)
-{
-    const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess)
-        log_fatal(__FILE__, __LINE__, "CUDA: %s: %s", what, cudaGetErrorString(e));
-}
 
 // Host work that cannot be part of a graph (allocation, synchronous copy) must not happen
 // while one is captured: graph_begin captures only a call whose allocations an eager call
@@ -1090,18 +280,10 @@ static void prof_end(CudaImpl *impl, int op, double weight_bytes)
     impl->prof_calls[op]++;
 }
 
-// Bytes of a stored weight: 16 per vector of vec_elems, plus NVFP4's group scales.
+// Bytes of a bound weight (bf16, the only dense format the kernels read).
 static double lin_bytes(const CkptLinear *w)
 {
-    const double n = (double) w->rows * (double) w->cols;
-    return n * 16.0 / vec_elems((int) w->format)
-           + (w->format == CKPT_LINEAR_NVFP4 ? n / NVFP4_GROUP : 0.0);
-}
-
-static unsigned grid_1d(size_t n)
-{
-    const size_t g = (n + THREADS - 1) / THREADS;
-    return (unsigned) (g < 65535 ? (g ? g : 1) : 65535);
+    return 2.0 * (double) w->rows * (double) w->cols;
 }
 
 // Scratch buffer `slot` of at least `bytes` (grows geometrically; contents not kept).
@@ -1240,17 +422,14 @@ static const DevStep *dev_step(CudaImpl *impl, const KvCache *kv, KvSeq *const *
     return slot;
 }
 
-static DevKv dev_kv(CudaImpl *impl, const KvCache *kv, const BackendSeqs *s, int layer)
+// Layer `layer` of kv's device pool as kernels/kv.h's kv_write addresses it.
+static KvPages kv_pages(CudaImpl *impl, const KvCache *kv, int layer)
 {
-    const DevStep *st = dev_step(impl, kv, s->seqs, s->n_seqs);
-    const unsigned char *pool = dev_pool(impl, kv);
-    DevKv d = {pool + kv->mla_offset[layer],
-               pool + kv->key_offset[layer],
-               st->dev,
-               st->stride,
-               s->seq_of,
-               kv->entry[layer]};
-    return d;
+    unsigned char *pool = dev_pool(impl, kv);
+    const KvPages pg = {pool + kv->mla_offset[layer],
+                        kv->entry[layer].key_page ? pool + kv->key_offset[layer] : NULL,
+                        kv->entry[layer]};
+    return pg;
 }
 
 static void *cuda_alloc(Backend *be, size_t bytes)
@@ -1388,70 +567,93 @@ static const PadLin *pad_lin(const CudaImpl *impl, const CkptLinear *w)
     return NULL;
 }
 
+// Every weight is stored in bf16 (backend_bind_rounds: the BF16 recipe, the only one this
+// backend runs, rounds every other format when bound, as the CPU backend following it does),
+// with a padded copy where its columns are not in 8s (bind_padded).
 static Err cuda_bind_linear(Backend *be, CkptLinear *w)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
+    ASSERT(be->precision == BACKEND_PRECISION_BF16);
     const size_t n = (size_t) w->rows * (size_t) w->cols;
-    if (backend_bind_rounds(be, w)) {  // the BF16 recipe stores an f32 weight in bf16
-        uint16_t *b = (uint16_t *) malloc(n * 2);
-        if (!b) return ERR_NOMEM;
-        backend_round_linear(w, b);
-        void *data = keep_copy(impl, b, n * 2);
-        Err err = ERR_NOMEM;
-        if (data) {
-            w->data = data;
-            w->format = CKPT_LINEAR_BF16;
-            err = bind_padded(be, w, b);
-        } else {
-            LOG_ERROR("out of GPU memory binding %s (%zu bytes)", w->name ? w->name : "a weight",
-                      n * 2);
-        }
-        free(b);
-        return err;
-    }
-    size_t data_bytes = 0, scale_bytes = 0, scale_f32_bytes = 0;
-    switch (w->format) {
-    case CKPT_LINEAR_F32:
-        data_bytes = n * 4;
-        break;
-    case CKPT_LINEAR_F16:
-    case CKPT_LINEAR_BF16:
-        data_bytes = n * 2;
-        break;
-    case CKPT_LINEAR_FP8:
-        data_bytes = n;
-        if (w->scale_f32)
-            scale_f32_bytes =
-                (((size_t) w->rows + 127) / 128) * (((size_t) w->cols + 127) / 128) * sizeof(float);
-        break;
-    case CKPT_LINEAR_NVFP4:
-        data_bytes = n / 2;
-        scale_bytes = n / NVFP4_GROUP;
-        break;
-    default:
-        LOG_ERROR("%s: unknown weight format %d", w->name ? w->name : "weight", (int) w->format);
-        return ERR_INVAL;
-    }
-    void *data = keep_copy(impl, w->data, data_bytes);
-    void *scale = scale_bytes ? keep_copy(impl, w->scale, scale_bytes) : NULL;
-    void *scale_f32 = scale_f32_bytes ? keep_copy(impl, w->scale_f32, scale_f32_bytes) : NULL;
-    if (!data || (scale_bytes && !scale) || (scale_f32_bytes && !scale_f32)) {
-        LOG_ERROR("out of GPU memory binding %s (%zu bytes)", w->name ? w->name : "a weight",
-                  data_bytes + scale_bytes + scale_f32_bytes);
-        return ERR_NOMEM;
-    }
+    uint16_t *rounded = NULL;
+    float *row = NULL;
     const void *host = w->data;
-    w->data = data;
-    if (scale_bytes) w->scale = (const uint8_t *) scale;
-    if (scale_f32_bytes) w->scale_f32 = (const float *) scale_f32;
-    return bind_padded(be, w, host);
+    if (backend_bind_rounds(be, w)) {
+        rounded = (uint16_t *) malloc(n * 2);
+        row = (float *) malloc((size_t) w->cols * sizeof(float));
+        if (!rounded || !row) {
+            free(rounded), free(row);
+            return ERR_NOMEM;
+        }
+        backend_round_linear(w, rounded, row);
+        free(row);
+        host = rounded;
+    }
+    void *data = keep_copy(impl, host, n * 2);
+    Err err = ERR_NOMEM;
+    if (data) {
+        w->data = data;
+        w->format = CKPT_LINEAR_BF16;
+        w->scale = NULL;
+        w->scale_f32 = NULL;
+        err = bind_padded(be, w, host);
+    } else {
+        LOG_ERROR("out of GPU memory binding %s (%zu bytes)", w->name ? w->name : "a weight",
+                  n * 2);
+    }
+    free(rounded);
+    return err;
 }
 
-// Under the BF16 recipe, experts the tuned kernels take (backend_moe_tuned with any top_k
-// they allow) are stacked in one allocation per array and packed there as kernels/moe.h lays
-// them out (on the GPU, an expert at a time through a staging buffer); each CkptLinear then
-// points at its packed rows, which only kernels/moe.h reads. Others, and every expert under
-// the F32 recipe, are bound one by one in their stored format.
+// Routed experts not all NVFP4, stored in bf16 (backend_bind_rounds' rounding for any other
+// format) and stacked as kernels/moe.h's MoeExpertsBf16: gate and up of expert e as rows [e 2
+// inter, (e + 1) 2 inter) of w13, its down as w2[e]. GLM-5.2's MTP layer keeps its experts in
+// bf16.
+static Err bind_experts_bf16(Backend *be, CkptLinear *experts, int n_experts)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    const size_t E = (size_t) n_experts, hidden = (size_t) experts[0].cols,
+                 inter = (size_t) experts[0].rows, nm = inter * hidden;
+    uint16_t *w13 = (uint16_t *) keep_alloc(impl, E * 2 * nm * 2);
+    uint16_t *w2 = (uint16_t *) keep_alloc(impl, E * nm * 2);
+    uint16_t *buf = (uint16_t *) malloc(nm * 2);
+    float *row = (float *) malloc((hidden > inter ? hidden : inter) * sizeof(float));
+    if (!w13 || !w2 || !buf || !row) {
+        free(buf), free(row);
+        LOG_ERROR("out of memory binding the %d bf16 experts of %s (%.2f GB on the GPU)",
+                  n_experts, experts[0].name, 3.0 * E * nm * 2 / 1e9);
+        return ERR_NOMEM;
+    }
+    for (size_t e = 0; e < E; e++) {
+        CkptLinear *w = &experts[3 * e];
+        uint16_t *dst[3] = {w13 + e * 2 * nm, w13 + e * 2 * nm + nm, w2 + e * nm};
+        for (int k = 0; k < 3; k++) {
+            const void *host = w[k].data;
+            if (w[k].format != CKPT_LINEAR_BF16) {
+                backend_round_linear(&w[k], buf, row);
+                host = buf;
+            }
+            CUDA_CHECK(cudaMemcpy(dst[k], host, nm * 2, cudaMemcpyHostToDevice));
+            w[k].data = dst[k];
+            w[k].format = CKPT_LINEAR_BF16;
+            w[k].scale = NULL;
+            w[k].scale_f32 = NULL;
+        }
+    }
+    free(buf), free(row);
+    ExpertStack *st = &impl->stacks[impl->n_stacks++];
+    memset(st, 0, sizeof *st);
+    st->experts = experts;
+    st->bf16 = true;
+    st->ex.n_experts = n_experts;  // the grouping's widths (moe_work_ints)
+    st->ex.hidden = (int) hidden;
+    st->ex.inter = (int) inter;
+    st->exb = (MoeExpertsBf16){w13, w2, n_experts, (int) hidden, (int) inter};
+    return ERR_OK;
+}
+
+// Routed experts, stacked in one allocation per array as kernels/moe.h reads them: NVFP4
+// experts packed there (moe_pack_w13 / moe_pack_w2), others in bf16 (bind_experts_bf16).
 static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
@@ -1459,19 +661,10 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     // was kept for that address (the device memory stays until destroy, as every weight's).
     for (int i = 0; i < impl->n_stacks; i++)
         if (impl->stacks[i].experts == experts) impl->stacks[i--] = impl->stacks[--impl->n_stacks];
-    for (int i = 0; i < impl->n_tables; i++)
-        if (impl->tables[i].host == experts) {
-            impl->gen++;  // graphs may hold the table
-            CUDA_CHECK(cudaFree(impl->tables[i].dev));
-            impl->tables[i--] = impl->tables[--impl->n_tables];
-        }
-    if (be->precision != BACKEND_PRECISION_BF16 || !backend_moe_tuned(experts, n_experts, 1)
-        || impl->n_stacks == MAX_EXPERT_TABLES) {
-        for (int i = 0; i < 3 * n_experts; i++) {
-            const Err err = cuda_bind_linear(be, &experts[i]);
-            if (err) return err;
-        }
-        return ERR_OK;
+    if (impl->n_stacks == MAX_EXPERT_STACKS) {
+        LOG_ERROR("%s: more than %d MoE layers on one CUDA backend", experts[0].name,
+                  MAX_EXPERT_STACKS);
+        return ERR_INVAL;
     }
     const size_t E = (size_t) n_experts, hidden = (size_t) experts[0].cols,
                  inter = (size_t) experts[0].rows;
@@ -1485,14 +678,14 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
             return ERR_INVAL;
         }
     }
+    if (!backend_experts_nvfp4(experts, n_experts)) return bind_experts_bf16(be, experts, n_experts);
     int smem_max = 0;
     CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                       impl->device));
     const size_t smem = moe_experts_smem_bytes((int) hidden, (int) inter);
     if (smem > (size_t) smem_max) {
         LOG_ERROR("%s: the routed experts' kernels need %zu bytes of shared memory per block at "
-                  "hidden %zu and intermediate %zu; this GPU allows %d (the f32 recipe, "
-                  "--precision f32, runs them with other kernels)",
+                  "hidden %zu and intermediate %zu; this GPU allows %d",
                   experts[0].name, smem, hidden, inter, smem_max);
         return ERR_INVAL;
     }
@@ -1541,16 +734,18 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     CUDA_CHECK(cudaMemcpy(dg13, g, E * 2 * sizeof(float), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(dg2, g + 2 * E, E * sizeof(float), cudaMemcpyHostToDevice));
     free(g);
-    impl->stacks[impl->n_stacks++] = (ExpertStack){
-        experts, {dq13, ds13, dg13, dq2, ds2, dg2, n_experts, (int) hidden, (int) inter}};
+    ExpertStack *st = &impl->stacks[impl->n_stacks++];
+    memset(st, 0, sizeof *st);
+    st->experts = experts;
+    st->ex = (MoeExperts){dq13, ds13, dg13, dq2, ds2, dg2, n_experts, (int) hidden, (int) inter};
     return ERR_OK;
 }
 
 // The stack of experts (bind_experts), or NULL.
-static const MoeExperts *expert_stack(const CudaImpl *impl, const CkptLinear *experts)
+static const ExpertStack *expert_stack(const CudaImpl *impl, const CkptLinear *experts)
 {
     for (int i = 0; i < impl->n_stacks; i++)
-        if (impl->stacks[i].experts == experts) return &impl->stacks[i].ex;
+        if (impl->stacks[i].experts == experts) return &impl->stacks[i];
     return NULL;
 }
 
@@ -1591,21 +786,6 @@ static const KvBPack *kv_b_pack(const CudaImpl *impl, const CkptLinear *kv_b)
 static void add_f32(CudaImpl *impl, float *y, const float *x, size_t n)
 {
     act_add(y, x, n, impl->stream);
-}
-
-// Launch k_gemv: one token per chunk when n is 1 (decode), else MATMUL_TOK.
-static void launch_gemv(CudaImpl *impl, float *y, DevLin w, const float *x, int n)
-{
-    w.vec &= ((uintptr_t) x & 15) == 0;  // float4 activation loads
-    const unsigned row_blocks = (unsigned) ((w.rows + MM_WARPS - 1) / MM_WARPS);
-    if (n == 1) {
-        k_gemv<1><<<row_blocks, MM_WARPS * 32, 0, impl->stream>>>(y, w, x, n);
-    } else {
-        const int chunks = (n + MATMUL_TOK - 1) / MATMUL_TOK;
-        const dim3 grid(row_blocks, (unsigned) (chunks < 65535 ? chunks : 65535));
-        k_gemv<MATMUL_TOK><<<grid, MM_WARPS * 32, 0, impl->stream>>>(y, w, x, n);
-    }
-    check_launch("matmul");
 }
 
 // y fp32 [n, n_mat, rows] = w bf16 [n_mat, rows, cols] x [n, n_mat, cols] (acc: y +=) through
@@ -1675,34 +855,31 @@ static void matmul_tuned(CudaImpl *impl, float *y, const CkptLinear *w, const fl
                     (long) (rows + 7) / 8 >= 2L * impl->n_sm, acc);
 }
 
-// Whether w runs through matmul_tuned: a bf16 weight under the BF16 recipe, stored 16-byte
-// aligned with columns in 8s (so every token's fp32 row of x stays 16-byte aligned when x
-// is), or with a padded copy (PadLin).
+// Whether w runs through matmul_tuned as bound: bf16 (bind_linear stores every weight so),
+// 16-byte aligned with columns in 8s (so every token's fp32 row of x stays 16-byte aligned
+// when x is), or with a padded copy (PadLin).
 static bool linear_tuned(const Backend *be, const CkptLinear *w)
 {
-    if (be->precision != BACKEND_PRECISION_BF16 || !backend_matmul_tuned(w)) return false;
+    if (!backend_matmul_tuned(w)) return false;
     if (w->cols % 8) return pad_lin((const CudaImpl *) be->impl, w) != NULL;
     return (uintptr_t) w->data % 16 == 0;
 }
 
 // y = w x, or (acc) y += w x: the same sums, each rounded to fp32 and then added to y (in the
-// tuned GEMV's store; elsewhere into a temporary, then add_f32).
+// tuned GEMV's store; after cuBLASLt, which cannot add, into a temporary, then act_add).
 static void matmul_any(Backend *be, float *y, const CkptLinear *w, const float *x, int n, bool acc)
 {
     ASSERT(w->rows > 0 && w->cols > 0 && n >= 0);
     if (n == 0) return;
     CudaImpl *impl = (CudaImpl *) be->impl;
+    if (!linear_tuned(be, w))
+        log_fatal(__FILE__, __LINE__, "CUDA backend: %s was not bound as the GEMV reads it",
+                  w->name ? w->name : "a weight");
     prof_begin(impl);
-    const bool tuned = linear_tuned(be, w);
-    const bool via_tmp = acc && (!tuned || matmul_lt(w, n));
+    const bool via_tmp = acc && matmul_lt(w, n);
     float *yt =
         via_tmp ? (float *) scratch(impl, SCRATCH_Y, (size_t) n * w->rows * sizeof(float)) : y;
-    if (tuned) {
-        matmul_tuned(impl, yt, w, x, n, acc && !via_tmp);
-    } else {
-        impl->untuned.matmul += be->precision == BACKEND_PRECISION_BF16;
-        launch_gemv(impl, yt, dev_lin(w), x, n);
-    }
+    matmul_tuned(impl, yt, w, x, n, acc && !via_tmp);
     if (via_tmp) add_f32(impl, y, yt, (size_t) n * w->rows);
     prof_end(impl, PROF_MATMUL, lin_bytes(w));
 }
@@ -1737,9 +914,9 @@ static void cuda_embed(Backend *be, float *y, const CkptLinear *table, const int
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     if (n == 0) return;
+    ASSERT(table->format == CKPT_LINEAR_BF16);  // bind_linear stores every weight in bf16
     prof_begin(impl);
-    k_embed<<<n, THREADS, 0, impl->stream>>>(y, dev_lin(table), ids);
-    check_launch("embed");
+    act_embed(y, (const uint16_t *) table->data, table->rows, table->cols, ids, n, impl->stream);
     prof_end(impl, PROF_EMBED, 0.0);
 }
 
@@ -1814,10 +991,10 @@ static void cuda_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int la
     const KvEntryLayout *lo = &kv->entry[layer];
     ASSERT(kv_write_ok(lo, offset, width));
     if (n == 0 || width == 0) return;
-    const DevKv d = dev_kv(impl, kv, s, layer);
+    const DevStep *st = dev_step(impl, kv, s->seqs, s->n_seqs);
+    const KvPages pg = kv_pages(impl, kv, layer);
     prof_begin(impl);
-    k_kv_write<<<n, THREADS, 0, impl->stream>>>(d, s->pos, offset, src, width);
-    check_launch("kv_write");
+    kv_write(&pg, st->dev, st->stride, s->seq_of, s->pos, offset, src, width, n, impl->stream);
     prof_end(impl, PROF_KV_WRITE, 0.0);
 }
 
@@ -1843,10 +1020,9 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
     CudaImpl *impl = (CudaImpl *) be->impl;
     ASSERT(kv->params.has_index[layer] && kv->params.index_dim == p->head_dim && p->top_k > 0);
     const int n = s->n;
-    const int *pos = s->pos;
     if (n == 0) return;
     const int cap = seq_capacity(impl, kv, s);
-    if (be->precision == BACKEND_PRECISION_BF16 && backend_dsa_tuned(p, kv, layer)) {
+    if (backend_dsa_tuned(p, kv, layer)) {
         // kernels/dsa.cu over the engine's key pages: fp32 scores, exact radix top-k. Keys
         // stored zero-padded (kv_cache.h) meet q zero-padded to their width (act_repad).
         const DsaCache c = kv_dsa_cache_stored(kv, dev_pool(impl, kv), layer);
@@ -1885,28 +1061,9 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
         prof_end(impl, PROF_DSA, 0.0);
         return;
     }
-    impl->untuned.dsa += be->precision == BACKEND_PRECISION_BF16;
-    const DevKv d = dev_kv(impl, kv, s, layer);
-    // Rows in passes, as the tuned path's (dsa_pass_rows), of double scores.
-    const size_t row_bytes = (size_t) cap * sizeof(double);
-    const int rows = dsa_pass_rows(impl, n, row_bytes);
-    double *score = (double *) scratch(impl, SCRATCH_A, (size_t) rows * row_bytes);
-    prof_begin(impl);
-    const int key_blocks = (cap + THREADS / 32 - 1) / (THREADS / 32);  // a warp per key
-    ASSERT(key_blocks <= 65535);
-    for (int r0 = 0; r0 < n; r0 += rows) {
-        const int nr = n - r0 < rows ? n - r0 : rows;
-        DevKv dr = d;  // the pass's tokens
-        dr.seq_of += r0;
-        k_dsa_scores<<<dim3((unsigned) nr, (unsigned) key_blocks), THREADS, 0, impl->stream>>>(
-            score, cap, q + (size_t) r0 * p->n_heads * p->head_dim, w + (size_t) r0 * p->n_heads,
-            dr, pos + r0, *p);
-        check_launch("dsa_scores");
-        k_dsa_select<<<nr, THREADS, 0, impl->stream>>>(sel + (size_t) r0 * p->top_k, n_sel + r0,
-                                                       score, cap, pos + r0, p->top_k);
-        check_launch("dsa_select");
-    }
-    prof_end(impl, PROF_DSA, 0.0);
+    log_fatal(__FILE__, __LINE__,
+              "CUDA backend: DSA layer %d (%d heads of %d) outside kernels/dsa.h's shapes", layer,
+              p->n_heads, p->head_dim);
 }
 
 static size_t align256(size_t n)
@@ -2006,83 +1163,15 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
     CudaImpl *impl = (CudaImpl *) be->impl;
     ASSERT(kv_b->cols == p->kv_lora && kv_b->rows == p->n_heads * (p->qk_nope + p->v_dim));
     ASSERT(kv->params.kv_lora == p->kv_lora && kv->params.rope_dim == p->qk_rope);
-    const int n = s->n;
-    const int *pos = s->pos;
-    if (n == 0) return;
-    const KvBPack *pk =
-        be->precision == BACKEND_PRECISION_BF16 && backend_mla_tuned(p, &kv->entry[layer])
-            ? kv_b_pack(impl, kv_b)
-            : NULL;
+    if (s->n == 0) return;
+    const KvBPack *pk = backend_mla_tuned(p, &kv->entry[layer]) ? kv_b_pack(impl, kv_b) : NULL;
     if (pk) {
         mla_tuned(impl, out, q, pk, kv, s, layer, sel, n_sel, sel_stride, p,
                   backend_mla_tc(be, p, &kv->entry[layer]));
         return;
     }
-    impl->untuned.mla += be->precision == BACKEND_PRECISION_BF16;
-    const int cap = sel ? (sel_stride > 0 ? sel_stride : 1) : seq_capacity(impl, kv, s);
-    const int n_split = (cap + MLA_SPLIT - 1) / MLA_SPLIT;
-    const DevKv d = dev_kv(impl, kv, s, layer);
-    const DevLin w = dev_lin(kv_b);
-    const size_t H = (size_t) p->n_heads, L = (size_t) p->kv_lora;
-    ASSERT(L * sizeof(double) <= 40 * 1024 && (cap + THREADS / 32 - 1) / (THREADS / 32) <= 65535);
-    // Tokens in chunks, so the scratch stays under ~256 MB whatever n (each token's result
-    // does not depend on its chunk).
-    const size_t per_tok = H * (L + (size_t) cap + 1 + (size_t) n_split * L) * sizeof(double);
-    int chunk = (int) ((256u << 20) / per_tok);
-    if (chunk < 1) chunk = 1;
-    if (chunk > n) chunk = n;
-    double *q_lat = (double *) scratch(impl, SCRATCH_A, (size_t) chunk * H * L * sizeof(double));
-    double *prob = (double *) scratch(impl, SCRATCH_C, (size_t) chunk * H * cap * sizeof(double));
-    double *stat = (double *) scratch(impl, SCRATCH_B, (size_t) chunk * H * sizeof(double));
-    double *part =
-        (double *) scratch(impl, SCRATCH_D, (size_t) chunk * H * n_split * L * sizeof(double));
-    prof_begin(impl);
-    for (int t0 = 0; t0 < n; t0 += chunk) {
-        const int nc = n - t0 < chunk ? n - t0 : chunk;
-        const float *qc = q + (size_t) t0 * H * (p->qk_nope + p->qk_rope);
-        const int *pc = pos + t0;
-        DevKv dc = d;  // the chunk's tokens
-        dc.seq_of += t0;
-        const int *sc = sel ? sel + (size_t) t0 * sel_stride : NULL;
-        const int *nsc = sel ? n_sel + t0 : NULL;
-        const dim3 th((unsigned) nc, (unsigned) H);
-        k_mla_qlat<<<dim3((unsigned) nc, (unsigned) H, (unsigned) ((L + 31) / 32)), THREADS, 0,
-                     impl->stream>>>(q_lat, qc, w, *p);
-        k_mla_scores<<<dim3((unsigned) nc, (unsigned) H,
-                            (unsigned) ((cap + THREADS / 32 - 1) / (THREADS / 32))),
-                       THREADS, 0, impl->stream>>>(prob, cap, q_lat, qc, dc, pc, sc, nsc,
-                                                   sel_stride, *p);
-        k_mla_softmax<<<th, THREADS, 0, impl->stream>>>(prob, stat, cap, pc, nsc, p->n_heads);
-        k_mla_pv<<<dim3((unsigned) nc, (unsigned) H, (unsigned) n_split), THREADS, 0,
-                   impl->stream>>>(part, n_split, prob, cap, dc, pc, sc, nsc, sel_stride, *p);
-        k_mla_out<<<th, THREADS, L * sizeof(double), impl->stream>>>(
-            out + (size_t) t0 * H * p->v_dim, part, n_split, w, pc, nsc, *p);
-    }
-    check_launch("mla_attention");
-    prof_end(impl, PROF_MLA, 0.0);
-}
-
-// The device descriptor table of an experts array (uploaded on first use).
-static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int n_experts)
-{
-    for (int i = 0; i < impl->n_tables; i++)
-        if (impl->tables[i].host == experts && impl->tables[i].n == n_experts)
-            return (const DevLin *) impl->tables[i].dev;
-    if (impl->n_tables == MAX_EXPERT_TABLES)
-        log_fatal(__FILE__, __LINE__, "more than %d MoE layers", MAX_EXPERT_TABLES);
-    no_capture(impl, "an expert table upload");
-    impl->gen++;
-    DevLin *host = (DevLin *) malloc((size_t) 3 * n_experts * sizeof *host);
-    if (!host) log_fatal(__FILE__, __LINE__, "out of memory");
-    for (int i = 0; i < 3 * n_experts; i++)
-        host[i] = dev_lin(&experts[i]);
-    void *dev = NULL;
-    CUDA_CHECK(cudaMalloc(&dev, (size_t) 3 * n_experts * sizeof *host));
-    CUDA_CHECK(
-        cudaMemcpy(dev, host, (size_t) 3 * n_experts * sizeof *host, cudaMemcpyHostToDevice));
-    free(host);
-    impl->tables[impl->n_tables++] = (ExpertTable){experts, n_experts, dev};
-    return (const DevLin *) dev;
+    log_fatal(__FILE__, __LINE__,
+              "CUDA backend: MLA layer %d outside kernels/mla.h's shapes or cache entries", layer);
 }
 
 // Routed experts through kernels/moe.h (stacked, packed NVFP4 experts under the BF16 recipe):
@@ -2098,15 +1187,17 @@ static const DevLin *expert_table(CudaImpl *impl, const CkptLinear *experts, int
 // of up to MOE_MAX_CHUNK_PAIRS pairs. GLMSPARK_MOE_CHUNK=N caps a launch at N tokens.
 #define MOE_WIDE_MIN_PAIRS 16
 static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const int *idx,
-                      const float *wts, int top_k, const MoeExperts *ex)
+                      const float *wts, int top_k, const ExpertStack *st)
 {
-    const int most = (impl->moe_wide ? MOE_MAX_WIDE_PAIRS : MOE_MAX_CHUNK_PAIRS) / top_k;
+    const MoeExperts *ex = &st->ex;
+    const bool wide_ok = impl->moe_wide && !st->bf16;
+    const int most = (wide_ok ? MOE_MAX_WIDE_PAIRS : MOE_MAX_CHUNK_PAIRS) / top_k;
     const int per = impl->moe_chunk > 0 && impl->moe_chunk < most ? impl->moe_chunk : most;
     const int chunk = n < per ? n : per;
     const size_t hidden = (size_t) ex->hidden, inter = (size_t) ex->inter,
                  pairs = (size_t) chunk * top_k;
     const size_t narrow_ints = moe_work_ints((int) pairs, ex->n_experts),
-                 wide_ints = impl->moe_wide ? moe_wide_work_ints(ex, chunk, top_k) : 0;
+                 wide_ints = wide_ok ? moe_wide_work_ints(ex, chunk, top_k) : 0;
     int32_t *work = (int32_t *) scratch(
         impl, SCRATCH_E, (narrow_ints > wide_ints ? narrow_ints : wide_ints) * sizeof(int32_t));
     uint16_t *act = (uint16_t *) scratch(impl, SCRATCH_Y, pairs * inter * 2);
@@ -2117,7 +1208,11 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
         const size_t k0 = (size_t) t0 * top_k;
         const float *xc = x + (size_t) t0 * hidden;
         // Past MOE_MAX_CHUNK_PAIRS a chunk is wide: 8,192 pairs >= 16 x MOE_MAX_EXPERTS.
-        if (impl->moe_wide && nc * top_k >= MOE_WIDE_MIN_PAIRS * ex->n_experts) {
+        if (st->bf16) {
+            moe_group(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
+            moe_experts_bf16_w13(act, &st->exb, xc, work, nc, top_k, impl->stream);
+            moe_experts_bf16_w2(y, &st->exb, act, work, wts + k0, nc, top_k, impl->stream);
+        } else if (wide_ok && nc * top_k >= MOE_WIDE_MIN_PAIRS * ex->n_experts) {
             moe_group_wide(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
             moe_experts_w13_wide(act, ex, xc, work, nc, top_k, impl->stream);
             moe_experts_w2_wide(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
@@ -2142,46 +1237,16 @@ static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *
                && w[1].rows == inter && w[2].rows == hidden && w[2].cols == inter);
     }
     if (n == 0) return;
-    const MoeExperts *ex = expert_stack(impl, experts);  // packed: only kernels/moe.h reads it
-    if (ex) {
+    const ExpertStack *st = expert_stack(impl, experts);  // only kernels/moe.h reads it
+    if (st) {
         if (top_k > MOE_MAX_K)
             log_fatal(__FILE__, __LINE__, "top_k %d exceeds the tuned experts' %d", top_k,
                       MOE_MAX_K);
-        moe_tuned(impl, out, x, n, idx, wts, top_k, ex);
+        moe_tuned(impl, out, x, n, idx, wts, top_k, st);
         return;
     }
-    impl->untuned.moe += be->precision == BACKEND_PRECISION_BF16;
-    const DevLin *table = expert_table(impl, experts, n_experts);
-    const int slots = n * top_k;
-    float *hs = (float *) scratch(impl, SCRATCH_A, (size_t) slots * inter * sizeof(float));
-    float *ye = (float *) scratch(impl, SCRATCH_D, (size_t) slots * hidden * sizeof(float));
-    int *meta =
-        (int *) scratch(impl, SCRATCH_E, ((size_t) slots + 2 * n_experts + 2) * sizeof(int));
-    ASSERT((size_t) 2 * n_experts * sizeof(int) <= 48 * 1024);
-    prof_begin(impl);
-    k_moe_group<<<1, 1024, (size_t) 2 * n_experts * sizeof(int), impl->stream>>>(meta, idx, slots,
-                                                                                 n_experts);
-    // Grid rows: one per possibly active expert (at most min(slots, E) are).
-    const unsigned ny = (unsigned) (slots < n_experts ? slots : n_experts);
-    ASSERT(ny <= 65535);
-    const dim3 g_inter((unsigned) ((inter + MM_WARPS - 1) / MM_WARPS), ny);
-    const dim3 g_hidden((unsigned) ((hidden + MM_WARPS - 1) / MM_WARPS), ny);
-    const int xvec = ((uintptr_t) x & 15) == 0;
-    if (n == 1) {  // one slot per expert
-        k_moe_gateup<1><<<g_inter, MM_WARPS * 32, 0, impl->stream>>>(hs, table, meta, n_experts, x,
-                                                                     top_k, xvec);
-        k_moe_down<1>
-            <<<g_hidden, MM_WARPS * 32, 0, impl->stream>>>(ye, table, meta, n_experts, hs, top_k);
-    } else {
-        k_moe_gateup<MATMUL_TOK><<<g_inter, MM_WARPS * 32, 0, impl->stream>>>(
-            hs, table, meta, n_experts, x, top_k, xvec);
-        k_moe_down<MATMUL_TOK>
-            <<<g_hidden, MM_WARPS * 32, 0, impl->stream>>>(ye, table, meta, n_experts, hs, top_k);
-    }
-    k_moe_combine<<<(unsigned) (((size_t) n * hidden + THREADS - 1) / THREADS), THREADS, 0,
-                    impl->stream>>>(out, ye, idx, wts, n, top_k, hidden);
-    check_launch("moe");
-    prof_end(impl, PROF_MOE, 0.0);
+    log_fatal(__FILE__, __LINE__, "CUDA backend: the experts of %s were not bound",
+              experts[0].name ? experts[0].name : "a MoE layer");
 }
 
 // Graphs: see the file comment. A key too long for MAX_GRAPH_KEY runs eagerly.
@@ -2283,11 +1348,6 @@ size_t backend_cuda_mem_used(Backend *be, size_t *total)
     return total_b - free_b;
 }
 
-BackendCudaUntuned backend_cuda_untuned(const Backend *be)
-{
-    return ((const CudaImpl *) be->impl)->untuned;
-}
-
 void backend_cuda_limit_dsa_scores(Backend *be, size_t bytes)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
@@ -2303,57 +1363,6 @@ void backend_cuda_kv_download(Backend *be, const KvCache *kv, void *dst)
     CUDA_CHECK(cudaMemcpyAsync(dst, pool, kv->block_bytes * (size_t) kv->params.n_blocks,
                                cudaMemcpyDeviceToHost, impl->stream));
     CUDA_CHECK(cudaStreamSynchronize(impl->stream));
-}
-
-// `bytes` synthetic bytes of k_random_fill's `kind` (0 any, 1 bf16, 2 e4m3), remembered
-// for destroy; NULL when out of memory.
-static void *random_bytes(CudaImpl *impl, size_t bytes, int kind, unsigned long long seed)
-{
-    const size_t padded = (bytes + 3) / 4 * 4;
-    void *p = keep_alloc(impl, padded);
-    if (!p) return NULL;
-    k_random_fill<<<grid_1d(padded / 4), THREADS, 0, impl->stream>>>((uint32_t *) p, padded / 4,
-                                                                     kind, seed);
-    check_launch("random_fill");
-    return p;
-}
-
-Err backend_cuda_random_linear(Backend *be, CkptLinear *w, CkptLinearFormat format, int rows,
-                               int cols, unsigned long long seed)
-{
-    CudaImpl *impl = (CudaImpl *) be->impl;
-    memset(w, 0, sizeof *w);
-    if (rows < 1 || cols < 1 || (format == CKPT_LINEAR_NVFP4 && cols % NVFP4_GROUP)
-        || (format != CKPT_LINEAR_BF16 && format != CKPT_LINEAR_FP8
-            && format != CKPT_LINEAR_NVFP4)) {
-        LOG_ERROR("random weight: format %d [%d, %d] not supported (bf16, fp8, NVFP4 with "
-                  "cols %% 16 == 0)",
-                  (int) format, rows, cols);
-        return ERR_INVAL;
-    }
-    const size_t n = (size_t) rows * (size_t) cols;
-    w->format = format;
-    w->rows = rows;
-    w->cols = cols;
-    w->global_scale = format == CKPT_LINEAR_NVFP4 ? 0.01f
-                      : format == CKPT_LINEAR_FP8 ? 0.05f
-                                                  : 1.0f;
-    w->name = "synthetic";
-    const size_t data_bytes = format == CKPT_LINEAR_BF16  ? 2 * n
-                              : format == CKPT_LINEAR_FP8 ? n
-                                                          : n / 2;
-    w->data = random_bytes(impl, data_bytes,
-                           format == CKPT_LINEAR_BF16  ? 1
-                           : format == CKPT_LINEAR_FP8 ? 2
-                                                       : 0,
-                           seed);
-    if (format == CKPT_LINEAR_NVFP4)
-        w->scale = (const uint8_t *) random_bytes(impl, n / NVFP4_GROUP, 2, seed + 1);
-    if (!w->data || (format == CKPT_LINEAR_NVFP4 && !w->scale)) {
-        LOG_ERROR("out of GPU memory for a random [%d, %d] weight", rows, cols);
-        return ERR_NOMEM;
-    }
-    return ERR_OK;
 }
 
 void backend_cuda_profile_report(Backend *be, const char *title)
@@ -2498,8 +1507,6 @@ static void cuda_destroy(Backend *be)
         free(impl->step_eager.host);
         cudaFree(impl->step_eager.dev);
         free(impl->step_tmp);
-        for (int i = 0; i < impl->n_tables; i++)
-            cudaFree(impl->tables[i].dev);
         for (int i = 0; i < MAX_GRAPHS; i++)
             if (impl->graph_cache[i].n_key) cudaGraphExecDestroy(impl->graph_cache[i].exec);
         gemm_lt_free(&impl->lt);
@@ -2575,6 +1582,7 @@ Err backend_cuda_create(int device, Backend **out)
     be->bind_experts = cuda_bind_experts;
     be->bind_kv_b = cuda_bind_kv_b;
     be->precision = BACKEND_PRECISION_BF16;
+    be->kernels = true;
     be->mla_tc = backend_mla_tc_env();
     be->dsa_tc = backend_dsa_tc_env();
     be->matmul = cuda_matmul;

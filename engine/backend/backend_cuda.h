@@ -45,27 +45,11 @@ double backend_cuda_gemm_tflops(Backend *be, int n);
 // without the variable.
 void backend_cuda_profile_report(Backend *be, const char *title);
 
-// A random weight [rows, cols] generated on the GPU (no host copy): BF16, FP8 (per-tensor
-// scale) or NVFP4 (cols % 16 == 0) with finite values; w's pointers are device memory owned
-// by be until destroy. For benchmarks at sizes no checkpoint on disk has. ERR_INVAL (format
-// or shape), ERR_NOMEM.
-Err backend_cuda_random_linear(Backend *be, CkptLinear *w, CkptLinearFormat format, int rows,
-                               int cols, unsigned long long seed);
-
 // The scores one pass of the DSA top-k holds: it scores a step's rows in passes of at most
 // bytes / (4 * capacity) rows (8 * capacity under the f32 recipe, whose scores are double; at
 // least one), so that a long prompt's chunk does not hold rows x positions scores at once.
 // Default 256 MiB; tests lower it to make passes.
 void backend_cuda_limit_dsa_scores(Backend *be, size_t bytes);
-
-// Op calls under the bf16 recipe that ran the f32 recipe's kernels because the tuned ones
-// cannot take the weight or shape (backend.h's backend_*_tuned false: a matmul weight not bf16
-// or with columns not in 8s, MLA wider than GLM-5 or over an f32 cache, ...), since create.
-// Tests check that the serving path runs no such kernel.
-typedef struct BackendCudaUntuned {
-    long matmul, mla, dsa, moe;
-} BackendCudaUntuned;
-BackendCudaUntuned backend_cuda_untuned(const Backend *be);
 
 // Copy the device copy of kv's pool (kv->block_bytes * n_blocks bytes; zeros if the backend
 // has not used kv yet) into host memory at dst: for tests that compare the bytes the two

@@ -6,6 +6,8 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "engine/shared/err.h"
+
 #ifdef GLMSPARK_HAVE_CUDA
 #include "engine/backend/backend_cuda.h"
 #endif
@@ -30,6 +32,26 @@ const char *backend_precision_name(int precision)
                                                   : "f32";
 }
 
+bool backend_kind_check(const char *who, bool is_cuda, int precision, bool kv_set,
+                        KvDtype *kv_dtype)
+{
+    if (!kv_set) *kv_dtype = is_cuda ? KV_DTYPE_BF16 : KV_DTYPE_F32;
+    if (!is_cuda) return true;
+    if (precision == BACKEND_PRECISION_F32) {
+        LOG_ERROR("%s: the CUDA backend runs the bf16 precision recipe of kernels/ only "
+                  "(docs/precision.md); the f32 recipe is the CPU reference's (--backend cpu)",
+                  who);
+        return false;
+    }
+    if (*kv_dtype == KV_DTYPE_F32) {
+        LOG_ERROR("%s: the CUDA backend's KV cache is bf16 or fp8 (its kernels read no f32 "
+                  "cache); an f32 cache is the CPU reference's (--backend cpu)",
+                  who);
+        return false;
+    }
+    return true;
+}
+
 Err backend_open(bool is_cuda, int n_threads, int gpu, int precision, Backend **be)
 {
     Err err;
@@ -46,7 +68,15 @@ Err backend_open(bool is_cuda, int n_threads, int gpu, int precision, Backend **
         return ERR_INVAL;
 #endif
     }
-    if (!err && precision != BACKEND_PRECISION_DEFAULT)
+    if (!err && precision != BACKEND_PRECISION_DEFAULT) {
+        if ((*be)->kernels && precision != BACKEND_PRECISION_BF16) {
+            LOG_ERROR("the %s backend runs the bf16 precision recipe only (docs/precision.md)",
+                      (*be)->name);
+            (*be)->destroy(*be);
+            *be = NULL;
+            return ERR_INVAL;
+        }
         (*be)->precision = (BackendPrecision) precision;
+    }
     return err;
 }

@@ -11,6 +11,7 @@
 #include <stdbool.h>
 
 #include "engine/model/backend.h"
+#include "engine/model/kv_cache.h"
 #include "engine/shared/err.h"
 
 #ifdef __cplusplus
@@ -30,6 +31,14 @@ Err backend_open(bool is_cuda, int n_threads, int gpu, int precision, Backend **
 // precision key.
 bool backend_precision_parse(const char *s, int *out);
 const char *backend_precision_name(int precision);
+
+// What a command or the serving engine may ask of a backend kind, checked before opening it:
+// the CUDA backend runs kernels/ only, so the bf16 recipe (precision F32 is the CPU
+// reference's) and bf16 or fp8 caches (its kernels read no f32 cache). *kv_dtype: the
+// cache type asked for, or (kv_set false) set to the kind's default (CPU f32, CUDA bf16).
+// false (the reason logged, naming `who`) for a combination the kind does not take.
+bool backend_kind_check(const char *who, bool is_cuda, int precision, bool kv_set,
+                        KvDtype *kv_dtype);
 
 #ifdef __cplusplus
 }

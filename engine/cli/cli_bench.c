@@ -5,7 +5,6 @@
  *   glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] [--seed S])
  *     [--batch 1,8] [--ctx 1024] [--prefill-chunk 4096] [--steps 32] [--threads N]
  *     [--kv-dtype f32|bf16|fp8] [--precision f32|bf16] [--mtp-drafts 1,2,3] [--json]
- *   glmspark bench --backend cuda --reap-ops [--batch 1,8] [--steps 32]
  *
  * For each batch size B: B sequences are prefilled with --ctx deterministic token ids each
  * (forward calls of at most --prefill-chunk tokens, one sequence at a time, as the scheduler
@@ -44,11 +43,6 @@
  * $TMPDIR (or /tmp)/glmspark-bench-PRESET-SEED first. `--model DIR` on a `glmspark mkmodel
  * --preset reap` checkpoint is the benchmark of record at GLM-5.2-REAP dimensions
  * (docs/perf.md); this command measures the engine path itself, whatever its backend.
- *
- * --reap-ops (CUDA) times the backend's matmul and moe ops alone on weights generated on the
- * GPU at GLM-5.2-REAP dimensions (bf16 projections and lm_head, 156 NVFP4 experts of 2048 x
- * 6144, top-8): per op and batch, us per call (--steps back-to-back calls, launch included)
- * and the weight GB/s with its % of the measured copy bandwidth.
  */
 #include "engine/cli/cli.h"
 
@@ -87,8 +81,8 @@ typedef struct BenchArgs {
     int n_threads;
     int precision;  // --precision f32|bf16 (backends.h), or the backend's own
     KvDtype kv_dtype;
+    bool kv_set;  // --kv-dtype given (else the backend kind's default, backend_kind_check)
     bool json;
-    bool reap_ops;
     int drafts[BENCH_MAX_DRAFTS];  // --mtp-drafts
     int n_drafts;
     double copy_gbs;     // measured device-to-device copy bandwidth (CUDA), else 0
@@ -104,8 +98,7 @@ static int bench_usage(void)
             "usage: glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] "
             "[--seed S]) [--batch 1,8] [--ctx 1024] [--prefill-chunk 4096] [--steps 32] "
             "[--threads N] [--kv-dtype f32|bf16|fp8] [--precision f32|bf16] "
-            "[--mtp-drafts 1,2,3] [--json]\n"
-            "       glmspark bench --backend cuda --reap-ops [--batch 1,8] [--steps 32]\n");
+            "[--mtp-drafts 1,2,3] [--json]\n");
     return 2;
 }
 
@@ -148,10 +141,6 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
             a->json = true;
             continue;
         }
-        if (strcmp(opt, "--reap-ops") == 0) {
-            a->reap_ops = true;
-            continue;
-        }
         if (i + 1 >= argc) {
             fprintf(stderr, "glmspark bench: %s needs a value\n", opt);
             return bench_usage();
@@ -181,7 +170,7 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
         else if (strcmp(opt, "--threads") == 0)
             ok = num_parse_int(val, 1, 64, &a->n_threads);
         else if (strcmp(opt, "--kv-dtype") == 0)
-            ok = kv_dtype_parse(val, &a->kv_dtype);
+            ok = a->kv_set = kv_dtype_parse(val, &a->kv_dtype);
         else if (strcmp(opt, "--precision") == 0)
             ok = backend_precision_parse(val, &a->precision);
         else {
@@ -193,17 +182,12 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
             return bench_usage();
         }
     }
-    if (a->reap_ops) {
-        if (!a->cuda || a->model_dir || a->synthetic) {
-            fprintf(stderr, "glmspark bench: --reap-ops needs --backend cuda and no model\n");
-            return bench_usage();
-        }
-        return 0;
-    }
     if (!a->model_dir == !a->synthetic) {
         fprintf(stderr, "glmspark bench: give exactly one of --model DIR and --synthetic\n");
         return bench_usage();
     }
+    if (!backend_kind_check("glmspark bench", a->cuda, a->precision, a->kv_set, &a->kv_dtype))
+        return 2;
     return 0;
 }
 
@@ -565,14 +549,6 @@ static bool bench_batch(const BenchArgs *a, Model *m, const char *model_dir, int
         printf("    device memory: %.2f GiB in use of %.2f GiB after this batch (its KV cache %.2f "
                "GiB; prefill chunks of %d tokens)\n",
                used / 1073741824.0, total / 1073741824.0, kv_bytes / 1073741824.0, a->prefill_chunk);
-        // Whether the figures above are the tuned kernels': op calls (so far, graph replays
-        // not counted) that took the f32 recipe's kernels under the bf16 recipe.
-        const BackendCudaUntuned u = backend_cuda_untuned(m->be);
-        if (m->be->precision == BACKEND_PRECISION_BF16)
-            printf("    op calls on the f32 recipe's kernels so far: matmul %ld, mla %ld, dsa %ld, "
-                   "moe %ld%s\n",
-                   u.matmul, u.mla, u.dsa, u.moe,
-                   u.matmul + u.mla + u.dsa + u.moe ? "" : " (every op on the tuned kernels)");
     }
 #endif
     if (a->json && a->n_drafts > 0) printf(",\"mtp\":[");
@@ -617,160 +593,13 @@ done:
     return ok;
 }
 
-#ifdef GLMSPARK_HAVE_CUDA
-// Seconds per call of op(be, ctx) over `reps` back-to-back calls (after 2 warm-up calls); a
-// 4-byte download waits for the GPU.
-static double time_op(Backend *be, void (*op)(Backend *, void *), void *ctx, int reps,
-                      const float *sync_buf)
-{
-    float probe;
-    for (int i = 0; i < 2; i++)
-        op(be, ctx);
-    be->download(be, &probe, sync_buf, sizeof probe);
-    const double t0 = clock_now_s();
-    for (int i = 0; i < reps; i++)
-        op(be, ctx);
-    be->download(be, &probe, sync_buf, sizeof probe);
-    return (clock_now_s() - t0) / reps;
-}
-
-typedef struct ReapOp {
-    const CkptLinear *w;  // matmul weight, or NULL for the MoE
-    const CkptLinear *experts;
-    float *y;
-    const float *x;
-    const int *idx;
-    const float *wts;
-    int n;
-} ReapOp;
-
-static void run_reap_op(Backend *be, void *ctx)
-{
-    const ReapOp *o = ctx;
-    if (o->w)
-        be->matmul(be, o->y, o->w, o->x, o->n);
-    else
-        be->moe(be, o->y, o->x, o->n, o->idx, o->wts, 8, o->experts, 156);
-}
-
-enum { REAP_HIDDEN = 6144, REAP_EXPERTS = 156, REAP_TOPK = 8, REAP_MOE_INTER = 2048 };
-
-// --reap-ops: see the file comment.
-static bool bench_reap_ops(const BenchArgs *a, Backend *be)
-{
-    static const struct {
-        const char *name;
-        CkptLinearFormat format;
-        int rows, cols;
-    } shapes[] = {
-        {"q_a_proj", CKPT_LINEAR_BF16, 2048, REAP_HIDDEN},
-        {"q_b_proj", CKPT_LINEAR_BF16, 64 * 256, 2048},
-        {"kv_a_proj", CKPT_LINEAR_BF16, 576, REAP_HIDDEN},
-        {"o_proj", CKPT_LINEAR_BF16, REAP_HIDDEN, 64 * 256},
-        {"shared gate/up", CKPT_LINEAR_BF16, REAP_MOE_INTER, REAP_HIDDEN},
-        {"shared down", CKPT_LINEAR_BF16, REAP_HIDDEN, REAP_MOE_INTER},
-        {"lm_head", CKPT_LINEAR_BF16, 154880, REAP_HIDDEN},
-        {"fp8 6144x6144", CKPT_LINEAR_FP8, REAP_HIDDEN, REAP_HIDDEN},
-        {"nvfp4 expert gate", CKPT_LINEAR_NVFP4, REAP_MOE_INTER, REAP_HIDDEN},
-    };
-    enum { N_SHAPES = sizeof shapes / sizeof shapes[0] };
-    int max_b = 1;
-    for (int i = 0; i < a->n_batches; i++)
-        if (a->batches[i] > max_b) max_b = a->batches[i];
-    CkptLinear w[N_SHAPES];
-    CkptLinear *experts = calloc((size_t) 3 * REAP_EXPERTS, sizeof *experts);
-    const size_t x_floats = (size_t) max_b * 64 * 256, y_floats = (size_t) max_b * 154880;
-    float *x = be->alloc(be, x_floats * sizeof(float)),
-          *y = be->alloc(be, y_floats * sizeof(float));
-    int *idx_host = malloc((size_t) max_b * REAP_TOPK * sizeof *idx_host);
-    float *wts_host = malloc((size_t) max_b * REAP_TOPK * sizeof *wts_host);
-    int *idx = be->alloc(be, (size_t) max_b * REAP_TOPK * sizeof(int));
-    float *wts = be->alloc(be, (size_t) max_b * REAP_TOPK * sizeof(float));
-    bool ok = false;
-    if (!experts || !x || !y || !idx_host || !wts_host || !idx || !wts) {
-        LOG_ERROR("bench --reap-ops: out of memory");
-        goto done;
-    }
-    for (int i = 0; i < N_SHAPES; i++)
-        if (backend_cuda_random_linear(be, &w[i], shapes[i].format, shapes[i].rows, shapes[i].cols,
-                                       100 + (unsigned long long) i))
-            goto done;
-    for (int e = 0; e < REAP_EXPERTS; e++)
-        for (int k = 0; k < 3; k++)
-            if (backend_cuda_random_linear(be, &experts[3 * e + k], CKPT_LINEAR_NVFP4,
-                                           k == 2 ? REAP_HIDDEN : REAP_MOE_INTER,
-                                           k == 2 ? REAP_MOE_INTER : REAP_HIDDEN,
-                                           1000 + 3 * (unsigned long long) e + k))
-                goto done;
-    // Routing: each token's 8 experts distinct, ascending, from a fixed LCG.
-    unsigned lcg = 12345u;
-    for (int t = 0; t < max_b; t++) {
-        bool taken[REAP_EXPERTS] = {false};
-        for (int k = 0; k < REAP_TOPK; k++) {
-            int e;
-            do {
-                lcg = lcg * 1103515245u + 12345u;
-                e = (int) ((lcg >> 8) % REAP_EXPERTS);
-            } while (taken[e]);
-            taken[e] = true;
-        }
-        for (int e = 0, k = 0; e < REAP_EXPERTS; e++)
-            if (taken[e]) idx_host[t * REAP_TOPK + k++] = e;
-        for (int k = 0; k < REAP_TOPK; k++)
-            wts_host[t * REAP_TOPK + k] = 1.0f / REAP_TOPK;
-    }
-    be->upload(be, idx, idx_host, (size_t) max_b * REAP_TOPK * sizeof(int));
-    be->upload(be, wts, wts_host, (size_t) max_b * REAP_TOPK * sizeof(float));
-    const double expert_bytes = 3.0 * linear_bytes(&experts[0]);
-    for (int bi = 0; bi < a->n_batches; bi++) {
-        const int B = a->batches[bi];
-        for (int i = 0; i <= N_SHAPES; i++) {
-            const bool moe = i == N_SHAPES;
-            const ReapOp op = {moe ? NULL : &w[i], experts, y, x, idx, wts, B};
-            double bytes = 0.0;
-            if (moe) {
-                bool hit[REAP_EXPERTS] = {false};
-                for (int s = 0; s < B * REAP_TOPK; s++)
-                    hit[idx_host[s]] = true;
-                for (int e = 0; e < REAP_EXPERTS; e++)
-                    bytes += hit[e] ? expert_bytes : 0.0;
-            } else {
-                bytes = linear_bytes(&w[i]);
-            }
-            const double s = time_op(be, run_reap_op, (void *) &op, a->steps, y);
-            printf("reap-ops batch %2d: %-18s %-6s [%6d x %5d] %9.1f us %8.1f GB/s %5.1f%% of "
-                   "copy\n",
-                   B, moe ? "moe (156 x 3, top-8)" : shapes[i].name,
-                   moe                                    ? "nvfp4"
-                   : shapes[i].format == CKPT_LINEAR_BF16 ? "bf16"
-                   : shapes[i].format == CKPT_LINEAR_FP8  ? "fp8"
-                                                          : "nvfp4",
-                   moe ? REAP_MOE_INTER : shapes[i].rows, moe ? REAP_HIDDEN : shapes[i].cols,
-                   s * 1e6, bytes / s * 1e-9, 100.0 * bytes / s * 1e-9 / a->copy_gbs);
-        }
-    }
-    ok = true;
-done:
-    be->free_mem(be, x);
-    be->free_mem(be, y);
-    be->free_mem(be, idx);
-    be->free_mem(be, wts);
-    free(idx_host);
-    free(wts_host);
-    free(experts);
-    return ok;
-}
-#endif
-
 int cli_bench(int argc, char **argv)
 {
     BenchArgs a;
     const int bad = parse_bench_args(argc, argv, &a);
     if (bad) return bad;
     char dir[1024] = "";
-    if (a.reap_ops) {
-        // no model: the ops alone (bench_reap_ops)
-    } else if (a.synthetic) {
+    if (a.synthetic) {
         const char *tmp = getenv("TMPDIR");
         snprintf(dir, sizeof dir, "%s/glmspark-bench-%s-%llu", tmp && *tmp ? tmp : "/tmp", a.preset,
                  a.seed);
@@ -786,16 +615,12 @@ int cli_bench(int argc, char **argv)
 #ifdef GLMSPARK_HAVE_CUDA
     if (a.cuda) {
         a.copy_gbs = backend_cuda_copy_gbs(be, (size_t) 1 << 30);
-        if (!a.reap_ops) a.gemm_tflops = backend_cuda_gemm_tflops(be, 8192);
+        a.gemm_tflops = backend_cuda_gemm_tflops(be, 8192);
         if (!a.json)
             printf("cuda  device-to-device copy (1 GiB, read+write): %.1f GB/s; cuBLASLt bf16 "
                    "GEMM 8192^3: %.1f TFLOP/s; graphs %s\n",
                    a.copy_gbs, a.gemm_tflops,
                    backend_env_flag("GLMSPARK_CUDA_GRAPHS", true) ? "on" : "off");
-    }
-    if (a.reap_ops) {
-        rc = bench_reap_ops(&a, be) ? 0 : 1;
-        goto done;
     }
 #endif
     const ModelOptions opts = {.load_mtp = a.n_drafts > 0};

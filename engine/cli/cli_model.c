@@ -76,6 +76,7 @@ typedef struct ModelArgs {
     bool cuda;  // --backend cuda
     int precision;  // --precision f32|bf16 (backends.h), or the backend's own
     KvDtype kv_dtype;
+    bool kv_set;  // --kv-dtype given (else the backend kind's default, backend_kind_check)
     SamplerParams sampling;
     int pp;    // --pp N: launch N local ranks
     int rank;  // -1: not a pipeline rank (unless the environment says so)
@@ -191,7 +192,7 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
         if (strcmp(opt, "--model") == 0)
             a->model_dir = val;
         else if (strcmp(opt, "--kv-dtype") == 0)
-            ok = kv_dtype_parse(val, &a->kv_dtype);
+            ok = a->kv_set = kv_dtype_parse(val, &a->kv_dtype);
         else if (strcmp(opt, "--backend") == 0)
             ok = cli_parse_backend(val, &a->cuda);
         else if (strcmp(opt, "--precision") == 0)
@@ -279,6 +280,9 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
         fprintf(stderr, "glmspark generate: --max-tokens is required\n");
         return usage(cmd);
     }
+    char who[64];
+    snprintf(who, sizeof who, "glmspark %s", cmd);
+    if (!backend_kind_check(who, a->cuda, a->precision, a->kv_set, &a->kv_dtype)) return 2;
     return 0;
 }
 

@@ -130,6 +130,10 @@ struct Backend {
     // The recipe above; the constructors set F32 (CPU) and BF16 (CUDA). Set it before any
     // weight is bound; it does not change afterwards.
     BackendPrecision precision;
+    // The ops run kernels/ (the CUDA backend): precision is BF16 and stays so, a KV cache is
+    // bf16 or fp8 (model_forward_batch refuses an f32 one), and a model must fit kernels/'s
+    // shapes (model_load checks: backend_model_fits). false on the CPU reference.
+    bool kernels;
     // The BF16 recipe's MLA on the tensor cores (kernels/mla.h mla_decode_tc; backend_mla_tc
     // below): q and each probability times its fp8 chunk scale are rounded to bf16 as well.
     // Both constructors set it from GLMSPARK_MLA_TC (on unless "0"; docs/perf.md run 15: 4.7x
@@ -271,33 +275,47 @@ static inline bool backend_matmul_tuned(const CkptLinear *w)
     return w->format == CKPT_LINEAR_BF16;
 }
 
-// Whether bind_linear stores w in bf16 under the BF16 recipe (both backends): an f32 weight
-// matrix (GLM-5.2's indexer weights_proj), which the tuned GEMV then takes.
+// Whether bind_linear (and bind_experts, for experts not all NVFP4) stores w in bf16 under
+// the BF16 recipe (both backends): every weight stored otherwise than in bf16 (f32 as
+// GLM-5.2's indexer weights_proj, f16, FP8, NVFP4 dense weights), each value decoded as
+// ckpt_linear_row decodes it and rounded to bf16 (nearest even), as vLLM loads GLM-5.2's fp32
+// weights_proj into its bf16 model. The tuned GEMV and experts then take every weight the
+// model binds (NVFP4 routed experts stay NVFP4: kernels/moe.h).
 static inline bool backend_bind_rounds(const Backend *be, const CkptLinear *w)
 {
-    return be->precision == BACKEND_PRECISION_BF16 && w->format == CKPT_LINEAR_F32;
+    return be->precision == BACKEND_PRECISION_BF16 && w->format != CKPT_LINEAR_BF16;
 }
 
 // w's values rounded to bf16 (nearest even) into out [rows * cols]: what bind_linear stores
-// when backend_bind_rounds.
-static inline void backend_round_linear(const CkptLinear *w, uint16_t *out)
+// when backend_bind_rounds. row: float [w->cols] of scratch.
+static inline void backend_round_linear(const CkptLinear *w, uint16_t *out, float *row)
 {
-    const float *src = (const float *) w->data;
-    for (size_t i = 0; i < (size_t) w->rows * (size_t) w->cols; i++) {
-        float f;
-        memcpy(&f, src + i, sizeof f);  // a mapping of the checkpoint: no alignment promised
-        out[i] = nvfp4_float_to_bf16(f);
+    for (int r = 0; r < w->rows; r++) {
+        ckpt_linear_row(w, r, row);
+        for (int c = 0; c < w->cols; c++)
+            out[(size_t) r * (size_t) w->cols + (size_t) c] = nvfp4_float_to_bf16(row[c]);
     }
 }
 
-static inline bool backend_moe_tuned(const CkptLinear *experts, int n_experts, int top_k)
+// Whether the routed experts of a layer are stored as kernels/moe.h's NVFP4 kernels read
+// them (all NVFP4); under the BF16 recipe others are bound in bf16 (backend_bind_rounds) and
+// run by its bf16 kernels.
+static inline bool backend_experts_nvfp4(const CkptLinear *experts, int n_experts)
 {
-    if (n_experts < 1 || n_experts > 512 || top_k > 16) return false;  // kernels/moe.h's limits
     for (int i = 0; i < 3 * n_experts; i++)
         if (experts[i].format != CKPT_LINEAR_NVFP4) return false;
     return true;
 }
 
+static inline bool backend_moe_tuned(const CkptLinear *experts, int n_experts, int top_k)
+{
+    if (n_experts < 1 || n_experts > 512 || top_k > 16) return false;  // kernels/moe.h's limits
+    const CkptLinearFormat f = experts[0].format;
+    if (f != CKPT_LINEAR_NVFP4 && f != CKPT_LINEAR_BF16) return false;
+    for (int i = 0; i < 3 * n_experts; i++)
+        if (experts[i].format != f) return false;
+    return true;
+}
 static inline bool backend_mla_shape_tuned(const BackendMla *p)
 {
     return p->kv_lora >= 1 && p->kv_lora <= MLA_KV_LORA && p->qk_rope >= 0

@@ -208,6 +208,31 @@ static BackendMla layer_mla(const ModelConfig *c)
     };
 }
 
+// A backend whose ops run kernels/ (Backend.kernels: the CUDA one) takes what they take; a
+// model outside is refused at load, naming the limit, instead of failing in an op.
+static Err check_kernel_shapes(const ModelConfig *c, const Backend *be, const char *dir)
+{
+    if (!be->kernels) return ERR_OK;
+    const BackendMla mla = layer_mla(c);
+    const char *what = NULL;
+    if (!backend_mla_shape_tuned(&mla))
+        what = "MLA wider than GLM-5's (kv_lora_rank <= 512, qk_rope_head_dim <= 64, "
+               "qk_nope_head_dim <= 192)";
+    else if (c->index_topk > 0
+             && (c->index_head_dim > DSA_MAX_DIM || c->index_n_heads > DSA_MAX_HEADS))
+        what = "a DSA indexer wider than kernels/dsa.h takes (index_head_dim <= 128, "
+               "index_n_heads <= 32)";
+    else if (c->n_routed_experts > 0
+             && (c->n_routed_experts > 512 || c->n_experts_per_tok > 16
+                 || c->moe_intermediate_size % 8 || c->hidden_size % 8))
+        what = "routed experts kernels/moe.h does not take (at most 512, top-k <= 16, "
+               "hidden_size and moe_intermediate_size multiples of 8)";
+    if (!what) return ERR_OK;
+    LOG_ERROR("\"%s\": the %s backend runs kernels/ only, and this model has %s", dir, be->name,
+              what);
+    return ERR_INVAL;
+}
+
 static Err load_layer(Model *m, int l, ModelLayer *L)
 {
     const ModelConfig *c = &m->cfg;
@@ -444,6 +469,7 @@ Err model_load(Model *m, const char *dir, const ModelOptions *opts, Backend *be)
     Err err = config_load(&m->cfg, dir);
     if (err) goto done;
     if ((err = check_config(&m->cfg, dir))) goto done;
+    if ((err = check_kernel_shapes(&m->cfg, be, dir))) goto done;
     m->be = be;
     const ModelConfig *c = &m->cfg;
     m->first_layer = opts->first_layer;
@@ -816,6 +842,10 @@ Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *t
     ASSERT(b->n_seqs > 0 && kv->params.n_layers >= m->last_layer - m->first_layer);
     ASSERT(m->has_embed ? tokens != NULL : act_in != NULL);
     ASSERT(m->has_head || (act_out && rows == MODEL_LOGITS_NONE));
+    if (kv->params.dtype == KV_DTYPE_F32 && m->be->kernels) {
+        LOG_ERROR("the %s backend's KV cache is bf16 or fp8; this one is f32", m->be->name);
+        return ERR_INVAL;
+    }
     int n = 0;
     for (int i = 0; i < b->n_seqs; i++) {
         ASSERT(b->n_new[i] > 0);
@@ -993,6 +1023,10 @@ Err model_mtp_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const in
         return ERR_INVAL;
     }
     ASSERT(kv->params.n_layers == 1);
+    if (kv->params.dtype == KV_DTYPE_F32 && m->be->kernels) {
+        LOG_ERROR("the %s backend's KV cache is bf16 or fp8; the MTP layer's is f32", m->be->name);
+        return ERR_INVAL;
+    }
     int n = 0;
     for (int i = 0; i < b->n_seqs; i++) {
         ASSERT(b->n_new[i] > 0);

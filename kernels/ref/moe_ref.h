@@ -1,7 +1,8 @@
 /*
  * moe_ref.h - router and routed-expert references (kernels/moe.h), in double.
  *
- * Expert weight layout as moe.h (q13/s13/g13 with gate rows then up rows; q2/s2/g2).
+ * Expert weight layout as moe.h (q13/s13/g13 with gate rows then up rows; q2/s2/g2; or the
+ * bf16 stacks w13 [E, 2*inter, hidden] and w2 [E, hidden, inter] of MoeExpertsBf16).
  *
  * Ownership: none; host pointers borrowed for the call. Threads: pure. Errors: none.
  */
@@ -32,6 +33,14 @@ void moe_w13_ref(float *act, float *g, float *u, float *g_abs, float *u_abs, con
 void moe_w2_ref(float *out, float *out_abs, const uint8_t *q2, const uint8_t *s2,
                 const float *g2, const uint16_t *act, const int32_t *idx, const float *w,
                 int n_tok, int k, int hidden, int inter);
+
+// The same two references for experts stored in bf16 (moe_experts_bf16_w13 / _w2): w13 bf16
+// [E, 2*inter, hidden], w2 bf16 [E, hidden, inter]; outputs as above.
+void moe_w13_bf16_ref(float *act, float *g, float *u, float *g_abs, float *u_abs,
+                      const uint16_t *w13, const uint16_t *x, const int32_t *idx, int n_tok,
+                      int k, int hidden, int inter);
+void moe_w2_bf16_ref(float *out, float *out_abs, const uint16_t *w2, const uint16_t *act,
+                     const int32_t *idx, const float *w, int n_tok, int k, int hidden, int inter);
 
 #ifdef __cplusplus
 }

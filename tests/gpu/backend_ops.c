@@ -1,15 +1,17 @@
 /*
- * backend_ops.c - every op of the CUDA backend against the CPU backend (the reference) on
- * fresh random inputs (label gpu; needs a GPU, never run by ops/test).
+ * backend_ops.c - every op of the CUDA backend (kernels/, the BF16 precision recipe, the only
+ * one it runs) against the CPU backend following the recipe (the reference) on fresh random
+ * inputs (label gpu; needs a GPU, never run by ops/test).
  *
- * Float outputs must agree to a relative L2 error of 1e-5 (both compute in fp32 with
- * double reductions; only the summation order differs); integer outputs (router experts,
- * DSA selections) must be identical. Shapes are odd on purpose (rows not multiples of 8,
- * sequences crossing block boundaries) and every weight format is covered, on both matmul
- * paths (rows of whole 16-byte vectors, and rows that are not). Decode equals prefill at the
- * op level: a token's matmul and MoE output is bit for bit the same whether it runs alone
- * (n = 1) or first in a batch. test_tuned: the tuned kernels (kernels/) under the BF16
- * recipe against the CPU following it, 1e-3. Seeded, so a failure reproduces.
+ * Outputs of the kernels that sum products must agree to a relative L2 error of 1e-3 (the
+ * issue's GPU-vs-recipe bound: the two differ by fp32 summation order and the bf16 roundings
+ * it flips); norms, RoPE and SwiGLU (fp32 with double statistics on both) to 1e-6; what is
+ * exact on both is compared exactly: the embedding lookup, the residual add, the router's
+ * experts, the KV cache's bytes, the DSA selections (ties included; with the tensor-core
+ * scores, but for keys within the fp32 bound of the threshold). Every weight format is bound
+ * as the recipe stores it (bf16) on both, and shapes are odd on purpose (rows not multiples
+ * of 8, columns not in 8s, sequences crossing block boundaries). A token's MoE output is bit
+ * for bit the same alone (n = 1) as in a batch. Seeded, so a failure reproduces.
  */
 #include <float.h>
 #include <math.h>
@@ -154,34 +156,27 @@ static void test_matmul(void)
         const int fi = si % 5, rows = si < 5 ? 203 : 37;
         const int cols = si < 5 ? 288 : formats[fi] == CKPT_LINEAR_NVFP4 ? 112 : 100;
         CkptLinear w = make_linear(formats[fi], rows, cols);
-        CkptLinear wg = w;
-        CHECK(gpu->bind_linear(gpu, &wg) == ERR_OK);
+        CkptLinear wc = w, wg = w;  // each backend's binding: bf16 under the recipe
+        CHECK(cpu->bind_linear(cpu, &wc) == ERR_OK && gpu->bind_linear(gpu, &wg) == ERR_OK);
+        CHECK(wc.format == CKPT_LINEAR_BF16 && wg.format == CKPT_LINEAR_BF16);
         const int ns[3] = {1, 7, 20};
         float *x_all = rand_floats((size_t) 20 * cols, 1.0f);  // each n uses its first n rows
-        float *first = NULL;                                   // GPU row 0 at n = 1
         for (int ni = 0; ni < 3; ni++) {
             const int n = ns[ni];
             const float *x = x_all;
             float *want = malloc((size_t) n * rows * sizeof *want);
-            cpu->matmul(cpu, want, &w, x, n);
+            cpu->matmul(cpu, want, &wc, x, n);
             float *dx = dev(x, (size_t) n * cols * sizeof *x);
             float *dy = gpu->alloc(gpu, (size_t) n * rows * sizeof(float));
             gpu->matmul(gpu, dy, &wg, dx, n);
             char what[64];
             snprintf(what, sizeof what, "matmul %s %dx%d n=%d", format_name(formats[fi]), rows,
                      cols, n);
-            expect_close(what, dy, want, (size_t) n * rows, 1e-5);
-            float *got = down(dy, (size_t) n * rows * sizeof *got);
-            if (n == 1)
-                first = got;
-            else {
-                CHECK(memcmp(got, first, (size_t) rows * sizeof *got) == 0);  // decode == prefill
-                free(got);
-            }
-            if (n == 1 && si < 5) {  // embed reads rows with the same decoder
+            expect_close(what, dy, want, (size_t) n * rows, 1e-3);
+            if (n == 1 && si < 5) {  // embed: the bound table's rows, exact
                 const int ids[3] = {0, rows - 1, 77};
                 float *e_want = malloc(3 * (size_t) cols * sizeof *e_want);
-                cpu->embed(cpu, e_want, &w, ids, 3);
+                cpu->embed(cpu, e_want, &wc, ids, 3);
                 int *dids = dev(ids, sizeof ids);
                 float *de = gpu->alloc(gpu, 3 * (size_t) cols * sizeof(float));
                 gpu->embed(gpu, de, &wg, dids, 3);
@@ -195,9 +190,8 @@ static void test_matmul(void)
             gpu->free_mem(gpu, dy);
             free(want);
         }
-        free(first);
         free(x_all);
-        free_linear(&w);
+        free_linear(&w);  // the rounded copies are the backends' own
     }
 }
 
@@ -288,28 +282,30 @@ static void test_route_moe(void)
         expect_close(ci ? "route (7 experts, 1 group)" : "route (16 experts, 4 groups)", dwts, wts,
                      (size_t) n * K, 1e-6);
 
-        // Routed experts: NVFP4 except one bf16 expert, as an odd mix.
-        CkptLinear *ex = calloc((size_t) 3 * E, sizeof *ex),
+        // Routed experts: all NVFP4 (ci 0), then NVFP4 but for one fp8 expert (ci 1): an odd
+        // mix, which both backends bind in bf16 (the bf16 experts' kernels).
+        CkptLinear *orig = calloc((size_t) 3 * E, sizeof *orig),
+                   *ex = calloc((size_t) 3 * E, sizeof *ex),
                    *exg = calloc((size_t) 3 * E, sizeof *exg);
-        ASSERT(ex && exg);
+        ASSERT(orig && ex && exg);
         for (int e = 0; e < E; e++) {
-            const CkptLinearFormat f = e == 1 ? CKPT_LINEAR_BF16 : CKPT_LINEAR_NVFP4;
-            ex[3 * e] = make_linear(f, inter, hidden);
-            ex[3 * e + 1] = make_linear(f, inter, hidden);
-            ex[3 * e + 2] = make_linear(f, hidden, inter);
-            for (int j = 0; j < 3; j++) {
-                exg[3 * e + j] = ex[3 * e + j];
-                CHECK(gpu->bind_linear(gpu, &exg[3 * e + j]) == ERR_OK);
-            }
+            const CkptLinearFormat f = ci && e == 1 ? CKPT_LINEAR_FP8 : CKPT_LINEAR_NVFP4;
+            orig[3 * e] = make_linear(f, inter, hidden);
+            orig[3 * e + 1] = make_linear(f, inter, hidden);
+            orig[3 * e + 2] = make_linear(f, hidden, inter);
         }
+        memcpy(ex, orig, (size_t) 3 * E * sizeof *ex);
+        memcpy(exg, orig, (size_t) 3 * E * sizeof *exg);
+        CHECK(cpu->bind_experts(cpu, ex, E) == ERR_OK && gpu->bind_experts(gpu, exg, E) == ERR_OK);
+        CHECK((ex[0].format == CKPT_LINEAR_BF16) == (ci == 1));
         float *x = rand_floats((size_t) n * hidden, 1.0f);
         float *want = malloc((size_t) n * hidden * sizeof *want);
         cpu->moe(cpu, want, x, n, idx, wts, K, ex, E);
         float *dx = dev(x, (size_t) n * hidden * sizeof *x);
         float *dout = gpu->alloc(gpu, (size_t) n * hidden * sizeof(float));
         gpu->moe(gpu, dout, dx, n, didx, dwts, K, exg, E);
-        expect_close(ci ? "moe (7 experts, top 3)" : "moe (16 experts, top 4)", dout, want,
-                     (size_t) n * hidden, 1e-5);
+        expect_close(ci ? "moe (7 experts, top 3, bound in bf16)" : "moe (16 experts, top 4, nvfp4)",
+                     dout, want, (size_t) n * hidden, 1e-3);
         // Token 0 alone (the decode kernels): the same bits as in the batch.
         float *batch = down(dout, (size_t) hidden * sizeof *batch);
         gpu->moe(gpu, dout, dx, 1, didx, dwts, K, exg, E);
@@ -320,7 +316,8 @@ static void test_route_moe(void)
         free(batch);
         free(alone);
         for (int i = 0; i < 3 * E; i++)
-            free_linear(&ex[i]);
+            free_linear(&orig[i]);
+        free(orig);
         free(ex);
         free(exg);
         gpu->free_mem(gpu, dl);
@@ -393,16 +390,15 @@ static bool near_ties_only(const KvCache *kv, const KvSeq *seq, const float *qt,
     return ok;
 }
 
-// kv_write, dsa_topk and mla_attention over two sequences in one call each (45 and 30
-// tokens, blocks of 16: the batched ops of one step), for an fp32, a bf16 and an fp8 cache,
-// under the caller's recipe, index keys of Di values (20: stored padded to 32, q padded to
-// match on the GPU);
-// the two backends use separate caches of the same layout, and store the same bytes
-// (kv_cache.h's one store routine; latent 144: a whole fp8 scale group and a partial one).
+// kv_write and dsa_topk over two sequences in one call each (45 and 30 tokens, blocks of 16:
+// the batched ops of one step), for a bf16 and an fp8 cache, index keys of Di values (20:
+// stored padded to 32, q padded to match on the GPU); the two backends use separate caches
+// of the same layout, and store the same bytes (kernels/kv_format.h's one store routine;
+// latent 144: a whole fp8 scale group and a partial one). MLA: tuned_mla (blocks of 128).
 static void test_attention(KvDtype dtype, int Di)
 {
     enum { TA = 45, TB = 30, T = TA + TB };
-    const int L = 144, R = 16, Hi = 4, H = 3, nope = 24, vd = 20, topk = 8;
+    const int L = 144, R = 16, Hi = 4, topk = 8;
     KvCacheParams p = {.n_layers = 2,
                        .block_size = 16,
                        .n_blocks = 6,
@@ -480,9 +476,7 @@ static void test_attention(KvDtype dtype, int Di)
             *gn = down(dn_sel, (size_t) T * sizeof(int));
         const bool tc = backend_dsa_tc(cpu, &dp, &kc, 1);
         CHECK(tc == backend_dsa_tc(gpu, &dp, &kg, 1));
-        CHECK(
-            tc
-            == (cpu->dsa_tc && cpu->precision == BACKEND_PRECISION_BF16 && dtype != KV_DTYPE_F32));
+        CHECK(tc == cpu->dsa_tc);
         int sel_bad = 0, near_ties = 0;
         for (int t = 0; t < T; t++) {
             int bad = gn[t] != n_sel[t];
@@ -497,11 +491,10 @@ static void test_attention(KvDtype dtype, int Di)
             }
             sel_bad += bad;
         }
-        printf("dsa_topk (%s cache%s, %s recipe%s, dim %d)        %d differences, %d tokens "
+        printf("dsa_topk (%s cache%s%s, dim %d)        %d differences, %d tokens "
                "differ within the fp32 bound\n",
-               kv_dtype_name(dtype), ties ? ", ties" : "",
-               cpu->precision == BACKEND_PRECISION_BF16 ? "bf16" : "f32", tc ? ", dsa_tc" : "", Di,
-               sel_bad, near_ties);
+               kv_dtype_name(dtype), ties ? ", ties" : "", tc ? ", dsa_tc" : "", Di, sel_bad,
+               near_ties);
         CHECK(sel_bad == 0);
         if (near_ties) {  // MLA below compares both backends over the CPU's selection
             gpu->upload(gpu, dsel, sel, (size_t) T * topk * sizeof(int));
@@ -511,25 +504,6 @@ static void test_attention(KvDtype dtype, int Di)
         free(gn);
         free(wp);
     }
-    // MLA attention, dense and over the DSA selection.
-    CkptLinear kv_b = make_linear(CKPT_LINEAR_BF16, H * (nope + vd), L), kv_bg = kv_b;
-    CHECK(gpu->bind_linear(gpu, &kv_bg) == ERR_OK);
-    const BackendMla mp = {H, nope, R, vd, L, 0.125f};
-    float *qa = rand_floats((size_t) T * H * (nope + R), 1.0f);
-    float *dqa = dev(qa, (size_t) T * H * (nope + R) * sizeof(float));
-    float *want = malloc((size_t) T * H * vd * sizeof *want);
-    float *dout = gpu->alloc(gpu, (size_t) T * H * vd * sizeof(float));
-    for (int sparse = 0; sparse < 2; sparse++) {
-        cpu->mla_attention(cpu, want, qa, &kv_b, &kc, &cs, 0, sparse ? sel : NULL,
-                           sparse ? n_sel : NULL, topk, &mp);
-        gpu->mla_attention(gpu, dout, dqa, &kv_bg, &kg, &gs, 0, sparse ? dsel : NULL,
-                           sparse ? dn_sel : NULL, topk, &mp);
-        char what[64];
-        snprintf(what, sizeof what, "mla_attention %s (%s cache)", sparse ? "sparse" : "dense",
-                 kv_dtype_name(dtype));
-        expect_close(what, dout, want, (size_t) T * H * vd, 1e-5);
-    }
-    free_linear(&kv_b);
     gpu->free_mem(gpu, dpos);
     gpu->free_mem(gpu, dseq_of);
     gpu->free_mem(gpu, dlen);
@@ -539,16 +513,12 @@ static void test_attention(KvDtype dtype, int Di)
     gpu->free_mem(gpu, dw);
     gpu->free_mem(gpu, dsel);
     gpu->free_mem(gpu, dn_sel);
-    gpu->free_mem(gpu, dqa);
-    gpu->free_mem(gpu, dout);
     free(lat);
     free(key);
     free(q);
     free(w);
     free(sel);
     free(n_sel);
-    free(qa);
-    free(want);
     for (int i = 0; i < 2; i++) {
         kv_seq_free(&kc, &sc[i]);
         kv_seq_free(&kg, &sg[i]);
@@ -616,9 +586,7 @@ static void test_tuned(void)
         // GPU's zero-padded copy, x padded to match, on the tuned GEMV, the tensor cores and
         // cuBLASLt (1, 5, 40 tokens), and matmul_rows (the head over a batch's rows); then an
         // f32 weight (GLM-5.2's weights_proj: 32 index heads), which both backends store in
-        // bf16 when bound under the recipe and the GPU runs on the tuned GEMV. Neither takes
-        // the f32 recipe's GEMV.
-        const BackendCudaUntuned u0 = backend_cuda_untuned(gpu);
+        // bf16 when bound under the recipe and the GPU runs on the tuned GEMV.
         CkptLinear odd = make_linear(CKPT_LINEAR_BF16, 64, 25), oddg = odd;
         CHECK(gpu->bind_linear(gpu, &oddg) == ERR_OK);
         CkptLinear wf = make_linear(CKPT_LINEAR_F32, 32, 520), wfc = wf, wfg = wf;
@@ -634,7 +602,6 @@ static void test_tuned(void)
             matmul_vs_cpu("matmul f32 weight bound as bf16", &wfc, &wfg, ns[i], false);
             matmul_vs_cpu("matmul f32 weight, 25 columns, bound as bf16", &woc, &wog, ns[i], false);
         }
-        CHECK(backend_cuda_untuned(gpu).matmul == u0.matmul);
         free_linear(&odd);
         free_linear(&wf);
         free_linear(&wo);
@@ -646,25 +613,29 @@ static void test_tuned(void)
         // tokens on the 8-column tiles. The wide tiles sum in another order than the 8-column
         // ones (moe.h), so those two are held to the CPU reference alone.
         // Then a sweep model's narrow widths (hidden 48, intermediate 16: the kernels take
-        // multiples of 16, as NVFP4 stores them), n 5 and 40.
-        for (int shape = 0; shape < 2; shape++) {
-            const BackendRoute rp = shape ? (BackendRoute){6, 3, 1, 1, true, 1.0f}
-                                          : (BackendRoute){24, 8, 1, 1, true, 2.5f};
-            const int E = rp.n_experts, K = rp.top_k, hidden = shape ? 48 : 256,
-                      inter = shape ? 16 : 128;
+        // multiples of 16, as NVFP4 stores them), n 5 and 40. Shapes 2 and 3: the same with
+        // experts stored in bf16 (kernels/moe.h's bf16 kernels: 8-column tiles only; n 1030
+        // takes two launches of at most 8,192 pairs, n 4100 five).
+        for (int shape = 0; shape < 4; shape++) {
+            const bool bf16 = shape >= 2;
+            const bool narrow = shape % 2 == 1;
+            const BackendRoute rp = narrow ? (BackendRoute){6, 3, 1, 1, true, 1.0f}
+                                           : (BackendRoute){24, 8, 1, 1, true, 2.5f};
+            const int E = rp.n_experts, K = rp.top_k, hidden = narrow ? 48 : 256,
+                      inter = narrow ? 16 : 128;
             CkptLinear *ex = calloc((size_t) 3 * E, sizeof *ex),
                        *exg = calloc((size_t) 3 * E, sizeof *exg);
             ASSERT(ex && exg);
             for (int i = 0; i < 3 * E; i++) {
-                ex[i] = make_linear(CKPT_LINEAR_NVFP4, i % 3 == 2 ? hidden : inter,
-                                    i % 3 == 2 ? inter : hidden);
+                ex[i] = make_linear(bf16 ? CKPT_LINEAR_BF16 : CKPT_LINEAR_NVFP4,
+                                    i % 3 == 2 ? hidden : inter, i % 3 == 2 ? inter : hidden);
                 exg[i] = ex[i];
             }
             CHECK(cpu->bind_experts(cpu, ex, E) == ERR_OK
                   && gpu->bind_experts(gpu, exg, E) == ERR_OK);
             static const int ns[2][3] = {{5, 1030, 4100}, {5, 40, 0}};
-            for (size_t c = 0; c < 3 && ns[shape][c]; c++) {
-                const int n = ns[shape][c];
+            for (size_t c = 0; c < 3 && ns[narrow][c]; c++) {
+                const int n = ns[narrow][c];
                 float *logits = rand_floats((size_t) n * E, 4.0f);
                 int *idx = malloc((size_t) n * K * sizeof *idx);
                 float *wts = malloc((size_t) n * K * sizeof *wts);
@@ -679,8 +650,8 @@ static void test_tuned(void)
                 float *dout = gpu->alloc(gpu, (size_t) n * hidden * sizeof(float));
                 gpu->moe(gpu, dout, dx, n, didx, dwts, K, exg, E);
                 char what[80];
-                snprintf(what, sizeof what, "moe tuned (bf16 recipe, nvfp4, hidden %d) n=%d",
-                         hidden, n);
+                snprintf(what, sizeof what, "moe tuned (%s experts, hidden %d) n=%d",
+                         bf16 ? "bf16" : "nvfp4", hidden, n);
                 expect_close(what, dout, want, (size_t) n * hidden, 1e-3);
                 float *batch = down(dout, (size_t) n * hidden * sizeof *batch);
                 const int ends[2] = {0, n - 1};
@@ -702,7 +673,7 @@ static void test_tuned(void)
                 gpu->free_mem(gpu, dout);
             }
             for (int i = 0; i < 3 * E; i++)
-                free_linear(&ex[i]);
+                free_linear(&ex[i]);  // the CPU reads NVFP4 and bf16 experts in place
             free(ex), free(exg);
         }
     }
@@ -710,7 +681,6 @@ static void test_tuned(void)
     // A sweep model's widths: 3 heads (run as 32), q_nope 24, rope 8, v 5 (W_UV rows padded to
     // 8), latent 40, all zero-padded to the kernels' (kv_cache.h, mla_tuned).
     tuned_mla((BackendMla){3, 24, 8, 5, 40, 0.17f});
-    cpu->precision = gpu->precision = BACKEND_PRECISION_F32;
 }
 
 // MLA through the tuned kernels (test_tuned) at the widths of mp.
@@ -791,16 +761,14 @@ static void tuned_mla(const BackendMla mp)
     gpu->free_mem(gpu, dqa), gpu->free_mem(gpu, dout);
 }
 
-// matmul_add (y += w x, the residual adds) against the CPU backend's, under both recipes: the
-// f32 kernel (then an add), the tuned GEMV (the add in its store; CUDA cores at 1 token,
-// tensor cores at 5) and cuBLASLt (then an add) at 40.
+// matmul_add (y += w x, the residual adds) against the CPU backend's: the tuned GEMV (the add
+// in its store; CUDA cores at 1 token, tensor cores at 5) and cuBLASLt (then an add) at 40.
 static void test_matmul_add(void)
 {
     const int rows = 2304, cols = 520;
     CkptLinear w = make_linear(CKPT_LINEAR_BF16, rows, cols), wg = w;
     CHECK(gpu->bind_linear(gpu, &wg) == ERR_OK);
-    for (int prec = 0; prec < 2; prec++) {
-        cpu->precision = gpu->precision = prec ? BACKEND_PRECISION_BF16 : BACKEND_PRECISION_F32;
+    {
         const int ns[3] = {1, 5, 40};
         for (int i = 0; i < 3; i++) {
             const int n = ns[i];
@@ -811,13 +779,12 @@ static void test_matmul_add(void)
             cpu->matmul_add(cpu, y, &w, x, n);
             gpu->matmul_add(gpu, dy, &wg, dx, n);
             char what[64];
-            snprintf(what, sizeof what, "matmul_add %s n=%d", prec ? "bf16" : "f32", n);
-            expect_close(what, dy, y, (size_t) n * rows, prec ? 1e-3 : 1e-5);  // as matmul
+            snprintf(what, sizeof what, "matmul_add n=%d", n);
+            expect_close(what, dy, y, (size_t) n * rows, 1e-3);  // as matmul
             free(x), free(y);
             gpu->free_mem(gpu, dx), gpu->free_mem(gpu, dy);
         }
     }
-    cpu->precision = gpu->precision = BACKEND_PRECISION_F32;
     free_linear(&w);
 }
 
@@ -828,41 +795,34 @@ int main(void)
         fprintf(stderr, "no CUDA device\n");
         return 1;
     }
-    gpu->precision = BACKEND_PRECISION_F32;  // the fp32 ops first, against the reference
+    cpu->precision = BACKEND_PRECISION_BF16;  // the CPU follows the GPU's recipe
+    CHECK(gpu->precision == BACKEND_PRECISION_BF16 && gpu->kernels);
     test_matmul();
     test_matmul_add();
     test_elementwise();
     test_route_moe();
-    test_attention(KV_DTYPE_F32, 32);
+    // DSA through kernels/dsa.cu (fp32 scores the CPU reproduces bit for bit, so the
+    // selections are equal, ties included), on each cache type the GPU takes.
+    cpu->dsa_tc = gpu->dsa_tc = false;
     test_attention(KV_DTYPE_BF16, 32);
     test_attention(KV_DTYPE_FP8, 32);
-    // The bf16 recipe: DSA through kernels/dsa.cu (fp32 scores the CPU reproduces bit for
-    // bit, so the selections are equal, ties included), on each cache type.
-    cpu->precision = gpu->precision = BACKEND_PRECISION_BF16;
-    test_attention(KV_DTYPE_F32, 32);
     test_attention(KV_DTYPE_FP8, 20);
-    test_attention(KV_DTYPE_BF16, 32);
-    test_attention(KV_DTYPE_FP8, 32);
-    // The tensor-core scores (Backend.dsa_tc; fp8 and bf16 keys, the f32 cache keeps the plain
-    // recipe): selections equal but for keys within the fp32 bound of the threshold.
+    // The tensor-core scores (Backend.dsa_tc): selections equal but for keys within the fp32
+    // bound of the threshold.
     cpu->dsa_tc = gpu->dsa_tc = true;
-    test_attention(KV_DTYPE_F32, 32);
     test_attention(KV_DTYPE_BF16, 32);
     test_attention(KV_DTYPE_FP8, 32);
     // Index keys narrower than 16s (a sweep model's 20): stored and read zero-padded to 32.
     test_attention(KV_DTYPE_BF16, 20);
     test_attention(KV_DTYPE_FP8, 20);
     // The top-k in passes of a few rows (1,000 bytes of scores over a capacity of about 48
-    // positions; tuned, then the f32 recipe's): the same selections as the CPU, ties included.
+    // positions): the same selections as the CPU, ties included.
     printf("DSA top-k in passes of at most 1000 bytes of scores:\n");
     backend_cuda_limit_dsa_scores(gpu, 1000);
     test_attention(KV_DTYPE_FP8, 32);
     cpu->dsa_tc = gpu->dsa_tc = false;
     test_attention(KV_DTYPE_BF16, 32);
-    cpu->precision = gpu->precision = BACKEND_PRECISION_F32;  // the f32 recipe's passes too
-    test_attention(KV_DTYPE_F32, 32);
     backend_cuda_limit_dsa_scores(gpu, (size_t) 256 << 20);
-    cpu->precision = gpu->precision = BACKEND_PRECISION_F32;
     test_tuned();
     gpu->destroy(gpu);
     cpu->destroy(cpu);

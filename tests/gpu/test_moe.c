@@ -15,6 +15,18 @@
  * and up sums ((hidden + 64) * FLT_EPSILON * sum|terms| each) pushed through SiLU(g) * u, plus
  * the bf16 rounding. w2 is checked with the GPU's own bf16 activations as the reference input,
  * so its bound is the fp32 one: (k * inter + 64) * FLT_EPSILON * sum|terms| (+ residual).
+ *
+ * Experts stored in bf16 (moe_experts_bf16_w13 / _w2, CUDA cores) against moe_w13_bf16_ref /
+ * moe_w2_bf16_ref with the same bounds, the sums' factor taken from the kernels' order (moe.h):
+ * a term passes through at most 8 ceil(K / 256) fp32 additions in its lane's chain and 5 in
+ * the butterfly, each off by at most 2^-24 of the running sum, so a sum is within
+ * (8 ceil(K / 256) + 5) 2^-24 sum|terms| (+2 for the reference's own float roundings); w2
+ * adds the weight's multiply, moe_combine's k additions and the host's residual add. Then,
+ * exactly: the host repeats that order (warp_order_dot), and act must equal its rounding of
+ * SiLU(g) * u (or, where the device's expf, within 2 ulp of the host's, can move it, one of
+ * the two roundings within 4 ulp) and y must equal it bit for bit; that also pins a pair's
+ * outputs to its row alone, whichever grouping (one block, or a prefill chunk's atomics) put
+ * it in whichever column.
  */
 #include <float.h>
 #include <math.h>
@@ -97,6 +109,20 @@ typedef struct W13Ref {
     float *want, *tol;
 } W13Ref;
 
+// The bounds of r->want (na outputs) from the reference's gate g and up u, whose fp32 sums may
+// be off by rel * their sum |terms| ga, ua: pushed through SiLU(g) * u (|SiLU'| < 1.1), plus the
+// bf16 rounding and the fp32 epilogue.
+static void w13_bounds(W13Ref *r, const float *g, const float *u, const float *ga,
+                       const float *ua, size_t na, double rel)
+{
+    for (size_t i = 0; i < na; i++) {
+        const double eg = rel * ga[i], eu = rel * ua[i];
+        const double sg = g[i] / (1.0 + exp(-(double) g[i]));
+        r->tol[i] = (float) (1.1 * eg * (fabs(u[i]) + eu) + fabs(sg) * eu
+                             + ldexp(fabs(r->want[i]), -8) + 16 * FLT_EPSILON * fabs(r->want[i]));
+    }
+}
+
 static W13Ref w13_ref(const ExpertCase *c, const uint16_t *x)
 {
     const size_t na = (size_t) c->n_tok * c->k * c->inter;
@@ -104,13 +130,7 @@ static W13Ref w13_ref(const ExpertCase *c, const uint16_t *x)
     float *g = xmalloc(na * 4), *u = xmalloc(na * 4), *ga = xmalloc(na * 4), *ua = xmalloc(na * 4);
     moe_w13_ref(r.want, g, u, ga, ua, c->q13, c->s13, c->g13, x, c->idx, c->n_tok, c->k,
                 c->hidden, c->inter);
-    for (size_t i = 0; i < na; i++) {
-        const double eg = (c->hidden + 64) * FLT_EPSILON * ga[i],
-                     eu = (c->hidden + 64) * FLT_EPSILON * ua[i];
-        const double sg = g[i] / (1.0 + exp(-(double) g[i]));
-        r.tol[i] = (float) (1.1 * eg * (fabs(u[i]) + eu) + fabs(sg) * eu
-                            + ldexp(fabs(r.want[i]), -8) + 16 * FLT_EPSILON * fabs(r.want[i]));
-    }
+    w13_bounds(&r, g, u, ga, ua, na, (c->hidden + 64) * FLT_EPSILON);
     free(g), free(u), free(ga), free(ua);
     return r;
 }
@@ -127,24 +147,51 @@ static void check_w13(const char *name, const ExpertCase *c, const W13Ref *r,
     free(got);
 }
 
+// d_out (fp32 [no]) against a w2 reference out_want plus the residual res, each within rel *
+// (its sum |terms| out_abs + |res|); out_want is modified.
+static void check_out(const char *name, float *out_want, const float *out_abs, const float *res,
+                      const float *d_out, size_t no, double rel)
+{
+    float *out_got = xmalloc(no * 4), *tol2 = xmalloc(no * 4);
+    gpu_download(out_got, d_out, no * 4);
+    for (size_t i = 0; i < no; i++) {
+        out_want[i] += res[i];
+        tol2[i] = (float) (rel * (out_abs[i] + fabsf(res[i])));
+    }
+    compare(name, out_got, out_want, tol2, 0, no, 1e-10);
+    free(out_got), free(tol2);
+}
+
 // d_out (fp32 [n_tok, hidden]: w2, the weighted sum and the residual, from act_b) against
 // moe_w2_ref plus the residual, within the fp32 bound of the header.
 static void check_w2(const char *name, const ExpertCase *c, const uint16_t *act_b,
                      const float *d_out)
 {
     const size_t no = (size_t) c->n_tok * c->hidden;
-    float *out_want = xmalloc(no * 4), *out_abs = xmalloc(no * 4), *out_got = xmalloc(no * 4);
-    float *tol2 = xmalloc(no * 4);
+    float *out_want = xmalloc(no * 4), *out_abs = xmalloc(no * 4);
     moe_w2_ref(out_want, out_abs, c->q2, c->s2, c->g2, act_b, c->idx, c->w, c->n_tok, c->k,
                c->hidden, c->inter);
-    gpu_download(out_got, d_out, no * 4);
-    for (size_t i = 0; i < no; i++) {
-        out_want[i] += c->res[i];
-        tol2[i] = (float) (((size_t) c->k * c->inter + 64) * FLT_EPSILON
-                           * (out_abs[i] + fabsf(c->res[i])));
+    check_out(name, out_want, out_abs, c->res, d_out, no,
+              ((size_t) c->k * c->inter + 64) * FLT_EPSILON);
+    free(out_want), free(out_abs);
+}
+
+// Routing for the expert tests: k distinct experts a token (as the router guarantees) and
+// weights in [0.05, 0.5).
+static void random_routing(int32_t *idx, float *w, int n_tok, int k, int n_experts)
+{
+    for (int t = 0; t < n_tok; t++) {
+        for (int j = 0; j < k; j++) {
+            int e, dup;
+            do {
+                e = (int) (kern_rand_u64(&rng) % (uint64_t) n_experts);
+                dup = 0;
+                for (int i = 0; i < j; i++) dup |= idx[t * k + i] == e;
+            } while (dup);
+            idx[t * k + j] = e;
+            w[t * k + j] = kern_rand_uniform(&rng, 0.05f, 0.5f);
+        }
     }
-    compare(name, out_got, out_want, tol2, 0, no, 1e-10);
-    free(out_want), free(out_abs), free(out_got), free(tol2);
 }
 
 static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
@@ -163,18 +210,7 @@ static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
     fill_bf16(x, (size_t) n_tok * hidden, &rng, -1.0f, 1.0f);
     int32_t *idx = xmalloc(n_pairs * 4);
     float *w = xmalloc(n_pairs * 4), *res = xmalloc((size_t) n_tok * hidden * 4);
-    for (int t = 0; t < n_tok; t++) {
-        for (int j = 0; j < k; j++) {
-            int e, dup;
-            do {  // distinct experts per token, as the router guarantees
-                e = (int) (kern_rand_u64(&rng) % (uint64_t) n_experts);
-                dup = 0;
-                for (int i = 0; i < j; i++) dup |= idx[t * k + i] == e;
-            } while (dup);
-            idx[t * k + j] = e;
-            w[t * k + j] = kern_rand_uniform(&rng, 0.05f, 0.5f);
-        }
-    }
+    random_routing(idx, w, n_tok, k, n_experts);
     fill_f32(res, (size_t) n_tok * hidden, &rng, -1.0f, 1.0f);
 
     // The checkpoint's layout uploaded, packed per expert as the backend does.
@@ -292,6 +328,156 @@ static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
     free(res), free(act_b), free(ref.want), free(ref.tol);
 }
 
+// ---------------------------------------------------------------------------
+// Experts stored in bf16
+
+// The bf16 kernels' fp32 dot product of w and x (K bf16 values each) in moe.h's order: lane l's
+// chain over the 8-value chunks l, l + 32, ... from 0 (each product is exact in fp32, so the
+// kernel's fmaf and this multiply-then-add agree), then warp_sum's butterfly.
+static float warp_order_dot(const uint16_t *w, const uint16_t *x, int K)
+{
+    float lane[32], next[32];
+    for (int l = 0; l < 32; l++) {
+        float acc = 0.0f;
+        for (int c = l; c < K / 8; c += 32)
+            for (int i = 8 * c; i < 8 * c + 8; i++)
+                acc += kern_bf16_to_f32(w[i]) * kern_bf16_to_f32(x[i]);
+        lane[l] = acc;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        for (int l = 0; l < 32; l++) next[l] = lane[l] + lane[l ^ o];
+        memcpy(lane, next, sizeof lane);
+    }
+    return lane[0];
+}
+
+// The epilogue of moe.h (the device's swiglu_bf16) with e standing for expf(-g), as a float.
+static float swiglu_host(float g, float u, float e)
+{
+    return kern_bf16_to_f32(kern_f32_to_bf16(g / (1.0f + e) * u));
+}
+
+// act_b (the GPU's, bf16 [n_pairs, inter]) and d_y (fp32 [n_pairs, hidden]) against the host's
+// repetition of the kernels' order (the file comment): y bit for bit, act up to expf's ulps.
+static void check_bf16_exact(const char *name, const uint16_t *w13, const uint16_t *w2,
+                             const uint16_t *x, const int32_t *idx, const float *w,
+                             const uint16_t *act_b, const float *d_y, int n_tok, int k,
+                             int hidden, int inter)
+{
+    const size_t n_pairs = (size_t) n_tok * k;
+    size_t exact = 0, near = 0, bad_act = 0, bad_y = 0;
+    for (size_t p = 0; p < n_pairs; p++) {
+        const uint16_t *gate = w13 + (size_t) idx[p] * 2 * inter * hidden;
+        const uint16_t *xt = x + p / k * hidden;
+        for (int i = 0; i < inter; i++) {
+            const float g = warp_order_dot(gate + (size_t) i * hidden, xt, hidden);
+            const float u = warp_order_dot(gate + ((size_t) inter + i) * hidden, xt, hidden);
+            const float e = expf(-g), got = kern_bf16_to_f32(act_b[p * inter + i]);
+            if (act_b[p * inter + i] == kern_f32_to_bf16(g / (1.0f + e) * u)) {
+                exact++;
+                continue;
+            }
+            // CUDA's expf is within 2 ulp, glibc's within 1: any e within 4 ulp may be the
+            // device's; the result is monotone in e, so its roundings lie between these two.
+            float lo = e, hi = e;
+            for (int s = 0; s < 4; s++) lo = nextafterf(lo, 0.0f), hi = nextafterf(hi, INFINITY);
+            const float a = swiglu_host(g, u, lo), b = swiglu_host(g, u, hi);
+            if (got >= fminf(a, b) && got <= fmaxf(a, b)) near++;
+            else if (bad_act++ < 5)
+                fprintf(stderr, "%s act[%zu, %d]: got %.9g want %.9g\n", name, p, i, got,
+                        swiglu_host(g, u, e));
+        }
+    }
+    float *y = xmalloc(n_pairs * hidden * 4);
+    gpu_download(y, d_y, n_pairs * hidden * 4);
+    for (size_t p = 0; p < n_pairs; p++) {
+        const uint16_t *down = w2 + (size_t) idx[p] * hidden * inter;
+        for (int r = 0; r < hidden; r++) {
+            const float want = warp_order_dot(down + (size_t) r * inter, act_b + p * inter, inter)
+                               * w[p];
+            const float got = y[p * hidden + r];
+            if (!(got == want) && bad_y++ < 5)  // NaN fails
+                fprintf(stderr, "%s y[%zu, %d]: got %.9g want %.9g\n", name, p, r, got, want);
+        }
+    }
+    printf("%s: act = host order's rounding %zu, within expf's ulps %zu, bad %zu; y bad %zu/%zu\n",
+           name, exact, near, bad_act, bad_y, n_pairs * hidden);
+    CHECK(bad_act == 0);
+    CHECK(bad_y == 0);
+    free(y);
+}
+
+static void test_experts_bf16(int n_experts, int hidden, int inter, int n_tok, int k)
+{
+    const size_t n13 = (size_t) n_experts * 2 * inter * hidden;
+    const size_t n2 = (size_t) n_experts * hidden * inter, nx = (size_t) n_tok * hidden;
+    const int n_pairs = n_tok * k;
+    uint16_t *w13 = xmalloc(n13 * 2), *w2 = xmalloc(n2 * 2);
+    const float a13 = 3.0f / sqrtf((float) hidden), a2 = 3.0f / sqrtf((float) inter);
+    fill_bf16(w13, n13, &rng, -a13, a13);  // gate and up of about unit size for |x| < 1
+    fill_bf16(w2, n2, &rng, -a2, a2);
+    // fp32 inputs that are not bf16 values (the kernel rounds them as read); the last token's
+    // row 64 times larger, into SiLU's tails.
+    float *xf = xmalloc(nx * 4);
+    uint16_t *x = xmalloc(nx * 2);
+    fill_f32(xf, nx, &rng, -1.0f, 1.0f);
+    for (size_t i = 0; i < nx; i++) {
+        if (n_tok > 1 && i / (size_t) hidden == (size_t) n_tok - 1) xf[i] *= 64.0f;
+        x[i] = kern_f32_to_bf16(xf[i]);
+    }
+    int32_t *idx = xmalloc(n_pairs * 4);
+    float *w = xmalloc(n_pairs * 4), *res = xmalloc(nx * 4);
+    random_routing(idx, w, n_tok, k, n_experts);
+    fill_f32(res, nx, &rng, -1.0f, 1.0f);
+
+    const MoeExpertsBf16 ex = {gpu_upload(w13, n13 * 2), gpu_upload(w2, n2 * 2), n_experts,
+                               hidden, inter};
+    float *d_x = gpu_upload(xf, nx * 4), *d_w = gpu_upload(w, n_pairs * 4);
+    float *d_res = gpu_upload(res, nx * 4);
+    int32_t *d_idx = gpu_upload(idx, n_pairs * 4);
+    int32_t *d_work = gpu_alloc_poisoned(moe_work_ints(n_pairs, n_experts) * 4);
+    uint16_t *d_act = gpu_alloc_poisoned((size_t) n_pairs * inter * 2);
+    float *d_y = gpu_alloc_poisoned((size_t) n_pairs * hidden * 4);
+    float *d_out = gpu_alloc_poisoned(nx * 4);
+    moe_group(d_work, d_idx, n_tok, k, n_experts, 0);
+    moe_experts_bf16_w13(d_act, &ex, d_x, d_work, n_tok, k, 0);
+    moe_experts_bf16_w2(d_y, &ex, d_act, d_work, d_w, n_tok, k, 0);
+    moe_combine(d_out, d_y, d_res, n_tok, k, hidden, 0);
+
+    // w13 against the reference, the sums' factor from the kernel's order (the file comment).
+    const size_t na = (size_t) n_pairs * inter;
+    W13Ref ref = {xmalloc(na * 4), xmalloc(na * 4)};
+    float *g = xmalloc(na * 4), *u = xmalloc(na * 4), *ga = xmalloc(na * 4), *ua = xmalloc(na * 4);
+    moe_w13_bf16_ref(ref.want, g, u, ga, ua, w13, x, idx, n_tok, k, hidden, inter);
+    w13_bounds(&ref, g, u, ga, ua, na, (8 * ((hidden + 255) / 256) + 5 + 2) * 0x1p-24);
+    const ExpertCase ec = {.n_tok = n_tok, .k = k, .hidden = hidden, .inter = inter};
+    uint16_t *act_b = xmalloc(na * 2);
+    char name[128];
+    snprintf(name, sizeof name, "moe bf16 w13 E=%d %dx%d tok=%d k=%d", n_experts, hidden, inter,
+             n_tok, k);
+    check_w13(name, &ec, &ref, d_act, act_b);
+
+    // w2 + weighted sum + residual from the GPU's activations: the dot's factor, the weight's
+    // multiply, moe_combine's k additions, the reference's and the host residual's roundings.
+    const size_t no = nx;
+    float *out_want = xmalloc(no * 4), *out_abs = xmalloc(no * 4);
+    moe_w2_bf16_ref(out_want, out_abs, w2, act_b, idx, w, n_tok, k, hidden, inter);
+    snprintf(name, sizeof name, "moe bf16 w2 E=%d %dx%d tok=%d k=%d", n_experts, hidden, inter,
+             n_tok, k);
+    check_out(name, out_want, out_abs, res, d_out, no,
+              (8 * ((inter + 255) / 256) + 5 + 1 + k + 3) * 0x1p-24);
+
+    snprintf(name, sizeof name, "moe bf16 exact E=%d %dx%d tok=%d k=%d", n_experts, hidden,
+             inter, n_tok, k);
+    check_bf16_exact(name, w13, w2, x, idx, w, act_b, d_y, n_tok, k, hidden, inter);
+
+    cudaFree((void *) ex.w13), cudaFree((void *) ex.w2), cudaFree(d_x), cudaFree(d_w);
+    cudaFree(d_res), cudaFree(d_idx), cudaFree(d_work), cudaFree(d_act), cudaFree(d_y);
+    cudaFree(d_out);
+    free(w13), free(w2), free(xf), free(x), free(idx), free(w), free(res), free(ref.want);
+    free(ref.tol), free(g), free(u), free(ga), free(ua), free(act_b), free(out_want), free(out_abs);
+}
+
 int main(void)
 {
     test_route(1, 1, 1, 1, 1, true, false);
@@ -320,5 +506,15 @@ int main(void)
                                           // columns, its last n-tile 5 wide
     test_experts(8, 6144, 2048, 24, 8);   // GLM's widths, every expert 24 pairs: 3 full n-tiles
     test_experts(4, 6144, 512, 130, 2);   // GLM's hidden, ~65 pairs an expert: full wide tiles
+    test_experts_bf16(9, 40, 24, 1, 3);        // decode, one token; K = 40, 24: 5 and 3 chunks
+    test_experts_bf16(9, 40, 24, 3, 4);
+    test_experts_bf16(16, 40, 24, 64, 8);      // 512 pairs (one-block grouping), full tiles
+    test_experts_bf16(20, 40, 24, 2, 16);      // the largest k
+    test_experts_bf16(7, 8, 8, 5, 3);          // one chunk a row
+    test_experts_bf16(5, 1288, 200, 9, 2);     // 161 chunks: two rounds of loads, a lane's tail
+    test_experts_bf16(20, 264, 136, 700, 8);   // a prefill chunk, grouped by atomics; partial
+                                               // blocks of rows (136 / 16, 264 / 32)
+    test_experts_bf16(156, 40, 24, 1024, 8);   // the largest chunk at GLM's E and k
+    test_experts_bf16(12, 6144, 2048, 3, 8);   // GLM-5.2's widths
     return check_exit();
 }
