@@ -1,5 +1,5 @@
 /*
- * moe.cu - fused router and NVFP4 routed experts for decode.
+ * moe.cu - fused router and routed experts (NVFP4 or bf16) for decode.
  *
  * Router: kernels/moe_router.h's arithmetic (double) with one warp per token. Lane l holds
  * experts l, l+32, ... (at most 16 per lane); group scores and the k selections are warp
@@ -27,6 +27,13 @@
  * and up of one feature and applies SwiGLU in registers. w2 writes each pair's weighted
  * output; moe_combine adds a token's k outputs in slot order (and the residual): no atomics,
  * reproducible.
+ *
+ * Experts stored in bf16 run on CUDA cores over the same work list and grid (row blocks x
+ * tiles): a block of 8 warps stages its tile's <= 8 input columns in shared memory as bf16,
+ * then each warp owns two weight rows at a time (w13: gate and up of one feature; w2: two
+ * consecutive rows) and streams them in 16-byte loads, 4 per row in flight, each load feeding
+ * all of the tile's columns; each lane sums its chunks in fp32 in a fixed order, then the
+ * warp's butterfly (moe.h). Decode is bandwidth-bound: 2 bytes a weight, read once per tile.
  */
 #include "kernels/moe.h"
 
@@ -874,6 +881,9 @@ enum {
     BF16_UNITS = 2 * BF16_WARPS,  // row pairs (w13: features) of a block, two a warp in turn
 };
 
+// The bf16 kernels ask for two blocks an SM (at most 128 registers a thread): without it,
+// ptxas (CUDA 13) holds w2 to 80 registers on sm_121a and spills; sm_90a takes ~110 either way.
+
 // Block (x, tile) of a bf16 expert kernel: the tile's expert *e, its ncols pairs (pair_of) and
 // their inputs staged in bs as bf16, column n at bs + n*K: pair p's row p / row_div of src, K
 // values, fp32 rounded to nearest even as read (load4) or bf16 copied. False for blocks past
@@ -933,7 +943,8 @@ static __device__ __forceinline__ void bf16_dots(float acc[BF16_ROWS][MOE_TILE_C
 #pragma unroll
     for (int r = 0; r < BF16_ROWS; r++)
 #pragma unroll
-        for (int n = 0; n < MOE_TILE_COLS; n++) acc[r][n] = 0.0f;
+        for (int n = 0; n < MOE_TILE_COLS; n++)
+            acc[r][n] = 0.0f;
     for (int c0 = lane; c0 < nch; c0 += BF16_LOADS * WARP_SIZE) {
         uint4 wv[BF16_LOADS][BF16_ROWS];
 #pragma unroll
@@ -948,7 +959,8 @@ static __device__ __forceinline__ void bf16_dots(float acc[BF16_ROWS][MOE_TILE_C
             if (c >= nch) break;
             float wf[BF16_ROWS][8];
 #pragma unroll
-            for (int r = 0; r < BF16_ROWS; r++) bf16x8_to_f32(wf[r], wv[u][r]);
+            for (int r = 0; r < BF16_ROWS; r++)
+                bf16x8_to_f32(wf[r], wv[u][r]);
 #pragma unroll
             for (int n = 0; n < MOE_TILE_COLS; n++) {
                 if (n >= ncols) break;
@@ -957,7 +969,8 @@ static __device__ __forceinline__ void bf16_dots(float acc[BF16_ROWS][MOE_TILE_C
 #pragma unroll
                 for (int r = 0; r < BF16_ROWS; r++)
 #pragma unroll
-                    for (int i = 0; i < 8; i++) acc[r][n] = __fmaf_rn(wf[r][i], xf[i], acc[r][n]);
+                    for (int i = 0; i < 8; i++)
+                        acc[r][n] = __fmaf_rn(wf[r][i], xf[i], acc[r][n]);
             }
         }
     }
@@ -965,7 +978,8 @@ static __device__ __forceinline__ void bf16_dots(float acc[BF16_ROWS][MOE_TILE_C
     for (int n = 0; n < MOE_TILE_COLS; n++)
         if (n < ncols)
 #pragma unroll
-            for (int r = 0; r < BF16_ROWS; r++) acc[r][n] = warp_sum(acc[r][n]);
+            for (int r = 0; r < BF16_ROWS; r++)
+                acc[r][n] = warp_sum(acc[r][n]);
 }
 
 // gate/up + SwiGLU. Grid (ceil(inter / BF16_UNITS), max tiles); warp w of block x owns
@@ -1022,7 +1036,8 @@ static __global__ void __launch_bounds__(BF16_THREADS, 2)
                 const int p = pair_of[n];
                 float *yp = y + (size_t) p * hidden + r0;
 #pragma unroll
-                for (int r = 0; r < BF16_ROWS; r++) yp[r] = down_weighted(acc[r][n], w[p]);
+                for (int r = 0; r < BF16_ROWS; r++)
+                    yp[r] = down_weighted(acc[r][n], w[p]);
             }
     }
 }
@@ -1268,15 +1283,15 @@ static void check_experts_bf16(const MoeExpertsBf16 *ex)
 // K-long bf16 columns (a tile holds distinct tokens: at most min(n_tok, 8); *max_cols) and the
 // grid for n_units row pairs. The limit asked is the launch's own, at most 98,304 bytes at
 // GLM's hidden 6144 (GB10 allows 101,376).
-static dim3 bf16_launch_shape(const void *kernel, const MoeExpertsBf16 *ex, int n_tok, int k,
-                              int K, int n_units, size_t *smem, int *max_cols)
+static dim3 bf16_launch_shape(const void *kernel, const MoeExpertsBf16 *ex, int n_tok, int k, int K,
+                              int n_units, size_t *smem, int *max_cols)
 {
     check_experts_bf16(ex);
     check_pairs(n_tok, k);
     *max_cols = n_tok < MOE_TILE_COLS ? n_tok : MOE_TILE_COLS;
     *smem = (size_t) *max_cols * K * sizeof(uint16_t);
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int) *smem));
+    CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) *smem));
     return dim3((unsigned) CEIL_DIV(n_units, BF16_UNITS),
                 (unsigned) max_tiles(n_tok * k, ex->n_experts, MOE_TILE_COLS));
 }
@@ -1289,22 +1304,21 @@ void moe_experts_bf16_w13(uint16_t *act, const MoeExpertsBf16 *ex, const float *
     int max_cols;
     const dim3 grid = bf16_launch_shape((const void *) moe_w13_bf16_kernel, ex, n_tok, k,
                                         ex->hidden, ex->inter, &smem, &max_cols);
-    moe_w13_bf16_kernel<<<grid, BF16_THREADS, smem, stream>>>(act, ex->w13, x, work, k,
-                                                              ex->hidden, ex->inter, max_cols);
+    moe_w13_bf16_kernel<<<grid, BF16_THREADS, smem, stream>>>(act, ex->w13, x, work, k, ex->hidden,
+                                                              ex->inter, max_cols);
     CUDA_CHECK(cudaGetLastError());
 }
 
 void moe_experts_bf16_w2(float *y, const MoeExpertsBf16 *ex, const uint16_t *act,
-                         const int32_t *work, const float *w, int n_tok, int k,
-                         cudaStream_t stream)
+                         const int32_t *work, const float *w, int n_tok, int k, cudaStream_t stream)
 {
     ASSERT((uintptr_t) act % 8 == 0);
     size_t smem;
     int max_cols;
-    const dim3 grid = bf16_launch_shape((const void *) moe_w2_bf16_kernel, ex, n_tok, k,
-                                        ex->inter, ex->hidden / BF16_ROWS, &smem, &max_cols);
-    moe_w2_bf16_kernel<<<grid, BF16_THREADS, smem, stream>>>(y, ex->w2, act, work, w,
-                                                             ex->hidden, ex->inter, max_cols);
+    const dim3 grid = bf16_launch_shape((const void *) moe_w2_bf16_kernel, ex, n_tok, k, ex->inter,
+                                        ex->hidden / BF16_ROWS, &smem, &max_cols);
+    moe_w2_bf16_kernel<<<grid, BF16_THREADS, smem, stream>>>(y, ex->w2, act, work, w, ex->hidden,
+                                                             ex->inter, max_cols);
     CUDA_CHECK(cudaGetLastError());
 }
 

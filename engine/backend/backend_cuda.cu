@@ -1,50 +1,35 @@
 /*
  * backend_cuda.cu - the CUDA backend (backend_cuda.h): every op of backend.h on one stream of
- * the backend's own, with the decode step replayable as a CUDA graph.
+ * the backend's own, through the kernels of kernels/ only, with the decode step replayable as
+ * a CUDA graph.
  *
  * Design:
- * - Under the bf16 precision recipe (engine/model/backend.h, the default here) the tuned
- *   kernels of kernels/ run what they can take (backend_*_tuned): bf16 linears through
- *   kernels/gemm.h (matmul_tuned), routed NVFP4 experts stacked at bind_experts as
- *   kernels/moe.h reads them (moe_tuned), MLA through kernels/mla.h over the engine's own
- *   pages with kv_b repacked at bind_kv_b (mla_tuned). A model narrower than GLM-5 runs the
+ * - One recipe: the bf16 precision recipe of engine/model/backend.h (Backend.kernels; the
+ *   f32 recipe and an f32 KV cache are the CPU reference's, refused here by backends.h's
+ *   backend_kind_check and model.c). Every dense weight is bound in bf16 (backend_bind_rounds:
+ *   f32, f16, FP8 and NVFP4 weights decoded and rounded once at load, as the CPU backend
+ *   following the recipe binds them) and multiplied by kernels/gemm.h (matmul_tuned: the
+ *   CUDA-core GEMV for 1 token, tensor cores from 2 when the rows fill the chip twice,
+ *   cuBLASLt past GEMM_MAX_TOK tokens), a weight whose columns are not in 8s through a
+ *   zero-padded copy (PadLin). Routed experts are stacked at bind_experts as kernels/moe.h
+ *   reads them: NVFP4 experts packed for its tensor-core tiles, any others in bf16 for its
+ *   bf16 kernels (GLM-5.2's MTP layer). MLA runs kernels/mla.h over the engine's own pages
+ *   with kv_b repacked at bind_kv_b (mla_tuned), the indexer kernels/dsa.h, norms
+ *   kernels/norm.h, RoPE kernels/rope.h, SwiGLU, adds and the embedding lookup kernels/act.h,
+ *   the KV write kernels/kv.h, the router kernels/moe.h. A model narrower than GLM-5 runs the
  *   same kernels at GLM-5's widths on zero-padded values: the KV cache stores entries and
- *   index keys padded (kv_cache.h), q, heads and kv_b are padded here and the outputs
- *   cropped (kernels/act.h act_repad); zeros change no sum. (The experts' kernels take any
- *   NVFP4 widths, multiples of 16.) The router is kernels/moe.cu's under both recipes. The rest of this file is the
- *   backend's own fp32 kernels (what --precision f32 runs everywhere, and the bf16 recipe
- *   only where backend_*_tuned refuses: counted, backend_cuda_untuned):
- * - Weights: bind_linear() copies data, NVFP4 group scales and FP8 block scales to device
- *   memory unchanged and rewrites the CkptLinear's pointers; kernels decode each element as
- *   they read it with the same values as the CPU backend (kernels/nvfp4_format.h, by bit
- *   manipulation on the device), so no weight is expanded in memory.
- * - matmul (k_gemv): one warp per output row and chunk of up to 8 tokens (one token when n is
- *   1), so each weight byte is read once per chunk. When a row is a whole number of 16-byte
- *   vectors (and x is 16-byte aligned) each lane reads 16-byte weight vectors (4 f32, 8
- *   bf16/f16, 16 fp8, 32 NVFP4 codes with their two group scales), four vectors in flight,
- *   lanes owning vectors lane, lane + 32, ...; otherwise one element per lane. fp32 products
- *   summed per lane in vector order, then across the warp. Which path a weight takes depends
- *   on the weight alone, and each token's sum on nothing but its own row, so decode equals
- *   prefill bit for bit, as on the CPU.
- * - Reductions that decide something (norm statistics, DSA scores, attention scores and
- *   softmax) run in double, in the CPU backend's order where one thread owns a
- *   sum (a router token, a DSA score, q_lat channels) and in a fixed tree order otherwise.
- * - MLA attention (absorbed form, as the CPU backend) is five launches: q_lat per (token,
- *   head); scores with a warp per key; softmax statistics; partial o_lat per split of 256
- *   keys; the splits summed in order and projected. Long contexts spread over the GPU.
+ *   index keys padded (kv_cache.h), q, heads and kv_b are padded here and the outputs cropped
+ *   (kernels/act.h act_repad); zeros change no sum. A model outside what the kernels take is
+ *   refused at load (model.c check_kernel_shapes); reaching an op with such a shape is a bug
+ *   (log_fatal).
  * - KV cache: kv_cache.c owns a host pool; this backend keeps a device pool of the same
- *   layout per KvCache (found by address, created zeroed on first use), writes and reads its
- *   entries through kv_cache.h's host/device routines (f32, bf16, fp8), and keeps a step's
- *   block tables ([sequences, longest table], DevStep) in device rows per step shape (cache,
- *   sequence count, stride), uploaded again only when a table changed. The cache ops (kv_write, dsa_topk, mla_attention) run once per step for
- *   every sequence: a token finds its table row through BackendSeqs.seq_of. Only this
- *   backend reads or writes the device pool, so the host pool of a cache used with CUDA
- *   stays zero.
- * - MoE: four launches whatever the expert count: the (token, slot) pairs grouped by expert
- *   with the list of active experts (ascending) on the GPU; gate and up of every active
- *   expert with silu(gate) * up fused (grid: row blocks x active experts, so inactive experts
- *   cost nothing; the slots sharing an expert share its weight read, 8 per read); down the
- *   same way; the weighted sum in ascending expert order (the CPU order).
+ *   layout per KvCache (found by address, created zeroed on first use), written by
+ *   kernels/kv.h (kernels/kv_format.h's store routine, the CPU backend's) and read by the
+ *   attention kernels, and keeps a step's block tables ([sequences, longest table], DevStep)
+ *   in device rows per step shape (cache, sequence count, stride), uploaded again only when a
+ *   table changed. The cache ops (kv_write, dsa_topk, mla_attention) run once per step for
+ *   every sequence: a token finds its table row through BackendSeqs.seq_of. Only this backend
+ *   reads or writes the device pool, so the host pool of a cache used with CUDA stays zero.
  * - Graphs (graph_begin/graph_end of backend.h): the caller names a run of ops by a key;
  *   the backend adds the cache, the sequence count and the block tables' stride (which name
  *   the step's table rows, whatever sequences fill them: a batch whose sequences change
@@ -53,20 +38,18 @@
  *   (stream capture) and launched; later calls with the key replay the graph, the caller
  *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
  *   buffers the caller uploads before. GLMSPARK_CUDA_GRAPHS=0 turns graphs off;
- *   GLMSPARK_MOE_WIDE=1 lets prefill chunks take the wide expert tiles (moe_tuned);
+ *   GLMSPARK_MOE_WIDE=0 keeps prefill chunks off the wide expert tiles (moe_tuned);
  *   MLA attention runs on the tensor cores where the shape allows (Backend.mla_tc:
  *   mla_decode_tc, whose recipe also rounds q and the probabilities to bf16, as the CPU
  *   backend then does; GLMSPARK_MLA_TC=0 keeps mla_decode).
- * - DSA under the bf16 recipe (backend_dsa_tuned layers): kernels/dsa.h's scores and top-k
- *   over the engine's key pages (kv_dsa_cache_stored), fp32 scores in the order the CPU backend
- *   follows (kernels/dsa_format.h), so the two select the same keys. The scores run on the
- *   tensor cores on fp8 or bf16 keys (Backend.dsa_tc: dsa_scores_tc, q rounded to bf16, as
- *   the CPU backend then does; the accumulation order differs; GLMSPARK_DSA_TC=0 keeps
- *   dsa_scores).
- * Not yet through kernels/: the embedding lookup, the KV write, the f32 recipe's ops.
+ * - DSA (backend_dsa_tuned): kernels/dsa.h's scores and top-k over the engine's key pages
+ *   (kv_dsa_cache_stored), fp32 scores in the order the CPU backend follows
+ *   (kernels/dsa_format.h), so the two select the same keys. The scores run on the tensor
+ *   cores (Backend.dsa_tc: dsa_scores_tc, q rounded to bf16, as the CPU backend then does;
+ *   the accumulation order differs; GLMSPARK_DSA_TC=0 keeps dsa_scores).
  * Host syncs: uploads and downloads (cudaMemcpy semantics), scratch growth, block-table
- * uploads when a sequence gains a block, and the first use of a cache or experts array;
- * none inside a decode step's layer loop once its graph exists.
+ * uploads when a sequence gains a block, and the first use of a cache; none inside a decode
+ * step's layer loop once its graph exists.
  */
 #include "engine/backend/backend_cuda.h"
 
@@ -151,8 +134,8 @@ typedef struct ExpertStack {
 } ExpertStack;
 
 // A bf16 weight whose columns are not in 8s, as the tuned GEMV reads it (bind_linear): rows
-// of cols_p (the columns rounded up to 8) with zeros after the weight's own, beside the
-// stored copy at data (which the f32 recipe's kernels read).
+// of cols_p (the columns rounded up to 8) with zeros after the weight's own, found by the
+// bound copy's address (data).
 typedef struct PadLin {
     const void *data;
     const uint16_t *padded;
@@ -554,9 +537,13 @@ static Err pad_linear(CudaImpl *impl, const CkptLinear *w, const uint16_t *host)
 static Err bind_padded(Backend *be, const CkptLinear *w, const void *host)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
-    if (be->precision != BACKEND_PRECISION_BF16 || w->format != CKPT_LINEAR_BF16 || w->cols % 8 == 0
-        || impl->n_pad_lins == MAX_PAD_LINS)
-        return ERR_OK;
+    if (w->cols % 8 == 0) return ERR_OK;
+    if (impl->n_pad_lins == MAX_PAD_LINS) {
+        LOG_ERROR("%s: more than %d weights with columns not in 8s (each needs a padded copy "
+                  "for the GEMV)",
+                  w->name ? w->name : "a weight", MAX_PAD_LINS);
+        return ERR_INVAL;
+    }
     return pad_linear(impl, w, (const uint16_t *) host);
 }
 

@@ -1,11 +1,14 @@
 /*
- * backend_cuda.h - the CUDA backend: every op of backend.h on one GPU, fp32 activations.
+ * backend_cuda.h - the CUDA backend: every op of backend.h on one GPU through kernels/, the
+ * bf16 precision recipe (fp32 activations between ops, rounded to bf16 where the kernels
+ * read them: engine/model/backend.h).
  *
  * Built only with CUDA (GLMSPARK_HAVE_CUDA); backend_cuda.cu has the design (and graphs:
- * graph_begin/graph_end, off with GLMSPARK_CUDA_GRAPHS=0). Weights are
- * copied to device memory in their stored format at bind_linear() and dequantized as the
- * kernels read them; the KV cache's pool is mirrored by a device pool of the same layout
- * (allocated on the first op that touches a cache), so kv_cache.c stays host-only.
+ * graph_begin/graph_end, off with GLMSPARK_CUDA_GRAPHS=0). Dense weights are copied to
+ * device memory in bf16 at bind_linear() (rounded once when stored otherwise), routed
+ * experts stacked at bind_experts() as kernels/moe.h reads them; the KV cache's pool (bf16 or
+ * fp8) is mirrored by a device pool of the same layout (allocated on the first op that
+ * touches a cache), so kv_cache.c stays host-only.
  *
  * Ownership: backend_cuda_create() returns a Backend released with its destroy op, which
  *            frees every device allocation it made (weights, mirrored pools, scratch).
@@ -46,9 +49,8 @@ double backend_cuda_gemm_tflops(Backend *be, int n);
 void backend_cuda_profile_report(Backend *be, const char *title);
 
 // The scores one pass of the DSA top-k holds: it scores a step's rows in passes of at most
-// bytes / (4 * capacity) rows (8 * capacity under the f32 recipe, whose scores are double; at
-// least one), so that a long prompt's chunk does not hold rows x positions scores at once.
-// Default 256 MiB; tests lower it to make passes.
+// bytes / (4 * capacity) rows (at least one), so that a long prompt's chunk does not hold
+// rows x positions scores at once. Default 256 MiB; tests lower it to make passes.
 void backend_cuda_limit_dsa_scores(Backend *be, size_t bytes);
 
 // Copy the device copy of kv's pool (kv->block_bytes * n_blocks bytes; zeros if the backend

@@ -5,6 +5,8 @@
  *   glmspark bench [--backend cpu|cuda] (--model DIR | --synthetic [--preset NAME] [--seed S])
  *     [--batch 1,8] [--ctx 1024] [--prefill-chunk 4096] [--steps 32] [--threads N]
  *     [--kv-dtype f32|bf16|fp8] [--precision f32|bf16] [--mtp-drafts 1,2,3] [--json]
+ * (On CUDA the cache is bf16 (default) or fp8 and the recipe bf16: backends.h
+ * backend_kind_check.)
  *
  * For each batch size B: B sequences are prefilled with --ctx deterministic token ids each
  * (forward calls of at most --prefill-chunk tokens, one sequence at a time, as the scheduler

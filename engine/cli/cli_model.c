@@ -11,12 +11,12 @@
  *     [--top-p P] [--top-k K] [--min-p P] [--seed S] [--ignore-eos] [--threads N]
  *     [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]
  *     [--kv-dtype f32|bf16|fp8]
- * --kv-dtype chooses the KV cache storage (default f32, exact; bf16 halves it; fp8 is the
- * reference deployment's layout, engine/model/kv_cache.h).
+ * --kv-dtype chooses the KV cache storage (default f32 on the CPU, exact; bf16 halves it and
+ * is the default on CUDA; fp8 is the reference deployment's layout, engine/model/kv_cache.h).
  * --backend cuda runs the ops on GPU --local-rank (default 0; backend_cuda.h; builds with
  * CUDA only), cpu is the default. --precision f32|bf16 chooses the precision recipe
- * (engine/model/backend.h; default: f32 on the CPU, bf16, the tuned kernels', on CUDA);
- * the CPU backend follows bf16 so the two can be compared.
+ * (engine/model/backend.h; default: f32 on the CPU; CUDA runs bf16, the recipe of its
+ * kernels, only, and no f32 cache); the CPU backend follows bf16 so the two can be compared.
  *     Prefill, then decode token by token; prints the generated ids space-separated on one
  *     line and stops at an eos id unless --ignore-eos. Load time, prefill and decode tok/s
  *     go to stderr at info level.

@@ -25,8 +25,8 @@
  * a group wholly in the padding), and a dot product over the padded widths equals the one
  * over the model's. Reads (kv_entry_value, kv_key_value) and writes (kv_store_part) take the
  * model's widths; KvEntryLayout's lat_store, pe_store and key_store give the stored ones. f32
- * is stored unpadded (the f32 recipe's kernels read any width). A model at GLM-5's widths is
- * stored as before.
+ * (the CPU reference's cache; the GPU's kernels read none) is stored unpadded. A model at
+ * GLM-5's widths is stored as before.
  *
  * Storage types (KvDtype):
  *   f32   every value fp32.
@@ -44,8 +44,10 @@
  *         2,816 in f32. A group whose values are all 0 gets scale 1. Codes are
  *         kernels/nvfp4_format.h's nvfp4_float_to_e4m3 (nearest even, saturating) of the fp32
  *         quotient value / scale; a value reads back as e4m3(code) * scale in fp32. The store
- *         and read routines below are compiled for the host and for CUDA devices, so the CPU
- *         reference and the CUDA backend store identical bytes for identical inputs.
+ *         and read routines (kernels/kv_format.h: KvEntryLayout, kv_store_part,
+ *         kv_entry_value, kv_key_value) are compiled for the host and for CUDA devices
+ *         (kernels/kv.h's write), so the CPU reference and the CUDA backend store identical
+ *         bytes for identical inputs.
  *
  * Prefix caching: a block may be shared by several sequences (kv_seq_attach) and counts its
  * references. A published block holds KV that a later sequence with the same token prefix

@@ -19,7 +19,7 @@
  * --max-num-batched-tokens, the scheduler's prefill chunk; --kv-dtype, the other commands'
  * name, for --kv-cache-dtype). --check-recipe validates a
  * recipe, prints every key's effective value (`key = value`) and exits 0, or 2 naming the
- * bad key.
+ * bad key (or a combination the backend does not take: backends.h backend_kind_check).
  *
  * Ranks: --pp N (or pipeline_parallel = N) starts N local ranks of this
  * command (pp_launch_local); --rank/--world/--master (or OMPI_COMM_WORLD_RANK/SIZE,
@@ -70,6 +70,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/backend/backends.h"
 #include "engine/model/model.h"
 #include "engine/pipeline/pp.h"
 #include "engine/pipeline/scheduler.h"
@@ -825,6 +826,10 @@ int main(int argc, char **argv)
         Recipe recipe;
         recipe_defaults(&recipe);
         if (recipe_load(&recipe, argv[2])) return 2;
+        KvDtype kv = recipe.kv_cache_dtype;
+        if (!backend_kind_check(argv[2], recipe.backend == RECIPE_BACKEND_CUDA, recipe.precision,
+                                recipe_is_set(&recipe, "kv_cache_dtype"), &kv))
+            return 2;
         for (int k = 0; k < recipe_n_keys(); k++) {
             char val[RECIPE_MAX_STR + 8];
             printf("%s = %s\n", recipe_key_name(k),

@@ -48,9 +48,8 @@ static double ref_weight(const RefExperts *m, int e, int r, int c)
                             m->g[e * m->n_g + r / (m->rows / m->n_g)], m->cols, r, c);
 }
 
-static void w13_ref(float *act, float *g, float *u, float *g_abs, float *u_abs,
-                    const RefExperts *m, const uint16_t *x, const int32_t *idx, int n_tok, int k,
-                    int hidden, int inter)
+static void w13_ref(float *act, float *g, float *u, float *g_abs, float *u_abs, const RefExperts *m,
+                    const uint16_t *x, const int32_t *idx, int n_tok, int k, int hidden, int inter)
 {
     for (int p = 0; p < n_tok * k; p++) {
         const int t = p / k, e = idx[p];
@@ -105,17 +104,17 @@ void moe_w13_ref(float *act, float *g, float *u, float *g_abs, float *u_abs, con
     w13_ref(act, g, u, g_abs, u_abs, &m, x, idx, n_tok, k, hidden, inter);
 }
 
-void moe_w2_ref(float *out, float *out_abs, const uint8_t *q2, const uint8_t *s2,
-                const float *g2, const uint16_t *act, const int32_t *idx, const float *w,
-                int n_tok, int k, int hidden, int inter)
+void moe_w2_ref(float *out, float *out_abs, const uint8_t *q2, const uint8_t *s2, const float *g2,
+                const uint16_t *act, const int32_t *idx, const float *w, int n_tok, int k,
+                int hidden, int inter)
 {
     const RefExperts m = {q2, s2, g2, 1, NULL, hidden, inter};
     w2_ref(out, out_abs, &m, act, idx, w, n_tok, k, hidden, inter);
 }
 
 void moe_w13_bf16_ref(float *act, float *g, float *u, float *g_abs, float *u_abs,
-                      const uint16_t *w13, const uint16_t *x, const int32_t *idx, int n_tok,
-                      int k, int hidden, int inter)
+                      const uint16_t *w13, const uint16_t *x, const int32_t *idx, int n_tok, int k,
+                      int hidden, int inter)
 {
     const RefExperts m = {NULL, NULL, NULL, 1, w13, 2 * inter, hidden};
     w13_ref(act, g, u, g_abs, u_abs, &m, x, idx, n_tok, k, hidden, inter);

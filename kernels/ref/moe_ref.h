@@ -37,8 +37,8 @@ void moe_w2_ref(float *out, float *out_abs, const uint8_t *q2, const uint8_t *s2
 // The same two references for experts stored in bf16 (moe_experts_bf16_w13 / _w2): w13 bf16
 // [E, 2*inter, hidden], w2 bf16 [E, hidden, inter]; outputs as above.
 void moe_w13_bf16_ref(float *act, float *g, float *u, float *g_abs, float *u_abs,
-                      const uint16_t *w13, const uint16_t *x, const int32_t *idx, int n_tok,
-                      int k, int hidden, int inter);
+                      const uint16_t *w13, const uint16_t *x, const int32_t *idx, int n_tok, int k,
+                      int hidden, int inter);
 void moe_w2_bf16_ref(float *out, float *out_abs, const uint16_t *w2, const uint16_t *act,
                      const int32_t *idx, const float *w, int n_tok, int k, int hidden, int inter);
 

@@ -112,8 +112,8 @@ typedef struct W13Ref {
 // The bounds of r->want (na outputs) from the reference's gate g and up u, whose fp32 sums may
 // be off by rel * their sum |terms| ga, ua: pushed through SiLU(g) * u (|SiLU'| < 1.1), plus the
 // bf16 rounding and the fp32 epilogue.
-static void w13_bounds(W13Ref *r, const float *g, const float *u, const float *ga,
-                       const float *ua, size_t na, double rel)
+static void w13_bounds(W13Ref *r, const float *g, const float *u, const float *ga, const float *ua,
+                       size_t na, double rel)
 {
     for (size_t i = 0; i < na; i++) {
         const double eg = rel * ga[i], eu = rel * ua[i];
@@ -186,7 +186,8 @@ static void random_routing(int32_t *idx, float *w, int n_tok, int k, int n_exper
             do {
                 e = (int) (kern_rand_u64(&rng) % (uint64_t) n_experts);
                 dup = 0;
-                for (int i = 0; i < j; i++) dup |= idx[t * k + i] == e;
+                for (int i = 0; i < j; i++)
+                    dup |= idx[t * k + i] == e;
             } while (dup);
             idx[t * k + j] = e;
             w[t * k + j] = kern_rand_uniform(&rng, 0.05f, 0.5f);
@@ -345,7 +346,8 @@ static float warp_order_dot(const uint16_t *w, const uint16_t *x, int K)
         lane[l] = acc;
     }
     for (int o = 16; o > 0; o >>= 1) {
-        for (int l = 0; l < 32; l++) next[l] = lane[l] + lane[l ^ o];
+        for (int l = 0; l < 32; l++)
+            next[l] = lane[l] + lane[l ^ o];
         memcpy(lane, next, sizeof lane);
     }
     return lane[0];
@@ -361,8 +363,8 @@ static float swiglu_host(float g, float u, float e)
 // repetition of the kernels' order (the file comment): y bit for bit, act up to expf's ulps.
 static void check_bf16_exact(const char *name, const uint16_t *w13, const uint16_t *w2,
                              const uint16_t *x, const int32_t *idx, const float *w,
-                             const uint16_t *act_b, const float *d_y, int n_tok, int k,
-                             int hidden, int inter)
+                             const uint16_t *act_b, const float *d_y, int n_tok, int k, int hidden,
+                             int inter)
 {
     const size_t n_pairs = (size_t) n_tok * k;
     size_t exact = 0, near = 0, bad_act = 0, bad_y = 0;
@@ -380,9 +382,11 @@ static void check_bf16_exact(const char *name, const uint16_t *w13, const uint16
             // CUDA's expf is within 2 ulp, glibc's within 1: any e within 4 ulp may be the
             // device's; the result is monotone in e, so its roundings lie between these two.
             float lo = e, hi = e;
-            for (int s = 0; s < 4; s++) lo = nextafterf(lo, 0.0f), hi = nextafterf(hi, INFINITY);
+            for (int s = 0; s < 4; s++)
+                lo = nextafterf(lo, 0.0f), hi = nextafterf(hi, INFINITY);
             const float a = swiglu_host(g, u, lo), b = swiglu_host(g, u, hi);
-            if (got >= fminf(a, b) && got <= fmaxf(a, b)) near++;
+            if (got >= fminf(a, b) && got <= fmaxf(a, b))
+                near++;
             else if (bad_act++ < 5)
                 fprintf(stderr, "%s act[%zu, %d]: got %.9g want %.9g\n", name, p, i, got,
                         swiglu_host(g, u, e));
@@ -393,8 +397,8 @@ static void check_bf16_exact(const char *name, const uint16_t *w13, const uint16
     for (size_t p = 0; p < n_pairs; p++) {
         const uint16_t *down = w2 + (size_t) idx[p] * hidden * inter;
         for (int r = 0; r < hidden; r++) {
-            const float want = warp_order_dot(down + (size_t) r * inter, act_b + p * inter, inter)
-                               * w[p];
+            const float want =
+                warp_order_dot(down + (size_t) r * inter, act_b + p * inter, inter) * w[p];
             const float got = y[p * hidden + r];
             if (!(got == want) && bad_y++ < 5)  // NaN fails
                 fprintf(stderr, "%s y[%zu, %d]: got %.9g want %.9g\n", name, p, r, got, want);
@@ -430,8 +434,8 @@ static void test_experts_bf16(int n_experts, int hidden, int inter, int n_tok, i
     random_routing(idx, w, n_tok, k, n_experts);
     fill_f32(res, nx, &rng, -1.0f, 1.0f);
 
-    const MoeExpertsBf16 ex = {gpu_upload(w13, n13 * 2), gpu_upload(w2, n2 * 2), n_experts,
-                               hidden, inter};
+    const MoeExpertsBf16 ex = {gpu_upload(w13, n13 * 2), gpu_upload(w2, n2 * 2), n_experts, hidden,
+                               inter};
     float *d_x = gpu_upload(xf, nx * 4), *d_w = gpu_upload(w, n_pairs * 4);
     float *d_res = gpu_upload(res, nx * 4);
     int32_t *d_idx = gpu_upload(idx, n_pairs * 4);
@@ -467,8 +471,8 @@ static void test_experts_bf16(int n_experts, int hidden, int inter, int n_tok, i
     check_out(name, out_want, out_abs, res, d_out, no,
               (8 * ((inter + 255) / 256) + 5 + 1 + k + 3) * 0x1p-24);
 
-    snprintf(name, sizeof name, "moe bf16 exact E=%d %dx%d tok=%d k=%d", n_experts, hidden,
-             inter, n_tok, k);
+    snprintf(name, sizeof name, "moe bf16 exact E=%d %dx%d tok=%d k=%d", n_experts, hidden, inter,
+             n_tok, k);
     check_bf16_exact(name, w13, w2, x, idx, w, act_b, d_y, n_tok, k, hidden, inter);
 
     cudaFree((void *) ex.w13), cudaFree((void *) ex.w2), cudaFree(d_x), cudaFree(d_w);
@@ -506,15 +510,15 @@ int main(void)
                                           // columns, its last n-tile 5 wide
     test_experts(8, 6144, 2048, 24, 8);   // GLM's widths, every expert 24 pairs: 3 full n-tiles
     test_experts(4, 6144, 512, 130, 2);   // GLM's hidden, ~65 pairs an expert: full wide tiles
-    test_experts_bf16(9, 40, 24, 1, 3);        // decode, one token; K = 40, 24: 5 and 3 chunks
+    test_experts_bf16(9, 40, 24, 1, 3);   // decode, one token; K = 40, 24: 5 and 3 chunks
     test_experts_bf16(9, 40, 24, 3, 4);
-    test_experts_bf16(16, 40, 24, 64, 8);      // 512 pairs (one-block grouping), full tiles
-    test_experts_bf16(20, 40, 24, 2, 16);      // the largest k
-    test_experts_bf16(7, 8, 8, 5, 3);          // one chunk a row
-    test_experts_bf16(5, 1288, 200, 9, 2);     // 161 chunks: two rounds of loads, a lane's tail
-    test_experts_bf16(20, 264, 136, 700, 8);   // a prefill chunk, grouped by atomics; partial
-                                               // blocks of rows (136 / 16, 264 / 32)
-    test_experts_bf16(156, 40, 24, 1024, 8);   // the largest chunk at GLM's E and k
-    test_experts_bf16(12, 6144, 2048, 3, 8);   // GLM-5.2's widths
+    test_experts_bf16(16, 40, 24, 64, 8);     // 512 pairs (one-block grouping), full tiles
+    test_experts_bf16(20, 40, 24, 2, 16);     // the largest k
+    test_experts_bf16(7, 8, 8, 5, 3);         // one chunk a row
+    test_experts_bf16(5, 1288, 200, 9, 2);    // 161 chunks: two rounds of loads, a lane's tail
+    test_experts_bf16(20, 264, 136, 700, 8);  // a prefill chunk, grouped by atomics; partial
+                                              // blocks of rows (136 / 16, 264 / 32)
+    test_experts_bf16(156, 40, 24, 1024, 8);  // the largest chunk at GLM's E and k
+    test_experts_bf16(12, 6144, 2048, 3, 8);  // GLM-5.2's widths
     return check_exit();
 }

@@ -26,7 +26,7 @@ check engine_pipeline '^(pp_|sched_|mtp_)'
 check engine_serve '^(serve_|jobq_|recipe_|constrain_)'
 check engine_tools '^(mkmodel_)'
 check engine_cli '^(cli_)'
-check kernels '^(nvfp4_|mla_|moe_|dsa_|norm_|rope_|sample_|kern_|cuda_backend_|gemm_|attn_|embed_|act_)'
+check kernels '^(nvfp4_|mla_|moe_|dsa_|norm_|rope_|sample_|kern_|cuda_backend_|gemm_|attn_|embed_|act_|kv_)'
 check kernels_ref '^(nvfp4_|mla_|moe_|dsa_|norm_|rope_|sample_|kern_|gemm_|attn_|embed_|act_)'
 check fcgi_core '^(api_)'
 [ "$checked" -gt 0 ] || { echo "no module libraries found in $libdir"; exit 1; }

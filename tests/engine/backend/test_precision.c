@@ -6,10 +6,13 @@
  *   matmul: with a bf16 weight (columns in 8s or not), bf16(x) is the input: the output
  *           equals the f32 recipe's on the rounded x bit for bit, and differs on x; an f32
  *           weight is untouched, but bound under the recipe it is stored in bf16 and then runs
- *           as a bf16 one.
- *   moe:    NVFP4 experts (any widths): x and silu(gate) * up are rounded, so
+ *           as a bf16 one; so are f16, FP8 (block scales) and NVFP4 dense weights, each value
+ *           ckpt_linear_row's rounded to bf16 (test_bind_formats); under the f32 recipe
+ *           binding leaves every format alone.
+ *   moe:    NVFP4 experts (any widths) and bf16 ones: x and silu(gate) * up are rounded, so
  *           moe(x) equals moe(bf16(x)) bit for bit and differs from the f32 recipe; f32
- *           experts are untouched.
+ *           experts are untouched; experts not all NVFP4 are bound in bf16 under the recipe
+ *           (bind_experts), as the GPU stacks them.
  *   mla:    at GLM-5's widths over a bf16 cache: q_nope (not q_pe), kv_b and the output latent
  *           are rounded; with Backend.mla_tc and heads in 32s also q_lat, q_pe and each
  *           probability times its fp8 group scale (test_mla_tc).
@@ -24,6 +27,7 @@
 #include <string.h>
 
 #include "engine/model/backend.h"
+#include "engine/model/checkpoint.h"
 #include "engine/model/kv_cache.h"
 #include "engine/shared/err.h"
 #include "kernels/nvfp4_format.h"
@@ -170,6 +174,147 @@ static void test_moe(Backend *be)
     for (int i = 0; i < 3 * E; i++) {
         free((void *) ex[i].data);
         free((void *) ex[i].scale);
+    }
+    free(x), free(xr);
+}
+
+// Random weight of format f [rows, cols] in host memory (f16 / FP8 with 128x128 block scales /
+// NVFP4), released with free_weight.
+static CkptLinear weight_of(CkptLinearFormat f, int rows, int cols)
+{
+    CkptLinear w = {.format = f, .rows = rows, .cols = cols, .global_scale = 1.0f, .name = "w"};
+    const size_t n = (size_t) rows * (size_t) cols;
+    if (f == CKPT_LINEAR_F16) {
+        uint16_t *d = malloc(n * 2);
+        ASSERT(d);
+        for (size_t i = 0; i < n; i++)
+            d[i] = (uint16_t) ((rand() & 0x8000) | (0x2c00 + rand() % 0x7ff));
+        w.data = d;
+    } else if (f == CKPT_LINEAR_FP8) {
+        uint8_t *d = malloc(n);
+        float *sc = malloc(sizeof(float) * (size_t) ((rows + 127) / 128) * ((cols + 127) / 128));
+        ASSERT(d && sc);
+        for (size_t i = 0; i < n; i++)
+            d[i] = (uint8_t) ((rand() & 0x80) | (0x20 + rand() % 0x30));
+        for (int i = 0; i < ((rows + 127) / 128) * ((cols + 127) / 128); i++)
+            sc[i] = 0.013f + 0.007f * (float) i;  // not powers of two: the products need rounding
+        w.data = d;
+        w.scale_f32 = sc;
+    } else {
+        w = nvfp4(rows, cols);
+        w.name = "w";
+    }
+    return w;
+}
+
+static void free_weight(CkptLinear *w)
+{
+    free((void *) w->data);
+    free((void *) w->scale);
+    free((void *) w->scale_f32);
+}
+
+static void test_bind_formats(Backend *be)
+{
+    const CkptLinearFormat formats[3] = {CKPT_LINEAR_F16, CKPT_LINEAR_FP8, CKPT_LINEAR_NVFP4};
+    for (int fi = 0; fi < 3; fi++) {
+        enum { ROWS = 130, COLS = 144 };  // FP8: two row blocks, two column blocks
+        CkptLinear w = weight_of(formats[fi], ROWS, COLS), w32 = w, w16 = w;
+        CHECK(!backend_matmul_tuned(&w));
+        CHECK(be->bind_linear(be, &w32) == ERR_OK && w32.format == w.format && w32.data == w.data);
+        be->precision = BACKEND_PRECISION_BF16;
+        CHECK(backend_bind_rounds(be, &w16) && be->bind_linear(be, &w16) == ERR_OK);
+        be->precision = BACKEND_PRECISION_F32;
+        CHECK(w16.format == CKPT_LINEAR_BF16 && backend_matmul_tuned(&w16) && !w16.scale
+              && !w16.scale_f32);
+        float row[COLS];
+        int wrong = 0, inexact = 0;
+        for (int r = 0; r < ROWS; r++) {
+            ckpt_linear_row(&w, r, row);
+            for (int c = 0; c < COLS; c++) {
+                const uint16_t b = ((const uint16_t *) w16.data)[r * COLS + c];
+                wrong += b != nvfp4_float_to_bf16(row[c]);
+                inexact += nvfp4_round_bf16(row[c]) != row[c];
+            }
+        }
+        CHECK(wrong == 0);
+        // FP8 times its block scale needs the rounding (f16 too: 11 significant bits).
+        if (formats[fi] != CKPT_LINEAR_NVFP4) CHECK(inexact > 0);
+        free_weight(&w);  // w16's copy belongs to the backend
+    }
+}
+
+// bf16 experts run the recipe as NVFP4 ones do; experts not all NVFP4 are bound in bf16.
+static void test_moe_bf16(Backend *be)
+{
+    enum { E = 4, K = 2, HID = 64, INTER = 32, N = 3 };
+    CkptLinear ex[3 * E];
+    uint16_t *store[3 * E];
+    for (int i = 0; i < 3 * E; i++) {
+        const int rows = i % 3 == 2 ? HID : INTER, cols = i % 3 == 2 ? INTER : HID;
+        store[i] = malloc((size_t) rows * cols * 2);
+        ASSERT(store[i]);
+        for (int j = 0; j < rows * cols; j++)
+            store[i][j] = nvfp4_float_to_bf16(frand() * 0.2f);
+        ex[i] = (CkptLinear){.format = CKPT_LINEAR_BF16,
+                             .rows = rows,
+                             .cols = cols,
+                             .data = store[i],
+                             .global_scale = 1.0f,
+                             .name = "expert"};
+    }
+    CHECK(backend_moe_tuned(ex, E, K) && !backend_experts_nvfp4(ex, E));
+    const int idx[N * K] = {0, 2, 1, 3, 0, 3};
+    const float wts[N * K] = {0.6f, 0.4f, 0.7f, 0.3f, 0.5f, 0.5f};
+    float *x = rand_vec((size_t) N * HID), *xr = rounded(x, (size_t) N * HID);
+    float o32[N * HID], o16[N * HID], or16[N * HID], or32[N * HID];
+    be->moe(be, o32, x, N, idx, wts, K, ex, E);
+    be->moe(be, or32, xr, N, idx, wts, K, ex, E);
+    be->precision = BACKEND_PRECISION_BF16;
+    be->moe(be, o16, x, N, idx, wts, K, ex, E);
+    be->moe(be, or16, xr, N, idx, wts, K, ex, E);
+    be->precision = BACKEND_PRECISION_F32;
+    CHECK(memcmp(o16, or16, sizeof o16) == 0);  // x entered as bf16(x)
+    CHECK(memcmp(o16, o32, sizeof o16) != 0);
+    CHECK(memcmp(or16, or32, sizeof or16) != 0);  // silu(gate) * up rounded too
+
+    // NVFP4 experts but one FP8: bound one by one, in bf16 under the recipe (values as
+    // ckpt_linear_row decodes them), untouched under the f32 one.
+    CkptLinear mix[3 * E], m32[3 * E], m16[3 * E];
+    for (int i = 0; i < 3 * E; i++) {
+        const int rows = i % 3 == 2 ? HID : INTER, cols = i % 3 == 2 ? INTER : HID;
+        mix[i] = weight_of(i / 3 == 1 ? CKPT_LINEAR_FP8 : CKPT_LINEAR_NVFP4, rows, cols);
+    }
+    memcpy(m32, mix, sizeof mix);
+    memcpy(m16, mix, sizeof mix);
+    CHECK(!backend_moe_tuned(mix, E, K));
+    CHECK(be->bind_experts(be, m32, E) == ERR_OK && memcmp(m32, mix, sizeof mix) == 0);
+    be->precision = BACKEND_PRECISION_BF16;
+    CHECK(be->bind_experts(be, m16, E) == ERR_OK);
+    be->precision = BACKEND_PRECISION_F32;
+    CHECK(backend_moe_tuned(m16, E, K));
+    int wrong = 0;
+    float row[HID];
+    for (int i = 0; i < 3 * E; i++)
+        for (int r = 0; r < mix[i].rows; r++) {
+            ckpt_linear_row(&mix[i], r, row);
+            for (int c = 0; c < mix[i].cols; c++)
+                wrong += ((const uint16_t *) m16[i].data)[r * mix[i].cols + c]
+                         != nvfp4_float_to_bf16(row[c]);
+        }
+    CHECK(wrong == 0);
+    // All NVFP4: read in place under either recipe.
+    CkptLinear all4[3 * E];
+    for (int i = 0; i < 3 * E; i++)
+        all4[i] = mix[i / 3 == 1 ? i - 3 : i];
+    CkptLinear a16[3 * E];
+    memcpy(a16, all4, sizeof all4);
+    be->precision = BACKEND_PRECISION_BF16;
+    CHECK(be->bind_experts(be, a16, E) == ERR_OK && memcmp(a16, all4, sizeof all4) == 0);
+    be->precision = BACKEND_PRECISION_F32;
+    for (int i = 0; i < 3 * E; i++) {
+        free(store[i]);
+        free_weight(&mix[i]);
     }
     free(x), free(xr);
 }
@@ -418,6 +563,8 @@ int main(void)
     CHECK(be->precision == BACKEND_PRECISION_F32);  // the CPU's default: the reference
     test_matmul(be);
     test_moe(be);
+    test_bind_formats(be);
+    test_moe_bf16(be);
     test_mla(be);
     test_mla_tc(be);
     test_mla_predicate();
