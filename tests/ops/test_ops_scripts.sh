@@ -44,6 +44,9 @@ bad 'kv_cache_dtype = fp4\n' 'bad.conf:1: kv_cache_dtype: "fp4" is not one of'
 bad 'precision = fp16\n' 'bad.conf:1: precision: "fp16" is not one of default, f32, bf16'
 bad 'max_model_len = 1\nmax_model_len = 2\n' 'bad.conf:2: max_model_len is set twice'
 bad 'gpu_memory_utilization = 85%\n' 'gpu_memory_utilization: "85%" is not a number'
+# What the CUDA backend does not take (backends.h backend_kind_check), named before loading.
+bad 'backend = cuda\nprecision = f32\n' 'the CUDA backend runs the bf16 precision recipe'
+bad 'backend = cuda\nkv_cache_dtype = f32\n' "the CUDA backend's KV cache is bf16 or fp8"
 st=0
 "$bin/glmspark-engine" --recipe "$tmp/missing.conf" >/dev/null 2>&1 || st=$?
 [ "$st" = 2 ] || fail "a missing --recipe: exit $st, want 2"

@@ -146,9 +146,31 @@ static CkptLinear nvfp4(int rows, int cols)
                         .name = "expert"};
 }
 
+// The recipe's rounding in moe() on experts ex [3 E] (HID 64, INTER 32, top-2 of 4, 3
+// tokens): x enters as bf16(x) (bit for bit) and was not one already, and silu(gate) * up is
+// rounded too (the f32 recipe on bf16(x) differs from the bf16 one).
+static void check_moe_rounds(Backend *be, const CkptLinear *ex)
+{
+    enum { E = 4, K = 2, HID = 64, N = 3 };
+    const int idx[N * K] = {0, 2, 1, 3, 0, 3};
+    const float wts[N * K] = {0.6f, 0.4f, 0.7f, 0.3f, 0.5f, 0.5f};
+    float *x = rand_vec((size_t) N * HID), *xr = rounded(x, (size_t) N * HID);
+    float o32[N * HID], o16[N * HID], or16[N * HID], or32[N * HID];
+    be->moe(be, o32, x, N, idx, wts, K, ex, E);
+    be->moe(be, or32, xr, N, idx, wts, K, ex, E);
+    be->precision = BACKEND_PRECISION_BF16;
+    be->moe(be, o16, x, N, idx, wts, K, ex, E);
+    be->moe(be, or16, xr, N, idx, wts, K, ex, E);
+    be->precision = BACKEND_PRECISION_F32;
+    CHECK(memcmp(o16, or16, sizeof o16) == 0);
+    CHECK(memcmp(o16, o32, sizeof o16) != 0);
+    CHECK(memcmp(or16, or32, sizeof or16) != 0);
+    free(x), free(xr);
+}
+
 static void test_moe(Backend *be)
 {
-    enum { E = 4, K = 2, HID = 64, INTER = 32, N = 3 };
+    enum { E = 4, K = 2, HID = 64, INTER = 32 };
     CkptLinear ex[3 * E];
     for (int e = 0; e < E; e++) {
         ex[3 * e] = nvfp4(INTER, HID);
@@ -156,26 +178,11 @@ static void test_moe(Backend *be)
         ex[3 * e + 2] = nvfp4(HID, INTER);
     }
     CHECK(backend_moe_tuned(ex, E, K) && !backend_moe_tuned(ex, E, 17));
-    const int idx[N * K] = {0, 2, 1, 3, 0, 3};
-    const float wts[N * K] = {0.6f, 0.4f, 0.7f, 0.3f, 0.5f, 0.5f};
-    float *x = rand_vec((size_t) N * HID), *xr = rounded(x, (size_t) N * HID);
-    float o32[N * HID], o16[N * HID], or16[N * HID];
-    be->moe(be, o32, x, N, idx, wts, K, ex, E);
-    be->precision = BACKEND_PRECISION_BF16;
-    be->moe(be, o16, x, N, idx, wts, K, ex, E);
-    be->moe(be, or16, xr, N, idx, wts, K, ex, E);
-    be->precision = BACKEND_PRECISION_F32;
-    CHECK(memcmp(o16, or16, sizeof o16) == 0);  // x entered as bf16(x)
-    CHECK(memcmp(o16, o32, sizeof o16) != 0);
-    // The activations are rounded too: the f32 recipe on bf16(x) differs from the bf16 one.
-    float or32[N * HID];
-    be->moe(be, or32, xr, N, idx, wts, K, ex, E);
-    CHECK(memcmp(or16, or32, sizeof or16) != 0);
+    check_moe_rounds(be, ex);
     for (int i = 0; i < 3 * E; i++) {
         free((void *) ex[i].data);
         free((void *) ex[i].scale);
     }
-    free(x), free(xr);
 }
 
 // Random weight of format f [rows, cols] in host memory (f16 / FP8 with 128x128 block scales /
@@ -247,7 +254,7 @@ static void test_bind_formats(Backend *be)
 // bf16 experts run the recipe as NVFP4 ones do; experts not all NVFP4 are bound in bf16.
 static void test_moe_bf16(Backend *be)
 {
-    enum { E = 4, K = 2, HID = 64, INTER = 32, N = 3 };
+    enum { E = 4, K = 2, HID = 64, INTER = 32 };
     CkptLinear ex[3 * E];
     uint16_t *store[3 * E];
     for (int i = 0; i < 3 * E; i++) {
@@ -264,19 +271,7 @@ static void test_moe_bf16(Backend *be)
                              .name = "expert"};
     }
     CHECK(backend_moe_tuned(ex, E, K) && !backend_experts_nvfp4(ex, E));
-    const int idx[N * K] = {0, 2, 1, 3, 0, 3};
-    const float wts[N * K] = {0.6f, 0.4f, 0.7f, 0.3f, 0.5f, 0.5f};
-    float *x = rand_vec((size_t) N * HID), *xr = rounded(x, (size_t) N * HID);
-    float o32[N * HID], o16[N * HID], or16[N * HID], or32[N * HID];
-    be->moe(be, o32, x, N, idx, wts, K, ex, E);
-    be->moe(be, or32, xr, N, idx, wts, K, ex, E);
-    be->precision = BACKEND_PRECISION_BF16;
-    be->moe(be, o16, x, N, idx, wts, K, ex, E);
-    be->moe(be, or16, xr, N, idx, wts, K, ex, E);
-    be->precision = BACKEND_PRECISION_F32;
-    CHECK(memcmp(o16, or16, sizeof o16) == 0);  // x entered as bf16(x)
-    CHECK(memcmp(o16, o32, sizeof o16) != 0);
-    CHECK(memcmp(or16, or32, sizeof or16) != 0);  // silu(gate) * up rounded too
+    check_moe_rounds(be, ex);
 
     // NVFP4 experts but one FP8: bound one by one, in bf16 under the recipe (values as
     // ckpt_linear_row decodes them), untouched under the f32 one.
@@ -316,7 +311,6 @@ static void test_moe_bf16(Backend *be)
         free(store[i]);
         free_weight(&mix[i]);
     }
-    free(x), free(xr);
 }
 
 // A one-layer cache at GLM-5's MLA widths (latent 512 + 64, blocks of 128) holding one

@@ -55,6 +55,12 @@ int main(void)
     CHECK(run(4, bad_drafts) == 2);
     const char *zero_drafts[] = {"bench", "--synthetic", "--mtp-drafts", "1,0"};
     CHECK(run(4, zero_drafts) == 2);
+    // The CUDA backend runs the bf16 recipe over a bf16 or fp8 cache only: refused before
+    // anything is opened (the same in a build without CUDA).
+    const char *cuda_f32[] = {"bench", "--synthetic", "--backend", "cuda", "--precision", "f32"};
+    CHECK(run(6, cuda_f32) == 2);
+    const char *cuda_f32_kv[] = {"bench", "--synthetic", "--backend", "cuda", "--kv-dtype", "f32"};
+    CHECK(run(6, cuda_f32_kv) == 2);
     // A model directory that does not exist: an error, not a crash.
     const char *missing_model[] = {"bench", "--model", "/nonexistent/glmspark-model"};
     CHECK(run(3, missing_model) == 1);
