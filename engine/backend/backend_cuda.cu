@@ -601,6 +601,18 @@ static Err bind_experts_bf16(Backend *be, CkptLinear *experts, int n_experts)
     CudaImpl *impl = (CudaImpl *) be->impl;
     const size_t E = (size_t) n_experts, hidden = (size_t) experts[0].cols,
                  inter = (size_t) experts[0].rows, nm = inter * hidden;
+    const char *name = experts[0].name ? experts[0].name : "routed experts";
+    // The bf16 kernels stage at most what the NVFP4 ones do (a tile's columns of the longer K).
+    int smem_max = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                      impl->device));
+    if (moe_experts_smem_bytes((int) hidden, (int) inter) > (size_t) smem_max) {
+        LOG_ERROR("%s: the bf16 experts' kernels need %zu bytes of shared memory per block at "
+                  "hidden %zu and intermediate %zu; this GPU allows %d",
+                  name, moe_experts_smem_bytes((int) hidden, (int) inter), hidden, inter,
+                  smem_max);
+        return ERR_INVAL;
+    }
     uint16_t *w13 = (uint16_t *) keep_alloc(impl, E * 2 * nm * 2);
     uint16_t *w2 = (uint16_t *) keep_alloc(impl, E * nm * 2);
     uint16_t *buf = (uint16_t *) malloc(nm * 2);
@@ -608,7 +620,7 @@ static Err bind_experts_bf16(Backend *be, CkptLinear *experts, int n_experts)
     if (!w13 || !w2 || !buf || !row) {
         free(buf), free(row);
         LOG_ERROR("out of memory binding the %d bf16 experts of %s (%.2f GB on the GPU)",
-                  n_experts, experts[0].name, 3.0 * E * nm * 2 / 1e9);
+                  n_experts, name, 3.0 * E * nm * 2 / 1e9);
         return ERR_NOMEM;
     }
     for (size_t e = 0; e < E; e++) {
@@ -644,12 +656,13 @@ static Err bind_experts_bf16(Backend *be, CkptLinear *experts, int n_experts)
 static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
+    const char *name = experts[0].name ? experts[0].name : "routed experts";
     // A model loaded after another may reuse a freed experts array's address: forget what
     // was kept for that address (the device memory stays until destroy, as every weight's).
     for (int i = 0; i < impl->n_stacks; i++)
         if (impl->stacks[i].experts == experts) impl->stacks[i--] = impl->stacks[--impl->n_stacks];
     if (impl->n_stacks == MAX_EXPERT_STACKS) {
-        LOG_ERROR("%s: more than %d MoE layers on one CUDA backend", experts[0].name,
+        LOG_ERROR("%s: more than %d MoE layers on one CUDA backend", name,
                   MAX_EXPERT_STACKS);
         return ERR_INVAL;
     }
@@ -660,8 +673,8 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
         const bool down = i % 3 == 2;
         if ((size_t) w->rows != (down ? hidden : inter)
             || (size_t) w->cols != (down ? inter : hidden)) {
-            LOG_ERROR("%s: expert shape [%d, %d] differs from the layer's", w->name, w->rows,
-                      w->cols);
+            LOG_ERROR("%s: expert shape [%d, %d] differs from the layer's",
+                      w->name ? w->name : name, w->rows, w->cols);
             return ERR_INVAL;
         }
     }
@@ -673,7 +686,7 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     if (smem > (size_t) smem_max) {
         LOG_ERROR("%s: the routed experts' kernels need %zu bytes of shared memory per block at "
                   "hidden %zu and intermediate %zu; this GPU allows %d",
-                  experts[0].name, smem, hidden, inter, smem_max);
+                  name, smem, hidden, inter, smem_max);
         return ERR_INVAL;
     }
     const size_t q13 = E * 2 * inter * hidden / 2, s13 = E * 2 * inter * hidden / NVFP4_GROUP;
@@ -692,7 +705,7 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
         free(g);
         cudaFree(tq), cudaFree(ts);
         (void) cudaGetLastError();
-        LOG_ERROR("out of GPU memory binding the %d experts of %s", n_experts, experts[0].name);
+        LOG_ERROR("out of GPU memory binding the %d experts of %s", n_experts, name);
         return ERR_NOMEM;
     }
     for (size_t e = 0; e < E; e++) {
@@ -744,9 +757,15 @@ static Err cuda_bind_kv_b(Backend *be, const CkptLinear *kv_b, const BackendMla 
     CudaImpl *impl = (CudaImpl *) be->impl;
     for (int i = 0; i < impl->n_kv_b; i++)  // as in cuda_bind_experts
         if (impl->kv_bs[i].kv_b == kv_b) impl->kv_bs[i--] = impl->kv_bs[--impl->n_kv_b];
-    if (be->precision != BACKEND_PRECISION_BF16 || !backend_mla_shape_tuned(p)
-        || impl->n_kv_b == MAX_KV_B)
-        return ERR_OK;
+    const char *name = kv_b->name ? kv_b->name : "kv_b_proj";
+    if (!backend_mla_shape_tuned(p)) {  // model.c's check_kernel_shapes refuses such a model first
+        LOG_ERROR("%s: MLA wider than kernels/mla.h takes", name);
+        return ERR_INVAL;
+    }
+    if (impl->n_kv_b == MAX_KV_B) {
+        LOG_ERROR("%s: more than %d attention layers on one CUDA backend", name, MAX_KV_B);
+        return ERR_INVAL;
+    }
     const size_t nk = backend_mla_uk_elems(p), nv = backend_mla_uv_elems(p);
     uint16_t *uk = (uint16_t *) malloc(nk * 2), *uv = (uint16_t *) malloc(nv * 2);
     Err err = uk && uv ? backend_mla_pack_kv_b(kv_b, p, uk, uv) : ERR_NOMEM;
@@ -755,7 +774,7 @@ static Err cuda_bind_kv_b(Backend *be, const CkptLinear *kv_b, const BackendMla 
     free(uk), free(uv);
     if (err) return err;
     if (!duk || !duv) {
-        LOG_ERROR("out of GPU memory repacking %s", kv_b->name ? kv_b->name : "kv_b_proj");
+        LOG_ERROR("out of GPU memory repacking %s", name);
         return ERR_NOMEM;
     }
     impl->kv_bs[impl->n_kv_b++] = (KvBPack){kv_b, (uint16_t *) duk, (uint16_t *) duv};

@@ -33,7 +33,7 @@ const char *backend_precision_name(int precision)
 }
 
 bool backend_kind_check(const char *who, bool is_cuda, int precision, bool kv_set,
-                        KvDtype *kv_dtype)
+                        KvDtype *kv_dtype, int block_size)
 {
     if (!kv_set) *kv_dtype = is_cuda ? KV_DTYPE_BF16 : KV_DTYPE_F32;
     if (!is_cuda) return true;
@@ -47,6 +47,12 @@ bool backend_kind_check(const char *who, bool is_cuda, int precision, bool kv_se
         LOG_ERROR("%s: the CUDA backend's KV cache is bf16 or fp8 (its kernels read no f32 "
                   "cache); an f32 cache is the CPU reference's (--backend cpu)",
                   who);
+        return false;
+    }
+    if (block_size != MLA_BLOCK) {
+        LOG_ERROR("%s: the CUDA backend's KV cache is in blocks of %d positions (its MLA "
+                  "kernels' pages), not %d",
+                  who, MLA_BLOCK, block_size);
         return false;
     }
     return true;

@@ -34,11 +34,12 @@ const char *backend_precision_name(int precision);
 
 // What a command or the serving engine may ask of a backend kind, checked before opening it:
 // the CUDA backend runs kernels/ only, so the bf16 recipe (precision F32 is the CPU
-// reference's) and bf16 or fp8 caches (its kernels read no f32 cache). *kv_dtype: the
-// cache type asked for, or (kv_set false) set to the kind's default (CPU f32, CUDA bf16).
-// false (the reason logged, naming `who`) for a combination the kind does not take.
+// reference's), bf16 or fp8 caches (its kernels read no f32 cache) in blocks of MLA_BLOCK
+// (128) positions (the MLA kernels' pages). *kv_dtype: the cache type asked for, or (kv_set
+// false) set to the kind's default (CPU f32, CUDA bf16); block_size: the cache's. false (the
+// reason logged, naming `who`) for a combination the kind does not take.
 bool backend_kind_check(const char *who, bool is_cuda, int precision, bool kv_set,
-                        KvDtype *kv_dtype);
+                        KvDtype *kv_dtype, int block_size);
 
 #ifdef __cplusplus
 }

@@ -188,7 +188,8 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
         fprintf(stderr, "glmspark bench: give exactly one of --model DIR and --synthetic\n");
         return bench_usage();
     }
-    if (!backend_kind_check("glmspark bench", a->cuda, a->precision, a->kv_set, &a->kv_dtype))
+    if (!backend_kind_check("glmspark bench", a->cuda, a->precision, a->kv_set, &a->kv_dtype,
+                            KV_DEFAULT_BLOCK_SIZE))
         return 2;
     return 0;
 }

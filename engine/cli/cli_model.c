@@ -282,7 +282,9 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
     }
     char who[64];
     snprintf(who, sizeof who, "glmspark %s", cmd);
-    if (!backend_kind_check(who, a->cuda, a->precision, a->kv_set, &a->kv_dtype)) return 2;
+    if (!backend_kind_check(who, a->cuda, a->precision, a->kv_set, &a->kv_dtype,
+                            KV_DEFAULT_BLOCK_SIZE))
+        return 2;
     return 0;
 }
 

@@ -132,7 +132,7 @@ struct Backend {
     BackendPrecision precision;
     // The ops run kernels/ (the CUDA backend): precision is BF16 and stays so, a KV cache is
     // bf16 or fp8 (model_forward_batch refuses an f32 one), and a model must fit kernels/'s
-    // shapes (model_load checks: backend_model_fits). false on the CPU reference.
+    // shapes (model_load checks: model.c check_kernel_shapes). false on the CPU reference.
     bool kernels;
     // The BF16 recipe's MLA on the tensor cores (kernels/mla.h mla_decode_tc; backend_mla_tc
     // below): q and each probability times its fp8 chunk scale are rounded to bf16 as well.

@@ -842,8 +842,10 @@ Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *t
     ASSERT(b->n_seqs > 0 && kv->params.n_layers >= m->last_layer - m->first_layer);
     ASSERT(m->has_embed ? tokens != NULL : act_in != NULL);
     ASSERT(m->has_head || (act_out && rows == MODEL_LOGITS_NONE));
-    if (kv->params.dtype == KV_DTYPE_F32 && m->be->kernels) {
-        LOG_ERROR("the %s backend's KV cache is bf16 or fp8; this one is f32", m->be->name);
+    if (m->be->kernels && (kv->params.dtype == KV_DTYPE_F32 || kv->params.block_size != MLA_BLOCK)) {
+        LOG_ERROR("the %s backend's KV cache is bf16 or fp8 in blocks of %d; this one is %s in "
+                  "blocks of %d",
+                  m->be->name, MLA_BLOCK, kv_dtype_name(kv->params.dtype), kv->params.block_size);
         return ERR_INVAL;
     }
     int n = 0;
@@ -1023,8 +1025,10 @@ Err model_mtp_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const in
         return ERR_INVAL;
     }
     ASSERT(kv->params.n_layers == 1);
-    if (kv->params.dtype == KV_DTYPE_F32 && m->be->kernels) {
-        LOG_ERROR("the %s backend's KV cache is bf16 or fp8; the MTP layer's is f32", m->be->name);
+    if (m->be->kernels && (kv->params.dtype == KV_DTYPE_F32 || kv->params.block_size != MLA_BLOCK)) {
+        LOG_ERROR("the %s backend's KV cache is bf16 or fp8 in blocks of %d; the MTP layer's is "
+                  "%s in blocks of %d",
+                  m->be->name, MLA_BLOCK, kv_dtype_name(kv->params.dtype), kv->params.block_size);
         return ERR_INVAL;
     }
     int n = 0;

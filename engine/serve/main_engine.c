@@ -828,7 +828,9 @@ int main(int argc, char **argv)
         if (recipe_load(&recipe, argv[2])) return 2;
         KvDtype kv = recipe.kv_cache_dtype;
         if (!backend_kind_check(argv[2], recipe.backend == RECIPE_BACKEND_CUDA, recipe.precision,
-                                recipe_is_set(&recipe, "kv_cache_dtype"), &kv))
+                                recipe_is_set(&recipe, "kv_cache_dtype"), &kv,
+                                recipe_is_set(&recipe, "block_size") ? recipe.block_size
+                                                                     : KV_DEFAULT_BLOCK_SIZE))
             return 2;
         for (int k = 0; k < recipe_n_keys(); k++) {
             char val[RECIPE_MAX_STR + 8];

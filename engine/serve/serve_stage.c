@@ -19,10 +19,10 @@ Err serve_stage_load(ServeStage *e, const Recipe *r, const char *model_dir, int 
     if (!(e->cfg = malloc(sizeof *e->cfg))) return err;
     if ((err = config_load(e->cfg, model_dir))) return err;
     KvDtype dtype = r->kv_cache_dtype;
-    if (!backend_kind_check("glmspark-engine", r->backend == RECIPE_BACKEND_CUDA, r->precision,
-                            recipe_is_set(r, "kv_cache_dtype"), &dtype))
-        return ERR_INVAL;
     const int block = recipe_is_set(r, "block_size") ? r->block_size : KV_DEFAULT_BLOCK_SIZE;
+    if (!backend_kind_check("glmspark-engine", r->backend == RECIPE_BACKEND_CUDA, r->precision,
+                            recipe_is_set(r, "kv_cache_dtype"), &dtype, block))
+        return ERR_INVAL;
     int kv_blocks = r->kv_blocks;
     if (kv_blocks <= 0) {
         int ctx = e->cfg->max_position_embeddings;

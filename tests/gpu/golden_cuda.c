@@ -26,9 +26,9 @@
  * can differ by an ulp (harmless: ~1e-7 of every value), and a value whose quotient lies
  * within that much of an E4M3 rounding midpoint gets the neighbouring code: one E4M3 step,
  * 2^-3 of its binade. After the prefill the two caches' E4M3 codes (latents and index keys)
- * are compared: when they are all equal, CUDA-fp8 against CPU-fp8 is held to TOL_FP8_VS_CPU
- * = 1e-3 relative L2 with the same argmax, and the line "fp8 cache: codes equal, checked" is
- * printed (the GPU script counts them). When codes differ, a discrete choice downstream (a
+ * are compared: when they are all equal, CUDA-fp8 is held to the recipe's bound against
+ * CPU-fp8 (check_recipe, as on the bf16 cache), and the line "fp8 cache: codes equal,
+ * checked" is printed (the GPU script counts them). When codes differ, a discrete choice downstream (a
  * DSA top-k boundary or an expert choice, whose margins the goldens guarantee against fp32
  * noise, not against a 2^-3 step) can flip and move the logits by O(1) (measured: sweep_06,
  * 0.50; long_dsa at 4K tokens, 6.4e-3), so the figures are printed, not checked. The fp8
@@ -52,7 +52,6 @@
 #include "tests/golden/golden_data.h"
 
 #define TOL_REFERENCE 2e-5
-#define TOL_FP8_VS_CPU 1e-3
 #define TOL_RECIPE_RATIO 1.25
 
 // How prefill() feeds the tokens: one call, golden_chunk_len's chunks, or one at a time (the
@@ -207,10 +206,11 @@ int main(int argc, char **argv)
         free(ids);
         printf("cuda fp8 cache vs cpu fp8 cache: %zu of %zu E4M3 codes differ (%zu of %zu bytes)\n",
                codes_differ, codes, bytes_differ, bytes_cpu);
-        Golden all = g;
-        all.logits_first = 0;
         if (codes_differ == 0) {
-            golden_compare("cuda fp8 cache vs cpu fp8 cache", gpu8, cpu8, &all, TOL_FP8_VS_CPU);
+            // The same cache, so the recipe's bound as on the bf16 cache: CUDA-fp8 from
+            // float64 within 1.25x the CPU-fp8's (a query-side rounding may still flip a
+            // DSA key or an expert on one backend, as with any cache).
+            check_recipe("cuda bf16 recipe, fp8 cache", gpu8, cpu8, want, &g);
             printf("fp8 cache: codes equal, checked\n");
         } else {
             double worst = 0.0;

@@ -47,6 +47,7 @@ bad 'gpu_memory_utilization = 85%\n' 'gpu_memory_utilization: "85%" is not a num
 # What the CUDA backend does not take (backends.h backend_kind_check), named before loading.
 bad 'backend = cuda\nprecision = f32\n' 'the CUDA backend runs the bf16 precision recipe'
 bad 'backend = cuda\nkv_cache_dtype = f32\n' "the CUDA backend's KV cache is bf16 or fp8"
+bad 'backend = cuda\nblock_size = 16\n' "the CUDA backend's KV cache is in blocks of 128 positions"
 st=0
 "$bin/glmspark-engine" --recipe "$tmp/missing.conf" >/dev/null 2>&1 || st=$?
 [ "$st" = 2 ] || fail "a missing --recipe: exit $st, want 2"
