@@ -554,6 +554,15 @@ static const PadLin *pad_lin(const CudaImpl *impl, const CkptLinear *w)
     return NULL;
 }
 
+// w's values in bf16 on the host: its own data when stored in bf16, else decoded and rounded
+// into buf (backend_round_linear; row: float [w->cols] of scratch).
+static const void *bf16_values(const Backend *be, const CkptLinear *w, uint16_t *buf, float *row)
+{
+    if (!backend_bind_rounds(be, w)) return w->data;
+    backend_round_linear(w, buf, row);
+    return buf;
+}
+
 // Every weight is stored in bf16 (backend_bind_rounds: the BF16 recipe, the only one this
 // backend runs, rounds every other format when bound, as the CPU backend following it does),
 // with a padded copy where its columns are not in 8s (bind_padded).
@@ -564,7 +573,6 @@ static Err cuda_bind_linear(Backend *be, CkptLinear *w)
     const size_t n = (size_t) w->rows * (size_t) w->cols;
     uint16_t *rounded = NULL;
     float *row = NULL;
-    const void *host = w->data;
     if (backend_bind_rounds(be, w)) {
         rounded = (uint16_t *) malloc(n * 2);
         row = (float *) malloc((size_t) w->cols * sizeof(float));
@@ -572,10 +580,9 @@ static Err cuda_bind_linear(Backend *be, CkptLinear *w)
             free(rounded), free(row);
             return ERR_NOMEM;
         }
-        backend_round_linear(w, rounded, row);
-        free(row);
-        host = rounded;
     }
+    const void *host = bf16_values(be, w, rounded, row);
+    free(row);
     void *data = keep_copy(impl, host, n * 2);
     Err err = ERR_NOMEM;
     if (data) {
@@ -602,17 +609,6 @@ static Err bind_experts_bf16(Backend *be, CkptLinear *experts, int n_experts)
     const size_t E = (size_t) n_experts, hidden = (size_t) experts[0].cols,
                  inter = (size_t) experts[0].rows, nm = inter * hidden;
     const char *name = experts[0].name ? experts[0].name : "routed experts";
-    // The bf16 kernels stage at most what the NVFP4 ones do (a tile's columns of the longer K).
-    int smem_max = 0;
-    CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                      impl->device));
-    if (moe_experts_smem_bytes((int) hidden, (int) inter) > (size_t) smem_max) {
-        LOG_ERROR("%s: the bf16 experts' kernels need %zu bytes of shared memory per block at "
-                  "hidden %zu and intermediate %zu; this GPU allows %d",
-                  name, moe_experts_smem_bytes((int) hidden, (int) inter), hidden, inter,
-                  smem_max);
-        return ERR_INVAL;
-    }
     uint16_t *w13 = (uint16_t *) keep_alloc(impl, E * 2 * nm * 2);
     uint16_t *w2 = (uint16_t *) keep_alloc(impl, E * nm * 2);
     uint16_t *buf = (uint16_t *) malloc(nm * 2);
@@ -627,12 +623,8 @@ static Err bind_experts_bf16(Backend *be, CkptLinear *experts, int n_experts)
         CkptLinear *w = &experts[3 * e];
         uint16_t *dst[3] = {w13 + e * 2 * nm, w13 + e * 2 * nm + nm, w2 + e * nm};
         for (int k = 0; k < 3; k++) {
-            const void *host = w[k].data;
-            if (w[k].format != CKPT_LINEAR_BF16) {
-                backend_round_linear(&w[k], buf, row);
-                host = buf;
-            }
-            CUDA_CHECK(cudaMemcpy(dst[k], host, nm * 2, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(dst[k], bf16_values(be, &w[k], buf, row), nm * 2,
+                                  cudaMemcpyHostToDevice));
             w[k].data = dst[k];
             w[k].format = CKPT_LINEAR_BF16;
             w[k].scale = NULL;
@@ -678,7 +670,8 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
             return ERR_INVAL;
         }
     }
-    if (!backend_experts_nvfp4(experts, n_experts)) return bind_experts_bf16(be, experts, n_experts);
+    // Both formats' kernels stage a tile's columns of the longer K (the bf16 ones at most
+    // what the NVFP4 ones do).
     int smem_max = 0;
     CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                       impl->device));
@@ -689,6 +682,7 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
                   name, smem, hidden, inter, smem_max);
         return ERR_INVAL;
     }
+    if (!backend_experts_nvfp4(experts, n_experts)) return bind_experts_bf16(be, experts, n_experts);
     const size_t q13 = E * 2 * inter * hidden / 2, s13 = E * 2 * inter * hidden / NVFP4_GROUP;
     const size_t q2 = E * hidden * inter / 2, s2 = E * hidden * inter / NVFP4_GROUP;
     uint8_t *dq13 = (uint8_t *) keep_alloc(impl, q13), *ds13 = (uint8_t *) keep_alloc(impl, s13);

@@ -835,6 +835,19 @@ size_t model_act_bytes(const Model *m, int n)
            + (1 + (size_t) n * (1 + topk)) * sizeof(int32_t);
 }
 
+// A backend whose ops run kernels/ reads bf16 or fp8 caches in blocks of MLA_BLOCK only
+// (backends.h backend_kind_check refuses others before a command or the engine loads; this
+// is the forward pass's own check). whose: the cache, for the message.
+static Err check_kv_for_kernels(const Model *m, const KvCache *kv, const char *whose)
+{
+    if (!m->be->kernels || (kv->params.dtype != KV_DTYPE_F32 && kv->params.block_size == MLA_BLOCK))
+        return ERR_OK;
+    LOG_ERROR("the %s backend's KV cache is bf16 or fp8 in blocks of %d; %s is %s in blocks of %d",
+              m->be->name, MLA_BLOCK, whose, kv_dtype_name(kv->params.dtype),
+              kv->params.block_size);
+    return ERR_INVAL;
+}
+
 Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *tokens,
                         const void *act_in, void *act_out, float *logits, ModelLogitRows rows)
 {
@@ -842,12 +855,7 @@ Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *t
     ASSERT(b->n_seqs > 0 && kv->params.n_layers >= m->last_layer - m->first_layer);
     ASSERT(m->has_embed ? tokens != NULL : act_in != NULL);
     ASSERT(m->has_head || (act_out && rows == MODEL_LOGITS_NONE));
-    if (m->be->kernels && (kv->params.dtype == KV_DTYPE_F32 || kv->params.block_size != MLA_BLOCK)) {
-        LOG_ERROR("the %s backend's KV cache is bf16 or fp8 in blocks of %d; this one is %s in "
-                  "blocks of %d",
-                  m->be->name, MLA_BLOCK, kv_dtype_name(kv->params.dtype), kv->params.block_size);
-        return ERR_INVAL;
-    }
+    if (check_kv_for_kernels(m, kv, "this one")) return ERR_INVAL;
     int n = 0;
     for (int i = 0; i < b->n_seqs; i++) {
         ASSERT(b->n_new[i] > 0);
@@ -1025,12 +1033,7 @@ Err model_mtp_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const in
         return ERR_INVAL;
     }
     ASSERT(kv->params.n_layers == 1);
-    if (m->be->kernels && (kv->params.dtype == KV_DTYPE_F32 || kv->params.block_size != MLA_BLOCK)) {
-        LOG_ERROR("the %s backend's KV cache is bf16 or fp8 in blocks of %d; the MTP layer's is "
-                  "%s in blocks of %d",
-                  m->be->name, MLA_BLOCK, kv_dtype_name(kv->params.dtype), kv->params.block_size);
-        return ERR_INVAL;
-    }
+    if (check_kv_for_kernels(m, kv, "the MTP layer's")) return ERR_INVAL;
     int n = 0;
     for (int i = 0; i < b->n_seqs; i++) {
         ASSERT(b->n_new[i] > 0);
