@@ -17,6 +17,7 @@
 
 #include <cublasLt.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
@@ -152,22 +153,22 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
 
 enum { SK_IN_FLIGHT = 4 };
 
+// Rows r0 .. r0 + R of matrix m, by one block: the split-K kernel's work, which the grouped
+// kernel (below) runs on its segments' rows.
 template <int R, int NT, typename OutT, typename XT>
-static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
-    gemm_bf16_gemv_sk_kernel(OutT *__restrict__ y, const uint16_t *__restrict__ w,
-                             const XT *__restrict__ x, const float *residual, int rows, int cols,
-                             int n_mat, int n_tok)
+static __device__ __forceinline__ void gemv_sk_rows(OutT *__restrict__ y,
+                                                    const uint16_t *__restrict__ w,
+                                                    const XT *__restrict__ x,
+                                                    const float *residual, int rows, int cols,
+                                                    int n_mat, int n_tok, int m, int r0)
 {
     __shared__ float red[GEMV_WARPS][R * NT];
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int blocks_per_mat = CEIL_DIV(rows, R);
-    const int m = blockIdx.x / blocks_per_mat, r0 = (blockIdx.x % blocks_per_mat) * R;
     const int n_chunks = cols / 8, step = GEMV_WARPS * WARP_SIZE;
     const uint16_t *w_rows[R];
 #pragma unroll
     for (int i = 0; i < R; i++)
         w_rows[i] = w + ((size_t) m * rows + min(r0 + i, rows - 1)) * cols;  // clamped: not stored
-
     float acc[R][NT];
 #pragma unroll
     for (int i = 0; i < R; i++)
@@ -226,6 +227,38 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
             store_out<OutT>(y + o, residual ? v + residual[o] : v);
         }
     }
+}
+
+template <int R, int NT, typename OutT, typename XT>
+static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
+    gemm_bf16_gemv_sk_kernel(OutT *__restrict__ y, const uint16_t *__restrict__ w,
+                             const XT *__restrict__ x, const float *residual, int rows, int cols,
+                             int n_mat, int n_tok)
+{
+    const int blocks_per_mat = CEIL_DIV(rows, R);
+    gemv_sk_rows<R, NT, OutT, XT>(y, w, x, residual, rows, cols, n_mat, n_tok,
+                                  blockIdx.x / blocks_per_mat, (blockIdx.x % blocks_per_mat) * R);
+}
+
+// The grouped GEMV: segment s's blocks are first[s] .. first[s + 1], each on R of its rows
+// (gemm.h gemm_bf16_gemv_group).
+typedef struct GemvGroup {
+    const uint16_t *w[GEMM_MAX_GROUP];
+    float *y[GEMM_MAX_GROUP];
+    int rows[GEMM_MAX_GROUP];
+    int first[GEMM_MAX_GROUP + 1];
+    int n;
+} GemvGroup;
+
+template <int R, int NT, typename XT>
+static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
+    gemm_bf16_gemv_group_kernel(const __grid_constant__ GemvGroup g, const XT *__restrict__ x,
+                                int cols, int n_tok)
+{
+    int s = 0;
+    while (s + 1 < g.n && (int) blockIdx.x >= g.first[s + 1]) s++;
+    gemv_sk_rows<R, NT, float, XT>(g.y[s], g.w[s], x, NULL, g.rows[s], cols, 1, n_tok, 0,
+                                   ((int) blockIdx.x - g.first[s]) * R);
 }
 
 // ---------------------------------------------------------------------------
@@ -376,7 +409,7 @@ static void gemv_any(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
     const long total = (long) rows * n_mat;
     if (total >= 4L * 32 * 132 && rows % 4 == 0)
         launch_gemv_r<4, false>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
-    else if (total > 4096)
+    else if (total > GEMM_SK_MAX_ROWS)
         launch_gemv_r<1, false>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
     else if (total >= 4L * 2 * 132)
         launch_gemv_r<4, true>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
@@ -402,6 +435,59 @@ static void gemv_tc_any(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
         gemm_bf16_gemv_tc_kernel<uint16_t, XT>
             <<<grid, block, 0, stream>>>((uint16_t *) y, w, x, residual, rows, cols, n_mat, n_tok);
     CUDA_CHECK(cudaGetLastError());
+}
+
+// The grouped kernel at R rows a block for NT tokens.
+template <int R, int NT>
+static void launch_group(const GemvGroup &g, const float *x, int cols, int n_tok,
+                         cudaStream_t stream)
+{
+    gemm_bf16_gemv_group_kernel<R, NT, float>
+        <<<(unsigned) g.first[g.n], GEMV_WARPS * WARP_SIZE, 0, stream>>>(g, x, cols, n_tok);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+template <int R>
+static void group_r(GemvGroup &g, const GemmSeg *segs, const float *x, int cols, int n_tok,
+                    cudaStream_t stream)
+{
+    g.first[0] = 0;
+    for (int i = 0; i < g.n; i++) g.first[i + 1] = g.first[i] + CEIL_DIV(segs[i].rows, R);
+    if (n_tok <= 1)
+        launch_group<R, 1>(g, x, cols, n_tok, stream);
+    else if (n_tok <= 2)
+        launch_group<R, 2>(g, x, cols, n_tok, stream);
+    else if (n_tok <= 4)
+        launch_group<R, 4>(g, x, cols, n_tok, stream);
+    else if (n_tok <= 8)
+        launch_group<R, 8>(g, x, cols, n_tok, stream);
+    else
+        launch_group<R, 16>(g, x, cols, n_tok, stream);
+}
+
+void gemm_bf16_gemv_group(const GemmSeg *segs, int n_segs, const float *x, int cols, int n_tok,
+                          cudaStream_t stream)
+{
+    ASSERT(segs && n_segs >= 1 && n_segs <= GEMM_MAX_GROUP);
+    GemvGroup g;
+    memset(&g, 0, sizeof g);
+    g.n = n_segs;
+    long total = 0;
+    for (int i = 0; i < n_segs; i++) {
+        check_gemv(GEMM_OUT_F32, segs[i].w, x, NULL, segs[i].rows, cols, 1, n_tok);
+        ASSERT(segs[i].rows <= GEMM_SK_MAX_ROWS && segs[i].y);
+        g.w[i] = segs[i].w;
+        g.y[i] = segs[i].y;
+        g.rows[i] = segs[i].rows;
+        total += segs[i].rows;
+    }
+    // Rows a block as gemv_any's split-K branches pick them, from all the segments' rows.
+    if (total >= 4L * 2 * 132)
+        group_r<4>(g, segs, x, cols, n_tok, stream);
+    else if (total >= 2L * 2 * 132)
+        group_r<2>(g, segs, x, cols, n_tok, stream);
+    else
+        group_r<1>(g, segs, x, cols, n_tok, stream);
 }
 
 void gemm_bf16_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,

@@ -38,6 +38,9 @@ extern "C" {
 #endif
 
 #define GEMM_MAX_TOK 16  // decode GEMVs take at most this many tokens per launch
+// gemm_bf16_gemv runs a matrix of at most this many rows (n_mat * rows) on its split-K kernel.
+#define GEMM_SK_MAX_ROWS 4096
+#define GEMM_MAX_GROUP 4  // segments of one gemm_bf16_gemv_group launch
 
 typedef enum GemmOut { GEMM_OUT_F32 = 0, GEMM_OUT_BF16 = 1 } GemmOut;
 
@@ -67,6 +70,23 @@ void gemm_bf16_gemv_f32x(void *y, GemmOut y_type, const uint16_t *w, const float
 void gemm_bf16_gemv_tc_f32x(void *y, GemmOut y_type, const uint16_t *w, const float *x,
                             const float *residual, int rows, int cols, int n_mat, int n_tok,
                             cudaStream_t stream);
+
+// One matrix of a grouped GEMV: y fp32 [n_tok, rows] = w bf16 [rows, cols] x.
+typedef struct GemmSeg {
+    const uint16_t *w;
+    float *y;
+    int rows;
+} GemmSeg;
+
+// The products of n_segs (1 .. GEMM_MAX_GROUP) matrices of at most GEMM_SK_MAX_ROWS rows each
+// and the same columns with one input x fp32 [n_tok, cols] (rounded to bf16 as it is read), in
+// one launch: each y bit for bit gemm_bf16_gemv_f32x's on its matrix alone (the split-K
+// kernel, whose sums do not depend on the rows a block takes), without a launch and a tail per
+// matrix: the projections a decode step makes from one normalized input (q_a, kv_a and the
+// indexer's wk and weights_proj; the router and the shared expert's gate and up). Same
+// preconditions as gemm_bf16_gemv for each matrix.
+void gemm_bf16_gemv_group(const GemmSeg *segs, int n_segs, const float *x, int cols, int n_tok,
+                          cudaStream_t stream);
 
 typedef struct GemmLt {
     void *handle;     // cublasLtHandle_t

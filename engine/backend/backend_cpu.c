@@ -295,6 +295,16 @@ static void cpu_matmul_add(Backend *be, float *y, const CkptLinear *w, const flo
     matmul_op(be, y, w, x, n, true);
 }
 
+// The products one after the other: a row's sums do not depend on the other products.
+static void cpu_matmul_group(Backend *be, const BackendProduct *p, int n_p, const float *x, int n)
+{
+    ASSERT(n_p >= 1 && n_p <= BACKEND_MAX_GROUP);
+    for (int i = 0; i < n_p; i++) {
+        ASSERT(p[i].w->cols == p[0].w->cols);
+        matmul_op(be, p[i].y, p[i].w, x, n, false);
+    }
+}
+
 static void cpu_embed(Backend *be, float *y, const CkptLinear *table, const int *ids, int n)
 {
     CpuImpl *impl = be->impl;
@@ -894,6 +904,7 @@ Err backend_cpu_create(int n_threads, Backend **out)
     be->bind_kv_b = cpu_bind_kv_b;
     be->matmul = cpu_matmul_op;
     be->matmul_rows = cpu_matmul_rows;
+    be->matmul_group = cpu_matmul_group;
     be->matmul_add = cpu_matmul_add;
     be->embed = cpu_embed;
     be->rmsnorm = cpu_rmsnorm;

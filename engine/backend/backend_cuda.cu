@@ -207,6 +207,10 @@ typedef struct CudaImpl {
     double download_s;
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
     bool moe_wide;  // prefill chunks may take the wide expert tiles (GLMSPARK_MOE_WIDE=0: no)
+    // The fused launches (matmul_group's grouped GEMV, kv_write's norm and RoPE): on unless
+    // GLMSPARK_CUDA_FUSE=0, which runs the same kernels one op at a time (an A/B knob for
+    // measuring what the fusions save; the numbers are the same either way).
+    bool fuse;
     size_t dsa_score_bytes;  // a DSA top-k pass's scores (DSA_SCORE_BYTES; tests lower it)
     int moe_chunk;  // GLMSPARK_MOE_CHUNK: tokens per expert launch of a prefill (0: the most
                     // the tiles take, MOE_MAX_WIDE_PAIRS or MOE_MAX_CHUNK_PAIRS / top_k)
@@ -910,6 +914,47 @@ static void cuda_matmul_add(Backend *be, float *y, const CkptLinear *w, const fl
     matmul_any(be, y, w, x, n, true);
 }
 
+// Whether matmul_any would run w alone for n tokens on the GEMV's split-K kernel with x as
+// it is (matmul_tuned: bf16 columns in 8s, no padded copy, x 16-byte aligned, at most
+// GEMM_SK_MAX_ROWS rows, CUDA cores): the products gemm_bf16_gemv_group takes.
+static bool group_member(const Backend *be, const CkptLinear *w, const float *x, int n)
+{
+    const CudaImpl *impl = (const CudaImpl *) be->impl;
+    const bool tc = (long) (w->rows + 7) / 8 >= 2L * impl->n_sm;  // matmul_tuned's choice
+    return linear_tuned(be, w) && w->cols % 8 == 0 && (uintptr_t) x % 16 == 0
+           && w->rows <= GEMM_SK_MAX_ROWS && n <= GEMM_MAX_TOK && (n < 2 || !tc);
+}
+
+// The products the split-K kernel would run alone, in one gemm_bf16_gemv_group launch (bit
+// for bit their matmul's numbers: gemm.h); the others (and all of them with
+// GLMSPARK_CUDA_FUSE=0) through matmul_any.
+static void cuda_matmul_group(Backend *be, const BackendProduct *p, int n_p, const float *x, int n)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    ASSERT(n_p >= 1 && n_p <= BACKEND_MAX_GROUP && n >= 0);
+    if (n == 0) return;
+    GemmSeg segs[BACKEND_MAX_GROUP];
+    int n_segs = 0;
+    double bytes = 0.0;
+    bool in_group[BACKEND_MAX_GROUP] = {false};
+    for (int i = 0; i < n_p; i++) {
+        ASSERT(p[i].w->cols == p[0].w->cols);
+        if (impl->fuse && group_member(be, p[i].w, x, n)) {
+            in_group[i] = true;
+            segs[n_segs++] = (GemmSeg){(const uint16_t *) p[i].w->data, p[i].y, p[i].w->rows};
+            bytes += lin_bytes(p[i].w);
+        }
+    }
+    if (n_segs < 2) n_segs = 0;  // one alone: matmul_any's launch is the same
+    if (n_segs) {
+        prof_begin(impl);
+        gemm_bf16_gemv_group(segs, n_segs, x, p[0].w->cols, n, impl->stream);
+        prof_end(impl, PROF_MATMUL, bytes);
+    }
+    for (int i = 0; i < n_p; i++)
+        if (!n_segs || !in_group[i]) matmul_any(be, p[i].y, p[i].w, x, n, false);
+}
+
 static void cuda_embed(Backend *be, float *y, const CkptLinear *table, const int *ids, int n)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
@@ -1548,6 +1593,7 @@ Err backend_cuda_create(int device, Backend **out)
     }
     impl->profile = backend_env_flag("GLMSPARK_CUDA_PROFILE", false);
     impl->moe_wide = backend_env_flag("GLMSPARK_MOE_WIDE", true);
+    impl->fuse = backend_env_flag("GLMSPARK_CUDA_FUSE", true);
     impl->dsa_score_bytes = DSA_SCORE_BYTES;
     const char *chunk = getenv("GLMSPARK_MOE_CHUNK");
     if (chunk && *chunk) {  // an experiment's knob: tokens per expert launch of a prefill
@@ -1587,6 +1633,7 @@ Err backend_cuda_create(int device, Backend **out)
     be->dsa_tc = backend_dsa_tc_env();
     be->matmul = cuda_matmul;
     be->matmul_rows = cuda_matmul_rows;
+    be->matmul_group = cuda_matmul_group;
     be->matmul_add = cuda_matmul_add;
     be->embed = cuda_embed;
     be->rmsnorm = cuda_rmsnorm;

@@ -117,6 +117,14 @@ typedef struct BackendSeqs {
     int n;              // tokens
 } BackendSeqs;
 
+// One product of matmul_group: y [n, w->rows] = w x.
+typedef struct BackendProduct {
+    float *y;
+    const CkptLinear *w;
+} BackendProduct;
+
+#define BACKEND_MAX_GROUP 4  // products of one matmul_group call
+
 typedef enum BackendPrecision {
     BACKEND_PRECISION_F32 = 0,
     BACKEND_PRECISION_BF16 = 1,
@@ -178,6 +186,14 @@ struct Backend {
 
     // y[t, r] = sum_c W[r, c] x[t, c] for t < n. y: [n, w->rows], x: [n, w->cols].
     void (*matmul)(Backend *be, float *y, const CkptLinear *w, const float *x, int n);
+
+    // matmul for each of the n_p (1 .. BACKEND_MAX_GROUP) products p over one input x [n,
+    // cols] (every p[i].w has cols columns): each p[i].y bit for bit what matmul(p[i].y,
+    // p[i].w, x, n) writes. The projections a layer makes from one normalized input (q_a,
+    // kv_a and the indexer's wk and weights_proj; the router and the shared expert's gate and
+    // up): the CUDA backend runs those its GEMV would run alone on the split-K kernel in one
+    // launch (kernels/gemm.h gemm_bf16_gemv_group), the others as matmul does.
+    void (*matmul_group)(Backend *be, const BackendProduct *p, int n_p, const float *x, int n);
 
     // matmul with every row's numbers exactly those of a one-row matmul of that row (bit for
     // bit, whatever n): the lm_head over a batch's last rows, so that logits do not depend on

@@ -748,15 +748,22 @@ static void attention_block(Model *m, KvCache *kv, const BackendSeqs *s, int l, 
     const int kv_width = c->kv_lora_rank + c->qk_rope_head_dim;
 
     be->rmsnorm(be, w->h, w->x, L->input_norm, n, hidden, hidden, c->rms_norm_eps);
+    // Every projection of the normalized input at once (one launch where the GEMV allows).
+    BackendProduct in[BACKEND_MAX_GROUP] = {
+        c->q_lora_rank > 0 ? (BackendProduct){w->qa, &L->q_a} : (BackendProduct){w->q, &L->q_proj},
+        {w->kva, &L->kv_a},
+    };
+    int n_in = 2;
+    if (L->has_indexer) {
+        in[n_in++] = (BackendProduct){w->ik, &L->idx_wk};
+        in[n_in++] = (BackendProduct){w->iw, &L->idx_weights};
+    }
+    be->matmul_group(be, in, n_in, w->h, n);
     if (c->q_lora_rank > 0) {
-        be->matmul(be, w->qa, &L->q_a, w->h, n);
         be->rmsnorm(be, w->qa, w->qa, L->q_a_norm, n, c->q_lora_rank, c->q_lora_rank,
                     c->attn_norm_eps);
         be->matmul(be, w->q, &L->q_b, w->qa, n);
-    } else {
-        be->matmul(be, w->q, &L->q_proj, w->h, n);
     }
-    be->matmul(be, w->kva, &L->kv_a, w->h, n);
     be->rmsnorm(be, w->kva, w->kva, L->kv_a_norm, n, c->kv_lora_rank, kv_width, c->attn_norm_eps);
     be->rope(be, w->kva, n, 1, kv_width, 0, c->kv_lora_rank, c->qk_rope_head_dim, w->pos,
              c->rope_theta);
@@ -772,10 +779,8 @@ static void attention_block(Model *m, KvCache *kv, const BackendSeqs *s, int l, 
         const BackendDsa dsa = {Hi, Di, c->index_topk};
         be->matmul(be, w->iq, &L->idx_wq_b, w->qa, n);
         be->rope(be, w->iq, n, Hi, Hi * Di, Di, 0, c->qk_rope_head_dim, w->pos, c->rope_theta);
-        be->matmul(be, w->ik, &L->idx_wk, w->h, n);
         be->layernorm(be, w->ik, w->ik, L->idx_k_norm, L->idx_k_bias, n, Di, 1e-6f);
         be->rope(be, w->ik, n, 1, Di, 0, 0, c->qk_rope_head_dim, w->pos, c->rope_theta);
-        be->matmul(be, w->iw, &L->idx_weights, w->h, n);
         be->kv_write(be, kv, s, kl, kv_width, w->ik, Di);
         be->dsa_topk(be, w->sel, w->n_sel, w->iq, w->iw, kv, s, kl, &dsa);
         *has_sel = true;
@@ -799,8 +804,8 @@ static void mlp_block(Model *m, int l, int n)
 
     be->rmsnorm(be, w->h, w->x, L->post_norm, n, hidden, hidden, c->rms_norm_eps);
     if (!L->is_moe) {
-        be->matmul(be, w->g, &L->gate, w->h, n);
-        be->matmul(be, w->u, &L->up, w->h, n);
+        const BackendProduct gu[] = {{w->g, &L->gate}, {w->u, &L->up}};
+        be->matmul_group(be, gu, 2, w->h, n);
         be->silu_mul(be, w->g, w->g, w->u, n * c->intermediate_size);
         be->matmul_add(be, w->x, &L->down, w->g, n);
         return;
@@ -813,14 +818,14 @@ static void mlp_block(Model *m, int l, int n)
         .norm_topk_prob = c->norm_topk_prob,
         .routed_scaling_factor = c->routed_scaling_factor,
     };
-    be->matmul(be, w->rl, &L->router, w->h, n);
+    // The router's and the shared expert's products of the normalized input at once.
+    const BackendProduct in[] = {{w->rl, &L->router}, {w->g, &L->sh_gate}, {w->u, &L->sh_up}};
+    be->matmul_group(be, in, c->n_shared_experts > 0 ? 3 : 1, w->h, n);
     be->route(be, w->ridx, w->rw, w->rl, L->router_bias, n, &route);
     be->moe(be, w->tmp2, w->h, n, w->ridx, w->rw, c->n_experts_per_tok, L->experts,
             c->n_routed_experts);
     if (c->n_shared_experts > 0) {
         const int S = c->moe_intermediate_size * c->n_shared_experts;
-        be->matmul(be, w->g, &L->sh_gate, w->h, n);
-        be->matmul(be, w->u, &L->sh_up, w->h, n);
         be->silu_mul(be, w->g, w->g, w->u, n * S);
         be->matmul_add(be, w->tmp2, &L->sh_down, w->g, n);
     }

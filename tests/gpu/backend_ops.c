@@ -784,6 +784,54 @@ static void test_matmul_add(void)
     free_linear(&w);
 }
 
+// matmul_group: four products of one input as a layer's q_a, kv_a and the indexer's wk and
+// weights_proj, at small widths and odd rows; each output bit for bit the GPU's own matmul of
+// its weight (the grouped GEMV runs the split-K kernel's sums) and within 1e-3 of the CPU's,
+// at 1, 3 and 16 tokens (one launch) and 40 (cuBLASLt: one product at a time).
+static void test_matmul_group(void)
+{
+    const int cols = 264, rows[4] = {200, 72, 37, 1};
+    CkptLinear w[4], wg[4];
+    for (int i = 0; i < 4; i++) {
+        w[i] = make_linear(CKPT_LINEAR_BF16, rows[i], cols);
+        wg[i] = w[i];
+        CHECK(gpu->bind_linear(gpu, &wg[i]) == ERR_OK);
+    }
+    const int ns[4] = {1, 3, 16, 40};
+    for (int k = 0; k < 4; k++) {
+        const int n = ns[k];
+        float *x = rand_floats((size_t) n * cols, 1.0f);
+        float *dx = dev(x, (size_t) n * cols * sizeof *x);
+        BackendProduct pc[4], pg[4];
+        float *alone[4];
+        for (int i = 0; i < 4; i++) {
+            const size_t ny = (size_t) n * rows[i];
+            pc[i] = (BackendProduct){malloc(ny * sizeof(float)), &w[i]};
+            pg[i] = (BackendProduct){gpu->alloc(gpu, ny * sizeof(float)), &wg[i]};
+            alone[i] = gpu->alloc(gpu, ny * sizeof(float));
+            ASSERT(pc[i].y && pg[i].y && alone[i]);
+            gpu->matmul(gpu, alone[i], &wg[i], dx, n);
+        }
+        cpu->matmul_group(cpu, pc, 4, x, n);
+        gpu->matmul_group(gpu, pg, 4, dx, n);
+        for (int i = 0; i < 4; i++) {
+            const size_t ny = (size_t) n * rows[i];
+            char what[64];
+            snprintf(what, sizeof what, "matmul_group %d rows n=%d", rows[i], n);
+            expect_close(what, pg[i].y, pc[i].y, ny, 1e-3);  // as matmul
+            float *got = down(pg[i].y, ny * sizeof(float)), *want = down(alone[i], ny * sizeof(float));
+            const bool same = memcmp(got, want, ny * sizeof(float)) == 0;
+            if (!same) fprintf(stderr, "%s: not bit for bit the weight's own matmul\n", what);
+            CHECK(same);
+            free(got), free(want), free(pc[i].y);
+            gpu->free_mem(gpu, pg[i].y), gpu->free_mem(gpu, alone[i]);
+        }
+        free(x);
+        gpu->free_mem(gpu, dx);
+    }
+    for (int i = 0; i < 4; i++) free_linear(&w[i]);
+}
+
 int main(void)
 {
     ASSERT(backend_cpu_create(2, &cpu) == ERR_OK);
@@ -795,6 +843,7 @@ int main(void)
     CHECK(gpu->precision == BACKEND_PRECISION_BF16 && gpu->kernels);
     test_matmul();
     test_matmul_add();
+    test_matmul_group();
     test_elementwise();
     test_route_moe();
     // DSA through kernels/dsa.cu (fp32 scores the CPU reproduces bit for bit, so the
