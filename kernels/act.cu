@@ -16,8 +16,7 @@ static __global__ void act_silu_mul_kernel(float *y, const float *gate, const fl
 {
     for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
          i += (size_t) gridDim.x * blockDim.x) {
-        const double g = gate[i];
-        y[i] = (float) (g / (1.0 + exp(-g)) * up[i]);
+        y[i] = silu_mul_value(gate[i], up[i]);
     }
 }
 

@@ -32,6 +32,15 @@ static __device__ __forceinline__ float warp_max(float v)
     return v;
 }
 
+// SiLU(g) * u = g / (1 + e^-g) * u in double, one rounding to fp32: SwiGLU's value wherever
+// an fp32 activation takes it (kernels/act.h act_silu_mul, the grouped GEMV's pairs; the CPU
+// backend's cpu_silu_mul).
+static __device__ __forceinline__ float silu_mul_value(float g, float u)
+{
+    const double gd = g;
+    return (float) (gd / (1.0 + exp(-gd)) * (double) u);
+}
+
 // bf16 bits -> fp32, exact.
 static __device__ __forceinline__ float bf16_bits_to_f32(uint16_t b)
 {

@@ -154,21 +154,28 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
 enum { SK_IN_FLIGHT = 4 };
 
 // Rows r0 .. r0 + R of matrix m, by one block: the split-K kernel's work, which the grouped
-// kernel (below) runs on its segments' rows.
-template <int R, int NT, typename OutT, typename XT>
+// kernel (below) runs on its segments' rows. GLU (the grouped kernel's SwiGLU pairs): rows
+// r0 .. r0 + R / 2 of w (gate) and of w_up (up), each summed exactly as alone, and y[r] =
+// SiLU(gate_r x) (up_r x) (act_silu_mul's value) for those rows.
+template <int R, int NT, typename OutT, typename XT, bool GLU = false>
 static __device__ __forceinline__ void gemv_sk_rows(OutT *__restrict__ y,
                                                     const uint16_t *__restrict__ w,
                                                     const XT *__restrict__ x,
                                                     const float *residual, int rows, int cols,
-                                                    int n_mat, int n_tok, int m, int r0)
+                                                    int n_mat, int n_tok, int m, int r0,
+                                                    const uint16_t *__restrict__ w_up = NULL)
 {
+    static_assert(!GLU || R % 2 == 0, "a SwiGLU block takes rows in pairs");
+    constexpr int RG = GLU ? R / 2 : R;  // output rows of the block
     __shared__ float red[GEMV_WARPS][R * NT];
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int n_chunks = cols / 8, step = GEMV_WARPS * WARP_SIZE;
     const uint16_t *w_rows[R];
 #pragma unroll
-    for (int i = 0; i < R; i++)
-        w_rows[i] = w + ((size_t) m * rows + min(r0 + i, rows - 1)) * cols;  // clamped: not stored
+    for (int i = 0; i < R; i++) {
+        const int r = min(r0 + i % RG, rows - 1);  // clamped: not stored
+        w_rows[i] = (GLU && i >= RG ? w_up : w) + ((size_t) m * rows + r) * cols;
+    }
     float acc[R][NT];
 #pragma unroll
     for (int i = 0; i < R; i++)
@@ -216,7 +223,7 @@ static __device__ __forceinline__ void gemv_sk_rows(OutT *__restrict__ y,
             if (lane == 0) red[warp][i * NT + t] = v;
         }
     __syncthreads();
-    if (threadIdx.x < R * NT) {
+    if (threadIdx.x < RG * NT) {
         const int i = threadIdx.x / NT, t = threadIdx.x % NT, r = r0 + i;
         if (t < n_tok && r < rows) {
             float v = 0.0f;
@@ -224,7 +231,15 @@ static __device__ __forceinline__ void gemv_sk_rows(OutT *__restrict__ y,
             for (int k = 0; k < GEMV_WARPS; k++)
                 v += red[k][threadIdx.x];
             const size_t o = ((size_t) t * n_mat + m) * rows + r;
-            store_out<OutT>(y + o, residual ? v + residual[o] : v);
+            if constexpr (GLU) {
+                float u = 0.0f;
+#pragma unroll
+                for (int k = 0; k < GEMV_WARPS; k++)
+                    u += red[k][threadIdx.x + RG * NT];
+                store_out<OutT>(y + o, silu_mul_value(v, u));
+            } else {
+                store_out<OutT>(y + o, residual ? v + residual[o] : v);
+            }
         }
     }
 }
@@ -240,10 +255,12 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
                                   blockIdx.x / blocks_per_mat, (blockIdx.x % blocks_per_mat) * R);
 }
 
-// The grouped GEMV: segment s's blocks are first[s] .. first[s + 1], each on R of its rows
-// (gemm.h gemm_bf16_gemv_group).
+// The grouped GEMV: segment s's blocks are first[s] .. first[s + 1], each on R of its rows,
+// or (a SwiGLU pair, w_up[s] set) on RP rows of w[s] and the same rows of w_up[s] (gemm.h
+// gemm_bf16_gemv_group).
 typedef struct GemvGroup {
     const uint16_t *w[GEMM_MAX_GROUP];
+    const uint16_t *w_up[GEMM_MAX_GROUP];
     float *y[GEMM_MAX_GROUP];
     int rows[GEMM_MAX_GROUP];
     int first[GEMM_MAX_GROUP + 1];
@@ -255,10 +272,16 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
     gemm_bf16_gemv_group_kernel(const __grid_constant__ GemvGroup g, const XT *__restrict__ x,
                                 int cols, int n_tok)
 {
+    constexpr int RP = R > 1 ? R / 2 : 1;  // a pair's rows of each matrix a block
     int s = 0;
     while (s + 1 < g.n && (int) blockIdx.x >= g.first[s + 1]) s++;
-    gemv_sk_rows<R, NT, float, XT>(g.y[s], g.w[s], x, NULL, g.rows[s], cols, 1, n_tok, 0,
-                                   ((int) blockIdx.x - g.first[s]) * R);
+    const int b = (int) blockIdx.x - g.first[s];
+    if (g.w_up[s])
+        gemv_sk_rows<2 * RP, NT, float, XT, true>(g.y[s], g.w[s], x, NULL, g.rows[s], cols, 1,
+                                                  n_tok, 0, b * RP, g.w_up[s]);
+    else
+        gemv_sk_rows<R, NT, float, XT>(g.y[s], g.w[s], x, NULL, g.rows[s], cols, 1, n_tok, 0,
+                                       b * R);
 }
 
 // ---------------------------------------------------------------------------
@@ -451,8 +474,10 @@ template <int R>
 static void group_r(GemvGroup &g, const GemmSeg *segs, const float *x, int cols, int n_tok,
                     cudaStream_t stream)
 {
+    constexpr int RP = R > 1 ? R / 2 : 1;  // as the kernel takes a SwiGLU pair's rows
     g.first[0] = 0;
-    for (int i = 0; i < g.n; i++) g.first[i + 1] = g.first[i] + CEIL_DIV(segs[i].rows, R);
+    for (int i = 0; i < g.n; i++)
+        g.first[i + 1] = g.first[i] + CEIL_DIV(segs[i].rows, segs[i].w_up ? RP : R);
     if (n_tok <= 1)
         launch_group<R, 1>(g, x, cols, n_tok, stream);
     else if (n_tok <= 2)
@@ -476,10 +501,12 @@ void gemm_bf16_gemv_group(const GemmSeg *segs, int n_segs, const float *x, int c
     for (int i = 0; i < n_segs; i++) {
         check_gemv(GEMM_OUT_F32, segs[i].w, x, NULL, segs[i].rows, cols, 1, n_tok);
         ASSERT(segs[i].rows <= GEMM_SK_MAX_ROWS && segs[i].y);
+        ASSERT(!segs[i].w_up || (uintptr_t) segs[i].w_up % 16 == 0);
         g.w[i] = segs[i].w;
+        g.w_up[i] = segs[i].w_up;
         g.y[i] = segs[i].y;
         g.rows[i] = segs[i].rows;
-        total += segs[i].rows;
+        total += segs[i].w_up ? 2L * segs[i].rows : segs[i].rows;
     }
     // Rows a block as gemv_any's split-K branches pick them, from all the segments' rows.
     if (total >= 4L * 2 * 132)

@@ -71,20 +71,24 @@ void gemm_bf16_gemv_tc_f32x(void *y, GemmOut y_type, const uint16_t *w, const fl
                             const float *residual, int rows, int cols, int n_mat, int n_tok,
                             cudaStream_t stream);
 
-// One matrix of a grouped GEMV: y fp32 [n_tok, rows] = w bf16 [rows, cols] x.
+// One matrix of a grouped GEMV: y fp32 [n_tok, rows] = w bf16 [rows, cols] x; or, with w_up
+// (bf16 [rows, cols], a SwiGLU's up beside its gate w), y = SiLU(w x) (w_up x), each product
+// summed as alone and the value act_silu_mul's (kernels/common.cuh silu_mul_value).
 typedef struct GemmSeg {
     const uint16_t *w;
+    const uint16_t *w_up;  // NULL: a plain product
     float *y;
     int rows;
 } GemmSeg;
 
 // The products of n_segs (1 .. GEMM_MAX_GROUP) matrices of at most GEMM_SK_MAX_ROWS rows each
 // and the same columns with one input x fp32 [n_tok, cols] (rounded to bf16 as it is read), in
-// one launch: each y bit for bit gemm_bf16_gemv_f32x's on its matrix alone (the split-K
-// kernel, whose sums do not depend on the rows a block takes), without a launch and a tail per
-// matrix: the projections a decode step makes from one normalized input (q_a, kv_a and the
-// indexer's wk and weights_proj; the router and the shared expert's gate and up). Same
-// preconditions as gemm_bf16_gemv for each matrix.
+// one launch: each product bit for bit gemm_bf16_gemv_f32x's on its matrix alone (the split-K
+// kernel, whose sums do not depend on the rows a block takes), a SwiGLU pair's y bit for bit
+// act_silu_mul on the two, without a launch and a tail per matrix: the projections a decode
+// step makes from one normalized input (q_a, kv_a and the indexer's wk and weights_proj; the
+// router and the shared expert's gate and up). Same preconditions as gemm_bf16_gemv for each
+// matrix.
 void gemm_bf16_gemv_group(const GemmSeg *segs, int n_segs, const float *x, int cols, int n_tok,
                           cudaStream_t stream);
 

@@ -3,10 +3,21 @@
  */
 #include "kernels/kv.h"
 
+#include <string.h>
+
 #include "engine/shared/cuda_check.h"
 #include "engine/shared/err.h"
+#include "kernels/norm_dev.cuh"
+#include "kernels/rope_format.h"
 
-enum { KV_THREADS = 256 };
+enum { KV_THREADS = NORM_THREADS };  // a transformed write normalizes as norm.cu's blocks do
+
+// The transform of a kv_write, with RoPE's frequencies from the host (rope_format.h).
+typedef struct KvInDev {
+    KvIn in;
+    RopeFreqs f;
+    bool vec;  // norm.cu would read src's rows in 16-byte pieces (norm_vec_rows)
+} KvInDev;
 
 static __device__ __forceinline__ size_t kv_block(const int32_t *tables, int stride,
                                                   const int32_t *seq_of, const KvEntryLayout &lo,
@@ -30,20 +41,62 @@ static __device__ void kv_fp8_group_store_warp(unsigned char *codes, unsigned ch
     if (lane == 0) memcpy(scale_at, &scale, sizeof scale);
 }
 
+// src's row of token t transformed by in into row (shared memory, KV_IN_MAX floats): the
+// norm (all threads: the statistic synchronizes the block), then RoPE, a thread per pair.
+static __device__ void kv_transform(float *row, const float *st, int width, const KvInDev &d, int p)
+{
+    __shared__ double red[NORM_THREADS / WARP_SIZE];
+    const KvIn &in = d.in;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) row[i] = st[i];
+    __syncthreads();
+    if (in.norm_dim > 0) {
+        // The statistic over src's row as norm.cu reads it (16-byte pieces when it would).
+        if (in.norm_b) {
+            double mean;
+            const double inv = norm_layer_inv(st, in.norm_dim, d.vec, in.eps, red, &mean);
+            for (int i = threadIdx.x; i < in.norm_dim; i += blockDim.x)
+                row[i] = (float) norm_layer_value(st[i], mean, inv, in.norm_w[i], in.norm_b[i]);
+        } else {
+            const double inv = norm_rms_inv(st, in.norm_dim, d.vec, in.eps, red);
+            for (int i = threadIdx.x; i < in.norm_dim; i += blockDim.x)
+                row[i] = (float) norm_rms_value(st[i], inv, in.norm_w[i]);
+        }
+        __syncthreads();
+    }
+    const int half = in.rope_dim / 2;
+    float a = 0.0f, b = 0.0f, cs = 0.0f, sn = 0.0f;
+    if ((int) threadIdx.x < half) {
+        rope_cos_sin(p, d.f.inv[threadIdx.x], &cs, &sn);
+        a = row[in.rope_off + 2 * threadIdx.x];
+        b = row[in.rope_off + 2 * threadIdx.x + 1];
+    }
+    __syncthreads();  // every pair read before any is written (the output is de-interleaved)
+    if ((int) threadIdx.x < half)
+        rope_rotate(a, b, cs, sn, &row[in.rope_off + threadIdx.x],
+                    &row[in.rope_off + half + threadIdx.x]);
+    __syncthreads();
+}
+
 static __global__ void __launch_bounds__(KV_THREADS)
     kv_write_kernel(KvPages pg, const int32_t *__restrict__ tables, int stride,
                     const int32_t *__restrict__ seq_of, const int32_t *__restrict__ pos,
-                    int offset, const float *__restrict__ src, int width)
+                    int offset, const float *__restrict__ src, int width, bool has_in,
+                    const __grid_constant__ KvInDev in)
 {
+    __shared__ __align__(16) float row[KV_IN_MAX];
     const KvEntryLayout &lo = pg.lo;
-    const int t = blockIdx.x, p = pos[t], row = p % lo.block_size;
+    const int t = blockIdx.x, p = pos[t], row_at = p % lo.block_size;
     const size_t b = kv_block(tables, stride, seq_of, lo, t, p);
-    unsigned char *e = pg.mla + (b * (size_t) lo.block_size + (size_t) row) * (size_t) lo.bytes;
+    unsigned char *e = pg.mla + (b * (size_t) lo.block_size + (size_t) row_at) * (size_t) lo.bytes;
     unsigned char *page = pg.keys ? pg.keys + b * (size_t) lo.key_page : NULL;
     const float *st = src + (size_t) t * width;
+    if (has_in) {
+        kv_transform(row, st, width, in, p);
+        st = row;
+    }
     if (lo.dtype != KV_DTYPE_FP8) {
         for (int i = threadIdx.x; i < width; i += blockDim.x)
-            kv_store_part(&lo, e, page, row, offset, st, width, i);
+            kv_store_part(&lo, e, page, row_at, offset, st, width, i);
         return;
     }
     // The parts of kv_store_part's fp8 branch, in its order: latent groups, k_pe, index key.
@@ -60,8 +113,8 @@ static __global__ void __launch_bounds__(KV_THREADS)
             for (int i = (offset > pe0 ? offset : pe0) + lane; i < end && i < idx0; i += 32)
                 kv_bf16_store(e + lo.pe + 2 * (i - pe0), st[i - offset]);
         } else if (end > idx0) {
-            kv_fp8_group_store_warp(page + (size_t) row * lo.key_bytes,
-                                    page + lo.key_scales + 4 * row, st + idx0 - offset,
+            kv_fp8_group_store_warp(page + (size_t) row_at * lo.key_bytes,
+                                    page + lo.key_scales + 4 * row_at, st + idx0 - offset,
                                     lo.index_dim, lane);
         }
     }
@@ -69,12 +122,30 @@ static __global__ void __launch_bounds__(KV_THREADS)
 
 void kv_write(const KvPages *pg, const int32_t *tables, int stride, const int32_t *seq_of,
               const int32_t *pos, int offset, const float *src, int width, int n_tok,
-              cudaStream_t stream)
+              const KvIn *in, cudaStream_t stream)
 {
     ASSERT(pg && pg->mla && kv_write_ok(&pg->lo, offset, width) && stride >= 1 && n_tok >= 0);
     ASSERT(pg->keys || offset + width <= pg->lo.kv_lora + pg->lo.rope_dim);
     if (n_tok == 0 || width == 0) return;
+    KvInDev d;
+    memset(&d, 0, sizeof d);
+    if (in) {
+        ASSERT(width <= KV_IN_MAX && in->norm_dim >= 0 && in->norm_dim <= width);
+        ASSERT(in->norm_dim == 0 || (in->norm_w && in->eps >= 0.0f));
+        ASSERT(!in->norm_b || in->norm_dim == width);
+        ASSERT(in->rope_dim >= 0 && in->rope_dim % 2 == 0 && in->rope_dim / 2 <= ROPE_MAX_PAIRS
+               && in->rope_dim / 2 <= KV_THREADS && in->rope_off >= 0
+               && in->rope_off + in->rope_dim <= width);
+        d.in = *in;
+        if (in->rope_dim > 0) {
+            ASSERT(in->theta > 0.0f);
+            rope_freqs(&d.f, in->rope_dim, in->theta);
+        }
+        // norm.cu's choice for these rows: the rmsnorm op reads them width apart, layernorm
+        // (the whole write) norm_dim apart, which is then width.
+        d.vec = norm_vec_rows(src, in->norm_dim, width);
+    }
     kv_write_kernel<<<(unsigned) n_tok, KV_THREADS, 0, stream>>>(*pg, tables, stride, seq_of, pos,
-                                                                offset, src, width);
+                                                                offset, src, width, in != NULL, d);
     CUDA_CHECK(cudaGetLastError());
 }

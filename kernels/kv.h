@@ -31,14 +31,18 @@ typedef struct KvPages {
     KvEntryLayout lo;
 } KvPages;
 
+enum { KV_IN_MAX = 1024 };  // the widest write kv_write transforms (in != NULL)
+
 // Values offset .. offset + width of the entries of n_tok tokens from src fp32 [n_tok, width]
-// (kv_write_ok(&pg->lo, offset, width) holds): a block per token; f32 and bf16 a thread per
-// value, fp8 a warp per scaled part (a latent group, k_pe, the index key) with the amax split
-// over its lanes (a maximum does not depend on the order of comparisons: the same scale and
-// codes as kv_fp8_group_store).
+// (kv_write_ok(&pg->lo, offset, width) holds), transformed by in first (kv_format.h KvIn; its
+// norm exactly as kernels/norm.h's kernels compute it, kernels/norm_dev.cuh, on src's rows as
+// the write reads them; its RoPE as kernels/rope.h's): a block per token; f32
+// and bf16 a thread per value, fp8 a warp per scaled part (a latent group, k_pe, the index key)
+// with the amax split over its lanes (a maximum does not depend on the order of comparisons:
+// the same scale and codes as kv_fp8_group_store). src is not written.
 void kv_write(const KvPages *pg, const int32_t *tables, int stride, const int32_t *seq_of,
               const int32_t *pos, int offset, const float *src, int width, int n_tok,
-              cudaStream_t stream);
+              const KvIn *in, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

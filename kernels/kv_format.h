@@ -52,6 +52,21 @@ typedef struct KvEntryLayout {
     int key_page;     // a key page; 0 without an indexer key
 } KvEntryLayout;
 
+// What a cache write does to a token's values before storing them, in this order (NULL: they
+// are stored as given): values 0 .. norm_dim of the write normalized, RMSNorm with norm_w
+// (norm_b NULL) or LayerNorm with norm_w and norm_b (then norm_dim is the write's width), in
+// double as the backends' norms compute them; then values rope_off .. rope_off + rope_dim
+// rotated at the token's position (interleaved pairs written de-interleaved, rope_format.h's
+// arithmetic). A layer's latent (kv_a_layernorm, then RoPE on k_pe) and its index key
+// (LayerNorm, then RoPE) are stored so: kernels/kv.h in the launch that stores them.
+typedef struct KvIn {
+    const float *norm_w, *norm_b;  // fp32 [norm_dim], the backend's memory
+    int norm_dim;                  // 0: no norm
+    float eps;
+    int rope_off, rope_dim;  // rope_dim 0: no RoPE
+    float theta;
+} KvIn;
+
 // Loads of a bf16 and an fp32 value of an entry. Entries, their fp32 parts and their scales
 // are 4-byte aligned in the pool and bf16 values 2-byte aligned, so a device reads them with
 // one load; the host keeps memcpy (the pool's bytes have no declared type).

@@ -14,26 +14,10 @@
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
-
-enum { NORM_THREADS = 256 };
+#include "kernels/norm_dev.cuh"
 
 // ---------------------------------------------------------------------------
 // Norm kernels
-
-static __device__ double block_sum(double v, double *red)
-{
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    __syncthreads();  // red may still be read from a previous call
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    double s = 0.0;
-#pragma unroll
-    for (int i = 0; i < NORM_THREADS / WARP_SIZE; i++) s += red[i];
-    return s;
-}
 
 static __device__ __forceinline__ void store_norm(float *p, double v)
 {
@@ -43,25 +27,6 @@ static __device__ __forceinline__ void store_norm(float *p, double v)
 static __device__ __forceinline__ void store_norm(uint16_t *p, double v)
 {
     *p = f32_to_bf16_bits((float) v);
-}
-
-// Sum of f(x[i]) over the row; vec: d % 4 == 0 and x 16-byte aligned.
-template <typename F>
-static __device__ __forceinline__ double row_sum(const float *xr, int d, bool vec, F f)
-{
-    double s = 0.0;
-    if (vec) {
-#pragma unroll 8
-        for (int i = threadIdx.x; i < d / 4; i += NORM_THREADS) {
-            const float4 v = ((const float4 *) xr)[i];
-            s += f(v.x) + f(v.y) + f(v.z) + f(v.w);
-        }
-    } else {
-#pragma unroll 8
-        for (int i = threadIdx.x; i < d; i += NORM_THREADS)
-            s += f(xr[i]);
-    }
-    return s;
 }
 
 // A row of at most NORM_REG_MAX values in 16-byte pieces (d % 4 == 0, x 16-byte aligned):
@@ -104,15 +69,15 @@ static __global__ void norm_rms_reg_kernel(OutT *out, const float *x, const floa
 #pragma unroll
     for (int j = 0; j < NORM_REG; j++)
         if (threadIdx.x + j * NORM_THREADS < d / 4)
-            ss += (double) xv[j].x * xv[j].x + (double) xv[j].y * xv[j].y
-                  + (double) xv[j].z * xv[j].z + (double) xv[j].w * xv[j].w;
-    const double inv = 1.0 / sqrt(block_sum(ss, red) / d + eps);
+            ss = norm_add4(ss, xv[j], norm_sq);
+    const double inv = 1.0 / sqrt(norm_block_sum(ss, red) / d + eps);
 #pragma unroll
     for (int j = 0; j < NORM_REG; j++) {
         const int i = threadIdx.x + j * NORM_THREADS;
         if (i < d / 4)
-            store_norm4(o + 4 * i, wv[j].x * (xv[j].x * inv), wv[j].y * (xv[j].y * inv),
-                        wv[j].z * (xv[j].z * inv), wv[j].w * (xv[j].w * inv));
+            store_norm4(o + 4 * i, norm_rms_value(xv[j].x, inv, wv[j].x),
+                        norm_rms_value(xv[j].y, inv, wv[j].y), norm_rms_value(xv[j].z, inv, wv[j].z),
+                        norm_rms_value(xv[j].w, inv, wv[j].w));
     }
 }
 
@@ -125,10 +90,9 @@ static __global__ void norm_rms_kernel(OutT *out, const float *x, const float *_
     __shared__ double red[NORM_THREADS / WARP_SIZE];
     const float *xr = x + (size_t) blockIdx.x * x_stride;
     OutT *o = out + (size_t) blockIdx.x * out_stride;
-    const double ss = row_sum(xr, d, vec, [](float v) { return (double) v * v; });
-    const double inv = 1.0 / sqrt(block_sum(ss, red) / d + eps);
+    const double inv = norm_rms_inv(xr, d, vec, eps, red);
     for (int i = threadIdx.x; i < d; i += NORM_THREADS)
-        store_norm(o + i, w[i] * (xr[i] * inv));
+        store_norm(o + i, norm_rms_value(xr[i], inv, w[i]));
 }
 
 template <typename OutT>
@@ -139,35 +103,28 @@ static __global__ void norm_layer_kernel(OutT *out, const float *x, const float 
     __shared__ double red[NORM_THREADS / WARP_SIZE];
     const float *xr = x + (size_t) blockIdx.x * x_stride;
     OutT *o = out + (size_t) blockIdx.x * out_stride;
-    const double mean = block_sum(row_sum(xr, d, vec, [](float v) { return (double) v; }), red) / d;
-    const double var =
-        row_sum(xr, d, vec, [mean](float v) { return ((double) v - mean) * ((double) v - mean); });
-    const double inv = 1.0 / sqrt(block_sum(var, red) / d + eps);
+    double mean;
+    const double inv = norm_layer_inv(xr, d, vec, eps, red, &mean);
     for (int i = threadIdx.x; i < d; i += NORM_THREADS)
-        store_norm(o + i, (xr[i] - mean) * inv * w[i] + b[i]);
+        store_norm(o + i, norm_layer_value(xr[i], mean, inv, w[i], b[i]));
 }
 
 // ---------------------------------------------------------------------------
 // Launchers
-
-static bool vec_rows(const float *x, int d, int x_stride)
-{
-    return d % 4 == 0 && x_stride % 4 == 0 && (uintptr_t) x % 16 == 0;
-}
 
 template <typename OutT>
 static void launch_rms(OutT *out, const float *x, const float *w, float eps, int n, int d,
                        int x_stride, int out_stride, cudaStream_t stream)
 {
     ASSERT(n > 0 && d > 0 && x_stride >= d && out_stride >= d && eps >= 0.0f);
-    const bool vec = vec_rows(x, d, x_stride) && out_stride % 4 == 0 && (uintptr_t) out % 16 == 0
+    const bool vec = norm_vec_rows(x, d, x_stride) && out_stride % 4 == 0 && (uintptr_t) out % 16 == 0
                      && (uintptr_t) w % 16 == 0;
     if (vec && d <= NORM_REG_MAX)
         norm_rms_reg_kernel<OutT>
             <<<n, NORM_THREADS, 0, stream>>>(out, x, w, eps, d, x_stride, out_stride);
     else
         norm_rms_kernel<OutT><<<n, NORM_THREADS, 0, stream>>>(out, x, w, eps, d, x_stride,
-                                                              out_stride, vec_rows(x, d, x_stride));
+                                                              out_stride, norm_vec_rows(x, d, x_stride));
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -177,7 +134,7 @@ static void launch_layer(OutT *out, const float *x, const float *w, const float 
 {
     ASSERT(n > 0 && d > 0 && x_stride >= d && out_stride >= d && eps >= 0.0f);
     norm_layer_kernel<OutT><<<n, NORM_THREADS, 0, stream>>>(out, x, w, b, eps, d, x_stride,
-                                                            out_stride, vec_rows(x, d, x_stride));
+                                                            out_stride, norm_vec_rows(x, d, x_stride));
     CUDA_CHECK(cudaGetLastError());
 }
 

@@ -48,6 +48,8 @@ typedef struct CpuImpl {
     size_t moe_cap;  // floats
     float *round_buf;  // matmul inputs rounded to bf16 (the BF16 recipe), owned
     size_t round_cap;  // floats
+    float *tmp_buf;    // kv_write's transformed values, matmul_group's up products, owned
+    size_t tmp_cap;    // floats
     void **bound;      // weights bind_linear stored in bf16 (backend_bind_rounds), owned
     int n_bound, bound_cap;
 } CpuImpl;
@@ -258,6 +260,18 @@ static void cpu_matmul(Backend *be, float *y, const CkptLinear *w, const float *
     matmul_run(be, y, w, x, n, false);
 }
 
+// impl->tmp_buf with room for n floats.
+static float *tmp_floats(CpuImpl *impl, size_t n)
+{
+    if (impl->tmp_cap < n) {
+        free(impl->tmp_buf);
+        impl->tmp_buf = malloc(n * sizeof(float));
+        if (!impl->tmp_buf) log_fatal(__FILE__, __LINE__, "out of memory (%zu floats)", n);
+        impl->tmp_cap = n;
+    }
+    return impl->tmp_buf;
+}
+
 // The matmul and matmul_add ops: under the BF16 recipe a tuned weight's input is rounded to
 // bf16 first.
 static void matmul_op(Backend *be, float *y, const CkptLinear *w, const float *x, int n, bool acc)
@@ -270,6 +284,7 @@ static void matmul_op(Backend *be, float *y, const CkptLinear *w, const float *x
     const size_t need = (size_t) n * (size_t) w->cols;
     if (impl->round_cap < need) {
         free(impl->round_buf);
+        free(impl->tmp_buf);
         impl->round_buf = malloc(need * sizeof(float));
         if (!impl->round_buf) log_fatal(__FILE__, __LINE__, "out of memory (%zu floats)", need);
         impl->round_cap = need;
@@ -293,16 +308,6 @@ static void cpu_matmul_rows(Backend *be, float *y, const CkptLinear *w, const fl
 static void cpu_matmul_add(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
 {
     matmul_op(be, y, w, x, n, true);
-}
-
-// The products one after the other: a row's sums do not depend on the other products.
-static void cpu_matmul_group(Backend *be, const BackendProduct *p, int n_p, const float *x, int n)
-{
-    ASSERT(n_p >= 1 && n_p <= BACKEND_MAX_GROUP);
-    for (int i = 0; i < n_p; i++) {
-        ASSERT(p[i].w->cols == p[0].w->cols);
-        matmul_op(be, p[i].y, p[i].w, x, n, false);
-    }
 }
 
 static void cpu_embed(Backend *be, float *y, const CkptLinear *table, const int *ids, int n)
@@ -386,6 +391,24 @@ static void cpu_silu_mul(Backend *be, float *y, const float *gate, const float *
     for (int i = 0; i < n_elems; i++) {
         const float g = gate[i];
         y[i] = (float) ((double) g / (1.0 + exp(-(double) g)) * up[i]);
+    }
+}
+
+// The products one after the other (a row's sums do not depend on the other products); a
+// SwiGLU pair's up product into tmp_buf, then silu_mul.
+static void cpu_matmul_group(Backend *be, const BackendProduct *p, int n_p, const float *x, int n)
+{
+    CpuImpl *impl = be->impl;
+    ASSERT(n_p >= 1 && n_p <= BACKEND_MAX_GROUP);
+    for (int i = 0; i < n_p; i++) {
+        ASSERT(p[i].w->cols == p[0].w->cols);
+        matmul_op(be, p[i].y, p[i].w, x, n, false);
+        if (!p[i].up) continue;
+        ASSERT(p[i].up->rows == p[i].w->rows && p[i].up->cols == p[i].w->cols);
+        const size_t need = (size_t) n * (size_t) p[i].w->rows;
+        float *u = tmp_floats(impl, need);
+        matmul_op(be, u, p[i].up, x, n, false);
+        cpu_silu_mul(be, p[i].y, p[i].y, u, (int) need);
     }
 }
 
@@ -717,11 +740,28 @@ static void cpu_mla_attention(Backend *be, float *out, const float *q, const Ckp
 // ---------------------------------------------------------------------------
 // KV cache writes and routed experts
 
+// With a transform: src copied, then the rmsnorm or layernorm op and the rope op on the copy,
+// then stored (the CUDA backend's one launch computes these numbers: kernels/norm_dev.cuh).
 static void cpu_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int layer, int offset,
-                         const float *src, int width)
+                         const float *src, int width, const KvIn *in)
 {
-    (void) be;
-    for (int t = 0; t < s->n; t++)
+    CpuImpl *impl = be->impl;
+    const int n = s->n;
+    if (in && n > 0) {
+        ASSERT(in->norm_dim >= 0 && in->norm_dim <= width && (!in->norm_b || in->norm_dim == width));
+        ASSERT(in->rope_dim >= 0 && in->rope_off >= 0 && in->rope_off + in->rope_dim <= width);
+        const size_t need = (size_t) n * (size_t) width;
+        float *t = tmp_floats(impl, need);
+        memcpy(t, src, need * sizeof(float));
+        src = t;
+        if (in->norm_dim > 0 && in->norm_b)
+            cpu_layernorm(be, t, t, in->norm_w, in->norm_b, n, width, in->eps);
+        else if (in->norm_dim > 0)
+            cpu_rmsnorm(be, t, t, in->norm_w, n, in->norm_dim, width, in->eps);
+        if (in->rope_dim > 0)
+            cpu_rope(be, t, n, 1, width, 0, in->rope_off, in->rope_dim, s->pos, in->theta);
+    }
+    for (int t = 0; t < n; t++)
         kv_store(kv, s->seqs[s->seq_of[t]], layer, s->pos[t], offset, src + (size_t) t * width,
                  width);
 }

@@ -82,6 +82,8 @@ enum {
     SCRATCH_X,  // bf16 inputs of the tuned kernels (x, q_nope); the experts' pair outputs
     SCRATCH_Y,  // their intermediates (expert activations, q_pe, o_lat)
     SCRATCH_Z,  // q_lat, mla_decode's split workspace
+    SCRATCH_T,  // a fused op's temporary when it runs one op at a time (kv_write's transformed
+                // values, a SwiGLU pair's up product)
     N_SCRATCH,
     MAX_POOLS = 16,
     MAX_STEPS = 64,  // graphed steps' block tables kept: (cache, sequences, stride) shapes
@@ -925,9 +927,12 @@ static bool group_member(const Backend *be, const CkptLinear *w, const float *x,
            && w->rows <= GEMM_SK_MAX_ROWS && n <= GEMM_MAX_TOK && (n < 2 || !tc);
 }
 
-// The products the split-K kernel would run alone, in one gemm_bf16_gemv_group launch (bit
-// for bit their matmul's numbers: gemm.h); the others (and all of them with
-// GLMSPARK_CUDA_FUSE=0) through matmul_any.
+static void cuda_silu_mul(Backend *be, float *y, const float *gate, const float *up, int n_elems);
+
+// The products the split-K kernel would run alone (a SwiGLU pair: both of its weights), in one
+// gemm_bf16_gemv_group launch (bit for bit their matmul's numbers, and a pair's silu_mul's:
+// gemm.h); the others (and all of them with GLMSPARK_CUDA_FUSE=0) through matmul_any, a pair's
+// up product into a temporary, then silu_mul.
 static void cuda_matmul_group(Backend *be, const BackendProduct *p, int n_p, const float *x, int n)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
@@ -938,21 +943,30 @@ static void cuda_matmul_group(Backend *be, const BackendProduct *p, int n_p, con
     double bytes = 0.0;
     bool in_group[BACKEND_MAX_GROUP] = {false};
     for (int i = 0; i < n_p; i++) {
-        ASSERT(p[i].w->cols == p[0].w->cols);
-        if (impl->fuse && group_member(be, p[i].w, x, n)) {
+        const CkptLinear *w = p[i].w, *up = p[i].up;
+        ASSERT(w->cols == p[0].w->cols && (!up || (up->rows == w->rows && up->cols == w->cols)));
+        if (impl->fuse && group_member(be, w, x, n) && (!up || group_member(be, up, x, n))) {
             in_group[i] = true;
-            segs[n_segs++] = (GemmSeg){(const uint16_t *) p[i].w->data, p[i].y, p[i].w->rows};
-            bytes += lin_bytes(p[i].w);
+            segs[n_segs++] = (GemmSeg){(const uint16_t *) w->data,
+                                       up ? (const uint16_t *) up->data : NULL, p[i].y, w->rows};
+            bytes += lin_bytes(w) + (up ? lin_bytes(up) : 0.0);
         }
     }
-    if (n_segs < 2) n_segs = 0;  // one alone: matmul_any's launch is the same
+    if (n_segs == 1 && !segs[0].w_up) n_segs = 0;  // one plain product: matmul_any's launch
     if (n_segs) {
         prof_begin(impl);
         gemm_bf16_gemv_group(segs, n_segs, x, p[0].w->cols, n, impl->stream);
         prof_end(impl, PROF_MATMUL, bytes);
     }
-    for (int i = 0; i < n_p; i++)
-        if (!n_segs || !in_group[i]) matmul_any(be, p[i].y, p[i].w, x, n, false);
+    for (int i = 0; i < n_p; i++) {
+        if (n_segs && in_group[i]) continue;
+        matmul_any(be, p[i].y, p[i].w, x, n, false);
+        if (!p[i].up) continue;
+        const int elems = n * p[i].w->rows;
+        float *u = (float *) scratch(impl, SCRATCH_T, (size_t) elems * sizeof(float));
+        matmul_any(be, u, p[i].up, x, n, false);
+        cuda_silu_mul(be, p[i].y, p[i].y, u, elems);
+    }
 }
 
 static void cuda_embed(Backend *be, float *y, const CkptLinear *table, const int *ids, int n)
@@ -1028,18 +1042,33 @@ static void cuda_route(Backend *be, int *idx, float *wts, const float *logits, c
     prof_end(impl, PROF_ROUTE, 0.0);
 }
 
+// With a transform: in the write's launch (kernels/kv.h), or (GLMSPARK_CUDA_FUSE=0) the
+// rmsnorm or layernorm op and the rope op on a copy first, then the plain write.
 static void cuda_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int layer, int offset,
-                          const float *src, int width)
+                          const float *src, int width, const KvIn *in)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     const int n = s->n;
     const KvEntryLayout *lo = &kv->entry[layer];
     ASSERT(kv_write_ok(lo, offset, width));
     if (n == 0 || width == 0) return;
+    if (in && !impl->fuse) {
+        float *t = (float *) scratch(impl, SCRATCH_T, (size_t) n * width * sizeof(float));
+        CUDA_CHECK(cudaMemcpyAsync(t, src, (size_t) n * width * sizeof(float),
+                                   cudaMemcpyDeviceToDevice, impl->stream));
+        if (in->norm_dim > 0 && in->norm_b)
+            cuda_layernorm(be, t, t, in->norm_w, in->norm_b, n, width, in->eps);
+        else if (in->norm_dim > 0)
+            cuda_rmsnorm(be, t, t, in->norm_w, n, in->norm_dim, width, in->eps);
+        if (in->rope_dim > 0)
+            cuda_rope(be, t, n, 1, width, 0, in->rope_off, in->rope_dim, s->pos, in->theta);
+        src = t;
+        in = NULL;
+    }
     const DevStep *st = dev_step(impl, kv, s->seqs, s->n_seqs);
     const KvPages pg = kv_pages(impl, kv, layer);
     prof_begin(impl);
-    kv_write(&pg, st->dev, st->stride, s->seq_of, s->pos, offset, src, width, n, impl->stream);
+    kv_write(&pg, st->dev, st->stride, s->seq_of, s->pos, offset, src, width, n, in, impl->stream);
     prof_end(impl, PROF_KV_WRITE, 0.0);
 }
 

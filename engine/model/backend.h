@@ -117,10 +117,12 @@ typedef struct BackendSeqs {
     int n;              // tokens
 } BackendSeqs;
 
-// One product of matmul_group: y [n, w->rows] = w x.
+// One product of matmul_group: y [n, w->rows] = w x; or, with up (w's shape: a SwiGLU's up
+// beside its gate w), y = silu_mul(w x, up x), the numbers of matmul, matmul and silu_mul.
 typedef struct BackendProduct {
     float *y;
     const CkptLinear *w;
+    const CkptLinear *up;  // NULL: a plain product
 } BackendProduct;
 
 #define BACKEND_MAX_GROUP 4  // products of one matmul_group call
@@ -187,12 +189,13 @@ struct Backend {
     // y[t, r] = sum_c W[r, c] x[t, c] for t < n. y: [n, w->rows], x: [n, w->cols].
     void (*matmul)(Backend *be, float *y, const CkptLinear *w, const float *x, int n);
 
-    // matmul for each of the n_p (1 .. BACKEND_MAX_GROUP) products p over one input x [n,
-    // cols] (every p[i].w has cols columns): each p[i].y bit for bit what matmul(p[i].y,
-    // p[i].w, x, n) writes. The projections a layer makes from one normalized input (q_a,
-    // kv_a and the indexer's wk and weights_proj; the router and the shared expert's gate and
-    // up): the CUDA backend runs those its GEMV would run alone on the split-K kernel in one
-    // launch (kernels/gemm.h gemm_bf16_gemv_group), the others as matmul does.
+    // The n_p (1 .. BACKEND_MAX_GROUP) products p over one input x [n, cols] (every weight
+    // has cols columns): each p[i].y bit for bit what matmul(p[i].y, p[i].w, x, n) writes, or
+    // for a SwiGLU pair matmul into y and a temporary, then silu_mul. The projections a layer
+    // makes from one normalized input (q_a, kv_a and the indexer's wk and weights_proj; the
+    // router and the shared expert's SwiGLU): the CUDA backend runs those its GEMV would run
+    // alone on the split-K kernel in one launch (kernels/gemm.h gemm_bf16_gemv_group, SwiGLU
+    // in its store), the others one op at a time.
     void (*matmul_group)(Backend *be, const BackendProduct *p, int n_p, const float *x, int n);
 
     // matmul with every row's numbers exactly those of a one-row matmul of that row (bit for
@@ -234,9 +237,12 @@ struct Backend {
 
     // Write src [s->n, width] into the cache entries of `layer` of every token of s (token t
     // at its position in its sequence), values offset .. offset+width of each entry
-    // (kv_cache.h: the entry layout; kv_write_ok holds).
+    // (kv_cache.h: the entry layout; kv_write_ok holds), transformed first by in (NULL: as
+    // given; kernels/kv_format.h KvIn: a norm, then RoPE at the token's position, the numbers
+    // of the rmsnorm or layernorm op on src's rows followed by the rope op). src is not
+    // written. The CUDA backend stores and transforms in one launch.
     void (*kv_write)(Backend *be, KvCache *kv, const BackendSeqs *s, int layer, int offset,
-                     const float *src, int width);
+                     const float *src, int width, const KvIn *in);
 
     // Routed experts: out[t] = sum_k wts[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) with
     // e = idx[t, k]; experts[3 e + 0/1/2] are expert e's gate [I, hidden], up [I, hidden]

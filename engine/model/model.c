@@ -64,7 +64,6 @@ struct ModelWork {
     int *sel;       // [n, index_topk] positions selected by the last full layer
     int *n_sel;     // [n]
     float *g;       // [n, max intermediate]
-    float *u;       // [n, max intermediate]
     float *rl;      // [n, E] router logits
     int *ridx;      // [n, K]
     float *rw;      // [n, K]
@@ -585,7 +584,6 @@ static void work_free(Backend *be, ModelWork *w)
     be->free_mem(be, w->sel);
     be->free_mem(be, w->n_sel);
     be->free_mem(be, w->g);
-    be->free_mem(be, w->u);
     be->free_mem(be, w->rl);
     be->free_mem(be, w->ridx);
     be->free_mem(be, w->rw);
@@ -677,13 +675,12 @@ static Err work_ensure(Model *m, int n)
     w->sel = be->alloc(be, N * topk * sizeof(int));
     w->n_sel = be->alloc(be, N * sizeof(int));
     w->g = be->alloc(be, N * (inter_max ? inter_max : 1) * sizeof(float));
-    w->u = be->alloc(be, N * (inter_max ? inter_max : 1) * sizeof(float));
     w->rl = be->alloc(be, N * E * sizeof(float));
     w->ridx = be->alloc(be, N * K * sizeof(int));
     w->rw = be->alloc(be, N * K * sizeof(float));
     if (!w->pos_host || !w->act_host || !w->pos || !w->seq_of || !w->len || !w->tok
         || !w->x || !w->h || !w->qa || !w->q || !w->kva || !w->attn || !w->tmp || !w->tmp2 || !w->iq
-        || !w->ik || !w->iw || !w->sel || !w->n_sel || !w->g || !w->u || !w->rl || !w->ridx
+        || !w->ik || !w->iw || !w->sel || !w->n_sel || !w->g || !w->rl || !w->ridx
         || !w->rw) {
         LOG_ERROR("could not allocate the forward workspace for %d tokens", n);
         work_free(be, w);
@@ -750,13 +747,14 @@ static void attention_block(Model *m, KvCache *kv, const BackendSeqs *s, int l, 
     be->rmsnorm(be, w->h, w->x, L->input_norm, n, hidden, hidden, c->rms_norm_eps);
     // Every projection of the normalized input at once (one launch where the GEMV allows).
     BackendProduct in[BACKEND_MAX_GROUP] = {
-        c->q_lora_rank > 0 ? (BackendProduct){w->qa, &L->q_a} : (BackendProduct){w->q, &L->q_proj},
-        {w->kva, &L->kv_a},
+        c->q_lora_rank > 0 ? (BackendProduct){w->qa, &L->q_a, NULL}
+                           : (BackendProduct){w->q, &L->q_proj, NULL},
+        {w->kva, &L->kv_a, NULL},
     };
     int n_in = 2;
     if (L->has_indexer) {
-        in[n_in++] = (BackendProduct){w->ik, &L->idx_wk};
-        in[n_in++] = (BackendProduct){w->iw, &L->idx_weights};
+        in[n_in++] = (BackendProduct){w->ik, &L->idx_wk, NULL};
+        in[n_in++] = (BackendProduct){w->iw, &L->idx_weights, NULL};
     }
     be->matmul_group(be, in, n_in, w->h, n);
     if (c->q_lora_rank > 0) {
@@ -764,24 +762,25 @@ static void attention_block(Model *m, KvCache *kv, const BackendSeqs *s, int l, 
                     c->attn_norm_eps);
         be->matmul(be, w->q, &L->q_b, w->qa, n);
     }
-    be->rmsnorm(be, w->kva, w->kva, L->kv_a_norm, n, c->kv_lora_rank, kv_width, c->attn_norm_eps);
-    be->rope(be, w->kva, n, 1, kv_width, 0, c->kv_lora_rank, c->qk_rope_head_dim, w->pos,
-             c->rope_theta);
     be->rope(be, w->q, n, H, H * qk, qk, c->qk_nope_head_dim, c->qk_rope_head_dim, w->pos,
              c->rope_theta);
     // The stage's cache holds its own layers only; the MTP layer has a cache of its own.
     const int kl = l >= c->n_layers ? l - c->n_layers : l - m->first_layer;
     const int topk = c->index_topk > 0 ? c->index_topk : 1;
-    be->kv_write(be, kv, s, kl, 0, w->kva, kv_width);
+    // The latent: kv_a_layernorm on c_kv, RoPE on k_pe, stored (one launch on a GPU).
+    const KvIn lat_in = {L->kv_a_norm, NULL, c->kv_lora_rank, c->attn_norm_eps,
+                         c->kv_lora_rank, c->qk_rope_head_dim, c->rope_theta};
+    be->kv_write(be, kv, s, kl, 0, w->kva, kv_width, &lat_in);
 
     if (L->has_indexer) {
         const int Hi = c->index_n_heads, Di = c->index_head_dim;
         const BackendDsa dsa = {Hi, Di, c->index_topk};
         be->matmul(be, w->iq, &L->idx_wq_b, w->qa, n);
         be->rope(be, w->iq, n, Hi, Hi * Di, Di, 0, c->qk_rope_head_dim, w->pos, c->rope_theta);
-        be->layernorm(be, w->ik, w->ik, L->idx_k_norm, L->idx_k_bias, n, Di, 1e-6f);
-        be->rope(be, w->ik, n, 1, Di, 0, 0, c->qk_rope_head_dim, w->pos, c->rope_theta);
-        be->kv_write(be, kv, s, kl, kv_width, w->ik, Di);
+        // The index key: LayerNorm, RoPE on its first dims, stored.
+        const KvIn key_in = {L->idx_k_norm, L->idx_k_bias, Di, 1e-6f, 0, c->qk_rope_head_dim,
+                             c->rope_theta};
+        be->kv_write(be, kv, s, kl, kv_width, w->ik, Di, &key_in);
         be->dsa_topk(be, w->sel, w->n_sel, w->iq, w->iw, kv, s, kl, &dsa);
         *has_sel = true;
     }
@@ -804,9 +803,8 @@ static void mlp_block(Model *m, int l, int n)
 
     be->rmsnorm(be, w->h, w->x, L->post_norm, n, hidden, hidden, c->rms_norm_eps);
     if (!L->is_moe) {
-        const BackendProduct gu[] = {{w->g, &L->gate}, {w->u, &L->up}};
-        be->matmul_group(be, gu, 2, w->h, n);
-        be->silu_mul(be, w->g, w->g, w->u, n * c->intermediate_size);
+        const BackendProduct glu = {w->g, &L->gate, &L->up};  // SwiGLU
+        be->matmul_group(be, &glu, 1, w->h, n);
         be->matmul_add(be, w->x, &L->down, w->g, n);
         return;
     }
@@ -818,15 +816,13 @@ static void mlp_block(Model *m, int l, int n)
         .norm_topk_prob = c->norm_topk_prob,
         .routed_scaling_factor = c->routed_scaling_factor,
     };
-    // The router's and the shared expert's products of the normalized input at once.
-    const BackendProduct in[] = {{w->rl, &L->router}, {w->g, &L->sh_gate}, {w->u, &L->sh_up}};
-    be->matmul_group(be, in, c->n_shared_experts > 0 ? 3 : 1, w->h, n);
+    // The router's product and the shared expert's SwiGLU of the normalized input at once.
+    const BackendProduct in[] = {{w->rl, &L->router, NULL}, {w->g, &L->sh_gate, &L->sh_up}};
+    be->matmul_group(be, in, c->n_shared_experts > 0 ? 2 : 1, w->h, n);
     be->route(be, w->ridx, w->rw, w->rl, L->router_bias, n, &route);
     be->moe(be, w->tmp2, w->h, n, w->ridx, w->rw, c->n_experts_per_tok, L->experts,
             c->n_routed_experts);
     if (c->n_shared_experts > 0) {
-        const int S = c->moe_intermediate_size * c->n_shared_experts;
-        be->silu_mul(be, w->g, w->g, w->u, n * S);
         be->matmul_add(be, w->tmp2, &L->sh_down, w->g, n);
     }
     be->add(be, w->x, w->tmp2, n * hidden);

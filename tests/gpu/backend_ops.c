@@ -390,6 +390,104 @@ static bool near_ties_only(const KvCache *kv, const KvSeq *seq, const float *qt,
     return ok;
 }
 
+// kv_write with its transform (kv_format.h KvIn) as model.c writes a layer: the latent
+// RMS-normalized and its k_pe rotated, the index key layer-normalized and its first dims
+// rotated, two sequences in one call, on bf16 and fp8 caches. The fused launch stores
+// exactly the bytes of the ops one at a time on the GPU (rmsnorm, layernorm and rope on a
+// copy, then the plain write: what GLMSPARK_CUDA_FUSE=0 runs), leaves src as it was, and its
+// values decode within 1e-6 of the CPU's (norms and RoPE: fp32 with double statistics).
+static void test_kv_write_in(KvDtype dtype)
+{
+    enum { TA = 45, TB = 30, T = TA + TB };
+    const int L = 144, R = 16, Di = 32;
+    const float theta = 10000.0f, eps = 1e-6f;
+    KvCacheParams p = {.n_layers = 2,
+                       .block_size = 16,
+                       .n_blocks = 6,
+                       .kv_lora = L,
+                       .rope_dim = R,
+                       .index_dim = Di,
+                       .dtype = dtype};
+    p.has_index[1] = true;
+    KvCache kc, kg, ku;
+    ASSERT(kv_init(&kc, &p) == ERR_OK && kv_init(&kg, &p) == ERR_OK && kv_init(&ku, &p) == ERR_OK);
+    KvSeq sc[2] = {{0}, {0}}, sg[2] = {{0}, {0}}, su[2] = {{0}, {0}};
+    for (int i = 0; i < 2; i++)
+        ASSERT(kv_seq_reserve(&kc, &sc[i], i ? TB : TA) == ERR_OK
+               && kv_seq_reserve(&kg, &sg[i], i ? TB : TA) == ERR_OK
+               && kv_seq_reserve(&ku, &su[i], i ? TB : TA) == ERR_OK);
+    int pos[T], seq_of[T], len[T];
+    for (int t = 0; t < T; t++) {
+        pos[t] = t < TA ? t : t - TA;
+        seq_of[t] = t >= TA;
+        len[t] = pos[t] + 1;
+    }
+    int *dpos = dev(pos, sizeof pos), *dseq_of = dev(seq_of, sizeof seq_of),
+        *dlen = dev(len, sizeof len);
+    KvSeq *cseqs[2] = {&sc[0], &sc[1]}, *gseqs[2] = {&sg[0], &sg[1]}, *useqs[2] = {&su[0], &su[1]};
+    const BackendSeqs cs = {cseqs, 2, pos, seq_of, len, T}, gs = {gseqs, 2, dpos, dseq_of, dlen, T},
+                      us = {useqs, 2, dpos, dseq_of, dlen, T};
+    float *lat = rand_floats((size_t) T * (L + R), 3.0f), *key = rand_floats((size_t) T * Di, 2.0f);
+    float *nw = rand_floats(L, 1.0f), *kw = rand_floats(Di, 1.0f), *kb = rand_floats(Di, 0.5f);
+    float *dlat = dev(lat, (size_t) T * (L + R) * sizeof(float));
+    float *dkey = dev(key, (size_t) T * Di * sizeof(float));
+    float *dnw = dev(nw, L * sizeof(float)), *dkw = dev(kw, Di * sizeof(float)),
+          *dkb = dev(kb, Di * sizeof(float));
+    const KvIn lc = {nw, NULL, L, eps, L, R, theta}, lg = {dnw, NULL, L, eps, L, R, theta};
+    const KvIn kcin = {kw, kb, Di, eps, 0, R, theta}, kgin = {dkw, dkb, Di, eps, 0, R, theta};
+    for (int layer = 0; layer < 2; layer++) {
+        cpu->kv_write(cpu, &kc, &cs, layer, 0, lat, L + R, &lc);
+        gpu->kv_write(gpu, &kg, &gs, layer, 0, dlat, L + R, &lg);
+    }
+    cpu->kv_write(cpu, &kc, &cs, 1, L + R, key, Di, &kcin);
+    gpu->kv_write(gpu, &kg, &gs, 1, L + R, dkey, Di, &kgin);
+    // The ops one at a time on copies.
+    float *tl = dev(lat, (size_t) T * (L + R) * sizeof(float)), *tk = dev(key, (size_t) T * Di * sizeof(float));
+    gpu->rmsnorm(gpu, tl, tl, dnw, T, L, L + R, eps);
+    gpu->rope(gpu, tl, T, 1, L + R, 0, L, R, dpos, theta);
+    gpu->layernorm(gpu, tk, tk, dkw, dkb, T, Di, eps);
+    gpu->rope(gpu, tk, T, 1, Di, 0, 0, R, dpos, theta);
+    for (int layer = 0; layer < 2; layer++) gpu->kv_write(gpu, &ku, &us, layer, 0, tl, L + R, NULL);
+    gpu->kv_write(gpu, &ku, &us, 1, L + R, tk, Di, NULL);
+
+    const size_t bytes = kg.block_bytes * (size_t) p.n_blocks;
+    unsigned char *got = malloc(bytes), *ops = malloc(bytes);
+    ASSERT(got && ops);
+    backend_cuda_kv_download(gpu, &kg, got);
+    backend_cuda_kv_download(gpu, &ku, ops);
+    size_t differ = 0;
+    for (size_t i = 0; i < bytes; i++) differ += got[i] != ops[i];
+    printf("kv_write+norm+rope (%s) vs ops   %zu bytes differ\n", kv_dtype_name(dtype), differ);
+    CHECK(differ == 0);
+    float *after = down(dlat, (size_t) T * (L + R) * sizeof(float));
+    CHECK(memcmp(after, lat, (size_t) T * (L + R) * sizeof(float)) == 0);  // src untouched
+    free(after);
+    // Decoded values against the CPU's: the GPU pool read through a copy of its KvCache.
+    KvCache kgv = kg;
+    kgv.pool = got;
+    const int nv = L + R + Di;
+    float *want = malloc((size_t) T * nv * sizeof(float)), *have = malloc((size_t) T * nv * sizeof(float));
+    ASSERT(want && have);
+    for (int t = 0; t < T; t++) {
+        kv_read(&kc, cseqs[seq_of[t]], 1, pos[t], want + (size_t) t * nv);
+        kv_read(&kgv, gseqs[seq_of[t]], 1, pos[t], have + (size_t) t * nv);
+    }
+    const double e = golden_rel_l2(have, want, (size_t) T * nv);
+    printf("kv_write+norm+rope (%s) vs CPU  rel L2 %.3g\n", kv_dtype_name(dtype), e);
+    CHECK(e <= 1e-6);
+    free(want), free(have), free(got), free(ops);
+    free(lat), free(key), free(nw), free(kw), free(kb);
+    gpu->free_mem(gpu, dlat), gpu->free_mem(gpu, dkey), gpu->free_mem(gpu, dnw);
+    gpu->free_mem(gpu, dkw), gpu->free_mem(gpu, dkb), gpu->free_mem(gpu, tl), gpu->free_mem(gpu, tk);
+    gpu->free_mem(gpu, dpos), gpu->free_mem(gpu, dseq_of), gpu->free_mem(gpu, dlen);
+    for (int i = 0; i < 2; i++) {
+        kv_seq_free(&kc, &sc[i]);
+        kv_seq_free(&kg, &sg[i]);
+        kv_seq_free(&ku, &su[i]);
+    }
+    kv_free(&kc), kv_free(&kg), kv_free(&ku);
+}
+
 // kv_write and dsa_topk over two sequences in one call each (45 and 30 tokens, blocks of 16:
 // the batched ops of one step), for a bf16 and an fp8 cache, index keys of Di values (20:
 // stored padded to 32, q padded to match on the GPU); the two backends use separate caches
@@ -429,11 +527,11 @@ static void test_attention(KvDtype dtype, int Di)
     float *dlat = dev(lat, (size_t) T * (L + R) * sizeof(float));
     float *dkey = dev(key, (size_t) T * Di * sizeof(float));
     for (int layer = 0; layer < 2; layer++) {
-        cpu->kv_write(cpu, &kc, &cs, layer, 0, lat, L + R);
-        gpu->kv_write(gpu, &kg, &gs, layer, 0, dlat, L + R);
+        cpu->kv_write(cpu, &kc, &cs, layer, 0, lat, L + R, NULL);
+        gpu->kv_write(gpu, &kg, &gs, layer, 0, dlat, L + R, NULL);
     }
-    cpu->kv_write(cpu, &kc, &cs, 1, L + R, key, Di);
-    gpu->kv_write(gpu, &kg, &gs, 1, L + R, dkey, Di);
+    cpu->kv_write(cpu, &kc, &cs, 1, L + R, key, Di, NULL);
+    gpu->kv_write(gpu, &kg, &gs, 1, L + R, dkey, Di, NULL);
     {
         const size_t bytes = kg.block_bytes * (size_t) p.n_blocks;
         unsigned char *got = malloc(bytes);
@@ -725,8 +823,8 @@ static void tuned_mla(const BackendMla mp)
         KvSeq *cseqs[2] = {&sc[0], &sc[1]}, *gseqs[2] = {&sg[0], &sg[1]};
         const BackendSeqs cs = {cseqs, 2, pos, seq_of, len, T},
                           gs = {gseqs, 2, dpos, dseq_of, dlen, T};
-        cpu->kv_write(cpu, &kc, &cs, 0, 0, lat, L + R);
-        gpu->kv_write(gpu, &kg, &gs, 0, 0, dlat, L + R);
+        cpu->kv_write(cpu, &kc, &cs, 0, 0, lat, L + R, NULL);
+        gpu->kv_write(gpu, &kg, &gs, 0, 0, dlat, L + R, NULL);
         // Both MLA kernels: mla_decode (fp32) and, with Backend.mla_tc, mla_decode_tc (tensor
         // cores; q and the probabilities in bf16, as the CPU then rounds them too).
         for (int tc = 0; tc < 2; tc++)
@@ -785,12 +883,14 @@ static void test_matmul_add(void)
 }
 
 // matmul_group: four products of one input as a layer's q_a, kv_a and the indexer's wk and
-// weights_proj, at small widths and odd rows; each output bit for bit the GPU's own matmul of
-// its weight (the grouped GEMV runs the split-K kernel's sums) and within 1e-3 of the CPU's,
-// at 1, 3 and 16 tokens (one launch) and 40 (cuBLASLt: one product at a time).
+// weights_proj, at small widths and odd rows, then a plain product and a SwiGLU pair as the
+// router and the shared expert; each output bit for bit the GPU's own ops (matmul of its
+// weight: the grouped GEMV runs the split-K kernel's sums; for the pair matmul, matmul,
+// silu_mul) and within 1e-3 of the CPU's, at 1, 3 and 16 tokens (one launch) and 40
+// (cuBLASLt: one product at a time).
 static void test_matmul_group(void)
 {
-    const int cols = 264, rows[4] = {200, 72, 37, 1};
+    const int cols = 264, rows[4] = {200, 72, 72, 1};
     CkptLinear w[4], wg[4];
     for (int i = 0; i < 4; i++) {
         w[i] = make_linear(CKPT_LINEAR_BF16, rows[i], cols);
@@ -806,8 +906,8 @@ static void test_matmul_group(void)
         float *alone[4];
         for (int i = 0; i < 4; i++) {
             const size_t ny = (size_t) n * rows[i];
-            pc[i] = (BackendProduct){malloc(ny * sizeof(float)), &w[i]};
-            pg[i] = (BackendProduct){gpu->alloc(gpu, ny * sizeof(float)), &wg[i]};
+            pc[i] = (BackendProduct){malloc(ny * sizeof(float)), &w[i], NULL};
+            pg[i] = (BackendProduct){gpu->alloc(gpu, ny * sizeof(float)), &wg[i], NULL};
             alone[i] = gpu->alloc(gpu, ny * sizeof(float));
             ASSERT(pc[i].y && pg[i].y && alone[i]);
             gpu->matmul(gpu, alone[i], &wg[i], dx, n);
@@ -825,6 +925,32 @@ static void test_matmul_group(void)
             CHECK(same);
             free(got), free(want), free(pc[i].y);
             gpu->free_mem(gpu, pg[i].y), gpu->free_mem(gpu, alone[i]);
+        }
+        // A SwiGLU pair beside a plain product (the router and the shared expert): the pair's
+        // output bit for bit silu_mul of the GPU's two matmuls.
+        {
+            const size_t n0 = (size_t) n * rows[0], n1 = (size_t) n * rows[1];
+            float *c0 = malloc(n0 * sizeof(float)), *c1 = malloc(n1 * sizeof(float));
+            float *d0 = gpu->alloc(gpu, n0 * sizeof(float)), *d1 = gpu->alloc(gpu, n1 * sizeof(float));
+            float *dg = gpu->alloc(gpu, n1 * sizeof(float)), *du = gpu->alloc(gpu, n1 * sizeof(float));
+            ASSERT(c0 && c1 && d0 && d1 && dg && du);
+            const BackendProduct qc[2] = {{c0, &w[0], NULL}, {c1, &w[1], &w[2]}};
+            const BackendProduct qg[2] = {{d0, &wg[0], NULL}, {d1, &wg[1], &wg[2]}};
+            cpu->matmul_group(cpu, qc, 2, x, n);
+            gpu->matmul_group(gpu, qg, 2, dx, n);
+            gpu->matmul(gpu, dg, &wg[1], dx, n);
+            gpu->matmul(gpu, du, &wg[2], dx, n);
+            gpu->silu_mul(gpu, dg, dg, du, (int) n1);
+            char what[64];
+            snprintf(what, sizeof what, "matmul_group swiglu %d rows n=%d", rows[1], n);
+            expect_close(what, d1, c1, n1, 1e-3);
+            float *got = down(d1, n1 * sizeof(float)), *want = down(dg, n1 * sizeof(float));
+            const bool same = memcmp(got, want, n1 * sizeof(float)) == 0;
+            if (!same) fprintf(stderr, "%s: not bit for bit matmul, matmul, silu_mul\n", what);
+            CHECK(same);
+            free(got), free(want), free(c0), free(c1);
+            gpu->free_mem(gpu, d0), gpu->free_mem(gpu, d1), gpu->free_mem(gpu, dg);
+            gpu->free_mem(gpu, du);
         }
         free(x);
         gpu->free_mem(gpu, dx);
@@ -851,6 +977,8 @@ int main(void)
     cpu->dsa_tc = gpu->dsa_tc = false;
     test_attention(KV_DTYPE_BF16, 32);
     test_attention(KV_DTYPE_FP8, 32);
+    test_kv_write_in(KV_DTYPE_FP8);
+    test_kv_write_in(KV_DTYPE_BF16);
     test_attention(KV_DTYPE_FP8, 20);
     // The tensor-core scores (Backend.dsa_tc): selections equal but for keys within the fp32
     // bound of the threshold.

@@ -5,7 +5,7 @@
  * warp's stride; every token count bucket; and GLM-5.2's decode shapes (fused q_a+kv_a, q_b,
  * o_proj, the per-head W_UK^T / W_UV products, the router). Both GEMVs (CUDA-core and tensor-
  * core) run every shape; the grouped GEMV runs GLM-5.2's groups of projections and odd shapes,
- * bit for bit each matrix's own GEMV. Outputs are poisoned (NaN) first.
+ * bit for bit each matrix's own GEMV (a SwiGLU pair: act_silu_mul's value of the two). Outputs are poisoned (NaN) first.
  *
  * Tolerance: an n-term fp32 dot product, in any order, is within about n * FLT_EPSILON *
  * sum|terms| of the exact value; bf16 outputs add half an ulp (at most 2^-8 relative: 8 significant bits).
@@ -53,10 +53,18 @@ static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int
     free(w), free(x), free(res), free(want), free(abs_);
 }
 
+// SiLU(g) * u as act_silu_mul computes it (double, one rounding).
+static float silu_mul_host(float g, float u)
+{
+    const double gd = g;
+    return (float) (gd / (1.0 + exp(-gd)) * (double) u);
+}
+
 // gemm_bf16_gemv_group on n_segs matrices of rows[i] x cols with one fp32 input of n_tok
 // tokens: each output bit for bit gemm_bf16_gemv_f32x's on its matrix alone, and within the
-// GEMV's bound of the reference on the input rounded to bf16.
-static void test_group(const int *rows, int n_segs, int cols, int n_tok)
+// GEMV's bound of the reference on the input rounded to bf16. glu: segment 1 is a SwiGLU pair
+// (its up a second matrix of its rows): bit for bit SiLU(its gate's GEMV) times its up's.
+static void test_group(const int *rows, int n_segs, int cols, int n_tok, int glu)
 {
     const size_t nx = (size_t) n_tok * cols;
     float *x = xmalloc(nx * 4);
@@ -66,31 +74,48 @@ static void test_group(const int *rows, int n_segs, int cols, int n_tok)
     float *d_x = gpu_upload(x, nx * 4);
     GemmSeg segs[GEMM_MAX_GROUP];
     uint16_t *w[GEMM_MAX_GROUP];
-    float *d_alone[GEMM_MAX_GROUP];
+    float *d_alone[GEMM_MAX_GROUP], *d_up_alone = NULL;
     for (int i = 0; i < n_segs; i++) {
         const size_t nw = (size_t) rows[i] * cols, ny = (size_t) n_tok * rows[i];
-        w[i] = xmalloc(nw * 2);
-        fill_bf16(w[i], nw, &rng, -1.0f, 1.0f);
-        segs[i] = (GemmSeg){gpu_upload(w[i], nw * 2), gpu_alloc_poisoned(ny * 4), rows[i]};
+        const bool pair = glu && i == 1;
+        w[i] = xmalloc(nw * 2 * (pair ? 2 : 1));  // a pair: gate, then up
+        fill_bf16(w[i], nw * (pair ? 2 : 1), &rng, -1.0f, 1.0f);
+        uint16_t *d_w = gpu_upload(w[i], nw * 2 * (pair ? 2 : 1));
+        segs[i] = (GemmSeg){d_w, pair ? d_w + nw : NULL, gpu_alloc_poisoned(ny * 4), rows[i]};
         d_alone[i] = gpu_alloc_poisoned(ny * 4);
         gemm_bf16_gemv_f32x(d_alone[i], GEMM_OUT_F32, segs[i].w, d_x, NULL, rows[i], cols, 1, n_tok,
                             0);
+        if (pair) {
+            d_up_alone = gpu_alloc_poisoned(ny * 4);
+            gemm_bf16_gemv_f32x(d_up_alone, GEMM_OUT_F32, segs[i].w_up, d_x, NULL, rows[i], cols, 1,
+                                n_tok, 0);
+        }
     }
     gemm_bf16_gemv_group(segs, n_segs, d_x, cols, n_tok, 0);
     for (int i = 0; i < n_segs; i++) {
         const size_t ny = (size_t) n_tok * rows[i];
+        const bool pair = glu && i == 1;
         float *got = xmalloc(ny * 4), *alone = xmalloc(ny * 4), *want = xmalloc(ny * 4),
               *abs_ = xmalloc(ny * 4);
         gpu_download(got, segs[i].y, ny * 4);
         gpu_download(alone, d_alone[i], ny * 4);
         char name[96];
-        snprintf(name, sizeof name, "gemv group %d/%d %dx%d tok=%d", i, n_segs, rows[i], cols,
-                 n_tok);
+        snprintf(name, sizeof name, "gemv group %d/%d %dx%d tok=%d%s", i, n_segs, rows[i], cols,
+                 n_tok, pair ? " swiglu" : "");
+        if (pair) {  // SiLU(gate) * up of the two GEMVs alone
+            float *up = xmalloc(ny * 4);
+            gpu_download(up, d_up_alone, ny * 4);
+            for (size_t j = 0; j < ny; j++) alone[j] = silu_mul_host(alone[j], up[j]);
+            free(up);
+            cudaFree(d_up_alone);
+        }
         const bool same = memcmp(got, alone, ny * 4) == 0;
         if (!same) fprintf(stderr, "%s: not bit for bit the matrix's own GEMV\n", name);
         CHECK(same);
-        gemm_bf16_gemv_ref(want, abs_, w[i], xb, rows[i], cols, 1, n_tok);
-        compare_gemv(name, segs[i].y, false, want, abs_, NULL, ny, cols + 8);
+        if (!pair) {
+            gemm_bf16_gemv_ref(want, abs_, w[i], xb, rows[i], cols, 1, n_tok);
+            compare_gemv(name, segs[i].y, false, want, abs_, NULL, ny, cols + 8);
+        }
         cudaFree((void *) segs[i].w), cudaFree(segs[i].y), cudaFree(d_alone[i]);
         free(w[i]), free(got), free(alone), free(want), free(abs_);
     }
@@ -149,16 +174,17 @@ int main(void)
     // Grouped GEMVs: GLM-5.2's projections of the normalized input (q_a, kv_a, the indexer's
     // wk and weights_proj; the router and the shared expert's gate and up), a layer without
     // an indexer, odd rows and columns, every token bucket.
-    const int attn[] = {2048, 576, 128, 32}, mlp[] = {156, 2048, 2048};
-    const int odd[] = {5, 37, 1000}, one[] = {4096};
+    const int attn[] = {2048, 576, 128, 32}, mlp[] = {156, 2048}, odd[] = {5, 37, 1000};
+    const int one[] = {4096}, small[] = {3, 9};
     for (int t = 1; t <= GEMM_MAX_TOK; t = t < 4 ? t + 1 : t * 2) {
-        test_group(attn, 4, 6144, t);
-        test_group(mlp, 3, 6144, t);
+        test_group(attn, 4, 6144, t, 0);
+        test_group(mlp, 2, 6144, t, 1);  // the router and the shared expert's SwiGLU
     }
-    test_group(attn, 2, 6144, 1);
-    test_group(odd, 3, 72, 3);
-    test_group(odd, 3, 2056, 16);
-    test_group(one, 1, 520, 5);
+    test_group(attn, 2, 6144, 1, 0);
+    test_group(odd, 3, 72, 3, 0);
+    test_group(odd, 3, 2056, 16, 1);
+    test_group(one, 1, 520, 5, 0);
+    test_group(small, 2, 64, 2, 1);  // one block a pair (rows per block 1)
 
     GemmLt lt = {0};
     gemm_lt_init(&lt);

@@ -428,12 +428,84 @@ static void test_matmul(Backend *be, CkptLinearFormat format, int rows, int cols
         want[i] = acc[i] + y[i];
     be->matmul_add(be, acc, &w, x, n);
     CHECK(memcmp(acc, want, (size_t) n * rows * sizeof *acc) == 0);
+    // matmul_group: each product bit for bit its own matmul's, a SwiGLU pair silu_mul's of
+    // the two products.
+    const size_t ny = (size_t) n * rows;
+    float *g1 = malloc(ny * sizeof *g1), *g2 = malloc(ny * sizeof *g2), *g3 = malloc(ny * sizeof *g3);
+    float *sw = malloc(ny * sizeof *sw);
+    ASSERT(g1 && g2 && g3 && sw);
+    const BackendProduct pr[3] = {{g1, &w, NULL}, {g2, &w, NULL}, {g3, &w, &w}};
+    be->matmul_group(be, pr, 3, x, n);
+    be->silu_mul(be, sw, y, y, (int) ny);
+    CHECK(memcmp(g1, y, ny * sizeof *y) == 0);
+    CHECK(memcmp(g2, y, ny * sizeof *y) == 0);
+    CHECK(memcmp(g3, sw, ny * sizeof *y) == 0);
+    free(g1);
+    free(g2);
+    free(g3);
+    free(sw);
     free(acc);
     free(want);
     free(data);
     free(scale);
     free(x);
     free(y);
+}
+
+// kv_write with a transform (kv_format.h KvIn) stores exactly what the rmsnorm or layernorm
+// op and the rope op on a copy, then a plain kv_write, store; src is left as it was. Two
+// sequences in one call, the latent and an index key, on kv_dtype's cache.
+static void test_kv_in(Backend *be)
+{
+    enum { TA = 7, TB = 12, T = TA + TB };
+    const int L = 40, R = 8, Di = 16;
+    KvCacheParams p = {.n_layers = 1,
+                       .block_size = 8,
+                       .n_blocks = 4,
+                       .kv_lora = L,
+                       .rope_dim = R,
+                       .index_dim = Di,
+                       .dtype = kv_dtype};
+    p.has_index[0] = true;
+    KvCache ka, kb;
+    ASSERT(kv_init(&ka, &p) == ERR_OK && kv_init(&kb, &p) == ERR_OK);
+    KvSeq sa[2] = {{0}, {0}}, sb[2] = {{0}, {0}};
+    for (int i = 0; i < 2; i++)
+        ASSERT(kv_seq_reserve(&ka, &sa[i], i ? TB : TA) == ERR_OK
+               && kv_seq_reserve(&kb, &sb[i], i ? TB : TA) == ERR_OK);
+    int pos[T], seq_of[T], len[T];
+    for (int t = 0; t < T; t++) {
+        pos[t] = t < TA ? t : t - TA;
+        seq_of[t] = t >= TA;
+        len[t] = pos[t] + 1;
+    }
+    KvSeq *qa[2] = {&sa[0], &sa[1]}, *qb[2] = {&sb[0], &sb[1]};
+    const BackendSeqs s_a = {qa, 2, pos, seq_of, len, T}, s_b = {qb, 2, pos, seq_of, len, T};
+    float lat[T * (40 + 8)], key[T * 16], lat0[T * (40 + 8)], key0[T * 16];
+    float nw[40], kw[16], kbias[16];
+    for (int i = 0; i < T * (L + R); i++) lat[i] = 3.0f * frand();
+    for (int i = 0; i < T * Di; i++) key[i] = 2.0f * frand();
+    for (int i = 0; i < L; i++) nw[i] = frand();
+    for (int i = 0; i < Di; i++) kw[i] = frand(), kbias[i] = 0.5f * frand();
+    memcpy(lat0, lat, sizeof lat);
+    memcpy(key0, key, sizeof key);
+    const KvIn li = {nw, NULL, L, 1e-6f, L, R, 10000.0f}, ki = {kw, kbias, Di, 1e-6f, 0, R, 10000.0f};
+    be->kv_write(be, &ka, &s_a, 0, 0, lat, L + R, &li);
+    be->kv_write(be, &ka, &s_a, 0, L + R, key, Di, &ki);
+    CHECK(memcmp(lat, lat0, sizeof lat) == 0 && memcmp(key, key0, sizeof key) == 0);
+    be->rmsnorm(be, lat0, lat0, nw, T, L, L + R, 1e-6f);
+    be->rope(be, lat0, T, 1, L + R, 0, L, R, pos, 10000.0f);
+    be->layernorm(be, key0, key0, kw, kbias, T, Di, 1e-6f);
+    be->rope(be, key0, T, 1, Di, 0, 0, R, pos, 10000.0f);
+    be->kv_write(be, &kb, &s_b, 0, 0, lat0, L + R, NULL);
+    be->kv_write(be, &kb, &s_b, 0, L + R, key0, Di, NULL);
+    CHECK(memcmp(ka.pool, kb.pool, ka.block_bytes * (size_t) p.n_blocks) == 0);
+    for (int i = 0; i < 2; i++) {
+        kv_seq_free(&ka, &sa[i]);
+        kv_seq_free(&kb, &sb[i]);
+    }
+    kv_free(&ka);
+    kv_free(&kb);
 }
 
 int main(void)
@@ -445,15 +517,18 @@ int main(void)
         // A bf16 cache: the reference reads the same rounded values (kv_read), so the
         // tolerances stay those of the fp32 cache.
         kv_dtype = KV_DTYPE_BF16;
+        test_kv_in(be);
         test_mla(be, 3, 16, 8, 16, 32, 20, 6);
         test_dsa(be, 4, 16, 6, 30);
         // An fp8 cache (E4M3 with group scales): the same; latent 200 spans a whole and a
         // partial scale group.
         kv_dtype = KV_DTYPE_FP8;
+        test_kv_in(be);
         test_mla(be, 3, 16, 8, 16, 32, 20, 6);
         test_mla(be, 2, 8, 4, 8, 200, 12, 5);
         test_dsa(be, 4, 16, 6, 30);
         kv_dtype = KV_DTYPE_F32;
+        test_kv_in(be);
         test_mla(be, 2, 4, 2, 3, 8, 9, 3);
         test_mla(be, 3, 16, 8, 16, 32, 20, 6);
         test_dsa(be, 2, 8, 4, 15);

@@ -331,7 +331,7 @@ static BackendSeqs glm_cache(Backend *be, KvCache *kv, KvSeq *seq, KvSeq **seqs,
     *seqs = seq;
     const BackendSeqs s = {seqs, 1, glm_pos, glm_seq_of, glm_len, GLM_T};
     float *lat = rand_vec((size_t) GLM_T * (512 + 64));
-    be->kv_write(be, kv, &s, 0, 0, lat, 512 + 64);
+    be->kv_write(be, kv, &s, 0, 0, lat, 512 + 64, NULL);
     free(lat);
     return s;
 }
