@@ -8,7 +8,7 @@
  * for bit. logits come from the router weight's GEMV (fp32).
 
  * Experts, stacked (E experts of one layer) and packed at load by moe_pack_w13/moe_pack_w2
- * from the checkpoint's layout (nvfp4.h: codes [rows, K/2], scales [rows, K/16]) into 16-row
+ * from the checkpoint's layout (nvfp4_format.h: codes [rows, K/2], scales [rows, K/16]) into 16-row
  * tiles for the tensor-core kernels (moe.cu); the packed arrays have the same sizes:
  *
  *   q13, s13  expert e's gate (rows [0, inter)) and up ([inter, 2 inter)), hidden columns:
@@ -49,8 +49,8 @@
  *
  * Numerics of the products: the weights and the bf16 inputs are exact on the tensor cores
  * (inputs scaled per column by a power of two; only magnitudes below 2^-27 of a column's
- * largest lose bits), fp32 accumulation over all of K (nvfp4.h's reference accumulates per
- * group: the sums differ in order only).
+ * largest lose bits), fp32 accumulation over all of K (ref/moe_ref.c accumulates in double:
+ * the sums differ in order and precision only).
  *
  * Ownership: borrowed pointers. Threads: thread-safe launchers. Errors: ASSERT on bad shapes;
  * CUDA failures fatal. Launchers never allocate and never synchronize; expert indices are read
