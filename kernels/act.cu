@@ -6,6 +6,7 @@
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
+#include "kernels/launch.cuh"
 
 enum { ACT_THREADS = 256, ACT_MAX_BLOCKS = 65535 };
 
@@ -14,6 +15,7 @@ enum { ACT_THREADS = 256, ACT_MAX_BLOCKS = 65535 };
 
 static __global__ void act_silu_mul_kernel(float *y, const float *gate, const float *up, size_t n)
 {
+    KERN_ENTRY();
     for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
          i += (size_t) gridDim.x * blockDim.x) {
         y[i] = silu_mul_value(gate[i], up[i]);
@@ -22,6 +24,7 @@ static __global__ void act_silu_mul_kernel(float *y, const float *gate, const fl
 
 static __global__ void act_add_kernel(float *y, const float *__restrict__ x, size_t n)
 {
+    KERN_ENTRY();
     for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
          i += (size_t) gridDim.x * blockDim.x)
         y[i] = __fadd_rn(y[i], x[i]);
@@ -30,6 +33,7 @@ static __global__ void act_add_kernel(float *y, const float *__restrict__ x, siz
 static __global__ void act_to_bf16_kernel(uint16_t *__restrict__ out, const float *__restrict__ x,
                                           size_t n)
 {
+    KERN_ENTRY();
     for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n;
          i += (size_t) gridDim.x * blockDim.x)
         out[i] = f32_to_bf16_bits(x[i]);
@@ -39,6 +43,7 @@ static __global__ void act_repad_kernel(float *__restrict__ dst, int rows_d, int
                                         const float *__restrict__ src, int rows_s, int cols_s,
                                         size_t total)
 {
+    KERN_ENTRY();
     for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < total;
          i += (size_t) gridDim.x * blockDim.x) {
         const size_t per = (size_t) rows_d * cols_d, t = i / per;
@@ -59,22 +64,19 @@ static unsigned act_blocks(size_t n)
 void act_silu_mul(float *y, const float *gate, const float *up, size_t n, cudaStream_t stream)
 {
     if (n == 0) return;
-    act_silu_mul_kernel<<<act_blocks(n), ACT_THREADS, 0, stream>>>(y, gate, up, n);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(act_silu_mul_kernel, act_blocks(n), ACT_THREADS, 0, stream, y, gate, up, n);
 }
 
 void act_add(float *y, const float *x, size_t n, cudaStream_t stream)
 {
     if (n == 0) return;
-    act_add_kernel<<<act_blocks(n), ACT_THREADS, 0, stream>>>(y, x, n);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(act_add_kernel, act_blocks(n), ACT_THREADS, 0, stream, y, x, n);
 }
 
 void act_to_bf16(uint16_t *out, const float *x, size_t n, cudaStream_t stream)
 {
     if (n == 0) return;
-    act_to_bf16_kernel<<<act_blocks(n), ACT_THREADS, 0, stream>>>(out, x, n);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(act_to_bf16_kernel, act_blocks(n), ACT_THREADS, 0, stream, out, x, n);
 }
 
 void act_repad(float *dst, int rows_d, int cols_d, const float *src, int rows_s, int cols_s,
@@ -83,14 +85,14 @@ void act_repad(float *dst, int rows_d, int cols_d, const float *src, int rows_s,
     ASSERT(rows_d > 0 && cols_d > 0 && rows_s > 0 && cols_s > 0);
     const size_t total = n * (size_t) rows_d * (size_t) cols_d;
     if (total == 0) return;
-    act_repad_kernel<<<act_blocks(total), ACT_THREADS, 0, stream>>>(dst, rows_d, cols_d, src,
-                                                                    rows_s, cols_s, total);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(act_repad_kernel, act_blocks(total), ACT_THREADS, 0, stream, dst, rows_d, cols_d,
+                src, rows_s, cols_s, total);
 }
 
 static __global__ void act_embed_kernel(float *y, const uint16_t *table, int rows, int cols,
                                         const int32_t *ids)
 {
+    KERN_ENTRY();
     const int t = blockIdx.x, id = ids[t];
     if (id < 0 || id >= rows) return;
     const uint16_t *row = table + (size_t) id * (size_t) cols;
@@ -103,6 +105,5 @@ void act_embed(float *y, const uint16_t *table, int rows, int cols, const int32_
 {
     ASSERT(rows > 0 && cols > 0 && n >= 0);
     if (n == 0) return;
-    act_embed_kernel<<<(unsigned) n, ACT_THREADS, 0, stream>>>(y, table, rows, cols, ids);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(act_embed_kernel, (unsigned) n, ACT_THREADS, 0, stream, y, table, rows, cols, ids);
 }

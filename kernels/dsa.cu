@@ -29,6 +29,7 @@
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/rope_format.h"
 
 enum { TOPK_THREADS = 1024, TOPK_UNROLL = 8 };
@@ -44,6 +45,7 @@ static __global__ void dsa_append_kernel(uint8_t *__restrict__ cache, const floa
                                          const int32_t *__restrict__ seq,
                                          const int32_t *__restrict__ block_table, int max_blocks)
 {
+    KERN_ENTRY();
     __shared__ float red[4];
     __shared__ float y[DSA_DIM];
     const int t = blockIdx.x, d = threadIdx.x, lane = d % WARP_SIZE, warp = d / WARP_SIZE;
@@ -130,6 +132,7 @@ static __global__ void __launch_bounds__(DSA_BLOCK)
                       const int32_t *__restrict__ seq, const int32_t *__restrict__ kv_len,
                       int n_heads)
 {
+    KERN_ENTRY();
     __shared__ float4 qs[DSA_MAX_HEADS * DSA_MAX_DIM / 4];  // [head][dim / 4]; heads past n_heads zero
     __shared__ float ws[DSA_MAX_HEADS];
     const int tile = blockIdx.y, t = blockIdx.x, r = threadIdx.x;
@@ -216,6 +219,7 @@ static __global__ void __launch_bounds__(TC_TOKENS * WARP_SIZE)
                          const int32_t *__restrict__ seq, const int32_t *__restrict__ kv_len,
                          int n_tok, int n_heads)
 {
+    KERN_ENTRY();
     __shared__ __align__(16) uint16_t ks[TC_POS * TC_KS];  // [position][dim] bf16
     __shared__ float kscale[TC_POS];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
@@ -412,6 +416,7 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
                     const float *__restrict__ scores, int score_stride,
                     const int32_t *__restrict__ kv_len, int k)
 {
+    KERN_ENTRY();
     __shared__ int hist[2][256];  // this CTA's counts, alternating between passes (see below)
     __shared__ int total[256];    // the whole row's: every CTA of the cluster sums them itself
     __shared__ uint32_t warp_tot[TOPK_THREADS / WARP_SIZE];
@@ -582,9 +587,8 @@ void dsa_cache_append(uint8_t *cache, const float *k, const float *ln_w, const f
     ASSERT(cache && n_tok > 0 && max_blocks > 0 && theta > 0.0f);
     RopeFreqs f;
     rope_freqs(&f, DSA_ROPE, theta);
-    dsa_append_kernel<<<n_tok, DSA_DIM, 0, stream>>>(cache, k, ln_w, ln_b, eps, f, pos, seq,
-                                                     block_table, max_blocks);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(dsa_append_kernel, n_tok, DSA_DIM, 0, stream, cache, k, ln_w, ln_b, eps, f, pos,
+                seq, block_table, max_blocks);
 }
 
 void dsa_scores(float *scores, int score_stride, const float *q, const float *w, float w_scale,
@@ -599,18 +603,17 @@ void dsa_scores(float *scores, int score_stride, const float *q, const float *w,
     const dim3 grid((unsigned) n_tok, (unsigned) CEIL_DIV(max_len, DSA_BLOCK));
     const DsaCache c = *cache;
     if (c.format == DSA_KEY_FP8)
-        dsa_scores_kernel<DSA_KEY_FP8><<<grid, DSA_BLOCK, 0, stream>>>(
-            scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
-            n_heads);
+        kern_launch(dsa_scores_kernel<DSA_KEY_FP8>, grid, DSA_BLOCK, 0, stream, scores,
+                    score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
+                    n_heads);
     else if (c.format == DSA_KEY_BF16)
-        dsa_scores_kernel<DSA_KEY_BF16><<<grid, DSA_BLOCK, 0, stream>>>(
-            scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
-            n_heads);
+        kern_launch(dsa_scores_kernel<DSA_KEY_BF16>, grid, DSA_BLOCK, 0, stream, scores,
+                    score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
+                    n_heads);
     else
-        dsa_scores_kernel<DSA_KEY_F32><<<grid, DSA_BLOCK, 0, stream>>>(
-            scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
-            n_heads);
-    CUDA_CHECK(cudaGetLastError());
+        kern_launch(dsa_scores_kernel<DSA_KEY_F32>, grid, DSA_BLOCK, 0, stream, scores,
+                    score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
+                    n_heads);
 }
 
 void dsa_scores_tc(float *scores, int score_stride, const float *q, const float *w, float w_scale,
@@ -625,14 +628,13 @@ void dsa_scores_tc(float *scores, int score_stride, const float *q, const float 
     const dim3 grid((unsigned) CEIL_DIV(n_tok, TC_TOKENS), (unsigned) CEIL_DIV(max_len, TC_POS));
     const DsaCache c = *cache;
     if (c.format == DSA_KEY_FP8)
-        dsa_scores_tc_kernel<DSA_KEY_FP8><<<grid, TC_TOKENS * WARP_SIZE, 0, stream>>>(
-            scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
-            n_tok, n_heads);
+        kern_launch(dsa_scores_tc_kernel<DSA_KEY_FP8>, grid, TC_TOKENS * WARP_SIZE, 0, stream,
+                    scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq,
+                    kv_len, n_tok, n_heads);
     else
-        dsa_scores_tc_kernel<DSA_KEY_BF16><<<grid, TC_TOKENS * WARP_SIZE, 0, stream>>>(
-            scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq, kv_len,
-            n_tok, n_heads);
-    CUDA_CHECK(cudaGetLastError());
+        kern_launch(dsa_scores_tc_kernel<DSA_KEY_BF16>, grid, TC_TOKENS * WARP_SIZE, 0, stream,
+                    scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq,
+                    kv_len, n_tok, n_heads);
 }
 
 // CTAs per token (a cluster): one CTA reads a 128K row at ~1/10 of what a few SMs do, so
@@ -690,9 +692,8 @@ void dsa_topk(int32_t *idx, int32_t *n_sel, const float *scores, int score_strid
     ASSERT(n_tok > 0 && k > 0 && score_stride > 0);
     const int c = topk_cluster(n_tok, score_stride);
     if (c == 1) {
-        dsa_topk_kernel<false><<<n_tok, TOPK_THREADS, 0, stream>>>(idx, n_sel, scores,
-                                                                   score_stride, kv_len, k);
-        CUDA_CHECK(cudaGetLastError());
+        kern_launch(dsa_topk_kernel<false>, n_tok, TOPK_THREADS, 0, stream, idx, n_sel, scores,
+                    score_stride, kv_len, k);
         return;
     }
     ASSERT((long long) n_tok * c <= INT32_MAX);

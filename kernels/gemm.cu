@@ -21,6 +21,7 @@
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
+#include "kernels/launch.cuh"
 
 enum { GEMV_WARPS = 8 };
 
@@ -63,6 +64,7 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
                           const XT *__restrict__ x, const float *residual, int rows,
                           int cols, int n_mat, int n_tok)
 {
+    KERN_ENTRY();
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP_SIZE;
     const int warps_per_mat = CEIL_DIV(rows, R);
@@ -250,6 +252,7 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
                              const XT *__restrict__ x, const float *residual, int rows, int cols,
                              int n_mat, int n_tok)
 {
+    KERN_ENTRY();
     const int blocks_per_mat = CEIL_DIV(rows, R);
     gemv_sk_rows<R, NT, OutT, XT>(y, w, x, residual, rows, cols, n_mat, n_tok,
                                   blockIdx.x / blocks_per_mat, (blockIdx.x % blocks_per_mat) * R);
@@ -272,6 +275,7 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
     gemm_bf16_gemv_group_kernel(const __grid_constant__ GemvGroup g, const XT *__restrict__ x,
                                 int cols, int n_tok)
 {
+    KERN_ENTRY();
     constexpr int RP = R > 1 ? R / 2 : 1;  // a pair's rows of each matrix a block
     int s = 0;
     while (s + 1 < g.n && (int) blockIdx.x >= g.first[s + 1]) s++;
@@ -305,6 +309,7 @@ static __global__ void __launch_bounds__(MMA_WARPS *WARP_SIZE)
                              const XT *__restrict__ x, const float *residual, int rows,
                              int cols, int n_mat, int n_tok)
 {
+    KERN_ENTRY();
     __shared__ float4 red[MMA_WARPS][WARP_SIZE];
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int g = lane / 4, c = lane % 4;
@@ -375,12 +380,11 @@ static void launch_gemv_kernel(OutT *y, const uint16_t *w, const XT *x, const fl
     ASSERT(n_blocks <= 0x7fffffffL);
     const dim3 grid((unsigned) n_blocks), block(GEMV_WARPS * WARP_SIZE);
     if constexpr (SK)
-        gemm_bf16_gemv_sk_kernel<R, NT, OutT, XT>
-            <<<grid, block, 0, stream>>>(y, w, x, residual, rows, cols, n_mat, n_tok);
+        kern_launch(gemm_bf16_gemv_sk_kernel<R, NT, OutT, XT>, grid, block, 0, stream, y, w, x,
+                    residual, rows, cols, n_mat, n_tok);
     else
-        gemm_bf16_gemv_kernel<R, NT, OutT, XT>
-            <<<grid, block, 0, stream>>>(y, w, x, residual, rows, cols, n_mat, n_tok);
-    CUDA_CHECK(cudaGetLastError());
+        kern_launch(gemm_bf16_gemv_kernel<R, NT, OutT, XT>, grid, block, 0, stream, y, w, x,
+                    residual, rows, cols, n_mat, n_tok);
 }
 
 // The token count picks the instantiation (1, 2, 4, 8 or 16 accumulators per row), y_type the
@@ -452,12 +456,11 @@ static void gemv_tc_any(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
     ASSERT(n_blocks <= 0x7fffffffL);
     const dim3 grid((unsigned) n_blocks), block(MMA_WARPS * WARP_SIZE);
     if (y_type == GEMM_OUT_F32)
-        gemm_bf16_gemv_tc_kernel<float, XT>
-            <<<grid, block, 0, stream>>>((float *) y, w, x, residual, rows, cols, n_mat, n_tok);
+        kern_launch(gemm_bf16_gemv_tc_kernel<float, XT>, grid, block, 0, stream, (float *) y, w, x,
+                    residual, rows, cols, n_mat, n_tok);
     else
-        gemm_bf16_gemv_tc_kernel<uint16_t, XT>
-            <<<grid, block, 0, stream>>>((uint16_t *) y, w, x, residual, rows, cols, n_mat, n_tok);
-    CUDA_CHECK(cudaGetLastError());
+        kern_launch(gemm_bf16_gemv_tc_kernel<uint16_t, XT>, grid, block, 0, stream, (uint16_t *) y,
+                    w, x, residual, rows, cols, n_mat, n_tok);
 }
 
 // The grouped kernel at R rows a block for NT tokens.
@@ -465,9 +468,8 @@ template <int R, int NT>
 static void launch_group(const GemvGroup &g, const float *x, int cols, int n_tok,
                          cudaStream_t stream)
 {
-    gemm_bf16_gemv_group_kernel<R, NT, float>
-        <<<(unsigned) g.first[g.n], GEMV_WARPS * WARP_SIZE, 0, stream>>>(g, x, cols, n_tok);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(gemm_bf16_gemv_group_kernel<R, NT, float>, (unsigned) g.first[g.n],
+                GEMV_WARPS * WARP_SIZE, 0, stream, g, x, cols, n_tok);
 }
 
 template <int R>

@@ -7,6 +7,7 @@
 
 #include "engine/shared/cuda_check.h"
 #include "engine/shared/err.h"
+#include "kernels/launch.cuh"
 #include "kernels/norm_dev.cuh"
 #include "kernels/rope_format.h"
 
@@ -83,6 +84,7 @@ static __global__ void __launch_bounds__(KV_THREADS)
                     int offset, const float *__restrict__ src, int width, bool has_in,
                     const __grid_constant__ KvInDev in)
 {
+    KERN_ENTRY();
     __shared__ __align__(16) float row[KV_IN_MAX];
     const KvEntryLayout &lo = pg.lo;
     const int t = blockIdx.x, p = pos[t], row_at = p % lo.block_size;
@@ -145,7 +147,6 @@ void kv_write(const KvPages *pg, const int32_t *tables, int stride, const int32_
         // (the whole write) norm_dim apart, which is then width.
         d.vec = norm_vec_rows(src, in->norm_dim, width);
     }
-    kv_write_kernel<<<(unsigned) n_tok, KV_THREADS, 0, stream>>>(*pg, tables, stride, seq_of, pos,
-                                                                offset, src, width, in != NULL, d);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(kv_write_kernel, (unsigned) n_tok, KV_THREADS, 0, stream, *pg, tables, stride,
+                seq_of, pos, offset, src, width, in != NULL, d);
 }

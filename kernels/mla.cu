@@ -27,6 +27,7 @@
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/rope_format.h"
 
 enum {
@@ -48,6 +49,7 @@ static __global__ void mla_append_kernel(uint8_t *__restrict__ cache, const floa
                                          const int32_t *__restrict__ seq,
                                          const int32_t *__restrict__ block_table, int max_blocks)
 {
+    KERN_ENTRY();
     __shared__ float red[4];
     const int t = blockIdx.x, tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
     const float *x = ckv + (size_t) t * ckv_stride;
@@ -101,6 +103,7 @@ static __global__ void mla_q_split_kernel(uint16_t *__restrict__ q_nope, float *
                                           const float *__restrict__ q, int n_heads, int qk_nope,
                                           int qk_rope, int heads_pad)
 {
+    KERN_ENTRY();
     const int t = blockIdx.y, h = blockIdx.x, tid = threadIdx.x;  // MLA_QK_NOPE + MLA_ROPE threads
     const size_t row = (size_t) t * heads_pad + h;
     const float *qh = h < n_heads ? q + ((size_t) t * n_heads + h) * (qk_nope + qk_rope) : NULL;
@@ -138,6 +141,7 @@ static __global__ void __launch_bounds__(DEC_THREADS)
                       const int32_t *__restrict__ kv_len, const int32_t *__restrict__ indices,
                       int idx_stride, int n_heads, float sm_scale, int n_split, int vec_q)
 {
+    KERN_ENTRY();
     extern __shared__ float4 smem4[];
     float *qs = (float *) smem4;   // [HB][MLA_LK]
     float *ks = qs + HB * MLA_LK;  // [TILE][KS_STRIDE]
@@ -334,6 +338,7 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
                   const int32_t *__restrict__ kv_len, const int32_t *__restrict__ indices,
                   int idx_stride, int n_heads, float sm_scale, int n_split)
 {
+    KERN_ENTRY();
     extern __shared__ uint4 smem_tc[];
     uint16_t *qs = (uint16_t *) smem_tc;                 // [TC_HEADS][TC_QS]
     uint16_t *ks = qs + TC_HEADS * TC_QS;                // [TC_TILE][TC_QS]
@@ -569,6 +574,7 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
 static __global__ void mla_merge_kernel(uint16_t *__restrict__ out, const float *__restrict__ ws_o,
                                         const float *__restrict__ ws_ml, int n_heads, int n_split)
 {
+    KERN_ENTRY();
     __shared__ float wgt[MLA_MAX_SPLIT];
     __shared__ float s_l;
     const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;  // 128 threads x 4 columns
@@ -634,12 +640,11 @@ void mla_cache_append(const MlaCache *cache, const float *ckv, int ckv_stride,
     RopeFreqs f;
     rope_freqs(&f, MLA_ROPE, theta);
     if (cache->type == MLA_CACHE_FP8)
-        mla_append_kernel<MLA_CACHE_FP8><<<n_tok, 128, 0, stream>>>(
-            cache->data, ckv, ckv_stride, norm_w, eps, f, pos, seq, block_table, max_blocks);
+        kern_launch(mla_append_kernel<MLA_CACHE_FP8>, n_tok, 128, 0, stream, cache->data, ckv,
+                    ckv_stride, norm_w, eps, f, pos, seq, block_table, max_blocks);
     else
-        mla_append_kernel<MLA_CACHE_BF16><<<n_tok, 128, 0, stream>>>(
-            cache->data, ckv, ckv_stride, norm_w, eps, f, pos, seq, block_table, max_blocks);
-    CUDA_CHECK(cudaGetLastError());
+        kern_launch(mla_append_kernel<MLA_CACHE_BF16>, n_tok, 128, 0, stream, cache->data, ckv,
+                    ckv_stride, norm_w, eps, f, pos, seq, block_table, max_blocks);
 }
 
 void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, int n_tok, int n_heads,
@@ -647,9 +652,8 @@ void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, int n_tok, int n
 {
     ASSERT(n_tok > 0 && n_heads > 0 && n_heads <= heads_pad && qk_nope >= 0
            && qk_nope <= MLA_QK_NOPE && qk_rope >= 0 && qk_rope <= MLA_ROPE);
-    mla_q_split_kernel<<<dim3(heads_pad, n_tok), MLA_QK_NOPE + MLA_ROPE, 0, stream>>>(
-        q_nope, q_pe, q, n_heads, qk_nope, qk_rope, heads_pad);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(mla_q_split_kernel, dim3(heads_pad, n_tok), MLA_QK_NOPE + MLA_ROPE, 0, stream,
+                q_nope, q_pe, q, n_heads, qk_nope, qk_rope, heads_pad);
 }
 
 void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaCache *cache,
@@ -668,20 +672,18 @@ void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaC
     if (cache->type == MLA_CACHE_FP8) {
         CUDA_CHECK(cudaFuncSetAttribute(mla_decode_kernel<MLA_CACHE_FP8>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
-        mla_decode_kernel<MLA_CACHE_FP8><<<grid, DEC_THREADS, smem, stream>>>(
-            ws_o, ws_ml, q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
-            idx_stride, n_heads, sm_scale, n_split, vec_q);
+        kern_launch(mla_decode_kernel<MLA_CACHE_FP8>, grid, DEC_THREADS, smem, stream, ws_o, ws_ml,
+                    q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
+                    idx_stride, n_heads, sm_scale, n_split, vec_q);
     } else {
         CUDA_CHECK(cudaFuncSetAttribute(mla_decode_kernel<MLA_CACHE_BF16>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
-        mla_decode_kernel<MLA_CACHE_BF16><<<grid, DEC_THREADS, smem, stream>>>(
-            ws_o, ws_ml, q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
-            idx_stride, n_heads, sm_scale, n_split, vec_q);
+        kern_launch(mla_decode_kernel<MLA_CACHE_BF16>, grid, DEC_THREADS, smem, stream, ws_o, ws_ml,
+                    q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
+                    idx_stride, n_heads, sm_scale, n_split, vec_q);
     }
-    CUDA_CHECK(cudaGetLastError());
-    mla_merge_kernel<<<dim3(n_heads, n_tok), MLA_KV_LORA / 4, 0, stream>>>(out, ws_o, ws_ml,
-                                                                         n_heads, n_split);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(mla_merge_kernel, dim3(n_heads, n_tok), MLA_KV_LORA / 4, 0, stream, out, ws_o,
+                ws_ml, n_heads, n_split);
 }
 
 void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const MlaCache *cache,
@@ -705,15 +707,13 @@ void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const M
                                     (int) cudaSharedmemCarveoutMaxShared));
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
     if (cache->type == MLA_CACHE_FP8)
-        mla_tc_kernel<MLA_CACHE_FP8><<<grid, TC_THREADS, smem, stream>>>(
-            ws_o, ws_ml, q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
-            idx_stride, n_heads, sm_scale, n_split);
+        kern_launch(mla_tc_kernel<MLA_CACHE_FP8>, grid, TC_THREADS, smem, stream, ws_o, ws_ml,
+                    q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
+                    idx_stride, n_heads, sm_scale, n_split);
     else
-        mla_tc_kernel<MLA_CACHE_BF16><<<grid, TC_THREADS, smem, stream>>>(
-            ws_o, ws_ml, q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
-            idx_stride, n_heads, sm_scale, n_split);
-    CUDA_CHECK(cudaGetLastError());
-    mla_merge_kernel<<<dim3(n_heads, n_tok), MLA_KV_LORA / 4, 0, stream>>>(out, ws_o, ws_ml,
-                                                                         n_heads, n_split);
-    CUDA_CHECK(cudaGetLastError());
+        kern_launch(mla_tc_kernel<MLA_CACHE_BF16>, grid, TC_THREADS, smem, stream, ws_o, ws_ml,
+                    q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
+                    idx_stride, n_heads, sm_scale, n_split);
+    kern_launch(mla_merge_kernel, dim3(n_heads, n_tok), MLA_KV_LORA / 4, 0, stream, out, ws_o,
+                ws_ml, n_heads, n_split);
 }

@@ -39,6 +39,7 @@
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/nvfp4_format.h"
 
 // ---------------------------------------------------------------------------
@@ -180,6 +181,7 @@ static __global__ void moe_route_kernel(int32_t *__restrict__ idx, float *__rest
                                         int k, int n_group, int topk_group, bool norm_topk_prob,
                                         float scale, bool is_ascending)
 {
+    KERN_ENTRY();
     const int t = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     if (t < n_tok)
         route_warp(t, idx, w, logits, bias, n_experts, k, n_group, topk_group, norm_topk_prob,
@@ -200,6 +202,7 @@ static __global__ void __launch_bounds__(ROUTE_RANK_THREADS)
                           const float *__restrict__ logits, const float *__restrict__ bias,
                           int n_experts, int k, bool norm_topk_prob, float scale, bool is_ascending)
 {
+    KERN_ENTRY();
     __shared__ double score[MOE_MAX_EXPERTS], choice[MOE_MAX_EXPERTS];
     __shared__ int chosen[MOE_MAX_K], asc[MOE_MAX_K];
     const int t = blockIdx.x, tid = threadIdx.x;
@@ -283,6 +286,7 @@ static __global__ void __launch_bounds__(GROUP_THREADS)
     moe_group_kernel(int32_t *__restrict__ work, const int32_t *__restrict__ idx, int n_pairs,
                      int n_experts)
 {
+    KERN_ENTRY();
     __shared__ int32_t ids[MOE_MAX_PAIRS];
     __shared__ int32_t count[MOE_MAX_EXPERTS], base[MOE_MAX_EXPERTS];  // base: inclusive tile prefix
     const int tid = threadIdx.x;
@@ -321,6 +325,7 @@ static __global__ void __launch_bounds__(GROUP_THREADS)
 static __global__ void moe_count_kernel(int32_t *__restrict__ cnt, const int32_t *__restrict__ idx,
                                         int n_pairs)
 {
+    KERN_ENTRY();
     const int p = blockIdx.x * blockDim.x + threadIdx.x;
     if (p < n_pairs) atomicAdd(&cnt[idx[p]], 1);
 }
@@ -328,6 +333,7 @@ static __global__ void moe_count_kernel(int32_t *__restrict__ cnt, const int32_t
 static __global__ void moe_scan_kernel(int32_t *__restrict__ work, int32_t *__restrict__ cnt,
                                        int n_experts, int cols)
 {
+    KERN_ENTRY();
     int32_t *base = cnt + 2 * n_experts;
     scan_tiles(base, cnt, n_experts, cols);
     __syncwarp();
@@ -338,6 +344,7 @@ static __global__ void moe_place_kernel(int32_t *__restrict__ work, int32_t *__r
                                         const int32_t *__restrict__ idx, int n_pairs, int n_experts,
                                         int cols)
 {
+    KERN_ENTRY();
     const int p = blockIdx.x * blockDim.x + threadIdx.x;
     if (p >= n_pairs) return;
     const int e = idx[p], count = cnt[e];
@@ -710,6 +717,7 @@ static __global__ void __launch_bounds__(MMA_THREADS)
                    const float *__restrict__ x, const int32_t *__restrict__ work, int k,
                    int hidden, int inter)
 {
+    KERN_ENTRY();
     float c[4];
     TileOut o;
     if (!expert_tile<float>(c, &o, q13, s13, x, k, work, inter / 8, hidden)) return;
@@ -725,6 +733,7 @@ static __global__ void __launch_bounds__(MMA_THREADS)
                   const uint16_t *__restrict__ act, const int32_t *__restrict__ work,
                   const float *__restrict__ w, int hidden, int inter)
 {
+    KERN_ENTRY();
     float c[4];
     TileOut o;
     if (!expert_tile<uint16_t>(c, &o, q2, s2, act, 1, work, hidden / 16, inter)) return;
@@ -752,6 +761,7 @@ template <typename T>
 static __global__ void moe_row_stage_kernel(uint16_t *__restrict__ xs, float *__restrict__ out_mul,
                                             const T *__restrict__ src, int n_rows, int K)
 {
+    KERN_ENTRY();
     const int r = (int) ((blockIdx.x * (size_t) blockDim.x + threadIdx.x) / WARP_SIZE);
     const int lane = threadIdx.x % WARP_SIZE;
     if (r >= n_rows) return;
@@ -841,6 +851,7 @@ static __global__ void __launch_bounds__(MMA_THREADS, 2)
                         const uint16_t *__restrict__ xs, const int32_t *__restrict__ work,
                         const float *__restrict__ out_rows, int k, int hidden, int inter)
 {
+    KERN_ENTRY();
     float c[WIDE_NT][4];
     TileOut o;
     if (!wide_tile(c, &o, q13, s13, xs, k, work, out_rows, inter / 8, hidden)) return;
@@ -859,6 +870,7 @@ static __global__ void __launch_bounds__(MMA_THREADS, 2)
                        const float *__restrict__ out_rows, const float *__restrict__ w, int hidden,
                        int inter)
 {
+    KERN_ENTRY();
     float c[WIDE_NT][4];
     TileOut o;
     if (!wide_tile(c, &o, q2, s2, xs, 1, work, out_rows, hidden / 16, inter)) return;
@@ -990,6 +1002,7 @@ static __global__ void __launch_bounds__(BF16_THREADS, 2)
                         const float *__restrict__ x, const int32_t *__restrict__ work, int k,
                         int hidden, int inter, int max_cols)
 {
+    KERN_ENTRY();
     extern __shared__ __align__(16) uint32_t bs[];  // [max_cols][hidden] bf16
     __shared__ int pair_of[MOE_TILE_COLS];
     uint16_t *xs = (uint16_t *) bs;
@@ -1017,6 +1030,7 @@ static __global__ void __launch_bounds__(BF16_THREADS, 2)
                        const uint16_t *__restrict__ act, const int32_t *__restrict__ work,
                        const float *__restrict__ w, int hidden, int inter, int max_cols)
 {
+    KERN_ENTRY();
     extern __shared__ __align__(16) uint32_t bs[];  // [max_cols][inter] bf16
     __shared__ int pair_of[MOE_TILE_COLS];
     uint16_t *as = (uint16_t *) bs;
@@ -1049,6 +1063,7 @@ static __global__ void __launch_bounds__(BF16_THREADS, 2)
 static __global__ void moe_combine_kernel(float *out, const float *__restrict__ y,
                                           const float *residual, int n_tok, int k, int hidden)
 {
+    KERN_ENTRY();
     const size_t i = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t) n_tok * hidden) return;
     const size_t t = i / hidden, c = i % hidden;
@@ -1082,6 +1097,7 @@ static __global__ void moe_pack_kernel(uint8_t *__restrict__ qo, uint8_t *__rest
                                        const uint8_t *__restrict__ s, int n_tiles, int K,
                                        int split)
 {
+    KERN_ENTRY();
     const int nks = K / 16, nfull = nks / CHUNK_KS, ntail = nks % CHUNK_KS;
     const size_t i = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t) n_tiles * nks * WARP_SIZE) return;
@@ -1115,9 +1131,8 @@ static void pack(uint8_t *qo, uint8_t *so, const uint8_t *q, const uint8_t *s, i
                  int K, int split, cudaStream_t stream)
 {
     const size_t n = (size_t) n_tiles * (K / 16) * WARP_SIZE;
-    moe_pack_kernel<<<(unsigned) CEIL_DIV(n, 256), 256, 0, stream>>>(qo, so, q, s, n_tiles, K,
-                                                                      split);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(moe_pack_kernel, (unsigned) CEIL_DIV(n, 256), 256, 0, stream, qo, so, q, s, n_tiles,
+                K, split);
 }
 
 void moe_pack_w13(uint8_t *q_out, uint8_t *s_out, const uint8_t *q, const uint8_t *s, int inter,
@@ -1147,13 +1162,12 @@ void moe_route(int32_t *idx, float *w, const float *logits, const float *bias, i
     ASSERT(topk_group >= 1 && topk_group <= n_group);
     const int warps = 4;
     if (topk_group == n_group)
-        moe_route_rank_kernel<<<n_tok, ROUTE_RANK_THREADS, 0, stream>>>(
-            idx, w, logits, bias, n_experts, k, norm_topk_prob, scale, is_ascending);
+        kern_launch(moe_route_rank_kernel, n_tok, ROUTE_RANK_THREADS, 0, stream, idx, w, logits,
+                    bias, n_experts, k, norm_topk_prob, scale, is_ascending);
     else
-        moe_route_kernel<<<CEIL_DIV(n_tok, warps), warps * WARP_SIZE, 0, stream>>>(
-            idx, w, logits, bias, n_tok, n_experts, k, n_group, topk_group, norm_topk_prob, scale,
-            is_ascending);
-    CUDA_CHECK(cudaGetLastError());
+        kern_launch(moe_route_kernel, CEIL_DIV(n_tok, warps), warps * WARP_SIZE, 0, stream, idx, w,
+                    logits, bias, n_tok, n_experts, k, n_group, topk_group, norm_topk_prob, scale,
+                    is_ascending);
 }
 
 // Tiles of up to cols pairs that n_pairs pairs over n_experts experts can need: each expert
@@ -1178,12 +1192,9 @@ static void group_atomic(int32_t *work, const int32_t *idx, int n_pairs, int n_e
     int32_t *cnt = work + tile_list_ints(n_pairs, n_experts, cols);
     CUDA_CHECK(cudaMemsetAsync(cnt, 0, (size_t) 2 * n_experts * sizeof *cnt, stream));
     const unsigned blocks = (unsigned) CEIL_DIV(n_pairs, 256);
-    moe_count_kernel<<<blocks, 256, 0, stream>>>(cnt, idx, n_pairs);
-    CUDA_CHECK(cudaGetLastError());
-    moe_scan_kernel<<<1, WARP_SIZE, 0, stream>>>(work, cnt, n_experts, cols);
-    CUDA_CHECK(cudaGetLastError());
-    moe_place_kernel<<<blocks, 256, 0, stream>>>(work, cnt, idx, n_pairs, n_experts, cols);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(moe_count_kernel, blocks, 256, 0, stream, cnt, idx, n_pairs);
+    kern_launch(moe_scan_kernel, 1, WARP_SIZE, 0, stream, work, cnt, n_experts, cols);
+    kern_launch(moe_place_kernel, blocks, 256, 0, stream, work, cnt, idx, n_pairs, n_experts, cols);
 }
 
 // One launch's pairs: n_tok tokens of k slots, at most max_pairs (MOE_MAX_CHUNK_PAIRS, or
@@ -1206,8 +1217,7 @@ void moe_group(int32_t *work, const int32_t *idx, int n_tok, int k, int n_expert
     ASSERT(n_experts > 0 && n_experts <= MOE_MAX_EXPERTS);
     const int n_pairs = n_tok * k;
     if (n_pairs <= MOE_MAX_PAIRS) {
-        moe_group_kernel<<<1, GROUP_THREADS, 0, stream>>>(work, idx, n_pairs, n_experts);
-        CUDA_CHECK(cudaGetLastError());
+        kern_launch(moe_group_kernel, 1, GROUP_THREADS, 0, stream, work, idx, n_pairs, n_experts);
         return;
     }
     group_atomic(work, idx, n_pairs, n_experts, MOE_TILE_COLS, stream);
@@ -1255,9 +1265,8 @@ void moe_experts_w13(uint16_t *act, const MoeExperts *ex, const float *x, const 
     dim3 grid;
     const size_t smem = launch_shape((const void *) moe_w13_kernel, ex, n_tok, k, ex->hidden,
                                      ex->inter / 8, &grid);
-    moe_w13_kernel<<<grid, MMA_THREADS, smem, stream>>>(act, ex->q13, ex->s13, ex->g13, x, work,
-                                                        k, ex->hidden, ex->inter);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(moe_w13_kernel, grid, MMA_THREADS, smem, stream, act, ex->q13, ex->s13, ex->g13, x,
+                work, k, ex->hidden, ex->inter);
 }
 
 void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const int32_t *work,
@@ -1267,9 +1276,8 @@ void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const i
     dim3 grid;
     const size_t smem = launch_shape((const void *) moe_w2_kernel, ex, n_tok, k, ex->inter,
                                      ex->hidden / 16, &grid);
-    moe_w2_kernel<<<grid, MMA_THREADS, smem, stream>>>(y, ex->q2, ex->s2, ex->g2, act, work, w,
-                                                       ex->hidden, ex->inter);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(moe_w2_kernel, grid, MMA_THREADS, smem, stream, y, ex->q2, ex->s2, ex->g2, act,
+                work, w, ex->hidden, ex->inter);
 }
 
 static void check_experts_bf16(const MoeExpertsBf16 *ex)
@@ -1304,9 +1312,8 @@ void moe_experts_bf16_w13(uint16_t *act, const MoeExpertsBf16 *ex, const float *
     int max_cols;
     const dim3 grid = bf16_launch_shape((const void *) moe_w13_bf16_kernel, ex, n_tok, k,
                                         ex->hidden, ex->inter, &smem, &max_cols);
-    moe_w13_bf16_kernel<<<grid, BF16_THREADS, smem, stream>>>(act, ex->w13, x, work, k, ex->hidden,
-                                                              ex->inter, max_cols);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(moe_w13_bf16_kernel, grid, BF16_THREADS, smem, stream, act, ex->w13, x, work, k,
+                ex->hidden, ex->inter, max_cols);
 }
 
 void moe_experts_bf16_w2(float *y, const MoeExpertsBf16 *ex, const uint16_t *act,
@@ -1317,9 +1324,8 @@ void moe_experts_bf16_w2(float *y, const MoeExpertsBf16 *ex, const uint16_t *act
     int max_cols;
     const dim3 grid = bf16_launch_shape((const void *) moe_w2_bf16_kernel, ex, n_tok, k, ex->inter,
                                         ex->hidden / BF16_ROWS, &smem, &max_cols);
-    moe_w2_bf16_kernel<<<grid, BF16_THREADS, smem, stream>>>(y, ex->w2, act, work, w, ex->hidden,
-                                                             ex->inter, max_cols);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(moe_w2_bf16_kernel, grid, BF16_THREADS, smem, stream, y, ex->w2, act, work, w,
+                ex->hidden, ex->inter, max_cols);
 }
 
 // The wide work list: tile_list_ints' layout for tiles of MOE_WIDE_COLS with the counters,
@@ -1371,10 +1377,8 @@ static dim3 wide_launch(const void *kernel, const MoeExperts *ex, int32_t *work,
     *out_rows = (float *) (work + wide_factors_at(n_pairs, ex->n_experts));
     *xs = (uint16_t *) (work + wide_rows_at(n_pairs, ex->n_experts));
     const unsigned warps_per_block = 8;
-    moe_row_stage_kernel<T><<<(unsigned) CEIL_DIV(n_rows, (int) warps_per_block),
-                              warps_per_block * WARP_SIZE, 0, stream>>>(*xs, *out_rows, src,
-                                                                        n_rows, K);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(moe_row_stage_kernel<T>, (unsigned) CEIL_DIV(n_rows, (int) warps_per_block),
+                warps_per_block * WARP_SIZE, 0, stream, *xs, *out_rows, src, n_rows, K);
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int) moe_wide_smem_bytes()));
     // All of the SM's unified memory as shared where the carveout allows: two blocks an SM.
@@ -1393,9 +1397,8 @@ void moe_experts_w13_wide(uint16_t *act, const MoeExperts *ex, const float *x, i
     const dim3 grid = wide_launch<float>((const void *) moe_w13_wide_kernel, ex, work, x,
                                          n_tok, ex->hidden, n_tok, k, ex->inter / 8, &xs,
                                          &out_rows, stream);
-    moe_w13_wide_kernel<<<grid, MMA_THREADS, moe_wide_smem_bytes(), stream>>>(
-        act, ex->q13, ex->s13, ex->g13, xs, work, out_rows, k, ex->hidden, ex->inter);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(moe_w13_wide_kernel, grid, MMA_THREADS, moe_wide_smem_bytes(), stream, act, ex->q13,
+                ex->s13, ex->g13, xs, work, out_rows, k, ex->hidden, ex->inter);
 }
 
 void moe_experts_w2_wide(float *y, const MoeExperts *ex, const uint16_t *act, int32_t *work,
@@ -1407,9 +1410,8 @@ void moe_experts_w2_wide(float *y, const MoeExperts *ex, const uint16_t *act, in
     const dim3 grid = wide_launch<uint16_t>((const void *) moe_w2_wide_kernel, ex, work,
                                             act, n_tok * k, ex->inter, n_tok, k, ex->hidden / 16,
                                             &xs, &out_rows, stream);
-    moe_w2_wide_kernel<<<grid, MMA_THREADS, moe_wide_smem_bytes(), stream>>>(
-        y, ex->q2, ex->s2, ex->g2, xs, work, out_rows, w, ex->hidden, ex->inter);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(moe_w2_wide_kernel, grid, MMA_THREADS, moe_wide_smem_bytes(), stream, y, ex->q2,
+                ex->s2, ex->g2, xs, work, out_rows, w, ex->hidden, ex->inter);
 }
 
 void moe_combine(float *out, const float *y, const float *residual, int n_tok, int k, int hidden,
@@ -1417,7 +1419,6 @@ void moe_combine(float *out, const float *y, const float *residual, int n_tok, i
 {
     ASSERT(n_tok > 0 && k >= 1 && hidden > 0);
     const size_t n = (size_t) n_tok * hidden;
-    moe_combine_kernel<<<(unsigned) CEIL_DIV(n, 256), 256, 0, stream>>>(out, y, residual, n_tok,
-                                                                        k, hidden);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(moe_combine_kernel, (unsigned) CEIL_DIV(n, 256), 256, 0, stream, out, y, residual,
+                n_tok, k, hidden);
 }

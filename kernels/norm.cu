@@ -14,6 +14,7 @@
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/norm_dev.cuh"
 
 // ---------------------------------------------------------------------------
@@ -53,6 +54,7 @@ template <typename OutT>
 static __global__ void norm_rms_reg_kernel(OutT *out, const float *x, const float *__restrict__ w,
                                            float eps, int d, int x_stride, int out_stride)
 {
+    KERN_ENTRY();
     __shared__ double red[NORM_THREADS / WARP_SIZE];
     const float4 *xr = (const float4 *) (x + (size_t) blockIdx.x * x_stride);
     OutT *o = out + (size_t) blockIdx.x * out_stride;
@@ -87,6 +89,7 @@ template <typename OutT>
 static __global__ void norm_rms_kernel(OutT *out, const float *x, const float *__restrict__ w,
                                        float eps, int d, int x_stride, int out_stride, bool vec)
 {
+    KERN_ENTRY();
     __shared__ double red[NORM_THREADS / WARP_SIZE];
     const float *xr = x + (size_t) blockIdx.x * x_stride;
     OutT *o = out + (size_t) blockIdx.x * out_stride;
@@ -100,6 +103,7 @@ static __global__ void norm_layer_kernel(OutT *out, const float *x, const float 
                                          const float *__restrict__ b, float eps, int d,
                                          int x_stride, int out_stride, bool vec)
 {
+    KERN_ENTRY();
     __shared__ double red[NORM_THREADS / WARP_SIZE];
     const float *xr = x + (size_t) blockIdx.x * x_stride;
     OutT *o = out + (size_t) blockIdx.x * out_stride;
@@ -120,12 +124,11 @@ static void launch_rms(OutT *out, const float *x, const float *w, float eps, int
     const bool vec = norm_vec_rows(x, d, x_stride) && out_stride % 4 == 0 && (uintptr_t) out % 16 == 0
                      && (uintptr_t) w % 16 == 0;
     if (vec && d <= NORM_REG_MAX)
-        norm_rms_reg_kernel<OutT>
-            <<<n, NORM_THREADS, 0, stream>>>(out, x, w, eps, d, x_stride, out_stride);
+        kern_launch(norm_rms_reg_kernel<OutT>, n, NORM_THREADS, 0, stream, out, x, w, eps, d,
+                    x_stride, out_stride);
     else
-        norm_rms_kernel<OutT><<<n, NORM_THREADS, 0, stream>>>(out, x, w, eps, d, x_stride,
-                                                              out_stride, norm_vec_rows(x, d, x_stride));
-    CUDA_CHECK(cudaGetLastError());
+        kern_launch(norm_rms_kernel<OutT>, n, NORM_THREADS, 0, stream, out, x, w, eps, d, x_stride,
+                    out_stride, norm_vec_rows(x, d, x_stride));
 }
 
 template <typename OutT>
@@ -133,9 +136,8 @@ static void launch_layer(OutT *out, const float *x, const float *w, const float 
                          int n, int d, int x_stride, int out_stride, cudaStream_t stream)
 {
     ASSERT(n > 0 && d > 0 && x_stride >= d && out_stride >= d && eps >= 0.0f);
-    norm_layer_kernel<OutT><<<n, NORM_THREADS, 0, stream>>>(out, x, w, b, eps, d, x_stride,
-                                                            out_stride, norm_vec_rows(x, d, x_stride));
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(norm_layer_kernel<OutT>, n, NORM_THREADS, 0, stream, out, x, w, b, eps, d, x_stride,
+                out_stride, norm_vec_rows(x, d, x_stride));
 }
 
 void norm_rms(uint16_t *out, const float *x, const float *w, float eps, int n, int d, int x_stride,

@@ -8,6 +8,7 @@
 
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/rope_format.h"
 
 enum { ROPE_HEADS = 8 };  // heads a block rotates: 8 blocks a token for MLA's 64 q heads
@@ -20,6 +21,7 @@ static __global__ void rope_glm_kernel(float *x, const int32_t *__restrict__ pos
                                        int stride, int head_stride, int offset, int rot_dim,
                                        const __grid_constant__ RopeFreqs f)
 {
+    KERN_ENTRY();
     const int t = blockIdx.x, h0 = blockIdx.y * ROPE_HEADS, i = threadIdx.x, half = rot_dim / 2;
     const int nh = n_heads - h0 < ROPE_HEADS ? n_heads - h0 : ROPE_HEADS;
     float *v = x + (size_t) t * stride + (size_t) h0 * head_stride + offset;
@@ -57,7 +59,6 @@ void rope_glm(float *x, const int32_t *pos, int n_tok, int n_heads, int stride, 
     RopeFreqs f;
     rope_freqs(&f, rot_dim, theta);
     const int threads = CEIL_DIV(rot_dim / 2, 32) * 32;
-    rope_glm_kernel<<<dim3((unsigned) n_tok, (unsigned) groups), threads, 0, stream>>>(
-        x, pos, n_heads, stride, head_stride, offset, rot_dim, f);
-    CUDA_CHECK(cudaGetLastError());
+    kern_launch(rope_glm_kernel, dim3((unsigned) n_tok, (unsigned) groups), threads, 0, stream, x,
+                pos, n_heads, stride, head_stride, offset, rot_dim, f);
 }

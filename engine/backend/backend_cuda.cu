@@ -37,7 +37,13 @@
  *   capture pointers and grid sizes. A key seen in the previous call, with no allocation since, is captured
  *   (stream capture) and launched; later calls with the key replay the graph, the caller
  *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
- *   buffers the caller uploads before. GLMSPARK_CUDA_GRAPHS=0 turns graphs off;
+ *   buffers the caller uploads before. Kernels launch with programmatic dependent launch
+ *   (kernels/launch.h: each may be scheduled while the one before it finishes, and waits for
+ *   it before touching memory; GLMSPARK_CUDA_PDL=0 launches them plainly). A decode layer's
+ *   projections of one normalized row run as one grouped GEMV (matmul_group), the shared
+ *   expert's SwiGLU in its store, and the cache writes normalize and rotate what they store
+ *   (kv_write's KvIn); GLMSPARK_CUDA_FUSE=0 runs those one op at a time (the same numbers: an
+ *   A/B knob). GLMSPARK_CUDA_GRAPHS=0 turns graphs off;
  *   GLMSPARK_MOE_WIDE=0 keeps prefill chunks off the wide expert tiles (moe_tuned);
  *   MLA attention runs on the tensor cores where the shape allows (Backend.mla_tc:
  *   mla_decode_tc, whose recipe also rounds q and the probabilities to bf16, as the CPU
@@ -69,6 +75,7 @@
 #include "kernels/dsa.h"
 #include "kernels/gemm.h"
 #include "kernels/kv.h"
+#include "kernels/launch.h"
 #include "kernels/mla.h"
 #include "kernels/moe.h"
 #include "kernels/norm.h"
@@ -209,9 +216,9 @@ typedef struct CudaImpl {
     double download_s;
     bool profile;  // GLMSPARK_CUDA_PROFILE=1: each op synchronized and timed (graphs off)
     bool moe_wide;  // prefill chunks may take the wide expert tiles (GLMSPARK_MOE_WIDE=0: no)
-    // The fused launches (matmul_group's grouped GEMV, kv_write's norm and RoPE): on unless
-    // GLMSPARK_CUDA_FUSE=0, which runs the same kernels one op at a time (an A/B knob for
-    // measuring what the fusions save; the numbers are the same either way).
+    // The fused launches (matmul_group's grouped GEMV and SwiGLU, kv_write's norm and RoPE):
+    // on unless GLMSPARK_CUDA_FUSE=0, which runs the same kernels one op at a time (an A/B
+    // knob for measuring what the fusions save; the numbers are the same either way).
     bool fuse;
     size_t dsa_score_bytes;  // a DSA top-k pass's scores (DSA_SCORE_BYTES; tests lower it)
     int moe_chunk;  // GLMSPARK_MOE_CHUNK: tokens per expert launch of a prefill (0: the most
@@ -1623,6 +1630,7 @@ Err backend_cuda_create(int device, Backend **out)
     impl->profile = backend_env_flag("GLMSPARK_CUDA_PROFILE", false);
     impl->moe_wide = backend_env_flag("GLMSPARK_MOE_WIDE", true);
     impl->fuse = backend_env_flag("GLMSPARK_CUDA_FUSE", true);
+    kern_set_pdl(backend_env_flag("GLMSPARK_CUDA_PDL", true));
     impl->dsa_score_bytes = DSA_SCORE_BYTES;
     const char *chunk = getenv("GLMSPARK_MOE_CHUNK");
     if (chunk && *chunk) {  // an experiment's knob: tokens per expert launch of a prefill

@@ -20,7 +20,8 @@
 # golden.json's float64 output reported); 4 sampled
 # sequences 2 at a time (--n-seqs 4 --max-seqs 2: batches change sequences) equal with graphs
 # on and off; and with
-# `--kv-dtype fp8` against the CPU backend's with the same cache; greedy
+# `--kv-dtype fp8` against the CPU backend's with the same cache; the logits file byte for byte
+# the same with GLMSPARK_CUDA_PDL=0 GLMSPARK_CUDA_FUSE=0; greedy
 # `--mtp K` (K = 1..3) against the output without MTP on every golden model with an MTP layer. With
 # BENCH="PRESET:BATCHES:CTX ..." (e.g. "default:1,8:1024 small:1,8:1024") it then runs
 # `glmspark bench --synthetic --backend cuda` for each, with graphs on and off
@@ -101,7 +102,13 @@ for d in $golden_dirs; do
     run "$c/bin/glmspark" logits --backend cuda --model "$d" --tokens "$toks" \
         --out "$out/$m.logits" >"$out/$m.cli.log" 2>&1 || { echo "$m: glmspark logits failed"; status=1; }
     if run "$c/bin/gpu_golden_cuda" "$d" "$out/$m.logits" >"$out/$m.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
-    rm -f "$out/$m.logits"
+    # Programmatic dependent launch and the fused launches change no number (a race or a
+    # fusion that sums otherwise would): the same file with both off, byte for byte.
+    env GLMSPARK_CUDA_PDL=0 GLMSPARK_CUDA_FUSE=0 "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
+        "$c/bin/glmspark" logits --backend cuda --model "$d" --tokens "$toks" \
+        --out "$out/$m.plain.logits" >>"$out/$m.cli.log" 2>&1 || { echo "$m: plain logits failed"; status=1; }
+    if cmp -s "$out/$m.logits" "$out/$m.plain.logits"; then pf=PASS; else pf=FAIL; status=1; fi
+    rm -f "$out/$m.logits" "$out/$m.plain.logits"
     # The checks' lines, not the loader's INFO lines (the device returns only the output's tail).
     grep -v " INFO " "$out/$m.log"; grep -i "decode\|error" "$out/$m.cli.log" | head -3
     prompt=$(python3 -c "import json;print(','.join(map(str,json.load(open('$d/golden.json'))['greedy']['prompt'])))")
@@ -137,7 +144,7 @@ for d in $golden_dirs; do
     c8=$(run "$c/bin/glmspark" generate --backend cpu --precision bf16 --kv-dtype fp8 --model "$d" --tokens "$prompt" \
         --max-tokens "$n" --temperature 0 --ignore-eos 2>>"$out/$m.gen.log")
     if [ -n "$c8" ] && [ "$g8" = "$c8" ]; then f=PASS; else f="FAIL (cuda '$g8', cpu '$c8')"; status=1; fi
-    echo "$m: golden $r, generate --backend cuda $g, fp8 cache cuda = cpu $f"
+    echo "$m: golden $r, logits = with PDL and fusions off $pf, generate --backend cuda $g, fp8 cache cuda = cpu $f"
 done
 
 # The fp8 comparison is checked on the models whose two caches hold equal E4M3 codes
@@ -194,6 +201,9 @@ done
 # each of those settings (commas join variables), REAP_PREFILL_PROFILE=1 profiles
 # each per op kind. REAP_SPILL=DIR lets a checkpoint larger than the disk put its last shards
 # in DIR (`mkmodel --spill`, e.g. /dev/shm: REAP=26:3, one 90 GB stage, on the 64 GB disk).
+# REAP_DECODE_ENVS="GLMSPARK_CUDA_PDL=0 GLMSPARK_CUDA_FUSE=0" repeats the fp8 decode bench
+# with each of those settings (the A/B of programmatic dependent launch and of the fused
+# launches, which leave the numbers as they are).
 # REAP_TTFT="25000" times `glmspark generate --max-tokens 1` on a prompt of that many tokens
 # (its prefill line: the time to the first token, issue 20).
 # REAP_MTP=1 writes the checkpoints with an MTP layer (+11.8 GB of
@@ -261,6 +271,13 @@ for cfg in ${REAP:-}; do
         run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
             --ctx 1024 --steps "${STEPS:-16}" --kv-dtype $kv >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg $kv failed"; status=1; }
+    done
+    for e in ${REAP_DECODE_ENVS:-}; do  # e.g. "GLMSPARK_CUDA_PDL=0 GLMSPARK_CUDA_FUSE=0"
+        echo "== bench reap $cfg kv fp8 $e" | tee -a "$out/reap.log"
+        env $(echo "$e" | tr , " ") "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
+            "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
+            --ctx 1024 --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
+            || { echo "bench reap $cfg $e failed"; status=1; }
     done
     if [ -n "${REAP_MTP:-}" ]; then  # MTP steps with 1-3 drafts: verify rows, draft passes
         echo "== bench reap $cfg kv fp8 precision bf16 mtp drafts 1,2,3" | tee -a "$out/reap.log"
