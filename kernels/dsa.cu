@@ -1,5 +1,5 @@
 /*
- * dsa.cu - DSA indexer for decode: key append, scores, top-k.
+ * dsa.cu - DSA indexer: scores, top-k (the keys are written by kernels/kv.h's kv_write).
  *
  * Scores: grid (n_tok, tiles of 128 positions); a CTA of 128 threads covers one tile, thread r
  * position r: it streams its key 16 values at a time (16 bytes of fp8, 32 of bf16, 64 of
@@ -30,58 +30,11 @@
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
 #include "kernels/launch.cuh"
-#include "kernels/rope_format.h"
 
 enum { TOPK_THREADS = 1024, TOPK_UNROLL = 8 };
 
 // ---------------------------------------------------------------------------
-// Append and score kernels
-
-static __global__ void dsa_append_kernel(uint8_t *__restrict__ cache, const float *__restrict__ k,
-                                         const float *__restrict__ ln_w,
-                                         const float *__restrict__ ln_b, float eps,
-                                         const __grid_constant__ RopeFreqs f,
-                                         const int32_t *__restrict__ pos,
-                                         const int32_t *__restrict__ seq,
-                                         const int32_t *__restrict__ block_table, int max_blocks)
-{
-    KERN_ENTRY();
-    __shared__ float red[4];
-    __shared__ float y[DSA_DIM];
-    const int t = blockIdx.x, d = threadIdx.x, lane = d % WARP_SIZE, warp = d / WARP_SIZE;
-    const float x = k[(size_t) t * DSA_DIM + d];
-    float s = warp_sum(x);
-    if (lane == 0) red[warp] = s;
-    __syncthreads();
-    const float mean = (red[0] + red[1] + red[2] + red[3]) / DSA_DIM;
-    __syncthreads();
-    const float c = x - mean;
-    s = warp_sum(c * c);
-    if (lane == 0) red[warp] = s;
-    __syncthreads();
-    const float inv = rsqrtf((red[0] + red[1] + red[2] + red[3]) / DSA_DIM + eps);
-    y[d] = fmaf(c * inv, ln_w[d], ln_b[d]);
-    __syncthreads();
-    float v = y[d];
-    if (d < DSA_ROPE) {  // kernels/rope.h's RoPE on [0, DSA_ROPE): pair i's results at i, 32 + i
-        const int i = d % (DSA_ROPE / 2);
-        float cs, sn, first, second;
-        rope_cos_sin(pos[t], f.inv[i], &cs, &sn);
-        rope_rotate(y[2 * i], y[2 * i + 1], cs, sn, &first, &second);
-        v = d < DSA_ROPE / 2 ? first : second;
-    }
-    __syncthreads();  // red is reused below
-    const float a = warp_max(fabsf(v));
-    if (lane == 0) red[warp] = a;
-    __syncthreads();
-    const float m = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
-    const float scale = m > 0.0f ? m / 448.0f : 1.0f;
-    const int p = pos[t];
-    const int blk = block_table[(size_t) seq[t] * max_blocks + p / DSA_BLOCK];
-    uint8_t *page = cache + (size_t) blk * DSA_BLOCK_BYTES;
-    page[(p % DSA_BLOCK) * DSA_DIM + d] = f32_to_e4m3_bits(v / scale);
-    if (d == 0) ((float *) (page + DSA_BLOCK * DSA_DIM))[p % DSA_BLOCK] = scale;
-}
+// Score kernels
 
 // 16 key values of row chunk j as fp32 (raw: the fp8 scale is applied per head later). W
 // uint4 words hold them: 1 for fp8, 2 for bf16, 4 for fp32.
@@ -579,17 +532,6 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
 
 // ---------------------------------------------------------------------------
 // Launchers
-
-void dsa_cache_append(uint8_t *cache, const float *k, const float *ln_w, const float *ln_b,
-                      float eps, float theta, const int32_t *pos, const int32_t *seq,
-                      const int32_t *block_table, int max_blocks, int n_tok, cudaStream_t stream)
-{
-    ASSERT(cache && n_tok > 0 && max_blocks > 0 && theta > 0.0f);
-    RopeFreqs f;
-    rope_freqs(&f, DSA_ROPE, theta);
-    kern_launch(dsa_append_kernel, n_tok, DSA_DIM, 0, stream, cache, k, ln_w, ln_b, eps, f, pos,
-                seq, block_table, max_blocks);
-}
 
 void dsa_scores(float *scores, int score_stride, const float *q, const float *w, float w_scale,
                 float sm_scale, const DsaCache *cache, const int32_t *block_table, int max_blocks,

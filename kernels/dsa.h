@@ -1,19 +1,16 @@
 /*
- * dsa.h - DeepSeek sparse attention's indexer for decode: key cache append, scores over every
- * cached position, and top-k selection (transformers 5.17 modeling_glm_moe_dsa.py, the
- * indexer of GlmMoeDsaAttention).
+ * dsa.h - DeepSeek sparse attention's indexer: scores over every cached position and top-k
+ * selection (transformers 5.17 modeling_glm_moe_dsa.py, the indexer of GlmMoeDsaAttention).
  *
- * Key cache of dsa_cache_append, one page per DSA_BLOCK positions (DSA_BLOCK_BYTES per page;
- * dsa_cache_fp8 describes it as a DsaCache):
+ * GLM-5's fp8 key pages, one per DSA_BLOCK positions (DSA_BLOCK_BYTES per page; the engine's
+ * KV cache lays its index keys out so at these widths, kernels/kv_format.h kv_entry_layout,
+ * and kernels/kv.h's kv_write stores them; dsa_cache_fp8 describes them as a DsaCache):
  *   bytes [0, 128*128)              128 keys of 128 fp8-e4m3 values, row = position % 128
  *   bytes [128*128, 128*128 + 512)  128 fp32 scales, one per key (amax / 448)
  * dsa_scores reads any DsaCache (kernels/dsa_format.h: fp8, bf16 or fp32 keys of 16 .. 128
  * values in pages of any block size, such as the engine's KV cache). Pages are found through
  * block_table int32 [n_seq, max_blocks] as in mla.h.
  *
- *   dsa_cache_append: k fp32 [n_tok, 128] (the wk projection output) -> LayerNorm with
- *     ln_w, ln_b fp32 [128] and eps, rope.h's RoPE on dims [0, 64) at pos[t], fp8 with a
- *     per-key scale, stored at position pos[t] of sequence seq[t].
  *   dsa_scores: scores[t, p] = sum_h w[t, h] * w_scale * ReLU(sm_scale * q[t, h] . k(p)) for
  *     p < kv_len[t]; q fp32 [n_tok, n_heads, dim] already rotated, w fp32 [n_tok, n_heads]
  *     (weights_proj output; w_scale = n_heads^-0.5, sm_scale = dim^-0.5 for GLM-5), in fp32
@@ -48,11 +45,7 @@ extern "C" {
 #define DSA_BLOCK 128
 #define DSA_BLOCK_BYTES (DSA_BLOCK * DSA_DIM + DSA_BLOCK * 4)
 
-void dsa_cache_append(uint8_t *cache, const float *k, const float *ln_w, const float *ln_b,
-                      float eps, float theta, const int32_t *pos, const int32_t *seq,
-                      const int32_t *block_table, int max_blocks, int n_tok, cudaStream_t stream);
-
-// dsa_cache_append's layout (pages of DSA_BLOCK keys of DSA_DIM fp8 values) as a DsaCache.
+// GLM-5's fp8 key pages (DSA_BLOCK keys of DSA_DIM values) as a DsaCache.
 static inline DsaCache dsa_cache_fp8(const uint8_t *cache)
 {
     const DsaCache c = {cache, DSA_KEY_FP8, DSA_DIM, DSA_BLOCK, DSA_DIM, DSA_BLOCK * DSA_DIM,

@@ -5,9 +5,9 @@
  * Key pages: the key of position p of a sequence lives in page b = block_table[seq, p /
  * block] at pages + b * page_bytes, row p % block, key_bytes apart; a row holds dim values as
  * E4M3 codes (their fp32 scale, one per key, in the page's scale array at offset scales), bf16
- * or fp32 (no scale: 1). kernels/dsa.h's own layout (dsa_cache_append) is DSA_KEY_FP8 with dim
- * 128 and block 128; the engine's KV cache (engine/model/kv_cache.h kv_dsa_cache) is any of
- * the three at its own widths.
+ * or fp32 (no scale: 1). The engine's KV cache (engine/model/kv_cache.h kv_dsa_cache) is any
+ * of the three at its own widths; at GLM-5's (fp8, dim 128, block 128) it is kernels/dsa.h's
+ * dsa_cache_fp8.
  *
  * Score of key k (dim raw values kv[i]: the code's value, not yet scaled) for one query token
  * with n_heads rows q[h, 0..dim) and head weights ws[h] (already multiplied by w_scale):

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels/dsa_format.h"
+#include "kernels/mla_format.h"
 #include "kernels/nvfp4_format.h"
 
 #ifdef __cplusplus
@@ -51,6 +53,62 @@ typedef struct KvEntryLayout {
     int key_scales;   // fp8: the page's scale array (block_size fp32), from the page's start
     int key_page;     // a key page; 0 without an indexer key
 } KvEntryLayout;
+
+static inline int kv_align4(int n)
+{
+    return (n + 3) & ~3;
+}
+
+// The width an index key of `width` values is stored in (engine/model/kv_cache.h, padding): a
+// multiple of 16 up to DSA_MAX_DIM in a bf16 or fp8 cache, else its own.
+static inline int kv_key_store_width(KvDtype dtype, int width)
+{
+    if (dtype == KV_DTYPE_F32 || width <= 0 || width > DSA_MAX_DIM) return width;
+    return (width + 15) / 16 * 16;
+}
+
+// The storage of a layer with these widths (index_dim 0: no indexer key) in this type and
+// block size (engine/model/kv_cache.h describes it). Widths must be >= 0, block_size >= 1 and
+// dtype one of KvDtype. At GLM-5's widths and blocks of MLA_BLOCK its MLA entries are
+// kernels/mla.h's cache (fp8_ds_mla or bf16) and its key pages kernels/dsa.h's fp8 keys.
+static inline KvEntryLayout kv_entry_layout(KvDtype dtype, int kv_lora, int rope_dim, int index_dim,
+                                            int block_size)
+{
+    KvEntryLayout e;
+    memset(&e, 0, sizeof e);
+    e.dtype = (int) dtype;
+    e.kv_lora = kv_lora;
+    e.rope_dim = rope_dim;
+    e.index_dim = index_dim;
+    e.lat_store = kv_lora;
+    e.pe_store = rope_dim;
+    e.key_store = kv_key_store_width(dtype, index_dim);
+    e.block_size = block_size;
+    // The MLA entry padded to the kernels' widths where they could read it (kv_cache.h).
+    if (dtype != KV_DTYPE_F32 && block_size == MLA_BLOCK && kv_lora <= MLA_KV_LORA
+        && rope_dim <= MLA_ROPE) {
+        e.lat_store = MLA_KV_LORA;
+        e.pe_store = MLA_ROPE;
+    }
+    if (dtype != KV_DTYPE_FP8) {
+        e.value_bytes = dtype == KV_DTYPE_BF16 ? 2 : 4;
+        e.pe = e.lat_store * e.value_bytes;
+        e.bytes = (e.lat_store + e.pe_store) * e.value_bytes;
+        e.key_bytes = e.key_store * e.value_bytes;
+        e.key_page = block_size * e.key_bytes;
+        return e;
+    }
+    const int groups = (e.lat_store + KV_FP8_GROUP - 1) / KV_FP8_GROUP;
+    e.lat_scale = kv_align4(e.lat_store);
+    e.pe = e.lat_scale + 4 * groups;
+    e.bytes = kv_align4(e.pe + 2 * e.pe_store);
+    if (index_dim > 0) {
+        e.key_bytes = kv_align4(e.key_store);
+        e.key_scales = block_size * e.key_bytes;
+        e.key_page = e.key_scales + 4 * block_size;
+    }
+    return e;
+}
 
 // What a cache write does to a token's values before storing them, in this order (NULL: they
 // are stored as given): values 0 .. norm_dim of the write normalized, RMSNorm with norm_w

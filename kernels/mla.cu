@@ -1,6 +1,6 @@
 /*
- * mla.cu - MLA decode: cache append, query split/rotation, split-KV absorbed attention and the
- * split merge.
+ * mla.cu - MLA decode: query split, split-KV absorbed attention and the split merge (the cache
+ * is written by kernels/kv.h's kv_write).
  *
  * Attention decomposition: grid (n_split, H / 16, n_tok); a CTA of 256 threads owns 16 heads
  * of one token and one contiguous range of its positions, so each cache tile is read from
@@ -28,7 +28,6 @@
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
 #include "kernels/launch.cuh"
-#include "kernels/rope_format.h"
 
 enum {
     HB = MLA_HEADS_PER_CTA,
@@ -39,65 +38,7 @@ enum {
 };
 
 // ---------------------------------------------------------------------------
-// Cache append and query split kernels
-
-template <int CT>
-static __global__ void mla_append_kernel(uint8_t *__restrict__ cache, const float *__restrict__ ckv,
-                                         int ckv_stride, const float *__restrict__ norm_w,
-                                         float eps, const __grid_constant__ RopeFreqs f,
-                                         const int32_t *__restrict__ pos,
-                                         const int32_t *__restrict__ seq,
-                                         const int32_t *__restrict__ block_table, int max_blocks)
-{
-    KERN_ENTRY();
-    __shared__ float red[4];
-    const int t = blockIdx.x, tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
-    const float *x = ckv + (size_t) t * ckv_stride;
-    const int p = pos[t];
-    const int blk = block_table[(size_t) seq[t] * max_blocks + p / MLA_BLOCK];
-    const size_t tb = CT == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES : BF16_TOKEN_BYTES;
-    uint8_t *dst = cache + ((size_t) blk * MLA_BLOCK + p % MLA_BLOCK) * tb;
-
-    float v[4];
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        v[j] = x[tid * 4 + j];
-        ss = fmaf(v[j], v[j], ss);
-    }
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    const float inv = rsqrtf((red[0] + red[1] + red[2] + red[3]) / MLA_KV_LORA + eps);
-#pragma unroll
-    for (int j = 0; j < 4; j++) v[j] = v[j] * inv * norm_w[tid * 4 + j];
-
-    if (CT == MLA_CACHE_FP8) {
-        // One warp covers one 128-value scale chunk.
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-        amax = warp_max(amax);
-        const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
-        uint32_t packed = 0;
-#pragma unroll
-        for (int j = 0; j < 4; j++) packed |= (uint32_t) f32_to_e4m3_bits(v[j] / scale) << (8 * j);
-        *(uint32_t *) (dst + tid * 4) = packed;
-        if (lane == 0) *(float *) (dst + MLA_KV_LORA + warp * 4) = scale;
-    } else {
-        uint16_t *d = (uint16_t *) dst;
-#pragma unroll
-        for (int j = 0; j < 4; j++) d[tid * 4 + j] = f32_to_bf16_bits(v[j]);
-    }
-
-    if (tid < MLA_ROPE / 2) {  // kernels/rope.h's RoPE, then bf16
-        const int i = tid;
-        float c, s, y0, y1;
-        rope_cos_sin(p, f.inv[i], &c, &s);
-        rope_rotate(x[MLA_KV_LORA + 2 * i], x[MLA_KV_LORA + 2 * i + 1], c, s, &y0, &y1);
-        uint16_t *kpe = (uint16_t *) (dst + (CT == MLA_CACHE_FP8 ? MLA_KV_LORA + 16 : MLA_KV_LORA * 2));
-        kpe[i] = f32_to_bf16_bits(y0);
-        kpe[MLA_ROPE / 2 + i] = f32_to_bf16_bits(y1);
-    }
-}
+// Query split kernel
 
 static __global__ void mla_q_split_kernel(uint16_t *__restrict__ q_nope, float *__restrict__ q_pe,
                                           const float *__restrict__ q, int n_heads, int qk_nope,
@@ -628,23 +569,6 @@ static __global__ void mla_merge_kernel(uint16_t *__restrict__ out, const float 
 size_t mla_cache_token_bytes(MlaCacheType type)
 {
     return type == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES : BF16_TOKEN_BYTES;
-}
-
-void mla_cache_append(const MlaCache *cache, const float *ckv, int ckv_stride,
-                      const float *norm_w, float eps, float theta, const int32_t *pos,
-                      const int32_t *seq, const int32_t *block_table, int max_blocks, int n_tok,
-                      cudaStream_t stream)
-{
-    ASSERT(cache && cache->data && n_tok > 0 && ckv_stride >= MLA_LK && max_blocks > 0
-           && theta > 0.0f);
-    RopeFreqs f;
-    rope_freqs(&f, MLA_ROPE, theta);
-    if (cache->type == MLA_CACHE_FP8)
-        kern_launch(mla_append_kernel<MLA_CACHE_FP8>, n_tok, 128, 0, stream, cache->data, ckv,
-                    ckv_stride, norm_w, eps, f, pos, seq, block_table, max_blocks);
-    else
-        kern_launch(mla_append_kernel<MLA_CACHE_BF16>, n_tok, 128, 0, stream, cache->data, ckv,
-                    ckv_stride, norm_w, eps, f, pos, seq, block_table, max_blocks);
 }
 
 void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, int n_tok, int n_heads,

@@ -60,15 +60,6 @@ typedef struct MlaCache {
 // Bytes one token occupies in a cache of this type.
 size_t mla_cache_token_bytes(MlaCacheType type);
 
-// Write tokens into the cache. ckv fp32 [n_tok, ckv_stride] holds [c_kv(512) | k_pe(64)] (the
-// kv_a projection output); c_kv is RMS-normalized with norm_w fp32 [512] and eps, k_pe rotated
-// at pos[t] as kernels/rope.h rotates (theta), and the token stored at position pos[t] of
-// sequence seq[t].
-void mla_cache_append(const MlaCache *cache, const float *ckv, int ckv_stride,
-                      const float *norm_w, float eps, float theta, const int32_t *pos,
-                      const int32_t *seq, const int32_t *block_table, int max_blocks, int n_tok,
-                      cudaStream_t stream);
-
 // q fp32 [n_tok, H, qk_nope + qk_rope] per head (the q_b projection output, its q_pe already
 // rotated by kernels/rope.h) -> q_nope bf16 [n_tok, heads_pad, MLA_QK_NOPE] and q_pe fp32
 // [n_tok, heads_pad, MLA_ROPE], copied; values past qk_nope and qk_rope, and heads past H,

@@ -1,6 +1,6 @@
 /*
  * rope_format.h - RoPE's inverse frequencies, in plain C for the host, so that every RoPE
- * (the CPU backend's, kernels/rope.h and the caches' appends, the references) rotates by the
+ * (the CPU backend's, kernels/rope.h and kernels/kv.h's cache write, the references) rotates by the
  * same fp32 angles.
  *
  * inv_freq[i] = 1 / theta^(2i / rot_dim), in fp32 as transformers computes it (the exponent
@@ -10,7 +10,7 @@
  * RopeFreqs on the host and passes it by value (a kernel parameter, which a CUDA graph
  * records), and the angle pos * inv_freq is one fp32 product on either side.
  * rope_cos_sin and rope_rotate are the rest of the arithmetic, for the host and the device
- * alike: every RoPE (the CPU backend's, rope.cu's, the caches' appends) calls them.
+ * alike: every RoPE (the CPU backend's, rope.cu's, kv.cu's) calls them.
  *
  * Ownership: none. Threads: pure. Errors: none.
  */

@@ -11,56 +11,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int align4(int n)
-{
-    return (n + 3) & ~3;
-}
-
-// The width an index key of `width` values is stored in (kv_cache.h, padding): a multiple of
-// 16 up to DSA_MAX_DIM in a bf16 or fp8 cache, else its own.
-static int key_store_width(KvDtype dtype, int width)
-{
-    if (dtype == KV_DTYPE_F32 || width <= 0 || width > DSA_MAX_DIM) return width;
-    return (width + 15) / 16 * 16;
-}
-
-KvEntryLayout kv_entry_layout(KvDtype dtype, int kv_lora, int rope_dim, int index_dim,
-                              int block_size)
-{
-    KvEntryLayout e = {.dtype = (int) dtype,
-                       .kv_lora = kv_lora,
-                       .rope_dim = rope_dim,
-                       .index_dim = index_dim,
-                       .lat_store = kv_lora,
-                       .pe_store = rope_dim,
-                       .key_store = key_store_width(dtype, index_dim),
-                       .block_size = block_size};
-    // The MLA entry padded to the kernels' widths where they could read it (kv_cache.h).
-    if (dtype != KV_DTYPE_F32 && block_size == MLA_BLOCK && kv_lora <= MLA_KV_LORA
-        && rope_dim <= MLA_ROPE) {
-        e.lat_store = MLA_KV_LORA;
-        e.pe_store = MLA_ROPE;
-    }
-    if (dtype != KV_DTYPE_FP8) {
-        e.value_bytes = dtype == KV_DTYPE_BF16 ? 2 : 4;
-        e.pe = e.lat_store * e.value_bytes;
-        e.bytes = (e.lat_store + e.pe_store) * e.value_bytes;
-        e.key_bytes = e.key_store * e.value_bytes;
-        e.key_page = block_size * e.key_bytes;
-        return e;
-    }
-    const int groups = (e.lat_store + KV_FP8_GROUP - 1) / KV_FP8_GROUP;
-    e.lat_scale = align4(e.lat_store);
-    e.pe = e.lat_scale + 4 * groups;
-    e.bytes = align4(e.pe + 2 * e.pe_store);
-    if (index_dim > 0) {
-        e.key_bytes = align4(e.key_store);
-        e.key_scales = block_size * e.key_bytes;
-        e.key_page = e.key_scales + 4 * block_size;
-    }
-    return e;
-}
-
 static const char *const dtype_names[] = {"f32", "bf16", "fp8"};
 
 const char *kv_dtype_name(KvDtype dtype)

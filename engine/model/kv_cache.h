@@ -129,11 +129,6 @@ typedef struct KvSeq {
     int n_tokens;  // positions written so far (the model's forward advances it)
 } KvSeq;
 
-// The storage of a layer with these widths (index_dim 0: no indexer key) in this type and
-// block size. Widths must be >= 0, block_size >= 1 and dtype one of KvDtype.
-KvEntryLayout kv_entry_layout(KvDtype dtype, int kv_lora, int rope_dim, int index_dim,
-                              int block_size);
-
 // Bytes one token takes in a layer of this storage (its entry and, with an indexer key, its
 // share of a key page).
 static inline size_t kv_token_bytes(const KvEntryLayout *lo)

@@ -22,7 +22,7 @@ void dsa_key_read_ref(float *out, const uint8_t *cache, int blk, int row)
     for (int d = 0; d < DIM; d++) out[d] = kern_e4m3_to_f32(page[row * DIM + d]) * s;
 }
 
-void dsa_cache_append_ref(float *want, const float *k, const float *ln_w, const float *ln_b,
+void dsa_key_store_ref(float *want, const float *k, const float *ln_w, const float *ln_b,
                           float eps, float theta, const int32_t *pos, int n_tok)
 {
     for (int t = 0; t < n_tok; t++) {

@@ -18,9 +18,9 @@ extern "C" {
 // The 128 key values of page blk, row, decoded exactly.
 void dsa_key_read_ref(float *out, const uint8_t *cache, int blk, int row);
 
-// The exact values dsa_cache_append stores: want [n_tok, 128] (LayerNorm, then rope.h's RoPE on
-// [0, 64)).
-void dsa_cache_append_ref(float *want, const float *k, const float *ln_w, const float *ln_b,
+// The exact values the engine's cache write stores for an index key (kernels/kv.h kv_write:
+// LayerNorm, then RoPE on [0, 64)): want [n_tok, 128].
+void dsa_key_store_ref(float *want, const float *k, const float *ln_w, const float *ln_b,
                           float eps, float theta, const int32_t *pos, int n_tok);
 
 // scores [n_tok, stride] for p < kv_len[t] over the keys of cache (any DsaCache, host

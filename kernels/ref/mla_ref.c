@@ -35,7 +35,7 @@ void mla_cache_read_ref(float *out, const uint8_t *cache, int type, int blk, int
     }
 }
 
-void mla_cache_append_ref(float *want, const float *ckv, int ckv_stride, const float *norm_w,
+void mla_latent_store_ref(float *want, const float *ckv, int ckv_stride, const float *norm_w,
                           float eps, float theta, const int32_t *pos, int n_tok)
 {
     for (int t = 0; t < n_tok; t++) {

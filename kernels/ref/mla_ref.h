@@ -18,8 +18,9 @@ extern "C" {
 // The 576 latent values of cache page blk, row, decoded exactly.
 void mla_cache_read_ref(float *out, const uint8_t *cache, int type, int blk, int row);
 
-// The exact (unquantized) values mla_cache_append stores for each token: want [n_tok, 576].
-void mla_cache_append_ref(float *want, const float *ckv, int ckv_stride, const float *norm_w,
+// The exact (unquantized) values the engine's cache write stores for each token's latent
+// (kernels/kv.h kv_write with kv_a_layernorm and RoPE on k_pe): want [n_tok, 576].
+void mla_latent_store_ref(float *want, const float *ckv, int ckv_stride, const float *norm_w,
                           float eps, float theta, const int32_t *pos, int n_tok);
 
 // out [n_tok, H, 512] as mla_decode (unrounded). out_abs [n_tok, H, 512] = sum_p p |c_kv|;

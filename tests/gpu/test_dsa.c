@@ -1,8 +1,10 @@
 /*
- * test_dsa.c - kernels/dsa.cu (indexer key append, scores, top-k) against kernels/ref/dsa_ref.c.
+ * test_dsa.c - kernels/dsa.cu (scores, top-k) against kernels/ref/dsa_ref.c, over key pages
+ * written by the engine's cache write (kernels/kv.h kv_write).
  *
- * Append: LayerNorm + RoPE + fp8 with a per-key scale; bound as in test_mla.c (e4m3 rounding
- * 2^-4 relative, subnormal half-step 2^-10 * scale, plus fp32 statistics).
+ * Write: LayerNorm + RoPE + fp8 with a per-key scale (kv_write's KvIn) against
+ * dsa_key_store_ref; bound as in test_mla.c (e4m3 rounding 2^-4 relative, subnormal
+ * half-step 2^-10 * scale, plus fp32 statistics).
  * Scores: the reference decodes the same cache bytes; fp32 dot products of 128 terms, a
  * 32-term weighted sum: (128 + 32 + 16) * FLT_EPSILON * sum|terms|.
  * Other layouts (test_layouts: fp8, bf16 and fp32 keys of 32 or 128 values in pages of 16 or
@@ -22,6 +24,7 @@
 #include <string.h>
 
 #include "kernels/dsa.h"
+#include "kernels/kv.h"
 #include "kernels/ref/dsa_ref.h"
 #include "tests/gpu/gpu_util.h"
 
@@ -76,13 +79,22 @@ static void test_indexer(int n_seq, const int *lens, int n_heads, int k)
     float *d_lw = gpu_upload(ln_w, DSA_DIM * 4), *d_lb = gpu_upload(ln_b, DSA_DIM * 4);
     int32_t *d_pos = gpu_upload(pos, total * 4), *d_seq = gpu_upload(seq, total * 4);
     int32_t *d_table = gpu_upload(table, (size_t) n_blocks * 4);
-    dsa_cache_append(d_cache, d_k, d_lw, d_lb, eps, theta, d_pos, d_seq, d_table, max_blocks, total, 0);
+    // The engine's cache write of index keys (kernels/kv.h kv_write: LayerNorm and RoPE on
+    // the way, KvIn) into key pages laid out by kv_format.h at GLM-5's widths: dsa.h's fp8
+    // pages. The layout has no latent (kv_lora 0): the MLA pages are never written.
+    const KvEntryLayout lo = kv_entry_layout(KV_DTYPE_FP8, 0, 0, DSA_DIM, DSA_BLOCK);
+    CHECK(lo.key_page == DSA_BLOCK_BYTES && lo.key_bytes == DSA_DIM
+          && lo.key_scales == DSA_BLOCK * DSA_DIM);
+    uint8_t *d_mla = gpu_alloc_poisoned((size_t) n_blocks * DSA_BLOCK * lo.bytes);
+    const KvPages pages = {d_mla, d_cache, lo};
+    const KvIn in = {d_lw, d_lb, DSA_DIM, eps, 0, DSA_ROPE, theta};
+    kv_write(&pages, d_table, max_blocks, d_seq, d_pos, 0, d_k, DSA_DIM, total, &in, 0);
     uint8_t *h_cache = xmalloc(cache_bytes);
     gpu_download(h_cache, d_cache, cache_bytes);
 
     float *want = xmalloc((size_t) total * DSA_DIM * 4), *got = xmalloc((size_t) total * DSA_DIM * 4);
     float *tol = xmalloc((size_t) total * DSA_DIM * 4);
-    dsa_cache_append_ref(want, kin, ln_w, ln_b, eps, theta, pos, total);
+    dsa_key_store_ref(want, kin, ln_w, ln_b, eps, theta, pos, total);
     for (int i = 0; i < total; i++) {
         const int blk = table[seq[i] * max_blocks + pos[i] / DSA_BLOCK];
         dsa_key_read_ref(got + (size_t) i * DSA_DIM, h_cache, blk, pos[i] % DSA_BLOCK);
@@ -94,7 +106,7 @@ static void test_indexer(int n_seq, const int *lens, int n_heads, int k)
                                             + 300 * FLT_EPSILON * (a + 2.0f);
         }
     }
-    compare("dsa append", got, want, tol, 0, (size_t) total * DSA_DIM, 1e-2);
+    compare("kv_write index keys", got, want, tol, 0, (size_t) total * DSA_DIM, 1e-2);
 
     // One query per sequence.
     const int n_tok = n_seq;
@@ -136,7 +148,8 @@ static void test_indexer(int n_seq, const int *lens, int n_heads, int k)
     snprintf(name, sizeof name, "dsa topk len0=%d", lens[0]);
     check_topk(name, s_got, stride, kv_len, n_tok, k);
 
-    cudaFree(d_cache), cudaFree(d_k), cudaFree(d_lw), cudaFree(d_lb), cudaFree(d_pos), cudaFree(d_seq);
+    cudaFree(d_cache), cudaFree(d_mla), cudaFree(d_k), cudaFree(d_lw), cudaFree(d_lb), cudaFree(d_pos);
+    cudaFree(d_seq);
     cudaFree(d_table), cudaFree(d_q), cudaFree(d_w), cudaFree(d_dseq), cudaFree(d_len), cudaFree(d_s);
     free(table), free(kin), free(ln_w), free(ln_b), free(pos), free(seq), free(h_cache), free(want);
     free(got), free(tol), free(q), free(w), free(dseq), free(kv_len), free(s_want), free(s_abs);

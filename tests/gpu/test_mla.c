@@ -1,10 +1,12 @@
 /*
- * test_mla.c - kernels/mla.cu (cache append, query split, split-KV absorbed decode attention)
- * against kernels/ref/mla_ref.c, for the fp8 and the bf16 cache.
+ * test_mla.c - kernels/mla.cu (query split, split-KV absorbed decode attention) against
+ * kernels/ref/mla_ref.c, for the fp8 and the bf16 cache, over pages written by the engine's
+ * cache write (kernels/kv.h kv_write with the latent's norm and RoPE), itself checked against
+ * mla_latent_store_ref's values read through the MLA cache's layout.
  *
  * Pages are handed out in a shuffled order so that a wrong page-table walk cannot pass. The
  * attention reference reads the same cache bytes the kernel read (downloaded after the append),
- * so the quantization is not part of the attention bound; the append test bounds it separately:
+ * so the quantization is not part of the attention bound; the write test bounds it separately:
  * e4m3 keeps 3 mantissa bits (2^-4 relative error after rounding) down to its subnormal step
  * (2^-9 * scale, half of it after rounding), bf16 keeps 8 (2^-8).
  *
@@ -25,6 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels/kv.h"
 #include "kernels/mla.h"
 #include "kernels/ref/mla_ref.h"
 #include "tests/gpu/gpu_util.h"
@@ -78,8 +81,10 @@ static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
     const size_t tb = mla_cache_token_bytes(type);
     const size_t cache_bytes = (size_t) n_blocks * MLA_BLOCK * tb;
 
-    // Append every position of every sequence in one launch.
-    const int ckv_stride = MLA_LK + 3;
+    // Write every position of every sequence in one launch, as the engine writes a layer's
+    // latent: kernels/kv.h kv_write over pages laid out by kv_format.h at GLM-5's widths (the
+    // MLA cache of this type), normalizing c_kv and rotating k_pe on the way (KvIn).
+    const int ckv_stride = MLA_LK;
     float *ckv = xmalloc((size_t) total * ckv_stride * 4), *norm_w = xmalloc(MLA_KV_LORA * 4);
     int32_t *pos = xmalloc(total * 4), *seq = xmalloc(total * 4);
     fill_f32(ckv, (size_t) total * ckv_stride, &rng, -2.0f, 2.0f);
@@ -90,14 +95,18 @@ static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
     float *d_ckv = gpu_upload(ckv, (size_t) total * ckv_stride * 4), *d_nw = gpu_upload(norm_w, MLA_KV_LORA * 4);
     int32_t *d_pos = gpu_upload(pos, total * 4), *d_seq = gpu_upload(seq, total * 4);
     int32_t *d_table = gpu_upload(table, (size_t) n_blocks * 4);
-    mla_cache_append(&cache, d_ckv, ckv_stride, d_nw, eps, theta, d_pos, d_seq, d_table,
-                     max_blocks, total, 0);
+    const KvPages pages = {cache.data, NULL,
+                           kv_entry_layout(type == MLA_CACHE_FP8 ? KV_DTYPE_FP8 : KV_DTYPE_BF16,
+                                           MLA_KV_LORA, MLA_ROPE, 0, MLA_BLOCK)};
+    CHECK((size_t) pages.lo.bytes == tb);  // the engine's entry is the MLA cache's token
+    const KvIn in = {d_nw, NULL, MLA_KV_LORA, eps, MLA_KV_LORA, MLA_ROPE, theta};
+    kv_write(&pages, d_table, max_blocks, d_seq, d_pos, 0, d_ckv, MLA_LK, total, &in, 0);
     uint8_t *h_cache = xmalloc(cache_bytes);
     gpu_download(h_cache, cache.data, cache_bytes);
 
     float *want = xmalloc((size_t) total * MLA_LK * 4), *got = xmalloc((size_t) total * MLA_LK * 4);
     float *tol = xmalloc((size_t) total * MLA_LK * 4);
-    mla_cache_append_ref(want, ckv, ckv_stride, norm_w, eps, theta, pos, total);
+    mla_latent_store_ref(want, ckv, ckv_stride, norm_w, eps, theta, pos, total);
     for (int i = 0; i < total; i++) {
         const int blk = table[seq[i] * max_blocks + pos[i] / MLA_BLOCK];
         mla_cache_read_ref(got + (size_t) i * MLA_LK, h_cache, type, blk, pos[i] % MLA_BLOCK);
@@ -121,7 +130,7 @@ static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
         }
     }
     char name[96];
-    snprintf(name, sizeof name, "mla append %s tokens=%d", type == MLA_CACHE_FP8 ? "fp8" : "bf16", total);
+    snprintf(name, sizeof name, "kv_write latent %s tokens=%d", type == MLA_CACHE_FP8 ? "fp8" : "bf16", total);
     compare(name, got, want, tol, 0, (size_t) total * MLA_LK, type == MLA_CACHE_FP8 ? 1e-2 : 1e-4);
 
     // One decode query per sequence.
