@@ -58,13 +58,41 @@ template <> __device__ __forceinline__ void store_out<uint16_t>(uint16_t *p, flo
     *p = f32_to_bf16_bits(v);
 }
 
+// L2 prefetches of the lines the first `bytes` of rows r0 .. r0 + n_rows (those < rows) of
+// matrix m span, spread over threads tid of n_threads: what a GEMV's first loads read, issued
+// before KERN_ENTRY's wait (weights: no kernel writes them).
+static __device__ __forceinline__ void gemv_rows_prefetch(const uint16_t *w, int rows, int cols,
+                                                          int m, int r0, int n_rows, int bytes,
+                                                          int tid, int n_threads)
+{
+    const int lines = (min(bytes, cols * 2) + 127) / 128;
+    for (int k = tid; k < n_rows * lines; k += n_threads) {
+        const int r = r0 + k / lines;
+        if (r < rows)
+            kern_prefetch_l2((const char *) (w + ((size_t) m * rows + r) * cols) + (size_t) (k % lines) * 128);
+    }
+}
+
+// The warp-per-row kernel's first step: each warp's R rows, 2 chunks of 16 bytes a lane.
+template <int R>
+static __device__ __forceinline__ void gemv_warp_prefetch(const uint16_t *w, int rows, int cols,
+                                                          int n_mat)
+{
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP_SIZE;
+    const int warps_per_mat = CEIL_DIV(rows, R), m = warp / warps_per_mat;
+    if (m < n_mat)
+        gemv_rows_prefetch(w, rows, cols, m, (warp % warps_per_mat) * R, R, 2 * WARP_SIZE * 16,
+                           lane, WARP_SIZE);
+}
+
 template <int R, int NT, typename OutT, typename XT>
 static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
     gemm_bf16_gemv_kernel(OutT *__restrict__ y, const uint16_t *__restrict__ w,
                           const XT *__restrict__ x, const float *residual, int rows,
                           int cols, int n_mat, int n_tok)
 {
-    KERN_ENTRY();
+    KERN_ENTRY_AFTER(gemv_warp_prefetch<R>(w, rows, cols, n_mat));
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP_SIZE;
     const int warps_per_mat = CEIL_DIV(rows, R);
@@ -246,13 +274,25 @@ static __device__ __forceinline__ void gemv_sk_rows(OutT *__restrict__ y,
     }
 }
 
+// The split-K kernel's first step: the block's R rows, SK_IN_FLIGHT steps of 16-byte chunks
+// over its threads (the whole row when shorter).
+template <int R>
+static __device__ __forceinline__ void gemv_sk_prefetch(const uint16_t *w, int rows, int cols)
+{
+    const int blocks_per_mat = CEIL_DIV(rows, R);
+    gemv_rows_prefetch(w, rows, cols, blockIdx.x / blocks_per_mat,
+                       (blockIdx.x % blocks_per_mat) * R, R,
+                       SK_IN_FLIGHT * GEMV_WARPS * WARP_SIZE * 16, threadIdx.x,
+                       GEMV_WARPS * WARP_SIZE);
+}
+
 template <int R, int NT, typename OutT, typename XT>
 static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
     gemm_bf16_gemv_sk_kernel(OutT *__restrict__ y, const uint16_t *__restrict__ w,
                              const XT *__restrict__ x, const float *residual, int rows, int cols,
                              int n_mat, int n_tok)
 {
-    KERN_ENTRY();
+    KERN_ENTRY_AFTER(gemv_sk_prefetch<R>(w, rows, cols));
     const int blocks_per_mat = CEIL_DIV(rows, R);
     gemv_sk_rows<R, NT, OutT, XT>(y, w, x, residual, rows, cols, n_mat, n_tok,
                                   blockIdx.x / blocks_per_mat, (blockIdx.x % blocks_per_mat) * R);
@@ -270,12 +310,29 @@ typedef struct GemvGroup {
     int n;
 } GemvGroup;
 
+// The grouped kernel's first step: as gemv_sk_prefetch on the block's segment (a pair: its RP
+// rows of both matrices).
+template <int R>
+static __device__ __forceinline__ void gemv_group_prefetch(const GemvGroup &g, int cols)
+{
+    constexpr int RP = R > 1 ? R / 2 : 1, bytes = SK_IN_FLIGHT * GEMV_WARPS * WARP_SIZE * 16;
+    int s = 0;
+    while (s + 1 < g.n && (int) blockIdx.x >= g.first[s + 1]) s++;
+    const int b = (int) blockIdx.x - g.first[s], threads = GEMV_WARPS * WARP_SIZE;
+    if (!g.w_up[s]) {
+        gemv_rows_prefetch(g.w[s], g.rows[s], cols, 0, b * R, R, bytes, threadIdx.x, threads);
+    } else {
+        gemv_rows_prefetch(g.w[s], g.rows[s], cols, 0, b * RP, RP, bytes, threadIdx.x, threads);
+        gemv_rows_prefetch(g.w_up[s], g.rows[s], cols, 0, b * RP, RP, bytes, threadIdx.x, threads);
+    }
+}
+
 template <int R, int NT, typename XT>
 static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
     gemm_bf16_gemv_group_kernel(const __grid_constant__ GemvGroup g, const XT *__restrict__ x,
                                 int cols, int n_tok)
 {
-    KERN_ENTRY();
+    KERN_ENTRY_AFTER(gemv_group_prefetch<R>(g, cols));
     constexpr int RP = R > 1 ? R / 2 : 1;  // a pair's rows of each matrix a block
     int s = 0;
     while (s + 1 < g.n && (int) blockIdx.x >= g.first[s + 1]) s++;
@@ -303,13 +360,23 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
 
 enum { MMA_WARPS = 8, MMA_TILES_IN_FLIGHT = 4 };
 
+// The tensor-core GEMV's first step: the block's 8 rows, MMA_TILES_IN_FLIGHT tiles of 32
+// columns for each of its warps.
+static __device__ __forceinline__ void gemv_tc_prefetch(const uint16_t *w, int rows, int cols)
+{
+    const int blocks_per_mat = CEIL_DIV(rows, 8);
+    gemv_rows_prefetch(w, rows, cols, blockIdx.x / blocks_per_mat, (blockIdx.x % blocks_per_mat) * 8,
+                       8, MMA_WARPS * MMA_TILES_IN_FLIGHT * 32 * 2, threadIdx.x,
+                       MMA_WARPS * WARP_SIZE);
+}
+
 template <typename OutT, typename XT>
 static __global__ void __launch_bounds__(MMA_WARPS *WARP_SIZE)
     gemm_bf16_gemv_tc_kernel(OutT *__restrict__ y, const uint16_t *__restrict__ w,
                              const XT *__restrict__ x, const float *residual, int rows,
                              int cols, int n_mat, int n_tok)
 {
-    KERN_ENTRY();
+    KERN_ENTRY_AFTER(gemv_tc_prefetch(w, rows, cols));
     __shared__ float4 red[MMA_WARPS][WARP_SIZE];
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int g = lane / 4, c = lane % 4;

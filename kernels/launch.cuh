@@ -6,7 +6,8 @@
  * depends on has completed and its memory is visible; at once when launched without PDL), then
  * griddepcontrol.launch_dependents (the next kernel on the stream may be scheduled now: it
  * will itself wait at its KERN_ENTRY). Nothing before it may touch memory another kernel
- * writes: tests/kernels/check_kernel_entry.sh checks that it is every kernel's first statement.
+ * writes: tests/tools/check_kernel_entry.sh checks that it (or KERN_ENTRY_AFTER, below) is
+ * every kernel's first statement.
  *
  * kern_launch(kernel, grid, block, smem, stream, args...): cudaLaunchKernelEx with the PDL
  * attribute when kern_pdl(); a launch failure is fatal (engine/shared/cuda_check.h).
@@ -30,6 +31,22 @@ static __device__ __forceinline__ void kern_entry(void)
 }
 
 #define KERN_ENTRY() kern_entry()
+
+// KERN_ENTRY after `prefetch`, a call (its name ends in _prefetch) that computes addresses from
+// the kernel's parameters and indices only and issues L2 prefetches of memory no kernel
+// writes (weights): a GEMV's first weight lines then stream in while the kernel before it
+// finishes. kern_prefetch_l2 is the one such instruction.
+#define KERN_ENTRY_AFTER(prefetch) \
+    do {                           \
+        prefetch;                  \
+        kern_entry();              \
+    } while (0)
+
+// A hint to bring the 128-byte line holding p into L2 (no fault, no value).
+static __device__ __forceinline__ void kern_prefetch_l2(const void *p)
+{
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
 
 template <typename... KArgs, typename... Args>
 static inline void kern_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
