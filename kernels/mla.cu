@@ -25,9 +25,12 @@
  */
 #include "kernels/mla.h"
 
+#include <string.h>
+
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
 #include "kernels/launch.cuh"
+#include "kernels/rope_format.h"
 
 enum {
     HB = MLA_HEADS_PER_CTA,
@@ -41,8 +44,10 @@ enum {
 // Query split kernel
 
 static __global__ void mla_q_split_kernel(uint16_t *__restrict__ q_nope, float *__restrict__ q_pe,
-                                          const float *__restrict__ q, int n_heads, int qk_nope,
-                                          int qk_rope, int heads_pad)
+                                          const float *__restrict__ q,
+                                          const int32_t *__restrict__ pos,
+                                          const __grid_constant__ RopeFreqs f, int n_heads,
+                                          int qk_nope, int qk_rope, int heads_pad)
 {
     KERN_ENTRY();
     const int t = blockIdx.y, h = blockIdx.x, tid = threadIdx.x;  // MLA_QK_NOPE + MLA_ROPE threads
@@ -50,10 +55,23 @@ static __global__ void mla_q_split_kernel(uint16_t *__restrict__ q_nope, float *
     const float *qh = h < n_heads ? q + ((size_t) t * n_heads + h) * (qk_nope + qk_rope) : NULL;
     if (tid < MLA_QK_NOPE) {
         q_nope[row * MLA_QK_NOPE + tid] = qh && tid < qk_nope ? f32_to_bf16_bits(qh[tid]) : 0;
-    } else {
-        const int j = tid - MLA_QK_NOPE;
-        q_pe[row * MLA_ROPE + j] = qh && j < qk_rope ? qh[qk_nope + j] : 0.0f;
+        return;
     }
+    const int j = tid - MLA_QK_NOPE;
+    float v = 0.0f;
+    if (qh && j < qk_rope) {
+        const float *pe = qh + qk_nope;
+        if (pos) {  // rope.cu's pair i = j mod half: first half a cs - b sn, second b cs + a sn
+            const int half = qk_rope / 2, i = j % half;
+            float cs, sn, first, second;
+            rope_cos_sin(pos[t], f.inv[i], &cs, &sn);
+            rope_rotate(pe[2 * i], pe[2 * i + 1], cs, sn, &first, &second);
+            v = j < half ? first : second;
+        } else {
+            v = pe[j];
+        }
+    }
+    q_pe[row * MLA_ROPE + j] = v;
 }
 
 // ---------------------------------------------------------------------------
@@ -571,13 +589,20 @@ size_t mla_cache_token_bytes(MlaCacheType type)
     return type == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES : BF16_TOKEN_BYTES;
 }
 
-void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, int n_tok, int n_heads,
-                 int qk_nope, int qk_rope, int heads_pad, cudaStream_t stream)
+void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, const int32_t *pos, float theta,
+                 int n_tok, int n_heads, int qk_nope, int qk_rope, int heads_pad,
+                 cudaStream_t stream)
 {
     ASSERT(n_tok > 0 && n_heads > 0 && n_heads <= heads_pad && qk_nope >= 0
            && qk_nope <= MLA_QK_NOPE && qk_rope >= 0 && qk_rope <= MLA_ROPE);
+    RopeFreqs f;
+    memset(&f, 0, sizeof f);
+    if (pos) {
+        ASSERT(qk_rope % 2 == 0 && qk_rope > 0 && theta > 0.0f);
+        rope_freqs(&f, qk_rope, theta);
+    }
     kern_launch(mla_q_split_kernel, dim3(heads_pad, n_tok), MLA_QK_NOPE + MLA_ROPE, 0, stream,
-                q_nope, q_pe, q, n_heads, qk_nope, qk_rope, heads_pad);
+                q_nope, q_pe, q, pos, f, n_heads, qk_nope, qk_rope, heads_pad);
 }
 
 void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaCache *cache,

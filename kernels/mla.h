@@ -60,13 +60,16 @@ typedef struct MlaCache {
 // Bytes one token occupies in a cache of this type.
 size_t mla_cache_token_bytes(MlaCacheType type);
 
-// q fp32 [n_tok, H, qk_nope + qk_rope] per head (the q_b projection output, its q_pe already
-// rotated by kernels/rope.h) -> q_nope bf16 [n_tok, heads_pad, MLA_QK_NOPE] and q_pe fp32
-// [n_tok, heads_pad, MLA_ROPE], copied; values past qk_nope and qk_rope, and heads past H,
-// are 0 (a model narrower than GLM-5 runs the kernels at their widths: the padding changes no
-// dot product). qk_nope <= MLA_QK_NOPE, qk_rope <= MLA_ROPE, H <= heads_pad.
-void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, int n_tok, int n_heads,
-                 int qk_nope, int qk_rope, int heads_pad, cudaStream_t stream);
+// q fp32 [n_tok, H, qk_nope + qk_rope] per head (the q_b projection output) -> q_nope bf16
+// [n_tok, heads_pad, MLA_QK_NOPE] and q_pe fp32 [n_tok, heads_pad, MLA_ROPE], copied; with
+// pos (int32 [n_tok], device memory) q_pe rotated at pos[t] on the way, exactly as
+// kernels/rope.h rotates it (theta; without pos q_pe comes rotated); values past qk_nope and
+// qk_rope, and heads past H, are 0 (a model narrower than GLM-5 runs the kernels at their
+// widths: the padding changes no dot product). qk_nope <= MLA_QK_NOPE, qk_rope <= MLA_ROPE
+// (even), H <= heads_pad.
+void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, const int32_t *pos, float theta,
+                 int n_tok, int n_heads, int qk_nope, int qk_rope, int heads_pad,
+                 cudaStream_t stream);
 
 // Decode attention as above. ws_o fp32 [n_tok, n_split, H, 512] and ws_ml fp32
 // [n_tok, n_split, H, 2] are the caller's workspace. indices int32 [n_tok, idx_stride] or NULL.

@@ -721,6 +721,14 @@ static void cpu_mla_attention(Backend *be, float *out, const float *q, const Ckp
     CpuImpl *impl = be->impl;
     ASSERT(kv_b->cols == p->kv_lora && kv_b->rows == p->n_heads * (p->qk_nope + p->v_dim));
     ASSERT(kv->params.kv_lora == p->kv_lora && kv->params.rope_dim == p->qk_rope);
+    if (p->rope_theta > 0.0f && n > 0) {  // the rope op on a copy of q
+        const int qk = p->qk_nope + p->qk_rope;
+        float *qr = tmp_floats(impl, (size_t) n * p->n_heads * qk);
+        memcpy(qr, q, (size_t) n * p->n_heads * qk * sizeof *qr);
+        cpu_rope(be, qr, n, p->n_heads, p->n_heads * qk, qk, p->qk_nope, p->qk_rope, pos,
+                 p->rope_theta);
+        q = qr;
+    }
     int max_visible = 1;
     for (int t = 0; t < n; t++)
         if (pos[t] + 1 > max_visible) max_visible = pos[t] + 1;

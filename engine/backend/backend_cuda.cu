@@ -41,9 +41,9 @@
  *   (kernels/launch.h: each may be scheduled while the one before it finishes, and waits for
  *   it before touching memory; GLMSPARK_CUDA_PDL=0 launches them plainly). A decode layer's
  *   projections of one normalized row run as one grouped GEMV (matmul_group), the shared
- *   expert's SwiGLU in its store, and the cache writes normalize and rotate what they store
- *   (kv_write's KvIn); GLMSPARK_CUDA_FUSE=0 runs those one op at a time (the same numbers: an
- *   A/B knob). GLMSPARK_CUDA_GRAPHS=0 turns graphs off;
+ *   expert's SwiGLU in its store, the cache writes normalize and rotate what they store
+ *   (kv_write's KvIn), and MLA's query split rotates q (BackendMla.rope_theta);
+ *   GLMSPARK_CUDA_FUSE=0 runs those one op at a time (the same numbers: an A/B knob). GLMSPARK_CUDA_GRAPHS=0 turns graphs off;
  *   GLMSPARK_MOE_WIDE=0 keeps prefill chunks off the wide expert tiles (moe_tuned);
  *   MLA attention runs on the tensor cores where the shape allows (Backend.mla_tc:
  *   mla_decode_tc, whose recipe also rounds q and the probabilities to bf16, as the CPU
@@ -90,7 +90,7 @@ enum {
     SCRATCH_Y,  // their intermediates (expert activations, q_pe, o_lat)
     SCRATCH_Z,  // q_lat, mla_decode's split workspace
     SCRATCH_T,  // a fused op's temporary when it runs one op at a time (kv_write's transformed
-                // values, a SwiGLU pair's up product)
+                // values, a SwiGLU pair's up product, MLA's rotated q)
     N_SCRATCH,
     MAX_POOLS = 16,
     MAX_STEPS = 64,  // graphed steps' block tables kept: (cache, sequences, stride) shapes
@@ -1215,8 +1215,9 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
     for (int t0 = 0; t0 < n; t0 += chunk) {
         const int nc = n - t0 < chunk ? n - t0 : chunk;
         prof_begin(impl);
-        mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (p->qk_nope + p->qk_rope), nc, H,
-                    p->qk_nope, p->qk_rope, Hp, impl->stream);
+        mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (p->qk_nope + p->qk_rope),
+                    p->rope_theta > 0.0f ? s->pos + t0 : NULL, p->rope_theta, nc, H, p->qk_nope,
+                    p->qk_rope, Hp, impl->stream);
         heads_product(impl, q_lat, pk->uk, q_nope, L, MLA_QK_NOPE, Hp, nc);
         prof_end(impl, PROF_MLA_PROJ, 0.0);
         prof_begin(impl);
@@ -1247,7 +1248,19 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
     if (s->n == 0) return;
     const KvBPack *pk = backend_mla_tuned(p, &kv->entry[layer]) ? kv_b_pack(impl, kv_b) : NULL;
     if (pk) {
-        mla_tuned(impl, out, q, pk, kv, s, layer, sel, n_sel, sel_stride, p,
+        BackendMla pp = *p;
+        if (p->rope_theta > 0.0f && !impl->fuse) {  // the rope op on a copy, then a plain split
+            const int qk = p->qk_nope + p->qk_rope;
+            const size_t nq = (size_t) s->n * p->n_heads * qk;
+            float *qr = (float *) scratch(impl, SCRATCH_T, nq * sizeof(float));
+            CUDA_CHECK(cudaMemcpyAsync(qr, q, nq * sizeof(float), cudaMemcpyDeviceToDevice,
+                                       impl->stream));
+            cuda_rope(be, qr, s->n, p->n_heads, p->n_heads * qk, qk, p->qk_nope, p->qk_rope, s->pos,
+                      p->rope_theta);
+            q = qr;
+            pp.rope_theta = 0.0f;
+        }
+        mla_tuned(impl, out, q, pk, kv, s, layer, sel, n_sel, sel_stride, &pp,
                   backend_mla_tc(be, p, &kv->entry[layer]));
         return;
     }

@@ -95,6 +95,10 @@ typedef struct BackendMla {
     int v_dim;    // per-head value width
     int kv_lora;  // latent width
     float scale;  // softmax scale, 1/sqrt(qk_nope + qk_rope) (x mscale^2 for yarn)
+    // > 0: q's rope part is not yet rotated, and mla_attention rotates it at each token's
+    // position as the rope op does with this theta (the CUDA backend in its query split);
+    // 0: q comes rotated.
+    float rope_theta;
 } BackendMla;
 
 // DSA indexer shapes.
@@ -264,7 +268,8 @@ struct Backend {
                      const KvCache *kv, const BackendSeqs *s, int layer, const BackendDsa *p);
 
     // MLA attention for the s->n queries of s, from the latents cached in `layer` of each
-    // token's own sequence. q: [n, H, qk_nope + qk_rope] (rope part rotated); kv_b: kv_b_proj,
+    // token's own sequence. q: [n, H, qk_nope + qk_rope] (rope part rotated, or rotated here
+    // when p->rope_theta > 0; q is not written); kv_b: kv_b_proj,
     // [H * (qk_nope + v_dim), kv_lora]; out: [n, H, v_dim]. With sel == NULL every position
     // 0 .. pos[t] is attended; otherwise only sel[t, 0 .. n_sel[t]) (rows sel_stride apart).
     void (*mla_attention)(Backend *be, float *out, const float *q, const CkptLinear *kv_b,

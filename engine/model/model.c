@@ -741,7 +741,7 @@ static void attention_block(Model *m, KvCache *kv, const BackendSeqs *s, int l, 
     const ModelLayer *L = &m->layers[l];
     ModelWork *w = m->work;
     Backend *be = m->be;
-    const int hidden = c->hidden_size, H = c->n_heads, qk = config_qk_head_dim(c);
+    const int hidden = c->hidden_size;
     const int kv_width = c->kv_lora_rank + c->qk_rope_head_dim;
 
     be->rmsnorm(be, w->h, w->x, L->input_norm, n, hidden, hidden, c->rms_norm_eps);
@@ -762,8 +762,6 @@ static void attention_block(Model *m, KvCache *kv, const BackendSeqs *s, int l, 
                     c->attn_norm_eps);
         be->matmul(be, w->q, &L->q_b, w->qa, n);
     }
-    be->rope(be, w->q, n, H, H * qk, qk, c->qk_nope_head_dim, c->qk_rope_head_dim, w->pos,
-             c->rope_theta);
     // The stage's cache holds its own layers only; the MTP layer has a cache of its own.
     const int kl = l >= c->n_layers ? l - c->n_layers : l - m->first_layer;
     const int topk = c->index_topk > 0 ? c->index_topk : 1;
@@ -787,7 +785,8 @@ static void attention_block(Model *m, KvCache *kv, const BackendSeqs *s, int l, 
     const bool use_sel = c->indexer[l] != CONFIG_INDEXER_NONE;
     ASSERT(!use_sel || *has_sel);  // check_config: no shared layer before a full one
 
-    const BackendMla mla = layer_mla(c);
+    BackendMla mla = layer_mla(c);
+    mla.rope_theta = c->rope_theta;  // q's RoPE in the attention's query split
     be->mla_attention(be, w->attn, w->q, &L->kv_b, kv, s, kl, use_sel ? w->sel : NULL,
                       use_sel ? w->n_sel : NULL, topk, &mla);
     be->matmul_add(be, w->x, &L->o_proj, w->attn, n);

@@ -771,10 +771,10 @@ static void test_tuned(void)
             free(ex), free(exg);
         }
     }
-    tuned_mla((BackendMla){32, 192, 64, 128, 512, 1.0f / 16.0f});
+    tuned_mla((BackendMla){32, 192, 64, 128, 512, 1.0f / 16.0f, 0.0f});
     // A sweep model's widths: 3 heads (run as 32), q_nope 24, rope 8, v 5 (W_UV rows padded to
     // 8), latent 40, all zero-padded to the kernels' (kv_cache.h, mla_tuned).
-    tuned_mla((BackendMla){3, 24, 8, 5, 40, 0.17f});
+    tuned_mla((BackendMla){3, 24, 8, 5, 40, 0.17f, 0.0f});
 }
 
 // MLA through the tuned kernels (test_tuned) at the widths of mp.
@@ -841,6 +841,33 @@ static void tuned_mla(const BackendMla mp)
                          L);
                 expect_close(what, dout, want, (size_t) T * H * vd, 1e-3);
             }
+        // q's RoPE in the attention (rope_theta: the query split rotates it) against the CPU
+        // doing the same, and bit for bit the GPU's rope op on q followed by the attention.
+        {
+            BackendMla mr = mp;
+            mr.rope_theta = 10000.0f;
+            const size_t nq = (size_t) T * H * (nope + R), no = (size_t) T * H * vd;
+            float *dqr = dev(qa, nq * sizeof(float)), *dref = gpu->alloc(gpu, no * sizeof(float));
+            ASSERT(dref);
+            cpu->mla_tc = gpu->mla_tc = true;
+            cpu->mla_attention(cpu, want, qa, &kv_b, &kc, &cs, 0, sel, n_sel, KSEL, &mr);
+            gpu->mla_attention(gpu, dout, dqa, &kv_bg, &kg, &gs, 0, dsel, dn_sel, KSEL, &mr);
+            gpu->rope(gpu, dqr, T, H, H * (nope + R), nope + R, nope, R, dpos, mr.rope_theta);
+            gpu->mla_attention(gpu, dref, dqr, &kv_bg, &kg, &gs, 0, dsel, dn_sel, KSEL, &mp);
+            cpu->mla_tc = gpu->mla_tc = false;
+            char what[80];
+            snprintf(what, sizeof what, "mla tuned tc sparse, q rotated inside (%s cache)",
+                     kv_dtype_name(dtypes[di]));
+            expect_close(what, dout, want, no, 1e-3);
+            float *got = down(dout, no * sizeof(float)), *ref = down(dref, no * sizeof(float));
+            float *qb = down(dqa, nq * sizeof(float));
+            const bool same = memcmp(got, ref, no * sizeof(float)) == 0;
+            if (!same) fprintf(stderr, "%s: not bit for bit rope, then attention\n", what);
+            CHECK(same);
+            CHECK(memcmp(qb, qa, nq * sizeof(float)) == 0);  // q untouched
+            free(got), free(ref), free(qb);
+            gpu->free_mem(gpu, dqr), gpu->free_mem(gpu, dref);
+        }
         for (int i = 0; i < 2; i++) {
             kv_seq_free(&kc, &sc[i]);
             kv_seq_free(&kg, &sg[i]);

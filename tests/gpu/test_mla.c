@@ -30,6 +30,7 @@
 #include "kernels/kv.h"
 #include "kernels/mla.h"
 #include "kernels/ref/mla_ref.h"
+#include "kernels/rope_format.h"
 #include "tests/gpu/gpu_util.h"
 
 #define CEIL_DIV_HOST(a, b) (((a) + (b) - 1) / (b))
@@ -190,18 +191,41 @@ static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
     free(out_abs), free(score_abs);
 }
 
-// mla_q_split: q_nope rounded to bf16 (exactly), q_pe copied (exactly); with a model narrower
-// than GLM-5 (qk_nope < 192, qk_rope < 64, heads padded), zeros everywhere else.
-static void test_q_split(int n_tok, int n_heads, int qk_nope, int qk_rope, int heads_pad)
+// mla_q_split: q_nope rounded to bf16 (exactly), q_pe copied (exactly) or (rope) rotated at
+// each token's position exactly as rope_format.h's host arithmetic rotates it (the CPU
+// backend's RoPE); with a model narrower than GLM-5 (qk_nope < 192, qk_rope < 64, heads
+// padded), zeros everywhere else.
+static void test_q_split(int n_tok, int n_heads, int qk_nope, int qk_rope, int heads_pad, int rope)
 {
     const int w = qk_nope + qk_rope;
+    const float theta = 10000.0f;
     const size_t n = (size_t) n_tok * n_heads * w, m = (size_t) n_tok * heads_pad * 256;
     float *q = xmalloc(n * 4), *want = xmalloc(m * 4);
     fill_f32(q, n, &rng, -2.0f, 2.0f);
+    int32_t *pos = xmalloc((size_t) n_tok * 4);
+    for (int t = 0; t < n_tok; t++) pos[t] = 7 + 1000 * t;  // large angles too
     float *d_q = gpu_upload(q, n * 4);
+    int32_t *d_pos = gpu_upload(pos, (size_t) n_tok * 4);
     uint16_t *d_nope = gpu_alloc_poisoned((size_t) n_tok * heads_pad * 192 * 2);
     float *d_pe = gpu_alloc_poisoned((size_t) n_tok * heads_pad * 64 * 4);
-    mla_q_split(d_nope, d_pe, d_q, n_tok, n_heads, qk_nope, qk_rope, heads_pad, 0);
+    mla_q_split(d_nope, d_pe, d_q, rope ? d_pos : NULL, theta, n_tok, n_heads, qk_nope, qk_rope,
+                heads_pad, 0);
+    float *q0 = xmalloc(n * 4);  // the unrotated values, for the rotation's bound
+    memcpy(q0, q, n * 4);
+    if (rope) {  // the reference: q's rope parts rotated on the host
+        RopeFreqs f;
+        rope_freqs(&f, qk_rope, theta);
+        for (int t = 0; t < n_tok; t++)
+            for (int h = 0; h < n_heads; h++) {
+                float *pe = q + ((size_t) t * n_heads + h) * w + qk_nope, rot[64];
+                for (int i = 0; i < qk_rope / 2; i++) {
+                    float cs, sn;
+                    rope_cos_sin(pos[t], f.inv[i], &cs, &sn);
+                    rope_rotate(pe[2 * i], pe[2 * i + 1], cs, sn, &rot[i], &rot[qk_rope / 2 + i]);
+                }
+                memcpy(pe, rot, (size_t) qk_rope * 4);
+            }
+    }
     uint16_t *nope = xmalloc((size_t) n_tok * heads_pad * 192 * 2);
     float *pe = xmalloc((size_t) n_tok * heads_pad * 64 * 4);
     gpu_download(nope, d_nope, (size_t) n_tok * heads_pad * 192 * 2);
@@ -220,11 +244,18 @@ static void test_q_split(int n_tok, int n_heads, int qk_nope, int qk_rope, int h
                           : c - 192 < qk_rope       ? qh[qk_nope + c - 192]
                                                     : 0.0f;
                 tol[o] = 0.0f;
+                if (rope && qh && c >= 192 && c - 192 < qk_rope) {
+                    // The device's double cos and sin may differ from the host's in the last
+                    // bit: a few fp32 ulps of the pair's magnitude.
+                    const int i = (c - 192) % (qk_rope / 2);
+                    const float *p0 = q0 + ((size_t) t * n_heads + h) * w + qk_nope + 2 * i;
+                    tol[o] = 4 * FLT_EPSILON * (fabsf(p0[0]) + fabsf(p0[1]));
+                }
             }
         }
-    compare("mla q_split", got, want, tol, 0, m, 1e-12);
-    cudaFree(d_q), cudaFree(d_nope), cudaFree(d_pe);
-    free(q), free(want), free(nope), free(pe), free(got), free(tol);
+    compare(rope ? "mla q_split + rope" : "mla q_split", got, want, tol, 0, m, 1e-12);
+    cudaFree(d_q), cudaFree(d_pos), cudaFree(d_nope), cudaFree(d_pe);
+    free(q), free(q0), free(pos), free(want), free(nope), free(pe), free(got), free(tol);
 }
 
 int main(void)
@@ -233,9 +264,11 @@ int main(void)
     const int lens_a[] = {1, 17, 129};
     const int lens_b[] = {1000, 4100};
     const int lens_c[] = {300};
-    test_q_split(3, 64, 192, 64, 64);
-    test_q_split(5, 3, 33, 4, 32);  // a sweep model's widths, zero-padded
-    test_q_split(2, 16, 24, 8, 16);
+    for (int rope = 0; rope < 2; rope++) {
+        test_q_split(3, 64, 192, 64, 64, rope);
+        test_q_split(5, 3, 33, 4, 32, rope);  // a sweep model's widths, zero-padded
+        test_q_split(2, 16, 24, 8, 16, rope);
+    }
     test_mla(MLA_CACHE_FP8, 3, lens_a, 16, few, 3, 0);
     test_mla(MLA_CACHE_FP8, 3, lens_a, 32, few, 3, 1);   // the tensor-core kernel, fp8, short
     test_mla(MLA_CACHE_BF16, 3, lens_a, 32, few, 3, 0);

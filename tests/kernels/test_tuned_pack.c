@@ -31,7 +31,7 @@ enum { MLA_BF16 = 1, MLA_FP8 = 0 };  // kernels/mla.h MlaCacheType
 static void test_narrow_mla(KvDtype dtype, int mla_type)
 {
     enum { H = 3, NOPE = 24, R = 8, V = 5, L = 40, T = 150, N = 4 };
-    const BackendMla mp = {H, NOPE, R, V, L, 0.17f};
+    const BackendMla mp = {H, NOPE, R, V, L, 0.17f, 0.0f};
     const int Hp = backend_mla_heads(H), Vp = backend_mla_v_rows(&mp);
     CHECK(Hp == 32 && Vp == 8 && backend_mla_shape_tuned(&mp));
     const KvCacheParams p = {.n_layers = 1,

@@ -64,7 +64,7 @@ static KvDtype kv_dtype;  // the cache storage under test
 static void mla_setup(Mla *m, int H, int nope, int rope, int v, int L, int T, int index_dim)
 {
     memset(m, 0, sizeof *m);
-    m->p = (BackendMla){H, nope, rope, v, L, (float) (1.0 / sqrt(nope + rope))};
+    m->p = (BackendMla){H, nope, rope, v, L, (float) (1.0 / sqrt(nope + rope)), 0.0f};
     m->T = T;
     const size_t rows = (size_t) H * (nope + v);
     m->kv_b = malloc(rows * L * sizeof(float));
@@ -209,6 +209,27 @@ static void test_mla(Backend *be, int H, int nope, int rope, int v, int L, int T
             same &= memcmp(one, full + (size_t) t * H * v, (size_t) H * v * sizeof *one) == 0;
         }
         CHECK(same);
+        // rope_theta > 0: the op rotates q's rope part itself, bit for bit the rope op on a
+        // copy followed by the attention of rotated q (q itself untouched).
+        if (rope > 0) {
+            const size_t nq = (size_t) T * H * (nope + rope);
+            float *qr = malloc(nq * sizeof *qr), *q0 = malloc(nq * sizeof *q0);
+            float *fused = malloc((size_t) T * H * v * sizeof *fused);
+            ASSERT(qr && q0 && fused);
+            memcpy(qr, m.q, nq * sizeof *qr);
+            memcpy(q0, m.q, nq * sizeof *q0);
+            be->rope(be, qr, T, H, H * (nope + rope), nope + rope, nope, rope, pos, 5000.0f);
+            BackendMla pr = m.p;
+            pr.rope_theta = 5000.0f;
+            const BackendSeqs again = one_seq(&m, pos, T);
+            be->mla_attention(be, full, qr, &kv_b, &m.kv, &again, 0, use_sel, n_sel, top_k, &m.p);
+            be->mla_attention(be, fused, m.q, &kv_b, &m.kv, &again, 0, use_sel, n_sel, top_k, &pr);
+            CHECK(memcmp(fused, full, (size_t) T * H * v * sizeof *full) == 0);
+            CHECK(memcmp(m.q, q0, nq * sizeof *q0) == 0);
+            free(qr);
+            free(q0);
+            free(fused);
+        }
     }
     free(pos);
     free(sel);

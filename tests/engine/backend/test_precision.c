@@ -352,7 +352,7 @@ static CkptLinear glm_kv_b(float *w, int H, int v)
 static void test_mla(Backend *be)
 {
     enum { H = 16, NOPE = 192, ROPE = 64, V = 32, L = 512, T = GLM_T, QK = NOPE + ROPE };
-    const BackendMla p = {H, NOPE, ROPE, V, L, 0.0625f};
+    const BackendMla p = {H, NOPE, ROPE, V, L, 0.0625f, 0.0f};
     KvCache kv;
     KvSeq seq = {0}, *seqs[1];
     const BackendSeqs s = glm_cache(be, &kv, &seq, seqs, KV_DTYPE_BF16);
@@ -416,7 +416,7 @@ static void test_mla_tc(Backend *be)
     for (int hi = 0; hi < 2; hi++)
         for (int d = 0; d < 2; d++) {
             const int H = heads[hi];
-            const BackendMla p = {H, NOPE, ROPE, V, L, 0.0625f};
+            const BackendMla p = {H, NOPE, ROPE, V, L, 0.0625f, 0.0f};
             KvCache kv;
             KvSeq seq = {0}, *seqs[1];
             const BackendSeqs s = glm_cache(be, &kv, &seq, seqs, dtypes[d]);
@@ -465,11 +465,11 @@ static void test_mla_tc(Backend *be)
 // q_nope, an f32 cache or other blocks.
 static void test_mla_predicate(void)
 {
-    const BackendMla glm = {64, 192, 64, 256, 512, 0.0625f};
-    const BackendMla small = {4, 24, 16, 20, 144, 0.2f}, sweep = {3, 33, 4, 5, 24, 0.2f};
-    const BackendMla wide_lat = {16, 192, 64, 256, 576, 0.1f},
-                     wide_rope = {16, 192, 96, 256, 512, 0.1f},
-                     wide_nope = {16, 256, 64, 256, 512, 0.1f};
+    const BackendMla glm = {64, 192, 64, 256, 512, 0.0625f, 0.0f};
+    const BackendMla small = {4, 24, 16, 20, 144, 0.2f, 0.0f}, sweep = {3, 33, 4, 5, 24, 0.2f, 0.0f};
+    const BackendMla wide_lat = {16, 192, 64, 256, 576, 0.1f, 0.0f},
+                     wide_rope = {16, 192, 96, 256, 512, 0.1f, 0.0f},
+                     wide_nope = {16, 256, 64, 256, 512, 0.1f, 0.0f};
     CHECK(backend_mla_shape_tuned(&glm) && backend_mla_shape_tuned(&small)
           && backend_mla_shape_tuned(&sweep));
     CHECK(!backend_mla_shape_tuned(&wide_lat) && !backend_mla_shape_tuned(&wide_rope)
