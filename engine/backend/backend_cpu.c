@@ -284,7 +284,6 @@ static void matmul_op(Backend *be, float *y, const CkptLinear *w, const float *x
     const size_t need = (size_t) n * (size_t) w->cols;
     if (impl->round_cap < need) {
         free(impl->round_buf);
-        free(impl->tmp_buf);
         impl->round_buf = malloc(need * sizeof(float));
         if (!impl->round_buf) log_fatal(__FILE__, __LINE__, "out of memory (%zu floats)", need);
         impl->round_cap = need;
@@ -913,6 +912,7 @@ static void cpu_destroy(Backend *be)
         free(impl->route_buf);
         free(impl->moe_buf);
         free(impl->round_buf);
+        free(impl->tmp_buf);
         for (int i = 0; i < impl->n_bound; i++)
             free(impl->bound[i]);
         free(impl->bound);

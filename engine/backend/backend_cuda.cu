@@ -935,6 +935,7 @@ static bool group_member(const Backend *be, const CkptLinear *w, const float *x,
 }
 
 static void cuda_silu_mul(Backend *be, float *y, const float *gate, const float *up, int n_elems);
+static_assert(BACKEND_MAX_GROUP <= GEMM_MAX_GROUP, "a matmul_group call is one grouped launch");
 
 // The products the split-K kernel would run alone (a SwiGLU pair: both of its weights), in one
 // gemm_bf16_gemv_group launch (bit for bit their matmul's numbers, and a pair's silu_mul's:
@@ -1049,8 +1050,9 @@ static void cuda_route(Backend *be, int *idx, float *wts, const float *logits, c
     prof_end(impl, PROF_ROUTE, 0.0);
 }
 
-// With a transform: in the write's launch (kernels/kv.h), or (GLMSPARK_CUDA_FUSE=0) the
-// rmsnorm or layernorm op and the rope op on a copy first, then the plain write.
+// With a transform: in the write's launch (kernels/kv.h), or (GLMSPARK_CUDA_FUSE=0, or a write
+// wider than the launch stages) the rmsnorm or layernorm op and the rope op into a copy first,
+// then the plain write.
 static void cuda_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int layer, int offset,
                           const float *src, int width, const KvIn *in)
 {
@@ -1059,14 +1061,16 @@ static void cuda_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int la
     const KvEntryLayout *lo = &kv->entry[layer];
     ASSERT(kv_write_ok(lo, offset, width));
     if (n == 0 || width == 0) return;
-    if (in && !impl->fuse) {
+    if (in && (!impl->fuse || width > KV_IN_MAX)) {
+        // The norm reads src itself (norm.cu judges its 16-byte loads on src, as the fused
+        // write does), writing into the copy.
         float *t = (float *) scratch(impl, SCRATCH_T, (size_t) n * width * sizeof(float));
         CUDA_CHECK(cudaMemcpyAsync(t, src, (size_t) n * width * sizeof(float),
                                    cudaMemcpyDeviceToDevice, impl->stream));
         if (in->norm_dim > 0 && in->norm_b)
-            cuda_layernorm(be, t, t, in->norm_w, in->norm_b, n, width, in->eps);
+            cuda_layernorm(be, t, src, in->norm_w, in->norm_b, n, width, in->eps);
         else if (in->norm_dim > 0)
-            cuda_rmsnorm(be, t, t, in->norm_w, n, in->norm_dim, width, in->eps);
+            cuda_rmsnorm(be, t, src, in->norm_w, n, in->norm_dim, width, in->eps);
         if (in->rope_dim > 0)
             cuda_rope(be, t, n, 1, width, 0, in->rope_off, in->rope_dim, s->pos, in->theta);
         src = t;

@@ -6,7 +6,10 @@
  *     [--kv-dtype f32|bf16|fp8]
  *     One forward pass over the tokens; FILE gets float32 little-endian logits
  *     [n_tokens, vocab_size]. --decode-check also runs the tokens one at a time through a
- *     second sequence and reports the largest relative L2 difference per row (stderr).
+ *     second sequence and reports the largest relative L2 difference per row (stderr);
+ *     --decode-out FILE2 does so and writes those one-token steps' logits to FILE2 as FILE
+ *     holds the prefill's (the decode path, CUDA graphs included, can then be compared
+ *     byte for byte between runs).
  *   glmspark generate --model DIR --tokens 5,17,42 --max-tokens N [--temperature T]
  *     [--top-p P] [--top-k K] [--min-p P] [--seed S] [--ignore-eos] [--threads N]
  *     [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]
@@ -73,6 +76,7 @@ typedef struct ModelArgs {
     int n_threads;
     bool ignore_eos;
     bool decode_check;
+    const char *decode_out;  // --decode-out FILE: the decode check's rows (implies it)
     bool cuda;  // --backend cuda
     int precision;  // --precision f32|bf16 (backends.h), or the backend's own
     KvDtype kv_dtype;
@@ -146,6 +150,7 @@ static int usage(const char *cmd)
         fprintf(stderr,
                 "usage: glmspark logits --model DIR --tokens 5,17,42 --out FILE "
                 "[--threads N] [--backend cpu|cuda] [--precision f32|bf16] [--decode-check] "
+                "[--decode-out FILE2] "
                 "[--kv-dtype f32|bf16|fp8] "
                 "[--pp N | --rank R "
                 "--world N --master ADDR:PORT]\n");
@@ -201,6 +206,8 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
             a->tokens_arg = val;
         else if (strcmp(opt, "--out") == 0)
             a->out_path = val;
+        else if (strcmp(opt, "--decode-out") == 0)
+            a->decode_out = val, a->decode_check = true;
         else if (strcmp(opt, "--max-tokens") == 0)
             ok = num_parse_int(val, 0, 1 << 24, &a->max_tokens);
         else if (strcmp(opt, "--pp") == 0)
@@ -589,7 +596,7 @@ static int logits_alone(const ModelArgs *a, const int *ids, int n)
     Model m = {0};
     KvCache kv = {0};
     KvSeq seq = {0}, seq2 = {0};
-    float *logits = NULL, *row = NULL;
+    float *logits = NULL, *row = NULL, *dec = NULL;
     int rc = 1;
     if (open_model(a, n, &be, &m, &kv)) goto done;
     const size_t V = (size_t) m.cfg.vocab_size;
@@ -605,8 +612,16 @@ static int logits_alone(const ModelArgs *a, const int *ids, int n)
 
     if (a->decode_check) {
         double worst = 0.0;
+        if (a->decode_out) {
+            dec = malloc((size_t) n * V * sizeof *dec);
+            if (!dec) {
+                LOG_ERROR("--decode-out: could not allocate %d rows of logits", n);
+                goto done;
+            }
+        }
         for (int t = 0; t < n; t++) {
             if (model_forward(&m, &kv, &seq2, ids + t, 1, row, false)) goto done;
+            if (dec) memcpy(dec + (size_t) t * V, row, V * sizeof *row);
             double num = 0.0, den = 0.0;
             for (size_t i = 0; i < V; i++) {
                 const double d = (double) row[i] - logits[(size_t) t * V + i];
@@ -617,12 +632,14 @@ static int logits_alone(const ModelArgs *a, const int *ids, int n)
             if (rel > worst) worst = rel;
         }
         fprintf(stderr, "decode-check: max relative L2 difference decode vs prefill %.3g\n", worst);
+        if (dec && write_logits(a->decode_out, dec, (size_t) n * V)) goto done;
     }
     rc = 0;
 
 done:
     free(logits);
     free(row);
+    free(dec);
     kv_seq_free(&kv, &seq);
     kv_seq_free(&kv, &seq2);
     close_model(be, &m, &kv);

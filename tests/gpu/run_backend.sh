@@ -20,8 +20,9 @@
 # golden.json's float64 output reported); 4 sampled
 # sequences 2 at a time (--n-seqs 4 --max-seqs 2: batches change sequences) equal with graphs
 # on and off; and with
-# `--kv-dtype fp8` against the CPU backend's with the same cache; the logits file byte for byte
-# the same with GLMSPARK_CUDA_PDL=0 GLMSPARK_CUDA_FUSE=0; greedy
+# `--kv-dtype fp8` against the CPU backend's with the same cache; the prefill's and the
+# one-token decode steps' logits (--decode-out) byte for byte the same with GLMSPARK_CUDA_PDL=0
+# GLMSPARK_CUDA_FUSE=0; greedy
 # `--mtp K` (K = 1..3) against the output without MTP on every golden model with an MTP layer. With
 # BENCH="PRESET:BATCHES:CTX ..." (e.g. "default:1,8:1024 small:1,8:1024") it then runs
 # `glmspark bench --synthetic --backend cuda` for each, with graphs on and off
@@ -100,15 +101,19 @@ for d in $golden_dirs; do
     m=$(basename "$d")
     toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('$d/golden.json'))['tokens'])))")
     run "$c/bin/glmspark" logits --backend cuda --model "$d" --tokens "$toks" \
-        --out "$out/$m.logits" >"$out/$m.cli.log" 2>&1 || { echo "$m: glmspark logits failed"; status=1; }
+        --out "$out/$m.logits" --decode-out "$out/$m.dec" >"$out/$m.cli.log" 2>&1 \
+        || { echo "$m: glmspark logits failed"; status=1; }
     if run "$c/bin/gpu_golden_cuda" "$d" "$out/$m.logits" >"$out/$m.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
     # Programmatic dependent launch and the fused launches change no number (a race or a
-    # fusion that sums otherwise would): the same file with both off, byte for byte.
+    # fusion that sums otherwise would): the prefill's logits and the one-token decode steps'
+    # (--decode-out: the grouped GEMVs and the graphs run there) with both off, byte for byte.
     env GLMSPARK_CUDA_PDL=0 GLMSPARK_CUDA_FUSE=0 "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
         "$c/bin/glmspark" logits --backend cuda --model "$d" --tokens "$toks" \
-        --out "$out/$m.plain.logits" >>"$out/$m.cli.log" 2>&1 || { echo "$m: plain logits failed"; status=1; }
-    if cmp -s "$out/$m.logits" "$out/$m.plain.logits"; then pf=PASS; else pf=FAIL; status=1; fi
-    rm -f "$out/$m.logits" "$out/$m.plain.logits"
+        --out "$out/$m.plain.logits" --decode-out "$out/$m.plain.dec" >>"$out/$m.cli.log" 2>&1 \
+        || { echo "$m: plain logits failed"; status=1; }
+    if cmp -s "$out/$m.logits" "$out/$m.plain.logits" && cmp -s "$out/$m.dec" "$out/$m.plain.dec"
+    then pf=PASS; else pf=FAIL; status=1; fi
+    rm -f "$out/$m.logits" "$out/$m.plain.logits" "$out/$m.dec" "$out/$m.plain.dec"
     # The checks' lines, not the loader's INFO lines (the device returns only the output's tail).
     grep -v " INFO " "$out/$m.log"; grep -i "decode\|error" "$out/$m.cli.log" | head -3
     prompt=$(python3 -c "import json;print(','.join(map(str,json.load(open('$d/golden.json'))['greedy']['prompt'])))")
@@ -144,7 +149,7 @@ for d in $golden_dirs; do
     c8=$(run "$c/bin/glmspark" generate --backend cpu --precision bf16 --kv-dtype fp8 --model "$d" --tokens "$prompt" \
         --max-tokens "$n" --temperature 0 --ignore-eos 2>>"$out/$m.gen.log")
     if [ -n "$c8" ] && [ "$g8" = "$c8" ]; then f=PASS; else f="FAIL (cuda '$g8', cpu '$c8')"; status=1; fi
-    echo "$m: golden $r, logits = with PDL and fusions off $pf, generate --backend cuda $g, fp8 cache cuda = cpu $f"
+    echo "$m: golden $r, prefill and decode logits = with PDL and fusions off $pf, generate --backend cuda $g, fp8 cache cuda = cpu $f"
 done
 
 # The fp8 comparison is checked on the models whose two caches hold equal E4M3 codes

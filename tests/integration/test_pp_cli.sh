@@ -36,6 +36,12 @@ cmp "$tmp/f8_1.f32" "$tmp/f8_3.f32" || fail "logits --kv-dtype fp8: --pp 3 diffe
     2>/dev/null || fail "logits (f32 cache)"
 ! cmp -s "$tmp/f8_1.f32" "$tmp/f32.f32" || fail "logits --kv-dtype fp8 equal the f32 cache's"
 echo "ok: logits --kv-dtype fp8: --pp 1/3 identical, decode equals prefill"
+# --decode-out: the one-token steps' logits in the prefill file's layout; with an f32 cache
+# (exact) they are the prefill's byte for byte.
+"$bin" logits --model "$golden" --tokens 1,5,7,9,11,3,2,8 --out "$tmp/pre.f32" \
+    --decode-out "$tmp/dec.f32" --threads 1 2>"$tmp/log" || { cat "$tmp/log"; fail "logits --decode-out"; }
+cmp "$tmp/pre.f32" "$tmp/dec.f32" || fail "logits --decode-out differs from the prefill with an f32 cache"
+echo "ok: logits --decode-out equals the prefill's logits (f32 cache)"
 
 for pp in 1 2 3; do
     "$bin" generate --model "$tmp/default" --tokens 1,5,7,9 --max-tokens 24 --temperature 0.8 \

@@ -16,6 +16,8 @@
  *   mla:    at GLM-5's widths over a bf16 cache: q_nope (not q_pe), kv_b and the output latent
  *           are rounded; with Backend.mla_tc and heads in 32s also q_lat, q_pe and each
  *           probability times its fp8 group scale (test_mla_tc).
+ *   fused ops: matmul_group (plain and SwiGLU) and kv_write's transform equal the ops they
+ *           fuse, bit for bit, as the backend's scratch grows between them.
  *   the tuned-shape predicates: MLA at GLM-5's widths or narrower (stored zero-padded) over
  *           fp8 (656-byte) and bf16 (1,152-byte) entries of 128-position blocks, and nothing
  *           wider; the DSA indexer's (kernels/dsa.cu: index dims up to 128, in 16s on an f32
@@ -550,6 +552,66 @@ static void test_dsa_predicate(Backend *be)
             }
 }
 
+// The fused ops under the recipe, on a fresh backend so that its scratch grows between them
+// (the sanitizer build runs this): matmul_group (a plain product and a SwiGLU pair) equals
+// matmul, matmul and silu_mul bit for bit; a wider matmul (its rounded input outgrows the
+// earlier scratch) in between; kv_write with a transform equals the ops on a copy, src left as
+// it was; then the group again, unchanged.
+static void test_fused_ops(void)
+{
+    Backend *be = NULL;
+    ASSERT(backend_cpu_create(2, &be) == ERR_OK);
+    be->precision = BACKEND_PRECISION_BF16;
+    enum { N = 5, ROWS = 24, COLS = 40, WIDE = 520, L = 40, R = 8 };
+    float *wg = rand_vec(ROWS * COLS), *wu = rand_vec(ROWS * COLS), *ww = rand_vec(ROWS * WIDE);
+    const CkptLinear gate = {CKPT_LINEAR_F32, ROWS, COLS, wg, NULL, NULL, 1.0f, "gate"},
+                     up = {CKPT_LINEAR_F32, ROWS, COLS, wu, NULL, NULL, 1.0f, "up"},
+                     wide = {CKPT_LINEAR_F32, ROWS, WIDE, ww, NULL, NULL, 1.0f, "wide"};
+    CkptLinear g = gate, u = up, wd = wide;
+    CHECK(be->bind_linear(be, &g) == ERR_OK && be->bind_linear(be, &u) == ERR_OK
+          && be->bind_linear(be, &wd) == ERR_OK);
+    float *x = rand_vec(N * COLS), *xw = rand_vec(N * WIDE);
+    float y0[N * ROWS], y1[N * ROWS], a[N * ROWS], b[N * ROWS], yw[N * ROWS];
+    for (int pass = 0; pass < 2; pass++) {
+        const BackendProduct p[2] = {{y0, &g, NULL}, {y1, &g, &u}};
+        be->matmul_group(be, p, 2, x, N);
+        be->matmul(be, a, &g, x, N);
+        be->matmul(be, b, &u, x, N);
+        be->silu_mul(be, b, a, b, N * ROWS);
+        CHECK(memcmp(y0, a, sizeof a) == 0 && memcmp(y1, b, sizeof b) == 0);
+        be->matmul(be, yw, &wd, xw, N);  // grows the rounded-input scratch past the group's
+        // kv_write with RMSNorm on the latent and RoPE on k_pe, against the ops on a copy.
+        KvCacheParams kp = {.n_layers = 1, .block_size = 4, .n_blocks = 2, .kv_lora = L,
+                            .rope_dim = R, .dtype = KV_DTYPE_BF16};
+        KvCache k1, k2;
+        ASSERT(kv_init(&k1, &kp) == ERR_OK && kv_init(&k2, &kp) == ERR_OK);
+        KvSeq s1 = {0}, s2 = {0};
+        ASSERT(kv_seq_reserve(&k1, &s1, N) == ERR_OK && kv_seq_reserve(&k2, &s2, N) == ERR_OK);
+        int pos[N], seq_of[N] = {0}, len[N];
+        for (int t = 0; t < N; t++) pos[t] = t, len[t] = t + 1;
+        KvSeq *q1[1] = {&s1}, *q2[1] = {&s2};
+        const BackendSeqs b1 = {q1, 1, pos, seq_of, len, N}, b2 = {q2, 1, pos, seq_of, len, N};
+        float *src = rand_vec(N * (L + R)), *copy = malloc(N * (L + R) * sizeof *copy);
+        float *nw = rand_vec(L);
+        ASSERT(copy);
+        memcpy(copy, src, N * (L + R) * sizeof *copy);
+        const KvIn in = {nw, NULL, L, 1e-6f, L, R, 10000.0f};
+        be->kv_write(be, &k1, &b1, 0, 0, src, L + R, &in);
+        CHECK(memcmp(src, copy, N * (L + R) * sizeof *copy) == 0);
+        be->rmsnorm(be, copy, copy, nw, N, L, L + R, 1e-6f);
+        be->rope(be, copy, N, 1, L + R, 0, L, R, pos, 10000.0f);
+        be->kv_write(be, &k2, &b2, 0, 0, copy, L + R, NULL);
+        CHECK(memcmp(k1.pool, k2.pool, k1.block_bytes * (size_t) kp.n_blocks) == 0);
+        kv_seq_free(&k1, &s1);
+        kv_seq_free(&k2, &s2);
+        kv_free(&k1);
+        kv_free(&k2);
+        free(src), free(copy), free(nw);
+    }
+    free(wg), free(wu), free(ww), free(x), free(xw);
+    be->destroy(be);
+}
+
 int main(void)
 {
     Backend *be = NULL;
@@ -563,6 +625,7 @@ int main(void)
     test_mla_tc(be);
     test_mla_predicate();
     test_dsa_predicate(be);
+    test_fused_ops();
     be->destroy(be);
     return check_exit();
 }
