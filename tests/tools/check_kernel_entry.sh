@@ -9,7 +9,7 @@ set -eu
 cd "$1"
 fail=0
 kernels=0
-for f in kernels/*.cu; do
+for f in kernels/*.cu kernels/*.cuh; do
     out=$(awk -v f="$f" '
         /^[ \t]*(\/\/|\*)/ { next }                      # comment lines
         /<<</ { print f ":" FNR ": a <<< >>> launch (use kern_launch)" }
@@ -32,7 +32,7 @@ for f in kernels/*.cu; do
         fail=$((fail + $(echo "$bad" | wc -l)))
     fi
 done
-globals=$(grep -h '__global__' kernels/*.cu | grep -cv '^[[:space:]]*\(//\|\*\)' || true)
+globals=$(grep -h '__global__' kernels/*.cu kernels/*.cuh | grep -cv '^[[:space:]]*\(//\|\*\)' || true)
 if [ "$globals" -ne "$kernels" ]; then
     echo "kernels/: $globals __global__ functions but $kernels bodies checked (a body's { not on its own line?)"
     fail=$((fail + 1))
