@@ -760,13 +760,8 @@ static void cpu_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int lay
         const size_t need = (size_t) n * (size_t) width;
         float *t = tmp_floats(impl, need);
         memcpy(t, src, need * sizeof(float));
+        backend_kv_in_ops(be, t, src, n, width, in, s->pos);
         src = t;
-        if (in->norm_dim > 0 && in->norm_b)
-            cpu_layernorm(be, t, t, in->norm_w, in->norm_b, n, width, in->eps);
-        else if (in->norm_dim > 0)
-            cpu_rmsnorm(be, t, t, in->norm_w, n, in->norm_dim, width, in->eps);
-        if (in->rope_dim > 0)
-            cpu_rope(be, t, n, 1, width, 0, in->rope_off, in->rope_dim, s->pos, in->theta);
     }
     for (int t = 0; t < n; t++)
         kv_store(kv, s->seqs[s->seq_of[t]], layer, s->pos[t], offset, src + (size_t) t * width,

@@ -1067,12 +1067,7 @@ static void cuda_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int la
         float *t = (float *) scratch(impl, SCRATCH_T, (size_t) n * width * sizeof(float));
         CUDA_CHECK(cudaMemcpyAsync(t, src, (size_t) n * width * sizeof(float),
                                    cudaMemcpyDeviceToDevice, impl->stream));
-        if (in->norm_dim > 0 && in->norm_b)
-            cuda_layernorm(be, t, src, in->norm_w, in->norm_b, n, width, in->eps);
-        else if (in->norm_dim > 0)
-            cuda_rmsnorm(be, t, src, in->norm_w, n, in->norm_dim, width, in->eps);
-        if (in->rope_dim > 0)
-            cuda_rope(be, t, n, 1, width, 0, in->rope_off, in->rope_dim, s->pos, in->theta);
+        backend_kv_in_ops(be, t, src, n, width, in, s->pos);
         src = t;
         in = NULL;
     }

@@ -288,6 +288,20 @@ struct Backend {
     void (*graph_end)(Backend *be);
 };
 
+// A cache write's transform (kernels/kv_format.h KvIn) as the backend's own ops, the numbers
+// kv_write's transform promises: t [n, width] holds a copy of src [n, width]; the norm reads
+// src and writes t, then RoPE rotates t at the tokens' positions pos (the backend's memory).
+static inline void backend_kv_in_ops(Backend *be, float *t, const float *src, int n, int width,
+                                     const KvIn *in, const int *pos)
+{
+    if (in->norm_dim > 0 && in->norm_b)
+        be->layernorm(be, t, src, in->norm_w, in->norm_b, n, width, in->eps);
+    else if (in->norm_dim > 0)
+        be->rmsnorm(be, t, src, in->norm_w, n, in->norm_dim, width, in->eps);
+    if (in->rope_dim > 0)
+        be->rope(be, t, n, 1, width, 0, in->rope_off, in->rope_dim, pos, in->theta);
+}
+
 // Whether matmul() on this weight / moe() on these experts / mla_attention() on a layer of
 // this shape and cache entry run the tuned kernels on the CUDA backend, and so round under
 // BACKEND_PRECISION_BF16 (on both backends): the limits of kernels/gemm.h (bf16 weights in

@@ -390,6 +390,21 @@ static bool near_ties_only(const KvCache *kv, const KvSeq *seq, const float *qt,
     return ok;
 }
 
+// The caches of the attention tests: two layers (an index key of Di values on the second),
+// blocks of 16 positions, room for two sequences of 45 and 30 tokens.
+static KvCacheParams two_layer_cache(KvDtype dtype, int L, int R, int Di)
+{
+    KvCacheParams p = {.n_layers = 2,
+                       .block_size = 16,
+                       .n_blocks = 6,
+                       .kv_lora = L,
+                       .rope_dim = R,
+                       .index_dim = Di,
+                       .dtype = dtype};
+    p.has_index[1] = true;
+    return p;
+}
+
 // kv_write with its transform (kv_format.h KvIn) as model.c writes a layer: the latent
 // RMS-normalized and its k_pe rotated, the index key layer-normalized and its first dims
 // rotated, two sequences in one call, on bf16 and fp8 caches. The fused launch stores
@@ -401,14 +416,7 @@ static void test_kv_write_in(KvDtype dtype)
     enum { TA = 45, TB = 30, T = TA + TB };
     const int L = 144, R = 16, Di = 32;
     const float theta = 10000.0f, eps = 1e-6f;
-    KvCacheParams p = {.n_layers = 2,
-                       .block_size = 16,
-                       .n_blocks = 6,
-                       .kv_lora = L,
-                       .rope_dim = R,
-                       .index_dim = Di,
-                       .dtype = dtype};
-    p.has_index[1] = true;
+    const KvCacheParams p = two_layer_cache(dtype, L, R, Di);
     KvCache kc, kg, ku;
     ASSERT(kv_init(&kc, &p) == ERR_OK && kv_init(&kg, &p) == ERR_OK && kv_init(&ku, &p) == ERR_OK);
     KvSeq sc[2] = {{0}, {0}}, sg[2] = {{0}, {0}}, su[2] = {{0}, {0}};
@@ -497,14 +505,7 @@ static void test_attention(KvDtype dtype, int Di)
 {
     enum { TA = 45, TB = 30, T = TA + TB };
     const int L = 144, R = 16, Hi = 4, topk = 8;
-    KvCacheParams p = {.n_layers = 2,
-                       .block_size = 16,
-                       .n_blocks = 6,
-                       .kv_lora = L,
-                       .rope_dim = R,
-                       .index_dim = Di,
-                       .dtype = dtype};
-    p.has_index[1] = true;
+    const KvCacheParams p = two_layer_cache(dtype, L, R, Di);
     KvCache kc, kg;
     ASSERT(kv_init(&kc, &p) == ERR_OK && kv_init(&kg, &p) == ERR_OK);
     KvSeq sc[2] = {{0}, {0}}, sg[2] = {{0}, {0}};
