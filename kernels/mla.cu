@@ -43,6 +43,11 @@ enum {
 // ---------------------------------------------------------------------------
 // Query split kernel
 
+// Block (g, t): heads g * SPLIT_HEADS .. of token t, a thread per value of a head; RoPE's cos
+// and sin of the token's position computed once a block (in double: GB10's FP64 units are
+// few), as rope.cu computes them once for its block of heads.
+enum { SPLIT_HEADS = 8 };
+
 static __global__ void mla_q_split_kernel(uint16_t *__restrict__ q_nope, float *__restrict__ q_pe,
                                           const float *__restrict__ q,
                                           const int32_t *__restrict__ pos,
@@ -50,28 +55,33 @@ static __global__ void mla_q_split_kernel(uint16_t *__restrict__ q_nope, float *
                                           int qk_nope, int qk_rope, int heads_pad)
 {
     KERN_ENTRY();
-    const int t = blockIdx.y, h = blockIdx.x, tid = threadIdx.x;  // MLA_QK_NOPE + MLA_ROPE threads
-    const size_t row = (size_t) t * heads_pad + h;
-    const float *qh = h < n_heads ? q + ((size_t) t * n_heads + h) * (qk_nope + qk_rope) : NULL;
-    if (tid < MLA_QK_NOPE) {
-        q_nope[row * MLA_QK_NOPE + tid] = qh && tid < qk_nope ? f32_to_bf16_bits(qh[tid]) : 0;
-        return;
-    }
-    const int j = tid - MLA_QK_NOPE;
-    float v = 0.0f;
-    if (qh && j < qk_rope) {
-        const float *pe = qh + qk_nope;
-        if (pos) {  // rope.cu's pair i = j mod half: first half a cs - b sn, second b cs + a sn
-            const int half = qk_rope / 2, i = j % half;
-            float cs, sn, first, second;
-            rope_cos_sin(pos[t], f.inv[i], &cs, &sn);
-            rope_rotate(pe[2 * i], pe[2 * i + 1], cs, sn, &first, &second);
-            v = j < half ? first : second;
-        } else {
-            v = pe[j];
+    __shared__ float cs_s[MLA_ROPE / 2], sn_s[MLA_ROPE / 2];
+    const int t = blockIdx.y, tid = threadIdx.x;  // MLA_QK_NOPE + MLA_ROPE threads
+    const int half = qk_rope / 2, j = tid - MLA_QK_NOPE, i = half > 0 ? j % half : 0;
+    if (pos && tid < half) rope_cos_sin(pos[t], f.inv[tid], &cs_s[tid], &sn_s[tid]);
+    __syncthreads();
+    for (int hh = 0; hh < SPLIT_HEADS; hh++) {
+        const int h = blockIdx.x * SPLIT_HEADS + hh;
+        if (h >= heads_pad) break;
+        const size_t row = (size_t) t * heads_pad + h;
+        const float *qh = h < n_heads ? q + ((size_t) t * n_heads + h) * (qk_nope + qk_rope) : NULL;
+        if (tid < MLA_QK_NOPE) {
+            q_nope[row * MLA_QK_NOPE + tid] = qh && tid < qk_nope ? f32_to_bf16_bits(qh[tid]) : 0;
+            continue;
         }
+        float v = 0.0f;
+        if (qh && j < qk_rope) {
+            const float *pe = qh + qk_nope;
+            if (pos) {  // rope.cu's pair i = j mod half: first half a cs - b sn, second b cs + a sn
+                float first, second;
+                rope_rotate(pe[2 * i], pe[2 * i + 1], cs_s[i], sn_s[i], &first, &second);
+                v = j < half ? first : second;
+            } else {
+                v = pe[j];
+            }
+        }
+        q_pe[row * MLA_ROPE + j] = v;
     }
-    q_pe[row * MLA_ROPE + j] = v;
 }
 
 // ---------------------------------------------------------------------------
@@ -601,8 +611,9 @@ void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, const int32_t *p
         ASSERT(qk_rope % 2 == 0 && qk_rope > 0 && theta > 0.0f);
         rope_freqs(&f, qk_rope, theta);
     }
-    kern_launch(mla_q_split_kernel, dim3(heads_pad, n_tok), MLA_QK_NOPE + MLA_ROPE, 0, stream,
-                q_nope, q_pe, q, pos, f, n_heads, qk_nope, qk_rope, heads_pad);
+    kern_launch(mla_q_split_kernel, dim3(CEIL_DIV(heads_pad, SPLIT_HEADS), n_tok),
+                MLA_QK_NOPE + MLA_ROPE, 0, stream, q_nope, q_pe, q, pos, f, n_heads, qk_nope,
+                qk_rope, heads_pad);
 }
 
 void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaCache *cache,

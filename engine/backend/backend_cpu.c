@@ -48,8 +48,10 @@ typedef struct CpuImpl {
     size_t moe_cap;  // floats
     float *round_buf;  // matmul inputs rounded to bf16 (the BF16 recipe), owned
     size_t round_cap;  // floats
-    float *tmp_buf;    // kv_write's transformed values, matmul_group's up products, owned
-    size_t tmp_cap;    // floats
+    // kv_write's transformed values, matmul_group's up products, MLA's rotated q; owned, kept
+    // at its largest size (after a prefill chunk: n x H x qk floats, as much again as q)
+    float *tmp_buf;
+    size_t tmp_cap;  // floats
     void **bound;      // weights bind_linear stored in bf16 (backend_bind_rounds), owned
     int n_bound, bound_cap;
 } CpuImpl;

@@ -1214,9 +1214,10 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
     for (int t0 = 0; t0 < n; t0 += chunk) {
         const int nc = n - t0 < chunk ? n - t0 : chunk;
         prof_begin(impl);
+        const bool rotate = p->rope_theta > 0.0f && p->qk_rope > 0;  // q's RoPE in the split
         mla_q_split(q_nope, q_pe, q + (size_t) t0 * H * (p->qk_nope + p->qk_rope),
-                    p->rope_theta > 0.0f ? s->pos + t0 : NULL, p->rope_theta, nc, H, p->qk_nope,
-                    p->qk_rope, Hp, impl->stream);
+                    rotate ? s->pos + t0 : NULL, p->rope_theta, nc, H, p->qk_nope, p->qk_rope, Hp,
+                    impl->stream);
         heads_product(impl, q_lat, pk->uk, q_nope, L, MLA_QK_NOPE, Hp, nc);
         prof_end(impl, PROF_MLA_PROJ, 0.0);
         prof_begin(impl);

@@ -279,6 +279,11 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
                 cmd);
         return usage(cmd);
     }
+    if (a->decode_out && (a->pp > 1 || a->world > 1 || a->rank >= 0)) {
+        fprintf(stderr, "glmspark %s: --decode-out runs on one rank only (not with --pp or "
+                        "pipeline ranks)\n", cmd);
+        return usage(cmd);
+    }
     if (strcmp(cmd, "logits") == 0 && !a->out_path) {
         fprintf(stderr, "glmspark logits: --out is required\n");
         return usage(cmd);

@@ -778,10 +778,12 @@ static void test_tuned(void)
     tuned_mla((BackendMla){3, 24, 8, 5, 40, 0.17f, 0.0f});
 }
 
-// MLA through the tuned kernels (test_tuned) at the widths of mp.
+// MLA through the tuned kernels (test_tuned) at the widths of mp: two sequences of 300 and 40
+// tokens in one call (two of mla_tuned's 256-token chunks), dense and sparse, both kernels,
+// fp8 and bf16 caches; then q's RoPE inside the attention (rope_theta).
 static void tuned_mla(const BackendMla mp)
 {
-    enum { TA = 150, TB = 40, T = TA + TB, KSEL = 48 };
+    enum { TA = 300, TB = 40, T = TA + TB, KSEL = 48 };  // past a 256-token chunk of mla_tuned
     const int L = mp.kv_lora, R = mp.qk_rope, H = mp.n_heads, nope = mp.qk_nope, vd = mp.v_dim;
     CkptLinear kv_b = make_linear(CKPT_LINEAR_BF16, H * (nope + vd), L), kv_bg = kv_b;
     CHECK(cpu->bind_kv_b(cpu, &kv_b, &mp) == ERR_OK && gpu->bind_kv_b(gpu, &kv_bg, &mp) == ERR_OK);

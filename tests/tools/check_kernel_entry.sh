@@ -1,7 +1,8 @@
 #!/bin/sh
 # check_kernel_entry.sh SRCDIR - what programmatic dependent launch needs of kernels/
 # (kernels/launch.cuh): every kernel's body starts with KERN_ENTRY(); or, in a kernel that
-# prefetches its weights first, KERN_ENTRY_AFTER(name_prefetch(...)); (nothing of it may read
+# prefetches its weights first, KERN_ENTRY_AFTER(name_prefetch(a, b, ...)); with plain
+# parameters as arguments (the helper computes addresses from them; nothing of a kernel may read
 # or write memory before it waits for the grid it depends on), and no kernel is launched with
 # <<< >>> (kern_launch is the one way; a cluster launch calls cudaLaunchKernelEx itself).
 # Prints each offence and exits 1 on any.
@@ -19,7 +20,7 @@ for f in kernels/*.cu kernels/*.cuh; do
         want == 2 {
             n++
             if ($0 !~ /^[ \t]*KERN_ENTRY\(\);[ \t]*$/ \
-                && $0 !~ /^[ \t]*KERN_ENTRY_AFTER\([a-z0-9_]*_prefetch(<[A-Za-z0-9_]*>)?\(.*\)\);[ \t]*$/)
+                && $0 !~ /^[ \t]*KERN_ENTRY_AFTER\([a-z0-9_]*_prefetch(<[A-Za-z0-9_]*>)?\([A-Za-z0-9_, ]*\)\);[ \t]*$/)
                 print f ":" line ": a kernel whose first statement is not KERN_ENTRY(); or KERN_ENTRY_AFTER(..._prefetch(...));"
             want = 0
         }
