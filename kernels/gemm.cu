@@ -310,15 +310,30 @@ typedef struct GemvGroup {
     int n;
 } GemvGroup;
 
+// Rows of each matrix of a SwiGLU pair that a block of the grouped kernel takes at R rows a
+// block (two rows at least: one of each).
+static constexpr __host__ __device__ int gemv_pair_rows(int R)
+{
+    return R > 1 ? R / 2 : 1;
+}
+
+// The segment of g this block works on, and (*b) the block's index within it.
+static __device__ __forceinline__ int gemv_group_segment(const GemvGroup &g, int *b)
+{
+    int s = 0;
+    while (s + 1 < g.n && (int) blockIdx.x >= g.first[s + 1]) s++;
+    *b = (int) blockIdx.x - g.first[s];
+    return s;
+}
+
 // The grouped kernel's first step: as gemv_sk_prefetch on the block's segment (a pair: its RP
 // rows of both matrices).
 template <int R>
 static __device__ __forceinline__ void gemv_group_prefetch(const GemvGroup &g, int cols)
 {
-    constexpr int RP = R > 1 ? R / 2 : 1, bytes = SK_IN_FLIGHT * GEMV_WARPS * WARP_SIZE * 16;
-    int s = 0;
-    while (s + 1 < g.n && (int) blockIdx.x >= g.first[s + 1]) s++;
-    const int b = (int) blockIdx.x - g.first[s], threads = GEMV_WARPS * WARP_SIZE;
+    constexpr int RP = gemv_pair_rows(R), bytes = SK_IN_FLIGHT * GEMV_WARPS * WARP_SIZE * 16;
+    int b;
+    const int s = gemv_group_segment(g, &b), threads = GEMV_WARPS * WARP_SIZE;
     if (!g.w_up[s]) {
         gemv_rows_prefetch(g.w[s], g.rows[s], cols, 0, b * R, R, bytes, threadIdx.x, threads);
     } else {
@@ -333,10 +348,9 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
                                 int cols, int n_tok)
 {
     KERN_ENTRY_AFTER(gemv_group_prefetch<R>(g, cols));
-    constexpr int RP = R > 1 ? R / 2 : 1;  // a pair's rows of each matrix a block
-    int s = 0;
-    while (s + 1 < g.n && (int) blockIdx.x >= g.first[s + 1]) s++;
-    const int b = (int) blockIdx.x - g.first[s];
+    constexpr int RP = gemv_pair_rows(R);
+    int b;
+    const int s = gemv_group_segment(g, &b);
     if (g.w_up[s])
         gemv_sk_rows<2 * RP, NT, float, XT, true>(g.y[s], g.w[s], x, NULL, g.rows[s], cols, 1,
                                                   n_tok, 0, b * RP, g.w_up[s]);
@@ -543,7 +557,7 @@ template <int R>
 static void group_r(GemvGroup &g, const GemmSeg *segs, const float *x, int cols, int n_tok,
                     cudaStream_t stream)
 {
-    constexpr int RP = R > 1 ? R / 2 : 1;  // as the kernel takes a SwiGLU pair's rows
+    constexpr int RP = gemv_pair_rows(R);  // as the kernel takes a SwiGLU pair's rows
     g.first[0] = 0;
     for (int i = 0; i < g.n; i++)
         g.first[i + 1] = g.first[i] + CEIL_DIV(segs[i].rows, segs[i].w_up ? RP : R);

@@ -726,8 +726,7 @@ static void cpu_mla_attention(Backend *be, float *out, const float *q, const Ckp
         const int qk = p->qk_nope + p->qk_rope;
         float *qr = tmp_floats(impl, (size_t) n * p->n_heads * qk);
         memcpy(qr, q, (size_t) n * p->n_heads * qk * sizeof *qr);
-        cpu_rope(be, qr, n, p->n_heads, p->n_heads * qk, qk, p->qk_nope, p->qk_rope, pos,
-                 p->rope_theta);
+        backend_mla_q_rope(be, qr, n, p, pos);
         q = qr;
     }
     int max_visible = 1;

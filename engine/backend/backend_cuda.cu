@@ -43,7 +43,8 @@
  *   projections of one normalized row run as one grouped GEMV (matmul_group), the shared
  *   expert's SwiGLU in its store, the cache writes normalize and rotate what they store
  *   (kv_write's KvIn), and MLA's query split rotates q (BackendMla.rope_theta);
- *   GLMSPARK_CUDA_FUSE=0 runs those one op at a time (the same numbers: an A/B knob). GLMSPARK_CUDA_GRAPHS=0 turns graphs off;
+ *   GLMSPARK_CUDA_FUSE=0 runs those one op at a time (the same numbers: an A/B knob).
+ *   GLMSPARK_CUDA_GRAPHS=0 turns graphs off;
  *   GLMSPARK_MOE_WIDE=0 keeps prefill chunks off the wide expert tiles (moe_tuned);
  *   MLA attention runs on the tensor cores where the shape allows (Backend.mla_tc:
  *   mla_decode_tc, whose recipe also rounds q and the probabilities to bf16, as the CPU
@@ -299,6 +300,14 @@ static void *scratch(CudaImpl *impl, int slot, size_t bytes)
 }
 
 // The device pool mirroring kv's (created zeroed on first use).
+// A copy of n floats of src in SCRATCH_T: the input of a fused op run one op at a time.
+static float *scratch_copy(CudaImpl *impl, const float *src, size_t n)
+{
+    float *t = (float *) scratch(impl, SCRATCH_T, n * sizeof(float));
+    CUDA_CHECK(cudaMemcpyAsync(t, src, n * sizeof(float), cudaMemcpyDeviceToDevice, impl->stream));
+    return t;
+}
+
 static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
 {
     const size_t bytes = kv->block_bytes * (size_t) kv->params.n_blocks;
@@ -1064,9 +1073,7 @@ static void cuda_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int la
     if (in && (!impl->fuse || width > KV_IN_MAX)) {
         // The norm reads src itself (norm.cu judges its 16-byte loads on src, as the fused
         // write does), writing into the copy.
-        float *t = (float *) scratch(impl, SCRATCH_T, (size_t) n * width * sizeof(float));
-        CUDA_CHECK(cudaMemcpyAsync(t, src, (size_t) n * width * sizeof(float),
-                                   cudaMemcpyDeviceToDevice, impl->stream));
+        float *t = scratch_copy(impl, src, (size_t) n * width);
         backend_kv_in_ops(be, t, src, n, width, in, s->pos);
         src = t;
         in = NULL;
@@ -1250,13 +1257,9 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
     if (pk) {
         BackendMla pp = *p;
         if (p->rope_theta > 0.0f && !impl->fuse) {  // the rope op on a copy, then a plain split
-            const int qk = p->qk_nope + p->qk_rope;
-            const size_t nq = (size_t) s->n * p->n_heads * qk;
-            float *qr = (float *) scratch(impl, SCRATCH_T, nq * sizeof(float));
-            CUDA_CHECK(cudaMemcpyAsync(qr, q, nq * sizeof(float), cudaMemcpyDeviceToDevice,
-                                       impl->stream));
-            cuda_rope(be, qr, s->n, p->n_heads, p->n_heads * qk, qk, p->qk_nope, p->qk_rope, s->pos,
-                      p->rope_theta);
+            float *qr =
+                scratch_copy(impl, q, (size_t) s->n * p->n_heads * (p->qk_nope + p->qk_rope));
+            backend_mla_q_rope(be, qr, s->n, p, s->pos);
             q = qr;
             pp.rope_theta = 0.0f;
         }

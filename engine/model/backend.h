@@ -302,6 +302,16 @@ static inline void backend_kv_in_ops(Backend *be, float *t, const float *src, in
         be->rope(be, t, n, 1, width, 0, in->rope_off, in->rope_dim, pos, in->theta);
 }
 
+// q's rope parts rotated in place as mla_attention with p->rope_theta > 0 rotates them, by the
+// backend's rope op: qr [n, H, qk_nope + qk_rope] (a copy of q), pos the tokens' positions.
+static inline void backend_mla_q_rope(Backend *be, float *qr, int n, const BackendMla *p,
+                                      const int *pos)
+{
+    const int qk = p->qk_nope + p->qk_rope;
+    be->rope(be, qr, n, p->n_heads, p->n_heads * qk, qk, p->qk_nope, p->qk_rope, pos,
+             p->rope_theta);
+}
+
 // Whether matmul() on this weight / moe() on these experts / mla_attention() on a layer of
 // this shape and cache entry run the tuned kernels on the CUDA backend, and so round under
 // BACKEND_PRECISION_BF16 (on both backends): the limits of kernels/gemm.h (bf16 weights in

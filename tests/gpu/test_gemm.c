@@ -5,7 +5,8 @@
  * warp's stride; every token count bucket; and GLM-5.2's decode shapes (fused q_a+kv_a, q_b,
  * o_proj, the per-head W_UK^T / W_UV products, the router). Both GEMVs (CUDA-core and tensor-
  * core) run every shape; the grouped GEMV runs GLM-5.2's groups of projections and odd shapes,
- * bit for bit each matrix's own GEMV (a SwiGLU pair: act_silu_mul's value of the two). Outputs are poisoned (NaN) first.
+ * bit for bit each matrix's own GEMV (a SwiGLU pair: act_silu_mul's value of the two).
+ * Outputs are poisoned (NaN) first.
  *
  * Tolerance: an n-term fp32 dot product, in any order, is within about n * FLT_EPSILON *
  * sum|terms| of the exact value; bf16 outputs add half an ulp (at most 2^-8 relative: 8 significant bits).
