@@ -341,11 +341,12 @@ for cfg in ${REAP:-}; do
     # sequence of a 1,024-token prompt (its decode tok/s), and 8 sequences of it through the
     # scheduler (the aggregate decode tok/s once all 8 are prefilled: the bench's batch 8), with
     # the backend's count of graphed steps replayed, captured and run eagerly.
+    # REAP_GEN=0 skips them (two more loads of the checkpoint).
     toks=$(python3 -c "print(','.join(str((i * 7919) % 150000 + 5) for i in range(1024)))")
-    run "$c/bin/glmspark" generate --backend cuda --kv-dtype fp8 --model "$dir" --tokens "$toks" \
+    [ "${REAP_GEN:-1}" = 0 ] || run "$c/bin/glmspark" generate --backend cuda --kv-dtype fp8 --model "$dir" --tokens "$toks" \
         --max-tokens "${GEN_TOKENS:-64}" --ignore-eos 2>&1 >/dev/null | grep -o "decode: .*\|CUDA graphs: .*\|CUDA downloads: .*" \
         | sed "s/^/generate reap $cfg, 1 sequence, 1K prompt: /" | tee -a "$out/reap.log"
-    run "$c/bin/glmspark" generate --backend cuda --kv-dtype fp8 --model "$dir" --tokens "$toks" \
+    [ "${REAP_GEN:-1}" = 0 ] || run "$c/bin/glmspark" generate --backend cuda --kv-dtype fp8 --model "$dir" --tokens "$toks" \
         --max-tokens "${GEN_TOKENS:-64}" --ignore-eos --n-seqs 8 2>&1 >/dev/null \
         | grep -o "[0-9]* sequences x .*\|decode with all .*\|CUDA graphs: .*\|CUDA downloads: .*" \
         | sed "s/^/generate reap $cfg, 8 sequences, 1K prompts: /" | tee -a "$out/reap.log"
