@@ -772,11 +772,12 @@ static void cpu_kv_write(Backend *be, KvCache *kv, const BackendSeqs *s, int lay
 // Tokens are grouped by expert (as transformers' eager experts loop does), so each expert's
 // weights are decoded once per call and run as one matmul over its tokens.
 static void cpu_moe(Backend *be, float *out, const float *x, int n, const int *idx,
-                    const float *wts, int top_k, const CkptLinear *experts, int n_experts)
+                    const float *wts, int top_k, const CkptLinear *experts, int n_experts,
+                    const float *residual)
 {
     CpuImpl *impl = be->impl;
     const int hidden = experts[0].cols, inter = experts[0].rows;
-    const size_t need = (size_t) n * (2 * (size_t) hidden + 2 * (size_t) inter + 2);
+    const size_t need = (size_t) n * (3 * (size_t) hidden + 2 * (size_t) inter + 2);
     if (impl->moe_cap < need) {
         free(impl->moe_buf);
         impl->moe_buf = malloc(need * sizeof(float));
@@ -789,10 +790,11 @@ static void cpu_moe(Backend *be, float *out, const float *x, int n, const int *i
     float *u = g + (size_t) n * inter;     // [n, inter]
     float *we = u + (size_t) n * inter;    // [n] routing weights
     int *tok = (int *) (we + n);           // [n] token of each row
+    float *sum = (float *) (tok + n);      // [n, hidden] the experts' sum (out may be residual)
 
     const bool bf16 =
         be->precision == BACKEND_PRECISION_BF16 && backend_moe_tuned(experts, n_experts, top_k);
-    memset(out, 0, (size_t) n * hidden * sizeof(float));
+    memset(sum, 0, (size_t) n * hidden * sizeof(float));
     for (int e = 0; e < n_experts; e++) {
         int cnt = 0;
         for (int t = 0; t < n; t++)
@@ -818,12 +820,14 @@ static void cpu_moe(Backend *be, float *out, const float *x, int n, const int *i
                 g[i] = nvfp4_round_bf16(g[i]);
         cpu_matmul(be, ye, &w[2], g, cnt);
         for (int i = 0; i < cnt; i++) {
-            float *o = out + (size_t) tok[i] * hidden;
+            float *o = sum + (size_t) tok[i] * hidden;
             const float *y = ye + (size_t) i * hidden;
             for (int c = 0; c < hidden; c++)
                 o[c] += y[c] * we[i];
         }
     }
+    for (size_t i = 0; i < (size_t) n * hidden; i++)
+        out[i] = residual ? residual[i] + sum[i] : sum[i];
 }
 
 // ---------------------------------------------------------------------------

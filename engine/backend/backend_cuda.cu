@@ -1284,7 +1284,7 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
 // of up to MOE_MAX_CHUNK_PAIRS pairs. GLMSPARK_MOE_CHUNK=N caps a launch at N tokens.
 #define MOE_WIDE_MIN_PAIRS 16
 static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const int *idx,
-                      const float *wts, int top_k, const ExpertStack *st)
+                      const float *wts, int top_k, const ExpertStack *st, const float *residual)
 {
     const MoeExperts *ex = &st->ex;
     const bool wide_ok = impl->moe_wide && !st->bf16;
@@ -1318,13 +1318,15 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
             moe_experts_w13(act, ex, xc, work, nc, top_k, impl->stream);
             moe_experts_w2(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
         }
-        moe_combine(out + (size_t) t0 * hidden, y, NULL, nc, top_k, (int) hidden, impl->stream);
+        moe_combine(out + (size_t) t0 * hidden, y, residual ? residual + (size_t) t0 * hidden : NULL,
+                    nc, top_k, (int) hidden, impl->stream);
     }
     prof_end(impl, PROF_MOE, 0.0);
 }
 
 static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *idx,
-                     const float *wts, int top_k, const CkptLinear *experts, int n_experts)
+                     const float *wts, int top_k, const CkptLinear *experts, int n_experts,
+                     const float *residual)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     const int hidden = experts[0].cols, inter = experts[0].rows;
@@ -1339,7 +1341,7 @@ static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *
         if (top_k > MOE_MAX_K)
             log_fatal(__FILE__, __LINE__, "top_k %d exceeds the tuned experts' %d", top_k,
                       MOE_MAX_K);
-        moe_tuned(impl, out, x, n, idx, wts, top_k, st);
+        moe_tuned(impl, out, x, n, idx, wts, top_k, st, residual);
         return;
     }
     log_fatal(__FILE__, __LINE__, "CUDA backend: the experts of %s were not bound",

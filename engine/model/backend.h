@@ -251,9 +251,11 @@ struct Backend {
     // Routed experts: out[t] = sum_k wts[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) with
     // e = idx[t, k]; experts[3 e + 0/1/2] are expert e's gate [I, hidden], up [I, hidden]
     // and down [hidden, I]. out, x: [n, hidden]; idx, wts: [n, K]. Experts are applied in
-    // ascending order and each token's contributions summed in that order.
+    // ascending order and each token's contributions summed in that order. With residual
+    // ([n, hidden], may equal out), out[t] = residual[t] + that sum (the sum rounded to fp32
+    // first): the MoE layer's residual add in the op (the CUDA backend's combine launch).
     void (*moe)(Backend *be, float *out, const float *x, int n, const int *idx, const float *wts,
-                int top_k, const CkptLinear *experts, int n_experts);
+                int top_k, const CkptLinear *experts, int n_experts, const float *residual);
 
     // Expert choice from router logits [n, E] and correction bias [E]: idx [n, K] (experts,
     // ascending) and their weights wts [n, K].

@@ -819,12 +819,11 @@ static void mlp_block(Model *m, int l, int n)
     const BackendProduct in[] = {{w->rl, &L->router, NULL}, {w->g, &L->sh_gate, &L->sh_up}};
     be->matmul_group(be, in, c->n_shared_experts > 0 ? 2 : 1, w->h, n);
     be->route(be, w->ridx, w->rw, w->rl, L->router_bias, n, &route);
-    be->moe(be, w->tmp2, w->h, n, w->ridx, w->rw, c->n_experts_per_tok, L->experts,
-            c->n_routed_experts);
-    if (c->n_shared_experts > 0) {
-        be->matmul_add(be, w->tmp2, &L->sh_down, w->g, n);
-    }
-    be->add(be, w->x, w->tmp2, n * hidden);
+    // x += shared expert (in the down GEMV's store), then x += the routed experts' sum (in
+    // the op): no separate residual add.
+    if (c->n_shared_experts > 0) be->matmul_add(be, w->x, &L->sh_down, w->g, n);
+    be->moe(be, w->x, w->h, n, w->ridx, w->rw, c->n_experts_per_tok, L->experts,
+            c->n_routed_experts, w->x);
 }
 
 size_t model_act_bytes(const Model *m, int n)

@@ -300,15 +300,36 @@ static void test_route_moe(void)
         CHECK((ex[0].format == CKPT_LINEAR_BF16) == (ci == 1));
         float *x = rand_floats((size_t) n * hidden, 1.0f);
         float *want = malloc((size_t) n * hidden * sizeof *want);
-        cpu->moe(cpu, want, x, n, idx, wts, K, ex, E);
+        cpu->moe(cpu, want, x, n, idx, wts, K, ex, E, NULL);
         float *dx = dev(x, (size_t) n * hidden * sizeof *x);
         float *dout = gpu->alloc(gpu, (size_t) n * hidden * sizeof(float));
-        gpu->moe(gpu, dout, dx, n, didx, dwts, K, exg, E);
+        gpu->moe(gpu, dout, dx, n, didx, dwts, K, exg, E, NULL);
         expect_close(ci ? "moe (7 experts, top 3, bound in bf16)" : "moe (16 experts, top 4, nvfp4)",
                      dout, want, (size_t) n * hidden, 1e-3);
+        // With a residual, in place (the MoE layer's add in its combine): residual + the plain
+        // output, bit for bit, on both backends.
+        const size_t nh = (size_t) n * hidden;
+        float *plain = down(dout, nh * sizeof *plain), *r = rand_floats(nh, 1.0f);
+        float *dres = dev(r, nh * sizeof *r), *cres = malloc(nh * sizeof *cres);
+        ASSERT(cres);
+        memcpy(cres, r, nh * sizeof *r);
+        gpu->moe(gpu, dres, dx, n, didx, dwts, K, exg, E, dres);
+        cpu->moe(cpu, cres, x, n, idx, wts, K, ex, E, cres);
+        float *gres = down(dres, nh * sizeof *gres);
+        size_t bad_g = 0, bad_c = 0;
+        for (size_t i = 0; i < nh; i++) {
+            const float g = r[i] + plain[i], c = r[i] + want[i];
+            bad_g += memcmp(&gres[i], &g, sizeof g) != 0;
+            bad_c += memcmp(&cres[i], &c, sizeof c) != 0;
+        }
+        printf("moe with the residual in place: %zu / %zu values differ from residual + moe on "
+               "the GPU, %zu on the CPU\n", bad_g, nh, bad_c);
+        CHECK(bad_g == 0 && bad_c == 0);
+        free(plain), free(r), free(cres), free(gres);
+        gpu->free_mem(gpu, dres);
         // Token 0 alone (the decode kernels): the same bits as in the batch.
         float *batch = down(dout, (size_t) hidden * sizeof *batch);
-        gpu->moe(gpu, dout, dx, 1, didx, dwts, K, exg, E);
+        gpu->moe(gpu, dout, dx, 1, didx, dwts, K, exg, E, NULL);
         float *alone = down(dout, (size_t) hidden * sizeof *alone);
         CHECK(memcmp(alone, batch, (size_t) hidden * sizeof *alone) == 0);
         printf("moe token 0 alone vs in batch: %s\n",
@@ -738,12 +759,12 @@ static void test_tuned(void)
                 cpu->route(cpu, idx, wts, logits, NULL, n, &rp);
                 float *x = rand_floats((size_t) n * hidden, 1.0f);
                 float *want = malloc((size_t) n * hidden * sizeof *want);
-                cpu->moe(cpu, want, x, n, idx, wts, K, ex, E);
+                cpu->moe(cpu, want, x, n, idx, wts, K, ex, E, NULL);
                 float *dx = dev(x, (size_t) n * hidden * sizeof *x);
                 int *didx = dev(idx, (size_t) n * K * sizeof *idx);
                 float *dwts = dev(wts, (size_t) n * K * sizeof *wts);
                 float *dout = gpu->alloc(gpu, (size_t) n * hidden * sizeof(float));
-                gpu->moe(gpu, dout, dx, n, didx, dwts, K, exg, E);
+                gpu->moe(gpu, dout, dx, n, didx, dwts, K, exg, E, NULL);
                 char what[80];
                 snprintf(what, sizeof what, "moe tuned (%s experts, hidden %d) n=%d",
                          bf16 ? "bf16" : "nvfp4", hidden, n);
@@ -753,7 +774,7 @@ static void test_tuned(void)
                 for (int j = 0; j < (n == 5 ? 2 : 0); j++) {  // n 5: 8-column tiles alone
                     const int t = ends[j];
                     gpu->moe(gpu, dout, dx + (size_t) t * hidden, 1, didx + (size_t) t * K,
-                             dwts + (size_t) t * K, K, exg, E);
+                             dwts + (size_t) t * K, K, exg, E, NULL);
                     float *alone = down(dout, (size_t) hidden * sizeof *alone);
                     const bool same =
                         memcmp(alone, batch + (size_t) t * hidden, (size_t) hidden * sizeof *alone)

@@ -12,7 +12,8 @@
  *   moe:    NVFP4 experts (any widths) and bf16 ones: x and silu(gate) * up are rounded, so
  *           moe(x) equals moe(bf16(x)) bit for bit and differs from the f32 recipe; f32
  *           experts are untouched; experts not all NVFP4 are bound in bf16 under the recipe
- *           (bind_experts), as the GPU stacks them.
+ *           (bind_experts), as the GPU stacks them. With a residual (in place or apart) the
+ *           output is residual + the sum, bit for bit.
  *   mla:    at GLM-5's widths over a bf16 cache: q_nope (not q_pe), kv_b and the output latent
  *           are rounded; with Backend.mla_tc and heads in 32s also q_lat, q_pe and each
  *           probability times its fp8 group scale (test_mla_tc).
@@ -158,15 +159,25 @@ static void check_moe_rounds(Backend *be, const CkptLinear *ex)
     const float wts[N * K] = {0.6f, 0.4f, 0.7f, 0.3f, 0.5f, 0.5f};
     float *x = rand_vec((size_t) N * HID), *xr = rounded(x, (size_t) N * HID);
     float o32[N * HID], o16[N * HID], or16[N * HID], or32[N * HID];
-    be->moe(be, o32, x, N, idx, wts, K, ex, E);
-    be->moe(be, or32, xr, N, idx, wts, K, ex, E);
+    be->moe(be, o32, x, N, idx, wts, K, ex, E, NULL);
+    be->moe(be, or32, xr, N, idx, wts, K, ex, E, NULL);
     be->precision = BACKEND_PRECISION_BF16;
-    be->moe(be, o16, x, N, idx, wts, K, ex, E);
-    be->moe(be, or16, xr, N, idx, wts, K, ex, E);
+    be->moe(be, o16, x, N, idx, wts, K, ex, E, NULL);
+    be->moe(be, or16, xr, N, idx, wts, K, ex, E, NULL);
     be->precision = BACKEND_PRECISION_F32;
     CHECK(memcmp(o16, or16, sizeof o16) == 0);
     CHECK(memcmp(o16, o32, sizeof o16) != 0);
     CHECK(memcmp(or16, or32, sizeof or16) != 0);
+    // With a residual (in place, and apart): residual + the sum, bit for bit.
+    float res[N * HID], apart[N * HID], want[N * HID];
+    for (int i = 0; i < N * HID; i++) {
+        res[i] = x[i] * 3.0f + 0.25f;
+        want[i] = res[i] + o32[i];
+    }
+    be->moe(be, apart, x, N, idx, wts, K, ex, E, res);
+    be->moe(be, res, x, N, idx, wts, K, ex, E, res);
+    CHECK(memcmp(res, want, sizeof want) == 0);
+    CHECK(memcmp(apart, want, sizeof want) == 0);
     free(x), free(xr);
 }
 
