@@ -132,12 +132,15 @@ for d in $golden_dirs; do
     # Sequences taking turns (2 at a time of 4, sampled: each sequence its own tokens and
     # cache): the second pair replays the graphs the first recorded (a step's graph is keyed
     # by its shape, not its sequences). The same lines as with graphs off, and some replays.
+    # At least 8 tokens a sequence: with fewer (long_dsa's 3) a pair may take no two decode
+    # steps of one shape, so nothing is recorded to replay.
+    nt=$((n > 8 ? n : 8))
     tw=$(run "$c/bin/glmspark" generate --backend cuda --model "$d" \
-        --tokens "$prompt" --max-tokens "$n" --temperature 0.9 --seed 7 --ignore-eos --n-seqs 4 --max-seqs 2 \
+        --tokens "$prompt" --max-tokens "$nt" --temperature 0.9 --seed 7 --ignore-eos --n-seqs 4 --max-seqs 2 \
         2>"$out/$m.turns.log")
     te=$(env GLMSPARK_CUDA_GRAPHS=0 "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
         "$c/bin/glmspark" generate --backend cuda --model "$d" \
-        --tokens "$prompt" --max-tokens "$n" --temperature 0.9 --seed 7 --ignore-eos --n-seqs 4 --max-seqs 2 \
+        --tokens "$prompt" --max-tokens "$nt" --temperature 0.9 --seed 7 --ignore-eos --n-seqs 4 --max-seqs 2 \
         2>>"$out/$m.turns.log")
     replays=$(grep -o "CUDA graphs: [0-9]* graphed calls replayed" "$out/$m.turns.log" | grep -o "[0-9][0-9]*" | head -1)
     if [ "$(echo "$tw" | grep -c .)" -eq 4 ] && [ "$tw" = "$te" ] && [ "${replays:-0}" -gt 0 ]; then
