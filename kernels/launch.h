@@ -7,8 +7,8 @@
  * so the results are the same either way; what changes is the gap between two kernels of a
  * decode step (its graph records the attribute as a programmatic edge).
  *
- * Off until set. The CUDA backend sets it from GLMSPARK_CUDA_PDL (on unless "0") when it is
- * created; the kernel tests run without it.
+ * Off until set. The CUDA backend turns it on for the steps of at most GLMSPARK_CUDA_PDL
+ * tokens (default 1) and off after them; the kernel tests run without it.
  *
  * Ownership: none. Threads: set it before launching from any thread (a plain flag, read at
  * each launch). Errors: none.

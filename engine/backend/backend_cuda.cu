@@ -39,7 +39,8 @@
  *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
  *   buffers the caller uploads before. Kernels launch with programmatic dependent launch
  *   (kernels/launch.h: each may be scheduled while the one before it finishes, and waits for
- *   it before touching memory; GLMSPARK_CUDA_PDL=0 launches them plainly). A decode layer's
+ *   it before touching memory) in steps of at most GLMSPARK_CUDA_PDL tokens (default 1: the
+ *   batch-1 decode step, where it gains; at batch 8 it lost, docs/perf.md; 0: never). A decode layer's
  *   projections of one normalized row run as one grouped GEMV (matmul_group), the shared
  *   expert's SwiGLU in its store, the cache writes normalize and rotate what they store
  *   (kv_write's KvIn), and MLA's query split rotates q (BackendMla.rope_theta);
@@ -100,6 +101,7 @@ enum {
     MAX_PAD_LINS = 1024,
     MAX_GRAPHS = 16,
     MAX_GRAPH_KEY = 256,  // key words (caller's and backend's) a graph can be recorded under
+    MAX_GRAPH_TOKENS_PDL = 1 << 20,  // GLMSPARK_CUDA_PDL's largest value
 };
 
 // The scores one pass of the tuned DSA top-k may hold by default (cuda_dsa_topk: rows in
@@ -221,6 +223,11 @@ typedef struct CudaImpl {
     // on unless GLMSPARK_CUDA_FUSE=0, which runs the same kernels one op at a time (an A/B
     // knob for measuring what the fusions save; the numbers are the same either way).
     bool fuse;
+    // Steps of at most this many tokens (graph_begin's n_tok) launch with programmatic
+    // dependent launch (GLMSPARK_CUDA_PDL=N, default 1; 0: never); other calls (prefill chunks,
+    // bigger batches) plainly. Measured on an H100 (docs/perf.md, 2026-12-05): 43 µs faster
+    // for 5 layers at batch 1, 169 µs slower at batch 8.
+    int pdl_tokens;
     size_t dsa_score_bytes;  // a DSA top-k pass's scores (DSA_SCORE_BYTES; tests lower it)
     int moe_chunk;  // GLMSPARK_MOE_CHUNK: tokens per expert launch of a prefill (0: the most
                     // the tiles take, MOE_MAX_WIDE_PAIRS or MOE_MAX_CHUNK_PAIRS / top_k)
@@ -1350,10 +1357,11 @@ static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *
 
 // Graphs: see the file comment. A key too long for MAX_GRAPH_KEY runs eagerly.
 static bool cuda_graph_begin(Backend *be, const KvCache *kv, KvSeq *const *seqs, int n_seqs,
-                             const unsigned long long *key, int n_key)
+                             int n_tok, const unsigned long long *key, int n_key)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
-    ASSERT(impl->mode == GRAPH_NONE && n_key >= 0 && n_seqs >= 0);
+    ASSERT(impl->mode == GRAPH_NONE && n_key >= 0 && n_seqs >= 0 && n_tok >= 0);
+    kern_set_pdl(n_tok <= impl->pdl_tokens);  // recorded with the launches; off at graph_end
     impl->mode = GRAPH_EAGER;
     impl->n_key = 0;
     impl->graph_t0 = clock_now_s();
@@ -1434,6 +1442,7 @@ static void cuda_graph_end(Backend *be)
         ASSERT(!"graph_end without graph_begin");
     }
     impl->mode = GRAPH_NONE;
+    kern_set_pdl(false);
     impl->graph_cur = NULL;
 }
 
@@ -1558,6 +1567,15 @@ static void timed_copy(CudaImpl *impl, void *ctx)
     CUDA_CHECK(cudaMemcpyAsync(c->dst, c->src, c->bytes, cudaMemcpyDeviceToDevice, impl->stream));
 }
 
+int backend_cuda_pdl_tokens(void)
+{
+    const char *v = getenv("GLMSPARK_CUDA_PDL");
+    if (!v || !*v) return 1;
+    char *end;
+    const long n = strtol(v, &end, 10);
+    return *end || n < 0 || n > MAX_GRAPH_TOKENS_PDL ? -1 : (int) n;
+}
+
 double backend_cuda_copy_gbs(Backend *be, size_t bytes)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
@@ -1648,7 +1666,17 @@ Err backend_cuda_create(int device, Backend **out)
     impl->profile = backend_env_flag("GLMSPARK_CUDA_PROFILE", false);
     impl->moe_wide = backend_env_flag("GLMSPARK_MOE_WIDE", true);
     impl->fuse = backend_env_flag("GLMSPARK_CUDA_FUSE", true);
-    kern_set_pdl(backend_env_flag("GLMSPARK_CUDA_PDL", true));
+    impl->pdl_tokens = backend_cuda_pdl_tokens();
+    if (impl->pdl_tokens < 0) {
+        LOG_ERROR("GLMSPARK_CUDA_PDL=%s: expected the most tokens of a step launched with "
+                  "programmatic dependent launch, 0 .. %d (0: never)",
+                  getenv("GLMSPARK_CUDA_PDL"), MAX_GRAPH_TOKENS_PDL);
+        cudaStreamDestroy(impl->stream);
+        free(be);
+        free(impl);
+        return ERR_INVAL;
+    }
+    kern_set_pdl(false);  // graph_begin turns it on for a step of at most pdl_tokens tokens
     impl->dsa_score_bytes = DSA_SCORE_BYTES;
     const char *chunk = getenv("GLMSPARK_MOE_CHUNK");
     if (chunk && *chunk) {  // an experiment's knob: tokens per expert launch of a prefill

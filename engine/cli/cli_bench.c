@@ -621,11 +621,11 @@ int cli_bench(int argc, char **argv)
         a.gemm_tflops = backend_cuda_gemm_tflops(be, 8192);
         if (!a.json)
             printf("cuda  device-to-device copy (1 GiB, read+write): %.1f GB/s; cuBLASLt bf16 "
-                   "GEMM 8192^3: %.1f TFLOP/s; graphs %s, programmatic dependent launch %s, "
-                   "fused launches %s\n",
+                   "GEMM 8192^3: %.1f TFLOP/s; graphs %s, programmatic dependent launch for "
+                   "steps of up to %d tokens, fused launches %s\n",
                    a.copy_gbs, a.gemm_tflops,
                    backend_env_flag("GLMSPARK_CUDA_GRAPHS", true) ? "on" : "off",
-                   backend_env_flag("GLMSPARK_CUDA_PDL", true) ? "on" : "off",
+                   backend_cuda_pdl_tokens(),
                    backend_env_flag("GLMSPARK_CUDA_FUSE", true) ? "on" : "off");
     }
 #endif

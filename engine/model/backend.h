@@ -283,9 +283,11 @@ struct Backend {
     // must name everything host-side those ops' arguments depend on (buffers, shapes, n)
     // except the KvCache and the sequences' block tables, which the backend takes from kv
     // and seqs [n_seqs] itself; inputs that vary (positions, token ids) must be in backend
-    // memory, uploaded before graph_begin. Returns true when a recording of this key will
-    // run at graph_end: the caller then skips the ops. graph_end follows every graph_begin.
-    bool (*graph_begin)(Backend *be, const KvCache *kv, KvSeq *const *seqs, int n_seqs,
+    // memory, uploaded before graph_begin. n_tok: the rows the ops take (the step's tokens;
+    // the backend may launch differently by it, the key already naming it). Returns true
+    // when a recording of this key will run at graph_end: the caller then skips the ops.
+    // graph_end follows every graph_begin.
+    bool (*graph_begin)(Backend *be, const KvCache *kv, KvSeq *const *seqs, int n_seqs, int n_tok,
                         const unsigned long long *key, int n_key);
     void (*graph_end)(Backend *be);
 };

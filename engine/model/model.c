@@ -916,7 +916,7 @@ Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *t
         key[nk++] = head_last;
         for (int i = 0; i < b->n_seqs; i++)
             key[nk++] = (unsigned long long) b->n_new[i];
-        replay = be->graph_begin(be, kv, b->seqs, b->n_seqs, key, nk);
+        replay = be->graph_begin(be, kv, b->seqs, b->n_seqs, n, key, nk);
     }
     if (replay) {
         for (int l = m->first_layer; l < m->last_layer; l++)

@@ -100,7 +100,8 @@ echo "== golden models"
 for d in $golden_dirs; do
     m=$(basename "$d")
     toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('$d/golden.json'))['tokens'])))")
-    run "$c/bin/glmspark" logits --backend cuda --model "$d" --tokens "$toks" \
+    # (PDL on every step a graph may take, 64 tokens, not only on the default one-token steps)
+    GLMSPARK_CUDA_PDL=64 run "$c/bin/glmspark" logits --backend cuda --model "$d" --tokens "$toks" \
         --out "$out/$m.logits" --decode-out "$out/$m.dec" >"$out/$m.cli.log" 2>&1 \
         || { echo "$m: glmspark logits failed"; status=1; }
     if run "$c/bin/gpu_golden_cuda" "$d" "$out/$m.logits" >"$out/$m.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
