@@ -7,8 +7,9 @@
  * so the results are the same either way; what changes is the gap between two kernels of a
  * decode step (its graph records the attribute as a programmatic edge).
  *
- * Off until set. The CUDA backend turns it on for the steps of at most GLMSPARK_CUDA_PDL
- * tokens (default 1) and off after them; the kernel tests run without it.
+ * Off until set. The CUDA backend sets it (on, but off for its graphed steps of more than
+ * GLMSPARK_CUDA_PDL tokens); the kernel tests run without it. One flag for the process: one
+ * backend setting it, launches from the thread that sets it.
  *
  * Ownership: none. Threads: set it before launching from any thread (a plain flag, read at
  * each launch). Errors: none.

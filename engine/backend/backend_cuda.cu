@@ -39,8 +39,8 @@
  *   skipping the ops. Varying inputs (positions, token ids, block tables) live in device
  *   buffers the caller uploads before. Kernels launch with programmatic dependent launch
  *   (kernels/launch.h: each may be scheduled while the one before it finishes, and waits for
- *   it before touching memory) in steps of at most GLMSPARK_CUDA_PDL tokens (default 1: the
- *   batch-1 decode step, where it gains; at batch 8 it lost, docs/perf.md; 0: never). A decode layer's
+ *   it before touching memory), but for graphed steps (decode batches) of more than
+ *   GLMSPARK_CUDA_PDL tokens (default 1: at batch 8 it lost, docs/perf.md; 0: never). A decode layer's
  *   projections of one normalized row run as one grouped GEMV (matmul_group), the shared
  *   expert's SwiGLU in its store, the cache writes normalize and rotate what they store
  *   (kv_write's KvIn), and MLA's query split rotates q (BackendMla.rope_theta);
@@ -223,10 +223,10 @@ typedef struct CudaImpl {
     // on unless GLMSPARK_CUDA_FUSE=0, which runs the same kernels one op at a time (an A/B
     // knob for measuring what the fusions save; the numbers are the same either way).
     bool fuse;
-    // Steps of at most this many tokens (graph_begin's n_tok) launch with programmatic
-    // dependent launch (GLMSPARK_CUDA_PDL=N, default 1; 0: never); other calls (prefill chunks,
-    // bigger batches) plainly. Measured on an H100 (docs/perf.md, 2026-12-05): 43 µs faster
-    // for 5 layers at batch 1, 169 µs slower at batch 8.
+    // Programmatic dependent launch (GLMSPARK_CUDA_PDL=N, default 1; 0: never): on for every
+    // launch but a graphed step's (graph_begin: decode batches, at most 64 tokens) of more
+    // than N tokens. Measured on an H100 (docs/perf.md run 21, 5 layers): 43 µs faster at
+    // batch 1, 169 µs slower at batch 8, 0.8-1.7% faster prefill.
     int pdl_tokens;
     size_t dsa_score_bytes;  // a DSA top-k pass's scores (DSA_SCORE_BYTES; tests lower it)
     int moe_chunk;  // GLMSPARK_MOE_CHUNK: tokens per expert launch of a prefill (0: the most
@@ -1361,7 +1361,8 @@ static bool cuda_graph_begin(Backend *be, const KvCache *kv, KvSeq *const *seqs,
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     ASSERT(impl->mode == GRAPH_NONE && n_key >= 0 && n_seqs >= 0 && n_tok >= 0);
-    kern_set_pdl(n_tok <= impl->pdl_tokens);  // recorded with the launches; off at graph_end
+    // Recorded with the launches (the key names n_tok); graph_end restores it.
+    kern_set_pdl(impl->pdl_tokens > 0 && n_tok <= impl->pdl_tokens);
     impl->mode = GRAPH_EAGER;
     impl->n_key = 0;
     impl->graph_t0 = clock_now_s();
@@ -1442,7 +1443,7 @@ static void cuda_graph_end(Backend *be)
         ASSERT(!"graph_end without graph_begin");
     }
     impl->mode = GRAPH_NONE;
-    kern_set_pdl(false);
+    kern_set_pdl(impl->pdl_tokens > 0);
     impl->graph_cur = NULL;
 }
 
@@ -1676,7 +1677,7 @@ Err backend_cuda_create(int device, Backend **out)
         free(impl);
         return ERR_INVAL;
     }
-    kern_set_pdl(false);  // graph_begin turns it on for a step of at most pdl_tokens tokens
+    kern_set_pdl(impl->pdl_tokens > 0);  // graph_begin: off for a step of more tokens
     impl->dsa_score_bytes = DSA_SCORE_BYTES;
     const char *chunk = getenv("GLMSPARK_MOE_CHUNK");
     if (chunk && *chunk) {  // an experiment's knob: tokens per expert launch of a prefill

@@ -33,9 +33,9 @@ Err backend_cuda_create(int device, Backend **out);
 // buffers do not fit (logged).
 double backend_cuda_copy_gbs(Backend *be, size_t bytes);
 
-// GLMSPARK_CUDA_PDL: steps of at most this many tokens launch their kernels with programmatic
-// dependent launch (unset: 1; 0: none); -1 when the value is not such a number (create
-// refuses it).
+// GLMSPARK_CUDA_PDL: kernels launch with programmatic dependent launch, but for graphed steps
+// (decode batches: graph_begin) of more than this many tokens (unset: 1; 0: never); -1 when
+// the value is not such a number (create refuses it).
 int backend_cuda_pdl_tokens(void);
 
 // Bytes of be's GPU in use now (cudaMemGetInfo: total - free, every process and the CUDA

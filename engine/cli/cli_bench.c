@@ -619,13 +619,16 @@ int cli_bench(int argc, char **argv)
     if (a.cuda) {
         a.copy_gbs = backend_cuda_copy_gbs(be, (size_t) 1 << 30);
         a.gemm_tflops = backend_cuda_gemm_tflops(be, 8192);
+        const int pdl = backend_cuda_pdl_tokens();
+        char pdl_s[64] = "off";
+        if (pdl > 0)
+            snprintf(pdl_s, sizeof pdl_s, "on (not in decode steps of more than %d tokens)", pdl);
         if (!a.json)
             printf("cuda  device-to-device copy (1 GiB, read+write): %.1f GB/s; cuBLASLt bf16 "
-                   "GEMM 8192^3: %.1f TFLOP/s; graphs %s, programmatic dependent launch for "
-                   "steps of up to %d tokens, fused launches %s\n",
+                   "GEMM 8192^3: %.1f TFLOP/s; graphs %s, programmatic dependent launch %s, "
+                   "fused launches %s\n",
                    a.copy_gbs, a.gemm_tflops,
-                   backend_env_flag("GLMSPARK_CUDA_GRAPHS", true) ? "on" : "off",
-                   backend_cuda_pdl_tokens(),
+                   backend_env_flag("GLMSPARK_CUDA_GRAPHS", true) ? "on" : "off", pdl_s,
                    backend_env_flag("GLMSPARK_CUDA_FUSE", true) ? "on" : "off");
     }
 #endif

@@ -770,6 +770,22 @@ static void test_tuned(void)
                          bf16 ? "bf16" : "nvfp4", hidden, n);
                 expect_close(what, dout, want, (size_t) n * hidden, 1e-3);
                 float *batch = down(dout, (size_t) n * hidden * sizeof *batch);
+                if (n > 1000) {  // several launches: each chunk's residual rows, out apart
+                    const size_t nh = (size_t) n * hidden;
+                    float *r = rand_floats(nh, 1.0f), *dr = dev(r, nh * sizeof *r);
+                    gpu->moe(gpu, dout, dx, n, didx, dwts, K, exg, E, dr);
+                    float *got = down(dout, nh * sizeof *got);
+                    size_t bad = 0;
+                    for (size_t i = 0; i < nh; i++) {
+                        const float w = r[i] + batch[i];
+                        bad += memcmp(&got[i], &w, sizeof w) != 0;
+                    }
+                    printf("moe tuned n=%d with a residual apart: %zu of %zu values differ from "
+                           "residual + moe\n", n, bad, nh);
+                    CHECK(bad == 0);
+                    free(r), free(got);
+                    gpu->free_mem(gpu, dr);
+                }
                 const int ends[2] = {0, n - 1};
                 for (int j = 0; j < (n == 5 ? 2 : 0); j++) {  // n 5: 8-column tiles alone
                     const int t = ends[j];

@@ -168,16 +168,21 @@ static void check_moe_rounds(Backend *be, const CkptLinear *ex)
     CHECK(memcmp(o16, or16, sizeof o16) == 0);
     CHECK(memcmp(o16, o32, sizeof o16) != 0);
     CHECK(memcmp(or16, or32, sizeof or16) != 0);
-    // With a residual (in place, and apart): residual + the sum, bit for bit.
-    float res[N * HID], apart[N * HID], want[N * HID];
-    for (int i = 0; i < N * HID; i++) {
-        res[i] = x[i] * 3.0f + 0.25f;
-        want[i] = res[i] + o32[i];
+    // With a residual (in place, and apart): residual + the sum, bit for bit, under both
+    // recipes.
+    for (int recipe = 0; recipe < 2; recipe++) {
+        float res[N * HID], apart[N * HID], want[N * HID];
+        for (int i = 0; i < N * HID; i++) {
+            res[i] = x[i] * 3.0f + 0.25f;
+            want[i] = res[i] + (recipe ? o16 : o32)[i];
+        }
+        be->precision = recipe ? BACKEND_PRECISION_BF16 : BACKEND_PRECISION_F32;
+        be->moe(be, apart, x, N, idx, wts, K, ex, E, res);
+        be->moe(be, res, x, N, idx, wts, K, ex, E, res);
+        be->precision = BACKEND_PRECISION_F32;
+        CHECK(memcmp(res, want, sizeof want) == 0);
+        CHECK(memcmp(apart, want, sizeof want) == 0);
     }
-    be->moe(be, apart, x, N, idx, wts, K, ex, E, res);
-    be->moe(be, res, x, N, idx, wts, K, ex, E, res);
-    CHECK(memcmp(res, want, sizeof want) == 0);
-    CHECK(memcmp(apart, want, sizeof want) == 0);
     free(x), free(xr);
 }
 
