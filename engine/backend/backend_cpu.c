@@ -413,13 +413,6 @@ static void cpu_matmul_group(Backend *be, const BackendProduct *p, int n_p, cons
     }
 }
 
-static void cpu_add(Backend *be, float *y, const float *x, int n_elems)
-{
-    (void) be;
-    for (int i = 0; i < n_elems; i++)
-        y[i] += x[i];
-}
-
 // ---------------------------------------------------------------------------
 // MoE routing (GlmMoeDsaTopkRouter)
 
@@ -959,7 +952,6 @@ Err backend_cpu_create(int n_threads, Backend **out)
     be->layernorm = cpu_layernorm;
     be->rope = cpu_rope;
     be->silu_mul = cpu_silu_mul;
-    be->add = cpu_add;
     be->route = cpu_route;
     be->dsa_topk = cpu_dsa_topk;
     be->mla_attention = cpu_mla_attention;

@@ -306,7 +306,6 @@ static void *scratch(CudaImpl *impl, int slot, size_t bytes)
     return impl->scratch[slot];
 }
 
-// The device pool mirroring kv's (created zeroed on first use).
 // A copy of n floats of src in SCRATCH_T: the input of a fused op run one op at a time.
 static float *scratch_copy(CudaImpl *impl, const float *src, size_t n)
 {
@@ -315,6 +314,7 @@ static float *scratch_copy(CudaImpl *impl, const float *src, size_t n)
     return t;
 }
 
+// The device pool mirroring kv's (created zeroed on first use).
 static unsigned char *dev_pool(CudaImpl *impl, const KvCache *kv)
 {
     const size_t bytes = kv->block_bytes * (size_t) kv->params.n_blocks;
@@ -811,12 +811,6 @@ static const KvBPack *kv_b_pack(const CudaImpl *impl, const CkptLinear *kv_b)
     return NULL;
 }
 
-// y += x over n floats (the add op's kernel, kernels/act.h).
-static void add_f32(CudaImpl *impl, float *y, const float *x, size_t n)
-{
-    act_add(y, x, n, impl->stream);
-}
-
 // y fp32 [n, n_mat, rows] = w bf16 [n_mat, rows, cols] x [n, n_mat, cols] (acc: y +=) through
 // kernels/gemm.h, GEMM_MAX_TOK tokens a launch: x bf16, or (x_f32) fp32 rounded to bf16 as it
 // is read; tensor cores from 2 tokens when tc.
@@ -909,7 +903,7 @@ static void matmul_any(Backend *be, float *y, const CkptLinear *w, const float *
     float *yt =
         via_tmp ? (float *) scratch(impl, SCRATCH_Y, (size_t) n * w->rows * sizeof(float)) : y;
     matmul_tuned(impl, yt, w, x, n, acc && !via_tmp);
-    if (via_tmp) add_f32(impl, y, yt, (size_t) n * w->rows);
+    if (via_tmp) act_add(y, yt, (size_t) n * w->rows, impl->stream);
     prof_end(impl, PROF_MATMUL, lin_bytes(w));
 }
 
@@ -1040,15 +1034,6 @@ static void cuda_silu_mul(Backend *be, float *y, const float *gate, const float 
     if (n_elems <= 0) return;
     prof_begin(impl);
     act_silu_mul(y, gate, up, (size_t) n_elems, impl->stream);
-    prof_end(impl, PROF_ELEMENTWISE, 0.0);
-}
-
-static void cuda_add(Backend *be, float *y, const float *x, int n_elems)
-{
-    CudaImpl *impl = (CudaImpl *) be->impl;
-    if (n_elems <= 0) return;
-    prof_begin(impl);
-    add_f32(impl, y, x, (size_t) n_elems);
     prof_end(impl, PROF_ELEMENTWISE, 0.0);
 }
 
@@ -1724,7 +1709,6 @@ Err backend_cuda_create(int device, Backend **out)
     be->layernorm = cuda_layernorm;
     be->rope = cuda_rope;
     be->silu_mul = cuda_silu_mul;
-    be->add = cuda_add;
     be->route = cuda_route;
     be->dsa_topk = cuda_dsa_topk;
     be->mla_attention = cuda_mla_attention;

@@ -236,9 +236,6 @@ struct Backend {
     // y[i] = silu(gate[i]) * up[i] for i < n_elems. y may equal gate.
     void (*silu_mul)(Backend *be, float *y, const float *gate, const float *up, int n_elems);
 
-    // y[i] += x[i] for i < n_elems.
-    void (*add)(Backend *be, float *y, const float *x, int n_elems);
-
     // Write src [s->n, width] into the cache entries of `layer` of every token of s (token t
     // at its position in its sequence), values offset .. offset+width of each entry
     // (kv_cache.h: the entry layout; kv_write_ok holds), transformed first by in (NULL: as
