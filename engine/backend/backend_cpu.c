@@ -30,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/backend/thread_pool.h"
+#include "engine/shared/thread_pool.h"
 #include "engine/model/topk.h"
 #include "kernels/mla_format.h"
 #include "kernels/moe_router.h"

@@ -48,7 +48,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "engine/backend/thread_pool.h"
+#include "engine/shared/thread_pool.h"
 #include "engine/pipeline/pp_sample.h"
 #include "engine/shared/clock.h"
 

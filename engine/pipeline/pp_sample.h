@@ -20,7 +20,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "engine/backend/thread_pool.h"
+#include "engine/shared/thread_pool.h"
 #include "engine/model/sampler.h"
 
 #ifdef __cplusplus

@@ -3,17 +3,20 @@
  * models/glm_moe_dsa/modeling_glm_moe_dsa.py (GlmMoeDsaTopkRouter / route_tokens_to_experts).
  * The router is kernels/moe_router.h, the one the CPU and CUDA backends run, in moe.h's
  * order (descending choice) and with norm_topk_prob, as kernels/moe.cu computes it. The
- * experts' references read weights of either format (NVFP4 or bf16) through ref_weight().
+ * experts' references read weights of either format (NVFP4 or bf16) through ref_weight(), and
+ * run on every core (engine/shared/thread_pool.h): each output's sum alone, in one order.
  */
 #include "kernels/ref/moe_ref.h"
 
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "kernels/moe_router.h"
 #include "kernels/ref/kern_ref.h"
 #include "kernels/ref/nvfp4_ref.h"
+#include "engine/shared/thread_pool.h"
 
 void moe_route_ref(int32_t *idx, float *w, double *choice, const float *logits,
                    const float *bias, int n_tok, int n_experts, int k, int n_group,
@@ -48,52 +51,105 @@ static double ref_weight(const RefExperts *m, int e, int r, int c)
                             m->g[e * m->n_g + r / (m->rows / m->n_g)], m->cols, r, c);
 }
 
+// The references run on a thread pool of every core (up to THREAD_POOL_MAX_THREADS), one task
+// per block of REF_ROWS outputs: each output's sum is computed alone, in the same order, so the
+// results do not depend on the threads.
+enum { REF_ROWS = 32 };
+
+static void ref_parallel(int n_tasks, ThreadPoolFn fn, void *ctx)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    if (n < 1) n = 1;
+    if (n > THREAD_POOL_MAX_THREADS) n = THREAD_POOL_MAX_THREADS;
+    ThreadPool *pool = NULL;
+    if (n > 1 && thread_pool_create((int) n, &pool) != ERR_OK) pool = NULL;
+    if (!pool) {  // one thread (or threads could not start): the same tasks in order
+        for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
+        return;
+    }
+    thread_pool_run(pool, n_tasks, fn, ctx);
+    thread_pool_destroy(pool);
+}
+
+typedef struct W13Job {
+    float *act, *g, *u, *g_abs, *u_abs;
+    const RefExperts *m;
+    const uint16_t *x;
+    const int32_t *idx;
+    int k, hidden, inter, blocks;  // blocks of REF_ROWS rows per pair
+} W13Job;
+
+static void w13_task(void *ctx, int task, int thread)
+{
+    (void) thread;
+    const W13Job *j = ctx;
+    const int p = task / j->blocks, i0 = task % j->blocks * REF_ROWS;
+    const int t = p / j->k, e = j->idx[p], hidden = j->hidden, inter = j->inter;
+    const uint16_t *xt = j->x + (size_t) t * hidden;
+    for (int i = i0; i < inter && i < i0 + REF_ROWS; i++) {
+        double gv = 0.0, uv = 0.0, ga = 0.0, ua = 0.0;
+        for (int c = 0; c < hidden; c++) {
+            const double xv = kern_bf16_to_f32(xt[c]);
+            const double tg = ref_weight(j->m, e, i, c) * xv;
+            const double tu = ref_weight(j->m, e, inter + i, c) * xv;
+            gv += tg;
+            uv += tu;
+            ga += fabs(tg);
+            ua += fabs(tu);
+        }
+        const size_t o = (size_t) p * inter + i;
+        j->act[o] = (float) (gv / (1.0 + exp(-gv)) * uv);
+        if (j->g) j->g[o] = (float) gv;
+        if (j->u) j->u[o] = (float) uv;
+        if (j->g_abs) j->g_abs[o] = (float) ga;
+        if (j->u_abs) j->u_abs[o] = (float) ua;
+    }
+}
+
 static void w13_ref(float *act, float *g, float *u, float *g_abs, float *u_abs, const RefExperts *m,
                     const uint16_t *x, const int32_t *idx, int n_tok, int k, int hidden, int inter)
 {
-    for (int p = 0; p < n_tok * k; p++) {
-        const int t = p / k, e = idx[p];
-        const uint16_t *xt = x + (size_t) t * hidden;
-        for (int i = 0; i < inter; i++) {
-            double gv = 0.0, uv = 0.0, ga = 0.0, ua = 0.0;
-            for (int c = 0; c < hidden; c++) {
-                const double xv = kern_bf16_to_f32(xt[c]);
-                const double tg = ref_weight(m, e, i, c) * xv;
-                const double tu = ref_weight(m, e, inter + i, c) * xv;
-                gv += tg;
-                uv += tu;
-                ga += fabs(tg);
-                ua += fabs(tu);
+    W13Job j = {act, g, u, g_abs, u_abs, m, x, idx, k, hidden, inter,
+                (inter + REF_ROWS - 1) / REF_ROWS};
+    ref_parallel(n_tok * k * j.blocks, w13_task, &j);
+}
+
+typedef struct W2Job {
+    float *out, *out_abs;
+    const RefExperts *m;
+    const uint16_t *act;
+    const int32_t *idx;
+    const float *w;
+    int k, hidden, inter, blocks;  // blocks of REF_ROWS rows per token
+} W2Job;
+
+static void w2_task(void *ctx, int task, int thread)
+{
+    (void) thread;
+    const W2Job *j = ctx;
+    const int t = task / j->blocks, r0 = task % j->blocks * REF_ROWS;
+    const int k = j->k, hidden = j->hidden, inter = j->inter;
+    for (int r = r0; r < hidden && r < r0 + REF_ROWS; r++) {
+        double sum = 0.0, sum_abs = 0.0;
+        for (int jj = 0; jj < k; jj++) {
+            const int p = t * k + jj, e = j->idx[p];
+            for (int c = 0; c < inter; c++) {
+                const double term = j->w[p] * ref_weight(j->m, e, r, c)
+                                    * kern_bf16_to_f32(j->act[(size_t) p * inter + c]);
+                sum += term;
+                sum_abs += fabs(term);
             }
-            const size_t o = (size_t) p * inter + i;
-            act[o] = (float) (gv / (1.0 + exp(-gv)) * uv);
-            if (g) g[o] = (float) gv;
-            if (u) u[o] = (float) uv;
-            if (g_abs) g_abs[o] = (float) ga;
-            if (u_abs) u_abs[o] = (float) ua;
         }
+        j->out[(size_t) t * hidden + r] = (float) sum;
+        if (j->out_abs) j->out_abs[(size_t) t * hidden + r] = (float) sum_abs;
     }
 }
 
 static void w2_ref(float *out, float *out_abs, const RefExperts *m, const uint16_t *act,
                    const int32_t *idx, const float *w, int n_tok, int k, int hidden, int inter)
 {
-    for (int t = 0; t < n_tok; t++) {
-        for (int r = 0; r < hidden; r++) {
-            double sum = 0.0, sum_abs = 0.0;
-            for (int j = 0; j < k; j++) {
-                const int p = t * k + j, e = idx[p];
-                for (int c = 0; c < inter; c++) {
-                    const double term = w[p] * ref_weight(m, e, r, c)
-                                        * kern_bf16_to_f32(act[(size_t) p * inter + c]);
-                    sum += term;
-                    sum_abs += fabs(term);
-                }
-            }
-            out[(size_t) t * hidden + r] = (float) sum;
-            if (out_abs) out_abs[(size_t) t * hidden + r] = (float) sum_abs;
-        }
-    }
+    W2Job j = {out, out_abs, m, act, idx, w, k, hidden, inter, (hidden + REF_ROWS - 1) / REF_ROWS};
+    ref_parallel(n_tok * j.blocks, w2_task, &j);
 }
 
 void moe_w13_ref(float *act, float *g, float *u, float *g_abs, float *u_abs, const uint8_t *q13,

@@ -19,7 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "engine/backend/thread_pool.h"
+#include "engine/shared/thread_pool.h"
 #include "engine/model/sampler.h"
 #include "engine/pipeline/pp_sample.h"
 #include "tests/engine/model/sampler_ref.h"

@@ -6,7 +6,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 
-#include "engine/backend/thread_pool.h"
+#include "engine/shared/thread_pool.h"
 #include "engine/shared/err.h"
 #include "tests/check.h"
 

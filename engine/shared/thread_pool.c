@@ -6,7 +6,7 @@
  * none are left, and the last worker to finish signals the caller. With 2 cores (this
  * machine) the win is on matmul rows and attention heads; a run costs a few futex calls.
  */
-#include "engine/backend/thread_pool.h"
+#include "engine/shared/thread_pool.h"
 
 #include <pthread.h>
 #include <stdatomic.h>

@@ -13,8 +13,8 @@
  *            task function runs on several threads at once and must only write disjoint data.
  * Errors:    thread_pool_create() returns ERR_NOMEM or ERR_INVAL (thread creation failed).
  */
-#ifndef ENGINE_BACKEND_THREAD_POOL_H
-#define ENGINE_BACKEND_THREAD_POOL_H
+#ifndef ENGINE_SHARED_THREAD_POOL_H
+#define ENGINE_SHARED_THREAD_POOL_H
 
 #include "engine/shared/err.h"
 
@@ -46,4 +46,4 @@ void thread_pool_run(ThreadPool *pool, int n_tasks, ThreadPoolFn fn, void *ctx);
 #ifdef __cplusplus
 }
 #endif
-#endif  // ENGINE_BACKEND_THREAD_POOL_H
+#endif  // ENGINE_SHARED_THREAD_POOL_H
