@@ -36,7 +36,7 @@ t0=$(date +%s)
 fail=0
 for f in kernels/*.cu; do echo "$f"; done | xargs -P "$(nproc)" -I{} sh -c \
     "$nvcc $nvflags -c {} -o $bld/obj/\$(basename {} .cu).o || exit 255" || fail=1
-for f in kernels/ref/*.c engine/shared/err.c; do
+for f in kernels/ref/*.c engine/shared/err.c engine/shared/thread_pool.c; do
     cc $cflags -c "$f" -o "$bld/obj/$(basename "$f" .c).o" || fail=1
 done
 [ $fail -eq 0 ] || { echo "build failed"; exit 1; }
