@@ -78,6 +78,36 @@ kernel_tests() {
 }
 kernel_tests gpu_test_mla gpu_test_gemm gpu_test_norm gpu_test_dsa
 
+# SANITIZE="NAME ..." runs those under compute-sanitizer memcheck (the engine's carried
+# binaries, through their loader): gpu_backend_ops (every op the CUDA backend runs against the
+# CPU), golden:MODEL (`glmspark logits --backend cuda` on tests/golden/models/MODEL: the whole
+# forward pass, prefill and graphed decode steps) and the kernel tests (gpu_test_*); a run is
+# clean when memcheck reports no error and the program passes. SANITIZE_LIMIT seconds each
+# (default 300): a run past it is reported as such, not as clean.
+for s in ${SANITIZE:-}; do
+    cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    [ -n "$cs" ] || { echo "SANITIZE: no compute-sanitizer on this machine"; status=1; break; }
+    case $s in
+    golden:*) d=tests/golden/models/${s#golden:}
+        toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('$d/golden.json'))['tokens'])))")
+        set -- "$c/bin/glmspark" logits --backend cuda --model "$d" --tokens "$toks" \
+            --out /dev/null --decode-out /dev/null ;;
+    *) set -- "$c/bin/$s" ;;
+    esac
+    log="$out/memcheck.$(echo "$s" | tr ':/' '__').log"
+    timeout "${SANITIZE_LIMIT:-300}" "$cs" --tool memcheck --error-exitcode 3 \
+        "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$@" >"$log" 2>&1
+    rc=$?
+    case $rc in
+    0) r=clean ;;
+    124) r="NOT FINISHED in ${SANITIZE_LIMIT:-300} s"; status=1 ;;
+    3) r="MEMCHECK ERRORS"; status=1 ;;
+    *) r="FAILED (exit $rc)"; status=1 ;;
+    esac
+    echo "memcheck $s: $r; $(grep -m1 'ERROR SUMMARY' "$log")"
+    [ "$r" = clean ] || grep -m8 "=========" "$log"
+done
+
 if [ "${TESTS:-1}" != 0 ]; then
 echo "== op tests (CUDA vs CPU backend)"
 if run "$c/bin/gpu_backend_ops" >"$out/backend_ops.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
