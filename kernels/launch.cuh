@@ -7,7 +7,10 @@
  * griddepcontrol.launch_dependents (the next kernel on the stream may be scheduled now: it
  * will itself wait at its KERN_ENTRY). Nothing before it may touch memory another kernel
  * writes: tests/tools/check_kernel_entry.sh checks that it (or KERN_ENTRY_AFTER, below) is
- * every kernel's first statement.
+ * every kernel's first statement. Built with -DKERN_PDL_TRIGGER_AT_EXIT (an experiment's
+ * build: docs/perf.md), no kernel triggers its dependents itself, so each is scheduled as the
+ * last block of the one before it exits (the implicit trigger) instead of as soon as every
+ * block has started.
  *
  * kern_launch(kernel, grid, block, smem, stream, args...): cudaLaunchKernelEx with the PDL
  * attribute when kern_pdl(); a launch failure is fatal (engine/shared/cuda_check.h).
@@ -26,7 +29,9 @@ static __device__ __forceinline__ void kern_entry(void)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#ifndef KERN_PDL_TRIGGER_AT_EXIT
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 #endif
 }
 
