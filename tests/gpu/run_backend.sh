@@ -248,7 +248,8 @@ done
 # in DIR (`mkmodel --spill`, e.g. /dev/shm: REAP=26:3, one 90 GB stage, on the 64 GB disk).
 # REAP_DECODE_ENVS="GLMSPARK_CUDA_PDL=0 GLMSPARK_CUDA_FUSE=0" repeats the fp8 decode bench
 # with each of those settings (the A/B of programmatic dependent launch and of the fused
-# launches, which leave the numbers as they are).
+# launches, which leave the numbers as they are); BIN=NAME in one (e.g.
+# "BIN=glmspark-pdlexit,GLMSPARK_CUDA_PDL=8") runs $CARRY_DIR/bin/NAME, another build, instead.
 # REAP_TTFT="25000" times `glmspark generate --max-tokens 1` on a prompt of that many tokens
 # (its prefill line: the time to the first token, issue 20).
 # REAP_MTP=1 writes the checkpoints with an MTP layer (+11.8 GB of
@@ -319,8 +320,10 @@ for cfg in ${REAP:-}; do
     done
     for e in ${REAP_DECODE_ENVS:-}; do  # e.g. "GLMSPARK_CUDA_PDL=0 GLMSPARK_CUDA_FUSE=0"
         echo "== bench reap $cfg kv fp8 $e" | tee -a "$out/reap.log"
-        env $(echo "$e" | tr , " ") "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
-            "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
+        bin=glmspark  # BIN=NAME in the setting: another build's binary in $c/bin
+        for v in $(echo "$e" | tr , " "); do case $v in BIN=*) bin=${v#BIN=} ;; esac; done
+        env $(echo "$e" | tr , " " | sed 's/BIN=[^ ]*//') "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
+            "$c/bin/$bin" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
             --ctx 1024 --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg $e failed"; status=1; }
     done
