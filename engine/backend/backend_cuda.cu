@@ -229,6 +229,8 @@ typedef struct CudaImpl {
     // batch 1, 169 µs slower at batch 8, 0.8-1.7% faster prefill.
     int pdl_tokens;
     size_t dsa_score_bytes;  // a DSA top-k pass's scores (DSA_SCORE_BYTES; tests lower it)
+    int mla_split_pos;  // GLMSPARK_MLA_SPLIT_POS: the fewest cache positions a decode split
+                        // takes (0: the kernel's tile, 32 on the tensor cores, 16 otherwise)
     int moe_chunk;  // GLMSPARK_MOE_CHUNK: tokens per expert launch of a prefill (0: the most
                     // the tiles take, MOE_MAX_WIDE_PAIRS or MOE_MAX_CHUNK_PAIRS / top_k)
     double prof_t0;
@@ -1187,9 +1189,11 @@ static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack 
     const int cap = seq_capacity(impl, kv, s);
     const int attended = sel && sel_stride < cap ? sel_stride : cap;
     const int chunk = n < 256 ? n : 256;
-    const int hpc = tc ? 32 : MLA_HEADS_PER_CTA, min_pos = tc ? 32 : 16;
+    const int hpc = tc ? 32 : MLA_HEADS_PER_CTA, tile = tc ? 32 : 16;
+    const int min_pos = impl->mla_split_pos > tile ? impl->mla_split_pos : tile;
     // About four CTAs per SM (Hp / hpc CTAs per token and split), at least min_pos positions a
-    // split.
+    // split (each split writes every head's 512-float partial output, which the merge reads
+    // back: at 1K context and 32 positions a split those are 8 MB against 0.7 MB of cache).
     int n_split = (4 * impl->n_sm + (Hp / hpc) * chunk - 1) / ((Hp / hpc) * chunk);
     if (n_split > (attended + min_pos - 1) / min_pos) n_split = (attended + min_pos - 1) / min_pos;
     if (n_split > MLA_MAX_SPLIT) n_split = MLA_MAX_SPLIT;
@@ -1664,6 +1668,21 @@ Err backend_cuda_create(int device, Backend **out)
     }
     kern_set_pdl(impl->pdl_tokens > 0);  // graph_begin: off for a step of more tokens
     impl->dsa_score_bytes = DSA_SCORE_BYTES;
+    const char *split = getenv("GLMSPARK_MLA_SPLIT_POS");
+    if (split && *split) {  // an experiment's knob: the fewest positions a decode split takes
+        char *end;
+        const long v = strtol(split, &end, 10);
+        if (*end || v < 0 || v > 1 << 20) {
+            LOG_ERROR("GLMSPARK_MLA_SPLIT_POS=%s: expected the fewest cache positions one split "
+                      "of the MLA decode attention takes, 0 .. %d (0: the kernel's tile)",
+                      split, 1 << 20);
+            cudaStreamDestroy(impl->stream);
+            free(be);
+            free(impl);
+            return ERR_INVAL;
+        }
+        impl->mla_split_pos = (int) v;
+    }
     const char *chunk = getenv("GLMSPARK_MOE_CHUNK");
     if (chunk && *chunk) {  // an experiment's knob: tokens per expert launch of a prefill
         char *end;
