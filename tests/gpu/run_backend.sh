@@ -318,15 +318,6 @@ for cfg in ${REAP:-}; do
             --ctx 1024 --steps "${STEPS:-16}" --kv-dtype $kv >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg $kv failed"; status=1; }
     done
-    for e in ${REAP_DECODE_ENVS:-}; do  # e.g. "GLMSPARK_CUDA_PDL=0 GLMSPARK_CUDA_FUSE=0"
-        echo "== bench reap $cfg kv fp8 $e" | tee -a "$out/reap.log"
-        bin=glmspark  # BIN=NAME in the setting: another build's binary in $c/bin
-        for v in $(echo "$e" | tr , " "); do case $v in BIN=*) bin=${v#BIN=} ;; esac; done
-        env $(echo "$e" | tr , " " | sed 's/BIN=[^ ]*//') "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
-            "$c/bin/$bin" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
-            --ctx 1024 --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
-            || { echo "bench reap $cfg $e failed"; status=1; }
-    done
     if [ -n "${REAP_MTP:-}" ]; then  # MTP steps with 1-3 drafts: verify rows, draft passes
         echo "== bench reap $cfg kv fp8 precision bf16 mtp drafts 1,2,3" | tee -a "$out/reap.log"
         run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch "${REAP_MTP_BATCH:-1,8}" \
@@ -393,6 +384,16 @@ for cfg in ${REAP:-}; do
         --max-tokens "${GEN_TOKENS:-64}" --ignore-eos --n-seqs 8 2>&1 >/dev/null \
         | grep -o "[0-9]* sequences x .*\|decode with all .*\|CUDA graphs: .*\|CUDA downloads: .*" \
         | sed "s/^/generate reap $cfg, 8 sequences, 1K prompts: /" | tee -a "$out/reap.log"
+    # The A/B settings after the serving path's runs (the targets first under a command's limit).
+    for e in ${REAP_DECODE_ENVS:-}; do  # e.g. "GLMSPARK_CUDA_PDL=0 GLMSPARK_CUDA_FUSE=0"
+        echo "== bench reap $cfg kv fp8 $e" | tee -a "$out/reap.log"
+        bin=glmspark  # BIN=NAME in the setting: another build's binary in $c/bin
+        for v in $(echo "$e" | tr , " "); do case $v in BIN=*) bin=${v#BIN=} ;; esac; done
+        env $(echo "$e" | tr , " " | sed 's/BIN=[^ ]*//') "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
+            "$c/bin/$bin" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
+            --ctx 1024 --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
+            || { echo "bench reap $cfg $e failed"; status=1; }
+    done
     if [ "${REAP_PROFILE:-1}" = 1 ]; then
         echo "== profile reap $cfg kv fp8 batch 1" | tee -a "$out/reap.log"
         GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 \
