@@ -89,15 +89,45 @@ void act_repad(float *dst, int rows_d, int cols_d, const float *src, int rows_s,
                 src, rows_s, cols_s, total);
 }
 
-static __global__ void act_embed_kernel(float *y, const uint16_t *table, int rows, int cols,
-                                        const int32_t *ids)
+// A row's 16-byte pieces (8 values; vec: cols % 8 == 0 and both rows 16-byte aligned) are
+// loaded EMBED_UNROLL at a time before any is stored, so one row costs a few memory latencies
+// rather than one per 2-byte load.
+enum { EMBED_UNROLL = 4 };
+
+static __global__ void act_embed_kernel(float *__restrict__ y, const uint16_t *__restrict__ table,
+                                        int rows, int cols, const int32_t *__restrict__ ids,
+                                        bool vec)
 {
     KERN_ENTRY();
     const int t = blockIdx.x, id = ids[t];
     if (id < 0 || id >= rows) return;
     const uint16_t *row = table + (size_t) id * (size_t) cols;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x)
-        y[(size_t) t * cols + c] = __uint_as_float((uint32_t) row[c] << 16);
+    float *out = y + (size_t) t * cols;
+    if (!vec) {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x)
+            out[c] = __uint_as_float((uint32_t) row[c] << 16);
+        return;
+    }
+    const int n = cols / 8;
+    for (int c0 = threadIdx.x; c0 < n; c0 += EMBED_UNROLL * blockDim.x) {
+        uint4 v[EMBED_UNROLL];
+#pragma unroll
+        for (int u = 0; u < EMBED_UNROLL; u++) {
+            const int c = c0 + u * blockDim.x;
+            v[u] = c < n ? __ldg((const uint4 *) row + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < EMBED_UNROLL; u++) {
+            const int c = c0 + u * blockDim.x;
+            if (c >= n) break;
+            const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+            float4 *o = (float4 *) (out + 8 * (size_t) c);
+            o[0] = make_float4(__uint_as_float(w[0] << 16), __uint_as_float(w[0] & 0xffff0000u),
+                               __uint_as_float(w[1] << 16), __uint_as_float(w[1] & 0xffff0000u));
+            o[1] = make_float4(__uint_as_float(w[2] << 16), __uint_as_float(w[2] & 0xffff0000u),
+                               __uint_as_float(w[3] << 16), __uint_as_float(w[3] & 0xffff0000u));
+        }
+    }
 }
 
 void act_embed(float *y, const uint16_t *table, int rows, int cols, const int32_t *ids, int n,
@@ -105,5 +135,7 @@ void act_embed(float *y, const uint16_t *table, int rows, int cols, const int32_
 {
     ASSERT(rows > 0 && cols > 0 && n >= 0);
     if (n == 0) return;
-    kern_launch(act_embed_kernel, (unsigned) n, ACT_THREADS, 0, stream, y, table, rows, cols, ids);
+    const bool vec = cols % 8 == 0 && (uintptr_t) table % 16 == 0 && (uintptr_t) y % 16 == 0;
+    kern_launch(act_embed_kernel, (unsigned) n, ACT_THREADS, 0, stream, y, table, rows, cols, ids,
+                vec);
 }

@@ -43,38 +43,61 @@ static __device__ void kv_fp8_group_store_warp(unsigned char *codes, unsigned ch
 }
 
 // src's row of token t transformed by in into row (shared memory, KV_IN_MAX floats): the
-// norm (all threads: the statistic synchronizes the block), then RoPE, a thread per pair.
+// norm (all threads: the statistic synchronizes the block), then RoPE, a thread per pair. The
+// row, the norm's weights and RoPE's angle are all fetched or computed first, so the block
+// waits for memory once rather than once per phase (the same numbers in the same order).
+enum { KV_PER_THREAD = KV_IN_MAX / KV_THREADS };  // kv_write launches KV_THREADS a block
+static_assert(KV_IN_MAX % KV_THREADS == 0, "a row's values spread evenly over the threads");
+
 static __device__ void kv_transform(float *row, const float *st, int width, const KvInDev &d, int p)
 {
     __shared__ double red[NORM_THREADS / WARP_SIZE];
     const KvIn &in = d.in;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) row[i] = st[i];
+    const int tid = threadIdx.x, half = in.rope_dim / 2;
+    float xv[KV_PER_THREAD], wv[KV_PER_THREAD], bv[KV_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < KV_PER_THREAD; j++) {
+        const int i = tid + j * KV_THREADS;
+        xv[j] = i < width ? st[i] : 0.0f;
+        wv[j] = i < in.norm_dim ? in.norm_w[i] : 0.0f;
+        bv[j] = in.norm_b && i < in.norm_dim ? in.norm_b[i] : 0.0f;
+    }
+    float cs = 0.0f, sn = 0.0f;
+    if (tid < half) rope_cos_sin(p, d.f.inv[tid], &cs, &sn);
+#pragma unroll
+    for (int j = 0; j < KV_PER_THREAD; j++) {
+        const int i = tid + j * KV_THREADS;
+        if (i < width) row[i] = xv[j];
+    }
     __syncthreads();
     if (in.norm_dim > 0) {
         // The statistic over src's row as norm.cu reads it (16-byte pieces when it would).
         if (in.norm_b) {
             double mean;
-            const double inv = norm_layer_inv(st, in.norm_dim, d.vec, in.eps, red, &mean);
-            for (int i = threadIdx.x; i < in.norm_dim; i += blockDim.x)
-                row[i] = (float) norm_layer_value(st[i], mean, inv, in.norm_w[i], in.norm_b[i]);
+            const double inv = norm_layer_inv(row, in.norm_dim, d.vec, in.eps, red, &mean);
+#pragma unroll
+            for (int j = 0; j < KV_PER_THREAD; j++) {
+                const int i = tid + j * KV_THREADS;
+                if (i < in.norm_dim) row[i] = (float) norm_layer_value(xv[j], mean, inv, wv[j], bv[j]);
+            }
         } else {
-            const double inv = norm_rms_inv(st, in.norm_dim, d.vec, in.eps, red);
-            for (int i = threadIdx.x; i < in.norm_dim; i += blockDim.x)
-                row[i] = (float) norm_rms_value(st[i], inv, in.norm_w[i]);
+            const double inv = norm_rms_inv(row, in.norm_dim, d.vec, in.eps, red);
+#pragma unroll
+            for (int j = 0; j < KV_PER_THREAD; j++) {
+                const int i = tid + j * KV_THREADS;
+                if (i < in.norm_dim) row[i] = (float) norm_rms_value(xv[j], inv, wv[j]);
+            }
         }
         __syncthreads();
     }
-    const int half = in.rope_dim / 2;
-    float a = 0.0f, b = 0.0f, cs = 0.0f, sn = 0.0f;
-    if ((int) threadIdx.x < half) {
-        rope_cos_sin(p, d.f.inv[threadIdx.x], &cs, &sn);
-        a = row[in.rope_off + 2 * threadIdx.x];
-        b = row[in.rope_off + 2 * threadIdx.x + 1];
+    float a = 0.0f, b = 0.0f;
+    if (tid < half) {
+        a = row[in.rope_off + 2 * tid];
+        b = row[in.rope_off + 2 * tid + 1];
     }
     __syncthreads();  // every pair read before any is written (the output is de-interleaved)
-    if ((int) threadIdx.x < half)
-        rope_rotate(a, b, cs, sn, &row[in.rope_off + threadIdx.x],
-                    &row[in.rope_off + half + threadIdx.x]);
+    if (tid < half)
+        rope_rotate(a, b, cs, sn, &row[in.rope_off + tid], &row[in.rope_off + half + tid]);
     __syncthreads();
 }
 

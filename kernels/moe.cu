@@ -220,10 +220,14 @@ static __global__ void __launch_bounds__(ROUTE_RANK_THREADS)
                        is_ascending);
         return;
     }
+    // Every thread counts over all experts (no early exit): the loads of choice[] are
+    // independent and unrolled, where a loop that stopped at rank k ran its slowest threads'
+    // (the top experts') 156 loads one after another.
     for (int e = tid; e < n_experts; e += ROUTE_RANK_THREADS) {
         const double v = choice[e];
         int rank = 0;
-        for (int j = 0; j < n_experts && rank < k; j++) {
+#pragma unroll 8
+        for (int j = 0; j < n_experts; j++) {
             const double u = choice[j];
             rank += u > v || (u == v && j < e);
         }
