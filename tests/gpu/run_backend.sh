@@ -192,11 +192,15 @@ for d in $golden_dirs; do
 done
 
 # The fp8 comparison is checked on the models whose two caches hold equal E4M3 codes
-# (tests/gpu/golden_cuda.c); it must not go vacuous: at least half the golden models.
+# (tests/gpu/golden_cuda.c); it must not go vacuous: at least half the golden models (of the
+# whole set: a GOLDEN_MODELS subset may hold only models whose codes differ; each model's own
+# comparison above is checked either way).
 n_models=$(echo $golden_dirs | wc -w)
 n_fp8=$(for d in $golden_dirs; do grep -c "^fp8 cache: codes equal, checked" "$out/$(basename "$d").log"; done \
     | awk '{ s += $1 } END { print s + 0 }')
-if [ $((2 * n_fp8)) -ge "$n_models" ]; then r=PASS; else r=FAIL; status=1; fi
+if [ $((2 * n_fp8)) -ge "$n_models" ]; then r=PASS
+elif [ -n "${GOLDEN_MODELS:-}" ]; then r="not held to the floor (GOLDEN_MODELS: a chosen subset)"
+else r=FAIL; status=1; fi
 echo "fp8 cache cuda vs cpu checked (equal codes) on $n_fp8 of $n_models golden models: $r"
 
 echo "== MTP on every golden model with an MTP layer (with and without MTP indexer tensors)"
