@@ -7,7 +7,10 @@
 # scheduler statistics, occupancy, launch statistics. Prints each kernel's key lines; the full
 # reports go to $OUT/ncu-prefill-*.txt. CTX (default 8192) and SKIP_MLA / SKIP_MOE (launches of
 # the kernel to skip; defaults: past the first call of a 5-layer model, 1 dense + 4 MoE) adapt
-# it to other checkpoints.
+# it to other checkpoints. KERNELS="NAME:SKIP ..." (regexes of kernel names, launches to skip)
+# with STEPS and BATCH takes decode kernels instead, e.g. CTX=1024 STEPS=8
+# KERNELS="gemv_group:30 moe_route_rank:20 moe_w13_kernel:20" (a 5-layer model's prefill and
+# first decode steps skipped; `ncu_reap.sh` lists a step's kernels).
 set -u
 c=$1; dir=$2; ctx=${CTX:-8192}
 out=${OUT:-/tmp}
@@ -16,8 +19,8 @@ ncu=$(ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | 
 cublas=$(find /usr /opt -name 'libcublasLt.so.1[0-9]*' -path '*nvidia*' 2>/dev/null | head -1)
 libpath="$c/lib:$(dirname "$cublas"):/usr/local/nvidia/lib64:/usr/lib/x86_64-linux-gnu"
 # mla_tc_kernel runs once per 256-token chunk and layer: 16 x 5 in the first 4,096-token call.
-for k in "mla_tc_kernel:${SKIP_MLA:-88}" "moe_w13_wide_kernel:${SKIP_MOE:-5}" \
-         "moe_w2_wide_kernel:${SKIP_MOE:-5}"; do
+for k in ${KERNELS:-"mla_tc_kernel:${SKIP_MLA:-88}" "moe_w13_wide_kernel:${SKIP_MOE:-5}" \
+         "moe_w2_wide_kernel:${SKIP_MOE:-5}"}; do
     name=${k%%:*}; skip=${k#*:}
     rep="$out/ncu-prefill-$name.txt"
     "$ncu" --kernel-name "regex:$name" --launch-skip "$skip" --launch-count 1 \
@@ -27,7 +30,7 @@ for k in "mla_tc_kernel:${SKIP_MLA:-88}" "moe_w13_wide_kernel:${SKIP_MOE:-5}" \
 sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
         --page details --print-units base \
         "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$c/bin/glmspark" bench \
-        --backend cuda --model "$dir" --batch 1 --ctx "$ctx" --steps 1 --kv-dtype fp8 \
+        --backend cuda --model "$dir" --batch "${BATCH:-1}" --ctx "$ctx" --steps "${STEPS:-1}" --kv-dtype fp8 \
         >"$rep" 2>&1 || { echo "ncu $name failed"; tail -5 "$rep"; continue; }
     echo "== $name (launch $((skip + 1)))"
     grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Cache Throughput|\
