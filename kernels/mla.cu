@@ -43,16 +43,17 @@ enum {
 // ---------------------------------------------------------------------------
 // Query split kernel
 
-// Block (g, t): heads g * SPLIT_HEADS .. of token t, a thread per value of a head; RoPE's cos
-// and sin of the token's position computed once a block (in double: GB10's FP64 units are
-// few), as rope.cu computes them once for its block of heads.
-enum { SPLIT_HEADS = 8 };
+// Block (g, t): heads g * heads_per_block .. of token t (1 or SPLIT_HEADS: the launcher), a
+// thread per value of a head; RoPE's cos and sin of the token's position computed once a block
+// (in double: GB10's FP64 units are few), as rope.cu computes them once for its block of heads.
+enum { SPLIT_HEADS = 8, SPLIT_FEW_TOKENS = 16 };
 
 static __global__ void mla_q_split_kernel(uint16_t *__restrict__ q_nope, float *__restrict__ q_pe,
                                           const float *__restrict__ q,
                                           const int32_t *__restrict__ pos,
                                           const __grid_constant__ RopeFreqs f, int n_heads,
-                                          int qk_nope, int qk_rope, int heads_pad)
+                                          int qk_nope, int qk_rope, int heads_pad,
+                                          int heads_per_block)
 {
     KERN_ENTRY();
     __shared__ float cs_s[MLA_ROPE / 2], sn_s[MLA_ROPE / 2];
@@ -60,8 +61,8 @@ static __global__ void mla_q_split_kernel(uint16_t *__restrict__ q_nope, float *
     const int half = qk_rope / 2, j = tid - MLA_QK_NOPE, i = half > 0 ? j % half : 0;
     if (pos && tid < half) rope_cos_sin(pos[t], f.inv[tid], &cs_s[tid], &sn_s[tid]);
     __syncthreads();
-    for (int hh = 0; hh < SPLIT_HEADS; hh++) {
-        const int h = blockIdx.x * SPLIT_HEADS + hh;
+    for (int hh = 0; hh < heads_per_block; hh++) {
+        const int h = blockIdx.x * heads_per_block + hh;
         if (h >= heads_pad) break;
         const size_t row = (size_t) t * heads_pad + h;
         const float *qh = h < n_heads ? q + ((size_t) t * n_heads + h) * (qk_nope + qk_rope) : NULL;
@@ -573,7 +574,7 @@ static __global__ void mla_merge_kernel(uint16_t *__restrict__ out, const float 
     __syncthreads();
     // The partial outputs of all splits are independent loads: unrolled, several are in flight.
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
+#pragma unroll 16
     for (int s = 0; s < n_split; s++) {
         const float wg = wgt[s];
         const float4 v = *(const float4 *) (ws_o + (row0 + (size_t) s * n_heads) * MLA_KV_LORA + tid * 4);
@@ -611,9 +612,12 @@ void mla_q_split(uint16_t *q_nope, float *q_pe, const float *q, const int32_t *p
         ASSERT(qk_rope % 2 == 0 && qk_rope > 0 && theta > 0.0f);
         rope_freqs(&f, qk_rope, theta);
     }
-    kern_launch(mla_q_split_kernel, dim3(CEIL_DIV(heads_pad, SPLIT_HEADS), n_tok),
-                MLA_QK_NOPE + MLA_ROPE, 0, stream, q_nope, q_pe, q, pos, f, n_heads, qk_nope,
-                qk_rope, heads_pad);
+    // A decode step's few tokens: a block per head (one load each, in parallel over 64 blocks,
+    // where 8 heads a block read one after another); a prefill chunk's many: SPLIT_HEADS a
+    // block, so that RoPE's angles are computed once per 8 heads.
+    const int per = n_tok <= SPLIT_FEW_TOKENS ? 1 : SPLIT_HEADS;
+    kern_launch(mla_q_split_kernel, dim3(CEIL_DIV(heads_pad, per), n_tok), MLA_QK_NOPE + MLA_ROPE,
+                0, stream, q_nope, q_pe, q, pos, f, n_heads, qk_nope, qk_rope, heads_pad, per);
 }
 
 void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaCache *cache,
