@@ -306,7 +306,7 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
                   const uint8_t *__restrict__ cache, const int32_t *__restrict__ block_table,
                   int max_blocks, const int32_t *__restrict__ seq,
                   const int32_t *__restrict__ kv_len, const int32_t *__restrict__ indices,
-                  int idx_stride, int n_heads, float sm_scale, int n_split)
+                  int idx_stride, int n_heads, float sm_scale, int n_split, int vec_q)
 {
     KERN_ENTRY();
     extern __shared__ uint4 smem_tc[];
@@ -331,7 +331,36 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
     const int beg = split * per, end = min(len, beg + per);
     const int s = seq[t];
 
-    if (beg < end)  // an empty split only writes zeros and (-inf, 0)
+    // The CTA's 32 heads of q as bf16 (an empty split only writes zeros and (-inf, 0)). With
+    // 16-byte aligned q (vec_q), 4 values a load and Q_BATCH loads of a thread issued before the
+    // first is stored: a few memory latencies for the 74 KB, where one value a load waited
+    // once per few values (a decode step's CTAs spent most of their time here).
+    if (beg < end && vec_q) {
+        enum { Q4 = MLA_LK / 4, N4 = TC_HEADS * Q4, Q_PER = (N4 + TC_THREADS - 1) / TC_THREADS,
+               Q_BATCH = 9 };
+        const float4 *ql = (const float4 *) q_lat, *qp = (const float4 *) q_pe;
+#pragma unroll
+        for (int i0 = 0; i0 < Q_PER; i0 += Q_BATCH) {
+            float4 v[Q_BATCH];
+#pragma unroll
+            for (int i = 0; i < Q_BATCH; i++) {
+                const int it = tid + (i0 + i) * TC_THREADS, c4 = it % Q4;
+                const size_t row = (size_t) t * n_heads + hg * TC_HEADS + it / Q4;
+                v[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (i0 + i < Q_PER && it < N4)
+                    v[i] = c4 < MLA_KV_LORA / 4 ? __ldg(ql + row * (MLA_KV_LORA / 4) + c4)
+                                                : __ldg(qp + row * (MLA_ROPE / 4) + c4 - MLA_KV_LORA / 4);
+            }
+#pragma unroll
+            for (int i = 0; i < Q_BATCH; i++) {
+                const int it = tid + (i0 + i) * TC_THREADS;
+                if (i0 + i >= Q_PER || it >= N4) break;
+                const uint32_t lo = (uint32_t) f32_to_bf16_bits(v[i].x) | (uint32_t) f32_to_bf16_bits(v[i].y) << 16;
+                const uint32_t hi = (uint32_t) f32_to_bf16_bits(v[i].z) | (uint32_t) f32_to_bf16_bits(v[i].w) << 16;
+                *(uint2 *) (qs + (it / Q4) * TC_QS + 4 * (it % Q4)) = make_uint2(lo, hi);
+            }
+        }
+    } else if (beg < end) {
         for (int i = tid; i < TC_HEADS * MLA_LK; i += TC_THREADS) {
             const int h = i / MLA_LK, c = i % MLA_LK, hh = hg * TC_HEADS + h;
             const float v = c < MLA_KV_LORA
@@ -339,6 +368,7 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
                                 : q_pe[((size_t) t * n_heads + hh) * MLA_ROPE + c - MLA_KV_LORA];
             qs[h * TC_QS + c] = f32_to_bf16_bits(v);
         }
+    }
     if (tid < TC_HEADS) {
         row_m[tid] = -INFINITY;
         row_l[tid] = 0.0f;
@@ -663,6 +693,7 @@ void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const M
     ASSERT((uintptr_t) cache->data % 16 == 0);  // rows are read 16 bytes at a time
     const size_t smem = tc_smem_bytes();
     const dim3 grid(n_split, n_heads / TC_HEADS, n_tok);
+    const int vec_q = ((uintptr_t) q_lat | (uintptr_t) q_pe) % 16 == 0;
     const void *kernel = cache->type == MLA_CACHE_FP8
                              ? (const void *) mla_tc_kernel<MLA_CACHE_FP8>
                              : (const void *) mla_tc_kernel<MLA_CACHE_BF16>;
@@ -673,11 +704,11 @@ void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const M
     if (cache->type == MLA_CACHE_FP8)
         kern_launch(mla_tc_kernel<MLA_CACHE_FP8>, grid, TC_THREADS, smem, stream, ws_o, ws_ml,
                     q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
-                    idx_stride, n_heads, sm_scale, n_split);
+                    idx_stride, n_heads, sm_scale, n_split, vec_q);
     else
         kern_launch(mla_tc_kernel<MLA_CACHE_BF16>, grid, TC_THREADS, smem, stream, ws_o, ws_ml,
                     q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
-                    idx_stride, n_heads, sm_scale, n_split);
+                    idx_stride, n_heads, sm_scale, n_split, vec_q);
     kern_launch(mla_merge_kernel, dim3(n_heads, n_tok), MLA_KV_LORA / 4, 0, stream, out, ws_o,
                 ws_ml, n_heads, n_split);
 }

@@ -20,7 +20,9 @@
  * probability times its chunk scale to bf16 (at most 2^-8 relative), moves the output by at
  * most 2^-8 sum_p p |v| more. Products on the tensor cores are exact (bf16 x bf16 fits fp32);
  * their accumulation is taken to be as good as an fp32 sum (the (576 + 16) and (len + 16)
- * FLT_EPSILON terms, with the slack of the 16).
+ * FLT_EPSILON terms, with the slack of the 16). Each tensor-core case runs once more with q 4
+ * bytes off 16-byte alignment (the kernel's value-a-load path). mla_q_split runs with decode's
+ * few tokens (a block a head) and a prefill chunk's 21 (8 heads a block).
  */
 #include <float.h>
 #include <math.h>
@@ -182,6 +184,24 @@ static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
                       tc ? 0x1p-8 : 0.0);
             cudaFree(ws_o), cudaFree(ws_ml), cudaFree(d_out);
         }
+        if (tc) {  // q 4 bytes off 16-byte alignment: the kernel's value-a-load path
+            const size_t bl = nq * MLA_KV_LORA * 4, bp = nq * MLA_ROPE * 4;
+            char *ql_m = gpu_alloc_poisoned(bl + 16), *qp_m = gpu_alloc_poisoned(bp + 16);
+            CUDA_CHECK(cudaMemcpy(ql_m + 4, q_lat, bl, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(qp_m + 4, q_pe, bp, cudaMemcpyHostToDevice));
+            const int n_split = splits[0];
+            float *ws_o = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * MLA_KV_LORA * 4);
+            float *ws_ml = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * 2 * 4);
+            uint16_t *d_out = gpu_alloc_poisoned(nq * MLA_KV_LORA * 2);
+            mla_decode_tc(d_out, (const float *) (ql_m + 4), (const float *) (qp_m + 4), &cache,
+                          d_table, max_blocks, d_dseq, d_len, use_indices ? d_idx : NULL,
+                          idx_stride, n_tok, n_heads, sm_scale, n_split, ws_o, ws_ml, 0);
+            snprintf(name, sizeof name, "mla tc %s H=%d len0=%d split=%d%s, q unaligned",
+                     type == MLA_CACHE_FP8 ? "fp8" : "bf16", n_heads, lens[0], n_split,
+                     use_indices ? " indexed" : "");
+            check_out(name, d_out, out_want, out_abs, score_abs, kv_len, n_heads, nq, 0x1p-8);
+            cudaFree(ws_o), cudaFree(ws_ml), cudaFree(d_out), cudaFree(ql_m), cudaFree(qp_m);
+        }
     }
     free(ql_r), free(qp_r);
     cudaFree(cache.data), cudaFree(d_ckv), cudaFree(d_nw), cudaFree(d_pos), cudaFree(d_seq);
@@ -268,6 +288,7 @@ int main(void)
         test_q_split(3, 64, 192, 64, 64, rope);
         test_q_split(5, 3, 33, 4, 32, rope);  // a sweep model's widths, zero-padded
         test_q_split(2, 16, 24, 8, 16, rope);
+        test_q_split(21, 64, 192, 64, 64, rope);  // a prefill chunk's: 8 heads a block
     }
     test_mla(MLA_CACHE_FP8, 3, lens_a, 16, few, 3, 0);
     test_mla(MLA_CACHE_FP8, 3, lens_a, 32, few, 3, 1);   // the tensor-core kernel, fp8, short
