@@ -19,9 +19,9 @@ check() {  # check LIBNAME REGEX
         fail=1
     fi
 }
-check glmspark_shared '^(err_|log_|buf_|tok_|chat_|utf8_|apikey_|stats_|jgram_)'
+check glmspark_shared '^(err_|log_|buf_|tok_|chat_|utf8_|apikey_|stats_|jgram_|thread_pool_)'
 check engine_model '^(ckpt_|config_|model_|kv_|sampler_)'
-check engine_backend '^(backend_|thread_pool_)'
+check engine_backend '^(backend_)'
 check engine_pipeline '^(pp_|sched_|mtp_)'
 check engine_serve '^(serve_|jobq_|recipe_|constrain_)'
 check engine_tools '^(mkmodel_)'
