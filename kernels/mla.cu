@@ -337,7 +337,7 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
     // once per few values (a decode step's CTAs spent most of their time here).
     if (beg < end && vec_q) {
         enum { Q4 = MLA_LK / 4, N4 = TC_HEADS * Q4, Q_PER = (N4 + TC_THREADS - 1) / TC_THREADS,
-               Q_BATCH = 9 };
+               Q_BATCH = 6 };  // 9 made ptxas spill in the main loop (sm_90a, 128 registers)
         const float4 *ql = (const float4 *) q_lat, *qp = (const float4 *) q_pe;
 #pragma unroll
         for (int i0 = 0; i0 < Q_PER; i0 += Q_BATCH) {
