@@ -175,6 +175,7 @@ static __global__ void __launch_bounds__(TC_TOKENS * WARP_SIZE)
     KERN_ENTRY();
     __shared__ __align__(16) uint16_t ks[TC_POS * TC_KS];  // [position][dim] bf16
     __shared__ float kscale[TC_POS];
+    __shared__ const uint8_t *row_key[TC_POS];  // a staged row's key in the cache, or NULL
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, cq = lane % 4, p0 = blockIdx.y * TC_POS, n_k = c.dim / 16;
     int tl[TC_TOKENS], ts[TC_TOKENS];
@@ -234,28 +235,51 @@ static __global__ void __launch_bounds__(TC_TOKENS * WARP_SIZE)
             }
         todo &= ~round;
         __syncthreads();  // the previous round's warps are done with the tile
-        // Stage the keys: 16-byte words, 8 bf16 (or 16 fp8 codes, written as two) each.
+        // Stage the keys: 16-byte words, 8 bf16 (or 16 fp8 codes, written as two) each. Each
+        // row's page is looked up once (a thread a row), then a thread's word loads are issued
+        // KEY_BATCH at a time before any is stored: two memory latencies a tile of fp8 keys,
+        // where a lookup and a load one after another per word were several.
         constexpr int VB = FMT == DSA_KEY_FP8 ? 16 : 8;  // values per 16-byte global word
+        constexpr int THREADS = TC_TOKENS * WARP_SIZE;
+        constexpr int PER = (TC_POS * (DSA_MAX_DIM / VB) + THREADS - 1) / THREADS;
+        constexpr int KEY_BATCH = 4;  // loads in flight a thread: fp8 keys all 4, bf16 4 then 4
         const int words = c.dim / VB;
-        for (int i = threadIdx.x; i < TC_POS * words; i += TC_TOKENS * WARP_SIZE) {
-            const int row = i / words, j = i % words, p = p0 + row;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        for (int row = threadIdx.x; row < TC_POS; row += THREADS) {
+            const uint8_t *page = NULL;
             if (row < cover) {
-                const int blk = block_table[(size_t) sq * max_blocks + p / c.block];
-                const uint8_t *page = c.pages + (size_t) blk * c.page_bytes;
-                v = __ldg((const uint4 *) (page + (size_t) (p % c.block) * c.key_bytes) + j);
-                if (FMT == DSA_KEY_FP8 && j == 0) kscale[row] = __ldg((const float *) (page + c.scales) + p % c.block);
-            } else if (FMT == DSA_KEY_FP8 && j == 0) {
-                kscale[row] = 0.0f;
-            }
-            uint16_t *dst = ks + row * TC_KS + j * VB;
-            if (FMT == DSA_KEY_FP8) {
-                const uint2 b0 = e4m3x4_to_bf16x4(v.x), b1 = e4m3x4_to_bf16x4(v.y);
-                const uint2 b2 = e4m3x4_to_bf16x4(v.z), b3 = e4m3x4_to_bf16x4(v.w);
-                *(uint4 *) dst = make_uint4(b0.x, b0.y, b1.x, b1.y);
-                *(uint4 *) (dst + 8) = make_uint4(b2.x, b2.y, b3.x, b3.y);
+                const int p = p0 + row;
+                page = c.pages + (size_t) block_table[(size_t) sq * max_blocks + p / c.block] * c.page_bytes;
+                row_key[row] = page + (size_t) (p % c.block) * c.key_bytes;
             } else {
-                *(uint4 *) dst = v;
+                row_key[row] = NULL;
+            }
+            if (FMT == DSA_KEY_FP8)
+                kscale[row] = page ? __ldg((const float *) (page + c.scales) + (p0 + row) % c.block) : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int u0 = 0; u0 < PER; u0 += KEY_BATCH) {
+            uint4 v[KEY_BATCH];
+#pragma unroll
+            for (int u = 0; u < KEY_BATCH; u++) {
+                const int i = threadIdx.x + (u0 + u) * THREADS;
+                v[u] = make_uint4(0u, 0u, 0u, 0u);
+                if (u0 + u < PER && i < TC_POS * words && row_key[i / words])
+                    v[u] = __ldg((const uint4 *) row_key[i / words] + i % words);
+            }
+#pragma unroll
+            for (int u = 0; u < KEY_BATCH; u++) {
+                const int i = threadIdx.x + (u0 + u) * THREADS;
+                if (u0 + u >= PER || i >= TC_POS * words) break;
+                uint16_t *dst = ks + (i / words) * TC_KS + (i % words) * VB;
+                if (FMT == DSA_KEY_FP8) {
+                    const uint2 b0 = e4m3x4_to_bf16x4(v[u].x), b1 = e4m3x4_to_bf16x4(v[u].y);
+                    const uint2 b2 = e4m3x4_to_bf16x4(v[u].z), b3 = e4m3x4_to_bf16x4(v[u].w);
+                    *(uint4 *) dst = make_uint4(b0.x, b0.y, b1.x, b1.y);
+                    *(uint4 *) (dst + 8) = make_uint4(b2.x, b2.y, b3.x, b3.y);
+                } else {
+                    *(uint4 *) dst = v[u];
+                }
             }
         }
         if (FMT != DSA_KEY_FP8)
