@@ -52,7 +52,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "engine/backend/backends.h"
 #include "engine/model/backend.h"
@@ -64,6 +63,7 @@
 #include "engine/pipeline/scheduler.h"
 #include "engine/shared/clock.h"
 #include "engine/shared/num.h"
+#include "engine/shared/thread_pool.h"
 
 typedef struct ModelArgs {
     const char *model_dir;
@@ -101,8 +101,7 @@ static int default_threads(void)
 {
     const char *env = getenv("GLMSPARK_THREADS");
     if (env && atoi(env) > 0) return atoi(env) > 64 ? 64 : atoi(env);
-    const long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n < 1 ? 1 : n > 64 ? 64 : (int) n;
+    return thread_pool_cores(THREAD_POOL_MAX_THREADS);
 }
 
 static bool parse_float(const char *s, float *out)

@@ -571,8 +571,7 @@ static int sample_threads(int vocab_size)
         return n < 1 ? 1 : n > THREAD_POOL_MAX_THREADS ? THREAD_POOL_MAX_THREADS : n;
     }
     if (vocab_size < PP_SAMPLE_MIN_VOCAB) return 1;
-    const long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
-    return n_cpu < 1 ? 1 : n_cpu > PP_SAMPLE_MAX_THREADS ? PP_SAMPLE_MAX_THREADS : (int) n_cpu;
+    return thread_pool_cores(PP_SAMPLE_MAX_THREADS);
 }
 
 Err pp_stage_create(Model *m, KvCache *kv, int rank, int world, const char *master,

@@ -12,6 +12,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 typedef struct WorkerArg {
     ThreadPool *pool;
@@ -116,6 +117,12 @@ void thread_pool_destroy(ThreadPool *pool)
 int thread_pool_size(const ThreadPool *pool)
 {
     return pool ? pool->n_threads : 1;
+}
+
+int thread_pool_cores(int most)
+{
+    const long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > most ? most : (int) n;
 }
 
 void thread_pool_run(ThreadPool *pool, int n_tasks, ThreadPoolFn fn, void *ctx)

@@ -40,6 +40,9 @@ void thread_pool_destroy(ThreadPool *pool);
 // Threads in the pool, the caller included.
 int thread_pool_size(const ThreadPool *pool);
 
+// The machine's online cores, in [1, most]: the size a pool of every core takes.
+int thread_pool_cores(int most);
+
 // Run fn(ctx, task, thread) for every task in [0, n_tasks) and return when all are done.
 void thread_pool_run(ThreadPool *pool, int n_tasks, ThreadPoolFn fn, void *ctx);
 

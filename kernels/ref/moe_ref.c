@@ -11,7 +11,6 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
-#include <unistd.h>
 
 #include "kernels/moe_router.h"
 #include "kernels/ref/kern_ref.h"
@@ -58,11 +57,9 @@ enum { REF_ROWS = 32 };
 
 static void ref_parallel(int n_tasks, ThreadPoolFn fn, void *ctx)
 {
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    if (n < 1) n = 1;
-    if (n > THREAD_POOL_MAX_THREADS) n = THREAD_POOL_MAX_THREADS;
+    const int n = thread_pool_cores(THREAD_POOL_MAX_THREADS);
     ThreadPool *pool = NULL;
-    if (n > 1 && thread_pool_create((int) n, &pool) != ERR_OK) pool = NULL;
+    if (n > 1 && thread_pool_create(n, &pool) != ERR_OK) pool = NULL;
     if (!pool) {  // one thread (or threads could not start): the same tasks in order
         for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
         return;
