@@ -73,6 +73,7 @@
 #include "engine/backend/tuned_pack.h"
 #include "engine/shared/clock.h"
 #include "engine/shared/cuda_check.h"
+#include "engine/shared/num.h"
 #include "kernels/act.h"
 #include "kernels/dsa.h"
 #include "kernels/gemm.h"
@@ -1561,9 +1562,8 @@ int backend_cuda_pdl_tokens(void)
 {
     const char *v = getenv("GLMSPARK_CUDA_PDL");
     if (!v || !*v) return 1;
-    char *end;
-    const long n = strtol(v, &end, 10);
-    return *end || n < 0 || n > MAX_GRAPH_TOKENS_PDL ? -1 : (int) n;
+    int n;
+    return num_parse_int(v, 0, MAX_GRAPH_TOKENS_PDL, &n) ? n : -1;
 }
 
 double backend_cuda_copy_gbs(Backend *be, size_t bytes)
@@ -1670,9 +1670,7 @@ Err backend_cuda_create(int device, Backend **out)
     impl->dsa_score_bytes = DSA_SCORE_BYTES;
     const char *split = getenv("GLMSPARK_MLA_SPLIT_POS");
     if (split && *split) {  // an experiment's knob: the fewest positions a decode split takes
-        char *end;
-        const long v = strtol(split, &end, 10);
-        if (*end || v < 0 || v > 1 << 20) {
+        if (!num_parse_int(split, 0, 1 << 20, &impl->mla_split_pos)) {
             LOG_ERROR("GLMSPARK_MLA_SPLIT_POS=%s: expected the fewest cache positions one split "
                       "of the MLA decode attention takes, 0 .. %d (0: the kernel's tile)",
                       split, 1 << 20);
@@ -1681,14 +1679,11 @@ Err backend_cuda_create(int device, Backend **out)
             free(impl);
             return ERR_INVAL;
         }
-        impl->mla_split_pos = (int) v;
     }
     const char *chunk = getenv("GLMSPARK_MOE_CHUNK");
     if (chunk && *chunk) {  // an experiment's knob: tokens per expert launch of a prefill
-        char *end;
-        const long v = strtol(chunk, &end, 10);
         const long most = impl->moe_wide ? MOE_MAX_WIDE_PAIRS : MOE_MAX_CHUNK_PAIRS;
-        if (*end || v < 1 || v > most) {
+        if (!num_parse_int(chunk, 1, (int) most, &impl->moe_chunk)) {
             LOG_ERROR("GLMSPARK_MOE_CHUNK=%s: expected tokens per expert launch, 1 .. %ld (a "
                       "launch takes at most %ld pairs on %s, so at most %ld / top_k tokens)",
                       chunk, most, most,
@@ -1699,7 +1694,6 @@ Err backend_cuda_create(int device, Backend **out)
             free(impl);
             return ERR_INVAL;
         }
-        impl->moe_chunk = (int) v;
     }
     gemm_lt_init(&impl->lt);
     impl->graphs = !impl->profile && backend_env_flag("GLMSPARK_CUDA_GRAPHS", true);
