@@ -334,7 +334,7 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
     // The CTA's 32 heads of q as bf16 (an empty split only writes zeros and (-inf, 0)). With
     // 16-byte aligned q (vec_q), 4 values a load and Q_BATCH loads of a thread issued before the
     // first is stored: a few memory latencies for the 74 KB, where one value a load waited
-    // once per few values (a decode step's CTAs spent most of their time here).
+    // once per few values (measured: -11 us a 5-layer step at batch 1, -51 at batch 8).
     if (beg < end && vec_q) {
         enum { Q4 = MLA_LK / 4, N4 = TC_HEADS * Q4, Q_PER = (N4 + TC_THREADS - 1) / TC_THREADS,
                Q_BATCH = 6 };  // 9 made ptxas spill in the main loop (sm_90a, 128 registers)
