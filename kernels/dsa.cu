@@ -156,10 +156,12 @@ static __global__ void __launch_bounds__(DSA_BLOCK)
 
 enum { TC_TOKENS = 4, TC_POS = 64, TC_KS = DSA_MAX_DIM + 8 };  // TC_KS: padded key row, bf16
 
-// Grid (tokens in 4s, tiles of 64 positions); warp w of a CTA owns token 4 x + w: its 32 heads
-// (two m16 tiles, heads past n_heads zero) as the MMA's A, q rounded to bf16 and held in
-// registers over the whole dim; the tile's keys, as bf16 in shared memory (fp8 codes exact),
-// are the B operand, so a tile is read once for the CTA's tokens of one sequence. Tokens of
+// Grid (tokens in 4s, runs of `tiles` tiles of 64 positions); warp w of a CTA owns token 4 x + w:
+// its 32 heads (two m16 tiles, heads past n_heads zero) as the MMA's A, q rounded to bf16 and
+// held in registers over the whole dim and every tile of the run; each tile's keys, as bf16 in
+// shared memory (fp8 codes exact), are the B operand, so a tile is read once for the CTA's
+// tokens of one sequence. A CTA that took one tile loaded 16 KB of q a token for 8 KB of fp8
+// keys: a prefill chunk's q was read ~tiles times over from L2 (68 GB for 4,096 tokens at 64K). Tokens of
 // other sequences in the CTA (a decode batch, or a prefill chunk's edge) take further rounds,
 // one per sequence, each staging that sequence's keys. Per 8-position tile the warp's
 // accumulators are finished in registers: each lane applies scale, ReLU and head weight to its
@@ -170,14 +172,15 @@ static __global__ void __launch_bounds__(TC_TOKENS * WARP_SIZE)
                          const float *__restrict__ w, float w_scale, float sm_scale, DsaCache c,
                          const int32_t *__restrict__ block_table, int max_blocks,
                          const int32_t *__restrict__ seq, const int32_t *__restrict__ kv_len,
-                         int n_tok, int n_heads)
+                         int n_tok, int n_heads, int tiles)
 {
     KERN_ENTRY();
     __shared__ __align__(16) uint16_t ks[TC_POS * TC_KS];  // [position][dim] bf16
     __shared__ float kscale[TC_POS];
     __shared__ const uint8_t *row_key[TC_POS];  // a staged row's key in the cache, or NULL
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int g = lane / 4, cq = lane % 4, p0 = blockIdx.y * TC_POS, n_k = c.dim / 16;
+    const int g = lane / 4, cq = lane % 4, n_k = c.dim / 16;
+    const int tile0 = blockIdx.y * tiles;
     int tl[TC_TOKENS], ts[TC_TOKENS];
     unsigned todo = 0;
 #pragma unroll
@@ -185,11 +188,12 @@ static __global__ void __launch_bounds__(TC_TOKENS * WARP_SIZE)
         const int t = blockIdx.x * TC_TOKENS + r;
         tl[r] = t < n_tok ? kv_len[t] : 0;
         ts[r] = t < n_tok ? seq[t] : -1;
-        if (tl[r] > p0) todo |= 1u << r;
+        if (tl[r] > tile0 * TC_POS) todo |= 1u << r;
     }
     if (!todo) return;  // the whole CTA
     const int t = blockIdx.x * TC_TOKENS + warp;
-    const bool mine = (todo >> warp) & 1u;
+    const bool mine = (todo >> warp) & 1u;  // a token that sees no position of the first tile
+                                            // sees none of the later ones
 
     // A fragments: heads mt * 16 + g (+ 8) of this warp's token, dims ks * 16 + 2 cq (+ 8).
     uint32_t a[2][DSA_MAX_DIM / 16][4];
@@ -215,118 +219,126 @@ static __global__ void __launch_bounds__(TC_TOKENS * WARP_SIZE)
         }
     }
 
-    while (todo) {
-        // This round: the tokens (not yet done) of the first remaining token's sequence.
-        int sq = 0;
-        bool found = false;
-#pragma unroll
-        for (int r = 0; r < TC_TOKENS; r++)  // selects, not a dynamic index (registers, not stack)
-            if (!found && ((todo >> r) & 1u)) {
-                sq = ts[r];
-                found = true;
-            }
-        unsigned round = 0;
-        int cover = 0;  // positions the round's tokens see in this tile
+    for (int tile = tile0; tile < tile0 + tiles; tile++) {
+        const int p0 = tile * TC_POS;
+        todo = 0;
 #pragma unroll
         for (int r = 0; r < TC_TOKENS; r++)
-            if (((todo >> r) & 1u) && ts[r] == sq) {
-                round |= 1u << r;
-                cover = max(cover, min(tl[r] - p0, (int) TC_POS));
-            }
-        todo &= ~round;
-        __syncthreads();  // the previous round's warps are done with the tile
-        // Stage the keys: 16-byte words, 8 bf16 (or 16 fp8 codes, written as two) each. Each
-        // row's page is looked up once (a thread a row), then a thread's word loads are issued
-        // KEY_BATCH at a time before any is stored: two memory latencies a tile of fp8 keys,
-        // where a lookup and a load one after another per word were several.
-        constexpr int VB = FMT == DSA_KEY_FP8 ? 16 : 8;  // values per 16-byte global word
-        constexpr int THREADS = TC_TOKENS * WARP_SIZE;
-        constexpr int PER = (TC_POS * (DSA_MAX_DIM / VB) + THREADS - 1) / THREADS;
-        constexpr int KEY_BATCH = 4;  // loads in flight a thread: fp8 keys all 4, bf16 4 then 4
-        const int words = c.dim / VB;
-        for (int row = threadIdx.x; row < TC_POS; row += THREADS) {
-            const uint8_t *page = NULL;
-            if (row < cover) {
-                const int p = p0 + row;
-                page = c.pages + (size_t) block_table[(size_t) sq * max_blocks + p / c.block] * c.page_bytes;
-                row_key[row] = page + (size_t) (p % c.block) * c.key_bytes;
-            } else {
-                row_key[row] = NULL;
-            }
-            if (FMT == DSA_KEY_FP8)
-                kscale[row] = page ? __ldg((const float *) (page + c.scales) + (p0 + row) % c.block) : 0.0f;
-        }
-        __syncthreads();
+            if (tl[r] > p0) todo |= 1u << r;
+        if (!todo) break;  // uniform: the lengths are the CTA's
+        while (todo) {
+            // This round: the tokens (not yet done) of the first remaining token's sequence.
+            int sq = 0;
+            bool found = false;
 #pragma unroll
-        for (int u0 = 0; u0 < PER; u0 += KEY_BATCH) {
-            uint4 v[KEY_BATCH];
+            for (int r = 0; r < TC_TOKENS; r++)  // selects, not a dynamic index (registers, not stack)
+                if (!found && ((todo >> r) & 1u)) {
+                    sq = ts[r];
+                    found = true;
+                }
+            unsigned round = 0;
+            int cover = 0;  // positions the round's tokens see in this tile
 #pragma unroll
-            for (int u = 0; u < KEY_BATCH; u++) {
-                const int i = threadIdx.x + (u0 + u) * THREADS;
-                v[u] = make_uint4(0u, 0u, 0u, 0u);
-                if (u0 + u < PER && i < TC_POS * words && row_key[i / words])
-                    v[u] = __ldg((const uint4 *) row_key[i / words] + i % words);
-            }
-#pragma unroll
-            for (int u = 0; u < KEY_BATCH; u++) {
-                const int i = threadIdx.x + (u0 + u) * THREADS;
-                if (u0 + u >= PER || i >= TC_POS * words) break;
-                uint16_t *dst = ks + (i / words) * TC_KS + (i % words) * VB;
-                if (FMT == DSA_KEY_FP8) {
-                    const uint2 b0 = e4m3x4_to_bf16x4(v[u].x), b1 = e4m3x4_to_bf16x4(v[u].y);
-                    const uint2 b2 = e4m3x4_to_bf16x4(v[u].z), b3 = e4m3x4_to_bf16x4(v[u].w);
-                    *(uint4 *) dst = make_uint4(b0.x, b0.y, b1.x, b1.y);
-                    *(uint4 *) (dst + 8) = make_uint4(b2.x, b2.y, b3.x, b3.y);
+            for (int r = 0; r < TC_TOKENS; r++)
+                if (((todo >> r) & 1u) && ts[r] == sq) {
+                    round |= 1u << r;
+                    cover = max(cover, min(tl[r] - p0, (int) TC_POS));
+                }
+            todo &= ~round;
+            __syncthreads();  // the previous round's warps are done with the tile
+            // Stage the keys: 16-byte words, 8 bf16 (or 16 fp8 codes, written as two) each. Each
+            // row's page is looked up once (a thread a row), then a thread's word loads are issued
+            // KEY_BATCH at a time before any is stored: two memory latencies a tile of fp8 keys,
+            // where a lookup and a load one after another per word were several.
+            constexpr int VB = FMT == DSA_KEY_FP8 ? 16 : 8;  // values per 16-byte global word
+            constexpr int THREADS = TC_TOKENS * WARP_SIZE;
+            constexpr int PER = (TC_POS * (DSA_MAX_DIM / VB) + THREADS - 1) / THREADS;
+            constexpr int KEY_BATCH = 4;  // loads in flight a thread: fp8 keys all 4, bf16 4 then 4
+            const int words = c.dim / VB;
+            for (int row = threadIdx.x; row < TC_POS; row += THREADS) {
+                const uint8_t *page = NULL;
+                if (row < cover) {
+                    const int p = p0 + row;
+                    page = c.pages + (size_t) block_table[(size_t) sq * max_blocks + p / c.block] * c.page_bytes;
+                    row_key[row] = page + (size_t) (p % c.block) * c.key_bytes;
                 } else {
-                    *(uint4 *) dst = v[u];
+                    row_key[row] = NULL;
+                }
+                if (FMT == DSA_KEY_FP8)
+                    kscale[row] = page ? __ldg((const float *) (page + c.scales) + (p0 + row) % c.block) : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int u0 = 0; u0 < PER; u0 += KEY_BATCH) {
+                uint4 v[KEY_BATCH];
+#pragma unroll
+                for (int u = 0; u < KEY_BATCH; u++) {
+                    const int i = threadIdx.x + (u0 + u) * THREADS;
+                    v[u] = make_uint4(0u, 0u, 0u, 0u);
+                    if (u0 + u < PER && i < TC_POS * words && row_key[i / words])
+                        v[u] = __ldg((const uint4 *) row_key[i / words] + i % words);
+                }
+#pragma unroll
+                for (int u = 0; u < KEY_BATCH; u++) {
+                    const int i = threadIdx.x + (u0 + u) * THREADS;
+                    if (u0 + u >= PER || i >= TC_POS * words) break;
+                    uint16_t *dst = ks + (i / words) * TC_KS + (i % words) * VB;
+                    if (FMT == DSA_KEY_FP8) {
+                        const uint2 b0 = e4m3x4_to_bf16x4(v[u].x), b1 = e4m3x4_to_bf16x4(v[u].y);
+                        const uint2 b2 = e4m3x4_to_bf16x4(v[u].z), b3 = e4m3x4_to_bf16x4(v[u].w);
+                        *(uint4 *) dst = make_uint4(b0.x, b0.y, b1.x, b1.y);
+                        *(uint4 *) (dst + 8) = make_uint4(b2.x, b2.y, b3.x, b3.y);
+                    } else {
+                        *(uint4 *) dst = v[u];
+                    }
                 }
             }
-        }
-        if (FMT != DSA_KEY_FP8)
-            for (int row = threadIdx.x; row < TC_POS; row += TC_TOKENS * WARP_SIZE)
-                kscale[row] = 1.0f;
-        __syncthreads();
-        if (!((round >> warp) & 1u)) continue;
-        int len = 0;
+            if (FMT != DSA_KEY_FP8)
+                for (int row = threadIdx.x; row < TC_POS; row += TC_TOKENS * WARP_SIZE)
+                    kscale[row] = 1.0f;
+            __syncthreads();
+            if (!((round >> warp) & 1u)) continue;
+            int len = 0;
 #pragma unroll
-        for (int r = 0; r < TC_TOKENS; r++)
-            if (r == warp) len = tl[r];
-        float *out = scores + (size_t) t * score_stride;
+            for (int r = 0; r < TC_TOKENS; r++)
+                if (r == warp) len = tl[r];
+            float *out = scores + (size_t) t * score_stride;
 #pragma unroll 1
-        for (int nt = 0; nt < TC_POS / 8 && p0 + nt * 8 < len; nt++) {
-            float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-            const uint16_t *kr = ks + (nt * 8 + g) * TC_KS + 2 * cq;  // B: key (nt * 8 + g)
+            for (int nt = 0; nt < TC_POS / 8 && p0 + nt * 8 < len; nt++) {
+                float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+                const uint16_t *kr = ks + (nt * 8 + g) * TC_KS + 2 * cq;  // B: key (nt * 8 + g)
 #pragma unroll
-            for (int k = 0; k < DSA_MAX_DIM / 16; k++) {
-                if (k < n_k) {
-                    const uint32_t b0 = *(const uint32_t *) (kr + k * 16);
-                    const uint32_t b1 = *(const uint32_t *) (kr + k * 16 + 8);
-                    mma_bf16_16816(acc[0], a[0][k][0], a[0][k][1], a[0][k][2], a[0][k][3], b0, b1);
-                    mma_bf16_16816(acc[1], a[1][k][0], a[1][k][1], a[1][k][2], a[1][k][3], b0, b1);
+                for (int k = 0; k < DSA_MAX_DIM / 16; k++) {
+                    if (k < n_k) {
+                        const uint32_t b0 = *(const uint32_t *) (kr + k * 16);
+                        const uint32_t b1 = *(const uint32_t *) (kr + k * 16 + 8);
+                        mma_bf16_16816(acc[0], a[0][k][0], a[0][k][1], a[0][k][2], a[0][k][3], b0, b1);
+                        mma_bf16_16816(acc[1], a[1][k][0], a[1][k][1], a[1][k][2], a[1][k][3], b0, b1);
+                    }
                 }
-            }
-            // acc[mt][0 / 1]: head mt * 16 + g at positions 2 cq, 2 cq + 1 of the 8; [2 / 3]:
-            // head mt * 16 + 8 + g.
-            const int pl = nt * 8 + 2 * cq;
-            const float k0 = kscale[pl], k1 = kscale[pl + 1];
-            float s0 = 0.0f, s1 = 0.0f;
+                // acc[mt][0 / 1]: head mt * 16 + g at positions 2 cq, 2 cq + 1 of the 8; [2 / 3]:
+                // head mt * 16 + 8 + g.
+                const int pl = nt * 8 + 2 * cq;
+                const float k0 = kscale[pl], k1 = kscale[pl + 1];
+                float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
+                for (int mt = 0; mt < 2; mt++) {
 #pragma unroll
-                for (int hh = 0; hh < 2; hh++) {  // dsa_key_score's (acc * scale) * sm_scale
-                    s0 = fmaf(ws[2 * mt + hh], fmaxf(acc[mt][2 * hh] * k0 * sm_scale, 0.0f), s0);
-                    s1 = fmaf(ws[2 * mt + hh], fmaxf(acc[mt][2 * hh + 1] * k1 * sm_scale, 0.0f), s1);
+                    for (int hh = 0; hh < 2; hh++) {  // dsa_key_score's (acc * scale) * sm_scale
+                        s0 = fmaf(ws[2 * mt + hh], fmaxf(acc[mt][2 * hh] * k0 * sm_scale, 0.0f), s0);
+                        s1 = fmaf(ws[2 * mt + hh], fmaxf(acc[mt][2 * hh + 1] * k1 * sm_scale, 0.0f), s1);
+                    }
                 }
-            }
 #pragma unroll
-            for (int o = 4; o < WARP_SIZE; o <<= 1) {
-                s0 += __shfl_xor_sync(0xffffffffu, s0, o);
-                s1 += __shfl_xor_sync(0xffffffffu, s1, o);
-            }
-            if (g == 0) {
-                const int p = p0 + pl;
-                if (p < len) out[p] = s0;
-                if (p + 1 < len) out[p + 1] = s1;
+                for (int o = 4; o < WARP_SIZE; o <<= 1) {
+                    s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+                    s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+                }
+                if (g == 0) {
+                    const int p = p0 + pl;
+                    if (p < len) out[p] = s0;
+                    if (p + 1 < len) out[p + 1] = s1;
+                }
             }
         }
     }
@@ -585,22 +597,36 @@ void dsa_scores(float *scores, int score_stride, const float *q, const float *w,
 void dsa_scores_tc(float *scores, int score_stride, const float *q, const float *w, float w_scale,
                    float sm_scale, const DsaCache *cache, const int32_t *block_table,
                    int max_blocks, const int32_t *seq, const int32_t *kv_len, int max_len,
-                   int n_tok, int n_heads, cudaStream_t stream)
+                   int n_tok, int n_heads, int tiles, cudaStream_t stream)
 {
-    ASSERT(n_tok > 0 && max_len > 0 && dsa_scores_tc_supported(cache, n_heads));
+    ASSERT(n_tok > 0 && max_len > 0 && tiles >= 0 && dsa_scores_tc_supported(cache, n_heads));
     ASSERT(score_stride >= max_len && (long long) max_blocks * cache->block >= max_len);
     ASSERT((uintptr_t) q % 16 == 0);
-    ASSERT(CEIL_DIV(max_len, TC_POS) <= 65535);
-    const dim3 grid((unsigned) CEIL_DIV(n_tok, TC_TOKENS), (unsigned) CEIL_DIV(max_len, TC_POS));
+    const int n_tiles = CEIL_DIV(max_len, TC_POS), groups = CEIL_DIV(n_tok, TC_TOKENS);
+    if (tiles == 0) {
+        // As many tiles a CTA as leave ~8 CTAs an SM (4 resident, two rounds), at most 16:
+        // prefill chunks take 16 (q read once per 1,024 positions), a decode step's few tokens
+        // one (its positions spread over every SM, as before).
+        static int n_sm = 0;  // per process (one device kind); benign race
+        if (n_sm == 0) {
+            int dev = 0;
+            CUDA_CHECK(cudaGetDevice(&dev));
+            CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+        }
+        const long long per = (long long) n_tiles * groups / (8LL * n_sm);
+        tiles = per < 1 ? 1 : per > 16 ? 16 : (int) per;
+    }
+    ASSERT(CEIL_DIV(n_tiles, tiles) <= 65535);
+    const dim3 grid((unsigned) groups, (unsigned) CEIL_DIV(n_tiles, tiles));
     const DsaCache c = *cache;
     if (c.format == DSA_KEY_FP8)
         kern_launch(dsa_scores_tc_kernel<DSA_KEY_FP8>, grid, TC_TOKENS * WARP_SIZE, 0, stream,
                     scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq,
-                    kv_len, n_tok, n_heads);
+                    kv_len, n_tok, n_heads, tiles);
     else
         kern_launch(dsa_scores_tc_kernel<DSA_KEY_BF16>, grid, TC_TOKENS * WARP_SIZE, 0, stream,
                     scores, score_stride, q, w, w_scale, sm_scale, c, block_table, max_blocks, seq,
-                    kv_len, n_tok, n_heads);
+                    kv_len, n_tok, n_heads, tiles);
 }
 
 // CTAs per token (a cluster): one CTA reads a 128K row at ~1/10 of what a few SMs do, so

@@ -65,10 +65,12 @@ void dsa_scores(float *scores, int score_stride, const float *q, const float *w,
 // weights as dsa_key_score applies them, summed over heads by a shuffle tree. So the scores
 // equal dsa_key_score of the rounded q up to the fp32 rounding of the two summations (about
 // (dim + n_heads) 2^-23 of the sums of magnitudes: the tensor cores may truncate), not bit for bit.
+// A CTA takes 4 tokens and `tiles` tiles of 64 positions (q loaded once for them); 0 chooses by
+// size (prefill chunks up to 16, decode steps 1). Every value of tiles gives the same scores.
 void dsa_scores_tc(float *scores, int score_stride, const float *q, const float *w, float w_scale,
                    float sm_scale, const DsaCache *cache, const int32_t *block_table,
                    int max_blocks, const int32_t *seq, const int32_t *kv_len, int max_len,
-                   int n_tok, int n_heads, cudaStream_t stream);
+                   int n_tok, int n_heads, int tiles, cudaStream_t stream);
 
 void dsa_topk(int32_t *idx, int32_t *n_sel, const float *scores, int score_stride,
               const int32_t *kv_len, int n_tok, int k, cudaStream_t stream);

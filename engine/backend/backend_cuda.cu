@@ -1133,7 +1133,7 @@ static void cuda_dsa_topk(Backend *be, int *sel, int *n_sel, const float *q, con
             }
             if (tc)
                 dsa_scores_tc(score, cap, qr, wr, w_scale, sm_scale, &c, st->dev, st->stride,
-                              s->seq_of + r0, s->len + r0, cap, nr, p->n_heads, impl->stream);
+                              s->seq_of + r0, s->len + r0, cap, nr, p->n_heads, 0, impl->stream);
             else
                 dsa_scores(score, cap, qr, wr, w_scale, sm_scale, &c, st->dev, st->stride,
                            s->seq_of + r0, s->len + r0, cap, nr, p->n_heads, impl->stream);

@@ -284,8 +284,11 @@ typedef struct TcRun {
     int seq, first, count;
 } TcRun;
 
+// Each count of tiles a CTA in `tiles` (0: the launcher's choice; -1 ends the list) is checked
+// against the one reference: a CTA's run of tiles over a chunk (q loaded once) and its rounds of
+// sequences in every tile of the run.
 static void test_scores_tc(const char *what, DsaKeyFormat format, int dim, int block, int n_heads,
-                           int n_seq, const TcRun *runs, int n_runs, int k)
+                           int n_seq, const TcRun *runs, int n_runs, int k, const int *tiles)
 {
     int n_tok = 0, max_len = 0;
     for (int r = 0; r < n_runs; r++) {
@@ -325,34 +328,38 @@ static void test_scores_tc(const char *what, DsaKeyFormat format, int dim, int b
     float *d_q = gpu_upload(q, nq * 4), *d_w = gpu_upload(w, (size_t) n_tok * n_heads * 4);
     int32_t *d_table = gpu_upload(table, (size_t) n_pages * 4);
     int32_t *d_seq = gpu_upload(seq, (size_t) n_tok * 4), *d_len = gpu_upload(kv_len, (size_t) n_tok * 4);
-    float *d_s = gpu_alloc_poisoned(ns * 4);
-    dsa_scores_tc(d_s, stride, d_q, d_w, w_scale, sm_scale, &dc, d_table, max_blocks, d_seq, d_len,
-                  max_len, n_tok, n_heads, 0);
-    gpu_download(s_got, d_s, ns * 4);
-    int total = 0, untouched = 1;
+    int total = 0;
     for (int t = 0; t < n_tok; t++) total += kv_len[t];
     float *g2 = xmalloc((size_t) total * 4), *w2 = xmalloc((size_t) total * 4), *t2 = xmalloc((size_t) total * 4);
-    for (int t = 0, n = 0; t < n_tok; t++)
-        for (int p = 0; p < stride; p++) {
-            const size_t o = (size_t) t * stride + p;
-            if (p >= kv_len[t]) {
-                uint32_t bits;
-                memcpy(&bits, &s_got[o], 4);
-                untouched &= bits == 0xffffffffu;
-                continue;
+    for (int ti = 0; tiles[ti] >= 0; ti++) {
+        float *d_s = gpu_alloc_poisoned(ns * 4);
+        dsa_scores_tc(d_s, stride, d_q, d_w, w_scale, sm_scale, &dc, d_table, max_blocks, d_seq, d_len,
+                      max_len, n_tok, n_heads, tiles[ti], 0);
+        gpu_download(s_got, d_s, ns * 4);
+        int untouched = 1;
+        for (int t = 0, n = 0; t < n_tok; t++)
+            for (int p = 0; p < stride; p++) {
+                const size_t o = (size_t) t * stride + p;
+                if (p >= kv_len[t]) {
+                    uint32_t bits;
+                    memcpy(&bits, &s_got[o], 4);
+                    untouched &= bits == 0xffffffffu;
+                    continue;
+                }
+                g2[n] = s_got[o];
+                w2[n] = s_want[o];
+                t2[n++] = (float) (dim + 32 + 16) * FLT_EPSILON * s_abs[o];
             }
-            g2[n] = s_got[o];
-            w2[n] = s_want[o];
-            t2[n++] = (float) (dim + 32 + 16) * FLT_EPSILON * s_abs[o];
-        }
-    char name[96];
-    snprintf(name, sizeof name, "dsa scores tc %s", what);
-    compare(name, g2, w2, t2, 0, (size_t) total, 1e-10);
-    CHECK(untouched);
-    snprintf(name, sizeof name, "dsa topk tc %s", what);
-    check_topk(name, s_got, stride, kv_len, n_tok, k);
+        char name[128];
+        snprintf(name, sizeof name, "dsa scores tc %s, tiles %d", what, tiles[ti]);
+        compare(name, g2, w2, t2, 0, (size_t) total, 1e-10);
+        CHECK(untouched);
+        snprintf(name, sizeof name, "dsa topk tc %s, tiles %d", what, tiles[ti]);
+        check_topk(name, s_got, stride, kv_len, n_tok, k);
+        cudaFree(d_s);
+    }
     cudaFree((void *) dc.pages), cudaFree(d_q), cudaFree(d_w), cudaFree(d_table), cudaFree(d_seq);
-    cudaFree(d_len), cudaFree(d_s);
+    cudaFree(d_len);
     free(seq), free(kv_len), free(h), free(table), free(q), free(qr), free(w), free(s_want);
     free(s_abs), free(s_got), free(g2), free(w2), free(t2);
 }
@@ -366,25 +373,30 @@ static void test_tc(void)
     const TcRun prefill[] = {{0, 230, 70}};
     const TcRun decode[] = {{1, 0, 1}, {2, 76, 1}, {0, 299, 1}, {3, 128, 1}, {4, 63, 1}};
     const TcRun edges[] = {{0, 10, 1}, {1, 40, 1}, {0, 100, 2}, {2, 200, 7}};
+    // 1 and 3 tiles a CTA (the prefill's 5 tiles as 3 + 2, rounds of sequences in each tile
+    // of a run) beside the launcher's choice.
+    const int tiles[] = {0, 1, 3, -1};
     const DsaKeyFormat formats[2] = {DSA_KEY_FP8, DSA_KEY_BF16};
     for (int f = 0; f < 2; f++) {
         const char *fn = formats[f] == DSA_KEY_FP8 ? "fp8" : "bf16";
         char what[64];
         snprintf(what, sizeof what, "%s prefill 128x32", fn);
-        test_scores_tc(what, formats[f], 128, 128, 32, 1, prefill, 1, 64);
+        test_scores_tc(what, formats[f], 128, 128, 32, 1, prefill, 1, 64, tiles);
         snprintf(what, sizeof what, "%s decode 128x32", fn);
-        test_scores_tc(what, formats[f], 128, 128, 32, 5, decode, 5, 64);
+        test_scores_tc(what, formats[f], 128, 128, 32, 5, decode, 5, 64, tiles);
         snprintf(what, sizeof what, "%s edges 128x32 block 16", fn);
-        test_scores_tc(what, formats[f], 128, 16, 32, 3, edges, 4, 32);
+        test_scores_tc(what, formats[f], 128, 16, 32, 3, edges, 4, 32, tiles);
         snprintf(what, sizeof what, "%s edges 32x5", fn);  // heads past 5 and dims past 32 idle
-        test_scores_tc(what, formats[f], 32, 16, 5, 3, edges, 4, 8);
+        test_scores_tc(what, formats[f], 32, 16, 5, 3, edges, 4, 8, tiles);
         snprintf(what, sizeof what, "%s prefill 64x4", fn);
-        test_scores_tc(what, formats[f], 64, 128, 4, 1, prefill, 1, 16);
+        test_scores_tc(what, formats[f], 64, 128, 4, 1, prefill, 1, 16, tiles);
     }
     // GLM-5's indexer at a longer context: 128 tokens ending at 20,000 (the C reference's
-    // ~10 G multiply-adds bound the size).
+    // ~10 G multiply-adds bound the size), with the launcher's choice of tiles (on 132 SMs 9:
+    // 313 tiles in runs of 9, the last of 7), one, and 16 (the most it chooses, prefill's).
     const TcRun chunk[] = {{0, 20000 - 128, 128}};
-    test_scores_tc("fp8 128 tokens at 20K", DSA_KEY_FP8, 128, 128, 32, 1, chunk, 1, 2048);
+    const int long_tiles[] = {0, 1, 16, -1};
+    test_scores_tc("fp8 128 tokens at 20K", DSA_KEY_FP8, 128, 128, 32, 1, chunk, 1, 2048, long_tiles);
 }
 
 static void test_ties(void)
