@@ -61,6 +61,15 @@ cublas=$(find /usr /opt -name 'libcublasLt.so.1[0-9]*' -path '*nvidia*' 2>/dev/n
 [ -n "$cublas" ] || { echo "no libcublasLt on this machine"; exit 1; }
 libpath="$c/lib:$(dirname "$cublas"):/usr/local/nvidia/lib64:/usr/local/nvidia/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 run() { "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$@"; }
+# run_setting SETTING ARGS...: `glmspark ARGS` under SETTING, variables joined by commas
+# (e.g. GLMSPARK_MLA_TC=0,GLMSPARK_DSA_TC=0); BIN=NAME in it runs $c/bin/NAME, another build.
+run_setting() {
+    e=$1; shift
+    bin=glmspark
+    for v in $(echo "$e" | tr , " "); do case $v in BIN=*) bin=${v#BIN=} ;; esac; done
+    env $(echo "$e" | tr , " " | sed 's/BIN=[^ ]*//g') "$c/lib/ld-linux-x86-64.so.2" \
+        --library-path "$libpath" "$c/bin/$bin" "$@"
+}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
@@ -247,7 +256,7 @@ done
 # lengths (prefill tok/s and TFLOP/s against the cuBLASLt GEMM of the same run).
 # REAP_PREFILL_ENVS="GLMSPARK_MOE_WIDE=0 GLMSPARK_MLA_TC=0,GLMSPARK_DSA_TC=0" repeats them (and
 # the REAP_LONG runs) with
-# each of those settings (commas join variables), REAP_PREFILL_PROFILE=1 profiles
+# each of those settings (commas join variables; BIN=NAME another build, as below), REAP_PREFILL_PROFILE=1 profiles
 # each per op kind. REAP_SPILL=DIR lets a checkpoint larger than the disk put its last shards
 # in DIR (`mkmodel --spill`, e.g. /dev/shm: REAP=26:3, one 90 GB stage, on the 64 GB disk).
 # REAP_DECODE_ENVS="GLMSPARK_CUDA_PDL=0 GLMSPARK_CUDA_FUSE=0" repeats the fp8 decode bench
@@ -342,23 +351,20 @@ for cfg in ${REAP:-}; do
         for e in "" ${REAP_PREFILL_ENVS:-}; do  # e.g. GLMSPARK_MOE_WIDE=0
             if [ -n "$e" ]; then
                 echo "== bench reap $cfg kv fp8 precision bf16 prefill $ctx $e" | tee -a "$out/reap.log"
-                env $(echo "$e" | tr , " ") "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$c/bin/glmspark" \
-                    bench --backend cuda --model "$dir" --batch 1 --ctx "$ctx" --steps 2 \
+                run_setting "$e" bench --backend cuda --model "$dir" --batch 1 --ctx "$ctx" --steps 2 \
                     --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
             fi
             if [ "${REAP_PREFILL_PROFILE:-0}" = 1 ]; then  # per op kind (graphs off)
                 echo "== profile reap $cfg kv fp8 prefill $ctx $e" | tee -a "$out/reap.log"
-                env GLMSPARK_CUDA_PROFILE=1 $(echo "$e" | tr , " ") "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
-                    "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$ctx" \
-                    --steps 2 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
+                run_setting "GLMSPARK_CUDA_PROFILE=1${e:+,$e}" bench --backend cuda --model "$dir" \
+                    --batch 1 --ctx "$ctx" --steps 2 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
             fi
         done
     done
     for long in ${REAP_LONG:-}; do  # e.g. "32768 131072": batch 1 at that context (DSA on), fp8
       for e in "" ${REAP_PREFILL_ENVS:-}; do  # and with each of REAP_PREFILL_ENVS
         echo "== bench reap $cfg kv fp8 precision bf16 ctx $long $e" | tee -a "$out/reap.log"
-        env $(echo "$e" | tr , " ") "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
-            "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$long" \
+        run_setting "$e" bench --backend cuda --model "$dir" --batch 1 --ctx "$long" \
             --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg ctx $long $e failed"; status=1; }
       done
@@ -391,10 +397,7 @@ for cfg in ${REAP:-}; do
     # The A/B settings after the serving path's runs (the targets first under a command's limit).
     for e in ${REAP_DECODE_ENVS:-}; do  # e.g. "GLMSPARK_CUDA_PDL=0 GLMSPARK_CUDA_FUSE=0"
         echo "== bench reap $cfg kv fp8 $e" | tee -a "$out/reap.log"
-        bin=glmspark  # BIN=NAME in the setting: another build's binary in $c/bin
-        for v in $(echo "$e" | tr , " "); do case $v in BIN=*) bin=${v#BIN=} ;; esac; done
-        env $(echo "$e" | tr , " " | sed 's/BIN=[^ ]*//') "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" \
-            "$c/bin/$bin" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
+        run_setting "$e" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
             --ctx 1024 --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg $e failed"; status=1; }
     done
