@@ -258,18 +258,15 @@ static __global__ void __launch_bounds__(DEC_THREADS)
 //      codes and bf16 values are exact in bf16; the fp8 chunk scales kept apart, fp32), in
 //      16-byte loads that a thread issues together (6 at a time), while the next tile's
 //      rows are looked up (index, then page) into a register;
-//   2. S = Q K^T: warp w computes heads 16 (w % 2) .. +16 x positions 16 ((w / 2) % 2) .. +16
-//      over half the dims (w / 4: scale chunks 0-1 and rope dims 0-31, or chunks 2-3 and rope
-//      dims 32-63), two MMA chains (8 positions each) per 128-value scale chunk, each chunk's
-//      sum times its position's scale, the rope part unscaled (q was rounded to bf16 once, on
-//      the way into shared memory); each half's sum to its own score matrix;
-//   3. online softmax per head in fp32 (8 threads a head) over the two halves' sum, the
-//      probabilities times each chunk's scale rounded to bf16 (one matrix per chunk; one for a
-//      bf16 cache);
+//   2. S = Q K^T: warp w computes heads 16 (w % 2) .. +16 x positions 8 (w / 2) .. +8, one
+//      MMA chain per 128-value scale chunk, each chunk's sum times its position's scale, the
+//      rope part unscaled (q was rounded to bf16 once, on the way into shared memory);
+//   3. online softmax per head in fp32 (8 threads a head), the probabilities times each
+//      chunk's scale rounded to bf16 (one matrix per chunk; one for a bf16 cache);
 //   4. O += P_c V_c: warp w owns heads 16 (w % 2) .. +16 and the 128 output columns of chunk
 //      w / 2 (64 fp32 accumulators a thread), rescaled by the heads' alpha first.
 // Shared memory: q and the tile 2 x 32 x 584 bf16 (rows padded by 8 so that the fragments'
-// 32-bit loads hit 32 different banks), scores 2 x 32 x 33 fp32, P 4 x 32 x 40 bf16: 94,592 bytes
+// 32-bit loads hit 32 different banks), scores 32 x 33 fp32, P 4 x 32 x 40 bf16: 90,368 bytes
 // (GB10's opt-in limit is 101,376; two CTAs an SM on the H200, at <= 128 registers).
 // Output and (max, sum) go to the workspace in mla_decode_kernel's format, for the same
 // merge. Run 17 (docs/perf.md) measured the loads one 4-byte word at a time, each waited on
@@ -288,7 +285,7 @@ static size_t tc_smem_bytes(void)
 {
     return (size_t) 2 * TC_HEADS * TC_QS * 2                // q, tile (bf16)
            + (size_t) TC_TILE * TC_CHUNKS * 4                // chunk scales
-           + (size_t) 2 * TC_HEADS * TC_SS * 4               // scores, two halves
+           + (size_t) TC_HEADS * TC_SS * 4                   // scores
            + (size_t) TC_CHUNKS * TC_HEADS * TC_PS * 2       // P per chunk
            + (size_t) 3 * TC_HEADS * 4                       // running max, sum, alpha
            + (size_t) TC_TILE * 8;                           // row offsets
@@ -316,8 +313,8 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
     uint16_t *qs = (uint16_t *) smem_tc;                 // [TC_HEADS][TC_QS]
     uint16_t *ks = qs + TC_HEADS * TC_QS;                // [TC_TILE][TC_QS]
     float *scl = (float *) (ks + TC_TILE * TC_QS);       // [TC_TILE][TC_CHUNKS]
-    float *ss = scl + TC_TILE * TC_CHUNKS;               // [2][TC_HEADS][TC_SS]
-    uint16_t *ps = (uint16_t *) (ss + 2 * TC_HEADS * TC_SS);  // [TC_CHUNKS][TC_HEADS][TC_PS]
+    float *ss = scl + TC_TILE * TC_CHUNKS;               // [TC_HEADS][TC_SS]
+    uint16_t *ps = (uint16_t *) (ss + TC_HEADS * TC_SS); // [TC_CHUNKS][TC_HEADS][TC_PS]
     float *row_m = (float *) (ps + TC_CHUNKS * TC_HEADS * TC_PS);
     float *row_l = row_m + TC_HEADS, *row_a = row_l + TC_HEADS;
     long long *offs = (long long *) (row_a + TC_HEADS);  // 8-byte aligned: all above are
@@ -437,63 +434,48 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
         }
         __syncthreads();
 
-        // 2. Scores, the dims split between the warp halves: warp w computes heads
-        //    16 mt + (g, g + 8) x positions 16 nh + 8 j + (2 tq, 2 tq + 1), j = 0, 1 (two MMA
-        //    chains on the same q fragments), over scale chunks 2 kh, 2 kh + 1 and rope dims
-        //    32 kh .. +32; each half's sum goes to its own ss[kh], which step 3 adds. (A warp
-        //    of 16 x 8 positions over all 576 dims loaded q's fragments for every 8 positions:
-        //    two thirds of the tile's shared-memory reads, and shared memory bounded the kernel.)
+        // 2. Scores: heads 16 mt + (g, g + 8) x positions 8 nt + (2 tq, 2 tq + 1).
         {
-            const int nh = (warp >> 1) & 1, kh = warp >> 2;
+            const int nt = warp >> 1;
             // ldmatrix rows: q's (heads 16 mt + 8 (m % 2) + r, dims + 8 (m / 2)) and the keys'
-            // (position 16 nh + 8 j + r, dims + 8 m), m = lane / 8 the matrix, r = lane % 8 its row.
+            // (position 8 nt + r, dims + 8 m), m = lane / 8 the matrix, r = lane % 8 its row.
             const int lm = lane >> 3, lr = lane & 7;
             const uint16_t *q_rows = qs + (16 * mt + 8 * (lm & 1) + lr) * TC_QS + 8 * (lm >> 1);
-            const uint16_t *k_rows = ks + (16 * nh + lr) * TC_QS + 8 * lm;
-            float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            const uint16_t *k_rows = ks + (8 * nt + lr) * TC_QS + 8 * lm;
+            float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int part = 0; part < 3; part++) {  // two scale chunks, then rope dims, unscaled
-                const int c = part < 2 ? 2 * kh + part : TC_CHUNKS;
-                const int k_beg = c < TC_CHUNKS ? c * 128 : MLA_KV_LORA + 32 * kh;
-                const int k_end = c < TC_CHUNKS ? k_beg + 128 : k_beg + 32;
-                float ca[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-                // A 32-wide step: q's two k16 fragments, each position group's (two k16 halves
-                // of one ldmatrix), four MMAs.
+            for (int c = 0; c <= TC_CHUNKS; c++) {  // chunk TC_CHUNKS: the rope part, unscaled
+                const int k_beg = c * 128, k_end = c < TC_CHUNKS ? k_beg + 128 : MLA_LK;
+                float ca[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                // Two k-steps a B load, the fragments by ldmatrix (3 a 32-wide step).
 #pragma unroll
                 for (int k0 = k_beg; k0 < k_end; k0 += 32) {
-                    uint32_t a[4], a2[4], b[4], b2[4];
+                    uint32_t a[4], a2[4], b[4];
                     ldsm_x4<false>(a, q_rows + k0);
                     ldsm_x4<false>(a2, q_rows + k0 + 16);
                     ldsm_x4<false>(b, k_rows + k0);
-                    ldsm_x4<false>(b2, k_rows + 8 * TC_QS + k0);
-                    mma_bf16_16816(ca[0], a[0], a[1], a[2], a[3], b[0], b[1]);
-                    mma_bf16_16816(ca[1], a[0], a[1], a[2], a[3], b2[0], b2[1]);
-                    mma_bf16_16816(ca[0], a2[0], a2[1], a2[2], a2[3], b[2], b[3]);
-                    mma_bf16_16816(ca[1], a2[0], a2[1], a2[2], a2[3], b2[2], b2[3]);
+                    mma_bf16_16816(ca, a[0], a[1], a[2], a[3], b[0], b[1]);
+                    mma_bf16_16816(ca, a2[0], a2[1], a2[2], a2[3], b[2], b[3]);
                 }
+                if (CT == MLA_CACHE_FP8 && c < TC_CHUNKS) {
+                    const float s0 = scl[(8 * nt + 2 * tq) * TC_CHUNKS + c];
+                    const float s1 = scl[(8 * nt + 2 * tq + 1) * TC_CHUNKS + c];
+                    sc[0] = fmaf(ca[0], s0, sc[0]);
+                    sc[1] = fmaf(ca[1], s1, sc[1]);
+                    sc[2] = fmaf(ca[2], s0, sc[2]);
+                    sc[3] = fmaf(ca[3], s1, sc[3]);
+                } else {
 #pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    if (CT == MLA_CACHE_FP8 && c < TC_CHUNKS) {
-                        const int key = 16 * nh + 8 * j + 2 * tq;
-                        const float s0 = scl[key * TC_CHUNKS + c], s1 = scl[(key + 1) * TC_CHUNKS + c];
-                        sc[j][0] = fmaf(ca[j][0], s0, sc[j][0]);
-                        sc[j][1] = fmaf(ca[j][1], s1, sc[j][1]);
-                        sc[j][2] = fmaf(ca[j][2], s0, sc[j][2]);
-                        sc[j][3] = fmaf(ca[j][3], s1, sc[j][3]);
-                    } else {
-#pragma unroll
-                        for (int i = 0; i < 4; i++) sc[j][i] += ca[j][i];
-                    }
+                    for (int j = 0; j < 4; j++) sc[j] += ca[j];
                 }
             }
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                float *srow = ss + (kh * TC_HEADS + 16 * mt + g) * TC_SS + 16 * nh + 8 * j + 2 * tq;
-                srow[0] = sc[j][0];
-                srow[1] = sc[j][1];
-                srow[8 * TC_SS] = sc[j][2];
-                srow[8 * TC_SS + 1] = sc[j][3];
-            }
+            const int key = 8 * nt + 2 * tq;
+            const bool v0 = offs[key] >= 0, v1 = offs[key + 1] >= 0;
+            float *srow = ss + (16 * mt + g) * TC_SS + key;
+            srow[0] = v0 ? sc[0] * sm_log2 : -INFINITY;
+            srow[1] = v1 ? sc[1] * sm_log2 : -INFINITY;
+            srow[8 * TC_SS] = v0 ? sc[2] * sm_log2 : -INFINITY;
+            srow[8 * TC_SS + 1] = v1 ? sc[3] * sm_log2 : -INFINITY;
         }
         __syncthreads();
 
@@ -506,10 +488,8 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
             const int h = tid >> 3, part = tid & 7;
             float v[4], mx = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < 4; j++) {  // the two halves' sums, in that order; a missing row -inf
-                const int key = 4 * part + j;
-                const float x = ss[h * TC_SS + key] + ss[(TC_HEADS + h) * TC_SS + key];
-                v[j] = offs[key] >= 0 ? x * sm_log2 : -INFINITY;
+            for (int j = 0; j < 4; j++) {
+                v[j] = ss[h * TC_SS + 4 * part + j];
                 mx = fmaxf(mx, v[j]);
             }
 #pragma unroll
@@ -524,26 +504,14 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
 #pragma unroll
             for (int o2 = 4; o2 > 0; o2 >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o2);
             const float alpha = m_old == -INFINITY ? 0.0f : exp2f(m_old - m_new);
-            // Each key's chunk scales in one 16-byte load (one 4-byte load a scale hit only two
-            // banks across the warp); the probabilities stored two keys a word.
             const int n_p = CT == MLA_CACHE_FP8 ? TC_CHUNKS : 1;
+            for (int c = 0; c < n_p; c++)
 #pragma unroll
-            for (int jp = 0; jp < 4; jp += 2) {
-                const int key = 4 * part + jp;
-                const float4 s0 = CT == MLA_CACHE_FP8 ? *(const float4 *) (scl + key * TC_CHUNKS)
-                                                     : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-                const float4 s1 = CT == MLA_CACHE_FP8 ? *(const float4 *) (scl + (key + 1) * TC_CHUNKS)
-                                                     : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-#pragma unroll
-                for (int c = 0; c < n_p; c++) {
-                    const float c0 = c == 0 ? s0.x : c == 1 ? s0.y : c == 2 ? s0.z : s0.w;
-                    const float c1 = c == 0 ? s1.x : c == 1 ? s1.y : c == 2 ? s1.z : s1.w;
-                    const float p0 = CT == MLA_CACHE_FP8 ? p[jp] * c0 : p[jp];
-                    const float p1 = CT == MLA_CACHE_FP8 ? p[jp + 1] * c1 : p[jp + 1];
-                    *(uint32_t *) (ps + (c * TC_HEADS + h) * TC_PS + key) =
-                        (uint32_t) f32_to_bf16_bits(p0) | (uint32_t) f32_to_bf16_bits(p1) << 16;
+                for (int j = 0; j < 4; j++) {
+                    const int key = 4 * part + j;
+                    const float pj = CT == MLA_CACHE_FP8 ? p[j] * scl[key * TC_CHUNKS + c] : p[j];
+                    ps[(c * TC_HEADS + h) * TC_PS + key] = f32_to_bf16_bits(pj);
                 }
-            }
             __syncwarp();  // every lane of the head read row_m before it changes
             if (part == 0) {
                 row_m[h] = m_new;
