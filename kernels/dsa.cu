@@ -594,6 +594,19 @@ void dsa_scores(float *scores, int score_stride, const float *q, const float *w,
                     n_heads);
 }
 
+// The device's SM count, read once per process (one device kind); benign race.
+static int dsa_sm_count(void)
+{
+    static int n_sm = 0;
+    if (n_sm == 0) {
+        int dev = 0, n = 0;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+        n_sm = n;
+    }
+    return n_sm;
+}
+
 void dsa_scores_tc(float *scores, int score_stride, const float *q, const float *w, float w_scale,
                    float sm_scale, const DsaCache *cache, const int32_t *block_table,
                    int max_blocks, const int32_t *seq, const int32_t *kv_len, int max_len,
@@ -607,13 +620,7 @@ void dsa_scores_tc(float *scores, int score_stride, const float *q, const float 
         // As many tiles a CTA as leave ~8 CTAs an SM (4 resident, two rounds), at most 16:
         // prefill chunks take 16 (q read once per 1,024 positions), a decode step's few tokens
         // one (its positions spread over every SM, as before).
-        static int n_sm = 0;  // per process (one device kind); benign race
-        if (n_sm == 0) {
-            int dev = 0;
-            CUDA_CHECK(cudaGetDevice(&dev));
-            CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
-        }
-        const long long per = (long long) n_tiles * groups / (8LL * n_sm);
+        const long long per = (long long) n_tiles * groups / (8LL * dsa_sm_count());
         tiles = per < 1 ? 1 : per > 16 ? 16 : (int) per;
     }
     ASSERT(CEIL_DIV(n_tiles, tiles) <= 65535);
@@ -651,11 +658,10 @@ static cudaLaunchConfig_t topk_config(cudaLaunchAttribute *attr, int c, unsigned
 
 static int topk_cluster(int n_tok, int score_stride)
 {
-    static int max_cta = 0;  // c_max | n_sm << 4, per process (one device kind); benign race
-    if (max_cta == 0) {
-        int dev = 0, n_sm = 0, major = 0, c = 1;
+    static int c_max = 0;  // per process (one device kind); benign race
+    if (c_max == 0) {
+        int dev = 0, major = 0, c = 1;
         CUDA_CHECK(cudaGetDevice(&dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
         CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
         if (major == 9 || major == 10) {
             for (c = 8; c > 1; c /= 2) {
@@ -669,9 +675,9 @@ static int topk_cluster(int n_tok, int score_stride)
                 (void) cudaGetLastError();
             }
         }
-        max_cta = c | (n_sm << 4);
+        c_max = c;
     }
-    const int c_max = max_cta & 15, n_sm = max_cta >> 4;
+    const int n_sm = dsa_sm_count();
     if (score_stride <= TOPK_THREADS * TOPK_UNROLL) return 1;
     int c = 1;
     while (c < c_max && 2 * c * n_tok <= n_sm) c *= 2;
