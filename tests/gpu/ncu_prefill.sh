@@ -10,7 +10,8 @@
 # it to other checkpoints. KERNELS="NAME:SKIP ..." (regexes of kernel names, launches to skip)
 # with STEPS and BATCH takes decode kernels instead, e.g. CTX=1024 STEPS=8
 # KERNELS="gemv_group:30 moe_route_rank:20 moe_w13_kernel:20" (a 5-layer model's prefill and
-# first decode steps skipped; `ncu_reap.sh` lists a step's kernels).
+# first decode steps skipped; `ncu_reap.sh` lists a step's kernels), or a long prompt's indexer:
+# CTX=131072 KERNELS="dsa_scores_tc:60 dsa_topk_kernel:60" (docs/perf.md run 23e).
 set -u
 c=$1; dir=$2; ctx=${CTX:-8192}
 out=${OUT:-/tmp}
