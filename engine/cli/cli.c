@@ -8,8 +8,12 @@
 #include "engine/cli/cli.h"
 
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "engine/shared/num.h"
+#include "engine/shared/thread_pool.h"
 
 static const CliCommand commands[] = {
     {"logits", cli_logits, "run one forward pass over token ids and write f32 logits"},
@@ -37,4 +41,15 @@ bool cli_parse_backend(const char *s, bool *is_cuda)
     if (strcmp(s, "cpu") != 0 && strcmp(s, "cuda") != 0) return false;
     *is_cuda = strcmp(s, "cuda") == 0;
     return true;
+}
+
+int cli_default_threads(const char *cmd)
+{
+    const char *env = getenv("GLMSPARK_THREADS");
+    if (!env) return thread_pool_cores(THREAD_POOL_MAX_THREADS);
+    int n;
+    if (num_parse_int(env, 1, THREAD_POOL_MAX_THREADS, &n)) return n;
+    fprintf(stderr, "glmspark %s: GLMSPARK_THREADS=\"%s\": expected a thread count from 1 to %d\n",
+            cmd, env, (int) THREAD_POOL_MAX_THREADS);
+    return 0;
 }

@@ -65,6 +65,7 @@
 #include "engine/model/model.h"
 #include "engine/shared/clock.h"
 #include "engine/shared/num.h"
+#include "engine/shared/thread_pool.h"
 #include "engine/tools/mkmodel.h"
 
 enum { BENCH_MAX_BATCHES = 16, BENCH_MAX_DRAFTS = 3 };
@@ -124,13 +125,13 @@ static bool parse_list(const char *s, int lo, int hi, int cap, int *out, int *n)
 
 static int parse_bench_args(int argc, char **argv, BenchArgs *a)
 {
-    const long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
     *a = (BenchArgs){.preset = "default",
                      .precision = BACKEND_PRECISION_DEFAULT,
                      .ctx = 1024,
                      .prefill_chunk = 4096,
                      .steps = 32,
-                     .n_threads = n_cpu > 0 ? (n_cpu > 64 ? 64 : (int) n_cpu) : 1};
+                     .n_threads = cli_default_threads(argv[0])};
+    if (a->n_threads == 0) return 2;  // GLMSPARK_THREADS was not a thread count
     a->batches[0] = 1;
     a->n_batches = 1;
     for (int i = 1; i < argc; i++) {
@@ -170,7 +171,7 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
         else if (strcmp(opt, "--steps") == 0)
             ok = num_parse_int(val, 1, 1 << 20, &a->steps);
         else if (strcmp(opt, "--threads") == 0)
-            ok = num_parse_int(val, 1, 64, &a->n_threads);
+            ok = num_parse_int(val, 1, THREAD_POOL_MAX_THREADS, &a->n_threads);
         else if (strcmp(opt, "--kv-dtype") == 0)
             ok = a->kv_set = kv_dtype_parse(val, &a->kv_dtype);
         else if (strcmp(opt, "--precision") == 0)

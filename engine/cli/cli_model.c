@@ -97,13 +97,6 @@ static double cpu_s(void)
     return (double) ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static int default_threads(void)
-{
-    const char *env = getenv("GLMSPARK_THREADS");
-    if (env && atoi(env) > 0) return atoi(env) > 64 ? 64 : atoi(env);
-    return thread_pool_cores(THREAD_POOL_MAX_THREADS);
-}
-
 static bool parse_float(const char *s, float *out)
 {
     char *end;
@@ -169,12 +162,13 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
 {
     const char *cmd = argv[0];
     *a = (ModelArgs){.max_tokens = -1,
-                     .n_threads = default_threads(),
+                     .n_threads = cli_default_threads(cmd),
                      .pp = 1,
                      .rank = -1,
                      .world = 1,
                      .n_seqs = 1,
                      .precision = BACKEND_PRECISION_DEFAULT};
+    if (a->n_threads == 0) return 2;  // GLMSPARK_THREADS was not a thread count
     a->sampling = sampler_default_params();
     for (int i = 1; i < argc; i++) {
         const char *opt = argv[i];
@@ -226,7 +220,7 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
         else if (strcmp(opt, "--max-seqs") == 0)
             ok = num_parse_int(val, 1, PP_MAX_SLOTS, &a->max_seqs);
         else if (strcmp(opt, "--threads") == 0)
-            ok = num_parse_int(val, 1, 64, &a->n_threads);
+            ok = num_parse_int(val, 1, THREAD_POOL_MAX_THREADS, &a->n_threads);
         else if (strcmp(opt, "--top-k") == 0)
             ok = num_parse_int(val, 0, 1 << 30, &a->sampling.top_k);
         else if (strcmp(opt, "--seed") == 0)

@@ -1,8 +1,9 @@
 /*
- * test_cli_bench.c - `glmspark bench` on the CPU backend: bad arguments are refused with
- * status 2, and a run on a synthetic tiny model prints one JSON line per batch size with the
- * configuration echoed and positive timings; --mtp-drafts adds the MTP steps' figures (and
- * a checkpoint without an MTP layer is an error). No timing is asserted beyond "> 0" and
+ * test_cli_bench.c - `glmspark bench` on the CPU backend: bad arguments (and a bad
+ * GLMSPARK_THREADS, for `generate` too) are refused with status 2, and a run on a synthetic
+ * tiny model prints one JSON line per batch size with the configuration echoed and positive
+ * timings; --mtp-drafts adds the MTP steps' figures (and a checkpoint without an MTP layer is
+ * an error). No timing is asserted beyond "> 0" and
  * the figures' own arithmetic.
  */
 #define _DEFAULT_SOURCE  // mkdtemp
@@ -55,6 +56,17 @@ int main(void)
     CHECK(run(4, bad_drafts) == 2);
     const char *zero_drafts[] = {"bench", "--synthetic", "--mtp-drafts", "1,0"};
     CHECK(run(4, zero_drafts) == 2);
+    // GLMSPARK_THREADS, the thread count without --threads, is whole and in range or an
+    // error (status 2), for bench and for the model commands (generate, logits) alike.
+    const char *synthetic[] = {"bench", "--synthetic"};
+    const char *gen[] = {"generate", "--model", "/nonexistent", "--tokens", "1"};
+    const char *bad_env[] = {"abc", "8x", "0", "65", "", "-3"};
+    for (size_t i = 0; i < sizeof bad_env / sizeof *bad_env; i++) {
+        CHECK(setenv("GLMSPARK_THREADS", bad_env[i], 1) == 0);
+        CHECK(run(2, synthetic) == 2);
+        CHECK(cli_generate(5, (char **) gen) == 2);
+    }
+    CHECK(unsetenv("GLMSPARK_THREADS") == 0);
     // The CUDA backend runs the bf16 recipe over a bf16 or fp8 cache only: refused before
     // anything is opened (the same in a build without CUDA).
     const char *cuda_f32[] = {"bench", "--synthetic", "--backend", "cuda", "--precision", "f32"};
