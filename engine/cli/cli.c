@@ -43,13 +43,15 @@ bool cli_parse_backend(const char *s, bool *is_cuda)
     return true;
 }
 
-int cli_default_threads(const char *cmd)
+bool cli_default_threads(const char *cmd, int *out)
 {
     const char *env = getenv("GLMSPARK_THREADS");
-    if (!env) return thread_pool_cores(THREAD_POOL_MAX_THREADS);
-    int n;
-    if (num_parse_int(env, 1, THREAD_POOL_MAX_THREADS, &n)) return n;
+    if (!env) {
+        *out = thread_pool_cores(THREAD_POOL_MAX_THREADS);
+        return true;
+    }
+    if (num_parse_int(env, 1, THREAD_POOL_MAX_THREADS, out)) return true;
     fprintf(stderr, "glmspark %s: GLMSPARK_THREADS=\"%s\": expected a thread count from 1 to %d\n",
             cmd, env, (int) THREAD_POOL_MAX_THREADS);
-    return 0;
+    return false;
 }

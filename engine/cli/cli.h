@@ -39,10 +39,10 @@ const CliCommand *cli_commands(void);
 // false on a malformed or out-of-range value and then leaves *out unchanged.
 // --backend cpu|cuda: *is_cuda.
 bool cli_parse_backend(const char *s, bool *is_cuda);
-// The CPU backend's threads when --threads is not given: GLMSPARK_THREADS (1 to
-// THREAD_POOL_MAX_THREADS) or the online CPUs (at most that many); 0, after a message naming
-// command cmd, when GLMSPARK_THREADS is set to anything else.
-int cli_default_threads(const char *cmd);
+// The CPU backend's threads when --threads is not given, into *out: GLMSPARK_THREADS (1 to
+// THREAD_POOL_MAX_THREADS) or the online CPUs (at most that many); false, after a message
+// naming command cmd, when GLMSPARK_THREADS is set to anything else.
+bool cli_default_threads(const char *cmd, int *out);
 
 int cli_logits(int argc, char **argv);
 int cli_generate(int argc, char **argv);

@@ -129,9 +129,8 @@ static int parse_bench_args(int argc, char **argv, BenchArgs *a)
                      .precision = BACKEND_PRECISION_DEFAULT,
                      .ctx = 1024,
                      .prefill_chunk = 4096,
-                     .steps = 32,
-                     .n_threads = cli_default_threads(argv[0])};
-    if (a->n_threads == 0) return 2;  // GLMSPARK_THREADS was not a thread count
+                     .steps = 32};
+    if (!cli_default_threads(argv[0], &a->n_threads)) return 2;
     a->batches[0] = 1;
     a->n_batches = 1;
     for (int i = 1; i < argc; i++) {

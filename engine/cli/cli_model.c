@@ -162,13 +162,12 @@ static int parse_args(int argc, char **argv, ModelArgs *a)
 {
     const char *cmd = argv[0];
     *a = (ModelArgs){.max_tokens = -1,
-                     .n_threads = cli_default_threads(cmd),
                      .pp = 1,
                      .rank = -1,
                      .world = 1,
                      .n_seqs = 1,
                      .precision = BACKEND_PRECISION_DEFAULT};
-    if (a->n_threads == 0) return 2;  // GLMSPARK_THREADS was not a thread count
+    if (!cli_default_threads(cmd, &a->n_threads)) return 2;
     a->sampling = sampler_default_params();
     for (int i = 1; i < argc; i++) {
         const char *opt = argv[i];

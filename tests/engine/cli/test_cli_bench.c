@@ -3,8 +3,7 @@
  * GLMSPARK_THREADS, for `generate` too) are refused with status 2, and a run on a synthetic
  * tiny model prints one JSON line per batch size with the configuration echoed and positive
  * timings; --mtp-drafts adds the MTP steps' figures (and a checkpoint without an MTP layer is
- * an error). No timing is asserted beyond "> 0" and
- * the figures' own arithmetic.
+ * an error). No timing is asserted beyond "> 0" and the figures' own arithmetic.
  */
 #define _DEFAULT_SOURCE  // mkdtemp
 #include <math.h>
