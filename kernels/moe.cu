@@ -19,9 +19,9 @@
  * e2m1 * 2^-14; one f16 multiply per pair applies the E4M3 group scale, exactly (at most 6
  * significant bits; the smallest product, 2^-24, is f16's smallest subnormal). The previous
  * kernels dequantized to fp32 for CUDA-core FMAs (~4.5 instructions per weight) and read an
- * expert once per pair. Measured on H200 (docs/perf.md, 2026-12-03): w2 2.5-3.3 TB/s, w13
- * 1.8-1.9 TB/s, both still bound by instruction issue (~20 per lane and k-step, one MMA
- * accumulator chain per warp); w13 also stages 24 KB of fp32 input in every block.
+ * expert once per pair. Measured on an H100 at batch 1 (docs/perf.md, run 22c, 2026-12-05):
+ * w13 ~2.3 TB/s, w2 ~2.1 TB/s, 74% and 68% of its 3.12 TB/s read rate, bound by the decode's
+ * instruction issue (issue 19's scope 1).
  *
  * w13 tiles interleave 8 gate and 8 up rows of the same features, so a lane ends with gate
  * and up of one feature and applies SwiGLU in registers. w2 writes each pair's weighted
