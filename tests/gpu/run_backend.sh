@@ -73,12 +73,21 @@ run_setting() {
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
-# TESTS=0 skips the kernel and op tests (to spend a run on benchmarks alone). gpu_test_moe
-# runs after the golden models: its double references at GLM's widths take ~5 minutes of the
-# GPU machine's CPU (run 21), which should not hold the rest back under a command's limit.
+# TESTS=0 skips the kernel and op tests (to spend a run on benchmarks alone); TESTS="NAME ..."
+# runs only those of them (gpu_test_mla, gpu_test_dsa, ..., gpu_backend_ops: a short run when
+# little device time is left). gpu_test_moe runs after the golden models: its double references
+# at GLM's widths take ~5 minutes of the GPU machine's CPU (run 21), which should not hold the
+# rest back under a command's limit.
+wants_test() {
+    case "${TESTS:-1}" in
+    1) return 0 ;;
+    0) return 1 ;;
+    *) case " $TESTS " in *" $1 "*) return 0 ;; esac; return 1 ;;
+    esac
+}
 kernel_tests() {
     for t in "$@"; do
-        [ -x "$c/bin/$t" ] && [ "${TESTS:-1}" != 0 ] || continue
+        [ -x "$c/bin/$t" ] && wants_test "$t" || continue
         echo "== $t (kernels/ against kernels/ref)"
         if run "$c/bin/$t" >"$out/$t.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
         tail -15 "$out/$t.log"
@@ -117,7 +126,7 @@ for s in ${SANITIZE:-}; do
     [ "$r" = clean ] || grep -m8 "=========" "$log"
 done
 
-if [ "${TESTS:-1}" != 0 ]; then
+if wants_test gpu_backend_ops; then
 echo "== op tests (CUDA vs CPU backend)"
 if run "$c/bin/gpu_backend_ops" >"$out/backend_ops.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
 grep -B1 "check failed" "$out/backend_ops.log" | head -20
