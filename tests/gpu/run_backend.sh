@@ -135,8 +135,13 @@ echo "backend_ops $r"
 fi
 
 # GOLDEN=0 skips the golden models and MTP (to spend a run on REAP alone); GOLDEN_MODELS
-# (directories) runs those instead of every one.
-golden_dirs=${GOLDEN_MODELS:-$(ls -d tests/golden/models/*/)}
+# (directories, or names under tests/golden/models) runs those instead of every one.
+golden_dirs=
+for d in ${GOLDEN_MODELS:-$(ls -d tests/golden/models/*/)}; do
+    [ -d "$d" ] || [ ! -d "tests/golden/models/$d" ] || d=tests/golden/models/$d
+    [ -f "$d/golden.json" ] || { echo "GOLDEN_MODELS: $d is no golden model directory"; status=1; continue; }
+    golden_dirs="$golden_dirs $d"
+done
 # GEN_GOLDEN=NAME,... makes those models of tests/tools/gen_golden_models.py here first (this
 # machine has torch and transformers: their reference is transformers' float64 forward) into
 # $OUT/golden_new/, and the golden runs below include them; copy them into tests/golden/models/
