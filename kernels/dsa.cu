@@ -155,6 +155,9 @@ static __global__ void __launch_bounds__(DSA_BLOCK)
 // Scores on the tensor cores (dsa_scores_tc)
 
 enum { TC_TOKENS = 4, TC_POS = 64, TC_KS = DSA_MAX_DIM + 8 };  // TC_KS: padded key row, bf16
+#ifndef TC_GROUPS
+#define TC_GROUPS 4  // 8-position groups a warp's MMAs take at a time (1, 2 or 4)
+#endif
 
 // Grid (tokens in 4s, runs of `tiles` tiles of 64 positions); warp w of a CTA owns token 4 x + w:
 // its 32 heads (two m16 tiles, heads past n_heads zero) as the MMA's A, q rounded to bf16 and
@@ -219,6 +222,8 @@ static __global__ void __launch_bounds__(TC_TOKENS * WARP_SIZE)
         }
     }
 
+    if (FMT != DSA_KEY_FP8)  // bf16 keys have no scale (the rounds' barriers order this)
+        for (int row = threadIdx.x; row < TC_POS; row += TC_TOKENS * WARP_SIZE) kscale[row] = 1.0f;
     for (int tile = tile0; tile < tile0 + tiles; tile++) {
         const int p0 = tile * TC_POS;
         todo = 0;
@@ -293,9 +298,6 @@ static __global__ void __launch_bounds__(TC_TOKENS * WARP_SIZE)
                     }
                 }
             }
-            if (FMT != DSA_KEY_FP8)
-                for (int row = threadIdx.x; row < TC_POS; row += TC_TOKENS * WARP_SIZE)
-                    kscale[row] = 1.0f;
             __syncthreads();
             if (!((round >> warp) & 1u)) continue;
             int len = 0;
@@ -303,41 +305,75 @@ static __global__ void __launch_bounds__(TC_TOKENS * WARP_SIZE)
             for (int r = 0; r < TC_TOKENS; r++)
                 if (r == warp) len = tl[r];
             float *out = scores + (size_t) t * score_stride;
+            // TC_GROUPS 8-position groups at a time: 2 x TC_GROUPS independent MMA chains (one
+            // chain's MMA latency no longer paces the warp), and their 2 x TC_GROUPS sums over
+            // the 8 lanes that share positions reduced by halving: each round a lane keeps half
+            // of its values and adds its partner's other half, 2 x TC_GROUPS - 1 shuffles where
+            // summing each value apart took 3 x 2 x TC_GROUPS. Lane (g, cq) then holds value
+            // j = g >> GS (GS = 3 - log2(2 TC_GROUPS)): position 8 (j / 2) + 2 cq + j % 2 of the
+            // groups, stored by the lanes whose g has its low GS bits 0.
+            constexpr int NV = 2 * TC_GROUPS, GS = NV == 8 ? 0 : NV == 4 ? 1 : 2;
 #pragma unroll 1
-            for (int nt = 0; nt < TC_POS / 8 && p0 + nt * 8 < len; nt++) {
-                float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-                const uint16_t *kr = ks + (nt * 8 + g) * TC_KS + 2 * cq;  // B: key (nt * 8 + g)
+            for (int nt = 0; nt < TC_POS / 8 && p0 + nt * 8 < len; nt += TC_GROUPS) {
+                float acc[TC_GROUPS][2][4];
+#pragma unroll
+                for (int u = 0; u < TC_GROUPS; u++)
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                        for (int i = 0; i < 4; i++) acc[u][mt][i] = 0.0f;
 #pragma unroll
                 for (int k = 0; k < DSA_MAX_DIM / 16; k++) {
                     if (k < n_k) {
-                        const uint32_t b0 = *(const uint32_t *) (kr + k * 16);
-                        const uint32_t b1 = *(const uint32_t *) (kr + k * 16 + 8);
-                        mma_bf16_16816(acc[0], a[0][k][0], a[0][k][1], a[0][k][2], a[0][k][3], b0, b1);
-                        mma_bf16_16816(acc[1], a[1][k][0], a[1][k][1], a[1][k][2], a[1][k][3], b0, b1);
+#pragma unroll
+                        for (int u = 0; u < TC_GROUPS; u++) {
+                            const uint16_t *kr = ks + ((nt + u) * 8 + g) * TC_KS + 2 * cq + k * 16;  // B: key (nt + u) 8 + g
+                            const uint32_t b0 = *(const uint32_t *) kr;
+                            const uint32_t b1 = *(const uint32_t *) (kr + 8);
+                            mma_bf16_16816(acc[u][0], a[0][k][0], a[0][k][1], a[0][k][2], a[0][k][3], b0, b1);
+                            mma_bf16_16816(acc[u][1], a[1][k][0], a[1][k][1], a[1][k][2], a[1][k][3], b0, b1);
+                        }
                     }
                 }
-                // acc[mt][0 / 1]: head mt * 16 + g at positions 2 cq, 2 cq + 1 of the 8; [2 / 3]:
-                // head mt * 16 + 8 + g.
-                const int pl = nt * 8 + 2 * cq;
-                const float k0 = kscale[pl], k1 = kscale[pl + 1];
-                float s0 = 0.0f, s1 = 0.0f;
+                // acc[u][mt][0 / 1]: head mt * 16 + g at positions 2 cq, 2 cq + 1 of group u;
+                // [2 / 3]: head mt * 16 + 8 + g. v[2 u + j]: position 2 cq + j of group u, this
+                // lane's 4 heads.
+                float v[NV];
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
+                for (int u = 0; u < TC_GROUPS; u++) {
+                    const int pl = (nt + u) * 8 + 2 * cq;
+                    const float k0 = kscale[pl], k1 = kscale[pl + 1];
+                    float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
-                    for (int hh = 0; hh < 2; hh++) {  // dsa_key_score's (acc * scale) * sm_scale
-                        s0 = fmaf(ws[2 * mt + hh], fmaxf(acc[mt][2 * hh] * k0 * sm_scale, 0.0f), s0);
-                        s1 = fmaf(ws[2 * mt + hh], fmaxf(acc[mt][2 * hh + 1] * k1 * sm_scale, 0.0f), s1);
+                    for (int mt = 0; mt < 2; mt++) {
+#pragma unroll
+                        for (int hh = 0; hh < 2; hh++) {  // dsa_key_score's (acc * scale) * sm_scale
+                            s0 = fmaf(ws[2 * mt + hh], fmaxf(acc[u][mt][2 * hh] * k0 * sm_scale, 0.0f), s0);
+                            s1 = fmaf(ws[2 * mt + hh], fmaxf(acc[u][mt][2 * hh + 1] * k1 * sm_scale, 0.0f), s1);
+                        }
                     }
+                    v[2 * u] = s0;
+                    v[2 * u + 1] = s1;
                 }
 #pragma unroll
-                for (int o = 4; o < WARP_SIZE; o <<= 1) {
-                    s0 += __shfl_xor_sync(0xffffffffu, s0, o);
-                    s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+                for (int o = 16, n = NV; o >= 4; o >>= 1) {
+                    if (n == 1) {
+                        v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+                        continue;
+                    }
+                    const bool hi = lane & o;  // keeps the upper half
+#pragma unroll
+                    for (int i = 0; i < n / 2; i++) {
+                        const float send = hi ? v[i] : v[i + n / 2];
+                        const float keep = hi ? v[i + n / 2] : v[i];
+                        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+                    }
+                    n /= 2;
                 }
-                if (g == 0) {
-                    const int p = p0 + pl;
-                    if (p < len) out[p] = s0;
-                    if (p + 1 < len) out[p + 1] = s1;
+                if ((g & ((1 << GS) - 1)) == 0) {
+                    const int j = g >> GS;  // v's index before the rounds
+                    const int p = p0 + (nt + j / 2) * 8 + 2 * cq + j % 2;
+                    if (p < len) out[p] = v[0];
                 }
             }
         }
@@ -595,18 +631,6 @@ void dsa_scores(float *scores, int score_stride, const float *q, const float *w,
 }
 
 // The device's SM count, read once per process (one device kind); benign race.
-static int dsa_sm_count(void)
-{
-    static int n_sm = 0;
-    if (n_sm == 0) {
-        int dev = 0, n = 0;
-        CUDA_CHECK(cudaGetDevice(&dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-        n_sm = n;
-    }
-    return n_sm;
-}
-
 void dsa_scores_tc(float *scores, int score_stride, const float *q, const float *w, float w_scale,
                    float sm_scale, const DsaCache *cache, const int32_t *block_table,
                    int max_blocks, const int32_t *seq, const int32_t *kv_len, int max_len,
@@ -620,7 +644,7 @@ void dsa_scores_tc(float *scores, int score_stride, const float *q, const float 
         // As many tiles a CTA as leave ~8 CTAs an SM (4 resident, two rounds), at most 16:
         // prefill chunks take 16 (q read once per 1,024 positions), a decode step's few tokens
         // one (its positions spread over every SM, as before).
-        const long long per = (long long) n_tiles * groups / (8LL * dsa_sm_count());
+        const long long per = (long long) n_tiles * groups / (8LL * kern_sm_count());
         tiles = per < 1 ? 1 : per > 16 ? 16 : (int) per;
     }
     ASSERT(CEIL_DIV(n_tiles, tiles) <= 65535);
@@ -677,7 +701,7 @@ static int topk_cluster(int n_tok, int score_stride)
         }
         c_max = c;
     }
-    const int n_sm = dsa_sm_count();
+    const int n_sm = kern_sm_count();
     if (score_stride <= TOPK_THREADS * TOPK_UNROLL) return 1;
     int c = 1;
     while (c < c_max && 2 * c * n_tok <= n_sm) c *= 2;

@@ -26,6 +26,11 @@ extern "C" {
 void kern_set_pdl(bool on);
 bool kern_pdl(void);
 
+// The current device's SM count and the shared memory one block may opt in to
+// (cudaDevAttrMaxSharedMemoryPerBlockOptin), read once per process (one device kind a process).
+int kern_sm_count(void);
+int kern_smem_optin(void);
+
 #ifdef __cplusplus
 }
 #endif

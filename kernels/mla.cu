@@ -272,35 +272,66 @@ static __global__ void __launch_bounds__(DEC_THREADS)
 // merge. Run 17 (docs/perf.md) measured the loads one 4-byte word at a time, each waited on
 // before the next, at ~49 TFLOP/s in prefill.
 enum {
-    TC_HEADS = 32,
     TC_TILE = 32,
-    TC_THREADS = 256,
     TC_QS = MLA_LK + 8,        // bf16 row stride of q and the tile
     TC_SS = TC_TILE + 1,       // fp32 row stride of the scores
     TC_PS = TC_TILE + 8,       // bf16 row stride of P
     TC_CHUNKS = MLA_KV_LORA / 128,
 };
 
-static size_t tc_smem_bytes(void)
+static size_t tc_smem_bytes(int heads)
 {
-    return (size_t) 2 * TC_HEADS * TC_QS * 2                // q, tile (bf16)
+    return (size_t) heads * TC_QS * 2                        // q (bf16)
+           + (size_t) TC_TILE * TC_QS * 2                    // tile (bf16)
            + (size_t) TC_TILE * TC_CHUNKS * 4                // chunk scales
-           + (size_t) TC_HEADS * TC_SS * 4                   // scores
-           + (size_t) TC_CHUNKS * TC_HEADS * TC_PS * 2       // P per chunk
-           + (size_t) 3 * TC_HEADS * 4                       // running max, sum, alpha
-           + (size_t) TC_TILE * 8;                           // row offsets
+           + (size_t) heads * TC_SS * 4                      // scores
+           + (size_t) TC_CHUNKS * heads * TC_PS * 2          // P per chunk
+           + (size_t) 3 * heads * 4                          // running max, sum, alpha
+           + (size_t) 2 * TC_TILE * 8;                       // row offsets (two tiles)
 }
 
-// Two CTAs an SM on sm_90 (2 x 90 KB of its 227 KB: at most 128 registers); one elsewhere
-// (GB10's SM has ~100 KB of shared memory), without the register cap that would spill.
+// 32 heads a CTA: two CTAs an SM on sm_90 (2 x 90 KB of its 227 KB: at most 128 registers);
+// one elsewhere (GB10's SM has ~100 KB of shared memory), without the register cap that would
+// spill. 64 heads (512 threads, 142 KB): one CTA an SM, 128 registers.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 #define TC_MIN_BLOCKS 2
 #else
 #define TC_MIN_BLOCKS 1
 #endif
 
+// One 16-byte word `it` of a tile (row it / row16, word it % row16) into shared memory: fp8
+// codes to bf16 (exact), the fp8 chunk scales apart, rope and bf16 rows as they are.
 template <int CT>
-static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
+static __device__ __forceinline__ void tc_store_word(uint16_t *ks, float *scl, int it, uint4 v)
+{
+    constexpr int ROW16 = CT == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES / 16 : BF16_TOKEN_BYTES / 16;
+    const int tok = it / ROW16, r = it % ROW16;
+    uint16_t *row = ks + tok * TC_QS;
+    if (CT == MLA_CACHE_FP8) {
+        if (r < MLA_KV_LORA / 16) {  // 16 codes -> 16 bf16 (exact)
+            const uint2 b0 = e4m3x4_to_bf16x4(v.x), b1 = e4m3x4_to_bf16x4(v.y);
+            const uint2 b2 = e4m3x4_to_bf16x4(v.z), b3 = e4m3x4_to_bf16x4(v.w);
+            *(uint4 *) (row + 16 * r) = make_uint4(b0.x, b0.y, b1.x, b1.y);
+            *(uint4 *) (row + 16 * r + 8) = make_uint4(b2.x, b2.y, b3.x, b3.y);
+        } else if (r == MLA_KV_LORA / 16) {  // the 4 chunk scales
+            *(uint4 *) (scl + tok * TC_CHUNKS) = v;
+        } else {  // rope: 8 bf16
+            *(uint4 *) (row + MLA_KV_LORA + 8 * (r - MLA_KV_LORA / 16 - 1)) = v;
+        }
+    } else {
+        *(uint4 *) (row + 8 * r) = v;
+    }
+}
+
+// Grid (n_split, H / HEADS, n_tok), 8 x HEADS threads (HEADS / 4 warps, MT = HEADS / 16 head
+// tiles). HEADS = 64 (prefill: few splits, each many tiles) reads each tile into shared memory
+// once for all 64 heads, where two 32-head CTAs each read it (and converted its fp8 codes), and
+// prefetches: tile i + 1's loads are issued into registers before tile i's MMAs and stored
+// after them, so one CTA an SM overlaps its gather with its compute, as two CTAs of 32 heads do
+// with each other. Each head's arithmetic is the same in both (same MMA order, the same online
+// softmax): equal outputs for equal splits.
+template <int CT, int HEADS>
+static __global__ void __launch_bounds__(8 * HEADS, HEADS == 32 ? TC_MIN_BLOCKS : 1)
     mla_tc_kernel(float *__restrict__ ws_o, float *__restrict__ ws_ml,
                   const float *__restrict__ q_lat, const float *__restrict__ q_pe,
                   const uint8_t *__restrict__ cache, const int32_t *__restrict__ block_table,
@@ -309,6 +340,8 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
                   int idx_stride, int n_heads, float sm_scale, int n_split, int vec_q)
 {
     KERN_ENTRY();
+    constexpr int TC_HEADS = HEADS, TC_THREADS = 8 * HEADS, MT = HEADS / 16;
+    constexpr bool PREFETCH = HEADS == 64;
     extern __shared__ uint4 smem_tc[];
     uint16_t *qs = (uint16_t *) smem_tc;                 // [TC_HEADS][TC_QS]
     uint16_t *ks = qs + TC_HEADS * TC_QS;                // [TC_TILE][TC_QS]
@@ -317,12 +350,12 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
     uint16_t *ps = (uint16_t *) (ss + TC_HEADS * TC_SS); // [TC_CHUNKS][TC_HEADS][TC_PS]
     float *row_m = (float *) (ps + TC_CHUNKS * TC_HEADS * TC_PS);
     float *row_l = row_m + TC_HEADS, *row_a = row_l + TC_HEADS;
-    long long *offs = (long long *) (row_a + TC_HEADS);  // 8-byte aligned: all above are
+    long long *offs = (long long *) (row_a + TC_HEADS);  // [2][TC_TILE], 8-byte aligned: all above are
 
     const int split = blockIdx.x, hg = blockIdx.y, t = blockIdx.z;
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane >> 2, tq = lane & 3;
-    const int mt = warp & 1;  // heads 16 mt .. 16 mt + 15 of the CTA's 32
+    const int mt = warp % MT;  // heads 16 mt .. 16 mt + 15 of the CTA's
     const float sm_log2 = mla_log2_scale(sm_scale);  // scores in log2 units (step 3)
     const size_t tb = CT == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES : BF16_TOKEN_BYTES;
 
@@ -378,13 +411,56 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
 #pragma unroll
     for (int j = 0; j < 16; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
 
+    constexpr int ROW16 = CT == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES / 16 : BF16_TOKEN_BYTES / 16,
+                  N16 = TC_TILE * ROW16, PER = (N16 + TC_THREADS - 1) / TC_THREADS;
     // The rows of the first tile; each tile then looks up the next one's while its own rows
     // load (so the two dependent lookups, index and page, are off the critical path).
     long long next_off = tid < TC_TILE && beg < end
                              ? tile_row_offset(beg + tid, end, t, s, indices, idx_stride,
                                                block_table, max_blocks, tb)
                              : -1;
-    for (int base = beg; base < end; base += TC_TILE) {
+    // PREFETCH: v_next holds the next tile's words (PER a thread, a missing row's as 0) between its
+    // loads, issued before this tile's MMAs, and their stores after them.
+    uint4 v_next[PREFETCH ? PER : 1];
+    if constexpr (PREFETCH) {
+        if (tid < TC_TILE) offs[tid] = next_off;
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < PER; i++) {
+            const int it = tid + i * TC_THREADS;
+            v_next[i] = make_uint4(0u, 0u, 0u, 0u);
+            if (it < N16 && offs[it / ROW16] >= 0)
+                v_next[i] = __ldg((const uint4 *) (cache + offs[it / ROW16]) + it % ROW16);
+        }
+        if (tid < TC_TILE && beg < end)
+            next_off = tile_row_offset(beg + TC_TILE + tid, end, t, s, indices, idx_stride,
+                                       block_table, max_blocks, tb);
+    }
+    for (int base = beg, buf = 0; base < end; base += TC_TILE, buf ^= 1) {
+        const long long *toffs = offs + (PREFETCH ? buf * TC_TILE : 0);  // this tile's rows
+        if constexpr (PREFETCH) {
+            __syncthreads();  // the previous tile is consumed (and q is in place)
+#pragma unroll
+            for (int i = 0; i < PER; i++) {
+                const int it = tid + i * TC_THREADS;
+                if (it < N16) tc_store_word<CT>(ks, scl, it, v_next[i]);
+            }
+            if (tid < TC_TILE) offs[(buf ^ 1) * TC_TILE + tid] = next_off;
+            __syncthreads();
+            if (base + TC_TILE < end) {  // the next tile's loads, in flight over this tile
+                const long long *noffs = offs + (buf ^ 1) * TC_TILE;
+#pragma unroll
+                for (int i = 0; i < PER; i++) {
+                    const int it = tid + i * TC_THREADS;
+                    v_next[i] = make_uint4(0u, 0u, 0u, 0u);
+                    if (it < N16 && noffs[it / ROW16] >= 0)
+                        v_next[i] = __ldg((const uint4 *) (cache + noffs[it / ROW16]) + it % ROW16);
+                }
+                if (tid < TC_TILE)
+                    next_off = tile_row_offset(base + 2 * TC_TILE + tid, end, t, s, indices,
+                                               idx_stride, block_table, max_blocks, tb);
+            }
+        } else {
         __syncthreads();  // the previous tile is consumed (and q is in place)
         if (tid < TC_TILE) offs[tid] = next_off;
         __syncthreads();
@@ -392,9 +468,7 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
         //    is used (one memory latency a tile, not one per word): fp8 rows are 41 loads
         //    (32 of codes, the 4 scales, 8 of rope), bf16 rows 72; a missing row reads as 0.
         {
-            enum { ROW16 = CT == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES / 16 : BF16_TOKEN_BYTES / 16,
-                   N16 = TC_TILE * ROW16, PER = (N16 + TC_THREADS - 1) / TC_THREADS,
-                   BATCH = 6 };  // loads in flight a thread (fp8: all 6; bf16: 6, then 3)
+            enum { BATCH = 6 };  // loads in flight a thread (fp8: all 6; bf16: 6, then 3)
 #pragma unroll
             for (int i0 = 0; i0 < PER; i0 += BATCH) {
                 uint4 v[BATCH];
@@ -412,31 +486,18 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
                                                idx_stride, block_table, max_blocks, tb);
 #pragma unroll
                 for (int i = 0; i < BATCH; i++) {
-                    const int it = tid + (i0 + i) * TC_THREADS, tok = it / ROW16, r = it % ROW16;
+                    const int it = tid + (i0 + i) * TC_THREADS;
                     if (i0 + i >= PER || it >= N16) break;
-                    uint16_t *row = ks + tok * TC_QS;
-                    if (CT == MLA_CACHE_FP8) {
-                        if (r < MLA_KV_LORA / 16) {  // 16 codes -> 16 bf16 (exact)
-                            const uint2 b0 = e4m3x4_to_bf16x4(v[i].x), b1 = e4m3x4_to_bf16x4(v[i].y);
-                            const uint2 b2 = e4m3x4_to_bf16x4(v[i].z), b3 = e4m3x4_to_bf16x4(v[i].w);
-                            *(uint4 *) (row + 16 * r) = make_uint4(b0.x, b0.y, b1.x, b1.y);
-                            *(uint4 *) (row + 16 * r + 8) = make_uint4(b2.x, b2.y, b3.x, b3.y);
-                        } else if (r == MLA_KV_LORA / 16) {  // the 4 chunk scales
-                            *(uint4 *) (scl + tok * TC_CHUNKS) = v[i];
-                        } else {  // rope: 8 bf16
-                            *(uint4 *) (row + MLA_KV_LORA + 8 * (r - MLA_KV_LORA / 16 - 1)) = v[i];
-                        }
-                    } else {
-                        *(uint4 *) (row + 8 * r) = v[i];
-                    }
+                    tc_store_word<CT>(ks, scl, it, v[i]);
                 }
             }
         }
         __syncthreads();
+        }
 
         // 2. Scores: heads 16 mt + (g, g + 8) x positions 8 nt + (2 tq, 2 tq + 1).
         {
-            const int nt = warp >> 1;
+            const int nt = warp / MT;
             // ldmatrix rows: q's (heads 16 mt + 8 (m % 2) + r, dims + 8 (m / 2)) and the keys'
             // (position 8 nt + r, dims + 8 m), m = lane / 8 the matrix, r = lane % 8 its row.
             const int lm = lane >> 3, lr = lane & 7;
@@ -470,7 +531,7 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
                 }
             }
             const int key = 8 * nt + 2 * tq;
-            const bool v0 = offs[key] >= 0, v1 = offs[key + 1] >= 0;
+            const bool v0 = toffs[key] >= 0, v1 = toffs[key + 1] >= 0;
             float *srow = ss + (16 * mt + g) * TC_SS + key;
             srow[0] = v0 ? sc[0] * sm_log2 : -INFINITY;
             srow[1] = v1 ? sc[1] * sm_log2 : -INFINITY;
@@ -523,7 +584,7 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
 
         // 4. O += P V over the tile: heads 16 mt + (g, g + 8), columns 128 cc + 8 j + 2 tq.
         {
-            const int cc = warp >> 1;
+            const int cc = warp / MT;
             const float a_lo = row_a[16 * mt + g], a_hi = row_a[16 * mt + g + 8];
 #pragma unroll
             for (int j = 0; j < 16; j++) {
@@ -555,7 +616,7 @@ static __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
     }
 
     // Unnormalized output and (max, sum), as mla_decode_kernel writes them.
-    const int cc = warp >> 1;
+    const int cc = warp / MT;
     const size_t row0 = ((size_t) t * n_split + split) * n_heads + hg * TC_HEADS + 16 * mt + g;
 #pragma unroll
     for (int j = 0; j < 16; j++) {
@@ -680,35 +741,66 @@ void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaC
                 ws_ml, n_heads, n_split);
 }
 
+// The CTA width mla_decode_tc takes: 64 heads when each CTA walks a long range (at most 4
+// splits: prefill chunks) and the grid still covers every SM, where the device has the shared
+// memory; else 32 (decode steps: many splits of few tiles, two CTAs an SM).
+int mla_tc_heads(int n_tok, int n_heads, int n_split)
+{
+    if (n_heads % 64 != 0 || n_split > 4) return 32;
+    if ((long long) n_tok * n_split * (n_heads / 64) < kern_sm_count()) return 32;
+    return (size_t) kern_smem_optin() >= tc_smem_bytes(64) ? 64 : 32;
+}
+
 void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const MlaCache *cache,
                    const int32_t *block_table, int max_blocks, const int32_t *seq,
                    const int32_t *kv_len, const int32_t *indices, int idx_stride, int n_tok,
                    int n_heads, float sm_scale, int n_split, float *ws_o, float *ws_ml,
                    cudaStream_t stream)
 {
-    ASSERT(cache && cache->data && n_tok > 0 && n_heads > 0 && n_heads % TC_HEADS == 0);
+    mla_decode_tc_heads(out, q_lat, q_pe, cache, block_table, max_blocks, seq, kv_len, indices,
+                        idx_stride, n_tok, n_heads, sm_scale, n_split, ws_o, ws_ml,
+                        mla_tc_heads(n_tok, n_heads, n_split), stream);
+}
+
+template <int CT, int HEADS>
+static void tc_launch(const dim3 &grid, size_t smem, cudaStream_t stream, float *ws_o,
+                      float *ws_ml, const float *q_lat, const float *q_pe, const uint8_t *cache,
+                      const int32_t *block_table, int max_blocks, const int32_t *seq,
+                      const int32_t *kv_len, const int32_t *indices, int idx_stride,
+                      int n_heads, float sm_scale, int n_split, int vec_q)
+{
+    // Two 32-head CTAs an SM where the unified memory allows (H200: 2 x 90 KB of 227 KB).
+    CUDA_CHECK(cudaFuncSetAttribute(mla_tc_kernel<CT, HEADS>,
+                                    cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    (int) cudaSharedmemCarveoutMaxShared));
+    CUDA_CHECK(cudaFuncSetAttribute(mla_tc_kernel<CT, HEADS>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+    kern_launch(mla_tc_kernel<CT, HEADS>, grid, 8 * HEADS, smem, stream, ws_o, ws_ml, q_lat, q_pe,
+                cache, block_table, max_blocks, seq, kv_len, indices, idx_stride, n_heads,
+                sm_scale, n_split, vec_q);
+}
+
+void mla_decode_tc_heads(uint16_t *out, const float *q_lat, const float *q_pe,
+                         const MlaCache *cache, const int32_t *block_table, int max_blocks,
+                         const int32_t *seq, const int32_t *kv_len, const int32_t *indices,
+                         int idx_stride, int n_tok, int n_heads, float sm_scale, int n_split,
+                         float *ws_o, float *ws_ml, int heads, cudaStream_t stream)
+{
+    ASSERT(heads == 32 || heads == 64);
+    ASSERT(cache && cache->data && n_tok > 0 && n_heads > 0 && n_heads % heads == 0);
     ASSERT(n_split >= 1 && n_split <= MLA_MAX_SPLIT && max_blocks > 0);
     ASSERT(indices == NULL || idx_stride > 0);
     ASSERT((uintptr_t) ws_o % 16 == 0);
     ASSERT((uintptr_t) cache->data % 16 == 0);  // rows are read 16 bytes at a time
-    const size_t smem = tc_smem_bytes();
-    const dim3 grid(n_split, n_heads / TC_HEADS, n_tok);
+    const size_t smem = tc_smem_bytes(heads);
+    ASSERT(smem <= (size_t) kern_smem_optin());
+    const dim3 grid(n_split, n_heads / heads, n_tok);
     const int vec_q = ((uintptr_t) q_lat | (uintptr_t) q_pe) % 16 == 0;
-    const void *kernel = cache->type == MLA_CACHE_FP8
-                             ? (const void *) mla_tc_kernel<MLA_CACHE_FP8>
-                             : (const void *) mla_tc_kernel<MLA_CACHE_BF16>;
-    // Two CTAs an SM where the unified memory allows (H200: 2 x 90 KB of 227 KB).
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    (int) cudaSharedmemCarveoutMaxShared));
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
-    if (cache->type == MLA_CACHE_FP8)
-        kern_launch(mla_tc_kernel<MLA_CACHE_FP8>, grid, TC_THREADS, smem, stream, ws_o, ws_ml,
-                    q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
-                    idx_stride, n_heads, sm_scale, n_split, vec_q);
-    else
-        kern_launch(mla_tc_kernel<MLA_CACHE_BF16>, grid, TC_THREADS, smem, stream, ws_o, ws_ml,
-                    q_lat, q_pe, cache->data, block_table, max_blocks, seq, kv_len, indices,
-                    idx_stride, n_heads, sm_scale, n_split, vec_q);
+    const bool fp8 = cache->type == MLA_CACHE_FP8;
+    auto launch = fp8 ? (heads == 64 ? tc_launch<MLA_CACHE_FP8, 64> : tc_launch<MLA_CACHE_FP8, 32>)
+                      : (heads == 64 ? tc_launch<MLA_CACHE_BF16, 64> : tc_launch<MLA_CACHE_BF16, 32>);
+    launch(grid, smem, stream, ws_o, ws_ml, q_lat, q_pe, cache->data, block_table, max_blocks, seq,
+           kv_len, indices, idx_stride, n_heads, sm_scale, n_split, vec_q);
     kern_launch(mla_merge_kernel, dim3(n_heads, n_tok), MLA_KV_LORA / 4, 0, stream, out, ws_o,
                 ws_ml, n_heads, n_split);
 }

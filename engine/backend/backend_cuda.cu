@@ -1173,7 +1173,8 @@ static void heads_product(CudaImpl *impl, float *y, const uint16_t *w, const uin
 // zero-padded to MLA_QK_NOPE + MLA_ROPE and Hp heads (backend_mla_heads), kv_b repacked
 // likewise (bind_kv_b), the cache padded (kv_cache.h), and out [Hp, Vp] cropped to [H, V]
 // (act_repad). Tokens in chunks of 256 so the workspace stays bounded. tc (backend_mla_tc):
-// the tensor-core kernel, mla_decode_tc (32 heads a CTA, tiles of 32 positions).
+// the tensor-core kernel, mla_decode_tc (tiles of 32 positions; 32 heads a CTA, 64 for a
+// prefill chunk's few long splits: mla_tc_heads). The split count is sized for 32.
 static void mla_tuned(CudaImpl *impl, float *out, const float *q, const KvBPack *pk,
                       const KvCache *kv, const BackendSeqs *s, int layer, const int *sel,
                       const int *n_sel, int sel_stride, const BackendMla *p, bool tc)

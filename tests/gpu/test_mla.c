@@ -15,7 +15,8 @@
  * so the output moves by <= 2.2 delta * sum_p p |v|; the weighted sum adds (len + 16) *
  * FLT_EPSILON * sum_p p |v|, and the final bf16 rounding 2^-8 |out|.
  *
- * mla_decode_tc (tensor cores, 32 heads a CTA): the reference gets q rounded to bf16 as the
+ * mla_decode_tc (tensor cores, 32 or 64 heads a CTA: mla_decode_tc_heads, each width against the
+ * reference and 64 byte for byte 32 at every split): the reference gets q rounded to bf16 as the
  * kernel rounds it, so the bound above holds for its scores; its other rounding, each
  * probability times its chunk scale to bf16 (at most 2^-8 relative), moves the output by at
  * most 2^-8 sum_p p |v| more. Products on the tensor cores are exact (bf16 x bf16 fits fp32);
@@ -168,22 +169,40 @@ static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
         mla_decode_ref(out_want, out_abs, score_abs, tc ? ql_r : q_lat, tc ? qp_r : q_pe, h_cache,
                        type, table, max_blocks, dec_seq, kv_len, use_indices ? indices : NULL,
                        idx_stride, n_tok, n_heads, sm_scale);
-        for (int si = 0; si < n_splits; si++) {
-            const int n_split = splits[si];
-            float *ws_o = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * MLA_KV_LORA * 4);
-            float *ws_ml = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * 2 * 4);
-            uint16_t *d_out = gpu_alloc_poisoned(nq * MLA_KV_LORA * 2);
-            (tc ? mla_decode_tc : mla_decode)(d_out, d_ql, d_qp, &cache, d_table, max_blocks,
-                                              d_dseq, d_len, use_indices ? d_idx : NULL,
-                                              idx_stride, n_tok, n_heads, sm_scale, n_split,
-                                              ws_o, ws_ml, 0);
-            snprintf(name, sizeof name, "mla %s %s H=%d len0=%d split=%d%s",
-                     tc ? "tc" : "decode", type == MLA_CACHE_FP8 ? "fp8" : "bf16", n_heads,
-                     lens[0], n_split, use_indices ? " indexed" : "");
-            check_out(name, d_out, out_want, out_abs, score_abs, kv_len, n_heads, nq,
-                      tc ? 0x1p-8 : 0.0);
-            cudaFree(ws_o), cudaFree(ws_ml), cudaFree(d_out);
-        }
+        // The tensor-core kernel with 32 heads a CTA and, where n_heads allows, 64 (its
+        // prefetching form): both against the reference, and 64's output byte for byte 32's.
+        const int n_widths = tc ? (n_heads % 64 == 0 ? 2 : 1) : 1;
+        uint16_t *out32 = xmalloc(nq * MLA_KV_LORA * 2), *out64 = xmalloc(nq * MLA_KV_LORA * 2);
+        for (int si = 0; si < n_splits; si++)
+            for (int wi = 0; wi < n_widths; wi++) {
+                const int n_split = splits[si], heads = 32 << wi;
+                float *ws_o = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * MLA_KV_LORA * 4);
+                float *ws_ml = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * 2 * 4);
+                uint16_t *d_out = gpu_alloc_poisoned(nq * MLA_KV_LORA * 2);
+                if (tc)
+                    mla_decode_tc_heads(d_out, d_ql, d_qp, &cache, d_table, max_blocks, d_dseq,
+                                        d_len, use_indices ? d_idx : NULL, idx_stride, n_tok,
+                                        n_heads, sm_scale, n_split, ws_o, ws_ml, heads, 0);
+                else
+                    mla_decode(d_out, d_ql, d_qp, &cache, d_table, max_blocks, d_dseq, d_len,
+                               use_indices ? d_idx : NULL, idx_stride, n_tok, n_heads, sm_scale,
+                               n_split, ws_o, ws_ml, 0);
+                snprintf(name, sizeof name, "mla %s %s H=%d len0=%d split=%d%s",
+                         tc ? (heads == 64 ? "tc64" : "tc") : "decode",
+                         type == MLA_CACHE_FP8 ? "fp8" : "bf16", n_heads, lens[0], n_split,
+                         use_indices ? " indexed" : "");
+                check_out(name, d_out, out_want, out_abs, score_abs, kv_len, n_heads, nq,
+                          tc ? 0x1p-8 : 0.0);
+                gpu_download(heads == 64 ? out64 : out32, d_out, nq * MLA_KV_LORA * 2);
+                if (heads == 64) {
+                    size_t differ = 0;
+                    for (size_t i = 0; i < nq * MLA_KV_LORA; i++) differ += out64[i] != out32[i];
+                    if (differ) printf("  %s: %zu of %zu outputs differ from 32 heads a CTA\n", name, differ, nq * MLA_KV_LORA);
+                    CHECK(differ == 0);
+                }
+                cudaFree(ws_o), cudaFree(ws_ml), cudaFree(d_out);
+            }
+        free(out32), free(out64);
         if (tc) {  // q 4 bytes off 16-byte alignment: the kernel's value-a-load path
             const size_t bl = nq * MLA_KV_LORA * 4, bp = nq * MLA_ROPE * 4;
             char *ql_m = gpu_alloc_poisoned(bl + 16), *qp_m = gpu_alloc_poisoned(bp + 16);
@@ -296,5 +315,10 @@ int main(void)
     test_mla(MLA_CACHE_FP8, 2, lens_b, 64, glm, 4, 0);   // GLM: 64 heads, 1K and 4K context
     test_mla(MLA_CACHE_FP8, 2, lens_b, 64, few, 2, 1);   // DSA-selected positions
     test_mla(MLA_CACHE_BF16, 1, lens_c, 64, one, 1, 1);
+    // Prefill's form (64 heads a CTA, each walking many tiles with the next one's loads in
+    // flight): a long range per CTA, ends off the 32-position tile, empty splits (len 1 at 13).
+    const int lens_d[] = {2081, 1, 700, 33};
+    test_mla(MLA_CACHE_FP8, 4, lens_d, 64, glm, 3, 1);
+    test_mla(MLA_CACHE_BF16, 4, lens_d, 64, few, 2, 0);
     return check_exit();
 }
