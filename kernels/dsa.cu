@@ -155,9 +155,8 @@ static __global__ void __launch_bounds__(DSA_BLOCK)
 // Scores on the tensor cores (dsa_scores_tc)
 
 enum { TC_TOKENS = 4, TC_POS = 64, TC_KS = DSA_MAX_DIM + 8 };  // TC_KS: padded key row, bf16
-#ifndef TC_GROUPS
-#define TC_GROUPS 4  // 8-position groups a warp's MMAs take at a time (1, 2 or 4)
-#endif
+enum { TC_GROUPS = 4 };  // 8-position groups a warp's MMAs take at a time
+static_assert(TC_GROUPS == 1 || TC_GROUPS == 2 || TC_GROUPS == 4, "the reduction's rounds");
 
 // Grid (tokens in 4s, runs of `tiles` tiles of 64 positions); warp w of a CTA owns token 4 x + w:
 // its 32 heads (two m16 tiles, heads past n_heads zero) as the MMA's A, q rounded to bf16 and
@@ -311,7 +310,9 @@ static __global__ void __launch_bounds__(TC_TOKENS * WARP_SIZE)
             // of its values and adds its partner's other half, 2 x TC_GROUPS - 1 shuffles where
             // summing each value apart took 3 x 2 x TC_GROUPS. Lane (g, cq) then holds value
             // j = g >> GS (GS = 3 - log2(2 TC_GROUPS)): position 8 (j / 2) + 2 cq + j % 2 of the
-            // groups, stored by the lanes whose g has its low GS bits 0.
+            // groups, stored by the lanes whose g has its low GS bits 0. A token's last group of
+            // positions runs all TC_GROUPS groups' MMAs (zero keys or another token's), its
+            // stores bounded by its length.
             constexpr int NV = 2 * TC_GROUPS, GS = NV == 8 ? 0 : NV == 4 ? 1 : 2;
 #pragma unroll 1
             for (int nt = 0; nt < TC_POS / 8 && p0 + nt * 8 < len; nt += TC_GROUPS) {

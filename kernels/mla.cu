@@ -88,8 +88,28 @@ static __global__ void mla_q_split_kernel(uint16_t *__restrict__ q_nope, float *
 // ---------------------------------------------------------------------------
 // Attention kernels
 
-// The byte offset in the cache of position i of token t's range [.., end) (sequence s; the
-// i-th selected position with indices), or -1 past end: one row of an attention tile.
+// The cache position of entry i of token t's range [.., end) (the i-th selected position with
+// indices), or -1 past end.
+static __device__ __forceinline__ int tile_row_pos(int i, int end, int t,
+                                                   const int32_t *__restrict__ indices,
+                                                   int idx_stride)
+{
+    if (i >= end) return -1;
+    return indices ? indices[(size_t) t * idx_stride + i] : i;
+}
+
+// The byte offset in the cache of position p (>= 0) of sequence s, or -1 for p = -1.
+static __device__ __forceinline__ long long pos_offset(int p, int s,
+                                                       const int32_t *__restrict__ block_table,
+                                                       int max_blocks, size_t tb)
+{
+    if (p < 0) return -1;
+    const int blk = block_table[(size_t) s * max_blocks + p / MLA_BLOCK];
+    return ((long long) blk * MLA_BLOCK + p % MLA_BLOCK) * (long long) tb;
+}
+
+// The byte offset of entry i of token t's range (sequence s), or -1 past end: one row of an
+// attention tile.
 static __device__ __forceinline__ long long tile_row_offset(int i, int end, int t, int s,
                                                             const int32_t *__restrict__ indices,
                                                             int idx_stride,
@@ -97,9 +117,8 @@ static __device__ __forceinline__ long long tile_row_offset(int i, int end, int 
                                                             int max_blocks, size_t tb)
 {
     if (i >= end) return -1;
-    const int p = indices ? indices[(size_t) t * idx_stride + i] : i;
-    const int blk = block_table[(size_t) s * max_blocks + p / MLA_BLOCK];
-    return ((long long) blk * MLA_BLOCK + p % MLA_BLOCK) * (long long) tb;
+    return pos_offset(indices ? indices[(size_t) t * idx_stride + i] : i, s, block_table,
+                      max_blocks, tb);
 }
 
 template <int CT>
@@ -419,9 +438,13 @@ static __global__ void __launch_bounds__(8 * HEADS, HEADS == 32 ? TC_MIN_BLOCKS 
                              ? tile_row_offset(beg + tid, end, t, s, indices, idx_stride,
                                                block_table, max_blocks, tb)
                              : -1;
-    // PREFETCH: v_next holds the next tile's words (PER a thread, a missing row's as 0) between its
-    // loads, issued before this tile's MMAs, and their stores after them.
+    // PREFETCH: v_next holds the next tile's words (PER a thread, a missing row's as 0) between
+    // its loads, issued before this tile's MMAs, and their stores after them. The lookups run
+    // further ahead, so that no load waits on another inside an iteration: while tile i
+    // computes, tile i + 1's words load, tile i + 2's pages (next_off, from next_pos) and tile
+    // i + 3's selected positions (next_pos).
     uint4 v_next[PREFETCH ? PER : 1];
+    int next_pos = -1;
     if constexpr (PREFETCH) {
         if (tid < TC_TILE) offs[tid] = next_off;
         __syncthreads();
@@ -432,9 +455,11 @@ static __global__ void __launch_bounds__(8 * HEADS, HEADS == 32 ? TC_MIN_BLOCKS 
             if (it < N16 && offs[it / ROW16] >= 0)
                 v_next[i] = __ldg((const uint4 *) (cache + offs[it / ROW16]) + it % ROW16);
         }
-        if (tid < TC_TILE && beg < end)
+        if (tid < TC_TILE && beg < end) {
             next_off = tile_row_offset(beg + TC_TILE + tid, end, t, s, indices, idx_stride,
                                        block_table, max_blocks, tb);
+            next_pos = tile_row_pos(beg + 2 * TC_TILE + tid, end, t, indices, idx_stride);
+        }
     }
     for (int base = beg, buf = 0; base < end; base += TC_TILE, buf ^= 1) {
         const long long *toffs = offs + (PREFETCH ? buf * TC_TILE : 0);  // this tile's rows
@@ -456,9 +481,10 @@ static __global__ void __launch_bounds__(8 * HEADS, HEADS == 32 ? TC_MIN_BLOCKS 
                     if (it < N16 && noffs[it / ROW16] >= 0)
                         v_next[i] = __ldg((const uint4 *) (cache + noffs[it / ROW16]) + it % ROW16);
                 }
-                if (tid < TC_TILE)
-                    next_off = tile_row_offset(base + 2 * TC_TILE + tid, end, t, s, indices,
-                                               idx_stride, block_table, max_blocks, tb);
+                if (tid < TC_TILE) {  // addresses from registers: nothing waits here
+                    next_off = pos_offset(next_pos, s, block_table, max_blocks, tb);
+                    next_pos = tile_row_pos(base + 3 * TC_TILE + tid, end, t, indices, idx_stride);
+                }
             }
         } else {
         __syncthreads();  // the previous tile is consumed (and q is in place)
@@ -744,11 +770,16 @@ void mla_decode(uint16_t *out, const float *q_lat, const float *q_pe, const MlaC
 // The CTA width mla_decode_tc takes: 64 heads when each CTA walks a long range (at most 4
 // splits: prefill chunks) and the grid still covers every SM, where the device has the shared
 // memory; else 32 (decode steps: many splits of few tiles, two CTAs an SM).
+bool mla_tc_heads_fit(int heads)
+{
+    return (heads == 32 || heads == 64) && tc_smem_bytes(heads) <= (size_t) kern_smem_optin();
+}
+
 int mla_tc_heads(int n_tok, int n_heads, int n_split)
 {
     if (n_heads % 64 != 0 || n_split > 4) return 32;
     if ((long long) n_tok * n_split * (n_heads / 64) < kern_sm_count()) return 32;
-    return (size_t) kern_smem_optin() >= tc_smem_bytes(64) ? 64 : 32;
+    return mla_tc_heads_fit(64) ? 64 : 32;
 }
 
 void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const MlaCache *cache,
@@ -786,14 +817,13 @@ void mla_decode_tc_heads(uint16_t *out, const float *q_lat, const float *q_pe,
                          int idx_stride, int n_tok, int n_heads, float sm_scale, int n_split,
                          float *ws_o, float *ws_ml, int heads, cudaStream_t stream)
 {
-    ASSERT(heads == 32 || heads == 64);
+    ASSERT(mla_tc_heads_fit(heads));
     ASSERT(cache && cache->data && n_tok > 0 && n_heads > 0 && n_heads % heads == 0);
     ASSERT(n_split >= 1 && n_split <= MLA_MAX_SPLIT && max_blocks > 0);
     ASSERT(indices == NULL || idx_stride > 0);
     ASSERT((uintptr_t) ws_o % 16 == 0);
     ASSERT((uintptr_t) cache->data % 16 == 0);  // rows are read 16 bytes at a time
     const size_t smem = tc_smem_bytes(heads);
-    ASSERT(smem <= (size_t) kern_smem_optin());
     const dim3 grid(n_split, n_heads / heads, n_tok);
     const int vec_q = ((uintptr_t) q_lat | (uintptr_t) q_pe) % 16 == 0;
     const bool fp8 = cache->type == MLA_CACHE_FP8;

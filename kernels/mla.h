@@ -37,6 +37,7 @@
 #define KERNELS_MLA_H
 
 #include <cuda_runtime_api.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -100,14 +101,16 @@ void mla_decode_tc(uint16_t *out, const float *q_lat, const float *q_pe, const M
                    cudaStream_t stream);
 
 // mla_decode_tc with `heads` (32 or 64) heads a CTA, equal outputs for equal n_split (each
-// head's arithmetic is the same); n_heads a multiple of heads, 64 only where the device's
-// per-block shared memory holds its 142 KB (not GB10). mla_decode_tc takes mla_tc_heads': 64
-// for few splits of long ranges (prefill chunks), 32 otherwise.
+// head's arithmetic is the same); n_heads a multiple of heads, and mla_tc_heads_fit(heads):
+// the device's per-block shared memory holds the width's (64: 142 KB, not on GB10).
+// mla_decode_tc takes mla_tc_heads': 64 for few splits of long ranges (prefill chunks), 32
+// otherwise.
 void mla_decode_tc_heads(uint16_t *out, const float *q_lat, const float *q_pe,
                          const MlaCache *cache, const int32_t *block_table, int max_blocks,
                          const int32_t *seq, const int32_t *kv_len, const int32_t *indices,
                          int idx_stride, int n_tok, int n_heads, float sm_scale, int n_split,
                          float *ws_o, float *ws_ml, int heads, cudaStream_t stream);
+bool mla_tc_heads_fit(int heads);
 int mla_tc_heads(int n_tok, int n_heads, int n_split);
 
 #ifdef __cplusplus

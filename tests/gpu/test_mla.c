@@ -171,7 +171,7 @@ static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
                        idx_stride, n_tok, n_heads, sm_scale);
         // The tensor-core kernel with 32 heads a CTA and, where n_heads allows, 64 (its
         // prefetching form): both against the reference, and 64's output byte for byte 32's.
-        const int n_widths = tc ? (n_heads % 64 == 0 ? 2 : 1) : 1;
+        const int n_widths = tc ? (n_heads % 64 == 0 && mla_tc_heads_fit(64) ? 2 : 1) : 1;
         uint16_t *out32 = xmalloc(nq * MLA_KV_LORA * 2), *out64 = xmalloc(nq * MLA_KV_LORA * 2);
         for (int si = 0; si < n_splits; si++)
             for (int wi = 0; wi < n_widths; wi++) {
@@ -203,21 +203,22 @@ static void test_mla(MlaCacheType type, int n_seq, const int *lens, int n_heads,
                 cudaFree(ws_o), cudaFree(ws_ml), cudaFree(d_out);
             }
         free(out32), free(out64);
-        if (tc) {  // q 4 bytes off 16-byte alignment: the kernel's value-a-load path
-            const size_t bl = nq * MLA_KV_LORA * 4, bp = nq * MLA_ROPE * 4;
+        for (int wi = 0; tc && wi < n_widths; wi++) {  // q 4 bytes off 16-byte alignment:
+            const size_t bl = nq * MLA_KV_LORA * 4, bp = nq * MLA_ROPE * 4;  // value-a-load q
             char *ql_m = gpu_alloc_poisoned(bl + 16), *qp_m = gpu_alloc_poisoned(bp + 16);
             CUDA_CHECK(cudaMemcpy(ql_m + 4, q_lat, bl, cudaMemcpyHostToDevice));
             CUDA_CHECK(cudaMemcpy(qp_m + 4, q_pe, bp, cudaMemcpyHostToDevice));
-            const int n_split = splits[0];
+            const int n_split = splits[0], heads = 32 << wi;
             float *ws_o = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * MLA_KV_LORA * 4);
             float *ws_ml = gpu_alloc_poisoned((size_t) n_tok * n_split * n_heads * 2 * 4);
             uint16_t *d_out = gpu_alloc_poisoned(nq * MLA_KV_LORA * 2);
-            mla_decode_tc(d_out, (const float *) (ql_m + 4), (const float *) (qp_m + 4), &cache,
-                          d_table, max_blocks, d_dseq, d_len, use_indices ? d_idx : NULL,
-                          idx_stride, n_tok, n_heads, sm_scale, n_split, ws_o, ws_ml, 0);
-            snprintf(name, sizeof name, "mla tc %s H=%d len0=%d split=%d%s, q unaligned",
-                     type == MLA_CACHE_FP8 ? "fp8" : "bf16", n_heads, lens[0], n_split,
-                     use_indices ? " indexed" : "");
+            mla_decode_tc_heads(d_out, (const float *) (ql_m + 4), (const float *) (qp_m + 4),
+                                &cache, d_table, max_blocks, d_dseq, d_len,
+                                use_indices ? d_idx : NULL, idx_stride, n_tok, n_heads, sm_scale,
+                                n_split, ws_o, ws_ml, heads, 0);
+            snprintf(name, sizeof name, "mla %s %s H=%d len0=%d split=%d%s, q unaligned",
+                     heads == 64 ? "tc64" : "tc", type == MLA_CACHE_FP8 ? "fp8" : "bf16",
+                     n_heads, lens[0], n_split, use_indices ? " indexed" : "");
             check_out(name, d_out, out_want, out_abs, score_abs, kv_len, n_heads, nq, 0x1p-8);
             cudaFree(ws_o), cudaFree(ws_ml), cudaFree(d_out), cudaFree(ql_m), cudaFree(qp_m);
         }
