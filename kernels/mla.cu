@@ -272,7 +272,8 @@ static __global__ void __launch_bounds__(DEC_THREADS)
 // Tensor-core attention (mla_decode_tc)
 //
 // Grid (n_split, H / 32, n_tok); 8 warps own 32 heads of one token and one range of its
-// positions, in tiles of 32 positions. Per tile:
+// positions, in tiles of 32 positions (or, for prefill, H / 64 and 16 warps on 64 heads with
+// the next tile's loads in flight: see the kernel). Per tile:
 //   1. the 32 cache rows gathered through the page table into shared memory as bf16 (E4M3
 //      codes and bf16 values are exact in bf16; the fp8 chunk scales kept apart, fp32), in
 //      16-byte loads that a thread issues together (6 at a time), while the next tile's
@@ -285,8 +286,9 @@ static __global__ void __launch_bounds__(DEC_THREADS)
 //   4. O += P_c V_c: warp w owns heads 16 (w % 2) .. +16 and the 128 output columns of chunk
 //      w / 2 (64 fp32 accumulators a thread), rescaled by the heads' alpha first.
 // Shared memory: q and the tile 2 x 32 x 584 bf16 (rows padded by 8 so that the fragments'
-// 32-bit loads hit 32 different banks), scores 32 x 33 fp32, P 4 x 32 x 40 bf16: 90,368 bytes
-// (GB10's opt-in limit is 101,376; two CTAs an SM on the H200, at <= 128 registers).
+// 32-bit loads hit 32 different banks), scores 32 x 33 fp32, P 4 x 32 x 40 bf16, two tiles'
+// row offsets: 90,624 bytes (GB10's opt-in limit is 101,376; two CTAs an SM on the H200, at
+// <= 128 registers); 142,848 with 64 heads (one CTA an SM; not on GB10).
 // Output and (max, sum) go to the workspace in mla_decode_kernel's format, for the same
 // merge. Run 17 (docs/perf.md) measured the loads one 4-byte word at a time, each waited on
 // before the next, at ~49 TFLOP/s in prefill.
