@@ -344,6 +344,23 @@ static __device__ __forceinline__ void tc_store_word(uint16_t *ks, float *scl, i
     }
 }
 
+// A tile's words for thread tid of THREADS (word tid + i THREADS in v[i], the tile's rows at
+// byte offsets offs[], -1: a missing row, read as 0), the prefetching kernel's loads.
+template <int CT, int THREADS>
+static __device__ __forceinline__ void tc_load_tile(uint4 *v, const long long *offs,
+                                                    const uint8_t *__restrict__ cache, int tid)
+{
+    constexpr int ROW16 = CT == MLA_CACHE_FP8 ? MLA_FP8_TOKEN_BYTES / 16 : BF16_TOKEN_BYTES / 16,
+                  N16 = TC_TILE * ROW16, PER = (N16 + THREADS - 1) / THREADS;
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int it = tid + i * THREADS;
+        v[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (it < N16 && offs[it / ROW16] >= 0)
+            v[i] = __ldg((const uint4 *) (cache + offs[it / ROW16]) + it % ROW16);
+    }
+}
+
 // Grid (n_split, H / HEADS, n_tok), 8 x HEADS threads (HEADS / 4 warps, MT = HEADS / 16 head
 // tiles). HEADS = 64 (prefill: few splits, each many tiles) reads each tile into shared memory
 // once for all 64 heads, where two 32-head CTAs each read it (and converted its fp8 codes), and
@@ -450,13 +467,7 @@ static __global__ void __launch_bounds__(8 * HEADS, HEADS == 32 ? TC_MIN_BLOCKS 
     if constexpr (PREFETCH) {
         if (tid < TC_TILE) offs[tid] = next_off;
         __syncthreads();
-#pragma unroll
-        for (int i = 0; i < PER; i++) {
-            const int it = tid + i * TC_THREADS;
-            v_next[i] = make_uint4(0u, 0u, 0u, 0u);
-            if (it < N16 && offs[it / ROW16] >= 0)
-                v_next[i] = __ldg((const uint4 *) (cache + offs[it / ROW16]) + it % ROW16);
-        }
+        tc_load_tile<CT, TC_THREADS>(v_next, offs, cache, tid);
         if (tid < TC_TILE && beg < end) {
             next_off = tile_row_offset(beg + TC_TILE + tid, end, t, s, indices, idx_stride,
                                        block_table, max_blocks, tb);
@@ -475,52 +486,45 @@ static __global__ void __launch_bounds__(8 * HEADS, HEADS == 32 ? TC_MIN_BLOCKS 
             if (tid < TC_TILE) offs[(buf ^ 1) * TC_TILE + tid] = next_off;
             __syncthreads();
             if (base + TC_TILE < end) {  // the next tile's loads, in flight over this tile
-                const long long *noffs = offs + (buf ^ 1) * TC_TILE;
-#pragma unroll
-                for (int i = 0; i < PER; i++) {
-                    const int it = tid + i * TC_THREADS;
-                    v_next[i] = make_uint4(0u, 0u, 0u, 0u);
-                    if (it < N16 && noffs[it / ROW16] >= 0)
-                        v_next[i] = __ldg((const uint4 *) (cache + noffs[it / ROW16]) + it % ROW16);
-                }
+                tc_load_tile<CT, TC_THREADS>(v_next, offs + (buf ^ 1) * TC_TILE, cache, tid);
                 if (tid < TC_TILE) {  // addresses from registers: nothing waits here
                     next_off = pos_offset(next_pos, s, block_table, max_blocks, tb);
                     next_pos = tile_row_pos(base + 3 * TC_TILE + tid, end, t, indices, idx_stride);
                 }
             }
         } else {
-        __syncthreads();  // the previous tile is consumed (and q is in place)
-        if (tid < TC_TILE) offs[tid] = next_off;
-        __syncthreads();
-        // 1. The tile's rows, 16 bytes a load, every load of a thread issued before the first
-        //    is used (one memory latency a tile, not one per word): fp8 rows are 41 loads
-        //    (32 of codes, the 4 scales, 8 of rope), bf16 rows 72; a missing row reads as 0.
-        {
-            enum { BATCH = 6 };  // loads in flight a thread (fp8: all 6; bf16: 6, then 3)
+            __syncthreads();  // the previous tile is consumed (and q is in place)
+            if (tid < TC_TILE) offs[tid] = next_off;
+            __syncthreads();
+            // 1. The tile's rows, 16 bytes a load, every load of a thread issued before the first
+            //    is used (one memory latency a tile, not one per word): fp8 rows are 41 loads
+            //    (32 of codes, the 4 scales, 8 of rope), bf16 rows 72; a missing row reads as 0.
+            {
+                enum { BATCH = 6 };  // loads in flight a thread (fp8: all 6; bf16: 6, then 3)
 #pragma unroll
-            for (int i0 = 0; i0 < PER; i0 += BATCH) {
-                uint4 v[BATCH];
+                for (int i0 = 0; i0 < PER; i0 += BATCH) {
+                    uint4 v[BATCH];
 #pragma unroll
-                for (int i = 0; i < BATCH; i++) {
-                    const int it = tid + (i0 + i) * TC_THREADS;
-                    v[i] = make_uint4(0u, 0u, 0u, 0u);
-                    if (i0 + i < PER && it < N16) {
-                        const long long off = offs[it / ROW16];
-                        if (off >= 0) v[i] = __ldg((const uint4 *) (cache + off) + it % ROW16);
+                    for (int i = 0; i < BATCH; i++) {
+                        const int it = tid + (i0 + i) * TC_THREADS;
+                        v[i] = make_uint4(0u, 0u, 0u, 0u);
+                        if (i0 + i < PER && it < N16) {
+                            const long long off = offs[it / ROW16];
+                            if (off >= 0) v[i] = __ldg((const uint4 *) (cache + off) + it % ROW16);
+                        }
+                    }
+                    if (i0 == 0 && tid < TC_TILE)
+                        next_off = tile_row_offset(base + TC_TILE + tid, end, t, s, indices,
+                                                   idx_stride, block_table, max_blocks, tb);
+#pragma unroll
+                    for (int i = 0; i < BATCH; i++) {
+                        const int it = tid + (i0 + i) * TC_THREADS;
+                        if (i0 + i >= PER || it >= N16) break;
+                        tc_store_word<CT>(ks, scl, it, v[i]);
                     }
                 }
-                if (i0 == 0 && tid < TC_TILE)
-                    next_off = tile_row_offset(base + TC_TILE + tid, end, t, s, indices,
-                                               idx_stride, block_table, max_blocks, tb);
-#pragma unroll
-                for (int i = 0; i < BATCH; i++) {
-                    const int it = tid + (i0 + i) * TC_THREADS;
-                    if (i0 + i >= PER || it >= N16) break;
-                    tc_store_word<CT>(ks, scl, it, v[i]);
-                }
             }
-        }
-        __syncthreads();
+            __syncthreads();
         }
 
         // 2. Scores: heads 16 mt + (g, g + 8) x positions 8 nt + (2 tq, 2 tq + 1).
