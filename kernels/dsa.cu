@@ -500,8 +500,12 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
                     else if (shift == 0 && (key & mask) > prefix)
                         above++;
                 }
-                const unsigned peers = __match_any_sync(0xffffffffu, bin);
-                if (bin >= 0 && __ffs(peers) - 1 == lane) atomicAdd(&h[bin], __popc(peers));
+                // After the first pass few keys still match the prefix: a warp with none of
+                // them skips the match (the histogram is the same).
+                if (__any_sync(0xffffffffu, bin >= 0)) {
+                    const unsigned peers = __match_any_sync(0xffffffffu, bin);
+                    if (bin >= 0 && __ffs(peers) - 1 == lane) atomicAdd(&h[bin], __popc(peers));
+                }
             }
         }
         topk_sync<CLUSTER>();  // every CTA's counts of this pass are complete
