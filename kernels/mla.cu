@@ -259,9 +259,11 @@ static __global__ void __launch_bounds__(DEC_THREADS)
 
     const size_t row = ((size_t) t * n_split + split) * n_heads + h;
     float *wo = ws_o + row * MLA_KV_LORA + tk * 4;
+    if (beg < end) {  // an empty split's output is never read (mla_merge_kernel)
 #pragma unroll
-    for (int j = 0; j < 8; j++)
-        *(float4 *) (wo + 64 * j) = make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]);
+        for (int j = 0; j < 8; j++)
+            *(float4 *) (wo + 64 * j) = make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]);
+    }
     if (tk == 0) {
         ws_ml[row * 2] = m_run;
         ws_ml[row * 2 + 1] = l_run;
@@ -402,7 +404,7 @@ static __global__ void __launch_bounds__(8 * HEADS, HEADS == 32 ? TC_MIN_BLOCKS 
     const int beg = split * per, end = min(len, beg + per);
     const int s = seq[t];
 
-    // The CTA's 32 heads of q as bf16 (an empty split only writes zeros and (-inf, 0)). With
+    // The CTA's 32 heads of q as bf16 (an empty split only writes (-inf, 0)). With
     // 16-byte aligned q (vec_q), 4 values a load and Q_BATCH loads of a thread issued before the
     // first is stored: a few memory latencies for the 74 KB, where one value a load waited
     // once per few values (measured: -11 us a 5-layer step at batch 1, -51 at batch 8).
@@ -650,11 +652,13 @@ static __global__ void __launch_bounds__(8 * HEADS, HEADS == 32 ? TC_MIN_BLOCKS 
     // Unnormalized output and (max, sum), as mla_decode_kernel writes them.
     const int cc = warp / MT;
     const size_t row0 = ((size_t) t * n_split + split) * n_heads + hg * TC_HEADS + 16 * mt + g;
+    if (beg < end) {  // an empty split writes only (-inf, 0) (mla_merge_kernel)
 #pragma unroll
-    for (int j = 0; j < 16; j++) {
-        const int col = 128 * cc + 8 * j + 2 * tq;
-        *(float2 *) (ws_o + row0 * MLA_KV_LORA + col) = make_float2(o[j][0], o[j][1]);
-        *(float2 *) (ws_o + (row0 + 8) * MLA_KV_LORA + col) = make_float2(o[j][2], o[j][3]);
+        for (int j = 0; j < 16; j++) {
+            const int col = 128 * cc + 8 * j + 2 * tq;
+            *(float2 *) (ws_o + row0 * MLA_KV_LORA + col) = make_float2(o[j][0], o[j][1]);
+            *(float2 *) (ws_o + (row0 + 8) * MLA_KV_LORA + col) = make_float2(o[j][2], o[j][3]);
+        }
     }
     __syncthreads();  // the last tile's row_m / row_l are written
     if (tid < TC_HEADS) {
@@ -664,12 +668,15 @@ static __global__ void __launch_bounds__(8 * HEADS, HEADS == 32 ? TC_MIN_BLOCKS 
     }
 }
 
+enum { MERGE_BATCH = 8 };  // the merge's partial-output loads of a thread in flight at once
+
 static __global__ void mla_merge_kernel(uint16_t *__restrict__ out, const float *__restrict__ ws_o,
                                         const float *__restrict__ ws_ml, int n_heads, int n_split)
 {
     KERN_ENTRY();
     __shared__ float wgt[MLA_MAX_SPLIT];
     __shared__ float s_l;
+    __shared__ int s_live;
     const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;  // 128 threads x 4 columns
     const size_t row0 = (size_t) t * n_split * n_heads + h;      // split s: row0 + s * n_heads
     if (tid < WARP_SIZE) {
@@ -692,19 +699,38 @@ static __global__ void mla_merge_kernel(uint16_t *__restrict__ out, const float 
             l = fmaf(wg, l2[j], l);
         }
         l = warp_sum(l);
-        if (tid == 0) s_l = l;
+        // The splits that hold positions: the ranges are equal and contiguous, so the empty
+        // ones (exactly (-inf, 0), output not written) are a suffix, and every split before
+        // the last non-empty one wrote its output. A split whose scores were all NaN reads
+        // (-inf, NaN): it counts, so the NaN reaches the output as before.
+        const unsigned hi = __ballot_sync(0xffffffffu, m2[1] != -INFINITY || l2[1] != 0.0f),
+                       lo = __ballot_sync(0xffffffffu, m2[0] != -INFINITY || l2[0] != 0.0f);
+        if (tid == 0) {
+            s_l = l;
+            s_live = hi ? WARP_SIZE + 32 - __clz(hi) : 32 - __clz(lo);
+        }
     }
     __syncthreads();
-    // The partial outputs of all splits are independent loads: unrolled, several are in flight.
+    // The partial outputs of the non-empty splits are independent loads: unrolled, several are
+    // in flight. Empty splits (n_split is sized for a graph's capacity, not the context: at 1K
+    // context about half of them) write no output and are not read.
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 16
-    for (int s = 0; s < n_split; s++) {
-        const float wg = wgt[s];
-        const float4 v = *(const float4 *) (ws_o + (row0 + (size_t) s * n_heads) * MLA_KV_LORA + tid * 4);
-        acc.x = fmaf(wg, v.x, acc.x);
-        acc.y = fmaf(wg, v.y, acc.y);
-        acc.z = fmaf(wg, v.z, acc.z);
-        acc.w = fmaf(wg, v.w, acc.w);
+    const int n_live = s_live;
+    for (int s0 = 0; s0 < n_live; s0 += MERGE_BATCH) {
+        float4 v[MERGE_BATCH];
+#pragma unroll
+        for (int i = 0; i < MERGE_BATCH; i++)
+            v[i] = s0 + i < n_live ? __ldg((const float4 *) (ws_o + (row0 + (size_t) (s0 + i) * n_heads) * MLA_KV_LORA) + tid)
+                                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int i = 0; i < MERGE_BATCH; i++) {
+            if (s0 + i >= n_live) break;
+            const float wg = wgt[s0 + i];
+            acc.x = fmaf(wg, v[i].x, acc.x);
+            acc.y = fmaf(wg, v[i].y, acc.y);
+            acc.z = fmaf(wg, v[i].z, acc.z);
+            acc.w = fmaf(wg, v[i].w, acc.w);
+        }
     }
     const float l = s_l;
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;

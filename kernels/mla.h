@@ -25,8 +25,11 @@
  * fp32 [n_tok, H, 64] is already rotated (mla_q_split). Split-KV: the positions of a token
  * are cut into n_split equal ranges that run in parallel; each writes an unnormalized partial
  * output and its (max, sum) to the caller's workspace, and mla_decode's second kernel merges
- * them. Numerics: dequantized cache values are code x scale rounded to fp32 (4 x 24 bits); dot
- * products, softmax and the weighted sum are fp32; one rounding to bf16 at the end.
+ * them. A split with no positions (n_split is sized for the graph's capacity, not the context:
+ * at 1K context up to half of them) writes only (-inf, 0); the merge reads no partial output
+ * of an empty split (they are a suffix of the splits). Numerics: dequantized cache values are
+ * code x scale rounded to fp32 (4 x 24 bits); dot products, softmax and the weighted sum are
+ * fp32; one rounding to bf16 at the end.
  *
  * Ownership: borrowed pointers; MlaCache does not own its data. Threads: thread-safe
  * launchers. Errors: ASSERT on bad shapes; CUDA failures fatal. Launchers never allocate and
