@@ -22,6 +22,7 @@
 #include "engine/shared/cuda_check.h"
 #include "kernels/common.cuh"
 #include "kernels/launch.cuh"
+#include "kernels/norm_dev.cuh"
 
 enum { GEMV_WARPS = 8 };
 
@@ -46,6 +47,17 @@ static __device__ __forceinline__ uint4 load_x8(const float *row, int ch)
     const float4 a = __ldg((const float4 *) row + 2 * ch), b = __ldg((const float4 *) row + 2 * ch + 1);
     return make_uint4(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w), pack_bf16x2(b.x, b.y),
                       pack_bf16x2(b.z, b.w));
+}
+
+// bf16 inputs staged in shared memory (the grouped kernel with a norm: gemv_norm_stage), read
+// with plain loads (__ldg is for global memory).
+typedef struct SmemBf16 {
+    uint16_t bits;
+} SmemBf16;
+
+static __device__ __forceinline__ uint4 load_x8(const SmemBf16 *row, int ch)
+{
+    return ((const uint4 *) row)[ch];
 }
 
 template <typename OutT> static __device__ __forceinline__ void store_out(OutT *p, float v);
@@ -359,6 +371,56 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
                                        b * R);
 }
 
+// The grouped kernel's norm (gemm_bf16_gemv_group_norm): every block normalizes the n_tok
+// rows of x [n_tok, cols] itself, norm.cu's RMSNorm numbers (norm_dev.cuh: the same sums in the
+// same order, 16-byte pieces), into xs as the bf16 the GEMV reads (the fp32 value rounded to
+// nearest even, as load_x8 rounds an fp32 row), and block 0 stores the fp32 rows into h: what
+// norm_rms_f32 would have written. A launch and a dependent wait less than the norm op before
+// the GEMV, for a second read of x and w from L2 a block.
+static __device__ void gemv_norm_stage(SmemBf16 *xs, float *h, const float *x,
+                                       const float *__restrict__ nw, float eps, int cols,
+                                       int n_tok)
+{
+    static_assert(GEMV_WARPS * WARP_SIZE == NORM_THREADS, "norm_dev.cuh's block sums");
+    __shared__ double red[NORM_THREADS / WARP_SIZE];
+    for (int t = 0; t < n_tok; t++) {
+        const float *xr = x + (size_t) t * cols;
+        const double inv = norm_rms_inv(xr, cols, true, eps, red);
+        for (int i = threadIdx.x; i < cols / 4; i += NORM_THREADS) {
+            const float4 v = ((const float4 *) xr)[i], w = ((const float4 *) nw)[i];
+            const float4 o = make_float4((float) norm_rms_value(v.x, inv, w.x),
+                                         (float) norm_rms_value(v.y, inv, w.y),
+                                         (float) norm_rms_value(v.z, inv, w.z),
+                                         (float) norm_rms_value(v.w, inv, w.w));
+            ((uint2 *) (xs + (size_t) t * cols))[i] =
+                make_uint2(pack_bf16x2(o.x, o.y), pack_bf16x2(o.z, o.w));
+            if (blockIdx.x == 0) ((float4 *) (h + (size_t) t * cols))[i] = o;
+        }
+    }
+    __syncthreads();
+}
+
+template <int R, int NT>
+static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
+    gemm_bf16_gemv_group_norm_kernel(const __grid_constant__ GemvGroup g, float *h,
+                                     const float *x, const float *__restrict__ nw, float eps,
+                                     int cols, int n_tok)
+{
+    KERN_ENTRY_AFTER(gemv_group_prefetch<R>(g, cols));
+    extern __shared__ uint4 xs_words[];  // n_tok rows of cols bf16
+    SmemBf16 *xs = (SmemBf16 *) xs_words;
+    gemv_norm_stage(xs, h, x, nw, eps, cols, n_tok);
+    constexpr int RP = gemv_pair_rows(R);
+    int b;
+    const int s = gemv_group_segment(g, &b);
+    if (g.w_up[s])
+        gemv_sk_rows<2 * RP, NT, float, SmemBf16, true>(g.y[s], g.w[s], xs, NULL, g.rows[s], cols,
+                                                        1, n_tok, 0, b * RP, g.w_up[s]);
+    else
+        gemv_sk_rows<R, NT, float, SmemBf16>(g.y[s], g.w[s], xs, NULL, g.rows[s], cols, 1, n_tok,
+                                             0, b * R);
+}
+
 // ---------------------------------------------------------------------------
 // Tensor-core GEMV: mma.sync m16n8k16 (bf16 in, fp32 accumulate)
 //
@@ -544,37 +606,51 @@ static void gemv_tc_any(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
                     w, x, residual, rows, cols, n_mat, n_tok);
 }
 
-// The grouped kernel at R rows a block for NT tokens.
+// The grouped kernel's optional norm (gemm_bf16_gemv_group_norm): h = rmsnorm(x) * w.
+typedef struct GroupNorm {
+    float *h;
+    const float *w;
+    float eps;
+} GroupNorm;
+
+// The grouped kernel at R rows a block for NT tokens (with nm->h: the norm's kernel).
 template <int R, int NT>
-static void launch_group(const GemvGroup &g, const float *x, int cols, int n_tok,
-                         cudaStream_t stream)
+static void launch_group(const GemvGroup &g, const float *x, const GroupNorm *nm, int cols,
+                         int n_tok, cudaStream_t stream)
 {
-    kern_launch(gemm_bf16_gemv_group_kernel<R, NT, float>, (unsigned) g.first[g.n],
-                GEMV_WARPS * WARP_SIZE, 0, stream, g, x, cols, n_tok);
+    if (!nm)
+        kern_launch(gemm_bf16_gemv_group_kernel<R, NT, float>, (unsigned) g.first[g.n],
+                    GEMV_WARPS * WARP_SIZE, 0, stream, g, x, cols, n_tok);
+    else if constexpr (NT <= GEMM_NORM_MAX_TOK)
+        kern_launch(gemm_bf16_gemv_group_norm_kernel<R, NT>, (unsigned) g.first[g.n],
+                    GEMV_WARPS * WARP_SIZE, (size_t) n_tok * cols * 2, stream, g, nm->h, x, nm->w,
+                    nm->eps, cols, n_tok);
+    else
+        ASSERT(!"a grouped norm takes at most GEMM_NORM_MAX_TOK tokens");
 }
 
 template <int R>
-static void group_r(GemvGroup &g, const GemmSeg *segs, const float *x, int cols, int n_tok,
-                    cudaStream_t stream)
+static void group_r(GemvGroup &g, const GemmSeg *segs, const float *x, const GroupNorm *nm,
+                    int cols, int n_tok, cudaStream_t stream)
 {
     constexpr int RP = gemv_pair_rows(R);  // as the kernel takes a SwiGLU pair's rows
     g.first[0] = 0;
     for (int i = 0; i < g.n; i++)
         g.first[i + 1] = g.first[i] + CEIL_DIV(segs[i].rows, segs[i].w_up ? RP : R);
     if (n_tok <= 1)
-        launch_group<R, 1>(g, x, cols, n_tok, stream);
+        launch_group<R, 1>(g, x, nm, cols, n_tok, stream);
     else if (n_tok <= 2)
-        launch_group<R, 2>(g, x, cols, n_tok, stream);
+        launch_group<R, 2>(g, x, nm, cols, n_tok, stream);
     else if (n_tok <= 4)
-        launch_group<R, 4>(g, x, cols, n_tok, stream);
+        launch_group<R, 4>(g, x, nm, cols, n_tok, stream);
     else if (n_tok <= 8)
-        launch_group<R, 8>(g, x, cols, n_tok, stream);
+        launch_group<R, 8>(g, x, nm, cols, n_tok, stream);
     else
-        launch_group<R, 16>(g, x, cols, n_tok, stream);
+        launch_group<R, 16>(g, x, nm, cols, n_tok, stream);
 }
 
-void gemm_bf16_gemv_group(const GemmSeg *segs, int n_segs, const float *x, int cols, int n_tok,
-                          cudaStream_t stream)
+static void gemv_group(const GemmSeg *segs, int n_segs, const float *x, const GroupNorm *nm,
+                       int cols, int n_tok, cudaStream_t stream)
 {
     ASSERT(segs && n_segs >= 1 && n_segs <= GEMM_MAX_GROUP);
     GemvGroup g;
@@ -593,11 +669,33 @@ void gemm_bf16_gemv_group(const GemmSeg *segs, int n_segs, const float *x, int c
     }
     // Rows a block as gemv_any's split-K branches pick them, from all the segments' rows.
     if (total >= 4L * 2 * 132)
-        group_r<4>(g, segs, x, cols, n_tok, stream);
+        group_r<4>(g, segs, x, nm, cols, n_tok, stream);
     else if (total >= 2L * 2 * 132)
-        group_r<2>(g, segs, x, cols, n_tok, stream);
+        group_r<2>(g, segs, x, nm, cols, n_tok, stream);
     else
-        group_r<1>(g, segs, x, cols, n_tok, stream);
+        group_r<1>(g, segs, x, nm, cols, n_tok, stream);
+}
+
+void gemm_bf16_gemv_group(const GemmSeg *segs, int n_segs, const float *x, int cols, int n_tok,
+                          cudaStream_t stream)
+{
+    gemv_group(segs, n_segs, x, NULL, cols, n_tok, stream);
+}
+
+bool gemm_group_norm_ok(const float *h, const float *x, const float *w, int cols, int n_tok)
+{
+    return n_tok >= 1 && n_tok <= GEMM_NORM_MAX_TOK && cols % 8 == 0
+           && (size_t) n_tok * cols * 2 <= GEMM_NORM_SMEM && (uintptr_t) h % 16 == 0
+           && (uintptr_t) x % 16 == 0 && (uintptr_t) w % 16 == 0
+           && (h + (size_t) n_tok * cols <= x || x + (size_t) n_tok * cols <= h);
+}
+
+void gemm_bf16_gemv_group_norm(const GemmSeg *segs, int n_segs, float *h, const float *x,
+                               const float *w, float eps, int cols, int n_tok, cudaStream_t stream)
+{
+    ASSERT(gemm_group_norm_ok(h, x, w, cols, n_tok) && eps >= 0.0f);
+    const GroupNorm nm = {h, w, eps};
+    gemv_group(segs, n_segs, x, &nm, cols, n_tok, stream);
 }
 
 void gemm_bf16_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,

@@ -30,6 +30,7 @@
 #define KERNELS_GEMM_H
 
 #include <cuda_runtime_api.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -91,6 +92,19 @@ typedef struct GemmSeg {
 // matrix.
 void gemm_bf16_gemv_group(const GemmSeg *segs, int n_segs, const float *x, int cols, int n_tok,
                           cudaStream_t stream);
+
+// The grouped GEMV of an RMSNorm's output, the norm in its launch: h fp32 [n_tok, cols] =
+// kernels/norm.h norm_rms_f32(x, w, eps) bit for bit (stored, for the norm's other readers),
+// and every segment's product of h exactly as gemm_bf16_gemv_group(segs, h) computes it. Each
+// block normalizes the rows itself (its bf16 copy in n_tok * cols * 2 bytes of shared memory),
+// so the step saves the norm's launch and its wait: a decode step's input and post-attention
+// norms. Preconditions: gemm_group_norm_ok(h, x, w, cols, n_tok) (at most GEMM_NORM_MAX_TOK
+// tokens, h, x, w 16-byte aligned, h apart from x) and gemm_bf16_gemv_group's.
+#define GEMM_NORM_MAX_TOK 2
+#define GEMM_NORM_SMEM (48 * 1024)  // bytes of bf16 rows a block stages
+bool gemm_group_norm_ok(const float *h, const float *x, const float *w, int cols, int n_tok);
+void gemm_bf16_gemv_group_norm(const GemmSeg *segs, int n_segs, float *h, const float *x,
+                               const float *w, float eps, int cols, int n_tok, cudaStream_t stream);
 
 typedef struct GemmLt {
     void *handle;     // cublasLtHandle_t

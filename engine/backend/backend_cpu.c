@@ -946,6 +946,7 @@ Err backend_cpu_create(int n_threads, Backend **out)
     be->matmul = cpu_matmul_op;
     be->matmul_rows = cpu_matmul_rows;
     be->matmul_group = cpu_matmul_group;
+    be->norm_matmul_group = backend_norm_matmul_group_ops;
     be->matmul_add = cpu_matmul_add;
     be->embed = cpu_embed;
     be->rmsnorm = cpu_rmsnorm;

@@ -990,6 +990,35 @@ static void cuda_matmul_group(Backend *be, const BackendProduct *p, int n_p, con
     }
 }
 
+// In one launch (kernels/gemm.h gemm_bf16_gemv_group_norm) when matmul_group would run every
+// product in its grouped launch and the kernel takes the rows; otherwise the two ops.
+static void cuda_norm_matmul_group(Backend *be, const BackendProduct *p, int n_p, float *h,
+                                   const float *x, const float *norm_w, float eps, int n)
+{
+    CudaImpl *impl = (CudaImpl *) be->impl;
+    ASSERT(n_p >= 1 && n_p <= BACKEND_MAX_GROUP && n >= 0);
+    if (n == 0) return;
+    const int cols = p[0].w->cols;
+    bool one = impl->fuse && gemm_group_norm_ok(h, x, norm_w, cols, n) && (n_p > 1 || p[0].up);
+    GemmSeg segs[BACKEND_MAX_GROUP];
+    double bytes = 0.0;
+    for (int i = 0; i < n_p && one; i++) {
+        const CkptLinear *w = p[i].w, *up = p[i].up;
+        ASSERT(w->cols == cols && (!up || (up->rows == w->rows && up->cols == w->cols)));
+        one = group_member(be, w, h, n) && (!up || group_member(be, up, h, n));
+        segs[i] = (GemmSeg){(const uint16_t *) w->data, up ? (const uint16_t *) up->data : NULL,
+                            p[i].y, w->rows};
+        bytes += lin_bytes(w) + (up ? lin_bytes(up) : 0.0);
+    }
+    if (!one) {
+        backend_norm_matmul_group_ops(be, p, n_p, h, x, norm_w, eps, n);
+        return;
+    }
+    prof_begin(impl);
+    gemm_bf16_gemv_group_norm(segs, n_p, h, x, norm_w, eps, cols, n, impl->stream);
+    prof_end(impl, PROF_MATMUL, bytes);
+}
+
 static void cuda_embed(Backend *be, float *y, const CkptLinear *table, const int *ids, int n)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
@@ -1717,6 +1746,7 @@ Err backend_cuda_create(int device, Backend **out)
     be->matmul = cuda_matmul;
     be->matmul_rows = cuda_matmul_rows;
     be->matmul_group = cuda_matmul_group;
+    be->norm_matmul_group = cuda_norm_matmul_group;
     be->matmul_add = cuda_matmul_add;
     be->embed = cuda_embed;
     be->rmsnorm = cuda_rmsnorm;

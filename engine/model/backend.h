@@ -202,6 +202,15 @@ struct Backend {
     // in its store), the others one op at a time.
     void (*matmul_group)(Backend *be, const BackendProduct *p, int n_p, const float *x, int n);
 
+    // rmsnorm(h, x, norm_w, n, cols, cols, eps), then matmul_group(p, n_p, h, n): those two
+    // ops' numbers, h written (h and x distinct; cols: the products' columns). A layer's input
+    // and post-attention norms with the products they feed; the CUDA backend runs a decode
+    // step's (at most GEMM_NORM_MAX_TOK tokens, every product in the grouped launch) as one
+    // launch, each block normalizing the rows itself (kernels/gemm.h
+    // gemm_bf16_gemv_group_norm).
+    void (*norm_matmul_group)(Backend *be, const BackendProduct *p, int n_p, float *h,
+                              const float *x, const float *norm_w, float eps, int n);
+
     // matmul with every row's numbers exactly those of a one-row matmul of that row (bit for
     // bit, whatever n): the lm_head over a batch's last rows, so that logits do not depend on
     // the batch. The CUDA backend reads the weight once for all rows (CUDA-core GEMV, whose
@@ -288,6 +297,17 @@ struct Backend {
                         const unsigned long long *key, int n_key);
     void (*graph_end)(Backend *be);
 };
+
+// norm_matmul_group as the backend's own ops (the CPU backend's, and the CUDA backend's when
+// its fused launch does not apply).
+static inline void backend_norm_matmul_group_ops(Backend *be, const BackendProduct *p, int n_p,
+                                                 float *h, const float *x, const float *norm_w,
+                                                 float eps, int n)
+{
+    const int cols = p[0].w->cols;
+    be->rmsnorm(be, h, x, norm_w, n, cols, cols, eps);
+    be->matmul_group(be, p, n_p, h, n);
+}
 
 // A cache write's transform (kernels/kv_format.h KvIn) as the backend's own ops, the numbers
 // kv_write's transform promises: t [n, width] holds a copy of src [n, width]; the norm reads

@@ -741,11 +741,10 @@ static void attention_block(Model *m, KvCache *kv, const BackendSeqs *s, int l, 
     const ModelLayer *L = &m->layers[l];
     ModelWork *w = m->work;
     Backend *be = m->be;
-    const int hidden = c->hidden_size;
     const int kv_width = c->kv_lora_rank + c->qk_rope_head_dim;
 
-    be->rmsnorm(be, w->h, w->x, L->input_norm, n, hidden, hidden, c->rms_norm_eps);
-    // Every projection of the normalized input at once (one launch where the GEMV allows).
+    // The input norm and every projection of its output at once (one launch where the GEMV
+    // allows).
     BackendProduct in[BACKEND_MAX_GROUP] = {
         c->q_lora_rank > 0 ? (BackendProduct){w->qa, &L->q_a, NULL}
                            : (BackendProduct){w->q, &L->q_proj, NULL},
@@ -756,7 +755,7 @@ static void attention_block(Model *m, KvCache *kv, const BackendSeqs *s, int l, 
         in[n_in++] = (BackendProduct){w->ik, &L->idx_wk, NULL};
         in[n_in++] = (BackendProduct){w->iw, &L->idx_weights, NULL};
     }
-    be->matmul_group(be, in, n_in, w->h, n);
+    be->norm_matmul_group(be, in, n_in, w->h, w->x, L->input_norm, c->rms_norm_eps, n);
     if (c->q_lora_rank > 0) {
         be->rmsnorm(be, w->qa, w->qa, L->q_a_norm, n, c->q_lora_rank, c->q_lora_rank,
                     c->attn_norm_eps);
@@ -798,12 +797,10 @@ static void mlp_block(Model *m, int l, int n)
     const ModelLayer *L = &m->layers[l];
     ModelWork *w = m->work;
     Backend *be = m->be;
-    const int hidden = c->hidden_size;
 
-    be->rmsnorm(be, w->h, w->x, L->post_norm, n, hidden, hidden, c->rms_norm_eps);
     if (!L->is_moe) {
         const BackendProduct glu = {w->g, &L->gate, &L->up};  // SwiGLU
-        be->matmul_group(be, &glu, 1, w->h, n);
+        be->norm_matmul_group(be, &glu, 1, w->h, w->x, L->post_norm, c->rms_norm_eps, n);
         be->matmul_add(be, w->x, &L->down, w->g, n);
         return;
     }
@@ -815,9 +812,11 @@ static void mlp_block(Model *m, int l, int n)
         .norm_topk_prob = c->norm_topk_prob,
         .routed_scaling_factor = c->routed_scaling_factor,
     };
-    // The router's product and the shared expert's SwiGLU of the normalized input at once.
+    // The post-attention norm, the router's product and the shared expert's SwiGLU of its
+    // output at once (h: the routed experts' input).
     const BackendProduct in[] = {{w->rl, &L->router, NULL}, {w->g, &L->sh_gate, &L->sh_up}};
-    be->matmul_group(be, in, c->n_shared_experts > 0 ? 2 : 1, w->h, n);
+    be->norm_matmul_group(be, in, c->n_shared_experts > 0 ? 2 : 1, w->h, w->x, L->post_norm,
+                          c->rms_norm_eps, n);
     be->route(be, w->ridx, w->rw, w->rl, L->router_bias, n, &route);
     // x += shared expert (in the down GEMV's store), then x += the routed experts' sum (in
     // the op): no separate residual add.

@@ -1023,6 +1023,77 @@ static void test_matmul_group(void)
     for (int i = 0; i < 4; i++) free_linear(&w[i]);
 }
 
+// norm_matmul_group: a layer's norm with the products of its output (the attention's four, the
+// router and the shared expert's pair) at 1 and 2 tokens (the fused launch), 3 and 40 (the two
+// ops): h and every product bit for bit the GPU's rmsnorm, then matmul_group; within 1e-3 of
+// the CPU's (the norm in double on both, the products as matmul).
+static void test_norm_matmul_group(void)
+{
+    const int cols = 264, rows[4] = {200, 72, 72, 1};
+    CkptLinear w[4], wg[4];
+    for (int i = 0; i < 4; i++) {
+        w[i] = make_linear(CKPT_LINEAR_BF16, rows[i], cols);
+        wg[i] = w[i];
+        CHECK(gpu->bind_linear(gpu, &wg[i]) == ERR_OK);
+    }
+    float *nw = rand_floats((size_t) cols, 1.0f);
+    float *dnw = dev(nw, (size_t) cols * sizeof *nw);
+    const int ns[4] = {1, 2, 3, 40};
+    for (int k = 0; k < 4; k++) {
+        const int n = ns[k];
+        const size_t nx = (size_t) n * cols;
+        float *x = rand_floats(nx, 3.0f);
+        float *dx = dev(x, nx * sizeof *x);
+        for (int pair = 0; pair < 2; pair++) {
+            // pair 0: four plain products; pair 1: a plain product and a SwiGLU pair.
+            const int np = pair ? 2 : 4;
+            BackendProduct pc[4], pg[4], pr[4];
+            for (int i = 0; i < np; i++) {
+                const CkptLinear *up = pair && i == 1 ? &w[2] : NULL, *upg = up ? &wg[2] : NULL;
+                const size_t ny = (size_t) n * rows[i];
+                pc[i] = (BackendProduct){malloc(ny * sizeof(float)), &w[i], up};
+                pg[i] = (BackendProduct){gpu->alloc(gpu, ny * sizeof(float)), &wg[i], upg};
+                pr[i] = (BackendProduct){gpu->alloc(gpu, ny * sizeof(float)), &wg[i], upg};
+                ASSERT(pc[i].y && pg[i].y && pr[i].y);
+            }
+            float *hc = malloc(nx * sizeof(float));
+            float *hg = gpu->alloc(gpu, nx * sizeof(float)), *hr = gpu->alloc(gpu, nx * sizeof(float));
+            ASSERT(hc && hg && hr);
+            cpu->norm_matmul_group(cpu, pc, np, hc, x, nw, 1e-6f, n);
+            gpu->norm_matmul_group(gpu, pg, np, hg, dx, dnw, 1e-6f, n);
+            gpu->rmsnorm(gpu, hr, dx, dnw, n, cols, cols, 1e-6f);
+            gpu->matmul_group(gpu, pr, np, hr, n);
+            char what[80];
+            snprintf(what, sizeof what, "norm_matmul_group%s h n=%d", pair ? " swiglu" : "", n);
+            expect_close(what, hg, hc, nx, 1e-6);
+            float *got = down(hg, nx * sizeof(float)), *want = down(hr, nx * sizeof(float));
+            bool same = memcmp(got, want, nx * sizeof(float)) == 0;
+            if (!same) fprintf(stderr, "%s: not bit for bit the rmsnorm op's\n", what);
+            CHECK(same);
+            free(got), free(want);
+            for (int i = 0; i < np; i++) {
+                const size_t ny = (size_t) n * rows[i];
+                snprintf(what, sizeof what, "norm_matmul_group%s %d rows n=%d",
+                         pr[i].up ? " swiglu" : "", rows[i], n);
+                expect_close(what, pg[i].y, pc[i].y, ny, 1e-3);
+                got = down(pg[i].y, ny * sizeof(float)), want = down(pr[i].y, ny * sizeof(float));
+                same = memcmp(got, want, ny * sizeof(float)) == 0;
+                if (!same) fprintf(stderr, "%s: not bit for bit rmsnorm, then matmul_group\n", what);
+                CHECK(same);
+                free(got), free(want), free(pc[i].y);
+                gpu->free_mem(gpu, pg[i].y), gpu->free_mem(gpu, pr[i].y);
+            }
+            free(hc);
+            gpu->free_mem(gpu, hg), gpu->free_mem(gpu, hr);
+        }
+        free(x);
+        gpu->free_mem(gpu, dx);
+    }
+    free(nw);
+    gpu->free_mem(gpu, dnw);
+    for (int i = 0; i < 4; i++) free_linear(&w[i]);
+}
+
 int main(void)
 {
     ASSERT(backend_cpu_create(2, &cpu) == ERR_OK);
@@ -1035,6 +1106,7 @@ int main(void)
     test_matmul();
     test_matmul_add();
     test_matmul_group();
+    test_norm_matmul_group();
     test_elementwise();
     test_route_moe();
     // DSA through kernels/dsa.cu (fp32 scores the CPU reproduces bit for bit, so the

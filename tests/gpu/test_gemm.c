@@ -5,7 +5,9 @@
  * warp's stride; every token count bucket; and GLM-5.2's decode shapes (fused q_a+kv_a, q_b,
  * o_proj, the per-head W_UK^T / W_UV products, the router). Both GEMVs (CUDA-core and tensor-
  * core) run every shape; the grouped GEMV runs GLM-5.2's groups of projections and odd shapes,
- * bit for bit each matrix's own GEMV (a SwiGLU pair: act_silu_mul's value of the two).
+ * bit for bit each matrix's own GEMV (a SwiGLU pair: act_silu_mul's value of the two); with
+ * its norm (up to GEMM_NORM_MAX_TOK tokens), the normalized rows bit for bit norm_rms_f32's
+ * and the products bit for bit the GEMV's of those rows.
  * Outputs are poisoned (NaN) first.
  *
  * Tolerance: an n-term fp32 dot product, in any order, is within about n * FLT_EPSILON *
@@ -18,6 +20,7 @@
 
 #include "kernels/act.h"
 #include "kernels/gemm.h"
+#include "kernels/norm.h"
 #include "kernels/ref/gemm_ref.h"
 #include "kernels/ref/kern_ref.h"
 #include "tests/gpu/gpu_util.h"
@@ -59,12 +62,29 @@ static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int
 // tokens: each output bit for bit gemm_bf16_gemv_f32x's on its matrix alone, and within the
 // GEMV's bound of the reference on the input rounded to bf16. glu: segment 1 is a SwiGLU pair
 // (its up a second matrix of its rows): bit for bit act_silu_mul of its two GEMVs alone.
-static void test_group(const int *rows, int n_segs, int cols, int n_tok, int glu)
+// norm: gemm_bf16_gemv_group_norm on the un-normalized rows instead, its h bit for bit
+// norm_rms_f32's and each output bit for bit the matrix's GEMV of that h.
+static void test_group_any(const int *rows, int n_segs, int cols, int n_tok, int glu, int norm)
 {
     const size_t nx = (size_t) n_tok * cols;
     float *x = xmalloc(nx * 4);
     uint16_t *xb = xmalloc(nx * 2);
     fill_f32(x, nx, &rng, -2.0f, 2.0f);  // not bf16 values: the kernel rounds them
+    float *d_raw = NULL, *d_nw = NULL, *d_h = NULL;
+    const float eps = 1e-5f;
+    if (norm) {  // x becomes norm_rms_f32's output, computed on the device from raw rows
+        float *nw = xmalloc((size_t) cols * 4);
+        fill_f32(nw, (size_t) cols, &rng, 0.5f, 1.5f);
+        for (size_t i = 0; i < nx; i++) x[i] *= (float) (1 + i % 7);  // rows of some spread
+        d_raw = gpu_upload(x, nx * 4);
+        d_nw = gpu_upload(nw, (size_t) cols * 4);
+        d_h = gpu_alloc_poisoned(nx * 4);
+        float *d_href = gpu_alloc_poisoned(nx * 4);
+        norm_rms_f32(d_href, d_raw, d_nw, eps, n_tok, cols, cols, cols, 0);
+        gpu_download(x, d_href, nx * 4);
+        cudaFree(d_href);
+        free(nw);
+    }
     for (size_t i = 0; i < nx; i++) xb[i] = kern_f32_to_bf16(x[i]);
     float *d_x = gpu_upload(x, nx * 4);
     GemmSeg segs[GEMM_MAX_GROUP];
@@ -87,7 +107,20 @@ static void test_group(const int *rows, int n_segs, int cols, int n_tok, int glu
             act_silu_mul(d_alone[i], d_alone[i], d_up_alone, ny, 0);
         }
     }
-    gemm_bf16_gemv_group(segs, n_segs, d_x, cols, n_tok, 0);
+    if (norm) {
+        CHECK(gemm_group_norm_ok(d_h, d_raw, d_nw, cols, n_tok));
+        gemm_bf16_gemv_group_norm(segs, n_segs, d_h, d_raw, d_nw, eps, cols, n_tok, 0);
+        float *h = xmalloc(nx * 4);
+        gpu_download(h, d_h, nx * 4);
+        const bool same = memcmp(h, x, nx * 4) == 0;
+        if (!same)
+            fprintf(stderr, "gemv group norm %dx%d tok=%d: h is not norm_rms_f32's\n", n_segs, cols,
+                    n_tok);
+        CHECK(same);
+        free(h), cudaFree(d_raw), cudaFree(d_nw), cudaFree(d_h);
+    } else {
+        gemm_bf16_gemv_group(segs, n_segs, d_x, cols, n_tok, 0);
+    }
     for (int i = 0; i < n_segs; i++) {
         const size_t ny = (size_t) n_tok * rows[i];
         const bool pair = glu && i == 1;
@@ -96,8 +129,8 @@ static void test_group(const int *rows, int n_segs, int cols, int n_tok, int glu
         gpu_download(got, segs[i].y, ny * 4);
         gpu_download(alone, d_alone[i], ny * 4);
         char name[96];
-        snprintf(name, sizeof name, "gemv group %d/%d %dx%d tok=%d%s", i, n_segs, rows[i], cols,
-                 n_tok, pair ? " swiglu" : "");
+        snprintf(name, sizeof name, "gemv group%s %d/%d %dx%d tok=%d%s", norm ? " norm" : "", i,
+                 n_segs, rows[i], cols, n_tok, pair ? " swiglu" : "");
         if (pair) cudaFree(d_up_alone);
         const bool same = memcmp(got, alone, ny * 4) == 0;
         if (!same) fprintf(stderr, "%s: not bit for bit the matrix's own GEMV\n", name);
@@ -111,6 +144,13 @@ static void test_group(const int *rows, int n_segs, int cols, int n_tok, int glu
     }
     cudaFree(d_x);
     free(x), free(xb);
+}
+
+static void test_group(const int *rows, int n_segs, int cols, int n_tok, int glu)
+{
+    test_group_any(rows, n_segs, cols, n_tok, glu, 0);
+    if (n_tok <= GEMM_NORM_MAX_TOK && (size_t) n_tok * cols * 2 <= GEMM_NORM_SMEM)
+        test_group_any(rows, n_segs, cols, n_tok, glu, 1);
 }
 
 // gemm_bf16_lt (n_mat 1) or gemm_bf16_lt_mats: m tokens, n_mat matrices of n x k.
