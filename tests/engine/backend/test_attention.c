@@ -461,6 +461,24 @@ static void test_matmul(Backend *be, CkptLinearFormat format, int rows, int cols
     CHECK(memcmp(g1, y, ny * sizeof *y) == 0);
     CHECK(memcmp(g2, y, ny * sizeof *y) == 0);
     CHECK(memcmp(g3, sw, ny * sizeof *y) == 0);
+    // norm_matmul_group: h bit for bit the rmsnorm op's, each product matmul_group's of h.
+    {
+        const size_t nx = (size_t) n * cols;
+        float *nw = malloc((size_t) cols * sizeof *nw), *h = malloc(nx * sizeof *h);
+        float *hr = malloc(nx * sizeof *hr), *raw = malloc(nx * sizeof *raw);
+        ASSERT(nw && h && hr && raw);
+        for (int i = 0; i < cols; i++) nw[i] = 0.5f + frand();
+        for (size_t i = 0; i < nx; i++) raw[i] = 4.0f * frand();
+        be->rmsnorm(be, hr, raw, nw, n, cols, cols, 1e-5f);
+        be->matmul(be, y, &w, hr, n);
+        be->silu_mul(be, sw, y, y, (int) ny);
+        be->norm_matmul_group(be, pr, 3, h, raw, nw, 1e-5f, n);
+        CHECK(memcmp(h, hr, nx * sizeof *h) == 0);
+        CHECK(memcmp(g1, y, ny * sizeof *y) == 0);
+        CHECK(memcmp(g2, y, ny * sizeof *y) == 0);
+        CHECK(memcmp(g3, sw, ny * sizeof *y) == 0);
+        free(nw), free(h), free(hr), free(raw);
+    }
     free(g1);
     free(g2);
     free(g3);
