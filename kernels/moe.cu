@@ -188,15 +188,89 @@ static __global__ void moe_route_kernel(int32_t *__restrict__ idx, float *__rest
                    scale, is_ascending);
 }
 
-// Without group limits (every group kept: GLM-5's n_group = 1) the same choice by rank, a
-// block per token: thread e counts the experts that moe_router_argmax() takes before e
-// (larger biased score, or equal and a lower index: a total order without NaNs), so the
-// experts of rank < K are exactly the K it takes, rank r the r-th. One pass of E comparisons
-// per thread from shared memory instead of K dependent warp-wide argmax rounds. The weights
-// sum the chosen experts' scores in ascending expert order, as moe_router_token() does. A
-// token with a NaN score (which argmax handles by position) takes route_warp() instead.
+// Without group limits (every group kept: GLM-5's n_group = 1) the same choice by rank:
+// thread e counts the experts that moe_router_argmax() takes before e (larger biased score, or
+// equal and a lower index: a total order without NaNs), so the experts of rank < K are
+// exactly the K it takes, rank r the r-th. One pass of E comparisons per (token, expert) from
+// shared memory instead of K dependent warp-wide argmax rounds. The weights sum the chosen
+// experts' scores in ascending expert order, as moe_router_token() does. A token with a NaN
+// score (which argmax handles by position) takes route_warp() (warp 0) instead.
 enum { ROUTE_RANK_THREADS = 256 };
 
+// Tokens t0 .. t0 + n_tok by the whole block (any multiple of WARP_SIZE threads): score and
+// choice hold n_tok * n_experts doubles, chosen and asc n_tok * k ints, nan_of n_tok ints
+// (shared memory). idx and w are written when it returns (visible to the block).
+static __device__ void route_rank_tokens(int32_t *idx, float *w, const float *__restrict__ logits,
+                                         const float *__restrict__ bias, int t0, int n_tok,
+                                         int n_experts, int k, bool norm_topk_prob, float scale,
+                                         bool is_ascending, double *score, double *choice,
+                                         int *chosen, int *asc, int *nan_of)
+{
+    const int tid = threadIdx.x, nth = blockDim.x, n_all = n_tok * n_experts;
+    for (int t = tid; t < n_tok; t += nth) nan_of[t] = 0;
+    __syncthreads();
+    bool nan = false;
+    for (int i = tid; i < n_all; i += nth) {
+        const int t = i / n_experts, e = i - t * n_experts;
+        const double sc = 1.0 / (1.0 + exp(-(double) logits[(size_t) (t0 + t) * n_experts + e]));
+        score[i] = sc;
+        choice[i] = sc + (bias ? bias[e] : 0.0f);
+        if (choice[i] != choice[i]) {
+            nan_of[t] = 1;
+            nan = true;
+        }
+    }
+    const bool any_nan = __syncthreads_or(nan);
+    // Every thread counts over all experts (no early exit): the loads of choice[] are
+    // independent and unrolled, where a loop that stopped at rank k ran its slowest threads'
+    // (the top experts') 156 loads one after another.
+    for (int i = tid; i < n_all; i += nth) {
+        const int t = i / n_experts, e = i - t * n_experts;
+        if (nan_of[t]) continue;
+        const double *ch = choice + (size_t) t * n_experts;
+        const double v = ch[e];
+        int rank = 0;
+#pragma unroll 8
+        for (int j = 0; j < n_experts; j++) {
+            const double u = ch[j];
+            rank += u > v || (u == v && j < e);
+        }
+        if (rank < k) chosen[t * k + rank] = e;
+    }
+    __syncthreads();
+    // Slot (t, r) places chosen[t, r] in ascending id order (distinct ids: its count of smaller
+    // ones), then each slot sums its token's k scores in that order (the same sum on every
+    // slot) and writes itself.
+    for (int p = tid; p < n_tok * k; p += nth) {
+        const int t = p / k;
+        if (nan_of[t]) continue;
+        const int c = chosen[p];
+        int pos = 0;
+        for (int j = 0; j < k; j++) pos += chosen[t * k + j] < c;
+        asc[t * k + pos] = c;
+    }
+    __syncthreads();
+    for (int p = tid; p < n_tok * k; p += nth) {
+        const int t = p / k;
+        if (nan_of[t]) continue;
+        const double *sc = score + (size_t) t * n_experts;
+        double sum = 0.0;
+        for (int r = 0; r < k; r++) sum += sc[asc[t * k + r]];
+        const int e = is_ascending ? asc[p] : chosen[p];
+        double v = sc[e];
+        if (norm_topk_prob) v /= sum + 1e-20;
+        idx[(size_t) t0 * k + p] = e;
+        w[(size_t) t0 * k + p] = (float) (v * scale);
+    }
+    if (any_nan && tid < WARP_SIZE)
+        for (int t = 0; t < n_tok; t++)
+            if (nan_of[t])
+                route_warp(t0 + t, idx, w, logits, bias, n_experts, k, 1, 1, norm_topk_prob, scale,
+                           is_ascending);
+    __syncthreads();
+}
+
+// A block per token.
 static __global__ void __launch_bounds__(ROUTE_RANK_THREADS)
     moe_route_rank_kernel(int32_t *__restrict__ idx, float *__restrict__ w,
                           const float *__restrict__ logits, const float *__restrict__ bias,
@@ -204,55 +278,9 @@ static __global__ void __launch_bounds__(ROUTE_RANK_THREADS)
 {
     KERN_ENTRY();
     __shared__ double score[MOE_MAX_EXPERTS], choice[MOE_MAX_EXPERTS];
-    __shared__ int chosen[MOE_MAX_K], asc[MOE_MAX_K];
-    const int t = blockIdx.x, tid = threadIdx.x;
-    const float *lg = logits + (size_t) t * n_experts;
-    bool nan = false;
-    for (int e = tid; e < n_experts; e += ROUTE_RANK_THREADS) {
-        const double sc = 1.0 / (1.0 + exp(-(double) lg[e]));
-        score[e] = sc;
-        choice[e] = sc + (bias ? bias[e] : 0.0f);
-        nan |= choice[e] != choice[e];
-    }
-    if (__syncthreads_or(nan)) {
-        if (tid < WARP_SIZE)
-            route_warp(t, idx, w, logits, bias, n_experts, k, 1, 1, norm_topk_prob, scale,
-                       is_ascending);
-        return;
-    }
-    // Every thread counts over all experts (no early exit): the loads of choice[] are
-    // independent and unrolled, where a loop that stopped at rank k ran its slowest threads'
-    // (the top experts') 156 loads one after another.
-    for (int e = tid; e < n_experts; e += ROUTE_RANK_THREADS) {
-        const double v = choice[e];
-        int rank = 0;
-#pragma unroll 8
-        for (int j = 0; j < n_experts; j++) {
-            const double u = choice[j];
-            rank += u > v || (u == v && j < e);
-        }
-        if (rank < k) chosen[rank] = e;
-    }
-    __syncthreads();
-    // Thread r < k places chosen[r] in ascending id order (distinct ids: its count of
-    // smaller ones), then each of them sums the k scores in that order (the same sum on every
-    // thread) and writes its slot.
-    if (tid < k) {
-        const int c = chosen[tid];
-        int pos = 0;
-        for (int j = 0; j < k; j++) pos += chosen[j] < c;
-        asc[pos] = c;
-    }
-    __syncthreads();
-    if (tid < k) {
-        double sum = 0.0;
-        for (int r = 0; r < k; r++) sum += score[asc[r]];
-        const int e = is_ascending ? asc[tid] : chosen[tid];
-        double v = score[e];
-        if (norm_topk_prob) v /= sum + 1e-20;
-        idx[(size_t) t * k + tid] = e;
-        w[(size_t) t * k + tid] = (float) (v * scale);
-    }
+    __shared__ int chosen[MOE_MAX_K], asc[MOE_MAX_K], nan_of[1];
+    route_rank_tokens(idx, w, logits, bias, blockIdx.x, 1, n_experts, k, norm_topk_prob, scale,
+                      is_ascending, score, choice, chosen, asc, nan_of);
 }
 
 // ---------------------------------------------------------------------------
@@ -286,11 +314,11 @@ static __device__ void scan_tiles(int32_t *base, const int32_t *count, int n_exp
 // tiles start at the prefix sum of ceil(count / 8) over the experts before it; the pair goes
 // to tile base[e] + rank / 8, column rank % 8. Tiles in ascending expert order, columns in
 // slot order: the list depends on idx alone.
-static __global__ void __launch_bounds__(GROUP_THREADS)
-    moe_group_kernel(int32_t *__restrict__ work, const int32_t *__restrict__ idx, int n_pairs,
-                     int n_experts)
+// The whole block of GROUP_THREADS threads; idx: written by an earlier kernel, or by this block
+// before a barrier (plain loads).
+static __device__ void group_pairs(int32_t *__restrict__ work, const int32_t *idx, int n_pairs,
+                                   int n_experts)
 {
-    KERN_ENTRY();
     __shared__ int32_t ids[MOE_MAX_PAIRS];
     __shared__ int32_t count[MOE_MAX_EXPERTS], base[MOE_MAX_EXPERTS];  // base: inclusive tile prefix
     const int tid = threadIdx.x;
@@ -317,6 +345,31 @@ static __global__ void __launch_bounds__(GROUP_THREADS)
             t[1] = min(MOE_TILE_COLS, count[e] - (rank - col));
         }
     }
+}
+
+static __global__ void __launch_bounds__(GROUP_THREADS)
+    moe_group_kernel(int32_t *__restrict__ work, const int32_t *__restrict__ idx, int n_pairs,
+                     int n_experts)
+{
+    KERN_ENTRY();
+    group_pairs(work, idx, n_pairs, n_experts);
+}
+
+// Route and group in one block (moe_route_group): the router's rank pass over all the step's
+// tokens (dynamic shared memory: score and choice, n_tok * n_experts doubles each), then
+// group_pairs on the experts it wrote.
+static __global__ void __launch_bounds__(GROUP_THREADS)
+    moe_route_group_kernel(int32_t *__restrict__ work, int32_t *idx, float *w,
+                           const float *__restrict__ logits, const float *__restrict__ bias,
+                           int n_tok, int n_experts, int k, bool norm_topk_prob, float scale,
+                           bool is_ascending)
+{
+    KERN_ENTRY();
+    extern __shared__ double rg[];  // score, then choice
+    __shared__ int chosen[MOE_MAX_PAIRS], asc[MOE_MAX_PAIRS], nan_of[MOE_MAX_PAIRS];
+    route_rank_tokens(idx, w, logits, bias, 0, n_tok, n_experts, k, norm_topk_prob, scale,
+                      is_ascending, rg, rg + (size_t) n_tok * n_experts, chosen, asc, nan_of);
+    group_pairs(work, idx, n_tok * k, n_experts);
 }
 
 // More pairs than one block holds (a prefill chunk, up to MOE_MAX_CHUNK_PAIRS), or the wide
@@ -1208,6 +1261,25 @@ void moe_route(int32_t *idx, float *w, const float *logits, const float *bias, i
         kern_launch(moe_route_kernel, CEIL_DIV(n_tok, warps), warps * WARP_SIZE, 0, stream, idx, w,
                     logits, bias, n_tok, n_experts, k, n_group, topk_group, norm_topk_prob, scale,
                     is_ascending);
+}
+
+bool moe_route_group_ok(int n_tok, int n_experts, int k, int n_group, int topk_group)
+{
+    return n_group == topk_group && n_tok >= 1 && n_tok <= MOE_ROUTE_GROUP_MAX_TOK
+           && (long) n_tok * k <= MOE_MAX_PAIRS
+           && (size_t) n_tok * n_experts * 2 * sizeof(double) <= MOE_ROUTE_GROUP_SMEM;
+}
+
+void moe_route_group(int32_t *work, int32_t *idx, float *w, const float *logits,
+                     const float *bias, int n_tok, int n_experts, int k, bool norm_topk_prob,
+                     float scale, bool is_ascending, cudaStream_t stream)
+{
+    ASSERT(n_experts > 0 && n_experts <= MOE_MAX_EXPERTS && k >= 1 && k <= MOE_MAX_K
+           && k <= n_experts);
+    ASSERT(moe_route_group_ok(n_tok, n_experts, k, 1, 1));
+    kern_launch(moe_route_group_kernel, 1, GROUP_THREADS,
+                (size_t) n_tok * n_experts * 2 * sizeof(double), stream, work, idx, w, logits, bias,
+                n_tok, n_experts, k, norm_topk_prob, scale, is_ascending);
 }
 
 // Tiles of up to cols pairs that n_pairs pairs over n_experts experts can need: each expert

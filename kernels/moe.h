@@ -103,6 +103,16 @@ void moe_pack_w2(uint8_t *q_out, uint8_t *s_out, const uint8_t *q, const uint8_t
 size_t moe_work_ints(int n_pairs, int n_experts);
 void moe_group(int32_t *work, const int32_t *idx, int n_tok, int k, int n_experts,
                cudaStream_t stream);
+// moe_route (without group limits: n_group == topk_group) and moe_group in one launch, a
+// decode step's: idx, w and work bit for bit what the two write. moe_route_group_ok says
+// whether it takes the step (at most MOE_ROUTE_GROUP_MAX_TOK tokens; one block routes them
+// all, where moe_route runs a block a token).
+#define MOE_ROUTE_GROUP_MAX_TOK 8
+#define MOE_ROUTE_GROUP_SMEM (32 * 1024)  // bytes of scores and choices the block holds
+bool moe_route_group_ok(int n_tok, int n_experts, int k, int n_group, int topk_group);
+void moe_route_group(int32_t *work, int32_t *idx, float *w, const float *logits,
+                     const float *bias, int n_tok, int n_experts, int k, bool norm_topk_prob,
+                     float scale, bool is_ascending, cudaStream_t stream);
 // The dynamic shared memory (bytes) the two expert launches need at these widths: a tile's
 // MOE_TILE_COLS staged columns of the longer K (hidden for w13, inter for w2). A GPU whose
 // cudaDevAttrMaxSharedMemoryPerBlockOptin is smaller cannot run them (GB10: 101,376 bytes;

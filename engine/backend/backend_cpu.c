@@ -954,6 +954,7 @@ Err backend_cpu_create(int n_threads, Backend **out)
     be->rope = cpu_rope;
     be->silu_mul = cpu_silu_mul;
     be->route = cpu_route;
+    be->route_moe = backend_route_moe_ops;
     be->dsa_topk = cpu_dsa_topk;
     be->mla_attention = cpu_mla_attention;
     be->kv_write = cpu_kv_write;

@@ -1069,18 +1069,28 @@ static void cuda_silu_mul(Backend *be, float *y, const float *gate, const float 
     prof_end(impl, PROF_ELEMENTWISE, 0.0);
 }
 
-static void cuda_route(Backend *be, int *idx, float *wts, const float *logits, const float *bias,
-                       int n, const BackendRoute *p)
+static void check_route(const BackendRoute *p)
 {
-    CudaImpl *impl = (CudaImpl *) be->impl;
     const int E = p->n_experts, G = p->n_group;
     ASSERT(E > 0 && p->top_k > 0 && p->top_k <= E && G > 0 && E % G == 0 && p->topk_group > 0
            && p->topk_group <= G);
-    if (n == 0) return;
+}
+
+static void cuda_route_ops(CudaImpl *impl, int *idx, float *wts, const float *logits,
+                           const float *bias, int n, const BackendRoute *p)
+{
     prof_begin(impl);
-    moe_route(idx, wts, logits, bias, n, E, p->top_k, G, p->topk_group, p->norm_topk_prob,
-              p->routed_scaling_factor, true, impl->stream);
+    moe_route(idx, wts, logits, bias, n, p->n_experts, p->top_k, p->n_group, p->topk_group,
+              p->norm_topk_prob, p->routed_scaling_factor, true, impl->stream);
     prof_end(impl, PROF_ROUTE, 0.0);
+}
+
+static void cuda_route(Backend *be, int *idx, float *wts, const float *logits, const float *bias,
+                       int n, const BackendRoute *p)
+{
+    check_route(p);
+    if (n == 0) return;
+    cuda_route_ops((CudaImpl *) be->impl, idx, wts, logits, bias, n, p);
 }
 
 // With a transform: in the write's launch (kernels/kv.h), or (GLMSPARK_CUDA_FUSE=0, or a write
@@ -1310,8 +1320,20 @@ static void cuda_mla_attention(Backend *be, float *out, const float *q, const Ck
 // smaller ones, and every chunk with GLMSPARK_MOE_WIDE=0, take the 8-column tiles in launches
 // of up to MOE_MAX_CHUNK_PAIRS pairs. GLMSPARK_MOE_CHUNK=N caps a launch at N tokens.
 #define MOE_WIDE_MIN_PAIRS 16
+// The routing route_moe hands moe_tuned: the router's logits and bias, its parameters, and
+// where the choice goes (moe_tuned's idx and wts).
+typedef struct RouteIn {
+    const float *logits, *bias;
+    const BackendRoute *p;
+    int *idx;
+    float *wts;
+} RouteIn;
+
+// With r: routes first, into r->idx and r->wts (= idx, wts; a single-chunk step that
+// moe_route_group takes: routed and grouped in one launch, GLMSPARK_CUDA_FUSE permitting).
 static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const int *idx,
-                      const float *wts, int top_k, const ExpertStack *st, const float *residual)
+                      const float *wts, int top_k, const ExpertStack *st, const float *residual,
+                      const RouteIn *r)
 {
     const MoeExperts *ex = &st->ex;
     const bool wide_ok = impl->moe_wide && !st->bf16;
@@ -1326,6 +1348,11 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
         impl, SCRATCH_E, (narrow_ints > wide_ints ? narrow_ints : wide_ints) * sizeof(int32_t));
     uint16_t *act = (uint16_t *) scratch(impl, SCRATCH_Y, pairs * inter * 2);
     float *y = (float *) scratch(impl, SCRATCH_X, pairs * hidden * sizeof(float));
+    const bool narrow = !wide_ok || n * top_k < MOE_WIDE_MIN_PAIRS * ex->n_experts;
+    const bool route_group =
+        r && impl->fuse && n == chunk && narrow
+        && moe_route_group_ok(n, ex->n_experts, top_k, r->p->n_group, r->p->topk_group);
+    if (r && !route_group) cuda_route_ops(impl, r->idx, r->wts, r->logits, r->bias, n, r->p);
     prof_begin(impl);
     for (int t0 = 0; t0 < n; t0 += chunk) {
         const int nc = n - t0 < chunk ? n - t0 : chunk;
@@ -1333,7 +1360,12 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
         const float *xc = x + (size_t) t0 * hidden;
         // Past MOE_MAX_CHUNK_PAIRS a chunk is wide: 8,192 pairs >= 16 x MOE_MAX_EXPERTS.
         if (st->bf16) {
-            moe_group(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
+            if (route_group)
+                moe_route_group(work, r->idx, r->wts, r->logits, r->bias, n, ex->n_experts,
+                                top_k, r->p->norm_topk_prob, r->p->routed_scaling_factor, true,
+                                impl->stream);
+            else
+                moe_group(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
             moe_experts_bf16_w13(act, &st->exb, xc, work, nc, top_k, impl->stream);
             moe_experts_bf16_w2(y, &st->exb, act, work, wts + k0, nc, top_k, impl->stream);
         } else if (wide_ok && nc * top_k >= MOE_WIDE_MIN_PAIRS * ex->n_experts) {
@@ -1341,7 +1373,12 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
             moe_experts_w13_wide(act, ex, xc, work, nc, top_k, impl->stream);
             moe_experts_w2_wide(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
         } else {
-            moe_group(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
+            if (route_group)
+                moe_route_group(work, r->idx, r->wts, r->logits, r->bias, n, ex->n_experts,
+                                top_k, r->p->norm_topk_prob, r->p->routed_scaling_factor, true,
+                                impl->stream);
+            else
+                moe_group(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
             moe_experts_w13(act, ex, xc, work, nc, top_k, impl->stream);
             moe_experts_w2(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
         }
@@ -1351,9 +1388,9 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
     prof_end(impl, PROF_MOE, 0.0);
 }
 
-static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *idx,
-                     const float *wts, int top_k, const CkptLinear *experts, int n_experts,
-                     const float *residual)
+static void moe_any(Backend *be, float *out, const float *x, int n, const int *idx,
+                    const float *wts, int top_k, const CkptLinear *experts, int n_experts, const float *residual,
+                    const RouteIn *r)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     const int hidden = experts[0].cols, inter = experts[0].rows;
@@ -1368,11 +1405,28 @@ static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *
         if (top_k > MOE_MAX_K)
             log_fatal(__FILE__, __LINE__, "top_k %d exceeds the tuned experts' %d", top_k,
                       MOE_MAX_K);
-        moe_tuned(impl, out, x, n, idx, wts, top_k, st, residual);
+        moe_tuned(impl, out, x, n, idx, wts, top_k, st, residual, r);
         return;
     }
     log_fatal(__FILE__, __LINE__, "CUDA backend: the experts of %s were not bound",
               experts[0].name ? experts[0].name : "a MoE layer");
+}
+
+static void cuda_moe(Backend *be, float *out, const float *x, int n, const int *idx,
+                     const float *wts, int top_k, const CkptLinear *experts, int n_experts,
+                     const float *residual)
+{
+    moe_any(be, out, x, n, idx, wts, top_k, experts, n_experts, residual, NULL);
+}
+
+static void cuda_route_moe(Backend *be, float *out, const float *x, int n, int *idx, float *wts,
+                           const float *logits, const float *bias, const BackendRoute *rp,
+                           const CkptLinear *experts, int n_experts, const float *residual)
+{
+    check_route(rp);
+    if (n == 0) return;
+    const RouteIn r = {logits, bias, rp, idx, wts};
+    moe_any(be, out, x, n, idx, wts, rp->top_k, experts, n_experts, residual, &r);
 }
 
 // Graphs: see the file comment. A key too long for MAX_GRAPH_KEY runs eagerly.
@@ -1754,6 +1808,7 @@ Err backend_cuda_create(int device, Backend **out)
     be->rope = cuda_rope;
     be->silu_mul = cuda_silu_mul;
     be->route = cuda_route;
+    be->route_moe = cuda_route_moe;
     be->dsa_topk = cuda_dsa_topk;
     be->mla_attention = cuda_mla_attention;
     be->kv_write = cuda_kv_write;

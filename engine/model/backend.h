@@ -268,6 +268,14 @@ struct Backend {
     void (*route)(Backend *be, int *idx, float *wts, const float *logits, const float *bias, int n,
                   const BackendRoute *p);
 
+    // route(idx, wts, logits, bias, n, rp), then moe(out, x, n, idx, wts, rp->top_k, experts,
+    // n_experts, residual): those two ops' numbers, idx and wts written. The CUDA backend
+    // routes a decode step's tokens and groups them by expert in one launch (kernels/moe.h
+    // moe_route_group).
+    void (*route_moe)(Backend *be, float *out, const float *x, int n, int *idx, float *wts,
+                      const float *logits, const float *bias, const BackendRoute *rp,
+                      const CkptLinear *experts, int n_experts, const float *residual);
+
     // DSA top-k for the s->n queries of s over keys in layer `layer` of the cache: token t
     // sees positions 0 .. pos[t] of its own sequence. q: [n, Hi, Di] (rope applied), w:
     // [n, Hi] (weights_proj output). Writes sel [n, top_k] (positions ascending) and n_sel
@@ -307,6 +315,17 @@ static inline void backend_norm_matmul_group_ops(Backend *be, const BackendProdu
     const int cols = p[0].w->cols;
     be->rmsnorm(be, h, x, norm_w, n, cols, cols, eps);
     be->matmul_group(be, p, n_p, h, n);
+}
+
+// route_moe as the backend's own ops (the CPU backend's, and the CUDA backend's when its
+// fused launch does not apply).
+static inline void backend_route_moe_ops(Backend *be, float *out, const float *x, int n, int *idx,
+                                         float *wts, const float *logits, const float *bias,
+                                         const BackendRoute *rp, const CkptLinear *experts,
+                                         int n_experts, const float *residual)
+{
+    be->route(be, idx, wts, logits, bias, n, rp);
+    be->moe(be, out, x, n, idx, wts, rp->top_k, experts, n_experts, residual);
 }
 
 // A cache write's transform (kernels/kv_format.h KvIn) as the backend's own ops, the numbers

@@ -817,12 +817,11 @@ static void mlp_block(Model *m, int l, int n)
     const BackendProduct in[] = {{w->rl, &L->router, NULL}, {w->g, &L->sh_gate, &L->sh_up}};
     be->norm_matmul_group(be, in, c->n_shared_experts > 0 ? 2 : 1, w->h, w->x, L->post_norm,
                           c->rms_norm_eps, n);
-    be->route(be, w->ridx, w->rw, w->rl, L->router_bias, n, &route);
-    // x += shared expert (in the down GEMV's store), then x += the routed experts' sum (in
-    // the op): no separate residual add.
+    // x += shared expert (in the down GEMV's store), then the routing and x += the routed
+    // experts' sum (in the op): no separate residual add.
     if (c->n_shared_experts > 0) be->matmul_add(be, w->x, &L->sh_down, w->g, n);
-    be->moe(be, w->x, w->h, n, w->ridx, w->rw, c->n_experts_per_tok, L->experts,
-            c->n_routed_experts, w->x);
+    be->route_moe(be, w->x, w->h, n, w->ridx, w->rw, w->rl, L->router_bias, &route, L->experts,
+                  c->n_routed_experts, w->x);
 }
 
 size_t model_act_bytes(const Model *m, int n)

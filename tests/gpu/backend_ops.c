@@ -325,6 +325,45 @@ static void test_route_moe(void)
         CHECK(bad_g == 0 && bad_c == 0);
         free(plain), free(r), free(cres), free(gres);
         gpu->free_mem(gpu, dres);
+        // route_moe at 1, 5 and 9 tokens (the first two routed and grouped in one launch where
+        // the routing has no group limit: ci 1), with the residual in place: experts, weights
+        // and the output bit for bit the GPU's route, then moe; and the CPU's route_moe
+        // (route, then moe) its route and moe.
+        for (int m = 1; m <= n; m += 4) {
+            const size_t nk = (size_t) m * K, nm = (size_t) m * hidden;
+            float *rr = rand_floats(nm, 1.0f), *cr = malloc(nm * sizeof *cr);
+            int *ci2 = malloc(nk * sizeof *ci2);
+            float *cw2 = malloc(nk * sizeof *cw2);
+            ASSERT(cr && ci2 && cw2);
+            float *d1 = dev(rr, nm * sizeof *rr), *d2 = dev(rr, nm * sizeof *rr);
+            int *di1 = gpu->alloc(gpu, nk * sizeof(int)), *di2 = gpu->alloc(gpu, nk * sizeof(int));
+            float *dw1 = gpu->alloc(gpu, nk * sizeof(float)), *dw2 = gpu->alloc(gpu, nk * sizeof(float));
+            ASSERT(di1 && di2 && dw1 && dw2);
+            gpu->route(gpu, di1, dw1, dl, dbias, m, &p);
+            gpu->moe(gpu, d1, dx, m, di1, dw1, K, exg, E, d1);
+            gpu->route_moe(gpu, d2, dx, m, di2, dw2, dl, dbias, &p, exg, E, d2);
+            int *gi1 = down(di1, nk * sizeof(int)), *gi2 = down(di2, nk * sizeof(int));
+            float *gw1 = down(dw1, nk * sizeof(float)), *gw2 = down(dw2, nk * sizeof(float));
+            float *go1 = down(d1, nm * sizeof(float)), *go2 = down(d2, nm * sizeof(float));
+            const bool same = !memcmp(gi1, gi2, nk * sizeof(int)) && !memcmp(gw1, gw2, nk * 4)
+                              && !memcmp(go1, go2, nm * 4);
+            memcpy(cr, rr, nm * sizeof *rr);
+            cpu->route_moe(cpu, cr, x, m, ci2, cw2, logits, bias, &p, ex, E, cr);
+            float *c1 = malloc(nm * sizeof *c1);
+            ASSERT(c1);
+            memcpy(c1, rr, nm * sizeof *rr);
+            cpu->moe(cpu, c1, x, m, idx, wts, K, ex, E, c1);
+            const bool same_c = !memcmp(ci2, idx, nk * sizeof(int)) && !memcmp(cw2, wts, nk * 4)
+                                && !memcmp(cr, c1, nm * 4);
+            printf("route_moe n=%d (%s): GPU %s route, then moe; CPU %s\n", m,
+                   ci ? "no group limit" : "group limit", same ? "=" : "DIFFERS from",
+                   same_c ? "=" : "DIFFERS");
+            CHECK(same && same_c);
+            free(rr), free(cr), free(ci2), free(cw2), free(c1);
+            free(gi1), free(gi2), free(gw1), free(gw2), free(go1), free(go2);
+            gpu->free_mem(gpu, d1), gpu->free_mem(gpu, d2), gpu->free_mem(gpu, di1);
+            gpu->free_mem(gpu, di2), gpu->free_mem(gpu, dw1), gpu->free_mem(gpu, dw2);
+        }
         // Token 0 alone (the decode kernels): the same bits as in the batch.
         float *batch = down(dout, (size_t) hidden * sizeof *batch);
         gpu->moe(gpu, dout, dx, 1, didx, dwts, K, exg, E, NULL);

@@ -40,8 +40,43 @@
 
 static uint64_t rng = 11;
 
+// Whether two device buffers of n bytes hold the same bits.
+static bool same_bits(const void *d_a, const void *d_b, size_t n)
+{
+    uint8_t *a = xmalloc(n), *b = xmalloc(n);
+    gpu_download(a, d_a, n);
+    gpu_download(b, d_b, n);
+    const bool same = !memcmp(a, b, n);
+    free(a), free(b);
+    return same;
+}
+
+// moe_route_group on device logits and bias (n_tok tokens): idx, w and the work list bit for bit
+// moe_route's, then moe_group's (the unwritten slots of both lists keep the same poison).
+static void check_route_group(const char *what, const float *d_logits, const float *d_bias,
+                              int n_tok, int n_experts, int k, bool norm, bool ascending)
+{
+    const float scale = 2.5f;
+    const size_t np = (size_t) n_tok * k, nw = moe_work_ints((int) np, n_experts);
+    int32_t *d_idx = gpu_alloc_poisoned(np * 4), *d_idx2 = gpu_alloc_poisoned(np * 4);
+    float *d_w = gpu_alloc_poisoned(np * 4), *d_w2 = gpu_alloc_poisoned(np * 4);
+    int32_t *d_work = gpu_alloc_poisoned(nw * 4), *d_work2 = gpu_alloc_poisoned(nw * 4);
+    moe_route(d_idx, d_w, d_logits, d_bias, n_tok, n_experts, k, 1, 1, norm, scale, ascending, 0);
+    moe_group(d_work, d_idx, n_tok, k, n_experts, 0);
+    moe_route_group(d_work2, d_idx2, d_w2, d_logits, d_bias, n_tok, n_experts, k, norm, scale,
+                    ascending, 0);
+    const bool si = same_bits(d_idx, d_idx2, np * 4), sw = same_bits(d_w, d_w2, np * 4),
+               sl = same_bits(d_work, d_work2, nw * 4);
+    printf("route_group %s n_tok=%d E=%d k=%d: experts %s, weights %s, work list %s\n", what, n_tok,
+           n_experts, k, si ? "equal" : "DIFFER", sw ? "equal" : "DIFFER", sl ? "equal" : "DIFFERS");
+    CHECK(si && sw && sl);
+    cudaFree(d_idx), cudaFree(d_idx2), cudaFree(d_w), cudaFree(d_w2), cudaFree(d_work);
+    cudaFree(d_work2);
+}
+
 // The GPU router against moe_router_token() (kernels/moe_router.h) token by token: the same
-// experts in the same order and the same weight bits.
+// experts in the same order and the same weight bits. Where moe_route_group takes the shape,
+// it too (check_route_group), and again with a NaN logit in one token (route_warp's path).
 static void test_route(int n_tok, int n_experts, int k, int n_group, int topk_group, bool norm,
                        bool ascending)
 {
@@ -81,20 +116,17 @@ static void test_route(int n_tok, int n_experts, int k, int n_group, int topk_gr
     printf("route n_tok=%d E=%d k=%d groups=%d/%d norm=%d ascending=%d: %d/%d tokens differ\n",
            n_tok, n_experts, k, topk_group, n_group, norm, ascending, bad, n_tok);
     CHECK(bad == 0);
+    if (moe_route_group_ok(n_tok, n_experts, k, n_group, topk_group)) {
+        check_route_group("", d_logits, d_bias, n_tok, n_experts, k, norm, ascending);
+        logits[(size_t) (n_tok - 1) * n_experts + n_experts / 3] = NAN;
+        float *d_nan = gpu_upload(logits, (size_t) n_tok * n_experts * 4);
+        check_route_group("NaN", d_nan, d_bias, n_tok, n_experts, k, norm, ascending);
+        cudaFree(d_nan);
+    }
     cudaFree(d_logits), cudaFree(d_bias), cudaFree(d_idx), cudaFree(d_w);
     free(logits), free(bias), free(idx_ref), free(idx), free(w_ref), free(w), free(work);
 }
 
-// Whether two device buffers of n bytes hold the same bits.
-static bool same_bits(const void *d_a, const void *d_b, size_t n)
-{
-    uint8_t *a = xmalloc(n), *b = xmalloc(n);
-    gpu_download(a, d_a, n);
-    gpu_download(b, d_b, n);
-    const bool same = !memcmp(a, b, n);
-    free(a), free(b);
-    return same;
-}
 
 // The host side of one expert test: the checkpoint's layout and the routing.
 typedef struct ExpertCase {
@@ -493,6 +525,11 @@ int main(void)
     test_route(5, 33, 3, 1, 1, true, true);
     test_route(7, 512, 16, 1, 1, false, true);  // the largest E and K (by rank)
     test_route(6, 64, 8, 4, 4, true, false);    // groups, all kept: by rank
+    // A decode step's shapes for moe_route_group (up to MOE_ROUTE_GROUP_MAX_TOK tokens).
+    test_route(1, 156, 8, 1, 1, true, true);
+    test_route(2, 156, 8, 1, 1, true, true);
+    test_route(8, 156, 8, 1, 1, true, true);
+    test_route(3, 512, 16, 1, 1, false, false);
     test_experts(5, 64, 64, 3, 2);
     test_experts(9, 96, 160, 4, 3);
     test_experts(12, 6144, 2048, 2, 8);  // GLM shapes, 12 experts in memory
