@@ -684,10 +684,10 @@ void gemm_bf16_gemv_group(const GemmSeg *segs, int n_segs, const float *x, int c
 
 bool gemm_group_norm_ok(const float *h, const float *x, const float *w, int cols, int n_tok)
 {
+    const uintptr_t hb = (uintptr_t) h, xb = (uintptr_t) x, bytes = (uintptr_t) n_tok * cols * 4;
     return n_tok >= 1 && n_tok <= GEMM_NORM_MAX_TOK && cols % 8 == 0
-           && (size_t) n_tok * cols * 2 <= GEMM_NORM_SMEM && (uintptr_t) h % 16 == 0
-           && (uintptr_t) x % 16 == 0 && (uintptr_t) w % 16 == 0
-           && (h + (size_t) n_tok * cols <= x || x + (size_t) n_tok * cols <= h);
+           && (size_t) n_tok * cols * 2 <= GEMM_NORM_SMEM && hb % 16 == 0 && xb % 16 == 0
+           && (uintptr_t) w % 16 == 0 && (hb + bytes <= xb || xb + bytes <= hb);
 }
 
 void gemm_bf16_gemv_group_norm(const GemmSeg *segs, int n_segs, float *h, const float *x,

@@ -818,6 +818,47 @@ static __global__ void __launch_bounds__(MMA_THREADS)
     w2_out(y, c, &o, 0, row, g2[o.e], w, hidden);
 }
 
+// down and the combine in one launch (moe_experts_w2_combine): moe_w2_kernel's work, then the
+// last of the step's tiles to finish a block's 128 rows (a counter a row block, cnt[x]) adds
+// every token's k outputs of those rows to the residual, moe_combine_kernel's sums in its
+// order, and resets the counter for the next launch. Each thread fences its stores before the
+// block's count (the fence-then-count pattern; the last block fences again and reads the
+// others' stores from L2).
+static __global__ void __launch_bounds__(MMA_THREADS)
+    moe_w2_combine_kernel(float *out, float *y, const float *residual, int32_t *cnt,
+                          const uint8_t *__restrict__ q2, const uint8_t *__restrict__ s2,
+                          const float *__restrict__ g2, const uint16_t *__restrict__ act,
+                          const int32_t *__restrict__ work, const float *__restrict__ w,
+                          int n_tok, int k, int hidden, int inter)
+{
+    KERN_ENTRY();
+    __shared__ int last;
+    const int n_used = work[0];
+    if ((int) blockIdx.y >= n_used) return;  // the whole block: no tile, not counted
+    float c[4];
+    TileOut o;
+    if (expert_tile<uint16_t>(c, &o, q2, s2, act, 1, work, hidden / 16, inter)) {
+        const int lane = threadIdx.x % WARP_SIZE;
+        const int row = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 16 + lane / 4;
+        w2_out(y, c, &o, 0, row, g2[o.e], w, hidden);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&cnt[blockIdx.x], 1) == n_used - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int r0 = blockIdx.x * MMA_WARPS * 16, rows = min(MMA_WARPS * 16, hidden - r0);
+    for (int i = threadIdx.x; i < n_tok * rows; i += MMA_THREADS) {
+        const int t = i / rows, r = r0 + i % rows;
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) sum += __ldcg(y + ((size_t) t * k + j) * hidden + r);
+        const size_t oi = (size_t) t * hidden + r;
+        out[oi] = residual ? residual[oi] + sum : sum;
+    }
+    if (threadIdx.x == 0) cnt[blockIdx.x] = 0;
+}
+
 // ---------------------------------------------------------------------------
 // Wide tiles for prefill: up to MOE_WIDE_COLS pairs of one expert a tile
 
@@ -1390,6 +1431,24 @@ void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const i
                                      ex->hidden / 16, &grid);
     kern_launch(moe_w2_kernel, grid, MMA_THREADS, smem, stream, y, ex->q2, ex->s2, ex->g2, act,
                 work, w, ex->hidden, ex->inter);
+}
+
+size_t moe_combine_counters(int hidden)
+{
+    return (size_t) CEIL_DIV(hidden / 16, MMA_WARPS);
+}
+
+void moe_experts_w2_combine(float *out, float *y, const float *residual, int32_t *cnt,
+                            const MoeExperts *ex, const uint16_t *act, const int32_t *work,
+                            const float *w, int n_tok, int k, cudaStream_t stream)
+{
+    ASSERT((uintptr_t) act % 8 == 0 && cnt);
+    dim3 grid;
+    const size_t smem = launch_shape((const void *) moe_w2_combine_kernel, ex, n_tok, k, ex->inter,
+                                     ex->hidden / 16, &grid);
+    ASSERT(grid.x == moe_combine_counters(ex->hidden));
+    kern_launch(moe_w2_combine_kernel, grid, MMA_THREADS, smem, stream, out, y, residual, cnt,
+                ex->q2, ex->s2, ex->g2, act, work, w, n_tok, k, ex->hidden, ex->inter);
 }
 
 static void check_experts_bf16(const MoeExpertsBf16 *ex)

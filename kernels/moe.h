@@ -125,6 +125,16 @@ void moe_experts_w2(float *y, const MoeExperts *ex, const uint16_t *act, const i
                     const float *w, int n_tok, int k, cudaStream_t stream);
 void moe_combine(float *out, const float *y, const float *residual, int n_tok, int k, int hidden,
                  cudaStream_t stream);
+// moe_experts_w2, then moe_combine(out, y, residual, ...), in one launch (a decode step's): the
+// last tile to finish a block of rows sums them, so out and y are bit for bit what the two
+// launches write. cnt: int32 [moe_combine_counters(hidden)], zero before the first call and
+// zero again after each (one set per stream at a time). The last tile's block sums n_tok rows
+// of 128 outputs alone: meant for a decode step's few tokens (MOE_COMBINE_FUSED_MAX_TOK).
+#define MOE_COMBINE_FUSED_MAX_TOK 16
+size_t moe_combine_counters(int hidden);
+void moe_experts_w2_combine(float *out, float *y, const float *residual, int32_t *cnt,
+                            const MoeExperts *ex, const uint16_t *act, const int32_t *work,
+                            const float *w, int n_tok, int k, cudaStream_t stream);
 
 // Experts stored in bf16, stacked (one allocation per array, 16-byte aligned), row-major:
 typedef struct MoeExpertsBf16 {

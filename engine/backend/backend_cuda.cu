@@ -144,6 +144,7 @@ typedef struct ExpertStack {
     bool bf16;
     MoeExperts ex;
     MoeExpertsBf16 exb;
+    int32_t *cnt;  // NVFP4: moe_experts_w2_combine's counters (zero between launches)
 } ExpertStack;
 
 // A bf16 weight whose columns are not in 8s, as the tuned GEMV reads it (bind_linear): rows
@@ -721,13 +722,15 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     uint8_t *dq2 = (uint8_t *) keep_alloc(impl, q2), *ds2 = (uint8_t *) keep_alloc(impl, s2);
     float *dg13 = (float *) keep_alloc(impl, E * 2 * sizeof(float));
     float *dg2 = (float *) keep_alloc(impl, E * sizeof(float));
+    const size_t n_cnt = moe_combine_counters((int) hidden);
+    int32_t *cnt = (int32_t *) keep_alloc(impl, n_cnt * sizeof(int32_t));
     float *g = (float *) malloc(E * 3 * sizeof(float));
     // Staging for one expert's gate and up as stored (the largest of its matrices).
     const size_t nq = inter * hidden / 2, ns = inter * hidden / NVFP4_GROUP;
     uint8_t *tq = NULL, *ts = NULL;
     const bool staged = cudaMalloc((void **) &tq, 2 * nq) == cudaSuccess
                         && cudaMalloc((void **) &ts, 2 * ns) == cudaSuccess;
-    if (!dq13 || !ds13 || !dq2 || !ds2 || !dg13 || !dg2 || !g || !staged) {
+    if (!dq13 || !ds13 || !dq2 || !ds2 || !dg13 || !dg2 || !cnt || !g || !staged) {
         free(g);
         cudaFree(tq), cudaFree(ts);
         (void) cudaGetLastError();
@@ -759,11 +762,13 @@ static Err cuda_bind_experts(Backend *be, CkptLinear *experts, int n_experts)
     CUDA_CHECK(cudaFree(ts));
     CUDA_CHECK(cudaMemcpy(dg13, g, E * 2 * sizeof(float), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(dg2, g + 2 * E, E * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemset(cnt, 0, n_cnt * sizeof(int32_t)));
     free(g);
     ExpertStack *st = &impl->stacks[impl->n_stacks++];
     memset(st, 0, sizeof *st);
     st->experts = experts;
     st->ex = (MoeExperts){dq13, ds13, dg13, dq2, ds2, dg2, n_experts, (int) hidden, (int) inter};
+    st->cnt = cnt;
     return ERR_OK;
 }
 
@@ -1380,6 +1385,12 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
             else
                 moe_group(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
             moe_experts_w13(act, ex, xc, work, nc, top_k, impl->stream);
+            if (impl->fuse && nc <= MOE_COMBINE_FUSED_MAX_TOK) {  // down and the combine at once
+                moe_experts_w2_combine(out + (size_t) t0 * hidden, y,
+                                       residual ? residual + (size_t) t0 * hidden : NULL, st->cnt,
+                                       ex, act, work, wts + k0, nc, top_k, impl->stream);
+                continue;
+            }
             moe_experts_w2(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
         }
         moe_combine(out + (size_t) t0 * hidden, y, residual ? residual + (size_t) t0 * hidden : NULL,

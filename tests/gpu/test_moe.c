@@ -345,6 +345,37 @@ static void test_experts(int n_experts, int hidden, int inter, int n_tok, int k)
         cudaFree(d_act2), cudaFree(d_y2), cudaFree(d_out2);
     }
 
+    if (n_tok <= MOE_COMBINE_FUSED_MAX_TOK && n_pairs <= MOE_MAX_PAIRS) {
+        // down and the combine in one launch: y and out bit for bit the two launches', the
+        // residual in place (out = residual, as the backend calls it), twice on the same
+        // counters (the last block leaves them zero), then without a residual.
+        const size_t nc = moe_combine_counters(hidden), no = (size_t) n_tok * hidden;
+        int32_t *d_cnt = gpu_alloc_poisoned(nc * 4);
+        CHECK(cudaMemset(d_cnt, 0, nc * 4) == cudaSuccess);
+        float *d_y4 = gpu_alloc_poisoned((size_t) n_pairs * hidden * 4);
+        float *d_o4 = gpu_alloc_poisoned(no * 4), *d_o5 = gpu_alloc_poisoned(no * 4);
+        float *d_plain = gpu_alloc_poisoned(no * 4);
+        bool same = true;
+        for (int rep = 0; rep < 2; rep++) {
+            CHECK(cudaMemcpy(d_o4, d_res, no * 4, cudaMemcpyDeviceToDevice) == cudaSuccess);
+            moe_experts_w2_combine(d_o4, d_y4, d_o4, d_cnt, &ex, d_act, d_work, d_w, n_tok, k, 0);
+            same = same && same_bits(d_o4, d_out, no * 4)
+                   && same_bits(d_y4, d_y, (size_t) n_pairs * hidden * 4);
+        }
+        moe_experts_w2_combine(d_o5, d_y4, NULL, d_cnt, &ex, d_act, d_work, d_w, n_tok, k, 0);
+        moe_combine(d_plain, d_y, NULL, n_tok, k, hidden, 0);
+        same = same && same_bits(d_o5, d_plain, no * 4);
+        int32_t *cnt = xmalloc(nc * 4);
+        gpu_download(cnt, d_cnt, nc * 4);
+        bool zero = true;
+        for (size_t i = 0; i < nc; i++) zero = zero && cnt[i] == 0;
+        printf("moe w2+combine E=%d tok=%d k=%d: = w2, combine bit for bit: %s; counters zero "
+               "after: %s\n", n_experts, n_tok, k, same ? "yes" : "NO", zero ? "yes" : "NO");
+        CHECK(same && zero);
+        free(cnt);
+        cudaFree(d_cnt), cudaFree(d_y4), cudaFree(d_o4), cudaFree(d_o5), cudaFree(d_plain);
+    }
+
     // The 8-column kernels: w13 + SwiGLU, then w2 + weighted sum + residual from the GPU's
     // activations.
     snprintf(name, sizeof name, "moe w13 E=%d %dx%d tok=%d k=%d", n_experts, hidden, inter, n_tok, k);
