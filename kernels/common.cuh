@@ -124,12 +124,12 @@ static __device__ __forceinline__ void ldsm_x4(uint32_t r[4], const uint16_t *ro
 }
 
 // cp.async: 16 bytes from global memory (16-byte aligned) into shared memory (16-byte aligned)
-// without a register, through L1 (.ca: blocks of one SM that copy the same rows share them), in flight until cp_async_wait_all() (the thread's copies committed by
+// without a register, in flight until cp_async_wait_all() (the thread's copies committed by
 // cp_async_commit() have landed; a barrier then shows them to the block).
 static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
 {
     const uint32_t a = (uint32_t) __cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem) : "memory");
 }
 
 static __device__ __forceinline__ void cp_async_commit(void)

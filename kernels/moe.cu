@@ -527,7 +527,7 @@ static __device__ __forceinline__ void load_chunk(uint4 *q, uint2 *s, const uint
 // One chunk of a warp's 16-row tile (qv: the lane's code words of its CHUNK_KS k-steps, sv:
 // its rows' scales) against nt <= NT n-tiles. NT = 1: n-tile 0's B words of k-step j at
 // b + off[0] + 8 j (and + 4), two 32-bit loads. NT > 1 (the wide tiles): n-tiles 2p and
-// 2p + 1 by one ldmatrix.x4 from b + off[p] + 8 j (wide_tile's col_off: the lane's row of the
+// 2p + 1 by one ldmatrix.x4 from b + off[p] + 8 j (wide_ldsm_offsets: the lane's row of the
 // four 8 x 8 matrices), the same words in the same registers as the loads would give, a
 // quarter of the instructions. Even k-steps accumulate into c[t], odd ones into c2[t]: two
 // MMA chains, whose order the decode kernels keep so that they agree bit for bit (the wide
@@ -568,7 +568,7 @@ static __device__ __forceinline__ void chunk_mma(float (*c)[4], float (*c2)[4], 
 }
 
 // Tail k-step j of a tile whose K is not a multiple of 64 (its code word and scales loaded
-// directly), into c[t] for nt <= NT n-tiles whose B words start at b (b_mma's offsets off).
+// directly), into c[t] for nt <= NT n-tiles with B words at b + off[t] (and + 4).
 template <int NT>
 static __device__ __forceinline__ void tail_mma(float (*c)[4], const uint8_t *qt, const uint8_t *st,
                                                 int nfull, int ntail, int j, const uint32_t *b,

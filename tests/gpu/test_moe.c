@@ -573,8 +573,7 @@ int main(void)
     test_experts(20, 128, 64, 700, 8);   // a prefill chunk: 5,600 pairs, grouped by atomics
     test_experts(156, 256, 64, 1024, 8);  // the largest chunk at GLM's E and k
     test_experts(3, 1040, 80, 300, 2);    // wide: ~200 pairs an expert (4 tiles); K 1040: staged
-                                          // halves of 256 (two buffers, each used twice) and a
-                                          // tail-only 16; K 80: a tail
+                                          // ranges of 512, 512 and a tail-only 16; K 80: a tail
     test_experts(2, 64, 32, 61, 2);       // every token takes both experts: one wide tile of 61
                                           // columns, its last n-tile 5 wide
     test_experts(8, 6144, 2048, 24, 8);   // GLM's widths, every expert 24 pairs: 3 full n-tiles
