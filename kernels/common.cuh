@@ -123,25 +123,6 @@ static __device__ __forceinline__ void ldsm_x4(uint32_t r[4], const uint16_t *ro
                      : "memory");
 }
 
-// cp.async: 16 bytes from global memory (16-byte aligned) into shared memory (16-byte aligned)
-// without a register, in flight until cp_async_wait_all() (the thread's copies committed by
-// cp_async_commit() have landed; a barrier then shows them to the block).
-static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
-{
-    const uint32_t a = (uint32_t) __cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem) : "memory");
-}
-
-static __device__ __forceinline__ void cp_async_commit(void)
-{
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-static __device__ __forceinline__ void cp_async_wait_all(void)
-{
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
 // 16-byte load that does not allocate in L1: weights are streamed once per step.
 static __device__ __forceinline__ uint4 ld_stream_u4(const void *p)
 {

@@ -582,25 +582,23 @@ static __device__ __forceinline__ void tail_mma(float (*c)[4], const uint8_t *qt
     b_mma<NT>(c, a, b, off, nt);
 }
 
-// Register-pipeline slots D0 .. D1 - 1 of the round from chunk ch0 (those below nfull) of a
-// warp's tile (slot d holds chunk ch0 + d; each is refilled with the chunk PIPE later), chunk
-// ch0 + d's B words at b + (d - D0) * CHUNK_KS * 8 (chunk_mma's offsets). The 8-column
-// kernels take a whole round (0, PIPE) from one staged range; the wide tiles stage each half
-// of a round apart.
-template <int NT, int D0, int D1>
-static __device__ __forceinline__ void slots_mma(float (*c)[4], float (*c2)[4], uint4 qa[PIPE],
+// PIPE consecutive chunks ch0 .. ch0 + PIPE - 1 (those below nfull) of a warp's tile from the
+// register pipeline (slot d holds chunk ch0 + d; each is refilled with the chunk PIPE later),
+// chunk ch0 + d's B words at b + d * CHUNK_KS * 8 (chunk_mma's offsets).
+template <int NT>
+static __device__ __forceinline__ void range_mma(float (*c)[4], float (*c2)[4], uint4 qa[PIPE],
                                                  uint2 sa[PIPE], const uint8_t *qt,
                                                  const uint8_t *st, int ch0, int nfull,
                                                  const uint32_t *b, const int *off, int nt)
 {
 #pragma unroll
-    for (int d = D0; d < D1; d++) {
+    for (int d = 0; d < PIPE; d++) {
         const int ch = ch0 + d;
         if (ch < nfull) {
             const uint4 qv = qa[d];
             const uint2 sv = sa[d];
             if (ch + PIPE < nfull) load_chunk(&qa[d], &sa[d], qt, st, ch + PIPE);
-            chunk_mma<NT>(c, c2, qv, sv, b + (d - D0) * CHUNK_KS * 8, off, nt);
+            chunk_mma<NT>(c, c2, qv, sv, b + d * CHUNK_KS * 8, off, nt);
         }
     }
 }
@@ -619,7 +617,7 @@ static __device__ __forceinline__ void tile_mma(float c[4], const uint8_t *qt, c
     float c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // odd k-steps of the chunks
     float (*cc)[4] = (float (*)[4]) c, (*cc2)[4] = (float (*)[4]) c2;
     for (int ch0 = 0; ch0 < nfull; ch0 += PIPE)
-        slots_mma<1, 0, PIPE>(cc, cc2, qa, sa, qt, st, ch0, nfull, bl + ch0 * CHUNK_KS * 8, off, 1);
+        range_mma<1>(cc, cc2, qa, sa, qt, st, ch0, nfull, bl + ch0 * CHUNK_KS * 8, off, 1);
     for (int j = 0; j < ntail; j++)
         tail_mma<1>(cc, qt, st, nfull, ntail, j, bl + (nfull * CHUNK_KS + j) * 8, off, 1);
 #pragma unroll
@@ -864,8 +862,7 @@ static __global__ void __launch_bounds__(MMA_THREADS)
 
 enum {
     WIDE_NT = MOE_WIDE_COLS / 8,  // n8 MMA tiles per warp
-    WIDE_KC = 64 * PIPE,          // K values of one register pipeline's round: PIPE chunks
-    WIDE_HALF = WIDE_KC / 2,      // K values staged at a time (two buffers)
+    WIDE_KC = 64 * PIPE,          // K values staged at a time: PIPE chunks of 4 k-steps
     WIDE_TILE_INTS = 2 + MOE_WIDE_COLS,
 };
 
@@ -900,18 +897,18 @@ static __global__ void moe_row_stage_kernel(uint16_t *__restrict__ xs, float *__
 // The common body of the wide expert kernels, for block (x, tile) of a matrix of n_tiles
 // 16-row tiles and K columns: warp w's rows (tile x*8 + w) against the tile's ncols <= 64
 // columns (pair p's row p / row_div of xs, staged by moe_row_stage_kernel, whose output
-// factor is out_rows of that row), copied into shared memory WIDE_HALF values of K at a time.
+// factor is out_rows of that row), copied into shared memory WIDE_KC values of K at a time.
 // Each decoded A fragment feeds the ceil(ncols / 8) n-tiles' MMAs. The staged values are
 // stage_columns' (the same factor, the same f16 rounding) and the products are exact, so a
 // column differs from the 8-column kernels' only in the order of its fp32 sums: one MMA chain
 // per n-tile here (32 accumulator registers, not tile_mma's two chains' 64), so that two
-// blocks fit an SM (each block's next half of K in flight over its MMAs). c[t] holds n-tile t
+// blocks fit an SM and one block's staging overlaps the other's MMAs. c[t] holds n-tile t
 // (columns 8t..8t+7) in tile_mma's layout.
 static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t *q,
                                  const uint8_t *s, const uint16_t *xs, int row_div,
                                  const int32_t *work, const float *out_rows, int n_tiles, int K)
 {
-    extern __shared__ __align__(16) uint32_t bs[];  // [2][MOE_WIDE_COLS][stage_words(WIDE_HALF)]
+    extern __shared__ __align__(16) uint32_t bs[];  // [MOE_WIDE_COLS][stage_words(WIDE_KC)]
     __shared__ float out_mul[MOE_WIDE_COLS];
     __shared__ int pair_of[MOE_WIDE_COLS], row_of[MOE_WIDE_COLS];
     if ((int) blockIdx.y >= work[0]) return false;  // the whole block
@@ -932,7 +929,7 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
 #pragma unroll
         for (int i = 0; i < 4; i++) c[t][i] = 0.0f;
     const int nt = CEIL_DIV(ncols, 8), nks = K / 16, nfull = nks / CHUNK_KS,
-              ntail = nks % CHUNK_KS, W = stage_words(WIDE_HALF);
+              ntail = nks % CHUNK_KS, W = stage_words(WIDE_KC);
     // ldmatrix.x4 rows of n-tiles 2p, 2p + 1 (b_mma): lane l addresses row l % 8 of matrix
     // m = l / 8, i.e. column 8 (2p + m / 2) + l % 8 (column 0 past ncols: outputs unused), k
     // values 8 (m % 2) .. +8 of the k-step (4 words on).
@@ -942,37 +939,23 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
         const int m = lane / 8, n = 8 * (2 * p + m / 2) + lane % 8;
         col_off[p] = (n < ncols ? n : 0) * W + 4 * (m % 2);
     }
-    // Half g of K (WIDE_HALF values from WIDE_HALF g) is copied by cp.async into buffer g % 2
-    // while the warps multiply half g - 1 from the other: one barrier a half, the copy in
-    // flight over the MMAs (where a block's copy and its MMAs took turns).
-    const int n_half = CEIL_DIV(K, WIDE_HALF);
-    const auto stage_half = [&](int g) {
-        const int k0 = g * WIDE_HALF, q8 = min(K - k0, (int) WIDE_HALF) / 8;  // K in 16s
-        uint32_t *dst = bs + (g % 2) * MOE_WIDE_COLS * W;
+    for (int k0 = 0; k0 < K; k0 += WIDE_KC) {
+        const int kc = K - k0 < WIDE_KC ? K - k0 : WIDE_KC, q8 = kc / 8;  // K in 16s: kc too
+        __syncthreads();  // the previous K range's MMAs are done with bs (and row_of is set)
 #pragma unroll 4
         for (int i = threadIdx.x; i < ncols * q8; i += MMA_THREADS) {
             const int n = i / q8, kk = i % q8;  // 8 staged values: 16 bytes, 4 words
-            cp_async16(dst + n * W + 4 * kk, (const uint4 *) (xs + (size_t) row_of[n] * K + k0) + kk);
+            *(uint4 *) (bs + n * W + 4 * kk) =
+                __ldg((const uint4 *) (xs + (size_t) row_of[n] * K + k0) + kk);
         }
-        cp_async_commit();
-    };
-    __syncthreads();  // row_of is set
-    stage_half(0);
-    for (int g = 0; g < n_half; g++) {
-        cp_async_wait_all();  // this thread's copies of half g
-        __syncthreads();      // everyone's; and half g - 1's MMAs are done with the other buffer
-        if (g + 1 < n_half) stage_half(g + 1);
+        __syncthreads();
         if (rt >= n_tiles) continue;  // still staging with the block
-        const uint32_t *b = bs + (g % 2) * MOE_WIDE_COLS * W;
-        const int ch0 = g / 2 * PIPE;  // the register pipeline's round
-        if (g % 2 == 0)  // one chain (c as c2)
-            slots_mma<WIDE_NT, 0, PIPE / 2>(c, c, qa, sa, qt, st, ch0, nfull, b, col_off, nt);
-        else
-            slots_mma<WIDE_NT, PIPE / 2, PIPE>(c, c, qa, sa, qt, st, ch0, nfull, b, col_off, nt);
-        if (nfull / (PIPE / 2) == g)  // the tail's k-steps lie in this half
+        const int ch0 = k0 / 64;  // WIDE_KC / 64 == PIPE chunks of this range
+        range_mma<WIDE_NT>(c, c, qa, sa, qt, st, ch0, nfull, bs, col_off, nt);  // one chain
+        if (k0 + kc == K)  // the tail's k-steps lie in this last range
             for (int j = 0; j < ntail; j++)
                 tail_mma<WIDE_NT>(c, qt, st, nfull, ntail, j,
-                                  b + ((nfull - g * PIPE / 2) * CHUNK_KS + j) * 8, col_off, nt);
+                                  bs + ((nfull - ch0) * CHUNK_KS + j) * 8, col_off, nt);
     }
     *o = TileOut{e, ncols, pair_of, out_mul};
     return rt < n_tiles;
@@ -1522,7 +1505,7 @@ size_t moe_wide_work_ints(const MoeExperts *ex, int n_tok, int k)
 
 size_t moe_wide_smem_bytes(void)
 {
-    return (size_t) 2 * MOE_WIDE_COLS * stage_words(WIDE_HALF) * 4;
+    return (size_t) MOE_WIDE_COLS * stage_words(WIDE_KC) * 4;
 }
 
 void moe_group_wide(int32_t *work, const int32_t *idx, int n_tok, int k, int n_experts,

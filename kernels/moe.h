@@ -161,14 +161,14 @@ void moe_experts_bf16_w2(float *y, const MoeExpertsBf16 *ex, const uint16_t *act
 // pairs an expert, 4 tiles). Each decoded weight fragment feeds up to 8 MMAs. A small kernel
 // first stages each input row once in the work list (its largest magnitude, its power-of-two
 // factor, the row in f16 times that factor: what the 8-column kernels stage per tile); the
-// tiles then copy 256 staged values of K at a time into shared memory by cp.async, into one
-// of two buffers while the MMAs read the other (two blocks an SM). The staged values and the products
+// tiles then copy WIDE_KC (512) staged values of K at a time into shared memory, two blocks
+// an SM so that one block's copy overlaps the other's MMAs. The staged values and the products
 // equal the 8-column kernels'; the fp32 sums run in one chain per column instead of two, so
 // outputs differ from moe_experts_w13 / w2's in summation order only (tests/gpu/test_moe.c
 // holds both to the reference's bound). work: int32 [moe_wide_work_ints(ex, n_tok, k)] (the
 // list, its grouping's counters, the rows' factors and staged rows), grouped by
 // moe_group_wide; act, y and moe_combine as above. Shared memory: moe_wide_smem_bytes()
-// (67,584 bytes a block: GB10's opt-in limit is 101,376, one block an SM there). Each expert
+// (66,560 bytes a block: GB10's opt-in limit is 101,376, one block an SM there). Each expert
 // launch also writes its rows into work, so a work list serves one stream's launches in order
 // (group, w13, w2), not two streams at once.
 #define MOE_WIDE_COLS 64
