@@ -525,34 +525,10 @@ static __device__ __forceinline__ void load_chunk(uint4 *q, uint2 *s, const uint
 }
 
 // One chunk of a warp's 16-row tile (qv: the lane's code words of its CHUNK_KS k-steps, sv:
-// its rows' scales) against nt <= NT n-tiles. NT = 1: n-tile 0's B words of k-step j at
-// b + off[0] + 8 j (and + 4), two 32-bit loads. NT > 1 (the wide tiles): n-tiles 2p and
-// 2p + 1 by one ldmatrix.x4 from b + off[p] + 8 j (wide_ldsm_offsets: the lane's row of the
-// four 8 x 8 matrices), the same words in the same registers as the loads would give, a
-// quarter of the instructions. Even k-steps accumulate into c[t], odd ones into c2[t]: two
+// its rows' scales) against nt <= NT n-tiles: n-tile t's B words of k-step j at
+// b + off[t] + 8 j (and + 4). Even k-steps accumulate into c[t], odd ones into c2[t]: two
 // MMA chains, whose order the decode kernels keep so that they agree bit for bit (the wide
 // tiles pass c as c2: one chain).
-
-// One k-step's MMAs of A fragment a against nt <= NT n-tiles whose B words start at b (chunk_mma's
-// offsets off: per n-tile for NT = 1, per pair of n-tiles for the wide tiles' ldmatrix).
-template <int NT>
-static __device__ __forceinline__ void b_mma(float (*c)[4], const uint32_t a[4], const uint32_t *b,
-                                             const int *off, int nt)
-{
-    if constexpr (NT == 1) {
-        if (nt > 0) mma_f16(c[0], a, b[off[0]], b[off[0] + 4]);
-    } else {
-        static_assert(NT % 2 == 0, "n-tiles in pairs");
-#pragma unroll
-        for (int p = 0; p < NT / 2; p++)
-            if (2 * p < nt) {
-                uint32_t bq[4];  // b0, b1 of n-tile 2p, then of 2p + 1
-                ldsm_x4<false>(bq, (const uint16_t *) (b + off[p]));
-                mma_f16(c[2 * p], a, bq[0], bq[1]);
-                if (2 * p + 1 < nt) mma_f16(c[2 * p + 1], a, bq[2], bq[3]);
-            }
-    }
-}
 
 template <int NT>
 static __device__ __forceinline__ void chunk_mma(float (*c)[4], float (*c2)[4], uint4 qv, uint2 sv,
@@ -563,7 +539,12 @@ static __device__ __forceinline__ void chunk_mma(float (*c)[4], float (*c2)[4], 
     for (int j = 0; j < CHUNK_KS; j++) {
         uint32_t a[4];
         decode_a(a, qw[j], ((j < 2 ? sv.x : sv.y) >> (16 * (j % 2))) & 0xffffu);
-        b_mma<NT>(j % 2 ? c2 : c, a, b + 8 * j, off, nt);
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            if (t < nt) {
+                const uint32_t *bt = b + off[t] + 8 * j;
+                mma_f16(j % 2 ? c2[t] : c[t], a, bt[0], bt[4]);
+            }
     }
 }
 
@@ -579,7 +560,9 @@ static __device__ __forceinline__ void tail_mma(float (*c)[4], const uint8_t *qt
     const uint32_t s16 = __ldg((const uint16_t *) (st + scale_at(nfull, lane / 4, ntail, j)));
     uint32_t a[4];
     decode_a(a, w, s16);
-    b_mma<NT>(c, a, b, off, nt);
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+        if (t < nt) mma_f16(c[t], a, b[off[t]], b[off[t] + 4]);
 }
 
 // PIPE consecutive chunks ch0 .. ch0 + PIPE - 1 (those below nfull) of a warp's tile from the
@@ -913,7 +896,7 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
     __shared__ int pair_of[MOE_WIDE_COLS], row_of[MOE_WIDE_COLS];
     if ((int) blockIdx.y >= work[0]) return false;  // the whole block
     const int32_t *tl = work + 1 + (size_t) blockIdx.y * WIDE_TILE_INTS;
-    const int e = tl[0], ncols = tl[1], lane = threadIdx.x % WARP_SIZE;
+    const int e = tl[0], ncols = tl[1], lane = threadIdx.x % WARP_SIZE, cq = lane % 4;
     const uint8_t *qt, *st;
     uint4 qa[PIPE];
     uint2 sa[PIPE];
@@ -930,14 +913,12 @@ static __device__ bool wide_tile(float c[WIDE_NT][4], TileOut *o, const uint8_t 
         for (int i = 0; i < 4; i++) c[t][i] = 0.0f;
     const int nt = CEIL_DIV(ncols, 8), nks = K / 16, nfull = nks / CHUNK_KS,
               ntail = nks % CHUNK_KS, W = stage_words(WIDE_KC);
-    // ldmatrix.x4 rows of n-tiles 2p, 2p + 1 (b_mma): lane l addresses row l % 8 of matrix
-    // m = l / 8, i.e. column 8 (2p + m / 2) + l % 8 (column 0 past ncols: outputs unused), k
-    // values 8 (m % 2) .. +8 of the k-step (4 words on).
-    int col_off[WIDE_NT / 2];
+    // Lane's column in n-tile t: 8t + lane/4, or column 0 past ncols (its outputs unused).
+    int col_off[WIDE_NT];
 #pragma unroll
-    for (int p = 0; p < WIDE_NT / 2; p++) {
-        const int m = lane / 8, n = 8 * (2 * p + m / 2) + lane % 8;
-        col_off[p] = (n < ncols ? n : 0) * W + 4 * (m % 2);
+    for (int t = 0; t < WIDE_NT; t++) {
+        const int n = 8 * t + lane / 4;
+        col_off[t] = (n < ncols ? n : 0) * W + cq;
     }
     for (int k0 = 0; k0 < K; k0 += WIDE_KC) {
         const int kc = K - k0 < WIDE_KC ? K - k0 : WIDE_KC, q8 = kc / 8;  // K in 16s: kc too
