@@ -802,7 +802,7 @@ static __global__ void __launch_bounds__(MMA_THREADS)
 // down and the combine in one launch (moe_experts_w2_combine): moe_w2_kernel's work, then the
 // last of the step's tiles to finish a block's 128 rows (a counter a row block, cnt[x]) adds
 // every token's k outputs of those rows to the residual, moe_combine_kernel's sums in its
-// order, and resets the counter for the next launch. Each thread fences its stores before the
+// order; the count wraps to zero for the next launch. Each thread fences its stores before the
 // block's count (the fence-then-count pattern; the last block fences again and reads the
 // others' stores from L2).
 static __global__ void __launch_bounds__(MMA_THREADS)
@@ -825,7 +825,8 @@ static __global__ void __launch_bounds__(MMA_THREADS)
     }
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&cnt[blockIdx.x], 1) == n_used - 1;
+    // atomicInc wraps to 0 at the last block: the counter resets itself.
+    if (threadIdx.x == 0) last = atomicInc((unsigned *) &cnt[blockIdx.x], n_used - 1) == n_used - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -837,7 +838,6 @@ static __global__ void __launch_bounds__(MMA_THREADS)
         const size_t oi = (size_t) t * hidden + r;
         out[oi] = residual ? residual[oi] + sum : sum;
     }
-    if (threadIdx.x == 0) cnt[blockIdx.x] = 0;
 }
 
 // ---------------------------------------------------------------------------
