@@ -1435,6 +1435,7 @@ static void cuda_route_moe(Backend *be, float *out, const float *x, int n, int *
                            const CkptLinear *experts, int n_experts, const float *residual)
 {
     check_route(rp);
+    ASSERT(rp->n_experts == n_experts);
     if (n == 0) return;
     const RouteIn r = {logits, bias, rp, idx, wts};
     moe_any(be, out, x, n, idx, wts, rp->top_k, experts, n_experts, residual, &r);

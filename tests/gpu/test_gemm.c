@@ -215,6 +215,8 @@ int main(void)
     test_group(odd, 3, 2056, 16, 1);
     test_group(one, 1, 520, 5, 0);
     test_group(small, 2, 64, 2, 1);  // one block a pair (rows per block 1)
+    const int mid[] = {400, 300};
+    test_group(mid, 2, 1024, 2, 0);  // 700 rows: two rows a block
 
     GemmLt lt = {0};
     gemm_lt_init(&lt);

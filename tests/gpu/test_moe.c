@@ -560,7 +560,7 @@ int main(void)
     test_route(1, 156, 8, 1, 1, true, true);
     test_route(2, 156, 8, 1, 1, true, true);
     test_route(8, 156, 8, 1, 1, true, true);
-    test_route(3, 512, 16, 1, 1, false, false);
+    test_route(2, 512, 16, 1, 1, false, false);
     test_experts(5, 64, 64, 3, 2);
     test_experts(9, 96, 160, 4, 3);
     test_experts(12, 6144, 2048, 2, 8);  // GLM shapes, 12 experts in memory
@@ -570,6 +570,7 @@ int main(void)
     test_experts(4, 48, 16, 5, 4);       // every expert taken by most tokens
     test_experts(20, 128, 64, 2, 16);    // k > 8: a w2 warp walks two slots
     test_experts(11, 96, 96, 3, 9);
+    test_experts(5, 144, 32, 3, 2);      // w2 + combine: two row blocks, the last partial
     test_experts(20, 128, 64, 700, 8);   // a prefill chunk: 5,600 pairs, grouped by atomics
     test_experts(156, 256, 64, 1024, 8);  // the largest chunk at GLM's E and k
     test_experts(3, 1040, 80, 300, 2);    // wide: ~200 pairs an expert (4 tiles); K 1040: staged
