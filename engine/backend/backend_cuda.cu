@@ -1334,6 +1334,18 @@ typedef struct RouteIn {
     float *wts;
 } RouteIn;
 
+// A chunk's work list of 8-column tiles: moe_group on its nc tokens' experts idx, or (r: the
+// step is this one chunk) routed into r->idx, r->wts and grouped in one launch.
+static void group_chunk(CudaImpl *impl, int32_t *work, const int *idx, int nc, int top_k,
+                        int n_experts, const RouteIn *r)
+{
+    if (r)
+        moe_route_group(work, r->idx, r->wts, r->logits, r->bias, nc, n_experts, top_k,
+                        r->p->norm_topk_prob, r->p->routed_scaling_factor, true, impl->stream);
+    else
+        moe_group(work, idx, nc, top_k, n_experts, impl->stream);
+}
+
 // With r: routes first, into r->idx and r->wts (= idx, wts; a single-chunk step that
 // moe_route_group takes: routed and grouped in one launch, GLMSPARK_CUDA_FUSE permitting).
 static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const int *idx,
@@ -1365,12 +1377,7 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
         const float *xc = x + (size_t) t0 * hidden;
         // Past MOE_MAX_CHUNK_PAIRS a chunk is wide: 8,192 pairs >= 16 x MOE_MAX_EXPERTS.
         if (st->bf16) {
-            if (route_group)
-                moe_route_group(work, r->idx, r->wts, r->logits, r->bias, n, ex->n_experts,
-                                top_k, r->p->norm_topk_prob, r->p->routed_scaling_factor, true,
-                                impl->stream);
-            else
-                moe_group(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
+            group_chunk(impl, work, idx + k0, nc, top_k, ex->n_experts, route_group ? r : NULL);
             moe_experts_bf16_w13(act, &st->exb, xc, work, nc, top_k, impl->stream);
             moe_experts_bf16_w2(y, &st->exb, act, work, wts + k0, nc, top_k, impl->stream);
         } else if (wide_ok && nc * top_k >= MOE_WIDE_MIN_PAIRS * ex->n_experts) {
@@ -1378,12 +1385,7 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
             moe_experts_w13_wide(act, ex, xc, work, nc, top_k, impl->stream);
             moe_experts_w2_wide(y, ex, act, work, wts + k0, nc, top_k, impl->stream);
         } else {
-            if (route_group)
-                moe_route_group(work, r->idx, r->wts, r->logits, r->bias, n, ex->n_experts,
-                                top_k, r->p->norm_topk_prob, r->p->routed_scaling_factor, true,
-                                impl->stream);
-            else
-                moe_group(work, idx + k0, nc, top_k, ex->n_experts, impl->stream);
+            group_chunk(impl, work, idx + k0, nc, top_k, ex->n_experts, route_group ? r : NULL);
             moe_experts_w13(act, ex, xc, work, nc, top_k, impl->stream);
             if (impl->fuse && nc <= MOE_COMBINE_FUSED_MAX_TOK) {  // down and the combine at once
                 moe_experts_w2_combine(out + (size_t) t0 * hidden, y,

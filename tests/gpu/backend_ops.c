@@ -986,6 +986,17 @@ static void test_matmul_add(void)
     free_linear(&w);
 }
 
+// Four bf16 weights of rows[i] x cols on the host (w, freed with free_linear) and bound on the
+// GPU (wg): matmul_group's and norm_matmul_group's products.
+static void group_weights(CkptLinear w[4], CkptLinear wg[4], const int rows[4], int cols)
+{
+    for (int i = 0; i < 4; i++) {
+        w[i] = make_linear(CKPT_LINEAR_BF16, rows[i], cols);
+        wg[i] = w[i];
+        CHECK(gpu->bind_linear(gpu, &wg[i]) == ERR_OK);
+    }
+}
+
 // matmul_group: four products of one input as a layer's q_a, kv_a and the indexer's wk and
 // weights_proj, at small widths and odd rows, then a plain product and a SwiGLU pair as the
 // router and the shared expert; each output bit for bit the GPU's own ops (matmul of its
@@ -996,11 +1007,7 @@ static void test_matmul_group(void)
 {
     const int cols = 264, rows[4] = {200, 72, 72, 1};
     CkptLinear w[4], wg[4];
-    for (int i = 0; i < 4; i++) {
-        w[i] = make_linear(CKPT_LINEAR_BF16, rows[i], cols);
-        wg[i] = w[i];
-        CHECK(gpu->bind_linear(gpu, &wg[i]) == ERR_OK);
-    }
+    group_weights(w, wg, rows, cols);
     const int ns[4] = {1, 3, 16, 40};
     for (int k = 0; k < 4; k++) {
         const int n = ns[k];
@@ -1070,11 +1077,7 @@ static void test_norm_matmul_group(void)
 {
     const int cols = 264, rows[4] = {200, 72, 72, 1};
     CkptLinear w[4], wg[4];
-    for (int i = 0; i < 4; i++) {
-        w[i] = make_linear(CKPT_LINEAR_BF16, rows[i], cols);
-        wg[i] = w[i];
-        CHECK(gpu->bind_linear(gpu, &wg[i]) == ERR_OK);
-    }
+    group_weights(w, wg, rows, cols);
     float *nw = rand_floats((size_t) cols, 1.0f);
     float *dnw = dev(nw, (size_t) cols * sizeof *nw);
     const int ns[4] = {1, 2, 3, 40};
