@@ -197,6 +197,10 @@ static const char *const prof_names[N_PROF] = {
 typedef struct CudaImpl {
     int device;
     int n_sm;                // streaming multiprocessors
+    // Double precision at no worse than a quarter of single (the data-centre parts: H100 1/2;
+    // GB10 and the other consumer-class GPUs 1/64): where norm_matmul_group's one launch pays
+    // off, its every block repeating the norm's double arithmetic.
+    bool fp64_fast;
     cudaStream_t stream;     // every launch and copy
     unsigned long long gen;  // bumped by every device (re)allocation (graphs record pointers)
     unsigned long long step_serial;  // DevStep.serial's counter
@@ -996,7 +1000,9 @@ static void cuda_matmul_group(Backend *be, const BackendProduct *p, int n_p, con
 }
 
 // In one launch (kernels/gemm.h gemm_bf16_gemv_group_norm) when matmul_group would run every
-// product in its grouped launch and the kernel takes the rows; otherwise the two ops.
+// product in its grouped launch, the kernel takes the rows and double precision is fast
+// (fp64_fast: ~1,000 blocks each normalizing a 6,144-wide row in double cost tens of us at
+// 1/64 rate); otherwise the two ops.
 static void cuda_norm_matmul_group(Backend *be, const BackendProduct *p, int n_p, float *h,
                                    const float *x, const float *norm_w, float eps, int n)
 {
@@ -1004,7 +1010,8 @@ static void cuda_norm_matmul_group(Backend *be, const BackendProduct *p, int n_p
     ASSERT(n_p >= 1 && n_p <= BACKEND_MAX_GROUP && n >= 0);
     if (n == 0) return;
     const int cols = p[0].w->cols;
-    bool one = impl->fuse && gemm_group_norm_ok(h, x, norm_w, cols, n) && (n_p > 1 || p[0].up);
+    bool one = impl->fuse && impl->fp64_fast && gemm_group_norm_ok(h, x, norm_w, cols, n)
+               && (n_p > 1 || p[0].up);
     GemmSeg segs[BACKEND_MAX_GROUP];
     double bytes = 0.0;
     for (int i = 0; i < n_p && one; i++) {
@@ -1745,6 +1752,9 @@ Err backend_cuda_create(int device, Backend **out)
     }
     impl->device = device;
     CUDA_CHECK(cudaDeviceGetAttribute(&impl->n_sm, cudaDevAttrMultiProcessorCount, device));
+    int sp_dp = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&sp_dp, cudaDevAttrSingleToDoublePrecisionPerfRatio, device));
+    impl->fp64_fast = sp_dp > 0 && sp_dp <= 4;
     if ((e = cudaStreamCreate(&impl->stream)) != cudaSuccess) {  // blocking: ordered with
         LOG_ERROR("cannot create a CUDA stream: %s", cudaGetErrorString(e));  // cudaMemcpy
         free(be);

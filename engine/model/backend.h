@@ -206,8 +206,8 @@ struct Backend {
     // ops' numbers, h written (h and x distinct; cols: the products' columns). A layer's input
     // and post-attention norms with the products they feed; the CUDA backend runs a decode
     // step's (at most GEMM_NORM_MAX_TOK tokens, every product in the grouped launch) as one
-    // launch, each block normalizing the rows itself (kernels/gemm.h
-    // gemm_bf16_gemv_group_norm).
+    // launch where double precision is fast, each block normalizing the rows itself
+    // (kernels/gemm.h gemm_bf16_gemv_group_norm).
     void (*norm_matmul_group)(Backend *be, const BackendProduct *p, int n_p, float *h,
                               const float *x, const float *norm_w, float eps, int n);
 
