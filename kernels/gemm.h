@@ -99,9 +99,10 @@ void gemm_bf16_gemv_group(const GemmSeg *segs, int n_segs, const float *x, int c
 // block normalizes the rows itself (its bf16 copy in n_tok * cols * 2 bytes of shared memory),
 // so the step saves the norm's launch and its wait: a decode step's input and post-attention
 // norms. Each block repeats the norm's double arithmetic: for GPUs with fast double precision
-// (the CUDA backend's fp64_fast). Preconditions: gemm_group_norm_ok(h, x, w, cols, n_tok) (at most GEMM_NORM_MAX_TOK
-// tokens, h, x, w 16-byte aligned, h apart from x) and gemm_bf16_gemv_group's; no segment's y
-// may overlap x (blocks still read x while others store y).
+// (the CUDA backend's fp64_fast). Preconditions: gemm_group_norm_ok(h, x, w, cols, n_tok) (at
+// most GEMM_NORM_MAX_TOK tokens, h, x, w 16-byte aligned, h apart from x) and
+// gemm_bf16_gemv_group's; no segment's y may overlap x (blocks still read x while others store
+// y).
 #define GEMM_NORM_MAX_TOK 2
 #define GEMM_NORM_SMEM (40 * 1024)  // bytes of bf16 rows a block stages (with its static: < 48 KB)
 bool gemm_group_norm_ok(const float *h, const float *x, const float *w, int cols, int n_tok);

@@ -365,8 +365,10 @@ static __global__ void __launch_bounds__(GROUP_THREADS)
                            bool is_ascending)
 {
     KERN_ENTRY();
+    static_assert(MOE_ROUTE_GROUP_MAX_TOK * MOE_MAX_K <= MOE_MAX_PAIRS, "group_pairs' block");
     extern __shared__ double rg[];  // score, then choice
-    __shared__ int chosen[MOE_MAX_PAIRS], asc[MOE_MAX_PAIRS], nan_of[MOE_MAX_PAIRS];
+    __shared__ int chosen[MOE_ROUTE_GROUP_MAX_TOK * MOE_MAX_K];
+    __shared__ int asc[MOE_ROUTE_GROUP_MAX_TOK * MOE_MAX_K], nan_of[MOE_ROUTE_GROUP_MAX_TOK];
     route_rank_tokens(idx, w, logits, bias, 0, n_tok, n_experts, k, norm_topk_prob, scale,
                       is_ascending, rg, rg + (size_t) n_tok * n_experts, chosen, asc, nan_of);
     group_pairs(work, idx, n_tok * k, n_experts);
@@ -783,7 +785,21 @@ static __global__ void __launch_bounds__(MMA_THREADS)
     w13_out(act, c, &o, 0, feat, g13[2 * o.e], g13[2 * o.e + 1], inter);
 }
 
-// down: y[p, row] = w[p] * down_e(act[p])[row]. Grid (ceil(hidden / 128), max tiles).
+// down: y[p, row] = w[p] * down_e(act[p])[row] for block (x, tile)'s rows, the work of
+// moe_w2_kernel and moe_w2_combine_kernel (grid (ceil(hidden / 128), max tiles)).
+static __device__ __forceinline__ void
+w2_tile(float *__restrict__ y, const uint8_t *__restrict__ q2, const uint8_t *__restrict__ s2,
+        const float *__restrict__ g2, const uint16_t *__restrict__ act,
+        const int32_t *__restrict__ work, const float *__restrict__ w, int hidden, int inter)
+{
+    float c[4];
+    TileOut o;
+    if (!expert_tile<uint16_t>(c, &o, q2, s2, act, 1, work, hidden / 16, inter)) return;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int row = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 16 + lane / 4;
+    w2_out(y, c, &o, 0, row, g2[o.e], w, hidden);
+}
+
 static __global__ void __launch_bounds__(MMA_THREADS)
     moe_w2_kernel(float *__restrict__ y, const uint8_t *__restrict__ q2,
                   const uint8_t *__restrict__ s2, const float *__restrict__ g2,
@@ -791,12 +807,19 @@ static __global__ void __launch_bounds__(MMA_THREADS)
                   const float *__restrict__ w, int hidden, int inter)
 {
     KERN_ENTRY();
-    float c[4];
-    TileOut o;
-    if (!expert_tile<uint16_t>(c, &o, q2, s2, act, 1, work, hidden / 16, inter)) return;
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int row = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 16 + lane / 4;
-    w2_out(y, c, &o, 0, row, g2[o.e], w, hidden);
+    w2_tile(y, q2, s2, g2, act, work, w, hidden, inter);
+}
+
+// out[t, r] = residual[t, r] + sum_j y[t*k + j, r] (j ascending; residual may be NULL, out may
+// alias it): moe_combine's value, for moe_combine_kernel and moe_w2_combine_kernel. y is read
+// from L2 (the combine kernel reads other blocks' stores of the same launch).
+static __device__ __forceinline__ void combine_at(float *out, const float *y, const float *residual,
+                                                  size_t t, size_t r, int k, int hidden)
+{
+    float s = 0.0f;
+    for (int j = 0; j < k; j++) s += __ldcg(y + (t * k + j) * hidden + r);
+    const size_t i = t * hidden + r;
+    out[i] = residual ? residual[i] + s : s;
 }
 
 // down and the combine in one launch (moe_experts_w2_combine): moe_w2_kernel's work, then the
@@ -816,28 +839,18 @@ static __global__ void __launch_bounds__(MMA_THREADS)
     __shared__ int last;
     const int n_used = work[0];
     if ((int) blockIdx.y >= n_used) return;  // the whole block: no tile, not counted
-    float c[4];
-    TileOut o;
-    if (expert_tile<uint16_t>(c, &o, q2, s2, act, 1, work, hidden / 16, inter)) {
-        const int lane = threadIdx.x % WARP_SIZE;
-        const int row = (blockIdx.x * MMA_WARPS + threadIdx.x / WARP_SIZE) * 16 + lane / 4;
-        w2_out(y, c, &o, 0, row, g2[o.e], w, hidden);
-    }
+    w2_tile(y, q2, s2, g2, act, work, w, hidden, inter);  // its warps past the rows store nothing
     __threadfence();
     __syncthreads();
     // atomicInc wraps to 0 at the last block: the counter resets itself.
-    if (threadIdx.x == 0) last = atomicInc((unsigned *) &cnt[blockIdx.x], n_used - 1) == n_used - 1;
+    if (threadIdx.x == 0)
+        last = atomicInc((unsigned *) &cnt[blockIdx.x], n_used - 1) == (unsigned) n_used - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
     const int r0 = blockIdx.x * MMA_WARPS * 16, rows = min(MMA_WARPS * 16, hidden - r0);
-    for (int i = threadIdx.x; i < n_tok * rows; i += MMA_THREADS) {
-        const int t = i / rows, r = r0 + i % rows;
-        float sum = 0.0f;
-        for (int j = 0; j < k; j++) sum += __ldcg(y + ((size_t) t * k + j) * hidden + r);
-        const size_t oi = (size_t) t * hidden + r;
-        out[oi] = residual ? residual[oi] + sum : sum;
-    }
+    for (int i = threadIdx.x; i < n_tok * rows; i += MMA_THREADS)
+        combine_at(out, y, residual, i / rows, r0 + i % rows, k, hidden);
 }
 
 // ---------------------------------------------------------------------------
@@ -1164,10 +1177,7 @@ static __global__ void moe_combine_kernel(float *out, const float *__restrict__ 
     KERN_ENTRY();
     const size_t i = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t) n_tok * hidden) return;
-    const size_t t = i / hidden, c = i % hidden;
-    float s = 0.0f;
-    for (int j = 0; j < k; j++) s += y[(t * k + j) * hidden + c];
-    out[i] = residual ? residual[i] + s : s;
+    combine_at(out, y, residual, i / hidden, i % hidden, k, hidden);
 }
 
 // ---------------------------------------------------------------------------
@@ -1271,7 +1281,7 @@ void moe_route(int32_t *idx, float *w, const float *logits, const float *bias, i
 bool moe_route_group_ok(int n_tok, int n_experts, int k, int n_group, int topk_group)
 {
     return n_group == topk_group && n_tok >= 1 && n_tok <= MOE_ROUTE_GROUP_MAX_TOK
-           && (long) n_tok * k <= MOE_MAX_PAIRS
+           && k <= MOE_MAX_K
            && (size_t) n_tok * n_experts * 2 * sizeof(double) <= MOE_ROUTE_GROUP_SMEM;
 }
 

@@ -963,25 +963,37 @@ static_assert(BACKEND_MAX_GROUP <= GEMM_MAX_GROUP, "a matmul_group call is one g
 // gemm_bf16_gemv_group launch (bit for bit their matmul's numbers, and a pair's silu_mul's:
 // gemm.h); the others (and all of them with GLMSPARK_CUDA_FUSE=0) through matmul_any, a pair's
 // up product into a temporary, then silu_mul.
+// The products of p over x that the grouped GEMV takes (GLMSPARK_CUDA_FUSE permitting; a
+// SwiGLU pair: both of its weights): their segments in segs, in_group[i] set, *bytes their
+// weights' bytes. Returns how many.
+static int group_segs(Backend *be, const BackendProduct *p, int n_p, const float *x, int n,
+                      GemmSeg *segs, bool *in_group, double *bytes)
+{
+    const CudaImpl *impl = (const CudaImpl *) be->impl;
+    int n_segs = 0;
+    *bytes = 0.0;
+    for (int i = 0; i < n_p; i++) {
+        const CkptLinear *w = p[i].w, *up = p[i].up;
+        ASSERT(w->cols == p[0].w->cols && (!up || (up->rows == w->rows && up->cols == w->cols)));
+        in_group[i] =
+            impl->fuse && group_member(be, w, x, n) && (!up || group_member(be, up, x, n));
+        if (!in_group[i]) continue;
+        segs[n_segs++] = (GemmSeg){(const uint16_t *) w->data,
+                                   up ? (const uint16_t *) up->data : NULL, p[i].y, w->rows};
+        *bytes += lin_bytes(w) + (up ? lin_bytes(up) : 0.0);
+    }
+    return n_segs;
+}
+
 static void cuda_matmul_group(Backend *be, const BackendProduct *p, int n_p, const float *x, int n)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     ASSERT(n_p >= 1 && n_p <= BACKEND_MAX_GROUP && n >= 0);
     if (n == 0) return;
     GemmSeg segs[BACKEND_MAX_GROUP];
-    int n_segs = 0;
-    double bytes = 0.0;
-    bool in_group[BACKEND_MAX_GROUP] = {false};
-    for (int i = 0; i < n_p; i++) {
-        const CkptLinear *w = p[i].w, *up = p[i].up;
-        ASSERT(w->cols == p[0].w->cols && (!up || (up->rows == w->rows && up->cols == w->cols)));
-        if (impl->fuse && group_member(be, w, x, n) && (!up || group_member(be, up, x, n))) {
-            in_group[i] = true;
-            segs[n_segs++] = (GemmSeg){(const uint16_t *) w->data,
-                                       up ? (const uint16_t *) up->data : NULL, p[i].y, w->rows};
-            bytes += lin_bytes(w) + (up ? lin_bytes(up) : 0.0);
-        }
-    }
+    double bytes;
+    bool in_group[BACKEND_MAX_GROUP];
+    int n_segs = group_segs(be, p, n_p, x, n, segs, in_group, &bytes);
     if (n_segs == 1 && !segs[0].w_up) n_segs = 0;  // one plain product: matmul_any's launch
     if (n_segs) {
         prof_begin(impl);
@@ -1010,18 +1022,12 @@ static void cuda_norm_matmul_group(Backend *be, const BackendProduct *p, int n_p
     ASSERT(n_p >= 1 && n_p <= BACKEND_MAX_GROUP && n >= 0);
     if (n == 0) return;
     const int cols = p[0].w->cols;
-    bool one = impl->fuse && impl->fp64_fast && gemm_group_norm_ok(h, x, norm_w, cols, n)
-               && (n_p > 1 || p[0].up);
     GemmSeg segs[BACKEND_MAX_GROUP];
-    double bytes = 0.0;
-    for (int i = 0; i < n_p && one; i++) {
-        const CkptLinear *w = p[i].w, *up = p[i].up;
-        ASSERT(w->cols == cols && (!up || (up->rows == w->rows && up->cols == w->cols)));
-        one = group_member(be, w, h, n) && (!up || group_member(be, up, h, n));
-        segs[i] = (GemmSeg){(const uint16_t *) w->data, up ? (const uint16_t *) up->data : NULL,
-                            p[i].y, w->rows};
-        bytes += lin_bytes(w) + (up ? lin_bytes(up) : 0.0);
-    }
+    double bytes;
+    bool in_group[BACKEND_MAX_GROUP];
+    const bool one = impl->fp64_fast && gemm_group_norm_ok(h, x, norm_w, cols, n)
+                     && (n_p > 1 || p[0].up)
+                     && group_segs(be, p, n_p, h, n, segs, in_group, &bytes) == n_p;
     if (!one) {
         backend_norm_matmul_group_ops(be, p, n_p, h, x, norm_w, eps, n);
         return;
@@ -1409,8 +1415,8 @@ static void moe_tuned(CudaImpl *impl, float *out, const float *x, int n, const i
 }
 
 static void moe_any(Backend *be, float *out, const float *x, int n, const int *idx,
-                    const float *wts, int top_k, const CkptLinear *experts, int n_experts, const float *residual,
-                    const RouteIn *r)
+                    const float *wts, int top_k, const CkptLinear *experts, int n_experts,
+                    const float *residual, const RouteIn *r)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
     const int hidden = experts[0].cols, inter = experts[0].rows;

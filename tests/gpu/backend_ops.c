@@ -337,7 +337,8 @@ static void test_route_moe(void)
             ASSERT(cr && ci2 && cw2);
             float *d1 = dev(rr, nm * sizeof *rr), *d2 = dev(rr, nm * sizeof *rr);
             int *di1 = gpu->alloc(gpu, nk * sizeof(int)), *di2 = gpu->alloc(gpu, nk * sizeof(int));
-            float *dw1 = gpu->alloc(gpu, nk * sizeof(float)), *dw2 = gpu->alloc(gpu, nk * sizeof(float));
+            float *dw1 = gpu->alloc(gpu, nk * sizeof(float));
+            float *dw2 = gpu->alloc(gpu, nk * sizeof(float));
             ASSERT(di1 && di2 && dw1 && dw2);
             gpu->route(gpu, di1, dw1, dl, dbias, m, &p);
             gpu->moe(gpu, d1, dx, m, di1, dw1, K, exg, E, d1);
@@ -1099,7 +1100,8 @@ static void test_norm_matmul_group(void)
                 ASSERT(pc[i].y && pg[i].y && pr[i].y);
             }
             float *hc = malloc(nx * sizeof(float));
-            float *hg = gpu->alloc(gpu, nx * sizeof(float)), *hr = gpu->alloc(gpu, nx * sizeof(float));
+            float *hg = gpu->alloc(gpu, nx * sizeof(float));
+            float *hr = gpu->alloc(gpu, nx * sizeof(float));
             ASSERT(hc && hg && hr);
             cpu->norm_matmul_group(cpu, pc, np, hc, x, nw, 1e-6f, n);
             gpu->norm_matmul_group(gpu, pg, np, hg, dx, dnw, 1e-6f, n);
@@ -1120,7 +1122,8 @@ static void test_norm_matmul_group(void)
                 expect_close(what, pg[i].y, pc[i].y, ny, 1e-3);
                 got = down(pg[i].y, ny * sizeof(float)), want = down(pr[i].y, ny * sizeof(float));
                 same = memcmp(got, want, ny * sizeof(float)) == 0;
-                if (!same) fprintf(stderr, "%s: not bit for bit rmsnorm, then matmul_group\n", what);
+                if (!same)
+                    fprintf(stderr, "%s: not bit for bit rmsnorm, then matmul_group\n", what);
                 CHECK(same);
                 free(got), free(want), free(pc[i].y);
                 gpu->free_mem(gpu, pg[i].y), gpu->free_mem(gpu, pr[i].y);

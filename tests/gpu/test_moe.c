@@ -68,7 +68,8 @@ static void check_route_group(const char *what, const float *d_logits, const flo
     const bool si = same_bits(d_idx, d_idx2, np * 4), sw = same_bits(d_w, d_w2, np * 4),
                sl = same_bits(d_work, d_work2, nw * 4);
     printf("route_group %s n_tok=%d E=%d k=%d: experts %s, weights %s, work list %s\n", what, n_tok,
-           n_experts, k, si ? "equal" : "DIFFER", sw ? "equal" : "DIFFER", sl ? "equal" : "DIFFERS");
+           n_experts, k, si ? "equal" : "DIFFER", sw ? "equal" : "DIFFER",
+           sl ? "equal" : "DIFFERS");
     CHECK(si && sw && sl);
     cudaFree(d_idx), cudaFree(d_idx2), cudaFree(d_w), cudaFree(d_w2), cudaFree(d_work);
     cudaFree(d_work2);
