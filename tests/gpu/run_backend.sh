@@ -279,6 +279,9 @@ done
 # "BIN=glmspark-pdlexit,GLMSPARK_CUDA_PDL=8") runs $CARRY_DIR/bin/NAME, another build, instead.
 # REAP_TTFT="25000" times `glmspark generate --max-tokens 1` on a prompt of that many tokens
 # (its prefill line: the time to the first token, issue 20).
+# REAP_KEEP=1 leaves the checkpoints on disk afterwards, and REAP_REUSE=1 takes a checkpoint
+# that an earlier command on the same (still warm) machine wrote completely (the same REAP, REAP_DIR and REAP_MTP), instead of writing it again (~50 s
+# for 26 layers); REAP_KV=0 runs no decode bench.
 # REAP_MTP=1 writes the checkpoints with an MTP layer (+11.8 GB of
 # BF16 experts) and times MTP steps with 1-3 drafts (`bench --mtp-drafts 1,2,3`, batches
 # ${REAP_MTP_BATCH:-1,8}: issue 19's verify ratios and the speed-up at published acceptance;
@@ -335,11 +338,18 @@ for cfg in ${REAP:-}; do
     echo "== mkmodel reap --layers $layers --dense $dense ($(nproc) cores)" | tee -a "$out/reap.log"
     t0=$(date +%s.%N)
     spill=${REAP_SPILL:+$REAP_SPILL/reap-$layers-$dense-spill}
-    run "$c/bin/glmspark" mkmodel --preset reap --layers "$layers" --dense "$dense" \
-        ${REAP_MTP:+--mtp 1} ${spill:+--spill "$spill"} --out "$dir" \
-        >>"$out/reap.log" 2>&1 || { echo "mkmodel reap $cfg failed"; status=1; continue; }
-    echo "mkmodel reap $cfg: $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s, $(du -shL "$dir" | cut -f1)" | tee -a "$out/reap.log"
+    if [ "${REAP_REUSE:-0}" = 1 ] && [ -f "$dir/.mkmodel-done${REAP_MTP:+-mtp}" ]; then
+        echo "mkmodel reap $cfg: kept from an earlier run on this machine (REAP_REUSE=1)" | tee -a "$out/reap.log"
+    else
+        rm -f "$dir"/.mkmodel-done*
+        run "$c/bin/glmspark" mkmodel --preset reap --layers "$layers" --dense "$dense" \
+            ${REAP_MTP:+--mtp 1} ${spill:+--spill "$spill"} --out "$dir" \
+            >>"$out/reap.log" 2>&1 || { echo "mkmodel reap $cfg failed"; status=1; continue; }
+        touch "$dir/.mkmodel-done${REAP_MTP:+-mtp}"
+        echo "mkmodel reap $cfg: $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s, $(du -shL "$dir" | cut -f1)" | tee -a "$out/reap.log"
+    fi
     for kv in ${REAP_KV:-fp8 bf16}; do
+        [ "$kv" = 0 ] && break  # REAP_KV=0: no decode bench (a later run's REAP_LONG alone)
         echo "== bench reap $cfg kv $kv" | tee -a "$out/reap.log"
         run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
             --ctx 1024 --steps "${STEPS:-16}" --kv-dtype $kv >>"$out/reap.log" 2>&1 \
@@ -420,7 +430,7 @@ for cfg in ${REAP:-}; do
         GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 \
             --ctx 1024 --steps 8 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
     fi
-    rm -rf "$dir" ${spill:+"$spill"}
+    [ "${REAP_KEEP:-0}" = 1 ] || rm -rf "$dir" ${spill:+"$spill"}  # REAP_KEEP=1: for REAP_REUSE
 done
 [ -f "$out/bench.log" ] && grep -v "^\[\|INFO" "$out/bench.log"
 [ -f "$out/reap.log" ] && grep -v "INFO" "$out/reap.log"
