@@ -107,8 +107,11 @@ void moe_group(int32_t *work, const int32_t *idx, int n_tok, int k, int n_expert
 // decode step's: idx, w and work bit for bit what the two write. moe_route_group_ok says
 // whether it takes the step (at most MOE_ROUTE_GROUP_MAX_TOK tokens: one block routes them
 // all, where moe_route runs a block a token, so its rank pass grows with the tokens; run 24's
-// batch 8 read 1.5-2.5% slower with 8 here, within about twice the noise, so 2 until measured).
+// batch 8 read 1.5-2.5% slower with 8 here, within about twice the noise, so 2 until measured;
+// a build may set it, -DMOE_ROUTE_GROUP_MAX_TOK=8 in CMAKE_CUDA_FLAGS, to measure another).
+#ifndef MOE_ROUTE_GROUP_MAX_TOK
 #define MOE_ROUTE_GROUP_MAX_TOK 2
+#endif
 #define MOE_ROUTE_GROUP_SMEM (32 * 1024)  // bytes of scores and choices the block holds
 bool moe_route_group_ok(int n_tok, int n_experts, int k, int n_group, int topk_group);
 void moe_route_group(int32_t *work, int32_t *idx, float *w, const float *logits,
