@@ -434,7 +434,10 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
 // columns), so no shuffles are needed. The 8 warps' partial sums meet in shared memory and are
 // added in warp order: reproducible, no atomics.
 
-enum { MMA_WARPS = 8, MMA_TILES_IN_FLIGHT = 4 };
+#ifndef GEMV_TC_TILES_IN_FLIGHT
+#define GEMV_TC_TILES_IN_FLIGHT 4  // a build may set it, to measure another
+#endif
+enum { MMA_WARPS = 8, MMA_TILES_IN_FLIGHT = GEMV_TC_TILES_IN_FLIGHT };
 
 // The tensor-core GEMV's first step: the block's 8 rows, MMA_TILES_IN_FLIGHT tiles of 32
 // columns for each of its warps.

@@ -823,6 +823,10 @@ static const KvBPack *kv_b_pack(const CudaImpl *impl, const CkptLinear *kv_b)
     return NULL;
 }
 
+#ifndef GEMV_TC_MIN_TOK
+#define GEMV_TC_MIN_TOK 2  // a build may set it, to measure another
+#endif
+
 // y fp32 [n, n_mat, rows] = w bf16 [n_mat, rows, cols] x [n, n_mat, cols] (acc: y +=) through
 // kernels/gemm.h, GEMM_MAX_TOK tokens a launch: x bf16, or (x_f32) fp32 rounded to bf16 as it
 // is read; tensor cores from 2 tokens when tc.
@@ -834,7 +838,7 @@ static void gemv_chunks(CudaImpl *impl, float *y, const uint16_t *w, const void 
         const int nt = n - t0 < GEMM_MAX_TOK ? n - t0 : GEMM_MAX_TOK;
         float *yt = y + (size_t) t0 * n_mat * rows;
         const void *xt = (const char *) x + (size_t) t0 * n_mat * cols * x_elem;
-        const bool use_tc = tc && nt >= 2;
+        const bool use_tc = tc && nt >= GEMV_TC_MIN_TOK;
         const float *res =
             acc ? yt : NULL;  // y += w x: each output read, then written, by one thread
         if (x_f32 && use_tc)
