@@ -387,12 +387,13 @@ for cfg in ${REAP:-}; do
     done
     for long in ${REAP_LONG:-}; do  # e.g. "32768 131072": batch 1 at that context (DSA on), fp8
       for e in "" ${REAP_PREFILL_ENVS:-}; do  # and with each of REAP_PREFILL_ENVS
+        [ "${REAP_LONG_PROFILE:-0}" = only ] && break  # the profiled run alone
         echo "== bench reap $cfg kv fp8 precision bf16 ctx $long $e" | tee -a "$out/reap.log"
         run_setting "$e" bench --backend cuda --model "$dir" --batch 1 --ctx "$long" \
             --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg ctx $long $e failed"; status=1; }
       done
-        if [ "${REAP_LONG_PROFILE:-0}" = 1 ]; then  # per op kind at that context (graphs off)
+        if [ "${REAP_LONG_PROFILE:-0}" != 0 ]; then  # per op kind at that context (graphs off; only: alone)
             echo "== profile reap $cfg kv fp8 batch 1 ctx $long" | tee -a "$out/reap.log"
             GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" \
                 --batch 1 --ctx "$long" --steps 8 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
