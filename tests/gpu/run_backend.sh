@@ -265,7 +265,7 @@ done
 # at the end) = the difference of two sizes with the same dense count over their MoE-layer
 # difference. To spend
 # less device time: REAP_KV=fp8,
-# REAP_PROFILE=0 (no profiled run), REAP_COMPARE=0 (no reap_compare below), GEN_TOKENS
+# REAP_PROFILE=0 (no profiled run; REAP_PROFILE_BATCH=1,16: the batches it profiles), REAP_COMPARE=0 (no reap_compare below), GEN_TOKENS
 # (generate's length, 64). REAP_PREFILL="2048 8192" adds batch-1 runs at those prompt
 # lengths (prefill tok/s and TFLOP/s against the cuBLASLt GEMM of the same run).
 # REAP_PREFILL_ENVS="GLMSPARK_MOE_WIDE=0 GLMSPARK_MLA_TC=0,GLMSPARK_DSA_TC=0" repeats them (and
@@ -427,8 +427,9 @@ for cfg in ${REAP:-}; do
             || { echo "bench reap $cfg $e failed"; status=1; }
     done
     if [ "${REAP_PROFILE:-1}" = 1 ]; then
-        echo "== profile reap $cfg kv fp8 batch 1" | tee -a "$out/reap.log"
-        GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 \
+        echo "== profile reap $cfg kv fp8 batch ${REAP_PROFILE_BATCH:-1}" | tee -a "$out/reap.log"
+        GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" \
+            --batch "${REAP_PROFILE_BATCH:-1}" \
             --ctx 1024 --steps 8 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
     fi
     [ "${REAP_KEEP:-0}" = 1 ] || rm -rf "$dir" ${spill:+"$spill"}  # REAP_KEEP=1: for REAP_REUSE
