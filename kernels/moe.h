@@ -176,7 +176,9 @@ void moe_experts_bf16_w2(float *y, const MoeExpertsBf16 *ex, const uint16_t *act
 // launch also writes its rows into work, so a work list serves one stream's launches in order
 // (group, w13, w2), not two streams at once.
 #define MOE_WIDE_COLS 64
+#ifndef MOE_MAX_WIDE_PAIRS  // a build may set it (e.g. 65536: 8,192-token launches), to measure
 #define MOE_MAX_WIDE_PAIRS 32768  // n_tok * k of one wide launch (4,096 tokens at k 8)
+#endif
 size_t moe_wide_work_ints(const MoeExperts *ex, int n_tok, int k);
 size_t moe_wide_smem_bytes(void);
 void moe_group_wide(int32_t *work, const int32_t *idx, int n_tok, int k, int n_experts,

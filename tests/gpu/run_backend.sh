@@ -332,6 +332,9 @@ if [ -n "${REAP:-}" ] && [ "${REAP_COMPARE:-1}" = 1 ]; then
     reap_compare "$dir" bf16
     rm -rf "$dir"
 fi
+# REAP_PREFILL_CHUNK=N: the REAP_PREFILL and REAP_LONG benches in forward calls of N tokens
+# (`bench --prefill-chunk`; default 4,096).
+pchunk=${REAP_PREFILL_CHUNK:+--prefill-chunk $REAP_PREFILL_CHUNK}
 for cfg in ${REAP:-}; do
     layers=${cfg%%:*}; dense=${cfg#*:}
     dir=${REAP_DIR:-/tmp}/reap-$layers-$dense
@@ -370,12 +373,12 @@ for cfg in ${REAP:-}; do
     for ctx in ${REAP_PREFILL:-}; do  # e.g. "2048 8192": prefill tok/s and % of the GEMM
         echo "== bench reap $cfg kv fp8 precision bf16 prefill $ctx" | tee -a "$out/reap.log"
         run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch 1 --ctx "$ctx" \
-            --steps 2 --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
+            --steps 2 --kv-dtype fp8 $pchunk >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg prefill $ctx failed"; status=1; }
         for e in "" ${REAP_PREFILL_ENVS:-}; do  # e.g. GLMSPARK_MOE_WIDE=0
             if [ -n "$e" ]; then
                 echo "== bench reap $cfg kv fp8 precision bf16 prefill $ctx $e" | tee -a "$out/reap.log"
-                run_setting "$e" bench --backend cuda --model "$dir" --batch 1 --ctx "$ctx" --steps 2 \
+                run_setting "$e" bench --backend cuda --model "$dir" --batch 1 --ctx "$ctx" --steps 2 $pchunk \
                     --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
             fi
             if [ "${REAP_PREFILL_PROFILE:-0}" = 1 ]; then  # per op kind (graphs off)
@@ -390,13 +393,13 @@ for cfg in ${REAP:-}; do
         [ "${REAP_LONG_PROFILE:-0}" = only ] && break  # the profiled run alone
         echo "== bench reap $cfg kv fp8 precision bf16 ctx $long $e" | tee -a "$out/reap.log"
         run_setting "$e" bench --backend cuda --model "$dir" --batch 1 --ctx "$long" \
-            --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
+            --steps "${STEPS:-16}" --kv-dtype fp8 $pchunk >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg ctx $long $e failed"; status=1; }
       done
         if [ "${REAP_LONG_PROFILE:-0}" != 0 ]; then  # per op kind at that context (graphs off; only: alone)
             echo "== profile reap $cfg kv fp8 batch 1 ctx $long" | tee -a "$out/reap.log"
             GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" \
-                --batch 1 --ctx "$long" --steps 8 --kv-dtype fp8 >>"$out/reap.log" 2>&1 || status=1
+                --batch 1 --ctx "$long" --steps 8 --kv-dtype fp8 $pchunk >>"$out/reap.log" 2>&1 || status=1
         fi
     done
     for n_ttft in ${REAP_TTFT:-}; do  # e.g. 25000: time to first token of an n-token prompt
