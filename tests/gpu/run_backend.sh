@@ -265,9 +265,10 @@ done
 # at the end) = the difference of two sizes with the same dense count over their MoE-layer
 # difference. To spend
 # less device time: REAP_KV=fp8,
-# REAP_PROFILE=0 (no profiled run; REAP_PROFILE_BATCH=1,16: the batches it profiles), REAP_COMPARE=0 (no reap_compare below), GEN_TOKENS
-# (generate's length, 64). REAP_PREFILL="2048 8192" adds batch-1 runs at those prompt
-# lengths (prefill tok/s and TFLOP/s against the cuBLASLt GEMM of the same run).
+# REAP_PROFILE=0 (no profiled run; REAP_PROFILE_BATCH=1,16: the batches it profiles),
+# REAP_COMPARE=0 (no reap_compare below), GEN_TOKENS (generate's length, 64).
+# REAP_PREFILL="2048 8192" adds batch-1 runs at those prompt lengths (prefill tok/s and
+# TFLOP/s against the cuBLASLt GEMM of the same run).
 # REAP_PREFILL_ENVS="GLMSPARK_MOE_WIDE=0 GLMSPARK_MLA_TC=0,GLMSPARK_DSA_TC=0" repeats them (and
 # the REAP_LONG runs) with
 # each of those settings (commas join variables; BIN=NAME another build, as below), REAP_PREFILL_PROFILE=1 profiles
@@ -280,8 +281,9 @@ done
 # REAP_TTFT="25000" times `glmspark generate --max-tokens 1` on a prompt of that many tokens
 # (its prefill line: the time to the first token, issue 20).
 # REAP_KEEP=1 leaves the checkpoints on disk afterwards, and REAP_REUSE=1 takes a checkpoint
-# that an earlier command on the same (still warm) machine wrote completely (the same REAP, REAP_DIR and REAP_MTP), instead of writing it again (~50 s
-# for 26 layers); REAP_KV=0 runs no decode bench.
+# that an earlier command on the same (still warm) machine wrote completely (the same REAP,
+# REAP_DIR and REAP_MTP) instead of writing it again (~50 s for 26 layers); REAP_KV=0 runs no
+# decode bench.
 # REAP_MTP=1 writes the checkpoints with an MTP layer (+11.8 GB of
 # BF16 experts) and times MTP steps with 1-3 drafts (`bench --mtp-drafts 1,2,3`, batches
 # ${REAP_MTP_BATCH:-1,8}: issue 19's verify ratios and the speed-up at published acceptance;
