@@ -5,7 +5,9 @@
 # for each kernel name with the DRAM bytes it read and their rate (GB/s: set them beside the
 # copy bandwidth the bench prints), the sum, and the bench's own ms/step for the gap between
 # the two. (ncu runs each kernel alone with its caches as the one before left them: a kernel's
-# time here has no launch gap and no overlap with its neighbours.)
+# time here has no launch gap and no overlap with its neighbours.) NCU_FILTER=REGEX profiles only
+# the kernels whose names match (e.g. "gemv|moe_w13_kernel": the decode step's, not the
+# prefill's, so that a batch of 16 prompts does not spend the command's time under ncu).
 set -u
 c=$1; dir=$2; batch=$3; ctx=${CTX:-1024}
 out=${OUT:-/tmp}
@@ -15,6 +17,7 @@ cublas=$(find /usr /opt -name 'libcublasLt.so.1[0-9]*' -path '*nvidia*' 2>/dev/n
 libpath="$c/lib:$(dirname "$cublas"):/usr/local/nvidia/lib64:/usr/lib/x86_64-linux-gnu"
 for s in 2 6; do
     "$ncu" --metrics gpu__time_duration.sum,dram__bytes_read.sum --clock-control none --cache-control ${NCU_CACHE:-none} --csv --print-units base \
+        ${NCU_FILTER:+--kernel-name "regex:$NCU_FILTER"} \
         --log-file "$out/ncu-b$batch-s$s.csv" \
         "$c/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$c/bin/glmspark" bench \
         --backend cuda --model "$dir" --batch "$batch" --ctx "$ctx" --steps $s --kv-dtype fp8 \
