@@ -427,9 +427,10 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
 // The tokens are the MMA's M (rows 0..15 = tokens, unused ones zero) and 8 weight rows its N,
 // so one weight load serves every token with one MMA per 16 weights per row, instead of one
 // fp32 FMA per weight per token (which made the CUDA-core GEMV instruction-bound at 4+
-// tokens). A block is 8 warps on the same 8 rows; lane (g = lane/4, c = lane%4) loads 16
-// bytes (8 weights) of row r0+g and the same 8 inputs of tokens g and g+8, so a warp covers
-// 32 columns per tile and takes tiles warp, warp+8, ... (4 tiles' loads in flight). The MMA's
+// tokens). A block is 8 warps on the same 8 rows (or J groups of 8: below); lane (g = lane/4,
+// c = lane%4) loads 16 bytes (8 weights) of row r0+g and the same 8 inputs of tokens g and g+8,
+// so a warp covers 32 columns per tile and takes tiles warp, warp+8, ... (4 tiles' loads in
+// flight). The MMA's
 // k order is a relabelling of the 32 columns (A and B lanes with the same c hold the same
 // columns), so no shuffles are needed. The 8 warps' partial sums meet in shared memory and are
 // added in warp order: reproducible, no atomics.
@@ -439,71 +440,92 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
 #endif
 enum { MMA_WARPS = 8, MMA_TILES_IN_FLIGHT = GEMV_TC_TILES_IN_FLIGHT };
 
-// The tensor-core GEMV's first step: the block's 8 rows, MMA_TILES_IN_FLIGHT tiles of 32
+// Row groups: a block may take J groups of 8 rows (8J rows), its warps loading each tile's
+// inputs once for the J weight loads and 2J MMAs; the inputs a lane reads (32 or 64 bytes of
+// fp32 for 16 of weights at 16 tokens) are then shared by J groups. Each row's sums are the
+// same in any J: the same tiles in each warp, the warps added in the same order.
+template <int J>
+struct GemvTcShape {
+    static constexpr int tiles = J >= 4 ? 2 : MMA_TILES_IN_FLIGHT;  // the loads in flight: J x tiles
+};
+
+// The tensor-core GEMV's first step: the block's 8J rows, MMA_TILES_IN_FLIGHT tiles of 32
 // columns for each of its warps.
+template <int J>
 static __device__ __forceinline__ void gemv_tc_prefetch(const uint16_t *w, int rows, int cols)
 {
-    const int blocks_per_mat = CEIL_DIV(rows, 8);
-    gemv_rows_prefetch(w, rows, cols, blockIdx.x / blocks_per_mat, (blockIdx.x % blocks_per_mat) * 8,
-                       8, MMA_WARPS * MMA_TILES_IN_FLIGHT * 32 * 2, threadIdx.x,
+    const int blocks_per_mat = CEIL_DIV(rows, 8 * J);
+    gemv_rows_prefetch(w, rows, cols, blockIdx.x / blocks_per_mat,
+                       (blockIdx.x % blocks_per_mat) * 8 * J, 8 * J,
+                       MMA_WARPS * GemvTcShape<J>::tiles * 32 * 2, threadIdx.x,
                        MMA_WARPS * WARP_SIZE);
 }
 
-template <typename OutT, typename XT>
+template <int J, typename OutT, typename XT>
 static __global__ void __launch_bounds__(MMA_WARPS *WARP_SIZE)
     gemm_bf16_gemv_tc_kernel(OutT *__restrict__ y, const uint16_t *__restrict__ w,
                              const XT *__restrict__ x, const float *residual, int rows,
                              int cols, int n_mat, int n_tok)
 {
-    KERN_ENTRY_AFTER(gemv_tc_prefetch(w, rows, cols));
-    __shared__ float4 red[MMA_WARPS][WARP_SIZE];
+    KERN_ENTRY_AFTER(gemv_tc_prefetch<J>(w, rows, cols));
+    constexpr int TIF = GemvTcShape<J>::tiles;
+    __shared__ float4 red[J][MMA_WARPS][WARP_SIZE];
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int g = lane / 4, c = lane % 4;
-    const int blocks_per_mat = CEIL_DIV(rows, 8);
+    const int blocks_per_mat = CEIL_DIV(rows, 8 * J);
     const int m = blockIdx.x / blocks_per_mat;
-    const int r0 = (blockIdx.x % blocks_per_mat) * 8;
+    const int r0 = (blockIdx.x % blocks_per_mat) * 8 * J;
     const int n_chunks = cols / 8, n_tiles = CEIL_DIV(n_chunks, 4);
     // Rows past the end are clamped (their sums are not stored); so are absent tokens' inputs
     // (not loaded: zeros).
-    const uint16_t *wr = w + ((size_t) m * rows + min(r0 + g, rows - 1)) * cols;
+    const uint16_t *wr[J];
+#pragma unroll
+    for (int j = 0; j < J; j++) wr[j] = w + ((size_t) m * rows + min(r0 + 8 * j + g, rows - 1)) * cols;
     const XT *x0 = x + ((size_t) min(g, n_tok - 1) * n_mat + m) * cols;
     const XT *x1 = x + ((size_t) min(g + 8, n_tok - 1) * n_mat + m) * cols;
     const bool has0 = g < n_tok, has1 = g + 8 < n_tok;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int t0 = warp; t0 < n_tiles; t0 += MMA_WARPS * MMA_TILES_IN_FLIGHT) {
-        uint4 wv[MMA_TILES_IN_FLIGHT], xa[MMA_TILES_IN_FLIGHT], xb[MMA_TILES_IN_FLIGHT];
+    float d[J][4];
 #pragma unroll
-        for (int u = 0; u < MMA_TILES_IN_FLIGHT; u++) {
+    for (int j = 0; j < J; j++) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.0f;
+    for (int t0 = warp; t0 < n_tiles; t0 += MMA_WARPS * TIF) {
+        uint4 wv[TIF][J], xa[TIF], xb[TIF];
+#pragma unroll
+        for (int u = 0; u < TIF; u++) {
             const int ch = (t0 + u * MMA_WARPS) * 4 + c;
             const bool ok = ch < n_chunks;
-            wv[u] = ok ? ld_stream_u4(wr + (size_t) ch * 8) : zero;
+#pragma unroll
+            for (int j = 0; j < J; j++) wv[u][j] = ok ? ld_stream_u4(wr[j] + (size_t) ch * 8) : zero;
             xa[u] = ok && has0 ? load_x8(x0, ch) : zero;
             xb[u] = ok && has1 ? load_x8(x1, ch) : zero;
         }
 #pragma unroll
-        for (int u = 0; u < MMA_TILES_IN_FLIGHT; u++) {
-            mma_bf16_16816(d, xa[u].x, xb[u].x, xa[u].y, xb[u].y, wv[u].x, wv[u].y);
-            mma_bf16_16816(d, xa[u].z, xb[u].z, xa[u].w, xb[u].w, wv[u].z, wv[u].w);
-        }
+        for (int u = 0; u < TIF; u++)
+#pragma unroll
+            for (int j = 0; j < J; j++) {
+                mma_bf16_16816(d[j], xa[u].x, xb[u].x, xa[u].y, xb[u].y, wv[u][j].x, wv[u][j].y);
+                mma_bf16_16816(d[j], xa[u].z, xb[u].z, xa[u].w, xb[u].w, wv[u][j].z, wv[u][j].w);
+            }
     }
-    red[warp][lane] = make_float4(d[0], d[1], d[2], d[3]);
+#pragma unroll
+    for (int j = 0; j < J; j++) red[j][warp][lane] = make_float4(d[j][0], d[j][1], d[j][2], d[j][3]);
     __syncthreads();
-    if (warp == 0) {
+    if (warp < J) {  // warp j adds group j's partial sums, in warp order
+        const int j = warp, rj = r0 + 8 * j;
         float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int i = 0; i < MMA_WARPS; i++) {
-            const float4 p = red[i][lane];
+            const float4 p = red[j][i][lane];
             v[0] += p.x;
             v[1] += p.y;
             v[2] += p.z;
             v[3] += p.w;
         }
-        // Accumulator q of lane (g, c): token g + 8 * (q / 2), row r0 + 2c + q % 2.
+        // Accumulator q of lane (g, c): token g + 8 * (q / 2), row rj + 2c + q % 2.
 #pragma unroll
         for (int q = 0; q < 4; q++) {
-            const int tok = g + 8 * (q >> 1), r = r0 + 2 * c + (q & 1);
+            const int tok = g + 8 * (q >> 1), r = rj + 2 * c + (q & 1);
             if (tok < n_tok && r < rows) {
                 const size_t o = ((size_t) tok * n_mat + m) * rows + r;
                 store_out<OutT>(y + o, residual ? v[q] + residual[o] : v[q]);
@@ -592,21 +614,41 @@ static void gemv_any(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
         launch_gemv_r<1, true>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
 }
 
+#ifndef GEMV_TC_GROUPS_MIN_TOK
+#define GEMV_TC_GROUPS_MIN_TOK 5  // a build may set it, to measure another
+#endif
+
+template <int J, typename XT>
+static void launch_gemv_tc(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
+                           const float *residual, int rows, int cols, int n_mat, int n_tok,
+                           cudaStream_t stream)
+{
+    const long n_blocks = (long) n_mat * CEIL_DIV(rows, 8 * J);
+    ASSERT(n_blocks <= 0x7fffffffL);
+    const dim3 grid((unsigned) n_blocks), block(MMA_WARPS * WARP_SIZE);
+    if (y_type == GEMM_OUT_F32)
+        kern_launch(gemm_bf16_gemv_tc_kernel<J, float, XT>, grid, block, 0, stream, (float *) y, w,
+                    x, residual, rows, cols, n_mat, n_tok);
+    else
+        kern_launch(gemm_bf16_gemv_tc_kernel<J, uint16_t, XT>, grid, block, 0, stream,
+                    (uint16_t *) y, w, x, residual, rows, cols, n_mat, n_tok);
+}
+
+// From GEMV_TC_GROUPS_MIN_TOK tokens (where the inputs a lane loads outweigh its weights) a
+// block takes 4 or 2 groups of 8 rows, the most that still give every multiprocessor two blocks.
 template <typename XT>
 static void gemv_tc_any(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
                         const float *residual, int rows, int cols, int n_mat, int n_tok,
                         cudaStream_t stream)
 {
     check_gemv(y_type, w, x, residual, rows, cols, n_mat, n_tok);
-    const long n_blocks = (long) n_mat * CEIL_DIV(rows, 8);
-    ASSERT(n_blocks <= 0x7fffffffL);
-    const dim3 grid((unsigned) n_blocks), block(MMA_WARPS * WARP_SIZE);
-    if (y_type == GEMM_OUT_F32)
-        kern_launch(gemm_bf16_gemv_tc_kernel<float, XT>, grid, block, 0, stream, (float *) y, w, x,
-                    residual, rows, cols, n_mat, n_tok);
+    const long two_waves = 2L * kern_sm_count();
+    if (n_tok >= GEMV_TC_GROUPS_MIN_TOK && (long) n_mat * CEIL_DIV(rows, 32) >= two_waves)
+        launch_gemv_tc<4>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
+    else if (n_tok >= GEMV_TC_GROUPS_MIN_TOK && (long) n_mat * CEIL_DIV(rows, 16) >= two_waves)
+        launch_gemv_tc<2>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
     else
-        kern_launch(gemm_bf16_gemv_tc_kernel<uint16_t, XT>, grid, block, 0, stream, (uint16_t *) y,
-                    w, x, residual, rows, cols, n_mat, n_tok);
+        launch_gemv_tc<1>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
 }
 
 // The grouped kernel's optional norm (gemm_bf16_gemv_group_norm): h = rmsnorm(x) * w.

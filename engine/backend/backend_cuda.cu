@@ -827,18 +827,26 @@ static const KvBPack *kv_b_pack(const CudaImpl *impl, const CkptLinear *kv_b)
 #define GEMV_TC_MIN_TOK 2  // a build may set it, to measure another
 #endif
 
+// Whether a weight of these rows takes the tensor-core GEMV (from GEMV_TC_MIN_TOK tokens, or
+// from one in matmul_rows): its blocks of 8 rows fill the chip twice.
+static bool gemv_tc_rows(const CudaImpl *impl, int rows)
+{
+    return (long) (rows + 7) / 8 >= 2L * impl->n_sm;
+}
+
 // y fp32 [n, n_mat, rows] = w bf16 [n_mat, rows, cols] x [n, n_mat, cols] (acc: y +=) through
 // kernels/gemm.h, GEMM_MAX_TOK tokens a launch: x bf16, or (x_f32) fp32 rounded to bf16 as it
-// is read; tensor cores from 2 tokens when tc.
+// is read; tensor cores for launches of tc_from tokens or more (0: never). The tensor-core
+// GEMV's sums for a token do not depend on the launch's other tokens (kernels/gemm.h).
 static void gemv_chunks(CudaImpl *impl, float *y, const uint16_t *w, const void *x, bool x_f32,
-                        int rows, int cols, int n_mat, int n, bool tc, bool acc)
+                        int rows, int cols, int n_mat, int n, int tc_from, bool acc)
 {
     const size_t x_elem = x_f32 ? sizeof(float) : sizeof(uint16_t);
     for (int t0 = 0; t0 < n; t0 += GEMM_MAX_TOK) {
         const int nt = n - t0 < GEMM_MAX_TOK ? n - t0 : GEMM_MAX_TOK;
         float *yt = y + (size_t) t0 * n_mat * rows;
         const void *xt = (const char *) x + (size_t) t0 * n_mat * cols * x_elem;
-        const bool use_tc = tc && nt >= GEMV_TC_MIN_TOK;
+        const bool use_tc = tc_from > 0 && nt >= tc_from;
         const float *res =
             acc ? yt : NULL;  // y += w x: each output read, then written, by one thread
         if (x_f32 && use_tc)
@@ -891,7 +899,7 @@ static void matmul_tuned(CudaImpl *impl, float *y, const CkptLinear *w, const fl
         gemm_bf16_lt(y, GEMM_OUT_F32, xb, wd, n, rows, cols, &impl->lt, impl->stream);
     else
         gemv_chunks(impl, y, wd, xb ? (const void *) xb : (const void *) x, !xb, rows, cols, 1, n,
-                    (long) (rows + 7) / 8 >= 2L * impl->n_sm, acc);
+                    gemv_tc_rows(impl, rows) ? GEMV_TC_MIN_TOK : 0, acc);
 }
 
 // Whether w runs through matmul_tuned as bound: bf16 (bind_linear stores every weight so),
@@ -928,15 +936,16 @@ static void cuda_matmul(Backend *be, float *y, const CkptLinear *w, const float 
     matmul_any(be, y, w, x, n, false);
 }
 
-// Tuned and aligned: one CUDA-core GEMV launch per GEMM_MAX_TOK rows (the kernel a one-row
-// call runs, each row's sums in the same order); otherwise a one-row call per row.
+// Tuned and aligned: one GEMV launch per GEMM_MAX_TOK rows, whatever n the same kernel (each
+// row's sums in the same order): the tensor-core one where its rows fill the chip twice (the
+// lm_head; so from one row), else the CUDA-core one. Otherwise a one-row matmul per row.
 static void cuda_matmul_rows(Backend *be, float *y, const CkptLinear *w, const float *x, int n)
 {
     CudaImpl *impl = (CudaImpl *) be->impl;
-    if (n > 1 && linear_tuned(be, w) && w->cols % 8 == 0 && (uintptr_t) x % 16 == 0) {
+    if (linear_tuned(be, w) && w->cols % 8 == 0 && (uintptr_t) x % 16 == 0) {
         prof_begin(impl);
-        gemv_chunks(impl, y, (const uint16_t *) w->data, x, true, w->rows, w->cols, 1, n, false,
-                    false);
+        gemv_chunks(impl, y, (const uint16_t *) w->data, x, true, w->rows, w->cols, 1, n,
+                    gemv_tc_rows(impl, w->rows) ? 1 : 0, false);
         prof_end(impl, PROF_MATMUL, lin_bytes(w));
         return;
     }
@@ -955,7 +964,7 @@ static void cuda_matmul_add(Backend *be, float *y, const CkptLinear *w, const fl
 static bool group_member(const Backend *be, const CkptLinear *w, const float *x, int n)
 {
     const CudaImpl *impl = (const CudaImpl *) be->impl;
-    const bool tc = (long) (w->rows + 7) / 8 >= 2L * impl->n_sm;  // matmul_tuned's choice
+    const bool tc = gemv_tc_rows(impl, w->rows);  // matmul_tuned's choice
     return linear_tuned(be, w) && w->cols % 8 == 0 && (uintptr_t) x % 16 == 0
            && w->rows <= GEMM_SK_MAX_ROWS && n <= GEMM_MAX_TOK && (n < 2 || !tc);
 }
@@ -1224,7 +1233,7 @@ static void heads_product(CudaImpl *impl, float *y, const uint16_t *w, const uin
     if (n > GEMM_MAX_TOK)
         gemm_bf16_lt_mats(y, GEMM_OUT_F32, x, w, n, rows, cols, n_mat, &impl->lt, impl->stream);
     else
-        gemv_chunks(impl, y, w, x, false, rows, cols, n_mat, n, true, false);
+        gemv_chunks(impl, y, w, x, false, rows, cols, n_mat, n, GEMV_TC_MIN_TOK, false);
 }
 
 // MLA attention through kernels/mla.h (backend_mla_tuned layers under the BF16 recipe): q

@@ -211,10 +211,11 @@ struct Backend {
     void (*norm_matmul_group)(Backend *be, const BackendProduct *p, int n_p, float *h,
                               const float *x, const float *norm_w, float eps, int n);
 
-    // matmul with every row's numbers exactly those of a one-row matmul of that row (bit for
+    // matmul with every row's numbers exactly those of matmul_rows on that row alone (bit for
     // bit, whatever n): the lm_head over a batch's last rows, so that logits do not depend on
-    // the batch. The CUDA backend reads the weight once for all rows (CUDA-core GEMV, whose
-    // per-row sums are ordered as for one row), where matmul would use tensor cores.
+    // the batch. The CUDA backend reads the weight once for all rows with one GEMV kernel
+    // whatever n (the tensor-core one for the lm_head, from one row: its per-row sums do not
+    // depend on the other rows), where matmul would pick the kernel by the number of tokens.
     void (*matmul_rows)(Backend *be, float *y, const CkptLinear *w, const float *x, int n);
 
     // y[t, r] += sum_c W[r, c] x[t, c]: the numbers of matmul into a temporary and add (each

@@ -987,20 +987,18 @@ Err model_forward_hidden(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, i
     const ModelBatch b = {1, seqs, &n};
     Err err = model_forward_batch(m, kv, &b, tokens, NULL, NULL, NULL, MODEL_LOGITS_NONE);
     if (err || (err = logits_ensure(m, all_logits ? n : 1))) return err;
-    // The head as model_forward_batch runs it: all rows at once, or the last alone.
+    // The head as model_forward_batch runs it: all rows at once, or the last alone (one row as
+    // matmul_rows, the head of a batch's last rows).
     const ModelConfig *c = &m->cfg;
     Backend *be = m->be;
     ModelWork *w = m->work;
     const size_t hidden_n = (size_t) c->hidden_size, V = (size_t) c->vocab_size;
+    const int n_logits = all_logits ? n : 1;
     be->rmsnorm(be, w->h, w->x, m->final_norm, n, c->hidden_size, c->hidden_size, c->rms_norm_eps);
     be->download(be, hidden, w->h, (size_t) n * hidden_n * sizeof(float));
-    if (all_logits) {
-        be->matmul(be, w->logits, &m->lm_head, w->h, n);
-        be->download(be, logits, w->logits, (size_t) n * V * sizeof(float));
-    } else {
-        be->matmul(be, w->logits, &m->lm_head, w->h + (size_t) (n - 1) * hidden_n, 1);
-        be->download(be, logits, w->logits, V * sizeof(float));
-    }
+    (n_logits == 1 ? be->matmul_rows : be->matmul)(
+        be, w->logits, &m->lm_head, w->h + (size_t) (n - n_logits) * hidden_n, n_logits);
+    be->download(be, logits, w->logits, (size_t) n_logits * V * sizeof(float));
     return ERR_OK;
 }
 

@@ -736,6 +736,38 @@ static void test_tuned(void)
             }
             free_linear(&w);
         }
+        // matmul_rows on a weight whose rows take the tensor-core GEMV (2,304 rows: the lm_head's
+        // kernel) at 1, 5, 16 and 40 rows: within the recipe of the CPU, and each row bit for
+        // bit matmul_rows on that row alone (logits that do not depend on the batch).
+        {
+            const int rows = 2304, cols = 520;
+            CkptLinear w = make_linear(CKPT_LINEAR_BF16, rows, cols), wg = w;
+            CHECK(gpu->bind_linear(gpu, &wg) == ERR_OK);
+            const int ns[4] = {1, 5, 16, 40};
+            for (int i = 0; i < 4; i++) {
+                const int n = ns[i];
+                matmul_vs_cpu("matmul_rows tuned bf16 2304 rows", &w, &wg, n, true);
+                float *x = rand_floats((size_t) n * cols, 1.0f);
+                float *dx = dev(x, (size_t) n * cols * sizeof *x);
+                float *dy = gpu->alloc(gpu, (size_t) n * rows * sizeof(float));
+                float *d1 = gpu->alloc(gpu, (size_t) rows * sizeof(float));
+                gpu->matmul_rows(gpu, dy, &wg, dx, n);
+                float *all = down(dy, (size_t) n * rows * sizeof(float));
+                int bad = 0;
+                for (int t = 0; t < n; t++) {
+                    gpu->matmul_rows(gpu, d1, &wg, dx + (size_t) t * cols, 1);
+                    float *one = down(d1, (size_t) rows * sizeof(float));
+                    bad += memcmp(one, all + (size_t) t * rows, (size_t) rows * sizeof(float)) != 0;
+                    free(one);
+                }
+                printf("matmul_rows 2304 rows n=%d: %d of %d rows differ from one-row calls\n", n,
+                       bad, n);
+                CHECK(bad == 0);
+                free(x), free(all);
+                gpu->free_mem(gpu, dx), gpu->free_mem(gpu, dy), gpu->free_mem(gpu, d1);
+            }
+            free_linear(&w);
+        }
         // A bf16 weight whose columns are not in 8s (a sweep model's o_proj, 5 heads x 5): the
         // GPU's zero-padded copy, x padded to match, on the tuned GEMV, the tensor cores and
         // cuBLASLt (1, 5, 40 tokens), and matmul_rows (the head over a batch's rows); then an

@@ -49,6 +49,22 @@ static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int
     char name[96];
     snprintf(name, sizeof name, "gemv%s %dx%d mats=%d tok=%d %s%s", g_tc ? "-tc" : "", rows, cols, n_mat, n_tok,
              out == GEMM_OUT_F32 ? "f32" : "bf16", with_residual ? " +res" : "");
+    if (g_tc) {  // fp32 inputs (here bf16 values, exact in fp32): bit for bit the bf16 input's
+        float *xf = xmalloc(nx * 4);
+        for (size_t i = 0; i < nx; i++) xf[i] = kern_bf16_to_f32(x[i]);
+        float *d_xf = gpu_upload(xf, nx * 4);
+        void *d_y2 = gpu_alloc_poisoned(ny * 4);
+        gemm_bf16_gemv_tc_f32x(d_y2, out, d_w, d_xf, d_res, rows, cols, n_mat, n_tok, 0);
+        const size_t nb = ny * (out == GEMM_OUT_F32 ? 4 : 2);
+        char *a = xmalloc(nb), *b = xmalloc(nb);
+        gpu_download(a, d_y, nb);
+        gpu_download(b, d_y2, nb);
+        const int same = memcmp(a, b, nb) == 0;
+        printf("%-40s fp32 input bit for bit the bf16 one's: %s\n", name, same ? "yes" : "NO");
+        CHECK(same);
+        cudaFree(d_xf), cudaFree(d_y2);
+        free(xf), free(a), free(b);
+    }
     compare_gemv(name, d_y, out == GEMM_OUT_BF16, want, abs_, with_residual ? res : NULL, ny,
                  cols + 8);
     cudaFree(d_w);
@@ -199,6 +215,13 @@ int main(void)
         test_gemv(256, 512, 64, 8, GEMM_OUT_BF16, 0);        // latent -> v (W_UV per head)
         test_gemv(156, 6144, 1, 16, GEMM_OUT_F32, 0);        // router logits
         test_gemv(4096, 6144, 1, 13, GEMM_OUT_F32, 0);       // shared gate/up, 13 tokens
+        // Batch 16 (the tensor-core GEMV's row groups: 4 or 2 groups of 8 rows a block where
+        // the rows give every multiprocessor two blocks; 8,500 rows end in a partial group).
+        test_gemv(64 * 256, 2048, 1, 16, GEMM_OUT_F32, 0);   // q_b
+        test_gemv(6144, 64 * 256, 1, 16, GEMM_OUT_F32, 1);   // o_proj + residual
+        test_gemv(8500, 2056, 1, 16, GEMM_OUT_F32, 1);
+        test_gemv(8500, 2056, 1, 6, GEMM_OUT_BF16, 0);
+        test_gemv(512, 192, 64, 16, GEMM_OUT_F32, 0);        // 64 matrices
     }
 
     // Grouped GEMVs: GLM-5.2's projections of the normalized input (q_a, kv_a, the indexer's
