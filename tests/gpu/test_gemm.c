@@ -62,6 +62,21 @@ static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int
         const int same = memcmp(a, b, nb) == 0;
         printf("%-40s fp32 input bit for bit the bf16 one's: %s\n", name, same ? "yes" : "NO");
         CHECK(same);
+        // The first and the last token alone: bit for bit their rows of the whole launch
+        // (the row groups of 5+ tokens included; matmul_rows relies on it).
+        const size_t xr = (size_t) n_mat * cols, yr = (size_t) n_mat * rows;
+        const size_t ob = out == GEMM_OUT_F32 ? 4 : 2;
+        int alone_same = 1;
+        for (int k = 0; k < 2; k++) {
+            const int t = k ? n_tok - 1 : 0;
+            gemm_bf16_gemv_tc(d_y2, out, d_w, d_x + t * xr, d_res ? d_res + t * yr : NULL, rows,
+                              cols, n_mat, 1, 0);
+            gpu_download(b, d_y2, yr * ob);
+            alone_same &= memcmp(a + t * yr * ob, b, yr * ob) == 0;
+        }
+        printf("%-40s first and last token alone bit for bit: %s\n", name,
+               alone_same ? "yes" : "NO");
+        CHECK(alone_same);
         cudaFree(d_xf), cudaFree(d_y2);
         free(xf), free(a), free(b);
     }
