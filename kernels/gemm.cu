@@ -430,10 +430,9 @@ static __global__ void __launch_bounds__(GEMV_WARPS *WARP_SIZE)
 // tokens). A block is 8 warps on the same 8 rows (or J groups of 8: below); lane (g = lane/4,
 // c = lane%4) loads 16 bytes (8 weights) of row r0+g and the same 8 inputs of tokens g and g+8,
 // so a warp covers 32 columns per tile and takes tiles warp, warp+8, ... (4 tiles' loads in
-// flight). The MMA's
-// k order is a relabelling of the 32 columns (A and B lanes with the same c hold the same
-// columns), so no shuffles are needed. The 8 warps' partial sums meet in shared memory and are
-// added in warp order: reproducible, no atomics.
+// flight). The MMA's k order is a relabelling of the 32 columns (A and B lanes with the same c
+// hold the same columns), so no shuffles are needed. The 8 warps' partial sums meet in shared
+// memory and are added in warp order: reproducible, no atomics.
 
 #ifndef GEMV_TC_TILES_IN_FLIGHT
 #define GEMV_TC_TILES_IN_FLIGHT 4  // a build may set it, to measure another
@@ -444,20 +443,21 @@ enum { MMA_WARPS = 8, MMA_TILES_IN_FLIGHT = GEMV_TC_TILES_IN_FLIGHT };
 // inputs once for the J weight loads and 2J MMAs; the inputs a lane reads (32 or 64 bytes of
 // fp32 for 16 of weights at 16 tokens) are then shared by J groups. Each row's sums are the
 // same in any J: the same tiles in each warp, the warps added in the same order.
-template <int J>
-struct GemvTcShape {
-    static constexpr int tiles = J >= 4 ? 2 : MMA_TILES_IN_FLIGHT;  // the loads in flight: J x tiles
-};
+// A warp's tiles in flight with J groups (J x that many weight loads).
+static constexpr __host__ __device__ int gemv_tc_tiles(int J)
+{
+    return J >= 4 ? 2 : MMA_TILES_IN_FLIGHT;
+}
 
-// The tensor-core GEMV's first step: the block's 8J rows, MMA_TILES_IN_FLIGHT tiles of 32
-// columns for each of its warps.
+// The tensor-core GEMV's first step: the block's 8J rows, gemv_tc_tiles(J) tiles of 32 columns
+// for each of its warps.
 template <int J>
 static __device__ __forceinline__ void gemv_tc_prefetch(const uint16_t *w, int rows, int cols)
 {
     const int blocks_per_mat = CEIL_DIV(rows, 8 * J);
     gemv_rows_prefetch(w, rows, cols, blockIdx.x / blocks_per_mat,
                        (blockIdx.x % blocks_per_mat) * 8 * J, 8 * J,
-                       MMA_WARPS * GemvTcShape<J>::tiles * 32 * 2, threadIdx.x,
+                       MMA_WARPS * gemv_tc_tiles(J) * 32 * 2, threadIdx.x,
                        MMA_WARPS * WARP_SIZE);
 }
 
@@ -468,7 +468,7 @@ static __global__ void __launch_bounds__(MMA_WARPS *WARP_SIZE)
                              int cols, int n_mat, int n_tok)
 {
     KERN_ENTRY_AFTER(gemv_tc_prefetch<J>(w, rows, cols));
-    constexpr int TIF = GemvTcShape<J>::tiles;
+    constexpr int TIF = gemv_tc_tiles(J);
     __shared__ float4 red[J][MMA_WARPS][WARP_SIZE];
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int g = lane / 4, c = lane % 4;

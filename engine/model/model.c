@@ -979,6 +979,11 @@ Err model_forward(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, int n, f
 // ---------------------------------------------------------------------------
 // MTP layer
 
+void model_head(Model *m, float *y, const float *h, int n)
+{
+    (n == 1 ? m->be->matmul_rows : m->be->matmul)(m->be, y, &m->lm_head, h, n);
+}
+
 Err model_forward_hidden(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, int n, float *logits,
                          bool all_logits, float *hidden)
 {
@@ -987,8 +992,7 @@ Err model_forward_hidden(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, i
     const ModelBatch b = {1, seqs, &n};
     Err err = model_forward_batch(m, kv, &b, tokens, NULL, NULL, NULL, MODEL_LOGITS_NONE);
     if (err || (err = logits_ensure(m, all_logits ? n : 1))) return err;
-    // The head as model_forward_batch runs it: all rows at once, or the last alone (one row as
-    // matmul_rows, the head of a batch's last rows).
+    // The head as model_forward_batch runs it: all rows at once, or the last alone.
     const ModelConfig *c = &m->cfg;
     Backend *be = m->be;
     ModelWork *w = m->work;
@@ -996,8 +1000,7 @@ Err model_forward_hidden(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, i
     const int n_logits = all_logits ? n : 1;
     be->rmsnorm(be, w->h, w->x, m->final_norm, n, c->hidden_size, c->hidden_size, c->rms_norm_eps);
     be->download(be, hidden, w->h, (size_t) n * hidden_n * sizeof(float));
-    (n_logits == 1 ? be->matmul_rows : be->matmul)(
-        be, w->logits, &m->lm_head, w->h + (size_t) (n - n_logits) * hidden_n, n_logits);
+    model_head(m, w->logits, w->h + (size_t) (n - n_logits) * hidden_n, n_logits);
     be->download(be, logits, w->logits, (size_t) n_logits * V * sizeof(float));
     return ERR_OK;
 }

@@ -165,6 +165,10 @@ Err model_forward_batch(Model *m, KvCache *kv, const ModelBatch *b, const int *t
 Err model_forward_hidden(Model *m, KvCache *kv, KvSeq *seq, const int *tokens, int n, float *logits,
                          bool all_logits, float *hidden);
 
+// The lm_head over n final-normed rows h (backend memory) into y: one row as matmul_rows (the
+// numbers model_forward gives a batch's last rows), more as matmul (its every-row logits).
+void model_head(Model *m, float *y, const float *h, int n);
+
 // KV cache parameters for the MTP layer alone (one cache layer, its own DSA index keys).
 KvCacheParams model_mtp_kv_params(const Model *m, int n_blocks, int block_size);
 

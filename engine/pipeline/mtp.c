@@ -467,8 +467,7 @@ static Err dev_reserve(Backend *be, void **p, int *cap, int rows, size_t row_byt
 
 // The final norm over x [n, hidden] (host) into ms->hid rows 1 .. n (row 0 is left for a
 // carry), and when n_logits > 0 the head over the last n_logits rows into ms->vlog, both
-// computed as model_forward_hidden() does (every row at once; one row as matmul_rows, the
-// head of model_forward_batch's last rows).
+// computed as model_forward_hidden() does (every row at once; the head by model_head).
 static Err stage_head(MtpStage *ms, const float *x, int n, int n_logits)
 {
     Model *m = ms->m;
@@ -500,8 +499,7 @@ static Err stage_head(MtpStage *ms, const float *x, int n, int n_logits)
     be->rmsnorm(be, hd, xd, m->final_norm, n, c->hidden_size, c->hidden_size, c->rms_norm_eps);
     be->download(be, ms->hid + H, hd, (size_t) n * H * sizeof(float));
     if (n_logits > 0) {
-        (n_logits == 1 ? be->matmul_rows : be->matmul)(
-            be, ms->ld, &m->lm_head, hd + (size_t) (n - n_logits) * H, n_logits);
+        model_head(m, ms->ld, hd + (size_t) (n - n_logits) * H, n_logits);
         be->download(be, ms->vlog, ms->ld, (size_t) n_logits * V * sizeof(float));
     }
     return ERR_OK;

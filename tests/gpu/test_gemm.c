@@ -55,7 +55,7 @@ static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int
         float *d_xf = gpu_upload(xf, nx * 4);
         void *d_y2 = gpu_alloc_poisoned(ny * 4);
         gemm_bf16_gemv_tc_f32x(d_y2, out, d_w, d_xf, d_res, rows, cols, n_mat, n_tok, 0);
-        const size_t nb = ny * (out == GEMM_OUT_F32 ? 4 : 2);
+        const size_t ob = out == GEMM_OUT_F32 ? 4 : 2, nb = ny * ob;
         char *a = xmalloc(nb), *b = xmalloc(nb);
         gpu_download(a, d_y, nb);
         gpu_download(b, d_y2, nb);
@@ -65,7 +65,6 @@ static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int
         // The first and the last token alone: bit for bit their rows of the whole launch
         // (the row groups of 5+ tokens included; matmul_rows relies on it).
         const size_t xr = (size_t) n_mat * cols, yr = (size_t) n_mat * rows;
-        const size_t ob = out == GEMM_OUT_F32 ? 4 : 2;
         int alone_same = 1;
         for (int k = 0; k < 2; k++) {
             const int t = k ? n_tok - 1 : 0;
