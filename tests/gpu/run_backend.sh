@@ -277,7 +277,8 @@ done
 # REAP_DECODE_ENVS="GLMSPARK_CUDA_PDL=0 GLMSPARK_CUDA_FUSE=0" repeats the fp8 decode bench
 # with each of those settings (the A/B of programmatic dependent launch and of the fused
 # launches, which leave the numbers as they are); BIN=NAME in one (e.g.
-# "BIN=glmspark-pdlexit,GLMSPARK_CUDA_PDL=8") runs $CARRY_DIR/bin/NAME, another build, instead.
+# "BIN=glmspark-pdlexit,GLMSPARK_CUDA_PDL=8") runs $CARRY_DIR/bin/NAME, another build, instead;
+# with REAP_MTP the MTP bench (drafts 1-3) is repeated with each setting too.
 # REAP_TTFT="25000" times `glmspark generate --max-tokens 1` on a prompt of that many tokens
 # (its prefill line: the time to the first token, issue 20).
 # REAP_KEEP=1 leaves the checkpoints on disk afterwards, and REAP_REUSE=1 takes a checkpoint
@@ -430,6 +431,11 @@ for cfg in ${REAP:-}; do
         run_setting "$e" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
             --ctx 1024 --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg $e failed"; status=1; }
+        [ -z "${REAP_MTP:-}" ] && continue
+        echo "== bench reap $cfg kv fp8 precision bf16 mtp drafts 1,2,3 $e" | tee -a "$out/reap.log"
+        run_setting "$e" bench --backend cuda --model "$dir" --batch "${REAP_MTP_BATCH:-1,8}" \
+            --ctx 1024 --steps "${STEPS:-16}" --kv-dtype fp8 --mtp-drafts 1,2,3 \
+            >>"$out/reap.log" 2>&1 || { echo "bench reap $cfg mtp $e failed"; status=1; }
     done
     if [ "${REAP_PROFILE:-1}" = 1 ]; then
         echo "== profile reap $cfg kv fp8 batch ${REAP_PROFILE_BATCH:-1}" | tee -a "$out/reap.log"
