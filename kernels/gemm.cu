@@ -614,10 +614,6 @@ static void gemv_any(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
         launch_gemv_r<1, true>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
 }
 
-#ifndef GEMV_TC_GROUPS_MIN_TOK
-#define GEMV_TC_GROUPS_MIN_TOK 5  // a build may set it, to measure another
-#endif
-
 template <int J, typename XT>
 static void launch_gemv_tc(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
                            const float *residual, int rows, int cols, int n_mat, int n_tok,
@@ -634,8 +630,9 @@ static void launch_gemv_tc(void *y, GemmOut y_type, const uint16_t *w, const XT 
                     (uint16_t *) y, w, x, residual, rows, cols, n_mat, n_tok);
 }
 
-// From GEMV_TC_GROUPS_MIN_TOK tokens (where the inputs a lane loads outweigh its weights) a
-// block takes 4 or 2 groups of 8 rows, the most that still give every multiprocessor two blocks.
+// A block takes 4 or 2 groups of 8 rows, the most that still give every multiprocessor two
+// blocks: each tile's inputs loaded once for the groups (measured from one token: docs/perf.md,
+// run 28).
 template <typename XT>
 static void gemv_tc_any(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
                         const float *residual, int rows, int cols, int n_mat, int n_tok,
@@ -643,9 +640,9 @@ static void gemv_tc_any(void *y, GemmOut y_type, const uint16_t *w, const XT *x,
 {
     check_gemv(y_type, w, x, residual, rows, cols, n_mat, n_tok);
     const long two_waves = 2L * kern_sm_count();
-    if (n_tok >= GEMV_TC_GROUPS_MIN_TOK && (long) n_mat * CEIL_DIV(rows, 32) >= two_waves)
+    if ((long) n_mat * CEIL_DIV(rows, 32) >= two_waves)
         launch_gemv_tc<4>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
-    else if (n_tok >= GEMV_TC_GROUPS_MIN_TOK && (long) n_mat * CEIL_DIV(rows, 16) >= two_waves)
+    else if ((long) n_mat * CEIL_DIV(rows, 16) >= two_waves)
         launch_gemv_tc<2>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);
     else
         launch_gemv_tc<1>(y, y_type, w, x, residual, rows, cols, n_mat, n_tok, stream);

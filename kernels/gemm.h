@@ -58,8 +58,8 @@ void gemm_bf16_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *
 // CUDA-core GEMV does one fp32 FMA per weight per token and is instruction-bound at 4+; at 1
 // token it already streams near copy bandwidth on H200). A token's outputs depend only on its
 // own input, bit for bit whatever n_tok and the other tokens (the engine's matmul_rows relies
-// on it). Wants n_mat * rows / 8 well above the SM count (one CTA per 8 rows; from 5 tokens 4 or
-// 2 groups of 8 a CTA where that still leaves two CTAs a multiprocessor).
+// on it). Wants n_mat * rows / 8 well above the SM count (one CTA per 8 rows, or 4 or 2 groups
+// of 8 a CTA where that still leaves two CTAs a multiprocessor).
 void gemm_bf16_gemv_tc(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *x,
                        const float *residual, int rows, int cols, int n_mat, int n_tok,
                        cudaStream_t stream);

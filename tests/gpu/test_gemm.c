@@ -63,7 +63,7 @@ static void test_gemv(int rows, int cols, int n_mat, int n_tok, GemmOut out, int
         printf("%-40s fp32 input bit for bit the bf16 one's: %s\n", name, same ? "yes" : "NO");
         CHECK(same);
         // The first and the last token alone: bit for bit their rows of the whole launch
-        // (the row groups of 5+ tokens included; matmul_rows relies on it).
+        // (the row groups included; matmul_rows relies on it).
         const size_t xr = (size_t) n_mat * cols, yr = (size_t) n_mat * rows;
         int alone_same = 1;
         for (int k = 0; k < 2; k++) {
