@@ -56,7 +56,8 @@ void gemm_bf16_gemv(void *y, GemmOut y_type, const uint16_t *w, const uint16_t *
 // gemm_bf16_gemv; summation order differs (fixed: per warp, then warps in order), so results
 // are reproducible but not bitwise equal to gemm_bf16_gemv's. Meant for 2+ tokens (the
 // CUDA-core GEMV does one fp32 FMA per weight per token and is instruction-bound at 4+; at 1
-// token it already streams near copy bandwidth on H200). A token's outputs depend only on its
+// token it already streams near copy bandwidth on H200), and for one where a row must be its
+// row of a batched call (the engine's lm_head, matmul_rows). A token's outputs depend only on its
 // own input, bit for bit whatever n_tok and the other tokens (the engine's matmul_rows relies
 // on it). Wants n_mat * rows / 8 well above the SM count (one CTA per 8 rows, or 4 or 2 groups
 // of 8 a CTA where that still leaves two CTAs a multiprocessor).

@@ -289,6 +289,17 @@ done
 # BF16 experts) and times MTP steps with 1-3 drafts (`bench --mtp-drafts 1,2,3`, batches
 # ${REAP_MTP_BATCH:-1,8}: issue 19's verify ratios and the speed-up at published acceptance;
 # REAP_MTP_PROFILE=1 profiles them per op kind at batch 1).
+# mtp_bench SETTING: the MTP bench (drafts 1-3 on the checkpoint $dir of REAP size $cfg: verify
+# rows, draft passes) under SETTING (run_setting's; "" the plain build), into reap.log.
+mtp_bench() {
+    mtp_setting=$1
+    echo "== bench reap $cfg kv fp8 precision bf16 mtp drafts 1,2,3${mtp_setting:+ $mtp_setting}" \
+        | tee -a "$out/reap.log"
+    run_setting "$mtp_setting" bench --backend cuda --model "$dir" \
+        --batch "${REAP_MTP_BATCH:-1,8}" --ctx 1024 --steps "${STEPS:-16}" --kv-dtype fp8 \
+        --mtp-drafts 1,2,3 >>"$out/reap.log" 2>&1 \
+        || { echo "bench reap $cfg mtp${mtp_setting:+ $mtp_setting} failed"; status=1; }
+}
 # reap_compare DIR KV: `glmspark logits` of a 40-token prompt on the CUDA backend (the bf16
 # recipe, its only one) and the CPU backend under both recipes, relative L2 per row. Checked:
 # the CUDA backend's largest and mean distance from the CPU's f32 result at most
@@ -362,10 +373,7 @@ for cfg in ${REAP:-}; do
             || { echo "bench reap $cfg $kv failed"; status=1; }
     done
     if [ -n "${REAP_MTP:-}" ]; then  # MTP steps with 1-3 drafts: verify rows, draft passes
-        echo "== bench reap $cfg kv fp8 precision bf16 mtp drafts 1,2,3" | tee -a "$out/reap.log"
-        run "$c/bin/glmspark" bench --backend cuda --model "$dir" --batch "${REAP_MTP_BATCH:-1,8}" \
-            --ctx 1024 --steps "${STEPS:-16}" --kv-dtype fp8 --mtp-drafts 1,2,3 \
-            >>"$out/reap.log" 2>&1 || { echo "bench reap $cfg mtp failed"; status=1; }
+        mtp_bench ""
         if [ "${REAP_MTP_PROFILE:-0}" = 1 ]; then  # per op kind: the verify rows, the MTP passes
             echo "== profile reap $cfg kv fp8 mtp drafts 1,2,3 batch 1" | tee -a "$out/reap.log"
             GLMSPARK_CUDA_PROFILE=1 run "$c/bin/glmspark" bench --backend cuda --model "$dir" \
@@ -431,11 +439,7 @@ for cfg in ${REAP:-}; do
         run_setting "$e" bench --backend cuda --model "$dir" --batch "${REAP_BATCH:-1,8}" \
             --ctx 1024 --steps "${STEPS:-16}" --kv-dtype fp8 >>"$out/reap.log" 2>&1 \
             || { echo "bench reap $cfg $e failed"; status=1; }
-        [ -z "${REAP_MTP:-}" ] && continue
-        echo "== bench reap $cfg kv fp8 precision bf16 mtp drafts 1,2,3 $e" | tee -a "$out/reap.log"
-        run_setting "$e" bench --backend cuda --model "$dir" --batch "${REAP_MTP_BATCH:-1,8}" \
-            --ctx 1024 --steps "${STEPS:-16}" --kv-dtype fp8 --mtp-drafts 1,2,3 \
-            >>"$out/reap.log" 2>&1 || { echo "bench reap $cfg mtp $e failed"; status=1; }
+        [ -z "${REAP_MTP:-}" ] || mtp_bench "$e"
     done
     if [ "${REAP_PROFILE:-1}" = 1 ]; then
         echo "== profile reap $cfg kv fp8 batch ${REAP_PROFILE_BATCH:-1}" | tee -a "$out/reap.log"
